@@ -1,0 +1,1 @@
+//! `lora-audit`: the gate between untrusted PEFT adapter files and the GPU (work in progress).

@@ -1,0 +1,1 @@
+//! `lora-kernels`: the only crate that touches cudarc (work in progress).

@@ -1,0 +1,232 @@
+//! The byte layout of one pool slot and of the expert/router pool.
+//!
+//! There is one layout walk: layers ascending, then [`LoraModule::ALL`]
+//! filtered by [`LoraModule::applies_to_layer`]; for each pair, A
+//! (`max_rank * in` BF16 elements, row-major `[max_rank, in]`) then B
+//! (`out * max_rank`, row-major `[out, max_rank]`). [`SlotLayout`] is that
+//! walk; [`pool_slot_bytes`], [`module_slot_offsets`] and every packer read
+//! it, so they cannot disagree.
+
+use crate::config::ModelConfig;
+use crate::module::{ExpertSite, LoraModule};
+
+/// Bytes of one BF16 element.
+pub const BF16_BYTES: usize = 2;
+
+/// A layout size that cannot be represented.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// A byte count overflowed `usize`.
+    #[error("layout size overflows: {what}")]
+    Overflow {
+        /// Which quantity overflowed.
+        what: &'static str,
+    },
+    /// `max_rank` (or the expert rank) is zero.
+    #[error("{what} must be at least 1")]
+    ZeroRank {
+        /// `max_rank` or `expert_rank`.
+        what: &'static str,
+    },
+    /// An expert-pool site does not exist in the model.
+    #[error("layer {layer} has no expert site {site:?}")]
+    NoSuchExpertSite {
+        /// The layer.
+        layer: usize,
+        /// The site.
+        site: ExpertSite,
+    },
+}
+
+fn overflow(what: &'static str) -> LayoutError {
+    LayoutError::Overflow { what }
+}
+
+/// Bytes of one `[max_rank, in]` A plus one `[out, max_rank]` B, in BF16.
+pub fn pair_bytes(out: usize, inp: usize, rank: usize) -> Result<usize, LayoutError> {
+    let a = rank.checked_mul(inp).ok_or(overflow("A elements"))?;
+    let b = out.checked_mul(rank).ok_or(overflow("B elements"))?;
+    a.checked_add(b)
+        .and_then(|e| e.checked_mul(BF16_BYTES))
+        .ok_or(overflow("pair bytes"))
+}
+
+/// One (layer, module) pair's place in a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotEntry {
+    /// Global layer index.
+    pub layer: usize,
+    /// The module.
+    pub module: LoraModule,
+    /// Output width of the projection.
+    pub out_dim: usize,
+    /// Input width of the projection.
+    pub in_dim: usize,
+    /// Byte offset of A (`[max_rank, in]`) from the slot base.
+    pub a_offset: usize,
+    /// Byte offset of B (`[out, max_rank]`) from the slot base.
+    pub b_offset: usize,
+}
+
+impl SlotEntry {
+    /// The end of B: the byte offset where the next pair starts.
+    pub fn end_offset(&self, max_rank: usize) -> usize {
+        self.b_offset + self.out_dim * max_rank * BF16_BYTES
+    }
+}
+
+/// The layout of one pool slot for a model and a `max_rank`: every
+/// (layer, module) pair in walk order with its offsets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotLayout {
+    max_rank: usize,
+    entries: Vec<SlotEntry>,
+    slot_bytes: usize,
+    /// `index[layer * ALL.len() + module.index()]` = entry index, or `u32::MAX`.
+    index: Vec<u32>,
+}
+
+impl SlotLayout {
+    /// Walk the layout of `cfg` at `max_rank`.
+    pub fn new(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
+        if max_rank == 0 {
+            return Err(LayoutError::ZeroRank { what: "max_rank" });
+        }
+        let n_modules = LoraModule::ALL.len();
+        let index_len = cfg
+            .num_hidden_layers
+            .checked_mul(n_modules)
+            .ok_or(overflow("layout index"))?;
+        let mut index = vec![u32::MAX; index_len];
+        let mut entries = Vec::new();
+        let mut off = 0usize;
+        for layer in 0..cfg.num_hidden_layers {
+            for module in LoraModule::ALL {
+                if !module.applies_to_layer(cfg, layer) {
+                    continue;
+                }
+                let (out_dim, in_dim) = module.dims(cfg);
+                let a_bytes = max_rank
+                    .checked_mul(in_dim)
+                    .and_then(|e| e.checked_mul(BF16_BYTES))
+                    .ok_or(overflow("A bytes"))?;
+                let b_bytes = out_dim
+                    .checked_mul(max_rank)
+                    .and_then(|e| e.checked_mul(BF16_BYTES))
+                    .ok_or(overflow("B bytes"))?;
+                let a_offset = off;
+                let b_offset = off.checked_add(a_bytes).ok_or(overflow("slot bytes"))?;
+                off = b_offset.checked_add(b_bytes).ok_or(overflow("slot bytes"))?;
+                index[layer * n_modules + module.index()] =
+                    u32::try_from(entries.len()).map_err(|_| overflow("layout entries"))?;
+                entries.push(SlotEntry {
+                    layer,
+                    module,
+                    out_dim,
+                    in_dim,
+                    a_offset,
+                    b_offset,
+                });
+            }
+        }
+        Ok(SlotLayout {
+            max_rank,
+            entries,
+            slot_bytes: off,
+            index,
+        })
+    }
+
+    /// The rank every pair is padded to.
+    pub fn max_rank(&self) -> usize {
+        self.max_rank
+    }
+
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Every pair in walk order.
+    pub fn entries(&self) -> &[SlotEntry] {
+        &self.entries
+    }
+
+    /// The entry of (layer, module), or `None` when the module does not apply
+    /// to that layer or the layer is out of range.
+    pub fn entry(&self, layer: usize, module: LoraModule) -> Option<&SlotEntry> {
+        let n_modules = LoraModule::ALL.len();
+        let i = *self.index.get(layer.checked_mul(n_modules)?.checked_add(module.index())?)?;
+        self.entries.get(i as usize)
+    }
+
+    /// Byte offset of slot `slot` in the pool: `slot * slot_bytes`.
+    pub fn slot_base_offset(&self, slot: usize) -> Result<usize, LayoutError> {
+        slot.checked_mul(self.slot_bytes).ok_or(overflow("slot base offset"))
+    }
+}
+
+/// Bytes of one pool slot: over every layer and every module that
+/// `applies_to_layer`, `(max_rank * in + out * max_rank) * 2`.
+pub fn pool_slot_bytes(cfg: &ModelConfig, max_rank: usize) -> Result<usize, LayoutError> {
+    SlotLayout::new(cfg, max_rank).map(|l| l.slot_bytes())
+}
+
+/// Byte offset of slot `slot` in the pool: `slot * pool_slot_bytes`.
+pub fn slot_base_offset(slot: usize, cfg: &ModelConfig, max_rank: usize) -> Result<usize, LayoutError> {
+    SlotLayout::new(cfg, max_rank)?.slot_base_offset(slot)
+}
+
+/// The `(a_offset, b_offset)` of (layer, module) within a slot: the offsets
+/// the packer writes that pair at. `Ok(None)` when `applies_to_layer` is
+/// false for it or the layer is out of range.
+pub fn module_slot_offsets(
+    cfg: &ModelConfig,
+    max_rank: usize,
+    layer: usize,
+    module: LoraModule,
+) -> Result<Option<(usize, usize)>, LayoutError> {
+    Ok(SlotLayout::new(cfg, max_rank)?
+        .entry(layer, module)
+        .map(|e| (e.a_offset, e.b_offset)))
+}
+
+/// The rank stride of the expert/router pool for an expert rank: rounded up
+/// to a multiple of 8, so every B row (`stride` BF16 elements) starts on a
+/// 16-byte boundary for vector loads. Pairs are stored as A `[stride, in]`
+/// then B `[out, stride]`, rows past the adapter's rank zero.
+pub fn expert_packed_stride(expert_rank: usize) -> Result<usize, LayoutError> {
+    if expert_rank == 0 {
+        return Err(LayoutError::ZeroRank { what: "expert_rank" });
+    }
+    expert_rank
+        .checked_add(7)
+        .map(|r| r / 8 * 8)
+        .ok_or(overflow("expert stride"))
+}
+
+/// Padded bytes of the expert/router pool for one adapter's audited expert
+/// and router sites: `(stride * in + out * stride) * 2` per (layer, site),
+/// with `stride = expert_packed_stride(expert_rank)`, the stride the expert
+/// packer advances by, so the size matches what is packed.
+pub fn expert_router_bytes(
+    cfg: &ModelConfig,
+    expert_rank: usize,
+    sites: impl IntoIterator<Item = (usize, ExpertSite)>,
+) -> Result<usize, LayoutError> {
+    let stride = expert_packed_stride(expert_rank)?;
+    sites.into_iter().try_fold(0usize, |acc, (layer, site)| {
+        let valid_layer = match site {
+            ExpertSite::Router | ExpertSite::Expert { .. } => cfg.is_moe_layer(layer),
+        };
+        let (out, inp) = site
+            .dims(cfg)
+            .filter(|_| valid_layer)
+            .ok_or(LayoutError::NoSuchExpertSite { layer, site })?;
+        acc.checked_add(pair_bytes(out, inp, stride)?)
+            .ok_or(overflow("expert pool bytes"))
+    })
+}
+
+#[cfg(test)]
+mod tests;

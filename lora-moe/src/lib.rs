@@ -1,0 +1,1 @@
+//! `lora-moe`: routed-expert and router LoRA (work in progress).

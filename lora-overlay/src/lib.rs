@@ -1,0 +1,1 @@
+//! `lora-overlay`: per-slot token overlays (work in progress).

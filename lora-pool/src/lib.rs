@@ -1,0 +1,1 @@
+//! `lora-pool`: the fixed-address slot pool (work in progress).
