@@ -1,37 +1,53 @@
-//! `cargo xtask`: the workspace's tasks. `ci` runs what CI runs; `demo` shows
-//! the pipeline on the bundled fixtures.
+//! `cargo xtask`: the workspace's tasks.
+//!
+//! - `ci`: what CI runs (format check, the test suite, the demo).
+//! - `demo`: the whole pipeline on the bundled fixtures.
+//! - `fixtures`: regenerate `fixtures/` with real PEFT (needs Python with
+//!   `torch`, `transformers`, `peft`).
+//! - `gpu-bundle` / `gpu-test`: build the GPU test and bench binaries and
+//!   gather them into `.gpu-bundle/`; run them where cargo and a GPU meet.
+//! - `bench`: kernel, swap and peer-landing benchmarks.
+//! - `probe`: an adapter's deltas computed through the serving path.
+//!
+//! xtask sits above every library crate; it may depend on all of them.
 
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
+
+mod fixtures;
+mod gpu;
+mod util;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("ci") => ci(),
-        Some("demo") => demo(&args[1..]),
+    let (task, rest) = match args.split_first() {
+        Some((t, r)) => (t.as_str(), r),
+        None => ("", &[][..]),
+    };
+    let result = match task {
+        "ci" => ci(),
+        "demo" => demo(rest),
+        "fixtures" => fixtures::run(rest),
+        "gpu-bundle" => gpu::bundle(rest),
+        "gpu-test" => gpu::gpu_test(rest),
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo>");
+            eprintln!("usage: cargo xtask <ci|demo|fixtures|gpu-bundle|gpu-test> [args]");
             return ExitCode::from(2);
         }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("xtask: {e}");
+            eprintln!("xtask {task}: {e}");
             ExitCode::FAILURE
         }
     }
 }
 
-fn run(cmd: &mut Command) -> Result<(), String> {
-    eprintln!("$ {cmd:?}");
-    let status = cmd.status().map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
-    if status.success() { Ok(()) } else { Err(format!("{cmd:?} failed: {status}")) }
-}
-
 fn ci() -> Result<(), String> {
-    run(Command::new("cargo").args(["fmt", "--all", "--", "--check"]))?;
-    run(Command::new("cargo").args(["nextest", "run", "--workspace", "--no-fail-fast"]))?;
-    run(Command::new("cargo").args(["test", "--workspace", "--doc"]))
+    use std::process::Command;
+    util::run(Command::new("cargo").args(["fmt", "--all", "--", "--check"]))?;
+    util::run(Command::new("cargo").args(["nextest", "run", "--workspace", "--no-fail-fast"]))?;
+    util::run(Command::new("cargo").args(["test", "--workspace", "--doc"]))
 }
 
 fn demo(_args: &[String]) -> Result<(), String> {
