@@ -403,7 +403,13 @@ fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, Conf
             (inter, Some(moe))
         }
         ModelFamily::Qwen2Moe | ModelFamily::Qwen3Moe | ModelFamily::Qwen3Next => {
-            let num_experts = experts_field(f, "num_experts")?;
+            // transformers 5.x saves `num_local_experts` for qwen3_moe; 4.x
+            // and the other Qwen families save `num_experts`.
+            let num_experts = match f.raw("num_experts") {
+                Some(_) => experts_field(f, "num_experts")?,
+                None if f.raw("num_local_experts").is_some() => experts_field(f, "num_local_experts")?,
+                None => experts_field(f, "num_experts")?,
+            };
             let step = f.opt_uint("decoder_sparse_step", MAX_LAYERS)?.unwrap_or(1);
             let mlp_only = f.opt_uint_list("mlp_only_layers")?.unwrap_or_default();
             // Transformers: a layer is sparse when it is not in
@@ -565,9 +571,9 @@ fn check_widths(f: &Fields<'_>, cfg: &ModelConfig) -> Result<(), ConfigError> {
         ),
         (
             "linear_num_value_heads",
-            cfg.linear_attn
-                .as_ref()
-                .map_or(Some(0), |l| (l.num_value_heads as u64).checked_mul(l.value_head_dim as u64)),
+            cfg.linear_attn.as_ref().map_or(Some(0), |l| {
+                (l.num_value_heads as u64).checked_mul(l.value_head_dim as u64)
+            }),
         ),
     ];
     for (field, p) in products {
@@ -577,11 +583,12 @@ fn check_widths(f: &Fields<'_>, cfg: &ModelConfig) -> Result<(), ConfigError> {
         }
     }
     if let Some(mla) = &cfg.mla {
-        let w = (cfg.num_attention_heads as u64)
-            .checked_mul((mla.qk_head_dim() + mla.v_head_dim) as u64)
-            .unwrap_or(u64::MAX);
+        let w = (cfg.num_attention_heads as u64).saturating_mul((mla.qk_head_dim() + mla.v_head_dim) as u64);
         if w > MAX_DIM {
-            return Err(f.invalid("num_attention_heads", "MLA projection width exceeds the supported limit"));
+            return Err(f.invalid(
+                "num_attention_heads",
+                "MLA projection width exceeds the supported limit",
+            ));
         }
     }
     Ok(())

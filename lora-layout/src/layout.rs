@@ -156,7 +156,9 @@ impl SlotLayout {
     /// to that layer or the layer is out of range.
     pub fn entry(&self, layer: usize, module: LoraModule) -> Option<&SlotEntry> {
         let n_modules = LoraModule::ALL.len();
-        let i = *self.index.get(layer.checked_mul(n_modules)?.checked_add(module.index())?)?;
+        let i = *self
+            .index
+            .get(layer.checked_mul(n_modules)?.checked_add(module.index())?)?;
         self.entries.get(i as usize)
     }
 

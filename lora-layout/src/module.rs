@@ -183,9 +183,7 @@ impl LoraModule {
             LoraModule::SharedGateProj | LoraModule::SharedUpProj | LoraModule::SharedDownProj => {
                 moe_layer && has_shared
             }
-            LoraModule::SharedExpertGate => {
-                moe_layer && cfg.moe.as_ref().is_some_and(|m| m.shared_expert_gate)
-            }
+            LoraModule::SharedExpertGate => moe_layer && cfg.moe.as_ref().is_some_and(|m| m.shared_expert_gate),
         }
     }
 }

@@ -188,7 +188,7 @@ pub fn expert_delta_workitems(expert_offsets: &[usize], adapted: &[usize]) -> Ve
         .filter_map(|&expert| {
             let start = *expert_offsets.get(expert)?;
             let end = *expert_offsets.get(expert.checked_add(1)?)?;
-            (end > start).then_some(ExpertWork {
+            (end > start).then(|| ExpertWork {
                 expert,
                 row_start: start,
                 rows: end - start,

@@ -131,6 +131,11 @@ pub fn adapter_id_hash(name: &str, generation: u64) -> u64 {
     if generation != 0 {
         generation.to_le_bytes().into_iter().for_each(&mut eat);
     }
+    reserve_base_model_id(h)
+}
+
+/// `0` names the base model; an adapter whose hash is 0 takes 1 instead.
+fn reserve_base_model_id(h: u64) -> u64 {
     if h == 0 { 1 } else { h }
 }
 
