@@ -14,6 +14,14 @@ pub fn run(cmd: &mut Command) -> Result<(), String> {
     }
 }
 
+/// Whether a command runs and exits 0 (its output discarded).
+pub fn succeeds(cmd: &mut Command) -> bool {
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// The workspace root (the folder above `xtask/`).
 pub fn workspace_root() -> PathBuf {
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
