@@ -28,6 +28,14 @@ pub enum LayoutError {
         /// `max_rank` or `expert_rank`.
         what: &'static str,
     },
+    /// An expert-pool site is listed twice.
+    #[error("layer {layer} lists expert site {site:?} twice")]
+    DuplicateExpertSite {
+        /// The layer.
+        layer: usize,
+        /// The site.
+        site: ExpertSite,
+    },
     /// An expert-pool site does not exist in the model.
     #[error("layer {layer} has no expert site {site:?}")]
     NoSuchExpertSite {
@@ -207,27 +215,116 @@ pub fn expert_packed_stride(expert_rank: usize) -> Result<usize, LayoutError> {
         .ok_or(overflow("expert stride"))
 }
 
+/// One expert-pool pair's place in an expert slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertEntry {
+    /// Global layer index.
+    pub layer: usize,
+    /// The expert projection or the router.
+    pub site: ExpertSite,
+    /// Output width.
+    pub out_dim: usize,
+    /// Input width.
+    pub in_dim: usize,
+    /// Byte offset of A (`[stride, in]`) from the expert slot base.
+    pub a_offset: usize,
+    /// Byte offset of B (`[out, stride]`) from the expert slot base.
+    pub b_offset: usize,
+}
+
+/// The layout of one adapter's pairs in an expert-pool slot: only the sites
+/// the adapter adapts, sorted by (layer, site), each A `[stride, in]` then B
+/// `[out, stride]` at `stride = expert_packed_stride(expert_rank)`. The expert
+/// packer, the peer landing and [`expert_router_bytes`] all read this walk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertLayout {
+    stride: usize,
+    entries: Vec<ExpertEntry>,
+    bytes: usize,
+}
+
+impl ExpertLayout {
+    /// Lay out `sites` (any order; duplicates are an error) at `expert_rank`.
+    pub fn new(
+        cfg: &ModelConfig,
+        expert_rank: usize,
+        sites: impl IntoIterator<Item = (usize, ExpertSite)>,
+    ) -> Result<ExpertLayout, LayoutError> {
+        let stride = expert_packed_stride(expert_rank)?;
+        let mut sites: Vec<(usize, ExpertSite)> = sites.into_iter().collect();
+        sites.sort_unstable();
+        if let Some(w) = sites.windows(2).find(|w| w[0] == w[1]) {
+            return Err(LayoutError::DuplicateExpertSite {
+                layer: w[0].0,
+                site: w[0].1,
+            });
+        }
+        let mut entries = Vec::with_capacity(sites.len());
+        let mut off = 0usize;
+        for (layer, site) in sites {
+            let (out_dim, in_dim) = site
+                .dims(cfg)
+                .filter(|_| cfg.is_moe_layer(layer))
+                .ok_or(LayoutError::NoSuchExpertSite { layer, site })?;
+            let a_bytes = stride
+                .checked_mul(in_dim)
+                .and_then(|e| e.checked_mul(BF16_BYTES))
+                .ok_or(overflow("expert A bytes"))?;
+            let a_offset = off;
+            let b_offset = off.checked_add(a_bytes).ok_or(overflow("expert slot bytes"))?;
+            off = off
+                .checked_add(pair_bytes(out_dim, in_dim, stride)?)
+                .ok_or(overflow("expert slot bytes"))?;
+            entries.push(ExpertEntry {
+                layer,
+                site,
+                out_dim,
+                in_dim,
+                a_offset,
+                b_offset,
+            });
+        }
+        Ok(ExpertLayout {
+            stride,
+            entries,
+            bytes: off,
+        })
+    }
+
+    /// The rank stride of every pair.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// Bytes the adapter's pairs take in an expert slot.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Every pair, sorted by (layer, site).
+    pub fn entries(&self) -> &[ExpertEntry] {
+        &self.entries
+    }
+
+    /// The entry of (layer, site), if the adapter adapts it.
+    pub fn entry(&self, layer: usize, site: ExpertSite) -> Option<&ExpertEntry> {
+        self.entries
+            .binary_search_by(|e| (e.layer, e.site).cmp(&(layer, site)))
+            .ok()
+            .and_then(|i| self.entries.get(i))
+    }
+}
+
 /// Padded bytes of the expert/router pool for one adapter's audited expert
 /// and router sites: `(stride * in + out * stride) * 2` per (layer, site),
-/// with `stride = expert_packed_stride(expert_rank)`, the stride the expert
-/// packer advances by, so the size matches what is packed.
+/// with `stride = expert_packed_stride(expert_rank)`: the size of their
+/// [`ExpertLayout`], so it matches what is packed.
 pub fn expert_router_bytes(
     cfg: &ModelConfig,
     expert_rank: usize,
     sites: impl IntoIterator<Item = (usize, ExpertSite)>,
 ) -> Result<usize, LayoutError> {
-    let stride = expert_packed_stride(expert_rank)?;
-    sites.into_iter().try_fold(0usize, |acc, (layer, site)| {
-        let valid_layer = match site {
-            ExpertSite::Router | ExpertSite::Expert { .. } => cfg.is_moe_layer(layer),
-        };
-        let (out, inp) = site
-            .dims(cfg)
-            .filter(|_| valid_layer)
-            .ok_or(LayoutError::NoSuchExpertSite { layer, site })?;
-        acc.checked_add(pair_bytes(out, inp, stride)?)
-            .ok_or(overflow("expert pool bytes"))
-    })
+    ExpertLayout::new(cfg, expert_rank, sites).map(|l| l.bytes())
 }
 
 #[cfg(test)]

@@ -208,3 +208,36 @@ fn expert_router_bytes_counts_each_site_at_the_stride() {
     };
     assert!(expert_router_bytes(&cfg, 12, [(0, bad)]).is_err());
 }
+
+#[test]
+fn expert_layout_sorts_sites_and_tiles_its_bytes() {
+    let cfg = ModelConfig::from_hf_value(&serde_json::json!({
+        "model_type": "mixtral", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 48, "vocab_size": 64,
+        "num_local_experts": 4, "num_experts_per_tok": 2
+    }))
+    .unwrap();
+    let up = |expert| ExpertSite::Expert {
+        expert,
+        proj: ExpertProj::Up,
+    };
+    let layout = ExpertLayout::new(&cfg, 4, [(1, up(0)), (0, ExpertSite::Router), (0, up(2))]).unwrap();
+    let order: Vec<_> = layout.entries().iter().map(|e| (e.layer, e.site)).collect();
+    assert_eq!(order, [(0, up(2)), (0, ExpertSite::Router), (1, up(0))]);
+    let mut cursor = 0;
+    for e in layout.entries() {
+        assert_eq!(e.a_offset, cursor);
+        assert_eq!(e.b_offset, cursor + layout.stride() * e.in_dim * BF16_BYTES);
+        cursor = e.b_offset + e.out_dim * layout.stride() * BF16_BYTES;
+    }
+    assert_eq!(cursor, layout.bytes());
+    assert_eq!(
+        layout.entry(1, up(0)).map(|e| e.a_offset),
+        Some(layout.entries()[2].a_offset)
+    );
+    assert_eq!(layout.entry(1, up(1)), None);
+    assert_eq!(
+        ExpertLayout::new(&cfg, 4, [(0, up(1)), (0, up(1))]),
+        Err(LayoutError::DuplicateExpertSite { layer: 0, site: up(1) })
+    );
+}
