@@ -163,11 +163,16 @@ impl SlotLayout {
     /// The entry of (layer, module), or `None` when the module does not apply
     /// to that layer or the layer is out of range.
     pub fn entry(&self, layer: usize, module: LoraModule) -> Option<&SlotEntry> {
+        self.entries.get(self.position(layer, module)?)
+    }
+
+    /// The index in [`SlotLayout::entries`] of (layer, module).
+    pub fn position(&self, layer: usize, module: LoraModule) -> Option<usize> {
         let n_modules = LoraModule::ALL.len();
         let i = *self
             .index
             .get(layer.checked_mul(n_modules)?.checked_add(module.index())?)?;
-        self.entries.get(i as usize)
+        (i != u32::MAX).then_some(i as usize)
     }
 
     /// Byte offset of slot `slot` in the pool: `slot * slot_bytes`.

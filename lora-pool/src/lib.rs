@@ -1,1 +1,3 @@
 //! `lora-pool`: the fixed-address slot pool (work in progress).
+
+pub mod image;

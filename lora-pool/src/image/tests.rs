@@ -1,0 +1,221 @@
+use super::*;
+use lora_layout::ModelConfig;
+use proptest::prelude::*;
+
+fn cfg() -> ModelConfig {
+    ModelConfig::from_hf_config(
+        r#"{"model_type": "llama", "hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "intermediate_size": 40, "vocab_size": 16}"#,
+    )
+    .unwrap()
+}
+
+/// Distinct non-zero values, so a misplaced element shows.
+fn ramp(len: usize, seed: usize) -> Vec<bf16> {
+    (0..len)
+        .map(|i| bf16::from_f32(((i * 7 + seed * 131) % 997 + 1) as f32))
+        .collect()
+}
+
+struct Owned {
+    meta: PairMeta,
+    a: Vec<bf16>,
+    b: Vec<bf16>,
+}
+
+fn owned(cfg: &ModelConfig, layer: usize, module: LoraModule, rank: usize, seed: usize) -> Owned {
+    let (out, inp) = module.dims(cfg);
+    Owned {
+        meta: PairMeta {
+            layer,
+            module,
+            rank,
+            scale: 0.5,
+        },
+        a: ramp(rank * inp, seed),
+        b: ramp(out * rank, seed + 1),
+    }
+}
+
+fn sources(pairs: &[Owned]) -> Vec<PairSource<'_>> {
+    pairs
+        .iter()
+        .map(|p| PairSource {
+            meta: p.meta,
+            a: &p.a,
+            b: &p.b,
+        })
+        .collect()
+}
+
+fn elem(image: &SlotImage, byte_offset: usize, index: usize) -> bf16 {
+    image.as_elems()[byte_offset / 2 + index]
+}
+
+#[test]
+fn packed_pairs_sit_at_their_layout_offsets_with_zero_padding() {
+    let cfg = cfg();
+    let layout = SlotLayout::new(&cfg, 8).unwrap();
+    let pairs = [
+        owned(&cfg, 0, LoraModule::KProj, 3, 1),
+        owned(&cfg, 1, LoraModule::DownProj, 8, 2),
+    ];
+    let image = SlotImage::pack(&layout, &sources(&pairs)).unwrap();
+    assert_eq!(image.as_bytes().len(), layout.slot_bytes());
+    for p in &pairs {
+        let e = layout.entry(p.meta.layer, p.meta.module).unwrap();
+        let r = p.meta.rank;
+        for i in 0..8 {
+            for j in 0..e.in_dim {
+                let want = if i < r { p.a[i * e.in_dim + j] } else { bf16::ZERO };
+                assert_eq!(elem(&image, e.a_offset, i * e.in_dim + j), want);
+            }
+        }
+        for o in 0..e.out_dim {
+            for k in 0..8 {
+                let want = if k < r { p.b[o * r + k] } else { bf16::ZERO };
+                assert_eq!(elem(&image, e.b_offset, o * 8 + k), want);
+            }
+        }
+    }
+    // Every byte outside the two pairs is zero.
+    let nonzero: usize = image.as_elems().iter().filter(|v| **v != bf16::ZERO).count();
+    let adapted: usize = pairs.iter().map(|p| p.a.len() + p.b.len()).sum();
+    assert_eq!(nonzero, adapted);
+    assert_eq!(image.pairs().len(), 2);
+}
+
+#[test]
+fn bad_pairs_are_refused_before_anything_is_written() {
+    let cfg = cfg();
+    let layout = SlotLayout::new(&cfg, 4).unwrap();
+    let over = owned(&cfg, 0, LoraModule::QProj, 5, 0);
+    assert!(matches!(
+        SlotImage::pack(&layout, &sources(&[over])),
+        Err(ImageError::Rank {
+            rank: 5,
+            max_rank: 4,
+            ..
+        })
+    ));
+    let mut short = owned(&cfg, 0, LoraModule::QProj, 2, 0);
+    short.b.pop();
+    assert!(matches!(
+        SlotImage::pack(&layout, &sources(&[short])),
+        Err(ImageError::Shape { part: PairPart::B, .. })
+    ));
+    let missing = owned(&cfg, 2, LoraModule::QProj, 2, 0);
+    assert!(matches!(
+        SlotImage::pack(&layout, &sources(&[missing])),
+        Err(ImageError::NoSuchModule { layer: 2, .. })
+    ));
+    let mla = Owned {
+        meta: PairMeta {
+            layer: 0,
+            module: LoraModule::KvBProj,
+            rank: 1,
+            scale: 1.0,
+        },
+        a: vec![],
+        b: vec![],
+    };
+    assert!(matches!(
+        SlotImage::pack(&layout, &sources(&[mla])),
+        Err(ImageError::NoSuchModule { .. })
+    ));
+    let twice = [
+        owned(&cfg, 1, LoraModule::UpProj, 2, 0),
+        owned(&cfg, 1, LoraModule::UpProj, 2, 1),
+    ];
+    assert!(matches!(
+        SlotImage::pack(&layout, &sources(&twice)),
+        Err(ImageError::Duplicate { .. })
+    ));
+}
+
+/// Land `pairs` the way a peer does: A as `[rank, in]`, B as the padded
+/// `[out, max_rank]`.
+fn land(layout: &SlotLayout, pairs: &[Owned]) -> SlotImage {
+    let max_rank = layout.max_rank();
+    let mut image = SlotImage::zeroed(layout);
+    for p in pairs {
+        image.declare(layout, p.meta).unwrap();
+        let a = image
+            .region_mut(layout, p.meta.layer, p.meta.module, PairPart::A)
+            .unwrap();
+        a.copy_from_slice(bytemuck::cast_slice(&p.a));
+        let r = p.meta.rank;
+        let mut b_padded = vec![bf16::ZERO; p.b.len() / r * max_rank];
+        for (dst, src) in b_padded.chunks_exact_mut(max_rank).zip(p.b.chunks_exact(r)) {
+            dst[..r].copy_from_slice(src);
+        }
+        let b = image
+            .region_mut(layout, p.meta.layer, p.meta.module, PairPart::B)
+            .unwrap();
+        b.copy_from_slice(bytemuck::cast_slice(&b_padded));
+    }
+    image
+}
+
+#[test]
+fn landing_requires_a_declaration() {
+    let cfg = cfg();
+    let layout = SlotLayout::new(&cfg, 4).unwrap();
+    let mut image = SlotImage::zeroed(&layout);
+    assert!(matches!(
+        image.region_mut(&layout, 0, LoraModule::QProj, PairPart::A),
+        Err(ImageError::Undeclared { .. })
+    ));
+    let meta = PairMeta {
+        layer: 0,
+        module: LoraModule::QProj,
+        rank: 2,
+        scale: 1.0,
+    };
+    image.declare(&layout, meta).unwrap();
+    assert!(matches!(
+        image.declare(&layout, meta),
+        Err(ImageError::Duplicate { .. })
+    ));
+    assert_eq!(
+        image
+            .region_mut(&layout, 0, LoraModule::QProj, PairPart::A)
+            .unwrap()
+            .len(),
+        2 * 24 * 2
+    );
+}
+
+const LLAMA_MODULES: [LoraModule; 7] = [
+    LoraModule::QProj,
+    LoraModule::KProj,
+    LoraModule::VProj,
+    LoraModule::OProj,
+    LoraModule::GateProj,
+    LoraModule::UpProj,
+    LoraModule::DownProj,
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn landing_and_packing_give_the_same_bytes(
+        max_rank in 1usize..9,
+        picks in prop::collection::vec((0usize..2, 0usize..7, 1usize..9), 0..10),
+    ) {
+        let cfg = cfg();
+        let layout = SlotLayout::new(&cfg, max_rank).unwrap();
+        let mut pairs: Vec<Owned> = Vec::new();
+        for (i, (layer, m, rank)) in picks.into_iter().enumerate() {
+            let module = LLAMA_MODULES[m];
+            if pairs.iter().any(|p| (p.meta.layer, p.meta.module) == (layer, module)) {
+                continue;
+            }
+            pairs.push(owned(&cfg, layer, module, rank.min(max_rank), i));
+        }
+        let packed = SlotImage::pack(&layout, &sources(&pairs)).unwrap();
+        let landed = land(&layout, &pairs);
+        prop_assert!(packed.as_bytes() == landed.as_bytes());
+        prop_assert_eq!(packed.pairs(), landed.pairs());
+    }
+}
