@@ -313,10 +313,14 @@ impl ExpertLayout {
 
     /// The entry of (layer, site), if the adapter adapts it.
     pub fn entry(&self, layer: usize, site: ExpertSite) -> Option<&ExpertEntry> {
+        self.entries.get(self.position(layer, site)?)
+    }
+
+    /// The index in [`ExpertLayout::entries`] of (layer, site).
+    pub fn position(&self, layer: usize, site: ExpertSite) -> Option<usize> {
         self.entries
             .binary_search_by(|e| (e.layer, e.site).cmp(&(layer, site)))
             .ok()
-            .and_then(|i| self.entries.get(i))
     }
 }
 

@@ -28,6 +28,7 @@ mod config;
 mod layout;
 mod module;
 mod moe_route;
+mod pair;
 mod routing;
 
 pub use config::{ConfigError, LayerKind, LinearAttnDims, MlaDims, ModelConfig, ModelFamily, MoeDims};
@@ -41,6 +42,7 @@ pub use moe_route::{
     build_moe_row_adapter_host, ensure_batch_servable, ensure_decode_route_servable, expert_delta_workitems,
     resolve_moe_lora_route,
 };
+pub use pair::{PairKey, PairLayout, PairPlace};
 pub use routing::{
     LoraSites, SlotView, TooManyAdapters, VictimError, adapter_id_hash, build_seq_slot_host, routed_prefill_slot_of,
     scale_table_values, select_victim_slot, uniform_seq_slots,

@@ -7,26 +7,24 @@
 //! no separate zeroing pass.
 
 use half::bf16;
-use lora_layout::{LoraModule, SlotEntry, SlotLayout};
+use lora_layout::{PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
 
 /// Which half of a pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PairPart {
-    /// A, stored `[max_rank, in]`.
+    /// A, stored `[stride, in]`.
     A,
-    /// B, stored `[out, max_rank]`.
+    /// B, stored `[out, stride]`.
     B,
 }
 
-/// What the pool serves for one (layer, module) of a slot.
+/// What the pool serves for one pair of a slot.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PairMeta {
-    /// Global layer.
-    pub layer: usize,
-    /// The module.
-    pub module: LoraModule,
-    /// The pair's true rank (`<= max_rank`).
+    /// Which pair.
+    pub key: PairKey,
+    /// The pair's true rank (`<=` the layout's stride).
     pub rank: usize,
     /// Its scaling (`alpha / r` or `alpha / sqrt(r)`).
     pub scale: f32,
@@ -35,7 +33,7 @@ pub struct PairMeta {
 /// One pair to pack, borrowed from wherever the adapter's tensors live.
 #[derive(Debug, Clone, Copy)]
 pub struct PairSource<'a> {
-    /// Layer, module, rank and scale.
+    /// Key, rank and scale.
     pub meta: PairMeta,
     /// A `[rank, in]`, row-major.
     pub a: &'a [bf16],
@@ -43,36 +41,31 @@ pub struct PairSource<'a> {
     pub b: &'a [bf16],
 }
 
-/// A pair that does not fit the slot layout.
+/// A pair that does not fit the layout.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ImageError {
-    /// The model has no such (layer, module).
-    #[error("layer {layer} has no {module} in this model")]
-    NoSuchModule {
-        /// The layer.
-        layer: usize,
-        /// The module.
-        module: LoraModule,
+    /// The layout has no such pair (wrong model, wrong pool, or an expert
+    /// site the adapter's expert layout does not list).
+    #[error("{key}: no such pair in this layout")]
+    NoSuchPair {
+        /// The pair.
+        key: PairKey,
     },
-    /// The pair's rank is 0 or above the pool's `max_rank`.
-    #[error("layer {layer} {module}: rank {rank} does not fit max_rank {max_rank}")]
+    /// The pair's rank is 0 or above the layout's stride.
+    #[error("{key}: rank {rank} does not fit the padded rank {stride}")]
     Rank {
-        /// The layer.
-        layer: usize,
-        /// The module.
-        module: LoraModule,
+        /// The pair.
+        key: PairKey,
         /// The pair's rank.
         rank: usize,
-        /// The pool's rank.
-        max_rank: usize,
+        /// The layout's rank stride.
+        stride: usize,
     },
     /// A or B has the wrong element count.
-    #[error("layer {layer} {module} {part:?}: {got} elements, expected {expected}")]
+    #[error("{key} {part:?}: {got} elements, expected {expected}")]
     Shape {
-        /// The layer.
-        layer: usize,
-        /// The module.
-        module: LoraModule,
+        /// The pair.
+        key: PairKey,
         /// A or B.
         part: PairPart,
         /// Elements given.
@@ -80,184 +73,164 @@ pub enum ImageError {
         /// Elements the shape needs.
         expected: usize,
     },
-    /// The same (layer, module) is given twice.
-    #[error("layer {layer} {module} is given twice")]
+    /// The same pair is given twice.
+    #[error("{key} is given twice")]
     Duplicate {
-        /// The layer.
-        layer: usize,
-        /// The module.
-        module: LoraModule,
+        /// The pair.
+        key: PairKey,
     },
     /// A landed pair was not declared first.
-    #[error("layer {layer} {module} was not declared before landing")]
+    #[error("{key} was not declared before landing")]
     Undeclared {
-        /// The layer.
-        layer: usize,
-        /// The module.
-        module: LoraModule,
+        /// The pair.
+        key: PairKey,
     },
 }
 
-/// The host image of one slot.
+/// The host image of one slot (or of one adapter's part of an expert slot).
 #[derive(Debug, Clone)]
 pub struct SlotImage {
     data: Vec<bf16>,
     pairs: Vec<PairMeta>,
 }
 
-fn entry_of(layout: &SlotLayout, layer: usize, module: LoraModule) -> Result<&SlotEntry, ImageError> {
+fn place_of(layout: &impl PairLayout, key: PairKey) -> Result<(usize, PairPlace), ImageError> {
     layout
-        .entry(layer, module)
-        .ok_or(ImageError::NoSuchModule { layer, module })
+        .position(key)
+        .and_then(|i| Some((i, layout.place(i)?)))
+        .ok_or(ImageError::NoSuchPair { key })
 }
 
-fn position_of(layout: &SlotLayout, layer: usize, module: LoraModule) -> Result<usize, ImageError> {
-    layout
-        .position(layer, module)
-        .ok_or(ImageError::NoSuchModule { layer, module })
-}
-
-fn check_rank(meta: &PairMeta, max_rank: usize) -> Result<(), ImageError> {
-    if meta.rank == 0 || meta.rank > max_rank {
+fn check_rank(meta: &PairMeta, stride: usize) -> Result<(), ImageError> {
+    if meta.rank == 0 || meta.rank > stride {
         return Err(ImageError::Rank {
-            layer: meta.layer,
-            module: meta.module,
+            key: meta.key,
             rank: meta.rank,
-            max_rank,
+            stride,
         });
     }
     Ok(())
 }
 
-/// Write one entry's region (A then B) from `src`, or zeros when `None`.
-fn fill_entry(region: &mut [bf16], entry: &SlotEntry, max_rank: usize, src: Option<&PairSource<'_>>) {
-    let (a_region, b_region) = region.split_at_mut(max_rank * entry.in_dim);
+/// Write one place's region (A then B) from `src`, or zeros when `None`.
+fn fill_place(region: &mut [bf16], place: &PairPlace, stride: usize, src: Option<&PairSource<'_>>) {
+    let (a_region, b_region) = region.split_at_mut(stride * place.in_dim);
     let Some(src) = src else {
         a_region.fill(bf16::ZERO);
         b_region.fill(bf16::ZERO);
         return;
     };
     let r = src.meta.rank;
-    let (a_used, a_pad) = a_region.split_at_mut(r * entry.in_dim);
+    let (a_used, a_pad) = a_region.split_at_mut(r * place.in_dim);
     a_used.copy_from_slice(src.a);
     a_pad.fill(bf16::ZERO);
-    for (dst_row, src_row) in b_region.chunks_exact_mut(max_rank).zip(src.b.chunks_exact(r)) {
+    for (dst_row, src_row) in b_region.chunks_exact_mut(stride).zip(src.b.chunks_exact(r)) {
         dst_row[..r].copy_from_slice(src_row);
         dst_row[r..].fill(bf16::ZERO);
     }
 }
 
-/// Split `data` into one mutable region per layout entry, in walk order.
-fn entry_regions<'d>(data: &'d mut [bf16], layout: &SlotLayout) -> Vec<&'d mut [bf16]> {
-    let max_rank = layout.max_rank();
+/// Every place of `layout` in walk order with its mutable region of `data`.
+/// The layouts tile their bytes exactly (a lora-layout invariant), so the
+/// regions are consecutive.
+fn place_regions<'d>(data: &'d mut [bf16], layout: &impl PairLayout) -> Vec<(PairPlace, &'d mut [bf16])> {
+    let stride = layout.stride();
     let mut rest = data;
-    let mut regions = Vec::with_capacity(layout.entries().len());
-    for e in layout.entries() {
-        let len = max_rank * (e.in_dim + e.out_dim);
-        let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
-        regions.push(head);
-        rest = tail;
-    }
-    regions
+    (0..layout.len())
+        .filter_map(|i| layout.place(i))
+        .map(|place| {
+            let len = stride * (place.in_dim + place.out_dim);
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            rest = tail;
+            (place, head)
+        })
+        .collect()
 }
 
 impl SlotImage {
     /// Pack `pairs` into a fresh image of `layout`, in parallel across
-    /// pairs. Every pair is checked against the layout before any byte is
-    /// written.
-    pub fn pack(layout: &SlotLayout, pairs: &[PairSource<'_>]) -> Result<SlotImage, ImageError> {
-        let max_rank = layout.max_rank();
-        let n_entries = layout.entries().len();
-        let mut by_entry: Vec<Option<&PairSource<'_>>> = vec![None; n_entries];
+    /// pairs. Every pair is checked before any byte is written; every byte
+    /// is written once (padding and unadapted places as zeros).
+    pub fn pack(layout: &impl PairLayout, pairs: &[PairSource<'_>]) -> Result<SlotImage, ImageError> {
+        let stride = layout.stride();
+        let mut by_place: Vec<Option<&PairSource<'_>>> = vec![None; layout.len()];
         for p in pairs {
             let m = &p.meta;
-            let entry = entry_of(layout, m.layer, m.module)?;
-            check_rank(m, max_rank)?;
+            let (index, place) = place_of(layout, m.key)?;
+            check_rank(m, stride)?;
             let shape_err = |part, got, expected| ImageError::Shape {
-                layer: m.layer,
-                module: m.module,
+                key: m.key,
                 part,
                 got,
                 expected,
             };
-            if p.a.len() != m.rank * entry.in_dim {
-                return Err(shape_err(PairPart::A, p.a.len(), m.rank * entry.in_dim));
+            if p.a.len() != m.rank * place.in_dim {
+                return Err(shape_err(PairPart::A, p.a.len(), m.rank * place.in_dim));
             }
-            if p.b.len() != entry.out_dim * m.rank {
-                return Err(shape_err(PairPart::B, p.b.len(), entry.out_dim * m.rank));
+            if p.b.len() != place.out_dim * m.rank {
+                return Err(shape_err(PairPart::B, p.b.len(), place.out_dim * m.rank));
             }
-            let index = position_of(layout, m.layer, m.module)?;
-            if by_entry[index].replace(p).is_some() {
-                return Err(ImageError::Duplicate {
-                    layer: m.layer,
-                    module: m.module,
-                });
+            if by_place[index].replace(p).is_some() {
+                return Err(ImageError::Duplicate { key: m.key });
             }
         }
         // A zeroed allocation comes from fresh pages, so this costs no pass.
-        let mut data: Vec<bf16> = bytemuck::zeroed_vec(layout.slot_bytes() / 2);
-        entry_regions(&mut data, layout)
+        let mut data: Vec<bf16> = bytemuck::zeroed_vec(layout.total_bytes() / 2);
+        place_regions(&mut data, layout)
             .into_par_iter()
-            .zip(layout.entries().par_iter())
-            .zip(by_entry.par_iter())
-            .for_each(|((region, entry), src)| fill_entry(region, entry, max_rank, *src));
+            .zip(by_place.par_iter())
+            .for_each(|((place, region), src)| fill_place(region, &place, stride, *src));
         let mut metas: Vec<PairMeta> = pairs.iter().map(|p| p.meta).collect();
-        metas.sort_by_key(|m| (m.layer, m.module));
+        metas.sort_by_key(|m| m.key);
         Ok(SlotImage { data, pairs: metas })
     }
 
     /// An all-zero image to land bytes into ([`SlotImage::declare`] then
     /// [`SlotImage::region_mut`]).
-    pub fn zeroed(layout: &SlotLayout) -> SlotImage {
+    pub fn zeroed(layout: &impl PairLayout) -> SlotImage {
         SlotImage {
-            data: bytemuck::zeroed_vec(layout.slot_bytes() / 2),
+            data: bytemuck::zeroed_vec(layout.total_bytes() / 2),
             pairs: Vec::new(),
         }
     }
 
     /// Declare a pair that will be landed byte-wise.
-    pub fn declare(&mut self, layout: &SlotLayout, meta: PairMeta) -> Result<(), ImageError> {
-        entry_of(layout, meta.layer, meta.module)?;
-        check_rank(&meta, layout.max_rank())?;
-        if self
-            .pairs
-            .iter()
-            .any(|p| (p.layer, p.module) == (meta.layer, meta.module))
-        {
-            return Err(ImageError::Duplicate {
-                layer: meta.layer,
-                module: meta.module,
-            });
+    pub fn declare(&mut self, layout: &impl PairLayout, meta: PairMeta) -> Result<(), ImageError> {
+        place_of(layout, meta.key)?;
+        check_rank(&meta, layout.stride())?;
+        match self.pairs.binary_search_by_key(&meta.key, |p| p.key) {
+            Ok(_) => Err(ImageError::Duplicate { key: meta.key }),
+            Err(at) => {
+                self.pairs.insert(at, meta);
+                Ok(())
+            }
         }
-        self.pairs.push(meta);
-        self.pairs.sort_by_key(|m| (m.layer, m.module));
-        Ok(())
     }
 
     /// The bytes a landed part occupies: A's first `rank` rows
     /// (`rank * in * 2` bytes; the padding rows stay zero), or the whole B
-    /// `[out, max_rank]` (the peer stages B with its zero columns).
+    /// `[out, stride]` (the peer stages B with its zero columns).
     pub fn region_mut(
         &mut self,
-        layout: &SlotLayout,
-        layer: usize,
-        module: LoraModule,
+        layout: &impl PairLayout,
+        key: PairKey,
         part: PairPart,
     ) -> Result<&mut [u8], ImageError> {
-        let entry = *entry_of(layout, layer, module)?;
-        let meta = *self
+        let (_, place) = place_of(layout, key)?;
+        let meta = self
             .pairs
-            .iter()
-            .find(|p| (p.layer, p.module) == (layer, module))
-            .ok_or(ImageError::Undeclared { layer, module })?;
+            .binary_search_by_key(&key, |p| p.key)
+            .ok()
+            .and_then(|i| self.pairs.get(i))
+            .ok_or(ImageError::Undeclared { key })?;
         let (start, len) = match part {
-            PairPart::A => (entry.a_offset / 2, meta.rank * entry.in_dim),
-            PairPart::B => (entry.b_offset / 2, entry.out_dim * layout.max_rank()),
+            PairPart::A => (place.a_offset / 2, meta.rank * place.in_dim),
+            PairPart::B => (place.b_offset / 2, place.out_dim * layout.stride()),
         };
         Ok(bytemuck::cast_slice_mut(&mut self.data[start..start + len]))
     }
 
-    /// The image as bytes (`slot_bytes` long).
+    /// The image as bytes.
     pub fn as_bytes(&self) -> &[u8] {
         bytemuck::cast_slice(&self.data)
     }
@@ -267,7 +240,7 @@ impl SlotImage {
         &self.data
     }
 
-    /// The pairs the image holds, sorted by (layer, module).
+    /// The pairs the image holds, sorted by key.
     pub fn pairs(&self) -> &[PairMeta] {
         &self.pairs
     }

@@ -1,3 +1,4 @@
 //! `lora-pool`: the fixed-address slot pool (work in progress).
 
 pub mod image;
+pub mod lease;

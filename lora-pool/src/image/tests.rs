@@ -1,5 +1,5 @@
 use super::*;
-use lora_layout::ModelConfig;
+use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 use proptest::prelude::*;
 
 fn cfg() -> ModelConfig {
@@ -27,8 +27,7 @@ fn owned(cfg: &ModelConfig, layer: usize, module: LoraModule, rank: usize, seed:
     let (out, inp) = module.dims(cfg);
     Owned {
         meta: PairMeta {
-            layer,
-            module,
+            key: PairKey::Dense { layer, module },
             rank,
             scale: 0.5,
         },
@@ -63,7 +62,10 @@ fn packed_pairs_sit_at_their_layout_offsets_with_zero_padding() {
     let image = SlotImage::pack(&layout, &sources(&pairs)).unwrap();
     assert_eq!(image.as_bytes().len(), layout.slot_bytes());
     for p in &pairs {
-        let e = layout.entry(p.meta.layer, p.meta.module).unwrap();
+        let PairKey::Dense { layer, module } = p.meta.key else {
+            unreachable!()
+        };
+        let e = layout.entry(layer, module).unwrap();
         let r = p.meta.rank;
         for i in 0..8 {
             for j in 0..e.in_dim {
@@ -92,11 +94,7 @@ fn bad_pairs_are_refused_before_anything_is_written() {
     let over = owned(&cfg, 0, LoraModule::QProj, 5, 0);
     assert!(matches!(
         SlotImage::pack(&layout, &sources(&[over])),
-        Err(ImageError::Rank {
-            rank: 5,
-            max_rank: 4,
-            ..
-        })
+        Err(ImageError::Rank { rank: 5, stride: 4, .. })
     ));
     let mut short = owned(&cfg, 0, LoraModule::QProj, 2, 0);
     short.b.pop();
@@ -107,12 +105,16 @@ fn bad_pairs_are_refused_before_anything_is_written() {
     let missing = owned(&cfg, 2, LoraModule::QProj, 2, 0);
     assert!(matches!(
         SlotImage::pack(&layout, &sources(&[missing])),
-        Err(ImageError::NoSuchModule { layer: 2, .. })
+        Err(ImageError::NoSuchPair {
+            key: PairKey::Dense { layer: 2, .. }
+        })
     ));
     let mla = Owned {
         meta: PairMeta {
-            layer: 0,
-            module: LoraModule::KvBProj,
+            key: PairKey::Dense {
+                layer: 0,
+                module: LoraModule::KvBProj,
+            },
             rank: 1,
             scale: 1.0,
         },
@@ -121,7 +123,7 @@ fn bad_pairs_are_refused_before_anything_is_written() {
     };
     assert!(matches!(
         SlotImage::pack(&layout, &sources(&[mla])),
-        Err(ImageError::NoSuchModule { .. })
+        Err(ImageError::NoSuchPair { .. })
     ));
     let twice = [
         owned(&cfg, 1, LoraModule::UpProj, 2, 0),
@@ -140,22 +142,23 @@ fn land(layout: &SlotLayout, pairs: &[Owned]) -> SlotImage {
     let mut image = SlotImage::zeroed(layout);
     for p in pairs {
         image.declare(layout, p.meta).unwrap();
-        let a = image
-            .region_mut(layout, p.meta.layer, p.meta.module, PairPart::A)
-            .unwrap();
+        let a = image.region_mut(layout, p.meta.key, PairPart::A).unwrap();
         a.copy_from_slice(bytemuck::cast_slice(&p.a));
         let r = p.meta.rank;
         let mut b_padded = vec![bf16::ZERO; p.b.len() / r * max_rank];
         for (dst, src) in b_padded.chunks_exact_mut(max_rank).zip(p.b.chunks_exact(r)) {
             dst[..r].copy_from_slice(src);
         }
-        let b = image
-            .region_mut(layout, p.meta.layer, p.meta.module, PairPart::B)
-            .unwrap();
+        let b = image.region_mut(layout, p.meta.key, PairPart::B).unwrap();
         b.copy_from_slice(bytemuck::cast_slice(&b_padded));
     }
     image
 }
+
+const Q0: PairKey = PairKey::Dense {
+    layer: 0,
+    module: LoraModule::QProj,
+};
 
 #[test]
 fn landing_requires_a_declaration() {
@@ -163,12 +166,11 @@ fn landing_requires_a_declaration() {
     let layout = SlotLayout::new(&cfg, 4).unwrap();
     let mut image = SlotImage::zeroed(&layout);
     assert!(matches!(
-        image.region_mut(&layout, 0, LoraModule::QProj, PairPart::A),
+        image.region_mut(&layout, Q0, PairPart::A),
         Err(ImageError::Undeclared { .. })
     ));
     let meta = PairMeta {
-        layer: 0,
-        module: LoraModule::QProj,
+        key: Q0,
         rank: 2,
         scale: 1.0,
     };
@@ -177,13 +179,7 @@ fn landing_requires_a_declaration() {
         image.declare(&layout, meta),
         Err(ImageError::Duplicate { .. })
     ));
-    assert_eq!(
-        image
-            .region_mut(&layout, 0, LoraModule::QProj, PairPart::A)
-            .unwrap()
-            .len(),
-        2 * 24 * 2
-    );
+    assert_eq!(image.region_mut(&layout, Q0, PairPart::A).unwrap().len(), 2 * 24 * 2);
 }
 
 const LLAMA_MODULES: [LoraModule; 7] = [
@@ -208,7 +204,7 @@ proptest! {
         let mut pairs: Vec<Owned> = Vec::new();
         for (i, (layer, m, rank)) in picks.into_iter().enumerate() {
             let module = LLAMA_MODULES[m];
-            if pairs.iter().any(|p| (p.meta.layer, p.meta.module) == (layer, module)) {
+            if pairs.iter().any(|p| p.meta.key == PairKey::Dense { layer, module }) {
                 continue;
             }
             pairs.push(owned(&cfg, layer, module, rank.min(max_rank), i));

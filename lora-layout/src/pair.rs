@@ -1,0 +1,144 @@
+//! One name for every LoRA pair a pool holds, dense or expert, and one view
+//! of both slot layouts, so packers and landers treat them alike.
+
+use crate::layout::{ExpertLayout, SlotLayout};
+use crate::module::{ExpertSite, LoraModule};
+
+/// Where a pair acts: a dense module of the slot pool, or an expert/router
+/// site of the expert pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PairKey {
+    /// A dense projection.
+    Dense {
+        /// Global layer.
+        layer: usize,
+        /// The module.
+        module: LoraModule,
+    },
+    /// A routed-expert projection or a router.
+    Expert {
+        /// Global layer.
+        layer: usize,
+        /// The site.
+        site: ExpertSite,
+    },
+}
+
+impl PairKey {
+    /// The pair's layer.
+    pub fn layer(self) -> usize {
+        match self {
+            PairKey::Dense { layer, .. } | PairKey::Expert { layer, .. } => layer,
+        }
+    }
+}
+
+impl std::fmt::Display for PairKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PairKey::Dense { layer, module } => write!(f, "layer {layer} {module}"),
+            PairKey::Expert {
+                layer,
+                site: ExpertSite::Expert { expert, proj },
+            } => write!(f, "layer {layer} expert {expert} {proj}"),
+            PairKey::Expert {
+                layer,
+                site: ExpertSite::Router,
+            } => write!(f, "layer {layer} router"),
+        }
+    }
+}
+
+/// A pair's place in a slot: its dims and byte offsets from the slot base.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PairPlace {
+    /// Which pair.
+    pub key: PairKey,
+    /// Output width.
+    pub out_dim: usize,
+    /// Input width.
+    pub in_dim: usize,
+    /// Byte offset of A (`[stride, in]`).
+    pub a_offset: usize,
+    /// Byte offset of B (`[out, stride]`).
+    pub b_offset: usize,
+}
+
+/// A slot layout seen as a list of pair places: [`SlotLayout`] (stride
+/// `max_rank`) and [`ExpertLayout`] (stride `expert_packed_stride`).
+pub trait PairLayout {
+    /// The rank stride: rows of A, columns of B.
+    fn stride(&self) -> usize;
+    /// Bytes of the slot (or of the adapter's part of an expert slot).
+    fn total_bytes(&self) -> usize;
+    /// Number of places.
+    fn len(&self) -> usize;
+    /// Whether the layout has no places.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The `i`-th place in walk order.
+    fn place(&self, i: usize) -> Option<PairPlace>;
+    /// The walk index of `key`.
+    fn position(&self, key: PairKey) -> Option<usize>;
+}
+
+impl PairLayout for SlotLayout {
+    fn stride(&self) -> usize {
+        self.max_rank()
+    }
+    fn total_bytes(&self) -> usize {
+        self.slot_bytes()
+    }
+    fn len(&self) -> usize {
+        self.entries().len()
+    }
+    fn place(&self, i: usize) -> Option<PairPlace> {
+        self.entries().get(i).map(|e| PairPlace {
+            key: PairKey::Dense {
+                layer: e.layer,
+                module: e.module,
+            },
+            out_dim: e.out_dim,
+            in_dim: e.in_dim,
+            a_offset: e.a_offset,
+            b_offset: e.b_offset,
+        })
+    }
+    fn position(&self, key: PairKey) -> Option<usize> {
+        match key {
+            PairKey::Dense { layer, module } => SlotLayout::position(self, layer, module),
+            PairKey::Expert { .. } => None,
+        }
+    }
+}
+
+impl PairLayout for ExpertLayout {
+    fn stride(&self) -> usize {
+        ExpertLayout::stride(self)
+    }
+    fn total_bytes(&self) -> usize {
+        self.bytes()
+    }
+    fn len(&self) -> usize {
+        self.entries().len()
+    }
+    fn place(&self, i: usize) -> Option<PairPlace> {
+        self.entries().get(i).map(|e| PairPlace {
+            key: PairKey::Expert {
+                layer: e.layer,
+                site: e.site,
+            },
+            out_dim: e.out_dim,
+            in_dim: e.in_dim,
+            a_offset: e.a_offset,
+            b_offset: e.b_offset,
+        })
+    }
+    fn position(&self, key: PairKey) -> Option<usize> {
+        match key {
+            PairKey::Expert { layer, site } => ExpertLayout::position(self, layer, site),
+            PairKey::Dense { .. } => None,
+        }
+    }
+}
