@@ -11,7 +11,7 @@ use lora_layout::{PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
 
 /// Which half of a pair.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PairPart {
     /// A, stored `[stride, in]`.
     A,

@@ -11,4 +11,5 @@
 //! region, or publish a slot whose bytes were not all landed and checked.
 
 pub mod checksum;
+pub mod manifest;
 pub mod wire;

@@ -1,0 +1,382 @@
+//! The manifest a peer serves for one staged adapter, and its check against
+//! the engine's own plan.
+//!
+//! The manifest says what the peer staged and where to read it; it never
+//! says where bytes land. [`match_manifest`] pairs every entry with a pair
+//! the engine's own audit expects, with the length the engine's own layout
+//! gives; anything else refuses the whole manifest.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use lora_layout::{ExpertProj, ExpertSite, LoraModule, PairKey, PairLayout};
+use lora_pool::image::{PairMeta, PairPart};
+use serde::{Deserialize, Serialize};
+
+/// The largest number of entries a manifest may list (a DeepSeek-V3 with
+/// every dense module and every expert of every layer adapted stays far
+/// below it).
+pub const MAX_MANIFEST_ENTRIES: usize = 1 << 20;
+
+/// A pair part's name on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WirePart {
+    /// A.
+    A,
+    /// B.
+    B,
+}
+
+impl From<PairPart> for WirePart {
+    fn from(p: PairPart) -> WirePart {
+        match p {
+            PairPart::A => WirePart::A,
+            PairPart::B => WirePart::B,
+        }
+    }
+}
+
+impl From<WirePart> for PairPart {
+    fn from(p: WirePart) -> PairPart {
+        match p {
+            WirePart::A => PairPart::A,
+            WirePart::B => PairPart::B,
+        }
+    }
+}
+
+/// A pair's name on the wire: a plain mirror of [`PairKey`] (modules and
+/// projections by their index in `ALL`), converted back with checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WireKey {
+    /// `PairKey::Dense`.
+    Dense {
+        /// Layer.
+        layer: u32,
+        /// `LoraModule::index()`.
+        module: u8,
+    },
+    /// `PairKey::Expert` with an expert site.
+    Expert {
+        /// Layer.
+        layer: u32,
+        /// Expert index.
+        expert: u32,
+        /// `ExpertProj::index()`.
+        proj: u8,
+    },
+    /// `PairKey::Expert` with the router site.
+    Router {
+        /// Layer.
+        layer: u32,
+    },
+}
+
+impl WireKey {
+    /// The wire name of `key`.
+    pub fn from_key(key: PairKey) -> WireKey {
+        let layer = |l: usize| u32::try_from(l).unwrap_or(u32::MAX);
+        match key {
+            PairKey::Dense { layer: l, module } => WireKey::Dense {
+                layer: layer(l),
+                module: module.index() as u8,
+            },
+            PairKey::Expert {
+                layer: l,
+                site: ExpertSite::Expert { expert, proj },
+            } => WireKey::Expert {
+                layer: layer(l),
+                expert: u32::try_from(expert).unwrap_or(u32::MAX),
+                proj: proj.index() as u8,
+            },
+            PairKey::Expert {
+                layer: l,
+                site: ExpertSite::Router,
+            } => WireKey::Router { layer: layer(l) },
+        }
+    }
+
+    /// The pair this wire name denotes, or `None` for an unknown module or
+    /// projection index.
+    pub fn to_key(self) -> Option<PairKey> {
+        Some(match self {
+            WireKey::Dense { layer, module } => PairKey::Dense {
+                layer: layer as usize,
+                module: *LoraModule::ALL.get(module as usize)?,
+            },
+            WireKey::Expert { layer, expert, proj } => PairKey::Expert {
+                layer: layer as usize,
+                site: ExpertSite::Expert {
+                    expert: expert as usize,
+                    proj: *ExpertProj::ALL.get(proj as usize)?,
+                },
+            },
+            WireKey::Router { layer } => PairKey::Expert {
+                layer: layer as usize,
+                site: ExpertSite::Router,
+            },
+        })
+    }
+}
+
+/// Where the engine reads an entry's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Location {
+    /// A byte range of a peer staging region, read over the TCP transport.
+    Tcp {
+        /// The peer's region id.
+        region: u32,
+        /// Byte offset in the region.
+        offset: u64,
+    },
+    /// A remote address and key, read with RDMA READ.
+    Rdma {
+        /// Remote virtual address.
+        addr: u64,
+        /// Remote key of the registered region.
+        rkey: u32,
+    },
+}
+
+/// One staged tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestEntry {
+    /// The pair it belongs to.
+    pub key: WireKey,
+    /// A or B.
+    pub part: WirePart,
+    /// Bytes staged: A `rank * in * 2`, B `out * stride * 2`.
+    pub len: u64,
+    /// XXH64 of the staged bytes.
+    pub checksum: u64,
+    /// Where to read them.
+    pub location: Location,
+}
+
+/// One tensor of the adapter's safetensors header, as the peer read it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireTensor {
+    /// The tensor key.
+    pub name: String,
+    /// Its dtype name (`F32`, `F16`, `BF16`, ...).
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<u64>,
+}
+
+/// What a peer staged for one adapter at one engine geometry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// The adapter's name at the peer.
+    pub adapter: String,
+    /// Fingerprint of the model geometry it was audited against.
+    pub model: u64,
+    /// The slot pool's `max_rank` it was staged for.
+    pub max_rank: u32,
+    /// The expert pool's rank it was staged for.
+    pub expert_rank: u32,
+    /// The adapter's `adapter_config.json`, verbatim: the engine audits it
+    /// itself.
+    pub adapter_config: String,
+    /// The adapter's tensor header, for the engine's own audit.
+    pub tensors: Vec<WireTensor>,
+    /// The staged tensors.
+    pub entries: Vec<ManifestEntry>,
+}
+
+/// Why a manifest was refused. Any of these refuses it whole.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// Staged for another model.
+    #[error("manifest is for model {got:#018x}, this engine serves {expected:#018x}")]
+    ModelMismatch {
+        /// The engine's fingerprint.
+        expected: u64,
+        /// The manifest's.
+        got: u64,
+    },
+    /// Staged at another rank.
+    #[error("manifest is staged at {what} {got}, this engine needs {expected}")]
+    RankMismatch {
+        /// `max_rank` or `expert_rank`.
+        what: &'static str,
+        /// The engine's.
+        expected: u32,
+        /// The manifest's.
+        got: u32,
+    },
+    /// Too many entries.
+    #[error("manifest lists {0} entries, over the limit")]
+    TooManyEntries(usize),
+    /// An entry names a module or projection that does not exist.
+    #[error("entry {index} names no known pair ({key:?})")]
+    UnknownKey {
+        /// Entry index.
+        index: usize,
+        /// Its key.
+        key: WireKey,
+    },
+    /// An entry names a pair the engine's audit does not expect.
+    #[error("entry {index} ({key} {part:?}) is not a pair this engine's audit expects")]
+    Unexpected {
+        /// Entry index.
+        index: usize,
+        /// The pair.
+        key: PairKey,
+        /// A or B.
+        part: PairPart,
+    },
+    /// The same (pair, part) twice.
+    #[error("entry {index} repeats {key} {part:?}")]
+    Duplicate {
+        /// Entry index.
+        index: usize,
+        /// The pair.
+        key: PairKey,
+        /// A or B.
+        part: PairPart,
+    },
+    /// An entry's length is not what the engine's layout gives.
+    #[error("entry {index} ({key} {part:?}) is {got} bytes, this engine's layout needs {expected}")]
+    Length {
+        /// Entry index.
+        index: usize,
+        /// The pair.
+        key: PairKey,
+        /// A or B.
+        part: PairPart,
+        /// The manifest's length.
+        got: u64,
+        /// The layout's.
+        expected: u64,
+    },
+    /// An expected pair has no entry.
+    #[error("manifest has no entry for {key} {part:?}")]
+    Missing {
+        /// The pair.
+        key: PairKey,
+        /// A or B.
+        part: PairPart,
+    },
+}
+
+/// One checked read: the pair part it fills, how many bytes, their
+/// checksum, and where the peer keeps them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LandingOp {
+    /// The pair.
+    pub key: PairKey,
+    /// A or B.
+    pub part: PairPart,
+    /// Bytes.
+    pub len: usize,
+    /// Expected XXH64.
+    pub checksum: u64,
+    /// Source.
+    pub location: Location,
+}
+
+/// One pair part the engine expects to land, with the length its own layout
+/// gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpectedPart {
+    /// The pair.
+    pub key: PairKey,
+    /// A or B.
+    pub part: PairPart,
+    /// Bytes: A `rank * in * 2` (only the true rank's rows travel), B
+    /// `out * stride * 2` (staged with its zero columns).
+    pub len: u64,
+}
+
+/// The parts of `pairs` (from the engine's own audit) in `layout` (the slot
+/// layout for dense pairs, the adapter's expert layout for expert pairs).
+/// `None` names a pair the layout does not hold.
+pub fn expected_parts(layout: &impl PairLayout, pairs: &[PairMeta]) -> Result<Vec<ExpectedPart>, PairKey> {
+    let stride = layout.stride();
+    let mut parts = Vec::with_capacity(2 * pairs.len());
+    for meta in pairs {
+        let place = layout
+            .position(meta.key)
+            .and_then(|i| layout.place(i))
+            .ok_or(meta.key)?;
+        parts.push(ExpectedPart {
+            key: meta.key,
+            part: PairPart::A,
+            len: (meta.rank * place.in_dim * 2) as u64,
+        });
+        parts.push(ExpectedPart {
+            key: meta.key,
+            part: PairPart::B,
+            len: (place.out_dim * stride * 2) as u64,
+        });
+    }
+    Ok(parts)
+}
+
+/// Check `manifest` against what the engine expects and return one
+/// [`LandingOp`] per part. Refuses the whole manifest on any mismatch.
+pub fn match_manifest(
+    manifest: &Manifest,
+    model: u64,
+    max_rank: u32,
+    expert_rank: u32,
+    expected: &[ExpectedPart],
+) -> Result<Vec<LandingOp>, ManifestError> {
+    if manifest.model != model {
+        return Err(ManifestError::ModelMismatch {
+            expected: model,
+            got: manifest.model,
+        });
+    }
+    for (what, want, got) in [
+        ("max_rank", max_rank, manifest.max_rank),
+        ("expert_rank", expert_rank, manifest.expert_rank),
+    ] {
+        if want != got {
+            return Err(ManifestError::RankMismatch {
+                what,
+                expected: want,
+                got,
+            });
+        }
+    }
+    if manifest.entries.len() > MAX_MANIFEST_ENTRIES {
+        return Err(ManifestError::TooManyEntries(manifest.entries.len()));
+    }
+    let want: BTreeMap<(PairKey, PairPart), u64> = expected.iter().map(|e| ((e.key, e.part), e.len)).collect();
+    let mut ops = Vec::with_capacity(manifest.entries.len());
+    let mut seen = BTreeSet::new();
+    for (index, e) in manifest.entries.iter().enumerate() {
+        let key = e.key.to_key().ok_or(ManifestError::UnknownKey { index, key: e.key })?;
+        let part = PairPart::from(e.part);
+        let &len = want
+            .get(&(key, part))
+            .ok_or(ManifestError::Unexpected { index, key, part })?;
+        if !seen.insert((key, part)) {
+            return Err(ManifestError::Duplicate { index, key, part });
+        }
+        if e.len != len {
+            return Err(ManifestError::Length {
+                index,
+                key,
+                part,
+                got: e.len,
+                expected: len,
+            });
+        }
+        ops.push(LandingOp {
+            key,
+            part,
+            len: len as usize,
+            checksum: e.checksum,
+            location: e.location,
+        });
+    }
+    if let Some(&(key, part)) = want.keys().find(|k| !seen.contains(*k)) {
+        return Err(ManifestError::Missing { key, part });
+    }
+    Ok(ops)
+}
+
+#[cfg(test)]
+mod tests;

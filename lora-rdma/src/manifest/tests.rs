@@ -1,0 +1,176 @@
+use super::*;
+use lora_layout::{ModelConfig, SlotLayout};
+use proptest::prelude::*;
+
+fn layout() -> SlotLayout {
+    let cfg = ModelConfig::from_hf_config(
+        r#"{"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "intermediate_size": 24, "vocab_size": 16}"#,
+    )
+    .unwrap();
+    SlotLayout::new(&cfg, 8).unwrap()
+}
+
+const Q1: PairKey = PairKey::Dense {
+    layer: 1,
+    module: LoraModule::QProj,
+};
+const K0: PairKey = PairKey::Dense {
+    layer: 0,
+    module: LoraModule::KProj,
+};
+
+fn plan() -> Vec<ExpectedPart> {
+    let pairs = [
+        PairMeta {
+            key: Q1,
+            rank: 4,
+            scale: 1.0,
+        },
+        PairMeta {
+            key: K0,
+            rank: 8,
+            scale: 2.0,
+        },
+    ];
+    expected_parts(&layout(), &pairs).unwrap()
+}
+
+fn manifest_for(parts: &[ExpectedPart]) -> Manifest {
+    Manifest {
+        adapter: "a".into(),
+        model: 7,
+        max_rank: 8,
+        expert_rank: 16,
+        adapter_config: "{}".into(),
+        tensors: vec![],
+        entries: parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| ManifestEntry {
+                key: WireKey::from_key(p.key),
+                part: p.part.into(),
+                len: p.len,
+                checksum: i as u64,
+                location: Location::Tcp {
+                    region: 0,
+                    offset: 100 * i as u64,
+                },
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn expected_lengths_follow_the_local_layout() {
+    let parts = plan();
+    // q_proj of layer 1: in 16, out 16: A = 4 rows · 16 · 2, B = 16 · 8 · 2.
+    assert!(parts.contains(&ExpectedPart {
+        key: Q1,
+        part: PairPart::A,
+        len: 4 * 16 * 2
+    }));
+    assert!(parts.contains(&ExpectedPart {
+        key: Q1,
+        part: PairPart::B,
+        len: 16 * 8 * 2
+    }));
+    // k_proj: out 8.
+    assert!(parts.contains(&ExpectedPart {
+        key: K0,
+        part: PairPart::B,
+        len: 8 * 8 * 2
+    }));
+    let bad = PairMeta {
+        key: PairKey::Dense {
+            layer: 5,
+            module: LoraModule::QProj,
+        },
+        rank: 1,
+        scale: 1.0,
+    };
+    assert_eq!(expected_parts(&layout(), &[bad]), Err(bad.key));
+}
+
+#[test]
+fn a_matching_manifest_gives_one_op_per_part() {
+    let parts = plan();
+    let ops = match_manifest(&manifest_for(&parts), 7, 8, 16, &parts).unwrap();
+    assert_eq!(ops.len(), 4);
+    assert!(ops.iter().all(|op| {
+        parts
+            .iter()
+            .any(|p| (p.key, p.part, p.len) == (op.key, op.part, op.len as u64))
+    }));
+}
+
+#[test]
+fn every_mismatch_refuses_the_whole_manifest() {
+    let parts = plan();
+    let good = manifest_for(&parts);
+    let check = |m: &Manifest| match_manifest(m, 7, 8, 16, &parts).unwrap_err();
+
+    let mut m = good.clone();
+    m.model = 8;
+    assert!(matches!(
+        check(&m),
+        ManifestError::ModelMismatch { expected: 7, got: 8 }
+    ));
+    let mut m = good.clone();
+    m.max_rank = 16;
+    assert!(matches!(
+        check(&m),
+        ManifestError::RankMismatch { what: "max_rank", .. }
+    ));
+    let mut m = good.clone();
+    m.entries[0].len += 2;
+    assert!(matches!(check(&m), ManifestError::Length { index: 0, .. }));
+    let mut m = good.clone();
+    m.entries.pop();
+    assert!(matches!(check(&m), ManifestError::Missing { .. }));
+    let mut m = good.clone();
+    m.entries.push(m.entries[1]);
+    assert!(matches!(check(&m), ManifestError::Duplicate { index: 4, .. }));
+    let mut m = good.clone();
+    m.entries[2].key = WireKey::Dense { layer: 0, module: 200 };
+    assert!(matches!(check(&m), ManifestError::UnknownKey { index: 2, .. }));
+    let mut m = good.clone();
+    m.entries[3].key = WireKey::from_key(PairKey::Dense {
+        layer: 0,
+        module: LoraModule::VProj,
+    });
+    assert!(matches!(check(&m), ManifestError::Unexpected { index: 3, .. }));
+    let mut m = good;
+    m.entries[0].key = WireKey::Router { layer: 0 };
+    assert!(matches!(check(&m), ManifestError::Unexpected { .. }));
+}
+
+fn any_key() -> impl Strategy<Value = PairKey> {
+    prop_oneof![
+        (0usize..100, 0usize..LoraModule::ALL.len()).prop_map(|(layer, m)| PairKey::Dense {
+            layer,
+            module: LoraModule::ALL[m]
+        }),
+        (0usize..100, 0usize..512, 0usize..3).prop_map(|(layer, expert, p)| PairKey::Expert {
+            layer,
+            site: ExpertSite::Expert {
+                expert,
+                proj: ExpertProj::ALL[p]
+            }
+        }),
+        (0usize..100).prop_map(|layer| PairKey::Expert {
+            layer,
+            site: ExpertSite::Router
+        }),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn wire_keys_round_trip(key in any_key()) {
+        let wire = WireKey::from_key(key);
+        let json = serde_json::to_string(&wire).unwrap();
+        let back: WireKey = serde_json::from_str(&json).unwrap();
+        prop_assert_eq!(back.to_key(), Some(key));
+    }
+}
