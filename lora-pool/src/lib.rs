@@ -2,3 +2,4 @@
 
 pub mod image;
 pub mod lease;
+pub mod registry;
