@@ -1,1 +1,121 @@
-//! `lora-audit`: the gate between untrusted PEFT adapter files and the GPU (work in progress).
+//! `lora-audit`: the gate between untrusted PEFT adapter files and the GPU.
+//!
+//! It reads an adapter directory (`adapter_config.json` +
+//! `adapter_model.safetensors`, as PEFT 0.21 writes them with transformers
+//! 4.x or 5.x) against a base model's [`ModelConfig`] and the pool limits in
+//! [`LoraOptions`], and either places every tensor exactly or refuses the
+//! adapter with stable codes naming the tensor or field at fault.
+//!
+//! Brief overview:
+//! - [`parse_peft_adapter_config`] / [`PeftAdapterConfig`]: every field that
+//!   changes the math; `rank_pattern` / `alpha_pattern` kept in file order,
+//!   matched as PEFT does ([`PatternTable`]).
+//! - [`classify_key`], [`classify_overlay_key`], [`is_gdn_key`]: tensor
+//!   names to (layer, target, A | B), for dense projections, transformers
+//!   4.x per-expert modules (incl. Mixtral `w1`/`w3`/`w2`), 5.x fused expert
+//!   parameters (nested `ParamWrapper`s), routers and token tables.
+//! - [`audit_adapter`] → [`AuditReport`]: pairs per (layer, module) with rank
+//!   (from the shapes) and scale (`alpha / r` or rsLoRA `alpha / sqrt(r)`,
+//!   alpha from `alpha_pattern`), expert pairs per (layer, expert site),
+//!   overlays, skips, refusals, pool bytes.
+//! - [`prepare_adapter`] → [`PreparedAdapter`]: host BF16 pairs (both expert
+//!   formats normalised to per-(expert, Gate | Up | Down) pairs) and the
+//!   [`HostOverlay`].
+//! - [`load_adapter_safetensors`]: memory-mapped, F32/F16 → BF16 with rayon.
+//! - The token-overlay host math ([`build_override_set`],
+//!   [`override_source`], [`row_diff_bf16`], [`ROWDIFF_THRESH`], ...) shared
+//!   with `lora-overlay`, and the pure probe path ([`probe_adapter`]) behind
+//!   the `lora-audit probe` command.
+//!
+//! What it must never do: touch a GPU or depend on cudarc / ibverbs; unpickle
+//! anything; skip a tensor silently (skips happen only under
+//! `allow_partial`, for the skippable codes, and are listed); panic on any
+//! input file.
+//!
+//! # Refusal codes
+//!
+//! | code | meaning | skippable |
+//! |---|---|---|
+//! | `REJECT[peft-type]` | `peft_type` is not `LORA` | |
+//! | `REJECT[pickle]` | `adapter_model.bin`: a pickle is never read | |
+//! | `REJECT[dora]` | DoRA: needs base-weight norms | |
+//! | `REJECT[lora-bias]` | `lora_bias` / `lora_B.bias`: no bias space | |
+//! | `REJECT[bias]` | absolute base biases saved by `bias != "none"` | |
+//! | `REJECT[init-mutates-base]` | PiSSA / OLoRA / CorDA / LoftQ / LoRA-GA or unknown init | |
+//! | `REJECT[alora]` | activated LoRA | |
+//! | `REJECT[layer-replication]` | replicated layers | |
+//! | `REJECT[qalora]` | QALoRA | |
+//! | `REJECT[bdlora]` | block-diagonal LoRA | |
+//! | `REJECT[lora-variant]` | VeLoRA, MonteCLoRA, Arrow, KaSA, MiCA | |
+//! | `REJECT[embedding-lora]` | `lora_embedding_A/B` (not supported yet) | |
+//! | `REJECT[modules-to-save]` | a `modules_to_save` module other than embed_tokens / lm_head | |
+//! | `REJECT[trainable-tokens]` | trainable tokens that cannot be served (other module, ids without rows) | |
+//! | `REJECT[duplicate-token-id]` | a repeated trainable id | |
+//! | `REJECT[token-out-of-vocab]` | a trainable id past the served vocabulary | yes |
+//! | `REJECT[tied-head]` | an overlay a tied head cannot serve as PEFT merges it | |
+//! | `REJECT[pattern-regex]` | a pattern key Rust's `regex` cannot run with Python's meaning | |
+//! | `REJECT[rank-mismatch]` | config rank differs from the tensor shapes | |
+//! | `REJECT[rank-exceeds-max]` | a dense rank above `max_rank` | |
+//! | `REJECT[expert-rank]` | an expert/router rank above `expert_rank` | |
+//! | `REJECT[experts-disabled]` | expert/router tensors with expert LoRA off | yes |
+//! | `REJECT[gdn-target]` | a gated-delta-net input projection | yes |
+//! | `REJECT[unsupported-target]` | a LoRA target the engine does not apply | yes |
+//! | `REJECT[model-mismatch]` | a layer, expert or module the model lacks | |
+//! | `REJECT[unknown-key]` | a tensor name of no known PEFT form | |
+//! | `REJECT[shape]` | a tensor shape that does not fit | |
+//! | `REJECT[unpaired]` | `lora_A` without `lora_B` or the reverse | |
+//! | `REJECT[duplicate-tensor]` | two tensors for one place | |
+//! | `REJECT[dtype]` | a dtype other than F32 / F16 / BF16 | |
+//! | `REJECT[empty]` | nothing left to serve | |
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use lora_audit::{LoraOptions, audit_adapter};
+//! use lora_layout::ModelConfig;
+//!
+//! let cfg = ModelConfig::from_file(Path::new("fixtures/llama/config.json"))?;
+//! let report = audit_adapter(Path::new("fixtures/llama/rslora"), &cfg, &LoraOptions::default())?;
+//! assert!(report.is_servable());
+//! for pair in &report.placed {
+//!     println!("layer {} {}: r={} scale={}", pair.layer, pair.module, pair.rank, pair.scale);
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod audit;
+mod error;
+mod key;
+mod options;
+mod overlay;
+mod pattern;
+mod peft_config;
+mod prepare;
+mod probe;
+mod tensors;
+#[cfg(test)]
+mod test_support;
+
+pub use audit::{
+    ADAPTER_CONFIG, ADAPTER_PICKLE, ADAPTER_WEIGHTS, AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode,
+    PlacedExpertPair, PlacedPair, audit_adapter, validate_peft_config,
+};
+pub use error::{AuditError, Refusal, RejectCode};
+pub use key::{AdapterAb, FusedWrapper, LoraKey, LoraTarget, classify_key, is_gdn_key, split_layer_path};
+pub use options::{DEFAULT_EXPERT_RANK, DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, LoraOptions, OptionsError};
+pub use overlay::{
+    CompiledOverlay, HostOverlay, LmHeadOverlay, OverlayError, OverlayModule, OverlayTensor, OverlayTensorKind,
+    OverlayTensors, ROWDIFF_THRESH, TableOverlay, TableTensors, build_override_set, clamp_trainable_to_vocab,
+    classify_overlay_key, id_in_vocab, override_source, reject_pending_overlay, row_diff_bf16,
+};
+pub use pattern::{PatternEntry, PatternTable, peft_pattern_regex};
+pub use peft_config::{
+    InitLoraWeights, PeftAdapterConfig, TargetModules, TrainableTokenIndices, parse_peft_adapter_config,
+};
+pub use prepare::{HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
+pub use probe::{
+    BaseTables, FusedParam, PROBE_IN, PROBE_OUT, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX, ROWS_MERGED,
+    WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables, read_probe_inputs, write_probe_outputs,
+};
+pub use tensors::{
+    AdapterTensors, HostTensor, MappedSafetensors, TensorDtype, TensorInfo, load_adapter_safetensors, load_bf16,
+};

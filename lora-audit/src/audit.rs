@@ -1,0 +1,762 @@
+//! The audit: place every tensor of an adapter exactly, or refuse it with a
+//! reason, and report what serving it costs.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use std::path::Path;
+
+use lora_layout::{ExpertProj, ExpertSite, LoraModule, ModelConfig, expert_router_bytes, pool_slot_bytes};
+
+use crate::error::{AuditError, Refusal, RejectCode};
+use crate::key::{AdapterAb, LoraTarget, classify_key};
+use crate::options::LoraOptions;
+use crate::overlay::{OverlayModule, OverlayTensors, classify_overlay_key, id_in_vocab, reject_pending_overlay};
+use crate::peft_config::{PeftAdapterConfig, TargetModules, TrainableTokenIndices};
+use crate::tensors::{MappedSafetensors, TensorInfo};
+
+/// The adapter's config file name.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// The adapter's weights file name.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+/// The pickle weights file name PEFT writes with `safe_serialization=False`.
+pub const ADAPTER_PICKLE: &str = "adapter_model.bin";
+
+/// A dense pair placed in the slot pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlacedPair {
+    /// Global layer index.
+    pub layer: usize,
+    /// The projection.
+    pub module: LoraModule,
+    /// Rank, from the tensor shapes.
+    pub rank: usize,
+    /// PEFT's scaling for this pair.
+    pub scale: f32,
+    /// The `lora_A` tensor.
+    pub a_key: String,
+    /// The `lora_B` tensor.
+    pub b_key: String,
+}
+
+/// Where an expert pair's factors sit in its tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExpertSlice {
+    /// The tensors are this pair's own A `[r, in]` and B `[out, r]`
+    /// (transformers 4.x per-expert modules, routers).
+    Direct,
+    /// A transformers 5.x fused pair: A `[E·r, in]` holds expert `e`'s rows
+    /// `e·r..(e+1)·r`; B `[out_total, E·r]` holds its columns `k·E + e`
+    /// (interleaved), of which rows `out_rows` belong to this projection
+    /// (`gate_up_proj`: Gate rows first, then Up).
+    Fused {
+        /// Experts in the fused parameter.
+        num_experts: usize,
+        /// Rows of B for this projection.
+        out_rows: Range<usize>,
+    },
+}
+
+/// An expert or router pair placed in the expert pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlacedExpertPair {
+    /// Global layer index.
+    pub layer: usize,
+    /// The routed expert's projection, or the router.
+    pub site: ExpertSite,
+    /// Rank (per expert), from the tensor shapes.
+    pub rank: usize,
+    /// PEFT's scaling (from the per-expert rank).
+    pub scale: f32,
+    /// The `lora_A` tensor.
+    pub a_key: String,
+    /// The `lora_B` tensor.
+    pub b_key: String,
+    /// How the factors are cut out of the tensors.
+    pub slice: ExpertSlice,
+}
+
+/// How the output head is served, as the audit decided it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LmHeadMode {
+    /// Not overlaid.
+    None,
+    /// Tied head: the embedding's trainable-token rows also serve the head.
+    TiedTrainableRows,
+    /// The head's own tensors.
+    Own,
+}
+
+/// The audited token overlays.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditedOverlay {
+    /// The overlay tensors by role.
+    pub tensors: OverlayTensors,
+    /// Trainable ids of the embedding, in config order (delta row `k` is
+    /// `embed_ids[k]`'s), before clamping to the vocabulary.
+    pub embed_ids: Vec<u32>,
+    /// Trainable ids of an untied head (dict form), in config order.
+    pub lm_head_ids: Vec<u32>,
+    /// How the head is served.
+    pub lm_head: LmHeadMode,
+}
+
+impl AuditedOverlay {
+    /// Whether any token row is overlaid.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.embed.delta.is_none()
+            && self.tensors.embed.base_table().is_none()
+            && self.lm_head == LmHeadMode::None
+    }
+
+    /// The config ids of a table.
+    pub fn ids(&self, module: OverlayModule) -> &[u32] {
+        match module {
+            OverlayModule::Embed => &self.embed_ids,
+            OverlayModule::LmHead => &self.lm_head_ids,
+        }
+    }
+}
+
+/// What the audit concluded about an adapter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditReport {
+    /// The adapter directory.
+    pub adapter: String,
+    /// Dense pairs per (layer, module), sorted.
+    pub placed: Vec<PlacedPair>,
+    /// Expert and router pairs per (layer, site), sorted.
+    pub experts: Vec<PlacedExpertPair>,
+    /// Token overlays.
+    pub overlay: AuditedOverlay,
+    /// Items left out under `allow_partial`, each with its reason.
+    pub skipped: Vec<Refusal>,
+    /// Items that make the adapter unservable.
+    pub refused: Vec<Refusal>,
+    /// Whether the adapter has routed-expert or router tensors at all
+    /// (placed or skipped): a request for it must fold them or be refused.
+    pub has_expert_deltas: bool,
+    /// Bytes of one slot of the dense pool at `max_rank`
+    /// (`lora_layout::pool_slot_bytes`).
+    pub slot_bytes: usize,
+    /// Bytes the placed expert and router pairs take in the expert pool at
+    /// `expert_rank` (`lora_layout::expert_router_bytes`).
+    pub expert_bytes: usize,
+    /// The options it was audited under: `max_rank`.
+    pub max_rank: usize,
+    /// The options it was audited under: `expert_rank`.
+    pub expert_rank: usize,
+}
+
+impl AuditReport {
+    /// Whether the adapter can be served: nothing was refused.
+    pub fn is_servable(&self) -> bool {
+        self.refused.is_empty()
+    }
+
+    /// The distinct refusal codes, sorted.
+    pub fn refused_codes(&self) -> BTreeSet<RejectCode> {
+        self.refused.iter().map(|r| r.code).collect()
+    }
+}
+
+/// Config-level target checks: `target_modules` names that exist in the
+/// model family but can never take a delta here (gated-delta-net inputs,
+/// `lm_head`, `embed_tokens`). Names the model does not have are ignored
+/// (PEFT matched the tensors; they are the truth), and so are regex strings.
+/// Ranks are checked on the tensor shapes, per pair, by [`audit_adapter`]:
+/// a `rank_pattern` entry no tensor uses cannot refuse an adapter.
+pub fn validate_peft_config(config: &PeftAdapterConfig, cfg: &ModelConfig) -> Vec<Refusal> {
+    let Some(TargetModules::List(names)) = &config.target_modules else {
+        return Vec::new();
+    };
+    let qwen3_next = cfg.linear_attn.is_some();
+    names
+        .iter()
+        .filter_map(|name| {
+            let last = name.rsplit('.').next().unwrap_or(name);
+            let (code, why) = match last {
+                "in_proj_qkvz" | "in_proj_ba" | "conv1d" if qwen3_next => (
+                    RejectCode::GdnTarget,
+                    "a gated-delta-net input; only linear_attn.out_proj can take a delta",
+                ),
+                "lm_head" => (RejectCode::UnsupportedTarget, "LoRA on the output head is not served"),
+                "embed_tokens" => (RejectCode::EmbeddingLora, "LoRA on the embedding is not supported yet"),
+                _ => return None,
+            };
+            Some(Refusal::new(code, "target_modules", format!("`{name}`: {why}")))
+        })
+        .collect()
+}
+
+/// A pair's two tensors, as found.
+#[derive(Default)]
+struct Halves {
+    a: Option<TensorInfo>,
+    b: Option<TensorInfo>,
+    module_path: String,
+}
+
+/// Audit the adapter in `dir` against the model and the pool limits. An
+/// error only when the input is unreadable or corrupt; every refusal and
+/// skip lives in the report.
+pub fn audit_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Result<AuditReport, AuditError> {
+    audit_with_config(dir, cfg, opts).map(|(_, report)| report)
+}
+
+/// [`audit_adapter`], also returning the parsed config.
+pub(crate) fn audit_with_config(
+    dir: &Path,
+    cfg: &ModelConfig,
+    opts: &LoraOptions,
+) -> Result<(PeftAdapterConfig, AuditReport), AuditError> {
+    let config_path = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&config_path).map_err(|e| AuditError::io(&config_path, e))?;
+    let config = PeftAdapterConfig::from_json(&text)?;
+    let weights = dir.join(ADAPTER_WEIGHTS);
+    let mut audit = Audit::new(cfg, opts, &config);
+    audit.issues.extend(config.refusals());
+    audit.issues.extend(validate_peft_config(&config, cfg));
+    if config.peft_type != "LORA" {
+        // Another method's tensors mean nothing to a LoRA audit; the
+        // peft-type refusal says all there is to say.
+    } else if !weights.exists() && dir.join(ADAPTER_PICKLE).exists() {
+        audit.issues.push(Refusal::new(
+            RejectCode::Pickle,
+            ADAPTER_PICKLE,
+            "the weights are a pickle, which is never unpickled; save with safe_serialization=True",
+        ));
+    } else {
+        let infos = MappedSafetensors::open(&weights)?.infos()?;
+        audit.tensors(infos);
+    }
+    let report = audit.finish(dir)?;
+    Ok((config, report))
+}
+
+/// The audit's working state.
+struct Audit<'a> {
+    cfg: &'a ModelConfig,
+    opts: &'a LoraOptions,
+    config: &'a PeftAdapterConfig,
+    issues: Vec<Refusal>,
+    placed: Vec<PlacedPair>,
+    experts: Vec<PlacedExpertPair>,
+    overlay: OverlayTensors,
+    shapes: BTreeMap<String, Vec<usize>>,
+    has_expert_deltas: bool,
+}
+
+impl<'a> Audit<'a> {
+    fn new(cfg: &'a ModelConfig, opts: &'a LoraOptions, config: &'a PeftAdapterConfig) -> Audit<'a> {
+        Audit {
+            cfg,
+            opts,
+            config,
+            issues: Vec::new(),
+            placed: Vec::new(),
+            experts: Vec::new(),
+            overlay: OverlayTensors::default(),
+            shapes: BTreeMap::new(),
+            has_expert_deltas: false,
+        }
+    }
+
+    fn refuse(&mut self, code: RejectCode, subject: impl Into<String>, reason: impl Into<String>) {
+        self.issues.push(Refusal::new(code, subject, reason));
+    }
+
+    /// Classify every tensor, then place the pairs and check the overlays.
+    fn tensors(&mut self, infos: Vec<TensorInfo>) {
+        let mut groups: BTreeMap<(usize, LoraTarget), Halves> = BTreeMap::new();
+        for info in infos {
+            if !info.dtype.is_float_weight() {
+                self.refuse(
+                    RejectCode::Dtype,
+                    &info.name,
+                    format!("dtype {}; adapter tensors must be F32, F16 or BF16", info.dtype),
+                );
+                continue;
+            }
+            if let Some(tensor) = classify_overlay_key(&info.name) {
+                if let Err(r) = self.overlay.insert(&info.name, tensor) {
+                    self.issues.push(r);
+                }
+                self.shapes.insert(info.name, info.shape);
+                continue;
+            }
+            match classify_key(&info.name, self.cfg) {
+                Ok(key) => {
+                    let halves = groups.entry((key.layer, key.target)).or_default();
+                    let slot = match key.ab {
+                        AdapterAb::A => &mut halves.a,
+                        AdapterAb::B => &mut halves.b,
+                    };
+                    if let Some(previous) = slot {
+                        let reason = format!("a second tensor for this pair (first: `{}`)", previous.name);
+                        self.refuse(RejectCode::DuplicateTensor, &info.name, reason);
+                        continue;
+                    }
+                    *slot = Some(info);
+                    halves.module_path = key.module_path;
+                }
+                Err(refusal) => {
+                    let refusal = self.recode_saved_module(refusal);
+                    self.issues.push(refusal);
+                }
+            }
+        }
+        for ((layer, target), halves) in groups {
+            self.place(layer, target, halves);
+        }
+        self.check_fused_duplicates();
+    }
+
+    /// A full copy of a module named in `modules_to_save` that is not a token
+    /// table: say so rather than "unknown key".
+    fn recode_saved_module(&self, refusal: Refusal) -> Refusal {
+        if refusal.code != RejectCode::UnknownKey {
+            return refusal;
+        }
+        let path = refusal
+            .subject
+            .strip_prefix("base_model.model.")
+            .unwrap_or(&refusal.subject);
+        let module = path.rsplit_once('.').map_or(path, |(m, _)| m);
+        let saved = self
+            .config
+            .modules_to_save
+            .iter()
+            .any(|name| module.ends_with(name.as_str())); // PEFT's `_set_trainable` matches a plain suffix
+        if saved {
+            Refusal::new(
+                RejectCode::ModulesToSave,
+                refusal.subject,
+                "a modules_to_save copy of a module that is not a token table",
+            )
+        } else {
+            refusal
+        }
+    }
+
+    fn place(&mut self, layer: usize, target: LoraTarget, halves: Halves) {
+        let (a, b) = match (halves.a, halves.b) {
+            (Some(a), Some(b)) => (a, b),
+            (Some(only), None) | (None, Some(only)) => {
+                self.refuse(
+                    RejectCode::Unpaired,
+                    &only.name,
+                    "lora_A and lora_B must both be present; the other half is missing",
+                );
+                return;
+            }
+            (None, None) => return,
+        };
+        if target.is_expert() {
+            self.has_expert_deltas = true;
+            if !self.opts.experts {
+                self.refuse(
+                    RejectCode::ExpertsDisabled,
+                    &a.name,
+                    "routed-expert / router LoRA is disabled (set LORA_EXPERTS=1 or --experts)",
+                );
+                return;
+            }
+        }
+        for t in [&a, &b] {
+            if t.shape.len() != 2 {
+                self.refuse(
+                    RejectCode::Shape,
+                    &t.name,
+                    format!("shape {:?}; a LoRA factor is a matrix", t.shape),
+                );
+                return;
+            }
+        }
+        let (a_rows, b_cols) = (a.shape[0], b.shape[1]);
+        if a_rows == 0 || a_rows != b_cols {
+            self.refuse(
+                RejectCode::Shape,
+                &b.name,
+                format!("lora_A is {:?} and lora_B {:?}: their ranks disagree", a.shape, b.shape),
+            );
+            return;
+        }
+        match target {
+            LoraTarget::Dense(module) => {
+                let dims = module.dims(self.cfg);
+                if !self.check_dims(&a, &b, dims) {
+                    return;
+                }
+                let path = halves.module_path;
+                let Some((rank, scale)) = self.rank_and_scale(&a.name, &path, a_rows, false) else {
+                    return;
+                };
+                self.placed.push(PlacedPair {
+                    layer,
+                    module,
+                    rank,
+                    scale,
+                    a_key: a.name,
+                    b_key: b.name,
+                });
+            }
+            LoraTarget::Expert { expert, proj } => {
+                let site = ExpertSite::Expert { expert, proj };
+                self.place_direct_expert(layer, site, a, b, halves.module_path);
+            }
+            LoraTarget::Router => {
+                let path = self.router_pattern_path(&halves.module_path);
+                self.place_direct_expert(layer, ExpertSite::Router, a, b, path);
+            }
+            // Inner and outer wrappers are separate groups; the shapes say which parameter each adapts.
+            LoraTarget::FusedExperts(_) => self.place_fused(layer, a, b, &halves.module_path),
+        }
+    }
+
+    /// Check `[r, in]` / `[out, r]` against the projection's `(out, in)`.
+    fn check_dims(&mut self, a: &TensorInfo, b: &TensorInfo, (out, inp): (usize, usize)) -> bool {
+        if a.shape[1] != inp || b.shape[0] != out {
+            self.refuse(
+                RejectCode::Shape,
+                &a.name,
+                format!(
+                    "lora_A {:?} / lora_B {:?} do not fit the projection (out {out}, in {inp})",
+                    a.shape, b.shape
+                ),
+            );
+            return false;
+        }
+        true
+    }
+
+    /// The per-pair rank check against the config and the pool, and PEFT's
+    /// scale; `None` after recording a refusal.
+    fn rank_and_scale(&mut self, subject: &str, pattern_path: &str, rank: usize, expert: bool) -> Option<(usize, f32)> {
+        let config_rank = self.config.rank_for(pattern_path);
+        if config_rank != rank {
+            self.refuse(
+                RejectCode::RankMismatch,
+                subject,
+                format!(
+                    "the config gives `{pattern_path}` r={config_rank} (r / rank_pattern) but its tensors have r={rank}"
+                ),
+            );
+            return None;
+        }
+        let (limit, code, what) = if expert {
+            (self.opts.expert_rank, RejectCode::ExpertRank, "expert rank")
+        } else {
+            (self.opts.max_rank, RejectCode::RankExceedsMax, "max rank")
+        };
+        if rank > limit {
+            self.refuse(code, subject, format!("rank {rank} exceeds the pool's {what} {limit}"));
+            return None;
+        }
+        Some((rank, self.config.scale_for(pattern_path, rank)))
+    }
+
+    /// The router's pattern path: PEFT matched a router targeted through
+    /// `target_parameters` (5.x routers, DeepSeek's) by its parameter path.
+    fn router_pattern_path(&self, module_path: &str) -> String {
+        let param = format!("{module_path}.weight");
+        let by_parameter = self
+            .config
+            .target_parameters
+            .iter()
+            .any(|t| param == *t || param.ends_with(&format!(".{t}")));
+        if by_parameter { param } else { module_path.to_string() }
+    }
+
+    fn place_direct_expert(&mut self, layer: usize, site: ExpertSite, a: TensorInfo, b: TensorInfo, path: String) {
+        let Some(dims) = site.dims(self.cfg) else {
+            self.refuse(
+                RejectCode::ModelMismatch,
+                &a.name,
+                format!("the model has no expert site {site:?}"),
+            );
+            return;
+        };
+        if !self.check_dims(&a, &b, dims) {
+            return;
+        }
+        let Some((rank, scale)) = self.rank_and_scale(&a.name, &path, a.shape[0], true) else {
+            return;
+        };
+        self.experts.push(PlacedExpertPair {
+            layer,
+            site,
+            rank,
+            scale,
+            a_key: a.name,
+            b_key: b.name,
+            slice: ExpertSlice::Direct,
+        });
+    }
+
+    /// A 5.x fused pair. Which parameter it adapts follows from its shapes:
+    /// `gate_up_proj` has A `[E·r, hidden]`, B `[2·inter, E·r]`; `down_proj`
+    /// has A `[E·r, inter]`, B `[hidden, E·r]`. The two `(B rows, A cols)`
+    /// pairs, `(2·inter, hidden)` and `(hidden, inter)`, are never equal for
+    /// positive widths, so the wrapper's nesting order never has to be guessed.
+    fn place_fused(&mut self, layer: usize, a: TensorInfo, b: TensorInfo, module_path: &str) {
+        let (Some(moe), hidden) = (self.cfg.moe.as_ref(), self.cfg.hidden_size) else {
+            return;
+        };
+        let (n_experts, inter) = (moe.num_experts, moe.expert_intermediate_size);
+        let (a_rows, a_in, b_out) = (a.shape[0], a.shape[1], b.shape[0]);
+        let param = if (b_out, a_in) == (2 * inter, hidden) {
+            "gate_up_proj"
+        } else if (b_out, a_in) == (hidden, inter) {
+            "down_proj"
+        } else {
+            self.refuse(
+                RejectCode::Shape,
+                &a.name,
+                format!(
+                    "fused experts lora_A {:?} / lora_B {:?} fit neither gate_up_proj (in {hidden}, out {}) \
+                     nor down_proj (in {inter}, out {hidden})",
+                    a.shape,
+                    b.shape,
+                    2 * inter
+                ),
+            );
+            return;
+        };
+        if a_rows % n_experts != 0 {
+            self.refuse(
+                RejectCode::Shape,
+                &a.name,
+                format!("{a_rows} rows of lora_A are not {n_experts} experts x r"),
+            );
+            return;
+        }
+        let rank = a_rows / n_experts;
+        let container = module_path.strip_suffix(".base_layer").unwrap_or(module_path);
+        let path = format!("{container}.{param}");
+        let Some((rank, scale)) = self.rank_and_scale(&a.name, &path, rank, true) else {
+            return;
+        };
+        let projs: &[(ExpertProj, Range<usize>)] = if param == "gate_up_proj" {
+            &[(ExpertProj::Gate, 0..inter), (ExpertProj::Up, inter..2 * inter)]
+        } else {
+            &[(ExpertProj::Down, 0..hidden)]
+        };
+        for expert in 0..n_experts {
+            for (proj, rows) in projs {
+                self.experts.push(PlacedExpertPair {
+                    layer,
+                    site: ExpertSite::Expert { expert, proj: *proj },
+                    rank,
+                    scale,
+                    a_key: a.name.clone(),
+                    b_key: b.name.clone(),
+                    slice: ExpertSlice::Fused {
+                        num_experts: n_experts,
+                        out_rows: rows.clone(),
+                    },
+                });
+            }
+        }
+    }
+
+    /// Two pairs for one (layer, expert site): both fused wrappers adapting
+    /// one parameter, or a fused and a per-expert pair.
+    fn check_fused_duplicates(&mut self) {
+        self.experts.sort_by_key(|p| (p.layer, p.site));
+        let dups: Vec<(String, String)> = self
+            .experts
+            .windows(2)
+            .filter(|w| (w[0].layer, w[0].site) == (w[1].layer, w[1].site))
+            .map(|w| (w[1].a_key.clone(), w[0].a_key.clone()))
+            .collect();
+        for (key, first) in dups {
+            self.refuse(
+                RejectCode::DuplicateTensor,
+                key,
+                format!("adapts the same expert projection as `{first}`"),
+            );
+        }
+    }
+
+    /// Check the overlay tensors against the config and the model.
+    fn audit_overlay(&mut self) -> AuditedOverlay {
+        if let Err(r) = reject_pending_overlay(&self.overlay) {
+            self.issues.push(r);
+        }
+        let (embed_ids, lm_head_ids) = config_token_ids(self.config);
+        for module in [OverlayModule::Embed, OverlayModule::LmHead] {
+            let ids = match module {
+                OverlayModule::Embed => &embed_ids,
+                OverlayModule::LmHead => &lm_head_ids,
+            };
+            self.audit_table(module, ids);
+        }
+        let tied = self.cfg.tie_word_embeddings;
+        let embed_delta = self.overlay.embed.delta.is_some();
+        let head_own = self.overlay.lm_head.delta.is_some() || self.overlay.lm_head.base_table().is_some();
+        if tied && self.overlay.lm_head.delta.is_some() {
+            let key = self.overlay.lm_head.delta.clone().unwrap_or_default();
+            self.refuse(
+                RejectCode::TiedHead,
+                key,
+                "lm_head trainable tokens on a tied head: PEFT would write both token lists into one table",
+            );
+        } else if tied && embed_delta && head_own {
+            let key = self.overlay.lm_head.base_table().unwrap_or_default().to_string();
+            self.refuse(
+                RejectCode::TiedHead,
+                key,
+                "a tied head with both embedding trainable tokens and its own lm_head table",
+            );
+        }
+        let lm_head = if head_own {
+            LmHeadMode::Own
+        } else if tied && embed_delta {
+            LmHeadMode::TiedTrainableRows
+        } else {
+            LmHeadMode::None
+        };
+        AuditedOverlay {
+            tensors: self.overlay.clone(),
+            embed_ids,
+            lm_head_ids,
+            lm_head,
+        }
+    }
+
+    fn audit_table(&mut self, module: OverlayModule, ids: &[u32]) {
+        let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let tensors = self.overlay.table(module).clone();
+        match (&tensors.delta, ids.is_empty()) {
+            (Some(key), true) => self.refuse(
+                RejectCode::TrainableTokens,
+                key,
+                format!("trainable_token_indices gives {} no ids for these rows", module.name()),
+            ),
+            (None, false) => self.refuse(
+                RejectCode::TrainableTokens,
+                "trainable_token_indices",
+                format!(
+                    "{} ids are configured but the adapter has no trainable_tokens_delta",
+                    module.name()
+                ),
+            ),
+            (Some(key), false) => {
+                let want = [ids.len(), hidden];
+                if self.shapes.get(key).map(Vec::as_slice) != Some(&want[..]) {
+                    let got = self.shapes.get(key).cloned().unwrap_or_default();
+                    self.refuse(
+                        RejectCode::Shape,
+                        key,
+                        format!("shape {got:?}, expected {want:?} (one row per configured id)"),
+                    );
+                }
+                let mut seen = BTreeSet::new();
+                let repeated: BTreeSet<u32> = ids.iter().copied().filter(|id| !seen.insert(*id)).collect();
+                if !repeated.is_empty() {
+                    self.refuse(
+                        RejectCode::DuplicateTokenId,
+                        "trainable_token_indices",
+                        format!(
+                            "{} ids {repeated:?} repeat; PEFT's merge of repeated ids is undefined",
+                            module.name()
+                        ),
+                    );
+                }
+                let outside: Vec<u32> = ids.iter().copied().filter(|&id| !id_in_vocab(id, vocab)).collect();
+                if !outside.is_empty() {
+                    self.refuse(
+                        RejectCode::TokenOutOfVocab,
+                        "trainable_token_indices",
+                        format!(
+                            "{} ids {outside:?} are outside the served vocabulary of {vocab}",
+                            module.name()
+                        ),
+                    );
+                }
+            }
+            (None, true) => {}
+        }
+        if let Some(key) = tensors.base_table() {
+            let want = [vocab, hidden];
+            if self.shapes.get(key).map(Vec::as_slice) != Some(&want[..]) {
+                let got = self.shapes.get(key).cloned().unwrap_or_default();
+                self.refuse(
+                    RejectCode::Shape,
+                    key,
+                    format!("shape {got:?}, expected the served table's {want:?}"),
+                );
+            }
+        }
+    }
+
+    fn finish(mut self, dir: &Path) -> Result<AuditReport, AuditError> {
+        let overlay = self.audit_overlay();
+        let (mut skipped, mut refused): (Vec<Refusal>, Vec<Refusal>) = self
+            .issues
+            .into_iter()
+            .partition(|r| self.opts.allow_partial && r.code.skippable());
+        let nothing_served = self.placed.is_empty() && self.experts.is_empty() && overlay.is_empty();
+        if nothing_served && refused.is_empty() {
+            refused.push(Refusal::new(
+                RejectCode::Empty,
+                ADAPTER_WEIGHTS,
+                if skipped.is_empty() {
+                    "the adapter has no tensor to serve"
+                } else {
+                    "every tensor was skipped; nothing is left to serve"
+                },
+            ));
+        }
+        skipped.sort_by(|x, y| (x.code, &x.subject).cmp(&(y.code, &y.subject)));
+        refused.sort_by(|x, y| (x.code, &x.subject).cmp(&(y.code, &y.subject)));
+        self.placed.sort_by_key(|p| (p.layer, p.module));
+        let slot_bytes = pool_slot_bytes(self.cfg, self.opts.max_rank)?;
+        let expert_bytes = if self.experts.is_empty() {
+            0
+        } else {
+            expert_router_bytes(
+                self.cfg,
+                self.opts.expert_rank,
+                self.experts.iter().map(|p| (p.layer, p.site)),
+            )?
+        };
+        Ok(AuditReport {
+            adapter: dir.display().to_string(),
+            placed: self.placed,
+            experts: self.experts,
+            overlay,
+            skipped,
+            refused,
+            has_expert_deltas: self.has_expert_deltas,
+            slot_bytes,
+            expert_bytes,
+            max_rank: self.opts.max_rank,
+            expert_rank: self.opts.expert_rank,
+        })
+    }
+}
+
+/// The configured trainable ids: `(embed, lm_head)`. The list form names
+/// the input embedding; other modules of the dict form are refused by
+/// [`PeftAdapterConfig::refusals`].
+fn config_token_ids(config: &PeftAdapterConfig) -> (Vec<u32>, Vec<u32>) {
+    let (mut embed, mut head) = (Vec::new(), Vec::new());
+    match &config.trainable_token_indices {
+        None => {}
+        Some(TrainableTokenIndices::List(ids)) => embed.clone_from(ids),
+        Some(TrainableTokenIndices::PerModule(per_module)) => {
+            for (name, ids) in per_module {
+                match crate::peft_config::table_of_module(name) {
+                    Some(OverlayModule::Embed) => embed.extend_from_slice(ids),
+                    Some(OverlayModule::LmHead) => head.extend_from_slice(ids),
+                    None => {}
+                }
+            }
+        }
+    }
+    (embed, head)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,427 @@
+use super::*;
+use crate::test_support::{self, RawTensor, ScratchDir, f32_tensor, safetensors_bytes};
+
+fn write_adapter(config: &str, tensors: &[RawTensor]) -> ScratchDir {
+    let dir = ScratchDir::new("audit");
+    std::fs::write(dir.join(ADAPTER_CONFIG), config).unwrap();
+    std::fs::write(dir.join(ADAPTER_WEIGHTS), safetensors_bytes(tensors)).unwrap();
+    dir
+}
+
+fn zeros(name: &str, shape: &[usize]) -> RawTensor {
+    f32_tensor(name, shape, &vec![0.5; shape.iter().product()])
+}
+
+fn pair(path: &str, r: usize, out: usize, inp: usize) -> [RawTensor; 2] {
+    [
+        zeros(&format!("base_model.model.{path}.lora_A.weight"), &[r, inp]),
+        zeros(&format!("base_model.model.{path}.lora_B.weight"), &[out, r]),
+    ]
+}
+
+fn experts_on() -> LoraOptions {
+    LoraOptions {
+        experts: true,
+        ..LoraOptions::default()
+    }
+}
+
+fn codes(report: &AuditReport) -> Vec<RejectCode> {
+    report.refused_codes().into_iter().collect()
+}
+
+#[test]
+fn dense_pairs_get_rank_from_shapes_and_scale_from_patterns() {
+    let cfg = test_support::llama(false);
+    let mut t = Vec::new();
+    t.extend(pair("model.layers.0.self_attn.q_proj", 4, 64, 64));
+    t.extend(pair("model.layers.1.self_attn.v_proj", 8, 32, 64));
+    let dir = write_adapter(
+        r#"{"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"v_proj": 4}}"#,
+        &t,
+    );
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert!(report.is_servable(), "{:?}", report.refused);
+    let q = &report.placed[0];
+    assert_eq!(
+        (q.layer, q.module, q.rank, q.scale),
+        (0, LoraModule::QProj, 4, 16.0 / 4.0)
+    );
+    let v = &report.placed[1];
+    assert_eq!(
+        (v.layer, v.module, v.rank, v.scale),
+        (1, LoraModule::VProj, 8, 4.0 / 8.0)
+    );
+    assert_eq!(report.slot_bytes, pool_slot_bytes(&cfg, 16).unwrap());
+    assert_eq!(report.expert_bytes, 0);
+}
+
+#[test]
+fn config_rank_must_match_the_shapes_and_fit_the_pool() {
+    let cfg = test_support::llama(false);
+    let dir = write_adapter(r#"{"r": 8}"#, &pair("model.layers.0.self_attn.q_proj", 4, 64, 64));
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::RankMismatch]);
+    let reason = &report.refused[0].reason;
+    assert!(reason.contains("r=8") && reason.contains("r=4"), "names both: {reason}");
+
+    let dir = write_adapter(r#"{"r": 32}"#, &pair("model.layers.0.self_attn.q_proj", 32, 64, 64));
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::RankExceedsMax]);
+    let reason = &report.refused[0].reason;
+    assert!(reason.contains("32") && reason.contains("16"), "names both: {reason}");
+    let wide = LoraOptions {
+        max_rank: 32,
+        ..LoraOptions::default()
+    };
+    assert!(audit_adapter(&dir.0, &cfg, &wide).unwrap().is_servable());
+}
+
+#[test]
+fn fused_experts_rank_is_rows_over_experts_whatever_the_nesting() {
+    let cfg = test_support::qwen3_moe();
+    let (e, r, hidden, inter) = (4, 2, 32, 16);
+    // Nesting reversed from what PEFT does for Qwen3-MoE: the shapes decide.
+    let t = vec![
+        zeros(
+            "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight",
+            &[e * r, inter],
+        ),
+        zeros(
+            "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight",
+            &[hidden, e * r],
+        ),
+        zeros(
+            "base_model.model.model.layers.1.mlp.experts.lora_A.weight",
+            &[e * r, hidden],
+        ),
+        zeros(
+            "base_model.model.model.layers.1.mlp.experts.lora_B.weight",
+            &[2 * inter, e * r],
+        ),
+    ];
+    let dir = write_adapter(
+        r#"{"r": 2, "lora_alpha": 8, "use_rslora": true, "alpha_pattern": {"experts.down_proj": 2}}"#,
+        &t,
+    );
+    let report = audit_adapter(&dir.0, &cfg, &experts_on()).unwrap();
+    assert!(report.is_servable(), "{:?}", report.refused);
+    assert_eq!(report.experts.len(), e * 3);
+    for p in &report.experts {
+        let ExpertSite::Expert { proj, .. } = p.site else {
+            panic!("no router here")
+        };
+        assert_eq!(p.rank, r);
+        let alpha = if proj == ExpertProj::Down { 2.0f64 } else { 8.0 };
+        assert_eq!(p.scale, (alpha / (r as f64).sqrt()) as f32, "{:?}", p.site);
+        let (is_down, key) = (proj == ExpertProj::Down, p.a_key.contains("base_layer"));
+        assert_eq!(is_down, key, "down_proj is the inner wrapper in this adapter");
+        match &p.slice {
+            ExpertSlice::Fused { num_experts, out_rows } => {
+                assert_eq!(*num_experts, e);
+                let want = match proj {
+                    ExpertProj::Gate => 0..inter,
+                    ExpertProj::Up => inter..2 * inter,
+                    ExpertProj::Down => 0..hidden,
+                };
+                assert_eq!(*out_rows, want);
+            }
+            ExpertSlice::Direct => panic!("fused pairs are sliced"),
+        }
+    }
+    assert_eq!(
+        report.expert_bytes,
+        expert_router_bytes(&cfg, 16, report.experts.iter().map(|p| (p.layer, p.site))).unwrap()
+    );
+}
+
+#[test]
+fn fused_pairs_that_fit_neither_parameter_are_refused() {
+    let cfg = test_support::qwen3_moe();
+    let t = vec![
+        zeros("model.layers.1.mlp.experts.lora_A.weight", &[8, 32]),
+        zeros("model.layers.1.mlp.experts.lora_B.weight", &[31, 8]),
+    ];
+    let report = audit_adapter(&write_adapter("{}", &t).0, &cfg, &experts_on()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Shape]);
+    let t = vec![
+        zeros("model.layers.1.mlp.experts.lora_A.weight", &[6, 32]),
+        zeros("model.layers.1.mlp.experts.lora_B.weight", &[32, 6]),
+    ];
+    let report = audit_adapter(&write_adapter("{}", &t).0, &cfg, &experts_on()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Shape], "6 rows are not 4 experts x r");
+}
+
+#[test]
+fn expert_tensors_need_experts_enabled_and_fit_the_expert_rank() {
+    let cfg = test_support::qwen3_moe();
+    let mut t = Vec::new();
+    t.extend(pair("model.layers.0.self_attn.q_proj", 8, 32, 32));
+    t.extend(pair("model.layers.1.mlp.experts.2.down_proj", 8, 32, 16));
+    t.extend(pair("model.layers.1.mlp.gate", 8, 4, 32));
+    let dir = write_adapter(r#"{"r": 8}"#, &t);
+    let off = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&off), [RejectCode::ExpertsDisabled]);
+    assert!(off.has_expert_deltas);
+    let partial = LoraOptions {
+        allow_partial: true,
+        ..LoraOptions::default()
+    };
+    let skipped = audit_adapter(&dir.0, &cfg, &partial).unwrap();
+    assert!(skipped.is_servable());
+    assert_eq!(skipped.skipped.len(), 2);
+    assert!(skipped.has_expert_deltas, "a request must still fold or refuse them");
+    assert_eq!(skipped.placed.len(), 1);
+
+    let on = audit_adapter(&dir.0, &cfg, &experts_on()).unwrap();
+    assert!(on.is_servable());
+    let sites: Vec<ExpertSite> = on.experts.iter().map(|p| p.site).collect();
+    assert_eq!(
+        sites,
+        [
+            ExpertSite::Expert {
+                expert: 2,
+                proj: ExpertProj::Down
+            },
+            ExpertSite::Router
+        ]
+    );
+    let small = LoraOptions {
+        expert_rank: 4,
+        ..experts_on()
+    };
+    let too_big = audit_adapter(&dir.0, &cfg, &small).unwrap();
+    assert_eq!(codes(&too_big), [RejectCode::ExpertRank]);
+    assert!(
+        too_big
+            .refused
+            .iter()
+            .all(|r| r.reason.contains('8') && r.reason.contains('4'))
+    );
+}
+
+#[test]
+fn a_router_targeted_as_a_parameter_is_matched_by_its_parameter_path() {
+    let cfg = test_support::qwen3_moe();
+    let t = pair("model.layers.1.mlp.gate", 4, 4, 32);
+    let by_param = r#"{"r": 4, "lora_alpha": 8, "target_parameters": ["mlp.gate.weight"],
+                       "alpha_pattern": {"gate.weight": 2, "gate": 32}}"#;
+    let report = audit_adapter(&write_adapter(by_param, &t).0, &cfg, &experts_on()).unwrap();
+    assert_eq!(report.experts[0].scale, 2.0 / 4.0);
+    let by_module = r#"{"r": 4, "lora_alpha": 8, "target_modules": ["gate"],
+                        "alpha_pattern": {"gate.weight": 2, "gate": 32}}"#;
+    let report = audit_adapter(&write_adapter(by_module, &t).0, &cfg, &experts_on()).unwrap();
+    assert_eq!(report.experts[0].scale, 32.0 / 4.0);
+}
+
+#[test]
+fn malformed_pairs_are_refused_naming_the_tensor() {
+    let cfg = test_support::llama(false);
+    let a_only = [zeros(
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        &[8, 64],
+    )];
+    let report = audit_adapter(&write_adapter("{}", &a_only).0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Unpaired]);
+    assert_eq!(report.refused[0].subject, a_only[0].0);
+
+    let wrong_in = pair("model.layers.0.self_attn.q_proj", 8, 64, 32);
+    let report = audit_adapter(&write_adapter("{}", &wrong_in).0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Shape]);
+
+    let mut twice = pair("model.layers.0.self_attn.q_proj", 8, 64, 64).to_vec();
+    twice.push(zeros("model.layers.0.self_attn.q_proj.lora_A.weight", &[8, 64]));
+    let report = audit_adapter(&write_adapter("{}", &twice).0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::DuplicateTensor]);
+
+    let mut ints = pair("model.layers.0.self_attn.q_proj", 8, 64, 64).to_vec();
+    ints.push((
+        "model.layers.0.self_attn.k_proj.lora_A.weight".into(),
+        safetensors::Dtype::I32,
+        vec![1],
+        vec![0; 4],
+    ));
+    let report = audit_adapter(&write_adapter("{}", &ints).0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Dtype]);
+}
+
+#[test]
+fn nothing_to_serve_is_refused() {
+    let cfg = test_support::llama(false);
+    let report = audit_adapter(&write_adapter("{}", &[]).0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Empty]);
+    let only_unsupported = pair("model.layers.0.input_layernorm", 4, 64, 64);
+    let partial = LoraOptions {
+        allow_partial: true,
+        ..LoraOptions::default()
+    };
+    let report = audit_adapter(&write_adapter("{}", &only_unsupported).0, &cfg, &partial).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Empty]);
+    assert_eq!(report.skipped.len(), 2);
+}
+
+#[test]
+fn a_pickle_adapter_is_refused_without_reading_it() {
+    let cfg = test_support::llama(false);
+    let dir = ScratchDir::new("pickle");
+    std::fs::write(dir.join(ADAPTER_CONFIG), "{}").unwrap();
+    std::fs::write(dir.join(ADAPTER_PICKLE), b"\x80\x02").unwrap();
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Pickle]);
+}
+
+#[test]
+fn unreadable_input_is_an_error_not_a_report() {
+    let cfg = test_support::llama(false);
+    let dir = ScratchDir::new("unreadable");
+    assert!(matches!(
+        audit_adapter(&dir.0, &cfg, &LoraOptions::default()),
+        Err(AuditError::Io { .. })
+    ));
+    std::fs::write(dir.join(ADAPTER_CONFIG), "{").unwrap();
+    assert!(matches!(
+        audit_adapter(&dir.0, &cfg, &LoraOptions::default()),
+        Err(AuditError::ConfigJson { .. })
+    ));
+    std::fs::write(dir.join(ADAPTER_CONFIG), "{}").unwrap();
+    std::fs::write(dir.join(ADAPTER_WEIGHTS), b"\x10\x00\x00\x00\x00\x00\x00\x00{}").unwrap();
+    assert!(matches!(
+        audit_adapter(&dir.0, &cfg, &LoraOptions::default()),
+        Err(AuditError::Safetensors { .. })
+    ));
+}
+
+fn tokens(config: &str, tensors: &[RawTensor], cfg: &ModelConfig, opts: &LoraOptions) -> AuditReport {
+    audit_adapter(&write_adapter(config, tensors).0, cfg, opts).unwrap()
+}
+
+const EMBED_DELTA: &str = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta";
+const HEAD_DELTA: &str = "base_model.model.lm_head.token_adapter.trainable_tokens_delta";
+
+#[test]
+fn trainable_tokens_are_checked_against_config_and_vocab() {
+    let cfg = test_support::llama(false);
+    let opts = LoraOptions::default();
+    let ok = tokens(
+        r#"{"trainable_token_indices": [3, 9]}"#,
+        &[zeros(EMBED_DELTA, &[2, 64])],
+        &cfg,
+        &opts,
+    );
+    assert!(ok.is_servable(), "{:?}", ok.refused);
+    assert_eq!(ok.overlay.embed_ids, [3, 9]);
+    assert_eq!(
+        ok.overlay.lm_head,
+        LmHeadMode::None,
+        "an untied head is untouched by the list form"
+    );
+
+    let cases: &[(&str, Vec<RawTensor>, RejectCode)] = &[
+        (
+            r#"{"trainable_token_indices": [3, 9]}"#,
+            vec![zeros(EMBED_DELTA, &[3, 64])],
+            RejectCode::Shape,
+        ),
+        (
+            r#"{"trainable_token_indices": [3, 3]}"#,
+            vec![zeros(EMBED_DELTA, &[2, 64])],
+            RejectCode::DuplicateTokenId,
+        ),
+        (
+            r#"{"trainable_token_indices": [3, 256]}"#,
+            vec![zeros(EMBED_DELTA, &[2, 64])],
+            RejectCode::TokenOutOfVocab,
+        ),
+        (r#"{}"#, vec![zeros(EMBED_DELTA, &[2, 64])], RejectCode::TrainableTokens),
+        (
+            r#"{"trainable_token_indices": [3]}"#,
+            pair("model.layers.0.self_attn.q_proj", 8, 64, 64).to_vec(),
+            RejectCode::TrainableTokens,
+        ),
+    ];
+    for (config, tensors, code) in cases {
+        let report = tokens(config, tensors, &cfg, &opts);
+        assert_eq!(codes(&report), [*code], "{config}");
+    }
+    let partial = LoraOptions {
+        allow_partial: true,
+        ..opts
+    };
+    let clamped = tokens(
+        r#"{"trainable_token_indices": [3, 256]}"#,
+        &[zeros(EMBED_DELTA, &[2, 64])],
+        &cfg,
+        &partial,
+    );
+    assert!(clamped.is_servable());
+    assert_eq!(clamped.skipped[0].code, RejectCode::TokenOutOfVocab);
+}
+
+#[test]
+fn tied_heads_follow_peft() {
+    let tied = test_support::llama(true);
+    let opts = LoraOptions::default();
+    let list = tokens(
+        r#"{"trainable_token_indices": [3]}"#,
+        &[zeros(EMBED_DELTA, &[1, 64])],
+        &tied,
+        &opts,
+    );
+    assert_eq!(list.overlay.lm_head, LmHeadMode::TiedTrainableRows);
+    let table = tokens(
+        r#"{"modules_to_save": ["embed_tokens"]}"#,
+        &[zeros("base_model.model.model.embed_tokens.weight", &[256, 64])],
+        &tied,
+        &opts,
+    );
+    assert!(table.is_servable());
+    assert_eq!(table.overlay.lm_head, LmHeadMode::None, "PEFT's copy unties the head");
+    let head = tokens(
+        r#"{"trainable_token_indices": {"embed_tokens": [1], "lm_head": [2]}}"#,
+        &[zeros(EMBED_DELTA, &[1, 64]), zeros(HEAD_DELTA, &[1, 64])],
+        &tied,
+        &opts,
+    );
+    assert_eq!(codes(&head), [RejectCode::TiedHead]);
+    let untied = tokens(
+        r#"{"trainable_token_indices": {"embed_tokens": [1], "lm_head": [2]}}"#,
+        &[zeros(EMBED_DELTA, &[1, 64]), zeros(HEAD_DELTA, &[1, 64])],
+        &test_support::llama(false),
+        &opts,
+    );
+    assert!(untied.is_servable());
+    assert_eq!(
+        (untied.overlay.lm_head, untied.overlay.lm_head_ids.as_slice()),
+        (LmHeadMode::Own, &[2u32][..])
+    );
+}
+
+#[test]
+fn full_tables_must_be_the_served_shape() {
+    let cfg = test_support::llama(false);
+    let report = tokens(
+        r#"{"modules_to_save": ["lm_head"]}"#,
+        &[zeros("base_model.model.lm_head.weight", &[260, 64])],
+        &cfg,
+        &LoraOptions::default(),
+    );
+    assert_eq!(codes(&report), [RejectCode::Shape]);
+}
+
+#[test]
+fn config_targets_that_can_never_be_served() {
+    let next = test_support::qwen3_next();
+    let config =
+        PeftAdapterConfig::from_json(r#"{"target_modules": ["in_proj_qkvz", "out_proj", "lm_head"]}"#).unwrap();
+    let refusals = validate_peft_config(&config, &next);
+    let got: Vec<RejectCode> = refusals.iter().map(|r| r.code).collect();
+    assert_eq!(got, [RejectCode::GdnTarget, RejectCode::UnsupportedTarget]);
+    assert!(refusals.iter().all(|r| r.subject == "target_modules"));
+    // A name the model does not have is not a reason to refuse.
+    let llama = test_support::llama(false);
+    assert!(
+        validate_peft_config(&config, &llama)[..]
+            .iter()
+            .all(|r| r.code != RejectCode::GdnTarget)
+    );
+}

@@ -1,0 +1,301 @@
+//! `lora-audit`: check a PEFT adapter against a base model, or probe its
+//! deltas as they will be served.
+//!
+//! Exit status: 0 servable (probe written), 1 refused, 2 bad usage or
+//! unreadable input.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use lora_audit::{
+    AuditError, AuditReport, ExpertSlice, LmHeadMode, LoraOptions, Refusal, audit_adapter, prepare_adapter,
+    probe_adapter, read_base_tables, read_probe_inputs, write_probe_outputs,
+};
+use lora_layout::{ExpertSite, ModelConfig};
+use serde_json::{Value, json};
+
+#[derive(Parser)]
+#[command(
+    name = "lora-audit",
+    version,
+    about = "Audit PEFT LoRA adapters for multi-LoRA serving"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Place every tensor of an adapter or refuse it with reasons.
+    Check {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Compute the served deltas for probe inputs (pure host path).
+    Probe {
+        #[command(flatten)]
+        common: Common,
+        /// Probe inputs: `probe_in::<weight>` and `rows_idx::<table>` tensors.
+        #[arg(long)]
+        probes: PathBuf,
+        /// Base token tables (`…embed_tokens.weight`, `lm_head.weight`), for `rows_idx::` probes.
+        #[arg(long)]
+        base: Option<PathBuf>,
+        /// Where to write `probe_out::` / `rows_merged::` tensors.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct Common {
+    /// The adapter directory (adapter_config.json + adapter_model.safetensors).
+    adapter_dir: PathBuf,
+    /// The base model's config.json.
+    #[arg(long)]
+    model: PathBuf,
+    /// Rank the dense pool pads to (default: LORA_MAX_RANK, else 16).
+    #[arg(long)]
+    max_rank: Option<usize>,
+    /// Rank the expert pool pads to (default: LORA_EXPERT_RANK, else 16).
+    #[arg(long)]
+    expert_rank: Option<usize>,
+    /// Skip targets the engine cannot apply (each skip is listed).
+    #[arg(long)]
+    allow_partial: bool,
+    /// Serve routed-expert and router deltas.
+    #[arg(long)]
+    experts: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+impl Common {
+    fn options(&self) -> Result<LoraOptions, String> {
+        let mut opts = LoraOptions::from_env().map_err(|e| e.to_string())?;
+        if let Some(r) = self.max_rank {
+            opts.max_rank = r;
+        }
+        if let Some(r) = self.expert_rank {
+            opts.expert_rank = r;
+        }
+        if opts.max_rank == 0 || opts.expert_rank == 0 {
+            return Err("ranks must be at least 1".into());
+        }
+        opts.allow_partial |= self.allow_partial;
+        opts.experts |= self.experts;
+        Ok(opts)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(message) => {
+            eprintln!("lora-audit: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode, String> {
+    match cli.command {
+        Command::Check { common } => {
+            let opts = common.options()?;
+            let cfg = ModelConfig::from_file(&common.model).map_err(|e| e.to_string())?;
+            let report = audit_adapter(&common.adapter_dir, &cfg, &opts).map_err(|e| e.to_string())?;
+            if common.json {
+                println!("{:#}", report_json(&report, &cfg));
+            } else {
+                print!("{}", report_text(&report, &cfg));
+            }
+            Ok(verdict(&report))
+        }
+        Command::Probe {
+            common,
+            probes,
+            base,
+            out,
+        } => {
+            let opts = common.options()?;
+            let cfg = ModelConfig::from_file(&common.model).map_err(|e| e.to_string())?;
+            let adapter = match prepare_adapter(&common.adapter_dir, &cfg, &opts) {
+                Ok(a) => a,
+                Err(AuditError::Refused(report)) => {
+                    if common.json {
+                        println!("{:#}", report_json(&report, &cfg));
+                    } else {
+                        print!("{}", report_text(&report, &cfg));
+                    }
+                    return Ok(ExitCode::from(1));
+                }
+                Err(e) => return Err(e.to_string()),
+            };
+            let inputs = read_probe_inputs(&probes).map_err(|e| e.to_string())?;
+            let base = base
+                .as_deref()
+                .map(read_base_tables)
+                .transpose()
+                .map_err(|e| e.to_string())?;
+            let outputs = probe_adapter(&adapter, &cfg, &inputs, base.as_ref()).map_err(|e| e.to_string())?;
+            write_probe_outputs(&out, &outputs).map_err(|e| e.to_string())?;
+            if common.json {
+                let summary = json!({
+                    "out": out.display().to_string(),
+                    "written": outputs.tensors.keys().collect::<Vec<_>>(),
+                    "unserved": outputs.unserved,
+                });
+                println!("{summary:#}");
+            } else {
+                println!("wrote {} tensors to {}", outputs.tensors.len(), display(&out));
+                for w in &outputs.unserved {
+                    println!("  not served (no delta written): {w}");
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn display(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn verdict(report: &AuditReport) -> ExitCode {
+    if report.is_servable() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn site_name(site: ExpertSite) -> String {
+    match site {
+        ExpertSite::Expert { expert, proj } => format!("expert {expert} {proj}"),
+        ExpertSite::Router => "router".to_string(),
+    }
+}
+
+fn refusal_json(r: &Refusal) -> Value {
+    json!({ "code": r.code.as_str(), "subject": r.subject, "reason": r.reason })
+}
+
+fn lm_head_mode(mode: LmHeadMode) -> &'static str {
+    match mode {
+        LmHeadMode::None => "none",
+        LmHeadMode::TiedTrainableRows => "tied-trainable-rows",
+        LmHeadMode::Own => "own",
+    }
+}
+
+fn report_json(report: &AuditReport, cfg: &ModelConfig) -> Value {
+    let t = &report.overlay.tensors;
+    json!({
+        "adapter": report.adapter,
+        "model_type": cfg.family.model_type(),
+        "servable": report.is_servable(),
+        "placed": report.placed.iter().map(|p| json!({
+            "layer": p.layer, "module": p.module.path(cfg.family), "rank": p.rank, "scale": p.scale,
+        })).collect::<Vec<_>>(),
+        "experts": report.experts.iter().map(|p| json!({
+            "layer": p.layer, "site": site_name(p.site), "rank": p.rank, "scale": p.scale,
+            "format": match p.slice { ExpertSlice::Direct => "direct", ExpertSlice::Fused { .. } => "fused" },
+        })).collect::<Vec<_>>(),
+        "overlay": {
+            "embed_trainable_ids": report.overlay.embed_ids,
+            "embed_table": t.embed.base_table(),
+            "lm_head_trainable_ids": report.overlay.lm_head_ids,
+            "lm_head_table": t.lm_head.base_table(),
+            "lm_head": lm_head_mode(report.overlay.lm_head),
+        },
+        "has_expert_deltas": report.has_expert_deltas,
+        "skipped": report.skipped.iter().map(refusal_json).collect::<Vec<_>>(),
+        "refused": report.refused.iter().map(refusal_json).collect::<Vec<_>>(),
+        "max_rank": report.max_rank,
+        "expert_rank": report.expert_rank,
+        "slot_bytes": report.slot_bytes,
+        "expert_bytes": report.expert_bytes,
+    })
+}
+
+fn report_text(report: &AuditReport, cfg: &ModelConfig) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let verdict = if report.is_servable() { "SERVABLE" } else { "REFUSED" };
+    let _ = writeln!(s, "{} ({}): {verdict}", report.adapter, cfg.family.model_type());
+    if !report.placed.is_empty() {
+        let _ = writeln!(s, "placed dense pairs ({}):", report.placed.len());
+        let _ = writeln!(s, "  {:>5}  {:<32} {:>4}  {:>10}", "layer", "module", "rank", "scale");
+        for p in &report.placed {
+            let _ = writeln!(
+                s,
+                "  {:>5}  {:<32} {:>4}  {:>10.6}",
+                p.layer,
+                p.module.path(cfg.family),
+                p.rank,
+                p.scale
+            );
+        }
+    }
+    if !report.experts.is_empty() {
+        // Group experts sharing (layer, projection, rank, scale) into one line.
+        let mut groups: BTreeMap<(usize, String, usize, u32), Vec<usize>> = BTreeMap::new();
+        for p in &report.experts {
+            let (name, expert) = match p.site {
+                ExpertSite::Expert { expert, proj } => (proj.name().to_string(), Some(expert)),
+                ExpertSite::Router => ("router".to_string(), None),
+            };
+            let e = groups.entry((p.layer, name, p.rank, p.scale.to_bits())).or_default();
+            e.extend(expert);
+        }
+        let _ = writeln!(s, "placed expert/router pairs ({}):", report.experts.len());
+        for ((layer, name, rank, scale), experts) in groups {
+            let who = if experts.is_empty() {
+                String::new()
+            } else {
+                format!(" experts {experts:?}")
+            };
+            let _ = writeln!(
+                s,
+                "  layer {layer:>3}  {name:<10} rank {rank:>3}  scale {:.6}{who}",
+                f32::from_bits(scale)
+            );
+        }
+    }
+    let t = &report.overlay.tensors;
+    if !report.overlay.is_empty() {
+        let _ = writeln!(s, "token overlays:");
+        if !report.overlay.embed_ids.is_empty() {
+            let _ = writeln!(s, "  embed_tokens trainable ids {:?}", report.overlay.embed_ids);
+        }
+        if let Some(table) = t.embed.base_table() {
+            let _ = writeln!(s, "  embed_tokens table {table}");
+        }
+        if !report.overlay.lm_head_ids.is_empty() {
+            let _ = writeln!(s, "  lm_head trainable ids {:?}", report.overlay.lm_head_ids);
+        }
+        if let Some(table) = t.lm_head.base_table() {
+            let _ = writeln!(s, "  lm_head table {table}");
+        }
+        let _ = writeln!(s, "  lm_head: {}", lm_head_mode(report.overlay.lm_head));
+    }
+    for (title, items) in [("skipped", &report.skipped), ("refused", &report.refused)] {
+        if !items.is_empty() {
+            let _ = writeln!(s, "{title} ({}):", items.len());
+            for r in items {
+                let _ = writeln!(s, "  {r}");
+            }
+        }
+    }
+    let _ = writeln!(
+        s,
+        "pool: {} bytes per dense slot at max rank {}; {} expert-pool bytes at expert rank {}",
+        report.slot_bytes, report.max_rank, report.expert_bytes, report.expert_rank
+    );
+    s
+}

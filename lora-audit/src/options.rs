@@ -1,0 +1,139 @@
+//! `LoraOptions`: the serving switches, with `from_env`, the one place that
+//! reads the `LORA_*` environment variables.
+
+/// How adapters are served: pool sizes and policy switches.
+///
+/// Passed explicitly to every crate that needs it; [`LoraOptions::from_env`]
+/// is the only reader of the `LORA_*` variables.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraOptions {
+    /// Slots in the adapter pool (`LORA_MAX_LORAS`, default 4).
+    pub max_loras: usize,
+    /// Rank every dense pair is padded to (`LORA_MAX_RANK`, default 16).
+    pub max_rank: usize,
+    /// Leading slots that are never evicted (`LORA_PINNED`, default 0).
+    pub pinned: usize,
+    /// Skip targets the engine cannot apply instead of refusing the adapter,
+    /// listing every skip (`LORA_ALLOW_PARTIAL`).
+    pub allow_partial: bool,
+    /// Serve routed-expert and router deltas (`LORA_EXPERTS`). Off, an
+    /// adapter with such tensors is refused (`REJECT[experts-disabled]`).
+    pub experts: bool,
+    /// Rank the expert/router pool is padded to (`LORA_EXPERT_RANK`, default 16).
+    pub expert_rank: usize,
+    /// Bytes of one expert-pool slot, when fixed (`LORA_EXPERT_SLOT_BYTES`);
+    /// `None` sizes it from the adapters loaded at startup.
+    pub expert_slot_bytes: Option<usize>,
+    /// Run decode without CUDA graphs while an adapter is loaded (`LORA_EAGER`).
+    pub eager: bool,
+    /// Allow runtime rotation and swap of adapters (`LORA_ROTATE`, or set by
+    /// `LORA_PEER`).
+    pub rotatable: bool,
+    /// `host:port` of the peer that stages adapters (`LORA_PEER`).
+    pub peer: Option<String>,
+}
+
+/// Default of [`LoraOptions::max_loras`].
+pub const DEFAULT_MAX_LORAS: usize = 4;
+/// Default of [`LoraOptions::max_rank`].
+pub const DEFAULT_MAX_RANK: usize = 16;
+/// Default of [`LoraOptions::expert_rank`].
+pub const DEFAULT_EXPERT_RANK: usize = 16;
+
+impl Default for LoraOptions {
+    fn default() -> LoraOptions {
+        LoraOptions {
+            max_loras: DEFAULT_MAX_LORAS,
+            max_rank: DEFAULT_MAX_RANK,
+            pinned: 0,
+            allow_partial: false,
+            experts: false,
+            expert_rank: DEFAULT_EXPERT_RANK,
+            expert_slot_bytes: None,
+            eager: false,
+            rotatable: false,
+            peer: None,
+        }
+    }
+}
+
+/// A `LORA_*` variable whose value cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{variable}={value:?}: {reason}")]
+pub struct OptionsError {
+    /// The variable.
+    pub variable: &'static str,
+    /// Its value.
+    pub value: String,
+    /// What is wrong with it.
+    pub reason: &'static str,
+}
+
+impl LoraOptions {
+    /// Read the `LORA_*` switches from the process environment. Call it once
+    /// at startup; everything else takes the returned value.
+    pub fn from_env() -> Result<LoraOptions, OptionsError> {
+        LoraOptions::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// Build the options from a variable lookup (`None`: unset). Booleans are
+    /// true for `1` or `true` in any case; numbers are decimal; an empty
+    /// value counts as unset. `LORA_PEER` set implies `rotatable`.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LoraOptions, OptionsError> {
+        let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        let defaults = LoraOptions::default();
+        let number = |name: &'static str, default: usize, min: usize| -> Result<usize, OptionsError> {
+            let Some(raw) = get(name) else {
+                return Ok(default);
+            };
+            let n = raw.trim().parse::<usize>().map_err(|_| OptionsError {
+                variable: name,
+                value: raw.clone(),
+                reason: "expected a non-negative decimal integer",
+            })?;
+            if n < min {
+                return Err(OptionsError {
+                    variable: name,
+                    value: raw,
+                    reason: "must be at least 1",
+                });
+            }
+            Ok(n)
+        };
+        let flag = |name: &str| {
+            get(name).is_some_and(|v| {
+                let v = v.trim();
+                v == "1" || v.eq_ignore_ascii_case("true")
+            })
+        };
+        let peer = get("LORA_PEER").map(|p| p.trim().to_string());
+        let expert_slot_bytes = match get("LORA_EXPERT_SLOT_BYTES") {
+            None => None,
+            Some(_) => Some(number("LORA_EXPERT_SLOT_BYTES", 0, 1)?),
+        };
+        let max_loras = number("LORA_MAX_LORAS", defaults.max_loras, 1)?;
+        let pinned = number("LORA_PINNED", defaults.pinned, 0)?;
+        if pinned > max_loras {
+            return Err(OptionsError {
+                variable: "LORA_PINNED",
+                value: pinned.to_string(),
+                reason: "exceeds LORA_MAX_LORAS",
+            });
+        }
+        Ok(LoraOptions {
+            max_loras,
+            max_rank: number("LORA_MAX_RANK", defaults.max_rank, 1)?,
+            pinned,
+            allow_partial: flag("LORA_ALLOW_PARTIAL"),
+            experts: flag("LORA_EXPERTS"),
+            expert_rank: number("LORA_EXPERT_RANK", defaults.expert_rank, 1)?,
+            expert_slot_bytes,
+            eager: flag("LORA_EAGER"),
+            rotatable: flag("LORA_ROTATE") || peer.is_some(),
+            peer,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

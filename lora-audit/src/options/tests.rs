@@ -1,0 +1,87 @@
+use super::*;
+use std::collections::HashMap;
+
+fn opts(vars: &[(&str, &str)]) -> Result<LoraOptions, OptionsError> {
+    let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    LoraOptions::from_vars(|name| map.get(name).cloned())
+}
+
+#[test]
+fn unset_variables_give_the_defaults() {
+    assert_eq!(opts(&[]).unwrap(), LoraOptions::default());
+}
+
+#[test]
+fn every_variable_is_read() {
+    let o = opts(&[
+        ("LORA_MAX_LORAS", "8"),
+        ("LORA_MAX_RANK", "64"),
+        ("LORA_PINNED", "2"),
+        ("LORA_ALLOW_PARTIAL", "TRUE"),
+        ("LORA_EXPERTS", "1"),
+        ("LORA_EXPERT_RANK", "32"),
+        ("LORA_EXPERT_SLOT_BYTES", "4096"),
+        ("LORA_EAGER", "True"),
+        ("LORA_ROTATE", "0"),
+    ])
+    .unwrap();
+    assert_eq!(o.max_loras, 8);
+    assert_eq!(o.max_rank, 64);
+    assert_eq!(o.pinned, 2);
+    assert!(o.allow_partial && o.experts && o.eager);
+    assert_eq!(o.expert_rank, 32);
+    assert_eq!(o.expert_slot_bytes, Some(4096));
+    assert!(!o.rotatable);
+    assert_eq!(o.peer, None);
+}
+
+#[test]
+fn booleans_are_one_or_true_in_any_case() {
+    for (v, want) in [
+        ("1", true),
+        ("true", true),
+        ("tRuE", true),
+        ("yes", false),
+        ("0", false),
+        ("", false),
+    ] {
+        assert_eq!(opts(&[("LORA_EXPERTS", v)]).unwrap().experts, want, "{v:?}");
+    }
+}
+
+#[test]
+fn a_peer_makes_the_pool_rotatable() {
+    let o = opts(&[("LORA_PEER", "10.0.0.2:7000")]).unwrap();
+    assert_eq!(o.peer.as_deref(), Some("10.0.0.2:7000"));
+    assert!(o.rotatable);
+    assert!(opts(&[("LORA_ROTATE", "true")]).unwrap().rotatable);
+    assert_eq!(opts(&[("LORA_PEER", "  ")]).unwrap().peer, None);
+}
+
+#[test]
+fn a_malformed_number_names_its_variable() {
+    for var in [
+        "LORA_MAX_LORAS",
+        "LORA_MAX_RANK",
+        "LORA_PINNED",
+        "LORA_EXPERT_RANK",
+        "LORA_EXPERT_SLOT_BYTES",
+    ] {
+        let err = opts(&[(var, "12x")]).unwrap_err();
+        assert_eq!(err.variable, var);
+        assert!(err.to_string().contains(var));
+    }
+    assert_eq!(opts(&[("LORA_MAX_RANK", "-1")]).unwrap_err().variable, "LORA_MAX_RANK");
+}
+
+#[test]
+fn zero_sizes_and_excess_pins_are_errors() {
+    assert_eq!(opts(&[("LORA_MAX_RANK", "0")]).unwrap_err().variable, "LORA_MAX_RANK");
+    assert_eq!(
+        opts(&[("LORA_EXPERT_RANK", "0")]).unwrap_err().variable,
+        "LORA_EXPERT_RANK"
+    );
+    assert_eq!(opts(&[("LORA_MAX_LORAS", "0")]).unwrap_err().variable, "LORA_MAX_LORAS");
+    let err = opts(&[("LORA_MAX_LORAS", "2"), ("LORA_PINNED", "3")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_PINNED");
+}

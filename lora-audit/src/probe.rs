@@ -1,0 +1,469 @@
+//! The pure probe path: an adapter's deltas as they will be served, computed
+//! on the host from the audited pairs (BF16-rounded A and B as stored, the
+//! pair's scale, FP32 arithmetic) and the token overlays, for probe tensors
+//! named after the base model's own weights.
+//!
+//! Input keys: `probe_in::<weight>` (`[n, in]`) and `rows_idx::<table>`
+//! (token ids); other keys are ignored. Output keys: `probe_out::<weight>`
+//! (`[n, out]`; for a transformers 5.x fused expert parameter `[E, n, out]`)
+//! and `rows_merged::<table>` (`[ids, hidden]`, the served rows). This is how
+//! users check an adapter against PEFT's merged weights, and how the tests do.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use half::bf16;
+use lora_layout::{ExpertProj, ExpertSite, LoraModule, ModelConfig};
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+
+use crate::error::{AuditError, RejectCode};
+use crate::key::{LayerModule, resolve_layer_module, split_layer_path};
+use crate::overlay::{CompiledOverlay, OverlayModule};
+use crate::prepare::PreparedAdapter;
+use crate::tensors::{MappedSafetensors, load_f32, load_i64};
+
+/// Prefix of a probe input.
+pub const PROBE_IN: &str = "probe_in::";
+/// Prefix of a probe output.
+pub const PROBE_OUT: &str = "probe_out::";
+/// Prefix of requested table rows.
+pub const ROWS_IDX: &str = "rows_idx::";
+/// Prefix of served table rows.
+pub const ROWS_MERGED: &str = "rows_merged::";
+
+/// A transformers 5.x fused experts parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FusedParam {
+    /// `gate_up_proj` `[E, 2·inter, hidden]`: Gate rows, then Up rows.
+    GateUp,
+    /// `down_proj` `[E, hidden, inter]`.
+    Down,
+}
+
+/// What a base-model weight name refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightRef {
+    /// A dense projection (`model.layers.0.self_attn.q_proj.weight`).
+    Dense {
+        /// Layer.
+        layer: usize,
+        /// Projection.
+        module: LoraModule,
+    },
+    /// One expert's projection, 4.x form
+    /// (`model.layers.0.mlp.experts.3.gate_proj.weight`,
+    /// `…block_sparse_moe.experts.3.w1.weight`).
+    Expert {
+        /// Layer.
+        layer: usize,
+        /// Expert.
+        expert: usize,
+        /// Projection.
+        proj: ExpertProj,
+    },
+    /// A 5.x fused experts parameter (`model.layers.0.mlp.experts.gate_up_proj`).
+    Fused {
+        /// Layer.
+        layer: usize,
+        /// Which parameter.
+        param: FusedParam,
+    },
+    /// The router (`…mlp.gate.weight`, `…block_sparse_moe.gate.weight`).
+    Router {
+        /// Layer.
+        layer: usize,
+    },
+    /// A token table (`…embed_tokens.weight`, `lm_head.weight`).
+    Table(OverlayModule),
+    /// A layer weight that exists but takes no delta when served (a
+    /// gated-delta-net input, a norm): the served delta is zero.
+    Unserved,
+}
+
+/// Parse a base-model weight name.
+pub fn parse_weight_name(name: &str, cfg: &ModelConfig) -> Result<WeightRef, AuditError> {
+    let bad = |reason: String| AuditError::Probe {
+        name: name.to_string(),
+        reason,
+    };
+    if name.ends_with("embed_tokens.weight") {
+        return Ok(WeightRef::Table(OverlayModule::Embed));
+    }
+    if name == "lm_head.weight" || name.ends_with(".lm_head.weight") {
+        return Ok(WeightRef::Table(OverlayModule::LmHead));
+    }
+    let (_, layer, rest) =
+        split_layer_path(name).ok_or_else(|| bad("not a weight of a decoder layer or a token table".into()))?;
+    let (module_rest, fused) = match rest.strip_suffix(".weight") {
+        Some(m) => (m, None),
+        None => match rest.rsplit_once('.') {
+            Some((container, "gate_up_proj")) => (container, Some(FusedParam::GateUp)),
+            Some((container, "down_proj")) => (container, Some(FusedParam::Down)),
+            _ => return Err(bad("expected `<module>.weight` or a fused experts parameter".into())),
+        },
+    };
+    match (resolve_layer_module(cfg, layer, module_rest, name), fused) {
+        (Ok(LayerModule::Dense(module)), None) => Ok(WeightRef::Dense { layer, module }),
+        (Ok(LayerModule::Expert { expert, proj }), None) => Ok(WeightRef::Expert { layer, expert, proj }),
+        (Ok(LayerModule::Router), None) => Ok(WeightRef::Router { layer }),
+        (Ok(LayerModule::ExpertsContainer), Some(param)) => Ok(WeightRef::Fused { layer, param }),
+        (Err(r), _) if matches!(r.code, RejectCode::GdnTarget | RejectCode::UnsupportedTarget) => {
+            Ok(WeightRef::Unserved)
+        }
+        (Err(r), _) => Err(bad(r.reason)),
+        (Ok(_), _) => Err(bad(format!("`{rest}` is not a weight of this model"))),
+    }
+}
+
+/// A probe tensor: shape and row-major values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProbeTensor {
+    /// The shape.
+    pub shape: Vec<usize>,
+    /// The values.
+    pub data: Vec<f32>,
+}
+
+/// The probes of one input file.
+#[derive(Debug, Clone, Default)]
+pub struct ProbeInputs {
+    /// `probe_in::<weight>` by weight name.
+    pub inputs: BTreeMap<String, ProbeTensor>,
+    /// `rows_idx::<table>` by table name.
+    pub rows: BTreeMap<String, Vec<i64>>,
+}
+
+/// Read a probe file; keys with other prefixes are ignored.
+pub fn read_probe_inputs(path: &Path) -> Result<ProbeInputs, AuditError> {
+    let mapped = MappedSafetensors::open(path)?;
+    let mut out = ProbeInputs::default();
+    for info in mapped.infos()? {
+        if let Some(weight) = info.name.strip_prefix(PROBE_IN) {
+            let (shape, data) = load_f32(&mapped, &info.name)?;
+            out.inputs.insert(weight.to_string(), ProbeTensor { shape, data });
+        } else if let Some(table) = info.name.strip_prefix(ROWS_IDX) {
+            let (_, ids) = load_i64(&mapped, &info.name)?;
+            out.rows.insert(table.to_string(), ids);
+        }
+    }
+    Ok(out)
+}
+
+/// The served base token tables, BF16 `[vocab, hidden]`.
+#[derive(Debug, Clone, Default)]
+pub struct BaseTables {
+    /// The input embedding.
+    pub embed: Option<Vec<bf16>>,
+    /// The output head; `None` on a tied model (the embedding serves it).
+    pub lm_head: Option<Vec<bf16>>,
+}
+
+/// Read `--base`: the tensors whose names end in `embed_tokens.weight` and
+/// `lm_head.weight`.
+pub fn read_base_tables(path: &Path) -> Result<BaseTables, AuditError> {
+    let mapped = MappedSafetensors::open(path)?;
+    let tensors = crate::tensors::load_bf16(&mapped, |n| {
+        n.ends_with("embed_tokens.weight") || n == "lm_head.weight" || n.ends_with(".lm_head.weight")
+    })?;
+    let mut tables = BaseTables::default();
+    for (name, t) in tensors {
+        if name.ends_with("embed_tokens.weight") {
+            tables.embed = Some(t.data);
+        } else {
+            tables.lm_head = Some(t.data);
+        }
+    }
+    Ok(tables)
+}
+
+/// What a probe run produced.
+#[derive(Debug, Clone, Default)]
+pub struct ProbeOutputs {
+    /// `probe_out::<weight>` and `rows_merged::<table>` tensors by full key.
+    pub tensors: BTreeMap<String, ProbeTensor>,
+    /// Probed weights that take no delta when served (no output written).
+    pub unserved: Vec<String>,
+}
+
+/// Answer every probe from the prepared adapter.
+pub fn probe_adapter(
+    adapter: &PreparedAdapter,
+    cfg: &ModelConfig,
+    inputs: &ProbeInputs,
+    base: Option<&BaseTables>,
+) -> Result<ProbeOutputs, AuditError> {
+    let mut out = ProbeOutputs::default();
+    for (weight, x) in &inputs.inputs {
+        match probe_weight(adapter, cfg, weight, x)? {
+            Some(t) => {
+                out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
+            }
+            None => out.unserved.push(weight.clone()),
+        }
+    }
+    if !inputs.rows.is_empty() {
+        let served = ServedTables::new(adapter, cfg, base)?;
+        for (table, ids) in &inputs.rows {
+            let module = match parse_weight_name(table, cfg)? {
+                WeightRef::Table(m) => m,
+                _ => {
+                    return Err(AuditError::Probe {
+                        name: format!("{ROWS_IDX}{table}"),
+                        reason: "rows can only be asked of embed_tokens or lm_head".into(),
+                    });
+                }
+            };
+            let rows = served.rows(module, table, ids)?;
+            out.tensors.insert(format!("{ROWS_MERGED}{table}"), rows);
+        }
+    }
+    Ok(out)
+}
+
+/// One probe: `None` for a weight that takes no delta.
+fn probe_weight(
+    adapter: &PreparedAdapter,
+    cfg: &ModelConfig,
+    weight: &str,
+    x: &ProbeTensor,
+) -> Result<Option<ProbeTensor>, AuditError> {
+    let bad = |reason: String| AuditError::Probe {
+        name: format!("{PROBE_IN}{weight}"),
+        reason,
+    };
+    let [n, width] = x.shape[..] else {
+        return Err(bad(format!("shape {:?}; expected [rows, in]", x.shape)));
+    };
+    let check_width = |inp: usize| {
+        if width == inp {
+            Ok(())
+        } else {
+            Err(bad(format!("width {width}, but the weight's input width is {inp}")))
+        }
+    };
+    let pair_out = |pair: Option<(&[bf16], &[bf16], usize, f32)>, (out, inp): (usize, usize)| -> Vec<f32> {
+        match pair {
+            Some((a, b, rank, scale)) => apply_pair(&x.data, n, a, b, rank, inp, out, scale),
+            None => vec![0.0; n * out],
+        }
+    };
+    let dense = |layer, module: LoraModule| {
+        adapter
+            .dense_pair(layer, module)
+            .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale))
+    };
+    let expert = |layer, site| {
+        adapter
+            .expert_pair(layer, site)
+            .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale))
+    };
+    let no_site = || bad("the model has no such site".into());
+    Ok(Some(match parse_weight_name(weight, cfg)? {
+        WeightRef::Unserved => return Ok(None),
+        WeightRef::Table(_) => return Err(bad("token tables are probed with rows_idx::".into())),
+        WeightRef::Dense { layer, module } => {
+            let (out, inp) = module.dims(cfg);
+            check_width(inp)?;
+            ProbeTensor {
+                shape: vec![n, out],
+                data: pair_out(dense(layer, module), (out, inp)),
+            }
+        }
+        WeightRef::Expert { layer, expert: e, proj } => {
+            let site = ExpertSite::Expert { expert: e, proj };
+            let dims = site.dims(cfg).ok_or_else(no_site)?;
+            check_width(dims.1)?;
+            ProbeTensor {
+                shape: vec![n, dims.0],
+                data: pair_out(expert(layer, site), dims),
+            }
+        }
+        WeightRef::Router { layer } => {
+            let dims = ExpertSite::Router.dims(cfg).ok_or_else(no_site)?;
+            check_width(dims.1)?;
+            ProbeTensor {
+                shape: vec![n, dims.0],
+                data: pair_out(expert(layer, ExpertSite::Router), dims),
+            }
+        }
+        WeightRef::Fused { layer, param } => {
+            let moe = cfg.moe.as_ref().ok_or_else(no_site)?;
+            let projs: &[ExpertProj] = match param {
+                FusedParam::GateUp => &[ExpertProj::Gate, ExpertProj::Up],
+                FusedParam::Down => &[ExpertProj::Down],
+            };
+            let dims: Vec<(usize, usize)> = projs
+                .iter()
+                .map(|p| p.dims(cfg).ok_or_else(no_site))
+                .collect::<Result<_, _>>()?;
+            check_width(dims[0].1)?;
+            let out_total: usize = dims.iter().map(|d| d.0).sum();
+            let mut data = vec![0.0f32; moe.num_experts * n * out_total];
+            for e in 0..moe.num_experts {
+                let mut col = 0;
+                for (proj, &d) in projs.iter().zip(&dims) {
+                    let y = pair_out(expert(layer, ExpertSite::Expert { expert: e, proj: *proj }), d);
+                    for row in 0..n {
+                        let dst = (e * n + row) * out_total + col;
+                        data[dst..dst + d.0].copy_from_slice(&y[row * d.0..(row + 1) * d.0]);
+                    }
+                    col += d.0;
+                }
+            }
+            ProbeTensor {
+                shape: vec![moe.num_experts, n, out_total],
+                data,
+            }
+        }
+    }))
+}
+
+/// `y[n, out] = scale · (x[n, in] · Aᵀ) · Bᵀ` with A `[rank, in]`, B
+/// `[out, rank]` in BF16 and FP32 accumulation.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_pair(
+    x: &[f32],
+    n: usize,
+    a: &[bf16],
+    b: &[bf16],
+    rank: usize,
+    inp: usize,
+    out: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let mut y = vec![0.0f32; n * out];
+    let mut t = vec![0.0f32; rank];
+    for row in 0..n {
+        let xr = &x[row * inp..(row + 1) * inp];
+        for (k, tk) in t.iter_mut().enumerate() {
+            let ak = &a[k * inp..(k + 1) * inp];
+            *tk = xr.iter().zip(ak).map(|(xi, ai)| xi * ai.to_f32()).sum();
+        }
+        for (o, yo) in y[row * out..(row + 1) * out].iter_mut().enumerate() {
+            let bo = &b[o * rank..(o + 1) * rank];
+            *yo = scale * t.iter().zip(bo).map(|(tk, bk)| tk * bk.to_f32()).sum::<f32>();
+        }
+    }
+    y
+}
+
+/// The served token tables of one adapter: base tables plus its compiled
+/// overlays.
+struct ServedTables<'a> {
+    hidden: usize,
+    vocab: usize,
+    embed_base: Option<&'a [bf16]>,
+    head_base: Option<&'a [bf16]>,
+    embed: Option<CompiledOverlay>,
+    head: Option<CompiledOverlay>,
+}
+
+impl<'a> ServedTables<'a> {
+    fn new(adapter: &PreparedAdapter, cfg: &ModelConfig, base: Option<&'a BaseTables>) -> Result<Self, AuditError> {
+        let need = |what: &str| AuditError::Probe {
+            name: ROWS_IDX.to_string(),
+            reason: format!("rows_idx probes need --base with {what}"),
+        };
+        let base = base.ok_or_else(|| need("the token tables"))?;
+        let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+        let embed_base = base.embed.as_deref();
+        // A tied head is the embedding table.
+        let head_base = base
+            .lm_head
+            .as_deref()
+            .or(if cfg.tie_word_embeddings { embed_base } else { None });
+        let compile = |overlay: Option<&crate::overlay::TableOverlay>, table: Option<&[bf16]>, what: &str| {
+            overlay
+                .map(|o| {
+                    let table = table.ok_or_else(|| need(what))?;
+                    o.compile(table, vocab, hidden).map_err(|e| AuditError::Probe {
+                        name: format!("{ROWS_IDX}{what}"),
+                        reason: e.to_string(),
+                    })
+                })
+                .transpose()
+        };
+        let embed = compile(adapter.overlay.embed.as_ref(), embed_base, "embed_tokens.weight")?;
+        let head_overlay = adapter.overlay.lm_head_table();
+        let head = compile(head_overlay.as_deref(), head_base, "lm_head.weight")?;
+        Ok(ServedTables {
+            hidden,
+            vocab,
+            embed_base,
+            head_base,
+            embed,
+            head,
+        })
+    }
+
+    fn rows(&self, module: OverlayModule, table: &str, ids: &[i64]) -> Result<ProbeTensor, AuditError> {
+        let (base, overlay) = match module {
+            OverlayModule::Embed => (self.embed_base, &self.embed),
+            OverlayModule::LmHead => (self.head_base, &self.head),
+        };
+        let bad = |reason: String| AuditError::Probe {
+            name: format!("{ROWS_IDX}{table}"),
+            reason,
+        };
+        let base = base.ok_or_else(|| bad(format!("--base has no {} table", module.name())))?;
+        if base.len() != self.vocab * self.hidden {
+            return Err(bad(format!(
+                "the base table has {} elements, expected {} x {}",
+                base.len(),
+                self.vocab,
+                self.hidden
+            )));
+        }
+        let mut data = Vec::with_capacity(ids.len() * self.hidden);
+        for &id in ids {
+            let i = usize::try_from(id)
+                .ok()
+                .filter(|&i| i < self.vocab)
+                .ok_or_else(|| bad(format!("id {id} is outside the vocabulary of {}", self.vocab)))?;
+            let row = match overlay {
+                Some(o) => o.served_row(i, base, self.hidden),
+                None => base.get(i * self.hidden..(i + 1) * self.hidden),
+            }
+            .ok_or_else(|| bad(format!("no row for id {id}")))?;
+            data.extend(row.iter().map(|v| v.to_f32()));
+        }
+        Ok(ProbeTensor {
+            shape: vec![ids.len(), self.hidden],
+            data,
+        })
+    }
+}
+
+/// Write probe outputs as F32 tensors.
+pub fn write_probe_outputs(path: &Path, outputs: &ProbeOutputs) -> Result<(), AuditError> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = outputs
+        .tensors
+        .iter()
+        .map(|(k, t)| {
+            (
+                k.clone(),
+                t.shape.clone(),
+                t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(k, shape, data)| {
+            TensorView::new(Dtype::F32, shape.clone(), data)
+                .map(|v| (k.clone(), v))
+                .map_err(|e| AuditError::Tensor {
+                    name: k.clone(),
+                    reason: e.to_string(),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| AuditError::Safetensors {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests;

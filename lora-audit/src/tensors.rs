@@ -1,0 +1,302 @@
+//! Reading safetensors files: memory-mapped, validated before use, F32 and
+//! F16 converted to BF16 on the host with rayon across tensors.
+//!
+//! Truncated or corrupt files are errors, never panics: the header and every
+//! offset are checked by `safetensors` before any data is touched, and every
+//! size computed here is checked.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::Path;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::AuditError;
+
+/// A tensor's element type, as far as adapters use them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorDtype {
+    /// IEEE float32.
+    F32,
+    /// IEEE float16.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// int64 (probe row ids).
+    I64,
+    /// int32 (probe row ids).
+    I32,
+    /// Anything else (named as safetensors names it).
+    Other(&'static str),
+}
+
+impl TensorDtype {
+    fn of(dtype: Dtype) -> TensorDtype {
+        match dtype {
+            Dtype::F32 => TensorDtype::F32,
+            Dtype::F16 => TensorDtype::F16,
+            Dtype::BF16 => TensorDtype::BF16,
+            Dtype::I64 => TensorDtype::I64,
+            Dtype::I32 => TensorDtype::I32,
+            Dtype::F64 => TensorDtype::Other("F64"),
+            Dtype::I8 => TensorDtype::Other("I8"),
+            Dtype::U8 => TensorDtype::Other("U8"),
+            Dtype::I16 => TensorDtype::Other("I16"),
+            Dtype::U16 => TensorDtype::Other("U16"),
+            Dtype::U32 => TensorDtype::Other("U32"),
+            Dtype::U64 => TensorDtype::Other("U64"),
+            Dtype::BOOL => TensorDtype::Other("BOOL"),
+            _ => TensorDtype::Other("an unsupported dtype"),
+        }
+    }
+
+    /// Whether adapter weights may have this type (F32, F16, BF16).
+    pub fn is_float_weight(self) -> bool {
+        matches!(self, TensorDtype::F32 | TensorDtype::F16 | TensorDtype::BF16)
+    }
+}
+
+impl std::fmt::Display for TensorDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TensorDtype::F32 => f.write_str("F32"),
+            TensorDtype::F16 => f.write_str("F16"),
+            TensorDtype::BF16 => f.write_str("BF16"),
+            TensorDtype::I64 => f.write_str("I64"),
+            TensorDtype::I32 => f.write_str("I32"),
+            TensorDtype::Other(name) => f.write_str(name),
+        }
+    }
+}
+
+/// A tensor's name, type and shape, from the header alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The name.
+    pub name: String,
+    /// The element type.
+    pub dtype: TensorDtype,
+    /// The shape.
+    pub shape: Vec<usize>,
+}
+
+/// A host tensor converted to BF16.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// The shape.
+    pub shape: Vec<usize>,
+    /// Row-major BF16 elements.
+    pub data: Vec<bf16>,
+}
+
+/// An adapter's tensors by name, as BF16.
+pub type AdapterTensors = BTreeMap<String, HostTensor>;
+
+/// A memory-mapped, validated safetensors file.
+pub struct MappedSafetensors {
+    path: String,
+    map: Option<Mmap>,
+}
+
+impl MappedSafetensors {
+    /// Map `path` and validate its header against its length.
+    pub fn open(path: &Path) -> Result<MappedSafetensors, AuditError> {
+        let file = File::open(path).map_err(|e| AuditError::io(path, e))?;
+        let len = file.metadata().map_err(|e| AuditError::io(path, e))?.len();
+        let map = if len == 0 {
+            None
+        } else {
+            // SAFETY: the map is read-only and lives as long as `self`. Another
+            // process truncating or rewriting the file while it is mapped would
+            // break the borrow rules (or raise SIGBUS); adapter files are
+            // written once and only read here, which is the contract callers
+            // accept by passing the path.
+            Some(unsafe { Mmap::map(&file) }.map_err(|e| AuditError::io(path, e))?)
+        };
+        let mapped = MappedSafetensors {
+            path: path.display().to_string(),
+            map,
+        };
+        mapped.view()?;
+        Ok(mapped)
+    }
+
+    fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+
+    /// The parsed view (header validated against the whole buffer).
+    pub fn view(&self) -> Result<SafeTensors<'_>, AuditError> {
+        SafeTensors::deserialize(self.bytes()).map_err(|e| AuditError::Safetensors {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The `__metadata__` strings of the header.
+    pub fn metadata(&self) -> Result<BTreeMap<String, String>, AuditError> {
+        let (_, meta) = SafeTensors::read_metadata(self.bytes()).map_err(|e| AuditError::Safetensors {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(meta.metadata().clone().unwrap_or_default().into_iter().collect())
+    }
+
+    /// Every tensor's name, type and shape, sorted by name.
+    pub fn infos(&self) -> Result<Vec<TensorInfo>, AuditError> {
+        let view = self.view()?;
+        let mut infos: Vec<TensorInfo> = view
+            .iter()
+            .map(|(name, t)| TensorInfo {
+                name: name.to_string(),
+                dtype: TensorDtype::of(t.dtype()),
+                shape: t.shape().to_vec(),
+            })
+            .collect();
+        infos.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(infos)
+    }
+
+    /// The file name, for messages.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+}
+
+/// Read an adapter's weights (`adapter_model.safetensors`, or the file named)
+/// into BF16 host tensors: F32 and F16 are rounded to nearest even, BF16 is
+/// copied. A `.bin` path is refused (a pickle is never unpickled); any other
+/// element type is an error naming the tensor.
+pub fn load_adapter_safetensors(path: &Path) -> Result<AdapterTensors, AuditError> {
+    let path = if path.is_dir() {
+        path.join("adapter_model.safetensors")
+    } else {
+        path.to_path_buf()
+    };
+    if path.extension().is_some_and(|e| e == "bin") {
+        return Err(AuditError::Tensor {
+            name: path.display().to_string(),
+            reason: "a pickle (.bin) adapter is never loaded; save it with safe_serialization=True".into(),
+        });
+    }
+    let mapped = MappedSafetensors::open(&path)?;
+    load_bf16(&mapped, |_| true)
+}
+
+/// Convert the tensors of `mapped` selected by `keep` to BF16, in parallel.
+pub fn load_bf16(mapped: &MappedSafetensors, keep: impl Fn(&str) -> bool + Sync) -> Result<AdapterTensors, AuditError> {
+    let view = mapped.view()?;
+    let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        view.tensors().into_iter().filter(|(n, _)| keep(n)).collect();
+    tensors
+        .into_par_iter()
+        .map(|(name, t)| {
+            let data = to_bf16(&name, TensorDtype::of(t.dtype()), t.data())?;
+            Ok((
+                name,
+                HostTensor {
+                    shape: t.shape().to_vec(),
+                    data,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Read one float tensor (F32, F16 or BF16) as F32, exactly.
+pub fn load_f32(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, Vec<f32>), AuditError> {
+    let view = mapped.view()?;
+    let t = named_tensor(&view, name)?;
+    let dtype = TensorDtype::of(t.dtype());
+    let data = match dtype {
+        TensorDtype::F32 => t
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        TensorDtype::F16 | TensorDtype::BF16 => to_bf16_or_f16_f32(dtype, t.data()),
+        other => {
+            return Err(AuditError::Tensor {
+                name: name.to_string(),
+                reason: format!("expected a float tensor, got {other}"),
+            });
+        }
+    };
+    Ok((t.shape().to_vec(), data))
+}
+
+/// Read an integer tensor (I64 or I32) as `i64`.
+pub fn load_i64(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, Vec<i64>), AuditError> {
+    let view = mapped.view()?;
+    let t = named_tensor(&view, name)?;
+    let data = match TensorDtype::of(t.dtype()) {
+        TensorDtype::I64 => t
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+            .collect(),
+        TensorDtype::I32 => t
+            .data()
+            .chunks_exact(4)
+            .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+            .collect(),
+        other => {
+            return Err(AuditError::Tensor {
+                name: name.to_string(),
+                reason: format!("expected an I64 or I32 tensor, got {other}"),
+            });
+        }
+    };
+    Ok((t.shape().to_vec(), data))
+}
+
+fn named_tensor<'a>(view: &SafeTensors<'a>, name: &str) -> Result<safetensors::tensor::TensorView<'a>, AuditError> {
+    view.tensor(name).map_err(|e| AuditError::Tensor {
+        name: name.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+fn to_bf16_or_f16_f32(dtype: TensorDtype, bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| {
+            let bits = u16::from_le_bytes([b[0], b[1]]);
+            if dtype == TensorDtype::F16 {
+                f16::from_bits(bits).to_f32()
+            } else {
+                bf16::from_bits(bits).to_f32()
+            }
+        })
+        .collect()
+}
+
+/// Convert raw little-endian bytes of a float tensor to BF16.
+fn to_bf16(name: &str, dtype: TensorDtype, bytes: &[u8]) -> Result<Vec<bf16>, AuditError> {
+    Ok(match dtype {
+        TensorDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+            .collect(),
+        TensorDtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_f32(f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()))
+            .collect(),
+        TensorDtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+        other => {
+            return Err(AuditError::Tensor {
+                name: name.to_string(),
+                reason: format!("dtype {other}; adapter weights must be F32, F16 or BF16"),
+            });
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,485 @@
+//! Every fixture under `fixtures/` (made by real PEFT, see
+//! `fixtures/make_fixtures.py`) against its `expected.json` and PEFT's own
+//! merged weights (`oracle.safetensors`).
+//!
+//! Expected outcomes hold for `--max-rank 16 --experts` (expert rank 16).
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use lora_audit::{
+    AuditReport, LmHeadMode, LoraOptions, MappedSafetensors, PROBE_IN, PROBE_OUT, ProbeInputs, ROWS_IDX, ROWS_MERGED,
+    RejectCode, WeightRef, audit_adapter, parse_weight_name, prepare_adapter, probe_adapter, read_base_tables,
+    read_probe_inputs,
+};
+use lora_layout::{ExpertProj, ExpertSite, LoraModule, ModelConfig};
+
+/// The dense (layer, module) and expert-pool (layer, site) places of an adapter.
+type Sites = (BTreeSet<(usize, LoraModule)>, BTreeSet<(usize, ExpertSite)>);
+
+fn fixtures_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
+}
+
+struct Fixture {
+    name: String,
+    dir: PathBuf,
+    model: PathBuf,
+    expected: serde_json::Value,
+}
+
+impl Fixture {
+    fn cfg(&self) -> ModelConfig {
+        ModelConfig::from_file(&self.model.join("config.json")).unwrap()
+    }
+    fn servable(&self) -> bool {
+        self.expected["servable"].as_bool().unwrap()
+    }
+    fn oracle(&self) -> Option<PathBuf> {
+        Some(self.dir.join("oracle.safetensors")).filter(|p| p.exists())
+    }
+    fn tables(&self) -> Option<PathBuf> {
+        Some(self.model.join("tables.safetensors")).filter(|p| p.exists())
+    }
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let mut out = Vec::new();
+    let mut models: Vec<_> = std::fs::read_dir(fixtures_root())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    models.sort();
+    for model in models.into_iter().filter(|m| m.join("config.json").exists()) {
+        let mut adapters: Vec<_> = std::fs::read_dir(&model).unwrap().flatten().map(|e| e.path()).collect();
+        adapters.sort();
+        for dir in adapters.into_iter().filter(|d| d.join("expected.json").exists()) {
+            let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
+            out.push(Fixture {
+                name: format!(
+                    "{}/{}",
+                    model.file_name().unwrap().to_string_lossy(),
+                    dir.file_name().unwrap().to_string_lossy()
+                ),
+                dir,
+                model: model.clone(),
+                expected: serde_json::from_str(&text).unwrap(),
+            });
+        }
+    }
+    assert!(out.len() >= 30, "the fixtures are missing: found {}", out.len());
+    out
+}
+
+/// The options the expected outcomes are written for.
+fn fixture_options() -> LoraOptions {
+    LoraOptions {
+        max_rank: 16,
+        experts: true,
+        ..LoraOptions::default()
+    }
+}
+
+fn expected_codes(f: &Fixture) -> BTreeSet<RejectCode> {
+    f.expected["codes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| RejectCode::parse(c.as_str().unwrap()).unwrap_or_else(|| panic!("{}: unknown code {c}", f.name)))
+        .collect()
+}
+
+#[test]
+fn every_fixture_audits_to_its_expected_outcome() {
+    let mut failures = Vec::new();
+    for f in fixtures() {
+        let report = audit_adapter(&f.dir, &f.cfg(), &fixture_options()).unwrap();
+        if report.is_servable() != f.servable() {
+            failures.push(format!(
+                "{}: servable {} but expected {}: {:?}",
+                f.name,
+                report.is_servable(),
+                f.servable(),
+                report.refused
+            ));
+        }
+        if report.refused_codes() != expected_codes(&f) {
+            failures.push(format!(
+                "{}: codes {:?}, expected {:?}",
+                f.name,
+                report.refused_codes(),
+                expected_codes(&f)
+            ));
+        }
+        for r in &report.refused {
+            let message = r.to_string();
+            if r.subject.is_empty()
+                || r.reason.is_empty()
+                || !message.starts_with(r.code.as_str())
+                || !message.contains(&r.subject)
+            {
+                failures.push(format!(
+                    "{}: refusal without code, subject or reason: {message:?}",
+                    f.name
+                ));
+            }
+        }
+        if let Some(partial) = f.expected.get("allow_partial_servable").and_then(|v| v.as_bool()) {
+            let opts = LoraOptions {
+                allow_partial: true,
+                ..fixture_options()
+            };
+            let report = audit_adapter(&f.dir, &f.cfg(), &opts).unwrap();
+            if report.is_servable() != partial || (partial && report.skipped.is_empty()) {
+                failures.push(format!(
+                    "{}: with allow_partial servable {} (expected {partial}), skipped {:?}",
+                    f.name,
+                    report.is_servable(),
+                    report.skipped
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn expert_fixtures_are_refused_with_experts_disabled() {
+    for f in fixtures().into_iter().filter(|f| f.servable()) {
+        let report = audit_adapter(
+            &f.dir,
+            &f.cfg(),
+            &LoraOptions {
+                experts: false,
+                ..fixture_options()
+            },
+        )
+        .unwrap();
+        if report.has_expert_deltas {
+            assert_eq!(
+                report.refused_codes(),
+                BTreeSet::from([RejectCode::ExpertsDisabled]),
+                "{}",
+                f.name
+            );
+        } else {
+            assert!(report.is_servable(), "{}", f.name);
+        }
+    }
+}
+
+/// The expert-pool sites and dense modules PEFT's merge changed, from the
+/// oracle's weight names.
+fn changed_sites(f: &Fixture, cfg: &ModelConfig, oracle: &ProbeInputs) -> Sites {
+    let (mut dense, mut experts) = (BTreeSet::new(), BTreeSet::new());
+    let n_experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    for weight in oracle.inputs.keys() {
+        match parse_weight_name(weight, cfg).unwrap_or_else(|e| panic!("{}: {e}", f.name)) {
+            WeightRef::Dense { layer, module } => {
+                dense.insert((layer, module));
+            }
+            WeightRef::Expert { layer, expert, proj } => {
+                experts.insert((layer, ExpertSite::Expert { expert, proj }));
+            }
+            WeightRef::Router { layer } => {
+                experts.insert((layer, ExpertSite::Router));
+            }
+            WeightRef::Fused { layer, param } => {
+                let projs: &[ExpertProj] = match param {
+                    lora_audit::FusedParam::GateUp => &[ExpertProj::Gate, ExpertProj::Up],
+                    lora_audit::FusedParam::Down => &[ExpertProj::Down],
+                };
+                for expert in 0..n_experts {
+                    for &proj in projs {
+                        experts.insert((layer, ExpertSite::Expert { expert, proj }));
+                    }
+                }
+            }
+            other => panic!("{}: oracle weight {weight} is {other:?}", f.name),
+        }
+    }
+    (dense, experts)
+}
+
+fn placed_sites(report: &AuditReport) -> Sites {
+    (
+        report.placed.iter().map(|p| (p.layer, p.module)).collect(),
+        report.experts.iter().map(|p| (p.layer, p.site)).collect(),
+    )
+}
+
+/// Oracle tensors: (key, shape, values) for the outputs.
+fn oracle_outputs(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mapped = MappedSafetensors::open(path).unwrap();
+    let meta = mapped.metadata().unwrap();
+    assert!(
+        meta.contains_key("peft") && meta.contains_key("transformers"),
+        "{}: versions missing",
+        path.display()
+    );
+    let view = mapped.view().unwrap();
+    let mut out = Vec::new();
+    for (name, t) in view.tensors() {
+        if name.starts_with(PROBE_OUT) || name.starts_with(ROWS_MERGED) {
+            assert_eq!(t.dtype(), safetensors::Dtype::F32);
+            let values = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            out.push((name, t.shape().to_vec(), values));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (f64::from(*g) - f64::from(*w)).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|w| f64::from(*w).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+#[test]
+fn every_servable_fixture_probes_equal_to_peft() {
+    let mut checked = 0;
+    let mut failures = Vec::new();
+    for f in fixtures().into_iter().filter(|f| f.servable()) {
+        let oracle_path = f
+            .oracle()
+            .unwrap_or_else(|| panic!("{}: a servable fixture needs an oracle", f.name));
+        let cfg = f.cfg();
+        let adapter = prepare_adapter(&f.dir, &cfg, &fixture_options()).unwrap();
+        let inputs = read_probe_inputs(&oracle_path).unwrap();
+        // Exactly the weights PEFT changed are placed.
+        let (dense, experts) = changed_sites(&f, &cfg, &inputs);
+        let (placed_dense, placed_experts) = placed_sites(&adapter.report);
+        if dense != placed_dense || experts != placed_experts {
+            failures.push(format!(
+                "{}: placed {placed_dense:?} / {placed_experts:?} but PEFT changed {dense:?} / {experts:?}",
+                f.name
+            ));
+        }
+        let overlaid = !inputs.rows.is_empty();
+        if overlaid == adapter.overlay.is_empty() {
+            failures.push(format!(
+                "{}: PEFT changed token rows: {overlaid}; overlay: {:?}",
+                f.name, adapter.report.overlay.lm_head
+            ));
+        }
+        let base = f.tables().map(|p| read_base_tables(&p).unwrap());
+        let outputs = probe_adapter(&adapter, &cfg, &inputs, base.as_ref()).unwrap();
+        assert!(outputs.unserved.is_empty(), "{}: {:?}", f.name, outputs.unserved);
+        for (key, shape, want) in oracle_outputs(&oracle_path) {
+            let Some(got) = outputs.tensors.get(&key) else {
+                failures.push(format!("{}: no answer for {key}", f.name));
+                continue;
+            };
+            let err = relative_error(&got.data, &want);
+            // NaN fails too.
+            if got.shape != shape || err.is_nan() || err >= 1e-2 {
+                failures.push(format!(
+                    "{}: {key}: shape {:?} vs {shape:?}, relative error {err:.3e}",
+                    f.name, got.shape
+                ));
+            }
+            checked += 1;
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(checked > 150, "only {checked} oracle tensors checked");
+}
+
+#[test]
+fn token_overlays_follow_peft_for_tied_and_untied_heads() {
+    let cases = [
+        ("llama_tied/trainable_tokens_tied_list", LmHeadMode::TiedTrainableRows),
+        ("llama_tied/trainable_tokens_tied_dict", LmHeadMode::TiedTrainableRows),
+        ("llama/trainable_tokens_untied_list", LmHeadMode::None),
+        ("llama/trainable_tokens_untied_dict", LmHeadMode::Own),
+        ("llama/modules_to_save_embed_lm_head", LmHeadMode::Own),
+        ("llama_tied/modules_to_save_embed_tied", LmHeadMode::None),
+    ];
+    for (name, mode) in cases {
+        let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
+        let report = audit_adapter(&f.dir, &f.cfg(), &fixture_options()).unwrap();
+        assert_eq!(report.overlay.lm_head, mode, "{name}");
+    }
+}
+
+#[test]
+fn untouched_rows_are_the_base_rows() {
+    // A tied head under a modules_to_save embed copy: PEFT leaves the head as it
+    // was, so its rows for the ids whose embedding changed are the base's.
+    let f = fixture("llama_tied/modules_to_save_embed_tied");
+    let cfg = f.cfg();
+    let adapter = prepare_adapter(&f.dir, &cfg, &fixture_options()).unwrap();
+    let oracle = read_probe_inputs(&f.oracle().unwrap()).unwrap();
+    let changed = oracle.rows["model.embed_tokens.weight"].clone();
+    assert!(!changed.is_empty());
+    let unchanged: Vec<i64> = (0..cfg.vocab_size as i64)
+        .filter(|i| !changed.contains(i))
+        .take(16)
+        .collect();
+    let mut inputs = ProbeInputs::default();
+    inputs.rows.insert("lm_head.weight".into(), changed.clone());
+    inputs
+        .rows
+        .insert("model.embed_tokens.weight".into(), unchanged.clone());
+    let base = read_base_tables(&f.tables().unwrap()).unwrap();
+    let out = probe_adapter(&adapter, &cfg, &inputs, Some(&base)).unwrap();
+    let embed = base.embed.as_ref().unwrap();
+    let h = cfg.hidden_size;
+    for (table, ids) in [("lm_head.weight", &changed), ("model.embed_tokens.weight", &unchanged)] {
+        let got = &out.tensors[&format!("{ROWS_MERGED}{table}")].data;
+        for (n, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            let want: Vec<f32> = embed[id * h..(id + 1) * h].iter().map(|v| v.to_f32()).collect();
+            assert_eq!(&got[n * h..(n + 1) * h], &want[..], "{table} id {id}");
+        }
+    }
+}
+
+fn lora_audit() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_lora-audit"))
+}
+
+fn fixture(name: &str) -> Fixture {
+    fixtures().into_iter().find(|f| f.name == name).unwrap()
+}
+
+#[test]
+fn check_exit_codes() {
+    let ok = fixture("qwen3_moe/experts_fused_router");
+    let refused = fixture("llama/dora");
+    let run = |f: &Fixture, extra: &[&str]| {
+        lora_audit()
+            .arg("check")
+            .arg(&f.dir)
+            .arg("--model")
+            .arg(f.model.join("config.json"))
+            .args(extra)
+            .env_remove("LORA_EXPERTS")
+            .env_remove("LORA_MAX_RANK")
+            .env_remove("LORA_ALLOW_PARTIAL")
+            .output()
+            .unwrap()
+    };
+    assert_eq!(run(&ok, &["--experts"]).status.code(), Some(0));
+    assert_eq!(run(&ok, &[]).status.code(), Some(1), "experts are off by default");
+    let out = run(&refused, &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("REJECT[dora]"));
+    let partial = fixture("qwen3_next/gdn_in_proj");
+    assert_eq!(run(&partial, &["--experts"]).status.code(), Some(1));
+    let out = run(&partial, &["--experts", "--allow-partial"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("skipped"));
+    // --json is JSON with the verdict.
+    let out = run(&ok, &["--experts", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["servable"], true);
+    assert!(json["experts"].as_array().unwrap().len() > 1);
+    // Bad usage and unreadable input: 2.
+    assert_eq!(run(&ok, &["--max-rank", "x"]).status.code(), Some(2));
+    assert_eq!(lora_audit().arg("check").output().unwrap().status.code(), Some(2));
+    let missing = lora_audit()
+        .args(["check", "/nonexistent/adapter", "--model"])
+        .arg(ok.model.join("config.json"))
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    let bad_model = lora_audit()
+        .arg("check")
+        .arg(&ok.dir)
+        .args(["--model", "/nonexistent/config.json"])
+        .output()
+        .unwrap();
+    assert_eq!(bad_model.status.code(), Some(2));
+}
+
+#[test]
+fn probe_command_answers_the_oracle() {
+    for name in [
+        "llama/trainable_tokens_untied_dict",
+        "qwen3_moe/experts_fused_router",
+        "mixtral_v4/experts_w1_w2_w3_router",
+    ] {
+        let f = fixture(name);
+        let out_dir = std::env::temp_dir().join(format!("lora-audit-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&out_dir).unwrap();
+        let out = out_dir.join(format!("{}.safetensors", name.replace('/', "_")));
+        let mut cmd = lora_audit();
+        cmd.arg("probe")
+            .arg(&f.dir)
+            .arg("--model")
+            .arg(f.model.join("config.json"))
+            .arg("--experts")
+            .arg("--probes")
+            .arg(f.oracle().unwrap())
+            .arg("--out")
+            .arg(&out);
+        if let Some(t) = f.tables() {
+            cmd.arg("--base").arg(t);
+        }
+        let status = cmd.output().unwrap();
+        assert_eq!(
+            status.status.code(),
+            Some(0),
+            "{name}: {}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+        let got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =
+            oracle_like(&out).into_iter().map(|(k, s, v)| (k, (s, v))).collect();
+        for (key, shape, want) in oracle_outputs(&f.oracle().unwrap()) {
+            let (s, v) = &got[&key];
+            assert_eq!(s, &shape, "{name} {key}");
+            assert!(relative_error(v, &want) < 1e-2, "{name} {key}");
+        }
+        // Only answers: no probe inputs or row ids are echoed.
+        assert!(got.keys().all(|k| !k.starts_with(PROBE_IN) && !k.starts_with(ROWS_IDX)));
+        let _ = std::fs::remove_dir_all(&out_dir);
+    }
+}
+
+fn oracle_like(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let view = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    view.tensors()
+        .into_iter()
+        .map(|(k, t)| {
+            let v = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (k, t.shape().to_vec(), v)
+        })
+        .collect()
+}
+
+#[test]
+fn probing_a_refused_adapter_exits_1() {
+    let f = fixture("llama/dora");
+    let out = lora_audit()
+        .arg("probe")
+        .arg(&f.dir)
+        .arg("--model")
+        .arg(f.model.join("config.json"))
+        .arg("--probes")
+        .arg(f.oracle().unwrap())
+        .arg("--out")
+        .arg(std::env::temp_dir().join("lora-audit-never-written.safetensors"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+}
