@@ -79,6 +79,14 @@ pub enum ImageError {
         /// The pair.
         key: PairKey,
     },
+    /// The destination of [`pack_into`] is not the layout's size.
+    #[error("destination holds {got} elements, the layout needs {expected}")]
+    Destination {
+        /// Elements given.
+        got: usize,
+        /// Elements the layout needs.
+        expected: usize,
+    },
     /// A landed pair was not declared first.
     #[error("{key} was not declared before landing")]
     Undeclared {
@@ -147,42 +155,62 @@ fn place_regions<'d>(data: &'d mut [bf16], layout: &impl PairLayout) -> Vec<(Pai
         .collect()
 }
 
+/// Pack `pairs` into `dst` (exactly `layout.total_bytes() / 2` elements,
+/// e.g. a pinned staging buffer), in parallel across pairs, and return their
+/// metadata sorted by key. Every pair is checked before any element is
+/// written; every element of `dst` is then written exactly once (padding and
+/// unadapted places as zeros), so `dst` needs no clearing first.
+pub fn pack_into(
+    layout: &impl PairLayout,
+    pairs: &[PairSource<'_>],
+    dst: &mut [bf16],
+) -> Result<Vec<PairMeta>, ImageError> {
+    let stride = layout.stride();
+    let mut by_place: Vec<Option<&PairSource<'_>>> = vec![None; layout.len()];
+    for p in pairs {
+        let m = &p.meta;
+        let (index, place) = place_of(layout, m.key)?;
+        check_rank(m, stride)?;
+        let shape_err = |part, got, expected| ImageError::Shape {
+            key: m.key,
+            part,
+            got,
+            expected,
+        };
+        if p.a.len() != m.rank * place.in_dim {
+            return Err(shape_err(PairPart::A, p.a.len(), m.rank * place.in_dim));
+        }
+        if p.b.len() != place.out_dim * m.rank {
+            return Err(shape_err(PairPart::B, p.b.len(), place.out_dim * m.rank));
+        }
+        if by_place[index].replace(p).is_some() {
+            return Err(ImageError::Duplicate { key: m.key });
+        }
+    }
+    if dst.len() != layout.total_bytes() / 2 {
+        return Err(ImageError::Destination {
+            got: dst.len(),
+            expected: layout.total_bytes() / 2,
+        });
+    }
+    place_regions(dst, layout)
+        .into_par_iter()
+        .zip(by_place.par_iter())
+        .for_each(|((place, region), src)| fill_place(region, &place, stride, *src));
+    let mut metas: Vec<PairMeta> = pairs.iter().map(|p| p.meta).collect();
+    metas.sort_by_key(|m| m.key);
+    Ok(metas)
+}
+
 impl SlotImage {
     /// Pack `pairs` into a fresh image of `layout`, in parallel across
     /// pairs. Every pair is checked before any byte is written; every byte
     /// is written once (padding and unadapted places as zeros).
     pub fn pack(layout: &impl PairLayout, pairs: &[PairSource<'_>]) -> Result<SlotImage, ImageError> {
-        let stride = layout.stride();
-        let mut by_place: Vec<Option<&PairSource<'_>>> = vec![None; layout.len()];
-        for p in pairs {
-            let m = &p.meta;
-            let (index, place) = place_of(layout, m.key)?;
-            check_rank(m, stride)?;
-            let shape_err = |part, got, expected| ImageError::Shape {
-                key: m.key,
-                part,
-                got,
-                expected,
-            };
-            if p.a.len() != m.rank * place.in_dim {
-                return Err(shape_err(PairPart::A, p.a.len(), m.rank * place.in_dim));
-            }
-            if p.b.len() != place.out_dim * m.rank {
-                return Err(shape_err(PairPart::B, p.b.len(), place.out_dim * m.rank));
-            }
-            if by_place[index].replace(p).is_some() {
-                return Err(ImageError::Duplicate { key: m.key });
-            }
-        }
         // A zeroed allocation comes from fresh pages, so this costs no pass.
         let mut data: Vec<bf16> = bytemuck::zeroed_vec(layout.total_bytes() / 2);
-        place_regions(&mut data, layout)
-            .into_par_iter()
-            .zip(by_place.par_iter())
-            .for_each(|((place, region), src)| fill_place(region, &place, stride, *src));
-        let mut metas: Vec<PairMeta> = pairs.iter().map(|p| p.meta).collect();
-        metas.sort_by_key(|m| m.key);
-        Ok(SlotImage { data, pairs: metas })
+        let pairs = pack_into(layout, pairs, &mut data)?;
+        Ok(SlotImage { data, pairs })
     }
 
     /// An all-zero image to land bytes into ([`SlotImage::declare`] then

@@ -1,0 +1,157 @@
+//! Why a pool operation failed. Every failure before publish leaves every
+//! slot as it was; the variants say which input or limit was at fault.
+
+use lora_audit::AuditError;
+use lora_kernels::KernelError;
+use lora_layout::{LayoutError, VictimError};
+
+use crate::image::ImageError;
+
+/// A pool operation that could not be done.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// The adapter could not be read, or the audit refused it.
+    #[error("adapter `{adapter}`: {source}")]
+    Audit {
+        /// The adapter's name.
+        adapter: String,
+        /// The audit's error (a refusal carries the full report).
+        #[source]
+        source: Box<AuditError>,
+    },
+    /// The adapter's pairs do not fit the slot layout.
+    #[error("adapter `{adapter}`: {source}")]
+    Image {
+        /// The adapter's name.
+        adapter: String,
+        /// What did not fit.
+        #[source]
+        source: ImageError,
+    },
+    /// A layout size could not be computed.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The device failed.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The pool does not fit in the device's free memory.
+    #[error("the pool needs {needed} bytes of device memory, {free} are free")]
+    OutOfMemory {
+        /// Bytes the pool would allocate.
+        needed: usize,
+        /// Bytes the device reports free.
+        free: usize,
+    },
+    /// More startup adapters than slots.
+    #[error("{adapters} adapters do not fit {max_loras} slots")]
+    TooManyAdapters {
+        /// Adapters given.
+        adapters: usize,
+        /// Slots.
+        max_loras: usize,
+    },
+    /// Two adapters share a name.
+    #[error("adapter name `{0}` is already resident in another slot")]
+    DuplicateName(String),
+    /// An adapter name is empty (the empty name marks a placeholder).
+    #[error("an adapter name must not be empty")]
+    EmptyName,
+    /// A slot index past the pool.
+    #[error("slot {slot} does not exist (max_loras {max_loras})")]
+    NoSuchSlot {
+        /// The slot asked for.
+        slot: usize,
+        /// Slots in the pool.
+        max_loras: usize,
+    },
+    /// A slot still serves requests.
+    #[error("slot {slot} is held by {leases} running request(s)")]
+    SlotInUse {
+        /// The slot.
+        slot: usize,
+        /// Live leases.
+        leases: u32,
+    },
+    /// A slot is pinned and promotion may not evict it.
+    #[error("slot {0} is pinned")]
+    Pinned(usize),
+    /// Every promotion candidate is in use.
+    #[error("cannot promote `{adapter}`: {source}")]
+    PoolFull {
+        /// The adapter to promote.
+        adapter: String,
+        /// The victim selection's verdict.
+        #[source]
+        source: VictimError,
+    },
+    /// No slot holds the adapter.
+    #[error("adapter `{0}` is not resident")]
+    NotResident(String),
+    /// A batch row names a slot that holds no adapter.
+    #[error("row {row} names slot {slot}, which holds no adapter")]
+    EmptySlot {
+        /// The row.
+        row: usize,
+        /// The slot.
+        slot: i32,
+    },
+    /// Runtime swaps are switched off.
+    #[error("runtime swaps are disabled: set LoraOptions::rotatable (LORA_ROTATE=1 or LORA_PEER)")]
+    NotRotatable,
+    /// The adapter has expert or router deltas and the pool has no expert pool.
+    #[error("adapter `{0}` has expert/router deltas and this pool serves none (experts disabled or a dense model)")]
+    NoExpertPool(String),
+    /// The adapter's expert pairs exceed an expert slot.
+    #[error("adapter `{adapter}` needs {needed} bytes of expert pool, a slot holds {capacity}")]
+    ExpertSlotTooSmall {
+        /// The adapter.
+        adapter: String,
+        /// Bytes it needs.
+        needed: usize,
+        /// Bytes a slot holds.
+        capacity: usize,
+    },
+    /// A batch is larger than the pool's routing buffers.
+    #[error("{what}: {got} exceeds the pool's capacity of {capacity}")]
+    BatchTooLarge {
+        /// Rows or segments.
+        what: &'static str,
+        /// Requested.
+        got: usize,
+        /// Capacity.
+        capacity: usize,
+    },
+    /// A batch description is malformed.
+    #[error("batch: {0}")]
+    Batch(String),
+    /// A module asked of a layer that does not have it.
+    #[error("layer {layer} has no {module}")]
+    NoSuchModule {
+        /// The layer.
+        layer: usize,
+        /// The module.
+        module: lora_layout::LoraModule,
+    },
+    /// A slot companion (e.g. token overlays) failed.
+    #[error("{companion}: {message}")]
+    Companion {
+        /// The companion's name.
+        companion: &'static str,
+        /// What failed.
+        message: String,
+    },
+}
+
+impl PoolError {
+    /// A refusal's stable codes (`REJECT[...]`), if the audit refused.
+    pub fn refusal_codes(&self) -> Vec<&'static str> {
+        match self {
+            PoolError::Audit { source, .. } => match source.as_ref() {
+                AuditError::Refused(report) => report.refused_codes().into_iter().map(|c| c.as_str()).collect(),
+                AuditError::ConfigRefused(refusals) => refusals.iter().map(|r| r.code.as_str()).collect(),
+                _ => Vec::new(),
+            },
+            _ => Vec::new(),
+        }
+    }
+}

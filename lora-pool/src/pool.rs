@@ -1,0 +1,887 @@
+//! [`LoraPool`]: `max_loras` equal slots padded to `max_rank` in one device
+//! allocation whose address never changes, per-(layer, module) PairEntry
+//! tables the kernels read, an optional expert/router pool, and the
+//! two-phase load and swap that keep every failure away from live slots.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use half::bf16;
+use lora_audit::{LoraOptions, PreparedAdapter, prepare_adapter};
+use lora_kernels::{
+    Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, PinnedHostBuffer, Rows, RowsMut, Segments,
+    WorkspaceSpec, bgmv, one_adapter, sgmv,
+};
+use lora_layout::{
+    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, PairKey, SlotLayout, build_seq_slot_host,
+    select_victim_slot,
+};
+
+use crate::companion::{NoCompanion, SlotCompanion};
+use crate::error::PoolError;
+use crate::expert::ExpertPool;
+use crate::image::{PairMeta, PairSource, SlotImage, pack_into};
+use crate::lease::{SlotLease, SlotUse};
+use crate::registry::{AdapterSlot, SlotRegistry};
+
+/// The largest batch the pool's routing buffers and scratch serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchCapacity {
+    /// Most rows (tokens) in one apply call.
+    pub max_rows: usize,
+    /// Most segments (sequences) in one prefill call.
+    pub max_segments: usize,
+}
+
+impl Default for BatchCapacity {
+    fn default() -> BatchCapacity {
+        BatchCapacity {
+            max_rows: 8192,
+            max_segments: 256,
+        }
+    }
+}
+
+/// An adapter to load: its name in the pool and its PEFT directory.
+#[derive(Debug, Clone, Copy)]
+pub struct AdapterSource<'a> {
+    /// The name requests use.
+    pub name: &'a str,
+    /// The directory holding `adapter_config.json` and the weights.
+    pub dir: &'a Path,
+}
+
+/// What a load or swap did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SwapReport {
+    /// The slot written.
+    pub slot: usize,
+    /// The adapter now in it.
+    pub name: String,
+    /// Its new generation.
+    pub generation: u64,
+    /// Its identity hash (changes with every write into the slot).
+    pub adapter_id: u64,
+    /// Dense pairs written.
+    pub dense_pairs: usize,
+    /// Expert and router pairs written.
+    pub expert_pairs: usize,
+}
+
+/// One module of an apply call and where its outputs start in y.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModuleTarget {
+    /// The module.
+    pub module: LoraModule,
+    /// First column of y it writes.
+    pub y_col_offset: usize,
+}
+
+/// An adapter staged off to the side: everything a publish writes, checked.
+struct Staged<S> {
+    name: String,
+    dense: DenseSource,
+    dense_pairs: Vec<PairMeta>,
+    experts: Option<(ExpertLayout, SlotImage)>,
+    companion: Option<S>,
+    has_overlay: bool,
+}
+
+/// Where a staged adapter's dense slot image is.
+enum DenseSource {
+    /// Packed into the pool's staging buffer.
+    Staging,
+    /// A landed image.
+    Image(SlotImage),
+}
+
+/// The slot pool.
+pub struct LoraPool<C: SlotCompanion = NoCompanion> {
+    device: Device,
+    cfg: ModelConfig,
+    opts: LoraOptions,
+    layout: SlotLayout,
+    weights: DeviceBuffer<bf16>,
+    table: DeviceBuffer<PairEntry>,
+    host_table: Vec<PairEntry>,
+    experts: Option<ExpertPool>,
+    registry: SlotRegistry,
+    uses: Arc<SlotUse>,
+    companion: C,
+    capacity: BatchCapacity,
+    seq_slot: DeviceBuffer<i32>,
+    decode_rows: usize,
+    cu_seqlens: DeviceBuffer<i32>,
+    seg_slot: DeviceBuffer<i32>,
+    segments: usize,
+    prefill_rows: usize,
+    workspace: LoraWorkspace,
+    staging: PinnedHostBuffer<bf16>,
+}
+
+fn audit_err(adapter: &str) -> impl FnOnce(lora_audit::AuditError) -> PoolError + '_ {
+    move |e| PoolError::Audit {
+        adapter: adapter.to_string(),
+        source: Box::new(e),
+    }
+}
+
+fn image_err(adapter: &str) -> impl FnOnce(crate::image::ImageError) -> PoolError + '_ {
+    move |e| PoolError::Image {
+        adapter: adapter.to_string(),
+        source: e,
+    }
+}
+
+fn mul(a: usize, b: usize, what: &'static str) -> Result<usize, PoolError> {
+    a.checked_mul(b)
+        .ok_or(PoolError::Layout(lora_layout::LayoutError::Overflow { what }))
+}
+
+impl LoraPool<NoCompanion> {
+    /// An empty pool (every slot a placeholder) for `cfg` on `device`.
+    pub fn new(
+        device: &Device,
+        cfg: ModelConfig,
+        opts: LoraOptions,
+        capacity: BatchCapacity,
+    ) -> Result<LoraPool<NoCompanion>, PoolError> {
+        LoraPool::with_companion(device, cfg, opts, capacity, NoCompanion, 0)
+    }
+
+    /// Startup load: audit each adapter, size the expert pool from them
+    /// (unless `opts.expert_slot_bytes` fixes it), check the memory the pool
+    /// needs against the device's free memory, pack adapter `k` into slot
+    /// `k`, and build the tables. Slots past the adapters stay empty.
+    pub fn load(
+        device: &Device,
+        cfg: ModelConfig,
+        opts: LoraOptions,
+        capacity: BatchCapacity,
+        adapters: &[AdapterSource<'_>],
+    ) -> Result<LoraPool<NoCompanion>, PoolError> {
+        LoraPool::load_with_companion(device, cfg, opts, capacity, adapters, NoCompanion)
+    }
+}
+
+impl<C: SlotCompanion> LoraPool<C> {
+    /// [`LoraPool::new`] with a slot companion (e.g. token overlays) and an
+    /// expert slot size in bytes (used when the model is MoE, experts are
+    /// enabled, and `opts.expert_slot_bytes` is unset).
+    pub fn with_companion(
+        device: &Device,
+        cfg: ModelConfig,
+        opts: LoraOptions,
+        capacity: BatchCapacity,
+        companion: C,
+        expert_slot_bytes: usize,
+    ) -> Result<LoraPool<C>, PoolError> {
+        if opts.max_loras == 0 {
+            return Err(PoolError::TooManyAdapters {
+                adapters: 0,
+                max_loras: 0,
+            });
+        }
+        let layout = SlotLayout::new(&cfg, opts.max_rank)?;
+        let slot_elems = layout.slot_bytes() / 2;
+        let pool_elems = mul(slot_elems, opts.max_loras, "pool")?;
+        let table_len = mul(
+            mul(cfg.num_hidden_layers, LoraModule::ALL.len(), "tables")?,
+            opts.max_loras,
+            "tables",
+        )?;
+        let expert_bytes = opts.expert_slot_bytes.unwrap_or(expert_slot_bytes);
+        let serve_experts = opts.experts && cfg.moe.is_some();
+        let ws_spec = WorkspaceSpec {
+            max_rows: capacity.max_rows,
+            max_rank: opts.max_rank,
+            max_segments: capacity.max_segments,
+            max_targets: lora_kernels::MAX_TARGETS,
+        };
+        let needed = [
+            mul(pool_elems, 2, "pool")?,
+            mul(table_len, std::mem::size_of::<PairEntry>(), "tables")?,
+            if serve_experts {
+                mul(expert_bytes.div_ceil(16) * 16, opts.max_loras, "expert pool")?
+                    .saturating_add(ExpertPool::table_len(&cfg, opts.max_loras)? * std::mem::size_of::<PairEntry>())
+            } else {
+                0
+            },
+            (2 * capacity.max_rows + 2 * capacity.max_segments + 1) * 4,
+            // Workspace: targets x k-splits x rows x padded rank, f32.
+            lora_kernels::MAX_TARGETS * 4 * capacity.max_rows * opts.max_rank.div_ceil(16) * 16 * 4,
+        ]
+        .iter()
+        .try_fold(0usize, |acc, b| acc.checked_add(*b))
+        .ok_or(PoolError::Layout(lora_layout::LayoutError::Overflow {
+            what: "pool bytes",
+        }))?;
+        let (free, _) = device.memory_info()?;
+        if needed > free {
+            return Err(PoolError::OutOfMemory { needed, free });
+        }
+        let experts = if serve_experts {
+            Some(ExpertPool::new(
+                device,
+                &cfg,
+                opts.max_loras,
+                opts.expert_rank,
+                expert_bytes,
+            )?)
+        } else {
+            None
+        };
+        Ok(LoraPool {
+            device: device.clone(),
+            registry: SlotRegistry::new(opts.max_loras, opts.pinned),
+            uses: SlotUse::new(opts.max_loras),
+            weights: device.alloc_zeros(pool_elems)?,
+            table: device.alloc_zeros(table_len)?,
+            host_table: vec![PairEntry::default(); table_len],
+            experts,
+            companion,
+            capacity,
+            seq_slot: device.upload(&vec![-1i32; capacity.max_rows.max(1)])?,
+            decode_rows: 0,
+            cu_seqlens: device.alloc_zeros(capacity.max_segments + 1)?,
+            seg_slot: device.alloc_zeros(capacity.max_segments.max(1))?,
+            segments: 0,
+            prefill_rows: 0,
+            workspace: LoraWorkspace::new(device, ws_spec)?,
+            staging: device.alloc_pinned(slot_elems)?,
+            layout,
+            cfg,
+            opts,
+        })
+    }
+
+    /// [`LoraPool::load`] with a slot companion.
+    pub fn load_with_companion(
+        device: &Device,
+        cfg: ModelConfig,
+        opts: LoraOptions,
+        capacity: BatchCapacity,
+        adapters: &[AdapterSource<'_>],
+        companion: C,
+    ) -> Result<LoraPool<C>, PoolError> {
+        if adapters.len() > opts.max_loras {
+            return Err(PoolError::TooManyAdapters {
+                adapters: adapters.len(),
+                max_loras: opts.max_loras,
+            });
+        }
+        check_unique_names(adapters)?;
+        let prepared = adapters
+            .iter()
+            .map(|a| prepare_adapter(a.dir, &cfg, &opts).map_err(audit_err(a.name)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let expert_bytes = prepared.iter().map(|p| p.report.expert_bytes).max().unwrap_or(0);
+        let mut pool = LoraPool::with_companion(device, cfg, opts, capacity, companion, expert_bytes)?;
+        for (slot, (src, adapter)) in adapters.iter().zip(&prepared).enumerate() {
+            let staged = pool.stage(src.name, adapter)?;
+            pool.publish(slot, staged)?;
+        }
+        Ok(pool)
+    }
+
+    /// The device the pool lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The model geometry.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The options the pool was built with.
+    pub fn options(&self) -> &LoraOptions {
+        &self.opts
+    }
+
+    /// The slot layout (the one walk).
+    pub fn layout(&self) -> &SlotLayout {
+        &self.layout
+    }
+
+    /// The slots and their adapters.
+    pub fn slots(&self) -> &[AdapterSlot] {
+        self.registry.slots()
+    }
+
+    /// The slot holding `name`.
+    pub fn slot_of(&self, name: &str) -> Option<usize> {
+        self.registry.slot_of(name)
+    }
+
+    /// The expert/router pool, when the pool serves experts.
+    pub fn experts(&self) -> Option<&ExpertPool> {
+        self.experts.as_ref()
+    }
+
+    /// The slot companion.
+    pub fn companion(&self) -> &C {
+        &self.companion
+    }
+
+    /// The slot companion, mutably (its own apply calls may need it).
+    pub fn companion_mut(&mut self) -> &mut C {
+        &mut self.companion
+    }
+
+    /// The device address of the slot pool (never changes).
+    pub fn pool_addr(&self) -> u64 {
+        self.weights.device_addr()
+    }
+
+    /// The PairEntry table buffer (never moves).
+    pub fn table(&self) -> &DeviceBuffer<PairEntry> {
+        &self.table
+    }
+
+    /// First entry of (layer, module)'s `[max_loras]` table.
+    pub fn table_offset(&self, layer: usize, module: LoraModule) -> Option<usize> {
+        self.layout.entry(layer, module)?;
+        Some((layer * LoraModule::ALL.len() + module.index()) * self.opts.max_loras)
+    }
+
+    /// The table entry of (layer, module) in `slot`, as last published.
+    pub fn entry(&self, layer: usize, module: LoraModule, slot: usize) -> Option<PairEntry> {
+        if slot >= self.opts.max_loras {
+            return None;
+        }
+        self.host_table.get(self.table_offset(layer, module)? + slot).copied()
+    }
+
+    /// The bytes of slot `slot`, read back from the device.
+    pub fn slot_contents(&self, slot: usize) -> Result<Vec<bf16>, PoolError> {
+        self.check_slot(slot)?;
+        let elems = self.layout.slot_bytes() / 2;
+        Ok(self.weights.download_range(slot * elems, elems)?)
+    }
+
+    /// The per-row slot buffer of the current decode batch (`i32`, `-1` =
+    /// no delta); its address never changes.
+    pub fn seq_slot(&self) -> &DeviceBuffer<i32> {
+        &self.seq_slot
+    }
+
+    /// Rows of the current decode batch.
+    pub fn decode_rows(&self) -> usize {
+        self.decode_rows
+    }
+
+    /// The MoE state of the adapter in `slot`, for
+    /// `lora_layout::resolve_moe_lora_route`.
+    pub fn moe_state(&self, slot: usize) -> Option<MoeAdapterState> {
+        let s = self.registry.get(slot).filter(|s| s.is_filled())?;
+        Some(MoeAdapterState {
+            has_expert_deltas: s.has_expert_deltas(),
+            expert_slot: (s.has_expert_deltas() && self.experts.is_some()).then_some(slot),
+        })
+    }
+
+    /// Take a lease on the slot holding `name`: the slot is not overwritten
+    /// while the lease lives.
+    pub fn acquire(&self, name: &str) -> Result<SlotLease, PoolError> {
+        let slot = self
+            .registry
+            .slot_of(name)
+            .ok_or_else(|| PoolError::NotResident(name.to_string()))?;
+        let id = self.registry.get(slot).map_or(0, AdapterSlot::adapter_id);
+        Ok(SlotLease::take(&self.uses, slot, id))
+    }
+
+    /// Live leases on `slot`.
+    pub fn ref_count(&self, slot: usize) -> u32 {
+        self.uses.ref_count(slot)
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<(), PoolError> {
+        if slot >= self.opts.max_loras {
+            return Err(PoolError::NoSuchSlot {
+                slot,
+                max_loras: self.opts.max_loras,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_idle(&self, slot: usize) -> Result<(), PoolError> {
+        self.check_slot(slot)?;
+        match self.uses.ref_count(slot) {
+            0 => Ok(()),
+            leases => Err(PoolError::SlotInUse { slot, leases }),
+        }
+    }
+
+    /// Disk swap: audit and convert the adapter in `dir`, stage it, then
+    /// write it into `slot` (zeroing the rank padding), refresh the slot's
+    /// table entries, and bump its generation. Any failure — unreadable
+    /// files, a refused adapter, a rank over `max_rank`, no memory, a slot in
+    /// use — leaves every slot serving what it served, bit for bit.
+    pub fn swap_from_disk(&mut self, slot: usize, name: &str, dir: &Path) -> Result<SwapReport, PoolError> {
+        if !self.opts.rotatable {
+            return Err(PoolError::NotRotatable);
+        }
+        self.check_idle(slot)?;
+        self.check_name_free(name, Some(slot))?;
+        let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
+        self.swap_prepared(slot, name, &prepared)
+    }
+
+    /// [`LoraPool::swap_from_disk`] for an adapter already prepared.
+    pub fn swap_prepared(
+        &mut self,
+        slot: usize,
+        name: &str,
+        adapter: &PreparedAdapter,
+    ) -> Result<SwapReport, PoolError> {
+        if !self.opts.rotatable {
+            return Err(PoolError::NotRotatable);
+        }
+        self.check_idle(slot)?;
+        self.check_name_free(name, Some(slot))?;
+        let staged = self.stage(name, adapter)?;
+        self.publish(slot, staged)
+    }
+
+    /// Make `name` resident and lease it: its slot if it is already there,
+    /// else a victim among the promotion slots `[pinned, max_loras)` (the
+    /// first empty one, else the least recently used idle one), loaded from
+    /// `dir`. `PoolFull` when every candidate is in use.
+    pub fn promote(&mut self, name: &str, dir: &Path) -> Result<SlotLease, PoolError> {
+        if self.registry.slot_of(name).is_some() {
+            return self.acquire(name);
+        }
+        if !self.opts.rotatable {
+            return Err(PoolError::NotRotatable);
+        }
+        let victim = self.pick_victim(name)?;
+        self.swap_from_disk(victim, name, dir)?;
+        self.acquire(name)
+    }
+
+    /// The promotion victim for `name`, by `select_victim_slot`.
+    pub fn pick_victim(&self, name: &str) -> Result<usize, PoolError> {
+        let views = self.registry.cache_slot_views(&self.uses);
+        select_victim_slot(&views).map_err(|source| PoolError::PoolFull {
+            adapter: name.to_string(),
+            source,
+        })
+    }
+
+    /// Empty `slot`: zero its bytes and tables and bump its generation.
+    pub fn evict(&mut self, slot: usize) -> Result<(), PoolError> {
+        if !self.opts.rotatable {
+            return Err(PoolError::NotRotatable);
+        }
+        self.check_idle(slot)?;
+        let elems = self.layout.slot_bytes() / 2;
+        self.weights.zero_range(slot * elems, elems)?;
+        self.clear_table_entries(slot);
+        self.table.write(0, &self.host_table)?;
+        if let Some(experts) = &mut self.experts {
+            experts.clear(slot)?;
+        }
+        self.companion.clear(slot)?;
+        self.registry.clear(slot);
+        Ok(())
+    }
+
+    /// Publish images landed from a peer into `slot`: `dense` over the slot
+    /// layout, `experts` over its expert layout. The caller checked every
+    /// landed byte; nothing is read from a peer here.
+    pub fn publish_landed(
+        &mut self,
+        slot: usize,
+        name: &str,
+        dense: SlotImage,
+        experts: Option<(ExpertLayout, SlotImage)>,
+    ) -> Result<SwapReport, PoolError> {
+        if !self.opts.rotatable {
+            return Err(PoolError::NotRotatable);
+        }
+        self.check_idle(slot)?;
+        self.check_name_free(name, Some(slot))?;
+        if name.is_empty() {
+            return Err(PoolError::EmptyName);
+        }
+        if dense.as_elems().len() != self.layout.slot_bytes() / 2 {
+            return Err(image_err(name)(crate::image::ImageError::Destination {
+                got: dense.as_elems().len(),
+                expected: self.layout.slot_bytes() / 2,
+            }));
+        }
+        if let Some((layout, _)) = &experts {
+            let pool = self
+                .experts
+                .as_ref()
+                .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
+            pool.check_fits(name, layout)?;
+        }
+        let staged = Staged {
+            name: name.to_string(),
+            dense_pairs: dense.pairs().to_vec(),
+            dense: DenseSource::Image(dense),
+            experts,
+            companion: None,
+            has_overlay: false,
+        };
+        self.publish(slot, staged)
+    }
+
+    fn check_name_free(&self, name: &str, slot: Option<usize>) -> Result<(), PoolError> {
+        if name.is_empty() {
+            return Err(PoolError::EmptyName);
+        }
+        match self.registry.slot_of(name) {
+            Some(s) if Some(s) != slot => Err(PoolError::DuplicateName(name.to_string())),
+            _ => Ok(()),
+        }
+    }
+
+    /// Phase one: check and build everything off to the side. Writes only
+    /// the staging buffer and the companion's staged state.
+    fn stage(&mut self, name: &str, adapter: &PreparedAdapter) -> Result<Staged<C::Staged>, PoolError> {
+        if name.is_empty() {
+            return Err(PoolError::EmptyName);
+        }
+        let experts = if adapter.experts.is_empty() {
+            None
+        } else {
+            let pool = self
+                .experts
+                .as_ref()
+                .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
+            let sites = adapter.experts.iter().map(|p| (p.layer, p.site));
+            let layout = ExpertLayout::new(&self.cfg, self.opts.expert_rank, sites)?;
+            pool.check_fits(name, &layout)?;
+            let sources: Vec<PairSource<'_>> = adapter
+                .experts
+                .iter()
+                .map(|p| PairSource {
+                    meta: PairMeta {
+                        key: PairKey::Expert {
+                            layer: p.layer,
+                            site: p.site,
+                        },
+                        rank: p.rank,
+                        scale: p.scale,
+                    },
+                    a: &p.a,
+                    b: &p.b,
+                })
+                .collect();
+            let image = SlotImage::pack(&layout, &sources).map_err(image_err(name))?;
+            Some((layout, image))
+        };
+        let sources: Vec<PairSource<'_>> = adapter
+            .dense
+            .iter()
+            .map(|p| PairSource {
+                meta: PairMeta {
+                    key: PairKey::Dense {
+                        layer: p.layer,
+                        module: p.module,
+                    },
+                    rank: p.rank,
+                    scale: p.scale,
+                },
+                a: &p.a,
+                b: &p.b,
+            })
+            .collect();
+        let staging = self.staging.as_mut_slice()?;
+        let dense_pairs = pack_into(&self.layout, &sources, staging).map_err(image_err(name))?;
+        let companion = self.companion.stage(adapter)?;
+        Ok(Staged {
+            name: name.to_string(),
+            dense: DenseSource::Staging,
+            dense_pairs,
+            experts,
+            companion: Some(companion),
+            has_overlay: !adapter.overlay.is_empty(),
+        })
+    }
+
+    /// Phase two: write the staged adapter into `slot` and make it live.
+    /// Only device failures can stop it now.
+    fn publish(&mut self, slot: usize, staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
+        self.check_idle(slot)?;
+        let elems = self.layout.slot_bytes() / 2;
+        let base = slot * elems;
+        match &staged.dense {
+            DenseSource::Staging => self.weights.upload_pinned(base, &self.staging)?,
+            DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
+        }
+        self.clear_table_entries(slot);
+        let base_addr = self.weights.addr_at(base)?;
+        for meta in &staged.dense_pairs {
+            let PairKey::Dense { layer, module } = meta.key else {
+                continue;
+            };
+            let (Some(place), Some(offset)) = (self.layout.entry(layer, module), self.table_offset(layer, module))
+            else {
+                continue;
+            };
+            self.host_table[offset + slot] = PairEntry {
+                a: base_addr + place.a_offset as u64,
+                b: base_addr + place.b_offset as u64,
+                scale: meta.scale,
+                rank: meta.rank as u32,
+            };
+        }
+        self.table.write(0, &self.host_table)?;
+        let mut expert_pairs = Vec::new();
+        if let Some(pool) = &mut self.experts {
+            match &staged.experts {
+                Some((layout, image)) => {
+                    pool.publish(slot, layout, image.as_elems(), image.pairs())?;
+                    expert_pairs = image.pairs().to_vec();
+                }
+                None => pool.clear(slot)?,
+            }
+        }
+        match staged.companion {
+            Some(c) => self.companion.commit(slot, c)?,
+            None => self.companion.clear(slot)?,
+        }
+        let next = AdapterSlot {
+            name: staged.name.clone(),
+            generation: 0,
+            pairs: staged.dense_pairs.clone(),
+            expert_pairs,
+            has_overlay: staged.has_overlay,
+        };
+        let generation = self.registry.publish(slot, next).unwrap_or(0);
+        self.uses.touch(slot);
+        let s = &self.registry.slots()[slot];
+        Ok(SwapReport {
+            slot,
+            name: staged.name,
+            generation,
+            adapter_id: s.adapter_id(),
+            dense_pairs: s.pairs.len(),
+            expert_pairs: s.expert_pairs.len(),
+        })
+    }
+
+    fn clear_table_entries(&mut self, slot: usize) {
+        let n = self.opts.max_loras;
+        for i in (slot..self.host_table.len()).step_by(n) {
+            self.host_table[i] = PairEntry::default();
+        }
+    }
+
+    /// Set the rows of the next decode batch: one slot per row, `-1` for a
+    /// row served by the base model; rows past `slots.len()` up to
+    /// `padded_rows` are padding (`-1`). Every named slot must hold an
+    /// adapter: a request never runs without its adapter silently.
+    pub fn set_decode_rows(&mut self, slots: &[i32], padded_rows: usize) -> Result<(), PoolError> {
+        if padded_rows > self.capacity.max_rows || slots.len() > padded_rows {
+            return Err(PoolError::BatchTooLarge {
+                what: "decode rows",
+                got: padded_rows.max(slots.len()),
+                capacity: self.capacity.max_rows,
+            });
+        }
+        for (row, &slot) in slots.iter().enumerate() {
+            self.check_row_slot(row, slot)?;
+        }
+        let rows = build_seq_slot_host(slots, padded_rows, -1);
+        self.seq_slot.write(0, &rows)?;
+        self.decode_rows = padded_rows;
+        Ok(())
+    }
+
+    fn check_row_slot(&self, row: usize, slot: i32) -> Result<(), PoolError> {
+        if slot < -1 {
+            return Err(PoolError::Batch(format!(
+                "row {row}: slot {slot} (use -1 for the base model)"
+            )));
+        }
+        if slot >= 0 {
+            let filled = self.registry.get(slot as usize).is_some_and(AdapterSlot::is_filled);
+            if !filled {
+                return Err(PoolError::EmptySlot { row, slot });
+            }
+        }
+        Ok(())
+    }
+
+    /// Set the segments of the next prefill batch: `cu_seqlens` is the
+    /// `[n + 1]` prefix sum of the sequence lengths, `slots[i]` the slot of
+    /// sequence `i` (`-1`: base model).
+    pub fn set_prefill_segments(&mut self, cu_seqlens: &[usize], slots: &[i32]) -> Result<(), PoolError> {
+        if slots.len() > self.capacity.max_segments {
+            return Err(PoolError::BatchTooLarge {
+                what: "prefill segments",
+                got: slots.len(),
+                capacity: self.capacity.max_segments,
+            });
+        }
+        if cu_seqlens.len() != slots.len() + 1 || cu_seqlens.first() != Some(&0) {
+            return Err(PoolError::Batch(format!(
+                "cu_seqlens must be a prefix sum from 0 with {} entries",
+                slots.len() + 1
+            )));
+        }
+        if cu_seqlens.windows(2).any(|w| w[1] < w[0]) {
+            return Err(PoolError::Batch("cu_seqlens decreases".into()));
+        }
+        let total = cu_seqlens[slots.len()];
+        if total > self.capacity.max_rows {
+            return Err(PoolError::BatchTooLarge {
+                what: "prefill rows",
+                got: total,
+                capacity: self.capacity.max_rows,
+            });
+        }
+        for (seq, &slot) in slots.iter().enumerate() {
+            self.check_row_slot(seq, slot)?;
+        }
+        let cu: Vec<i32> = cu_seqlens.iter().map(|&c| c as i32).collect();
+        self.cu_seqlens.write(0, &cu)?;
+        self.seg_slot.write(0, slots)?;
+        self.segments = slots.len();
+        self.prefill_rows = total;
+        Ok(())
+    }
+
+    fn check_inputs(&self, layer: usize, modules: &[ModuleTarget], x_width: usize) -> Result<(), PoolError> {
+        for m in modules {
+            let entry = self.layout.entry(layer, m.module).ok_or(PoolError::NoSuchModule {
+                layer,
+                module: m.module,
+            })?;
+            if entry.in_dim != x_width {
+                return Err(PoolError::Batch(format!(
+                    "layer {layer} {}: x rows are {x_width} wide, the module takes {}",
+                    m.module, entry.in_dim
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode apply: `y[row, cols of module] += scale · B (A x[row])` for
+    /// each row's slot (set by [`LoraPool::set_decode_rows`]) and each module
+    /// (which share the input x), in one launch. Graph-capturable.
+    pub fn apply_decode<Y: OutputElem>(
+        &self,
+        layer: usize,
+        modules: &[ModuleTarget],
+        x: Rows<'_, bf16>,
+        y: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
+        self.check_inputs(layer, modules, x.width)?;
+        if x.n_rows != self.decode_rows {
+            return Err(PoolError::Batch(format!(
+                "x has {} rows, the decode batch {}",
+                x.n_rows, self.decode_rows
+            )));
+        }
+        let targets = targets(&self.table, &self.layout, self.opts.max_loras, layer, modules)?;
+        bgmv(&self.device, x, &self.seq_slot, &targets, self.opts.max_rank, y)?;
+        Ok(())
+    }
+
+    /// Prefill apply over the segments set by
+    /// [`LoraPool::set_prefill_segments`]. Graph-capturable.
+    pub fn apply_prefill<Y: OutputElem>(
+        &mut self,
+        layer: usize,
+        modules: &[ModuleTarget],
+        x: Rows<'_, bf16>,
+        y: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
+        self.check_inputs(layer, modules, x.width)?;
+        if x.n_rows != self.prefill_rows {
+            return Err(PoolError::Batch(format!(
+                "x has {} rows, the prefill batch {}",
+                x.n_rows, self.prefill_rows
+            )));
+        }
+        let segments = Segments {
+            cu_seqlens: &self.cu_seqlens,
+            seg_slot: &self.seg_slot,
+            n_segments: self.segments,
+        };
+        let targets = targets(&self.table, &self.layout, self.opts.max_loras, layer, modules)?;
+        sgmv(
+            &self.device,
+            x,
+            &segments,
+            &targets,
+            self.opts.max_rank,
+            y,
+            &mut self.workspace,
+        )?;
+        Ok(())
+    }
+
+    /// One-adapter prefill: every row of x takes `slot`'s pair.
+    pub fn apply_one_adapter<Y: OutputElem>(
+        &mut self,
+        slot: usize,
+        layer: usize,
+        modules: &[ModuleTarget],
+        x: Rows<'_, bf16>,
+        y: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
+        self.check_inputs(layer, modules, x.width)?;
+        self.check_row_slot(0, i32::try_from(slot).unwrap_or(i32::MAX))?;
+        self.check_slot(slot)?;
+        let targets = targets(&self.table, &self.layout, self.opts.max_loras, layer, modules)?;
+        one_adapter(
+            &self.device,
+            x,
+            slot,
+            &targets,
+            self.opts.max_rank,
+            y,
+            &mut self.workspace,
+        )?;
+        Ok(())
+    }
+}
+
+/// The kernel targets of `modules` at `layer`: each module's `[max_loras]`
+/// range of the pool's table.
+fn targets<'t>(
+    table: &'t DeviceBuffer<PairEntry>,
+    layout: &SlotLayout,
+    max_loras: usize,
+    layer: usize,
+    modules: &[ModuleTarget],
+) -> Result<Vec<LoraTarget<'t>>, PoolError> {
+    modules
+        .iter()
+        .map(|m| {
+            let entry = layout.entry(layer, m.module).ok_or(PoolError::NoSuchModule {
+                layer,
+                module: m.module,
+            })?;
+            Ok(LoraTarget {
+                table,
+                table_offset: (layer * LoraModule::ALL.len() + m.module.index()) * max_loras,
+                n_entries: max_loras,
+                out_dim: entry.out_dim,
+                y_col_offset: m.y_col_offset,
+            })
+        })
+        .collect()
+}
+
+fn check_unique_names(adapters: &[AdapterSource<'_>]) -> Result<(), PoolError> {
+    for (i, a) in adapters.iter().enumerate() {
+        if a.name.is_empty() {
+            return Err(PoolError::EmptyName);
+        }
+        if adapters[..i].iter().any(|b| b.name == a.name) {
+            return Err(PoolError::DuplicateName(a.name.to_string()));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! End to end on real PEFT fixtures: load four adapters into a pool, run a
+//! mixed decode batch and a mixed prefill through every adapted (layer,
+//! module), and compare each row's delta with its adapter's PEFT oracle. Runs
+//! on the CPU backend (CI) and on CUDA when present (GPU bundle).
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::{Oracle, model_config, oracle, rel_error, to_bf16};
+use lora_audit::{WeightRef, parse_weight_name};
+use lora_kernels::testing::{Rng, cuda_or_skip};
+use lora_kernels::{Device, Rows, RowsMut};
+use lora_layout::ModelConfig;
+use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool, ModuleTarget};
+
+const MODEL: &str = "llama";
+const ADAPTERS: [&str; 4] = [
+    "demo_r4_plain",
+    "demo_r8_rslora",
+    "demo_r16_alpha_pattern",
+    "rank_alpha_pattern",
+];
+
+fn options() -> LoraOptions {
+    LoraOptions {
+        max_loras: 6,
+        max_rank: 16,
+        rotatable: true,
+        ..LoraOptions::default()
+    }
+}
+
+fn load(device: &Device) -> (LoraPool, Vec<Oracle>) {
+    let root = common::fixtures().join(MODEL);
+    let dirs: Vec<_> = ADAPTERS.iter().map(|a| root.join(a)).collect();
+    let sources: Vec<_> = ADAPTERS
+        .iter()
+        .zip(&dirs)
+        .map(|(name, dir)| AdapterSource { name, dir })
+        .collect();
+    let pool = LoraPool::load(
+        device,
+        model_config(MODEL),
+        options(),
+        BatchCapacity::default(),
+        &sources,
+    )
+    .unwrap();
+    let oracles = ADAPTERS.iter().map(|a| oracle(MODEL, a)).collect();
+    (pool, oracles)
+}
+
+/// Every dense weight any adapter changes, with its (layer, module).
+fn weights(cfg: &ModelConfig, oracles: &[Oracle]) -> Vec<(String, usize, lora_layout::LoraModule)> {
+    let names: BTreeSet<&String> = oracles.iter().flat_map(|o| o.probes.keys()).collect();
+    names
+        .into_iter()
+        .map(|w| match parse_weight_name(w, cfg).unwrap() {
+            WeightRef::Dense { layer, module } => (w.clone(), layer, module),
+            other => panic!("{w}: unexpected {other:?}"),
+        })
+        .collect()
+}
+
+/// One batch for weight `w`: for each adapter, its 4 probe rows (or 4 random
+/// rows when it leaves `w` alone: their delta must be exactly 0), then 3
+/// random rows of the base model. Returns x, per-row slot, the expected
+/// delta rows (`None`: exactly zero).
+fn batch(
+    rng: &mut Rng,
+    w: &str,
+    in_dim: usize,
+    out_dim: usize,
+    oracles: &[Oracle],
+) -> (Vec<f32>, Vec<i32>, Vec<Option<Vec<f32>>>) {
+    let mut x = Vec::new();
+    let mut slots = Vec::new();
+    let mut expected = Vec::new();
+    for (slot, o) in oracles.iter().enumerate() {
+        match o.probes.get(w) {
+            Some((pin, pout)) => {
+                assert_eq!(pin.shape, [4, in_dim]);
+                assert_eq!(pout.shape, [4, out_dim]);
+                x.extend_from_slice(&pin.data);
+                for r in 0..4 {
+                    expected.push(Some(pout.data[r * out_dim..(r + 1) * out_dim].to_vec()));
+                }
+            }
+            None => {
+                x.extend((0..4 * in_dim).map(|_| rng.uniform() * 2.0 - 1.0));
+                expected.extend(std::iter::repeat_n(None, 4));
+            }
+        }
+        slots.extend([slot as i32; 4]);
+    }
+    x.extend((0..3 * in_dim).map(|_| rng.uniform() * 2.0 - 1.0));
+    slots.extend([-1; 3]);
+    expected.extend(std::iter::repeat_n(None, 3));
+    (x, slots, expected)
+}
+
+fn check_rows(w: &str, y: &[f32], y0: &[f32], out_dim: usize, expected: &[Option<Vec<f32>>], slots: &[i32]) {
+    for (r, want) in expected.iter().enumerate() {
+        let delta: Vec<f32> = (0..out_dim).map(|c| y[r * out_dim + c] - y0[r * out_dim + c]).collect();
+        match want {
+            Some(reference) => {
+                let err = rel_error(&delta, reference);
+                assert!(err < 1e-2, "{w} row {r} (slot {}): relative error {err}", slots[r]);
+            }
+            None => assert!(
+                delta.iter().all(|d| *d == 0.0),
+                "{w} row {r} (slot {}) must be untouched",
+                slots[r]
+            ),
+        }
+    }
+}
+
+enum Mode {
+    Decode,
+    Prefill,
+}
+
+fn run(device: &Device, mode: Mode) {
+    let (mut pool, oracles) = load(device);
+    let cfg = pool.config().clone();
+    let mut rng = Rng::fresh("serve_fixtures");
+    for (w, layer, module) in weights(&cfg, &oracles) {
+        let (out_dim, in_dim) = module.dims(&cfg);
+        let (x, slots, expected) = batch(&mut rng, &w, in_dim, out_dim, &oracles);
+        let n = slots.len();
+        let y0: Vec<f32> = (0..n * out_dim).map(|_| rng.uniform() - 0.5).collect();
+        let xb = device.upload(&to_bf16(&x)).unwrap();
+        let mut yb = device.upload(&y0).unwrap();
+        let target = [ModuleTarget {
+            module,
+            y_col_offset: 0,
+        }];
+        match mode {
+            Mode::Decode => {
+                pool.set_decode_rows(&slots, n).unwrap();
+                pool.apply_decode(
+                    layer,
+                    &target,
+                    Rows::dense(&xb, n, in_dim),
+                    RowsMut::dense(&mut yb, n, out_dim),
+                )
+                .unwrap();
+            }
+            Mode::Prefill => {
+                // One segment per adapter (4 rows) and one of the base model.
+                let seg_slots: Vec<i32> = slots.chunks(4).map(|c| c[0]).collect();
+                let mut cu = vec![0usize];
+                for c in slots.chunks(4) {
+                    cu.push(cu.last().unwrap() + c.len());
+                }
+                pool.set_prefill_segments(&cu, &seg_slots).unwrap();
+                pool.apply_prefill(
+                    layer,
+                    &target,
+                    Rows::dense(&xb, n, in_dim),
+                    RowsMut::dense(&mut yb, n, out_dim),
+                )
+                .unwrap();
+            }
+        }
+        device.check_faults().unwrap();
+        let y = yb.download().unwrap();
+        check_rows(&w, &y, &y0, out_dim, &expected, &slots);
+    }
+}
+
+#[test]
+fn mixed_decode_matches_the_peft_oracle_on_cpu() {
+    run(&Device::cpu(), Mode::Decode);
+}
+
+#[test]
+fn mixed_prefill_matches_the_peft_oracle_on_cpu() {
+    run(&Device::cpu(), Mode::Prefill);
+}
+
+#[test]
+fn mixed_decode_matches_the_peft_oracle_on_cuda() {
+    if let Some(device) = cuda_or_skip("mixed_decode_matches_the_peft_oracle_on_cuda") {
+        run(&device, Mode::Decode);
+    }
+}
+
+#[test]
+fn mixed_prefill_matches_the_peft_oracle_on_cuda() {
+    if let Some(device) = cuda_or_skip("mixed_prefill_matches_the_peft_oracle_on_cuda") {
+        run(&device, Mode::Prefill);
+    }
+}
