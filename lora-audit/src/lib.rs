@@ -113,8 +113,9 @@ pub use peft_config::{
 };
 pub use prepare::{HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
 pub use probe::{
-    BaseTables, FusedParam, PROBE_IN, PROBE_OUT, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX, ROWS_MERGED,
-    WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables, read_probe_inputs, write_probe_outputs,
+    BaseTables, FusedParam, PROBE_IN, PROBE_OUT, PairShape, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX,
+    ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables, read_probe_inputs,
+    write_probe_outputs,
 };
 pub use tensors::{
     AdapterTensors, HostTensor, MappedSafetensors, TensorDtype, TensorInfo, load_adapter_safetensors, load_bf16,

@@ -200,6 +200,15 @@ pub fn split_fused(
             a.shape, b.shape
         )));
     }
+    if a_rows.checked_mul(a_in) != Some(a.data.len()) || b_out.checked_mul(b_cols) != Some(b.data.len()) {
+        return Err(bad(format!(
+            "{} / {} elements for shapes {:?} / {:?}",
+            a.data.len(),
+            b.data.len(),
+            a.shape,
+            b.shape
+        )));
+    }
     let r = a_rows / num_experts;
     let a_e = a.data[expert * r * a_in..(expert + 1) * r * a_in].to_vec();
     let mut b_e = Vec::with_capacity(out_rows.len() * r);

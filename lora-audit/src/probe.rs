@@ -235,6 +235,9 @@ fn probe_weight(
     let [n, width] = x.shape[..] else {
         return Err(bad(format!("shape {:?}; expected [rows, in]", x.shape)));
     };
+    if n.checked_mul(width) != Some(x.data.len()) {
+        return Err(bad(format!("{} values for shape {:?}", x.data.len(), x.shape)));
+    }
     let check_width = |inp: usize| {
         if width == inp {
             Ok(())
@@ -242,10 +245,12 @@ fn probe_weight(
             Err(bad(format!("width {width}, but the weight's input width is {inp}")))
         }
     };
-    let pair_out = |pair: Option<(&[bf16], &[bf16], usize, f32)>, (out, inp): (usize, usize)| -> Vec<f32> {
+    let pair_out = |pair: Option<(&[bf16], &[bf16], usize, f32)>, (out, inp): (usize, usize)| {
+        let too_big = || bad(format!("{n} rows x {out} outputs do not fit in memory"));
         match pair {
-            Some((a, b, rank, scale)) => apply_pair(&x.data, n, a, b, rank, inp, out, scale),
-            None => vec![0.0; n * out],
+            Some((a, b, rank, scale)) => apply_pair(&x.data, a, b, PairShape { n, rank, inp, out }, scale)
+                .ok_or_else(|| bad("the pair's factors do not have their shapes' lengths".into())),
+            None => Ok(vec![0.0; n.checked_mul(out).ok_or_else(too_big)?]),
         }
     };
     let dense = |layer, module: LoraModule| {
@@ -267,7 +272,7 @@ fn probe_weight(
             check_width(inp)?;
             ProbeTensor {
                 shape: vec![n, out],
-                data: pair_out(dense(layer, module), (out, inp)),
+                data: pair_out(dense(layer, module), (out, inp))?,
             }
         }
         WeightRef::Expert { layer, expert: e, proj } => {
@@ -276,7 +281,7 @@ fn probe_weight(
             check_width(dims.1)?;
             ProbeTensor {
                 shape: vec![n, dims.0],
-                data: pair_out(expert(layer, site), dims),
+                data: pair_out(expert(layer, site), dims)?,
             }
         }
         WeightRef::Router { layer } => {
@@ -284,7 +289,7 @@ fn probe_weight(
             check_width(dims.1)?;
             ProbeTensor {
                 shape: vec![n, dims.0],
-                data: pair_out(expert(layer, ExpertSite::Router), dims),
+                data: pair_out(expert(layer, ExpertSite::Router), dims)?,
             }
         }
         WeightRef::Fused { layer, param } => {
@@ -299,11 +304,12 @@ fn probe_weight(
                 .collect::<Result<_, _>>()?;
             check_width(dims[0].1)?;
             let out_total: usize = dims.iter().map(|d| d.0).sum();
-            let mut data = vec![0.0f32; moe.num_experts * n * out_total];
+            let total = moe.num_experts.checked_mul(n).and_then(|v| v.checked_mul(out_total));
+            let mut data = vec![0.0f32; total.ok_or_else(|| bad("the probe output does not fit in memory".into()))?];
             for e in 0..moe.num_experts {
                 let mut col = 0;
                 for (proj, &d) in projs.iter().zip(&dims) {
-                    let y = pair_out(expert(layer, ExpertSite::Expert { expert: e, proj: *proj }), d);
+                    let y = pair_out(expert(layer, ExpertSite::Expert { expert: e, proj: *proj }), d)?;
                     for row in 0..n {
                         let dst = (e * n + row) * out_total + col;
                         data[dst..dst + d.0].copy_from_slice(&y[row * d.0..(row + 1) * d.0]);
@@ -319,20 +325,30 @@ fn probe_weight(
     }))
 }
 
+/// The shape of one pair application: `n` rows of width `inp` through a
+/// pair of rank `rank` into width `out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PairShape {
+    /// Rows of x.
+    pub n: usize,
+    /// Rank of the pair.
+    pub rank: usize,
+    /// Input width.
+    pub inp: usize,
+    /// Output width.
+    pub out: usize,
+}
+
 /// `y[n, out] = scale · (x[n, in] · Aᵀ) · Bᵀ` with A `[rank, in]`, B
-/// `[out, rank]` in BF16 and FP32 accumulation.
-#[allow(clippy::too_many_arguments)]
-pub fn apply_pair(
-    x: &[f32],
-    n: usize,
-    a: &[bf16],
-    b: &[bf16],
-    rank: usize,
-    inp: usize,
-    out: usize,
-    scale: f32,
-) -> Vec<f32> {
-    let mut y = vec![0.0f32; n * out];
+/// `[out, rank]` in BF16 and FP32 accumulation. `None` when a slice does
+/// not have the length its shape says.
+pub fn apply_pair(x: &[f32], a: &[bf16], b: &[bf16], shape: PairShape, scale: f32) -> Option<Vec<f32>> {
+    let PairShape { n, rank, inp, out } = shape;
+    let fits = |len: usize, rows: usize, cols: usize| rows.checked_mul(cols) == Some(len);
+    if !(fits(x.len(), n, inp) && fits(a.len(), rank, inp) && fits(b.len(), out, rank)) {
+        return None;
+    }
+    let mut y = vec![0.0f32; n.checked_mul(out)?];
     let mut t = vec![0.0f32; rank];
     for row in 0..n {
         let xr = &x[row * inp..(row + 1) * inp];
@@ -345,7 +361,7 @@ pub fn apply_pair(
             *yo = scale * t.iter().zip(bo).map(|(tk, bk)| tk * bk.to_f32()).sum::<f32>();
         }
     }
-    y
+    Some(y)
 }
 
 /// The served token tables of one adapter: base tables plus its compiled

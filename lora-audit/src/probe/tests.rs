@@ -94,7 +94,11 @@ fn apply_pair_is_scale_b_a_x() {
         .map(|v| bf16::from_f32(*v))
         .collect();
     let (n, inp, out, r, s) = (2, 3, 4, 2, 0.75f32);
-    let y = apply_pair(&x, n, &a, &b, r, inp, out, s);
+    let shape = PairShape { n, rank: r, inp, out };
+    let y = apply_pair(&x, &a, &b, shape, s).unwrap();
+    assert!(apply_pair(&x[1..], &a, &b, shape, s).is_none(), "lengths are checked");
+    assert!(apply_pair(&x, &a[1..], &b, shape, s).is_none());
+    assert!(apply_pair(&x, &a, &b[1..], shape, s).is_none());
     for row in 0..n {
         for o in 0..out {
             let dw = |i: usize| {
