@@ -1,7 +1,7 @@
 //! Fixture access shared by the pool's integration tests: the PEFT fixtures
 //! under `fixtures/` and their oracles (PEFT's own merged weights).
 
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,0 +1,291 @@
+//! Runtime swaps on real PEFT fixtures: swaps while other slots serve,
+//! failed swaps of every kind leave the pool bit for bit as it was, victim
+//! choice, pinning, `PoolFull`, generation bumps.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{fixtures, model_config};
+use lora_kernels::{Device, PairEntry};
+use lora_layout::LoraModule;
+use lora_pool::{AdapterSlot, AdapterSource, BatchCapacity, LoraOptions, LoraPool, PoolError};
+
+fn dir(adapter: &str) -> PathBuf {
+    fixtures().join("llama").join(adapter)
+}
+
+fn options(max_loras: usize, pinned: usize) -> LoraOptions {
+    LoraOptions {
+        max_loras,
+        max_rank: 16,
+        pinned,
+        rotatable: true,
+        ..LoraOptions::default()
+    }
+}
+
+fn pool_with(opts: LoraOptions, adapters: &[(&str, &str)]) -> LoraPool {
+    let dirs: Vec<PathBuf> = adapters.iter().map(|(_, a)| dir(a)).collect();
+    let sources: Vec<AdapterSource<'_>> = adapters
+        .iter()
+        .zip(&dirs)
+        .map(|((name, _), dir)| AdapterSource { name, dir })
+        .collect();
+    LoraPool::load(
+        &Device::cpu(),
+        model_config("llama"),
+        opts,
+        BatchCapacity::default(),
+        &sources,
+    )
+    .unwrap()
+}
+
+/// Everything a swap may change: every slot's bytes, every table entry, the
+/// slot registry.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    bytes: Vec<Vec<half::bf16>>,
+    entries: Vec<PairEntry>,
+    slots: Vec<AdapterSlot>,
+}
+
+fn snapshot(pool: &LoraPool) -> Snapshot {
+    let n = pool.slots().len();
+    let cfg = pool.config();
+    let mut entries = Vec::new();
+    for layer in 0..cfg.num_hidden_layers {
+        for module in LoraModule::ALL {
+            for slot in 0..n {
+                if let Some(e) = pool.entry(layer, module, slot) {
+                    entries.push(e);
+                }
+            }
+        }
+    }
+    Snapshot {
+        bytes: (0..n).map(|s| pool.slot_contents(s).unwrap()).collect(),
+        entries,
+        slots: pool.slots().to_vec(),
+    }
+}
+
+/// A copy of fixture `adapter` in a temp dir, for breaking it.
+fn broken_copy(adapter: &str, tag: &str, breaker: impl FnOnce(&Path)) -> PathBuf {
+    let dst = std::env::temp_dir().join(format!("lora-pool-swap-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in std::fs::read_dir(dir(adapter)).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
+    }
+    breaker(&dst);
+    dst
+}
+
+#[test]
+fn a_swap_writes_only_its_slot_while_others_serve() {
+    let mut pool = pool_with(options(4, 0), &[("a", "demo_r4_plain"), ("b", "demo_r8_rslora")]);
+    let lease_a = pool.acquire("a").unwrap();
+    let lease_b = pool.acquire("b").unwrap();
+    let before = snapshot(&pool);
+    let report = pool.swap_from_disk(2, "c", &dir("demo_r16_alpha_pattern")).unwrap();
+    assert_eq!((report.slot, report.generation), (2, 1));
+    let after = snapshot(&pool);
+    assert_eq!(before.bytes[0], after.bytes[0]);
+    assert_eq!(before.bytes[1], after.bytes[1]);
+    assert_ne!(before.bytes[2], after.bytes[2]);
+    assert_eq!(before.bytes[3], after.bytes[3]);
+    assert_eq!(&after.slots[..2], &before.slots[..2]);
+    // A slot in use cannot be overwritten.
+    let err = pool.swap_from_disk(0, "d", &dir("rslora")).unwrap_err();
+    assert!(matches!(err, PoolError::SlotInUse { slot: 0, leases: 1 }), "{err}");
+    drop((lease_a, lease_b));
+    pool.swap_from_disk(0, "d", &dir("rslora")).unwrap();
+    assert_eq!(pool.slot_of("d"), Some(0));
+    assert_eq!(pool.slot_of("a"), None);
+}
+
+#[test]
+fn failed_swaps_leave_the_pool_bit_for_bit() {
+    let mut pool = pool_with(
+        LoraOptions {
+            max_rank: 8,
+            ..options(3, 0)
+        },
+        &[("a", "demo_r4_plain"), ("b", "demo_r8_rslora")],
+    );
+    let before = snapshot(&pool);
+    let missing = PathBuf::from("/nonexistent/adapter");
+    let truncated = broken_copy("demo_r4_plain", "truncated", |d| {
+        let f = d.join("adapter_model.safetensors");
+        let len = std::fs::metadata(&f).unwrap().len();
+        let file = std::fs::OpenOptions::new().write(true).open(&f).unwrap();
+        file.set_len(len / 2).unwrap();
+    });
+    let bad_json = broken_copy("demo_r4_plain", "badjson", |d| {
+        std::fs::write(d.join("adapter_config.json"), b"{\"r\": ").unwrap();
+    });
+    let cases: [(&str, &Path, &[&str]); 5] = [
+        ("unreadable", &missing, &[]),
+        ("truncated weights", &truncated, &[]),
+        ("corrupt config", &bad_json, &[]),
+        ("refused adapter", &dir("dora"), &["REJECT[dora]"]),
+        (
+            "rank over max_rank",
+            &dir("demo_r16_alpha_pattern"),
+            &["REJECT[rank-exceeds-max]"],
+        ),
+    ];
+    for (what, path, codes) in cases {
+        for slot in [1, 2] {
+            let err = pool.swap_from_disk(slot, "new", path).unwrap_err();
+            assert!(matches!(err, PoolError::Audit { .. }), "{what}: {err}");
+            for code in codes {
+                assert!(
+                    err.refusal_codes().contains(code),
+                    "{what}: {:?} lacks {code}",
+                    err.refusal_codes()
+                );
+            }
+            assert_eq!(snapshot(&pool), before, "{what} changed the pool");
+        }
+    }
+    // Names must stay unique and non-empty.
+    assert!(matches!(
+        pool.swap_from_disk(2, "a", &dir("rslora")),
+        Err(PoolError::DuplicateName(_))
+    ));
+    assert!(matches!(
+        pool.swap_from_disk(2, "", &dir("rslora")),
+        Err(PoolError::EmptyName)
+    ));
+    assert!(matches!(
+        pool.swap_from_disk(9, "z", &dir("rslora")),
+        Err(PoolError::NoSuchSlot { slot: 9, .. })
+    ));
+    assert_eq!(snapshot(&pool), before);
+}
+
+#[test]
+fn every_write_bumps_the_generation_and_the_identity() {
+    let mut pool = pool_with(options(2, 0), &[("a", "demo_r4_plain")]);
+    let first = pool.slots()[0].adapter_id();
+    assert_eq!(pool.slots()[0].generation, 1);
+    let report = pool.swap_from_disk(0, "a", &dir("demo_r4_plain")).unwrap();
+    assert_eq!(report.generation, 2);
+    assert_ne!(report.adapter_id, first, "same name, new generation: a new identity");
+    assert_eq!(pool.acquire("a").unwrap().adapter_id(), report.adapter_id);
+    pool.evict(0).unwrap();
+    assert_eq!(pool.slots()[0].adapter_id(), 0);
+    assert!(pool.slot_contents(0).unwrap().iter().all(|v| v.to_f32() == 0.0));
+    assert!(matches!(pool.acquire("a"), Err(PoolError::NotResident(_))));
+}
+
+#[test]
+fn promotion_picks_empty_then_lru_skips_pinned_and_fails_when_all_in_use() {
+    let mut pool = pool_with(options(3, 1), &[("pinned", "demo_r4_plain")]);
+    let b = pool.promote("b", &dir("demo_r8_rslora")).unwrap();
+    assert_eq!(b.slot(), 1, "first empty promotion slot");
+    let c = pool.promote("c", &dir("rslora")).unwrap();
+    assert_eq!(c.slot(), 2);
+    drop((b, c));
+    // Use c again: b is now the least recently used; the pinned slot, older
+    // still, is never a candidate.
+    drop(pool.acquire("c").unwrap());
+    let d = pool.promote("d", &dir("layer_subset")).unwrap();
+    assert_eq!(d.slot(), 1);
+    assert_eq!(pool.slot_of("b"), None);
+    assert_eq!(pool.slot_of("pinned"), Some(0));
+    // Promoting a resident adapter just leases it.
+    let c = pool.promote("c", &dir("rslora")).unwrap();
+    assert_eq!(c.slot(), 2);
+    // Both promotion slots are held: nothing can be evicted.
+    let err = pool.promote("e", &dir("regex_targets")).unwrap_err();
+    assert!(matches!(err, PoolError::PoolFull { .. }), "{err}");
+    drop((c, d));
+    assert_eq!(
+        pool.promote("e", &dir("regex_targets")).unwrap().slot(),
+        1,
+        "d was used before c"
+    );
+}
+
+#[test]
+fn swaps_need_a_rotatable_pool() {
+    let mut pool = pool_with(
+        LoraOptions {
+            rotatable: false,
+            ..options(2, 0)
+        },
+        &[("a", "demo_r4_plain")],
+    );
+    assert!(matches!(
+        pool.swap_from_disk(1, "b", &dir("rslora")),
+        Err(PoolError::NotRotatable)
+    ));
+    assert!(matches!(
+        pool.promote("b", &dir("rslora")),
+        Err(PoolError::NotRotatable)
+    ));
+}
+
+#[test]
+fn batch_rows_must_name_resident_adapters() {
+    let mut pool = pool_with(options(3, 0), &[("a", "demo_r4_plain")]);
+    pool.set_decode_rows(&[0, -1, 0], 4).unwrap();
+    assert!(matches!(
+        pool.set_decode_rows(&[0, 1], 2),
+        Err(PoolError::EmptySlot { row: 1, slot: 1 })
+    ));
+    assert!(matches!(pool.set_decode_rows(&[-2], 1), Err(PoolError::Batch(_))));
+    assert!(matches!(
+        pool.set_prefill_segments(&[0, 3, 5], &[0, 2]),
+        Err(PoolError::EmptySlot { row: 1, slot: 2 })
+    ));
+    assert!(matches!(
+        pool.set_prefill_segments(&[0, 3], &[0, 0]),
+        Err(PoolError::Batch(_))
+    ));
+}
+
+#[test]
+fn startup_load_checks_names_and_slot_count() {
+    let opts = options(1, 0);
+    let d = dir("demo_r4_plain");
+    let two = [
+        AdapterSource { name: "a", dir: &d },
+        AdapterSource { name: "b", dir: &d },
+    ];
+    let err = LoraPool::load(
+        &Device::cpu(),
+        model_config("llama"),
+        opts.clone(),
+        BatchCapacity::default(),
+        &two,
+    )
+    .err()
+    .unwrap();
+    assert!(matches!(
+        err,
+        PoolError::TooManyAdapters {
+            adapters: 2,
+            max_loras: 1
+        }
+    ));
+    let dup = [
+        AdapterSource { name: "a", dir: &d },
+        AdapterSource { name: "a", dir: &d },
+    ];
+    let err = LoraPool::load(
+        &Device::cpu(),
+        model_config("llama"),
+        options(2, 0),
+        BatchCapacity::default(),
+        &dup,
+    )
+    .err()
+    .unwrap();
+    assert!(matches!(err, PoolError::DuplicateName(_)));
+}
