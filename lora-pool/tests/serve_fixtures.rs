@@ -3,6 +3,8 @@
 //! module), and compare each row's delta with its adapter's PEFT oracle. Runs
 //! on the CPU backend (CI) and on CUDA when present (GPU bundle).
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::BTreeSet;

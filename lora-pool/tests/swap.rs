@@ -2,6 +2,8 @@
 //! failed swaps of every kind leave the pool bit for bit as it was, victim
 //! choice, pinning, `PoolFull`, generation bumps.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::{Path, PathBuf};
