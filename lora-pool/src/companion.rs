@@ -3,7 +3,7 @@
 //! slots: `stage` may fail and touches nothing live; `commit` only makes
 //! staged state live.
 
-use lora_audit::PreparedAdapter;
+use lora_audit::HostOverlay;
 
 use crate::error::PoolError;
 
@@ -15,10 +15,10 @@ pub trait SlotCompanion {
     /// The companion's name, for errors.
     fn name(&self) -> &'static str;
 
-    /// Build everything `adapter` needs (allocating new device memory as
-    /// required) without changing any live slot. An error leaves the
-    /// companion as it was.
-    fn stage(&mut self, adapter: &PreparedAdapter) -> Result<Self::Staged, PoolError>;
+    /// Build everything adapter `name` needs for its token overlays
+    /// (allocating new device memory as required) without changing any live
+    /// slot. An error leaves the companion as it was.
+    fn stage(&mut self, name: &str, overlay: &HostOverlay) -> Result<Self::Staged, PoolError>;
 
     /// Make `staged` the live state of `slot`, replacing what it had.
     fn commit(&mut self, slot: usize, staged: Self::Staged) -> Result<(), PoolError>;
@@ -39,8 +39,8 @@ impl SlotCompanion for NoCompanion {
         "token overlays"
     }
 
-    fn stage(&mut self, adapter: &PreparedAdapter) -> Result<(), PoolError> {
-        if adapter.overlay.is_empty() {
+    fn stage(&mut self, name: &str, overlay: &HostOverlay) -> Result<(), PoolError> {
+        if overlay.is_empty() {
             Ok(())
         } else {
             Err(PoolError::Companion {
@@ -48,7 +48,7 @@ impl SlotCompanion for NoCompanion {
                 message: format!(
                     "adapter `{}` carries token overlays (trainable tokens or saved embedding/lm_head rows) \
                      and this pool has no overlay companion (lora-overlay) to serve them",
-                    adapter.report.adapter
+                    name
                 ),
             })
         }

@@ -594,7 +594,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             .collect();
         let staging = self.staging.as_mut_slice()?;
         let dense_pairs = pack_into(&self.layout, &sources, staging).map_err(image_err(name))?;
-        let companion = self.companion.stage(adapter)?;
+        let companion = self.companion.stage(name, &adapter.overlay)?;
         Ok(Staged {
             name: name.to_string(),
             dense: DenseSource::Staging,
