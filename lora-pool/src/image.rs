@@ -30,15 +30,76 @@ pub struct PairMeta {
     pub scale: f32,
 }
 
+/// Tensor elements to pack, as they are found: converted BF16 values, or
+/// the raw little-endian bytes of a memory-mapped file (converted to BF16
+/// while packing, with the same rounding as lora-audit's loader).
+#[derive(Debug, Clone, Copy)]
+pub enum Elems<'a> {
+    /// BF16 values.
+    Bf16(&'a [bf16]),
+    /// Little-endian BF16 bytes (any alignment).
+    Bf16Bytes(&'a [u8]),
+    /// Little-endian F16 bytes.
+    F16Bytes(&'a [u8]),
+    /// Little-endian F32 bytes.
+    F32Bytes(&'a [u8]),
+}
+
+impl Elems<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Elems::Bf16(v) => v.len(),
+            Elems::Bf16Bytes(b) | Elems::F16Bytes(b) => b.len() / 2,
+            Elems::F32Bytes(b) => b.len() / 4,
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Convert elements `start..start + dst.len()` into `dst`. The caller
+    /// checked the range.
+    fn write(&self, start: usize, dst: &mut [bf16]) {
+        let n = dst.len();
+        match self {
+            Elems::Bf16(v) => dst.copy_from_slice(&v[start..start + n]),
+            Elems::Bf16Bytes(b) => {
+                let bytes = &b[2 * start..2 * (start + n)];
+                match bytemuck::try_cast_slice::<u8, bf16>(bytes) {
+                    Ok(v) => dst.copy_from_slice(v),
+                    Err(_) => {
+                        for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                            *d = bf16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+                        }
+                    }
+                }
+            }
+            Elems::F16Bytes(b) => {
+                for (d, c) in dst.iter_mut().zip(b[2 * start..2 * (start + n)].chunks_exact(2)) {
+                    *d = bf16::from_f32(half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32());
+                }
+            }
+            Elems::F32Bytes(b) => {
+                for (d, c) in dst.iter_mut().zip(b[4 * start..4 * (start + n)].chunks_exact(4)) {
+                    *d = bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                }
+            }
+        }
+    }
+}
+
 /// One pair to pack, borrowed from wherever the adapter's tensors live.
 #[derive(Debug, Clone, Copy)]
 pub struct PairSource<'a> {
     /// Key, rank and scale.
     pub meta: PairMeta,
     /// A `[rank, in]`, row-major.
-    pub a: &'a [bf16],
+    pub a: Elems<'a>,
     /// B `[out, rank]`, row-major.
-    pub b: &'a [bf16],
+    pub b: Elems<'a>,
 }
 
 /// A pair that does not fit the layout.
@@ -130,10 +191,10 @@ fn fill_place(region: &mut [bf16], place: &PairPlace, stride: usize, src: Option
     };
     let r = src.meta.rank;
     let (a_used, a_pad) = a_region.split_at_mut(r * place.in_dim);
-    a_used.copy_from_slice(src.a);
+    src.a.write(0, a_used);
     a_pad.fill(bf16::ZERO);
-    for (dst_row, src_row) in b_region.chunks_exact_mut(stride).zip(src.b.chunks_exact(r)) {
-        dst_row[..r].copy_from_slice(src_row);
+    for (row, dst_row) in b_region.chunks_exact_mut(stride).enumerate() {
+        src.b.write(row * r, &mut dst_row[..r]);
         dst_row[r..].fill(bf16::ZERO);
     }
 }

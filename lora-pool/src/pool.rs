@@ -7,7 +7,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use half::bf16;
-use lora_audit::{LoraOptions, PreparedAdapter, prepare_adapter};
+use lora_audit::{
+    ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, MappedSafetensors, PreparedAdapter, audit_adapter,
+    prepare_adapter,
+};
 use lora_kernels::{
     Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, PinnedHostBuffer, Rows, RowsMut, Segments,
     WorkspaceSpec, bgmv, one_adapter, sgmv,
@@ -20,7 +23,7 @@ use lora_layout::{
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
 use crate::expert::ExpertPool;
-use crate::image::{PairMeta, PairSource, SlotImage, pack_into};
+use crate::image::{Elems, PairMeta, PairSource, SlotImage, pack_into};
 use crate::lease::{SlotLease, SlotUse};
 use crate::registry::{AdapterSlot, SlotRegistry};
 
@@ -271,14 +274,21 @@ impl<C: SlotCompanion> LoraPool<C> {
             });
         }
         check_unique_names(adapters)?;
-        let prepared = adapters
+        // The audit alone sizes the expert pool; the tensors are read once,
+        // when each adapter is staged.
+        let expert_bytes = adapters
             .iter()
-            .map(|a| prepare_adapter(a.dir, &cfg, &opts).map_err(audit_err(a.name)))
-            .collect::<Result<Vec<_>, _>>()?;
-        let expert_bytes = prepared.iter().map(|p| p.report.expert_bytes).max().unwrap_or(0);
+            .map(|a| {
+                let report = audit_adapter(a.dir, &cfg, &opts).map_err(audit_err(a.name))?;
+                Ok(if report.is_servable() { report.expert_bytes } else { 0 })
+            })
+            .collect::<Result<Vec<usize>, PoolError>>()?
+            .into_iter()
+            .max()
+            .unwrap_or(0);
         let mut pool = LoraPool::with_companion(device, cfg, opts, capacity, companion, expert_bytes)?;
-        for (slot, (src, adapter)) in adapters.iter().zip(&prepared).enumerate() {
-            let staged = pool.stage(src.name, adapter)?;
+        for (slot, src) in adapters.iter().enumerate() {
+            let staged = pool.stage_from_dir(src.name, src.dir)?;
             pool.publish(slot, staged)?;
         }
         Ok(pool)
@@ -426,8 +436,8 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
-        let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
-        self.swap_prepared(slot, name, &prepared)
+        let staged = self.stage_from_dir(name, dir)?;
+        self.publish(slot, staged)
     }
 
     /// [`LoraPool::swap_from_disk`] for an adapter already prepared.
@@ -541,6 +551,56 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
     }
 
+    /// Phase one from an adapter directory. An adapter of dense pairs only
+    /// is packed straight from its memory-mapped file into the staging
+    /// buffer (one pass, converting F32/F16 on the way); one with expert
+    /// pairs or token overlays goes through `prepare_adapter`, which splits
+    /// fused experts and compiles overlays.
+    fn stage_from_dir(&mut self, name: &str, dir: &Path) -> Result<Staged<C::Staged>, PoolError> {
+        if name.is_empty() {
+            return Err(PoolError::EmptyName);
+        }
+        let report = audit_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
+        if !report.is_servable() {
+            return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
+        }
+        if !report.experts.is_empty() || !report.overlay.is_empty() {
+            let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
+            return self.stage(name, &prepared);
+        }
+        let mapped = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS)).map_err(audit_err(name))?;
+        let view = mapped.view().map_err(audit_err(name))?;
+        let sources = report
+            .placed
+            .iter()
+            .map(|p| {
+                Ok(PairSource {
+                    meta: PairMeta {
+                        key: PairKey::Dense {
+                            layer: p.layer,
+                            module: p.module,
+                        },
+                        rank: p.rank,
+                        scale: p.scale,
+                    },
+                    a: file_elems(&view, &p.a_key).map_err(audit_err(name))?,
+                    b: file_elems(&view, &p.b_key).map_err(audit_err(name))?,
+                })
+            })
+            .collect::<Result<Vec<_>, PoolError>>()?;
+        let staging = self.staging.as_mut_slice()?;
+        let dense_pairs = pack_into(&self.layout, &sources, staging).map_err(image_err(name))?;
+        let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
+        Ok(Staged {
+            name: name.to_string(),
+            dense: DenseSource::Staging,
+            dense_pairs,
+            experts: None,
+            companion: Some(companion),
+            has_overlay: false,
+        })
+    }
+
     /// Phase one: check and build everything off to the side. Writes only
     /// the staging buffer and the companion's staged state.
     fn stage(&mut self, name: &str, adapter: &PreparedAdapter) -> Result<Staged<C::Staged>, PoolError> {
@@ -569,8 +629,8 @@ impl<C: SlotCompanion> LoraPool<C> {
                         rank: p.rank,
                         scale: p.scale,
                     },
-                    a: &p.a,
-                    b: &p.b,
+                    a: Elems::Bf16(&p.a),
+                    b: Elems::Bf16(&p.b),
                 })
                 .collect();
             let image = SlotImage::pack(&layout, &sources).map_err(image_err(name))?;
@@ -588,8 +648,8 @@ impl<C: SlotCompanion> LoraPool<C> {
                     rank: p.rank,
                     scale: p.scale,
                 },
-                a: &p.a,
-                b: &p.b,
+                a: Elems::Bf16(&p.a),
+                b: Elems::Bf16(&p.b),
             })
             .collect();
         let staging = self.staging.as_mut_slice()?;
@@ -872,6 +932,23 @@ fn targets<'t>(
             })
         })
         .collect()
+}
+
+/// A tensor of a memory-mapped adapter file as packable elements.
+fn file_elems<'a>(view: &safetensors::SafeTensors<'a>, key: &str) -> Result<Elems<'a>, AuditError> {
+    let t = view.tensor(key).map_err(|e| AuditError::Tensor {
+        name: key.to_string(),
+        reason: e.to_string(),
+    })?;
+    match t.dtype() {
+        safetensors::Dtype::BF16 => Ok(Elems::Bf16Bytes(t.data())),
+        safetensors::Dtype::F16 => Ok(Elems::F16Bytes(t.data())),
+        safetensors::Dtype::F32 => Ok(Elems::F32Bytes(t.data())),
+        other => Err(AuditError::Tensor {
+            name: key.to_string(),
+            reason: format!("dtype {other:?}; adapter weights must be F32, F16 or BF16"),
+        }),
+    }
 }
 
 fn check_unique_names(adapters: &[AdapterSource<'_>]) -> Result<(), PoolError> {

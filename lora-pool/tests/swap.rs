@@ -291,3 +291,25 @@ fn startup_load_checks_names_and_slot_count() {
     .unwrap();
     assert!(matches!(err, PoolError::DuplicateName(_)));
 }
+
+#[test]
+fn packing_from_the_mapped_file_equals_packing_the_converted_adapter() {
+    let mut pool = pool_with(options(2, 0), &[]);
+    let cfg = model_config("llama");
+    for adapter in [
+        "dense_all_linear_f32",
+        "dense_all_linear_f16",
+        "dense_all_linear_bf16",
+        "rank_alpha_pattern",
+    ] {
+        pool.swap_from_disk(0, "direct", &dir(adapter)).unwrap();
+        let prepared = lora_audit::prepare_adapter(&dir(adapter), &cfg, pool.options()).unwrap();
+        pool.swap_prepared(1, "converted", &prepared).unwrap();
+        assert_eq!(
+            pool.slot_contents(0).unwrap(),
+            pool.slot_contents(1).unwrap(),
+            "{adapter}"
+        );
+        assert_eq!(pool.slots()[0].pairs, pool.slots()[1].pairs, "{adapter}");
+    }
+}

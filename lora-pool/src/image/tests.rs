@@ -41,8 +41,8 @@ fn sources(pairs: &[Owned]) -> Vec<PairSource<'_>> {
         .iter()
         .map(|p| PairSource {
             meta: p.meta,
-            a: &p.a,
-            b: &p.b,
+            a: Elems::Bf16(&p.a),
+            b: Elems::Bf16(&p.b),
         })
         .collect()
 }
@@ -214,4 +214,50 @@ proptest! {
         prop_assert!(packed.as_bytes() == landed.as_bytes());
         prop_assert_eq!(packed.pairs(), landed.pairs());
     }
+}
+
+#[test]
+fn raw_file_bytes_convert_like_the_audit_loader() {
+    let cfg = cfg();
+    let layout = SlotLayout::new(&cfg, 4).unwrap();
+    let p = owned(&cfg, 0, LoraModule::VProj, 3, 5);
+    let as_f32: Vec<u8> = p.a.iter().flat_map(|v| v.to_f32().to_le_bytes()).collect();
+    let as_f16: Vec<u8> =
+        p.b.iter()
+            .flat_map(|v| half::f16::from_f32(v.to_f32()).to_le_bytes())
+            .collect();
+    let raw_b: Vec<u8> = p.b.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let reference = SlotImage::pack(&layout, &sources(std::slice::from_ref(&p))).unwrap();
+    // F32 and BF16 bytes of BF16 values convert back exactly.
+    let src = PairSource {
+        meta: p.meta,
+        a: Elems::F32Bytes(&as_f32),
+        b: Elems::Bf16Bytes(&raw_b),
+    };
+    assert_eq!(
+        SlotImage::pack(&layout, &[src]).unwrap().as_bytes(),
+        reference.as_bytes()
+    );
+    // Unaligned BF16 bytes too.
+    let mut shifted = vec![0u8];
+    shifted.extend_from_slice(&raw_b);
+    let src = PairSource {
+        meta: p.meta,
+        a: Elems::F32Bytes(&as_f32),
+        b: Elems::Bf16Bytes(&shifted[1..]),
+    };
+    assert_eq!(
+        SlotImage::pack(&layout, &[src]).unwrap().as_bytes(),
+        reference.as_bytes()
+    );
+    // F16 round-trips the ramp's small integers exactly.
+    let src = PairSource {
+        meta: p.meta,
+        a: Elems::F32Bytes(&as_f32),
+        b: Elems::F16Bytes(&as_f16),
+    };
+    assert_eq!(
+        SlotImage::pack(&layout, &[src]).unwrap().as_bytes(),
+        reference.as_bytes()
+    );
 }
