@@ -116,12 +116,22 @@ pub(crate) enum LayerModule {
     Router,
 }
 
-/// The experts container and router path of a family.
-fn moe_paths(family: ModelFamily) -> (&'static str, &'static str) {
+/// The MoE block paths of a family, `(experts container, router)`, one per
+/// transformers generation that names them differently: Mixtral's block is
+/// `block_sparse_moe` in 4.x and `mlp` in 5.x.
+fn moe_blocks(family: ModelFamily) -> &'static [(&'static str, &'static str)] {
     match family {
-        ModelFamily::Mixtral => ("block_sparse_moe.experts", "block_sparse_moe.gate"),
-        _ => ("mlp.experts", "mlp.gate"),
+        ModelFamily::Mixtral => &[
+            ("block_sparse_moe.experts", "block_sparse_moe.gate"),
+            ("mlp.experts", "mlp.gate"),
+        ],
+        _ => &[("mlp.experts", "mlp.gate")],
     }
+}
+
+/// Whether `path` is an experts container of `family`.
+fn is_experts_container(family: ModelFamily, path: &str) -> bool {
+    moe_blocks(family).iter().any(|(experts, _)| *experts == path)
 }
 
 /// The per-expert projection names of a family (transformers 4.x).
@@ -170,7 +180,7 @@ pub(crate) fn resolve_layer_module(
             format!("{rest} is a gated-delta-net input projection; only linear_attn.out_proj can take a delta"),
         ));
     }
-    let (experts, router) = moe_paths(cfg.family);
+    let blocks = moe_blocks(cfg.family);
     let is_moe = cfg.family.is_moe();
     let moe_layer = || {
         if cfg.is_moe_layer(layer) {
@@ -179,19 +189,18 @@ pub(crate) fn resolve_layer_module(
             Err(mismatch(format!("layer {layer} of this model has no routed experts")))
         }
     };
-    if is_moe && rest == router {
+    if is_moe && blocks.iter().any(|(_, router)| rest == *router) {
         moe_layer()?;
         return Ok(LayerModule::Router);
     }
-    if is_moe && rest == experts {
+    if is_moe && is_experts_container(cfg.family, rest) {
         moe_layer()?;
         return Ok(LayerModule::ExpertsContainer);
     }
-    let per_expert = rest
-        .strip_prefix(experts)
-        .and_then(|t| t.strip_prefix('.'))
-        .and_then(|t| t.split_once('.'))
-        .and_then(|(index, name)| Some((index.parse::<usize>().ok()?, expert_proj_of(cfg.family, name)?)));
+    let per_expert = blocks.iter().find_map(|(experts, _)| {
+        let (index, name) = rest.strip_prefix(experts)?.strip_prefix('.')?.split_once('.')?;
+        Some((index.parse::<usize>().ok()?, expert_proj_of(cfg.family, name)?))
+    });
     if let (true, Some((expert, proj))) = (is_moe, per_expert) {
         moe_layer()?;
         let n = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
@@ -232,8 +241,9 @@ pub fn classify_key(key: &str, cfg: &ModelConfig) -> Result<LoraKey, Refusal> {
         ));
     };
     // 5.x fused experts: the container, or its nested inner wrapper.
-    let (experts, _) = moe_paths(cfg.family);
-    let inner = rest.strip_suffix(".base_layer").filter(|r| *r == experts);
+    let inner = rest
+        .strip_suffix(".base_layer")
+        .filter(|r| is_experts_container(cfg.family, r));
     let target = match resolve_layer_module(cfg, layer, inner.unwrap_or(rest), key)? {
         LayerModule::Dense(m) if inner.is_none() => LoraTarget::Dense(m),
         LayerModule::Expert { expert, proj } if inner.is_none() => LoraTarget::Expert { expert, proj },

@@ -68,14 +68,17 @@
 //! | `REJECT[dtype]` | a dtype other than F32 / F16 / BF16 | |
 //! | `REJECT[empty]` | nothing left to serve | |
 //!
-//! ```no_run
+//! ```
 //! use std::path::Path;
-//! use lora_audit::{LoraOptions, audit_adapter};
+//! use lora_audit::{LoraOptions, RejectCode, audit_adapter};
 //! use lora_layout::ModelConfig;
 //!
-//! let cfg = ModelConfig::from_file(Path::new("fixtures/llama/config.json"))?;
-//! let report = audit_adapter(Path::new("fixtures/llama/rslora"), &cfg, &LoraOptions::default())?;
+//! let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+//! let cfg = ModelConfig::from_file(&fixtures.join("config.json"))?;
+//! let report = audit_adapter(&fixtures.join("rslora"), &cfg, &LoraOptions::default())?;
 //! assert!(report.is_servable());
+//! let dora = audit_adapter(&fixtures.join("dora"), &cfg, &LoraOptions::default())?;
+//! assert!(dora.refused.iter().all(|r| r.code == RejectCode::Dora));
 //! for pair in &report.placed {
 //!     println!("layer {} {}: r={} scale={}", pair.layer, pair.module, pair.rank, pair.scale);
 //! }

@@ -85,6 +85,18 @@ fn per_expert_keys_of_transformers_4() {
         ),
         (1, LoraTarget::Router, AdapterAb::B)
     );
+    // transformers 5.x names Mixtral's block `mlp`, with fused experts.
+    assert_eq!(
+        target("base_model.model.model.layers.1.mlp.gate.lora_B.weight", &mixtral),
+        (1, LoraTarget::Router, AdapterAb::B)
+    );
+    assert_eq!(
+        target(
+            "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight",
+            &mixtral
+        ),
+        (1, LoraTarget::FusedExperts(FusedWrapper::Inner), AdapterAb::A)
+    );
     // Mixtral names only exist in Mixtral.
     assert_eq!(
         refused("base_model.model.model.layers.1.mlp.experts.0.w1.lora_A.weight", &qwen),
