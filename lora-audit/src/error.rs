@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use crate::audit::AuditReport;
+use crate::report::AuditReport;
 
 /// Why an adapter (or one of its tensors) cannot be served exactly.
 ///

@@ -94,14 +94,12 @@ mod pattern;
 mod peft_config;
 mod prepare;
 mod probe;
+mod report;
 mod tensors;
 #[cfg(test)]
 mod test_support;
 
-pub use audit::{
-    ADAPTER_CONFIG, ADAPTER_PICKLE, ADAPTER_WEIGHTS, AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode,
-    PlacedExpertPair, PlacedPair, audit_adapter, validate_peft_config,
-};
+pub use audit::{ADAPTER_CONFIG, ADAPTER_PICKLE, ADAPTER_WEIGHTS, audit_adapter, validate_peft_config};
 pub use error::{AuditError, Refusal, RejectCode};
 pub use key::{AdapterAb, FusedWrapper, LoraKey, LoraTarget, classify_key, is_gdn_key, split_layer_path};
 pub use options::{DEFAULT_EXPERT_RANK, DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, LoraOptions, OptionsError};
@@ -120,6 +118,7 @@ pub use probe::{
     ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables, read_probe_inputs,
     write_probe_outputs,
 };
+pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
 pub use tensors::{
     AdapterTensors, HostTensor, MappedSafetensors, TensorDtype, TensorInfo, load_adapter_safetensors, load_bf16,
 };

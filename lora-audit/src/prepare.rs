@@ -12,11 +12,12 @@ use std::path::Path;
 use half::bf16;
 use lora_layout::{ExpertSite, LoraModule, ModelConfig};
 
-use crate::audit::{ADAPTER_WEIGHTS, AuditReport, ExpertSlice, LmHeadMode, audit_with_config};
+use crate::audit::{ADAPTER_WEIGHTS, audit_with_config};
 use crate::error::AuditError;
 use crate::options::LoraOptions;
 use crate::overlay::{HostOverlay, LmHeadOverlay, OverlayModule, TableOverlay, id_in_vocab};
 use crate::peft_config::PeftAdapterConfig;
+use crate::report::{AuditReport, ExpertSlice, LmHeadMode};
 use crate::tensors::{AdapterTensors, HostTensor, MappedSafetensors, load_bf16};
 
 /// A dense pair on the host: `y += scale · B (A x)`.

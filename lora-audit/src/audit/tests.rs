@@ -1,5 +1,6 @@
 use super::*;
 use crate::test_support::{self, RawTensor, ScratchDir, f32_tensor, safetensors_bytes};
+use lora_layout::LoraModule;
 
 fn write_adapter(config: &str, tensors: &[RawTensor]) -> ScratchDir {
     let dir = ScratchDir::new("audit");
