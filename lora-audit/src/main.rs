@@ -4,14 +4,13 @@
 //! Exit status: 0 servable (probe written), 1 refused, 2 bad usage or
 //! unreadable input.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use lora_audit::{
-    AuditError, AuditReport, ExpertSlice, LmHeadMode, LoraOptions, Refusal, audit_adapter, prepare_adapter,
-    probe_adapter, read_base_tables, read_probe_inputs, write_probe_outputs,
+    AuditError, AuditReport, ExpertSlice, LoraOptions, Refusal, audit_adapter, prepare_adapter, probe_adapter,
+    read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_layout::{ExpertSite, ModelConfig};
 use serde_json::{Value, json};
@@ -112,7 +111,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             if common.json {
                 println!("{:#}", report_json(&report, &cfg));
             } else {
-                print!("{}", report_text(&report, &cfg));
+                print!("{}", report.to_text(&cfg));
             }
             Ok(verdict(&report))
         }
@@ -130,7 +129,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                     if common.json {
                         println!("{:#}", report_json(&report, &cfg));
                     } else {
-                        print!("{}", report_text(&report, &cfg));
+                        print!("{}", report.to_text(&cfg));
                     }
                     return Ok(ExitCode::from(1));
                 }
@@ -185,14 +184,6 @@ fn refusal_json(r: &Refusal) -> Value {
     json!({ "code": r.code.as_str(), "subject": r.subject, "reason": r.reason })
 }
 
-fn lm_head_mode(mode: LmHeadMode) -> &'static str {
-    match mode {
-        LmHeadMode::None => "none",
-        LmHeadMode::TiedTrainableRows => "tied-trainable-rows",
-        LmHeadMode::Own => "own",
-    }
-}
-
 fn report_json(report: &AuditReport, cfg: &ModelConfig) -> Value {
     let t = &report.overlay.tensors;
     json!({
@@ -211,7 +202,7 @@ fn report_json(report: &AuditReport, cfg: &ModelConfig) -> Value {
             "embed_table": t.embed.base_table(),
             "lm_head_trainable_ids": report.overlay.lm_head_ids,
             "lm_head_table": t.lm_head.base_table(),
-            "lm_head": lm_head_mode(report.overlay.lm_head),
+            "lm_head": report.overlay.lm_head.as_str(),
         },
         "has_expert_deltas": report.has_expert_deltas,
         "skipped": report.skipped.iter().map(refusal_json).collect::<Vec<_>>(),
@@ -221,81 +212,4 @@ fn report_json(report: &AuditReport, cfg: &ModelConfig) -> Value {
         "slot_bytes": report.slot_bytes,
         "expert_bytes": report.expert_bytes,
     })
-}
-
-fn report_text(report: &AuditReport, cfg: &ModelConfig) -> String {
-    use std::fmt::Write;
-    let mut s = String::new();
-    let verdict = if report.is_servable() { "SERVABLE" } else { "REFUSED" };
-    let _ = writeln!(s, "{} ({}): {verdict}", report.adapter, cfg.family.model_type());
-    if !report.placed.is_empty() {
-        let _ = writeln!(s, "placed dense pairs ({}):", report.placed.len());
-        let _ = writeln!(s, "  {:>5}  {:<32} {:>4}  {:>10}", "layer", "module", "rank", "scale");
-        for p in &report.placed {
-            let _ = writeln!(
-                s,
-                "  {:>5}  {:<32} {:>4}  {:>10.6}",
-                p.layer,
-                p.module.path(cfg.family),
-                p.rank,
-                p.scale
-            );
-        }
-    }
-    if !report.experts.is_empty() {
-        // Group experts sharing (layer, projection, rank, scale) into one line.
-        let mut groups: BTreeMap<(usize, String, usize, u32), Vec<usize>> = BTreeMap::new();
-        for p in &report.experts {
-            let (name, expert) = match p.site {
-                ExpertSite::Expert { expert, proj } => (proj.name().to_string(), Some(expert)),
-                ExpertSite::Router => ("router".to_string(), None),
-            };
-            let e = groups.entry((p.layer, name, p.rank, p.scale.to_bits())).or_default();
-            e.extend(expert);
-        }
-        let _ = writeln!(s, "placed expert/router pairs ({}):", report.experts.len());
-        for ((layer, name, rank, scale), experts) in groups {
-            let who = if experts.is_empty() {
-                String::new()
-            } else {
-                format!(" experts {experts:?}")
-            };
-            let _ = writeln!(
-                s,
-                "  layer {layer:>3}  {name:<10} rank {rank:>3}  scale {:.6}{who}",
-                f32::from_bits(scale)
-            );
-        }
-    }
-    let t = &report.overlay.tensors;
-    if !report.overlay.is_empty() {
-        let _ = writeln!(s, "token overlays:");
-        if !report.overlay.embed_ids.is_empty() {
-            let _ = writeln!(s, "  embed_tokens trainable ids {:?}", report.overlay.embed_ids);
-        }
-        if let Some(table) = t.embed.base_table() {
-            let _ = writeln!(s, "  embed_tokens table {table}");
-        }
-        if !report.overlay.lm_head_ids.is_empty() {
-            let _ = writeln!(s, "  lm_head trainable ids {:?}", report.overlay.lm_head_ids);
-        }
-        if let Some(table) = t.lm_head.base_table() {
-            let _ = writeln!(s, "  lm_head table {table}");
-        }
-        let _ = writeln!(s, "  lm_head: {}", lm_head_mode(report.overlay.lm_head));
-    }
-    for (title, items) in [("skipped", &report.skipped), ("refused", &report.refused)] {
-        if !items.is_empty() {
-            let _ = writeln!(s, "{title} ({}):", items.len());
-            for r in items {
-                let _ = writeln!(s, "  {r}");
-            }
-        }
-    }
-    let _ = writeln!(
-        s,
-        "pool: {} bytes per dense slot at max rank {}; {} expert-pool bytes at expert rank {}",
-        report.slot_bytes, report.max_rank, report.expert_bytes, report.expert_rank
-    );
-    s
 }

@@ -4,7 +4,8 @@
 use std::collections::BTreeSet;
 use std::ops::Range;
 
-use lora_layout::{ExpertSite, LoraModule};
+use lora_layout::{ExpertSite, LoraModule, ModelConfig};
+use std::collections::BTreeMap;
 
 use crate::error::{Refusal, RejectCode};
 use crate::overlay::{OverlayModule, OverlayTensors};
@@ -144,5 +145,97 @@ impl AuditReport {
     /// The distinct refusal codes, sorted.
     pub fn refused_codes(&self) -> BTreeSet<RejectCode> {
         self.refused.iter().map(|r| r.code).collect()
+    }
+}
+
+impl AuditReport {
+    /// The readable table `lora-audit check` prints: placed pairs, expert
+    /// pairs, token overlays, skips and refusals, and the pool bytes.
+    pub fn to_text(&self, cfg: &ModelConfig) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let verdict = if self.is_servable() { "SERVABLE" } else { "REFUSED" };
+        let _ = writeln!(s, "{} ({}): {verdict}", self.adapter, cfg.family.model_type());
+        if !self.placed.is_empty() {
+            let _ = writeln!(s, "placed dense pairs ({}):", self.placed.len());
+            let _ = writeln!(s, "  {:>5}  {:<32} {:>4}  {:>10}", "layer", "module", "rank", "scale");
+            for p in &self.placed {
+                let _ = writeln!(
+                    s,
+                    "  {:>5}  {:<32} {:>4}  {:>10.6}",
+                    p.layer,
+                    p.module.path(cfg.family),
+                    p.rank,
+                    p.scale
+                );
+            }
+        }
+        if !self.experts.is_empty() {
+            // Group experts sharing (layer, projection, rank, scale) into one line.
+            let mut groups: BTreeMap<(usize, String, usize, u32), Vec<usize>> = BTreeMap::new();
+            for p in &self.experts {
+                let (name, expert) = match p.site {
+                    ExpertSite::Expert { expert, proj } => (proj.name().to_string(), Some(expert)),
+                    ExpertSite::Router => ("router".to_string(), None),
+                };
+                let e = groups.entry((p.layer, name, p.rank, p.scale.to_bits())).or_default();
+                e.extend(expert);
+            }
+            let _ = writeln!(s, "placed expert/router pairs ({}):", self.experts.len());
+            for ((layer, name, rank, scale), experts) in groups {
+                let who = if experts.is_empty() {
+                    String::new()
+                } else {
+                    format!(" experts {experts:?}")
+                };
+                let _ = writeln!(
+                    s,
+                    "  layer {layer:>3}  {name:<10} rank {rank:>3}  scale {:.6}{who}",
+                    f32::from_bits(scale)
+                );
+            }
+        }
+        let t = &self.overlay.tensors;
+        if !self.overlay.is_empty() {
+            let _ = writeln!(s, "token overlays:");
+            if !self.overlay.embed_ids.is_empty() {
+                let _ = writeln!(s, "  embed_tokens trainable ids {:?}", self.overlay.embed_ids);
+            }
+            if let Some(table) = t.embed.base_table() {
+                let _ = writeln!(s, "  embed_tokens table {table}");
+            }
+            if !self.overlay.lm_head_ids.is_empty() {
+                let _ = writeln!(s, "  lm_head trainable ids {:?}", self.overlay.lm_head_ids);
+            }
+            if let Some(table) = t.lm_head.base_table() {
+                let _ = writeln!(s, "  lm_head table {table}");
+            }
+            let _ = writeln!(s, "  lm_head: {}", self.overlay.lm_head.as_str());
+        }
+        for (title, items) in [("skipped", &self.skipped), ("refused", &self.refused)] {
+            if !items.is_empty() {
+                let _ = writeln!(s, "{title} ({}):", items.len());
+                for r in items {
+                    let _ = writeln!(s, "  {r}");
+                }
+            }
+        }
+        let _ = writeln!(
+            s,
+            "pool: {} bytes per dense slot at max rank {}; {} expert-pool bytes at expert rank {}",
+            self.slot_bytes, self.max_rank, self.expert_bytes, self.expert_rank
+        );
+        s
+    }
+}
+
+impl LmHeadMode {
+    /// The mode's name in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LmHeadMode::None => "none",
+            LmHeadMode::TiedTrainableRows => "tied-trainable-rows",
+            LmHeadMode::Own => "own",
+        }
     }
 }
