@@ -114,9 +114,9 @@ pub use peft_config::{
 };
 pub use prepare::{HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
 pub use probe::{
-    BaseTables, FusedParam, PROBE_IN, PROBE_OUT, PairShape, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX,
-    ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables, read_probe_inputs,
-    write_probe_outputs,
+    BaseTables, FusedParam, Oracle, PROBE_IN, PROBE_OUT, PairShape, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX,
+    ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables, read_oracle,
+    read_probe_inputs, write_probe_outputs,
 };
 pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
 pub use tensors::{

@@ -150,6 +150,30 @@ pub fn read_probe_inputs(path: &Path) -> Result<ProbeInputs, AuditError> {
     Ok(out)
 }
 
+/// A PEFT oracle (`oracle.safetensors`): the probe inputs and PEFT's own
+/// answers (`probe_out::<weight>`, `rows_merged::<table>`, by full key).
+#[derive(Debug, Clone, Default)]
+pub struct Oracle {
+    /// `probe_in::` and `rows_idx::` inputs.
+    pub inputs: ProbeInputs,
+    /// PEFT's outputs by full key.
+    pub expected: BTreeMap<String, ProbeTensor>,
+}
+
+/// Read an oracle file.
+pub fn read_oracle(path: &Path) -> Result<Oracle, AuditError> {
+    let inputs = read_probe_inputs(path)?;
+    let mapped = MappedSafetensors::open(path)?;
+    let mut expected = BTreeMap::new();
+    for info in mapped.infos()? {
+        if info.name.starts_with(PROBE_OUT) || info.name.starts_with(ROWS_MERGED) {
+            let (shape, data) = load_f32(&mapped, &info.name)?;
+            expected.insert(info.name.clone(), ProbeTensor { shape, data });
+        }
+    }
+    Ok(Oracle { inputs, expected })
+}
+
 /// The served base token tables, BF16 `[vocab, hidden]`.
 #[derive(Debug, Clone, Default)]
 pub struct BaseTables {

@@ -114,3 +114,19 @@ fn apply_pair_is_scale_b_a_x() {
         }
     }
 }
+
+#[test]
+fn an_oracle_pairs_every_input_with_peft_s_answer() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama/trainable_tokens_untied_list");
+    let oracle = read_oracle(&dir.join("oracle.safetensors")).unwrap();
+    assert!(!oracle.inputs.inputs.is_empty() || !oracle.inputs.rows.is_empty());
+    for (weight, input) in &oracle.inputs.inputs {
+        let out = &oracle.expected[&format!("{PROBE_OUT}{weight}")];
+        assert_eq!(out.shape[..out.shape.len() - 1].last(), input.shape.first(), "{weight}");
+    }
+    for (table, ids) in &oracle.inputs.rows {
+        let rows = &oracle.expected[&format!("{ROWS_MERGED}{table}")];
+        assert_eq!(rows.shape[0], ids.len(), "{table}");
+    }
+    assert_eq!(oracle.expected.len(), oracle.inputs.inputs.len() + oracle.inputs.rows.len());
+}
