@@ -9,7 +9,8 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{Oracle, model_config, oracle, rel_error, to_bf16};
+use common::{model_config, oracle, rel_error, to_bf16};
+use lora_audit::Oracle;
 use lora_audit::{WeightRef, parse_weight_name};
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, Rows, RowsMut};
@@ -55,7 +56,7 @@ fn load(device: &Device) -> (LoraPool, Vec<Oracle>) {
 
 /// Every dense weight any adapter changes, with its (layer, module).
 fn weights(cfg: &ModelConfig, oracles: &[Oracle]) -> Vec<(String, usize, lora_layout::LoraModule)> {
-    let names: BTreeSet<&String> = oracles.iter().flat_map(|o| o.probes.keys()).collect();
+    let names: BTreeSet<&String> = oracles.iter().flat_map(|o| o.inputs.inputs.keys()).collect();
     names
         .into_iter()
         .map(|w| match parse_weight_name(w, cfg).unwrap() {
@@ -80,8 +81,8 @@ fn batch(
     let mut slots = Vec::new();
     let mut expected = Vec::new();
     for (slot, o) in oracles.iter().enumerate() {
-        match o.probes.get(w) {
-            Some((pin, pout)) => {
+        match (o.inputs.inputs.get(w), o.expected.get(&format!("probe_out::{w}"))) {
+            (Some(pin), Some(pout)) => {
                 assert_eq!(pin.shape, [4, in_dim]);
                 assert_eq!(pout.shape, [4, out_dim]);
                 x.extend_from_slice(&pin.data);
@@ -89,7 +90,7 @@ fn batch(
                     expected.push(Some(pout.data[r * out_dim..(r + 1) * out_dim].to_vec()));
                 }
             }
-            None => {
+            _ => {
                 x.extend((0..4 * in_dim).map(|_| rng.uniform() * 2.0 - 1.0));
                 expected.extend(std::iter::repeat_n(None, 4));
             }
