@@ -76,24 +76,59 @@ pub(crate) fn audit_with_config(
     let text = std::fs::read_to_string(&config_path).map_err(|e| AuditError::io(&config_path, e))?;
     let config = PeftAdapterConfig::from_json(&text)?;
     let weights = dir.join(ADAPTER_WEIGHTS);
-    let mut audit = Audit::new(cfg, opts, &config);
+    let header = || {
+        if !weights.exists() && dir.join(ADAPTER_PICKLE).exists() {
+            Ok(None)
+        } else {
+            MappedSafetensors::open(&weights)?.infos().map(Some)
+        }
+    };
+    let report = audit_parsed(&dir.display().to_string(), &config, header, cfg, opts)?;
+    Ok((config, report))
+}
+
+/// Audit an adapter from its `adapter_config.json` text and its safetensors
+/// header (names, dtypes, shapes) alone, without any tensor data: what a
+/// weight peer's manifest carries, which the engine audits itself. The same
+/// checks as [`audit_adapter`], which reads both from a directory; `name`
+/// becomes the report's `adapter`. The order of `tensors` does not matter.
+pub fn audit_header(
+    name: &str,
+    config_text: &str,
+    mut tensors: Vec<TensorInfo>,
+    cfg: &ModelConfig,
+    opts: &LoraOptions,
+) -> Result<AuditReport, AuditError> {
+    let config = PeftAdapterConfig::from_json(config_text)?;
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    audit_parsed(name, &config, || Ok(Some(tensors)), cfg, opts)
+}
+
+/// The audit of a parsed config; `header` gives the tensor header, or
+/// `None` when the weights are a pickle. It is read only for a LoRA config.
+fn audit_parsed(
+    name: &str,
+    config: &PeftAdapterConfig,
+    header: impl FnOnce() -> Result<Option<Vec<TensorInfo>>, AuditError>,
+    cfg: &ModelConfig,
+    opts: &LoraOptions,
+) -> Result<AuditReport, AuditError> {
+    let mut audit = Audit::new(cfg, opts, config);
     audit.issues.extend(config.refusals());
-    audit.issues.extend(validate_peft_config(&config, cfg));
+    audit.issues.extend(validate_peft_config(config, cfg));
     if config.peft_type != "LORA" {
         // Another method's tensors mean nothing to a LoRA audit; the
         // peft-type refusal says all there is to say.
-    } else if !weights.exists() && dir.join(ADAPTER_PICKLE).exists() {
+    } else if let Some(infos) = header()? {
+        audit.tensors(infos);
+    } else {
         audit.issues.push(Refusal::new(
             RejectCode::Pickle,
             ADAPTER_PICKLE,
             "the weights are a pickle, which is never unpickled; save with safe_serialization=True",
         ));
-    } else {
-        let infos = MappedSafetensors::open(&weights)?.infos()?;
-        audit.tensors(infos);
     }
-    let report = audit.finish(dir)?;
-    Ok((config, report))
+    audit.finish(name)
 }
 
 /// The audit's working state.
@@ -553,7 +588,7 @@ impl<'a> Audit<'a> {
         }
     }
 
-    fn finish(mut self, dir: &Path) -> Result<AuditReport, AuditError> {
+    fn finish(mut self, name: &str) -> Result<AuditReport, AuditError> {
         let overlay = self.audit_overlay();
         let (mut skipped, mut refused): (Vec<Refusal>, Vec<Refusal>) = self
             .issues
@@ -585,7 +620,7 @@ impl<'a> Audit<'a> {
             )?
         };
         Ok(AuditReport {
-            adapter: dir.display().to_string(),
+            adapter: name.to_string(),
             placed: self.placed,
             experts: self.experts,
             overlay,

@@ -99,7 +99,7 @@ mod tensors;
 #[cfg(test)]
 mod test_support;
 
-pub use audit::{ADAPTER_CONFIG, ADAPTER_PICKLE, ADAPTER_WEIGHTS, audit_adapter, validate_peft_config};
+pub use audit::{ADAPTER_CONFIG, ADAPTER_PICKLE, ADAPTER_WEIGHTS, audit_adapter, audit_header, validate_peft_config};
 pub use error::{AuditError, Refusal, RejectCode};
 pub use key::{AdapterAb, FusedWrapper, LoraKey, LoraTarget, classify_key, is_gdn_key, split_layer_path};
 pub use options::{DEFAULT_EXPERT_RANK, DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, LoraOptions, OptionsError};

@@ -426,3 +426,79 @@ fn config_targets_that_can_never_be_served() {
             .all(|r| r.code != RejectCode::GdnTarget)
     );
 }
+
+/// The fixtures' adapters with a safetensors file, with their model config.
+fn fixture_adapters() -> Vec<(ModelConfig, std::path::PathBuf)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    let mut found = Vec::new();
+    let mut models: Vec<_> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).collect();
+    models.sort();
+    for model in models.into_iter().filter(|m| m.join("config.json").is_file()) {
+        let cfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
+        let mut adapters: Vec<_> = std::fs::read_dir(&model).unwrap().map(|e| e.unwrap().path()).collect();
+        adapters.sort();
+        for adapter in adapters.into_iter().filter(|a| a.join(ADAPTER_WEIGHTS).is_file()) {
+            found.push((cfg.clone(), adapter));
+        }
+    }
+    found
+}
+
+#[test]
+fn the_header_audit_is_the_directory_audit_for_every_fixture() {
+    let fixtures = fixture_adapters();
+    assert!(fixtures.len() >= 20, "{} fixtures", fixtures.len());
+    let partial = LoraOptions {
+        allow_partial: true,
+        ..experts_on()
+    };
+    for (cfg, dir) in &fixtures {
+        for opts in [LoraOptions::default(), partial.clone()] {
+            let from_dir = audit_adapter(dir, cfg, &opts);
+            let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap();
+            let infos = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
+                .unwrap()
+                .infos()
+                .unwrap();
+            let from_header = audit_header(&dir.display().to_string(), &text, infos, cfg, &opts);
+            match (from_dir, from_header) {
+                (Ok(a), Ok(b)) => assert_eq!(a, b, "{}", dir.display()),
+                (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{}", dir.display()),
+                (a, b) => panic!("{}: {a:?} vs {b:?}", dir.display()),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_header_audit_ignores_tensor_order_and_reads_no_data() {
+    let (cfg, dir) = fixture_adapters()
+        .into_iter()
+        .find(|(_, d)| d.ends_with("llama/rank_alpha_pattern"))
+        .unwrap();
+    let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap();
+    let infos = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
+        .unwrap()
+        .infos()
+        .unwrap();
+    let mut reversed = infos.clone();
+    reversed.reverse();
+    let opts = LoraOptions::default();
+    let sorted = audit_header("a", &text, infos, &cfg, &opts).unwrap();
+    assert!(sorted.is_servable() && !sorted.placed.is_empty());
+    assert_eq!(audit_header("a", &text, reversed, &cfg, &opts).unwrap(), sorted);
+    // A header naming a tensor twice (impossible in a file, possible on the
+    // wire) is refused, not trusted.
+    let mut twice = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
+        .unwrap()
+        .infos()
+        .unwrap();
+    twice.push(twice[0].clone());
+    let report = audit_header("a", &text, twice, &cfg, &opts).unwrap();
+    assert!(
+        codes(&report).contains(&RejectCode::DuplicateTensor),
+        "{:?}",
+        codes(&report)
+    );
+    assert!(audit_header("a", "{not json", vec![], &cfg, &opts).is_err());
+}
