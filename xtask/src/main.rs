@@ -14,6 +14,7 @@
 use std::process::ExitCode;
 
 mod demo;
+mod bench;
 mod fixtures;
 mod gpu;
 mod util;
@@ -30,6 +31,7 @@ fn main() -> ExitCode {
         "fixtures" => fixtures::run(rest),
         "gpu-bundle" => gpu::bundle(rest),
         "gpu-test" => gpu::gpu_test(rest),
+        "bench" => bench::run(rest),
         _ => {
             eprintln!("usage: cargo xtask <ci|demo|fixtures|gpu-bundle|gpu-test> [args]");
             return ExitCode::from(2);

@@ -1,0 +1,169 @@
+// Shared definitions for every kernel family. Prepended to each family's
+// source by the host (no #include: NVRTC needs no header search path), so
+// every family sees the same table structs and bf16 helpers.
+//
+// The structs here mirror `#[repr(C)]` structs in lora-kernels/src; their
+// sizes are asserted on the Rust side.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// One (adapter, module) pair: device addresses of A [stride, in] and
+// B [out, stride] (row-major BF16), its scale and its true rank (0 = none).
+struct PairEntry {
+    u64 a;
+    u64 b;
+    float scale;
+    u32 rank;
+};
+
+// One output target of a LoRA apply: a PairEntry table (already offset to the
+// first entry of this (layer, module)), its entry count, the output width and
+// the column offset of this target inside y.
+struct LoraTarget {
+    u64 table;
+    int n_entries;
+    int out_dim;
+    int y_col_off;
+    int pad;
+};
+
+#define MAX_TARGETS 4
+
+// Fault bits a kernel ORs into the device's fault word instead of touching
+// memory it was not given. The host reads and clears the word.
+#define FAULT_BAD_INDEX 1u
+#define FAULT_BAD_RANK 2u
+#define FAULT_BAD_SEQLENS 4u
+#define FAULT_BAD_TOKEN 8u
+#define FAULT_BAD_OVERLAY_ROW 16u
+#define FAULT_BAD_EXPERT 32u
+
+__device__ __forceinline__ void raise_fault(u64 fault, u32 bits) {
+    if (fault != 0ull) atomicOr((u32*)fault, bits);
+}
+
+__device__ __forceinline__ float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
+
+// Round to nearest even, NaN stays NaN (quiet): the same rule as half::bf16::from_f32.
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float bf_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
+
+__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
+    acc = fmaf(bf_lo(a.x), bf_lo(b.x), acc);
+    acc = fmaf(bf_hi(a.x), bf_hi(b.x), acc);
+    acc = fmaf(bf_lo(a.y), bf_lo(b.y), acc);
+    acc = fmaf(bf_hi(a.y), bf_hi(b.y), acc);
+    acc = fmaf(bf_lo(a.z), bf_lo(b.z), acc);
+    acc = fmaf(bf_hi(a.z), bf_hi(b.z), acc);
+    acc = fmaf(bf_lo(a.w), bf_lo(b.w), acc);
+    acc = fmaf(bf_hi(a.w), bf_hi(b.w), acc);
+    return acc;
+}
+
+__device__ __forceinline__ void unpack8(uint4 w, float* f) {
+    f[0] = bf_lo(w.x);
+    f[1] = bf_hi(w.x);
+    f[2] = bf_lo(w.y);
+    f[3] = bf_hi(w.y);
+    f[4] = bf_lo(w.z);
+    f[5] = bf_hi(w.z);
+    f[6] = bf_lo(w.w);
+    f[7] = bf_hi(w.w);
+}
+
+__device__ __forceinline__ uint4 ldg16(const bf16_t* p) { return __ldg((const uint4*)p); }
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15ull) == 0ull; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Hint: start pulling [p, p + bytes) into L2. Only the 16-byte aligned
+// interior of the range is requested, so nothing outside it is touched.
+__device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
+#if __CUDA_ARCH__ >= 900
+    u64 s = (u64)p;
+    u64 e = s + bytes;
+    s = (s + 15ull) & ~15ull;
+    e = e & ~15ull;
+    if (e > s) {
+        u64 n = e - s;
+        // The bulk prefetch size is a 32-bit count; split huge ranges.
+        while (n > 0) {
+            u32 chunk = n > 0x40000000ull ? 0x40000000u : (u32)n;
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s), "r"(chunk) : "memory");
+            s += chunk;
+            n -= chunk;
+        }
+    }
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
+// Output element access for y of type bf16 or f32.
+__device__ __forceinline__ float y_load(const bf16_t* p) { return bf2f(*p); }
+__device__ __forceinline__ float y_load(const float* p) { return *p; }
+__device__ __forceinline__ void y_store(bf16_t* p, float v) { *p = f2bf(v); }
+__device__ __forceinline__ void y_store(float* p, float v) { *p = v; }
+
+// Two adjacent outputs (caller guarantees alignment: 4 bytes for bf16, 8 for f32).
+__device__ __forceinline__ void y_load2(const bf16_t* p, float& a, float& b) {
+    u32 w = *(const u32*)p;
+    a = bf_lo(w);
+    b = bf_hi(w);
+}
+__device__ __forceinline__ void y_load2(const float* p, float& a, float& b) {
+    float2 w = *(const float2*)p;
+    a = w.x;
+    b = w.y;
+}
+__device__ __forceinline__ void y_store2(bf16_t* p, float a, float b) { *(u32*)p = pack_bf2(a, b); }
+__device__ __forceinline__ void y_store2(float* p, float a, float b) { *(float2*)p = make_float2(a, b); }
+
+// Exclusive prefix sum over a block of BLOCK threads (BLOCK a multiple of 32,
+// at most 1024). `scratch` holds at least BLOCK / 32 + 1 ints. Returns the
+// exclusive prefix of v and stores the block total in *total.
+template <int BLOCK>
+__device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* total) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+    }
+    if (lane == 31) scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < BLOCK / 32 ? scratch[lane] : 0;
+        int wincl = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int n = __shfl_up_sync(0xffffffffu, wincl, o);
+            if (lane >= o) wincl += n;
+        }
+        if (lane < BLOCK / 32) scratch[lane] = wincl - w;
+        if (lane == BLOCK / 32 - 1) scratch[BLOCK / 32] = wincl;
+    }
+    __syncthreads();
+    int res = scratch[warp] + incl - v;
+    *total = scratch[BLOCK / 32];
+    __syncthreads();
+    return res;
+}

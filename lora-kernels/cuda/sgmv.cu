@@ -1,0 +1,446 @@
+// Segment-grouped LoRA apply (prefill, mixed segments, and one adapter):
+// rows cu_seqlens[s] .. cu_seqlens[s + 1] use the entry seg_slot[s] (-1: no
+// delta); with uniform_entry >= 0 every row uses that entry.
+//
+// Two launches:
+//   sgmv_shrink: t[ks][row][k] = sum over K split ks of A[k, i] x[row, i],
+//                tensor cores (mma.sync m16n8k16 bf16, f32 accumulate), a
+//                64-row tile of one segment per block, cp.async pipeline.
+//   sgmv_expand: y[row, col_off + o] += scale * sum_k B[o, k] t[row][k]
+//                (t summed over the K splits), tensor cores with t split
+//                into a bf16 high and low part so t keeps ~16 bits; the
+//                accumulators start from y, so y is rounded once.
+// A tile never crosses a segment: tile i of the launch is found by a prefix
+// sum of ceil(len_s / 64) over segments, so the grid (sized by the host from
+// the row and segment counts) stays fixed while the contents change.
+
+#define SG_BM 64
+#define SG_BK 32
+#define SG_BN 64
+#define SG_STAGES 4
+#define SG_THREADS 128
+#define SG_LD (SG_BK + 8)
+#define SG_BO 128
+
+struct SgmvParams {
+    u64 x;
+    u64 y;
+    u64 cu_seqlens;
+    u64 seg_slot;
+    u64 ws;
+    u64 fault;
+    int n_rows;
+    int in_dim;
+    int x_stride;
+    int y_stride;
+    int rank_stride;
+    int n_targets;
+    int n_segments;
+    int uniform_entry;
+    int k_splits;
+    int ws_rows;
+    int ws_rank_pad;
+    int max_tiles;
+    int rank_chunks;
+    int pad0;
+    int pad1;
+    int pad2;
+    LoraTarget targets[MAX_TARGETS];
+};
+
+struct TileInfo {
+    int row0;
+    int rows;
+    int entry;
+    int valid;
+};
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u64 g = (u64)p;
+    u64 s;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(g));
+    return (u32)s;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem)), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(smem)));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Warp 0: find tile `tile` of target `tg` and the entry it uses. Writes *out.
+__device__ void find_tile(const SgmvParams& p, const LoraTarget& tg, int tile, TileInfo* out, bool report) {
+    const int lane = threadIdx.x & 31;
+    if (lane == 0) out->valid = 0;
+    __syncwarp();
+    if (p.uniform_entry >= 0) {
+        if (lane == 0) {
+            const int e = p.uniform_entry;
+            const int nt = (p.n_rows + SG_BM - 1) / SG_BM;
+            if (e >= tg.n_entries) {
+                if (report) raise_fault(p.fault, FAULT_BAD_INDEX);
+            } else if (tile < nt) {
+                out->row0 = tile * SG_BM;
+                out->rows = min(SG_BM, p.n_rows - tile * SG_BM);
+                out->entry = e;
+                out->valid = 1;
+            }
+        }
+        __syncwarp();
+        return;
+    }
+    const int* cu = (const int*)p.cu_seqlens;
+    const int* slots = (const int*)p.seg_slot;
+    int running = 0;
+    for (int base = 0; base < p.n_segments; base += 32) {
+        const int s = base + lane;
+        int nt = 0;
+        int start = 0;
+        int end = 0;
+        int e = -1;
+        if (s < p.n_segments) {
+            start = cu[s];
+            end = cu[s + 1];
+            e = slots[s];
+            if (start < 0 || end < start || end > p.n_rows) {
+                if (report) raise_fault(p.fault, FAULT_BAD_SEQLENS);
+                e = -1;
+            } else if (e >= tg.n_entries) {
+                if (report) raise_fault(p.fault, FAULT_BAD_INDEX);
+                e = -1;
+            }
+            if (e >= 0) nt = (end - start + SG_BM - 1) / SG_BM;
+        }
+        int incl = nt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int n = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += n;
+        }
+        const int excl = incl - nt;
+        if (nt > 0 && tile >= running + excl && tile < running + incl) {
+            const int r0 = start + (tile - running - excl) * SG_BM;
+            out->row0 = r0;
+            out->rows = min(SG_BM, end - r0);
+            out->entry = e;
+            out->valid = 1;
+        }
+        running += __shfl_sync(0xffffffffu, incl, 31);
+        if (running > tile) break;
+    }
+    __syncwarp();
+}
+
+// Loads the entry of a found tile and checks it; returns its rank (0: skip).
+__device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraTarget& tg, TileInfo* tile,
+                                                PairEntry* out, bool report) {
+    if (threadIdx.x == 0) {
+        PairEntry en;
+        en.a = 0;
+        en.b = 0;
+        en.scale = 0.f;
+        en.rank = 0;
+        if (tile->valid) {
+            en = ((const PairEntry*)tg.table)[tile->entry];
+            if (en.rank > (u32)p.rank_stride || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
+                if (report) raise_fault(p.fault, FAULT_BAD_RANK);
+                en.rank = 0;
+            }
+        }
+        *out = en;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const SgmvParams p) {
+    __shared__ __align__(128) bf16_t s_x[SG_STAGES][SG_BM][SG_LD];
+    __shared__ __align__(128) bf16_t s_a[SG_STAGES][SG_BN][SG_LD];
+    __shared__ TileInfo s_tile;
+    __shared__ PairEntry s_entry;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int per_tile = p.n_targets * p.rank_chunks;
+    const int tile = (int)blockIdx.x / per_tile;
+    const int rem = (int)blockIdx.x % per_tile;
+    const int ti = rem / p.rank_chunks;
+    const int rc = rem % p.rank_chunks;
+    const int ks = (int)blockIdx.y;
+    const LoraTarget tg = p.targets[ti];
+    const bool report = ks == 0 && rc == 0;
+
+    if (warp == 0) find_tile(p, tg, tile, &s_tile, report);
+    __syncthreads();
+    load_tile_entry(p, tg, &s_tile, &s_entry, report);
+    __syncthreads();
+    if (!s_tile.valid) return;
+    const PairEntry en = s_entry;
+    const int rank = (int)en.rank;
+    const int n0 = rc * SG_BN;
+    if (n0 >= rank) return;
+    const int nlen = min(SG_BN, rank - n0);
+    const int NT = (nlen + 7) / 8;
+    const int row0 = s_tile.row0;
+    const int rows = s_tile.rows;
+
+    const int in = p.in_dim;
+    const bf16_t* X = (const bf16_t*)p.x;
+    const bf16_t* A = (const bf16_t*)en.a;
+    const int nkc = (in + SG_BK - 1) / SG_BK;
+    const int per = (nkc + p.k_splits - 1) / p.k_splits;
+    const int kc0 = min(nkc, ks * per);
+    const int kc1 = min(nkc, kc0 + per);
+    const int nk = kc1 - kc0;
+    const bool vec = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
+
+    // Stage `st` <- K chunk `kc`: 64 x-rows and 64 A-rows of 32 columns each.
+    auto load_stage = [&](int st, int kc) {
+        const int col0 = kc * SG_BK;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int v = tid + u * SG_THREADS;
+            const int r = v >> 2;
+            const int c = (v & 3) * 8;
+            const int col = col0 + c;
+            const bool xv = r < rows;
+            const bool av = r < nlen;
+            const bf16_t* xs = X + (u64)(row0 + (xv ? r : 0)) * p.x_stride;
+            const bf16_t* as = A + (u64)(n0 + (av ? r : 0)) * in;
+            if (vec) {
+                const bool inb = col < in;
+                cp_async16(&s_x[st][r][c], inb && xv ? xs + col : X, inb && xv);
+                cp_async16(&s_a[st][r][c], inb && av ? as + col : A, inb && av);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const bool inb = col + j < in;
+                    s_x[st][r][c + j] = inb && xv ? xs[col + j] : (bf16_t)0;
+                    s_a[st][r][c + j] = inb && av ? as[col + j] : (bf16_t)0;
+                }
+            }
+        }
+    };
+
+    float acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        acc[i][0] = 0.f;
+        acc[i][1] = 0.f;
+        acc[i][2] = 0.f;
+        acc[i][3] = 0.f;
+    }
+
+#pragma unroll
+    for (int s = 0; s < SG_STAGES - 1; ++s) {
+        if (s < nk) load_stage(s, kc0 + s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < nk; ++i) {
+        cp_async_wait<SG_STAGES - 2>();
+        __syncthreads();
+        {
+            const int nxt = i + SG_STAGES - 1;
+            if (nxt < nk) load_stage(nxt % SG_STAGES, kc0 + nxt);
+            cp_async_commit();
+        }
+        const int st = i % SG_STAGES;
+#pragma unroll
+        for (int kk = 0; kk < SG_BK; kk += 16) {
+            u32 a[4];
+            ldmatrix_x4(a, &s_x[st][warp * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                if (2 * np < NT) {
+                    u32 b[4];
+                    ldmatrix_x4(b, &s_a[st][np * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+                    mma_bf16(acc[2 * np], a, b[0], b[1]);
+                    if (2 * np + 1 < NT) mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    float* W = (float*)p.ws + (u64)(ti * p.k_splits + ks) * p.ws_rows * p.ws_rank_pad;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int ra = warp * 16 + g;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        if (nt < NT) {
+            const int k = n0 + nt * 8 + 2 * t4;
+            if (ra < rows) *(float2*)&W[(u64)(row0 + ra) * p.ws_rank_pad + k] = make_float2(acc[nt][0], acc[nt][1]);
+            if (ra + 8 < rows)
+                *(float2*)&W[(u64)(row0 + ra + 8) * p.ws_rank_pad + k] = make_float2(acc[nt][2], acc[nt][3]);
+        }
+    }
+}
+
+// Two B values (columns k, k + 1 of row n) as a bf16 pair, zero past rank or out.
+__device__ __forceinline__ u32 load_b_pair(const bf16_t* B, int stride, int n, int out, int k, int rank, bool vec) {
+    if (n >= out || k >= rank) return 0u;
+    const bf16_t* q = B + (u64)n * stride + k;
+    u32 w;
+    if (vec) {
+        w = *(const u32*)q;
+    } else {
+        w = (u32)q[0];
+        if (k + 1 < rank) w |= ((u32)q[1]) << 16;
+    }
+    if (k + 1 >= rank) w &= 0xffffu;
+    return w;
+}
+
+template <typename Y>
+__device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
+    __shared__ TileInfo s_tile;
+    __shared__ PairEntry s_entry;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int tile = (int)blockIdx.x / p.n_targets;
+    const int ti = (int)blockIdx.x % p.n_targets;
+    const LoraTarget tg = p.targets[ti];
+    const int o_base = (int)blockIdx.y * SG_BO;
+    if (o_base >= tg.out_dim) return;
+
+    if (warp == 0) find_tile(p, tg, tile, &s_tile, false);
+    __syncthreads();
+    load_tile_entry(p, tg, &s_tile, &s_entry, false);
+    __syncthreads();
+    if (!s_tile.valid) return;
+    const PairEntry en = s_entry;
+    const int rank = (int)en.rank;
+    if (rank == 0) return;
+    const int row0 = s_tile.row0;
+    const int rows = s_tile.rows;
+    const int out = tg.out_dim;
+    const int stride = p.rank_stride;
+    const bf16_t* B = (const bf16_t*)en.b;
+    const float scale = en.scale;
+    const bool vec_b = (stride % 2 == 0) && ((((u64)B) & 3ull) == 0);
+
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int ra = warp * 16 + g;
+    const bool va = ra < rows;
+    const bool vb = ra + 8 < rows;
+    Y* Yp = (Y*)p.y;
+    const int ys = p.y_stride;
+    const int coff = tg.y_col_off;
+    const bool vec_y = (ys % 2 == 0) && (coff % 2 == 0) && ((((u64)Yp) & (2 * sizeof(Y) - 1)) == 0);
+    Y* ya = Yp + (u64)(row0 + ra) * ys + coff;
+    Y* yb = ya + (u64)8 * ys;
+
+    // Accumulators start from y: y is read once, the delta added in f32, rounded once.
+    float acc[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+        const int o = o_base + nt * 8 + 2 * t4;
+        acc[nt][0] = 0.f;
+        acc[nt][1] = 0.f;
+        acc[nt][2] = 0.f;
+        acc[nt][3] = 0.f;
+        if (o + 1 < out && vec_y) {
+            if (va) y_load2(ya + o, acc[nt][0], acc[nt][1]);
+            if (vb) y_load2(yb + o, acc[nt][2], acc[nt][3]);
+        } else if (o < out) {
+            if (va) acc[nt][0] = y_load(ya + o);
+            if (vb) acc[nt][2] = y_load(yb + o);
+            if (o + 1 < out) {
+                if (va) acc[nt][1] = y_load(ya + o + 1);
+                if (vb) acc[nt][3] = y_load(yb + o + 1);
+            }
+        }
+    }
+
+    const float* W = (const float*)p.ws + (u64)ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
+    const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
+    const int ksteps = (rank + 15) / 16;
+    for (int kst = 0; kst < ksteps; ++kst) {
+        // t fragment: rows ra / ra + 8, columns kb, kb + 1 and kb + 8, kb + 9.
+        float t[4][2];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
+            const bool rv = (h & 1) ? vb : va;
+            const int r = row0 + ra + (h & 1) * 8;
+            float s0 = 0.f;
+            float s1 = 0.f;
+            if (rv && k < rank) {
+                const float* q = W + (u64)r * p.ws_rank_pad + k;
+                for (int ks = 0; ks < p.k_splits; ++ks) {
+                    const float2 v = *(const float2*)(q + ks * split_stride);
+                    s0 += v.x;
+                    s1 += v.y;
+                }
+                if (k + 1 >= rank) s1 = 0.f;
+            }
+            t[h][0] = s0 * scale;
+            t[h][1] = s1 * scale;
+        }
+        // t[h] is already in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
+        u32 a_hi[4];
+        u32 a_lo[4];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const float x0 = t[h][0];
+            const float x1 = t[h][1];
+            const bf16_t h0 = f2bf(x0);
+            const bf16_t h1 = f2bf(x1);
+            a_hi[h] = (u32)h0 | ((u32)h1 << 16);
+            a_lo[h] = pack_bf2(x0 - bf2f(h0), x1 - bf2f(h1));
+        }
+        const int kb = kst * 16 + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            const int n = o_base + nt * 8 + g;
+            const u32 b0 = load_b_pair(B, stride, n, out, kb, rank, vec_b);
+            const u32 b1 = load_b_pair(B, stride, n, out, kb + 8, rank, vec_b);
+            mma_bf16(acc[nt], a_hi, b0, b1);
+            mma_bf16(acc[nt], a_lo, b0, b1);
+        }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+        const int o = o_base + nt * 8 + 2 * t4;
+        if (o + 1 < out && vec_y) {
+            if (va) y_store2(ya + o, acc[nt][0], acc[nt][1]);
+            if (vb) y_store2(yb + o, acc[nt][2], acc[nt][3]);
+        } else if (o < out) {
+            if (va) y_store(ya + o, acc[nt][0]);
+            if (vb) y_store(yb + o, acc[nt][2]);
+            if (o + 1 < out) {
+                if (va) y_store(ya + o + 1, acc[nt][1]);
+                if (vb) y_store(yb + o + 1, acc[nt][3]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_expand_bf16(const SgmvParams p) {
+    sgmv_expand_body<bf16_t>(p);
+}
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_expand_f32(const SgmvParams p) {
+    sgmv_expand_body<float>(p);
+}

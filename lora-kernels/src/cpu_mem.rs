@@ -1,0 +1,188 @@
+//! The CPU backend's memory: allocations with addresses, and the registry
+//! that resolves an address read from a table back to (allocation, offset).
+//!
+//! Kernels find adapter weights through device addresses stored in tables
+//! (`PairEntry::a`, overlay entries). On the CPU every allocation gets a
+//! synthetic address from a per-device bump counter (never reused, with a
+//! gap between allocations), and the reference kernels resolve each address
+//! through the registry with bounds and alignment checks: a wrong pointer is
+//! an error, never undefined behaviour. Storage sits behind a `Mutex`, so all
+//! of this is safe code.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use bytemuck::Pod;
+
+use crate::error::KernelError;
+
+/// First synthetic address; non-zero so that 0 stays "null".
+const FIRST_ADDR: u64 = 0x0000_1000_0000_0000;
+/// Alignment of every allocation's base address.
+const BASE_ALIGN: u64 = 256;
+/// Unmapped bytes left after each allocation, so running off its end lands nowhere.
+const GUARD_GAP: u64 = 4096;
+
+/// One device's CPU allocations.
+#[derive(Debug)]
+pub(crate) struct CpuMemory {
+    registry: Mutex<Registry>,
+}
+
+#[derive(Debug)]
+struct Registry {
+    next_addr: u64,
+    allocs: BTreeMap<u64, Weak<CpuAlloc>>,
+}
+
+/// One CPU allocation: `bytes` bytes at synthetic address `base`.
+#[derive(Debug)]
+pub(crate) struct CpuAlloc {
+    base: u64,
+    bytes: usize,
+    // u128 storage keeps every element type (at most 16-byte aligned) aligned.
+    data: Mutex<Vec<u128>>,
+    memory: Weak<CpuMemory>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves plain bytes behind; they stay usable.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl CpuMemory {
+    pub(crate) fn new() -> Arc<CpuMemory> {
+        Arc::new(CpuMemory {
+            registry: Mutex::new(Registry {
+                next_addr: FIRST_ADDR,
+                allocs: BTreeMap::new(),
+            }),
+        })
+    }
+
+    /// A zeroed allocation of `bytes` bytes.
+    pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Arc<CpuAlloc>, KernelError> {
+        let words = bytes.div_ceil(16);
+        let mut data = Vec::new();
+        data.try_reserve_exact(words)
+            .map_err(|_| KernelError::InvalidArgument {
+                arg: "len",
+                reason: format!("cannot allocate {bytes} bytes of host memory"),
+            })?;
+        data.resize(words, 0u128);
+        let mut reg = lock(&self.registry);
+        let base = reg.next_addr;
+        let span = (bytes as u64).div_ceil(BASE_ALIGN) * BASE_ALIGN + GUARD_GAP;
+        reg.next_addr = base.checked_add(span).ok_or(KernelError::InvalidArgument {
+            arg: "len",
+            reason: "synthetic address space exhausted".into(),
+        })?;
+        let alloc = Arc::new(CpuAlloc {
+            base,
+            bytes,
+            data: Mutex::new(data),
+            memory: Arc::downgrade(self),
+        });
+        reg.allocs.insert(base, Arc::downgrade(&alloc));
+        Ok(alloc)
+    }
+
+    /// Resolve `addr` to the allocation holding `[addr, addr + bytes)` and the byte offset.
+    fn resolve(
+        &self,
+        what: &dyn Fn() -> String,
+        addr: u64,
+        bytes: usize,
+    ) -> Result<(Arc<CpuAlloc>, usize), KernelError> {
+        let bad = |reason: &'static str| KernelError::BadAddress {
+            what: what(),
+            addr,
+            bytes,
+            reason,
+        };
+        if addr == 0 {
+            return Err(bad("is null"));
+        }
+        let found = {
+            let reg = lock(&self.registry);
+            reg.allocs.range(..=addr).next_back().map(|(_, w)| w.clone())
+        };
+        let alloc = found
+            .and_then(|w| w.upgrade())
+            .ok_or_else(|| bad("is not inside any live allocation"))?;
+        let offset = addr - alloc.base;
+        let end = offset.checked_add(bytes as u64).ok_or_else(|| bad("range overflows"))?;
+        if end > alloc.bytes as u64 {
+            return Err(bad("runs past the end of its allocation"));
+        }
+        Ok((alloc, offset as usize))
+    }
+
+    /// Copy `count` elements of `T` starting at device address `addr`.
+    /// `what` names the address for the error message.
+    pub(crate) fn read<T: Pod>(
+        &self,
+        what: &dyn Fn() -> String,
+        addr: u64,
+        count: usize,
+    ) -> Result<Vec<T>, KernelError> {
+        let size = std::mem::size_of::<T>();
+        let bytes = count.checked_mul(size).ok_or_else(|| KernelError::BadAddress {
+            what: what(),
+            addr,
+            bytes: usize::MAX,
+            reason: "range overflows",
+        })?;
+        if !addr.is_multiple_of(std::mem::align_of::<T>() as u64) {
+            return Err(KernelError::BadAddress {
+                what: what(),
+                addr,
+                bytes,
+                reason: "is misaligned for its type",
+            });
+        }
+        let (alloc, offset) = self.resolve(what, addr, bytes)?;
+        Ok(alloc.with_bytes(|b| {
+            let src = &b[offset..offset + bytes];
+            let mut out = vec![T::zeroed(); count];
+            bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(src);
+            out
+        }))
+    }
+
+    fn forget(&self, base: u64) {
+        lock(&self.registry).allocs.remove(&base);
+    }
+}
+
+impl CpuAlloc {
+    /// The allocation's synthetic device address.
+    pub(crate) fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Run `f` on the allocation's bytes.
+    pub(crate) fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> R {
+        let data = lock(&self.data);
+        let bytes: &[u8] = bytemuck::cast_slice(&data);
+        f(&bytes[..self.bytes])
+    }
+
+    /// Run `f` on the allocation's bytes, mutably.
+    pub(crate) fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        let mut data = lock(&self.data);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut data);
+        f(&mut bytes[..self.bytes])
+    }
+}
+
+impl Drop for CpuAlloc {
+    fn drop(&mut self) {
+        if let Some(memory) = self.memory.upgrade() {
+            memory.forget(self.base);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,333 @@
+//! The CUDA backend: context, stream, NVRTC module cache, launches, events
+//! and graphs. Every cudarc call of the crate goes through here or through
+//! the CUDA arm of [`crate::buffer`], so the cudarc boundary is one place.
+//!
+//! cudarc panics when `libcuda` / `libnvrtc` are missing, so [`open`] asks
+//! `is_culib_present` first and returns a typed error instead.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DriverError};
+use cudarc::nvrtc::{CompileError, CompileOptions};
+
+use crate::error::KernelError;
+
+/// The shared header prepended to every family (no `#include` is needed).
+const COMMON: &str = include_str!("../cuda/common.cuh");
+
+/// A `.cu` file: one kernel family, compiled as one module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Family {
+    Bgmv,
+    Sgmv,
+    MoeIndex,
+    Overlay,
+}
+
+impl Family {
+    pub(crate) const ALL: [Family; 4] = [Family::Bgmv, Family::Sgmv, Family::MoeIndex, Family::Overlay];
+
+    pub(crate) fn file(self) -> &'static str {
+        match self {
+            Family::Bgmv => "bgmv.cu",
+            Family::Sgmv => "sgmv.cu",
+            Family::MoeIndex => "moe_index.cu",
+            Family::Overlay => "overlay.cu",
+        }
+    }
+
+    fn body(self) -> &'static str {
+        match self {
+            Family::Bgmv => include_str!("../cuda/bgmv.cu"),
+            Family::Sgmv => include_str!("../cuda/sgmv.cu"),
+            Family::MoeIndex => include_str!("../cuda/moe_index.cu"),
+            Family::Overlay => include_str!("../cuda/overlay.cu"),
+        }
+    }
+
+    /// The full translation unit NVRTC compiles.
+    pub(crate) fn source(self) -> String {
+        format!("{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.body())
+    }
+}
+
+/// A kernel: its family and its `extern "C"` name.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Kernel {
+    pub(crate) family: Family,
+    pub(crate) name: &'static str,
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Launch {
+    pub(crate) grid: (u32, u32, u32),
+    pub(crate) block: u32,
+}
+
+pub(crate) fn driver_err(call: &'static str) -> impl Fn(DriverError) -> KernelError {
+    move |e| KernelError::Driver {
+        call,
+        detail: format!("{e:?}"),
+    }
+}
+
+/// Modules and functions loaded into one device's primary context.
+#[derive(Default)]
+struct ModuleCache {
+    modules: Mutex<HashMap<Family, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+}
+
+/// Per-ordinal caches: every `Device` on an ordinal shares the primary
+/// context, so a family is compiled once per process and device.
+fn module_cache(ordinal: usize) -> Arc<ModuleCache> {
+    static CACHES: OnceLock<Mutex<HashMap<usize, Arc<ModuleCache>>>> = OnceLock::new();
+    let caches = CACHES.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = caches.lock().unwrap_or_else(|p| p.into_inner());
+    map.entry(ordinal).or_default().clone()
+}
+
+/// One CUDA device as this crate uses it: a context, one stream, a fault word.
+pub(crate) struct CudaBackend {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) name: String,
+    pub(crate) compute_capability: (i32, i32),
+    pub(crate) sm_count: u32,
+    pub(crate) l2_bytes: usize,
+    modules: Arc<ModuleCache>,
+    fault: Mutex<CudaSlice<u32>>,
+}
+
+/// Whether both CUDA libraries can be loaded.
+pub(crate) fn libraries_present() -> Result<(), KernelError> {
+    // SAFETY: `is_culib_present` only tries `dlopen` on the library's candidate
+    // names and drops the handle; it touches no other state.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(KernelError::DriverMissing);
+    }
+    // SAFETY: as above, for libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(KernelError::NvrtcMissing);
+    }
+    Ok(())
+}
+
+pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
+    libraries_present()?;
+    let count = CudaContext::device_count().map_err(driver_err("cuDeviceGetCount"))?;
+    let count = usize::try_from(count).unwrap_or(0);
+    if ordinal >= count {
+        return Err(KernelError::NoSuchDevice { ordinal, count });
+    }
+    let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+    // SAFETY: this backend issues everything on its one stream (below), so the
+    // stream orders every use of every buffer; cudarc's cross-stream event
+    // tracking is not needed, and its events must not land in captured graphs.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+    let name = ctx.name().map_err(driver_err("cuDeviceGetName"))?;
+    let compute_capability = ctx.compute_capability().map_err(driver_err("cuDeviceGetAttribute"))?;
+    let sm_count = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(driver_err("cuDeviceGetAttribute"))?;
+    let l2 = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        .map_err(driver_err("cuDeviceGetAttribute"))?;
+    let fault = stream.alloc_zeros::<u32>(1).map_err(driver_err("cuMemAlloc"))?;
+    Ok(CudaBackend {
+        ctx,
+        stream,
+        name,
+        compute_capability,
+        sm_count: u32::try_from(sm_count).unwrap_or(1).max(1),
+        l2_bytes: usize::try_from(l2).unwrap_or(0),
+        modules: module_cache(ordinal),
+        fault: Mutex::new(fault),
+    })
+}
+
+/// Folders searched for CUDA headers (kernels include none today; kept so a
+/// family may include `cuda_bf16.h` without breaking the build).
+fn include_dirs() -> Vec<String> {
+    let mut dirs = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(v) = std::env::var(var) {
+            dirs.push(format!("{v}/include"));
+        }
+    }
+    dirs.push("/usr/local/cuda/include".to_string());
+    dirs.into_iter().filter(|d| std::path::Path::new(d).is_dir()).collect()
+}
+
+/// Compile one family to PTX for `sm_{major}{minor}` with NVRTC (no driver needed).
+pub(crate) fn compile_family(family: Family, compute_capability: (i32, i32)) -> Result<String, KernelError> {
+    compile_source(family.file(), &family.source(), compute_capability)
+}
+
+/// Compile a translation unit named `file` to PTX; a rejection carries NVRTC's log.
+pub(crate) fn compile_source(
+    file: &'static str,
+    source: &str,
+    compute_capability: (i32, i32),
+) -> Result<String, KernelError> {
+    // SAFETY: see `libraries_present`; compiling needs NVRTC only, not the driver.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(KernelError::NvrtcMissing);
+    }
+    let (major, minor) = compute_capability;
+    let mut options = vec![
+        format!("--gpu-architecture=sm_{major}{minor}"),
+        "-std=c++17".to_string(),
+    ];
+    options.extend(include_dirs().into_iter().map(|d| format!("--include-path={d}")));
+    let opts = CompileOptions {
+        options,
+        name: Some(file.to_string()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| match e {
+        CompileError::CompileError { log, .. } => KernelError::Compile {
+            module: file,
+            log: log.to_string_lossy().into_owned(),
+        },
+        other => KernelError::Compile {
+            module: file,
+            log: format!("{other:?}"),
+        },
+    })?;
+    Ok(ptx.to_src())
+}
+
+impl CudaBackend {
+    /// The module of `family`, compiled and loaded at first use.
+    fn module(&self, family: Family) -> Result<Arc<CudaModule>, KernelError> {
+        let mut modules = self.modules.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = modules.get(&family) {
+            return Ok(m.clone());
+        }
+        let ptx = compile_family(family, self.compute_capability)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(driver_err("cuModuleLoadData"))?;
+        modules.insert(family, module.clone());
+        Ok(module)
+    }
+
+    fn function(&self, kernel: Kernel) -> Result<CudaFunction, KernelError> {
+        {
+            let functions = self.modules.functions.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(f) = functions.get(kernel.name) {
+                return Ok(f.clone());
+            }
+        }
+        let module = self.module(kernel.family)?;
+        let f = module
+            .load_function(kernel.name)
+            .map_err(driver_err("cuModuleGetFunction"))?;
+        let mut functions = self.modules.functions.lock().unwrap_or_else(|p| p.into_inner());
+        functions.insert(kernel.name, f.clone());
+        Ok(f)
+    }
+
+    /// Compile and load every family now, so no compilation happens later
+    /// (e.g. inside a graph capture).
+    pub(crate) fn preload(&self) -> Result<(), KernelError> {
+        for family in Family::ALL {
+            self.module(family)?;
+        }
+        Ok(())
+    }
+
+    /// Launch `kernel` with one by-value parameter struct.
+    ///
+    /// # Safety
+    /// `P` must be the exact `#[repr(C)]` mirror of the kernel's parameter
+    /// struct, and every device address in it must be valid for what the
+    /// kernel reads and writes for this launch shape.
+    pub(crate) unsafe fn launch<P>(&self, kernel: Kernel, launch: Launch, params: &P) -> Result<(), KernelError> {
+        let f = self.function(kernel)?;
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut args = [params as *const P as *mut c_void];
+        // SAFETY: the caller guarantees the parameter layout and addresses;
+        // `args` outlives the call, and cuLaunchKernel copies the parameters.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                launch.grid,
+                (launch.block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut args,
+            )
+        }
+        .map_err(driver_err("cuLaunchKernel"))
+    }
+
+    /// Device address of the fault word.
+    pub(crate) fn fault_addr(&self) -> u64 {
+        use cudarc::driver::DevicePtr;
+        let fault = self.fault.lock().unwrap_or_else(|p| p.into_inner());
+        let (ptr, _sync) = fault.device_ptr(&self.stream);
+        ptr
+    }
+
+    /// Read and clear the fault word (synchronises the stream).
+    pub(crate) fn take_faults(&self) -> Result<u32, KernelError> {
+        let mut fault = self.fault.lock().unwrap_or_else(|p| p.into_inner());
+        let v = self.stream.clone_dtoh(&*fault).map_err(driver_err("cuMemcpyDtoH"))?;
+        self.stream
+            .memset_zeros(&mut *fault)
+            .map_err(driver_err("cuMemsetD8"))?;
+        self.synchronize()?;
+        Ok(v.first().copied().unwrap_or(0))
+    }
+
+    pub(crate) fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    pub(crate) fn mem_info(&self) -> Result<(usize, usize), KernelError> {
+        self.ctx.mem_get_info().map_err(driver_err("cuMemGetInfo"))
+    }
+
+    pub(crate) fn record_event(&self) -> Result<CudaEvent, KernelError> {
+        self.stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver_err("cuEventRecord"))
+    }
+
+    /// Capture what `f` issues on the stream into an instantiated graph.
+    pub(crate) fn capture<F>(&self, f: F) -> Result<CudaGraph, KernelError>
+    where
+        F: FnOnce() -> Result<(), KernelError>,
+    {
+        // Relaxed mode: a first-use module load inside the closure is allowed.
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(driver_err("cuStreamBeginCapture"))?;
+        let body = f();
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        body?;
+        graph
+            .map_err(driver_err("cuStreamEndCapture"))?
+            .ok_or_else(|| KernelError::InvalidArgument {
+                arg: "graph",
+                reason: "captured an empty graph".into(),
+            })
+    }
+}
+
+/// Time between two recorded events, in milliseconds.
+pub(crate) fn elapsed_ms(start: &CudaEvent, end: &CudaEvent) -> Result<f32, KernelError> {
+    start.elapsed_ms(end).map_err(driver_err("cuEventElapsedTime"))
+}
+
+pub(crate) fn replay(graph: &CudaGraph) -> Result<(), KernelError> {
+    graph.launch().map_err(driver_err("cuGraphLaunch"))
+}

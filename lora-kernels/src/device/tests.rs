@@ -1,0 +1,72 @@
+use super::*;
+use crate::testing::gpu_required;
+
+#[test]
+fn cpu_device_reports_itself() {
+    let d = Device::cpu();
+    assert_eq!(d.kind(), DeviceKind::Cpu);
+    assert!(!d.is_cuda());
+    assert_eq!(d.name(), "cpu");
+    assert!(d.compute_capability().is_none());
+    assert!(d.same_as(&d.clone()));
+    assert!(!d.same_as(&Device::cpu()));
+    d.synchronize().unwrap();
+    d.preload_kernels().unwrap();
+    assert!(d.take_faults().unwrap().is_empty());
+    if let Ok((free, total)) = d.memory_info() {
+        assert!(free <= total && total > 0);
+    }
+}
+
+#[test]
+fn best_falls_back_to_cpu_with_a_reason() {
+    let (d, reason) = Device::best();
+    assert_eq!(d.is_cuda(), reason.is_none());
+}
+
+#[test]
+fn graphs_are_refused_on_cpu() {
+    let d = Device::cpu();
+    let err = d.capture_graph(|| Ok(())).err().map(|e| e.to_string());
+    assert!(err.is_some_and(|e| e.contains("not supported on cpu")));
+}
+
+#[test]
+fn cpu_events_measure_host_time() {
+    let d = Device::cpu();
+    let a = d.record_event().unwrap();
+    let b = d.record_event().unwrap();
+    assert!(a.elapsed_ms(&b).unwrap() >= 0.0);
+}
+
+/// The CUDA sources compile with NVRTC for Hopper and Ampere. Needs only
+/// libnvrtc (no GPU); skipped without it unless LORA_REQUIRE_GPU=1.
+#[test]
+fn kernels_compile_with_nvrtc() {
+    for cc in [(9, 0), (8, 0)] {
+        match compile_all_kernels(cc) {
+            Ok(()) => {}
+            Err(KernelError::NvrtcMissing) if !gpu_required() => {
+                eprintln!("skipping kernels_compile_with_nvrtc: libnvrtc not found");
+                return;
+            }
+            Err(e) => panic!("sm_{}{}: {e}", cc.0, cc.1),
+        }
+    }
+}
+
+#[test]
+fn a_compile_error_carries_the_nvrtc_log() {
+    match cuda_rt::compile_source(
+        "broken.cu",
+        "extern \"C\" __global__ void k() { undefined_symbol(); }",
+        (9, 0),
+    ) {
+        Err(KernelError::Compile { module, log }) => {
+            assert_eq!(module, "broken.cu");
+            assert!(log.contains("undefined_symbol"), "log: {log}");
+        }
+        Err(KernelError::NvrtcMissing) if !gpu_required() => eprintln!("skipping: libnvrtc not found"),
+        other => panic!("expected a compile error, got {:?}", other.map(|_| ())),
+    }
+}

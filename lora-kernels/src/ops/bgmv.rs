@@ -1,0 +1,224 @@
+//! Row-indexed LoRA apply (BGMV): decode batches of mixed slots, and the
+//! routed-expert gather. Every row names a table entry (`idx[row]`, -1 = no
+//! delta) and, for every target,
+//! `y[row, col_off .. col_off + out] += e.scale * B_e (A_e x[row])`.
+//!
+//! Dense decode passes `idx = seq_slot` into a `[max_loras]` table; MoE
+//! passes `idx = expert * max_loras + slot` into a `[num_experts * max_loras]`
+//! table. CUDA kernel family: `cuda/bgmv.cu`.
+
+use half::bf16;
+
+use super::pairs::reference_apply;
+use super::{LoraTarget, MAX_TARGETS, OutputElem, Rows, RowsMut, TargetParams, check_targets, to_i32, to_u32};
+use crate::buffer::{DeviceBuffer, check_range};
+use crate::cpu_mem::CpuMemory;
+use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
+use crate::device::{Backend, Device};
+use crate::error::{KernelError, invalid};
+
+/// Largest rank stride bgmv serves (the rank vectors live in shared memory).
+pub const BGMV_MAX_RANK: usize = 256;
+/// Rows grouped together at most (one window); larger batches use windows of [`WINDOW_LARGE`].
+const WINDOW_MAX: usize = 512;
+const WINDOW_LARGE: usize = 256;
+const THREADS: u32 = 256;
+
+/// Launch knobs of [`bgmv_tuned`]; `None` picks from the shape and device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BgmvTuning {
+    /// Blocks per cluster sharing one item's shrink: 8 (sm_90 and newer) or 1.
+    pub cluster: Option<u32>,
+    /// Output splits: clusters serving one item, each a slice of the outputs.
+    pub out_splits: Option<u32>,
+    /// Clusters per row window (items are dealt round-robin to them).
+    pub clusters_per_window: Option<u32>,
+}
+
+/// Mirror of `struct BgmvParams` in `cuda/bgmv.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct BgmvParams {
+    x: u64,
+    y: u64,
+    idx: u64,
+    fault: u64,
+    n_rows: i32,
+    in_dim: i32,
+    x_stride: i32,
+    y_stride: i32,
+    rank_stride: i32,
+    n_targets: i32,
+    out_splits: i32,
+    clusters_per_window: i32,
+    window: i32,
+    n_windows: i32,
+    pad0: i32,
+    pad1: i32,
+    targets: [TargetParams; MAX_TARGETS],
+}
+
+/// `y[row, target columns] += scale * B (A x[row])` with the entry of
+/// `idx[row]` (`idx` holds at least `x.n_rows` values; -1 = no delta).
+///
+/// `x` is `[n, in]` BF16, `y` is `[n, width]` of BF16 or F32 (router logits),
+/// updated in place; `rank_stride` is the stride of the pool's A rows and B
+/// columns (at most [`BGMV_MAX_RANK`]).
+pub fn bgmv<Y: OutputElem>(
+    device: &Device,
+    x: Rows<'_, bf16>,
+    idx: &DeviceBuffer<i32>,
+    targets: &[LoraTarget<'_>],
+    rank_stride: usize,
+    y: RowsMut<'_, Y>,
+) -> Result<(), KernelError> {
+    bgmv_tuned(device, x, idx, targets, rank_stride, y, BgmvTuning::default())
+}
+
+/// [`bgmv`] with explicit launch knobs (benchmarks, tests of each path).
+pub fn bgmv_tuned<Y: OutputElem>(
+    device: &Device,
+    x: Rows<'_, bf16>,
+    idx: &DeviceBuffer<i32>,
+    targets: &[LoraTarget<'_>],
+    rank_stride: usize,
+    y: RowsMut<'_, Y>,
+    tuning: BgmvTuning,
+) -> Result<(), KernelError> {
+    x.check(device, "x")?;
+    y.check(device, "y")?;
+    device.expect_same("idx", idx.device())?;
+    if y.n_rows != x.n_rows {
+        return Err(invalid("y", format!("{} rows, x has {}", y.n_rows, x.n_rows)));
+    }
+    check_range("idx", 0, x.n_rows, idx.len())?;
+    if rank_stride == 0 || rank_stride > BGMV_MAX_RANK {
+        return Err(invalid(
+            "rank_stride",
+            format!("{rank_stride}; 1..={BGMV_MAX_RANK} allowed"),
+        ));
+    }
+    let target_params = check_targets(device, targets, y.width)?;
+    if x.n_rows == 0 {
+        return Ok(());
+    }
+    match device.backend() {
+        Backend::Cpu(cpu) => reference(&cpu.memory, &x, idx, targets, rank_stride, y),
+        Backend::Cuda(c) => launch(c, &x, idx, &target_params, targets, rank_stride, &y, tuning),
+    }
+}
+
+fn reference<Y: OutputElem>(
+    memory: &CpuMemory,
+    x: &Rows<'_, bf16>,
+    idx: &DeviceBuffer<i32>,
+    targets: &[LoraTarget<'_>],
+    stride: usize,
+    y: RowsMut<'_, Y>,
+) -> Result<(), KernelError> {
+    let idx = idx.download_range(0, x.n_rows)?;
+    let rows: Vec<(i64, usize)> = idx.iter().enumerate().map(|(r, &e)| (i64::from(e), r)).collect();
+    reference_apply(memory, x, &rows, "idx", targets, stride, y)
+}
+
+fn kernel_name(cluster: u32, y: &'static str) -> Option<&'static str> {
+    Some(match (cluster, y) {
+        (1, "bf16") => "bgmv_c1_bf16",
+        (1, "f32") => "bgmv_c1_f32",
+        (8, "bf16") => "bgmv_c8_bf16",
+        (8, "f32") => "bgmv_c8_f32",
+        _ => return None,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch<Y: OutputElem>(
+    c: &CudaBackend,
+    x: &Rows<'_, bf16>,
+    idx: &DeviceBuffer<i32>,
+    target_params: &[TargetParams; MAX_TARGETS],
+    targets: &[LoraTarget<'_>],
+    stride: usize,
+    y: &RowsMut<'_, Y>,
+    tuning: BgmvTuning,
+) -> Result<(), KernelError> {
+    let n = x.n_rows;
+    let n_targets = targets.len();
+    let sms = c.sm_count as usize;
+    let cluster = tuning
+        .cluster
+        .unwrap_or(if c.compute_capability.0 >= 9 { 8 } else { 1 });
+    if cluster == 8 && c.compute_capability.0 < 9 {
+        return Err(invalid("tuning.cluster", "clusters need sm_90 or newer"));
+    }
+    let name = kernel_name(cluster, Y::NAME).ok_or_else(|| invalid("tuning.cluster", format!("{cluster}; 1 or 8")))?;
+    let cl = cluster as usize;
+    let (window, n_windows) = if n <= WINDOW_MAX {
+        (n, 1)
+    } else {
+        (WINDOW_LARGE, n.div_ceil(WINDOW_LARGE))
+    };
+    let cpw = match tuning.clusters_per_window {
+        Some(v) => (v as usize).clamp(1, window),
+        None => window.min((4 * sms / cl / n_windows).max(1)),
+    };
+    let min_out = targets.iter().map(|t| t.out_dim).min().unwrap_or(0);
+    let splits = match tuning.out_splits {
+        Some(v) => (v as usize).max(1),
+        None => {
+            let blocks = cl * n_windows * cpw * n_targets;
+            (2 * sms).div_ceil(blocks).clamp(1, (min_out / (cl * 64)).max(1))
+        }
+    };
+    let grid_y = n_windows * cpw;
+    if grid_y > 65_535 {
+        return Err(invalid(
+            "x",
+            format!("{n} rows need {grid_y} cluster rows; at most 65535"),
+        ));
+    }
+    let params = BgmvParams {
+        x: x.addr(),
+        y: y.addr(),
+        idx: idx.device_addr(),
+        fault: c.fault_addr(),
+        n_rows: to_i32("x.n_rows", n)?,
+        in_dim: to_i32("x.width", x.width)?,
+        x_stride: to_i32("x.stride", x.stride)?,
+        y_stride: to_i32("y.stride", y.stride)?,
+        rank_stride: to_i32("rank_stride", stride)?,
+        n_targets: to_i32("targets", n_targets)?,
+        out_splits: to_i32("tuning.out_splits", splits)?,
+        clusters_per_window: to_i32("tuning.clusters_per_window", cpw)?,
+        window: to_i32("window", window)?,
+        n_windows: to_i32("windows", n_windows)?,
+        pad0: 0,
+        pad1: 0,
+        targets: *target_params,
+    };
+    let grid = (
+        to_u32("grid", cl * splits)?,
+        to_u32("grid", grid_y)?,
+        to_u32("grid", n_targets)?,
+    );
+    // SAFETY: `BgmvParams` mirrors the kernel's struct (layout test below). The
+    // host checked that x and y cover `n_rows` rows of their widths and strides,
+    // that idx holds `n_rows` values, that each target's table range and
+    // column range lie inside their buffers, and that the stride fits the
+    // kernel; the kernel checks each index against `n_entries` and each entry's
+    // rank against the stride before reading A and B through table addresses,
+    // which the table's owner keeps pointing at live `[stride, in]` / `[out, stride]` pairs.
+    unsafe {
+        c.launch(
+            Kernel {
+                family: Family::Bgmv,
+                name,
+            },
+            Launch { grid, block: THREADS },
+            &params,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

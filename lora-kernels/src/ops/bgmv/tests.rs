@@ -1,0 +1,314 @@
+use super::*;
+use crate::table::PairEntry;
+use crate::testing::{RandomPairs, Rng, rel_error};
+use proptest::prelude::*;
+
+/// Run the CPU reference on `[n, in]` rows (x stride in + 2) into y (f32,
+/// zero, two targets side by side plus a spare column) and compare every
+/// row's delta with the f64 oracle computed straight from the weights.
+fn check_against_f64(seed: u64, n: usize, in_dim: usize, outs: [usize; 2], stride: usize, ranks: &[u32]) {
+    let mut rng = Rng::new(seed);
+    let d = Device::cpu();
+    let slots = ranks.len();
+    let mut pairs: Vec<RandomPairs> = outs
+        .iter()
+        .map(|&o| RandomPairs::new(&mut rng, in_dim, o, stride, ranks))
+        .collect();
+    for p in &mut pairs {
+        p.poison_padding(); // the reference must never read past a rank
+    }
+    let weights: Vec<_> = pairs.iter().map(|p| d.upload(&p.data).unwrap()).collect();
+    let mut entries: Vec<PairEntry> = Vec::new();
+    for (p, w) in pairs.iter().zip(&weights) {
+        entries.extend(p.entries(w.device_addr()));
+    }
+    let table = d.upload(&entries).unwrap();
+    let x_stride = in_dim + 2;
+    let x_host = rng.bf16_vec(n * x_stride, 1.0);
+    let x = d.upload(&x_host).unwrap();
+    let idx_host: Vec<i32> = (0..n)
+        .map(|i| if i % 5 == 4 { -1 } else { rng.below(slots) as i32 })
+        .collect();
+    let idx = d.upload(&idx_host).unwrap();
+    let width = outs[0] + outs[1] + 1;
+    let mut y = d.alloc_zeros::<f32>(n * width).unwrap();
+    let targets = [
+        LoraTarget {
+            table: &table,
+            table_offset: 0,
+            n_entries: slots,
+            out_dim: outs[0],
+            y_col_offset: 0,
+        },
+        LoraTarget {
+            table: &table,
+            table_offset: slots,
+            n_entries: slots,
+            out_dim: outs[1],
+            y_col_offset: outs[0],
+        },
+    ];
+    let xv = Rows {
+        buf: &x,
+        offset: 0,
+        n_rows: n,
+        width: in_dim,
+        stride: x_stride,
+    };
+    bgmv(&d, xv, &idx, &targets, stride, RowsMut::dense(&mut y, n, width)).unwrap();
+    let got = y.download().unwrap();
+    let mut want = vec![0f32; n * width];
+    for r in 0..n {
+        let xr: Vec<f32> = x_host[r * x_stride..r * x_stride + in_dim]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        if idx_host[r] < 0 {
+            continue;
+        }
+        let mut col = 0;
+        for p in &pairs {
+            for (o, v) in p.delta_f64(idx_host[r] as usize, &xr).iter().enumerate() {
+                want[r * width + col + o] = *v as f32;
+            }
+            col += p.out_dim;
+        }
+    }
+    let err = rel_error(&got, &want);
+    assert!(err < 1e-5, "seed {seed:#x}: relative error {err:e}");
+    // The spare column and the no-adapter rows stay exactly zero.
+    for r in 0..n {
+        assert_eq!(got[r * width + width - 1], 0.0);
+        if idx_host[r] < 0 {
+            assert!(got[r * width..(r + 1) * width].iter().all(|v| *v == 0.0));
+        }
+    }
+}
+
+#[test]
+fn reference_matches_f64_dense_math() {
+    check_against_f64(11, 9, 33, [20, 7], 8, &[8, 3, 1, 0, 5]);
+}
+
+#[test]
+fn reference_serves_every_rank_of_a_padded_pool() {
+    let ranks: Vec<u32> = (1..=64).collect();
+    check_against_f64(12, 70, 24, [16, 5], 64, &ranks);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+    #[test]
+    fn reference_matches_f64_on_random_shapes(
+        seed in any::<u64>(),
+        n in 1usize..20,
+        in_dim in 1usize..70,
+        o0 in 1usize..30,
+        o1 in 1usize..30,
+        stride in 1usize..20,
+        slots in 1usize..6,
+    ) {
+        let ranks: Vec<u32> = (0..slots).map(|s| ((seed >> (s * 5)) % (stride as u64 + 1)) as u32).collect();
+        check_against_f64(seed, n, in_dim, [o0, o1], stride, &ranks);
+    }
+}
+
+/// A BF16 y is updated as round(y + delta): compare with f64 to bf16 precision.
+#[test]
+fn bf16_y_is_rounded_once() {
+    let mut rng = Rng::new(21);
+    let d = Device::cpu();
+    let (n, in_dim, out, stride) = (6, 40, 12, 4);
+    let pairs = RandomPairs::new(&mut rng, in_dim, out, stride, &[4, 2]);
+    let pool = pairs.upload(&d).unwrap();
+    let x_host = rng.bf16_vec(n * in_dim, 1.0);
+    let y_host = rng.bf16_vec(n * out, 1.0);
+    let x = d.upload(&x_host).unwrap();
+    let mut y = d.upload(&y_host).unwrap();
+    let idx_host = [0, 1, -1, 1, 0, 0];
+    let idx = d.upload(&idx_host).unwrap();
+    let t = [LoraTarget {
+        table: &pool.table,
+        table_offset: 0,
+        n_entries: 2,
+        out_dim: out,
+        y_col_offset: 0,
+    }];
+    bgmv(
+        &d,
+        Rows::dense(&x, n, in_dim),
+        &idx,
+        &t,
+        stride,
+        RowsMut::dense(&mut y, n, out),
+    )
+    .unwrap();
+    let got: Vec<f32> = y.download().unwrap().iter().map(|v| v.to_f32()).collect();
+    let mut want: Vec<f32> = y_host.iter().map(|v| v.to_f32()).collect();
+    for r in 0..n {
+        if idx_host[r] >= 0 {
+            let xr: Vec<f32> = x_host[r * in_dim..(r + 1) * in_dim]
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            for (o, v) in pairs.delta_f64(idx_host[r] as usize, &xr).iter().enumerate() {
+                want[r * out + o] = (f64::from(want[r * out + o]) + v) as f32;
+            }
+        }
+    }
+    assert!(rel_error(&got, &want) < 1e-2);
+    assert_eq!(
+        &got[2 * out..3 * out],
+        &y_host[2 * out..3 * out].iter().map(|v| v.to_f32()).collect::<Vec<_>>()[..]
+    );
+}
+
+struct Small {
+    d: Device,
+    pool: crate::testing::PairPool,
+    x: DeviceBuffer<bf16>,
+    y: DeviceBuffer<f32>,
+}
+
+fn small() -> Small {
+    let d = Device::cpu();
+    let pairs = RandomPairs::new(&mut Rng::new(3), 8, 4, 4, &[4, 4]);
+    let pool = pairs.upload(&d).unwrap();
+    let x = d.upload(&[bf16::ONE; 16]).unwrap();
+    let y = d.upload(&[1.0f32; 8]).unwrap();
+    Small { d, pool, x, y }
+}
+
+#[test]
+fn an_index_past_the_table_is_an_error_and_y_is_untouched() {
+    let mut s = small();
+    let idx = s.d.upload(&[0i32, 2]).unwrap();
+    let t = [LoraTarget {
+        table: &s.pool.table,
+        table_offset: 0,
+        n_entries: 2,
+        out_dim: 4,
+        y_col_offset: 0,
+    }];
+    let r = bgmv(
+        &s.d,
+        Rows::dense(&s.x, 2, 8),
+        &idx,
+        &t,
+        4,
+        RowsMut::dense(&mut s.y, 2, 4),
+    );
+    assert!(
+        matches!(
+            r,
+            Err(KernelError::BadIndex {
+                position: 1,
+                index: 2,
+                n_entries: 2,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert_eq!(s.y.download().unwrap(), [1.0; 8]);
+}
+
+#[test]
+fn bad_entries_and_dangling_addresses_are_errors() {
+    let mut s = small();
+    let idx = s.d.upload(&[0i32, 1]).unwrap();
+    let good = s.pool.table.download().unwrap();
+    let cases = [
+        (PairEntry { rank: 5, ..good[1] }, "rank above stride"),
+        (PairEntry { a: 0, ..good[1] }, "null A"),
+        (
+            PairEntry {
+                b: good[1].b + 2,
+                ..good[1]
+            },
+            "B running past the pool",
+        ),
+        (
+            PairEntry {
+                a: 0xdead_0000,
+                ..good[1]
+            },
+            "A nowhere",
+        ),
+    ];
+    for (bad, what) in cases {
+        let table = s.d.upload(&[good[0], bad]).unwrap();
+        let t = [LoraTarget {
+            table: &table,
+            table_offset: 0,
+            n_entries: 2,
+            out_dim: 4,
+            y_col_offset: 0,
+        }];
+        let r = bgmv(
+            &s.d,
+            Rows::dense(&s.x, 2, 8),
+            &idx,
+            &t,
+            4,
+            RowsMut::dense(&mut s.y, 2, 4),
+        );
+        assert!(
+            matches!(r, Err(KernelError::BadEntry { .. } | KernelError::BadAddress { .. })),
+            "{what}: {r:?}"
+        );
+        assert_eq!(s.y.download().unwrap(), [1.0; 8], "{what}: y untouched");
+    }
+    // A freed pool: its addresses no longer resolve.
+    let table = s.d.upload(&good).unwrap();
+    drop(s.pool);
+    let t = [LoraTarget {
+        table: &table,
+        table_offset: 0,
+        n_entries: 2,
+        out_dim: 4,
+        y_col_offset: 0,
+    }];
+    let r = bgmv(
+        &s.d,
+        Rows::dense(&s.x, 2, 8),
+        &idx,
+        &t,
+        4,
+        RowsMut::dense(&mut s.y, 2, 4),
+    );
+    assert!(matches!(r, Err(KernelError::BadAddress { .. })), "freed pool: {r:?}");
+}
+
+#[test]
+fn arguments_are_validated() {
+    let mut s = small();
+    let idx = s.d.upload(&[0i32]).unwrap();
+    let t = [LoraTarget {
+        table: &s.pool.table,
+        table_offset: 0,
+        n_entries: 2,
+        out_dim: 4,
+        y_col_offset: 0,
+    }];
+    let x = Rows::dense(&s.x, 2, 8);
+    assert!(matches!(
+        bgmv(&s.d, x, &idx, &t, 4, RowsMut::dense(&mut s.y, 2, 4)),
+        Err(KernelError::OutOfBounds { .. })
+    ));
+    let idx = s.d.upload(&[0i32, 1]).unwrap();
+    assert!(bgmv(&s.d, x, &idx, &t, 0, RowsMut::dense(&mut s.y, 2, 4)).is_err());
+    assert!(bgmv(&s.d, x, &idx, &t, BGMV_MAX_RANK + 1, RowsMut::dense(&mut s.y, 2, 4)).is_err());
+    assert!(
+        bgmv(&s.d, x, &idx, &t, 4, RowsMut::dense(&mut s.y, 1, 4)).is_err(),
+        "row count mismatch"
+    );
+    assert!(bgmv(&s.d, x, &idx, &[], 4, RowsMut::dense(&mut s.y, 2, 4)).is_err());
+    let other = Device::cpu();
+    let idx2 = other.upload(&[0i32, 1]).unwrap();
+    assert!(matches!(
+        bgmv(&s.d, x, &idx2, &t, 4, RowsMut::dense(&mut s.y, 2, 4)),
+        Err(KernelError::DeviceMismatch { .. })
+    ));
+    assert_eq!(s.y.download().unwrap(), [1.0; 8]);
+}

@@ -1,0 +1,370 @@
+//! Segment-grouped LoRA apply (SGMV): prefill batches where rows
+//! `cu_seqlens[s] .. cu_seqlens[s + 1]` share the entry `seg_slot[s]` (-1 =
+//! no delta), and [`one_adapter`], the plain pair of GEMMs when every row
+//! uses one entry. CUDA kernel family: `cuda/sgmv.cu` (a tensor-core shrink
+//! into the workspace, then a tensor-core expand fused with the add into y).
+
+use half::bf16;
+
+use super::pairs::reference_apply;
+use super::workspace::MAX_K_SPLITS;
+use super::{
+    LoraTarget, LoraWorkspace, MAX_TARGETS, OutputElem, Rows, RowsMut, TargetParams, check_targets, to_i32, to_u32,
+};
+use crate::buffer::{DeviceBuffer, check_range};
+use crate::cpu_mem::CpuMemory;
+use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
+use crate::device::{Backend, Device};
+use crate::error::{KernelError, invalid};
+
+const TILE_ROWS: usize = 64;
+const RANK_CHUNK: usize = 64;
+const K_CHUNK: usize = 32;
+const OUT_TILE: usize = 128;
+const THREADS: u32 = 128;
+
+/// The segments of a prefill batch: `cu_seqlens` holds `n_segments + 1`
+/// row offsets (non-decreasing, at most the row count), `seg_slot` holds
+/// `n_segments` entry indices (-1 = no delta). Both live on the device, so
+/// their contents may change between graph replays.
+#[derive(Debug, Clone, Copy)]
+pub struct Segments<'a> {
+    /// `i32[n_segments + 1]` prefix sums of segment lengths.
+    pub cu_seqlens: &'a DeviceBuffer<i32>,
+    /// `i32[n_segments]` entry index of each segment.
+    pub seg_slot: &'a DeviceBuffer<i32>,
+    /// Number of segments.
+    pub n_segments: usize,
+}
+
+/// Launch knobs of the segment apply; `None` picks from the shape.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SgmvTuning {
+    /// K splits of the shrink (1..=4).
+    pub k_splits: Option<u32>,
+}
+
+/// Mirror of `struct SgmvParams` in `cuda/sgmv.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct SgmvParams {
+    x: u64,
+    y: u64,
+    cu_seqlens: u64,
+    seg_slot: u64,
+    ws: u64,
+    fault: u64,
+    n_rows: i32,
+    in_dim: i32,
+    x_stride: i32,
+    y_stride: i32,
+    rank_stride: i32,
+    n_targets: i32,
+    n_segments: i32,
+    uniform_entry: i32,
+    k_splits: i32,
+    ws_rows: i32,
+    ws_rank_pad: i32,
+    max_tiles: i32,
+    rank_chunks: i32,
+    pad0: i32,
+    pad1: i32,
+    pad2: i32,
+    targets: [TargetParams; MAX_TARGETS],
+}
+
+/// How rows pick their entry.
+#[derive(Clone, Copy)]
+enum Grouping<'a> {
+    Segments(&'a Segments<'a>),
+    Uniform(usize),
+}
+
+/// `y[row, target columns] += scale * B (A x[row])` where each segment's
+/// rows use the entry `seg_slot[s]`. Scratch comes from `ws`.
+pub fn sgmv<Y: OutputElem>(
+    device: &Device,
+    x: Rows<'_, bf16>,
+    segments: &Segments<'_>,
+    targets: &[LoraTarget<'_>],
+    rank_stride: usize,
+    y: RowsMut<'_, Y>,
+    ws: &mut LoraWorkspace,
+) -> Result<(), KernelError> {
+    apply(
+        device,
+        x,
+        Grouping::Segments(segments),
+        targets,
+        rank_stride,
+        y,
+        ws,
+        SgmvTuning::default(),
+    )
+}
+
+/// [`sgmv`] with explicit launch knobs.
+#[allow(clippy::too_many_arguments)]
+pub fn sgmv_tuned<Y: OutputElem>(
+    device: &Device,
+    x: Rows<'_, bf16>,
+    segments: &Segments<'_>,
+    targets: &[LoraTarget<'_>],
+    rank_stride: usize,
+    y: RowsMut<'_, Y>,
+    ws: &mut LoraWorkspace,
+    tuning: SgmvTuning,
+) -> Result<(), KernelError> {
+    apply(
+        device,
+        x,
+        Grouping::Segments(segments),
+        targets,
+        rank_stride,
+        y,
+        ws,
+        tuning,
+    )
+}
+
+/// One-adapter prefill: every row uses table entry `entry` of each target.
+pub fn one_adapter<Y: OutputElem>(
+    device: &Device,
+    x: Rows<'_, bf16>,
+    entry: usize,
+    targets: &[LoraTarget<'_>],
+    rank_stride: usize,
+    y: RowsMut<'_, Y>,
+    ws: &mut LoraWorkspace,
+) -> Result<(), KernelError> {
+    apply(
+        device,
+        x,
+        Grouping::Uniform(entry),
+        targets,
+        rank_stride,
+        y,
+        ws,
+        SgmvTuning::default(),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn apply<Y: OutputElem>(
+    device: &Device,
+    x: Rows<'_, bf16>,
+    grouping: Grouping<'_>,
+    targets: &[LoraTarget<'_>],
+    rank_stride: usize,
+    y: RowsMut<'_, Y>,
+    ws: &mut LoraWorkspace,
+    tuning: SgmvTuning,
+) -> Result<(), KernelError> {
+    x.check(device, "x")?;
+    y.check(device, "y")?;
+    device.expect_same("ws", ws.device())?;
+    if y.n_rows != x.n_rows {
+        return Err(invalid("y", format!("{} rows, x has {}", y.n_rows, x.n_rows)));
+    }
+    let spec = *ws.spec();
+    if x.n_rows > spec.max_rows {
+        return Err(invalid(
+            "x",
+            format!("{} rows; the workspace serves {}", x.n_rows, spec.max_rows),
+        ));
+    }
+    if rank_stride == 0 || rank_stride > spec.max_rank {
+        return Err(invalid(
+            "rank_stride",
+            format!("{rank_stride}; the workspace serves 1..={}", spec.max_rank),
+        ));
+    }
+    if targets.len() > spec.max_targets {
+        return Err(invalid(
+            "targets",
+            format!("{}; the workspace serves {}", targets.len(), spec.max_targets),
+        ));
+    }
+    let target_params = check_targets(device, targets, y.width)?;
+    match grouping {
+        Grouping::Segments(s) => {
+            device.expect_same("cu_seqlens", s.cu_seqlens.device())?;
+            device.expect_same("seg_slot", s.seg_slot.device())?;
+            if s.n_segments > spec.max_segments {
+                return Err(invalid(
+                    "segments",
+                    format!("{}; the workspace serves {}", s.n_segments, spec.max_segments),
+                ));
+            }
+            check_range("cu_seqlens", 0, s.n_segments + 1, s.cu_seqlens.len())?;
+            check_range("seg_slot", 0, s.n_segments, s.seg_slot.len())?;
+        }
+        Grouping::Uniform(e) => {
+            if let Some(t) = targets.iter().find(|t| e >= t.n_entries) {
+                return Err(KernelError::BadIndex {
+                    arg: "entry",
+                    position: 0,
+                    index: e as i64,
+                    n_entries: t.n_entries,
+                });
+            }
+        }
+    }
+    if x.n_rows == 0 {
+        return Ok(());
+    }
+    match device.backend() {
+        Backend::Cpu(cpu) => reference(&cpu.memory, &x, grouping, targets, rank_stride, y),
+        Backend::Cuda(c) => launch(c, &x, grouping, &target_params, targets, rank_stride, &y, ws, tuning),
+    }
+}
+
+/// Each row's entry index (-1: none), from the segments, checked like the kernel checks them.
+fn row_entries(grouping: Grouping<'_>, n_rows: usize) -> Result<Vec<(i64, usize)>, KernelError> {
+    match grouping {
+        Grouping::Uniform(e) => Ok(vec![(e as i64, 0); n_rows]),
+        Grouping::Segments(s) => {
+            let cu = s.cu_seqlens.download_range(0, s.n_segments + 1)?;
+            let slots = s.seg_slot.download_range(0, s.n_segments)?;
+            let mut rows = vec![(-1i64, 0usize); n_rows];
+            for seg in 0..s.n_segments {
+                let (start, end) = (cu[seg], cu[seg + 1]);
+                if start < 0 || end < start || end as usize > n_rows {
+                    return Err(invalid(
+                        "cu_seqlens",
+                        format!("segment {seg} spans {start}..{end}, rows are 0..{n_rows}"),
+                    ));
+                }
+                for r in &mut rows[start as usize..end as usize] {
+                    *r = (i64::from(slots[seg]), seg);
+                }
+            }
+            Ok(rows)
+        }
+    }
+}
+
+fn reference<Y: OutputElem>(
+    memory: &CpuMemory,
+    x: &Rows<'_, bf16>,
+    grouping: Grouping<'_>,
+    targets: &[LoraTarget<'_>],
+    stride: usize,
+    y: RowsMut<'_, Y>,
+) -> Result<(), KernelError> {
+    let rows = row_entries(grouping, x.n_rows)?;
+    let arg = match grouping {
+        Grouping::Uniform(_) => "entry",
+        Grouping::Segments(_) => "seg_slot",
+    };
+    reference_apply(memory, x, &rows, arg, targets, stride, y)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch<Y: OutputElem>(
+    c: &CudaBackend,
+    x: &Rows<'_, bf16>,
+    grouping: Grouping<'_>,
+    target_params: &[TargetParams; MAX_TARGETS],
+    targets: &[LoraTarget<'_>],
+    stride: usize,
+    y: &RowsMut<'_, Y>,
+    ws: &LoraWorkspace,
+    tuning: SgmvTuning,
+) -> Result<(), KernelError> {
+    let n = x.n_rows;
+    let n_targets = targets.len();
+    let (cu_seqlens, seg_slot, n_segments, uniform_entry) = match grouping {
+        Grouping::Segments(s) => (s.cu_seqlens.device_addr(), s.seg_slot.device_addr(), s.n_segments, -1),
+        Grouping::Uniform(e) => (0, 0, 0, to_i32("entry", e)?),
+    };
+    // Segments may each end in a partial tile: at most one extra tile per segment.
+    let max_tiles = n.div_ceil(TILE_ROWS) + n_segments;
+    let rank_chunks = stride.div_ceil(RANK_CHUNK);
+    let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
+    let k_splits = match tuning.k_splits {
+        Some(v) => v as usize,
+        None => {
+            let blocks = n.div_ceil(TILE_ROWS) * n_targets * rank_chunks;
+            (2 * c.sm_count as usize).div_ceil(blocks.max(1))
+        }
+    }
+    .clamp(1, MAX_K_SPLITS.min(k_chunks));
+    let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+    let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
+    if out_tiles > 65_535 {
+        return Err(invalid(
+            "targets.out_dim",
+            format!("{max_out} needs more than 65535 output tiles"),
+        ));
+    }
+    let params = SgmvParams {
+        x: x.addr(),
+        y: y.addr(),
+        cu_seqlens,
+        seg_slot,
+        ws: ws.addr(),
+        fault: c.fault_addr(),
+        n_rows: to_i32("x.n_rows", n)?,
+        in_dim: to_i32("x.width", x.width)?,
+        x_stride: to_i32("x.stride", x.stride)?,
+        y_stride: to_i32("y.stride", y.stride)?,
+        rank_stride: to_i32("rank_stride", stride)?,
+        n_targets: to_i32("targets", n_targets)?,
+        n_segments: to_i32("n_segments", n_segments)?,
+        uniform_entry,
+        k_splits: to_i32("k_splits", k_splits)?,
+        ws_rows: to_i32("ws.max_rows", ws.spec().max_rows)?,
+        ws_rank_pad: to_i32("ws.rank_pad", ws.rank_pad())?,
+        max_tiles: to_i32("tiles", max_tiles)?,
+        rank_chunks: to_i32("rank_chunks", rank_chunks)?,
+        pad0: 0,
+        pad1: 0,
+        pad2: 0,
+        targets: *target_params,
+    };
+    let shrink_grid = (
+        to_u32("grid", max_tiles * n_targets * rank_chunks)?,
+        to_u32("grid", k_splits)?,
+        1,
+    );
+    let expand_grid = (to_u32("grid", max_tiles * n_targets)?, to_u32("grid", out_tiles)?, 1);
+    // SAFETY: `SgmvParams` mirrors the kernels' struct (layout test below).
+    // The host checked x and y cover `n_rows` rows, the segment arrays hold
+    // `n_segments (+1)` values, every target's table and column ranges lie in
+    // their buffers, and the workspace holds `[targets][4][max_rows][rank_pad]`
+    // floats with `n_rows <= max_rows`, `stride <= rank_pad`, `k_splits <= 4`.
+    // The kernels check segment bounds, indices and ranks on the device before
+    // reading A and B through table addresses (kept valid by the table's owner).
+    unsafe {
+        c.launch(
+            Kernel {
+                family: Family::Sgmv,
+                name: "sgmv_shrink_bf16",
+            },
+            Launch {
+                grid: shrink_grid,
+                block: THREADS,
+            },
+            &params,
+        )?;
+        let expand = match Y::NAME {
+            "bf16" => "sgmv_expand_bf16",
+            _ => "sgmv_expand_f32",
+        };
+        c.launch(
+            Kernel {
+                family: Family::Sgmv,
+                name: expand,
+            },
+            Launch {
+                grid: expand_grid,
+                block: THREADS,
+            },
+            &params,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

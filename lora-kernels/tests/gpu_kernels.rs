@@ -1,0 +1,793 @@
+//! GPU equals CPU reference, for every kernel: fresh random inputs each run
+//! (seed printed), poisoned outputs and scratch, odd shapes, every rank
+//! against a padded pool, and graph replay after table contents change.
+//! Skips without a GPU; fails instead under `LORA_REQUIRE_GPU=1`.
+
+#![allow(clippy::unwrap_used)]
+
+use half::bf16;
+use lora_kernels::testing::{RandomPairs, Rng, cuda_or_skip, rel_error, widen};
+use lora_kernels::{
+    BgmvTuning, Device, DeviceBuffer, EmbedOverlayEntry, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting,
+    OutputElem, PairEntry, Rows, RowsMut, Segments, SgmvTuning, WorkspaceSpec, bgmv_tuned, embed_overlay,
+    lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff, sgmv_tuned,
+};
+
+const TOL: f64 = 1e-2;
+
+/// One apply problem, built identically on any device.
+struct Problem {
+    n: usize,
+    in_dim: usize,
+    outs: Vec<usize>,
+    stride: usize,
+    /// One `RandomPairs` per target, same slot count.
+    pairs: Vec<RandomPairs>,
+    x: Vec<bf16>,
+    x_stride: usize,
+    y_width: usize,
+    y_bf16: Vec<bf16>,
+    y_f32: Vec<f32>,
+}
+
+impl Problem {
+    fn new(
+        rng: &mut Rng,
+        n: usize,
+        in_dim: usize,
+        outs: &[usize],
+        stride: usize,
+        ranks: &[u32],
+        poison: bool,
+    ) -> Problem {
+        let pairs: Vec<RandomPairs> = outs
+            .iter()
+            .map(|&out| {
+                let mut p = RandomPairs::new(rng, in_dim, out, stride, ranks);
+                if poison {
+                    p.poison_padding();
+                }
+                p
+            })
+            .collect();
+        // A few spare x columns and y columns that no target owns.
+        let x_stride = in_dim + 3;
+        let y_width = outs.iter().sum::<usize>() + 5;
+        Problem {
+            n,
+            in_dim,
+            outs: outs.to_vec(),
+            stride,
+            pairs,
+            x: rng.bf16_vec(n * x_stride, 1.0),
+            x_stride,
+            y_width,
+            y_bf16: rng.bf16_vec(n * y_width, 1.0),
+            y_f32: (0..n * y_width).map(|_| rng.uniform()).collect(),
+        }
+    }
+}
+
+/// The problem's buffers on one device.
+struct OnDevice {
+    x: DeviceBuffer<bf16>,
+    _weights: Vec<DeviceBuffer<bf16>>,
+    /// All targets' tables in one buffer, target t at offset t * slots.
+    table: DeviceBuffer<PairEntry>,
+    slots: usize,
+}
+
+impl OnDevice {
+    fn new(dev: &Device, p: &Problem) -> OnDevice {
+        let mut weights = Vec::new();
+        let mut entries = Vec::new();
+        for pairs in &p.pairs {
+            let w = dev.upload(&pairs.data).unwrap();
+            entries.extend(pairs.entries(w.device_addr()));
+            weights.push(w);
+        }
+        OnDevice {
+            x: dev.upload(&p.x).unwrap(),
+            _weights: weights,
+            table: dev.upload(&entries).unwrap(),
+            slots: p.pairs[0].ranks.len(),
+        }
+    }
+
+    fn targets<'a>(&'a self, p: &Problem) -> Vec<LoraTarget<'a>> {
+        let mut col = 0;
+        p.outs
+            .iter()
+            .enumerate()
+            .map(|(t, &out)| {
+                let target = LoraTarget {
+                    table: &self.table,
+                    table_offset: t * self.slots,
+                    n_entries: self.slots,
+                    out_dim: out,
+                    y_col_offset: col,
+                };
+                col += out;
+                target
+            })
+            .collect()
+    }
+
+    fn x_rows(&self, p: &Problem) -> Rows<'_, bf16> {
+        Rows {
+            buf: &self.x,
+            offset: 0,
+            n_rows: p.n,
+            width: p.in_dim,
+            stride: p.x_stride,
+        }
+    }
+}
+
+/// y before and after on both devices: `(input, cpu, gpu)` widened.
+fn compare<Y: OutputElem>(label: &str, input: &[Y], cpu: &[Y], gpu: &[Y]) {
+    let (inp, c, g): (Vec<f32>, Vec<f32>, Vec<f32>) = (
+        input.iter().map(|v| v.to_f32()).collect(),
+        cpu.iter().map(|v| v.to_f32()).collect(),
+        gpu.iter().map(|v| v.to_f32()).collect(),
+    );
+    let err = rel_error(&g, &c);
+    assert!(err < TOL, "{label}: ‖gpu − cpu‖/‖cpu‖ = {err:e}");
+    // Elements the reference left bit-identical (no delta there) must be
+    // bit-identical on the GPU too: no stray writes.
+    for i in 0..c.len() {
+        if c[i].to_bits() == inp[i].to_bits() && c[i] != 0.0 {
+            let changed = (g[i] - c[i]).abs() > 1e-2 * c[i].abs().max(1e-3);
+            assert!(
+                !changed,
+                "{label}: element {i} should be untouched: in {} gpu {}",
+                inp[i], g[i]
+            );
+        }
+    }
+    // The deltas themselves agree (catches a skipped row hidden by a large y).
+    let dc: Vec<f32> = c.iter().zip(&inp).map(|(a, b)| a - b).collect();
+    let dg: Vec<f32> = g.iter().zip(&inp).map(|(a, b)| a - b).collect();
+    let derr = rel_error(&dg, &dc);
+    assert!(derr < 5e-2, "{label}: delta error {derr:e}");
+}
+
+fn run_bgmv_on<Y: OutputElem>(dev: &Device, p: &Problem, idx: &[i32], y0: &[Y], tuning: BgmvTuning) -> Vec<Y> {
+    let on = OnDevice::new(dev, p);
+    let idx = dev.upload(idx).unwrap();
+    let mut y = dev.upload(y0).unwrap();
+    let targets = on.targets(p);
+    let yv = RowsMut::dense(&mut y, p.n, p.y_width);
+    bgmv_tuned(dev, on.x_rows(p), &idx, &targets, p.stride, yv, tuning).unwrap();
+    dev.check_faults().unwrap();
+    y.download().unwrap()
+}
+
+fn check_bgmv(gpu: &Device, label: &str, p: &Problem, idx: &[i32], tuning: BgmvTuning) {
+    let cpu = Device::cpu();
+    let c = run_bgmv_on(&cpu, p, idx, &p.y_bf16, BgmvTuning::default());
+    let g = run_bgmv_on(gpu, p, idx, &p.y_bf16, tuning);
+    compare(&format!("{label} (bf16 y)"), &p.y_bf16, &c, &g);
+}
+
+fn random_idx(rng: &mut Rng, n: usize, slots: usize, none_every: usize) -> Vec<i32> {
+    (0..n)
+        .map(|i| {
+            if none_every > 0 && i % none_every == 0 {
+                -1
+            } else {
+                rng.below(slots) as i32
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn gpu_bgmv_matches_cpu_over_shapes() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_matches_cpu_over_shapes") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_matches_cpu_over_shapes");
+    // (n, in, outs, stride, slots)
+    let shapes: &[(usize, usize, &[usize], usize, usize)] = &[
+        (1, 4096, &[4096], 16, 4),
+        (16, 4096, &[4096], 16, 16),
+        (64, 2049, &[333], 16, 8),
+        (64, 4096, &[4096], 64, 64),
+        (256, 4096, &[1024, 256, 256], 16, 32),
+        (700, 512, &[96], 32, 5),
+        (33, 96, &[4097], 8, 3),
+        (5, 7, &[9], 3, 2),
+    ];
+    for &(n, in_dim, outs, stride, slots) in shapes {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s % stride) as u32).collect();
+        let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
+        let idx = random_idx(&mut rng, n, slots, 7);
+        check_bgmv(
+            &gpu,
+            &format!("n={n} in={in_dim} outs={outs:?} stride={stride}"),
+            &p,
+            &idx,
+            BgmvTuning::default(),
+        );
+    }
+}
+
+#[test]
+fn gpu_bgmv_every_rank_against_padded_pool() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_every_rank_against_padded_pool") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_every_rank_against_padded_pool");
+    let ranks: Vec<u32> = (1..=64).collect();
+    let p = Problem::new(&mut rng, 128, 1024, &[768], 64, &ranks, true);
+    // Every rank once, then every rank again in another order.
+    let mut idx: Vec<i32> = (0..64).collect();
+    idx.extend((0..64).map(|i| i * 37 % 64));
+    check_bgmv(&gpu, "every rank", &p, &idx, BgmvTuning::default());
+}
+
+#[test]
+fn gpu_bgmv_row_patterns_and_paths() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_row_patterns_and_paths") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_row_patterns_and_paths");
+    let n = 300;
+    let p = Problem::new(&mut rng, n, 1024, &[512, 128], 32, &[32, 7, 16, 0, 1], true);
+    let patterns: Vec<(&str, Vec<i32>)> = vec![
+        ("no adapter anywhere", vec![-1; n]),
+        ("all rows one adapter", vec![2; n]),
+        (
+            "every row a different adapter",
+            (0..n).map(|i| (i % 5) as i32).collect(),
+        ),
+        (
+            "padding rows at the end",
+            (0..n).map(|i| if i < 200 { (i % 3) as i32 } else { -1 }).collect(),
+        ),
+        (
+            "rank-0 slot rows",
+            (0..n).map(|i| if i % 2 == 0 { 3 } else { 1 }).collect(),
+        ),
+        ("random", random_idx(&mut rng, n, 5, 4)),
+    ];
+    let tunings = [
+        BgmvTuning::default(),
+        BgmvTuning {
+            cluster: Some(1),
+            ..Default::default()
+        },
+        BgmvTuning {
+            cluster: Some(8),
+            out_splits: Some(3),
+            clusters_per_window: Some(2),
+        },
+        BgmvTuning {
+            cluster: Some(1),
+            out_splits: Some(1),
+            clusters_per_window: Some(1),
+        },
+    ];
+    for (label, idx) in &patterns {
+        for t in tunings {
+            check_bgmv(&gpu, &format!("{label} {t:?}"), &p, idx, t);
+        }
+    }
+}
+
+#[test]
+fn gpu_bgmv_f32_router_logits() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_f32_router_logits") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_f32_router_logits");
+    // MoE-style table: idx = expert * max_loras + slot over 8 experts x 4 slots.
+    let p = Problem::new(
+        &mut rng,
+        40,
+        2048,
+        &[64],
+        16,
+        &(0..32).map(|s| 1 + s % 16).collect::<Vec<u32>>(),
+        false,
+    );
+    let idx = random_idx(&mut rng, 40, 32, 9);
+    let cpu = Device::cpu();
+    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
+    let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, BgmvTuning::default());
+    compare("f32 y", &p.y_f32, &c, &g);
+    let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
+    let dg: Vec<f32> = g.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
+    let err = rel_error(&dg, &dc);
+    assert!(err < 1e-4, "f32 delta error {err:e}");
+}
+
+#[test]
+fn gpu_bgmv_bad_index_raises_a_fault() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_bad_index_raises_a_fault") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_bad_index_raises_a_fault");
+    let p = Problem::new(&mut rng, 4, 64, &[32], 8, &[8, 8], false);
+    let on = OnDevice::new(&gpu, &p);
+    let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
+    let mut y = gpu.upload(&p.y_bf16).unwrap();
+    let targets = on.targets(&p);
+    bgmv_tuned(
+        &gpu,
+        on.x_rows(&p),
+        &idx,
+        &targets,
+        8,
+        RowsMut::dense(&mut y, 4, p.y_width),
+        BgmvTuning::default(),
+    )
+    .unwrap();
+    let faults = gpu.take_faults().unwrap();
+    assert!(faults.0 & lora_kernels::FaultFlags::BAD_INDEX != 0, "faults: {faults}");
+    assert!(gpu.take_faults().unwrap().is_empty());
+}
+
+fn segments_for(rng: &mut Rng, n: usize, n_seg: usize, slots: usize) -> (Vec<i32>, Vec<i32>) {
+    // Random cut points (empty segments allowed), random slots with some -1.
+    let mut cuts: Vec<i32> = (0..n_seg - 1).map(|_| rng.below(n + 1) as i32).collect();
+    cuts.sort_unstable();
+    let mut cu = vec![0];
+    cu.extend(cuts);
+    cu.push(n as i32);
+    let slot = (0..n_seg)
+        .map(|s| if s % 5 == 3 { -1 } else { rng.below(slots) as i32 })
+        .collect();
+    (cu, slot)
+}
+
+fn run_sgmv_on<Y: OutputElem>(
+    dev: &Device,
+    p: &Problem,
+    seg: Option<(&[i32], &[i32])>,
+    entry: usize,
+    y0: &[Y],
+    tuning: SgmvTuning,
+) -> Vec<Y> {
+    let on = OnDevice::new(dev, p);
+    let n_seg = seg.map_or(1, |(_, s)| s.len());
+    let spec = WorkspaceSpec {
+        max_rows: p.n + 3,
+        max_rank: p.stride,
+        max_segments: n_seg,
+        max_targets: p.outs.len(),
+    };
+    let mut ws = LoraWorkspace::new(dev, spec).unwrap();
+    ws.poison().unwrap();
+    let mut y = dev.upload(y0).unwrap();
+    let targets = on.targets(p);
+    let yv = RowsMut::dense(&mut y, p.n, p.y_width);
+    match seg {
+        Some((cu, slot)) => {
+            let cu = dev.upload(cu).unwrap();
+            let slot = dev.upload(slot).unwrap();
+            let s = Segments {
+                cu_seqlens: &cu,
+                seg_slot: &slot,
+                n_segments: n_seg,
+            };
+            sgmv_tuned(dev, on.x_rows(p), &s, &targets, p.stride, yv, &mut ws, tuning).unwrap();
+        }
+        None => one_adapter(dev, on.x_rows(p), entry, &targets, p.stride, yv, &mut ws).unwrap(),
+    }
+    dev.check_faults().unwrap();
+    y.download().unwrap()
+}
+
+#[test]
+fn gpu_sgmv_matches_cpu() {
+    let Some(gpu) = cuda_or_skip("gpu_sgmv_matches_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_sgmv_matches_cpu");
+    // (n, in, outs, stride, slots, segments)
+    type Shape = (usize, usize, &'static [usize], usize, usize, usize);
+    let shapes: &[Shape] = &[
+        (512, 4096, &[4096], 16, 4, 4),
+        (300, 2049, &[200, 64], 64, 6, 7),
+        (1000, 1024, &[1024], 64, 64, 32),
+        (130, 96, &[130], 128, 3, 3),
+        (17, 24, &[9], 5, 2, 5),
+    ];
+    for &(n, in_dim, outs, stride, slots, n_seg) in shapes {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 13 % stride) as u32).collect();
+        let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
+        let (cu, slot) = segments_for(&mut rng, n, n_seg, slots);
+        for ks in [None, Some(1), Some(3)] {
+            let tuning = SgmvTuning { k_splits: ks };
+            let label = format!("sgmv n={n} in={in_dim} outs={outs:?} stride={stride} ks={ks:?}");
+            let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
+            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
+            compare(&label, &p.y_bf16, &c, &g);
+        }
+        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_f32, SgmvTuning::default());
+        let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, SgmvTuning::default());
+        compare("sgmv f32 y", &p.y_f32, &c, &g);
+    }
+}
+
+#[test]
+fn gpu_sgmv_every_rank_against_padded_pool() {
+    let Some(gpu) = cuda_or_skip("gpu_sgmv_every_rank_against_padded_pool") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_sgmv_every_rank_against_padded_pool");
+    let ranks: Vec<u32> = (1..=64).collect();
+    let n = 64 * 20;
+    let p = Problem::new(&mut rng, n, 512, &[256], 64, &ranks, true);
+    let cu: Vec<i32> = (0..=64).map(|s| s * 20).collect();
+    let slot: Vec<i32> = (0..64).collect();
+    let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, SgmvTuning::default());
+    let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, SgmvTuning::default());
+    compare("sgmv every rank", &p.y_bf16, &c, &g);
+}
+
+#[test]
+fn gpu_one_adapter_matches_cpu() {
+    let Some(gpu) = cuda_or_skip("gpu_one_adapter_matches_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_one_adapter_matches_cpu");
+    for &(n, in_dim, out, stride, rank) in &[(777, 4096, 1024, 64, 64), (65, 2049, 300, 16, 5), (3, 8, 8, 8, 1)] {
+        let p = Problem::new(&mut rng, n, in_dim, &[out], stride, &[stride as u32, rank], true);
+        let c = run_sgmv_on(&cpu, &p, None, 1, &p.y_bf16, SgmvTuning::default());
+        let g = run_sgmv_on(&gpu, &p, None, 1, &p.y_bf16, SgmvTuning::default());
+        compare(
+            &format!("one adapter n={n} in={in_dim} out={out} rank={rank}"),
+            &p.y_bf16,
+            &c,
+            &g,
+        );
+    }
+}
+
+#[test]
+fn gpu_graph_replay_follows_table_contents() {
+    let Some(gpu) = cuda_or_skip("gpu_graph_replay_follows_table_contents") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
+    let (n, slots) = (48, 6);
+    let p = Problem::new(&mut rng, n, 1024, &[512], 16, &[16, 8, 4, 16, 2, 1], false);
+    let on = OnDevice::new(&gpu, &p);
+    let idx0 = random_idx(&mut rng, n, slots, 5);
+    let mut idx = gpu.upload(&idx0).unwrap();
+    let mut y = gpu.upload(&p.y_bf16).unwrap();
+    let (cu0, slot0) = segments_for(&mut rng, n, 4, slots);
+    let mut cu = gpu.upload(&cu0).unwrap();
+    let mut seg_slot = gpu.upload(&slot0).unwrap();
+    let spec = WorkspaceSpec {
+        max_rows: n,
+        max_rank: 16,
+        max_segments: 4,
+        max_targets: 1,
+    };
+    let mut ws = LoraWorkspace::new(&gpu, spec).unwrap();
+    let mut table = gpu.upload(&on.table.download().unwrap()).unwrap();
+    gpu.preload_kernels().unwrap();
+    let graph = {
+        let target = [LoraTarget {
+            table: &table,
+            table_offset: 0,
+            n_entries: slots,
+            out_dim: 512,
+            y_col_offset: 0,
+        }];
+        gpu.capture_graph(|| {
+            let yv = RowsMut::dense(&mut y, n, p.y_width);
+            bgmv_tuned(&gpu, on.x_rows(&p), &idx, &target, 16, yv, BgmvTuning::default())?;
+            let s = Segments {
+                cu_seqlens: &cu,
+                seg_slot: &seg_slot,
+                n_segments: 4,
+            };
+            let yv = RowsMut::dense(&mut y, n, p.y_width);
+            sgmv_tuned(&gpu, on.x_rows(&p), &s, &target, 16, yv, &mut ws, SgmvTuning::default())
+        })
+        .unwrap()
+    };
+    // New contents: permuted table entries, new idx, new segments, fresh y.
+    let mut entries = on.table.download().unwrap();
+    entries.rotate_left(2);
+    entries[1] = PairEntry::default();
+    table.write(0, &entries).unwrap();
+    let idx1 = random_idx(&mut rng, n, slots, 3);
+    idx.write(0, &idx1).unwrap();
+    let (cu1, slot1) = segments_for(&mut rng, n, 4, slots);
+    cu.write(0, &cu1).unwrap();
+    seg_slot.write(0, &slot1).unwrap();
+    let y1 = rng.bf16_vec(n * p.y_width, 1.0);
+    y.write(0, &y1).unwrap();
+    graph.replay().unwrap();
+    gpu.synchronize().unwrap();
+    gpu.check_faults().unwrap();
+    let g = y.download().unwrap();
+
+    // The same two calls on the CPU with the new contents.
+    let cpu_on = OnDevice::new(&cpu, &p);
+    let mut cpu_entries = cpu_on.table.download().unwrap();
+    cpu_entries.rotate_left(2);
+    cpu_entries[1] = PairEntry::default();
+    let cpu_table = cpu.upload(&cpu_entries).unwrap();
+    let target = [LoraTarget {
+        table: &cpu_table,
+        table_offset: 0,
+        n_entries: slots,
+        out_dim: 512,
+        y_col_offset: 0,
+    }];
+    let mut cy = cpu.upload(&y1).unwrap();
+    let cidx = cpu.upload(&idx1).unwrap();
+    bgmv_tuned(
+        &cpu,
+        cpu_on.x_rows(&p),
+        &cidx,
+        &target,
+        16,
+        RowsMut::dense(&mut cy, n, p.y_width),
+        BgmvTuning::default(),
+    )
+    .unwrap();
+    let (ccu, cslot) = (cpu.upload(&cu1).unwrap(), cpu.upload(&slot1).unwrap());
+    let s = Segments {
+        cu_seqlens: &ccu,
+        seg_slot: &cslot,
+        n_segments: 4,
+    };
+    let mut cws = LoraWorkspace::new(&cpu, spec).unwrap();
+    let yv = RowsMut::dense(&mut cy, n, p.y_width);
+    sgmv_tuned(
+        &cpu,
+        cpu_on.x_rows(&p),
+        &s,
+        &target,
+        16,
+        yv,
+        &mut cws,
+        SgmvTuning::default(),
+    )
+    .unwrap();
+    compare("graph replay after table change", &y1, &cy.download().unwrap(), &g);
+}
+
+#[test]
+fn gpu_moe_index_builders_match_cpu() {
+    let Some(gpu) = cuda_or_skip("gpu_moe_index_builders_match_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_moe_index_builders_match_cpu");
+    let routing = MoeRouting {
+        top_k: 8,
+        max_loras: 4,
+        n_experts: 64,
+    };
+    let n_tokens = 100;
+    let ra: Vec<i32> = (0..n_tokens)
+        .map(|i| if i % 6 == 0 { -1 } else { rng.below(4) as i32 })
+        .collect();
+    let topk: Vec<i32> = (0..n_tokens * 8).map(|_| rng.below(64) as i32).collect();
+    // Sorted layout: rows grouped by expert, with 3 padding rows per expert.
+    let mut sorted = Vec::new();
+    let mut offsets = vec![0i32];
+    for e in 0..64 {
+        for (r, &x) in topk.iter().enumerate() {
+            if x == e {
+                sorted.push(r as i32);
+            }
+        }
+        sorted.extend([-1, (n_tokens * 8) as i32, i32::MAX]);
+        offsets.push(sorted.len() as i32);
+    }
+    let run = |dev: &Device| -> (Vec<i32>, Vec<i32>) {
+        let ra_d = dev.upload(&ra).unwrap();
+        let topk_d = dev.upload(&topk).unwrap();
+        let mut idx = dev.upload(&vec![i32::MIN; n_tokens * 8]).unwrap();
+        moe_decode_index(dev, &ra_d, &topk_d, n_tokens, routing, &mut idx).unwrap();
+        let st = dev.upload(&sorted).unwrap();
+        let off = dev.upload(&offsets).unwrap();
+        let mut sidx = dev.upload(&vec![i32::MIN; sorted.len() + 4]).unwrap();
+        moe_sorted_index(dev, &st, sorted.len(), &off, &ra_d, n_tokens, routing, &mut sidx).unwrap();
+        dev.check_faults().unwrap();
+        (idx.download().unwrap(), sidx.download().unwrap())
+    };
+    let (cd, cs) = run(&cpu);
+    let (gd, gs) = run(&gpu);
+    assert_eq!(cd, gd, "decode index");
+    assert_eq!(cs, gs, "sorted index");
+    assert!(gd.iter().all(|&v| v != i32::MIN), "every decode index written");
+    assert!(
+        gs[..sorted.len()].iter().all(|&v| v != i32::MIN),
+        "every sorted index written"
+    );
+    assert!(
+        gs[sorted.len()..].iter().all(|&v| v == i32::MIN),
+        "nothing written past n_sorted"
+    );
+}
+
+#[test]
+fn gpu_overlay_kernels_match_cpu() {
+    let Some(gpu) = cuda_or_skip("gpu_overlay_kernels_match_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_overlay_kernels_match_cpu");
+    let (vocab, h, n) = (1000, 264, 50);
+    let base = rng.bf16_vec(vocab * h, 1.0);
+    let mut table = base.clone();
+    let changed: Vec<usize> = (0..vocab).filter(|v| v % 37 == 5).collect();
+    for &v in &changed {
+        table[v * h + (v % h)] = bf16::from_f32(table[v * h + (v % h)].to_f32() + 0.5);
+    }
+    table[7 * h] = bf16::NAN;
+    // Slot 0: rows for `changed`; slot 1: no overlay; slot 2: 3 rows.
+    let rows0 = rng.bf16_vec(changed.len() * h, 1.0);
+    let rows2 = rng.bf16_vec(3 * h, 1.0);
+    let mut map0 = vec![-1i32; vocab];
+    for (k, &v) in changed.iter().enumerate() {
+        map0[v] = k as i32;
+    }
+    let mut map2 = vec![-1i32; vocab];
+    for (k, v) in [3usize, 500, 999].iter().enumerate() {
+        map2[*v] = k as i32;
+    }
+    let ids: Vec<u32> = (0..n)
+        .map(|i| {
+            if i % 4 == 0 {
+                changed[i % changed.len()] as u32
+            } else {
+                rng.below(vocab) as u32
+            }
+        })
+        .collect();
+    let row_slot: Vec<i32> = (0..n).map(|i| (i % 4) as i32 - 1).map(|s| s.min(2)).collect();
+    let head_ids0: Vec<u32> = changed.iter().map(|&v| v as u32).collect();
+    let head_ids2: Vec<u32> = vec![999, 3, 500];
+    let hidden = rng.bf16_vec(n * h, 1.0);
+    let logits0: Vec<f32> = (0..n * vocab).map(|_| rng.uniform()).collect();
+
+    let run = |dev: &Device| -> (Vec<u8>, Vec<bf16>, Vec<f32>, Vec<bf16>) {
+        let base_d = dev.upload(&base).unwrap();
+        let table_d = dev.upload(&table).unwrap();
+        let mut diff = dev.upload(&vec![7u8; vocab]).unwrap();
+        row_diff(
+            dev,
+            Rows::dense(&table_d, vocab, h),
+            Rows::dense(&base_d, vocab, h),
+            0.0,
+            &mut diff,
+        )
+        .unwrap();
+        let r0 = dev.upload(&rows0).unwrap();
+        let r2 = dev.upload(&rows2).unwrap();
+        let m0 = dev.upload(&map0).unwrap();
+        let m2 = dev.upload(&map2).unwrap();
+        let ents = dev
+            .upload(&[
+                EmbedOverlayEntry {
+                    slot_map: m0.device_addr(),
+                    rows: r0.device_addr(),
+                    n_rows: changed.len() as u32,
+                    pad: 0,
+                },
+                EmbedOverlayEntry::default(),
+                EmbedOverlayEntry {
+                    slot_map: m2.device_addr(),
+                    rows: r2.device_addr(),
+                    n_rows: 3,
+                    pad: 0,
+                },
+            ])
+            .unwrap();
+        let ids_d = dev.upload(&ids).unwrap();
+        let rs_d = dev.upload(&row_slot).unwrap();
+        let mut out = dev.upload(&vec![bf16::NAN; n * h]).unwrap();
+        embed_overlay(
+            dev,
+            &ids_d,
+            Some(&rs_d),
+            Rows::dense(&base_d, vocab, h),
+            &ents,
+            RowsMut::dense(&mut out, n, h),
+        )
+        .unwrap();
+        let hid0 = dev.upload(&head_ids0).unwrap();
+        let hid2 = dev.upload(&head_ids2).unwrap();
+        let hents = dev
+            .upload(&[
+                LmHeadOverlayEntry {
+                    ids: hid0.device_addr(),
+                    rows: r0.device_addr(),
+                    count: head_ids0.len() as u32,
+                    pad: 0,
+                },
+                LmHeadOverlayEntry::default(),
+                LmHeadOverlayEntry {
+                    ids: hid2.device_addr(),
+                    rows: r2.device_addr(),
+                    count: 3,
+                    pad: 0,
+                },
+            ])
+            .unwrap();
+        let hidden_d = dev.upload(&hidden).unwrap();
+        let mut logits = dev.upload(&logits0).unwrap();
+        lm_head_overlay(
+            dev,
+            Rows::dense(&hidden_d, n, h),
+            &rs_d,
+            &hents,
+            RowsMut::dense(&mut logits, n, vocab),
+        )
+        .unwrap();
+        let lb0: Vec<bf16> = logits0.iter().map(|v| bf16::from_f32(*v)).collect();
+        let mut logits_b = dev.upload(&lb0).unwrap();
+        lm_head_overlay(
+            dev,
+            Rows::dense(&hidden_d, n, h),
+            &rs_d,
+            &hents,
+            RowsMut::dense(&mut logits_b, n, vocab),
+        )
+        .unwrap();
+        dev.check_faults().unwrap();
+        (
+            diff.download().unwrap(),
+            out.download().unwrap(),
+            logits.download().unwrap(),
+            logits_b.download().unwrap(),
+        )
+    };
+    let (cd, ce, cl, clb) = run(&cpu);
+    let (gd, ge, gl, glb) = run(&gpu);
+    assert_eq!(cd, gd, "row diff");
+    assert!(gd.iter().all(|&v| v <= 1), "every diff flag written");
+    assert_eq!(
+        ce.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        ge.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "embedding rows"
+    );
+    let err = rel_error(&gl, &cl);
+    assert!(err < 1e-5, "lm_head f32 logits error {err:e}");
+    let err = rel_error(&widen(&glb), &widen(&clb));
+    assert!(err < TOL, "lm_head bf16 logits error {err:e}");
+}
+
+#[test]
+fn gpu_buffers_round_trip() {
+    let Some(gpu) = cuda_or_skip("gpu_buffers_round_trip") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_buffers_round_trip");
+    assert!(gpu.name().contains("(sm_"), "name {}", gpu.name());
+    let (free, total) = gpu.memory_info().unwrap();
+    assert!(free > 0 && free <= total);
+    let data: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
+    let mut a = gpu.upload(&data).unwrap();
+    assert_eq!(a.download().unwrap(), data);
+    a.write(10, &data[..5]).unwrap();
+    assert_eq!(a.download_range(10, 5).unwrap(), &data[..5]);
+    let mut b = gpu.alloc_zeros::<u64>(2000).unwrap();
+    b.copy_from(100, &a, 0, 1000).unwrap();
+    assert_eq!(b.download_range(100, 1000).unwrap(), a.download().unwrap());
+    b.zero_range(150, 10).unwrap();
+    assert!(b.download_range(150, 10).unwrap().iter().all(|&v| v == 0));
+    let mut pinned = gpu.alloc_pinned::<u64>(300).unwrap();
+    pinned.as_mut_slice().unwrap().copy_from_slice(&data[..300]);
+    b.upload_pinned(1500, &pinned).unwrap();
+    gpu.synchronize().unwrap();
+    assert_eq!(b.download_range(1500, 300).unwrap(), &data[..300]);
+    assert!(b.write(1999, &data[..2]).is_err());
+    gpu.preload_kernels().unwrap();
+}

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""PyTorch baseline for `cargo xtask bench`.
+
+The same LoRA ops as the kernels section, written the way a PyTorch user
+would: decode as gather + bmm (`A[idx]`, `B[idx]`), prefill as a loop of
+matmuls over the segments. Timed like the Rust bench: captured once in a CUDA
+graph, L2 flushed (by reading a buffer of 4x L2) before each replay, device
+events around each replay, median of many. Writes {name: {"median_us": ...}}.
+"""
+import argparse
+import json
+
+import torch
+
+
+def time_graph(fn, reps, flush_buf):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    pairs = []
+    for _ in range(reps):
+        flush_buf.sum()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    us = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)
+    return us[len(us) // 2]
+
+
+def decode_op(s, dev):
+    n, k, o, r, d = s["n"], s["in"], s["out"], s["r"], s["distinct"]
+    a = (torch.rand(d, r, k, device=dev) * 2 - 1).mul_(k ** -0.5).to(torch.bfloat16)
+    b = (torch.rand(d, o, r, device=dev) * 2 - 1).mul_(r ** -0.5).to(torch.bfloat16)
+    scale = (torch.rand(d, device=dev) + 0.5).to(torch.bfloat16)
+    x = (torch.rand(n, k, device=dev) * 2 - 1).to(torch.bfloat16)
+    y = (torch.rand(n, o, device=dev) * 2 - 1).to(torch.bfloat16)
+    idx = torch.arange(n, device=dev) % d
+
+    def fn():
+        t = torch.bmm(a.index_select(0, idx), x.unsqueeze(2))
+        delta = torch.bmm(b.index_select(0, idx), t).squeeze(2)
+        y.add_(delta * scale.index_select(0, idx).unsqueeze(1))
+
+    return fn
+
+
+def prefill_op(s, dev):
+    n, segs, k, o, r = s["n"], s["segments"], s["in"], s["out"], s["r"]
+    a = (torch.rand(segs, r, k, device=dev) * 2 - 1).mul_(k ** -0.5).to(torch.bfloat16)
+    b = (torch.rand(segs, o, r, device=dev) * 2 - 1).mul_(r ** -0.5).to(torch.bfloat16)
+    scale = [0.5 + i / segs for i in range(segs)]
+    x = (torch.rand(n, k, device=dev) * 2 - 1).to(torch.bfloat16)
+    y = (torch.rand(n, o, device=dev) * 2 - 1).to(torch.bfloat16)
+    cuts = [i * n // segs for i in range(segs + 1)]
+
+    def fn():
+        for i in range(segs):
+            lo, hi = cuts[i], cuts[i + 1]
+            y[lo:hi].add_((x[lo:hi] @ a[i].t()) @ b[i].t(), alpha=scale[i])
+
+    return fn
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", required=True, help="JSON list of shapes from the Rust bench")
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 60 << 20)
+    flush_buf = torch.empty(4 * l2 // 4, dtype=torch.float32, device=dev).uniform_()
+    results = {}
+    for s in json.loads(args.shapes):
+        fn = decode_op(s, dev) if s["kind"] == "decode" else prefill_op(s, dev)
+        us = time_graph(fn, args.reps, flush_buf)
+        results[s["name"]] = {"median_us": us}
+        print(f"torch {s['name']}: {us:.2f} us", flush=True)
+        del fn
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,511 @@
+//! `cargo xtask bench`: timings on a CUDA device, written as a table on
+//! stdout and a JSON report.
+//!
+//! Method (per `/work/.library/device/METHOD.md` and PERF-NOTES): each op is
+//! captured once in a CUDA graph and replayed; before every timed replay the
+//! L2 is flushed by streaming two tables of 2x L2 each through the row-diff
+//! kernel (reads only, so no dirty lines are left to write back during the
+//! timed replay); device events bracket each replay; the median of many is
+//! reported, with p10/p90. Beside each time: the bytes floor (each distinct
+//! adapter's A and B, x, and y read and written) over the device-to-device
+//! copy bandwidth measured in the same run, and the same op through PyTorch
+//! (gather + bmm; a per-segment matmul loop for prefill), timed the same way
+//! by `xtask/bench/torch_lora_baseline.py` in the same call.
+//!
+//! Sections: `kernels` today. A new section (swap, peer landing) is one
+//! function of the [`Section`] signature added to [`SECTIONS`]; it appends
+//! rows to the shared [`Report`].
+//!
+//! usage: `cargo xtask bench [--out PATH] [--torch-script PATH] [--reps N]
+//! [--sections a,b] [--sweep] [--quick]`
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use half::bf16;
+use lora_kernels::testing::{RandomPairs, Rng};
+use lora_kernels::{
+    BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, Rows, RowsMut, Segments,
+    SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
+};
+use serde_json::{Value, json};
+
+/// One bench section: runs its cases and appends rows to the report.
+type Section = fn(&mut Ctx<'_>) -> Result<(), String>;
+
+/// Sections in run order.
+const SECTIONS: &[(&str, Section)] = &[("kernels", kernels_section)];
+
+struct Options {
+    out: PathBuf,
+    torch_script: Option<PathBuf>,
+    reps: usize,
+    sections: Option<Vec<String>>,
+    sweep: bool,
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Result<Options, String> {
+        let mut o = Options {
+            out: PathBuf::from("bench-out/bench.json"),
+            torch_script: None,
+            reps: 200,
+            sections: None,
+            sweep: false,
+        };
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
+            match a.as_str() {
+                "--out" => o.out = PathBuf::from(value()?),
+                "--torch-script" => o.torch_script = Some(PathBuf::from(value()?)),
+                "--reps" => o.reps = value()?.parse().map_err(|e| format!("--reps: {e}"))?,
+                "--sections" => o.sections = Some(value()?.split(',').map(String::from).collect()),
+                "--sweep" => o.sweep = true,
+                "--quick" => o.reps = 30,
+                other => return Err(format!("unknown bench argument {other}")),
+            }
+        }
+        Ok(o)
+    }
+
+    fn wants(&self, section: &str) -> bool {
+        self.sections.as_ref().is_none_or(|s| s.iter().any(|x| x == section))
+    }
+}
+
+/// One measured case.
+#[derive(Debug, Clone)]
+struct Row {
+    section: &'static str,
+    name: String,
+    variant: String,
+    stats: Stats,
+    /// Bytes the op must move at least.
+    floor_bytes: f64,
+    /// The figure to beat, µs, and the target time (peer / speed-up), µs.
+    peer_us: Option<f64>,
+    target_us: Option<f64>,
+    /// Share of the floor the op must reach (0.5 decode with n >= 64, 0.67 prefill).
+    floor_share_target: Option<f64>,
+    /// Shape fields for the JSON and the PyTorch script.
+    shape: Value,
+    torch_us: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Stats {
+    median_us: f64,
+    p10_us: f64,
+    p90_us: f64,
+}
+
+/// Everything sections share: the device, the L2 flusher, options, rows.
+struct Ctx<'a> {
+    device: &'a Device,
+    opts: &'a Options,
+    flusher: Flusher,
+    copy_gbps: f64,
+    rows: Vec<Row>,
+}
+
+/// Streams 2 x 2 L2 worth of bytes through the row-diff kernel.
+struct Flusher {
+    a: DeviceBuffer<bf16>,
+    b: DeviceBuffer<bf16>,
+    out: DeviceBuffer<u8>,
+    vocab: usize,
+    width: usize,
+}
+
+impl Flusher {
+    fn new(device: &Device) -> Result<Flusher, KernelError> {
+        let width = 2048;
+        let bytes = (2 * device.l2_bytes()).max(128 << 20);
+        let vocab = bytes / (width * 2);
+        Ok(Flusher {
+            a: device.alloc_zeros(vocab * width)?,
+            b: device.alloc_zeros(vocab * width)?,
+            out: device.alloc_zeros(vocab)?,
+            vocab,
+            width,
+        })
+    }
+
+    fn flush(&mut self, device: &Device) -> Result<(), KernelError> {
+        let (a, b) = (
+            Rows::dense(&self.a, self.vocab, self.width),
+            Rows::dense(&self.b, self.vocab, self.width),
+        );
+        row_diff(device, a, b, 0.0, &mut self.out)
+    }
+}
+
+fn err(e: KernelError) -> String {
+    e.to_string()
+}
+
+impl Ctx<'_> {
+    /// Replay `graph` `reps` times, each after an L2 flush, timed with events.
+    fn time_graph(&mut self, graph: &DeviceGraph) -> Result<Stats, String> {
+        for _ in 0..3 {
+            graph.replay().map_err(err)?;
+        }
+        let mut events = Vec::with_capacity(self.opts.reps);
+        for _ in 0..self.opts.reps {
+            self.flusher.flush(self.device).map_err(err)?;
+            let start = self.device.record_event().map_err(err)?;
+            graph.replay().map_err(err)?;
+            let end = self.device.record_event().map_err(err)?;
+            events.push((start, end));
+        }
+        self.device.synchronize().map_err(err)?;
+        self.device.check_faults().map_err(err)?;
+        let mut us = Vec::with_capacity(events.len());
+        for (s, e) in &events {
+            us.push(f64::from(s.elapsed_ms(e).map_err(err)?) * 1e3);
+        }
+        Ok(stats(us))
+    }
+}
+
+fn stats(mut us: Vec<f64>) -> Stats {
+    us.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        us.get(((us.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    Stats {
+        median_us: at(0.5),
+        p10_us: at(0.1),
+        p90_us: at(0.9),
+    }
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second), GB/s.
+fn copy_bandwidth(device: &Device) -> Result<f64, String> {
+    let elems = (1usize << 30) / 8;
+    let src = device.alloc_zeros::<u64>(elems).map_err(err)?;
+    let mut dst = device.alloc_zeros::<u64>(elems).map_err(err)?;
+    dst.copy_from(0, &src, 0, elems).map_err(err)?;
+    let mut us = Vec::new();
+    for _ in 0..10 {
+        let s = device.record_event().map_err(err)?;
+        dst.copy_from(0, &src, 0, elems).map_err(err)?;
+        let e = device.record_event().map_err(err)?;
+        us.push(f64::from(s.elapsed_ms(&e).map_err(err)?) * 1e3);
+    }
+    let t = stats(us).median_us;
+    Ok(2.0 * (elems * 8) as f64 / (t * 1e3))
+}
+
+/// Run the bench.
+pub fn run(args: &[String]) -> Result<(), String> {
+    let opts = Options::parse(args)?;
+    let device = Device::cuda(0).map_err(|e| format!("the bench needs a CUDA device: {e}"))?;
+    device.preload_kernels().map_err(err)?;
+    let copy_gbps = copy_bandwidth(&device)?;
+    eprintln!(
+        "bench: {} — copy bandwidth {copy_gbps:.0} GB/s, L2 {} MB",
+        device.name(),
+        device.l2_bytes() >> 20
+    );
+    let flusher = Flusher::new(&device).map_err(err)?;
+    let mut ctx = Ctx {
+        device: &device,
+        opts: &opts,
+        flusher,
+        copy_gbps,
+        rows: Vec::new(),
+    };
+    for (name, section) in SECTIONS {
+        if opts.wants(name) {
+            section(&mut ctx)?;
+        }
+    }
+    if let Some(script) = &opts.torch_script {
+        if let Err(e) = torch_baseline(script, &mut ctx) {
+            eprintln!("bench: PyTorch baseline not measured: {e}");
+        }
+    }
+    print_table(&ctx);
+    write_json(&ctx, &device)
+}
+
+// ---- the kernels section -------------------------------------------------
+
+/// Issue 4's shapes: decode (n, in, out, r, distinct) and the best peer µs.
+const DECODE: &[(usize, usize, usize, usize, usize, f64)] = &[
+    (1, 4096, 4096, 16, 1, 15.2),
+    (16, 4096, 4096, 16, 16, 20.1),
+    (64, 4096, 4096, 16, 64, 29.5),
+    (64, 4096, 4096, 64, 64, 74.0),
+    (256, 4096, 4096, 16, 32, 26.8),
+    (64, 4096, 14336, 16, 64, 52.1),
+];
+/// Prefill (rows, segments, in, out, r) and the best peer µs.
+const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =
+    &[(4096, 8, 4096, 4096, 16, 69.4), (8192, 32, 4096, 4096, 64, 445.9)];
+
+fn floor_bytes(n: usize, in_dim: usize, out: usize, r: usize, distinct: usize) -> f64 {
+    (distinct * (r * in_dim + out * r) * 2 + n * (in_dim * 2 + out * 4)) as f64
+}
+
+fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
+    let mut rng = Rng::new(0x5eed_0004);
+    for &(n, in_dim, out, r, distinct, peer) in DECODE {
+        let name = format!("decode n={n} in={in_dim} out={out} r={r} d={distinct}");
+        let mut variants = vec![("default".to_string(), BgmvTuning::default())];
+        if ctx.opts.sweep {
+            for s in [1, 2, 4, 8] {
+                variants.push((
+                    format!("c8 s{s}"),
+                    BgmvTuning {
+                        cluster: Some(8),
+                        out_splits: Some(s),
+                        ..Default::default()
+                    },
+                ));
+            }
+            variants.push((
+                "c1 s1".into(),
+                BgmvTuning {
+                    cluster: Some(1),
+                    out_splits: Some(1),
+                    ..Default::default()
+                },
+            ));
+        }
+        let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);
+        let pool = pairs.upload(ctx.device).map_err(err)?;
+        let x = ctx.device.upload(&rng.bf16_vec(n * in_dim, 1.0)).map_err(err)?;
+        let mut y = ctx.device.upload(&rng.bf16_vec(n * out, 1.0)).map_err(err)?;
+        let idx: Vec<i32> = (0..n).map(|i| (i % distinct) as i32).collect();
+        let idx = ctx.device.upload(&idx).map_err(err)?;
+        for (variant, tuning) in variants {
+            let target = [LoraTarget {
+                table: &pool.table,
+                table_offset: 0,
+                n_entries: distinct,
+                out_dim: out,
+                y_col_offset: 0,
+            }];
+            let device = ctx.device;
+            let graph = device
+                .capture_graph(|| {
+                    bgmv_tuned(
+                        device,
+                        Rows::dense(&x, n, in_dim),
+                        &idx,
+                        &target,
+                        r,
+                        RowsMut::dense(&mut y, n, out),
+                        tuning,
+                    )
+                })
+                .map_err(err)?;
+            let stats = ctx.time_graph(&graph)?;
+            ctx.rows.push(Row {
+                section: "kernels",
+                name: name.clone(),
+                variant,
+                stats,
+                floor_bytes: floor_bytes(n, in_dim, out, r, distinct),
+                peer_us: Some(peer),
+                target_us: Some(peer / 3.0),
+                floor_share_target: (n >= 64).then_some(0.5),
+                shape: json!({"kind": "decode", "n": n, "in": in_dim, "out": out, "r": r, "distinct": distinct}),
+                torch_us: None,
+            });
+        }
+    }
+    for &(rows, segs, in_dim, out, r, peer) in PREFILL {
+        let name = format!("prefill rows={rows} segs={segs} in={in_dim} out={out} r={r}");
+        let mut variants = vec![("default".to_string(), SgmvTuning::default())];
+        if ctx.opts.sweep {
+            for k in 1..=4 {
+                variants.push((format!("ks{k}"), SgmvTuning { k_splits: Some(k) }));
+            }
+        }
+        let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; segs]);
+        let pool = pairs.upload(ctx.device).map_err(err)?;
+        let x = ctx.device.upload(&rng.bf16_vec(rows * in_dim, 1.0)).map_err(err)?;
+        let mut y = ctx.device.upload(&rng.bf16_vec(rows * out, 1.0)).map_err(err)?;
+        let cu: Vec<i32> = (0..=segs).map(|s| (s * rows / segs) as i32).collect();
+        let slot: Vec<i32> = (0..segs as i32).collect();
+        let cu = ctx.device.upload(&cu).map_err(err)?;
+        let slot = ctx.device.upload(&slot).map_err(err)?;
+        let spec = WorkspaceSpec {
+            max_rows: rows,
+            max_rank: r,
+            max_segments: segs,
+            max_targets: 1,
+        };
+        let mut ws = LoraWorkspace::new(ctx.device, spec).map_err(err)?;
+        for (variant, tuning) in variants {
+            let target = [LoraTarget {
+                table: &pool.table,
+                table_offset: 0,
+                n_entries: segs,
+                out_dim: out,
+                y_col_offset: 0,
+            }];
+            let s = Segments {
+                cu_seqlens: &cu,
+                seg_slot: &slot,
+                n_segments: segs,
+            };
+            let device = ctx.device;
+            let graph = device
+                .capture_graph(|| {
+                    let yv = RowsMut::dense(&mut y, rows, out);
+                    sgmv_tuned(
+                        device,
+                        Rows::dense(&x, rows, in_dim),
+                        &s,
+                        &target,
+                        r,
+                        yv,
+                        &mut ws,
+                        tuning,
+                    )
+                })
+                .map_err(err)?;
+            let stats = ctx.time_graph(&graph)?;
+            ctx.rows.push(Row {
+                section: "kernels",
+                name: name.clone(),
+                variant,
+                stats,
+                floor_bytes: floor_bytes(rows, in_dim, out, r, segs),
+                peer_us: Some(peer),
+                target_us: Some(peer / 1.5),
+                floor_share_target: Some(0.67),
+                shape: json!({"kind": "prefill", "n": rows, "segments": segs, "in": in_dim, "out": out, "r": r, "distinct": segs}),
+                torch_us: None,
+            });
+        }
+    }
+    Ok(())
+}
+
+// ---- PyTorch baseline ----------------------------------------------------
+
+fn torch_baseline(script: &PathBuf, ctx: &mut Ctx<'_>) -> Result<(), String> {
+    let mut shapes: Vec<Value> = Vec::new();
+    for row in ctx
+        .rows
+        .iter()
+        .filter(|r| r.section == "kernels" && r.variant == "default")
+    {
+        let mut s = row.shape.clone();
+        s["name"] = json!(row.name);
+        shapes.push(s);
+    }
+    let out = std::env::temp_dir().join(format!("lora-torch-bench-{}.json", std::process::id()));
+    let status = Command::new("python3")
+        .arg(script)
+        .args([
+            "--shapes",
+            &Value::Array(shapes).to_string(),
+            "--reps",
+            &ctx.opts.reps.to_string(),
+            "--out",
+        ])
+        .arg(&out)
+        .env("PYTHONUNBUFFERED", "1")
+        .status()
+        .map_err(|e| format!("cannot start python3: {e}"))?;
+    if !status.success() {
+        return Err(format!("{} exited with {status}", script.display()));
+    }
+    let text = std::fs::read_to_string(&out).map_err(|e| format!("cannot read {}: {e}", out.display()))?;
+    let results: Value = serde_json::from_str(&text).map_err(|e| format!("baseline JSON: {e}"))?;
+    for row in &mut ctx.rows {
+        if let Some(us) = results[&row.name]["median_us"].as_f64() {
+            row.torch_us = Some(us);
+        }
+    }
+    Ok(())
+}
+
+// ---- output ----------------------------------------------------------------
+
+fn floor_us(row: &Row, copy_gbps: f64) -> f64 {
+    row.floor_bytes / (copy_gbps * 1e3)
+}
+
+fn print_table(ctx: &Ctx<'_>) {
+    println!(
+        "\n{:<52} {:>8} {:>9} {:>15} {:>8} {:>7} {:>8} {:>7} {:>8}  verdict",
+        "case", "variant", "ours µs", "p10..p90", "floor µs", "%floor", "target", "peer", "torch"
+    );
+    for r in &ctx.rows {
+        let floor = floor_us(r, ctx.copy_gbps);
+        let share = floor / r.stats.median_us;
+        let fast = r.target_us.is_none_or(|t| r.stats.median_us <= t);
+        let near = r.floor_share_target.is_none_or(|s| share >= s);
+        println!(
+            "{:<52} {:>8} {:>9.2} {:>7.2}..{:<7.2} {:>8.2} {:>6.0}% {:>8.2} {:>7.1} {:>8}  {}",
+            r.name,
+            r.variant,
+            r.stats.median_us,
+            r.stats.p10_us,
+            r.stats.p90_us,
+            floor,
+            share * 100.0,
+            r.target_us.unwrap_or(f64::NAN),
+            r.peer_us.unwrap_or(f64::NAN),
+            r.torch_us.map_or("-".to_string(), |t| format!("{t:.1}")),
+            match (fast, near) {
+                (true, true) => "ok",
+                (false, true) => "SLOW vs target",
+                (true, false) => "FAR from floor",
+                (false, false) => "SLOW, FAR from floor",
+            }
+        );
+    }
+    println!("copy bandwidth {:.0} GB/s (bytes read + written)", ctx.copy_gbps);
+}
+
+fn write_json(ctx: &Ctx<'_>, device: &Device) -> Result<(), String> {
+    let rows: Vec<Value> = ctx
+        .rows
+        .iter()
+        .map(|r| {
+            let floor = floor_us(r, ctx.copy_gbps);
+            json!({
+                "section": r.section,
+                "name": r.name,
+                "variant": r.variant,
+                "shape": r.shape,
+                "median_us": r.stats.median_us,
+                "p10_us": r.stats.p10_us,
+                "p90_us": r.stats.p90_us,
+                "floor_bytes": r.floor_bytes,
+                "floor_us": floor,
+                "share_of_floor": floor / r.stats.median_us,
+                "floor_share_target": r.floor_share_target,
+                "peer_us": r.peer_us,
+                "target_us": r.target_us,
+                "torch_us": r.torch_us,
+            })
+        })
+        .collect();
+    let report = json!({
+        "device": device.name(),
+        "copy_gbps": ctx.copy_gbps,
+        "l2_bytes": device.l2_bytes(),
+        "reps": ctx.opts.reps,
+        "method": "CUDA graph replay, L2 flushed before each replay, device events, median",
+        "rows": rows,
+    });
+    if let Some(dir) = ctx.opts.out.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    std::fs::write(&ctx.opts.out, text).map_err(|e| format!("cannot write {}: {e}", ctx.opts.out.display()))?;
+    eprintln!("bench: wrote {}", ctx.opts.out.display());
+    Ok(())
+}
