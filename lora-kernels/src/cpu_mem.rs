@@ -33,6 +33,24 @@ pub(crate) struct CpuMemory {
 struct Registry {
     next_addr: u64,
     allocs: BTreeMap<u64, Weak<CpuAlloc>>,
+    /// Bytes held by live allocations.
+    in_use: usize,
+    /// Most bytes live at once, when the device was made with a limit.
+    limit: Option<usize>,
+}
+
+impl Registry {
+    fn limit_info(&self) -> Option<(usize, usize)> {
+        self.limit.map(|limit| (limit.saturating_sub(self.in_use), limit))
+    }
+
+    /// `OutOfMemory` when `bytes` more would pass the limit.
+    fn check_limit(&self, bytes: usize) -> Result<(), KernelError> {
+        match self.limit_info() {
+            Some((free, _)) if bytes > free => Err(KernelError::OutOfMemory { requested: bytes, free }),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// One CPU allocation: `bytes` bytes at synthetic address `base`.
@@ -52,16 +70,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl CpuMemory {
     pub(crate) fn new() -> Arc<CpuMemory> {
+        CpuMemory::with_limit(None)
+    }
+
+    /// A memory whose live allocations may total at most `limit` bytes
+    /// (`None`: no limit), so that tests can run out of device memory.
+    pub(crate) fn with_limit(limit: Option<usize>) -> Arc<CpuMemory> {
         Arc::new(CpuMemory {
             registry: Mutex::new(Registry {
                 next_addr: FIRST_ADDR,
                 allocs: BTreeMap::new(),
+                in_use: 0,
+                limit,
             }),
         })
     }
 
+    /// `(free, limit)` bytes under the limit, or `None` without one.
+    pub(crate) fn limit_info(&self) -> Option<(usize, usize)> {
+        lock(&self.registry).limit_info()
+    }
+
     /// A zeroed allocation of `bytes` bytes.
     pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Arc<CpuAlloc>, KernelError> {
+        // Checked before the host memory is taken, and again under the lock below.
+        lock(&self.registry).check_limit(bytes)?;
         let words = bytes.div_ceil(16);
         let mut data = Vec::new();
         data.try_reserve_exact(words)
@@ -71,6 +104,7 @@ impl CpuMemory {
             })?;
         data.resize(words, 0u128);
         let mut reg = lock(&self.registry);
+        reg.check_limit(bytes)?;
         let base = reg.next_addr;
         let span = (bytes as u64).div_ceil(BASE_ALIGN) * BASE_ALIGN + GUARD_GAP;
         reg.next_addr = base.checked_add(span).ok_or(KernelError::InvalidArgument {
@@ -84,6 +118,7 @@ impl CpuMemory {
             memory: Arc::downgrade(self),
         });
         reg.allocs.insert(base, Arc::downgrade(&alloc));
+        reg.in_use = reg.in_use.saturating_add(bytes);
         Ok(alloc)
     }
 
@@ -150,8 +185,11 @@ impl CpuMemory {
         }))
     }
 
-    fn forget(&self, base: u64) {
-        lock(&self.registry).allocs.remove(&base);
+    fn forget(&self, base: u64, bytes: usize) {
+        let mut reg = lock(&self.registry);
+        if reg.allocs.remove(&base).is_some() {
+            reg.in_use = reg.in_use.saturating_sub(bytes);
+        }
     }
 }
 
@@ -179,7 +217,7 @@ impl CpuAlloc {
 impl Drop for CpuAlloc {
     fn drop(&mut self) {
         if let Some(memory) = self.memory.upgrade() {
-            memory.forget(self.base);
+            memory.forget(self.base, self.bytes);
         }
     }
 }

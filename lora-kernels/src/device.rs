@@ -42,6 +42,18 @@ impl Device {
         }
     }
 
+    /// A new CPU device whose live allocations may total at most
+    /// `limit_bytes`: an allocation beyond it fails with
+    /// [`KernelError::OutOfMemory`], and [`Device::memory_info`] reports the
+    /// limit. For testing what callers do when device memory runs out.
+    pub fn cpu_with_memory_limit(limit_bytes: usize) -> Device {
+        Device {
+            inner: Arc::new(Backend::Cpu(CpuBackend {
+                memory: CpuMemory::with_limit(Some(limit_bytes)),
+            })),
+        }
+    }
+
     /// CUDA device `ordinal`, with a fresh stream. A missing driver, missing
     /// NVRTC or absent device is an error, never a panic.
     pub fn cuda(ordinal: usize) -> Result<Device, KernelError> {
@@ -107,13 +119,18 @@ impl Device {
         }
     }
 
-    /// `(free, total)` bytes of device memory (host memory on the CPU, from `/proc/meminfo`).
+    /// `(free, total)` bytes of device memory (on the CPU: the limit of
+    /// [`Device::cpu_with_memory_limit`], else host memory from `/proc/meminfo`).
     pub fn memory_info(&self) -> Result<(usize, usize), KernelError> {
         match &*self.inner {
-            Backend::Cpu(_) => host_memory_info().ok_or(KernelError::Unsupported {
-                what: "memory query without /proc/meminfo",
-                device: self.name(),
-            }),
+            Backend::Cpu(cpu) => cpu
+                .memory
+                .limit_info()
+                .or_else(host_memory_info)
+                .ok_or(KernelError::Unsupported {
+                    what: "memory query without /proc/meminfo",
+                    device: self.name(),
+                }),
             Backend::Cuda(c) => c.mem_info(),
         }
     }

@@ -36,6 +36,15 @@ pub enum KernelError {
         /// NVRTC's log.
         log: String,
     },
+    /// An allocation does not fit the device's free memory (the CPU
+    /// backend's limit, see [`crate::Device::cpu_with_memory_limit`]).
+    #[error("out of device memory: {requested} bytes requested, {free} free")]
+    OutOfMemory {
+        /// Bytes the allocation asked for.
+        requested: usize,
+        /// Bytes free when it was asked.
+        free: usize,
+    },
     /// An operation this device kind cannot do (e.g. CUDA graphs on the CPU).
     #[error("{what} is not supported on {device}")]
     Unsupported {

@@ -70,3 +70,28 @@ fn a_compile_error_carries_the_nvrtc_log() {
         other => panic!("expected a compile error, got {:?}", other.map(|_| ())),
     }
 }
+
+#[test]
+fn a_cpu_memory_limit_refuses_allocations_past_it_and_frees_on_drop() {
+    let d = Device::cpu_with_memory_limit(1000);
+    assert_eq!(d.memory_info().unwrap(), (1000, 1000));
+    let a = d.alloc_zeros::<f32>(200).unwrap();
+    assert_eq!(d.memory_info().unwrap(), (200, 1000));
+    let r = d.alloc_zeros::<f32>(51);
+    assert!(
+        matches!(
+            r,
+            Err(KernelError::OutOfMemory {
+                requested: 204,
+                free: 200
+            })
+        ),
+        "{r:?}"
+    );
+    let b = d.alloc_zeros::<u8>(200).unwrap();
+    assert_eq!(d.memory_info().unwrap(), (0, 1000));
+    drop(a);
+    assert_eq!(d.memory_info().unwrap(), (800, 1000));
+    drop(b);
+    d.alloc_zeros::<u8>(1000).unwrap();
+}
