@@ -1,0 +1,241 @@
+//! [`MoeLora`]: the persistent, fixed-address scratch of the MoE folds (the
+//! per-token adapter map and the per-row expert entry index) and the batch
+//! state that fills it.
+//!
+//! Setting a batch resolves every request's route and refuses the batch
+//! before writing anything when one is `Refuse`; it is the only call that
+//! copies from the host. The index builders and the folds (`fold.rs`) then
+//! only launch kernels on buffers whose addresses never change, so one
+//! layer's `index → gate_up fold → down fold` (and the router fold) can be
+//! captured in a CUDA graph and replayed with new batch contents.
+
+use lora_kernels::{Device, DeviceBuffer};
+use lora_layout::{MoeLoraRoute, build_moe_row_adapter_decode, build_moe_row_adapter_host, ensure_batch_servable};
+use lora_pool::{LoraPool, SlotCompanion};
+
+use crate::error::MoeError;
+use crate::route::{MoeRequest, resolve_routes};
+
+/// The largest batch an [`MoeLora`] serves; its scratch is sized from this
+/// once, up front.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeCapacity {
+    /// Most tokens in one batch (decode: padded sequences; prefill: packed
+    /// tokens).
+    pub max_tokens: usize,
+    /// Most expert-sorted rows, padding included, in one sorted fold.
+    pub max_sorted_rows: usize,
+}
+
+impl MoeCapacity {
+    /// Room for `max_tokens` tokens routed to `top_k` experts each, sorted
+    /// without padding.
+    pub fn for_tokens(max_tokens: usize, top_k: usize) -> MoeCapacity {
+        MoeCapacity {
+            max_tokens,
+            max_sorted_rows: max_tokens.saturating_mul(top_k),
+        }
+    }
+}
+
+/// The expert geometry the scratch was sized for, checked against the pool
+/// on every call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub(crate) num_experts: usize,
+    pub(crate) top_k: usize,
+    pub(crate) max_loras: usize,
+    /// The expert pool's rank stride; `None` when the pool serves no experts.
+    pub(crate) stride: Option<usize>,
+    pub(crate) pool_addr: u64,
+}
+
+impl Geometry {
+    pub(crate) fn of<C: SlotCompanion>(pool: &LoraPool<C>) -> Result<Geometry, MoeError> {
+        let cfg = pool.config();
+        let moe = cfg.moe.as_ref().ok_or(MoeError::NotMoe {
+            model_type: cfg.family.model_type(),
+        })?;
+        Ok(Geometry {
+            num_experts: moe.num_experts,
+            top_k: moe.top_k,
+            max_loras: pool.options().max_loras,
+            stride: pool.experts().map(|e| e.stride()),
+            pool_addr: pool.pool_addr(),
+        })
+    }
+}
+
+/// Which rows the expert entry index currently describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExpertRows {
+    /// None since the last batch was set.
+    Unset,
+    /// The `n_tokens * top_k` expanded rows of the batch, token major.
+    Expanded(usize),
+    /// `n` expert-sorted rows.
+    Sorted(usize),
+}
+
+/// The MoE LoRA apply layer: persistent scratch plus the current batch,
+/// over a [`LoraPool`] and its expert pool.
+///
+/// Per batch: [`set_decode_batch`](MoeLora::set_decode_batch) or
+/// [`set_prefill_batch`](MoeLora::set_prefill_batch). Per MoE layer: the
+/// router fold before top-k, then, after the engine routes and sorts,
+/// the index of the expert rows and the gate_up and down folds.
+pub struct MoeLora {
+    pub(crate) device: Device,
+    pub(crate) geometry: Geometry,
+    pub(crate) capacity: MoeCapacity,
+    /// `i32[max_tokens]`: each token's expert-pool slot, or -1.
+    pub(crate) row_adapter: DeviceBuffer<i32>,
+    /// Tokens of the current batch; `None` before the first one.
+    pub(crate) n_tokens: Option<usize>,
+    /// `i32[max(max_tokens * top_k, max_sorted_rows)]`: each expert row's
+    /// entry `expert * max_loras + slot`, or -1.
+    pub(crate) expert_idx: DeviceBuffer<i32>,
+    pub(crate) expert_rows: ExpertRows,
+}
+
+impl MoeLora {
+    /// Scratch for `pool`'s model and expert pool, sized for `capacity`.
+    pub fn new<C: SlotCompanion>(pool: &LoraPool<C>, capacity: MoeCapacity) -> Result<MoeLora, MoeError> {
+        let geometry = Geometry::of(pool)?;
+        let expanded = capacity
+            .max_tokens
+            .checked_mul(geometry.top_k)
+            .ok_or(MoeError::BatchTooLarge {
+                what: "expanded rows",
+                got: usize::MAX,
+                capacity: i32::MAX as usize,
+            })?;
+        let idx_len = expanded.max(capacity.max_sorted_rows);
+        if i32::try_from(idx_len).is_err() {
+            return Err(MoeError::BatchTooLarge {
+                what: "expert rows",
+                got: idx_len,
+                capacity: i32::MAX as usize,
+            });
+        }
+        let device = pool.device().clone();
+        Ok(MoeLora {
+            row_adapter: device.upload(&vec![-1i32; capacity.max_tokens.max(1)])?,
+            expert_idx: device.upload(&vec![-1i32; idx_len.max(1)])?,
+            device,
+            geometry,
+            capacity,
+            n_tokens: None,
+            expert_rows: ExpertRows::Unset,
+        })
+    }
+
+    /// What the scratch was sized for.
+    pub fn capacity(&self) -> MoeCapacity {
+        self.capacity
+    }
+
+    /// Experts each token is routed to (the model's `num_experts_per_tok`).
+    pub fn top_k(&self) -> usize {
+        self.geometry.top_k
+    }
+
+    /// Tokens of the current batch (`None` before the first batch).
+    pub fn n_tokens(&self) -> Option<usize> {
+        self.n_tokens
+    }
+
+    /// The current per-token adapter map (`i32`, -1 = nothing to fold); its
+    /// address never changes.
+    pub fn row_adapter(&self) -> &DeviceBuffer<i32> {
+        &self.row_adapter
+    }
+
+    /// The current per-row expert entry index (`i32`); its address never
+    /// changes.
+    pub fn expert_index(&self) -> &DeviceBuffer<i32> {
+        &self.expert_idx
+    }
+
+    /// An error unless `pool` is the pool the scratch was made for, shaped
+    /// as it was then.
+    pub(crate) fn check_pool<C: SlotCompanion>(&self, pool: &LoraPool<C>) -> Result<(), MoeError> {
+        if !pool.device().same_as(&self.device) {
+            return Err(MoeError::PoolMismatch("the pool lives on another device".into()));
+        }
+        let now = Geometry::of(pool)?;
+        if now != self.geometry {
+            return Err(MoeError::PoolMismatch(format!(
+                "the scratch was made for {:?}, the pool is {now:?}",
+                self.geometry
+            )));
+        }
+        Ok(())
+    }
+
+    /// Set a decode batch: one token per request, `padded_tokens` rows in
+    /// all (rows past the requests are padding, -1). Resolves every route
+    /// and refuses the batch, writing nothing, when one is `Refuse`.
+    pub fn set_decode_batch<C: SlotCompanion>(
+        &mut self,
+        pool: &LoraPool<C>,
+        requests: &[MoeRequest<'_>],
+        padded_tokens: usize,
+    ) -> Result<Vec<MoeLoraRoute>, MoeError> {
+        self.check_pool(pool)?;
+        if requests.len() > padded_tokens {
+            return Err(MoeError::shape(
+                "padded_tokens",
+                format!("{padded_tokens} is below the {} requests", requests.len()),
+            ));
+        }
+        self.check_tokens(padded_tokens)?;
+        let routes = resolve_routes(pool, requests)?;
+        ensure_batch_servable(&routes)?;
+        let rows = build_moe_row_adapter_decode(&routes, padded_tokens);
+        self.publish_rows(&rows)?;
+        Ok(routes)
+    }
+
+    /// Set a packed prefill batch: sequence `b` is rows
+    /// `cu_seqlens[b] .. cu_seqlens[b + 1]` and runs `requests[b]`.
+    /// Resolves every route and refuses the batch, writing nothing, when one
+    /// is `Refuse`.
+    pub fn set_prefill_batch<C: SlotCompanion>(
+        &mut self,
+        pool: &LoraPool<C>,
+        cu_seqlens: &[usize],
+        requests: &[MoeRequest<'_>],
+    ) -> Result<Vec<MoeLoraRoute>, MoeError> {
+        self.check_pool(pool)?;
+        let routes = resolve_routes(pool, requests)?;
+        ensure_batch_servable(&routes)?;
+        let slots: Vec<i32> = build_moe_row_adapter_decode(&routes, routes.len());
+        // The prefix sum is checked before its total is trusted.
+        let rows = build_moe_row_adapter_host(cu_seqlens, &slots)?;
+        self.check_tokens(rows.len())?;
+        self.publish_rows(&rows)?;
+        Ok(routes)
+    }
+
+    fn check_tokens(&self, n: usize) -> Result<(), MoeError> {
+        if n > self.capacity.max_tokens {
+            return Err(MoeError::BatchTooLarge {
+                what: "tokens",
+                got: n,
+                capacity: self.capacity.max_tokens,
+            });
+        }
+        Ok(())
+    }
+
+    fn publish_rows(&mut self, rows: &[i32]) -> Result<(), MoeError> {
+        self.row_adapter.write(0, rows)?;
+        self.n_tokens = Some(rows.len());
+        self.expert_rows = ExpertRows::Unset;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
