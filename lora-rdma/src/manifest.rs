@@ -313,15 +313,10 @@ pub fn expected_parts(layout: &impl PairLayout, pairs: &[PairMeta]) -> Result<Ve
     Ok(parts)
 }
 
-/// Check `manifest` against what the engine expects and return one
-/// [`LandingOp`] per part. Refuses the whole manifest on any mismatch.
-pub fn match_manifest(
-    manifest: &Manifest,
-    model: u64,
-    max_rank: u32,
-    expert_rank: u32,
-    expected: &[ExpectedPart],
-) -> Result<Vec<LandingOp>, ManifestError> {
+/// The checks that need no audit: the manifest is for this model and these
+/// ranks, and its entry count is in bounds. [`match_manifest`] runs them
+/// first; a lander runs them before spending an audit on the manifest.
+pub fn check_identity(manifest: &Manifest, model: u64, max_rank: u32, expert_rank: u32) -> Result<(), ManifestError> {
     if manifest.model != model {
         return Err(ManifestError::ModelMismatch {
             expected: model,
@@ -343,6 +338,19 @@ pub fn match_manifest(
     if manifest.entries.len() > MAX_MANIFEST_ENTRIES {
         return Err(ManifestError::TooManyEntries(manifest.entries.len()));
     }
+    Ok(())
+}
+
+/// Check `manifest` against what the engine expects and return one
+/// [`LandingOp`] per part. Refuses the whole manifest on any mismatch.
+pub fn match_manifest(
+    manifest: &Manifest,
+    model: u64,
+    max_rank: u32,
+    expert_rank: u32,
+    expected: &[ExpectedPart],
+) -> Result<Vec<LandingOp>, ManifestError> {
+    check_identity(manifest, model, max_rank, expert_rank)?;
     let want: BTreeMap<(PairKey, PairPart), u64> = expected.iter().map(|e| ((e.key, e.part), e.len)).collect();
     let mut ops = Vec::with_capacity(manifest.entries.len());
     let mut seen = BTreeSet::new();

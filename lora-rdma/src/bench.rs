@@ -1,0 +1,201 @@
+//! The TCP landing-rate benchmark: an 84 MB adapter (rank 16 on every
+//! linear projection of Llama-3.1-8B) landed from a loopback peer, against
+//! a plain memcpy of the same bytes in the same run. `cargo xtask bench`
+//! calls [`tcp_landing_rate`] and reports the numbers; nothing here asserts
+//! on time.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use lora_audit::LoraOptions;
+use lora_layout::{LoraModule, ModelConfig};
+use safetensors::{Dtype, tensor::TensorView};
+
+use crate::land::{HostLanding, LandError, Lander};
+use crate::peer::{Peer, PeerOptions, PeerStore, StoreOptions};
+use crate::stage::bf16_bytes;
+use crate::tcp::{TcpOptions, TcpTransport};
+
+/// The model geometry of the benchmark.
+const LLAMA_8B: &str = include_str!("../../lora-layout/testdata/llama-3.1-8b.json");
+/// Rank of the synthetic adapter (and the pool's `max_rank`).
+const RANK: usize = 16;
+/// The projections an `all-linear` Llama adapter adapts.
+const MODULES: [LoraModule; 7] = [
+    LoraModule::QProj,
+    LoraModule::KProj,
+    LoraModule::VProj,
+    LoraModule::OProj,
+    LoraModule::GateProj,
+    LoraModule::UpProj,
+    LoraModule::DownProj,
+];
+
+/// What one benchmark run measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LandingBench {
+    /// Bytes landed per landing (what travels: A true-rank rows, padded B).
+    pub bytes: usize,
+    /// Manifest entries per landing.
+    pub entries: usize,
+    /// Timed landings.
+    pub runs: usize,
+    /// Median wall time of one whole landing: manifest, engine audit,
+    /// reads, checksum verification.
+    pub land_median: Duration,
+    /// Fastest landing.
+    pub land_best: Duration,
+    /// Median time of one memcpy of `bytes`.
+    pub memcpy_median: Duration,
+}
+
+impl LandingBench {
+    /// Landing rate at the median, in GB/s (10^9 bytes).
+    pub fn land_gbps(&self) -> f64 {
+        gbps(self.bytes, self.land_median)
+    }
+
+    /// Memcpy rate at the median, in GB/s.
+    pub fn memcpy_gbps(&self) -> f64 {
+        gbps(self.bytes, self.memcpy_median)
+    }
+}
+
+fn gbps(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64().max(1e-12) / 1e9
+}
+
+/// Why the benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// Writing the synthetic adapter or binding the peer failed.
+    #[error("benchmark setup: {0}")]
+    Setup(String),
+    /// A landing failed.
+    #[error(transparent)]
+    Land(#[from] LandError),
+}
+
+fn setup(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Setup(e.to_string())
+}
+
+/// A deterministic, non-zero BF16 fill (xorshift), small values like a
+/// trained adapter's.
+fn fill(n: usize, seed: u64) -> Vec<bf16> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            bf16::from_f32(((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02)
+        })
+        .collect()
+}
+
+/// Write the synthetic adapter (PEFT layout and key names) into `dir`.
+fn write_adapter(dir: &Path, cfg: &ModelConfig) -> Result<(), BenchError> {
+    std::fs::create_dir_all(dir).map_err(setup)?;
+    let targets: Vec<&str> = MODULES.iter().map(|m| m.short_name()).collect();
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "r": RANK,
+        "lora_alpha": 2 * RANK,
+        "target_modules": targets,
+        "bias": "none",
+    });
+    std::fs::write(dir.join(lora_audit::ADAPTER_CONFIG), config.to_string()).map_err(setup)?;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<bf16>)> = Vec::new();
+    for layer in 0..cfg.num_hidden_layers {
+        for (m, module) in MODULES.iter().enumerate() {
+            let (out, inp) = module.dims(cfg);
+            let path = format!("base_model.model.model.layers.{layer}.{}", module.path(cfg.family));
+            let seed = (layer * MODULES.len() + m) as u64;
+            tensors.push((
+                format!("{path}.lora_A.weight"),
+                vec![RANK, inp],
+                fill(RANK * inp, 2 * seed + 1),
+            ));
+            tensors.push((
+                format!("{path}.lora_B.weight"),
+                vec![out, RANK],
+                fill(out * RANK, 2 * seed + 2),
+            ));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            TensorView::new(Dtype::BF16, shape.clone(), bf16_bytes(data)).map(|v| (name.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(setup)?;
+    safetensors::serialize_to_file(views, None, &dir.join(lora_audit::ADAPTER_WEIGHTS)).map_err(setup)
+}
+
+/// Removes the benchmark's adapter directory however the run ends.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort_unstable();
+    times.get(times.len() / 2).copied().unwrap_or_default()
+}
+
+/// Land the synthetic 84 MB adapter `runs` times from a peer on loopback
+/// (after one untimed landing that stages it), and memcpy the same number
+/// of bytes `runs` times.
+pub fn tcp_landing_rate(runs: usize) -> Result<LandingBench, BenchError> {
+    let runs = runs.max(1);
+    let cfg = ModelConfig::from_hf_config(LLAMA_8B).map_err(setup)?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let dir = TempDir(std::env::temp_dir().join(format!("lora-rdma-bench-{}-{nanos}", std::process::id())));
+    write_adapter(&dir.0, &cfg)?;
+    let mut store = PeerStore::new(cfg.clone(), StoreOptions::default());
+    store.add_adapter("bench", &dir.0).map_err(|r| setup(r.reason))?;
+    let peer = Peer::bind(store, "127.0.0.1:0", PeerOptions::default()).map_err(setup)?;
+    let handle = peer.spawn().map_err(setup)?;
+    let opts = LoraOptions {
+        max_rank: RANK,
+        ..LoraOptions::default()
+    };
+    let lander = Lander::new(cfg, opts)?;
+    let mut transport = TcpTransport::connect(&handle.addr().to_string(), TcpOptions::default())
+        .map_err(|e| BenchError::Land(e.into()))?;
+    let mut target = HostLanding::new(lander.layout());
+    let first = lander.land(&mut transport, "bench", &mut target)?;
+    let mut land_times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let start = Instant::now();
+        lander.land(&mut transport, "bench", &mut target)?;
+        land_times.push(start.elapsed());
+    }
+    let src = fill(first.bytes / 2, 7);
+    let mut dst = vec![bf16::ZERO; src.len()];
+    let mut copy_times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let start = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        copy_times.push(start.elapsed());
+    }
+    let entries = 2 * (first.dense.len() + first.experts.len());
+    Ok(LandingBench {
+        bytes: first.bytes,
+        entries,
+        runs,
+        land_best: land_times.iter().min().copied().unwrap_or_default(),
+        land_median: median(land_times),
+        memcpy_median: median(copy_times),
+    })
+}

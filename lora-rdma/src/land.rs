@@ -1,0 +1,540 @@
+//! The engine side of a peer landing: check a manifest against the engine's
+//! own audit and layout, land every part into fresh host images, verify.
+//!
+//! The peer never chooses where bytes go: every landing region is
+//! [`SlotImage::region_mut`] of a pair the engine's own audit of the
+//! adapter's config and tensor header expects, at the length its own layout
+//! gives. On any failure both images are replaced by fresh zeroed ones, so
+//! the target is left exactly as it was handed over and nothing is
+//! published.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use lora_audit::{AuditError, AuditReport, LoraOptions, TensorDtype, TensorInfo, audit_header};
+use lora_layout::{ExpertLayout, LayoutError, ModelConfig, PairKey, PairLayout, PairPlace, SlotLayout};
+use lora_pool::image::{ImageError, PairMeta, PairPart, SlotImage};
+use rayon::prelude::*;
+
+use crate::checksum::xxh64;
+use crate::fingerprint::model_fingerprint;
+use crate::manifest::{
+    ExpectedPart, Location, Manifest, ManifestError, WireTensor, check_identity, expected_parts, match_manifest,
+};
+use crate::transport::{LandingSink, ReadOp, Transport, TransportError};
+
+/// Where the victim slot's images live until the pool publishes them.
+///
+/// The lander replaces both with fresh zeroed images of the right layouts
+/// before landing (so their previous content never matters), fills them,
+/// and on any failure replaces them with fresh zeroed images again.
+pub trait LandingTarget {
+    /// The dense image (engine slot layout) and the expert image (the
+    /// adapter's expert layout).
+    fn images(&mut self) -> (&mut SlotImage, &mut SlotImage);
+}
+
+/// A [`LandingTarget`] that simply owns the two images: what tests land
+/// into, and what a pool can publish from.
+#[derive(Debug, Clone)]
+pub struct HostLanding {
+    dense: SlotImage,
+    experts: SlotImage,
+}
+
+impl HostLanding {
+    /// Empty images for `layout` (and no expert pairs).
+    pub fn new(layout: &SlotLayout) -> HostLanding {
+        HostLanding {
+            dense: SlotImage::zeroed(layout),
+            experts: SlotImage::zeroed(&NoPairs),
+        }
+    }
+
+    /// The dense image.
+    pub fn dense(&self) -> &SlotImage {
+        &self.dense
+    }
+
+    /// The expert image.
+    pub fn experts(&self) -> &SlotImage {
+        &self.experts
+    }
+
+    /// Both images, for publishing.
+    pub fn into_images(self) -> (SlotImage, SlotImage) {
+        (self.dense, self.experts)
+    }
+}
+
+impl LandingTarget for HostLanding {
+    fn images(&mut self) -> (&mut SlotImage, &mut SlotImage) {
+        (&mut self.dense, &mut self.experts)
+    }
+}
+
+/// The layout of an image with no pairs: the expert image of an adapter
+/// without expert deltas, before any landing.
+struct NoPairs;
+
+impl PairLayout for NoPairs {
+    fn stride(&self) -> usize {
+        1
+    }
+    fn total_bytes(&self) -> usize {
+        0
+    }
+    fn len(&self) -> usize {
+        0
+    }
+    fn place(&self, _: usize) -> Option<PairPlace> {
+        None
+    }
+    fn position(&self, _: PairKey) -> Option<usize> {
+        None
+    }
+}
+
+/// Why a landing failed. Any of these leaves the target's images fresh and
+/// zeroed.
+#[derive(Debug, thiserror::Error)]
+pub enum LandError {
+    /// Talking to the peer failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The manifest does not match what the engine expects.
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    /// The manifest is for another adapter than the one asked for.
+    #[error("asked for adapter `{asked}`, the peer's manifest is for `{got}`")]
+    AdapterName {
+        /// The name asked for.
+        asked: String,
+        /// The manifest's.
+        got: String,
+    },
+    /// A tensor of the manifest's header cannot be represented.
+    #[error("manifest tensor `{name}`: {reason}")]
+    Tensor {
+        /// The tensor.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The engine's audit of the manifest's config could not run.
+    #[error(transparent)]
+    Audit(#[from] AuditError),
+    /// The engine's own audit refuses the adapter.
+    #[error("the engine's audit refuses `{}`: {:?}", .0.adapter, .0.refused_codes())]
+    Refused(Box<AuditReport>),
+    /// The adapter has token overlays, which the peer protocol does not carry.
+    #[error("adapter `{0}` has token overlays; peer landing carries LoRA pairs only")]
+    Overlay(String),
+    /// The engine's limits do not fit the wire (a rank above `u32::MAX`) or
+    /// its layout overflows.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// A pair the audit placed has no place in the layout.
+    #[error("{0}: no place in the engine's layout")]
+    NotInLayout(PairKey),
+    /// Declaring a pair in an image failed.
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// Landed bytes do not have the manifest's checksum.
+    #[error("{key} {part:?}: checksum {got:#018x}, the manifest says {expected:#018x}")]
+    Checksum {
+        /// The pair.
+        key: PairKey,
+        /// A or B.
+        part: PairPart,
+        /// The manifest's.
+        expected: u64,
+        /// The landed bytes'.
+        got: u64,
+    },
+    /// A landed B has non-zero columns past its rank.
+    #[error("{key}: B has non-zero padding columns past rank {rank}")]
+    Padding {
+        /// The pair.
+        key: PairKey,
+        /// Its rank.
+        rank: usize,
+    },
+}
+
+/// Which image a part lands in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Image {
+    Dense,
+    Experts,
+}
+
+/// One checked part: where it lands (computed locally), what it must hash
+/// to, and where the peer keeps it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedPart {
+    /// The pair.
+    pub key: PairKey,
+    /// A or B.
+    pub part: PairPart,
+    /// The pair's rank (from the engine's audit).
+    pub rank: usize,
+    /// The layout's rank stride.
+    pub stride: usize,
+    /// Byte range in its image.
+    pub range: Range<usize>,
+    /// Expected XXH64.
+    pub checksum: u64,
+    /// Where the peer keeps it.
+    pub location: Location,
+}
+
+impl PlannedPart {
+    fn image(&self) -> Image {
+        match self.key {
+            PairKey::Dense { .. } => Image::Dense,
+            PairKey::Expert { .. } => Image::Experts,
+        }
+    }
+}
+
+/// A manifest that passed the check: the engine's own audit, pair metas
+/// and landing parts.
+#[derive(Debug, Clone)]
+pub struct LandingPlan {
+    /// The engine's audit of the manifest's config and tensor header.
+    pub report: AuditReport,
+    /// Dense pairs, rank and scale from that audit.
+    pub dense: Vec<PairMeta>,
+    /// Expert and router pairs, rank and scale from that audit.
+    pub experts: Vec<PairMeta>,
+    /// The adapter's expert layout at the engine's expert rank.
+    pub expert_layout: ExpertLayout,
+    /// One part per manifest entry, in manifest order.
+    pub parts: Vec<PlannedPart>,
+}
+
+impl LandingPlan {
+    /// Bytes that travel.
+    pub fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.range.len()).sum()
+    }
+}
+
+/// A landed, verified adapter, ready to publish from the target's images.
+#[derive(Debug, Clone)]
+pub struct Landed {
+    /// The adapter's name.
+    pub adapter: String,
+    /// The engine's audit.
+    pub report: AuditReport,
+    /// Dense pairs the dense image holds.
+    pub dense: Vec<PairMeta>,
+    /// Expert and router pairs the expert image holds.
+    pub experts: Vec<PairMeta>,
+    /// The expert image's layout.
+    pub expert_layout: ExpertLayout,
+    /// Bytes landed.
+    pub bytes: usize,
+}
+
+/// The engine's side of peer landing, for one model and pool geometry.
+#[derive(Debug, Clone)]
+pub struct Lander {
+    cfg: ModelConfig,
+    opts: LoraOptions,
+    layout: SlotLayout,
+    model: u64,
+    max_rank: u32,
+    expert_rank: u32,
+}
+
+fn wire_rank(rank: usize) -> Result<u32, LayoutError> {
+    u32::try_from(rank).map_err(|_| LayoutError::Overflow {
+        what: "rank on the wire",
+    })
+}
+
+impl Lander {
+    /// A lander for `cfg` with the pool limits of `opts` (`max_rank`,
+    /// `expert_rank`, `experts`, `allow_partial`).
+    pub fn new(cfg: ModelConfig, opts: LoraOptions) -> Result<Lander, LandError> {
+        let layout = SlotLayout::new(&cfg, opts.max_rank)?;
+        Ok(Lander {
+            model: model_fingerprint(&cfg),
+            max_rank: wire_rank(opts.max_rank)?,
+            expert_rank: wire_rank(opts.expert_rank)?,
+            cfg,
+            opts,
+            layout,
+        })
+    }
+
+    /// The engine's slot layout.
+    pub fn layout(&self) -> &SlotLayout {
+        &self.layout
+    }
+
+    /// The engine's model fingerprint.
+    pub fn fingerprint(&self) -> u64 {
+        self.model
+    }
+
+    /// Check `manifest` for `adapter`: identity, the engine's own audit of
+    /// its config and tensor header, then every entry against the parts
+    /// that audit and the engine's layouts expect. Refuses it whole on any
+    /// mismatch.
+    pub fn check(&self, adapter: &str, manifest: &Manifest) -> Result<LandingPlan, LandError> {
+        if manifest.adapter != adapter {
+            return Err(LandError::AdapterName {
+                asked: adapter.to_string(),
+                got: manifest.adapter.clone(),
+            });
+        }
+        check_identity(manifest, self.model, self.max_rank, self.expert_rank)?;
+        let tensors = manifest
+            .tensors
+            .iter()
+            .map(tensor_info)
+            .collect::<Result<Vec<_>, _>>()?;
+        let report = audit_header(adapter, &manifest.adapter_config, tensors, &self.cfg, &self.opts)?;
+        if !report.is_servable() {
+            return Err(LandError::Refused(Box::new(report)));
+        }
+        if !report.overlay.is_empty() {
+            return Err(LandError::Overlay(adapter.to_string()));
+        }
+        let meta = |(key, rank, scale)| PairMeta { key, rank, scale };
+        let dense: Vec<PairMeta> = report
+            .placed
+            .iter()
+            .map(|p| {
+                (
+                    PairKey::Dense {
+                        layer: p.layer,
+                        module: p.module,
+                    },
+                    p.rank,
+                    p.scale,
+                )
+            })
+            .map(meta)
+            .collect();
+        let experts: Vec<PairMeta> = report
+            .experts
+            .iter()
+            .map(|p| {
+                (
+                    PairKey::Expert {
+                        layer: p.layer,
+                        site: p.site,
+                    },
+                    p.rank,
+                    p.scale,
+                )
+            })
+            .map(meta)
+            .collect();
+        let expert_layout = ExpertLayout::new(
+            &self.cfg,
+            self.opts.expert_rank,
+            report.experts.iter().map(|p| (p.layer, p.site)),
+        )?;
+        let mut expected: Vec<ExpectedPart> = expected_parts(&self.layout, &dense).map_err(LandError::NotInLayout)?;
+        expected.extend(expected_parts(&expert_layout, &experts).map_err(LandError::NotInLayout)?);
+        let ops = match_manifest(manifest, self.model, self.max_rank, self.expert_rank, &expected)?;
+        let ranks: HashMap<PairKey, usize> = dense.iter().chain(&experts).map(|m| (m.key, m.rank)).collect();
+        let parts = ops
+            .iter()
+            .map(|op| {
+                let (place, stride) = match op.key {
+                    PairKey::Dense { .. } => (place_of(&self.layout, op.key), self.layout.stride()),
+                    PairKey::Expert { .. } => (place_of(&expert_layout, op.key), expert_layout.stride()),
+                };
+                let place = place.ok_or(LandError::NotInLayout(op.key))?;
+                let start = match op.part {
+                    PairPart::A => place.a_offset,
+                    PairPart::B => place.b_offset,
+                };
+                Ok(PlannedPart {
+                    key: op.key,
+                    part: op.part,
+                    rank: *ranks.get(&op.key).ok_or(LandError::NotInLayout(op.key))?,
+                    stride,
+                    range: start..start + op.len,
+                    checksum: op.checksum,
+                    location: op.location,
+                })
+            })
+            .collect::<Result<Vec<_>, LandError>>()?;
+        Ok(LandingPlan {
+            report,
+            dense,
+            experts,
+            expert_layout,
+            parts,
+        })
+    }
+
+    /// Fetch `adapter`'s manifest over `transport`, check it, land every
+    /// part into `target`'s images and verify every checksum. On error the
+    /// images are fresh and zeroed again.
+    pub fn land(
+        &self,
+        transport: &mut dyn Transport,
+        adapter: &str,
+        target: &mut dyn LandingTarget,
+    ) -> Result<Landed, LandError> {
+        let manifest = transport.fetch_manifest(adapter, self.max_rank, self.expert_rank)?;
+        let plan = self.check(adapter, &manifest)?;
+        drop(manifest);
+        let (dense, experts) = target.images();
+        let result = self.land_plan(transport, &plan, dense, experts);
+        if result.is_err() {
+            *dense = SlotImage::zeroed(&self.layout);
+            *experts = SlotImage::zeroed(&plan.expert_layout);
+        }
+        result?;
+        let bytes = plan.bytes();
+        Ok(Landed {
+            adapter: adapter.to_string(),
+            report: plan.report,
+            dense: plan.dense,
+            experts: plan.experts,
+            expert_layout: plan.expert_layout,
+            bytes,
+        })
+    }
+
+    fn land_plan(
+        &self,
+        transport: &mut dyn Transport,
+        plan: &LandingPlan,
+        dense: &mut SlotImage,
+        experts: &mut SlotImage,
+    ) -> Result<(), LandError> {
+        *dense = SlotImage::zeroed(&self.layout);
+        *experts = SlotImage::zeroed(&plan.expert_layout);
+        for meta in &plan.dense {
+            dense.declare(&self.layout, *meta)?;
+        }
+        for meta in &plan.experts {
+            experts.declare(&plan.expert_layout, *meta)?;
+        }
+        let ops: Vec<ReadOp> = plan
+            .parts
+            .iter()
+            .map(|p| ReadOp {
+                location: p.location,
+                len: p.range.len(),
+            })
+            .collect();
+        let mut sink = ImageSink {
+            layout: &self.layout,
+            expert_layout: &plan.expert_layout,
+            dense: &mut *dense,
+            experts: &mut *experts,
+            parts: &plan.parts,
+        };
+        transport.read(&ops, &mut sink)?;
+        verify(&plan.parts, dense.as_bytes(), experts.as_bytes())
+    }
+}
+
+/// A tensor of the manifest's header as the audit reads it.
+fn tensor_info(t: &WireTensor) -> Result<TensorInfo, LandError> {
+    let shape = t
+        .shape
+        .iter()
+        .map(|&d| usize::try_from(d))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| LandError::Tensor {
+            name: t.name.clone(),
+            reason: format!("shape {:?} does not fit this host", t.shape),
+        })?;
+    Ok(TensorInfo {
+        name: t.name.clone(),
+        dtype: dtype_from_name(&t.dtype),
+        shape,
+    })
+}
+
+/// A dtype name as safetensors (and [`TensorDtype`]'s `Display`) spells it.
+pub(crate) fn dtype_from_name(name: &str) -> TensorDtype {
+    match name {
+        "F32" => TensorDtype::F32,
+        "F16" => TensorDtype::F16,
+        "BF16" => TensorDtype::BF16,
+        "I64" => TensorDtype::I64,
+        "I32" => TensorDtype::I32,
+        "F64" => TensorDtype::Other("F64"),
+        "I8" => TensorDtype::Other("I8"),
+        "U8" => TensorDtype::Other("U8"),
+        "I16" => TensorDtype::Other("I16"),
+        "U16" => TensorDtype::Other("U16"),
+        "U32" => TensorDtype::Other("U32"),
+        "U64" => TensorDtype::Other("U64"),
+        "BOOL" => TensorDtype::Other("BOOL"),
+        _ => TensorDtype::Other("an unsupported dtype"),
+    }
+}
+
+fn place_of(layout: &impl PairLayout, key: PairKey) -> Option<PairPlace> {
+    layout.position(key).and_then(|i| layout.place(i))
+}
+
+/// Hands the transport each part's landing region.
+struct ImageSink<'a> {
+    layout: &'a SlotLayout,
+    expert_layout: &'a ExpertLayout,
+    dense: &'a mut SlotImage,
+    experts: &'a mut SlotImage,
+    parts: &'a [PlannedPart],
+}
+
+impl LandingSink for ImageSink<'_> {
+    fn region(&mut self, index: usize) -> Result<&mut [u8], TransportError> {
+        let part = self.parts.get(index).ok_or(TransportError::NoSuchOp(index))?;
+        let region = match part.image() {
+            Image::Dense => self.dense.region_mut(self.layout, part.key, part.part)?,
+            Image::Experts => self.experts.region_mut(self.expert_layout, part.key, part.part)?,
+        };
+        Ok(region)
+    }
+}
+
+/// Check every landed part against its checksum, and every B's padding
+/// columns for zeros, in parallel across parts.
+fn verify(parts: &[PlannedPart], dense: &[u8], experts: &[u8]) -> Result<(), LandError> {
+    parts.par_iter().try_for_each(|p| {
+        let image = match p.image() {
+            Image::Dense => dense,
+            Image::Experts => experts,
+        };
+        let bytes = image.get(p.range.clone()).ok_or(LandError::NotInLayout(p.key))?;
+        let got = xxh64(bytes);
+        if got != p.checksum {
+            return Err(LandError::Checksum {
+                key: p.key,
+                part: p.part,
+                expected: p.checksum,
+                got,
+            });
+        }
+        if p.part == PairPart::B && p.rank < p.stride {
+            let padded = bytes
+                .chunks_exact(2 * p.stride)
+                .any(|row| row[2 * p.rank..].iter().any(|&b| b != 0));
+            if padded {
+                return Err(LandError::Padding {
+                    key: p.key,
+                    rank: p.rank,
+                });
+            }
+        }
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests;

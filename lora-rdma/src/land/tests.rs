@@ -1,0 +1,357 @@
+use lora_audit::{LoraOptions, MappedSafetensors};
+use lora_layout::LoraModule;
+
+use super::*;
+use crate::manifest::{ManifestEntry, WireKey};
+use crate::peer::{PeerStore, StoreOptions};
+use crate::protocol::{ReadRange, TransportKind};
+use crate::test_support::{config, disk_images, fixture, opts};
+
+fn store(model: &str, adapters: &[&str], options: StoreOptions) -> PeerStore {
+    let mut store = PeerStore::new(config(model), options);
+    for a in adapters {
+        store.add_adapter(a, &fixture(model).join(a)).unwrap();
+    }
+    store
+}
+
+type Tamper<'a> = Box<dyn Fn(&mut Manifest) + 'a>;
+type Poison<'a> = Box<dyn Fn(&mut [u8]) + 'a>;
+
+/// A transport straight onto a [`PeerStore`], with optional tampering.
+struct MemTransport<'a> {
+    store: &'a PeerStore,
+    /// Rewrites the manifest after the peer built it.
+    tamper: Option<Tamper<'a>>,
+    /// Rewrites the bytes of one op after they landed.
+    poison: Option<(usize, Poison<'a>)>,
+    /// Fails with a lost connection before op `n`.
+    fail_before: Option<usize>,
+}
+
+impl<'a> MemTransport<'a> {
+    fn new(store: &'a PeerStore) -> MemTransport<'a> {
+        MemTransport {
+            store,
+            tamper: None,
+            poison: None,
+            fail_before: None,
+        }
+    }
+}
+
+impl Transport for MemTransport<'_> {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn fetch_manifest(&mut self, adapter: &str, max_rank: u32, expert_rank: u32) -> Result<Manifest, TransportError> {
+        let mut m = self
+            .store
+            .manifest(adapter, max_rank, expert_rank, TransportKind::Tcp)
+            .map_err(TransportError::Refused)?;
+        if let Some(t) = &self.tamper {
+            t(&mut m);
+        }
+        Ok(m)
+    }
+
+    fn read(&mut self, ops: &[ReadOp], sink: &mut dyn LandingSink) -> Result<(), TransportError> {
+        for (i, op) in ops.iter().enumerate() {
+            if self.fail_before == Some(i) {
+                return Err(TransportError::Disconnected(std::io::ErrorKind::ConnectionReset.into()));
+            }
+            let Location::Tcp { region, offset } = op.location else {
+                panic!("TCP locations only");
+            };
+            let range = ReadRange {
+                region,
+                offset,
+                len: op.len as u64,
+            };
+            let resolved = self.store.resolve(&[range]).map_err(TransportError::Refused)?;
+            let (staged, bytes) = &resolved[0];
+            let dst = sink.region(i)?;
+            dst.copy_from_slice(&staged.memory.bytes()[bytes.clone()]);
+            if let Some((at, f)) = &self.poison
+                && *at == i
+            {
+                f(dst);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The disk path's dense and expert images.
+fn packed(model: &str, adapter: &str, o: &LoraOptions) -> (SlotImage, SlotImage) {
+    let (_, dense, experts) = disk_images(model, adapter, o);
+    (dense, experts)
+}
+
+fn assert_fresh(target: &HostLanding) {
+    assert!(target.dense().pairs().is_empty() && target.experts().pairs().is_empty());
+    assert!(target.dense().as_bytes().iter().all(|&b| b == 0));
+    assert!(target.experts().as_bytes().iter().all(|&b| b == 0));
+}
+
+#[test]
+fn dense_adapters_land_byte_for_byte_as_the_disk_pack() {
+    let adapters = [
+        "demo_r4_plain",
+        "demo_r8_rslora",
+        "demo_r16_alpha_pattern",
+        "rank_alpha_pattern",
+    ];
+    let store = store("llama", &adapters, StoreOptions::default());
+    let o = opts(32, 16);
+    let lander = Lander::new(config("llama"), o.clone()).unwrap();
+    for adapter in adapters {
+        let mut target = HostLanding::new(lander.layout());
+        let landed = lander
+            .land(&mut MemTransport::new(&store), adapter, &mut target)
+            .unwrap();
+        let (dense, experts) = packed("llama", adapter, &o);
+        assert_eq!(target.dense().as_bytes(), dense.as_bytes(), "{adapter}");
+        assert_eq!(target.dense().pairs(), dense.pairs(), "{adapter}: ranks and scales");
+        assert_eq!(landed.dense, dense.pairs());
+        assert!(landed.experts.is_empty() && experts.as_bytes().is_empty());
+    }
+}
+
+#[test]
+fn expert_and_router_pairs_land_in_their_own_image() {
+    for (model, adapter) in [
+        ("qwen3_moe", "experts_fused_router"),
+        ("mixtral_v4", "experts_w1_w2_w3_router"),
+    ] {
+        let store = store(model, &[adapter], StoreOptions::default());
+        let o = opts(16, 16);
+        let lander = Lander::new(config(model), o.clone()).unwrap();
+        let mut target = HostLanding::new(lander.layout());
+        let landed = lander
+            .land(&mut MemTransport::new(&store), adapter, &mut target)
+            .unwrap();
+        let (dense, experts) = packed(model, adapter, &o);
+        assert!(!landed.experts.is_empty(), "{adapter}");
+        assert_eq!(target.dense().as_bytes(), dense.as_bytes(), "{adapter}");
+        assert_eq!(target.experts().as_bytes(), experts.as_bytes(), "{adapter}");
+        assert_eq!(target.experts().pairs(), experts.pairs(), "{adapter}");
+    }
+}
+
+#[test]
+fn stale_target_images_are_replaced_before_landing() {
+    let store = store("llama", &["demo_r4_plain", "rslora"], StoreOptions::default());
+    let o = opts(16, 16);
+    let lander = Lander::new(config("llama"), o.clone()).unwrap();
+    let mut target = HostLanding::new(lander.layout());
+    lander
+        .land(&mut MemTransport::new(&store), "rslora", &mut target)
+        .unwrap();
+    lander
+        .land(&mut MemTransport::new(&store), "demo_r4_plain", &mut target)
+        .unwrap();
+    let (dense, _) = packed("llama", "demo_r4_plain", &o);
+    assert_eq!(target.dense().as_bytes(), dense.as_bytes());
+    assert_eq!(target.dense().pairs(), dense.pairs());
+}
+
+#[test]
+fn a_corrupted_byte_is_a_checksum_error_and_leaves_fresh_images() {
+    let options = StoreOptions {
+        corrupt_staged_byte: true,
+        ..StoreOptions::default()
+    };
+    let store = store("llama", &["demo_r8_rslora"], options);
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    let mut target = HostLanding::new(lander.layout());
+    let err = lander
+        .land(&mut MemTransport::new(&store), "demo_r8_rslora", &mut target)
+        .unwrap_err();
+    assert!(matches!(err, LandError::Checksum { .. }), "{err}");
+    assert_fresh(&target);
+}
+
+#[test]
+fn a_lost_connection_mid_landing_leaves_fresh_images() {
+    let store = store("llama", &["demo_r8_rslora"], StoreOptions::default());
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    let mut target = HostLanding::new(lander.layout());
+    let mut transport = MemTransport::new(&store);
+    transport.fail_before = Some(5);
+    let err = lander.land(&mut transport, "demo_r8_rslora", &mut target).unwrap_err();
+    assert!(
+        matches!(err, LandError::Transport(TransportError::Disconnected(_))),
+        "{err}"
+    );
+    assert_fresh(&target);
+}
+
+#[test]
+fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
+    let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    // The first B entry: set the last byte of its first row (a padding
+    // column at rank 4 < stride 16) and give the manifest that checksum.
+    let manifest = store.manifest("demo_r4_plain", 16, 16, TransportKind::Tcp).unwrap();
+    let (index, entry) = manifest
+        .entries
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.part == crate::manifest::WirePart::B)
+        .unwrap();
+    let Location::Tcp { region, offset } = entry.location else {
+        panic!()
+    };
+    let range = ReadRange {
+        region,
+        offset,
+        len: entry.len,
+    };
+    let resolved = store.resolve(&[range]).unwrap();
+    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
+    let poison = |b: &mut [u8]| b[2 * 16 - 1] = 0x3f;
+    poison(&mut bytes);
+    let checksum = xxh64(&bytes);
+    let mut transport = MemTransport::new(&store);
+    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
+    transport.poison = Some((index, Box::new(poison)));
+    let mut target = HostLanding::new(lander.layout());
+    let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
+    assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
+    assert_fresh(&target);
+}
+
+fn manifest(store: &PeerStore, adapter: &str) -> Manifest {
+    store.manifest(adapter, 16, 16, TransportKind::Tcp).unwrap()
+}
+
+#[test]
+fn every_manifest_mismatch_is_refused_before_landing() {
+    let store = store("llama", &["rslora"], StoreOptions::default());
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    let good = manifest(&store, "rslora");
+    assert!(lander.check("rslora", &good).is_ok());
+
+    assert!(matches!(
+        lander.check("other", &good),
+        Err(LandError::AdapterName { .. })
+    ));
+
+    let tied = Lander::new(config("llama_tied"), opts(16, 16)).unwrap();
+    assert!(matches!(
+        tied.check("rslora", &good),
+        Err(LandError::Manifest(ManifestError::ModelMismatch { .. }))
+    ));
+
+    let wider = Lander::new(config("llama"), opts(32, 16)).unwrap();
+    assert!(matches!(
+        wider.check("rslora", &good),
+        Err(LandError::Manifest(ManifestError::RankMismatch {
+            what: "max_rank",
+            ..
+        }))
+    ));
+
+    let mut m = good.clone();
+    m.entries[1].len += 2;
+    assert!(matches!(
+        lander.check("rslora", &m),
+        Err(LandError::Manifest(ManifestError::Length { index: 1, .. }))
+    ));
+
+    // An entry for a pair outside the engine's slot: not expected.
+    let mut m = good.clone();
+    m.entries.push(ManifestEntry {
+        key: WireKey::from_key(PairKey::Dense {
+            layer: 99,
+            module: LoraModule::QProj,
+        }),
+        ..m.entries[0]
+    });
+    assert!(matches!(
+        lander.check("rslora", &m),
+        Err(LandError::Manifest(ManifestError::Unexpected { .. }))
+    ));
+
+    // A header naming a layer the model lacks: the engine's audit refuses.
+    let mut m = good.clone();
+    let t = m.tensors[0].clone();
+    m.tensors[0].name = t.name.replace("layers.0.", "layers.99.");
+    assert!(matches!(lander.check("rslora", &m), Err(LandError::Refused(_))));
+
+    // A config whose rank disagrees with the tensor shapes.
+    let mut m = good.clone();
+    m.adapter_config = m.adapter_config.replace("\"r\": 16", "\"r\": 8");
+    assert_ne!(m.adapter_config, good.adapter_config);
+    assert!(matches!(lander.check("rslora", &m), Err(LandError::Refused(_))));
+
+    // A dimension the host cannot hold.
+    let mut m = good;
+    m.tensors[0].shape[0] = u64::MAX;
+    if usize::try_from(u64::MAX).is_err() {
+        assert!(matches!(lander.check("rslora", &m), Err(LandError::Tensor { .. })));
+    } else {
+        assert!(lander.check("rslora", &m).is_err());
+    }
+}
+
+#[test]
+fn rank_and_scale_come_from_the_engines_audit_not_the_peer() {
+    let store = store("llama", &["rslora"], StoreOptions::default());
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    let good = manifest(&store, "rslora");
+    let plan = lander.check("rslora", &good).unwrap();
+    // Turning rsLoRA off in the config the peer sends changes the scale the
+    // engine computes: the engine reads the config itself.
+    let mut m = good;
+    m.adapter_config = m
+        .adapter_config
+        .replace("\"use_rslora\": true", "\"use_rslora\": false");
+    let plain = lander.check("rslora", &m).unwrap();
+    let r = plan.dense[0].rank as f32;
+    assert_eq!(plan.dense[0].scale * r.sqrt(), plain.dense[0].scale * r);
+}
+
+#[test]
+fn adapters_with_token_overlays_are_refused() {
+    let dir = fixture("llama/trainable_tokens_untied_list");
+    let mapped = MappedSafetensors::open(&dir.join(lora_audit::ADAPTER_WEIGHTS)).unwrap();
+    let m = Manifest {
+        adapter: "tokens".into(),
+        model: crate::fingerprint::model_fingerprint(&config("llama")),
+        max_rank: 16,
+        expert_rank: 16,
+        adapter_config: std::fs::read_to_string(dir.join(lora_audit::ADAPTER_CONFIG)).unwrap(),
+        tensors: mapped
+            .infos()
+            .unwrap()
+            .into_iter()
+            .map(|t| WireTensor {
+                name: t.name,
+                dtype: t.dtype.to_string(),
+                shape: t.shape.iter().map(|&d| d as u64).collect(),
+            })
+            .collect(),
+        entries: vec![],
+    };
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    assert!(matches!(lander.check("tokens", &m), Err(LandError::Overlay(_))));
+}
+
+#[test]
+fn dtype_names_round_trip_through_the_wire() {
+    for d in [
+        TensorDtype::F32,
+        TensorDtype::F16,
+        TensorDtype::BF16,
+        TensorDtype::I64,
+        TensorDtype::I32,
+        TensorDtype::Other("F64"),
+        TensorDtype::Other("U8"),
+    ] {
+        assert_eq!(dtype_from_name(&d.to_string()), d);
+    }
+    assert_eq!(dtype_from_name("F8_E4M3"), TensorDtype::Other("an unsupported dtype"));
+}

@@ -1,0 +1,200 @@
+//! The TCP transport: the peer protocol's data frames on the control
+//! connection, for hosts without RDMA and for tests.
+//!
+//! Reads are batched ([`MAX_READ_RANGES`] ranges per request), and every
+//! data frame is read straight into its landing region: the frame lengths
+//! are fixed by the engine's own op lengths ([`data_frame_lens`]), so a
+//! frame of any other length is refused before a byte of it is read.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use crate::manifest::{Location, Manifest};
+use crate::protocol::{MAX_READ_RANGES, ReadRange, Request, Response, TransportKind, data_frame_lens};
+use crate::transport::{LandingSink, ReadOp, Transport, TransportError, sink_region};
+use crate::wire::{FrameKind, WireError, read_header, recv_json, send_json};
+
+/// Socket settings of the engine side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// Limit on establishing the connection.
+    pub connect_timeout: Duration,
+    /// Limit on any single read or write: a peer silent for longer is dead.
+    pub io_timeout: Duration,
+}
+
+impl Default for TcpOptions {
+    fn default() -> TcpOptions {
+        TcpOptions {
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A control connection to a weight peer that also carries the data.
+pub struct TcpTransport {
+    reader: BufReader<TcpStream>,
+    writer: BufWriter<TcpStream>,
+    timeout: Duration,
+}
+
+impl TcpTransport {
+    /// Connect to `addr` (`host:port`).
+    pub fn connect(addr: &str, options: TcpOptions) -> Result<TcpTransport, TransportError> {
+        let connect_err = |source| TransportError::Connect {
+            addr: addr.to_string(),
+            source,
+        };
+        let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(connect_err)?.collect();
+        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "the address resolves to nothing");
+        for sock in addrs {
+            match TcpStream::connect_timeout(&sock, options.connect_timeout) {
+                Ok(stream) => return TcpTransport::from_stream(stream, options.io_timeout).map_err(connect_err),
+                Err(e) => last = e,
+            }
+        }
+        Err(connect_err(last))
+    }
+
+    /// Wrap a connected stream, setting its timeouts.
+    pub fn from_stream(stream: TcpStream, io_timeout: Duration) -> std::io::Result<TcpTransport> {
+        stream.set_read_timeout(Some(io_timeout))?;
+        stream.set_write_timeout(Some(io_timeout))?;
+        stream.set_nodelay(true)?;
+        Ok(TcpTransport {
+            reader: BufReader::with_capacity(1 << 16, stream.try_clone()?),
+            writer: BufWriter::new(stream),
+            timeout: io_timeout,
+        })
+    }
+
+    fn wire(&self, e: WireError) -> TransportError {
+        TransportError::from_wire(e, self.timeout)
+    }
+
+    /// Send one request and flush it.
+    pub(crate) fn send(&mut self, request: &Request) -> Result<(), TransportError> {
+        send_json(&mut self.writer, FrameKind::Request, request).map_err(|e| self.wire(e))?;
+        self.writer.flush().map_err(|e| self.wire(WireError::Io(e)))
+    }
+
+    /// Read one control reply; a refusal becomes [`TransportError::Refused`].
+    pub(crate) fn reply(&mut self) -> Result<Response, TransportError> {
+        match recv_json(&mut self.reader, FrameKind::Response).map_err(|e| self.wire(e))? {
+            Response::Refused(r) => Err(TransportError::Refused(r)),
+            other => Ok(other),
+        }
+    }
+
+    /// Ask for a manifest whose locations suit `transport`.
+    pub(crate) fn manifest_for(
+        &mut self,
+        adapter: &str,
+        max_rank: u32,
+        expert_rank: u32,
+        transport: TransportKind,
+    ) -> Result<Manifest, TransportError> {
+        self.send(&Request::Manifest {
+            adapter: adapter.to_string(),
+            max_rank,
+            expert_rank,
+            transport,
+        })?;
+        match self.reply()? {
+            Response::Manifest(m) => Ok(*m),
+            other => Err(TransportError::Protocol(format!(
+                "{other:?} where a manifest was expected"
+            ))),
+        }
+    }
+
+    /// Read the data frames of one range into `dst`. The peer may answer
+    /// the first frame of a request with a refusal instead.
+    fn read_range(&mut self, dst: &mut [u8]) -> Result<(), TransportError> {
+        let mut rest = dst;
+        for want in data_frame_lens(rest.len()) {
+            let (kind, len) = read_header(&mut self.reader).map_err(|e| self.wire(e))?;
+            match kind {
+                FrameKind::Data if len == want => {
+                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(want);
+                    std::io::Read::read_exact(&mut self.reader, head).map_err(|e| self.wire(WireError::Io(e)))?;
+                    rest = tail;
+                }
+                FrameKind::Data => {
+                    return Err(TransportError::Wire(WireError::Malformed {
+                        kind,
+                        reason: format!("data frame of {len} bytes where {want} were asked for"),
+                    }));
+                }
+                FrameKind::Response => {
+                    let mut payload = vec![0u8; len];
+                    std::io::Read::read_exact(&mut self.reader, &mut payload)
+                        .map_err(|e| self.wire(WireError::Io(e)))?;
+                    return Err(match serde_json::from_slice::<Response>(&payload) {
+                        Ok(Response::Refused(r)) => TransportError::Refused(r),
+                        Ok(other) => TransportError::Protocol(format!("{other:?} where data was expected")),
+                        Err(e) => TransportError::Wire(WireError::Malformed {
+                            kind,
+                            reason: e.to_string(),
+                        }),
+                    });
+                }
+                FrameKind::Request => {
+                    return Err(TransportError::Wire(WireError::UnexpectedKind {
+                        expected: FrameKind::Data,
+                        got: kind,
+                    }));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The peer's region range of each op, refusing locations of another
+/// transport.
+fn tcp_ranges(ops: &[ReadOp]) -> Result<Vec<ReadRange>, TransportError> {
+    ops.iter()
+        .enumerate()
+        .map(|(index, op)| match op.location {
+            Location::Tcp { region, offset } => Ok(ReadRange {
+                region,
+                offset,
+                len: op.len as u64,
+            }),
+            location => Err(TransportError::Location {
+                index,
+                location,
+                kind: TransportKind::Tcp,
+            }),
+        })
+        .collect()
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn fetch_manifest(&mut self, adapter: &str, max_rank: u32, expert_rank: u32) -> Result<Manifest, TransportError> {
+        self.manifest_for(adapter, max_rank, expert_rank, TransportKind::Tcp)
+    }
+
+    fn read(&mut self, ops: &[ReadOp], sink: &mut dyn LandingSink) -> Result<(), TransportError> {
+        let ranges = tcp_ranges(ops)?;
+        for (batch, chunk) in ranges.chunks(MAX_READ_RANGES).enumerate() {
+            self.send(&Request::Read { ranges: chunk.to_vec() })?;
+            for (i, range) in chunk.iter().enumerate() {
+                let index = batch * MAX_READ_RANGES + i;
+                let dst = sink_region(sink, index, range.len as usize)?;
+                self.read_range(dst)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
