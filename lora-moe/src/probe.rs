@@ -9,6 +9,14 @@
 //! output, and reads back the probed columns. Outputs are deltas, shaped as
 //! the oracle's `probe_out::` tensors: `[n, out]`, or `[E, n, out]` for a
 //! transformers 5.x fused parameter (`gate_up_proj`: Gate columns, then Up).
+//!
+//! Probe rows are f32 and served activations BF16. Rounding a probe row to
+//! BF16 alone moves a small, cancelling output by more than a percent
+//! (Qwen3-Next's `shared_expert_gate`: 1.5 %), which would measure the input
+//! format rather than the served pairs. The fold is linear in x, so each
+//! probe row `x` is served as two BF16 token rows, `hi = bf16(x)` and
+//! `lo = bf16(x - hi)`, and their deltas are summed: the input then keeps
+//! about 16 bits.
 
 use std::collections::BTreeMap;
 
@@ -61,12 +69,13 @@ pub fn probe_expert_lora<C: SlotCompanion>(
     Ok(out)
 }
 
-/// One probe input: `n` rows of `width`.
+/// One probe input: `n` rows of `width`, served as `2n` BF16 token rows
+/// (the `hi` rows, then the `lo` rows).
 struct Probe<'a> {
     name: &'a str,
     n: usize,
     width: usize,
-    x: Vec<bf16>,
+    x_split: Vec<bf16>,
 }
 
 impl<'a> Probe<'a> {
@@ -81,12 +90,36 @@ impl<'a> Probe<'a> {
         if n.checked_mul(width) != Some(x.data.len()) {
             return Err(bad(format!("{} values for shape {:?}", x.data.len(), x.shape)));
         }
+        let hi: Vec<bf16> = x.data.iter().map(|&v| bf16::from_f32(v)).collect();
+        let lo = x.data.iter().zip(&hi).map(|(&v, h)| bf16::from_f32(v - h.to_f32()));
+        let mut x_split = hi.clone();
+        x_split.extend(lo);
         Ok(Probe {
             name,
             n,
             width,
-            x: x.data.iter().map(|&v| bf16::from_f32(v)).collect(),
+            x_split,
         })
+    }
+
+    /// Token rows served per probe: `2n`.
+    fn tokens(&self) -> usize {
+        2 * self.n
+    }
+
+    /// Sum the `hi` and `lo` deltas of each of `blocks` consecutive blocks
+    /// of `2n` output rows of `width`: `[blocks, n, width]`.
+    fn combine(&self, y: &[f32], width: usize, blocks: usize) -> Vec<f32> {
+        let n = self.n;
+        let mut out = Vec::with_capacity(blocks * n * width);
+        for b in 0..blocks {
+            for j in 0..n {
+                let hi = (b * 2 * n + j) * width;
+                let lo = hi + n * width;
+                out.extend(y[hi..hi + width].iter().zip(&y[lo..lo + width]).map(|(a, b)| a + b));
+            }
+        }
+        out
     }
 
     fn error(&self, reason: impl Into<String>) -> MoeError {
@@ -117,11 +150,11 @@ impl<'a> Probe<'a> {
         let mut moe = MoeLora::new(
             pool,
             MoeCapacity {
-                max_tokens: self.n,
+                max_tokens: self.tokens(),
                 max_sorted_rows: sorted_rows,
             },
         )?;
-        moe.set_prefill_batch(pool, &[0, self.n], &[MoeRequest::Slot(slot)])?;
+        moe.set_prefill_batch(pool, &[0, self.tokens()], &[MoeRequest::Slot(slot)])?;
         Ok(moe)
     }
 
@@ -131,18 +164,19 @@ impl<'a> Probe<'a> {
         let num_experts = num_experts(cfg)?;
         let moe = self.batch(pool, slot, 0)?;
         let device = pool.device();
-        let x = device.upload(&self.x)?;
-        let mut logits = device.alloc_zeros::<f32>(self.n * num_experts)?;
+        let tokens = self.tokens();
+        let x = device.upload(&self.x_split)?;
+        let mut logits = device.alloc_zeros::<f32>(tokens * num_experts)?;
         moe.apply_router_lora(
             pool,
             layer,
-            Rows::dense(&x, self.n, self.width),
-            RowsMut::dense(&mut logits, self.n, num_experts),
+            Rows::dense(&x, tokens, self.width),
+            RowsMut::dense(&mut logits, tokens, num_experts),
         )?;
         device.check_faults()?;
         Ok(ProbeTensor {
             shape: vec![self.n, num_experts],
-            data: logits.download()?,
+            data: self.combine(&logits.download()?, num_experts, 1),
         })
     }
 
@@ -192,8 +226,9 @@ impl<'a> Probe<'a> {
         })
     }
 
-    /// Route every probe row to each of `experts` (ascending), fold `group`
-    /// over the sorted rows onto a zero output; the output and its width.
+    /// Route every token row to each of `experts` (ascending), fold `group`
+    /// over the sorted rows onto a zero output; the combined output
+    /// `[experts, n, width]` and its width.
     fn fold_sorted<C: SlotCompanion>(
         &self,
         pool: &LoraPool<C>,
@@ -213,24 +248,24 @@ impl<'a> Probe<'a> {
             .ok_or_else(|| self.error("the model has no experts"))?;
         self.check_width(in_dim)?;
         let width = group.width(cfg)?;
-        let n = self.n;
+        let tokens = self.tokens();
         let too_big = || self.error("the probe batch is too large");
-        let n_sorted = n.checked_mul(experts.len()).ok_or_else(too_big)?;
+        let n_sorted = tokens.checked_mul(experts.len()).ok_or_else(too_big)?;
         let top_k = moe_dims.top_k;
-        // Every sorted row is token (row % n)'s first routed copy.
+        // Every sorted row is token (row % tokens)'s first routed copy.
         let sorted_token = (0..n_sorted)
-            .map(|i| i32::try_from((i % n) * top_k).map_err(|_| too_big()))
+            .map(|i| i32::try_from((i % tokens) * top_k).map_err(|_| too_big()))
             .collect::<Result<Vec<i32>, _>>()?;
         let mut offsets = Vec::with_capacity(moe_dims.num_experts + 1);
         let mut total = 0usize;
         offsets.push(0i32);
         for e in 0..moe_dims.num_experts {
             if experts.contains(&e) {
-                total += n;
+                total += tokens;
             }
             offsets.push(i32::try_from(total).map_err(|_| too_big())?);
         }
-        let x_sorted: Vec<bf16> = experts.iter().flat_map(|_| self.x.iter().copied()).collect();
+        let x_sorted: Vec<bf16> = experts.iter().flat_map(|_| self.x_split.iter().copied()).collect();
         let mut moe = self.batch(pool, slot, n_sorted)?;
         let device = pool.device();
         let sorted_token = device.upload(&sorted_token)?;
@@ -253,7 +288,7 @@ impl<'a> Probe<'a> {
             RowsMut::dense(&mut y, n_sorted, width),
         )?;
         device.check_faults()?;
-        Ok((y.download()?, width))
+        Ok((self.combine(&y.download()?, width, experts.len()), width))
     }
 }
 
