@@ -13,10 +13,12 @@
 
 use std::process::ExitCode;
 
-mod demo;
 mod bench;
+mod demo;
 mod fixtures;
 mod gpu;
+mod probe;
+mod serve;
 mod util;
 
 fn main() -> ExitCode {
@@ -32,8 +34,21 @@ fn main() -> ExitCode {
         "gpu-bundle" => gpu::bundle(rest),
         "gpu-test" => gpu::gpu_test(rest),
         "bench" => bench::run(rest),
+        "probe" => {
+            return match probe::run(rest) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(probe::ProbeFailure::Refused(table)) => {
+                    print!("{table}");
+                    ExitCode::from(1)
+                }
+                Err(probe::ProbeFailure::Usage(e)) => {
+                    eprintln!("xtask probe: {e}");
+                    ExitCode::from(2)
+                }
+            };
+        }
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo|fixtures|gpu-bundle|gpu-test> [args]");
+            eprintln!("usage: cargo xtask <ci|demo|probe|fixtures|gpu-bundle|gpu-test|bench> [args]");
             return ExitCode::from(2);
         }
     };

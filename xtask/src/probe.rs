@@ -1,0 +1,272 @@
+//! `cargo xtask probe`: the same arguments and files as `lora-audit probe`,
+//! plus `--device cpu|cuda`, answered through the serving path — the pool,
+//! the token overlays, the MoE folds and their kernels — instead of the pure
+//! host math.
+//!
+//! usage: `cargo xtask probe <adapter_dir> --model <config.json>
+//! --probes <in.safetensors> [--base <tables.safetensors>] --out
+//! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
+//! [--allow-partial] [--experts] [--json]`
+//!
+//! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use half::bf16;
+use lora_audit::{
+    AuditError, LoraOptions, PROBE_OUT, ProbeInputs, ProbeOutputs, ProbeTensor, WeightRef, parse_weight_name,
+    read_base_tables, read_probe_inputs, write_probe_outputs,
+};
+use lora_kernels::{Device, Rows, RowsMut};
+use lora_layout::{LoraModule, ModelConfig};
+use lora_overlay::{ServedHead, ServedTables, TokenOverlays, probe_token_rows};
+use lora_pool::{AdapterSource, BatchCapacity, LoraPool, ModuleTarget, NoCompanion, PoolError, SlotCompanion};
+
+/// Why the probe stopped: bad usage or input (exit 2), or a refused adapter
+/// (exit 1, with the audit's table).
+pub enum ProbeFailure {
+    /// Exit 2.
+    Usage(String),
+    /// Exit 1.
+    Refused(String),
+}
+
+struct Args {
+    adapter: PathBuf,
+    model: PathBuf,
+    probes: PathBuf,
+    base: Option<PathBuf>,
+    out: PathBuf,
+    device: Option<String>,
+    max_rank: Option<usize>,
+    expert_rank: Option<usize>,
+    allow_partial: bool,
+    experts: bool,
+    json: bool,
+}
+
+fn parse(args: &[String]) -> Result<Args, String> {
+    let mut adapter = None;
+    let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
+    let (mut max_rank, mut expert_rank) = (None, None);
+    let (mut allow_partial, mut experts, mut json) = (false, false, false);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
+        let number = |v: String| v.parse::<usize>().map_err(|e| format!("{a}: {e}"));
+        match a.as_str() {
+            "--model" => model = Some(PathBuf::from(value()?)),
+            "--probes" => probes = Some(PathBuf::from(value()?)),
+            "--base" => base = Some(PathBuf::from(value()?)),
+            "--out" => out = Some(PathBuf::from(value()?)),
+            "--device" => device = Some(value()?),
+            "--max-rank" => max_rank = Some(number(value()?)?),
+            "--expert-rank" => expert_rank = Some(number(value()?)?),
+            "--allow-partial" => allow_partial = true,
+            "--experts" => experts = true,
+            "--json" => json = true,
+            flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
+            path if adapter.is_none() => adapter = Some(PathBuf::from(path)),
+            extra => return Err(format!("unexpected argument {extra}")),
+        }
+    }
+    let need = |v: Option<PathBuf>, what: &str| v.ok_or(format!("missing {what}"));
+    Ok(Args {
+        adapter: need(adapter, "<adapter_dir>")?,
+        model: need(model, "--model")?,
+        probes: need(probes, "--probes")?,
+        base,
+        out: need(out, "--out")?,
+        device,
+        max_rank,
+        expert_rank,
+        allow_partial,
+        experts,
+        json,
+    })
+}
+
+fn device(choice: Option<&str>) -> Result<Device, String> {
+    match choice {
+        None => Ok(Device::best().0),
+        Some("cpu") => Ok(Device::cpu()),
+        Some("cuda") => Device::cuda(0).map_err(|e| format!("--device cuda: {e}")),
+        Some(other) => Err(format!("--device {other}: expected cpu or cuda")),
+    }
+}
+
+/// Run the probe; the exit status follows `lora-audit probe`.
+pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
+    let args = parse(args).map_err(ProbeFailure::Usage)?;
+    let usage = |e: String| ProbeFailure::Usage(e);
+    let mut opts = LoraOptions::from_env().map_err(|e| usage(e.to_string()))?;
+    opts.max_loras = 1;
+    opts.pinned = 0;
+    opts.max_rank = args.max_rank.unwrap_or(opts.max_rank);
+    opts.expert_rank = args.expert_rank.unwrap_or(opts.expert_rank);
+    opts.allow_partial |= args.allow_partial;
+    opts.experts |= args.experts;
+    let cfg = ModelConfig::from_file(&args.model).map_err(|e| usage(e.to_string()))?;
+    let device = device(args.device.as_deref()).map_err(usage)?;
+    let inputs = read_probe_inputs(&args.probes).map_err(|e| usage(e.to_string()))?;
+    let capacity = BatchCapacity {
+        max_rows: 64,
+        max_segments: 4,
+    };
+    let source = [AdapterSource {
+        name: "probed",
+        dir: &args.adapter,
+    }];
+    let outputs = match &args.base {
+        Some(base) => {
+            let tables = served_tables(&device, &cfg, base).map_err(usage)?;
+            let overlays = TokenOverlays::new(&device, tables, 1).map_err(|e| usage(e.to_string()))?;
+            let mut pool = LoraPool::load_with_companion(&device, cfg.clone(), opts, capacity, &source, overlays)
+                .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
+            let mut outputs = serve_probes(&mut pool, &inputs)?;
+            let rows =
+                probe_token_rows(pool.companion(), Some(0), &cfg, &inputs.rows).map_err(|e| usage(e.to_string()))?;
+            outputs.tensors.extend(rows);
+            outputs
+        }
+        None => {
+            if !inputs.rows.is_empty() {
+                return Err(usage("rows_idx:: probes need --base <tables.safetensors>".into()));
+            }
+            let mut pool = LoraPool::load_with_companion(&device, cfg.clone(), opts, capacity, &source, NoCompanion)
+                .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
+            serve_probes(&mut pool, &inputs)?
+        }
+    };
+    write_probe_outputs(&args.out, &outputs).map_err(|e| usage(e.to_string()))?;
+    if args.json {
+        let summary = serde_json::json!({
+            "device": device.name(),
+            "out": args.out.display().to_string(),
+            "written": outputs.tensors.keys().collect::<Vec<_>>(),
+            "unserved": outputs.unserved,
+        });
+        println!("{summary:#}");
+    } else {
+        println!(
+            "wrote {} tensors to {} (served on {})",
+            outputs.tensors.len(),
+            args.out.display(),
+            device.name()
+        );
+        for w in &outputs.unserved {
+            println!("  not served (no delta written): {w}");
+        }
+    }
+    Ok(())
+}
+
+/// A refused adapter prints its audit table (exit 1); anything else is
+/// bad input (exit 2).
+fn refused_or_usage(e: PoolError, dir: &std::path::Path, cfg: &ModelConfig) -> ProbeFailure {
+    if let PoolError::Audit { source, .. } = &e {
+        if let AuditError::Refused(report) = source.as_ref() {
+            return ProbeFailure::Refused(report.to_text(cfg));
+        }
+        if let AuditError::ConfigRefused(refusals) = source.as_ref() {
+            let lines: Vec<String> = refusals.iter().map(|r| format!("  {r}")).collect();
+            return ProbeFailure::Refused(format!("{}: REFUSED\n{}\n", dir.display(), lines.join("\n")));
+        }
+    }
+    ProbeFailure::Usage(e.to_string())
+}
+
+/// The served base tables from `--base`: the embedding, and the head's own
+/// table when the model is untied.
+fn served_tables(device: &Device, cfg: &ModelConfig, path: &std::path::Path) -> Result<ServedTables, String> {
+    let base = read_base_tables(path).map_err(|e| e.to_string())?;
+    let embed = base
+        .embed
+        .ok_or_else(|| format!("{}: no embed_tokens.weight", path.display()))?;
+    let embed = Arc::new(device.upload(&embed).map_err(|e| e.to_string())?);
+    let head = match (cfg.tie_word_embeddings, base.lm_head) {
+        (true, _) => ServedHead::SharesEmbedding,
+        (false, Some(h)) => ServedHead::Own(Arc::new(device.upload(&h).map_err(|e| e.to_string())?)),
+        (false, None) => return Err(format!("{}: an untied model needs lm_head.weight", path.display())),
+    };
+    ServedTables::new(device, embed, head, cfg.vocab_size, cfg.hidden_size).map_err(|e| e.to_string())
+}
+
+/// Dense probes through the pool's decode path and expert/router probes
+/// through the MoE folds, all for slot 0.
+fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) -> Result<ProbeOutputs, ProbeFailure> {
+    let usage = |e: String| ProbeFailure::Usage(e);
+    let experts = lora_moe::probe_expert_lora(pool, 0, inputs).map_err(|e| usage(e.to_string()))?;
+    let mut out = ProbeOutputs {
+        tensors: experts.tensors,
+        unserved: Vec::new(),
+    };
+    for weight in experts.not_expert {
+        let x = &inputs.inputs[&weight];
+        match parse_weight_name(&weight, pool.config()).map_err(|e| usage(e.to_string()))? {
+            WeightRef::Dense { layer, module } => {
+                let t = dense_probe(pool, layer, module, x).map_err(usage)?;
+                out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
+            }
+            WeightRef::Unserved => out.unserved.push(weight),
+            _ => return Err(usage(format!("{weight}: token tables are probed with rows_idx::"))),
+        }
+    }
+    Ok(out)
+}
+
+/// One dense probe through the decode kernels. Each f32 probe row goes in
+/// as two BF16 rows, `hi = bf16(x)` and `lo = bf16(x - hi)`, whose deltas
+/// add up (the apply is linear in x): the probe then measures the served
+/// pairs, not the rounding of its own input to BF16.
+fn dense_probe<C: SlotCompanion>(
+    pool: &mut LoraPool<C>,
+    layer: usize,
+    module: LoraModule,
+    x: &ProbeTensor,
+) -> Result<ProbeTensor, String> {
+    let (out_dim, in_dim) = module.dims(pool.config());
+    let [n, width] = x.shape[..] else {
+        return Err(format!("probe shape {:?}; expected [rows, in]", x.shape));
+    };
+    if width != in_dim || x.data.len() != n * width {
+        return Err(format!("probe of width {width}; the weight takes {in_dim}"));
+    }
+    if pool.layout().entry(layer, module).is_none() {
+        return Ok(ProbeTensor {
+            shape: vec![n, out_dim],
+            data: vec![0.0; n * out_dim],
+        });
+    }
+    let hi: Vec<bf16> = x.data.iter().map(|&v| bf16::from_f32(v)).collect();
+    let lo: Vec<bf16> = x
+        .data
+        .iter()
+        .zip(&hi)
+        .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
+        .collect();
+    let device = pool.device().clone();
+    let err = |e: lora_kernels::KernelError| e.to_string();
+    let xb = device.upload(&[hi, lo].concat()).map_err(err)?;
+    let mut y = device.alloc_zeros::<f32>(2 * n * out_dim).map_err(err)?;
+    pool.set_decode_rows(&vec![0; 2 * n], 2 * n)
+        .map_err(|e| e.to_string())?;
+    pool.apply_decode(
+        layer,
+        &[ModuleTarget {
+            module,
+            y_col_offset: 0,
+        }],
+        Rows::dense(&xb, 2 * n, in_dim),
+        RowsMut::dense(&mut y, 2 * n, out_dim),
+    )
+    .map_err(|e| e.to_string())?;
+    device.check_faults().map_err(err)?;
+    let y = y.download().map_err(err)?;
+    let (y_hi, y_lo) = y.split_at(n * out_dim);
+    Ok(ProbeTensor {
+        shape: vec![n, out_dim],
+        data: y_hi.iter().zip(y_lo).map(|(a, b)| a + b).collect(),
+    })
+}
