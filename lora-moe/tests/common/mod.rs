@@ -101,6 +101,10 @@ pub fn oracle(model: &str, adapter: &str) -> Oracle {
 /// PEFT's delta on `n` probe rows: the inputs `[n, in]` and outputs `[n, out]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProbeRows {
+    /// The oracle's weight name.
+    pub weight: String,
+    /// Elements of the oracle's whole `probe_out::` tensor.
+    pub tensor_len: usize,
     pub n: usize,
     pub x: Vec<f32>,
     pub out: Vec<f32>,
@@ -131,6 +135,8 @@ impl Oracle {
                     proj: p,
                 } if (l, e, p) == (layer, expert, proj) => {
                     return Some(ProbeRows {
+                        weight: name.clone(),
+                        tensor_len: pout.data.len(),
                         n: pin.shape[0],
                         x: pin.data.clone(),
                         out: pout.data.clone(),
@@ -155,6 +161,8 @@ impl Oracle {
                         out.extend_from_slice(&row[cols.clone()]);
                     }
                     return Some(ProbeRows {
+                        weight: name.clone(),
+                        tensor_len: pout.data.len(),
                         n,
                         x: pin.data.clone(),
                         out,
@@ -172,6 +180,8 @@ impl Oracle {
         self.probes.iter().find_map(|(name, (pin, pout))| {
             matches!(parse_weight_name(name, cfg).unwrap(), WeightRef::Router { layer: l } if l == layer).then(|| {
                 ProbeRows {
+                    weight: name.clone(),
+                    tensor_len: pout.data.len(),
                     n: pin.shape[0],
                     x: pin.data.clone(),
                     out: pout.data.clone(),
