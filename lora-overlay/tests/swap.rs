@@ -1,0 +1,285 @@
+//! Overlays follow the pool through swaps: a swap rebuilds the slot's
+//! overlay (and one without overlays empties it) while other slots keep
+//! theirs; a failed swap — a refused adapter, or running out of device
+//! memory at any allocation of the overlay's staging — leaves every entry
+//! table and every served row as it was; the entry tables never move, so a
+//! CUDA graph captured before a swap serves the new overlay after it.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{
+    CAPACITY, base_table, base_tables, fixtures, model_config, options, oracle, oracle_rows, rel_error, token_overlays,
+    widen,
+};
+use half::bf16;
+use lora_audit::OverlayModule;
+use lora_kernels::testing::cuda_or_skip;
+use lora_kernels::{Device, EmbedOverlayEntry, KernelError, LmHeadOverlayEntry, RowsMut};
+use lora_overlay::TokenOverlays;
+use lora_pool::{AdapterSlot, AdapterSource, LoraPool, PoolError};
+
+const MODEL: &str = "llama";
+
+/// Everything a swap may change on the overlay side, and the pool's slots.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    embed_entries: Vec<EmbedOverlayEntry>,
+    head_entries: Vec<LmHeadOverlayEntry>,
+    /// Per slot: every id's served embedding row and lm_head row.
+    rows: Vec<(Vec<bf16>, Vec<bf16>)>,
+    slots: Vec<AdapterSlot>,
+}
+
+fn snapshot(pool: &LoraPool<TokenOverlays>) -> Snapshot {
+    let overlays = pool.companion();
+    let all: Vec<u32> = (0..overlays.tables().vocab() as u32).collect();
+    let rows = (0..overlays.max_loras())
+        .map(|s| {
+            (
+                overlays.served_rows(Some(s), OverlayModule::Embed, &all).unwrap(),
+                overlays.served_rows(Some(s), OverlayModule::LmHead, &all).unwrap(),
+            )
+        })
+        .collect();
+    Snapshot {
+        embed_entries: overlays.embed_entries().download().unwrap(),
+        head_entries: overlays.lm_head_entries().download().unwrap(),
+        rows,
+        slots: pool.slots().to_vec(),
+    }
+}
+
+fn load(device: &Device, adapters: &[(&str, &str)]) -> LoraPool<TokenOverlays> {
+    common::pool(device, MODEL, 3, adapters)
+}
+
+/// Slot `slot` serves exactly `adapter`'s overlay: PEFT's rows where it
+/// changed them, the base elsewhere (`None`: no overlay at all).
+fn assert_serves(pool: &LoraPool<TokenOverlays>, slot: usize, adapter: Option<&str>) {
+    let cfg = model_config(MODEL);
+    let hidden = cfg.hidden_size;
+    let tables = base_tables(MODEL);
+    let peft = adapter.map(|a| oracle(MODEL, a));
+    let all: Vec<u32> = (0..cfg.vocab_size as u32).collect();
+    for module in [OverlayModule::Embed, OverlayModule::LmHead] {
+        let served = widen(&pool.companion().served_rows(Some(slot), module, &all).unwrap());
+        let (changed, merged) = peft.as_ref().map(|o| oracle_rows(o, module)).unwrap_or_default();
+        let base = base_table(&tables, module);
+        for v in 0..cfg.vocab_size {
+            let row = &served[v * hidden..(v + 1) * hidden];
+            match changed.iter().position(|&c| c == v) {
+                Some(k) => assert!(rel_error(row, &merged[k * hidden..(k + 1) * hidden]) < 1e-2),
+                None => assert_eq!(
+                    row,
+                    widen(&base[v * hidden..(v + 1) * hidden]),
+                    "slot {slot} {module:?} id {v}"
+                ),
+            }
+        }
+    }
+    assert_eq!(pool.companion().slot(slot).is_some(), adapter.is_some(), "slot {slot}");
+}
+
+fn swaps_rebuild_overlays_and_failures_change_nothing(device: &Device) {
+    let mut pool = load(
+        device,
+        &[("dict", "trainable_tokens_untied_dict"), ("plain", "demo_r4_plain")],
+    );
+    assert_serves(&pool, 0, Some("trainable_tokens_untied_dict"));
+    assert_serves(&pool, 1, None);
+    let addrs = (
+        pool.companion().embed_entries().device_addr(),
+        pool.companion().lm_head_entries().device_addr(),
+    );
+    let before = snapshot(&pool);
+
+    // Into an adapter without overlays' slot: the overlay appears, slot 0 is untouched.
+    let dir = |a: &str| fixtures().join(MODEL).join(a);
+    pool.swap_from_disk(1, "saved", &dir("modules_to_save_embed_lm_head"))
+        .unwrap();
+    assert_serves(&pool, 1, Some("modules_to_save_embed_lm_head"));
+    let after = snapshot(&pool);
+    assert_eq!(after.rows[0], before.rows[0]);
+    assert_eq!(after.embed_entries[0], before.embed_entries[0]);
+    assert_ne!(after.embed_entries[1], before.embed_entries[1]);
+
+    // Overlay over overlay, then no overlay: rebuilt, then emptied.
+    pool.swap_from_disk(0, "list", &dir("trainable_tokens_untied_list"))
+        .unwrap();
+    assert_serves(&pool, 0, Some("trainable_tokens_untied_list"));
+    assert_serves(&pool, 1, Some("modules_to_save_embed_lm_head"));
+    pool.swap_from_disk(0, "rslora", &dir("rslora")).unwrap();
+    assert_serves(&pool, 0, None);
+    assert_eq!(
+        pool.companion().embed_entries().download().unwrap()[0],
+        EmbedOverlayEntry::default()
+    );
+    assert_eq!(
+        pool.companion().lm_head_entries().download().unwrap()[0],
+        LmHeadOverlayEntry::default()
+    );
+    pool.swap_from_disk(2, "dict", &dir("trainable_tokens_untied_dict"))
+        .unwrap();
+
+    // Refused adapters change nothing.
+    let before = snapshot(&pool);
+    for (adapter, code) in [("embedding_lora", "REJECT[embedding-lora]"), ("dora", "REJECT[dora]")] {
+        for slot in 0..3 {
+            let err = pool.swap_from_disk(slot, "new", &dir(adapter)).unwrap_err();
+            assert!(err.refusal_codes().contains(&code), "{adapter}: {err}");
+            assert_eq!(
+                snapshot(&pool),
+                before,
+                "refused {adapter} into slot {slot} changed something"
+            );
+        }
+    }
+    // Evicting empties the slot's overlay.
+    pool.evict(2).unwrap();
+    assert_serves(&pool, 2, None);
+    assert!(pool.companion().any_active());
+    assert_eq!(
+        addrs,
+        (
+            pool.companion().embed_entries().device_addr(),
+            pool.companion().lm_head_entries().device_addr()
+        ),
+        "the entry tables never move"
+    );
+}
+
+#[test]
+fn swaps_rebuild_overlays_and_refused_swaps_change_nothing() {
+    swaps_rebuild_overlays_and_failures_change_nothing(&Device::cpu());
+}
+
+#[test]
+fn gpu_swaps_rebuild_overlays_and_refused_swaps_change_nothing() {
+    let Some(device) = cuda_or_skip("gpu_swaps_rebuild_overlays_and_refused_swaps_change_nothing") else {
+        return;
+    };
+    swaps_rebuild_overlays_and_failures_change_nothing(&device);
+}
+
+/// Swap `adapter` into slot 1 with `headroom`, `headroom + step`, ...
+/// bytes of device memory free, until it succeeds: each attempt that runs
+/// out must fail typed and change nothing. Returns the failed attempts.
+fn swap_with_growing_headroom(
+    device: &Device,
+    pool: &mut LoraPool<TokenOverlays>,
+    adapter: &str,
+    step: usize,
+) -> usize {
+    let before = snapshot(pool);
+    let dir = fixtures().join(MODEL).join(adapter);
+    let mut failures = 0;
+    for headroom in (0..1 << 20).step_by(step) {
+        let (free, _) = device.memory_info().unwrap();
+        let ballast = device.alloc_zeros::<u8>(free - headroom).unwrap();
+        let result = pool.swap_from_disk(1, "new", &dir);
+        drop(ballast);
+        match result {
+            Ok(_) => return failures,
+            Err(PoolError::Kernel(KernelError::OutOfMemory { .. })) => {
+                failures += 1;
+                assert_eq!(
+                    snapshot(pool),
+                    before,
+                    "{adapter}: out of memory with {headroom} bytes free"
+                );
+            }
+            Err(e) => panic!("{adapter}: expected out of memory with {headroom} bytes free, got {e}"),
+        }
+    }
+    panic!("{adapter}: the swap never succeeded")
+}
+
+/// Out of memory at each allocation the overlay's staging makes (the
+/// uploads of a trainable-tokens overlay, the adapter's table a
+/// modules_to_save row diff needs): nothing changes until it fits.
+#[test]
+fn running_out_of_memory_while_staging_changes_nothing() {
+    let device = Device::cpu_with_memory_limit(64 << 20);
+    let mut pool = load(
+        &device,
+        &[("dict", "trainable_tokens_untied_dict"), ("plain", "demo_r4_plain")],
+    );
+    // Five uploads (the head's ids and rows, the embedding's ids, rows and slot_map), 8 B to 1 KiB.
+    let failures = swap_with_growing_headroom(&device, &mut pool, "trainable_tokens_untied_dict", 64);
+    assert!(failures >= 5, "{failures} failing attempts");
+    assert_serves(&pool, 1, Some("trainable_tokens_untied_dict"));
+    // The row diff uploads the adapter's 32 KiB table first.
+    let failures = swap_with_growing_headroom(&device, &mut pool, "modules_to_save_embed_lm_head", 4096);
+    assert!(failures >= 8, "{failures} failing attempts");
+    assert_serves(&pool, 1, Some("modules_to_save_embed_lm_head"));
+    assert_serves(&pool, 0, Some("trainable_tokens_untied_dict"));
+}
+
+/// A CUDA graph of both overlay calls, captured before a swap, serves the
+/// swapped-in overlay after it: the entry tables keep their addresses.
+#[test]
+fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
+    let Some(device) = cuda_or_skip("gpu_a_graph_captured_before_a_swap_serves_the_new_overlay") else {
+        return;
+    };
+    let cfg = model_config(MODEL);
+    let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+    let mut pool = load(&device, &[("dict", "trainable_tokens_untied_dict")]);
+    let ids: Vec<u32> = (0..vocab as u32).collect();
+    let n = ids.len();
+    pool.set_decode_rows(&vec![1; n], n).unwrap();
+    let ids_dev = device.upload(&ids).unwrap();
+    let mut rows = device.alloc_zeros::<bf16>(n * hidden).unwrap();
+    device.preload_kernels().unwrap();
+    let graph = {
+        let (pool, rows) = (&pool, &mut rows);
+        device
+            .capture_graph(|| {
+                pool.companion()
+                    .embed(&ids_dev, Some(pool.seq_slot()), RowsMut::dense(rows, n, hidden))
+                    .map_err(|e| KernelError::InvalidArgument {
+                        arg: "overlays",
+                        reason: e.to_string(),
+                    })
+            })
+            .unwrap()
+    };
+    let tables = base_tables(MODEL);
+    let embed = widen(base_table(&tables, OverlayModule::Embed));
+    graph.replay().unwrap();
+    device.check_faults().unwrap();
+    assert_eq!(widen(&rows.download().unwrap()), embed, "slot 1 is empty: base rows");
+
+    let dir = fixtures().join(MODEL).join("modules_to_save_embed_lm_head");
+    pool.swap_from_disk(1, "saved", &dir).unwrap();
+    graph.replay().unwrap();
+    device.check_faults().unwrap();
+    let got = widen(&rows.download().unwrap());
+    let (changed, merged) = oracle_rows(&oracle(MODEL, "modules_to_save_embed_lm_head"), OverlayModule::Embed);
+    assert!(!changed.is_empty());
+    for v in 0..vocab {
+        let row = &got[v * hidden..(v + 1) * hidden];
+        match changed.iter().position(|&c| c == v) {
+            Some(k) => assert!(rel_error(row, &merged[k * hidden..(k + 1) * hidden]) < 1e-2, "id {v}"),
+            None => assert_eq!(row, &embed[v * hidden..(v + 1) * hidden], "id {v}"),
+        }
+    }
+}
+
+#[test]
+fn an_overlay_adapter_needs_the_overlay_companion() {
+    // The same adapter loads into a pool with TokenOverlays, and is refused by one without.
+    let dir = fixtures().join(MODEL).join("trainable_tokens_untied_list");
+    let sources = [AdapterSource {
+        name: "list",
+        dir: &dir,
+    }];
+    let plain = LoraPool::load(&Device::cpu(), model_config(MODEL), options(2), CAPACITY, &sources);
+    assert!(matches!(plain, Err(PoolError::Companion { .. })));
+    let device = Device::cpu();
+    let overlays = token_overlays(&device, MODEL, 2);
+    let pool = LoraPool::load_with_companion(&device, model_config(MODEL), options(2), CAPACITY, &sources, overlays);
+    assert!(pool.unwrap().companion().any_active());
+}
