@@ -4,6 +4,8 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod synthetic;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
