@@ -15,7 +15,9 @@
 //! memory, copies from the host or synchronises.
 
 use half::bf16;
-use lora_kernels::{LoraTarget, MoeRouting, OutputElem, Rows, RowsMut, bgmv, moe_decode_index, moe_sorted_index};
+use lora_kernels::{
+    DeviceBuffer, LoraTarget, MoeRouting, OutputElem, Rows, RowsMut, bgmv, moe_decode_index, moe_sorted_index,
+};
 use lora_pool::{LoraPool, SlotCompanion};
 
 use crate::error::MoeError;
@@ -28,12 +30,12 @@ pub struct SortedRows<'a> {
     /// `i32[n_sorted]`: the expanded row (`token * top_k + k`) each sorted
     /// row holds; a value outside `0 .. n_tokens * top_k` marks a padding
     /// row, which is left alone.
-    pub sorted_token: &'a lora_kernels::DeviceBuffer<i32>,
+    pub sorted_token: &'a DeviceBuffer<i32>,
     /// Sorted rows, padding included.
     pub n_sorted: usize,
     /// `i32[num_experts + 1]` prefix sum: expert `e`'s rows are
     /// `expert_offsets[e] .. expert_offsets[e + 1]`.
-    pub expert_offsets: &'a lora_kernels::DeviceBuffer<i32>,
+    pub expert_offsets: &'a DeviceBuffer<i32>,
 }
 
 /// Which expert rows a fold expects the index to describe.
@@ -66,7 +68,7 @@ impl MoeLora {
     pub fn index_decode_rows<C: SlotCompanion>(
         &mut self,
         pool: &LoraPool<C>,
-        topk_ids: &lora_kernels::DeviceBuffer<i32>,
+        topk_ids: &DeviceBuffer<i32>,
     ) -> Result<(), MoeError> {
         self.check_pool(pool)?;
         let n_tokens = self.batch_tokens("index_decode_rows")?;

@@ -21,7 +21,9 @@
 //!   [`MoeLora::apply_expert_lora_sorted`] (the gate_up and down deltas, see
 //!   [`ExpertTarget`]). These only launch kernels on fixed buffers, so they
 //!   can be captured in a CUDA graph.
-//! - [`SortedRouting`]: the expert-sorted order of a batch built on the host.
+//! - [`SortedRouting`]: the expert-sorted order of a batch built on the
+//!   host; [`ExpertLoraLayer`]: which experts a slot adapts at a layer, and
+//!   the row blocks of a sort that fold them.
 //! - [`probe_expert_lora`]: expert and router `probe_in::` probes answered
 //!   through the pool and the kernels (`cargo xtask probe`).
 //!
@@ -59,6 +61,7 @@
 //! ```
 
 mod error;
+mod expert_layer;
 mod fold;
 mod layer;
 mod probe;
@@ -67,6 +70,7 @@ mod sorted;
 mod target;
 
 pub use error::MoeError;
+pub use expert_layer::ExpertLoraLayer;
 pub use fold::SortedRows;
 pub use layer::{MoeCapacity, MoeLora};
 pub use lora_layout::{ExpertWork, MoeLoraRoute, RefuseReason, RouteRefused};
