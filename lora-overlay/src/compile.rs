@@ -55,6 +55,27 @@ impl OverrideRows {
         u32::try_from(self.ids.len()).unwrap_or(u32::MAX)
     }
 
+    /// An error unless these rows can be served from tables of `vocab` x
+    /// `hidden` on `device`: the kernels read through their addresses.
+    fn check_fits(&self, device: &Device, vocab: usize, hidden: usize) -> Result<(), OverlayError> {
+        let fits = self.ids_dev.device().same_as(device)
+            && self.rows.device().same_as(device)
+            && self.ids_dev.len() == self.ids.len()
+            && self.ids.len().checked_mul(hidden) == Some(self.rows.len())
+            && self.ids.iter().all(|&id| (id as usize) < vocab);
+        if fits {
+            Ok(())
+        } else {
+            Err(OverlayError::Argument {
+                arg: "staged overlay",
+                reason: format!(
+                    "built for other tables or another device than {vocab} x {hidden} on {}",
+                    device.name()
+                ),
+            })
+        }
+    }
+
     fn head_entry(&self) -> LmHeadOverlayEntry {
         LmHeadOverlayEntry {
             ids: self.ids_dev.device_addr(),
@@ -133,6 +154,24 @@ impl SlotOverlay {
             (HeadRows::SharesEmbed, Some(e)) => e.overrides.ids(),
             _ => &[],
         }
+    }
+
+    /// An error unless the overlay can be served from tables of `vocab` x
+    /// `hidden` on `device` (it was staged for them).
+    pub fn check_fits(&self, device: &Device, vocab: usize, hidden: usize) -> Result<(), OverlayError> {
+        if let Some(e) = &self.embed {
+            e.overrides.check_fits(device, vocab, hidden)?;
+            if !e.slot_map.device().same_as(device) || e.slot_map.len() != vocab {
+                return Err(OverlayError::Argument {
+                    arg: "staged overlay",
+                    reason: format!("its slot_map has {} entries, the vocabulary {vocab}", e.slot_map.len()),
+                });
+            }
+        }
+        if let HeadRows::Own(h) = &self.head {
+            h.check_fits(device, vocab, hidden)?;
+        }
+        Ok(())
     }
 
     /// The slot's entry in the embedding kernel's table.

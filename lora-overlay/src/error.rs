@@ -51,6 +51,12 @@ pub enum OverlayError {
         /// The vocabulary.
         vocab: usize,
     },
+    /// A base table the model needs is not among the tables given.
+    #[error("the base tables have no {table} table")]
+    MissingTable {
+        /// The table.
+        table: &'static str,
+    },
     /// A served table lives on another device than the overlays.
     #[error("the served {table} table lives on {found}, the overlays on {expected}")]
     DeviceMismatch {

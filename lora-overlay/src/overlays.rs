@@ -99,14 +99,18 @@ impl TokenOverlays {
         build_overlay(&self.device, &self.tables, host)
     }
 
-    /// Make `staged` the live overlay of `slot` (`None` empties it): write
-    /// the slot's two table entries, then drop its previous buffers. If a
-    /// write fails, the slot keeps its previous overlay.
+    /// Make `staged` the live overlay of `slot` (`None` empties it): check
+    /// that it was staged for these tables on this device, write the slot's
+    /// two table entries, then drop its previous buffers. If a write fails,
+    /// the slot keeps its previous overlay.
     pub fn install(&mut self, slot: usize, staged: Option<SlotOverlay>) -> Result<(), OverlayError> {
         let previous = self.slots.get(slot).ok_or(OverlayError::NoSuchSlot {
             slot,
             max_loras: self.slots.len(),
         })?;
+        if let Some(overlay) = &staged {
+            overlay.check_fits(&self.device, self.tables.vocab(), self.tables.hidden())?;
+        }
         let old_embed = previous.as_ref().map(SlotOverlay::embed_entry).unwrap_or_default();
         let embed = staged.as_ref().map(SlotOverlay::embed_entry).unwrap_or_default();
         let head = staged.as_ref().map(SlotOverlay::head_entry).unwrap_or_default();

@@ -72,7 +72,7 @@ impl TokenOverlays {
         let (n, hidden) = (ids.len(), self.tables().hidden());
         let ids_dev = device.upload(ids)?;
         let slots = device.upload(&vec![row_slot; n])?;
-        let mut out = device.alloc_zeros::<bf16>(n * hidden)?;
+        let mut out = device.alloc_zeros::<bf16>(rows_len(n, hidden)?)?;
         self.embed(&ids_dev, Some(&slots), RowsMut::dense(&mut out, n, hidden))?;
         Ok(out.download()?)
     }
@@ -92,7 +92,7 @@ impl TokenOverlays {
         let mut one_hot: DeviceBuffer<bf16> = device.alloc_zeros(chunk * hidden)?;
         let mut logits: DeviceBuffer<f32> = device.alloc_zeros(chunk * vocab)?;
         let slots = device.upload(&vec![row_slot; chunk])?;
-        let mut served = vec![bf16::ZERO; ids.len() * hidden];
+        let mut served = vec![bf16::ZERO; rows_len(ids.len(), hidden)?];
         for j0 in (0..hidden).step_by(chunk) {
             let c = chunk.min(hidden - j0);
             let mut e = vec![bf16::ZERO; c * hidden];
@@ -119,6 +119,14 @@ impl TokenOverlays {
         }
         Ok(served)
     }
+}
+
+/// Elements of `n` rows of `hidden`, or an error when they cannot exist.
+fn rows_len(n: usize, hidden: usize) -> Result<usize, OverlayError> {
+    n.checked_mul(hidden).ok_or(OverlayError::Argument {
+        arg: "ids",
+        reason: format!("{n} rows of {hidden} overflow"),
+    })
 }
 
 /// Answer `rows_idx::<table>` probes (table name -> token ids, as in

@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use half::bf16;
+use lora_audit::BaseTables;
 use lora_kernels::{Device, DeviceBuffer};
+use lora_layout::ModelConfig;
 
 use crate::error::OverlayError;
 
@@ -75,6 +77,23 @@ impl ServedTables {
         })
     }
 
+    /// Upload host base tables (as `lora_audit::read_base_tables` reads
+    /// them) for a model: the head's own table when given, else the
+    /// embedding when the model ties them.
+    pub fn upload(device: &Device, base: &BaseTables, cfg: &ModelConfig) -> Result<ServedTables, OverlayError> {
+        let embed = base
+            .embed
+            .as_deref()
+            .ok_or(OverlayError::MissingTable { table: "embed_tokens" })?;
+        let head = match (&base.lm_head, cfg.tie_word_embeddings) {
+            (Some(head), _) => ServedHead::Own(Arc::new(device.upload(head)?)),
+            (None, true) => ServedHead::SharesEmbedding,
+            (None, false) => return Err(OverlayError::MissingTable { table: "lm_head" }),
+        };
+        let embed = Arc::new(device.upload(embed)?);
+        ServedTables::new(device, embed, head, cfg.vocab_size, cfg.hidden_size)
+    }
+
     /// The embedding table.
     pub fn embed(&self) -> &DeviceBuffer<bf16> {
         &self.embed
@@ -105,3 +124,6 @@ impl ServedTables {
         self.hidden
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use half::bf16;
 use lora_kernels::Device;
 use lora_kernels::testing::Rng;
+use lora_layout::ModelConfig;
 
 use crate::served::{ServedHead, ServedTables};
 
@@ -27,4 +28,14 @@ pub(crate) fn random_untied_tables(
     )
     .unwrap();
     (embed, head, tables)
+}
+
+/// A one-layer llama config with this vocabulary and width.
+pub(crate) fn llama_like(vocab: usize, hidden: usize, tied: bool) -> ModelConfig {
+    let json = format!(
+        r#"{{"model_type": "llama", "hidden_size": {hidden}, "intermediate_size": 16, "num_hidden_layers": 1,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": {hidden}, "vocab_size": {vocab},
+        "tie_word_embeddings": {tied}}}"#
+    );
+    ModelConfig::from_hf_config(&json).unwrap()
 }

@@ -10,13 +10,13 @@
 mod common;
 
 use common::{
-    CAPACITY, base_table, base_tables, fixtures, model_config, options, oracle, oracle_rows, rel_error, token_overlays,
-    widen,
+    CAPACITY, OverriddenLogits, base_table, base_tables, fixtures, logits, model_config, options, oracle, oracle_rows,
+    rel_error, token_overlays, widen,
 };
 use half::bf16;
 use lora_audit::OverlayModule;
-use lora_kernels::testing::cuda_or_skip;
-use lora_kernels::{Device, EmbedOverlayEntry, KernelError, LmHeadOverlayEntry, RowsMut};
+use lora_kernels::testing::{Rng, cuda_or_skip};
+use lora_kernels::{Device, EmbedOverlayEntry, KernelError, LmHeadOverlayEntry, Rows, RowsMut};
 use lora_overlay::TokenOverlays;
 use lora_pool::{AdapterSlot, AdapterSource, LoraPool, PoolError};
 
@@ -226,38 +226,74 @@ fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
     };
     let cfg = model_config(MODEL);
     let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
-    let mut pool = load(&device, &[("dict", "trainable_tokens_untied_dict")]);
+    let mut pool = load(
+        &device,
+        &[("dict", "trainable_tokens_untied_dict"), ("plain", "demo_r4_plain")],
+    );
     let ids: Vec<u32> = (0..vocab as u32).collect();
     let n = ids.len();
+    // Every id in slot 1, which holds an adapter without overlays.
     pool.set_decode_rows(&vec![1; n], n).unwrap();
     let ids_dev = device.upload(&ids).unwrap();
     let mut rows = device.alloc_zeros::<bf16>(n * hidden).unwrap();
+    let tables = base_tables(MODEL);
+    let embed = widen(base_table(&tables, OverlayModule::Embed));
+    let hidden_rows = Rng::new(0x6a9).bf16_vec(n * hidden, 1.0);
+    let base_logits = logits(
+        &hidden_rows,
+        base_table(&tables, OverlayModule::LmHead),
+        n,
+        vocab,
+        hidden,
+    );
+    let hidden_dev = device.upload(&hidden_rows).unwrap();
+    let mut logits_dev = device.alloc_zeros::<f32>(n * vocab).unwrap();
     device.preload_kernels().unwrap();
     let graph = {
-        let (pool, rows) = (&pool, &mut rows);
+        let (pool, rows, logits_dev) = (&pool, &mut rows, &mut logits_dev);
+        let as_kernel_error = |e: lora_overlay::OverlayError| KernelError::InvalidArgument {
+            arg: "overlays",
+            reason: e.to_string(),
+        };
         device
             .capture_graph(|| {
-                pool.companion()
+                let overlays = pool.companion();
+                overlays
                     .embed(&ids_dev, Some(pool.seq_slot()), RowsMut::dense(rows, n, hidden))
-                    .map_err(|e| KernelError::InvalidArgument {
-                        arg: "overlays",
-                        reason: e.to_string(),
-                    })
+                    .map_err(as_kernel_error)?;
+                overlays
+                    .lm_head(
+                        Rows::dense(&hidden_dev, n, hidden),
+                        pool.seq_slot(),
+                        RowsMut::dense(logits_dev, n, vocab),
+                    )
+                    .map_err(as_kernel_error)
             })
             .unwrap()
     };
-    let tables = base_tables(MODEL);
-    let embed = widen(base_table(&tables, OverlayModule::Embed));
+    logits_dev.write(0, &base_logits).unwrap();
     graph.replay().unwrap();
     device.check_faults().unwrap();
-    assert_eq!(widen(&rows.download().unwrap()), embed, "slot 1 is empty: base rows");
+    assert_eq!(
+        widen(&rows.download().unwrap()),
+        embed,
+        "slot 1 has no overlay: base rows"
+    );
+    assert_eq!(
+        logits_dev.download().unwrap(),
+        base_logits,
+        "slot 1 has no overlay: base logits"
+    );
 
-    let dir = fixtures().join(MODEL).join("modules_to_save_embed_lm_head");
-    pool.swap_from_disk(1, "saved", &dir).unwrap();
+    let adapter = "modules_to_save_embed_lm_head";
+    pool.swap_from_disk(1, "saved", &fixtures().join(MODEL).join(adapter))
+        .unwrap();
+    logits_dev.write(0, &base_logits).unwrap();
     graph.replay().unwrap();
     device.check_faults().unwrap();
     let got = widen(&rows.download().unwrap());
-    let (changed, merged) = oracle_rows(&oracle(MODEL, "modules_to_save_embed_lm_head"), OverlayModule::Embed);
+    let peft = oracle(MODEL, adapter);
+    let (changed, merged) = oracle_rows(&peft, OverlayModule::Embed);
     assert!(!changed.is_empty());
     for v in 0..vocab {
         let row = &got[v * hidden..(v + 1) * hidden];
@@ -266,6 +302,23 @@ fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
             None => assert_eq!(row, &embed[v * hidden..(v + 1) * hidden], "id {v}"),
         }
     }
+    let got = logits_dev.download().unwrap();
+    let (changed, merged) = oracle_rows(&peft, OverlayModule::LmHead);
+    assert!(!changed.is_empty());
+    let mut overridden = OverriddenLogits::default();
+    for i in 0..n {
+        for v in 0..vocab {
+            match changed.iter().position(|&c| c == v) {
+                Some(k) => overridden.push(
+                    got[i * vocab + v],
+                    &hidden_rows[i * hidden..(i + 1) * hidden],
+                    &merged[k * hidden..(k + 1) * hidden],
+                ),
+                None => assert_eq!(got[i * vocab + v], base_logits[i * vocab + v], "row {i} id {v}"),
+            }
+        }
+    }
+    overridden.check("graph replay after the swap", 0.0);
 }
 
 #[test]

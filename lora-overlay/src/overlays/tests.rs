@@ -53,7 +53,7 @@ fn random_host(rng: &mut Rng, s: &Setup) -> HostOverlay {
 fn construction_checks_its_inputs() {
     let dev = Device::cpu();
     let embed = Arc::new(dev.upload(&[bf16::ZERO; VOCAB * HIDDEN]).unwrap());
-    let tables = ServedTables::new(&dev, embed.clone(), ServedHead::SharesEmbedding, VOCAB, HIDDEN).unwrap();
+    let tables = ServedTables::new(&dev, embed, ServedHead::SharesEmbedding, VOCAB, HIDDEN).unwrap();
     assert!(matches!(
         TokenOverlays::new(&dev, tables.clone(), 0),
         Err(OverlayError::NoSlots)
@@ -62,36 +62,6 @@ fn construction_checks_its_inputs() {
         TokenOverlays::new(&Device::cpu(), tables, 2),
         Err(OverlayError::DeviceMismatch { .. })
     ));
-    let r = ServedTables::new(&dev, embed.clone(), ServedHead::SharesEmbedding, VOCAB + 1, HIDDEN);
-    assert!(
-        matches!(
-            r,
-            Err(OverlayError::TableSize {
-                table: "embed_tokens",
-                ..
-            })
-        ),
-        "{r:?}"
-    );
-    let short_head = ServedHead::Own(Arc::new(dev.upload(&[bf16::ZERO; 3]).unwrap()));
-    let r = ServedTables::new(&dev, embed.clone(), short_head, VOCAB, HIDDEN);
-    assert!(
-        matches!(
-            r,
-            Err(OverlayError::TableSize {
-                table: "lm_head",
-                len: 3,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
-    let other = Device::cpu();
-    let foreign = Arc::new(other.upload(&[bf16::ZERO; VOCAB * HIDDEN]).unwrap());
-    let r = ServedTables::new(&dev, foreign, ServedHead::SharesEmbedding, VOCAB, HIDDEN);
-    assert!(matches!(r, Err(OverlayError::DeviceMismatch { .. })), "{r:?}");
-    let r = ServedTables::new(&dev, embed, ServedHead::SharesEmbedding, 1 << 31, 0);
-    assert!(matches!(r, Err(OverlayError::VocabTooLarge { .. })), "{r:?}");
 }
 
 #[test]
@@ -205,6 +175,47 @@ fn embed_and_lm_head_apply_each_rows_slot() {
         RowsMut::dense(&mut narrow, n, VOCAB - 1),
     );
     assert!(matches!(r, Err(OverlayError::Argument { arg: "logits", .. })), "{r:?}");
+}
+
+#[test]
+fn an_overlay_staged_for_other_tables_is_not_installed() {
+    let mut s = setup(2);
+    let mut rng = Rng::new(14);
+    let host = random_host(&mut rng, &s);
+    // Same shapes on another device, and another vocabulary on this one.
+    let other_dev = Device::cpu();
+    let (_, _, other_tables) = random_untied_tables(&other_dev, &mut Rng::new(15), VOCAB, HIDDEN);
+    let foreign = TokenOverlays::new(&other_dev, other_tables, 2).unwrap();
+    let (_, _, bigger) = random_untied_tables(&s.dev, &mut Rng::new(16), VOCAB + 1, HIDDEN);
+    let bigger = TokenOverlays::new(&s.dev, bigger, 2).unwrap();
+    let wide_host = HostOverlay {
+        embed: host.embed.as_ref().map(|t| TableOverlay {
+            table: t
+                .table
+                .as_ref()
+                .map(|_| vec![bf16::from_f32(3.0); (VOCAB + 1) * HIDDEN]),
+            ..t.clone()
+        }),
+        lm_head: HostHead::None,
+        ..host.clone()
+    };
+    for staged in [foreign.stage_overlay(&host), bigger.stage_overlay(&wide_host)] {
+        let staged = staged.unwrap();
+        assert!(staged.is_some());
+        let r = s.overlays.install(0, staged);
+        assert!(
+            matches!(
+                r,
+                Err(OverlayError::Argument {
+                    arg: "staged overlay",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        assert!(!s.overlays.any_active());
+        assert_eq!(s.overlays.embed_entries().download().unwrap()[0], Default::default());
+    }
 }
 
 #[test]

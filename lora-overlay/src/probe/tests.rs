@@ -7,17 +7,9 @@ use lora_kernels::testing::Rng;
 
 use super::*;
 use crate::served::{ServedHead, ServedTables};
-use crate::test_support::random_untied_tables;
+use crate::test_support::{llama_like, random_untied_tables};
 
 const HIDDEN: usize = 70; // more than one probe chunk
-
-fn llama_like(vocab: usize) -> ModelConfig {
-    let json = format!(
-        r#"{{"model_type": "llama", "hidden_size": {HIDDEN}, "intermediate_size": 16, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 35, "vocab_size": {vocab}}}"#
-    );
-    ModelConfig::from_hf_config(&json).unwrap()
-}
 
 #[test]
 fn served_rows_read_back_through_the_kernels_equal_the_compiled_overlay() {
@@ -72,7 +64,7 @@ fn served_rows_read_back_through_the_kernels_equal_the_compiled_overlay() {
     }
     assert_eq!(compiled_head.ids, [1, 7]);
 
-    let cfg = llama_like(vocab);
+    let cfg = llama_like(vocab, HIDDEN, false);
     let probes = BTreeMap::from([
         ("model.embed_tokens.weight".to_string(), vec![2i64, 3]),
         ("lm_head.weight".to_string(), vec![7i64]),

@@ -5,13 +5,12 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use half::bf16;
 use lora_audit::{BaseTables, Oracle, OverlayModule, ROWS_IDX, ROWS_MERGED};
 use lora_kernels::Device;
 use lora_layout::ModelConfig;
-use lora_overlay::{ServedHead, ServedTables, TokenOverlays};
+use lora_overlay::{ServedTables, TokenOverlays};
 use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool};
 
 /// `fixtures/` at the workspace root, or `LORA_FIXTURES_DIR` (the GPU bundle).
@@ -70,14 +69,7 @@ pub fn base_table(tables: &BaseTables, module: OverlayModule) -> &[bf16] {
 
 /// An empty overlay set of `max_loras` slots over the fixture model's tables on `device`.
 pub fn token_overlays(device: &Device, model: &str, max_loras: usize) -> TokenOverlays {
-    let cfg = model_config(model);
-    let tables = base_tables(model);
-    let embed = Arc::new(device.upload(tables.embed.as_deref().unwrap()).unwrap());
-    let head = match &tables.lm_head {
-        Some(head) => ServedHead::Own(Arc::new(device.upload(head).unwrap())),
-        None => ServedHead::SharesEmbedding,
-    };
-    let served = ServedTables::new(device, embed, head, cfg.vocab_size, cfg.hidden_size).unwrap();
+    let served = ServedTables::upload(device, &base_tables(model), &model_config(model)).unwrap();
     TokenOverlays::new(device, served, max_loras).unwrap()
 }
 
