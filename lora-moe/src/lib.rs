@@ -68,6 +68,8 @@ mod probe;
 mod route;
 mod sorted;
 mod target;
+#[cfg(test)]
+mod test_support;
 
 pub use error::MoeError;
 pub use expert_layer::ExpertLoraLayer;

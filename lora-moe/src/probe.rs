@@ -344,3 +344,6 @@ fn num_experts(cfg: &ModelConfig) -> Result<usize, MoeError> {
         model_type: cfg.family.model_type(),
     })
 }
+
+#[cfg(test)]
+mod tests;

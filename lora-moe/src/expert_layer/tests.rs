@@ -1,20 +1,14 @@
-use std::path::PathBuf;
-
 use lora_kernels::Device;
-use lora_layout::ModelConfig;
 use lora_pool::{AdapterSource, BatchCapacity, LoraOptions};
 
 use super::*;
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
-}
+use crate::test_support::{config, fixtures};
 
 /// Slot 0: the 4.x adapter of experts 0 and 2 plus the router; slot 1: the
 /// 5.x gate_up-only adapter (every expert's Gate and Up, no Down, no router).
 fn pool() -> LoraPool {
     let model = "qwen3_moe_v4";
-    let cfg = ModelConfig::from_file(&fixtures().join(model).join("config.json")).unwrap();
+    let cfg = config(model);
     let per_expert = fixtures().join(model).join("experts_per_expert_router");
     let gate_up_only = fixtures().join("qwen3_moe/experts_fused_gate_up_only");
     let opts = LoraOptions {

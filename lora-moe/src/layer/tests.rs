@@ -1,18 +1,9 @@
-use std::path::PathBuf;
-
 use lora_kernels::Device;
-use lora_layout::{ModelConfig, RefuseReason, RouteRefused};
+use lora_layout::{RefuseReason, RouteRefused};
 use lora_pool::{AdapterSource, BatchCapacity, LoraOptions};
 
 use super::*;
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
-}
-
-fn config(model: &str) -> ModelConfig {
-    ModelConfig::from_file(&fixtures().join(model).join("config.json")).unwrap()
-}
+use crate::test_support::{config, fixtures};
 
 fn options() -> LoraOptions {
     LoraOptions {

@@ -10,11 +10,10 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use half::bf16;
-use lora_audit::{FusedParam, WeightRef, parse_weight_name};
+use lora_audit::{FusedParam, PROBE_OUT, ProbeTensor, WeightRef, parse_weight_name, read_oracle};
 use lora_kernels::Device;
 use lora_layout::{ExpertProj, ModelConfig};
 use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool};
-use safetensors::{Dtype, SafeTensors};
 
 /// The MoE fixture models and the oracle tests' adapters on each (every
 /// servable adapter with an oracle).
@@ -29,9 +28,11 @@ pub const MOE_MODELS: [&str; 8] = [
     "qwen3_next_v4",
 ];
 
-/// `fixtures/` at the workspace root.
+/// `fixtures/` at the workspace root, or `LORA_FIXTURES_DIR` (the GPU bundle).
 pub fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
+    std::env::var_os("LORA_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures"))
 }
 
 /// The base model config of fixture model `model`.
@@ -59,44 +60,25 @@ pub fn servable_adapters(model: &str) -> Vec<String> {
     out
 }
 
-/// An f32 tensor of an oracle.
-#[derive(Debug, Clone)]
-pub struct Tensor {
-    pub shape: Vec<usize>,
-    pub data: Vec<f32>,
-}
-
 /// `probe_in::W` and `probe_out::W` of one adapter's oracle, by weight name.
 #[derive(Debug, Clone, Default)]
 pub struct Oracle {
-    pub probes: BTreeMap<String, (Tensor, Tensor)>,
-}
-
-fn f32_tensor(st: &SafeTensors<'_>, name: &str) -> Tensor {
-    let t = st.tensor(name).unwrap();
-    assert_eq!(t.dtype(), Dtype::F32, "{name}");
-    let data = t
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    Tensor {
-        shape: t.shape().to_vec(),
-        data,
-    }
+    pub probes: BTreeMap<String, (ProbeTensor, ProbeTensor)>,
 }
 
 /// Read `fixtures/<model>/<adapter>/oracle.safetensors`.
 pub fn oracle(model: &str, adapter: &str) -> Oracle {
-    let bytes = std::fs::read(fixtures().join(model).join(adapter).join("oracle.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut probes = BTreeMap::new();
-    for name in st.names() {
-        if let Some(w) = name.strip_prefix("probe_in::") {
-            let out = format!("probe_out::{w}");
-            probes.insert(w.to_string(), (f32_tensor(&st, name), f32_tensor(&st, &out)));
-        }
-    }
+    let path = fixtures().join(model).join(adapter).join("oracle.safetensors");
+    let mut oracle = read_oracle(&path).unwrap();
+    let probes = oracle
+        .inputs
+        .inputs
+        .into_iter()
+        .map(|(w, pin)| {
+            let pout = oracle.expected.remove(&format!("{PROBE_OUT}{w}")).unwrap();
+            (w, (pin, pout))
+        })
+        .collect();
     Oracle { probes }
 }
 
