@@ -19,7 +19,7 @@ use crate::tcp::{TcpOptions, TcpTransport};
 
 /// The model geometry of the benchmark.
 const LLAMA_8B: &str = include_str!("../../lora-layout/testdata/llama-3.1-8b.json");
-/// Rank of the synthetic adapter (and the pool's `max_rank`).
+/// Rank of the benchmark adapter (and the pool's `max_rank`).
 const RANK: usize = 16;
 /// The projections an `all-linear` Llama adapter adapts.
 const MODULES: [LoraModule; 7] = [
@@ -95,14 +95,15 @@ fn fill(n: usize, seed: u64) -> Vec<bf16> {
         .collect()
 }
 
-/// Write the synthetic adapter (PEFT layout and key names) into `dir`.
-fn write_adapter(dir: &Path, cfg: &ModelConfig) -> Result<(), BenchError> {
+/// Write a synthetic rank-`rank` adapter of every linear projection of
+/// `cfg` (PEFT layout and key names) into `dir`.
+fn write_adapter(dir: &Path, cfg: &ModelConfig, rank: usize) -> Result<(), BenchError> {
     std::fs::create_dir_all(dir).map_err(setup)?;
     let targets: Vec<&str> = MODULES.iter().map(|m| m.short_name()).collect();
     let config = serde_json::json!({
         "peft_type": "LORA",
-        "r": RANK,
-        "lora_alpha": 2 * RANK,
+        "r": rank,
+        "lora_alpha": 2 * rank,
         "target_modules": targets,
         "bias": "none",
     });
@@ -115,13 +116,13 @@ fn write_adapter(dir: &Path, cfg: &ModelConfig) -> Result<(), BenchError> {
             let seed = (layer * MODULES.len() + m) as u64;
             tensors.push((
                 format!("{path}.lora_A.weight"),
-                vec![RANK, inp],
-                fill(RANK * inp, 2 * seed + 1),
+                vec![rank, inp],
+                fill(rank * inp, 2 * seed + 1),
             ));
             tensors.push((
                 format!("{path}.lora_B.weight"),
-                vec![out, RANK],
-                fill(out * RANK, 2 * seed + 2),
+                vec![out, rank],
+                fill(out * rank, 2 * seed + 2),
             ));
         }
     }
@@ -149,27 +150,33 @@ fn median(mut times: Vec<Duration>) -> Duration {
     times.get(times.len() / 2).copied().unwrap_or_default()
 }
 
-/// Land the synthetic 84 MB adapter `runs` times from a peer on loopback
-/// (after one untimed landing that stages it), and memcpy the same number
-/// of bytes `runs` times.
+/// Land the synthetic 84 MB adapter (rank 16, every linear projection of
+/// Llama-3.1-8B) `runs` times from a peer on loopback, after one untimed
+/// landing that stages it, and memcpy the same number of bytes `runs` times.
 pub fn tcp_landing_rate(runs: usize) -> Result<LandingBench, BenchError> {
-    let runs = runs.max(1);
     let cfg = ModelConfig::from_hf_config(LLAMA_8B).map_err(setup)?;
+    landing_rate(&cfg, RANK, runs)
+}
+
+/// [`tcp_landing_rate`] for any dense model geometry `cfg` (Llama module
+/// names) and rank; the pool's `max_rank` is `rank`.
+pub fn landing_rate(cfg: &ModelConfig, rank: usize, runs: usize) -> Result<LandingBench, BenchError> {
+    let runs = runs.max(1);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0);
     let dir = TempDir(std::env::temp_dir().join(format!("lora-rdma-bench-{}-{nanos}", std::process::id())));
-    write_adapter(&dir.0, &cfg)?;
+    write_adapter(&dir.0, cfg, rank)?;
     let mut store = PeerStore::new(cfg.clone(), StoreOptions::default());
     store.add_adapter("bench", &dir.0).map_err(|r| setup(r.reason))?;
     let peer = Peer::bind(store, "127.0.0.1:0", PeerOptions::default()).map_err(setup)?;
     let handle = peer.spawn().map_err(setup)?;
     let opts = LoraOptions {
-        max_rank: RANK,
+        max_rank: rank,
         ..LoraOptions::default()
     };
-    let lander = Lander::new(cfg, opts)?;
+    let lander = Lander::new(cfg.clone(), opts)?;
     let mut transport = TcpTransport::connect(&handle.addr().to_string(), TcpOptions::default())
         .map_err(|e| BenchError::Land(e.into()))?;
     let mut target = HostLanding::new(lander.layout());
@@ -198,4 +205,26 @@ pub fn tcp_landing_rate(runs: usize) -> Result<LandingBench, BenchError> {
         land_median: median(land_times),
         memcpy_median: median(copy_times),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use lora_layout::{PairLayout, SlotLayout};
+
+    use super::*;
+
+    /// The benchmark's bookkeeping on a small model; says nothing about time.
+    #[test]
+    fn the_benchmark_lands_every_linear_projection() {
+        let cfg = crate::test_support::config("llama");
+        let bench = landing_rate(&cfg, 4, 2).unwrap();
+        let layout = SlotLayout::new(&cfg, 4).unwrap();
+        let places: Vec<_> = (0..layout.len()).filter_map(|i| layout.place(i)).collect();
+        assert_eq!(bench.entries, 2 * places.len());
+        // A travels as its rank rows, B padded to max_rank (= the rank here).
+        let bytes: usize = places.iter().map(|p| 2 * 4 * (p.in_dim + p.out_dim)).sum();
+        assert_eq!(bench.bytes, bytes);
+        assert_eq!(bench.runs, 2);
+        assert!(bench.land_best <= bench.land_median);
+    }
 }

@@ -10,6 +10,8 @@ use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
+use lora_audit::LoraOptions;
+
 use crate::manifest::{Location, Manifest};
 use crate::protocol::{MAX_READ_RANGES, ReadRange, Request, Response, TransportKind, data_frame_lens};
 use crate::transport::{LandingSink, ReadOp, Transport, TransportError, sink_region};
@@ -56,6 +58,13 @@ impl TcpTransport {
             }
         }
         Err(connect_err(last))
+    }
+
+    /// Connect to the peer the serving options name (`LORA_PEER`, read by
+    /// `LoraOptions::from_env`).
+    pub fn connect_configured(opts: &LoraOptions, options: TcpOptions) -> Result<TcpTransport, TransportError> {
+        let addr = opts.peer.as_deref().ok_or(TransportError::NoPeer)?;
+        TcpTransport::connect(addr, options)
     }
 
     /// Wrap a connected stream, setting its timeouts.

@@ -48,6 +48,9 @@ pub trait Transport {
 /// A transport failure.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
+    /// No peer is configured (`LORA_PEER` unset).
+    #[error("no weight peer is configured (LORA_PEER)")]
+    NoPeer,
     /// The peer could not be reached.
     #[error("cannot connect to peer {addr}: {source}")]
     Connect {

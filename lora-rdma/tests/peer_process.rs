@@ -10,13 +10,13 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{PeerProcess, fixtures, model_config, packed_from_disk};
+use common::{PeerProcess, disk_pool, fixtures, model_config, packed_from_disk};
 use half::bf16;
 use lora_audit::{Oracle, WeightRef, parse_weight_name, read_oracle};
 use lora_kernels::testing::{Rng, rel_error};
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
-use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool, ModuleTarget};
+use lora_pool::{BatchCapacity, LoraOptions, LoraPool, ModuleTarget};
 use lora_rdma::land::{HostLanding, Lander};
 use lora_rdma::tcp::{TcpOptions, TcpTransport};
 
@@ -30,23 +30,6 @@ fn options() -> LoraOptions {
         rotatable: true,
         ..LoraOptions::default()
     }
-}
-
-fn disk_pool() -> LoraPool {
-    let dirs: Vec<_> = ADAPTERS.iter().map(|a| fixtures().join(MODEL).join(a)).collect();
-    let sources: Vec<_> = ADAPTERS
-        .iter()
-        .zip(&dirs)
-        .map(|(name, dir)| AdapterSource { name, dir })
-        .collect();
-    LoraPool::load(
-        &Device::cpu(),
-        model_config(MODEL),
-        options(),
-        BatchCapacity::default(),
-        &sources,
-    )
-    .unwrap()
 }
 
 /// Land every adapter from the peer process into fresh images, check them
@@ -74,7 +57,8 @@ fn peer_pool(peer: &PeerProcess) -> LoraPool {
 fn three_adapters_land_from_a_peer_process_as_from_disk_and_serve_the_same_deltas() {
     let peer = PeerProcess::spawn(MODEL, &ADAPTERS, &[]);
     let mut landed = peer_pool(&peer);
-    let mut disk = disk_pool();
+    let names: Vec<(&str, &str)> = ADAPTERS.iter().map(|a| (*a, *a)).collect();
+    let mut disk = disk_pool(MODEL, &names, options());
     let cfg = model_config(MODEL);
     for adapter in ADAPTERS {
         let (l, d) = (landed.slot_of(adapter).unwrap(), disk.slot_of(adapter).unwrap());

@@ -64,6 +64,12 @@ struct ServeArgs {
     /// Serve RDMA READ from this device (needs the `ibverbs` feature).
     #[arg(long)]
     rdma_device: Option<String>,
+    /// The RDMA device's port.
+    #[arg(long, default_value_t = 1)]
+    rdma_port: u8,
+    /// The GID index on that port (RoCE).
+    #[arg(long, default_value_t = 0)]
+    rdma_gid_index: u8,
     /// Test only: `corrupt-byte` (flip a staged byte after checksumming) or
     /// `stall-after=N` (hang after N data bytes on a connection).
     #[arg(long, hide = true)]
@@ -100,7 +106,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     }
     let mut store = PeerStore::new(cfg, store_options);
     if let Some(device) = &args.rdma_device {
-        store = with_rdma(store, device)?;
+        store = with_rdma(store, device, args.rdma_port, args.rdma_gid_index)?;
     }
     for dir in &args.adapters {
         let name = adapter_name(dir);
@@ -126,13 +132,13 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 }
 
 #[cfg(feature = "ibverbs")]
-fn with_rdma(store: PeerStore, device: &str) -> Result<PeerStore, String> {
-    let device = lora_rdma::verbs::PeerDevice::open(device).map_err(|e| e.to_string())?;
+fn with_rdma(store: PeerStore, device: &str, port: u8, gid_index: u8) -> Result<PeerStore, String> {
+    let device = lora_rdma::verbs::PeerDevice::open_port(device, port, gid_index).map_err(|e| e.to_string())?;
     Ok(store.with_rdma(device))
 }
 
 #[cfg(not(feature = "ibverbs"))]
-fn with_rdma(_store: PeerStore, _device: &str) -> Result<PeerStore, String> {
+fn with_rdma(_store: PeerStore, _device: &str, _port: u8, _gid_index: u8) -> Result<PeerStore, String> {
     Err("--rdma-device needs lora-peer built with the `ibverbs` feature".into())
 }
 

@@ -230,6 +230,21 @@ fn rdma_locations_and_short_regions_are_refused() {
 }
 
 #[test]
+fn the_configured_peer_is_lora_peer() {
+    let (addr, server) = serve(|_| {});
+    let opts = LoraOptions {
+        peer: Some(addr),
+        ..LoraOptions::default()
+    };
+    assert!(TcpTransport::connect_configured(&opts, options(5000)).is_ok());
+    server.join().unwrap();
+    assert!(matches!(
+        TcpTransport::connect_configured(&LoraOptions::default(), options(5000)),
+        Err(TransportError::NoPeer)
+    ));
+}
+
+#[test]
 fn an_unreachable_peer_is_a_connect_error() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -238,4 +253,28 @@ fn an_unreachable_peer_is_a_connect_error() {
         TcpTransport::connect(&addr, options(500)),
         Err(TransportError::Connect { .. })
     ));
+}
+
+#[test]
+fn many_ranges_travel_in_few_requests() {
+    let n = MAX_READ_RANGES + 7;
+    let (addr, server) = serve(move |mut s| {
+        let mut sizes = Vec::new();
+        while sizes.iter().sum::<usize>() < n {
+            let Request::Read { ranges } = skip_request(&mut s) else {
+                panic!()
+            };
+            for r in &ranges {
+                write_frame(&mut s, FrameKind::Data, &[r.offset as u8]).unwrap();
+            }
+            sizes.push(ranges.len());
+        }
+        assert_eq!(sizes, [MAX_READ_RANGES, 7]);
+    });
+    let ops: Vec<ReadOp> = (0..n as u64).map(|i| tcp_op(i, 1)).collect();
+    let mut sink = VecSink(vec![vec![0]; n]);
+    let mut t = TcpTransport::connect(&addr, options(5000)).unwrap();
+    t.read(&ops, &mut sink).unwrap();
+    assert!(sink.0.iter().enumerate().all(|(i, b)| b[0] == i as u8));
+    server.join().unwrap();
 }

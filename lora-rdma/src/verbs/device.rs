@@ -661,3 +661,48 @@ impl Drop for QueuePair {
         let _ = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::{MemoryRole, access_for};
+
+    #[test]
+    fn registrations_carry_exactly_the_flags_of_their_role() {
+        assert_eq!(
+            access_flags(access_for(MemoryRole::PeerStaging)),
+            ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ
+        );
+        assert_eq!(
+            access_flags(access_for(MemoryRole::EngineLanding)),
+            ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+        );
+        let all = Access {
+            local_write: true,
+            remote_read: true,
+            remote_write: true,
+            remote_atomic: true,
+        };
+        let f = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC;
+        assert_eq!(access_flags(all), f);
+    }
+
+    #[test]
+    fn a_missing_device_is_an_error_not_a_panic() {
+        let err = Context::open("lora-rdma-no-such-device", 1, 0).err().unwrap();
+        assert!(
+            matches!(err, VerbsError::NoDevice(_) | VerbsError::Call { .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn psns_are_24_bits_and_vary() {
+        let psns: std::collections::HashSet<u32> = (0..64).map(|_| initial_psn()).collect();
+        assert!(psns.iter().all(|&p| p < 1 << 24));
+        assert!(psns.len() > 60);
+    }
+}

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use lora_audit::{LoraOptions, prepare_adapter};
 use lora_layout::{ExpertLayout, LoraModule, ModelConfig, PairKey, SlotLayout};
 use lora_pool::image::{Elems, PairMeta, PairSource, SlotImage};
-use lora_pool::{AdapterSlot, LoraPool};
+use lora_pool::{AdapterSlot, AdapterSource, BatchCapacity, LoraPool};
 use lora_rdma::land::HostLanding;
 
 /// `fixtures/` at the workspace root.
@@ -162,6 +162,19 @@ pub fn packed_from_disk(model: &str, adapter: &str, opts: &LoraOptions) -> (Slot
         SlotImage::pack(&layout, &dense).unwrap(),
         SlotImage::pack(&expert_layout, &experts).unwrap(),
     )
+}
+
+/// A CPU pool loading fixture adapters of `model` from disk: `(name,
+/// adapter directory)` into slots 0, 1, ...
+pub fn disk_pool(model: &str, adapters: &[(&str, &str)], opts: LoraOptions) -> LoraPool {
+    let dirs: Vec<PathBuf> = adapters.iter().map(|(_, a)| fixtures().join(model).join(a)).collect();
+    let sources: Vec<AdapterSource<'_>> = adapters
+        .iter()
+        .zip(&dirs)
+        .map(|((name, _), dir)| AdapterSource { name, dir })
+        .collect();
+    let device = lora_kernels::Device::cpu();
+    LoraPool::load(&device, model_config(model), opts, BatchCapacity::default(), &sources).unwrap()
 }
 
 /// Whether a landing target holds nothing: no pairs, every byte zero.
