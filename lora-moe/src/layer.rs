@@ -105,11 +105,7 @@ impl MoeLora {
         let expanded = capacity
             .max_tokens
             .checked_mul(geometry.top_k)
-            .ok_or(MoeError::BatchTooLarge {
-                what: "expanded rows",
-                got: usize::MAX,
-                capacity: i32::MAX as usize,
-            })?;
+            .ok_or_else(|| MoeError::shape("capacity", "max_tokens * top_k overflows"))?;
         let idx_len = expanded.max(capacity.max_sorted_rows);
         if i32::try_from(idx_len).is_err() {
             return Err(MoeError::BatchTooLarge {
