@@ -128,5 +128,8 @@ fn an_oracle_pairs_every_input_with_peft_s_answer() {
         let rows = &oracle.expected[&format!("{ROWS_MERGED}{table}")];
         assert_eq!(rows.shape[0], ids.len(), "{table}");
     }
-    assert_eq!(oracle.expected.len(), oracle.inputs.inputs.len() + oracle.inputs.rows.len());
+    assert_eq!(
+        oracle.expected.len(),
+        oracle.inputs.inputs.len() + oracle.inputs.rows.len()
+    );
 }
