@@ -18,8 +18,14 @@ pub const MAGIC: [u8; 4] = *b"LRDM";
 /// The protocol version this build speaks; frames of any other version are
 /// refused.
 pub const PROTOCOL_VERSION: u16 = 1;
-/// Largest control frame (requests, manifests, errors).
+/// Largest request frame (what a peer accepts from an engine).
 pub const MAX_CONTROL_BYTES: u32 = 4 << 20;
+/// Largest response frame (what an engine accepts from a peer): a manifest
+/// lists every staged part with the adapter's tensor header, about 150
+/// bytes a part and 100 a tensor in JSON, so an adapter of every routed
+/// expert of a large MoE (Qwen3-30B-A3B: 37k parts; DeepSeek-V3: 89k) needs
+/// several MiB to a few tens of MiB.
+pub const MAX_RESPONSE_BYTES: u32 = 64 << 20;
 /// Largest data frame; larger reads are answered in several frames.
 pub const MAX_DATA_BYTES: u32 = 8 << 20;
 const HEADER_BYTES: usize = 12;
@@ -56,7 +62,8 @@ impl FrameKind {
     /// The largest payload a frame of this kind may carry.
     pub fn limit(self) -> u32 {
         match self {
-            FrameKind::Request | FrameKind::Response => MAX_CONTROL_BYTES,
+            FrameKind::Request => MAX_CONTROL_BYTES,
+            FrameKind::Response => MAX_RESPONSE_BYTES,
             FrameKind::Data => MAX_DATA_BYTES,
         }
     }

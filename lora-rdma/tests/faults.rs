@@ -214,7 +214,7 @@ fn a_truncated_manifest_is_a_lost_connection() {
 #[test]
 fn an_oversized_manifest_is_refused_before_it_is_read() {
     let err = through_proxy(Lie::Raw(|mut frame| {
-        frame[8..12].copy_from_slice(&(lora_rdma::wire::MAX_CONTROL_BYTES + 1).to_le_bytes());
+        frame[8..12].copy_from_slice(&(lora_rdma::wire::MAX_RESPONSE_BYTES + 1).to_le_bytes());
         frame
     }));
     assert!(

@@ -174,3 +174,58 @@ proptest! {
         prop_assert_eq!(back.to_key(), Some(key));
     }
 }
+
+/// The largest manifest the bundled configs allow: every routed expert's
+/// three projections of every MoE layer of DeepSeek-V3, with a per-expert
+/// tensor header, fits one response frame.
+#[test]
+fn a_manifest_of_every_expert_of_deepseek_v3_fits_a_response_frame() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../lora-layout/testdata/deepseek-v3.json");
+    let cfg = ModelConfig::from_file(&path).unwrap();
+    let moe = cfg.moe.as_ref().unwrap();
+    let mut entries = Vec::new();
+    let mut tensors = Vec::new();
+    for layer in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
+        for expert in 0..moe.num_experts {
+            for proj in ExpertProj::ALL {
+                let key = PairKey::Expert {
+                    layer,
+                    site: ExpertSite::Expert { expert, proj },
+                };
+                for (part, ab) in [(WirePart::A, "lora_A"), (WirePart::B, "lora_B")] {
+                    entries.push(ManifestEntry {
+                        key: WireKey::from_key(key),
+                        part,
+                        len: u64::MAX,
+                        checksum: u64::MAX,
+                        location: Location::Rdma {
+                            addr: u64::MAX,
+                            rkey: u32::MAX,
+                        },
+                    });
+                    tensors.push(WireTensor {
+                        name: format!("base_model.model.model.layers.{layer}.mlp.experts.{expert}.{proj}.{ab}.weight"),
+                        dtype: "BF16".into(),
+                        shape: vec![u64::from(u32::MAX), u64::from(u32::MAX)],
+                    });
+                }
+            }
+        }
+    }
+    let m = Manifest {
+        adapter: "all-experts".into(),
+        model: u64::MAX,
+        max_rank: u32::MAX,
+        expert_rank: u32::MAX,
+        adapter_config: "{}".into(),
+        tensors,
+        entries,
+    };
+    assert!(m.entries.len() < MAX_MANIFEST_ENTRIES);
+    let bytes = serde_json::to_vec(&crate::protocol::Response::Manifest(Box::new(m))).unwrap();
+    assert!(
+        bytes.len() < crate::wire::MAX_RESPONSE_BYTES as usize,
+        "{} bytes",
+        bytes.len()
+    );
+}

@@ -168,7 +168,7 @@ fn a_truncated_or_oversized_manifest_is_a_typed_error() {
         skip_request(&mut s);
         let mut header = Vec::new();
         write_frame(&mut header, FrameKind::Response, b"").unwrap();
-        header[8..12].copy_from_slice(&(crate::wire::MAX_CONTROL_BYTES + 1).to_le_bytes());
+        header[8..12].copy_from_slice(&(crate::wire::MAX_RESPONSE_BYTES + 1).to_le_bytes());
         s.write_all(&header).unwrap();
         // The engine must refuse without waiting for the payload.
         let mut rest = Vec::new();

@@ -6,6 +6,7 @@
 //! a `Drop` must not panic).
 
 use std::ffi::CStr;
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -279,31 +280,76 @@ impl Drop for MemoryRegion {
     }
 }
 
-/// Heap bytes with a registration for one role. The region is dropped
-/// (deregistered) before the bytes are freed: fields drop in order.
+/// Heap bytes with a registration for one role. The memory is held as a
+/// raw allocation, not a `Box`, because the HCA may write it behind Rust's
+/// back (the engine's landing buffer); slices of it are made only when no
+/// RDMA operation can be writing it. The registration is released before
+/// the memory is freed.
 pub struct RegisteredBytes {
-    region: MemoryRegion,
-    bytes: Box<[u8]>,
+    region: ManuallyDrop<MemoryRegion>,
+    ptr: NonNull<u8>,
+    len: usize,
 }
 
+/// Free an allocation made by `Box::leak` of a `Box<[u8]>`.
+///
+/// # Safety
+/// `ptr`/`len` must come from such a leak, freed once, with no HCA access
+/// left to it.
+unsafe fn free_leaked(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: the caller's contract.
+    drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), len)) });
+}
+
+// SAFETY: the value owns its allocation exclusively, like a `Box<[u8]>`;
+// the HCA reads (peer) or writes (engine, only while the owning transport
+// holds `&mut`) it under this crate's control.
+unsafe impl Send for RegisteredBytes {}
+// SAFETY: shared access only reads the bytes (see `bytes`).
+unsafe impl Sync for RegisteredBytes {}
+
 impl RegisteredBytes {
-    /// Register `bytes` (never moved again: a boxed slice's heap block stays
-    /// put when the box moves) with `access`.
-    pub(crate) fn new(pd: &Arc<ProtectionDomain>, mut bytes: Box<[u8]>, access: Access) -> Result<Self, VerbsError> {
-        // SAFETY: `bytes` is owned by the returned value and freed only after
-        // `region` is dropped.
-        let region = unsafe { MemoryRegion::register(pd, bytes.as_mut_ptr(), bytes.len(), access)? };
-        Ok(RegisteredBytes { region, bytes })
+    /// Take `bytes` over and register them with `access`.
+    pub(crate) fn new(pd: &Arc<ProtectionDomain>, bytes: Box<[u8]>, access: Access) -> Result<Self, VerbsError> {
+        let len = bytes.len();
+        let ptr = NonNull::from(Box::leak(bytes)).cast::<u8>();
+        // SAFETY: the allocation is owned by the returned value and freed
+        // only in its `Drop`, after the region is deregistered.
+        match unsafe { MemoryRegion::register(pd, ptr.as_ptr(), len, access) } {
+            Ok(region) => Ok(RegisteredBytes {
+                region: ManuallyDrop::new(region),
+                ptr,
+                len,
+            }),
+            Err(e) => {
+                // SAFETY: just leaked above, never registered.
+                unsafe { free_leaked(ptr, len) };
+                Err(e)
+            }
+        }
     }
 
-    /// The bytes. Only call when no RDMA operation may be writing them.
+    /// The bytes. The peer's regions are only ever read by the HCA; the
+    /// engine's landing buffer is read only after every RDMA READ into it
+    /// completed (its transport holds `&mut` while reads are in flight).
     pub fn bytes(&self) -> &[u8] {
-        &self.bytes
+        // SAFETY: `ptr` owns `len` initialised bytes until drop; see above
+        // for why nothing writes them while this borrow lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     /// The registration.
     pub fn region(&self) -> &MemoryRegion {
         &self.region
+    }
+}
+
+impl Drop for RegisteredBytes {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here, and never used after.
+        unsafe { ManuallyDrop::drop(&mut self.region) };
+        // SAFETY: leaked in `new`, freed once, after deregistration.
+        unsafe { free_leaked(self.ptr, self.len) };
     }
 }
 

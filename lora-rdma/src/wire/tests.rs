@@ -35,7 +35,7 @@ fn a_truncated_frame_is_an_io_error() {
 #[test]
 fn an_oversized_frame_is_refused_before_reading_it() {
     let mut buf = frame(FrameKind::Response, b"");
-    buf[8..12].copy_from_slice(&(MAX_CONTROL_BYTES + 1).to_le_bytes());
+    buf[8..12].copy_from_slice(&(MAX_RESPONSE_BYTES + 1).to_le_bytes());
     let err = read_frame(&mut buf.as_slice(), FrameKind::Response).unwrap_err();
     assert!(
         matches!(
@@ -47,6 +47,15 @@ fn an_oversized_frame_is_refused_before_reading_it() {
         ),
         "{err}"
     );
+    let mut buf = frame(FrameKind::Request, b"");
+    buf[8..12].copy_from_slice(&(MAX_CONTROL_BYTES + 1).to_le_bytes());
+    assert!(matches!(
+        read_frame(&mut buf.as_slice(), FrameKind::Request),
+        Err(WireError::Oversized {
+            kind: FrameKind::Request,
+            ..
+        })
+    ));
     let big = vec![0u8; MAX_CONTROL_BYTES as usize + 1];
     assert!(matches!(
         write_frame(&mut Vec::new(), FrameKind::Request, &big),
