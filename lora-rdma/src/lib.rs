@@ -15,7 +15,33 @@
 //! - [`stage`]: the peer's staged bytes and checksums; [`peer`]: the store
 //!   and the server.
 //! - [`transport`], [`tcp`], [`verbs`]: the engine's transports;
-//!   [`land`]: the landing itself; [`bench`]: the landing-rate benchmark.
+//!   [`land`]: the landing itself; [`swap`]: promotion of a pool slot from
+//!   a peer; [`bench`]: the landing-rate benchmark.
+//!
+//! ```
+//! use std::path::Path;
+//! use lora_audit::LoraOptions;
+//! use lora_layout::ModelConfig;
+//! use lora_rdma::land::{HostLanding, Lander};
+//! use lora_rdma::peer::{Peer, PeerOptions, PeerStore, StoreOptions};
+//! use lora_rdma::tcp::{TcpOptions, TcpTransport};
+//!
+//! let model = Path::new("../fixtures/llama");
+//! let cfg = ModelConfig::from_file(&model.join("config.json"))?;
+//! // The peer: audit at startup, stage on demand, serve on loopback.
+//! let mut store = PeerStore::new(cfg.clone(), StoreOptions::default());
+//! store.add_adapter("r8", &model.join("demo_r8_rslora")).map_err(|r| r.reason)?;
+//! let peer = Peer::bind(store, "127.0.0.1:0", PeerOptions::default())?.spawn()?;
+//! // The engine: check the manifest against its own audit, land, verify.
+//! let opts = LoraOptions { max_rank: 16, ..LoraOptions::default() };
+//! let lander = Lander::new(cfg, opts)?;
+//! let mut transport = TcpTransport::connect(&peer.addr().to_string(), TcpOptions::default())?;
+//! let mut target = HostLanding::new(lander.layout());
+//! let landed = lander.land(&mut transport, "r8", &mut target)?;
+//! assert_eq!(target.dense().pairs(), &landed.dense[..]);
+//! // `target.into_images()` goes to `LoraPool::publish_landed`.
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 //!
 //! What it must never do: let the peer choose where bytes go (landing
 //! offsets are always computed locally from lora-layout), write past a
@@ -36,6 +62,7 @@ pub mod manifest;
 pub mod peer;
 pub mod protocol;
 pub mod stage;
+pub mod swap;
 pub mod tcp;
 pub mod transport;
 pub mod verbs;

@@ -15,12 +15,13 @@ use std::net::{TcpListener, TcpStream};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use common::{PeerProcess, Snapshot, assert_fresh, disk_pool, model_config, snapshot};
+use common::{PeerProcess, Snapshot, assert_fresh, disk_pool, snapshot};
 use lora_layout::{LoraModule, PairKey};
 use lora_pool::{LoraOptions, LoraPool};
-use lora_rdma::land::{HostLanding, LandError, Lander};
+use lora_rdma::land::{HostLanding, LandError};
 use lora_rdma::manifest::{Location, Manifest, ManifestEntry, ManifestError, WireKey};
 use lora_rdma::protocol::{RefusalCode, Request, Response, data_frame_lens};
+use lora_rdma::swap::{PeerSwapError, promote_from_peer, swap_from_peer};
 use lora_rdma::tcp::{TcpOptions, TcpTransport};
 use lora_rdma::transport::TransportError;
 use lora_rdma::wire::{FrameKind, WireError, read_header, recv_json, send_json, write_frame};
@@ -43,25 +44,12 @@ fn bystander_pool() -> LoraPool {
     disk_pool(MODEL, &[("a", "demo_r4_plain"), ("b", "rslora")], options())
 }
 
-/// The engine's whole swap: pick the victim, land into fresh images, and
-/// publish only what landed and checked.
-fn swap_from_peer(
-    pool: &mut LoraPool,
-    addr: &str,
-    io_timeout: Duration,
-    target: &mut HostLanding,
-) -> Result<(), LandError> {
-    let lander = Lander::new(model_config(MODEL), options())?;
+fn transport(addr: &str, io_timeout: Duration) -> Result<TcpTransport, TransportError> {
     let tcp = TcpOptions {
         connect_timeout: Duration::from_secs(5),
         io_timeout,
     };
-    let mut transport = TcpTransport::connect(addr, tcp)?;
-    let victim = pool.pick_victim(LANDED).unwrap();
-    lander.land(&mut transport, LANDED, target)?;
-    let (dense, _) = std::mem::replace(target, HostLanding::new(lander.layout())).into_images();
-    pool.publish_landed(victim, LANDED, dense, None).unwrap();
-    Ok(())
+    TcpTransport::connect(addr, tcp)
 }
 
 /// Run a swap expected to fail; check the images and the pool are untouched
@@ -69,24 +57,29 @@ fn swap_from_peer(
 fn failed_swap(addr: &str, io_timeout: Duration) -> LandError {
     let mut pool = bystander_pool();
     let before: Snapshot = snapshot(&pool);
-    let lander = Lander::new(model_config(MODEL), options()).unwrap();
-    let mut target = HostLanding::new(lander.layout());
-    let err = swap_from_peer(&mut pool, addr, io_timeout, &mut target).unwrap_err();
+    let mut target = HostLanding::new(pool.layout());
+    let err = transport(addr, io_timeout)
+        .map_err(LandError::from)
+        .and_then(|mut t| match swap_from_peer(&mut pool, &mut t, LANDED, &mut target) {
+            Err(PeerSwapError::Land(e)) => Err::<(), _>(e),
+            other => panic!("expected a landing error, got {other:?}"),
+        })
+        .unwrap_err();
     assert_fresh(&target);
     assert_eq!(snapshot(&pool), before, "a failed landing changed the pool");
     err
 }
 
 #[test]
-fn a_clean_swap_from_the_peer_writes_only_the_victim() {
+fn a_clean_promotion_from_the_peer_writes_only_the_victim() {
     let peer = PeerProcess::spawn(MODEL, &SERVED, &[]);
     let mut pool = bystander_pool();
     let before = snapshot(&pool);
-    let lander = Lander::new(model_config(MODEL), options()).unwrap();
-    let mut target = HostLanding::new(lander.layout());
-    swap_from_peer(&mut pool, &peer.addr, Duration::from_secs(30), &mut target).unwrap();
+    let mut t = transport(&peer.addr, Duration::from_secs(30)).unwrap();
+    let lease = promote_from_peer(&mut pool, &mut t, LANDED).unwrap();
     let after = snapshot(&pool);
     let victim = pool.slot_of(LANDED).unwrap();
+    assert_eq!(lease.slot(), victim);
     for slot in 0..3 {
         if slot == victim {
             assert_ne!(after.bytes[slot], before.bytes[slot]);
@@ -95,6 +88,10 @@ fn a_clean_swap_from_the_peer_writes_only_the_victim() {
             assert_eq!(after.slots[slot], before.slots[slot], "slot {slot}");
         }
     }
+    // Resident now: a second promotion leases it without touching the peer.
+    drop(peer);
+    let again = promote_from_peer(&mut pool, &mut t, LANDED).unwrap();
+    assert_eq!(again.slot(), victim);
 }
 
 #[test]

@@ -18,6 +18,7 @@ use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
 use lora_pool::{BatchCapacity, LoraOptions, LoraPool, ModuleTarget};
 use lora_rdma::land::{HostLanding, Lander};
+use lora_rdma::swap::promote_from_peer;
 use lora_rdma::tcp::{TcpOptions, TcpTransport};
 
 const MODEL: &str = "llama";
@@ -179,5 +180,46 @@ fn mixed_decode_matches(landed: &mut LoraPool, disk: &mut LoraPool, cfg: &ModelC
                 None => assert!(delta.iter().all(|d| *d == 0.0), "{w} row {r} must be untouched"),
             }
         }
+    }
+}
+
+/// Routed-expert and router pairs travel too: an MoE adapter promoted from
+/// the peer process into a CPU pool with an expert pool holds the same
+/// dense and expert slot bytes and table entries as the same adapter loaded
+/// from disk.
+#[test]
+fn an_expert_adapter_promoted_from_the_peer_matches_the_disk_load() {
+    const MOE: &str = "qwen3_moe";
+    const ADAPTER: &str = "experts_fused_router";
+    let (_, expert_image) = packed_from_disk(MOE, ADAPTER, &moe_options(None));
+    let opts = moe_options(Some(expert_image.as_bytes().len()));
+    let disk = disk_pool(MOE, &[(ADAPTER, ADAPTER)], opts.clone());
+    let peer = PeerProcess::spawn(MOE, &[ADAPTER], &[]);
+    let mut pool = LoraPool::new(&Device::cpu(), model_config(MOE), opts, BatchCapacity::default()).unwrap();
+    let mut transport = TcpTransport::connect(&peer.addr, TcpOptions::default()).unwrap();
+    let lease = promote_from_peer(&mut pool, &mut transport, ADAPTER).unwrap();
+    let (l, d) = (lease.slot(), disk.slot_of(ADAPTER).unwrap());
+    assert_eq!(pool.slot_contents(l).unwrap(), disk.slot_contents(d).unwrap());
+    let (pe, de) = (pool.experts().unwrap(), disk.experts().unwrap());
+    assert_eq!(pe.slot_contents(l).unwrap(), de.slot_contents(d).unwrap());
+    assert_eq!(pool.slots()[l].expert_pairs, disk.slots()[d].expert_pairs);
+    assert!(!pool.slots()[l].expert_pairs.is_empty());
+    for p in &pool.slots()[l].expert_pairs {
+        let lora_layout::PairKey::Expert { layer, site } = p.key else {
+            panic!()
+        };
+        let (a, b) = (pe.entry(layer, site, l).unwrap(), de.entry(layer, site, d).unwrap());
+        assert_eq!((a.scale, a.rank), (b.scale, b.rank), "{}", p.key);
+    }
+}
+
+fn moe_options(expert_slot_bytes: Option<usize>) -> LoraOptions {
+    LoraOptions {
+        max_loras: 2,
+        max_rank: 16,
+        experts: true,
+        expert_slot_bytes,
+        rotatable: true,
+        ..LoraOptions::default()
     }
 }
