@@ -12,18 +12,28 @@ use std::time::Instant;
 
 use lora_audit::{Oracle, audit_adapter, read_oracle};
 use lora_kernels::Device;
-use lora_kernels::testing::Rng;
+use lora_kernels::testing::{Rng, rel_error};
 use lora_layout::ModelConfig;
+use lora_overlay::TokenOverlays;
 use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool};
 
-use crate::serve::{Mode, mixed_dense_errors};
+use crate::probe::served_tables;
+use crate::serve::{Mode, mixed_dense_errors, mixed_token_errors};
 use crate::util::workspace_root;
 
 /// BF16 storage bound on ‖served − PEFT‖ / ‖PEFT‖.
 const BOUND: f64 = 1e-2;
 
-/// The dense demo adapters (ranks 4, 8, 16; plain, rsLoRA, alpha_pattern).
-const DENSE: [&str; 3] = ["demo_r4_plain", "demo_r8_rslora", "demo_r16_alpha_pattern"];
+/// The dense demo adapters (ranks 4, 8, 16; plain, rsLoRA, alpha_pattern)
+/// and the trainable-tokens adapter, all on the tiny llama.
+const LLAMA: [&str; 4] = [
+    "demo_r4_plain",
+    "demo_r8_rslora",
+    "demo_r16_alpha_pattern",
+    "trainable_tokens_untied_list",
+];
+/// The MoE adapter (transformers 5.x fused experts and the router).
+const MOE: (&str, &str) = ("qwen3_moe", "experts_fused_router");
 /// The adapter swapped in at runtime, and the broken one tried after it.
 const SWAP_IN: &str = "rank_alpha_pattern";
 const BROKEN: &str = "dora";
@@ -70,7 +80,7 @@ pub fn run(_args: &[String]) -> Result<(), String> {
     }
     let mut stages = Stages {
         started: Instant::now(),
-        total: 5,
+        total: 6,
         done: 0,
         times: Vec::new(),
     };
@@ -80,23 +90,32 @@ pub fn run(_args: &[String]) -> Result<(), String> {
     // 1. Audit.
     let cfg = model("llama")?;
     let opts = LoraOptions {
-        max_loras: 4,
+        max_loras: 5,
         max_rank: 16,
         rotatable: true,
         ..LoraOptions::default()
     };
+    let moe_cfg = model(MOE.0)?;
+    let moe_opts = LoraOptions {
+        max_loras: 2,
+        experts: true,
+        ..opts.clone()
+    };
     let t = stages.begin("audit");
-    for name in DENSE.iter().chain([&SWAP_IN, &BROKEN]) {
+    for name in LLAMA.iter().chain([&SWAP_IN, &BROKEN]) {
         let report =
             audit_adapter(&fixtures().join("llama").join(name), &cfg, &opts).map_err(|e| format!("{name}: {e}"))?;
         print!("{}", indent(&report.to_text(&cfg)));
     }
+    let moe_dir = fixtures().join(MOE.0).join(MOE.1);
+    let report = audit_adapter(&moe_dir, &moe_cfg, &moe_opts).map_err(|e| format!("{}: {e}", MOE.1))?;
+    print!("{}", indent(&report.to_text(&moe_cfg)));
     stages.end("audit", t);
 
     // 2. Plan and pack.
     let t = stages.begin("plan and pack the pool");
-    let dirs: Vec<PathBuf> = DENSE.iter().map(|a| fixtures().join("llama").join(a)).collect();
-    let sources: Vec<AdapterSource<'_>> = DENSE
+    let dirs: Vec<PathBuf> = LLAMA.iter().map(|a| fixtures().join("llama").join(a)).collect();
+    let sources: Vec<AdapterSource<'_>> = LLAMA
         .iter()
         .zip(&dirs)
         .map(|(name, dir)| AdapterSource { name, dir })
@@ -105,7 +124,10 @@ pub fn run(_args: &[String]) -> Result<(), String> {
         max_rows: 256,
         max_segments: 16,
     };
-    let mut pool = LoraPool::load(&device, cfg.clone(), opts.clone(), capacity, &sources).map_err(|e| e.to_string())?;
+    let tables = served_tables(&device, &cfg, &fixtures().join("llama").join("tables.safetensors"))?;
+    let overlays = TokenOverlays::new(&device, tables, opts.max_loras).map_err(|e| e.to_string())?;
+    let mut pool = LoraPool::load_with_companion(&device, cfg.clone(), opts.clone(), capacity, &sources, overlays)
+        .map_err(|e| e.to_string())?;
     let layout = pool.layout();
     println!(
         "      llama: {} slots x {} bytes (max_rank {}, {} pairs per slot), pool at {:#x}",
@@ -117,12 +139,30 @@ pub fn run(_args: &[String]) -> Result<(), String> {
     );
     for (slot, s) in pool.slots().iter().enumerate() {
         let label = if s.is_filled() { s.name.as_str() } else { "(empty)" };
+        let overlay = if s.has_overlay { "  + token overlay" } else { "" };
         println!(
-            "      slot {slot}: {label:<24} pairs {:>3}  id {:#018x}",
+            "      slot {slot}: {label:<30} pairs {:>3}  id {:#018x}{overlay}",
             s.pairs.len(),
             s.adapter_id()
         );
     }
+    let moe_sources = [AdapterSource {
+        name: MOE.1,
+        dir: &moe_dir,
+    }];
+    let mut moe_pool = LoraPool::load(&device, moe_cfg.clone(), moe_opts.clone(), capacity, &moe_sources)
+        .map_err(|e| e.to_string())?;
+    let experts = moe_pool.experts().ok_or("the MoE pool has no expert pool")?;
+    println!(
+        "      {}: {} slots x {} bytes dense + {} slots x {} bytes expert pool (expert stride {}), {} expert/router pairs in slot 0",
+        MOE.0,
+        moe_opts.max_loras,
+        moe_pool.layout().slot_bytes(),
+        moe_opts.max_loras,
+        experts.slot_bytes(),
+        experts.stride(),
+        moe_pool.slots()[0].expert_pairs.len()
+    );
     stages.end("plan and pack", t);
 
     // 3. Serve mixed batches.
@@ -132,16 +172,44 @@ pub fn run(_args: &[String]) -> Result<(), String> {
     for mode in [Mode::Decode, Mode::Prefill] {
         let (worst, rows) = mixed_dense_errors(&mut pool, &by_slot, 3, mode, &mut rng)?;
         println!("      {mode:?}: {rows} rows served over every adapted (layer, module)");
-        for (name, e) in DENSE.iter().zip(worst) {
-            println!("        {name:<24} max rel. error vs PEFT {e:.2e}");
+        for (name, e) in LLAMA.iter().zip(worst) {
+            println!("        {name:<30} max rel. error vs PEFT {e:.2e}");
             errors.push((format!("{name} ({mode:?})"), e));
         }
     }
+    let worst = mixed_token_errors(&mut pool, &by_slot, 3, &mut rng)?;
+    println!("      token embedding lookup (mixed batch, overlay kernel):");
+    for (name, e) in LLAMA.iter().zip(worst) {
+        println!("        {name:<30} max rel. error vs PEFT {e:.2e}");
+        errors.push((format!("{name} (embedding rows)"), e));
+    }
     stages.end("serve", t);
+
+    let t = stages.begin("serve the MoE adapter: routed experts, router and attention");
+    let moe_oracle = oracle(&moe_dir)?;
+    let (worst, rows) = mixed_dense_errors(&mut moe_pool, &[(0, &moe_oracle)], 3, Mode::Decode, &mut rng)?;
+    println!(
+        "      dense (attention) rows: {rows}, max rel. error vs PEFT {:.2e}",
+        worst[0]
+    );
+    errors.push((format!("{} (attention)", MOE.1), worst[0]));
+    let served = lora_moe::probe_expert_lora(&moe_pool, 0, &moe_oracle.inputs).map_err(|e| e.to_string())?;
+    let mut worst = 0.0f64;
+    for (key, got) in &served.tensors {
+        let want = moe_oracle
+            .expected
+            .get(key)
+            .ok_or_else(|| format!("the oracle has no {key}"))?;
+        let e = rel_error(&got.data, &want.data);
+        println!("      {key:<52} {:?} max rel. error {e:.2e}", got.shape);
+        worst = worst.max(e);
+    }
+    errors.push((format!("{} (experts, router)", MOE.1), worst));
+    stages.end("serve MoE", t);
 
     // 4. Swap while the others serve; then a broken swap.
     let t = stages.begin("swap from disk while the other slots serve");
-    let slot = 3;
+    let slot = 4;
     let before = pool.slots()[slot].adapter_id();
     let report = pool
         .swap_from_disk(slot, SWAP_IN, &fixtures().join("llama").join(SWAP_IN))
@@ -161,14 +229,17 @@ pub fn run(_args: &[String]) -> Result<(), String> {
     let mut all: Vec<(usize, &Oracle)> = by_slot.clone();
     all.push((slot, &swapped));
     let (worst, _) = mixed_dense_errors(&mut pool, &all, 3, Mode::Decode, &mut rng)?;
-    for ((_, _), (name, e)) in all.iter().zip(DENSE.iter().chain([&SWAP_IN]).zip(&worst)) {
-        println!("        {name:<24} max rel. error vs PEFT {e:.2e} (after the swap)");
+    for ((_, _), (name, e)) in all.iter().zip(LLAMA.iter().chain([&SWAP_IN]).zip(&worst)) {
+        println!("        {name:<30} max rel. error vs PEFT {e:.2e} (after the swap)");
         errors.push((format!("{name} (after swap)"), *e));
     }
     let snapshot = pool.slot_contents(slot).map_err(|e| e.to_string())?;
     match pool.swap_from_disk(slot, "broken", &fixtures().join("llama").join(BROKEN)) {
         Ok(_) => return Err(format!("swapping {BROKEN} must be refused")),
-        Err(e) => println!("      swapping `{BROKEN}` into slot {slot} is refused: {e}"),
+        Err(e) => println!(
+            "      swapping `{BROKEN}` into slot {slot} is refused: {}",
+            e.refusal_codes().join(", ")
+        ),
     }
     let unchanged = pool.slot_contents(slot).map_err(|e| e.to_string())? == snapshot;
     let (worst, _) = mixed_dense_errors(&mut pool, &[(slot, &swapped)], 3, Mode::Decode, &mut rng)?;

@@ -11,7 +11,6 @@
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use half::bf16;
 use lora_audit::{
@@ -20,7 +19,7 @@ use lora_audit::{
 };
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
-use lora_overlay::{ServedHead, ServedTables, TokenOverlays, probe_token_rows};
+use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
 use lora_pool::{AdapterSource, BatchCapacity, LoraPool, ModuleTarget, NoCompanion, PoolError, SlotCompanion};
 
 /// Why the probe stopped: bad usage or input (exit 2), or a refused adapter
@@ -179,18 +178,9 @@ fn refused_or_usage(e: PoolError, dir: &std::path::Path, cfg: &ModelConfig) -> P
 
 /// The served base tables from `--base`: the embedding, and the head's own
 /// table when the model is untied.
-fn served_tables(device: &Device, cfg: &ModelConfig, path: &std::path::Path) -> Result<ServedTables, String> {
+pub fn served_tables(device: &Device, cfg: &ModelConfig, path: &std::path::Path) -> Result<ServedTables, String> {
     let base = read_base_tables(path).map_err(|e| e.to_string())?;
-    let embed = base
-        .embed
-        .ok_or_else(|| format!("{}: no embed_tokens.weight", path.display()))?;
-    let embed = Arc::new(device.upload(&embed).map_err(|e| e.to_string())?);
-    let head = match (cfg.tie_word_embeddings, base.lm_head) {
-        (true, _) => ServedHead::SharesEmbedding,
-        (false, Some(h)) => ServedHead::Own(Arc::new(device.upload(&h).map_err(|e| e.to_string())?)),
-        (false, None) => return Err(format!("{}: an untied model needs lm_head.weight", path.display())),
-    };
-    ServedTables::new(device, embed, head, cfg.vocab_size, cfg.hidden_size).map_err(|e| e.to_string())
+    ServedTables::upload(device, &base, cfg).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Dense probes through the pool's decode path and expert/router probes

@@ -8,6 +8,7 @@ use lora_audit::{Oracle, ProbeTensor, WeightRef, parse_weight_name};
 use lora_kernels::testing::{Rng, rel_error};
 use lora_kernels::{Rows, RowsMut};
 use lora_layout::LoraModule;
+use lora_overlay::TokenOverlays;
 use lora_pool::{LoraPool, ModuleTarget, SlotCompanion};
 
 /// How a batch reaches the kernels.
@@ -17,10 +18,6 @@ pub enum Mode {
     Decode,
     /// One slot per segment (SGMV).
     Prefill,
-}
-
-fn to_bf16(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
 }
 
 /// Dense probe weights of `oracles`, with their (layer, module).
@@ -42,8 +39,15 @@ fn dense_weights<C: SlotCompanion>(
 /// its probe rows (random rows when the adapter leaves the weight alone,
 /// whose delta must then be exactly zero), then `base_rows` random rows of
 /// the base model, each batch through the pool in `mode`. Returns each
-/// adapter's largest relative error against its oracle (f64::INFINITY for a
-/// nonzero delta where none is due) and the number of rows served.
+/// adapter's largest per-row relative error against its oracle
+/// (f64::INFINITY for a nonzero delta where none is due) and the number of
+/// rows served.
+///
+/// Each f32 probe row goes in as two BF16 rows of the same slot, `hi =
+/// bf16(x)` and `lo = bf16(x - hi)`, whose deltas add up (the apply is
+/// linear in x): the check then measures the served pairs, not the rounding
+/// of PEFT's f32 probe to BF16, which alone moves a cancelling row's delta
+/// by more than 1 %.
 pub fn mixed_dense_errors<C: SlotCompanion>(
     pool: &mut LoraPool<C>,
     oracles: &[(usize, &Oracle)],
@@ -57,36 +61,52 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
     let mut served = 0;
     for (w, layer, module) in dense_weights(pool, oracles)? {
         let (out_dim, in_dim) = module.dims(pool.config());
-        let mut x = Vec::new();
+        let mut x: Vec<bf16> = Vec::new();
         let mut row_slot = Vec::new();
-        let mut expected: Vec<(Option<usize>, Option<&[f32]>)> = Vec::new();
+        // Per logical row: its adapter, PEFT's delta, its physical rows.
+        let mut expected: Vec<(Option<usize>, Option<&[f32]>, Vec<usize>)> = Vec::new();
         let mut segments = vec![0usize];
+        let random_rows = |x: &mut Vec<bf16>, expected: &mut Vec<_>, who: Option<usize>, n: usize, rng: &mut Rng| {
+            for _ in 0..n {
+                expected.push((who, None, vec![x.len() / in_dim]));
+                x.extend((0..in_dim).map(|_| bf16::from_f32(rng.uniform() * 2.0 - 1.0)));
+            }
+        };
         for (k, (slot, oracle)) in oracles.iter().enumerate() {
+            let first = x.len() / in_dim;
             let probe_out = oracle.expected.get(&format!("{}{w}", lora_audit::PROBE_OUT));
-            let rows = match (oracle.inputs.inputs.get(&w), probe_out) {
+            match (oracle.inputs.inputs.get(&w), probe_out) {
                 (Some(input), Some(output)) => {
                     check_shapes(&w, input, output, in_dim, out_dim)?;
-                    x.extend_from_slice(&input.data);
-                    let n = input.shape[0];
-                    expected.extend((0..n).map(|r| (Some(k), Some(&output.data[r * out_dim..(r + 1) * out_dim]))));
-                    n
+                    for (r, row) in input.data.chunks_exact(in_dim).enumerate() {
+                        let hi: Vec<bf16> = row.iter().map(|&v| bf16::from_f32(v)).collect();
+                        let lo: Vec<bf16> = row
+                            .iter()
+                            .zip(&hi)
+                            .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
+                            .collect();
+                        let at = x.len() / in_dim;
+                        x.extend(hi);
+                        x.extend(lo);
+                        expected.push((
+                            Some(k),
+                            Some(&output.data[r * out_dim..(r + 1) * out_dim]),
+                            vec![at, at + 1],
+                        ));
+                    }
                 }
-                _ => {
-                    x.extend((0..4 * in_dim).map(|_| rng.uniform() * 2.0 - 1.0));
-                    expected.extend((0..4).map(|_| (Some(k), None)));
-                    4
-                }
-            };
+                _ => random_rows(&mut x, &mut expected, Some(k), 4, rng),
+            }
+            let rows = x.len() / in_dim - first;
             row_slot.extend(std::iter::repeat_n(*slot as i32, rows));
             segments.push(segments[segments.len() - 1] + rows);
         }
-        x.extend((0..base_rows * in_dim).map(|_| rng.uniform() * 2.0 - 1.0));
+        random_rows(&mut x, &mut expected, None, base_rows, rng);
         row_slot.extend(std::iter::repeat_n(-1, base_rows));
-        expected.extend((0..base_rows).map(|_| (None, None)));
         segments.push(segments[segments.len() - 1] + base_rows);
         let n = row_slot.len();
         let y0: Vec<f32> = (0..n * out_dim).map(|_| rng.uniform() - 0.5).collect();
-        let xb = device.upload(&to_bf16(&x)).map_err(|e| e.to_string())?;
+        let xb = device.upload(&x).map_err(|e| e.to_string())?;
         let mut yb = device.upload(&y0).map_err(|e| e.to_string())?;
         let target = [ModuleTarget {
             module,
@@ -110,8 +130,10 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
         }
         device.check_faults().map_err(|e| e.to_string())?;
         let y = yb.download().map_err(|e| e.to_string())?;
-        for (r, (adapter, want)) in expected.iter().enumerate() {
-            let delta: Vec<f32> = (0..out_dim).map(|c| y[r * out_dim + c] - y0[r * out_dim + c]).collect();
+        for (adapter, want, phys) in &expected {
+            let delta: Vec<f32> = (0..out_dim)
+                .map(|c| phys.iter().map(|&r| y[r * out_dim + c] - y0[r * out_dim + c]).sum())
+                .collect();
             let e = match want {
                 Some(reference) => rel_error(&delta, reference),
                 None if delta.iter().all(|d| *d == 0.0) => 0.0,
@@ -143,4 +165,87 @@ fn check_shapes(
         ));
     }
     Ok(())
+}
+
+/// One batch of token ids through the embedding overlay: for each
+/// `(slot, oracle)`, the ids whose embedding row PEFT's merge changed
+/// (`rows_idx::…embed_tokens.weight`; none for an adapter without token
+/// overlays) and 4 random ids, then `base_rows` random ids of the base
+/// model. Returns each adapter's largest relative error against PEFT's
+/// merged rows (f64::INFINITY when a row that must stay the base's does
+/// not).
+pub fn mixed_token_errors(
+    pool: &mut LoraPool<TokenOverlays>,
+    oracles: &[(usize, &Oracle)],
+    base_rows: usize,
+    rng: &mut Rng,
+) -> Result<Vec<f64>, String> {
+    let s = |e: &dyn std::fmt::Display| e.to_string();
+    let device = pool.device().clone();
+    let (vocab, hidden) = (pool.companion().tables().vocab(), pool.companion().tables().hidden());
+    let base = pool.companion().tables().embed().download().map_err(|e| s(&e))?;
+    let mut ids: Vec<u32> = Vec::new();
+    let mut row_slot: Vec<i32> = Vec::new();
+    let mut expected: Vec<(Option<usize>, Option<Vec<f32>>)> = Vec::new();
+    let table = oracles
+        .iter()
+        .flat_map(|(_, o)| o.inputs.rows.keys())
+        .find(|t| t.ends_with("embed_tokens.weight"))
+        .cloned();
+    for (k, (slot, oracle)) in oracles.iter().enumerate() {
+        let changed: Vec<i64> = table
+            .as_ref()
+            .and_then(|t| oracle.inputs.rows.get(t))
+            .cloned()
+            .unwrap_or_default();
+        let merged = table
+            .as_ref()
+            .and_then(|t| oracle.expected.get(&format!("{}{t}", lora_audit::ROWS_MERGED)));
+        for (r, &id) in changed.iter().enumerate() {
+            let row = merged.map(|m| m.data[r * hidden..(r + 1) * hidden].to_vec());
+            ids.push(u32::try_from(id).map_err(|e| s(&e))?);
+            expected.push((Some(k), row));
+        }
+        for _ in 0..4 {
+            let id = loop {
+                let id = rng.below(vocab) as i64;
+                if !changed.contains(&id) {
+                    break id;
+                }
+            };
+            ids.push(id as u32);
+            expected.push((Some(k), None));
+        }
+        row_slot.extend(std::iter::repeat_n(*slot as i32, changed.len() + 4));
+    }
+    for _ in 0..base_rows {
+        ids.push(rng.below(vocab) as u32);
+        expected.push((None, None));
+    }
+    row_slot.extend(std::iter::repeat_n(-1, base_rows));
+    let n = ids.len();
+    pool.set_decode_rows(&row_slot, n).map_err(|e| s(&e))?;
+    let ids_dev = device.upload(&ids).map_err(|e| s(&e))?;
+    let mut out = device.alloc_zeros::<bf16>(n * hidden).map_err(|e| s(&e))?;
+    pool.companion()
+        .embed(&ids_dev, Some(pool.seq_slot()), RowsMut::dense(&mut out, n, hidden))
+        .map_err(|e| s(&e))?;
+    device.check_faults().map_err(|e| s(&e))?;
+    let out = out.download().map_err(|e| s(&e))?;
+    let mut worst = vec![0.0f64; oracles.len()];
+    for (r, (adapter, want)) in expected.iter().enumerate() {
+        let got: Vec<f32> = out[r * hidden..(r + 1) * hidden].iter().map(|v| v.to_f32()).collect();
+        let id = ids[r] as usize;
+        let e = match want {
+            Some(reference) => rel_error(&got, reference),
+            None if out[r * hidden..(r + 1) * hidden] == base[id * hidden..(id + 1) * hidden] => 0.0,
+            None => f64::INFINITY,
+        };
+        match adapter {
+            Some(k) => worst[*k] = worst[*k].max(e),
+            None if e != 0.0 => return Err(format!("token {id} of a base-model row is not the base row")),
+            None => {}
+        }
+    }
+    Ok(worst)
 }
