@@ -35,6 +35,15 @@ fn dense_weights<C: SlotCompanion>(
     Ok(out)
 }
 
+/// One probe row of a mixed batch: the adapter it belongs to (`None`: the
+/// base model), PEFT's delta (`None`: exactly zero), and the batch rows
+/// whose deltas add up to it.
+struct LogicalRow<'a> {
+    adapter: Option<usize>,
+    delta: Option<&'a [f32]>,
+    rows: Vec<usize>,
+}
+
 /// Run one mixed batch per dense probe weight: for each `(slot, oracle)`,
 /// its probe rows (random rows when the adapter leaves the weight alone,
 /// whose delta must then be exactly zero), then `base_rows` random rows of
@@ -63,12 +72,15 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
         let (out_dim, in_dim) = module.dims(pool.config());
         let mut x: Vec<bf16> = Vec::new();
         let mut row_slot = Vec::new();
-        // Per logical row: its adapter, PEFT's delta, its physical rows.
-        let mut expected: Vec<(Option<usize>, Option<&[f32]>, Vec<usize>)> = Vec::new();
+        let mut expected: Vec<LogicalRow<'_>> = Vec::new();
         let mut segments = vec![0usize];
         let random_rows = |x: &mut Vec<bf16>, expected: &mut Vec<_>, who: Option<usize>, n: usize, rng: &mut Rng| {
             for _ in 0..n {
-                expected.push((who, None, vec![x.len() / in_dim]));
+                expected.push(LogicalRow {
+                    adapter: who,
+                    delta: None,
+                    rows: vec![x.len() / in_dim],
+                });
                 x.extend((0..in_dim).map(|_| bf16::from_f32(rng.uniform() * 2.0 - 1.0)));
             }
         };
@@ -130,9 +142,14 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
         }
         device.check_faults().map_err(|e| e.to_string())?;
         let y = yb.download().map_err(|e| e.to_string())?;
-        for (adapter, want, phys) in &expected {
+        for LogicalRow {
+            adapter,
+            delta: want,
+            rows,
+        } in &expected
+        {
             let delta: Vec<f32> = (0..out_dim)
-                .map(|c| phys.iter().map(|&r| y[r * out_dim + c] - y0[r * out_dim + c]).sum())
+                .map(|c| rows.iter().map(|&r| y[r * out_dim + c] - y0[r * out_dim + c]).sum())
                 .collect();
             let e = match want {
                 Some(reference) => rel_error(&delta, reference),
