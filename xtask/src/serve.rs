@@ -100,11 +100,11 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
                         let at = x.len() / in_dim;
                         x.extend(hi);
                         x.extend(lo);
-                        expected.push((
-                            Some(k),
-                            Some(&output.data[r * out_dim..(r + 1) * out_dim]),
-                            vec![at, at + 1],
-                        ));
+                        expected.push(LogicalRow {
+                            adapter: Some(k),
+                            delta: Some(&output.data[r * out_dim..(r + 1) * out_dim]),
+                            rows: vec![at, at + 1],
+                        });
                     }
                 }
                 _ => random_rows(&mut x, &mut expected, Some(k), 4, rng),
