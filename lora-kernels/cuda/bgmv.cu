@@ -19,7 +19,6 @@
 #define BGMV_WARPS (BGMV_THREADS / 32)
 #define BGMV_G 8
 #define BGMV_MAX_RANK 256
-#define BGMV_KCH 1024
 #define BGMV_WIN_MAX 512
 
 struct BgmvParams {
@@ -37,10 +36,15 @@ struct BgmvParams {
     int clusters_per_window;
     int window;
     int n_windows;
-    int pad0;
-    int pad1;
+    int k_chunk;
+    int lo_max;
+    int off_y;
+    int off_t;
+    int off_a;
+    int off_x;
     LoraTarget targets[MAX_TARGETS];
 };
+static_assert(sizeof(BgmvParams) == 192 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 96, "mirrors bgmv.rs");
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u64 g = (u64)p;
@@ -73,17 +77,42 @@ __device__ __forceinline__ void split8(int n, int parts, int i, int& b, int& e) 
     e = min(n, b + per);
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Copy n elements (of 2 bytes) from global to shared: 16-byte cp.async when
+// both ends are 16-byte aligned and n is a multiple of 8, else plain loads.
+__device__ __forceinline__ void stage_bf16(bf16_t* dst, const bf16_t* src, int n, bool vec, int lane_id, int lanes) {
+    if (vec) {
+        for (int c = lane_id; c < (n >> 3); c += lanes) cp_async16(dst + c * 8, src + c * 8);
+    } else {
+        for (int c = lane_id; c < n; c += lanes) dst[c] = src[c];
+    }
+}
+
+// Dynamic shared memory layout, in this order (each region 16-byte aligned):
+//   sB   [lo_max][stride + 8] bf16   this block's B rows (padded: no bank conflicts)
+//   sY   [G][lo_max] Y                this block's y values of the item's rows
+//   sTp  [G][tp] f32                  partial rank vectors (read by the cluster peers)
+//   sT   [G][tp] f32                  summed, scaled rank vectors
+//   sA   [stages][stride][kch] bf16   A slice chunk(s)
+//   sX   [stages][G][kch] bf16        x slice chunk(s)
+// tp = stride rounded up to 8. The host sizes it and passes the offsets in.
 template <typename Y, int C>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
+    extern __shared__ __align__(16) unsigned char dyn[];
     __shared__ __align__(16) int s_idx[BGMV_WIN_MAX];
     __shared__ int s_items[BGMV_WIN_MAX];
     __shared__ int s_scan[BGMV_WARPS + 1];
     __shared__ int s_rows[BGMV_G];
     __shared__ int s_nrows;
     __shared__ PairEntry s_entry;
-    __shared__ __align__(16) float s_tpart[BGMV_G][BGMV_MAX_RANK];
-    __shared__ __align__(16) float s_t[BGMV_G][BGMV_MAX_RANK];
-    __shared__ __align__(16) bf16_t s_x[BGMV_G][BGMV_KCH];
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -99,6 +128,9 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     if (nwin <= 0) return;
     const bool report = crank == 0 && split == 0 && q == 0;
 
+    // The table is small: pull it towards L2 while idx arrives, so the entry
+    // load after the row scan is not a second cold round trip.
+    if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
     const int* idx = (const int*)p.idx;
     for (int j = tid; j < nwin; j += BGMV_THREADS) {
         int e = idx[row0 + j];
@@ -155,9 +187,20 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     split8(s1 - s0, C, crank, o0, o1);
     o0 += s0;
     o1 += s0;
+    const int lo = o1 - o0;
 
     const int in = p.in_dim;
     const int stride = p.rank_stride;
+    const int bpitch = stride + 8;
+    const int kch = p.k_chunk;
+    const int lo_max = p.lo_max;
+    bf16_t* sB = (bf16_t*)dyn;
+    Y* sY = (Y*)(dyn + p.off_y);
+    bf16_t* sA = (bf16_t*)(dyn + p.off_a);
+    bf16_t* sX = (bf16_t*)(dyn + p.off_x);
+    const int tp = (stride + 7) & ~7;
+    float* sTp = (float*)(dyn + p.off_t);
+    float* sT = sTp + BGMV_G * tp;
     const bf16_t* X = (const bf16_t*)p.x;
     Y* Yp = (Y*)p.y;
     const PairEntry* table = (const PairEntry*)tg.table;
@@ -190,7 +233,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             }
         }
         if (C > 1 && pending) {
-            cluster_wait();  // every peer finished reading our s_tpart
+            cluster_wait();  // every peer finished reading our sTp
             pending = false;
         }
         __syncthreads();
@@ -201,72 +244,87 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         const int nr = rank > 0 ? s_nrows : 0;
         const bf16_t* A = (const bf16_t*)en.a;
         const bf16_t* B = (const bf16_t*)en.b;
-
-        // Ask for everything this block will read while the first loads start.
-        for (int k = tid; k < rank; k += BGMV_THREADS) prefetch_l2(A + (u64)k * in + k0, (u64)(k1 - k0) * 2);
-        if (tid == BGMV_THREADS - 1 && nr > 0 && o1 > o0) prefetch_l2(B + (u64)o0 * stride, (u64)(o1 - o0) * stride * 2);
-        if (tid >= 32 && tid < 32 + nr) {
-            const int r = s_rows[tid - 32];
-            prefetch_l2(X + (u64)r * p.x_stride + k0, (u64)(k1 - k0) * 2);
-            if (o1 > o0) prefetch_l2(Yp + (u64)r * ys + coff + o0, (u64)(o1 - o0) * sizeof(Y));
-        }
-
         const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
         const bool vec_b = (stride % 8 == 0) && aligned16(B);
+        const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) &&
+                           aligned16(Yp) && ((int)sizeof(Y) * lo % 16 == 0);
+        const int rank8 = (rank + 7) & ~7;
+        const int n_chunks = (k1 - k0 + kch - 1) / kch;
 
-        // ---- shrink: s_tpart[g][k] = sum over this rank's slice of A[k, i] x[row_g, i]
+        // ---- one batch of copies for everything the block reads: B rows and
+        // y values (group 0), then the first two chunks of A and x (groups 1, 2).
+        if (nr > 0 && lo > 0) {
+            // B row o has `rank` useful columns; copy rank8 of them (inside the stride).
+            const int per_row = vec_b ? rank8 / 8 : rank;
+            for (int v = tid; v < lo * per_row; v += BGMV_THREADS) {
+                const int r = v / per_row;
+                const int c = v - r * per_row;
+                const bf16_t* src = B + (u64)(o0 + r) * stride;
+                if (vec_b) cp_async16(sB + r * bpitch + c * 8, src + c * 8);
+                else sB[r * bpitch + c] = src[c];
+            }
+            const int y_per_row = vec_y ? lo * (int)sizeof(Y) / 16 : lo;
+            for (int v = tid; v < nr * y_per_row; v += BGMV_THREADS) {
+                const int g = v / y_per_row;
+                const int c = v - g * y_per_row;
+                const Y* src = Yp + (u64)s_rows[g] * ys + coff + o0;
+                if (vec_y) cp_async16((unsigned char*)(sY + g * lo_max) + c * 16, (const unsigned char*)src + c * 16);
+                else sY[g * lo_max + c] = src[c];
+            }
+        }
+        cp_async_commit();
+        auto stage_chunk = [&](int chunk) {
+            const int st = chunk & 1;
+            const int kc = k0 + chunk * kch;
+            const int len = min(kch, k1 - kc);
+            bf16_t* a = sA + st * stride * kch;
+            bf16_t* x = sX + st * BGMV_G * kch;
+            // Warps split the rows: A rows k, then x rows g.
+            for (int r = warp; r < rank + nr; r += BGMV_WARPS) {
+                if (r < rank) stage_bf16(a + r * kch, A + (u64)r * in + kc, len, vec_x, lane, 32);
+                else stage_bf16(x + (r - rank) * kch, X + (u64)s_rows[r - rank] * p.x_stride + kc, len, vec_x, lane, 32);
+            }
+        };
+        if (nr > 0) {
+            if (n_chunks > 0) stage_chunk(0);
+            cp_async_commit();
+            if (n_chunks > 1) stage_chunk(1);
+            cp_async_commit();
+        } else {
+            cp_async_commit();
+            cp_async_commit();
+        }
+
+        // ---- shrink: sTp[g][k] = sum over this rank's slice of A[k, i] x[row_g, i]
         for (int v = tid; v < nr * rank; v += BGMV_THREADS) {
             const int g = v / rank;
-            s_tpart[g][v - g * rank] = 0.f;
+            sTp[g * tp + v - g * rank] = 0.f;
         }
-        for (int kc = k0; kc < k1; kc += BGMV_KCH) {
-            const int len = min(BGMV_KCH, k1 - kc);
+        for (int ch = 0; nr > 0 && ch < n_chunks; ++ch) {
+            if (ch + 1 < n_chunks) cp_async_wait<1>(); else cp_async_wait<0>();
             __syncthreads();
-            if (vec_x) {
-                const int n8 = len >> 3;
-                for (int v = tid; v < nr * n8; v += BGMV_THREADS) {
-                    const int g = v / n8;
-                    const int c = v - g * n8;
-                    *(uint4*)&s_x[g][c * 8] = ldg16(X + (u64)s_rows[g] * p.x_stride + kc + c * 8);
-                }
-            } else {
-                for (int v = tid; v < nr * len; v += BGMV_THREADS) {
-                    const int g = v / len;
-                    const int c = v - g * len;
-                    s_x[g][c] = X[(u64)s_rows[g] * p.x_stride + kc + c];
-                }
-            }
-            __syncthreads();
+            const int st = ch & 1;
+            const int len = min(kch, k1 - (k0 + ch * kch));
+            const bf16_t* a = sA + st * stride * kch;
+            const bf16_t* x = sX + st * BGMV_G * kch;
             for (int k = warp; k < rank; k += BGMV_WARPS) {
                 float acc[BGMV_G];
 #pragma unroll
                 for (int g = 0; g < BGMV_G; ++g) acc[g] = 0.f;
-                const bf16_t* arow = A + (u64)k * in + kc;
+                const bf16_t* arow = a + k * kch;
                 if (vec_x) {
-                    const int n8 = len >> 3;
-                    for (int c0 = lane; c0 < n8; c0 += 128) {
-                        uint4 a[4];
+                    for (int c = lane; c < (len >> 3); c += 32) {
+                        const uint4 av = *(const uint4*)(arow + c * 8);
 #pragma unroll
-                        for (int u = 0; u < 4; ++u) {
-                            const int c = c0 + 32 * u;
-                            a[u] = c < n8 ? ldg16(arow + c * 8) : make_uint4(0u, 0u, 0u, 0u);
-                        }
-#pragma unroll
-                        for (int u = 0; u < 4; ++u) {
-                            const int c = c0 + 32 * u;
-                            if (c < n8) {
-#pragma unroll
-                                for (int g = 0; g < BGMV_G; ++g)
-                                    if (g < nr) acc[g] = dot8(a[u], *(const uint4*)&s_x[g][c * 8], acc[g]);
-                            }
-                        }
+                        for (int g = 0; g < BGMV_G; ++g)
+                            if (g < nr) acc[g] = dot8(av, *(const uint4*)(x + g * kch + c * 8), acc[g]);
                     }
                 } else {
                     for (int c = lane; c < len; c += 32) {
-                        const float a = bf2f(arow[c]);
+                        const float av = bf2f(arow[c]);
 #pragma unroll
                         for (int g = 0; g < BGMV_G; ++g)
-                            if (g < nr) acc[g] = fmaf(a, bf2f(s_x[g][c]), acc[g]);
+                            if (g < nr) acc[g] = fmaf(av, bf2f(x[g * kch + c]), acc[g]);
                     }
                 }
 #pragma unroll
@@ -275,10 +333,16 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 if (lane == 0) {
 #pragma unroll
                     for (int g = 0; g < BGMV_G; ++g)
-                        if (g < nr) s_tpart[g][k] += acc[g];
+                        if (g < nr) sTp[g * tp + k] += acc[g];
                 }
             }
+            if (ch + 2 < n_chunks) {
+                __syncthreads();  // stage ch & 1 is free again
+                stage_chunk(ch + 2);
+            }
+            cp_async_commit();
         }
+        cp_async_wait<0>();  // B and y (and nothing else) may still be in flight
         __syncthreads();
 
         // ---- sum the partial rank vectors over the cluster, scale them.
@@ -291,8 +355,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 const int k = v - g * rank;
                 float s = 0.f;
 #pragma unroll
-                for (int r = 0; r < C; ++r) s += ld_dsmem(&s_tpart[g][k], (u32)r);
-                s_t[g][k] = s * scale;
+                for (int r = 0; r < C; ++r) s += ld_dsmem(&sTp[g * tp + k], (u32)r);
+                sT[g * tp + k] = s * scale;
             }
             cluster_arrive();
             pending = true;
@@ -300,67 +364,58 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             for (int v = tid; v < nr * rank; v += BGMV_THREADS) {
                 const int g = v / rank;
                 const int k = v - g * rank;
-                s_t[g][k] = s_tpart[g][k] * scale;
+                sT[g * tp + k] = sTp[g * tp + k] * scale;
             }
         }
-        const int rank8 = (rank + 7) & ~7;
         if (rank8 > rank) {
             const int pad = rank8 - rank;
             for (int v = tid; v < nr * pad; v += BGMV_THREADS) {
                 const int g = v / pad;
-                s_t[g][rank + (v - g * pad)] = 0.f;
+                sT[g * tp + rank + (v - g * pad)] = 0.f;
             }
         }
         __syncthreads();
 
-        // ---- expand: y[row_g, coff + o] += sum_k s_t[g][k] B[o, k]; one output per thread,
-        // so a warp reads 32 consecutive B rows and writes 32 consecutive y values per row.
-        for (int o = o0 + tid; nr > 0 && o < o1; o += BGMV_THREADS) {
-            float yv[BGMV_G];
-#pragma unroll
-            for (int g = 0; g < BGMV_G; ++g) yv[g] = g < nr ? y_load(Yp + (u64)s_rows[g] * ys + coff + o) : 0.f;
+        // ---- expand from shared memory: y[row_g, coff + o] = sY + sum_k sT[g][k] sB[o][k].
+        for (int r = tid; nr > 0 && r < lo; r += BGMV_THREADS) {
             float acc[BGMV_G];
 #pragma unroll
             for (int g = 0; g < BGMV_G; ++g) acc[g] = 0.f;
-            const bf16_t* brow = B + (u64)o * stride;
-            if (vec_b) {
-                for (int kb = 0; kb < rank; kb += 8) {
-                    float w[8];
-                    unpack8(ldg16(brow + kb), w);
-                    if (kb + 8 > rank) {
+            const bf16_t* brow = sB + r * bpitch;
+            for (int kb = 0; kb < rank; kb += 8) {
+                float w[8];
+                if (vec_b) {
+                    unpack8(*(const uint4*)(brow + kb), w);
+                } else {
 #pragma unroll
-                        for (int j = 0; j < 8; ++j)
-                            if (kb + j >= rank) w[j] = 0.f;
-                    }
-#pragma unroll
-                    for (int g = 0; g < BGMV_G; ++g) {
-                        if (g < nr) {
-                            const float4 ta = *(const float4*)&s_t[g][kb];
-                            const float4 tb = *(const float4*)&s_t[g][kb + 4];
-                            float a = acc[g];
-                            a = fmaf(ta.x, w[0], a);
-                            a = fmaf(ta.y, w[1], a);
-                            a = fmaf(ta.z, w[2], a);
-                            a = fmaf(ta.w, w[3], a);
-                            a = fmaf(tb.x, w[4], a);
-                            a = fmaf(tb.y, w[5], a);
-                            a = fmaf(tb.z, w[6], a);
-                            a = fmaf(tb.w, w[7], a);
-                            acc[g] = a;
-                        }
-                    }
+                    for (int j = 0; j < 8; ++j) w[j] = kb + j < rank ? bf2f(brow[kb + j]) : 0.f;
                 }
-            } else {
-                for (int k = 0; k < rank; ++k) {
-                    const float w = bf2f(brow[k]);
+                if (kb + 8 > rank) {
 #pragma unroll
-                    for (int g = 0; g < BGMV_G; ++g)
-                        if (g < nr) acc[g] = fmaf(s_t[g][k], w, acc[g]);
+                    for (int j = 0; j < 8; ++j)
+                        if (kb + j >= rank) w[j] = 0.f;
+                }
+#pragma unroll
+                for (int g = 0; g < BGMV_G; ++g) {
+                    if (g < nr) {
+                        const float4 ta = *(const float4*)&sT[g * tp + kb];
+                        const float4 tb = *(const float4*)&sT[g * tp + kb + 4];
+                        float a = acc[g];
+                        a = fmaf(ta.x, w[0], a);
+                        a = fmaf(ta.y, w[1], a);
+                        a = fmaf(ta.z, w[2], a);
+                        a = fmaf(ta.w, w[3], a);
+                        a = fmaf(tb.x, w[4], a);
+                        a = fmaf(tb.y, w[5], a);
+                        a = fmaf(tb.z, w[6], a);
+                        a = fmaf(tb.w, w[7], a);
+                        acc[g] = a;
+                    }
                 }
             }
 #pragma unroll
             for (int g = 0; g < BGMV_G; ++g)
-                if (g < nr) y_store(Yp + (u64)s_rows[g] * ys + coff + o, yv[g] + acc[g]);
+                if (g < nr) y_store(Yp + (u64)s_rows[g] * ys + coff + o0 + r, y_load(sY + g * lo_max + r) + acc[g]);
         }
     }
     if (C > 1 && pending) cluster_wait();  // keep our shared memory alive until every peer read it
@@ -370,10 +425,10 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_c1_bf16(const Bg
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_c1_f32(const BgmvParams p) { bgmv_body<float, 1>(p); }
 
 #if __CUDA_ARCH__ >= 900
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THREADS, 4) bgmv_c8_bf16(const BgmvParams p) {
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c8_bf16(const BgmvParams p) {
     bgmv_body<bf16_t, 8>(p);
 }
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THREADS, 4) bgmv_c8_f32(const BgmvParams p) {
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c8_f32(const BgmvParams p) {
     bgmv_body<float, 8>(p);
 }
 #endif

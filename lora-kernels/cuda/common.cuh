@@ -31,6 +31,9 @@ struct LoraTarget {
 
 #define MAX_TARGETS 4
 
+static_assert(sizeof(PairEntry) == 24, "PairEntry mirrors lora_kernels::PairEntry");
+static_assert(sizeof(LoraTarget) == 24, "LoraTarget mirrors lora_kernels::ops::TargetParams");
+
 // Fault bits a kernel ORs into the device's fault word instead of touching
 // memory it was not given. The host reads and clears the word.
 #define FAULT_BAD_INDEX 1u

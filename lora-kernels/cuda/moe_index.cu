@@ -12,6 +12,7 @@ struct MoeDecodeIndexParams {
     int max_loras;
     int n_experts;
 };
+static_assert(sizeof(MoeDecodeIndexParams) == 48, "mirrors moe_index.rs");
 
 // Decode: expanded row r belongs to token r / top_k.
 extern "C" __global__ void moe_decode_index_i32(const MoeDecodeIndexParams p) {
@@ -48,6 +49,7 @@ struct MoeSortedIndexParams {
     int n_tokens;
     int pad;
 };
+static_assert(sizeof(MoeSortedIndexParams) == 64, "mirrors moe_index.rs");
 
 // The expert owning sorted row i: the largest e < n_experts with
 // offsets[e] <= i (binary search), and only if i < offsets[e + 1]; else -1.

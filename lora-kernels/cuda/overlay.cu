@@ -10,6 +10,7 @@ struct EmbedOverlayEntry {
     u32 n_rows;
     u32 pad;
 };
+static_assert(sizeof(EmbedOverlayEntry) == 24, "mirrors lora_kernels::EmbedOverlayEntry");
 
 // Per-slot lm_head overlay: ids (u32[count], vocab ids) and rows ([count, h]
 // bf16). count == 0: the slot has no head overlay.
@@ -19,6 +20,7 @@ struct LmHeadOverlayEntry {
     u32 count;
     u32 pad;
 };
+static_assert(sizeof(LmHeadOverlayEntry) == 24, "mirrors lora_kernels::LmHeadOverlayEntry");
 
 struct RowDiffParams {
     u64 table;
@@ -31,6 +33,7 @@ struct RowDiffParams {
     float thresh;
     int pad;
 };
+static_assert(sizeof(RowDiffParams) == 48, "mirrors overlay.rs");
 
 // out[v] = 1 when some |table[v, j] - base[v, j]| is not <= thresh (a NaN
 // difference counts as a difference), else 0. One warp per row.
@@ -77,6 +80,7 @@ struct EmbedParams {
     int base_stride;
     int out_stride;
 };
+static_assert(sizeof(EmbedParams) == 72, "mirrors overlay.rs");
 
 // out[i, :] = overlay row slot_map_s[ids[i]] of slot s = row_slot[i] when it
 // is >= 0, else base[ids[i], :]. An id past the vocab writes a zero row and
@@ -134,6 +138,7 @@ struct LmHeadParams {
     int hidden_stride;
     int logits_stride;
 };
+static_assert(sizeof(LmHeadParams) == 64, "mirrors overlay.rs");
 
 // logits[i, ids[k]] = dot(hidden[i, :], rows[k, :]) (f32) for every row i
 // whose slot has a head overlay. Grid (rows, blocks over k); one warp per k.

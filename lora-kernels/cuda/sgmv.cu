@@ -8,16 +8,17 @@
 //                64-row tile of one segment per block, cp.async pipeline.
 //   sgmv_expand: y[row, col_off + o] += scale * sum_k B[o, k] t[row][k]
 //                (t summed over the K splits), tensor cores with t split
-//                into a bf16 high and low part so t keeps ~16 bits; the
-//                accumulators start from y, so y is rounded once.
+//                into a bf16 high and low part so t keeps ~16 bits; B and t
+//                staged in shared memory first; the accumulators start from
+//                y, so y is read once and rounded once.
 // A tile never crosses a segment: tile i of the launch is found by a prefix
 // sum of ceil(len_s / 64) over segments, so the grid (sized by the host from
 // the row and segment counts) stays fixed while the contents change.
 
 #define SG_BM 64
-#define SG_BK 32
+#define SG_BK 64
 #define SG_BN 64
-#define SG_STAGES 4
+#define SG_STAGES 3
 #define SG_THREADS 128
 #define SG_LD (SG_BK + 8)
 #define SG_BO 128
@@ -47,6 +48,10 @@ struct SgmvParams {
     int pad2;
     LoraTarget targets[MAX_TARGETS];
 };
+static_assert(sizeof(SgmvParams) == 208 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 112, "mirrors sgmv.rs");
+
+// The dynamic shared memory of both kernels (one declaration for the file).
+extern __shared__ __align__(128) unsigned char dyn[];
 
 struct TileInfo {
     int row0;
@@ -170,8 +175,10 @@ __device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraT
 }
 
 extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const SgmvParams p) {
-    __shared__ __align__(128) bf16_t s_x[SG_STAGES][SG_BM][SG_LD];
-    __shared__ __align__(128) bf16_t s_a[SG_STAGES][SG_BN][SG_LD];
+    // Dynamic shared memory: x tiles [SG_STAGES][SG_BM][SG_LD] then A tiles [SG_STAGES][SG_BN][SG_LD].
+    typedef bf16_t Tile[SG_BM][SG_LD];
+    Tile* s_x = (Tile*)dyn;
+    Tile* s_a = (Tile*)(dyn + sizeof(Tile) * SG_STAGES);
     __shared__ TileInfo s_tile;
     __shared__ PairEntry s_entry;
 
@@ -211,14 +218,14 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     const int nk = kc1 - kc0;
     const bool vec = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
 
-    // Stage `st` <- K chunk `kc`: 64 x-rows and 64 A-rows of 32 columns each.
+    // Stage `st` <- K chunk `kc`: 64 x-rows and 64 A-rows of SG_BK columns each.
     auto load_stage = [&](int st, int kc) {
         const int col0 = kc * SG_BK;
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < SG_BM * SG_BK / 8 / SG_THREADS; ++u) {
             const int v = tid + u * SG_THREADS;
-            const int r = v >> 2;
-            const int c = (v & 3) * 8;
+            const int r = v / (SG_BK / 8);
+            const int c = (v % (SG_BK / 8)) * 8;
             const int col = col0 + c;
             const bool xv = r < rows;
             const bool av = r < nlen;
@@ -294,21 +301,13 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     }
 }
 
-// Two B values (columns k, k + 1 of row n) as a bf16 pair, zero past rank or out.
-__device__ __forceinline__ u32 load_b_pair(const bf16_t* B, int stride, int n, int out, int k, int rank, bool vec) {
-    if (n >= out || k >= rank) return 0u;
-    const bf16_t* q = B + (u64)n * stride + k;
-    u32 w;
-    if (vec) {
-        w = *(const u32*)q;
-    } else {
-        w = (u32)q[0];
-        if (k + 1 < rank) w |= ((u32)q[1]) << 16;
-    }
-    if (k + 1 >= rank) w &= 0xffffu;
-    return w;
-}
-
+// The expand block: 64 rows of one tile x 128 outputs. Everything it reads
+// besides y (its B rows and the tile's summed, scaled rank vectors) is staged
+// in dynamic shared memory first, in one batch of copies; y is loaded into the
+// accumulators at the same time. The mma loop then reads only shared memory.
+//   sB [SG_BO][rk16 + 8] bf16   B rows o_base.., columns past rank zeroed
+//   sT [SG_BM][rk16 + 4] f32    t summed over the K splits, times scale; zero past rank
+// rk16 = the stride rounded up to 16 (the host sizes the buffer from it).
 template <typename Y>
 __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     __shared__ TileInfo s_tile;
@@ -337,8 +336,31 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     const int stride = p.rank_stride;
     const bf16_t* B = (const bf16_t*)en.b;
     const float scale = en.scale;
-    const bool vec_b = (stride % 2 == 0) && ((((u64)B) & 3ull) == 0);
+    const int rk16 = (rank + 15) & ~15;
+    const int bp = ((stride + 15) & ~15) + 8;
+    const int tpch = ((stride + 15) & ~15) + 4;
+    bf16_t* sB = (bf16_t*)dyn;
+    float* sT = (float*)(dyn + (size_t)SG_BO * bp * 2);
 
+    // ---- B rows: 16-byte copies of whole 8-column chunks below rank, the rest element-wise, zero past rank.
+    const bool vec_b = (stride % 8 == 0) && aligned16(B);
+    const int full8 = vec_b ? rank / 8 : 0;
+    for (int v = tid; v < SG_BO * (rk16 / 8); v += SG_THREADS) {
+        const int r = v / (rk16 / 8);
+        const int c = v - r * (rk16 / 8);
+        const int n = o_base + r;
+        bf16_t* dst = sB + r * bp + c * 8;
+        const bf16_t* src = B + (u64)n * stride + c * 8;
+        if (n < out && c < full8) {
+            cp_async16(dst, src, true);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dst[j] = (n < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
+        }
+    }
+    cp_async_commit();
+
+    // ---- y into the accumulators (rows ra, ra + 8 of the warp; columns of each n-tile).
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int ra = warp * 16 + g;
@@ -350,8 +372,6 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     const bool vec_y = (ys % 2 == 0) && (coff % 2 == 0) && ((((u64)Yp) & (2 * sizeof(Y) - 1)) == 0);
     Y* ya = Yp + (u64)(row0 + ra) * ys + coff;
     Y* yb = ya + (u64)8 * ys;
-
-    // Accumulators start from y: y is read once, the delta added in f32, rounded once.
     float acc[16][4];
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
@@ -373,51 +393,57 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         }
     }
 
-    const float* W = (const float*)p.ws + (u64)ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
-    const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
-    const int ksteps = (rank + 15) / 16;
-    for (int kst = 0; kst < ksteps; ++kst) {
-        // t fragment: rows ra / ra + 8, columns kb, kb + 1 and kb + 8, kb + 9.
-        float t[4][2];
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
-            const bool rv = (h & 1) ? vb : va;
-            const int r = row0 + ra + (h & 1) * 8;
-            float s0 = 0.f;
-            float s1 = 0.f;
-            if (rv && k < rank) {
-                const float* q = W + (u64)r * p.ws_rank_pad + k;
+    // ---- t: sum the K-split partials of the tile's rows, scale, zero past rank.
+    {
+        const float* W = (const float*)p.ws + (u64)ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
+        const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
+        const int q4 = rk16 / 4;
+        for (int v = tid; v < SG_BM * q4; v += SG_THREADS) {
+            const int r = v / q4;
+            const int k = (v - r * q4) * 4;
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r < rows && k < rank) {
+                const float* q = W + (u64)(row0 + r) * p.ws_rank_pad + k;
                 for (int ks = 0; ks < p.k_splits; ++ks) {
-                    const float2 v = *(const float2*)(q + ks * split_stride);
-                    s0 += v.x;
-                    s1 += v.y;
+                    const float4 w = *(const float4*)(q + ks * split_stride);
+                    sum.x += w.x;
+                    sum.y += w.y;
+                    sum.z += w.z;
+                    sum.w += w.w;
                 }
-                if (k + 1 >= rank) s1 = 0.f;
             }
-            t[h][0] = s0 * scale;
-            t[h][1] = s1 * scale;
+            float* d = sT + r * tpch + k;
+            d[0] = k < rank ? sum.x * scale : 0.f;
+            d[1] = k + 1 < rank ? sum.y * scale : 0.f;
+            d[2] = k + 2 < rank ? sum.z * scale : 0.f;
+            d[3] = k + 3 < rank ? sum.w * scale : 0.f;
         }
-        // t[h] is already in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    for (int kst = 0; kst < rk16 / 16; ++kst) {
+        // t fragment in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
         u32 a_hi[4];
         u32 a_lo[4];
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-            const float x0 = t[h][0];
-            const float x1 = t[h][1];
-            const bf16_t h0 = f2bf(x0);
-            const bf16_t h1 = f2bf(x1);
+            const int r = warp * 16 + g + (h & 1) * 8;
+            const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
+            const float2 t = *(const float2*)(sT + r * tpch + k);
+            const bf16_t h0 = f2bf(t.x);
+            const bf16_t h1 = f2bf(t.y);
             a_hi[h] = (u32)h0 | ((u32)h1 << 16);
-            a_lo[h] = pack_bf2(x0 - bf2f(h0), x1 - bf2f(h1));
+            a_lo[h] = pack_bf2(t.x - bf2f(h0), t.y - bf2f(h1));
         }
-        const int kb = kst * 16 + 2 * t4;
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const int n = o_base + nt * 8 + g;
-            const u32 b0 = load_b_pair(B, stride, n, out, kb, rank, vec_b);
-            const u32 b1 = load_b_pair(B, stride, n, out, kb + 8, rank, vec_b);
-            mma_bf16(acc[nt], a_hi, b0, b1);
-            mma_bf16(acc[nt], a_lo, b0, b1);
+        for (int np = 0; np < 8; ++np) {
+            u32 b[4];
+            ldmatrix_x4(b, sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * bp + kst * 16 + ((lane >> 3) & 1) * 8);
+            mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
+            mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
+            mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
         }
     }
 

@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{
+    CUdevice_attribute, CUevent_flags, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DriverError};
 use cudarc::nvrtc::{CompileError, CompileOptions};
 
@@ -66,6 +68,8 @@ pub(crate) struct Kernel {
 pub(crate) struct Launch {
     pub(crate) grid: (u32, u32, u32),
     pub(crate) block: u32,
+    /// Dynamic shared memory bytes.
+    pub(crate) smem: u32,
 }
 
 pub(crate) fn driver_err(call: &'static str) -> impl Fn(DriverError) -> KernelError {
@@ -99,6 +103,8 @@ pub(crate) struct CudaBackend {
     pub(crate) compute_capability: (i32, i32),
     pub(crate) sm_count: u32,
     pub(crate) l2_bytes: usize,
+    /// Shared memory one block may opt in to.
+    pub(crate) smem_optin: usize,
     modules: Arc<ModuleCache>,
     fault: Mutex<CudaSlice<u32>>,
 }
@@ -138,6 +144,9 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
     let l2 = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
         .map_err(driver_err("cuDeviceGetAttribute"))?;
+    let optin = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(driver_err("cuDeviceGetAttribute"))?;
     let fault = stream.alloc_zeros::<u32>(1).map_err(driver_err("cuMemAlloc"))?;
     Ok(CudaBackend {
         ctx,
@@ -146,6 +155,7 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         compute_capability,
         sm_count: u32::try_from(sm_count).unwrap_or(1).max(1),
         l2_bytes: usize::try_from(l2).unwrap_or(0),
+        smem_optin: usize::try_from(optin).unwrap_or(48 * 1024),
         modules: module_cache(ordinal),
         fault: Mutex::new(fault),
     })
@@ -230,6 +240,14 @@ impl CudaBackend {
         let f = module
             .load_function(kernel.name)
             .map_err(driver_err("cuModuleGetFunction"))?;
+        // Let every kernel take all the dynamic shared memory a block may opt in to.
+        let static_smem = f.shared_size_bytes().map_err(driver_err("cuFuncGetAttribute"))?;
+        let dynamic = i32::try_from(self.smem_optin).unwrap_or(i32::MAX) - static_smem;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            dynamic.max(0),
+        )
+        .map_err(driver_err("cuFuncSetAttribute"))?;
         let mut functions = self.modules.functions.lock().unwrap_or_else(|p| p.into_inner());
         functions.insert(kernel.name, f.clone());
         Ok(f)
@@ -261,7 +279,7 @@ impl CudaBackend {
                 f.cu_function(),
                 launch.grid,
                 (launch.block, 1, 1),
-                0,
+                launch.smem,
                 self.stream.cu_stream(),
                 &mut args,
             )

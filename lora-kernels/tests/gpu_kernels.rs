@@ -401,7 +401,10 @@ fn gpu_sgmv_matches_cpu() {
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
         let (cu, slot) = segments_for(&mut rng, n, n_seg, slots);
         for ks in [None, Some(1), Some(3)] {
-            let tuning = SgmvTuning { k_splits: ks };
+            let tuning = SgmvTuning {
+                k_splits: ks,
+                ..Default::default()
+            };
             let label = format!("sgmv n={n} in={in_dim} outs={outs:?} stride={stride} ks={ks:?}");
             let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
             let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);

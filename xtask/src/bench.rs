@@ -26,7 +26,7 @@ use half::bf16;
 use lora_kernels::testing::{RandomPairs, Rng};
 use lora_kernels::{
     BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, Rows, RowsMut, Segments,
-    SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
+    SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
 };
 use serde_json::{Value, json};
 
@@ -224,10 +224,10 @@ pub fn run(args: &[String]) -> Result<(), String> {
             section(&mut ctx)?;
         }
     }
-    if let Some(script) = &opts.torch_script {
-        if let Err(e) = torch_baseline(script, &mut ctx) {
-            eprintln!("bench: PyTorch baseline not measured: {e}");
-        }
+    if let Some(script) = &opts.torch_script
+        && let Err(e) = torch_baseline(script, &mut ctx)
+    {
+        eprintln!("bench: PyTorch baseline not measured: {e}");
     }
     print_table(&ctx);
     write_json(&ctx, &device)
@@ -258,24 +258,14 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         let name = format!("decode n={n} in={in_dim} out={out} r={r} d={distinct}");
         let mut variants = vec![("default".to_string(), BgmvTuning::default())];
         if ctx.opts.sweep {
-            for s in [1, 2, 4, 8] {
-                variants.push((
-                    format!("c8 s{s}"),
-                    BgmvTuning {
-                        cluster: Some(8),
-                        out_splits: Some(s),
-                        ..Default::default()
-                    },
-                ));
-            }
-            variants.push((
-                "c1 s1".into(),
-                BgmvTuning {
-                    cluster: Some(1),
-                    out_splits: Some(1),
+            for s in [1, 2, 4] {
+                let t = BgmvTuning {
+                    cluster: Some(8),
+                    out_splits: Some(s),
                     ..Default::default()
-                },
-            ));
+                };
+                variants.push((format!("c8 s{s}"), t));
+            }
         }
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);
         let pool = pairs.upload(ctx.device).map_err(err)?;
@@ -325,7 +315,22 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         let mut variants = vec![("default".to_string(), SgmvTuning::default())];
         if ctx.opts.sweep {
             for k in 1..=4 {
-                variants.push((format!("ks{k}"), SgmvTuning { k_splits: Some(k) }));
+                variants.push((
+                    format!("ks{k}"),
+                    SgmvTuning {
+                        k_splits: Some(k),
+                        ..Default::default()
+                    },
+                ));
+            }
+            for (label, phase) in [("shrink", SgmvPhase::Shrink), ("expand", SgmvPhase::Expand)] {
+                variants.push((
+                    format!("{label} only"),
+                    SgmvTuning {
+                        only_phase: Some(phase),
+                        ..Default::default()
+                    },
+                ));
             }
         }
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; segs]);

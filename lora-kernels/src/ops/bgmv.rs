@@ -24,6 +24,104 @@ const WINDOW_MAX: usize = 512;
 const WINDOW_LARGE: usize = 256;
 const THREADS: u32 = 256;
 
+/// Rows per item (`BGMV_G` in the kernel).
+const ITEM_ROWS: usize = 8;
+
+/// Length of the largest piece of `[0, n)` cut in `parts`, each piece a multiple of 8 (`split8` in the kernel).
+fn piece8(n: usize, parts: usize) -> usize {
+    n.div_ceil(parts.max(1)).div_ceil(8) * 8
+}
+
+fn round16(v: usize) -> usize {
+    v.div_ceil(16) * 16
+}
+
+/// What the shared-memory plan depends on.
+#[derive(Debug, Clone, Copy)]
+struct PlanShape {
+    in_dim: usize,
+    max_out: usize,
+    stride: usize,
+    y_size: usize,
+    cluster: usize,
+}
+
+/// The kernel's dynamic shared memory layout for one launch (see `cuda/bgmv.cu`):
+/// B rows and y values of the block's outputs, the rank vectors, then one or
+/// two stages of A and x chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SmemPlan {
+    splits: usize,
+    k_chunk: usize,
+    lo_max: usize,
+    off_y: usize,
+    off_t: usize,
+    off_a: usize,
+    off_x: usize,
+    total: usize,
+}
+
+impl SmemPlan {
+    /// Up to the first, three blocks fit on a multiprocessor; up to the second, two.
+    const BUDGETS: [usize; 2] = [70 * 1024, 104 * 1024];
+
+    fn layout(shape: PlanShape, splits: usize, k_chunk: usize, stages: usize) -> SmemPlan {
+        let PlanShape {
+            max_out,
+            stride,
+            y_size,
+            cluster,
+            ..
+        } = shape;
+        let lo_max = piece8(piece8(max_out, splits), cluster);
+        let off_y = round16(lo_max * (stride + 8) * 2);
+        let off_t = off_y + round16(ITEM_ROWS * lo_max * y_size);
+        let off_a = off_t + 2 * ITEM_ROWS * stride.div_ceil(8) * 8 * 4;
+        let off_x = off_a + round16(stages * stride * k_chunk * 2);
+        let total = off_x + round16(stages * ITEM_ROWS * k_chunk * 2);
+        SmemPlan {
+            splits,
+            k_chunk,
+            lo_max,
+            off_y,
+            off_t,
+            off_a,
+            off_x,
+            total,
+        }
+    }
+
+    /// The plan for a launch: the fewest output splits (from `splits0`) whose
+    /// whole A and x slices fit a budget in one chunk; else A and x in two
+    /// stages of chunks of at least 128 columns; else one chunk in whatever
+    /// shared memory it takes (the caller checks the device's limit).
+    fn choose(shape: PlanShape, splits0: usize, fixed_splits: bool) -> SmemPlan {
+        let slice = shape.in_dim.min(piece8(shape.in_dim, shape.cluster));
+        let options: Vec<usize> = if fixed_splits {
+            vec![splits0]
+        } else {
+            (0..4).map(|i| splits0 << i).collect()
+        };
+        for budget in Self::BUDGETS {
+            for &s in &options {
+                let p = Self::layout(shape, s, slice, 1);
+                if p.total <= budget {
+                    return p;
+                }
+            }
+        }
+        for &s in &options {
+            let fixed = Self::layout(shape, s, 0, 2).total;
+            let room = Self::BUDGETS[1].saturating_sub(fixed);
+            let k_chunk = room / (2 * (shape.stride + ITEM_ROWS) * 2) / 8 * 8;
+            if k_chunk >= 128 {
+                return Self::layout(shape, s, k_chunk.min(slice), 2);
+            }
+        }
+        Self::layout(shape, splits0, slice, 1)
+    }
+}
+
 /// Launch knobs of [`bgmv_tuned`]; `None` picks from the shape and device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BgmvTuning {
@@ -53,10 +151,15 @@ struct BgmvParams {
     clusters_per_window: i32,
     window: i32,
     n_windows: i32,
-    pad0: i32,
-    pad1: i32,
+    k_chunk: i32,
+    lo_max: i32,
+    off_y: i32,
+    off_t: i32,
+    off_a: i32,
+    off_x: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
+const _: () = assert!(size_of::<BgmvParams>() == 192 && std::mem::offset_of!(BgmvParams, targets) == 96);
 
 /// `y[row, target columns] += scale * B (A x[row])` with the entry of
 /// `idx[row]` (`idx` holds at least `x.n_rows` values; -1 = no delta).
@@ -163,13 +266,32 @@ fn launch<Y: OutputElem>(
         None => window.min((4 * sms / cl / n_windows).max(1)),
     };
     let min_out = targets.iter().map(|t| t.out_dim).min().unwrap_or(0);
-    let splits = match tuning.out_splits {
+    let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+    let splits0 = match tuning.out_splits {
         Some(v) => (v as usize).max(1),
         None => {
             let blocks = cl * n_windows * cpw * n_targets;
             (2 * sms).div_ceil(blocks).clamp(1, (min_out / (cl * 64)).max(1))
         }
     };
+    let shape = PlanShape {
+        in_dim: x.width,
+        max_out,
+        stride,
+        y_size: std::mem::size_of::<Y>(),
+        cluster: cl,
+    };
+    let plan = SmemPlan::choose(shape, splits0, tuning.out_splits.is_some());
+    if plan.total > c.smem_optin {
+        return Err(invalid(
+            "rank_stride",
+            format!(
+                "{stride} with in {} needs {} bytes of shared memory",
+                x.width, plan.total
+            ),
+        ));
+    }
+    let splits = plan.splits;
     let grid_y = n_windows * cpw;
     if grid_y > 65_535 {
         return Err(invalid(
@@ -192,8 +314,12 @@ fn launch<Y: OutputElem>(
         clusters_per_window: to_i32("tuning.clusters_per_window", cpw)?,
         window: to_i32("window", window)?,
         n_windows: to_i32("windows", n_windows)?,
-        pad0: 0,
-        pad1: 0,
+        k_chunk: to_i32("k_chunk", plan.k_chunk)?,
+        lo_max: to_i32("lo_max", plan.lo_max)?,
+        off_y: to_i32("smem", plan.off_y)?,
+        off_t: to_i32("smem", plan.off_t)?,
+        off_a: to_i32("smem", plan.off_a)?,
+        off_x: to_i32("smem", plan.off_x)?,
         targets: *target_params,
     };
     let grid = (
@@ -201,7 +327,7 @@ fn launch<Y: OutputElem>(
         to_u32("grid", grid_y)?,
         to_u32("grid", n_targets)?,
     );
-    // SAFETY: `BgmvParams` mirrors the kernel's struct (layout test below). The
+    // SAFETY: `BgmvParams` mirrors the kernel's struct (sizes asserted on both sides). The
     // host checked that x and y cover `n_rows` rows of their widths and strides,
     // that idx holds `n_rows` values, that each target's table range and
     // column range lie inside their buffers, and that the stride fits the
@@ -214,7 +340,11 @@ fn launch<Y: OutputElem>(
                 family: Family::Bgmv,
                 name,
             },
-            Launch { grid, block: THREADS },
+            Launch {
+                grid,
+                block: THREADS,
+                smem: to_u32("smem", plan.total)?,
+            },
             &params,
         )
     }

@@ -195,6 +195,7 @@ pub(crate) struct TargetParams {
     pub(crate) y_col_off: i32,
     pub(crate) pad: i32,
 }
+const _: () = assert!(size_of::<TargetParams>() == 24);
 
 /// Validate targets against the device and y's width; their device mirrors.
 pub(crate) fn check_targets(

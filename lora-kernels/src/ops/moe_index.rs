@@ -48,6 +48,7 @@ struct DecodeParams {
     max_loras: i32,
     n_experts: i32,
 }
+const _: () = assert!(size_of::<DecodeParams>() == 48);
 
 /// Mirror of `struct MoeSortedIndexParams`.
 #[repr(C)]
@@ -65,6 +66,7 @@ struct SortedParams {
     n_tokens: i32,
     pad: i32,
 }
+const _: () = assert!(size_of::<SortedParams>() == 64);
 
 fn grid_for(n: usize) -> Result<(u32, u32, u32), KernelError> {
     Ok((to_u32("grid", n.div_ceil(THREADS as usize).clamp(1, 65_535))?, 1, 1))
@@ -138,6 +140,7 @@ pub fn moe_decode_index(
             let launch = Launch {
                 grid: grid_for(n_expanded)?,
                 block: THREADS,
+                smem: 0,
             };
             // SAFETY: the params mirror the kernel's struct; row_adapter holds
             // n_tokens values, topk_ids and idx hold n_tokens * top_k (checked above).
@@ -261,6 +264,7 @@ pub fn moe_sorted_index(
             let launch = Launch {
                 grid: grid_for(n_sorted)?,
                 block: THREADS,
+                smem: 0,
             };
             // SAFETY: the params mirror the kernel's struct; sorted_token and idx
             // hold n_sorted values, expert_offsets n_experts + 1, row_adapter

@@ -28,6 +28,7 @@ struct RowDiffParams {
     thresh: f32,
     pad: i32,
 }
+const _: () = assert!(size_of::<RowDiffParams>() == 48);
 
 /// Mirror of `struct EmbedParams`.
 #[repr(C)]
@@ -46,6 +47,7 @@ struct EmbedParams {
     base_stride: i32,
     out_stride: i32,
 }
+const _: () = assert!(size_of::<EmbedParams>() == 72);
 
 /// Mirror of `struct LmHeadParams`.
 #[repr(C)]
@@ -63,6 +65,7 @@ struct LmHeadParams {
     hidden_stride: i32,
     logits_stride: i32,
 }
+const _: () = assert!(size_of::<LmHeadParams>() == 64);
 
 /// The overlay entry of slot `s` (>= 0) of row `i`, or a `BadIndex` error.
 fn slot_entry<E: Copy>(ents: &[E], i: usize, s: i32) -> Result<E, KernelError> {
@@ -143,6 +146,7 @@ pub fn row_diff(
             let launch = Launch {
                 grid: (to_u32("grid", blocks)?, 1, 1),
                 block: 256,
+                smem: 0,
             };
             // SAFETY: params mirror the kernel's struct; table and base cover
             // `vocab` rows of `h` at their strides, out holds `vocab` bytes.
@@ -211,6 +215,7 @@ pub fn embed_overlay(
             let launch = Launch {
                 grid: (to_u32("grid", n.min(65_535))?, 1, 1),
                 block: 128,
+                smem: 0,
             };
             // SAFETY: params mirror the kernel's struct; ids (and row_slot) hold n
             // values, base covers vocab rows, out covers n rows of h. The kernel
@@ -327,6 +332,7 @@ pub fn lm_head_overlay<Y: OutputElem>(
             let launch = Launch {
                 grid: (to_u32("grid", n.min(65_535))?, LMHEAD_ID_BLOCKS, 1),
                 block: 256,
+                smem: 0,
             };
             let name = match Y::NAME {
                 "bf16" => "lmhead_overlay_bf16",

@@ -19,7 +19,9 @@ use crate::error::{KernelError, invalid};
 
 const TILE_ROWS: usize = 64;
 const RANK_CHUNK: usize = 64;
-const K_CHUNK: usize = 32;
+const K_CHUNK: usize = 64;
+/// cp.async stages of the shrink (`SG_STAGES`).
+const STAGES: usize = 3;
 const OUT_TILE: usize = 128;
 const THREADS: u32 = 128;
 
@@ -42,6 +44,19 @@ pub struct Segments<'a> {
 pub struct SgmvTuning {
     /// K splits of the shrink (1..=4).
     pub k_splits: Option<u32>,
+    /// Benchmarks only: launch just this phase, to time it alone. The
+    /// output is then NOT the LoRA apply (the expand reads whatever the
+    /// workspace holds).
+    pub only_phase: Option<SgmvPhase>,
+}
+
+/// One of the two launches of the segment apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SgmvPhase {
+    /// `x A^T` into the workspace.
+    Shrink,
+    /// `y += scale * t B^T` from the workspace.
+    Expand,
 }
 
 /// Mirror of `struct SgmvParams` in `cuda/sgmv.cu`.
@@ -72,6 +87,7 @@ struct SgmvParams {
     pad2: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
+const _: () = assert!(size_of::<SgmvParams>() == 208 && std::mem::offset_of!(SgmvParams, targets) == 112);
 
 /// How rows pick their entry.
 #[derive(Clone, Copy)]
@@ -329,7 +345,14 @@ fn launch<Y: OutputElem>(
         1,
     );
     let expand_grid = (to_u32("grid", max_tiles * n_targets)?, to_u32("grid", out_tiles)?, 1);
-    // SAFETY: `SgmvParams` mirrors the kernels' struct (layout test below).
+    let expand_smem = to_u32("expand shared memory", expand_smem_bytes(stride))?;
+    if expand_smem as usize > c.smem_optin {
+        return Err(invalid(
+            "rank_stride",
+            format!("{stride} needs {expand_smem} bytes of shared memory"),
+        ));
+    }
+    // SAFETY: `SgmvParams` mirrors the kernels' struct (sizes asserted on both sides).
     // The host checked x and y cover `n_rows` rows, the segment arrays hold
     // `n_segments (+1)` values, every target's table and column ranges lie in
     // their buffers, and the workspace holds `[targets][4][max_rows][rank_pad]`
@@ -337,17 +360,23 @@ fn launch<Y: OutputElem>(
     // The kernels check segment bounds, indices and ranks on the device before
     // reading A and B through table addresses (kept valid by the table's owner).
     unsafe {
-        c.launch(
-            Kernel {
-                family: Family::Sgmv,
-                name: "sgmv_shrink_bf16",
-            },
-            Launch {
-                grid: shrink_grid,
-                block: THREADS,
-            },
-            &params,
-        )?;
+        if tuning.only_phase != Some(SgmvPhase::Expand) {
+            c.launch(
+                Kernel {
+                    family: Family::Sgmv,
+                    name: "sgmv_shrink_bf16",
+                },
+                Launch {
+                    grid: shrink_grid,
+                    block: THREADS,
+                    smem: SHRINK_SMEM,
+                },
+                &params,
+            )?;
+        }
+        if tuning.only_phase == Some(SgmvPhase::Shrink) {
+            return Ok(());
+        }
         let expand = match Y::NAME {
             "bf16" => "sgmv_expand_bf16",
             _ => "sgmv_expand_f32",
@@ -360,10 +389,20 @@ fn launch<Y: OutputElem>(
             Launch {
                 grid: expand_grid,
                 block: THREADS,
+                smem: expand_smem,
             },
             &params,
         )
     }
+}
+
+/// Dynamic shared memory of the shrink: x and A tiles, `STAGES` deep, rows padded by 8.
+const SHRINK_SMEM: u32 = (2 * STAGES * TILE_ROWS * (K_CHUNK + 8) * 2) as u32;
+
+/// Dynamic shared memory of the expand (`sB` and `sT` in `cuda/sgmv.cu`).
+fn expand_smem_bytes(stride: usize) -> usize {
+    let r16 = stride.div_ceil(16) * 16;
+    OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4
 }
 
 #[cfg(test)]

@@ -312,3 +312,60 @@ fn arguments_are_validated() {
     ));
     assert_eq!(s.y.download().unwrap(), [1.0; 8]);
 }
+
+fn shape(in_dim: usize, max_out: usize, stride: usize) -> PlanShape {
+    PlanShape {
+        in_dim,
+        max_out,
+        stride,
+        y_size: 2,
+        cluster: 8,
+    }
+}
+
+/// Every region of the plan is 16-byte aligned, holds what the kernel puts
+/// there, and the regions follow each other without overlap.
+fn check_plan(p: &SmemPlan, s: PlanShape, stages: usize) {
+    for off in [p.off_y, p.off_t, p.off_a, p.off_x, p.total] {
+        assert_eq!(off % 16, 0, "{p:?}");
+    }
+    assert!(p.off_y >= p.lo_max * (s.stride + 8) * 2);
+    assert!(p.off_t - p.off_y >= ITEM_ROWS * p.lo_max * s.y_size);
+    assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4);
+    assert!(p.off_x - p.off_a >= stages * s.stride * p.k_chunk * 2);
+    assert!(p.total - p.off_x >= stages * ITEM_ROWS * p.k_chunk * 2);
+    assert_eq!(p.k_chunk % 8, 0);
+    // The block's output piece never exceeds lo_max.
+    assert!(piece8(piece8(s.max_out, p.splits), s.cluster) <= p.lo_max);
+}
+
+#[test]
+fn smem_plans_of_the_bench_shapes_fit_two_or_three_blocks_per_sm() {
+    let s = shape(4096, 4096, 16);
+    let p = SmemPlan::choose(s, 1, false);
+    assert_eq!((p.splits, p.k_chunk), (1, 512), "{p:?}");
+    assert!(p.total <= SmemPlan::BUDGETS[0]);
+    check_plan(&p, s, 1);
+    let s = shape(4096, 4096, 64);
+    let p = SmemPlan::choose(s, 1, false);
+    assert!(p.total <= SmemPlan::BUDGETS[1], "{p:?}");
+    check_plan(&p, s, if p.k_chunk < 512 { 2 } else { 1 });
+    let s = shape(4096, 14336, 16);
+    let p = SmemPlan::choose(s, 1, false);
+    assert!(p.total <= SmemPlan::BUDGETS[1], "{p:?}");
+    check_plan(&p, s, 1);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>()) {
+        let s = shape(in_dim, out, stride);
+        let p = SmemPlan::choose(s, s0, fixed);
+        let slice = in_dim.min(piece8(in_dim, 8));
+        let stages = if p.k_chunk < slice { 2 } else { 1 };
+        check_plan(&p, s, stages);
+        prop_assert!(p.k_chunk <= slice.max(8));
+        if fixed { prop_assert_eq!(p.splits, s0); }
+    }
+}
