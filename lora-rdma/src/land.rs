@@ -4,9 +4,9 @@
 //! The peer never chooses where bytes go: every landing region is
 //! [`SlotImage::region_mut`] of a pair the engine's own audit of the
 //! adapter's config and tensor header expects, at the length its own layout
-//! gives. On any failure both images are replaced by fresh zeroed ones, so
-//! the target is left exactly as it was handed over and nothing is
-//! published.
+//! gives. The images are touched only once the manifest passed that check;
+//! from then on any failure replaces both with fresh zeroed images, so a
+//! target handed over empty is left empty and nothing is published.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -25,9 +25,10 @@ use crate::transport::{LandingSink, ReadOp, Transport, TransportError};
 
 /// Where the victim slot's images live until the pool publishes them.
 ///
-/// The lander replaces both with fresh zeroed images of the right layouts
-/// before landing (so their previous content never matters), fills them,
-/// and on any failure replaces them with fresh zeroed images again.
+/// Once the manifest passed its check, the lander replaces both with fresh
+/// zeroed images of the right layouts (so their previous content never
+/// matters) and fills them; if anything fails after that, it replaces them
+/// with fresh zeroed images again.
 pub trait LandingTarget {
     /// The dense image (engine slot layout) and the expert image (the
     /// adapter's expert layout).
@@ -304,36 +305,35 @@ impl Lander {
         if !report.overlay.is_empty() {
             return Err(LandError::Overlay(adapter.to_string()));
         }
-        let meta = |(key, rank, scale)| PairMeta { key, rank, scale };
         let dense: Vec<PairMeta> = report
             .placed
             .iter()
             .map(|p| {
-                (
-                    PairKey::Dense {
-                        layer: p.layer,
-                        module: p.module,
-                    },
-                    p.rank,
-                    p.scale,
-                )
+                let key = PairKey::Dense {
+                    layer: p.layer,
+                    module: p.module,
+                };
+                PairMeta {
+                    key,
+                    rank: p.rank,
+                    scale: p.scale,
+                }
             })
-            .map(meta)
             .collect();
         let experts: Vec<PairMeta> = report
             .experts
             .iter()
             .map(|p| {
-                (
-                    PairKey::Expert {
-                        layer: p.layer,
-                        site: p.site,
-                    },
-                    p.rank,
-                    p.scale,
-                )
+                let key = PairKey::Expert {
+                    layer: p.layer,
+                    site: p.site,
+                };
+                PairMeta {
+                    key,
+                    rank: p.rank,
+                    scale: p.scale,
+                }
             })
-            .map(meta)
             .collect();
         let expert_layout = ExpertLayout::new(
             &self.cfg,

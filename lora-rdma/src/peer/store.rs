@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, LoraOptions, MappedSafetensors, TensorInfo};
 use lora_audit::{audit_adapter, prepare_adapter};
@@ -105,10 +105,13 @@ type StageKey = (String, u32, u32);
 /// A checked read range: the staging and the byte range in it.
 pub(crate) type ResolvedRange = (Arc<Staged>, std::ops::Range<usize>);
 
+/// One geometry's staging, set once by the request that stages it.
+type StageCell = OnceLock<Result<Arc<Staged>, PeerRefusal>>;
+
 #[derive(Default)]
 struct StageCache {
     next_region: u32,
-    by_key: HashMap<StageKey, Arc<Staged>>,
+    by_key: HashMap<StageKey, Arc<StageCell>>,
     by_region: HashMap<u32, Arc<Staged>>,
     order: VecDeque<StageKey>,
 }
@@ -306,8 +309,10 @@ impl PeerStore {
     }
 
     /// The staging of (adapter, max_rank, expert_rank), staging it now if
-    /// needed. Staging runs under the cache lock: concurrent requests for
-    /// the same geometry stage once.
+    /// needed. Staging runs outside the cache lock, so reads of other
+    /// stagings go on meanwhile; concurrent requests for the same geometry
+    /// wait for the one staging. A failed staging is forgotten (the next
+    /// request tries again).
     fn staged(
         &self,
         adapter: &str,
@@ -316,24 +321,45 @@ impl PeerStore {
         expert_rank: u32,
     ) -> Result<Arc<Staged>, PeerRefusal> {
         let key = (adapter.to_string(), max_rank, expert_rank);
+        let (cell, region) = {
+            let mut cache = self.lock();
+            match cache.by_key.get(&key) {
+                Some(cell) => (Arc::clone(cell), None),
+                None => {
+                    let cell = Arc::new(StageCell::new());
+                    cache.by_key.insert(key.clone(), Arc::clone(&cell));
+                    let region = cache.next_region;
+                    cache.next_region = region.wrapping_add(1);
+                    (cell, Some(region))
+                }
+            }
+        };
+        let Some(region) = region else {
+            return cell.wait().clone();
+        };
+        let result = self
+            .stage(region, served, max_rank as usize, expert_rank as usize)
+            .map(Arc::new);
         let mut cache = self.lock();
-        if let Some(staged) = cache.by_key.get(&key) {
-            return Ok(Arc::clone(staged));
-        }
-        let region = cache.next_region;
-        let staged = Arc::new(self.stage(region, served, max_rank as usize, expert_rank as usize)?);
-        cache.next_region = cache.next_region.wrapping_add(1);
-        while cache.order.len() >= self.options.max_staged.max(1) {
-            if let Some(old) = cache.order.pop_front()
-                && let Some(s) = cache.by_key.remove(&old)
-            {
-                cache.by_region.remove(&s.region);
+        match &result {
+            Ok(staged) => {
+                while cache.order.len() >= self.options.max_staged.max(1) {
+                    let Some(old) = cache.order.pop_front() else { break };
+                    if let Some(Ok(s)) = cache.by_key.remove(&old).as_deref().and_then(StageCell::get) {
+                        cache.by_region.remove(&s.region);
+                    }
+                }
+                cache.by_region.insert(region, Arc::clone(staged));
+                cache.order.push_back(key);
+            }
+            Err(_) => {
+                cache.by_key.remove(&key);
             }
         }
-        cache.by_key.insert(key.clone(), Arc::clone(&staged));
-        cache.by_region.insert(region, Arc::clone(&staged));
-        cache.order.push_back(key);
-        Ok(staged)
+        // Set while holding the lock: a waiter never sees a result whose
+        // region is not yet readable.
+        let _ = cell.set(result.clone());
+        result
     }
 
     fn stage(&self, region: u32, served: &Served, max_rank: usize, expert_rank: usize) -> Result<Staged, PeerRefusal> {

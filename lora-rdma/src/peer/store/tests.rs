@@ -139,8 +139,23 @@ fn staging_over_the_budget_is_refused() {
         ..StoreOptions::default()
     };
     let store = llama_store(options);
-    assert_eq!(
-        store.manifest("r8", 8, 16, TransportKind::Tcp).unwrap_err().code,
-        RefusalCode::Staging
-    );
+    // Refused, and not remembered: the next request stages (and fails) again.
+    for _ in 0..2 {
+        assert_eq!(
+            store.manifest("r8", 8, 16, TransportKind::Tcp).unwrap_err().code,
+            RefusalCode::Staging
+        );
+    }
+}
+
+#[test]
+fn concurrent_requests_for_one_geometry_stage_it_once() {
+    let store = llama_store(StoreOptions::default());
+    let regions: Vec<u32> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| region_of(&store.manifest("r8", 8, 16, TransportKind::Tcp).unwrap())))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(regions.iter().all(|&r| r == regions[0]), "{regions:?}");
 }
