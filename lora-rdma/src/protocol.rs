@@ -70,6 +70,9 @@ pub struct Endpoint {
     pub gid: [u8; 16],
     /// The port's active MTU as the verbs enum value (1 = 256 .. 5 = 4096).
     pub mtu: u8,
+    /// RDMA READs this side keeps in flight (engine) or accepts in flight
+    /// (peer); the engine uses the smaller of the two.
+    pub rd_atomic: u8,
 }
 
 /// Why an [`Endpoint`] from the wire cannot be used.
@@ -89,6 +92,9 @@ pub enum EndpointError {
     /// MTU outside the verbs enum.
     #[error("endpoint MTU code {0} is not 1..=5")]
     Mtu(u8),
+    /// No RDMA READ may be in flight.
+    #[error("endpoint allows {0} RDMA READs in flight; at least 1 is needed")]
+    RdAtomic(u8),
 }
 
 impl Endpoint {
@@ -104,6 +110,9 @@ impl Endpoint {
         }
         if !(1..=5).contains(&self.mtu) {
             return Err(EndpointError::Mtu(self.mtu));
+        }
+        if self.rd_atomic == 0 {
+            return Err(EndpointError::RdAtomic(0));
         }
         Ok(())
     }

@@ -36,6 +36,7 @@ fn endpoint() -> Endpoint {
         psn: 0xab_cdef,
         gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
         mtu: 5,
+        rd_atomic: 16,
     }
 }
 
@@ -67,8 +68,9 @@ fn endpoints_round_trip_and_are_range_checked() {
     assert_eq!(with(|e| e.qpn = 1), Err(EndpointError::ReservedQp(1)));
     assert_eq!(with(|e| e.mtu = 0), Err(EndpointError::Mtu(0)));
     assert_eq!(with(|e| e.mtu = 6), Err(EndpointError::Mtu(6)));
+    assert_eq!(with(|e| e.rd_atomic = 0), Err(EndpointError::RdAtomic(0)));
     // A GID of the wrong length does not decode.
-    let bad = r#"{"Connect":{"endpoint":{"lid":1,"qpn":5,"psn":1,"gid":[1,2,3],"mtu":3}}}"#;
+    let bad = r#"{"Connect":{"endpoint":{"lid":1,"qpn":5,"psn":1,"gid":[1,2,3],"mtu":3,"rd_atomic":1}}}"#;
     assert!(serde_json::from_str::<Request>(bad).is_err());
 }
 

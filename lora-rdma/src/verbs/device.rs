@@ -67,7 +67,10 @@ pub struct Context {
     ctx: NonNull<ffi::ibv_context>,
     port: u8,
     gid_index: u8,
-    max_rd_atomic: u8,
+    /// RDMA READs this device may have outstanding as initiator (`max_qp_init_rd_atom`).
+    max_init_rd_atom: u8,
+    /// RDMA READs this device accepts outstanding as responder (`max_qp_rd_atom`).
+    max_rd_atom: u8,
     max_send_wr: u32,
     max_cqe: i32,
 }
@@ -104,7 +107,8 @@ impl Context {
             ctx,
             port,
             gid_index,
-            max_rd_atomic: 1,
+            max_init_rd_atom: 1,
+            max_rd_atom: 1,
             max_send_wr: 1,
             max_cqe: 1,
         };
@@ -114,7 +118,8 @@ impl Context {
         if rc != 0 {
             return Err(VerbsError::call("ibv_query_device", rc));
         }
-        context.max_rd_atomic = u8::try_from(attr.max_qp_init_rd_atom.clamp(1, 16)).unwrap_or(1);
+        context.max_init_rd_atom = u8::try_from(attr.max_qp_init_rd_atom.clamp(1, 16)).unwrap_or(1);
+        context.max_rd_atom = u8::try_from(attr.max_qp_rd_atom.clamp(1, 16)).unwrap_or(1);
         context.max_send_wr = u32::try_from(attr.max_qp_wr.max(1)).unwrap_or(1);
         context.max_cqe = attr.max_cqe.max(1);
         let port_attr = context.port_attr()?;
@@ -131,9 +136,12 @@ impl Context {
         self.port
     }
 
-    /// Outstanding RDMA READs the device allows per queue pair (at most 16).
-    pub(crate) fn max_rd_atomic(&self) -> u8 {
-        self.max_rd_atomic
+    /// Outstanding RDMA READs a queue pair of `role` allows (at most 16).
+    pub(crate) fn rd_atomic(&self, role: QpRole) -> u8 {
+        match role {
+            QpRole::Reader => self.max_init_rd_atom,
+            QpRole::Responder => self.max_rd_atom,
+        }
     }
 
     /// The deepest send queue the device allows.
@@ -453,6 +461,7 @@ pub(crate) enum QpRole {
 pub(crate) struct QueuePair {
     qp: NonNull<ffi::ibv_qp>,
     psn: u32,
+    role: QpRole,
     _cq: Arc<CompletionQueue>,
     pd: Arc<ProtectionDomain>,
 }
@@ -531,6 +540,7 @@ impl QueuePair {
         let queue_pair = QueuePair {
             qp,
             psn: initial_psn(),
+            role,
             _cq: Arc::clone(cq),
             pd: Arc::clone(pd),
         };
@@ -568,15 +578,17 @@ impl QueuePair {
             psn: self.psn,
             gid: ctx.gid()?,
             mtu: u8::try_from(port.active_mtu).unwrap_or(1),
+            rd_atomic: ctx.rd_atomic(self.role),
         })
     }
 
-    /// Connect to `remote`: INIT → RTR → RTS.
-    pub(crate) fn connect(&mut self, remote: &Endpoint, role: QpRole) -> Result<(), VerbsError> {
+    /// Connect to `remote`: INIT → RTR → RTS. A reader keeps at most as
+    /// many RDMA READs in flight as the responder advertised.
+    pub(crate) fn connect(&mut self, remote: &Endpoint) -> Result<(), VerbsError> {
         remote.validate()?;
         let ctx = Arc::clone(self.pd.context());
         let local = self.endpoint()?;
-        let rd_atomic = ctx.max_rd_atomic();
+        let role = self.role;
         let global = remote.gid != [0; 16];
         let mut attr = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
@@ -584,7 +596,7 @@ impl QueuePair {
             dest_qp_num: remote.qpn,
             rq_psn: remote.psn,
             max_dest_rd_atomic: match role {
-                QpRole::Responder => rd_atomic,
+                QpRole::Responder => local.rd_atomic,
                 QpRole::Reader => 1,
             },
             min_rnr_timer: 12,
@@ -624,7 +636,7 @@ impl QueuePair {
             rnr_retry: 7,
             sq_psn: self.psn,
             max_rd_atomic: match role {
-                QpRole::Reader => rd_atomic,
+                QpRole::Reader => local.rd_atomic.min(remote.rd_atomic),
                 QpRole::Responder => 1,
             },
             ..Default::default()

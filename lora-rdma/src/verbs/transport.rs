@@ -90,7 +90,7 @@ impl VerbsTransport {
                 )));
             }
         };
-        qp.connect(&remote, QpRole::Reader)?;
+        qp.connect(&remote)?;
         let max_message = ctx.port_attr()?.max_msg_sz as usize;
         Ok(VerbsTransport {
             limits: PlanLimits {
@@ -210,7 +210,7 @@ impl PeerDevice {
         remote.validate()?;
         let cq = CompletionQueue::new(self.pd.context(), 1)?;
         let mut qp = QueuePair::new(&self.pd, &cq, 1, QpRole::Responder)?;
-        qp.connect(&remote, QpRole::Responder)?;
+        qp.connect(&remote)?;
         let endpoint = qp.endpoint()?;
         Ok(PeerQueuePair {
             _qp: qp,

@@ -126,6 +126,7 @@ fn bad_reads_get_a_refusal_and_no_data() {
                 psn: 3,
                 gid: [0; 16],
                 mtu: 3,
+                rd_atomic: 1,
             },
         },
     );
