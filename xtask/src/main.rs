@@ -77,5 +77,13 @@ fn ci() -> Result<(), String> {
         util::run(Command::new("cargo").args(["test", "--workspace", "--no-fail-fast", "--lib", "--bins", "--tests"]))?;
     }
     util::run(Command::new("cargo").args(["test", "--workspace", "--doc"]))?;
+    // The RDMA READ transport builds against the system's libibverbs
+    // headers (`.ci/run` installs them); its unit tests need no device.
+    if util::succeeds(Command::new("pkg-config").args(["--exists", "libibverbs"])) {
+        util::run(Command::new("cargo").args(["clippy", "-p", "lora-rdma", "--all-targets", "--features", "ibverbs"]))?;
+        util::run(Command::new("cargo").args(["test", "-p", "lora-rdma", "--features", "ibverbs", "--lib"]))?;
+    } else {
+        eprintln!("libibverbs headers are not installed: the `ibverbs` feature of lora-rdma is not built");
+    }
     demo::run(&[])
 }
