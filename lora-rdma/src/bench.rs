@@ -97,7 +97,7 @@ fn fill(n: usize, seed: u64) -> Vec<bf16> {
 
 /// Write a synthetic rank-`rank` adapter of every linear projection of
 /// `cfg` (PEFT layout and key names) into `dir`.
-fn write_adapter(dir: &Path, cfg: &ModelConfig, rank: usize) -> Result<(), BenchError> {
+pub fn write_adapter(dir: &Path, cfg: &ModelConfig, rank: usize) -> Result<(), BenchError> {
     std::fs::create_dir_all(dir).map_err(setup)?;
     let targets: Vec<&str> = MODULES.iter().map(|m| m.short_name()).collect();
     let config = serde_json::json!({
