@@ -31,3 +31,8 @@ pub use lease::{SlotLease, SlotUse};
 pub use lora_audit::LoraOptions;
 pub use pool::{AdapterSource, BatchCapacity, LoraPool, ModuleTarget, SwapReport};
 pub use registry::{AdapterSlot, SlotRegistry};
+
+/// The README's engine example, compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeExample;
