@@ -6,6 +6,8 @@
 //! B columns `rank..max_rank` as zeros, an unadapted module as zeros. There is
 //! no separate zeroing pass.
 
+use std::ops::Range;
+
 use half::bf16;
 use lora_layout::{PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
@@ -193,19 +195,28 @@ fn fill_place(region: &mut [bf16], place: &PairPlace, stride: usize, src: Option
     let (a_used, a_pad) = a_region.split_at_mut(r * place.in_dim);
     src.a.write(0, a_used);
     a_pad.fill(bf16::ZERO);
+    if r == stride {
+        // B is stored exactly as given: one copy, not one per row.
+        src.b.write(0, b_region);
+        return;
+    }
     for (row, dst_row) in b_region.chunks_exact_mut(stride).enumerate() {
         src.b.write(row * r, &mut dst_row[..r]);
         dst_row[r..].fill(bf16::ZERO);
     }
 }
 
-/// Every place of `layout` in walk order with its mutable region of `data`.
-/// The layouts tile their bytes exactly (a lora-layout invariant), so the
-/// regions are consecutive.
-fn place_regions<'d>(data: &'d mut [bf16], layout: &impl PairLayout) -> Vec<(PairPlace, &'d mut [bf16])> {
+/// The places `range` of `layout`, each with its mutable region of `data`
+/// (which starts at the first place of the range). The layouts tile their
+/// bytes exactly (a lora-layout invariant), so the regions are consecutive.
+fn place_regions<'d>(
+    data: &'d mut [bf16],
+    layout: &impl PairLayout,
+    range: Range<usize>,
+) -> Vec<(PairPlace, &'d mut [bf16])> {
     let stride = layout.stride();
     let mut rest = data;
-    (0..layout.len())
+    range
         .filter_map(|i| layout.place(i))
         .map(|place| {
             let len = stride * (place.in_dim + place.out_dim);
@@ -216,51 +227,92 @@ fn place_regions<'d>(data: &'d mut [bf16], layout: &impl PairLayout) -> Vec<(Pai
         .collect()
 }
 
-/// Pack `pairs` into `dst` (exactly `layout.total_bytes() / 2` elements,
-/// e.g. a pinned staging buffer), in parallel across pairs, and return their
-/// metadata sorted by key. Every pair is checked before any element is
-/// written; every element of `dst` is then written exactly once (padding and
-/// unadapted places as zeros), so `dst` needs no clearing first.
+/// Pairs checked against a layout and indexed by place: what a packer needs
+/// to fill any range of the slot, in any order, without further checks.
+#[derive(Debug)]
+pub struct PackPlan<'a> {
+    by_place: Vec<Option<PairSource<'a>>>,
+    metas: Vec<PairMeta>,
+}
+
+impl<'a> PackPlan<'a> {
+    /// Check every pair against `layout` (place, rank, lengths, duplicates)
+    /// before anything is written.
+    pub fn new(layout: &impl PairLayout, pairs: &[PairSource<'a>]) -> Result<PackPlan<'a>, ImageError> {
+        let stride = layout.stride();
+        let mut by_place: Vec<Option<PairSource<'a>>> = vec![None; layout.len()];
+        for p in pairs {
+            let m = &p.meta;
+            let (index, place) = place_of(layout, m.key)?;
+            check_rank(m, stride)?;
+            let shape_err = |part, got, expected| ImageError::Shape {
+                key: m.key,
+                part,
+                got,
+                expected,
+            };
+            if p.a.len() != m.rank * place.in_dim {
+                return Err(shape_err(PairPart::A, p.a.len(), m.rank * place.in_dim));
+            }
+            if p.b.len() != place.out_dim * m.rank {
+                return Err(shape_err(PairPart::B, p.b.len(), place.out_dim * m.rank));
+            }
+            if by_place[index].replace(*p).is_some() {
+                return Err(ImageError::Duplicate { key: m.key });
+            }
+        }
+        let mut metas: Vec<PairMeta> = pairs.iter().map(|p| p.meta).collect();
+        metas.sort_by_key(|m| m.key);
+        Ok(PackPlan { by_place, metas })
+    }
+
+    /// The pairs' metadata, sorted by key.
+    pub fn metas(&self) -> &[PairMeta] {
+        &self.metas
+    }
+
+    /// Write places `range` of `layout` into `dst`, which holds exactly
+    /// their bytes (from the first place's A to the last place's B), in
+    /// parallel across places. Every element of `dst` is written once.
+    pub fn fill(&self, layout: &impl PairLayout, range: Range<usize>, dst: &mut [bf16]) -> Result<(), ImageError> {
+        let expected = range_elems(layout, range.clone());
+        if dst.len() != expected {
+            return Err(ImageError::Destination {
+                got: dst.len(),
+                expected,
+            });
+        }
+        let stride = layout.stride();
+        place_regions(dst, layout, range.clone())
+            .into_par_iter()
+            .zip(self.by_place[range].par_iter())
+            .for_each(|((place, region), src)| fill_place(region, &place, stride, src.as_ref()));
+        Ok(())
+    }
+}
+
+/// Elements of places `range` of `layout`.
+pub fn range_elems(layout: &impl PairLayout, range: Range<usize>) -> usize {
+    let stride = layout.stride();
+    range
+        .filter_map(|i| layout.place(i))
+        .map(|p| stride * (p.in_dim + p.out_dim))
+        .sum()
+}
+
+/// Pack `pairs` into `dst` (exactly `layout.total_bytes() / 2` elements),
+/// in parallel across pairs, and return their metadata sorted by key. Every
+/// pair is checked before any element is written; every element of `dst` is
+/// then written exactly once (padding and unadapted places as zeros), so
+/// `dst` needs no clearing first.
 pub fn pack_into(
     layout: &impl PairLayout,
     pairs: &[PairSource<'_>],
     dst: &mut [bf16],
 ) -> Result<Vec<PairMeta>, ImageError> {
-    let stride = layout.stride();
-    let mut by_place: Vec<Option<&PairSource<'_>>> = vec![None; layout.len()];
-    for p in pairs {
-        let m = &p.meta;
-        let (index, place) = place_of(layout, m.key)?;
-        check_rank(m, stride)?;
-        let shape_err = |part, got, expected| ImageError::Shape {
-            key: m.key,
-            part,
-            got,
-            expected,
-        };
-        if p.a.len() != m.rank * place.in_dim {
-            return Err(shape_err(PairPart::A, p.a.len(), m.rank * place.in_dim));
-        }
-        if p.b.len() != place.out_dim * m.rank {
-            return Err(shape_err(PairPart::B, p.b.len(), place.out_dim * m.rank));
-        }
-        if by_place[index].replace(p).is_some() {
-            return Err(ImageError::Duplicate { key: m.key });
-        }
-    }
-    if dst.len() != layout.total_bytes() / 2 {
-        return Err(ImageError::Destination {
-            got: dst.len(),
-            expected: layout.total_bytes() / 2,
-        });
-    }
-    place_regions(dst, layout)
-        .into_par_iter()
-        .zip(by_place.par_iter())
-        .for_each(|((place, region), src)| fill_place(region, &place, stride, *src));
-    let mut metas: Vec<PairMeta> = pairs.iter().map(|p| p.meta).collect();
-    metas.sort_by_key(|m| m.key);
-    Ok(metas)
+    let plan = PackPlan::new(layout, pairs)?;
+    plan.fill(layout, 0..layout.len(), dst)?;
+    Ok(plan.metas)
 }
 
 impl SlotImage {

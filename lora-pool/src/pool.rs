@@ -3,6 +3,7 @@
 //! tables the kernels read, an optional expert/router pool, and the
 //! two-phase load and swap that keep every failure away from live slots.
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -16,14 +17,14 @@ use lora_kernels::{
     WorkspaceSpec, bgmv, one_adapter, sgmv,
 };
 use lora_layout::{
-    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, PairKey, SlotLayout, build_seq_slot_host,
+    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, PairKey, PairLayout, SlotLayout, build_seq_slot_host,
     select_victim_slot,
 };
 
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
 use crate::expert::ExpertPool;
-use crate::image::{Elems, PairMeta, PairSource, SlotImage, pack_into};
+use crate::image::{Elems, PackPlan, PairMeta, PairSource, SlotImage, range_elems};
 use crate::lease::{SlotLease, SlotUse};
 use crate::registry::{AdapterSlot, SlotRegistry};
 
@@ -92,7 +93,7 @@ struct Staged<S> {
 
 /// Where a staged adapter's dense slot image is.
 enum DenseSource {
-    /// Packed into the pool's staging buffer.
+    /// Packed and uploaded into the pool's device staging slot.
     Staging,
     /// A landed image.
     Image(SlotImage),
@@ -119,7 +120,69 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     segments: usize,
     prefill_rows: usize,
     workspace: LoraWorkspace,
-    staging: PinnedHostBuffer<bf16>,
+    staging: Staging,
+}
+
+/// Elements of one host staging chunk (8 MiB of BF16): large enough that a
+/// copy runs at full bandwidth, small enough that packing the next chunk
+/// overlaps it.
+const CHUNK_ELEMS: usize = 4 << 20;
+
+/// The path from host to slot: the slot's places split into chunks, each
+/// packed into its own pinned buffer and copied asynchronously into a
+/// device staging slot while the next chunk is packed; publish then copies
+/// the staging slot into the live slot on the device. Nothing here is live.
+struct Staging {
+    chunks: Vec<StagingChunk>,
+    device: DeviceBuffer<bf16>,
+}
+
+struct StagingChunk {
+    places: Range<usize>,
+    elem_offset: usize,
+    host: PinnedHostBuffer<bf16>,
+}
+
+impl Staging {
+    fn new(device: &Device, layout: &SlotLayout) -> Result<Staging, PoolError> {
+        let mut chunks = Vec::new();
+        let (mut start, mut offset, mut elems) = (0usize, 0usize, 0usize);
+        for i in 0..PairLayout::len(layout) {
+            let len = range_elems(layout, i..i + 1);
+            if elems > 0 && elems + len > CHUNK_ELEMS {
+                chunks.push(StagingChunk {
+                    places: start..i,
+                    elem_offset: offset,
+                    host: device.alloc_pinned(elems)?,
+                });
+                (start, offset, elems) = (i, offset + elems, 0);
+            }
+            elems += len;
+        }
+        if elems > 0 {
+            chunks.push(StagingChunk {
+                places: start..PairLayout::len(layout),
+                elem_offset: offset,
+                host: device.alloc_pinned(elems)?,
+            });
+        }
+        Ok(Staging {
+            chunks,
+            device: device.alloc_zeros(layout.slot_bytes() / 2)?,
+        })
+    }
+
+    /// Pack `plan` chunk by chunk, each chunk's copy to the device staging
+    /// slot overlapping the packing of the next.
+    fn pack_and_upload(&mut self, layout: &SlotLayout, plan: &PackPlan<'_>, name: &str) -> Result<(), PoolError> {
+        for chunk in &mut self.chunks {
+            // Waits for this buffer's copy of the previous swap, long done.
+            let host = chunk.host.as_mut_slice()?;
+            plan.fill(layout, chunk.places.clone(), host).map_err(image_err(name))?;
+            self.device.upload_pinned(chunk.elem_offset, &chunk.host)?;
+        }
+        Ok(())
+    }
 }
 
 fn audit_err(adapter: &str) -> impl FnOnce(lora_audit::AuditError) -> PoolError + '_ {
@@ -203,6 +266,8 @@ impl<C: SlotCompanion> LoraPool<C> {
         };
         let needed = [
             mul(pool_elems, 2, "pool")?,
+            // The device staging slot.
+            layout.slot_bytes(),
             mul(table_len, std::mem::size_of::<PairEntry>(), "tables")?,
             if serve_experts {
                 mul(expert_bytes.div_ceil(16) * 16, opts.max_loras, "expert pool")?
@@ -251,7 +316,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             segments: 0,
             prefill_rows: 0,
             workspace: LoraWorkspace::new(device, ws_spec)?,
-            staging: device.alloc_pinned(slot_elems)?,
+            staging: Staging::new(device, &layout)?,
             layout,
             cfg,
             opts,
@@ -588,9 +653,10 @@ impl<C: SlotCompanion> LoraPool<C> {
                 })
             })
             .collect::<Result<Vec<_>, PoolError>>()?;
-        let staging = self.staging.as_mut_slice()?;
-        let dense_pairs = pack_into(&self.layout, &sources, staging).map_err(image_err(name))?;
+        let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
+        self.staging.pack_and_upload(&self.layout, &plan, name)?;
+        let dense_pairs = plan.metas().to_vec();
         Ok(Staged {
             name: name.to_string(),
             dense: DenseSource::Staging,
@@ -652,9 +718,10 @@ impl<C: SlotCompanion> LoraPool<C> {
                 b: Elems::Bf16(&p.b),
             })
             .collect();
-        let staging = self.staging.as_mut_slice()?;
-        let dense_pairs = pack_into(&self.layout, &sources, staging).map_err(image_err(name))?;
+        let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &adapter.overlay)?;
+        self.staging.pack_and_upload(&self.layout, &plan, name)?;
+        let dense_pairs = plan.metas().to_vec();
         Ok(Staged {
             name: name.to_string(),
             dense: DenseSource::Staging,
@@ -672,7 +739,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         let elems = self.layout.slot_bytes() / 2;
         let base = slot * elems;
         match &staged.dense {
-            DenseSource::Staging => self.weights.upload_pinned(base, &self.staging)?,
+            DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
             DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
         }
         self.clear_table_entries(slot);
