@@ -425,6 +425,12 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_c1_bf16(const Bg
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_c1_f32(const BgmvParams p) { bgmv_body<float, 1>(p); }
 
 #if __CUDA_ARCH__ >= 900
+extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c4_bf16(const BgmvParams p) {
+    bgmv_body<bf16_t, 4>(p);
+}
+extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c4_f32(const BgmvParams p) {
+    bgmv_body<float, 4>(p);
+}
 extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c8_bf16(const BgmvParams p) {
     bgmv_body<bf16_t, 8>(p);
 }

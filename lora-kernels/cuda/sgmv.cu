@@ -43,7 +43,7 @@ struct SgmvParams {
     int ws_rank_pad;
     int max_tiles;
     int rank_chunks;
-    int pad0;
+    int out_tiles;
     int pad1;
     int pad2;
     LoraTarget targets[MAX_TARGETS];
@@ -301,13 +301,30 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     }
 }
 
-// The expand block: 64 rows of one tile x 128 outputs. Everything it reads
-// besides y (its B rows and the tile's summed, scaled rank vectors) is staged
-// in dynamic shared memory first, in one batch of copies; y is loaded into the
-// accumulators at the same time. The mma loop then reads only shared memory.
-//   sB [SG_BO][rk16 + 8] bf16   B rows o_base.., columns past rank zeroed
-//   sT [SG_BM][rk16 + 4] f32    t summed over the K splits, times scale; zero past rank
-// rk16 = the stride rounded up to 16 (the host sizes the buffer from it).
+// The expand is persistent: block b walks the work items (tile, target,
+// 128-output chunk) b * per .. (b + 1) * per in order, so consecutive items
+// mostly share a tile (its entry and rank vectors are staged once) and the
+// next item's y rows and B rows are requested into L2 while the current one
+// runs. Per item, everything besides y is read from dynamic shared memory:
+//   sB [SG_BO][r16 + 8] bf16   B rows o_base.., columns past rank zeroed
+//   sT [SG_BM][r16 + 4] f32    t summed over the K splits, times scale; zero past rank
+// r16 = the stride rounded up to 16 (the host sizes the buffer from it).
+struct ExpandItem {
+    int tile;
+    int ti;
+    int o_base;
+};
+
+__device__ __forceinline__ ExpandItem expand_item(const SgmvParams& p, int it) {
+    const int per_tile = p.n_targets * p.out_tiles;
+    ExpandItem e;
+    e.tile = it / per_tile;
+    const int rem = it - e.tile * per_tile;
+    e.ti = rem / p.out_tiles;
+    e.o_base = (rem - e.ti * p.out_tiles) * SG_BO;
+    return e;
+}
+
 template <typename Y>
 __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     __shared__ TileInfo s_tile;
@@ -316,149 +333,175 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int tile = (int)blockIdx.x / p.n_targets;
-    const int ti = (int)blockIdx.x % p.n_targets;
-    const LoraTarget tg = p.targets[ti];
-    const int o_base = (int)blockIdx.y * SG_BO;
-    if (o_base >= tg.out_dim) return;
-
-    if (warp == 0) find_tile(p, tg, tile, &s_tile, false);
-    __syncthreads();
-    load_tile_entry(p, tg, &s_tile, &s_entry, false);
-    __syncthreads();
-    if (!s_tile.valid) return;
-    const PairEntry en = s_entry;
-    const int rank = (int)en.rank;
-    if (rank == 0) return;
-    const int row0 = s_tile.row0;
-    const int rows = s_tile.rows;
-    const int out = tg.out_dim;
+    const int total = p.max_tiles * p.n_targets * p.out_tiles;
+    const int per = (total + gridDim.x - 1) / gridDim.x;
+    const int it0 = blockIdx.x * per;
+    const int it1 = min(total, it0 + per);
     const int stride = p.rank_stride;
-    const bf16_t* B = (const bf16_t*)en.b;
-    const float scale = en.scale;
-    const int rk16 = (rank + 15) & ~15;
     const int bp = ((stride + 15) & ~15) + 8;
     const int tpch = ((stride + 15) & ~15) + 4;
     bf16_t* sB = (bf16_t*)dyn;
     float* sT = (float*)(dyn + (size_t)SG_BO * bp * 2);
-
-    // ---- B rows: 16-byte copies of whole 8-column chunks below rank, the rest element-wise, zero past rank.
-    const bool vec_b = (stride % 8 == 0) && aligned16(B);
-    const int full8 = vec_b ? rank / 8 : 0;
-    for (int v = tid; v < SG_BO * (rk16 / 8); v += SG_THREADS) {
-        const int r = v / (rk16 / 8);
-        const int c = v - r * (rk16 / 8);
-        const int n = o_base + r;
-        bf16_t* dst = sB + r * bp + c * 8;
-        const bf16_t* src = B + (u64)n * stride + c * 8;
-        if (n < out && c < full8) {
-            cp_async16(dst, src, true);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) dst[j] = (n < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
-        }
-    }
-    cp_async_commit();
-
-    // ---- y into the accumulators (rows ra, ra + 8 of the warp; columns of each n-tile).
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int ra = warp * 16 + g;
-    const bool va = ra < rows;
-    const bool vb = ra + 8 < rows;
     Y* Yp = (Y*)p.y;
     const int ys = p.y_stride;
-    const int coff = tg.y_col_off;
-    const bool vec_y = (ys % 2 == 0) && (coff % 2 == 0) && ((((u64)Yp) & (2 * sizeof(Y) - 1)) == 0);
-    Y* ya = Yp + (u64)(row0 + ra) * ys + coff;
-    Y* yb = ya + (u64)8 * ys;
-    float acc[16][4];
+
+    int cur_tile = -1;
+    int cur_ti = -1;
+    for (int it = it0; it < it1; ++it) {
+        const ExpandItem item = expand_item(p, it);
+        const LoraTarget tg = p.targets[item.ti];
+        const int out = tg.out_dim;
+        if (item.o_base >= out) continue;  // uniform over the block
+        __syncthreads();                   // the previous item no longer reads sB / sT / s_tile
+        const bool new_tile = item.tile != cur_tile || item.ti != cur_ti;
+        if (new_tile) {
+            if (warp == 0) find_tile(p, tg, item.tile, &s_tile, false);
+            __syncthreads();
+            load_tile_entry(p, tg, &s_tile, &s_entry, false);
+            __syncthreads();
+        }
+        if (!s_tile.valid || s_entry.rank == 0) {
+            cur_tile = item.tile;
+            cur_ti = item.ti;
+            continue;
+        }
+        const PairEntry en = s_entry;
+        const int rank = (int)en.rank;
+        const int row0 = s_tile.row0;
+        const int rows = s_tile.rows;
+        const bf16_t* B = (const bf16_t*)en.b;
+        const int rk16 = (rank + 15) & ~15;
+        const int o_base = item.o_base;
+        const int coff = tg.y_col_off;
+
+        // ---- B rows of this chunk: 16-byte copies of whole 8-column chunks below rank, the rest element-wise.
+        const bool vec_b = (stride % 8 == 0) && aligned16(B);
+        const int full8 = vec_b ? rank / 8 : 0;
+        for (int v = tid; v < SG_BO * (rk16 / 8); v += SG_THREADS) {
+            const int r = v / (rk16 / 8);
+            const int c = v - r * (rk16 / 8);
+            const int n = o_base + r;
+            bf16_t* dst = sB + r * bp + c * 8;
+            const bf16_t* src = B + (u64)n * stride + c * 8;
+            if (n < out && c < full8) {
+                cp_async16(dst, src, true);
+            } else {
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-        const int o = o_base + nt * 8 + 2 * t4;
-        acc[nt][0] = 0.f;
-        acc[nt][1] = 0.f;
-        acc[nt][2] = 0.f;
-        acc[nt][3] = 0.f;
-        if (o + 1 < out && vec_y) {
-            if (va) y_load2(ya + o, acc[nt][0], acc[nt][1]);
-            if (vb) y_load2(yb + o, acc[nt][2], acc[nt][3]);
-        } else if (o < out) {
-            if (va) acc[nt][0] = y_load(ya + o);
-            if (vb) acc[nt][2] = y_load(yb + o);
-            if (o + 1 < out) {
-                if (va) acc[nt][1] = y_load(ya + o + 1);
-                if (vb) acc[nt][3] = y_load(yb + o + 1);
+                for (int j = 0; j < 8; ++j) dst[j] = (n < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
             }
         }
-    }
+        cp_async_commit();
 
-    // ---- t: sum the K-split partials of the tile's rows, scale, zero past rank.
-    {
-        const float* W = (const float*)p.ws + (u64)ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
-        const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
-        const int q4 = rk16 / 4;
-        for (int v = tid; v < SG_BM * q4; v += SG_THREADS) {
-            const int r = v / q4;
-            const int k = (v - r * q4) * 4;
-            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (r < rows && k < rank) {
-                const float* q = W + (u64)(row0 + r) * p.ws_rank_pad + k;
-                for (int ks = 0; ks < p.k_splits; ++ks) {
-                    const float4 w = *(const float4*)(q + ks * split_stride);
-                    sum.x += w.x;
-                    sum.y += w.y;
-                    sum.z += w.z;
-                    sum.w += w.w;
+        // ---- y into the accumulators (rows ra, ra + 8 of the warp; columns of each n-tile).
+        const bool va = ra < rows;
+        const bool vb = ra + 8 < rows;
+        const bool vec_y = (ys % 2 == 0) && (coff % 2 == 0) && ((((u64)Yp) & (2 * sizeof(Y) - 1)) == 0);
+        Y* ya = Yp + (u64)(row0 + ra) * ys + coff;
+        Y* yb = ya + (u64)8 * ys;
+        float acc[16][4];
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            const int o = o_base + nt * 8 + 2 * t4;
+            acc[nt][0] = 0.f;
+            acc[nt][1] = 0.f;
+            acc[nt][2] = 0.f;
+            acc[nt][3] = 0.f;
+            if (o + 1 < out && vec_y) {
+                if (va) y_load2(ya + o, acc[nt][0], acc[nt][1]);
+                if (vb) y_load2(yb + o, acc[nt][2], acc[nt][3]);
+            } else if (o < out) {
+                if (va) acc[nt][0] = y_load(ya + o);
+                if (vb) acc[nt][2] = y_load(yb + o);
+                if (o + 1 < out) {
+                    if (va) acc[nt][1] = y_load(ya + o + 1);
+                    if (vb) acc[nt][3] = y_load(yb + o + 1);
                 }
             }
-            float* d = sT + r * tpch + k;
-            d[0] = k < rank ? sum.x * scale : 0.f;
-            d[1] = k + 1 < rank ? sum.y * scale : 0.f;
-            d[2] = k + 2 < rank ? sum.z * scale : 0.f;
-            d[3] = k + 3 < rank ? sum.w * scale : 0.f;
         }
-    }
-    cp_async_wait<0>();
-    __syncthreads();
 
-    for (int kst = 0; kst < rk16 / 16; ++kst) {
-        // t fragment in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
-        u32 a_hi[4];
-        u32 a_lo[4];
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const int r = warp * 16 + g + (h & 1) * 8;
-            const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
-            const float2 t = *(const float2*)(sT + r * tpch + k);
-            const bf16_t h0 = f2bf(t.x);
-            const bf16_t h1 = f2bf(t.y);
-            a_hi[h] = (u32)h0 | ((u32)h1 << 16);
-            a_lo[h] = pack_bf2(t.x - bf2f(h0), t.y - bf2f(h1));
+        // ---- the next item of the same tile: ask for its y and B rows now.
+        if (it + 1 < it1) {
+            const ExpandItem nx = expand_item(p, it + 1);
+            if (nx.tile == item.tile && nx.ti == item.ti && nx.o_base < out) {
+                const int len = min(SG_BO, out - nx.o_base);
+                if (tid < rows) prefetch_l2(Yp + (u64)(row0 + tid) * ys + coff + nx.o_base, (u64)len * sizeof(Y));
+                if (tid == SG_THREADS - 1) prefetch_l2(B + (u64)nx.o_base * stride, (u64)len * stride * 2);
+            }
         }
-#pragma unroll
-        for (int np = 0; np < 8; ++np) {
-            u32 b[4];
-            ldmatrix_x4(b, sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * bp + kst * 16 + ((lane >> 3) & 1) * 8);
-            mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
-            mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
-            mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
-            mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
+
+        // ---- t of a new tile: sum the K-split partials of its rows, scale, zero past rank.
+        if (new_tile) {
+            const float* W = (const float*)p.ws + (u64)item.ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
+            const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
+            const int q4 = rk16 / 4;
+            const float scale = en.scale;
+            for (int v = tid; v < SG_BM * q4; v += SG_THREADS) {
+                const int r = v / q4;
+                const int k = (v - r * q4) * 4;
+                float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (r < rows && k < rank) {
+                    const float* q = W + (u64)(row0 + r) * p.ws_rank_pad + k;
+                    for (int ks = 0; ks < p.k_splits; ++ks) {
+                        const float4 w = *(const float4*)(q + ks * split_stride);
+                        sum.x += w.x;
+                        sum.y += w.y;
+                        sum.z += w.z;
+                        sum.w += w.w;
+                    }
+                }
+                float* d = sT + r * tpch + k;
+                d[0] = k < rank ? sum.x * scale : 0.f;
+                d[1] = k + 1 < rank ? sum.y * scale : 0.f;
+                d[2] = k + 2 < rank ? sum.z * scale : 0.f;
+                d[3] = k + 3 < rank ? sum.w * scale : 0.f;
+            }
+            cur_tile = item.tile;
+            cur_ti = item.ti;
         }
-    }
+        cp_async_wait<0>();
+        __syncthreads();
+
+        for (int kst = 0; kst < rk16 / 16; ++kst) {
+            // t fragment in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
+            u32 a_hi[4];
+            u32 a_lo[4];
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                const int r = warp * 16 + g + (h & 1) * 8;
+                const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
+                const float2 t = *(const float2*)(sT + r * tpch + k);
+                const bf16_t h0 = f2bf(t.x);
+                const bf16_t h1 = f2bf(t.y);
+                a_hi[h] = (u32)h0 | ((u32)h1 << 16);
+                a_lo[h] = pack_bf2(t.x - bf2f(h0), t.y - bf2f(h1));
+            }
+#pragma unroll
+            for (int np = 0; np < 8; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * bp + kst * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
+                mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
+                mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
+                mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
+            }
+        }
 
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-        const int o = o_base + nt * 8 + 2 * t4;
-        if (o + 1 < out && vec_y) {
-            if (va) y_store2(ya + o, acc[nt][0], acc[nt][1]);
-            if (vb) y_store2(yb + o, acc[nt][2], acc[nt][3]);
-        } else if (o < out) {
-            if (va) y_store(ya + o, acc[nt][0]);
-            if (vb) y_store(yb + o, acc[nt][2]);
-            if (o + 1 < out) {
-                if (va) y_store(ya + o + 1, acc[nt][1]);
-                if (vb) y_store(yb + o + 1, acc[nt][3]);
+        for (int nt = 0; nt < 16; ++nt) {
+            const int o = o_base + nt * 8 + 2 * t4;
+            if (o + 1 < out && vec_y) {
+                if (va) y_store2(ya + o, acc[nt][0], acc[nt][1]);
+                if (vb) y_store2(yb + o, acc[nt][2], acc[nt][3]);
+            } else if (o < out) {
+                if (va) y_store(ya + o, acc[nt][0]);
+                if (vb) y_store(yb + o, acc[nt][2]);
+                if (o + 1 < out) {
+                    if (va) y_store(ya + o + 1, acc[nt][1]);
+                    if (vb) y_store(yb + o + 1, acc[nt][3]);
+                }
             }
         }
     }

@@ -105,6 +105,8 @@ pub(crate) struct CudaBackend {
     pub(crate) l2_bytes: usize,
     /// Shared memory one block may opt in to.
     pub(crate) smem_optin: usize,
+    /// Shared memory of one multiprocessor.
+    pub(crate) smem_per_sm: usize,
     modules: Arc<ModuleCache>,
     fault: Mutex<CudaSlice<u32>>,
 }
@@ -147,6 +149,9 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
     let optin = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .map_err(driver_err("cuDeviceGetAttribute"))?;
+    let per_sm = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+        .map_err(driver_err("cuDeviceGetAttribute"))?;
     let fault = stream.alloc_zeros::<u32>(1).map_err(driver_err("cuMemAlloc"))?;
     Ok(CudaBackend {
         ctx,
@@ -156,6 +161,7 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         sm_count: u32::try_from(sm_count).unwrap_or(1).max(1),
         l2_bytes: usize::try_from(l2).unwrap_or(0),
         smem_optin: usize::try_from(optin).unwrap_or(48 * 1024),
+        smem_per_sm: usize::try_from(per_sm).unwrap_or(64 * 1024),
         modules: module_cache(ordinal),
         fault: Mutex::new(fault),
     })

@@ -17,7 +17,7 @@
 //! rows to the shared [`Report`].
 //!
 //! usage: `cargo xtask bench [--out PATH] [--torch-script PATH] [--reps N]
-//! [--sections a,b] [--sweep] [--quick]`
+//! [--sections a,b] [--sweep] [--quick] [--only SUBSTRING]`
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -42,6 +42,8 @@ struct Options {
     reps: usize,
     sections: Option<Vec<String>>,
     sweep: bool,
+    /// Only cases whose name contains this.
+    only: Option<String>,
 }
 
 impl Options {
@@ -52,6 +54,7 @@ impl Options {
             reps: 200,
             sections: None,
             sweep: false,
+            only: None,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -62,11 +65,16 @@ impl Options {
                 "--reps" => o.reps = value()?.parse().map_err(|e| format!("--reps: {e}"))?,
                 "--sections" => o.sections = Some(value()?.split(',').map(String::from).collect()),
                 "--sweep" => o.sweep = true,
+                "--only" => o.only = Some(value()?),
                 "--quick" => o.reps = 30,
                 other => return Err(format!("unknown bench argument {other}")),
             }
         }
         Ok(o)
+    }
+
+    fn wants_case(&self, name: &str) -> bool {
+        self.only.as_ref().is_none_or(|o| name.contains(o.as_str()))
     }
 
     fn wants(&self, section: &str) -> bool {
@@ -256,15 +264,18 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
     let mut rng = Rng::new(0x5eed_0004);
     for &(n, in_dim, out, r, distinct, peer) in DECODE {
         let name = format!("decode n={n} in={in_dim} out={out} r={r} d={distinct}");
+        if !ctx.opts.wants_case(&name) {
+            continue;
+        }
         let mut variants = vec![("default".to_string(), BgmvTuning::default())];
         if ctx.opts.sweep {
-            for s in [1, 2, 4] {
+            for (c, sp) in [(8, 1), (8, 2), (4, 1), (4, 2)] {
                 let t = BgmvTuning {
-                    cluster: Some(8),
-                    out_splits: Some(s),
+                    cluster: Some(c),
+                    out_splits: Some(sp),
                     ..Default::default()
                 };
-                variants.push((format!("c8 s{s}"), t));
+                variants.push((format!("c{c} s{sp}"), t));
             }
         }
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);
@@ -312,6 +323,9 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
     }
     for &(rows, segs, in_dim, out, r, peer) in PREFILL {
         let name = format!("prefill rows={rows} segs={segs} in={in_dim} out={out} r={r}");
+        if !ctx.opts.wants_case(&name) {
+            continue;
+        }
         let mut variants = vec![("default".to_string(), SgmvTuning::default())];
         if ctx.opts.sweep {
             for k in 1..=4 {

@@ -2,8 +2,9 @@
 //!
 //! The GPU host has no Rust toolchain, so the bundle carries everything it
 //! runs: every workspace crate's test executables and the `xtask` binary
-//! (for `bench`), built here in release mode without debug info, plus
-//! `fixtures/`, `xtask/bench/*.py` and a `run.sh` that runs them with
+//! (for `bench`), built here in release mode without debug info, stripped
+//! and packed into `payload.tar.gz`, plus `fixtures/`, `xtask/bench/*.py` and
+//! a `run.sh` that unpacks and runs them with
 //! `LORA_REQUIRE_GPU=1` (GPU tests fail instead of skipping) and prints a
 //! summary last. A crate whose tests do not build is reported and left out,
 //! so one crate in progress does not block the others' GPU tests.
@@ -64,6 +65,7 @@ pub fn bundle(_args: &[String]) -> Result<(), String> {
     if fixtures.is_dir() {
         copy_tree(&fixtures, &dir.join("fixtures"))?;
     }
+    pack_binaries(&dir)?;
     let run_sh = dir.join("run.sh");
     fs::write(&run_sh, RUN_SH).map_err(|e| format!("cannot write run.sh: {e}"))?;
     set_executable(&run_sh)?;
@@ -190,6 +192,33 @@ fn build_xtask(root: &Path) -> Result<PathBuf, String> {
         .ok_or_else(|| "cargo build -p xtask produced no executable".into())
 }
 
+/// Strip the executables (when `strip` is installed) and pack `tests/` and
+/// `bin/` into `payload.tar.gz`: test executables compress about 3x, which
+/// keeps the bundle under the size limit; `run.sh` unpacks it first.
+fn pack_binaries(dir: &Path) -> Result<(), String> {
+    let strip = Command::new("strip")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    for sub in ["tests", "bin"] {
+        for entry in fs::read_dir(dir.join(sub)).map_err(|e| e.to_string())? {
+            let path = entry.map_err(|e| e.to_string())?.path();
+            if strip {
+                util::run(Command::new("strip").arg("--strip-all").arg(&path))?;
+            }
+        }
+    }
+    util::run(
+        Command::new("tar")
+            .current_dir(dir)
+            .args(["-czf", "payload.tar.gz", "tests", "bin"]),
+    )?;
+    for sub in ["tests", "bin"] {
+        fs::remove_dir_all(dir.join(sub)).map_err(|e| format!("cannot remove {sub}: {e}"))?;
+    }
+    Ok(())
+}
+
 fn copy_tree(from: &Path, to: &Path) -> Result<(), String> {
     fs::create_dir_all(to).map_err(|e| format!("cannot create {}: {e}", to.display()))?;
     for entry in fs::read_dir(from).map_err(|e| format!("cannot read {}: {e}", from.display()))? {
@@ -230,6 +259,7 @@ fn set_executable(path: &Path) -> Result<(), String> {
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the GPU bundle built by `cargo xtask gpu-bundle`.
 # usage: run.sh [test|bench|all] [extra args for `xtask bench`]
+# LORA_TESTS (a glob, e.g. 'lora_kernels-*') picks test executables; all by default.
 # Each test binary and the bench run under `timeout` (LORA_TEST_TIMEOUT,
 # LORA_BENCH_TIMEOUT seconds, default 300), so a hung kernel costs one entry.
 set -u -o pipefail
@@ -244,6 +274,9 @@ export LORA_FIXTURES_DIR="$here/fixtures"
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
 done
+if [ -f "$here/payload.tar.gz" ] && [ ! -d "$here/tests" ]; then
+  tar -xzf "$here/payload.tar.gz" -C "$here" || { echo "cannot unpack payload.tar.gz"; exit 2; }
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || echo "nvidia-smi unavailable"
 
 pass=0
@@ -253,7 +286,7 @@ summary=""
 if [ "$mode" = test ] || [ "$mode" = all ]; then
   log="$out/tests.log"
   : >"$log"
-  for t in "$here"/tests/*; do
+  for t in "$here"/tests/${LORA_TESTS:-*}; do
     name="$(basename "$t")"
     echo "=== $name" >>"$log"
     start=$(date +%s)

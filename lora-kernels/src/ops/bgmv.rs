@@ -122,10 +122,122 @@ impl SmemPlan {
     }
 }
 
+/// Static shared memory of the kernel (row window and items), bytes.
+const STATIC_SMEM: usize = 4 * 1024 + 128;
+/// Blocks per multiprocessor the kernel's register use allows (`__launch_bounds__(256, 3)`).
+const REG_BLOCKS_PER_SM: usize = 3;
+
+/// What of the device the launch choice depends on.
+#[derive(Debug, Clone, Copy)]
+struct DeviceLimits {
+    hopper: bool,
+    sms: usize,
+    smem_optin: usize,
+    smem_per_sm: usize,
+}
+
+/// What of the call the launch choice depends on (besides the targets).
+#[derive(Debug, Clone, Copy)]
+struct RowShape {
+    in_dim: usize,
+    stride: usize,
+    y_size: usize,
+    window: usize,
+    n_windows: usize,
+}
+
+/// The launch shape of one call: cluster size, clusters per window and the shared-memory plan.
+#[derive(Debug, Clone, Copy)]
+struct LaunchChoice {
+    cluster: usize,
+    cpw: usize,
+    plan: SmemPlan,
+}
+
+impl LaunchChoice {
+    /// Pick the cluster size and output splits that need the fewest rounds of
+    /// latency: every block resident at once (clusters per window sized to
+    /// the device), few items per cluster, few A chunks, few splits (each
+    /// split re-reads A). Decode is latency-bound: a round costs the chain
+    /// idx -> table entry -> weights, whatever its bytes.
+    fn pick(
+        limits: DeviceLimits,
+        rows: RowShape,
+        targets: &[LoraTarget<'_>],
+        tuning: BgmvTuning,
+    ) -> Result<LaunchChoice, KernelError> {
+        let DeviceLimits {
+            hopper,
+            sms,
+            smem_optin,
+            smem_per_sm,
+        } = limits;
+        let RowShape {
+            in_dim,
+            stride,
+            y_size,
+            window,
+            n_windows,
+        } = rows;
+        let clusters: Vec<usize> = match tuning.cluster {
+            Some(8 | 4) if !hopper => return Err(invalid("tuning.cluster", "clusters need sm_90 or newer")),
+            Some(v) => vec![v as usize],
+            None if hopper => vec![8, 4],
+            None => vec![1],
+        };
+        let min_out = targets.iter().map(|t| t.out_dim).min().unwrap_or(0);
+        let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+        let n_targets = targets.len();
+        let mut best: Option<(f64, LaunchChoice)> = None;
+        for cl in clusters {
+            let shape = PlanShape {
+                in_dim,
+                max_out,
+                stride,
+                y_size,
+                cluster: cl,
+            };
+            let slice = in_dim.min(piece8(in_dim, cl));
+            let split_options: Vec<usize> = match tuning.out_splits {
+                Some(v) => vec![(v as usize).max(1)],
+                None => (1..=(min_out / (cl * 64)).clamp(1, 16)).collect(),
+            };
+            for s in split_options {
+                let plan = SmemPlan::choose(shape, s, true);
+                if plan.total > smem_optin {
+                    continue;
+                }
+                let bps = REG_BLOCKS_PER_SM.min(smem_per_sm / (plan.total + STATIC_SMEM + 1024));
+                if bps == 0 {
+                    continue;
+                }
+                let capacity = sms * bps;
+                let per_cluster_row = cl * s * n_targets * n_windows;
+                let cpw = match tuning.clusters_per_window {
+                    Some(v) => (v as usize).clamp(1, window),
+                    None => window.min((capacity / per_cluster_row).max(1)),
+                };
+                let rounds = window.div_ceil(cpw) * (per_cluster_row * cpw).div_ceil(capacity);
+                let chunks = slice.div_ceil(plan.k_chunk.max(1));
+                let cost = rounds as f64 * (3.0 + chunks as f64) + 0.05 * s as f64;
+                if best.as_ref().is_none_or(|(b, _)| cost < *b) {
+                    best = Some((cost, LaunchChoice { cluster: cl, cpw, plan }));
+                }
+            }
+        }
+        best.map(|(_, choice)| choice).ok_or_else(|| {
+            invalid(
+                "rank_stride",
+                format!("{stride} with in {in_dim} does not fit the kernel's shared memory"),
+            )
+        })
+    }
+}
+
 /// Launch knobs of [`bgmv_tuned`]; `None` picks from the shape and device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BgmvTuning {
-    /// Blocks per cluster sharing one item's shrink: 8 (sm_90 and newer) or 1.
+    /// Blocks per cluster sharing one item's shrink: 8 or 4 (sm_90 and newer) or 1.
     pub cluster: Option<u32>,
     /// Output splits: clusters serving one item, each a slice of the outputs.
     pub out_splits: Option<u32>,
@@ -228,6 +340,8 @@ fn kernel_name(cluster: u32, y: &'static str) -> Option<&'static str> {
     Some(match (cluster, y) {
         (1, "bf16") => "bgmv_c1_bf16",
         (1, "f32") => "bgmv_c1_f32",
+        (4, "bf16") => "bgmv_c4_bf16",
+        (4, "f32") => "bgmv_c4_f32",
         (8, "bf16") => "bgmv_c8_bf16",
         (8, "f32") => "bgmv_c8_f32",
         _ => return None,
@@ -247,51 +361,27 @@ fn launch<Y: OutputElem>(
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
-    let sms = c.sm_count as usize;
-    let cluster = tuning
-        .cluster
-        .unwrap_or(if c.compute_capability.0 >= 9 { 8 } else { 1 });
-    if cluster == 8 && c.compute_capability.0 < 9 {
-        return Err(invalid("tuning.cluster", "clusters need sm_90 or newer"));
-    }
-    let name = kernel_name(cluster, Y::NAME).ok_or_else(|| invalid("tuning.cluster", format!("{cluster}; 1 or 8")))?;
-    let cl = cluster as usize;
     let (window, n_windows) = if n <= WINDOW_MAX {
         (n, 1)
     } else {
         (WINDOW_LARGE, n.div_ceil(WINDOW_LARGE))
     };
-    let cpw = match tuning.clusters_per_window {
-        Some(v) => (v as usize).clamp(1, window),
-        None => window.min((4 * sms / cl / n_windows).max(1)),
+    let limits = DeviceLimits {
+        hopper: c.compute_capability.0 >= 9,
+        sms: c.sm_count as usize,
+        smem_optin: c.smem_optin,
+        smem_per_sm: c.smem_per_sm,
     };
-    let min_out = targets.iter().map(|t| t.out_dim).min().unwrap_or(0);
-    let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
-    let splits0 = match tuning.out_splits {
-        Some(v) => (v as usize).max(1),
-        None => {
-            let blocks = cl * n_windows * cpw * n_targets;
-            (2 * sms).div_ceil(blocks).clamp(1, (min_out / (cl * 64)).max(1))
-        }
-    };
-    let shape = PlanShape {
+    let rows = RowShape {
         in_dim: x.width,
-        max_out,
         stride,
         y_size: std::mem::size_of::<Y>(),
-        cluster: cl,
+        window,
+        n_windows,
     };
-    let plan = SmemPlan::choose(shape, splits0, tuning.out_splits.is_some());
-    if plan.total > c.smem_optin {
-        return Err(invalid(
-            "rank_stride",
-            format!(
-                "{stride} with in {} needs {} bytes of shared memory",
-                x.width, plan.total
-            ),
-        ));
-    }
-    let splits = plan.splits;
+    let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
+    let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
+    let name = kernel_name(cl as u32, Y::NAME).ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
     let grid_y = n_windows * cpw;
     if grid_y > 65_535 {
         return Err(invalid(

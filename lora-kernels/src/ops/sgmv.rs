@@ -82,7 +82,7 @@ struct SgmvParams {
     ws_rank_pad: i32,
     max_tiles: i32,
     rank_chunks: i32,
-    pad0: i32,
+    out_tiles: i32,
     pad1: i32,
     pad2: i32,
     targets: [TargetParams; MAX_TARGETS],
@@ -308,12 +308,6 @@ fn launch<Y: OutputElem>(
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
-    if out_tiles > 65_535 {
-        return Err(invalid(
-            "targets.out_dim",
-            format!("{max_out} needs more than 65535 output tiles"),
-        ));
-    }
     let params = SgmvParams {
         x: x.addr(),
         y: y.addr(),
@@ -334,7 +328,7 @@ fn launch<Y: OutputElem>(
         ws_rank_pad: to_i32("ws.rank_pad", ws.rank_pad())?,
         max_tiles: to_i32("tiles", max_tiles)?,
         rank_chunks: to_i32("rank_chunks", rank_chunks)?,
-        pad0: 0,
+        out_tiles: to_i32("out_tiles", out_tiles)?,
         pad1: 0,
         pad2: 0,
         targets: *target_params,
@@ -344,7 +338,10 @@ fn launch<Y: OutputElem>(
         to_u32("grid", k_splits)?,
         1,
     );
-    let expand_grid = (to_u32("grid", max_tiles * n_targets)?, to_u32("grid", out_tiles)?, 1);
+    // Persistent expand: three blocks per multiprocessor walk all (tile, target, chunk) items.
+    let items = max_tiles * n_targets * out_tiles;
+    to_i32("expand items", items)?;
+    let expand_grid = (to_u32("grid", items.min(3 * c.sm_count as usize).max(1))?, 1, 1);
     let expand_smem = to_u32("expand shared memory", expand_smem_bytes(stride))?;
     if expand_smem as usize > c.smem_optin {
         return Err(invalid(

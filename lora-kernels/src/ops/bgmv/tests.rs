@@ -369,3 +369,90 @@ proptest! {
         if fixed { prop_assert_eq!(p.splits, s0); }
     }
 }
+
+const H200: DeviceLimits = DeviceLimits {
+    hopper: true,
+    sms: 132,
+    smem_optin: 227 * 1024,
+    smem_per_sm: 228 * 1024,
+};
+
+fn choice(n: usize, in_dim: usize, out: usize, stride: usize) -> LaunchChoice {
+    let d = Device::cpu();
+    let table = d.alloc_zeros::<PairEntry>(1).unwrap();
+    let t = [LoraTarget {
+        table: &table,
+        table_offset: 0,
+        n_entries: 1,
+        out_dim: out,
+        y_col_offset: 0,
+    }];
+    let rows = RowShape {
+        in_dim,
+        stride,
+        y_size: 2,
+        window: n,
+        n_windows: 1,
+    };
+    LaunchChoice::pick(H200, rows, &t, BgmvTuning::default()).unwrap()
+}
+
+#[test]
+fn launch_choices_keep_every_block_resident() {
+    for (n, in_dim, out, stride) in [
+        (1, 4096, 4096, 16),
+        (16, 4096, 4096, 16),
+        (64, 4096, 4096, 16),
+        (64, 4096, 4096, 64),
+        (256, 4096, 4096, 16),
+        (64, 4096, 14336, 16),
+        (7, 2049, 333, 3),
+    ] {
+        let c = choice(n, in_dim, out, stride);
+        eprintln!("n={n} in={in_dim} out={out} stride={stride}: {c:?}");
+        let blocks = c.cluster * c.plan.splits * c.cpw;
+        let bps = REG_BLOCKS_PER_SM.min(H200.smem_per_sm / (c.plan.total + STATIC_SMEM + 1024));
+        assert!(
+            blocks <= 132 * bps,
+            "n={n} stride={stride}: {c:?} has {blocks} blocks for {bps}/SM"
+        );
+        assert!(c.plan.total <= H200.smem_optin);
+        assert!(c.cpw >= 1 && c.cpw <= n);
+    }
+    // Without clusters (before sm_90) the choice is the one-block kernel.
+    let d = Device::cpu();
+    let table = d.alloc_zeros::<PairEntry>(1).unwrap();
+    let t = [LoraTarget {
+        table: &table,
+        table_offset: 0,
+        n_entries: 1,
+        out_dim: 64,
+        y_col_offset: 0,
+    }];
+    let rows = RowShape {
+        in_dim: 64,
+        stride: 8,
+        y_size: 2,
+        window: 4,
+        n_windows: 1,
+    };
+    let ampere = DeviceLimits { hopper: false, ..H200 };
+    assert_eq!(
+        LaunchChoice::pick(ampere, rows, &t, BgmvTuning::default())
+            .unwrap()
+            .cluster,
+        1
+    );
+    assert!(
+        LaunchChoice::pick(
+            ampere,
+            rows,
+            &t,
+            BgmvTuning {
+                cluster: Some(8),
+                ..Default::default()
+            }
+        )
+        .is_err()
+    );
+}
