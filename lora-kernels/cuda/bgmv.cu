@@ -86,24 +86,34 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Copy n elements (of 2 bytes) from global to shared: 16-byte cp.async when
-// both ends are 16-byte aligned and n is a multiple of 8, else plain loads.
-__device__ __forceinline__ void stage_bf16(bf16_t* dst, const bf16_t* src, int n, bool vec, int lane_id, int lanes) {
+// Copy n bf16 from global to shared and zero the tail up to n_pad (a
+// multiple of 8): 16-byte cp.async when `vec` (both ends 16-byte aligned,
+// n a multiple of 8), else plain loads. `lane_id` of `lanes` threads share it.
+// Not inlined: the kernel runs once per block from a cold instruction cache,
+// so code size is time.
+__device__ __noinline__ void stage_row(bf16_t* dst, const bf16_t* src, int n, int n_pad, bool vec, int lane_id,
+                                       int lanes) {
     if (vec) {
+#pragma unroll 1
         for (int c = lane_id; c < (n >> 3); c += lanes) cp_async16(dst + c * 8, src + c * 8);
     } else {
+#pragma unroll 1
         for (int c = lane_id; c < n; c += lanes) dst[c] = src[c];
     }
+#pragma unroll 1
+    for (int c = n + lane_id; c < n_pad; c += lanes) dst[c] = 0;
 }
 
 // Dynamic shared memory layout, in this order (each region 16-byte aligned):
-//   sB   [lo_max][stride + 8] bf16   this block's B rows (padded: no bank conflicts)
+//   sB   [lo_max][stride8 + 8] bf16  this block's B rows (padded: no bank conflicts), zero past rank
 //   sY   [G][lo_max] Y                this block's y values of the item's rows
 //   sTp  [G][tp] f32                  partial rank vectors (read by the cluster peers)
 //   sT   [G][tp] f32                  summed, scaled rank vectors
 //   sA   [stages][stride][kch] bf16   A slice chunk(s)
 //   sX   [stages][G][kch] bf16        x slice chunk(s)
-// tp = stride rounded up to 8. The host sizes it and passes the offsets in.
+// tp = stride8 = stride rounded up to 8. Every row is zero-padded to a
+// multiple of 8 columns, so the arithmetic below has one (16-byte) path.
+// The host sizes it and passes the offsets in.
 template <typename Y, int C>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     extern __shared__ __align__(16) unsigned char dyn[];
@@ -132,6 +142,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     // load after the row scan is not a second cold round trip.
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
     const int* idx = (const int*)p.idx;
+#pragma unroll 1
     for (int j = tid; j < nwin; j += BGMV_THREADS) {
         int e = idx[row0 + j];
         if (e >= tg.n_entries) {
@@ -154,11 +165,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             int occ0 = 0;
             int occ1 = 0;
             int i = 0;
+#pragma unroll 1
             for (; i + 4 <= j0; i += 4) {
                 const int4 v = *(const int4*)&s_idx[i];
                 occ0 += (v.x == e0) + (v.y == e0) + (v.z == e0) + (v.w == e0);
                 occ1 += (v.x == e1) + (v.y == e1) + (v.z == e1) + (v.w == e1);
             }
+#pragma unroll 1
             for (; i < j0; ++i) {
                 occ0 += s_idx[i] == e0;
                 occ1 += s_idx[i] == e1;
@@ -191,7 +204,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
     const int in = p.in_dim;
     const int stride = p.rank_stride;
-    const int bpitch = stride + 8;
+    const int bpitch = ((stride + 7) & ~7) + 8;
     const int kch = p.k_chunk;
     const int lo_max = p.lo_max;
     bf16_t* sB = (bf16_t*)dyn;
@@ -254,91 +267,85 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // ---- one batch of copies for everything the block reads: B rows and
         // y values (group 0), then the first two chunks of A and x (groups 1, 2).
         if (nr > 0 && lo > 0) {
-            // B row o has `rank` useful columns; copy rank8 of them (inside the stride).
-            const int per_row = vec_b ? rank8 / 8 : rank;
-            for (int v = tid; v < lo * per_row; v += BGMV_THREADS) {
-                const int r = v / per_row;
-                const int c = v - r * per_row;
-                const bf16_t* src = B + (u64)(o0 + r) * stride;
-                if (vec_b) cp_async16(sB + r * bpitch + c * 8, src + c * 8);
-                else sB[r * bpitch + c] = src[c];
+            // B row o: `rank` useful columns; whole 8-column chunks are copied, the rest zeroed.
+            const int cpr = rank8 >> 3;
+            const int full = vec_b ? (rank >> 3) : 0;
+#pragma unroll 1
+            for (int v = tid; v < lo * cpr; v += BGMV_THREADS) {
+                const int r = v / cpr;
+                const int c = v - r * cpr;
+                const bf16_t* src = B + (u64)(o0 + r) * stride + c * 8;
+                bf16_t* dst = sB + r * bpitch + c * 8;
+                if (c < full) {
+                    cp_async16(dst, src);
+                } else {
+#pragma unroll 1
+                    for (int j = 0; j < 8; ++j) dst[j] = c * 8 + j < rank ? src[j] : (bf16_t)0;
+                }
             }
             const int y_per_row = vec_y ? lo * (int)sizeof(Y) / 16 : lo;
-            for (int v = tid; v < nr * y_per_row; v += BGMV_THREADS) {
-                const int g = v / y_per_row;
-                const int c = v - g * y_per_row;
+#pragma unroll 1
+            for (int g = 0; g < nr; ++g) {
                 const Y* src = Yp + (u64)s_rows[g] * ys + coff + o0;
-                if (vec_y) cp_async16((unsigned char*)(sY + g * lo_max) + c * 16, (const unsigned char*)src + c * 16);
-                else sY[g * lo_max + c] = src[c];
+#pragma unroll 1
+                for (int c = tid; c < y_per_row; c += BGMV_THREADS) {
+                    if (vec_y) cp_async16((unsigned char*)(sY + g * lo_max) + c * 16, (const unsigned char*)src + c * 16);
+                    else sY[g * lo_max + c] = src[c];
+                }
             }
         }
         cp_async_commit();
-        auto stage_chunk = [&](int chunk) {
-            const int st = chunk & 1;
-            const int kc = k0 + chunk * kch;
-            const int len = min(kch, k1 - kc);
-            bf16_t* a = sA + st * stride * kch;
-            bf16_t* x = sX + st * BGMV_G * kch;
-            // Warps split the rows: A rows k, then x rows g.
-            for (int r = warp; r < rank + nr; r += BGMV_WARPS) {
-                if (r < rank) stage_bf16(a + r * kch, A + (u64)r * in + kc, len, vec_x, lane, 32);
-                else stage_bf16(x + (r - rank) * kch, X + (u64)s_rows[r - rank] * p.x_stride + kc, len, vec_x, lane, 32);
-            }
-        };
-        if (nr > 0) {
-            if (n_chunks > 0) stage_chunk(0);
-            cp_async_commit();
-            if (n_chunks > 1) stage_chunk(1);
-            cp_async_commit();
-        } else {
-            cp_async_commit();
-            cp_async_commit();
-        }
 
-        // ---- shrink: sTp[g][k] = sum over this rank's slice of A[k, i] x[row_g, i]
-        for (int v = tid; v < nr * rank; v += BGMV_THREADS) {
-            const int g = v / rank;
-            sTp[g * tp + v - g * rank] = 0.f;
-        }
-        for (int ch = 0; nr > 0 && ch < n_chunks; ++ch) {
-            if (ch + 1 < n_chunks) cp_async_wait<1>(); else cp_async_wait<0>();
-            __syncthreads();
-            const int st = ch & 1;
-            const int len = min(kch, k1 - (k0 + ch * kch));
-            const bf16_t* a = sA + st * stride * kch;
-            const bf16_t* x = sX + st * BGMV_G * kch;
-            for (int k = warp; k < rank; k += BGMV_WARPS) {
-                float acc[BGMV_G];
-#pragma unroll
-                for (int g = 0; g < BGMV_G; ++g) acc[g] = 0.f;
-                const bf16_t* arow = a + k * kch;
-                if (vec_x) {
-                    for (int c = lane; c < (len >> 3); c += 32) {
-                        const uint4 av = *(const uint4*)(arow + c * 8);
-#pragma unroll
-                        for (int g = 0; g < BGMV_G; ++g)
-                            if (g < nr) acc[g] = dot8(av, *(const uint4*)(x + g * kch + c * 8), acc[g]);
-                    }
-                } else {
-                    for (int c = lane; c < len; c += 32) {
-                        const float av = bf2f(arow[c]);
-#pragma unroll
-                        for (int g = 0; g < BGMV_G; ++g)
-                            if (g < nr) acc[g] = fmaf(av, bf2f(x[g * kch + c]), acc[g]);
+        // ---- shrink: sTp[g][k] = sum over this rank's slice of A[k, i] x[row_g, i].
+        // A and x arrive in chunks of kch columns through two stages; step s
+        // computes chunk s - 2 and stages chunk s (one staging site: small code).
+#pragma unroll 1
+        for (int g = 0; g < nr; ++g)
+#pragma unroll 1
+            for (int k = tid; k < rank; k += BGMV_THREADS) sTp[g * tp + k] = 0.f;
+        const int chunks = nr > 0 ? n_chunks : 0;
+#pragma unroll 1
+        for (int step = 0; step < chunks + 2; ++step) {
+            const int ch = step - 2;
+            if (ch >= 0) {
+                cp_async_wait<1>();
+                __syncthreads();
+                const int st = ch & 1;
+                const int len = min(kch, k1 - (k0 + ch * kch));
+                const bf16_t* a = sA + st * stride * kch;
+                const bf16_t* x = sX + st * BGMV_G * kch;
+                const int n8 = (len + 7) >> 3;
+#pragma unroll 1
+                for (int g = 0; g < nr; ++g) {
+                    const bf16_t* xg = x + g * kch;
+#pragma unroll 1
+                    for (int k = warp; k < rank; k += BGMV_WARPS) {
+                        const bf16_t* arow = a + k * kch;
+                        float acc = 0.f;
+#pragma unroll 2
+                        for (int c = lane; c < n8; c += 32)
+                            acc = dot8(*(const uint4*)(arow + c * 8), *(const uint4*)(xg + c * 8), acc);
+                        acc = warp_sum(acc);
+                        if (lane == 0) sTp[g * tp + k] += acc;
                     }
                 }
-#pragma unroll
-                for (int g = 0; g < BGMV_G; ++g)
-                    if (g < nr) acc[g] = warp_sum(acc[g]);
-                if (lane == 0) {
-#pragma unroll
-                    for (int g = 0; g < BGMV_G; ++g)
-                        if (g < nr) sTp[g * tp + k] += acc[g];
-                }
-            }
-            if (ch + 2 < n_chunks) {
                 __syncthreads();  // stage ch & 1 is free again
-                stage_chunk(ch + 2);
+            }
+            if (step < chunks) {
+                const int st = step & 1;
+                const int kc = k0 + step * kch;
+                const int len = min(kch, k1 - kc);
+                const int len8 = (len + 7) & ~7;
+                bf16_t* a = sA + st * stride * kch;
+                bf16_t* x = sX + st * BGMV_G * kch;
+                // Warps split the rows: A rows k, then x rows g.
+#pragma unroll 1
+                for (int r = warp; r < rank + nr; r += BGMV_WARPS) {
+                    const bool is_a = r < rank;
+                    bf16_t* dst = is_a ? a + r * kch : x + (r - rank) * kch;
+                    const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_rows[r - rank] * p.x_stride + kc;
+                    stage_row(dst, src, len, len8, vec_x, lane, 32);
+                }
             }
             cp_async_commit();
         }
@@ -350,72 +357,55 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         if (C > 1) {
             cluster_arrive();
             cluster_wait();
-            for (int v = tid; v < nr * rank; v += BGMV_THREADS) {
-                const int g = v / rank;
-                const int k = v - g * rank;
-                float s = 0.f;
+#pragma unroll 1
+            for (int g = 0; g < nr; ++g) {
+#pragma unroll 1
+                for (int k = tid; k < rank; k += BGMV_THREADS) {
+                    float s = 0.f;
 #pragma unroll
-                for (int r = 0; r < C; ++r) s += ld_dsmem(&sTp[g * tp + k], (u32)r);
-                sT[g * tp + k] = s * scale;
+                    for (int r = 0; r < C; ++r) s += ld_dsmem(&sTp[g * tp + k], (u32)r);
+                    sT[g * tp + k] = s * scale;
+                }
             }
             cluster_arrive();
             pending = true;
         } else {
-            for (int v = tid; v < nr * rank; v += BGMV_THREADS) {
-                const int g = v / rank;
-                const int k = v - g * rank;
-                sT[g * tp + k] = sTp[g * tp + k] * scale;
-            }
+#pragma unroll 1
+            for (int g = 0; g < nr; ++g)
+#pragma unroll 1
+                for (int k = tid; k < rank; k += BGMV_THREADS) sT[g * tp + k] = sTp[g * tp + k] * scale;
         }
-        if (rank8 > rank) {
-            const int pad = rank8 - rank;
-            for (int v = tid; v < nr * pad; v += BGMV_THREADS) {
-                const int g = v / pad;
-                sT[g * tp + rank + (v - g * pad)] = 0.f;
-            }
-        }
+#pragma unroll 1
+        for (int g = 0; g < nr; ++g)
+#pragma unroll 1
+            for (int k = rank + tid; k < rank8; k += BGMV_THREADS) sT[g * tp + k] = 0.f;
         __syncthreads();
 
         // ---- expand from shared memory: y[row_g, coff + o] = sY + sum_k sT[g][k] sB[o][k].
+#pragma unroll 1
         for (int r = tid; nr > 0 && r < lo; r += BGMV_THREADS) {
-            float acc[BGMV_G];
-#pragma unroll
-            for (int g = 0; g < BGMV_G; ++g) acc[g] = 0.f;
             const bf16_t* brow = sB + r * bpitch;
-            for (int kb = 0; kb < rank; kb += 8) {
-                float w[8];
-                if (vec_b) {
+#pragma unroll 1
+            for (int g = 0; g < nr; ++g) {
+                const float* tg = sT + g * tp;
+                float acc = 0.f;
+#pragma unroll 1
+                for (int kb = 0; kb < rank8; kb += 8) {
+                    float w[8];
                     unpack8(*(const uint4*)(brow + kb), w);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) w[j] = kb + j < rank ? bf2f(brow[kb + j]) : 0.f;
+                    const float4 ta = *(const float4*)(tg + kb);
+                    const float4 tb = *(const float4*)(tg + kb + 4);
+                    acc = fmaf(ta.x, w[0], acc);
+                    acc = fmaf(ta.y, w[1], acc);
+                    acc = fmaf(ta.z, w[2], acc);
+                    acc = fmaf(ta.w, w[3], acc);
+                    acc = fmaf(tb.x, w[4], acc);
+                    acc = fmaf(tb.y, w[5], acc);
+                    acc = fmaf(tb.z, w[6], acc);
+                    acc = fmaf(tb.w, w[7], acc);
                 }
-                if (kb + 8 > rank) {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        if (kb + j >= rank) w[j] = 0.f;
-                }
-#pragma unroll
-                for (int g = 0; g < BGMV_G; ++g) {
-                    if (g < nr) {
-                        const float4 ta = *(const float4*)&sT[g * tp + kb];
-                        const float4 tb = *(const float4*)&sT[g * tp + kb + 4];
-                        float a = acc[g];
-                        a = fmaf(ta.x, w[0], a);
-                        a = fmaf(ta.y, w[1], a);
-                        a = fmaf(ta.z, w[2], a);
-                        a = fmaf(ta.w, w[3], a);
-                        a = fmaf(tb.x, w[4], a);
-                        a = fmaf(tb.y, w[5], a);
-                        a = fmaf(tb.z, w[6], a);
-                        a = fmaf(tb.w, w[7], a);
-                        acc[g] = a;
-                    }
-                }
+                y_store(Yp + (u64)s_rows[g] * ys + coff + o0 + r, y_load(sY + g * lo_max + r) + acc);
             }
-#pragma unroll
-            for (int g = 0; g < BGMV_G; ++g)
-                if (g < nr) y_store(Yp + (u64)s_rows[g] * ys + coff + o0 + r, y_load(sY + g * lo_max + r) + acc[g]);
         }
     }
     if (C > 1 && pending) cluster_wait();  // keep our shared memory alive until every peer read it

@@ -293,19 +293,23 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 y_col_offset: 0,
             }];
             let device = ctx.device;
-            let graph = device
-                .capture_graph(|| {
-                    bgmv_tuned(
-                        device,
-                        Rows::dense(&x, n, in_dim),
-                        &idx,
-                        &target,
-                        r,
-                        RowsMut::dense(&mut y, n, out),
-                        tuning,
-                    )
-                })
-                .map_err(err)?;
+            let graph = match device.capture_graph(|| {
+                bgmv_tuned(
+                    device,
+                    Rows::dense(&x, n, in_dim),
+                    &idx,
+                    &target,
+                    r,
+                    RowsMut::dense(&mut y, n, out),
+                    tuning,
+                )
+            }) {
+                Ok(g) => g,
+                Err(e) => {
+                    eprintln!("bench: {name} {variant}: {e}");
+                    continue;
+                }
+            };
             let stats = ctx.time_graph(&graph)?;
             ctx.rows.push(Row {
                 section: "kernels",

@@ -96,7 +96,8 @@ impl SmemPlan {
     /// stages of chunks of at least 128 columns; else one chunk in whatever
     /// shared memory it takes (the caller checks the device's limit).
     fn choose(shape: PlanShape, splits0: usize, fixed_splits: bool) -> SmemPlan {
-        let slice = shape.in_dim.min(piece8(shape.in_dim, shape.cluster));
+        // A multiple of 8: the kernel pads every staged row to whole 16-byte chunks.
+        let slice = piece8(shape.in_dim, shape.cluster);
         let options: Vec<usize> = if fixed_splits {
             vec![splits0]
         } else {
@@ -197,7 +198,7 @@ impl LaunchChoice {
                 y_size,
                 cluster: cl,
             };
-            let slice = in_dim.min(piece8(in_dim, cl));
+            let slice = piece8(in_dim, cl);
             let split_options: Vec<usize> = match tuning.out_splits {
                 Some(v) => vec![(v as usize).max(1)],
                 None => (1..=(min_out / (cl * 64)).clamp(1, 16)).collect(),
