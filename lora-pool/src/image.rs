@@ -9,6 +9,7 @@
 use std::ops::Range;
 
 use half::bf16;
+use lora_audit::PreparedAdapter;
 use lora_layout::{PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
 
@@ -102,6 +103,46 @@ pub struct PairSource<'a> {
     pub a: Elems<'a>,
     /// B `[out, rank]`, row-major.
     pub b: Elems<'a>,
+}
+
+/// The dense pairs of a prepared adapter as pack sources.
+pub fn dense_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
+    adapter
+        .dense
+        .iter()
+        .map(|p| PairSource {
+            meta: PairMeta {
+                key: PairKey::Dense {
+                    layer: p.layer,
+                    module: p.module,
+                },
+                rank: p.rank,
+                scale: p.scale,
+            },
+            a: Elems::Bf16(&p.a),
+            b: Elems::Bf16(&p.b),
+        })
+        .collect()
+}
+
+/// The expert and router pairs of a prepared adapter as pack sources.
+pub fn expert_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
+    adapter
+        .experts
+        .iter()
+        .map(|p| PairSource {
+            meta: PairMeta {
+                key: PairKey::Expert {
+                    layer: p.layer,
+                    site: p.site,
+                },
+                rank: p.rank,
+                scale: p.scale,
+            },
+            a: Elems::Bf16(&p.a),
+            b: Elems::Bf16(&p.b),
+        })
+        .collect()
 }
 
 /// A pair that does not fit the layout.

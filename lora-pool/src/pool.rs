@@ -24,7 +24,7 @@ use lora_layout::{
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
 use crate::expert::ExpertPool;
-use crate::image::{Elems, PackPlan, PairMeta, PairSource, SlotImage, range_elems};
+use crate::image::{Elems, PackPlan, PairMeta, PairSource, SlotImage, dense_sources, expert_sources, range_elems};
 use crate::lease::{SlotLease, SlotUse};
 use crate::registry::{AdapterSlot, SlotRegistry};
 
@@ -683,41 +683,11 @@ impl<C: SlotCompanion> LoraPool<C> {
             let sites = adapter.experts.iter().map(|p| (p.layer, p.site));
             let layout = ExpertLayout::new(&self.cfg, self.opts.expert_rank, sites)?;
             pool.check_fits(name, &layout)?;
-            let sources: Vec<PairSource<'_>> = adapter
-                .experts
-                .iter()
-                .map(|p| PairSource {
-                    meta: PairMeta {
-                        key: PairKey::Expert {
-                            layer: p.layer,
-                            site: p.site,
-                        },
-                        rank: p.rank,
-                        scale: p.scale,
-                    },
-                    a: Elems::Bf16(&p.a),
-                    b: Elems::Bf16(&p.b),
-                })
-                .collect();
+            let sources = expert_sources(adapter);
             let image = SlotImage::pack(&layout, &sources).map_err(image_err(name))?;
             Some((layout, image))
         };
-        let sources: Vec<PairSource<'_>> = adapter
-            .dense
-            .iter()
-            .map(|p| PairSource {
-                meta: PairMeta {
-                    key: PairKey::Dense {
-                        layer: p.layer,
-                        module: p.module,
-                    },
-                    rank: p.rank,
-                    scale: p.scale,
-                },
-                a: Elems::Bf16(&p.a),
-                b: Elems::Bf16(&p.b),
-            })
-            .collect();
+        let sources = dense_sources(adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &adapter.overlay)?;
         self.staging.pack_and_upload(&self.layout, &plan, name)?;

@@ -3,10 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use half::bf16;
 use lora_audit::{LoraOptions, PreparedAdapter, prepare_adapter};
-use lora_layout::{ExpertLayout, ModelConfig, PairKey, SlotLayout};
-use lora_pool::image::{Elems, PairMeta, PairSource, SlotImage};
+use lora_layout::{ExpertLayout, ModelConfig, SlotLayout};
+use lora_pool::image::{SlotImage, dense_sources, expert_sources};
 
 /// `fixtures/<path>` at the workspace root.
 pub fn fixture(path: &str) -> PathBuf {
@@ -28,52 +27,14 @@ pub fn opts(max_rank: usize, expert_rank: usize) -> LoraOptions {
     }
 }
 
-fn source<'a>(key: PairKey, rank: usize, scale: f32, a: &'a [bf16], b: &'a [bf16]) -> PairSource<'a> {
-    PairSource {
-        meta: PairMeta { key, rank, scale },
-        a: Elems::Bf16(a),
-        b: Elems::Bf16(b),
-    }
-}
-
 /// The prepared adapter `model/adapter` and what the disk path packs from
 /// it: the dense image and the expert image (over the adapter's own expert
 /// layout at `opts.expert_rank`).
 pub fn disk_images(model: &str, adapter: &str, opts: &LoraOptions) -> (PreparedAdapter, SlotImage, SlotImage) {
     let cfg = config(model);
     let p = prepare_adapter(&fixture(model).join(adapter), &cfg, opts).unwrap();
-    let dense: Vec<PairSource<'_>> = p
-        .dense
-        .iter()
-        .map(|d| {
-            source(
-                PairKey::Dense {
-                    layer: d.layer,
-                    module: d.module,
-                },
-                d.rank,
-                d.scale,
-                &d.a,
-                &d.b,
-            )
-        })
-        .collect();
-    let experts: Vec<PairSource<'_>> = p
-        .experts
-        .iter()
-        .map(|e| {
-            source(
-                PairKey::Expert {
-                    layer: e.layer,
-                    site: e.site,
-                },
-                e.rank,
-                e.scale,
-                &e.a,
-                &e.b,
-            )
-        })
-        .collect();
+    let dense = dense_sources(&p);
+    let experts = expert_sources(&p);
     let layout = SlotLayout::new(&cfg, opts.max_rank).unwrap();
     let expert_layout = ExpertLayout::new(&cfg, opts.expert_rank, p.experts.iter().map(|e| (e.layer, e.site))).unwrap();
     let dense = SlotImage::pack(&layout, &dense).unwrap();

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lora_audit::{LoraOptions, prepare_adapter};
-use lora_layout::{ExpertLayout, LoraModule, ModelConfig, PairKey, SlotLayout};
-use lora_pool::image::{Elems, PairMeta, PairSource, SlotImage};
+use lora_layout::{ExpertLayout, LoraModule, ModelConfig, SlotLayout};
+use lora_pool::image::{SlotImage, dense_sources, expert_sources};
 use lora_pool::{AdapterSlot, AdapterSource, BatchCapacity, LoraPool};
 use lora_rdma::land::HostLanding;
 
@@ -121,41 +121,13 @@ impl Drop for PeerProcess {
     }
 }
 
-fn source<'a>(key: PairKey, rank: usize, scale: f32, a: &'a [half::bf16], b: &'a [half::bf16]) -> PairSource<'a> {
-    PairSource {
-        meta: PairMeta { key, rank, scale },
-        a: Elems::Bf16(a),
-        b: Elems::Bf16(b),
-    }
-}
-
 /// The disk path: `prepare_adapter` then `SlotImage::pack`, dense and
 /// expert images.
 pub fn packed_from_disk(model: &str, adapter: &str, opts: &LoraOptions) -> (SlotImage, SlotImage) {
     let cfg = model_config(model);
     let p = prepare_adapter(&fixtures().join(model).join(adapter), &cfg, opts).unwrap();
-    let dense: Vec<PairSource<'_>> = p
-        .dense
-        .iter()
-        .map(|d| {
-            let key = PairKey::Dense {
-                layer: d.layer,
-                module: d.module,
-            };
-            source(key, d.rank, d.scale, &d.a, &d.b)
-        })
-        .collect();
-    let experts: Vec<PairSource<'_>> = p
-        .experts
-        .iter()
-        .map(|e| {
-            let key = PairKey::Expert {
-                layer: e.layer,
-                site: e.site,
-            };
-            source(key, e.rank, e.scale, &e.a, &e.b)
-        })
-        .collect();
+    let dense = dense_sources(&p);
+    let experts = expert_sources(&p);
     let layout = SlotLayout::new(&cfg, opts.max_rank).unwrap();
     let expert_layout = ExpertLayout::new(&cfg, opts.expert_rank, p.experts.iter().map(|e| (e.layer, e.site))).unwrap();
     (
