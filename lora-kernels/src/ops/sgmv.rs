@@ -298,12 +298,10 @@ fn launch<Y: OutputElem>(
     let max_tiles = n.div_ceil(TILE_ROWS) + n_segments;
     let rank_chunks = stride.div_ceil(RANK_CHUNK);
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
+    // Measured on the H200: four splits are best at both bench shapes (NOTES.md).
     let k_splits = match tuning.k_splits {
         Some(v) => v as usize,
-        None => {
-            let blocks = n.div_ceil(TILE_ROWS) * n_targets * rank_chunks;
-            (2 * c.sm_count as usize).div_ceil(blocks.max(1))
-        }
+        None => MAX_K_SPLITS,
     }
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);

@@ -329,7 +329,10 @@ fn check_plan(p: &SmemPlan, s: PlanShape, stages: usize) {
     for off in [p.off_y, p.off_t, p.off_a, p.off_x, p.total] {
         assert_eq!(off % 16, 0, "{p:?}");
     }
-    assert!(p.off_y >= p.lo_max * (s.stride + 8) * 2);
+    assert!(
+        p.off_y >= p.lo_max * (s.stride.div_ceil(8) * 8 + 8) * 2,
+        "B rows are padded like the kernel pads them"
+    );
     assert!(p.off_t - p.off_y >= ITEM_ROWS * p.lo_max * s.y_size);
     assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4);
     assert!(p.off_x - p.off_a >= stages * s.stride * p.k_chunk * 2);
