@@ -12,9 +12,12 @@
 //! (gather + bmm; a per-segment matmul loop for prefill), timed the same way
 //! by `xtask/bench/torch_lora_baseline.py` in the same call.
 //!
-//! Sections: `kernels` today. A new section (swap, peer landing) is one
-//! function of the [`Section`] signature added to [`SECTIONS`]; it appends
-//! rows to the shared [`Report`].
+//! Sections: `kernels` (device-event timings above), and the I/O sections
+//! `swap` (a disk swap into a slot against a pinned host-to-device copy) and
+//! `landing` (a peer landing over TCP loopback against a memcpy), timed on
+//! the host clock in `bench_io`. A new device section is one function of the
+//! [`Section`] signature added to [`SECTIONS`]; it appends rows to the shared
+//! report.
 //!
 //! usage: `cargo xtask bench [--out PATH] [--torch-script PATH] [--reps N]
 //! [--sections a,b] [--sweep] [--quick] [--only SUBSTRING]`
@@ -29,6 +32,8 @@ use lora_kernels::{
     SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
 };
 use serde_json::{Value, json};
+
+use crate::bench_io::{self, IoRow};
 
 /// One bench section: runs its cases and appends rows to the report.
 type Section = fn(&mut Ctx<'_>) -> Result<(), String>;
@@ -238,7 +243,41 @@ pub fn run(args: &[String]) -> Result<(), String> {
         eprintln!("bench: PyTorch baseline not measured: {e}");
     }
     print_table(&ctx);
-    write_json(&ctx, &device)
+    let io = io_sections(&device, &opts)?;
+    write_json(&ctx, &device, &io)
+}
+
+/// The I/O sections (`swap`, `landing`), timed on the host clock around
+/// whole operations, each beside its baseline from the same run.
+fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
+    let reps = opts.reps.clamp(5, 30);
+    let mut rows = Vec::new();
+    if opts.wants("swap") {
+        rows.push(bench_io::swap(device, reps)?);
+    }
+    if opts.wants("landing") {
+        rows.push(bench_io::peer_landing(reps.min(10))?);
+    }
+    if !rows.is_empty() {
+        println!(
+            "\n{:<44} {:>10} {:>26} {:>34} {:>10} {:>7} {:>7}",
+            "I/O case", "ours µs", "spread", "baseline", "base µs", "ratio", "target"
+        );
+    }
+    for r in &rows {
+        let ratio = r.median_us / r.baseline_us;
+        println!(
+            "{:<44} {:>10.0} {:>26} {:>34} {:>10.0} {:>7.2} {:>7}",
+            r.name,
+            r.median_us,
+            r.spread,
+            r.baseline,
+            r.baseline_us,
+            ratio,
+            r.target_ratio.map_or("-".to_string(), |t| format!("<={t:.1}")),
+        );
+    }
+    Ok(rows)
 }
 
 // ---- the kernels section -------------------------------------------------
@@ -492,7 +531,7 @@ fn print_table(ctx: &Ctx<'_>) {
     println!("copy bandwidth {:.0} GB/s (bytes read + written)", ctx.copy_gbps);
 }
 
-fn write_json(ctx: &Ctx<'_>, device: &Device) -> Result<(), String> {
+fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String> {
     let rows: Vec<Value> = ctx
         .rows
         .iter()
@@ -523,6 +562,16 @@ fn write_json(ctx: &Ctx<'_>, device: &Device) -> Result<(), String> {
         "reps": ctx.opts.reps,
         "method": "CUDA graph replay, L2 flushed before each replay, device events, median",
         "rows": rows,
+        "io": io.iter().map(|r| json!({
+            "name": r.name,
+            "bytes": r.bytes,
+            "median_us": r.median_us,
+            "spread": r.spread,
+            "baseline": r.baseline,
+            "baseline_us": r.baseline_us,
+            "ratio": r.median_us / r.baseline_us,
+            "target_ratio": r.target_ratio,
+        })).collect::<Vec<_>>(),
     });
     if let Some(dir) = ctx.opts.out.parent() {
         std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;

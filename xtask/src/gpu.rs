@@ -259,7 +259,7 @@ fn set_executable(path: &Path) -> Result<(), String> {
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the GPU bundle built by `cargo xtask gpu-bundle`.
 # usage: run.sh [test|bench|all] [extra args for `xtask bench`]
-# LORA_TESTS (a glob, e.g. 'lora_kernels-*') picks test executables; all by default.
+# LORA_TESTS (space-separated globs, e.g. 'lora_kernels-* lora_pool-*') picks test executables; all by default.
 # Each test binary and the bench run under `timeout` (LORA_TEST_TIMEOUT,
 # LORA_BENCH_TIMEOUT seconds, default 300), so a hung kernel costs one entry.
 set -u -o pipefail
@@ -271,6 +271,7 @@ mkdir -p "$out"
 # GPU tests fail rather than skip, unless the caller says otherwise (a CPU-only check of the bundle).
 export LORA_REQUIRE_GPU="${LORA_REQUIRE_GPU:-1}"
 export LORA_FIXTURES_DIR="$here/fixtures"
+export LORA_XTASK_BIN="$here/bin/xtask"
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
 done
@@ -286,7 +287,7 @@ summary=""
 if [ "$mode" = test ] || [ "$mode" = all ]; then
   log="$out/tests.log"
   : >"$log"
-  for t in "$here"/tests/${LORA_TESTS:-*}; do
+  for t in $(for g in ${LORA_TESTS:-*}; do ls -d "$here"/tests/$g 2>/dev/null; done); do
     name="$(basename "$t")"
     echo "=== $name" >>"$log"
     start=$(date +%s)

@@ -14,6 +14,7 @@
 use std::process::ExitCode;
 
 mod bench;
+mod bench_io;
 mod demo;
 mod fixtures;
 mod gpu;

@@ -11,7 +11,9 @@ use lora_audit::read_oracle;
 use lora_kernels::testing::{cuda_or_skip, rel_error};
 
 fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
+    std::env::var_os("LORA_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures"))
 }
 
 /// Every servable fixture adapter: (model dir, adapter dir).
@@ -38,8 +40,14 @@ fn servable() -> Vec<(PathBuf, PathBuf)> {
     out
 }
 
+/// The xtask binary: the one cargo built beside this test, or `LORA_XTASK_BIN`
+/// (the GPU bundle carries it elsewhere).
+fn xtask() -> Command {
+    Command::new(std::env::var_os("LORA_XTASK_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_xtask").into()))
+}
+
 fn probe(model: &Path, adapter: &Path, device: &str, out: &Path) -> std::process::Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    let mut cmd = xtask();
     cmd.arg("probe")
         .arg(adapter)
         .arg("--model")

@@ -10,8 +10,11 @@ use lora_audit::Oracle;
 use lora_layout::ModelConfig;
 
 /// `fixtures/` at the workspace root.
+/// (`LORA_FIXTURES_DIR` when set: the GPU bundle carries them elsewhere.)
 pub fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
+    std::env::var_os("LORA_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures"))
 }
 
 /// The base model config of fixture model `model`.

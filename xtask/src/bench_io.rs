@@ -1,0 +1,121 @@
+//! The I/O sections of `cargo xtask bench`: a disk swap into a pool slot
+//! against a pinned host-to-device copy of the same bytes, and the peer
+//! landing over TCP loopback against a memcpy of the same bytes, each pair
+//! measured in the same run.
+
+use std::time::Instant;
+
+use half::bf16;
+use lora_kernels::Device;
+use lora_layout::ModelConfig;
+use lora_pool::{BatchCapacity, LoraOptions, LoraPool};
+
+/// One measured operation beside its baseline.
+#[derive(Debug, Clone)]
+pub struct IoRow {
+    /// What was measured.
+    pub name: String,
+    /// Bytes moved.
+    pub bytes: usize,
+    /// Median, microseconds.
+    pub median_us: f64,
+    /// The spread of the runs, in words (`p10 … p90 …`, or the best run).
+    pub spread: String,
+    /// The baseline's name.
+    pub baseline: String,
+    /// The baseline's median, microseconds.
+    pub baseline_us: f64,
+    /// The target ratio to the baseline (time / baseline), if any.
+    pub target_ratio: Option<f64>,
+}
+
+/// Median and a `p10 … p90 …` spread of `us`.
+fn quantiles(mut us: Vec<f64>) -> (f64, String) {
+    us.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        us.get(((us.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    (at(0.5), format!("p10 {:.0} us, p90 {:.0} us", at(0.1), at(0.9)))
+}
+
+const LLAMA_8B: &str = include_str!("../../lora-layout/testdata/llama-3.1-8b.json");
+
+/// Swap a synthetic rank-16 all-linear Llama-3.1-8B adapter (about 84 MB
+/// BF16) from a file in the page cache into a slot, `reps` times, against a
+/// pinned host-to-device copy of the slot's bytes. Target: within 1.5x.
+pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
+    let cfg = ModelConfig::from_hf_config(LLAMA_8B).map_err(|e| e.to_string())?;
+    let dir = std::env::temp_dir().join(format!("lora-swap-bench-{}", std::process::id()));
+    lora_rdma::bench::write_adapter(&dir, &cfg, 16).map_err(|e| e.to_string())?;
+    // Bring the file into the page cache.
+    let file = dir.join(lora_audit::ADAPTER_WEIGHTS);
+    std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let opts = LoraOptions {
+        max_loras: 2,
+        max_rank: 16,
+        rotatable: true,
+        ..LoraOptions::default()
+    };
+    let capacity = BatchCapacity {
+        max_rows: 64,
+        max_segments: 4,
+    };
+    let mut pool = LoraPool::new(device, cfg, opts, capacity).map_err(|e| e.to_string())?;
+    let slot_elems = pool.layout().slot_bytes() / 2;
+    let bytes = pool.layout().slot_bytes();
+
+    let mut pinned = device.alloc_pinned::<bf16>(slot_elems).map_err(|e| e.to_string())?;
+    pinned
+        .as_mut_slice()
+        .map_err(|e| e.to_string())?
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = bf16::from_f32((i % 251) as f32));
+    let mut dst = device.alloc_zeros::<bf16>(slot_elems).map_err(|e| e.to_string())?;
+    let sync = |d: &Device| d.synchronize().map_err(|e| e.to_string());
+    let mut copy_us = Vec::with_capacity(reps);
+    let mut swap_us = Vec::with_capacity(reps);
+    // Warm both paths once, then interleave them so drift hits both alike.
+    dst.upload_pinned(0, &pinned).map_err(|e| e.to_string())?;
+    pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
+    sync(device)?;
+    for _ in 0..reps {
+        let t = Instant::now();
+        dst.upload_pinned(0, &pinned).map_err(|e| e.to_string())?;
+        sync(device)?;
+        copy_us.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
+        sync(device)?;
+        swap_us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let (copy, _) = quantiles(copy_us);
+    let (median_us, spread) = quantiles(swap_us);
+    Ok(IoRow {
+        name: format!("disk swap into a slot, {:.1} MB", bytes as f64 / 1e6),
+        bytes,
+        median_us,
+        spread,
+        baseline: "pinned host-to-device copy".into(),
+        baseline_us: copy,
+        target_ratio: Some(1.5),
+    })
+}
+
+/// The peer landing rate of the same 84 MB adapter over TCP loopback
+/// against a memcpy of the same bytes.
+pub fn peer_landing(reps: usize) -> Result<IoRow, String> {
+    let b = lora_rdma::bench::tcp_landing_rate(reps).map_err(|e| e.to_string())?;
+    Ok(IoRow {
+        name: format!("peer landing over TCP loopback, {:.1} MB", b.bytes as f64 / 1e6),
+        bytes: b.bytes,
+        median_us: b.land_median.as_secs_f64() * 1e6,
+        spread: format!("best {:.0} us of {}", b.land_best.as_secs_f64() * 1e6, b.runs),
+        baseline: "memcpy of the same bytes".into(),
+        baseline_us: b.memcpy_median.as_secs_f64() * 1e6,
+        target_ratio: None,
+    })
+}
