@@ -113,9 +113,6 @@ fn a_refused_adapter_exits_1_and_bad_usage_exits_2() {
     let run = probe(&model, &model.join("dora"), "cpu", &out);
     assert_eq!(run.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&run.stdout).contains("REJECT[dora]"));
-    let run = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(["probe", "--model"])
-        .output()
-        .unwrap();
+    let run = xtask().args(["probe", "--model"]).output().unwrap();
     assert_eq!(run.status.code(), Some(2));
 }
