@@ -12,6 +12,7 @@ use std::path::Path;
 use half::{bf16, f16};
 use memmap2::Mmap;
 use rayon::prelude::*;
+use safetensors::tensor::Metadata;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::AuditError;
@@ -95,10 +96,14 @@ pub struct HostTensor {
 /// An adapter's tensors by name, as BF16.
 pub type AdapterTensors = BTreeMap<String, HostTensor>;
 
-/// A memory-mapped, validated safetensors file.
+/// A memory-mapped, validated safetensors file. The header is parsed once,
+/// at open; tensor lookups read the kept header.
 pub struct MappedSafetensors {
     path: String,
     map: Option<Mmap>,
+    /// Bytes before the data section (the length prefix and the header).
+    data_start: usize,
+    header: Metadata,
 }
 
 impl MappedSafetensors {
@@ -116,12 +121,36 @@ impl MappedSafetensors {
             // accept by passing the path.
             Some(unsafe { Mmap::map(&file) }.map_err(|e| AuditError::io(path, e))?)
         };
-        let mapped = MappedSafetensors {
-            path: path.display().to_string(),
+        let path = path.display().to_string();
+        let (header_len, header) =
+            SafeTensors::read_metadata(map.as_deref().unwrap_or(&[])).map_err(|e| AuditError::Safetensors {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok(MappedSafetensors {
+            path,
             map,
-        };
-        mapped.view()?;
-        Ok(mapped)
+            data_start: 8 + header_len,
+            header,
+        })
+    }
+
+    /// One tensor: its type, shape and raw little-endian bytes (a view into
+    /// the mapped file; the offsets were validated at open).
+    pub fn tensor(&self, name: &str) -> Result<(TensorDtype, &[usize], &[u8]), AuditError> {
+        let info = self.header.info(name).ok_or_else(|| AuditError::Tensor {
+            name: name.to_string(),
+            reason: format!("not in {}", self.path),
+        })?;
+        let (start, end) = info.data_offsets;
+        let bytes = self
+            .bytes()
+            .get(self.data_start + start..self.data_start + end)
+            .ok_or_else(|| AuditError::Safetensors {
+                path: self.path.clone(),
+                reason: format!("tensor `{name}` lies outside the file"),
+            })?;
+        Ok((TensorDtype::of(info.dtype), &info.shape, bytes))
     }
 
     fn bytes(&self) -> &[u8] {
@@ -147,13 +176,14 @@ impl MappedSafetensors {
 
     /// Every tensor's name, type and shape, sorted by name.
     pub fn infos(&self) -> Result<Vec<TensorInfo>, AuditError> {
-        let view = self.view()?;
-        let mut infos: Vec<TensorInfo> = view
-            .iter()
+        let mut infos: Vec<TensorInfo> = self
+            .header
+            .tensors()
+            .into_iter()
             .map(|(name, t)| TensorInfo {
-                name: name.to_string(),
-                dtype: TensorDtype::of(t.dtype()),
-                shape: t.shape().to_vec(),
+                name,
+                dtype: TensorDtype::of(t.dtype),
+                shape: t.shape.clone(),
             })
             .collect();
         infos.sort_by(|a, b| a.name.cmp(&b.name));

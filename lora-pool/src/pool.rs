@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use half::bf16;
 use lora_audit::{
-    ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, MappedSafetensors, PreparedAdapter, audit_adapter,
-    prepare_adapter,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, MappedSafetensors, PreparedAdapter,
+    TensorDtype, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
     Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, PinnedHostBuffer, Rows, RowsMut, Segments,
@@ -625,16 +625,37 @@ impl<C: SlotCompanion> LoraPool<C> {
         if name.is_empty() {
             return Err(PoolError::EmptyName);
         }
-        let report = audit_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
+        // Map the weights once: the audit reads their header, the packer
+        // their bytes. A directory without them (a pickle, nothing) gets the
+        // full audit's verdict.
+        let weights = dir.join(ADAPTER_WEIGHTS);
+        let mapped = if weights.is_file() {
+            Some(MappedSafetensors::open(&weights).map_err(audit_err(name))?)
+        } else {
+            None
+        };
+        let report = match &mapped {
+            Some(m) => {
+                let config_path = dir.join(ADAPTER_CONFIG);
+                let text = std::fs::read_to_string(&config_path).map_err(|e| {
+                    audit_err(name)(AuditError::Io {
+                        path: config_path.display().to_string(),
+                        source: e,
+                    })
+                })?;
+                let infos = m.infos().map_err(audit_err(name))?;
+                audit_header(&dir.display().to_string(), &text, infos, &self.cfg, &self.opts)
+            }
+            None => audit_adapter(dir, &self.cfg, &self.opts),
+        }
+        .map_err(audit_err(name))?;
         if !report.is_servable() {
             return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
         }
-        if !report.experts.is_empty() || !report.overlay.is_empty() {
+        let Some(mapped) = mapped.filter(|_| report.experts.is_empty() && report.overlay.is_empty()) else {
             let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
             return self.stage(name, &prepared);
-        }
-        let mapped = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS)).map_err(audit_err(name))?;
-        let view = mapped.view().map_err(audit_err(name))?;
+        };
         let sources = report
             .placed
             .iter()
@@ -648,8 +669,8 @@ impl<C: SlotCompanion> LoraPool<C> {
                         rank: p.rank,
                         scale: p.scale,
                     },
-                    a: file_elems(&view, &p.a_key).map_err(audit_err(name))?,
-                    b: file_elems(&view, &p.b_key).map_err(audit_err(name))?,
+                    a: file_elems(&mapped, &p.a_key).map_err(audit_err(name))?,
+                    b: file_elems(&mapped, &p.b_key).map_err(audit_err(name))?,
                 })
             })
             .collect::<Result<Vec<_>, PoolError>>()?;
@@ -972,18 +993,15 @@ fn targets<'t>(
 }
 
 /// A tensor of a memory-mapped adapter file as packable elements.
-fn file_elems<'a>(view: &safetensors::SafeTensors<'a>, key: &str) -> Result<Elems<'a>, AuditError> {
-    let t = view.tensor(key).map_err(|e| AuditError::Tensor {
-        name: key.to_string(),
-        reason: e.to_string(),
-    })?;
-    match t.dtype() {
-        safetensors::Dtype::BF16 => Ok(Elems::Bf16Bytes(t.data())),
-        safetensors::Dtype::F16 => Ok(Elems::F16Bytes(t.data())),
-        safetensors::Dtype::F32 => Ok(Elems::F32Bytes(t.data())),
+fn file_elems<'a>(mapped: &'a MappedSafetensors, key: &str) -> Result<Elems<'a>, AuditError> {
+    let (dtype, _, bytes) = mapped.tensor(key)?;
+    match dtype {
+        TensorDtype::BF16 => Ok(Elems::Bf16Bytes(bytes)),
+        TensorDtype::F16 => Ok(Elems::F16Bytes(bytes)),
+        TensorDtype::F32 => Ok(Elems::F32Bytes(bytes)),
         other => Err(AuditError::Tensor {
             name: key.to_string(),
-            reason: format!("dtype {other:?}; adapter weights must be F32, F16 or BF16"),
+            reason: format!("dtype {other}; adapter weights must be F32, F16 or BF16"),
         }),
     }
 }

@@ -260,21 +260,21 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
     }
     if !rows.is_empty() {
         println!(
-            "\n{:<44} {:>10} {:>26} {:>34} {:>10} {:>7} {:>7}",
-            "I/O case", "ours µs", "spread", "baseline", "base µs", "ratio", "target"
+            "\n{:<44} {:>10} {:>34} {:>10} {:>7} {:>7}  spread",
+            "I/O case", "ours µs", "baseline", "base µs", "ratio", "target"
         );
     }
     for r in &rows {
         let ratio = r.median_us / r.baseline_us;
         println!(
-            "{:<44} {:>10.0} {:>26} {:>34} {:>10.0} {:>7.2} {:>7}",
+            "{:<44} {:>10.0} {:>34} {:>10.0} {:>7.2} {:>7}  {}",
             r.name,
             r.median_us,
-            r.spread,
             r.baseline,
             r.baseline_us,
             ratio,
             r.target_ratio.map_or("-".to_string(), |t| format!("<={t:.1}")),
+            r.spread,
         );
     }
     Ok(rows)

@@ -91,6 +91,7 @@ pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
         sync(device)?;
         swap_us.push(t.elapsed().as_secs_f64() * 1e6);
     }
+    let parts = swap_parts(&pool, &dir, reps)?;
     let _ = std::fs::remove_dir_all(&dir);
     let (copy, _) = quantiles(copy_us);
     let (median_us, spread) = quantiles(swap_us);
@@ -98,7 +99,7 @@ pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
         name: format!("disk swap into a slot, {:.1} MB", bytes as f64 / 1e6),
         bytes,
         median_us,
-        spread,
+        spread: format!("{spread}; {parts}"),
         baseline: "pinned host-to-device copy".into(),
         baseline_us: copy,
         target_ratio: Some(1.5),
@@ -118,4 +119,63 @@ pub fn peer_landing(reps: usize) -> Result<IoRow, String> {
         baseline_us: b.memcpy_median.as_secs_f64() * 1e6,
         target_ratio: None,
     })
+}
+
+/// Where a swap's host time goes: the audit (config, header, placement) and
+/// the pack of every pair from the mapped file into host memory, each
+/// timed alone. Medians, in words.
+fn swap_parts(pool: &LoraPool, dir: &std::path::Path, reps: usize) -> Result<String, String> {
+    use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, MappedSafetensors, TensorDtype, audit_header};
+    use lora_layout::{PairKey, PairLayout};
+    use lora_pool::image::{Elems, PackPlan, PairMeta, PairSource};
+    let s = |e: &dyn std::fmt::Display| e.to_string();
+    let layout = pool.layout();
+    let mut dst = vec![bf16::ZERO; layout.slot_bytes() / 2];
+    let (mut audit_us, mut pack_us) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let t = Instant::now();
+        let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).map_err(|e| s(&e))?;
+        let mapped = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS)).map_err(|e| s(&e))?;
+        let infos = mapped.infos().map_err(|e| s(&e))?;
+        let report = audit_header("bench", &text, infos, pool.config(), pool.options()).map_err(|e| s(&e))?;
+        audit_us.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        let sources = report
+            .placed
+            .iter()
+            .map(|p| {
+                let elems = |key: &str| match mapped.tensor(key) {
+                    Ok((TensorDtype::BF16, _, bytes)) => Ok(Elems::Bf16Bytes(bytes)),
+                    Ok((other, _, _)) => Err(format!("{key}: {other}")),
+                    Err(e) => Err(e.to_string()),
+                };
+                Ok(PairSource {
+                    meta: PairMeta {
+                        key: PairKey::Dense {
+                            layer: p.layer,
+                            module: p.module,
+                        },
+                        rank: p.rank,
+                        scale: p.scale,
+                    },
+                    a: elems(&p.a_key)?,
+                    b: elems(&p.b_key)?,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let plan = PackPlan::new(layout, &sources).map_err(|e| s(&e))?;
+        plan.fill(layout, 0..PairLayout::len(layout), &mut dst)
+            .map_err(|e| s(&e))?;
+        pack_us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let (audit, _) = quantiles(audit_us);
+    let (pack, _) = quantiles(pack_us);
+    Ok(format!(
+        "audit {audit:.0} us, host pack {pack:.0} us on {} threads",
+        rayon_threads()
+    ))
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
