@@ -73,6 +73,27 @@ def prefill_op(s, dev):
     return fn
 
 
+def matrix_rate(dev):
+    """The bf16 matrix rate of this card, TFLOP/s: an 8192^3 product on
+    random data (zeros run faster), median of 20 after warm-up."""
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(20):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in times)[len(times) // 2]
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", required=True, help="JSON list of shapes from the Rust bench")
@@ -90,6 +111,8 @@ def main():
         print(f"torch {s['name']}: {us:.2f} us", flush=True)
         del fn
         torch.cuda.empty_cache()
+    results["__matrix_rate__"] = {"tflops": matrix_rate(dev)}
+    print(f"torch bf16 8192^3 matmul: {results['__matrix_rate__']['tflops']:.0f} TFLOP/s", flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
