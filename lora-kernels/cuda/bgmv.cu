@@ -104,6 +104,106 @@ __device__ __noinline__ void stage_row(bf16_t* dst, const bf16_t* src, int n, in
     for (int c = n + lane_id; c < n_pad; c += lanes) dst[c] = 0;
 }
 
+// The row window of one launch in shared memory: each row's checked entry
+// (-1: none) and the rows that lead an item.
+struct WindowScan {
+    __align__(16) int idx[BGMV_WIN_MAX];
+    int items[BGMV_WIN_MAX];
+    int scan[BGMV_WARPS + 1];
+};
+
+// One item: its rows (absolute row numbers) and its checked table entry.
+struct ItemRows {
+    int rows[BGMV_G];
+    int nrows;
+    PairEntry entry;
+};
+
+// Every thread of the block: read the window's entry indices (an index past
+// the table raises a fault when `report` and counts as no delta), then list
+// the rows that lead an item. Row j leads an item when its occurrence number
+// among the window's rows of the same entry is a multiple of G; thread t owns
+// rows 2t and 2t + 1. Returns the item count (the same in every thread).
+__device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, int n_entries, u64 fault, bool report,
+                                           WindowScan* w) {
+    const int tid = threadIdx.x;
+#pragma unroll 1
+    for (int j = tid; j < nwin; j += BGMV_THREADS) {
+        int e = idx[row0 + j];
+        if (e >= n_entries) {
+            if (report) raise_fault(fault, FAULT_BAD_INDEX);
+            e = -1;
+        }
+        w->idx[j] = e < 0 ? -1 : e;
+    }
+    __syncthreads();
+
+    int lead_flags = 0;
+    int n_lead = 0;
+    {
+        const int j0 = 2 * tid;
+        const int e0 = j0 < nwin ? w->idx[j0] : -1;
+        const int e1 = j0 + 1 < nwin ? w->idx[j0 + 1] : -1;
+        if (e0 >= 0 || e1 >= 0) {
+            int occ0 = 0;
+            int occ1 = 0;
+            int i = 0;
+#pragma unroll 1
+            for (; i + 4 <= j0; i += 4) {
+                const int4 v = *(const int4*)&w->idx[i];
+                occ0 += (v.x == e0) + (v.y == e0) + (v.z == e0) + (v.w == e0);
+                occ1 += (v.x == e1) + (v.y == e1) + (v.z == e1) + (v.w == e1);
+            }
+#pragma unroll 1
+            for (; i < j0; ++i) {
+                occ0 += w->idx[i] == e0;
+                occ1 += w->idx[i] == e1;
+            }
+            occ1 += e0 == e1;
+            if (e0 >= 0 && occ0 % BGMV_G == 0) {
+                lead_flags |= 1;
+                n_lead++;
+            }
+            if (e1 >= 0 && occ1 % BGMV_G == 0) {
+                lead_flags |= 2;
+                n_lead++;
+            }
+        }
+    }
+    int n_items;
+    int pos = block_exclusive_scan<BGMV_THREADS>(n_lead, w->scan, &n_items);
+    if (lead_flags & 1) w->items[pos++] = 2 * tid;
+    if (lead_flags & 2) w->items[pos] = 2 * tid + 1;
+    return n_items;
+}
+
+// Warp 0 only: the rows (up to G) of the item led by window row `lead`, and
+// its table entry, checked against the stride (a bad entry raises a fault
+// when `report` and counts as rank 0).
+__device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin, int row0, const PairEntry* table,
+                                          int stride, u64 fault, bool report, ItemRows* out) {
+    const int lane = threadIdx.x & 31;
+    const int e = win_idx[lead];
+    int found = 0;
+    for (int base = lead; base < nwin && found < BGMV_G; base += 32) {
+        const int j = base + lane;
+        const bool m = j < nwin && win_idx[j] == e;
+        const unsigned bal = __ballot_sync(0xffffffffu, m);
+        const int at = found + __popc(bal & ((1u << lane) - 1u));
+        if (m && at < BGMV_G) out->rows[at] = row0 + j;
+        found += __popc(bal);
+    }
+    if (lane == 0) {
+        out->nrows = min(found, BGMV_G);
+        PairEntry en = table[e];
+        if (en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
+            if (report) raise_fault(fault, FAULT_BAD_RANK);
+            en.rank = 0;
+        }
+        out->entry = en;
+    }
+}
+
 // Dynamic shared memory layout, in this order (each region 16-byte aligned):
 //   sB   [lo_max][stride8 + 8] bf16  this block's B rows (padded: no bank conflicts), zero past rank
 //   sY   [G][lo_max] Y                this block's y values of the item's rows
@@ -117,12 +217,8 @@ __device__ __noinline__ void stage_row(bf16_t* dst, const bf16_t* src, int n, in
 template <typename Y, int C>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     extern __shared__ __align__(16) unsigned char dyn[];
-    __shared__ __align__(16) int s_idx[BGMV_WIN_MAX];
-    __shared__ int s_items[BGMV_WIN_MAX];
-    __shared__ int s_scan[BGMV_WARPS + 1];
-    __shared__ int s_rows[BGMV_G];
-    __shared__ int s_nrows;
-    __shared__ PairEntry s_entry;
+    __shared__ WindowScan s_win;
+    __shared__ ItemRows s_item;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -141,56 +237,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     // The table is small: pull it towards L2 while idx arrives, so the entry
     // load after the row scan is not a second cold round trip.
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    const int* idx = (const int*)p.idx;
-#pragma unroll 1
-    for (int j = tid; j < nwin; j += BGMV_THREADS) {
-        int e = idx[row0 + j];
-        if (e >= tg.n_entries) {
-            if (report) raise_fault(p.fault, FAULT_BAD_INDEX);
-            e = -1;
-        }
-        s_idx[j] = e < 0 ? -1 : e;
-    }
-    __syncthreads();
-
-    // Row j leads an item when its occurrence number among the window's rows
-    // of the same entry is a multiple of G. Thread t owns rows 2t and 2t + 1.
-    int lead_flags = 0;
-    int n_lead = 0;
-    {
-        const int j0 = 2 * tid;
-        const int e0 = j0 < nwin ? s_idx[j0] : -1;
-        const int e1 = j0 + 1 < nwin ? s_idx[j0 + 1] : -1;
-        if (e0 >= 0 || e1 >= 0) {
-            int occ0 = 0;
-            int occ1 = 0;
-            int i = 0;
-#pragma unroll 1
-            for (; i + 4 <= j0; i += 4) {
-                const int4 v = *(const int4*)&s_idx[i];
-                occ0 += (v.x == e0) + (v.y == e0) + (v.z == e0) + (v.w == e0);
-                occ1 += (v.x == e1) + (v.y == e1) + (v.z == e1) + (v.w == e1);
-            }
-#pragma unroll 1
-            for (; i < j0; ++i) {
-                occ0 += s_idx[i] == e0;
-                occ1 += s_idx[i] == e1;
-            }
-            occ1 += e0 == e1;
-            if (e0 >= 0 && occ0 % BGMV_G == 0) {
-                lead_flags |= 1;
-                n_lead++;
-            }
-            if (e1 >= 0 && occ1 % BGMV_G == 0) {
-                lead_flags |= 2;
-                n_lead++;
-            }
-        }
-    }
-    int n_items;
-    int pos = block_exclusive_scan<BGMV_THREADS>(n_lead, s_scan, &n_items);
-    if (lead_flags & 1) s_items[pos++] = 2 * tid;
-    if (lead_flags & 2) s_items[pos] = 2 * tid + 1;
+    const int n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win);
 
     int k0, k1;
     split8(p.in_dim, C, crank, k0, k1);
@@ -223,38 +270,17 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
     for (int it = q; it < n_items; it += p.clusters_per_window) {
         __syncthreads();  // the previous item's shared state is no longer read
-        if (warp == 0) {
-            const int lead = s_items[it];
-            const int e = s_idx[lead];
-            int found = 0;
-            for (int base = lead; base < nwin && found < BGMV_G; base += 32) {
-                const int j = base + lane;
-                const bool m = j < nwin && s_idx[j] == e;
-                const unsigned bal = __ballot_sync(0xffffffffu, m);
-                const int at = found + __popc(bal & ((1u << lane) - 1u));
-                if (m && at < BGMV_G) s_rows[at] = row0 + j;
-                found += __popc(bal);
-            }
-            if (lane == 0) {
-                s_nrows = min(found, BGMV_G);
-                PairEntry en = table[e];
-                if (en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
-                    if (report) raise_fault(p.fault, FAULT_BAD_RANK);
-                    en.rank = 0;
-                }
-                s_entry = en;
-            }
-        }
+        if (warp == 0) load_item(s_win.idx, s_win.items[it], nwin, row0, table, stride, p.fault, report, &s_item);
         if (C > 1 && pending) {
             cluster_wait();  // every peer finished reading our sTp
             pending = false;
         }
         __syncthreads();
-        const PairEntry en = s_entry;
+        const PairEntry en = s_item.entry;
         // rank 0 skips the arithmetic but not the cluster barriers, so the
         // ranks of a cluster stay in step whatever the table holds.
         const int rank = (int)en.rank;
-        const int nr = rank > 0 ? s_nrows : 0;
+        const int nr = rank > 0 ? s_item.nrows : 0;
         const bf16_t* A = (const bf16_t*)en.a;
         const bf16_t* B = (const bf16_t*)en.b;
         const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
@@ -286,7 +312,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             const int y_per_row = vec_y ? lo * (int)sizeof(Y) / 16 : lo;
 #pragma unroll 1
             for (int g = 0; g < nr; ++g) {
-                const Y* src = Yp + (u64)s_rows[g] * ys + coff + o0;
+                const Y* src = Yp + (u64)s_item.rows[g] * ys + coff + o0;
 #pragma unroll 1
                 for (int c = tid; c < y_per_row; c += BGMV_THREADS) {
                     if (vec_y) cp_async16((unsigned char*)(sY + g * lo_max) + c * 16, (const unsigned char*)src + c * 16);
@@ -343,7 +369,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 for (int r = warp; r < rank + nr; r += BGMV_WARPS) {
                     const bool is_a = r < rank;
                     bf16_t* dst = is_a ? a + r * kch : x + (r - rank) * kch;
-                    const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_rows[r - rank] * p.x_stride + kc;
+                    const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_item.rows[r - rank] * p.x_stride + kc;
                     stage_row(dst, src, len, len8, vec_x, lane, 32);
                 }
             }
@@ -404,7 +430,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                     acc = fmaf(tb.z, w[6], acc);
                     acc = fmaf(tb.w, w[7], acc);
                 }
-                y_store(Yp + (u64)s_rows[g] * ys + coff + o0 + r, y_load(sY + g * lo_max + r) + acc);
+                y_store(Yp + (u64)s_item.rows[g] * ys + coff + o0 + r, y_load(sY + g * lo_max + r) + acc);
             }
         }
     }
@@ -428,3 +454,385 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THRE
     bgmv_body<float, 8>(p);
 }
 #endif
+
+// ---- Two-phase decode: a shrink launch, then an expand launch ----------------
+//
+// For batches of one row window (n <= BGMV_WIN_MAX) whose adapters' bytes
+// dwarf the latency chain. The fused kernel above keeps the whole chain in
+// one block (idx -> entry -> A -> cluster sum -> B -> y), so a block streams
+// A, then waits, then streams B; here every block of each launch only
+// streams. bgmv2_shrink: units (item, K slice), A read straight into
+// registers (16-byte loads, several rows in flight per lane), partial rank
+// vectors into the backend's scratch, plus one descriptor per item.
+// bgmv2_expand: units (item, output chunk), B read with whole warps on
+// contiguous rows, partials summed and scaled, y staged through shared memory
+// so it moves in 16-byte pieces.
+//
+// Scratch layout (the host sizes and checks it; `BGMV2_*` mirror bgmv.rs):
+//   [0, 256)                      Bgmv2Header per target
+//   [BGMV2_DESC_OFF, +desc)       ItemDesc [MAX_TARGETS][BGMV_WIN_MAX]
+//   [BGMV2_PART_OFF, ...)         f32 partials [targets][ks_max][n_rows][rpad], rpad = stride rounded up to 8
+
+#define BGMV2_DESC_OFF 256
+#define BGMV2_PART_OFF (BGMV2_DESC_OFF + MAX_TARGETS * BGMV_WIN_MAX * 64)
+#define BGMV2_UNROLL 4
+#define BGMV2_XROWS 2
+
+struct Bgmv2Params {
+    u64 x;
+    u64 y;
+    u64 idx;
+    u64 fault;
+    u64 scratch;
+    int n_rows;
+    int in_dim;
+    int x_stride;
+    int y_stride;
+    int rank_stride;
+    int n_targets;
+    int ks_max;
+    int expand_cols;
+    int pad0;
+    int pad1;
+    LoraTarget targets[MAX_TARGETS];
+};
+static_assert(sizeof(Bgmv2Params) == 176 && sizeof(Bgmv2Params) - sizeof(LoraTarget) * MAX_TARGETS == 80, "mirrors bgmv.rs");
+
+struct Bgmv2Header {
+    int n_items;
+    int k_splits;
+    int pad[2];
+};
+
+// What the expand needs of an item, written by the shrink's K slice 0.
+struct ItemDesc {
+    u64 b;
+    float scale;
+    int rank;
+    int nrows;
+    int rows[BGMV_G];
+    int pad[3];
+};
+static_assert(sizeof(ItemDesc) == 64, "descriptor stride");
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+#else
+__device__ __forceinline__ void grid_dependency_wait() {}
+__device__ __forceinline__ void grid_launch_dependents() {}
+#endif
+
+// Eight bf16 from p, of which the first `valid` are read (the rest zero and
+// never touched): one 16-byte load when `vec` (p 16-byte aligned) and all 8 valid.
+__device__ __forceinline__ uint4 load8(const bf16_t* p, int valid, bool vec) {
+    if (vec && valid >= 8) return ldg16(p);
+    u32 w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < valid) w[j >> 1] |= ((u32)p[j]) << ((j & 1) * 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Eight outputs at a 16-byte aligned address, rounded once, in 16-byte stores.
+__device__ __forceinline__ void y_store8(bf16_t* p, const float* v) {
+    *(uint4*)p = make_uint4(pack_bf2(v[0], v[1]), pack_bf2(v[2], v[3]), pack_bf2(v[4], v[5]), pack_bf2(v[6], v[7]));
+}
+__device__ __forceinline__ void y_store8(float* p, const float* v) {
+    *(float4*)p = make_float4(v[0], v[1], v[2], v[3]);
+    *(float4*)(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+__device__ __forceinline__ Bgmv2Header* bgmv2_header(const Bgmv2Params& p, int t) {
+    return (Bgmv2Header*)p.scratch + t;
+}
+__device__ __forceinline__ ItemDesc* bgmv2_desc(const Bgmv2Params& p, int t, int item) {
+    return (ItemDesc*)(p.scratch + BGMV2_DESC_OFF) + t * BGMV_WIN_MAX + item;
+}
+// Partial rank vector of window row `row`, K slice `ks`, target t.
+__device__ __forceinline__ float* bgmv2_part(const Bgmv2Params& p, int t, int ks, int row) {
+    const int rpad = (p.rank_stride + 7) & ~7;
+    return (float*)(p.scratch + BGMV2_PART_OFF) + (((u64)t * p.ks_max + ks) * p.n_rows + row) * rpad;
+}
+
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 3) bgmv2_shrink(const Bgmv2Params p) {
+    __shared__ WindowScan s_win;
+    __shared__ ItemRows s_item;
+    __shared__ float sT[BGMV_G * BGMV_MAX_RANK];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int t = (int)blockIdx.z;
+    const LoraTarget tg = p.targets[t];
+    const int nwin = p.n_rows;
+    const bool lead_block = blockIdx.x == 0;
+    // The expand may get resident now (a dependent launch); it waits for this grid to complete.
+    grid_launch_dependents();
+    if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
+    const int n_items = scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win);
+    // Enough K slices that the units fill the grid once (the same in every block).
+    const int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
+    if (lead_block && tid == 0) {
+        Bgmv2Header h;
+        h.n_items = n_items;
+        h.k_splits = ks_n;
+        h.pad[0] = 0;
+        h.pad[1] = 0;
+        *bgmv2_header(p, t) = h;
+    }
+    const PairEntry* table = (const PairEntry*)tg.table;
+    const bf16_t* X = (const bf16_t*)p.x;
+    const int in = p.in_dim;
+    const int units = n_items * ks_n;
+
+#pragma unroll 1
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int it = u / ks_n;
+        const int ks = u - it * ks_n;
+        __syncthreads();  // the previous unit no longer reads s_item / sT
+        if (warp == 0) load_item(s_win.idx, s_win.items[it], nwin, 0, table, p.rank_stride, p.fault, lead_block, &s_item);
+        __syncthreads();
+        const PairEntry en = s_item.entry;
+        const int rank = (int)en.rank;
+        const int nr = rank > 0 ? s_item.nrows : 0;
+        if (ks == 0 && tid < BGMV_G) {
+            ItemDesc* d = bgmv2_desc(p, t, it);
+            d->rows[tid] = tid < s_item.nrows ? s_item.rows[tid] : 0;
+            if (tid == 0) {
+                d->b = en.b;
+                d->scale = en.scale;
+                d->rank = rank;
+                d->nrows = nr;
+            }
+        }
+        if (nr == 0) continue;  // uniform over the block
+#pragma unroll 1
+        for (int v = tid; v < nr * rank; v += BGMV_THREADS) sT[(v / rank) * BGMV_MAX_RANK + v % rank] = 0.f;
+        __syncthreads();
+
+        int k0, k1;
+        split8(in, ks_n, ks, k0, k1);
+        const int nch = (k1 - k0 + 7) >> 3;
+        // Warps tile (column group, rank phase): groups of 32 chunks (256
+        // columns) side by side, the remaining factor splits the rank rows.
+        const int groups = min(BGMV_WARPS, max(1, (nch + 31) >> 5));
+        const int kw = BGMV_WARPS / groups;
+        const int cg = warp % groups;
+        const int kp = warp / groups;
+        const bf16_t* A = (const bf16_t*)en.a;
+        const bool vec_a = (in % 8 == 0) && aligned16(A);
+        const bool vec_x = (p.x_stride % 8 == 0) && aligned16(X);
+        if (kp < kw) {
+#pragma unroll 1
+            for (int cb = cg * 32; cb < nch; cb += groups * 32) {
+                const int c = cb + lane;
+                const int col = k0 + c * 8;
+                const int valid = c < nch ? k1 - col : 0;
+                // Rows in register groups of BGMV2_XROWS (an item's second group re-reads A from L1).
+#pragma unroll 1
+                for (int g0 = 0; g0 < nr; g0 += BGMV2_XROWS) {
+                    uint4 xr[BGMV2_XROWS];
+#pragma unroll
+                    for (int g = 0; g < BGMV2_XROWS; ++g)
+                        xr[g] = g0 + g < nr ? load8(X + (u64)s_item.rows[g0 + g] * p.x_stride + col, valid, vec_x)
+                                            : make_uint4(0, 0, 0, 0);
+#pragma unroll 1
+                    for (int k = kp; k < rank; k += kw * BGMV2_UNROLL) {
+                        uint4 a[BGMV2_UNROLL];
+#pragma unroll
+                        for (int j = 0; j < BGMV2_UNROLL; ++j) {
+                            const int kk = k + j * kw;
+                            a[j] = kk < rank ? load8(A + (u64)kk * in + col, valid, vec_a) : make_uint4(0, 0, 0, 0);
+                        }
+#pragma unroll
+                        for (int j = 0; j < BGMV2_UNROLL; ++j) {
+                            const int kk = k + j * kw;
+                            if (kk < rank) {  // uniform over the warp
+#pragma unroll
+                                for (int g = 0; g < BGMV2_XROWS; ++g) {
+                                    if (g0 + g < nr) {
+                                        const float s = warp_sum(dot8(a[j], xr[g], 0.f));
+                                        if (lane == 0) atomicAdd(&sT[(g0 + g) * BGMV_MAX_RANK + kk], s);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll 1
+        for (int v = tid; v < nr * rank; v += BGMV_THREADS) {
+            const int g = v / rank;
+            const int k = v - g * rank;
+            bgmv2_part(p, t, ks, s_item.rows[g])[k] = sT[g * BGMV_MAX_RANK + k];
+        }
+    }
+}
+
+// Dynamic shared memory of the expand: sAcc [G][cols] f32, sY [G][cols] Y, sT [G][rpad] f32.
+template <typename Y>
+__device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
+    extern __shared__ __align__(16) unsigned char dyn[];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int t = (int)blockIdx.z;
+    const LoraTarget tg = p.targets[t];
+    const int cols = p.expand_cols;
+    const int stride = p.rank_stride;
+    const int rpad = (stride + 7) & ~7;
+    float* sAcc = (float*)dyn;
+    Y* sY = (Y*)(dyn + BGMV_G * cols * 4);
+    float* sT = (float*)(dyn + BGMV_G * cols * (4 + (int)sizeof(Y)));
+    // Under a dependent launch this block may start before the shrink ends:
+    // wait for it (and its writes) before reading the scratch. A no-op otherwise.
+    grid_dependency_wait();
+    const Bgmv2Header h = *bgmv2_header(p, t);
+    const int chunks = (tg.out_dim + cols - 1) / cols;
+    const int units = h.n_items * chunks;
+    Y* Yp = (Y*)p.y;
+    const int ys = p.y_stride;
+    const int coff = tg.y_col_off;
+
+#pragma unroll 1
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int it = u / chunks;
+        const int o0 = (u - it * chunks) * cols;
+        const int lc = min(cols, tg.out_dim - o0);
+        const ItemDesc* dp = bgmv2_desc(p, t, it);
+        const int rank = dp->rank;
+        const int nr = dp->nrows;
+        if (rank == 0 || nr == 0) continue;  // uniform over the block
+        const bf16_t* B = (const bf16_t*)dp->b;
+        const float scale = dp->scale;
+        int rows[BGMV_G];
+#pragma unroll
+        for (int g = 0; g < BGMV_G; ++g) rows[g] = dp->rows[g];
+        __syncthreads();  // the previous unit no longer reads shared memory
+
+        // y of this unit's rows: 16-byte copies into sY, waited for after the B pass.
+        const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) &&
+                           aligned16(Yp) && (lc % 8 == 0);
+        if (vec_y) {
+            const int per_row = lc * (int)sizeof(Y) / 16;
+#pragma unroll 1
+            for (int v = tid; v < nr * per_row; v += BGMV_THREADS) {
+                const int g = v / per_row;
+                const int c = v - g * per_row;
+                int r = rows[0];
+#pragma unroll
+                for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+                cp_async16((unsigned char*)(sY + g * cols) + c * 16,
+                           (const unsigned char*)(Yp + (u64)r * ys + coff + o0) + c * 16);
+            }
+        }
+        cp_async_commit();
+        // The next unit's B rows: ask L2 for them now.
+        if (tid == 0 && u + (int)gridDim.x < units) {
+            const int nit = (u + (int)gridDim.x) / chunks;
+            const int no0 = (u + (int)gridDim.x - nit * chunks) * cols;
+            const ItemDesc* nd = bgmv2_desc(p, t, nit);
+            if (nd->rank > 0)
+                prefetch_l2((const bf16_t*)nd->b + (u64)no0 * stride, (u64)min(cols, tg.out_dim - no0) * stride * 2);
+        }
+
+        // t = scale * (sum of the K-slice partials), zero from rank to the next multiple of 8.
+        const int rank8 = (rank + 7) & ~7;
+#pragma unroll 1
+        for (int v = tid; v < nr * rank8; v += BGMV_THREADS) {
+            const int g = v / rank8;
+            const int k = v - g * rank8;
+            int r = rows[0];
+#pragma unroll
+            for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+            float s = 0.f;
+            if (k < rank)
+#pragma unroll 1
+                for (int ks = 0; ks < h.k_splits; ++ks) s += bgmv2_part(p, t, ks, r)[k];
+            sT[g * rpad + k] = s * scale;
+        }
+        __syncthreads();
+
+        // B pass: L lanes (a power of two) hold the 8-column chunks of one
+        // output row, so a warp reads 32 / L whole rows, contiguous in B.
+        const int cpr = rank8 >> 3;
+        int L = 1;
+        while (L < cpr) L <<= 1;
+        const int per_pass = 32 / L;
+        const int sub = lane / L;
+        const int ch = lane - sub * L;
+        const bool vec_b = (stride % 8 == 0) && aligned16(B);
+#pragma unroll 1
+        for (int base = warp * per_pass; base < lc; base += BGMV_WARPS * per_pass * BGMV2_UNROLL) {
+            uint4 b[BGMV2_UNROLL];
+#pragma unroll
+            for (int j = 0; j < BGMV2_UNROLL; ++j) {
+                const int o = base + j * BGMV_WARPS * per_pass + sub;
+                b[j] = (o < lc && ch < cpr) ? load8(B + (u64)(o0 + o) * stride + ch * 8, rank - ch * 8, vec_b)
+                                            : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int j = 0; j < BGMV2_UNROLL; ++j) {
+                const int o = base + j * BGMV_WARPS * per_pass + sub;
+                if (base + j * BGMV_WARPS * per_pass >= lc) break;  // uniform over the warp
+                float w[8];
+                unpack8(b[j], w);
+#pragma unroll 1
+                for (int g = 0; g < nr; ++g) {
+                    float s = 0.f;
+                    if (ch < cpr) {
+                        const float4 ta = *(const float4*)(sT + g * rpad + ch * 8);
+                        const float4 tb = *(const float4*)(sT + g * rpad + ch * 8 + 4);
+                        s = ta.x * w[0] + ta.y * w[1] + ta.z * w[2] + ta.w * w[3] + tb.x * w[4] + tb.y * w[5] +
+                            tb.z * w[6] + tb.w * w[7];
+                    }
+#pragma unroll 1
+                    for (int off = L >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                    if (ch == 0 && o < lc) sAcc[g * cols + o] = s;
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // y += delta, rounded once; 16-byte pieces when aligned.
+        if (vec_y) {
+            const int per_row = lc >> 3;
+#pragma unroll 1
+            for (int v = tid; v < nr * per_row; v += BGMV_THREADS) {
+                const int g = v / per_row;
+                const int c = (v - g * per_row) * 8;
+                int r = rows[0];
+#pragma unroll
+                for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+                const Y* sy = sY + g * cols + c;
+                const float* sa = sAcc + g * cols + c;
+                float out8[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) out8[j] = y_load(sy + j) + sa[j];
+                y_store8(Yp + (u64)r * ys + coff + o0 + c, out8);
+            }
+        } else {
+#pragma unroll 1
+            for (int v = tid; v < nr * lc; v += BGMV_THREADS) {
+                const int g = v / lc;
+                const int o = v - g * lc;
+                int r = rows[0];
+#pragma unroll
+                for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+                Y* dst = Yp + (u64)r * ys + coff + o0 + o;
+                y_store(dst, y_load(dst) + sAcc[g * cols + o]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_bf16(const Bgmv2Params p) {
+    bgmv2_expand_body<bf16_t>(p);
+}
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_f32(const Bgmv2Params p) {
+    bgmv2_expand_body<float>(p);
+}

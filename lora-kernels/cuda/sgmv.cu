@@ -303,11 +303,15 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
 
 // The expand is persistent: block b walks the work items (tile, target,
 // 128-output chunk) b * per .. (b + 1) * per in order, so consecutive items
-// mostly share a tile (its entry and rank vectors are staged once) and the
-// next item's y rows and B rows are requested into L2 while the current one
-// runs. Per item, everything besides y is read from dynamic shared memory:
-//   sB [SG_BO][r16 + 8] bf16   B rows o_base.., columns past rank zeroed
-//   sT [SG_BM][r16 + 4] f32    t summed over the K splits, times scale; zero past rank
+// mostly share a tile (its entry and rank vectors are staged once). Per item
+// the y tile moves through shared memory in 16-byte pieces: copied in with
+// cp.async (the next item's tile is requested while this one computes, into
+// the other of two buffers), the mma result added there at fragment
+// positions, and written back with coalesced 16-byte stores. Dynamic shared
+// memory:
+//   sB [SG_BO][r16 + 8] bf16     B rows o_base.., columns past rank zeroed
+//   sT [SG_BM][r16 + 4] f32      t summed over the K splits, times scale; zero past rank
+//   sY [2][SG_BM][SG_BO + YPAD]  y tiles (YPAD keeps fragment accesses off shared banks)
 // r16 = the stride rounded up to 16 (the host sizes the buffer from it).
 struct ExpandItem {
     int tile;
@@ -325,6 +329,40 @@ __device__ __forceinline__ ExpandItem expand_item(const SgmvParams& p, int it) {
     return e;
 }
 
+// Pitch of a staged y row, in elements: 16 bytes of padding.
+template <typename Y>
+__device__ __forceinline__ int y_pitch() {
+    return SG_BO + 16 / (int)sizeof(Y);
+}
+
+// Copy rows [0, rows) x columns [0, len) of a y tile between global (row
+// pitch ys) and shared memory: 16-byte pieces where `vec` and the piece is
+// whole, elements otherwise. `to_shared`: cp.async in (the caller commits
+// and waits); else plain 16-byte stores out.
+template <typename Y>
+__device__ __forceinline__ void move_y_tile(Y* sy, Y* gy, int ys, int rows, int len, bool vec, bool to_shared) {
+    constexpr int per = 16 / (int)sizeof(Y);
+    constexpr int pieces = SG_BO / per;
+    const int yp = y_pitch<Y>();
+    for (int v = threadIdx.x; v < SG_BM * pieces; v += SG_THREADS) {
+        const int r = v / pieces;
+        const int c = (v - r * pieces) * per;
+        if (r >= rows || c >= len) continue;
+        Y* s = sy + r * yp + c;
+        Y* g = gy + (u64)r * ys + c;
+        if (vec && c + per <= len) {
+            if (to_shared) cp_async16(s, g, true);
+            else *(uint4*)g = *(const uint4*)s;
+        } else {
+            const int m = min(per, len - c);
+            for (int j = 0; j < m; ++j) {
+                if (to_shared) s[j] = g[j];
+                else g[j] = s[j];
+            }
+        }
+    }
+}
+
 template <typename Y>
 __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     __shared__ TileInfo s_tile;
@@ -340,22 +378,30 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     const int stride = p.rank_stride;
     const int bp = ((stride + 15) & ~15) + 8;
     const int tpch = ((stride + 15) & ~15) + 4;
+    const int yp = y_pitch<Y>();
     bf16_t* sB = (bf16_t*)dyn;
     float* sT = (float*)(dyn + (size_t)SG_BO * bp * 2);
+    Y* sY0 = (Y*)(dyn + (size_t)SG_BO * bp * 2 + (size_t)SG_BM * tpch * 4);
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int ra = warp * 16 + g;
     Y* Yp = (Y*)p.y;
     const int ys = p.y_stride;
+    const bool vec_y_base = ((int)sizeof(Y) * ys % 16 == 0) && aligned16(Yp);
 
     int cur_tile = -1;
     int cur_ti = -1;
+    int buf = 0;
+    bool staged = false;  // this item's y tile was requested by the previous item
     for (int it = it0; it < it1; ++it) {
         const ExpandItem item = expand_item(p, it);
         const LoraTarget tg = p.targets[item.ti];
         const int out = tg.out_dim;
-        if (item.o_base >= out) continue;  // uniform over the block
-        __syncthreads();                   // the previous item no longer reads sB / sT / s_tile
+        if (item.o_base >= out) {
+            staged = false;
+            continue;  // uniform over the block
+        }
+        __syncthreads();  // the previous item no longer reads sB / sT / s_tile, and its y tile is stored
         const bool new_tile = item.tile != cur_tile || item.ti != cur_ti;
         if (new_tile) {
             if (warp == 0) find_tile(p, tg, item.tile, &s_tile, false);
@@ -366,6 +412,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         if (!s_tile.valid || s_entry.rank == 0) {
             cur_tile = item.tile;
             cur_ti = item.ti;
+            staged = false;
             continue;
         }
         const PairEntry en = s_entry;
@@ -376,8 +423,13 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         const int rk16 = (rank + 15) & ~15;
         const int o_base = item.o_base;
         const int coff = tg.y_col_off;
+        const int len = min(SG_BO, out - o_base);
+        const bool vec_y = vec_y_base && ((int)sizeof(Y) * coff % 16 == 0);
+        Y* sY = sY0 + (size_t)buf * SG_BM * yp;
+        Y* gY = Yp + (u64)row0 * ys + coff + o_base;
 
-        // ---- B rows of this chunk: 16-byte copies of whole 8-column chunks below rank, the rest element-wise.
+        // ---- group A: this item's y tile (unless already requested) and its B rows.
+        if (!staged) move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, true);
         const bool vec_b = (stride % 8 == 0) && aligned16(B);
         const int full8 = vec_b ? rank / 8 : 0;
         for (int v = tid; v < SG_BO * (rk16 / 8); v += SG_THREADS) {
@@ -395,42 +447,19 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         }
         cp_async_commit();
 
-        // ---- y into the accumulators (rows ra, ra + 8 of the warp; columns of each n-tile).
-        const bool va = ra < rows;
-        const bool vb = ra + 8 < rows;
-        const bool vec_y = (ys % 2 == 0) && (coff % 2 == 0) && ((((u64)Yp) & (2 * sizeof(Y) - 1)) == 0);
-        Y* ya = Yp + (u64)(row0 + ra) * ys + coff;
-        Y* yb = ya + (u64)8 * ys;
-        float acc[16][4];
-#pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const int o = o_base + nt * 8 + 2 * t4;
-            acc[nt][0] = 0.f;
-            acc[nt][1] = 0.f;
-            acc[nt][2] = 0.f;
-            acc[nt][3] = 0.f;
-            if (o + 1 < out && vec_y) {
-                if (va) y_load2(ya + o, acc[nt][0], acc[nt][1]);
-                if (vb) y_load2(yb + o, acc[nt][2], acc[nt][3]);
-            } else if (o < out) {
-                if (va) acc[nt][0] = y_load(ya + o);
-                if (vb) acc[nt][2] = y_load(yb + o);
-                if (o + 1 < out) {
-                    if (va) acc[nt][1] = y_load(ya + o + 1);
-                    if (vb) acc[nt][3] = y_load(yb + o + 1);
-                }
-            }
-        }
-
-        // ---- the next item of the same tile: ask for its y and B rows now.
+        // ---- group B: the next item's y tile when it is the same tile (the common case).
+        staged = false;
         if (it + 1 < it1) {
             const ExpandItem nx = expand_item(p, it + 1);
             if (nx.tile == item.tile && nx.ti == item.ti && nx.o_base < out) {
-                const int len = min(SG_BO, out - nx.o_base);
-                if (tid < rows) prefetch_l2(Yp + (u64)(row0 + tid) * ys + coff + nx.o_base, (u64)len * sizeof(Y));
-                if (tid == SG_THREADS - 1) prefetch_l2(B + (u64)nx.o_base * stride, (u64)len * stride * 2);
+                const int nlen = min(SG_BO, out - nx.o_base);
+                move_y_tile<Y>(sY0 + (size_t)(buf ^ 1) * SG_BM * yp, Yp + (u64)row0 * ys + coff + nx.o_base, ys, rows,
+                               nlen, vec_y, true);
+                if (tid == SG_THREADS - 1) prefetch_l2(B + (u64)nx.o_base * stride, (u64)nlen * stride * 2);
+                staged = true;
             }
         }
+        cp_async_commit();
 
         // ---- t of a new tile: sum the K-split partials of its rows, scale, zero past rank.
         if (new_tile) {
@@ -461,9 +490,17 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             cur_tile = item.tile;
             cur_ti = item.ti;
         }
-        cp_async_wait<0>();
+        cp_async_wait<1>();  // group A landed; the next tile may still be in flight
         __syncthreads();
 
+        float acc[16][4];
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            acc[nt][0] = 0.f;
+            acc[nt][1] = 0.f;
+            acc[nt][2] = 0.f;
+            acc[nt][3] = 0.f;
+        }
         for (int kst = 0; kst < rk16 / 16; ++kst) {
             // t fragment in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
             u32 a_hi[4];
@@ -489,27 +526,29 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             }
         }
 
+        // ---- y += delta in shared memory (rounded once), then the tile goes back in 16-byte pieces.
+        // Columns past `len` and rows past `rows` hold nothing and are never stored.
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {
-            const int o = o_base + nt * 8 + 2 * t4;
-            if (o + 1 < out && vec_y) {
-                if (va) y_store2(ya + o, acc[nt][0], acc[nt][1]);
-                if (vb) y_store2(yb + o, acc[nt][2], acc[nt][3]);
-            } else if (o < out) {
-                if (va) y_store(ya + o, acc[nt][0]);
-                if (vb) y_store(yb + o, acc[nt][2]);
-                if (o + 1 < out) {
-                    if (va) y_store(ya + o + 1, acc[nt][1]);
-                    if (vb) y_store(yb + o + 1, acc[nt][3]);
-                }
-            }
+            const int c = nt * 8 + 2 * t4;
+            Y* ya = sY + ra * yp + c;
+            Y* yb = ya + 8 * yp;
+            float v0, v1;
+            y_load2(ya, v0, v1);
+            y_store2(ya, v0 + acc[nt][0], v1 + acc[nt][1]);
+            y_load2(yb, v0, v1);
+            y_store2(yb, v0 + acc[nt][2], v1 + acc[nt][3]);
         }
+        __syncthreads();
+        move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, false);
+        if (staged) buf ^= 1;
     }
+    cp_async_wait<0>();
 }
 
-extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_expand_bf16(const SgmvParams p) {
+extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_bf16(const SgmvParams p) {
     sgmv_expand_body<bf16_t>(p);
 }
-extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_expand_f32(const SgmvParams p) {
+extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(const SgmvParams p) {
     sgmv_expand_body<float>(p);
 }

@@ -109,7 +109,13 @@ pub(crate) struct CudaBackend {
     pub(crate) smem_per_sm: usize,
     modules: Arc<ModuleCache>,
     fault: Mutex<CudaSlice<u32>>,
+    /// Scratch of multi-launch ops (the two-phase decode); locked for the
+    /// whole sequence of launches that shares it.
+    scratch: Box<Mutex<CudaSlice<u8>>>,
 }
+
+/// Bytes of the backend's launch scratch ([`CudaBackend::with_scratch`]).
+pub(crate) const SCRATCH_BYTES: usize = 8 << 20;
 
 /// Whether both CUDA libraries can be loaded.
 pub(crate) fn libraries_present() -> Result<(), KernelError> {
@@ -153,6 +159,9 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
         .map_err(driver_err("cuDeviceGetAttribute"))?;
     let fault = stream.alloc_zeros::<u32>(1).map_err(driver_err("cuMemAlloc"))?;
+    let scratch = stream
+        .alloc_zeros::<u8>(SCRATCH_BYTES)
+        .map_err(driver_err("cuMemAlloc"))?;
     Ok(CudaBackend {
         ctx,
         stream,
@@ -164,6 +173,7 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         smem_per_sm: usize::try_from(per_sm).unwrap_or(64 * 1024),
         modules: module_cache(ordinal),
         fault: Mutex::new(fault),
+        scratch: Box::new(Mutex::new(scratch)),
     })
 }
 
@@ -293,12 +303,64 @@ impl CudaBackend {
         .map_err(driver_err("cuLaunchKernel"))
     }
 
+    /// [`Self::launch`] as a programmatic dependent launch: the kernel's
+    /// blocks may start while the stream's previous kernel still runs (once
+    /// all of that kernel's blocks ran `griddepcontrol.launch_dependents` or
+    /// exited), so they can get resident early.
+    ///
+    /// # Safety
+    /// As [`Self::launch`]; in addition the kernel must execute
+    /// `griddepcontrol.wait` (which waits for the previous kernel to complete
+    /// and its writes to be visible) before it touches memory that kernel writes.
+    pub(crate) unsafe fn launch_dependent<P>(
+        &self,
+        kernel: Kernel,
+        launch: Launch,
+        params: &P,
+    ) -> Result<(), KernelError> {
+        use cudarc::driver::sys;
+        let f = self.function(kernel)?;
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut args = [params as *const P as *mut c_void];
+        // SAFETY: a zeroed attribute is a valid bit pattern (an id and a plain-data union).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: launch.grid.0,
+            gridDimY: launch.grid.1,
+            gridDimZ: launch.grid.2,
+            blockDimX: launch.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: launch.smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: the caller guarantees the parameter layout, addresses and the
+        // kernel's wait; `config`, `attr` and `args` outlive the call, which copies them.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(driver_err("cuLaunchKernelEx"))
+    }
+
     /// Device address of the fault word.
     pub(crate) fn fault_addr(&self) -> u64 {
         use cudarc::driver::DevicePtr;
         let fault = self.fault.lock().unwrap_or_else(|p| p.into_inner());
         let (ptr, _sync) = fault.device_ptr(&self.stream);
         ptr
+    }
+
+    /// Run `f` with the device address of the launch scratch
+    /// ([`SCRATCH_BYTES`]), holding it so that launches of another thread
+    /// cannot land between the launches `f` issues (one stream orders them).
+    pub(crate) fn with_scratch<R>(&self, f: impl FnOnce(u64) -> R) -> R {
+        use cudarc::driver::DevicePtr;
+        let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let (ptr, _sync) = scratch.device_ptr(&self.stream);
+        f(ptr)
     }
 
     /// Read and clear the fault word (synchronises the stream).

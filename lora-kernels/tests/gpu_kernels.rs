@@ -203,15 +203,39 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s % stride) as u32).collect();
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
         let idx = random_idx(&mut rng, n, slots, 7);
-        check_bgmv(
-            &gpu,
-            &format!("n={n} in={in_dim} outs={outs:?} stride={stride}"),
-            &p,
-            &idx,
-            BgmvTuning::default(),
-        );
+        for t in [BgmvTuning::default(), FUSED, TWO_PHASE, TWO_PHASE_DEPENDENT] {
+            check_bgmv(
+                &gpu,
+                &format!("n={n} in={in_dim} outs={outs:?} stride={stride} {t:?}"),
+                &p,
+                &idx,
+                t,
+            );
+        }
     }
 }
+
+/// The fused one-launch kernel, whatever the batch.
+const FUSED: BgmvTuning = BgmvTuning {
+    cluster: None,
+    out_splits: None,
+    clusters_per_window: None,
+    two_phase: Some(false),
+    expand_cols: None,
+    dependent_launch: None,
+};
+
+/// The two-phase kernels (shrink, then expand), whatever the batch.
+const TWO_PHASE: BgmvTuning = BgmvTuning {
+    two_phase: Some(true),
+    ..FUSED
+};
+
+/// The two-phase kernels with the expand as a programmatic dependent launch.
+const TWO_PHASE_DEPENDENT: BgmvTuning = BgmvTuning {
+    dependent_launch: Some(true),
+    ..TWO_PHASE
+};
 
 #[test]
 fn gpu_bgmv_every_rank_against_padded_pool() {
@@ -224,7 +248,9 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    check_bgmv(&gpu, "every rank", &p, &idx, BgmvTuning::default());
+    for t in [FUSED, TWO_PHASE] {
+        check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
+    }
 }
 
 #[test]
@@ -256,17 +282,27 @@ fn gpu_bgmv_row_patterns_and_paths() {
         BgmvTuning::default(),
         BgmvTuning {
             cluster: Some(1),
-            ..Default::default()
+            ..FUSED
         },
         BgmvTuning {
             cluster: Some(8),
             out_splits: Some(3),
             clusters_per_window: Some(2),
+            ..FUSED
         },
         BgmvTuning {
             cluster: Some(1),
             out_splits: Some(1),
             clusters_per_window: Some(1),
+            ..FUSED
+        },
+        BgmvTuning {
+            expand_cols: Some(64),
+            ..TWO_PHASE
+        },
+        BgmvTuning {
+            expand_cols: Some(512),
+            ..TWO_PHASE_DEPENDENT
         },
     ];
     for (label, idx) in &patterns {
@@ -295,12 +331,14 @@ fn gpu_bgmv_f32_router_logits() {
     let idx = random_idx(&mut rng, 40, 32, 9);
     let cpu = Device::cpu();
     let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    compare("f32 y", &p.y_f32, &c, &g);
-    let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
-    let dg: Vec<f32> = g.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
-    let err = rel_error(&dg, &dc);
-    assert!(err < 1e-4, "f32 delta error {err:e}");
+    for t in [FUSED, TWO_PHASE] {
+        let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
+        compare(&format!("f32 y {t:?}"), &p.y_f32, &c, &g);
+        let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
+        let dg: Vec<f32> = g.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
+        let err = rel_error(&dg, &dc);
+        assert!(err < 1e-4, "f32 delta error {err:e} {t:?}");
+    }
 }
 
 #[test]
@@ -314,19 +352,24 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
     let mut y = gpu.upload(&p.y_bf16).unwrap();
     let targets = on.targets(&p);
-    bgmv_tuned(
-        &gpu,
-        on.x_rows(&p),
-        &idx,
-        &targets,
-        8,
-        RowsMut::dense(&mut y, 4, p.y_width),
-        BgmvTuning::default(),
-    )
-    .unwrap();
-    let faults = gpu.take_faults().unwrap();
-    assert!(faults.0 & lora_kernels::FaultFlags::BAD_INDEX != 0, "faults: {faults}");
-    assert!(gpu.take_faults().unwrap().is_empty());
+    for t in [FUSED, TWO_PHASE] {
+        bgmv_tuned(
+            &gpu,
+            on.x_rows(&p),
+            &idx,
+            &targets,
+            8,
+            RowsMut::dense(&mut y, 4, p.y_width),
+            t,
+        )
+        .unwrap();
+        let faults = gpu.take_faults().unwrap();
+        assert!(
+            faults.0 & lora_kernels::FaultFlags::BAD_INDEX != 0,
+            "faults: {faults} {t:?}"
+        );
+        assert!(gpu.take_faults().unwrap().is_empty());
+    }
 }
 
 fn segments_for(rng: &mut Rng, n: usize, n_seg: usize, slots: usize) -> (Vec<i32>, Vec<i32>) {
@@ -458,15 +501,24 @@ fn gpu_graph_replay_follows_table_contents() {
     let Some(gpu) = cuda_or_skip("gpu_graph_replay_follows_table_contents") else {
         return;
     };
-    let cpu = Device::cpu();
     let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
+    for t in [BgmvTuning::default(), FUSED, TWO_PHASE_DEPENDENT] {
+        graph_replay_case(&gpu, &mut rng, t);
+    }
+}
+
+/// Capture bgmv (with `tuning`) and sgmv into one graph, change every
+/// buffer's contents, replay, and compare with the CPU on the new contents.
+fn graph_replay_case(gpu: &Device, rng: &mut Rng, tuning: BgmvTuning) {
+    let gpu = gpu.clone();
+    let cpu = Device::cpu();
     let (n, slots) = (48, 6);
-    let p = Problem::new(&mut rng, n, 1024, &[512], 16, &[16, 8, 4, 16, 2, 1], false);
+    let p = Problem::new(rng, n, 1024, &[512], 16, &[16, 8, 4, 16, 2, 1], false);
     let on = OnDevice::new(&gpu, &p);
-    let idx0 = random_idx(&mut rng, n, slots, 5);
+    let idx0 = random_idx(rng, n, slots, 5);
     let mut idx = gpu.upload(&idx0).unwrap();
     let mut y = gpu.upload(&p.y_bf16).unwrap();
-    let (cu0, slot0) = segments_for(&mut rng, n, 4, slots);
+    let (cu0, slot0) = segments_for(rng, n, 4, slots);
     let mut cu = gpu.upload(&cu0).unwrap();
     let mut seg_slot = gpu.upload(&slot0).unwrap();
     let spec = WorkspaceSpec {
@@ -488,7 +540,7 @@ fn gpu_graph_replay_follows_table_contents() {
         }];
         gpu.capture_graph(|| {
             let yv = RowsMut::dense(&mut y, n, p.y_width);
-            bgmv_tuned(&gpu, on.x_rows(&p), &idx, &target, 16, yv, BgmvTuning::default())?;
+            bgmv_tuned(&gpu, on.x_rows(&p), &idx, &target, 16, yv, tuning)?;
             let s = Segments {
                 cu_seqlens: &cu,
                 seg_slot: &seg_slot,
@@ -504,9 +556,9 @@ fn gpu_graph_replay_follows_table_contents() {
     entries.rotate_left(2);
     entries[1] = PairEntry::default();
     table.write(0, &entries).unwrap();
-    let idx1 = random_idx(&mut rng, n, slots, 3);
+    let idx1 = random_idx(rng, n, slots, 3);
     idx.write(0, &idx1).unwrap();
-    let (cu1, slot1) = segments_for(&mut rng, n, 4, slots);
+    let (cu1, slot1) = segments_for(rng, n, 4, slots);
     cu.write(0, &cu1).unwrap();
     seg_slot.write(0, &slot1).unwrap();
     let y1 = rng.bf16_vec(n * p.y_width, 1.0);
@@ -560,7 +612,12 @@ fn gpu_graph_replay_follows_table_contents() {
         SgmvTuning::default(),
     )
     .unwrap();
-    compare("graph replay after table change", &y1, &cy.download().unwrap(), &g);
+    compare(
+        &format!("graph replay after table change {tuning:?}"),
+        &y1,
+        &cy.download().unwrap(),
+        &g,
+    );
 }
 
 #[test]

@@ -308,14 +308,35 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         }
         let mut variants = vec![("default".to_string(), BgmvTuning::default())];
         if ctx.opts.sweep {
-            for (c, sp) in [(8, 1), (8, 2), (4, 1), (4, 2)] {
+            // The fused kernel (its own launch choice, then clusters of 8 with
+            // one or two output splits) against the two-phase kernels by expand width.
+            let fused = BgmvTuning {
+                two_phase: Some(false),
+                ..Default::default()
+            };
+            variants.push(("fused".to_string(), fused));
+            for sp in [1, 2] {
                 let t = BgmvTuning {
-                    cluster: Some(c),
+                    cluster: Some(8),
                     out_splits: Some(sp),
+                    ..fused
+                };
+                variants.push((format!("c8 s{sp}"), t));
+            }
+            for cols in [128, 256, 512] {
+                let t = BgmvTuning {
+                    two_phase: Some(true),
+                    expand_cols: Some(cols),
                     ..Default::default()
                 };
-                variants.push((format!("c{c} s{sp}"), t));
+                variants.push((format!("2p c{cols}"), t));
             }
+            let t = BgmvTuning {
+                two_phase: Some(true),
+                dependent_launch: Some(true),
+                ..Default::default()
+            };
+            variants.push(("2p dep".to_string(), t));
         }
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);
         let pool = pairs.upload(ctx.device).map_err(err)?;
@@ -371,7 +392,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         }
         let mut variants = vec![("default".to_string(), SgmvTuning::default())];
         if ctx.opts.sweep {
-            for k in 1..=4 {
+            for k in [2, 4] {
                 variants.push((
                     format!("ks{k}"),
                     SgmvTuning {

@@ -13,7 +13,7 @@ use super::pairs::reference_apply;
 use super::{LoraTarget, MAX_TARGETS, OutputElem, Rows, RowsMut, TargetParams, check_targets, to_i32, to_u32};
 use crate::buffer::{DeviceBuffer, check_range};
 use crate::cpu_mem::CpuMemory;
-use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
+use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch, SCRATCH_BYTES};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
 
@@ -247,7 +247,103 @@ pub struct BgmvTuning {
     pub out_splits: Option<u32>,
     /// Clusters per row window (items are dealt round-robin to them).
     pub clusters_per_window: Option<u32>,
+    /// Two launches (a shrink into the device's scratch, then an expand)
+    /// instead of the fused kernel; batches of at most 512 rows. `None`:
+    /// two launches from [`TWO_PHASE_MIN_ROWS`] rows on.
+    pub two_phase: Option<bool>,
+    /// Two-phase expand: outputs per unit of work (8..=1024, rounded up to a multiple of 8).
+    pub expand_cols: Option<u32>,
+    /// Two-phase: launch the expand as a programmatic dependent of the
+    /// shrink, so its blocks get resident while the shrink drains.
+    pub dependent_launch: Option<bool>,
 }
+
+/// Rows from which [`bgmv`] uses two launches by default: below, the fused
+/// kernel's single launch wins (its chain of round trips is the whole time);
+/// above, the adapters' bytes are, and two launches stream them better.
+pub const TWO_PHASE_MIN_ROWS: usize = 32;
+
+/// Byte offsets in the scratch of the two-phase decode (`BGMV2_*` in `cuda/bgmv.cu`):
+/// per-target headers, then item descriptors, then the partial rank vectors.
+const TWO_PHASE_DESC_OFF: usize = 256;
+const TWO_PHASE_PART_OFF: usize = TWO_PHASE_DESC_OFF + MAX_TARGETS * WINDOW_MAX * 64;
+/// Most K slices of the two-phase shrink, and the fewest columns per slice.
+const TWO_PHASE_MAX_SPLITS: usize = 16;
+const TWO_PHASE_MIN_SLICE: usize = 256;
+const TWO_PHASE_COLS: usize = 256;
+
+/// The shape of a two-phase launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TwoPhasePlan {
+    /// Most K slices (the scratch holds this many partial rank vectors per row).
+    ks_max: usize,
+    /// Outputs per expand unit, a multiple of 8.
+    cols: usize,
+    /// Bytes of the scratch the launch uses.
+    scratch_bytes: usize,
+    /// Dynamic shared memory of the expand, for y elements of `y_size` bytes.
+    expand_smem: usize,
+}
+
+impl TwoPhasePlan {
+    /// `None` when the batch spans several windows or its partials do not fit `scratch`.
+    fn new(
+        n: usize,
+        in_dim: usize,
+        stride: usize,
+        n_targets: usize,
+        y_size: usize,
+        cols: Option<u32>,
+        scratch: usize,
+    ) -> Option<TwoPhasePlan> {
+        if n == 0 || n > WINDOW_MAX || n_targets == 0 {
+            return None;
+        }
+        let rpad = stride.div_ceil(8) * 8;
+        let per_split = n_targets * n * rpad * 4;
+        let room = scratch.checked_sub(TWO_PHASE_PART_OFF)?;
+        let ks_max = TWO_PHASE_MAX_SPLITS
+            .min((in_dim / TWO_PHASE_MIN_SLICE).max(1))
+            .min(room / per_split);
+        if ks_max == 0 {
+            return None;
+        }
+        let cols = cols.map_or(TWO_PHASE_COLS, |c| (c as usize).clamp(8, 1024).div_ceil(8) * 8);
+        Some(TwoPhasePlan {
+            ks_max,
+            cols,
+            scratch_bytes: TWO_PHASE_PART_OFF + ks_max * per_split,
+            expand_smem: ITEM_ROWS * cols * (4 + y_size) + ITEM_ROWS * rpad * 4,
+        })
+    }
+}
+
+/// Mirror of `struct Bgmv2Params` in `cuda/bgmv.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Bgmv2Params {
+    x: u64,
+    y: u64,
+    idx: u64,
+    fault: u64,
+    scratch: u64,
+    n_rows: i32,
+    in_dim: i32,
+    x_stride: i32,
+    y_stride: i32,
+    rank_stride: i32,
+    n_targets: i32,
+    ks_max: i32,
+    expand_cols: i32,
+    pad0: i32,
+    pad1: i32,
+    targets: [TargetParams; MAX_TARGETS],
+}
+const _: () = assert!(size_of::<Bgmv2Params>() == 176 && std::mem::offset_of!(Bgmv2Params, targets) == 80);
+
+/// Resident blocks per multiprocessor of the two-phase kernels (`__launch_bounds__` in `cuda/bgmv.cu`).
+const SHRINK_BLOCKS_PER_SM: usize = 3;
+const EXPAND_BLOCKS_PER_SM: usize = 4;
 
 /// Mirror of `struct BgmvParams` in `cuda/bgmv.cu`.
 #[repr(C)]
@@ -365,6 +461,30 @@ fn launch<Y: OutputElem>(
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
+    if tuning.two_phase.unwrap_or(n >= TWO_PHASE_MIN_ROWS) {
+        let plan = TwoPhasePlan::new(
+            n,
+            x.width,
+            stride,
+            n_targets,
+            std::mem::size_of::<Y>(),
+            tuning.expand_cols,
+            SCRATCH_BYTES,
+        );
+        match plan {
+            Some(plan) if plan.expand_smem <= c.smem_optin => {
+                let dependent = tuning.dependent_launch.unwrap_or(false) && c.compute_capability.0 >= 9;
+                return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, dependent);
+            }
+            _ if tuning.two_phase == Some(true) => {
+                return Err(invalid(
+                    "tuning.two_phase",
+                    format!("{n} rows of rank stride {stride} do not fit the two-phase scratch"),
+                ));
+            }
+            _ => {}
+        }
+    }
     let (window, n_windows) = if n <= WINDOW_MAX {
         (n, 1)
     } else {
@@ -442,6 +562,88 @@ fn launch<Y: OutputElem>(
             &params,
         )
     }
+}
+
+/// The two-phase decode: `bgmv2_shrink` then `bgmv2_expand_*`, through the
+/// backend's scratch (held for both launches).
+#[allow(clippy::too_many_arguments)]
+fn launch_two_phase<Y: OutputElem>(
+    c: &CudaBackend,
+    x: &Rows<'_, bf16>,
+    idx: &DeviceBuffer<i32>,
+    target_params: &[TargetParams; MAX_TARGETS],
+    targets: &[LoraTarget<'_>],
+    stride: usize,
+    y: &RowsMut<'_, Y>,
+    plan: TwoPhasePlan,
+    dependent: bool,
+) -> Result<(), KernelError> {
+    let n = x.n_rows;
+    let n_targets = targets.len();
+    let sms = c.sm_count as usize;
+    let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+    // Every block resident at once; more units than blocks are walked in turn.
+    let shrink_blocks = (n * plan.ks_max).min(sms * SHRINK_BLOCKS_PER_SM).max(1);
+    let expand_blocks = (n * max_out.div_ceil(plan.cols)).min(sms * EXPAND_BLOCKS_PER_SM).max(1);
+    let expand = match Y::NAME {
+        "bf16" => "bgmv2_expand_bf16",
+        _ => "bgmv2_expand_f32",
+    };
+    c.with_scratch(|scratch| {
+        let params = Bgmv2Params {
+            x: x.addr(),
+            y: y.addr(),
+            idx: idx.device_addr(),
+            fault: c.fault_addr(),
+            scratch,
+            n_rows: to_i32("x.n_rows", n)?,
+            in_dim: to_i32("x.width", x.width)?,
+            x_stride: to_i32("x.stride", x.stride)?,
+            y_stride: to_i32("y.stride", y.stride)?,
+            rank_stride: to_i32("rank_stride", stride)?,
+            n_targets: to_i32("targets", n_targets)?,
+            ks_max: to_i32("k_splits", plan.ks_max)?,
+            expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
+            pad0: 0,
+            pad1: 0,
+            targets: *target_params,
+        };
+        // SAFETY: `Bgmv2Params` mirrors the kernels' struct (sizes asserted on both
+        // sides). The host checked x, y, idx and the targets as for the fused
+        // kernel; `plan` keeps every descriptor and partial the kernels address
+        // inside the scratch (`scratch_bytes <= SCRATCH_BYTES`, n <= 512 rows),
+        // which `with_scratch` holds for both launches; the kernels check each
+        // index and each entry's rank before reading A and B through table addresses.
+        unsafe {
+            c.launch(
+                Kernel {
+                    family: Family::Bgmv,
+                    name: "bgmv2_shrink",
+                },
+                Launch {
+                    grid: (to_u32("grid", shrink_blocks)?, 1, to_u32("grid", n_targets)?),
+                    block: THREADS,
+                    smem: 0,
+                },
+                &params,
+            )?;
+            let kernel = Kernel {
+                family: Family::Bgmv,
+                name: expand,
+            };
+            let shape = Launch {
+                grid: (to_u32("grid", expand_blocks)?, 1, to_u32("grid", n_targets)?),
+                block: THREADS,
+                smem: to_u32("smem", plan.expand_smem)?,
+            };
+            // The expand runs `griddepcontrol.wait` before it reads the scratch.
+            if dependent {
+                c.launch_dependent(kernel, shape, &params)
+            } else {
+                c.launch(kernel, shape, &params)
+            }
+        }
+    })
 }
 
 #[cfg(test)]

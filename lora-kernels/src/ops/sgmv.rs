@@ -336,11 +336,13 @@ fn launch<Y: OutputElem>(
         to_u32("grid", k_splits)?,
         1,
     );
-    // Persistent expand: three blocks per multiprocessor walk all (tile, target, chunk) items.
+    // Persistent expand: every resident block walks a share of the (tile, target, chunk) items.
     let items = max_tiles * n_targets * out_tiles;
     to_i32("expand items", items)?;
-    let expand_grid = (to_u32("grid", items.min(3 * c.sm_count as usize).max(1))?, 1, 1);
-    let expand_smem = to_u32("expand shared memory", expand_smem_bytes(stride))?;
+    let smem = expand_smem_bytes(stride, std::mem::size_of::<Y>());
+    let resident = expand_blocks_per_sm(smem, c.smem_per_sm) * c.sm_count as usize;
+    let expand_grid = (to_u32("grid", items.min(resident).max(1))?, 1, 1);
+    let expand_smem = to_u32("expand shared memory", smem)?;
     if expand_smem as usize > c.smem_optin {
         return Err(invalid(
             "rank_stride",
@@ -394,10 +396,16 @@ fn launch<Y: OutputElem>(
 /// Dynamic shared memory of the shrink: x and A tiles, `STAGES` deep, rows padded by 8.
 const SHRINK_SMEM: u32 = (2 * STAGES * TILE_ROWS * (K_CHUNK + 8) * 2) as u32;
 
-/// Dynamic shared memory of the expand (`sB` and `sT` in `cuda/sgmv.cu`).
-fn expand_smem_bytes(stride: usize) -> usize {
+/// Dynamic shared memory of the expand (`sB`, `sT` and the two `sY` tiles
+/// in `cuda/sgmv.cu`) for y elements of `y_size` bytes.
+fn expand_smem_bytes(stride: usize, y_size: usize) -> usize {
     let r16 = stride.div_ceil(16) * 16;
-    OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4
+    OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4 + 2 * TILE_ROWS * (OUT_TILE * y_size + 16)
+}
+
+/// Expand blocks resident per multiprocessor (`__launch_bounds__(128, 4)`), as shared memory allows.
+fn expand_blocks_per_sm(smem: usize, smem_per_sm: usize) -> usize {
+    (smem_per_sm / (smem + 1024)).clamp(1, 4)
 }
 
 #[cfg(test)]

@@ -459,3 +459,36 @@ fn launch_choices_keep_every_block_resident() {
         .is_err()
     );
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn two_phase_plans_fit_the_scratch(
+        n in 1usize..=WINDOW_MAX,
+        in_dim in 1usize..40_000,
+        stride in 1usize..=BGMV_MAX_RANK,
+        targets in 1usize..=MAX_TARGETS,
+        y_size in prop_oneof![Just(2usize), Just(4usize)],
+        cols in proptest::option::of(0u32..10_000),
+    ) {
+        let p = TwoPhasePlan::new(n, in_dim, stride, targets, y_size, cols, SCRATCH_BYTES).unwrap();
+        prop_assert!(p.scratch_bytes <= SCRATCH_BYTES);
+        prop_assert!((1..=TWO_PHASE_MAX_SPLITS).contains(&p.ks_max));
+        // Every slice keeps at least one warp-wide pass of columns, unless `in` is below that.
+        prop_assert!(p.ks_max == 1 || in_dim / p.ks_max >= TWO_PHASE_MIN_SLICE);
+        prop_assert!(p.cols >= 8 && p.cols.is_multiple_of(8));
+        let rpad = stride.div_ceil(8) * 8;
+        prop_assert_eq!(p.expand_smem, ITEM_ROWS * p.cols * (4 + y_size) + ITEM_ROWS * rpad * 4);
+        prop_assert!(p.expand_smem <= H200.smem_optin);
+    }
+}
+
+#[test]
+fn two_phase_serves_single_windows_only() {
+    assert!(TwoPhasePlan::new(WINDOW_MAX + 1, 4096, 16, 1, 2, None, SCRATCH_BYTES).is_none());
+    assert!(TwoPhasePlan::new(0, 4096, 16, 1, 2, None, SCRATCH_BYTES).is_none());
+    // Partials that cannot fit the scratch even once.
+    assert!(TwoPhasePlan::new(512, 4096, 256, 4, 2, None, 1 << 20).is_none());
+    let p = TwoPhasePlan::new(64, 4096, 64, 1, 2, None, SCRATCH_BYTES).unwrap();
+    assert_eq!((p.ks_max, p.cols), (16, 256));
+}
