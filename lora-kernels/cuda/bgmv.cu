@@ -477,6 +477,8 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THRE
 #define BGMV2_PART_OFF (BGMV2_DESC_OFF + MAX_TARGETS * BGMV_WIN_MAX * 64)
 #define BGMV2_UNROLL 4
 #define BGMV2_XROWS 2
+// Most K slices of the shrink (`TWO_PHASE_MAX_SPLITS` in bgmv.rs).
+#define BGMV2_MAX_SPLITS 16
 
 struct Bgmv2Params {
     u64 x;
@@ -492,7 +494,7 @@ struct Bgmv2Params {
     int n_targets;
     int ks_max;
     int expand_cols;
-    int pad0;
+    int pow2_slices;
     int pad1;
     LoraTarget targets[MAX_TARGETS];
 };
@@ -572,7 +574,8 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 3) bgmv2_shrink(const
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
     const int n_items = scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win);
     // Enough K slices that the units fill the grid once (the same in every block).
-    const int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
+    int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
+    if (p.pow2_slices) ks_n = 1 << (31 - __clz(ks_n));  // whole 256-column passes when in is a multiple of 4096
     if (lead_block && tid == 0) {
         Bgmv2Header h;
         h.n_items = n_items;
@@ -730,7 +733,9 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             }
         }
         cp_async_commit();
-        // The next unit's B rows: ask L2 for them now.
+        // This unit's B rows are read after the partials are summed: ask L2
+        // for them now (one contiguous span); and the next unit's.
+        if (tid == 32) prefetch_l2(B + (u64)o0 * stride, (u64)lc * stride * 2);
         if (tid == 0 && u + (int)gridDim.x < units) {
             const int nit = (u + (int)gridDim.x) / chunks;
             const int no0 = (u + (int)gridDim.x - nit * chunks) * cols;
@@ -748,10 +753,15 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             int r = rows[0];
 #pragma unroll
             for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+            // The partials are independent loads: keep them all in flight.
             float s = 0.f;
-            if (k < rank)
-#pragma unroll 1
-                for (int ks = 0; ks < h.k_splits; ++ks) s += bgmv2_part(p, t, ks, r)[k];
+            if (k < rank) {
+                const float* part = bgmv2_part(p, t, 0, r) + k;
+                const u64 split = (u64)p.n_rows * rpad;
+#pragma unroll
+                for (int ks = 0; ks < BGMV2_MAX_SPLITS; ++ks)
+                    if (ks < h.k_splits) s += part[ks * split];
+            }
             sT[g * rpad + k] = s * scale;
         }
         __syncthreads();

@@ -22,6 +22,8 @@
 #define SG_THREADS 128
 #define SG_LD (SG_BK + 8)
 #define SG_BO 128
+// Most K splits of the shrink (`MAX_K_SPLITS` in workspace.rs).
+#define SG_MAX_K_SPLITS 4
 
 struct SgmvParams {
     u64 x;
@@ -472,13 +474,17 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
                 const int k = (v - r * q4) * 4;
                 float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (r < rows && k < rank) {
+                    // Independent loads: all K splits in flight at once.
                     const float* q = W + (u64)(row0 + r) * p.ws_rank_pad + k;
-                    for (int ks = 0; ks < p.k_splits; ++ks) {
-                        const float4 w = *(const float4*)(q + ks * split_stride);
-                        sum.x += w.x;
-                        sum.y += w.y;
-                        sum.z += w.z;
-                        sum.w += w.w;
+#pragma unroll
+                    for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks) {
+                        if (ks < p.k_splits) {
+                            const float4 w = *(const float4*)(q + ks * split_stride);
+                            sum.x += w.x;
+                            sum.y += w.y;
+                            sum.z += w.z;
+                            sum.w += w.w;
+                        }
                     }
                 }
                 float* d = sT + r * tpch + k;

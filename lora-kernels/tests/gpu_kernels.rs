@@ -203,7 +203,19 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s % stride) as u32).collect();
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
         let idx = random_idx(&mut rng, n, slots, 7);
-        for t in [BgmvTuning::default(), FUSED, TWO_PHASE, TWO_PHASE_DEPENDENT] {
+        // The two-phase kernels serve single windows (512 rows) only.
+        let tunings: &[BgmvTuning] = if n <= 512 {
+            &[
+                BgmvTuning::default(),
+                FUSED,
+                TWO_PHASE,
+                TWO_PHASE_DEPENDENT,
+                TWO_PHASE_POW2,
+            ]
+        } else {
+            &[BgmvTuning::default(), FUSED]
+        };
+        for &t in tunings {
             check_bgmv(
                 &gpu,
                 &format!("n={n} in={in_dim} outs={outs:?} stride={stride} {t:?}"),
@@ -223,12 +235,19 @@ const FUSED: BgmvTuning = BgmvTuning {
     two_phase: Some(false),
     expand_cols: None,
     dependent_launch: None,
+    pow2_slices: None,
 };
 
 /// The two-phase kernels (shrink, then expand), whatever the batch.
 const TWO_PHASE: BgmvTuning = BgmvTuning {
     two_phase: Some(true),
     ..FUSED
+};
+
+/// The two-phase kernels with K slices rounded down to a power of two.
+const TWO_PHASE_POW2: BgmvTuning = BgmvTuning {
+    pow2_slices: Some(true),
+    ..TWO_PHASE
 };
 
 /// The two-phase kernels with the expand as a programmatic dependent launch.
@@ -303,6 +322,10 @@ fn gpu_bgmv_row_patterns_and_paths() {
         BgmvTuning {
             expand_cols: Some(512),
             ..TWO_PHASE_DEPENDENT
+        },
+        BgmvTuning {
+            pow2_slices: Some(true),
+            ..TWO_PHASE
         },
     ];
     for (label, idx) in &patterns {

@@ -323,7 +323,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 };
                 variants.push((format!("c8 s{sp}"), t));
             }
-            for cols in [128, 256, 512] {
+            for cols in [512, 1024] {
                 let t = BgmvTuning {
                     two_phase: Some(true),
                     expand_cols: Some(cols),
@@ -337,6 +337,12 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("2p dep".to_string(), t));
+            let t = BgmvTuning {
+                two_phase: Some(true),
+                pow2_slices: Some(true),
+                ..Default::default()
+            };
+            variants.push(("2p pow2".to_string(), t));
         }
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);
         let pool = pairs.upload(ctx.device).map_err(err)?;

@@ -222,8 +222,12 @@ impl LaunchChoice {
                 };
                 let rounds = window.div_ceil(cpw) * (per_cluster_row * cpw).div_ceil(capacity);
                 let chunks = slice.div_ceil(plan.k_chunk.max(1));
-                // Ties go to more resident blocks (latency overlaps), then fewer splits.
-                let cost = rounds as f64 * (3.0 + chunks as f64) - 0.1 * bps as f64 + 0.05 * s as f64;
+                // Ties go to more resident blocks (latency overlaps), then to one
+                // split, or two for a batch of one or two rows (measured on the H200:
+                // 9.0 against 9.5-9.9 µs at n = 1; one split wins from n = 16 on).
+                let preferred = if window * n_windows <= 2 { 2.0 } else { 1.0 };
+                let cost =
+                    rounds as f64 * (3.0 + chunks as f64) - 0.1 * bps as f64 + 0.05 * (s as f64 - preferred).abs();
                 if best.as_ref().is_none_or(|(b, _)| cost < *b) {
                     best = Some((cost, LaunchChoice { cluster: cl, cpw, plan }));
                 }
@@ -249,28 +253,39 @@ pub struct BgmvTuning {
     pub clusters_per_window: Option<u32>,
     /// Two launches (a shrink into the device's scratch, then an expand)
     /// instead of the fused kernel; batches of at most 512 rows. `None`:
-    /// two launches from [`TWO_PHASE_MIN_ROWS`] rows on.
+    /// two launches for [`TWO_PHASE_ROWS`] rows.
     pub two_phase: Option<bool>,
-    /// Two-phase expand: outputs per unit of work (8..=1024, rounded up to a multiple of 8).
+    /// Two-phase expand: outputs per unit of work (8..=1024, rounded up to a
+    /// multiple of 8). `None`: 512, or 1024 for outputs wider than 8192.
     pub expand_cols: Option<u32>,
+    /// Two-phase shrink: round the K slice count down to a power of two, so
+    /// every slice is whole 256-column warp passes when `in` is a multiple of 4096.
+    pub pow2_slices: Option<bool>,
     /// Two-phase: launch the expand as a programmatic dependent of the
     /// shrink, so its blocks get resident while the shrink drains.
     pub dependent_launch: Option<bool>,
 }
 
-/// Rows from which [`bgmv`] uses two launches by default: below, the fused
-/// kernel's single launch wins (its chain of round trips is the whole time);
-/// above, the adapters' bytes are, and two launches stream them better.
-pub const TWO_PHASE_MIN_ROWS: usize = 32;
+/// Batch sizes for which [`bgmv`] uses two launches by default. Below, the
+/// fused kernel's single launch wins (its chain of round trips is the whole
+/// time: 9-10 against 13-15 µs on the H200 at n = 1 and 16); in between, the
+/// adapters' bytes dominate and two launches stream them better (n = 64: 20
+/// against 21 µs at rank 16, 41-44 against 87 at rank 64, 31-34 against 56-60
+/// at 14336 outputs); above, items of several rows make the two-phase
+/// shrink's per-row reductions the cost (n = 256, 32 adapters: 36-39 against 29).
+pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 
 /// Byte offsets in the scratch of the two-phase decode (`BGMV2_*` in `cuda/bgmv.cu`):
 /// per-target headers, then item descriptors, then the partial rank vectors.
 const TWO_PHASE_DESC_OFF: usize = 256;
 const TWO_PHASE_PART_OFF: usize = TWO_PHASE_DESC_OFF + MAX_TARGETS * WINDOW_MAX * 64;
-/// Most K slices of the two-phase shrink, and the fewest columns per slice.
+/// Most K slices of the two-phase shrink (`BGMV2_MAX_SPLITS` in `cuda/bgmv.cu`),
+/// and the fewest columns per slice.
 const TWO_PHASE_MAX_SPLITS: usize = 16;
 const TWO_PHASE_MIN_SLICE: usize = 256;
-const TWO_PHASE_COLS: usize = 256;
+const TWO_PHASE_COLS: usize = 512;
+/// Outputs wider than this use expand units of `2 * TWO_PHASE_COLS` (31.5 against 33-34.5 µs at 14336).
+const TWO_PHASE_WIDE_OUT: usize = 8192;
 
 /// The shape of a two-phase launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -287,11 +302,13 @@ struct TwoPhasePlan {
 
 impl TwoPhasePlan {
     /// `None` when the batch spans several windows or its partials do not fit `scratch`.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         n: usize,
         in_dim: usize,
         stride: usize,
         n_targets: usize,
+        max_out: usize,
         y_size: usize,
         cols: Option<u32>,
         scratch: usize,
@@ -308,7 +325,12 @@ impl TwoPhasePlan {
         if ks_max == 0 {
             return None;
         }
-        let cols = cols.map_or(TWO_PHASE_COLS, |c| (c as usize).clamp(8, 1024).div_ceil(8) * 8);
+        let default_cols = if max_out > TWO_PHASE_WIDE_OUT {
+            2 * TWO_PHASE_COLS
+        } else {
+            TWO_PHASE_COLS
+        };
+        let cols = cols.map_or(default_cols, |c| (c as usize).clamp(8, 1024).div_ceil(8) * 8);
         Some(TwoPhasePlan {
             ks_max,
             cols,
@@ -335,7 +357,7 @@ struct Bgmv2Params {
     n_targets: i32,
     ks_max: i32,
     expand_cols: i32,
-    pad0: i32,
+    pow2_slices: i32,
     pad1: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
@@ -461,12 +483,13 @@ fn launch<Y: OutputElem>(
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
-    if tuning.two_phase.unwrap_or(n >= TWO_PHASE_MIN_ROWS) {
+    if tuning.two_phase.unwrap_or(TWO_PHASE_ROWS.contains(&n)) {
         let plan = TwoPhasePlan::new(
             n,
             x.width,
             stride,
             n_targets,
+            targets.iter().map(|t| t.out_dim).max().unwrap_or(0),
             std::mem::size_of::<Y>(),
             tuning.expand_cols,
             SCRATCH_BYTES,
@@ -474,7 +497,8 @@ fn launch<Y: OutputElem>(
         match plan {
             Some(plan) if plan.expand_smem <= c.smem_optin => {
                 let dependent = tuning.dependent_launch.unwrap_or(false) && c.compute_capability.0 >= 9;
-                return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, dependent);
+                let pow2 = tuning.pow2_slices.unwrap_or(false);
+                return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, dependent, pow2);
             }
             _ if tuning.two_phase == Some(true) => {
                 return Err(invalid(
@@ -577,6 +601,7 @@ fn launch_two_phase<Y: OutputElem>(
     y: &RowsMut<'_, Y>,
     plan: TwoPhasePlan,
     dependent: bool,
+    pow2_slices: bool,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
@@ -604,7 +629,7 @@ fn launch_two_phase<Y: OutputElem>(
             n_targets: to_i32("targets", n_targets)?,
             ks_max: to_i32("k_splits", plan.ks_max)?,
             expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
-            pad0: 0,
+            pow2_slices: i32::from(pow2_slices),
             pad1: 0,
             targets: *target_params,
         };
