@@ -238,9 +238,11 @@ const FUSED: BgmvTuning = BgmvTuning {
     pow2_slices: None,
 };
 
-/// The two-phase kernels (shrink, then expand), whatever the batch.
+/// The two-phase kernels (shrink, then expand), whatever the batch, with
+/// as many K slices as fill the grid.
 const TWO_PHASE: BgmvTuning = BgmvTuning {
     two_phase: Some(true),
+    pow2_slices: Some(false),
     ..FUSED
 };
 

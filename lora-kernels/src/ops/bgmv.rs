@@ -259,7 +259,9 @@ pub struct BgmvTuning {
     /// multiple of 8). `None`: 512, or 1024 for outputs wider than 8192.
     pub expand_cols: Option<u32>,
     /// Two-phase shrink: round the K slice count down to a power of two, so
-    /// every slice is whole 256-column warp passes when `in` is a multiple of 4096.
+    /// every slice is whole 256-column warp passes when `in` is a multiple of
+    /// 4096 (no idle warps or lanes). `None`: on (measured faster at every
+    /// two-phase shape: 19.8 / 42.1 / 31.1 against 20.4 / 44.8 / 31.7 µs).
     pub pow2_slices: Option<bool>,
     /// Two-phase: launch the expand as a programmatic dependent of the
     /// shrink, so its blocks get resident while the shrink drains.
@@ -497,7 +499,7 @@ fn launch<Y: OutputElem>(
         match plan {
             Some(plan) if plan.expand_smem <= c.smem_optin => {
                 let dependent = tuning.dependent_launch.unwrap_or(false) && c.compute_capability.0 >= 9;
-                let pow2 = tuning.pow2_slices.unwrap_or(false);
+                let pow2 = tuning.pow2_slices.unwrap_or(true);
                 return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, dependent, pow2);
             }
             _ if tuning.two_phase == Some(true) => {
