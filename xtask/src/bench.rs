@@ -119,6 +119,8 @@ struct Ctx<'a> {
     opts: &'a Options,
     flusher: Flusher,
     copy_gbps: f64,
+    /// The bf16 matrix rate measured by the baseline script, TFLOP/s.
+    matrix_tflops: Option<f64>,
     rows: Vec<Row>,
 }
 
@@ -230,6 +232,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         opts: &opts,
         flusher,
         copy_gbps,
+        matrix_tflops: None,
         rows: Vec::new(),
     };
     for (name, section) in SECTIONS {
@@ -516,13 +519,21 @@ fn torch_baseline(script: &PathBuf, ctx: &mut Ctx<'_>) -> Result<(), String> {
             row.torch_us = Some(us);
         }
     }
+    ctx.matrix_tflops = results["__matrix_rate__"]["tflops"].as_f64();
     Ok(())
 }
 
 // ---- output ----------------------------------------------------------------
 
-fn floor_us(row: &Row, copy_gbps: f64) -> f64 {
-    row.floor_bytes / (copy_gbps * 1e3)
+/// The physical floor of a row: the larger of its bytes over the copy
+/// bandwidth and its FLOPs (shrink `2·n·in·r` plus expand `2·n·r·out`) over
+/// the matrix rate, both measured in this run.
+fn floor_us(row: &Row, copy_gbps: f64, matrix_tflops: Option<f64>) -> f64 {
+    let bytes_us = row.floor_bytes / (copy_gbps * 1e3);
+    let dim = |k: &str| row.shape[k].as_f64().unwrap_or(0.0);
+    let flops = 2.0 * dim("n") * dim("r") * (dim("in") + dim("out"));
+    let flops_us = matrix_tflops.map_or(0.0, |t| flops / (t * 1e6));
+    bytes_us.max(flops_us)
 }
 
 fn print_table(ctx: &Ctx<'_>) {
@@ -531,7 +542,7 @@ fn print_table(ctx: &Ctx<'_>) {
         "case", "variant", "ours µs", "p10..p90", "floor µs", "%floor", "target", "peer", "torch"
     );
     for r in &ctx.rows {
-        let floor = floor_us(r, ctx.copy_gbps);
+        let floor = floor_us(r, ctx.copy_gbps, ctx.matrix_tflops);
         let share = floor / r.stats.median_us;
         let fast = r.target_us.is_none_or(|t| r.stats.median_us <= t);
         let near = r.floor_share_target.is_none_or(|s| share >= s);
@@ -555,7 +566,12 @@ fn print_table(ctx: &Ctx<'_>) {
             }
         );
     }
-    println!("copy bandwidth {:.0} GB/s (bytes read + written)", ctx.copy_gbps);
+    println!(
+        "copy bandwidth {:.0} GB/s (bytes read + written); bf16 matrix rate {}; floor = max(bytes / copy, FLOPs / matrix rate)",
+        ctx.copy_gbps,
+        ctx.matrix_tflops
+            .map_or("not measured".to_string(), |t| format!("{t:.0} TFLOP/s"))
+    );
 }
 
 fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String> {
@@ -563,7 +579,7 @@ fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String
         .rows
         .iter()
         .map(|r| {
-            let floor = floor_us(r, ctx.copy_gbps);
+            let floor = floor_us(r, ctx.copy_gbps, ctx.matrix_tflops);
             json!({
                 "section": r.section,
                 "name": r.name,
@@ -585,6 +601,7 @@ fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String
     let report = json!({
         "device": device.name(),
         "copy_gbps": ctx.copy_gbps,
+        "matrix_tflops": ctx.matrix_tflops,
         "l2_bytes": device.l2_bytes(),
         "reps": ctx.opts.reps,
         "method": "CUDA graph replay, L2 flushed before each replay, device events, median",
