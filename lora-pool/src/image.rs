@@ -224,27 +224,46 @@ fn check_rank(meta: &PairMeta, stride: usize) -> Result<(), ImageError> {
     Ok(())
 }
 
-/// Write one place's region (A then B) from `src`, or zeros when `None`.
+/// Elements one parallel work piece of a fill copies: a place's A or B is
+/// cut into pieces this size (whole rows), so a slot of a few large places
+/// still spreads over every core.
+const PIECE_ELEMS: usize = 32 * 1024;
+
+/// Write one place's region (A then B) from `src`, or zeros when `None`, in
+/// row blocks of about [`PIECE_ELEMS`] elements, in parallel.
 fn fill_place(region: &mut [bf16], place: &PairPlace, stride: usize, src: Option<&PairSource<'_>>) {
     let (a_region, b_region) = region.split_at_mut(stride * place.in_dim);
     let Some(src) = src else {
-        a_region.fill(bf16::ZERO);
-        b_region.fill(bf16::ZERO);
+        a_region.par_chunks_mut(PIECE_ELEMS).for_each(|c| c.fill(bf16::ZERO));
+        b_region.par_chunks_mut(PIECE_ELEMS).for_each(|c| c.fill(bf16::ZERO));
         return;
     };
     let r = src.meta.rank;
     let (a_used, a_pad) = a_region.split_at_mut(r * place.in_dim);
-    src.a.write(0, a_used);
+    // A's rows and B's rows are contiguous in the source: copy them in
+    // blocks of whole rows.
+    let a_rows = (PIECE_ELEMS / place.in_dim.max(1)).max(1);
+    a_used
+        .par_chunks_mut(a_rows * place.in_dim)
+        .enumerate()
+        .for_each(|(i, block)| src.a.write(i * a_rows * place.in_dim, block));
     a_pad.fill(bf16::ZERO);
-    if r == stride {
-        // B is stored exactly as given: one copy, not one per row.
-        src.b.write(0, b_region);
-        return;
-    }
-    for (row, dst_row) in b_region.chunks_exact_mut(stride).enumerate() {
-        src.b.write(row * r, &mut dst_row[..r]);
-        dst_row[r..].fill(bf16::ZERO);
-    }
+    let b_rows = (PIECE_ELEMS / stride.max(1)).max(1);
+    b_region
+        .par_chunks_mut(b_rows * stride)
+        .enumerate()
+        .for_each(|(i, block)| {
+            let first_row = i * b_rows;
+            if r == stride {
+                // B is stored exactly as given: one copy per block.
+                src.b.write(first_row * r, block);
+                return;
+            }
+            for (k, dst_row) in block.chunks_exact_mut(stride).enumerate() {
+                src.b.write((first_row + k) * r, &mut dst_row[..r]);
+                dst_row[r..].fill(bf16::ZERO);
+            }
+        });
 }
 
 /// The places `range` of `layout`, each with its mutable region of `data`
