@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use lora_audit::{
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, MappedSafetensors, PreparedAdapter,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, PreparedAdapter, ReadSafetensors,
     TensorDtype, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
@@ -121,6 +121,8 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     prefill_rows: usize,
     workspace: LoraWorkspace,
     staging: Staging,
+    /// The swap path's file buffer, reused from one swap to the next.
+    read_buffer: Vec<u8>,
 }
 
 /// Elements of one host staging chunk (8 MiB of BF16): large enough that a
@@ -317,6 +319,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             prefill_rows: 0,
             workspace: LoraWorkspace::new(device, ws_spec)?,
             staging: Staging::new(device, &layout)?,
+            read_buffer: Vec::new(),
             layout,
             cfg,
             opts,
@@ -625,17 +628,18 @@ impl<C: SlotCompanion> LoraPool<C> {
         if name.is_empty() {
             return Err(PoolError::EmptyName);
         }
-        // Map the weights once: the audit reads their header, the packer
-        // their bytes. A directory without them (a pickle, nothing) gets the
-        // full audit's verdict.
+        // Read the weights once, into the pool's reused buffer: the audit
+        // reads their header, the packer their bytes. A directory without
+        // them (a pickle, nothing) gets the full audit's verdict.
         let weights = dir.join(ADAPTER_WEIGHTS);
-        let mapped = if weights.is_file() {
-            Some(MappedSafetensors::open(&weights).map_err(audit_err(name))?)
+        let file = if weights.is_file() {
+            let buffer = std::mem::take(&mut self.read_buffer);
+            Some(ReadSafetensors::read(&weights, buffer).map_err(audit_err(name))?)
         } else {
             None
         };
-        let report = match &mapped {
-            Some(m) => {
+        let report = match &file {
+            Some(f) => {
                 let config_path = dir.join(ADAPTER_CONFIG);
                 let text = std::fs::read_to_string(&config_path).map_err(|e| {
                     audit_err(name)(AuditError::Io {
@@ -643,18 +647,24 @@ impl<C: SlotCompanion> LoraPool<C> {
                         source: e,
                     })
                 })?;
-                let infos = m.infos().map_err(audit_err(name))?;
-                audit_header(&dir.display().to_string(), &text, infos, &self.cfg, &self.opts)
+                audit_header(&dir.display().to_string(), &text, f.infos(), &self.cfg, &self.opts)
             }
             None => audit_adapter(dir, &self.cfg, &self.opts),
         }
         .map_err(audit_err(name))?;
-        if !report.is_servable() {
-            return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
-        }
-        let Some(mapped) = mapped.filter(|_| report.experts.is_empty() && report.overlay.is_empty()) else {
-            let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
-            return self.stage(name, &prepared);
+        let dense_only = report.is_servable() && report.experts.is_empty() && report.overlay.is_empty();
+        let file = match file {
+            Some(f) if dense_only => f,
+            other => {
+                if let Some(f) = other {
+                    self.read_buffer = f.into_buffer();
+                }
+                if !report.is_servable() {
+                    return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
+                }
+                let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
+                return self.stage(name, &prepared);
+            }
         };
         let sources = report
             .placed
@@ -669,8 +679,8 @@ impl<C: SlotCompanion> LoraPool<C> {
                         rank: p.rank,
                         scale: p.scale,
                     },
-                    a: file_elems(&mapped, &p.a_key).map_err(audit_err(name))?,
-                    b: file_elems(&mapped, &p.b_key).map_err(audit_err(name))?,
+                    a: file_elems(&file, &p.a_key).map_err(audit_err(name))?,
+                    b: file_elems(&file, &p.b_key).map_err(audit_err(name))?,
                 })
             })
             .collect::<Result<Vec<_>, PoolError>>()?;
@@ -678,6 +688,8 @@ impl<C: SlotCompanion> LoraPool<C> {
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
         self.staging.pack_and_upload(&self.layout, &plan, name)?;
         let dense_pairs = plan.metas().to_vec();
+        drop((plan, sources));
+        self.read_buffer = file.into_buffer();
         Ok(Staged {
             name: name.to_string(),
             dense: DenseSource::Staging,
@@ -993,8 +1005,8 @@ fn targets<'t>(
 }
 
 /// A tensor of a memory-mapped adapter file as packable elements.
-fn file_elems<'a>(mapped: &'a MappedSafetensors, key: &str) -> Result<Elems<'a>, AuditError> {
-    let (dtype, _, bytes) = mapped.tensor(key)?;
+fn file_elems<'a>(file: &'a ReadSafetensors, key: &str) -> Result<Elems<'a>, AuditError> {
+    let (dtype, _, bytes) = file.tensor(key)?;
     match dtype {
         TensorDtype::BF16 => Ok(Elems::Bf16Bytes(bytes)),
         TensorDtype::F16 => Ok(Elems::F16Bytes(bytes)),

@@ -126,3 +126,42 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_read_file_serves_the_same_tensors_as_a_mapped_one_and_reuses_its_buffer() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/llama/dense_all_linear_bf16/adapter_model.safetensors");
+    let mapped = MappedSafetensors::open(&path).unwrap();
+    let buffer = Vec::with_capacity(1 << 20);
+    let read = ReadSafetensors::read(&path, buffer).unwrap();
+    assert_eq!(read.infos(), mapped.infos().unwrap());
+    for info in read.infos() {
+        assert_eq!(
+            read.tensor(&info.name).unwrap(),
+            mapped.tensor(&info.name).unwrap(),
+            "{}",
+            info.name
+        );
+    }
+    let buffer = read.into_buffer();
+    let capacity = buffer.capacity();
+    let again = ReadSafetensors::read(&path, buffer).unwrap();
+    assert_eq!(
+        again.into_buffer().capacity(),
+        capacity,
+        "the buffer is reused, not reallocated"
+    );
+}
+
+#[test]
+fn a_truncated_read_is_an_error() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/llama/dense_all_linear_bf16/adapter_model.safetensors");
+    let bytes = std::fs::read(&src).unwrap();
+    let dst = std::env::temp_dir().join(format!("lora-audit-truncated-read-{}.safetensors", std::process::id()));
+    for cut in [0, 7, 8, bytes.len() / 2, bytes.len() - 1] {
+        std::fs::write(&dst, &bytes[..cut]).unwrap();
+        assert!(ReadSafetensors::read(&dst, Vec::new()).is_err(), "cut at {cut}");
+    }
+    let _ = std::fs::remove_file(&dst);
+}
