@@ -120,6 +120,6 @@ pub use probe::{
 };
 pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
 pub use tensors::{
-    AdapterTensors, HostTensor, MappedSafetensors, ReadSafetensors, TensorDtype, TensorInfo, load_adapter_safetensors,
+    AdapterTensors, HostTensor, MappedSafetensors, SafetensorsFile, TensorDtype, TensorInfo, load_adapter_safetensors,
     load_bf16,
 };

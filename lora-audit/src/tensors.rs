@@ -173,65 +173,100 @@ impl MappedSafetensors {
     }
 }
 
-/// A safetensors file read into a caller-owned buffer, for the hot swap
-/// path: the buffer is reused from one read to the next, so a read takes no
-/// page faults on fresh memory and no unmapping afterwards (both cost
-/// milliseconds per swap with a memory map of a large adapter). The file is
-/// read with parallel positioned reads; the header is parsed once.
-pub struct ReadSafetensors {
+/// A safetensors file of which only the header is read: tensor bytes are
+/// then read on demand with positioned reads straight into their final
+/// place (for the hot swap path: no intermediate copy, no page faults on a
+/// memory map, no unmapping). The header is validated like a mapped file's:
+/// offsets contiguous, sizes matching shapes and dtypes, the data section
+/// exactly filling the file.
+pub struct SafetensorsFile {
     path: String,
-    bytes: Vec<u8>,
-    data_start: usize,
+    file: File,
+    data_start: u64,
     header: Metadata,
 }
 
-/// Bytes each parallel positioned read moves.
-const READ_PIECE: usize = 4 << 20;
+/// The largest header accepted (safetensors' own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
 
-impl ReadSafetensors {
-    /// Read `path` into `buffer` (its capacity is reused; its contents are
-    /// overwritten) and validate the header against the file's length.
-    pub fn read(path: &Path, mut buffer: Vec<u8>) -> Result<ReadSafetensors, AuditError> {
+impl std::fmt::Debug for SafetensorsFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SafetensorsFile")
+            .field("path", &self.path)
+            .field("data_start", &self.data_start)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SafetensorsFile {
+    /// Open `path` and read and validate its header.
+    pub fn open(path: &Path) -> Result<SafetensorsFile, AuditError> {
         use std::os::unix::fs::FileExt;
+        let shown = path.display().to_string();
+        let corrupt = |reason: String| AuditError::Safetensors {
+            path: shown.clone(),
+            reason,
+        };
         let file = File::open(path).map_err(|e| AuditError::io(path, e))?;
-        let len = file.metadata().map_err(|e| AuditError::io(path, e))?.len();
-        let len = usize::try_from(len).map_err(|_| AuditError::Safetensors {
-            path: path.display().to_string(),
-            reason: format!("{len} bytes do not fit in memory"),
-        })?;
-        buffer.resize(len, 0);
-        buffer
-            .par_chunks_mut(READ_PIECE)
-            .enumerate()
-            .try_for_each(|(i, piece)| file.read_exact_at(piece, (i * READ_PIECE) as u64))
-            .map_err(|e| AuditError::io(path, e))?;
-        let path = path.display().to_string();
-        let (header_len, header) = SafeTensors::read_metadata(&buffer).map_err(|e| AuditError::Safetensors {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        Ok(ReadSafetensors {
-            path,
-            bytes: buffer,
-            data_start: 8 + header_len,
+        let file_len = file.metadata().map_err(|e| AuditError::io(path, e))?.len();
+        let mut prefix = [0u8; 8];
+        file.read_exact_at(&mut prefix, 0)
+            .map_err(|_| corrupt("shorter than its 8-byte header length".into()))?;
+        let n = u64::from_le_bytes(prefix);
+        if n > MAX_HEADER_BYTES || n.saturating_add(8) > file_len {
+            return Err(corrupt(format!(
+                "header length {n} does not fit a file of {file_len} bytes"
+            )));
+        }
+        let mut text = vec![0u8; n as usize];
+        file.read_exact_at(&mut text, 8).map_err(|e| AuditError::io(path, e))?;
+        let header: Metadata = serde_json::from_slice(&text).map_err(|e| corrupt(format!("invalid header: {e}")))?;
+        let data_start = 8 + n;
+        if data_start.checked_add(header.data_len() as u64) != Some(file_len) {
+            return Err(corrupt(format!(
+                "the header describes {} data bytes, the file holds {}",
+                header.data_len(),
+                file_len - data_start
+            )));
+        }
+        Ok(SafetensorsFile {
+            path: shown,
+            file,
+            data_start,
             header,
         })
     }
 
-    /// Give the buffer back for the next read.
-    pub fn into_buffer(self) -> Vec<u8> {
-        self.bytes
+    /// One tensor: its type, shape, and where its bytes lie in the file
+    /// (absolute byte offset and length).
+    pub fn tensor(&self, name: &str) -> Result<(TensorDtype, &[usize], u64, usize), AuditError> {
+        let info = self.header.info(name).ok_or_else(|| AuditError::Tensor {
+            name: name.to_string(),
+            reason: format!("not in {}", self.path),
+        })?;
+        let (start, end) = info.data_offsets;
+        Ok((
+            TensorDtype::of(info.dtype),
+            &info.shape,
+            self.data_start + start as u64,
+            end - start,
+        ))
     }
 
-    /// One tensor: its type, shape and raw little-endian bytes (offsets
-    /// validated when the header was parsed).
-    pub fn tensor(&self, name: &str) -> Result<(TensorDtype, &[usize], &[u8]), AuditError> {
-        tensor_of(&self.header, &self.bytes, self.data_start, &self.path, name)
+    /// Fill `buf` with the file's bytes at `offset`.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file.read_exact_at(buf, offset)
     }
 
     /// Every tensor's name, type and shape, sorted by name.
     pub fn infos(&self) -> Vec<TensorInfo> {
         infos_of(&self.header)
+    }
+
+    /// The file name, for messages.
+    pub fn path(&self) -> &str {
+        &self.path
     }
 }
 

@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use half::bf16;
-use lora_audit::PreparedAdapter;
+use lora_audit::{PreparedAdapter, SafetensorsFile, TensorDtype};
 use lora_layout::{PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
 
@@ -46,6 +46,18 @@ pub enum Elems<'a> {
     F16Bytes(&'a [u8]),
     /// Little-endian F32 bytes.
     F32Bytes(&'a [u8]),
+    /// A tensor of an opened safetensors file, read on demand straight into
+    /// its destination (F32 / F16 through a small conversion buffer).
+    File {
+        /// The file.
+        file: &'a SafetensorsFile,
+        /// Absolute byte offset of the tensor's first element.
+        offset: u64,
+        /// Its element type (F32, F16 or BF16).
+        dtype: TensorDtype,
+        /// Its element count.
+        len: usize,
+    },
 }
 
 impl Elems<'_> {
@@ -55,6 +67,7 @@ impl Elems<'_> {
             Elems::Bf16(v) => v.len(),
             Elems::Bf16Bytes(b) | Elems::F16Bytes(b) => b.len() / 2,
             Elems::F32Bytes(b) => b.len() / 4,
+            Elems::File { len, .. } => *len,
         }
     }
 
@@ -64,8 +77,8 @@ impl Elems<'_> {
     }
 
     /// Convert elements `start..start + dst.len()` into `dst`. The caller
-    /// checked the range.
-    fn write(&self, start: usize, dst: &mut [bf16]) {
+    /// checked the range; only a file read can fail.
+    fn write(&self, start: usize, dst: &mut [bf16]) -> std::io::Result<()> {
         let n = dst.len();
         match self {
             Elems::Bf16(v) => dst.copy_from_slice(&v[start..start + n]),
@@ -80,17 +93,43 @@ impl Elems<'_> {
                     }
                 }
             }
-            Elems::F16Bytes(b) => {
-                for (d, c) in dst.iter_mut().zip(b[2 * start..2 * (start + n)].chunks_exact(2)) {
-                    *d = bf16::from_f32(half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32());
-                }
-            }
-            Elems::F32Bytes(b) => {
-                for (d, c) in dst.iter_mut().zip(b[4 * start..4 * (start + n)].chunks_exact(4)) {
-                    *d = bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            Elems::F16Bytes(b) => convert_f16(&b[2 * start..2 * (start + n)], dst),
+            Elems::F32Bytes(b) => convert_f32(&b[4 * start..4 * (start + n)], dst),
+            Elems::File {
+                file, offset, dtype, ..
+            } => {
+                let size = if *dtype == TensorDtype::F32 { 4 } else { 2 };
+                let at = offset + (size * start) as u64;
+                match dtype {
+                    // Little-endian BF16 on a little-endian host: the bytes
+                    // land in place.
+                    TensorDtype::BF16 => file.read_at(bytemuck::cast_slice_mut(dst), at)?,
+                    TensorDtype::F16 => {
+                        let mut raw = vec![0u8; 2 * n];
+                        file.read_at(&mut raw, at)?;
+                        convert_f16(&raw, dst);
+                    }
+                    _ => {
+                        let mut raw = vec![0u8; 4 * n];
+                        file.read_at(&mut raw, at)?;
+                        convert_f32(&raw, dst);
+                    }
                 }
             }
         }
+        Ok(())
+    }
+}
+
+fn convert_f16(bytes: &[u8], dst: &mut [bf16]) {
+    for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+        *d = bf16::from_f32(half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32());
+    }
+}
+
+fn convert_f32(bytes: &[u8], dst: &mut [bf16]) {
+    for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+        *d = bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
     }
 }
 
@@ -191,6 +230,16 @@ pub enum ImageError {
         /// Elements the layout needs.
         expected: usize,
     },
+    /// A pair's tensor could not be read from its file.
+    #[error("{key} {part:?}: reading the adapter file failed: {reason}")]
+    Read {
+        /// The pair.
+        key: PairKey,
+        /// A or B.
+        part: PairPart,
+        /// The I/O error.
+        reason: String,
+    },
     /// A landed pair was not declared first.
     #[error("{key} was not declared before landing")]
     Undeclared {
@@ -231,12 +280,24 @@ const PIECE_ELEMS: usize = 32 * 1024;
 
 /// Write one place's region (A then B) from `src`, or zeros when `None`, in
 /// row blocks of about [`PIECE_ELEMS`] elements, in parallel.
-fn fill_place(region: &mut [bf16], place: &PairPlace, stride: usize, src: Option<&PairSource<'_>>) {
+fn fill_place(
+    region: &mut [bf16],
+    place: &PairPlace,
+    stride: usize,
+    src: Option<&PairSource<'_>>,
+) -> Result<(), ImageError> {
     let (a_region, b_region) = region.split_at_mut(stride * place.in_dim);
     let Some(src) = src else {
         a_region.par_chunks_mut(PIECE_ELEMS).for_each(|c| c.fill(bf16::ZERO));
         b_region.par_chunks_mut(PIECE_ELEMS).for_each(|c| c.fill(bf16::ZERO));
-        return;
+        return Ok(());
+    };
+    let read_err = |part| {
+        move |e: std::io::Error| ImageError::Read {
+            key: src.meta.key,
+            part,
+            reason: e.to_string(),
+        }
     };
     let r = src.meta.rank;
     let (a_used, a_pad) = a_region.split_at_mut(r * place.in_dim);
@@ -246,24 +307,30 @@ fn fill_place(region: &mut [bf16], place: &PairPlace, stride: usize, src: Option
     a_used
         .par_chunks_mut(a_rows * place.in_dim)
         .enumerate()
-        .for_each(|(i, block)| src.a.write(i * a_rows * place.in_dim, block));
+        .try_for_each(|(i, block)| src.a.write(i * a_rows * place.in_dim, block))
+        .map_err(read_err(PairPart::A))?;
     a_pad.fill(bf16::ZERO);
     let b_rows = (PIECE_ELEMS / stride.max(1)).max(1);
     b_region
         .par_chunks_mut(b_rows * stride)
         .enumerate()
-        .for_each(|(i, block)| {
+        .try_for_each(|(i, block)| {
             let first_row = i * b_rows;
             if r == stride {
                 // B is stored exactly as given: one copy per block.
-                src.b.write(first_row * r, block);
-                return;
+                return src.b.write(first_row * r, block);
             }
-            for (k, dst_row) in block.chunks_exact_mut(stride).enumerate() {
-                src.b.write((first_row + k) * r, &mut dst_row[..r]);
+            // One read of the block's rows, then spread them over the stride.
+            let rows = block.len() / stride;
+            let mut packed = vec![bf16::ZERO; rows * r];
+            src.b.write(first_row * r, &mut packed)?;
+            for (dst_row, src_row) in block.chunks_exact_mut(stride).zip(packed.chunks_exact(r)) {
+                dst_row[..r].copy_from_slice(src_row);
                 dst_row[r..].fill(bf16::ZERO);
             }
-        });
+            Ok(())
+        })
+        .map_err(read_err(PairPart::B))
 }
 
 /// The places `range` of `layout`, each with its mutable region of `data`
@@ -346,8 +413,7 @@ impl<'a> PackPlan<'a> {
         place_regions(dst, layout, range.clone())
             .into_par_iter()
             .zip(self.by_place[range].par_iter())
-            .for_each(|((place, region), src)| fill_place(region, &place, stride, src.as_ref()));
-        Ok(())
+            .try_for_each(|((place, region), src)| fill_place(region, &place, stride, src.as_ref()))
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use lora_audit::{
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, PreparedAdapter, ReadSafetensors,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, PreparedAdapter, SafetensorsFile,
     TensorDtype, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
@@ -121,8 +121,6 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     prefill_rows: usize,
     workspace: LoraWorkspace,
     staging: Staging,
-    /// The swap path's file buffer, reused from one swap to the next.
-    read_buffer: Vec<u8>,
 }
 
 /// Elements of one host staging chunk (8 MiB of BF16): large enough that a
@@ -319,7 +317,6 @@ impl<C: SlotCompanion> LoraPool<C> {
             prefill_rows: 0,
             workspace: LoraWorkspace::new(device, ws_spec)?,
             staging: Staging::new(device, &layout)?,
-            read_buffer: Vec::new(),
             layout,
             cfg,
             opts,
@@ -628,13 +625,13 @@ impl<C: SlotCompanion> LoraPool<C> {
         if name.is_empty() {
             return Err(PoolError::EmptyName);
         }
-        // Read the weights once, into the pool's reused buffer: the audit
-        // reads their header, the packer their bytes. A directory without
-        // them (a pickle, nothing) gets the full audit's verdict.
+        // Open the weights and read their header only: the audit reads the
+        // header, the packer reads each tensor straight into its place in
+        // the pinned staging chunks. A directory without them (a pickle,
+        // nothing) gets the full audit's verdict.
         let weights = dir.join(ADAPTER_WEIGHTS);
         let file = if weights.is_file() {
-            let buffer = std::mem::take(&mut self.read_buffer);
-            Some(ReadSafetensors::read(&weights, buffer).map_err(audit_err(name))?)
+            Some(SafetensorsFile::open(&weights).map_err(audit_err(name))?)
         } else {
             None
         };
@@ -655,10 +652,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         let dense_only = report.is_servable() && report.experts.is_empty() && report.overlay.is_empty();
         let file = match file {
             Some(f) if dense_only => f,
-            other => {
-                if let Some(f) = other {
-                    self.read_buffer = f.into_buffer();
-                }
+            _ => {
                 if !report.is_servable() {
                     return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
                 }
@@ -688,8 +682,6 @@ impl<C: SlotCompanion> LoraPool<C> {
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
         self.staging.pack_and_upload(&self.layout, &plan, name)?;
         let dense_pairs = plan.metas().to_vec();
-        drop((plan, sources));
-        self.read_buffer = file.into_buffer();
         Ok(Staged {
             name: name.to_string(),
             dense: DenseSource::Staging,
@@ -1005,17 +997,24 @@ fn targets<'t>(
 }
 
 /// A tensor of a memory-mapped adapter file as packable elements.
-fn file_elems<'a>(file: &'a ReadSafetensors, key: &str) -> Result<Elems<'a>, AuditError> {
-    let (dtype, _, bytes) = file.tensor(key)?;
-    match dtype {
-        TensorDtype::BF16 => Ok(Elems::Bf16Bytes(bytes)),
-        TensorDtype::F16 => Ok(Elems::F16Bytes(bytes)),
-        TensorDtype::F32 => Ok(Elems::F32Bytes(bytes)),
-        other => Err(AuditError::Tensor {
-            name: key.to_string(),
-            reason: format!("dtype {other}; adapter weights must be F32, F16 or BF16"),
-        }),
-    }
+fn file_elems<'a>(file: &'a SafetensorsFile, key: &str) -> Result<Elems<'a>, AuditError> {
+    let (dtype, _, offset, bytes) = file.tensor(key)?;
+    let size = match dtype {
+        TensorDtype::BF16 | TensorDtype::F16 => 2,
+        TensorDtype::F32 => 4,
+        other => {
+            return Err(AuditError::Tensor {
+                name: key.to_string(),
+                reason: format!("dtype {other}; adapter weights must be F32, F16 or BF16"),
+            });
+        }
+    };
+    Ok(Elems::File {
+        file,
+        offset,
+        dtype,
+        len: bytes / size,
+    })
 }
 
 fn check_unique_names(adapters: &[AdapterSource<'_>]) -> Result<(), PoolError> {

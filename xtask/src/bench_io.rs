@@ -121,33 +121,36 @@ pub fn peer_landing(reps: usize) -> Result<IoRow, String> {
     })
 }
 
-/// Where a swap's host time goes: reading the file into the reused buffer
-/// with the audit (config, header, placement), and the pack of every pair
-/// into host memory, each timed alone. Medians, in words.
+/// Where a swap's host time goes: the audit (config, the weights' header,
+/// placement), and the pack of every pair read from the file straight into
+/// host memory, each timed alone. Medians, in words.
 fn swap_parts(pool: &LoraPool, dir: &std::path::Path, reps: usize) -> Result<String, String> {
-    use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, ReadSafetensors, TensorDtype, audit_header};
+    use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, SafetensorsFile, TensorDtype, audit_header};
     use lora_layout::{PairKey, PairLayout};
     use lora_pool::image::{Elems, PackPlan, PairMeta, PairSource};
     let s = |e: &dyn std::fmt::Display| e.to_string();
     let layout = pool.layout();
     let mut dst = vec![bf16::ZERO; layout.slot_bytes() / 2];
     let (mut audit_us, mut pack_us) = (Vec::new(), Vec::new());
-    let mut buffer = Vec::new();
     for _ in 0..reps {
         let t = Instant::now();
         let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).map_err(|e| s(&e))?;
-        let mapped =
-            ReadSafetensors::read(&dir.join(ADAPTER_WEIGHTS), std::mem::take(&mut buffer)).map_err(|e| s(&e))?;
-        let report = audit_header("bench", &text, mapped.infos(), pool.config(), pool.options()).map_err(|e| s(&e))?;
+        let file = SafetensorsFile::open(&dir.join(ADAPTER_WEIGHTS)).map_err(|e| s(&e))?;
+        let report = audit_header("bench", &text, file.infos(), pool.config(), pool.options()).map_err(|e| s(&e))?;
         audit_us.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
         let sources = report
             .placed
             .iter()
             .map(|p| {
-                let elems = |key: &str| match mapped.tensor(key) {
-                    Ok((TensorDtype::BF16, _, bytes)) => Ok(Elems::Bf16Bytes(bytes)),
-                    Ok((other, _, _)) => Err(format!("{key}: {other}")),
+                let elems = |key: &str| match file.tensor(key) {
+                    Ok((TensorDtype::BF16, _, offset, bytes)) => Ok(Elems::File {
+                        file: &file,
+                        offset,
+                        dtype: TensorDtype::BF16,
+                        len: bytes / 2,
+                    }),
+                    Ok((other, ..)) => Err(format!("{key}: {other}")),
                     Err(e) => Err(e.to_string()),
                 };
                 Ok(PairSource {
@@ -172,7 +175,7 @@ fn swap_parts(pool: &LoraPool, dir: &std::path::Path, reps: usize) -> Result<Str
     let (audit, _) = quantiles(audit_us);
     let (pack, _) = quantiles(pack_us);
     Ok(format!(
-        "audit {audit:.0} us, host pack {pack:.0} us on {} threads",
+        "audit {audit:.0} us, read + pack {pack:.0} us on {} threads",
         rayon_threads()
     ))
 }

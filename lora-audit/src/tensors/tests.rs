@@ -128,40 +128,55 @@ proptest! {
 }
 
 #[test]
-fn a_read_file_serves_the_same_tensors_as_a_mapped_one_and_reuses_its_buffer() {
+fn an_opened_file_locates_the_same_tensors_as_a_mapped_one() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../fixtures/llama/dense_all_linear_bf16/adapter_model.safetensors");
     let mapped = MappedSafetensors::open(&path).unwrap();
-    let buffer = Vec::with_capacity(1 << 20);
-    let read = ReadSafetensors::read(&path, buffer).unwrap();
-    assert_eq!(read.infos(), mapped.infos().unwrap());
-    for info in read.infos() {
+    let file = SafetensorsFile::open(&path).unwrap();
+    assert_eq!(file.infos(), mapped.infos().unwrap());
+    for info in file.infos() {
+        let (dtype, shape, offset, len) = file.tensor(&info.name).unwrap();
+        let mut bytes = vec![0u8; len];
+        file.read_at(&mut bytes, offset).unwrap();
+        let (m_dtype, m_shape, m_bytes) = mapped.tensor(&info.name).unwrap();
         assert_eq!(
-            read.tensor(&info.name).unwrap(),
-            mapped.tensor(&info.name).unwrap(),
+            (dtype, shape, bytes.as_slice()),
+            (m_dtype, m_shape, m_bytes),
             "{}",
             info.name
         );
     }
-    let buffer = read.into_buffer();
-    let capacity = buffer.capacity();
-    let again = ReadSafetensors::read(&path, buffer).unwrap();
-    assert_eq!(
-        again.into_buffer().capacity(),
-        capacity,
-        "the buffer is reused, not reallocated"
-    );
+    assert!(file.tensor("nope").is_err());
 }
 
 #[test]
-fn a_truncated_read_is_an_error() {
+fn a_truncated_or_padded_file_is_an_error() {
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../fixtures/llama/dense_all_linear_bf16/adapter_model.safetensors");
     let bytes = std::fs::read(&src).unwrap();
-    let dst = std::env::temp_dir().join(format!("lora-audit-truncated-read-{}.safetensors", std::process::id()));
-    for cut in [0, 7, 8, bytes.len() / 2, bytes.len() - 1] {
+    let dst = std::env::temp_dir().join(format!("lora-audit-truncated-open-{}.safetensors", std::process::id()));
+    for cut in [0, 7, 8, 20, bytes.len() / 2, bytes.len() - 1] {
         std::fs::write(&dst, &bytes[..cut]).unwrap();
-        assert!(ReadSafetensors::read(&dst, Vec::new()).is_err(), "cut at {cut}");
+        assert!(SafetensorsFile::open(&dst).is_err(), "cut at {cut}");
     }
+    let mut padded = bytes.clone();
+    padded.push(0);
+    std::fs::write(&dst, &padded).unwrap();
+    assert!(SafetensorsFile::open(&dst).is_err(), "a trailing byte");
     let _ = std::fs::remove_file(&dst);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn corrupt_headers_never_panic_an_opened_file(cut in 0usize..400, flip in 0usize..400, byte in any::<u8>()) {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/llama/demo_r4_plain/adapter_model.safetensors");
+        let mut bytes = std::fs::read(&src).unwrap();
+        if flip < bytes.len() { bytes[flip] = byte; }
+        bytes.truncate(bytes.len().saturating_sub(cut));
+        let dst = std::env::temp_dir().join(format!("lora-audit-prop-open-{}.safetensors", std::process::id()));
+        std::fs::write(&dst, &bytes).unwrap();
+        let _ = SafetensorsFile::open(&dst);
+    }
 }
