@@ -70,6 +70,12 @@ pub struct SwapReport {
     pub dense_pairs: usize,
     /// Expert and router pairs written.
     pub expert_pairs: usize,
+    /// Host time of the stage phase (audit, read, pack, copies issued),
+    /// microseconds; 0 for a publish of landed images.
+    pub stage_us: f64,
+    /// Host time of the publish phase (slot copy, tables, bookkeeping),
+    /// microseconds. Device copies may still be running when it returns.
+    pub publish_us: f64,
 }
 
 /// One module of an apply call and where its outputs start in y.
@@ -501,8 +507,12 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
+        let started = std::time::Instant::now();
         let staged = self.stage_from_dir(name, dir)?;
-        self.publish(slot, staged)
+        let stage_us = started.elapsed().as_secs_f64() * 1e6;
+        let mut report = self.publish(slot, staged)?;
+        report.stage_us = stage_us;
+        Ok(report)
     }
 
     /// [`LoraPool::swap_from_disk`] for an adapter already prepared.
@@ -730,6 +740,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// Phase two: write the staged adapter into `slot` and make it live.
     /// Only device failures can stop it now.
     fn publish(&mut self, slot: usize, staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
+        let started = std::time::Instant::now();
         self.check_idle(slot)?;
         let elems = self.layout.slot_bytes() / 2;
         let base = slot * elems;
@@ -786,6 +797,8 @@ impl<C: SlotCompanion> LoraPool<C> {
             adapter_id: s.adapter_id(),
             dense_pairs: s.pairs.len(),
             expert_pairs: s.expert_pairs.len(),
+            stage_us: 0.0,
+            publish_us: started.elapsed().as_secs_f64() * 1e6,
         })
     }
 

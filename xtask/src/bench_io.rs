@@ -77,6 +77,7 @@ pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
     let sync = |d: &Device| d.synchronize().map_err(|e| e.to_string());
     let mut copy_us = Vec::with_capacity(reps);
     let mut swap_us = Vec::with_capacity(reps);
+    let (mut stage_us, mut publish_us) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
     // Warm both paths once, then interleave them so drift hits both alike.
     dst.upload_pinned(0, &pinned).map_err(|e| e.to_string())?;
     pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
@@ -87,19 +88,23 @@ pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
         sync(device)?;
         copy_us.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
-        pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
+        let report = pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
         sync(device)?;
         swap_us.push(t.elapsed().as_secs_f64() * 1e6);
+        stage_us.push(report.stage_us);
+        publish_us.push(report.publish_us);
     }
     let parts = swap_parts(&pool, &dir, reps)?;
     let _ = std::fs::remove_dir_all(&dir);
     let (copy, _) = quantiles(copy_us);
     let (median_us, spread) = quantiles(swap_us);
+    let (stage, _) = quantiles(stage_us);
+    let (publish, _) = quantiles(publish_us);
     Ok(IoRow {
         name: format!("disk swap into a slot, {:.1} MB", bytes as f64 / 1e6),
         bytes,
         median_us,
-        spread: format!("{spread}; {parts}"),
+        spread: format!("{spread}; stage {stage:.0} us, publish {publish:.0} us; alone: {parts}"),
         baseline: "pinned host-to-device copy".into(),
         baseline_us: copy,
         target_ratio: Some(1.5),
