@@ -12,7 +12,6 @@
 
 use std::path::PathBuf;
 
-use half::bf16;
 use lora_audit::{
     AuditError, LoraOptions, PROBE_OUT, ProbeInputs, ProbeOutputs, ProbeTensor, WeightRef, parse_weight_name,
     read_base_tables, read_probe_inputs, write_probe_outputs,
@@ -229,13 +228,7 @@ fn dense_probe<C: SlotCompanion>(
             data: vec![0.0; n * out_dim],
         });
     }
-    let hi: Vec<bf16> = x.data.iter().map(|&v| bf16::from_f32(v)).collect();
-    let lo: Vec<bf16> = x
-        .data
-        .iter()
-        .zip(&hi)
-        .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
-        .collect();
+    let (hi, lo) = crate::serve::split_hi_lo(&x.data);
     let device = pool.device().clone();
     let err = |e: lora_kernels::KernelError| e.to_string();
     let xb = device.upload(&[hi, lo].concat()).map_err(err)?;

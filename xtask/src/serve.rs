@@ -35,6 +35,19 @@ fn dense_weights<C: SlotCompanion>(
     Ok(out)
 }
 
+/// An f32 row as two BF16 rows, `hi = bf16(x)` and `lo = bf16(x - hi)`,
+/// whose sum keeps about 16 bits of `x`: served as two rows of one slot,
+/// their deltas add up to the delta of `x` (the apply is linear in x).
+pub fn split_hi_lo(row: &[f32]) -> (Vec<bf16>, Vec<bf16>) {
+    let hi: Vec<bf16> = row.iter().map(|&v| bf16::from_f32(v)).collect();
+    let lo = row
+        .iter()
+        .zip(&hi)
+        .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
+        .collect();
+    (hi, lo)
+}
+
 /// One probe row of a mixed batch: the adapter it belongs to (`None`: the
 /// base model), PEFT's delta (`None`: exactly zero), and the batch rows
 /// whose deltas add up to it.
@@ -91,12 +104,7 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
                 (Some(input), Some(output)) => {
                     check_shapes(&w, input, output, in_dim, out_dim)?;
                     for (r, row) in input.data.chunks_exact(in_dim).enumerate() {
-                        let hi: Vec<bf16> = row.iter().map(|&v| bf16::from_f32(v)).collect();
-                        let lo: Vec<bf16> = row
-                            .iter()
-                            .zip(&hi)
-                            .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
-                            .collect();
+                        let (hi, lo) = split_hi_lo(row);
                         let at = x.len() / in_dim;
                         x.extend(hi);
                         x.extend(lo);

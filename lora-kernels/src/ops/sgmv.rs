@@ -107,16 +107,7 @@ pub fn sgmv<Y: OutputElem>(
     y: RowsMut<'_, Y>,
     ws: &mut LoraWorkspace,
 ) -> Result<(), KernelError> {
-    apply(
-        device,
-        x,
-        Grouping::Segments(segments),
-        targets,
-        rank_stride,
-        y,
-        ws,
-        SgmvTuning::default(),
-    )
+    sgmv_tuned(device, x, segments, targets, rank_stride, y, ws, SgmvTuning::default())
 }
 
 /// [`sgmv`] with explicit launch knobs.
