@@ -20,10 +20,16 @@ const BUNDLE_DIR: &str = ".gpu-bundle";
 /// What may travel to the GPU machine.
 const SIZE_LIMIT: u64 = 64 * 1024 * 1024;
 
+/// The bundle folder: `.gpu-bundle/`, or `LORA_GPU_BUNDLE_DIR` (relative to the
+/// workspace root) so that two people sharing a checkout can each carry their own.
+fn bundle_dir(root: &Path) -> PathBuf {
+    root.join(std::env::var("LORA_GPU_BUNDLE_DIR").unwrap_or_else(|_| BUNDLE_DIR.to_string()))
+}
+
 /// Build the GPU test and bench binaries and gather them into `.gpu-bundle/`.
 pub fn bundle(_args: &[String]) -> Result<(), String> {
     let root = util::workspace_root();
-    let dir = root.join(BUNDLE_DIR);
+    let dir = bundle_dir(&root);
     if dir.exists() {
         fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
     }
@@ -95,7 +101,7 @@ pub fn gpu_test(args: &[String]) -> Result<(), String> {
     bundle(args)?;
     let root = util::workspace_root();
     let mode = args.first().map_or("test", String::as_str);
-    util::run(Command::new("bash").arg(root.join(BUNDLE_DIR).join("run.sh")).arg(mode))
+    util::run(Command::new("bash").arg(bundle_dir(&root).join("run.sh")).arg(mode))
 }
 
 /// Release builds for the bundle: no debug info, so binaries stay small.
