@@ -17,6 +17,9 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::error::AuditError;
 
+mod header;
+use header::Header;
+
 /// A tensor's element type, as far as adapters use them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorDtype {
@@ -183,7 +186,7 @@ pub struct SafetensorsFile {
     path: String,
     file: File,
     data_start: u64,
-    header: Metadata,
+    header: Header,
 }
 
 /// The largest header accepted (safetensors' own limit).
@@ -220,7 +223,7 @@ impl SafetensorsFile {
         }
         let mut text = vec![0u8; n as usize];
         file.read_exact_at(&mut text, 8).map_err(|e| AuditError::io(path, e))?;
-        let header: Metadata = serde_json::from_slice(&text).map_err(|e| corrupt(format!("invalid header: {e}")))?;
+        let header = Header::parse(&text).map_err(corrupt)?;
         let data_start = 8 + n;
         if data_start.checked_add(header.data_len() as u64) != Some(file_len) {
             return Err(corrupt(format!(
@@ -240,16 +243,15 @@ impl SafetensorsFile {
     /// One tensor: its type, shape, and where its bytes lie in the file
     /// (absolute byte offset and length).
     pub fn tensor(&self, name: &str) -> Result<(TensorDtype, &[usize], u64, usize), AuditError> {
-        let info = self.header.info(name).ok_or_else(|| AuditError::Tensor {
+        let info = self.header.get(name).ok_or_else(|| AuditError::Tensor {
             name: name.to_string(),
             reason: format!("not in {}", self.path),
         })?;
-        let (start, end) = info.data_offsets;
         Ok((
             TensorDtype::of(info.dtype),
             &info.shape,
-            self.data_start + start as u64,
-            end - start,
+            self.data_start + info.start as u64,
+            info.end - info.start,
         ))
     }
 
@@ -261,7 +263,15 @@ impl SafetensorsFile {
 
     /// Every tensor's name, type and shape, sorted by name.
     pub fn infos(&self) -> Vec<TensorInfo> {
-        infos_of(&self.header)
+        self.header
+            .entries()
+            .iter()
+            .map(|e| TensorInfo {
+                name: e.name.clone(),
+                dtype: TensorDtype::of(e.dtype),
+                shape: e.shape.clone(),
+            })
+            .collect()
     }
 
     /// The file name, for messages.

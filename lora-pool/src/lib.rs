@@ -23,6 +23,7 @@ pub mod image;
 mod lease;
 mod pool;
 mod registry;
+mod staging;
 
 pub use companion::{NoCompanion, SlotCompanion};
 pub use error::PoolError;

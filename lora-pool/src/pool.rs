@@ -3,7 +3,6 @@
 //! tables the kernels read, an optional expert/router pool, and the
 //! two-phase load and swap that keep every failure away from live slots.
 
-use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -13,20 +12,21 @@ use lora_audit::{
     TensorDtype, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
-    Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, PinnedHostBuffer, Rows, RowsMut, Segments,
-    WorkspaceSpec, bgmv, one_adapter, sgmv,
+    Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, Rows, RowsMut, Segments, WorkspaceSpec,
+    bgmv, one_adapter, sgmv,
 };
 use lora_layout::{
-    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, PairKey, PairLayout, SlotLayout, build_seq_slot_host,
+    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, PairKey, SlotLayout, build_seq_slot_host,
     select_victim_slot,
 };
 
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
 use crate::expert::ExpertPool;
-use crate::image::{Elems, PackPlan, PairMeta, PairSource, SlotImage, dense_sources, expert_sources, range_elems};
+use crate::image::{Elems, PackPlan, PairMeta, PairSource, SlotImage, dense_sources, expert_sources};
 use crate::lease::{SlotLease, SlotUse};
 use crate::registry::{AdapterSlot, SlotRegistry};
+use crate::staging::{DEFAULT_CHUNK_BYTES, Staging};
 
 /// The largest batch the pool's routing buffers and scratch serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +73,9 @@ pub struct SwapReport {
     /// Host time of the stage phase (audit, read, pack, copies issued),
     /// microseconds; 0 for a publish of landed images.
     pub stage_us: f64,
+    /// The part of `stage_us` spent opening the weights' header and
+    /// auditing it (disk swaps only; 0 otherwise).
+    pub audit_us: f64,
     /// Host time of the publish phase (slot copy, tables, bookkeeping),
     /// microseconds. Device copies may still be running when it returns.
     pub publish_us: f64,
@@ -129,69 +132,6 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     staging: Staging,
 }
 
-/// Elements of one host staging chunk (32 MiB of BF16): packing the next
-/// chunk overlaps this one's copy, and each chunk is a large enough parallel
-/// pack to keep every core busy (8 MiB chunks measured slower on the H200
-/// host: eleven short parallel regions lost more than the overlap won).
-const CHUNK_ELEMS: usize = 16 << 20;
-
-/// The path from host to slot: the slot's places split into chunks, each
-/// packed into its own pinned buffer and copied asynchronously into a
-/// device staging slot while the next chunk is packed; publish then copies
-/// the staging slot into the live slot on the device. Nothing here is live.
-struct Staging {
-    chunks: Vec<StagingChunk>,
-    device: DeviceBuffer<bf16>,
-}
-
-struct StagingChunk {
-    places: Range<usize>,
-    elem_offset: usize,
-    host: PinnedHostBuffer<bf16>,
-}
-
-impl Staging {
-    fn new(device: &Device, layout: &SlotLayout) -> Result<Staging, PoolError> {
-        let mut chunks = Vec::new();
-        let (mut start, mut offset, mut elems) = (0usize, 0usize, 0usize);
-        for i in 0..PairLayout::len(layout) {
-            let len = range_elems(layout, i..i + 1);
-            if elems > 0 && elems + len > CHUNK_ELEMS {
-                chunks.push(StagingChunk {
-                    places: start..i,
-                    elem_offset: offset,
-                    host: device.alloc_pinned(elems)?,
-                });
-                (start, offset, elems) = (i, offset + elems, 0);
-            }
-            elems += len;
-        }
-        if elems > 0 {
-            chunks.push(StagingChunk {
-                places: start..PairLayout::len(layout),
-                elem_offset: offset,
-                host: device.alloc_pinned(elems)?,
-            });
-        }
-        Ok(Staging {
-            chunks,
-            device: device.alloc_zeros(layout.slot_bytes() / 2)?,
-        })
-    }
-
-    /// Pack `plan` chunk by chunk, each chunk's copy to the device staging
-    /// slot overlapping the packing of the next.
-    fn pack_and_upload(&mut self, layout: &SlotLayout, plan: &PackPlan<'_>, name: &str) -> Result<(), PoolError> {
-        for chunk in &mut self.chunks {
-            // Waits for this buffer's copy of the previous swap, long done.
-            let host = chunk.host.as_mut_slice()?;
-            plan.fill(layout, chunk.places.clone(), host).map_err(image_err(name))?;
-            self.device.upload_pinned(chunk.elem_offset, &chunk.host)?;
-        }
-        Ok(())
-    }
-}
-
 fn audit_err(adapter: &str) -> impl FnOnce(lora_audit::AuditError) -> PoolError + '_ {
     move |e| PoolError::Audit {
         adapter: adapter.to_string(),
@@ -199,7 +139,7 @@ fn audit_err(adapter: &str) -> impl FnOnce(lora_audit::AuditError) -> PoolError 
     }
 }
 
-fn image_err(adapter: &str) -> impl FnOnce(crate::image::ImageError) -> PoolError + '_ {
+fn image_err(adapter: &str) -> impl Fn(crate::image::ImageError) -> PoolError + Copy + Sync + '_ {
     move |e| PoolError::Image {
         adapter: adapter.to_string(),
         source: e,
@@ -323,7 +263,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             segments: 0,
             prefill_rows: 0,
             workspace: LoraWorkspace::new(device, ws_spec)?,
-            staging: Staging::new(device, &layout)?,
+            staging: Staging::new(device, &layout, DEFAULT_CHUNK_BYTES)?,
             layout,
             cfg,
             opts,
@@ -360,7 +300,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             .unwrap_or(0);
         let mut pool = LoraPool::with_companion(device, cfg, opts, capacity, companion, expert_bytes)?;
         for (slot, src) in adapters.iter().enumerate() {
-            let staged = pool.stage_from_dir(src.name, src.dir)?;
+            let (staged, _) = pool.stage_from_dir(src.name, src.dir)?;
             pool.publish(slot, staged)?;
         }
         Ok(pool)
@@ -509,11 +449,27 @@ impl<C: SlotCompanion> LoraPool<C> {
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
         let started = std::time::Instant::now();
-        let staged = self.stage_from_dir(name, dir)?;
+        let (staged, audit_us) = self.stage_from_dir(name, dir)?;
         let stage_us = started.elapsed().as_secs_f64() * 1e6;
         let mut report = self.publish(slot, staged)?;
         report.stage_us = stage_us;
+        report.audit_us = audit_us;
         Ok(report)
+    }
+
+    /// Cut the host side of the swap path into pinned chunks of about
+    /// `bytes` (default 4 MiB): each chunk's copy to the device starts as
+    /// soon as it is packed. Smaller chunks start the copies sooner; each
+    /// copy then carries more fixed cost. A tuning knob for the host at
+    /// hand; nothing else changes.
+    pub fn set_staging_chunk_bytes(&mut self, bytes: usize) -> Result<(), PoolError> {
+        self.device.synchronize()?;
+        self.staging.rechunk(&self.device, &self.layout, bytes)
+    }
+
+    /// Number of pinned staging chunks the swap path uses.
+    pub fn staging_chunks(&self) -> usize {
+        self.staging.chunk_count()
     }
 
     /// [`LoraPool::swap_from_disk`] for an adapter already prepared.
@@ -632,10 +588,12 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// buffer (one pass, converting F32/F16 on the way); one with expert
     /// pairs or token overlays goes through `prepare_adapter`, which splits
     /// fused experts and compiles overlays.
-    fn stage_from_dir(&mut self, name: &str, dir: &Path) -> Result<Staged<C::Staged>, PoolError> {
+    /// Stage from a PEFT directory; also returns the audit's host time, µs.
+    fn stage_from_dir(&mut self, name: &str, dir: &Path) -> Result<(Staged<C::Staged>, f64), PoolError> {
         if name.is_empty() {
             return Err(PoolError::EmptyName);
         }
+        let started = std::time::Instant::now();
         // Open the weights and read their header only: the audit reads the
         // header, the packer reads each tensor straight into its place in
         // the pinned staging chunks. A directory without them (a pickle,
@@ -660,6 +618,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             None => audit_adapter(dir, &self.cfg, &self.opts),
         }
         .map_err(audit_err(name))?;
+        let audit_us = started.elapsed().as_secs_f64() * 1e6;
         let dense_only = report.is_servable() && report.experts.is_empty() && report.overlay.is_empty();
         let file = match file {
             Some(f) if dense_only => f,
@@ -668,7 +627,7 @@ impl<C: SlotCompanion> LoraPool<C> {
                     return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
                 }
                 let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
-                return self.stage(name, &prepared);
+                return Ok((self.stage(name, &prepared)?, audit_us));
             }
         };
         let sources = report
@@ -691,16 +650,17 @@ impl<C: SlotCompanion> LoraPool<C> {
             .collect::<Result<Vec<_>, PoolError>>()?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
-        self.staging.pack_and_upload(&self.layout, &plan, name)?;
+        self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
         let dense_pairs = plan.metas().to_vec();
-        Ok(Staged {
+        let staged = Staged {
             name: name.to_string(),
             dense: DenseSource::Staging,
             dense_pairs,
             experts: None,
             companion: Some(companion),
             has_overlay: false,
-        })
+        };
+        Ok((staged, audit_us))
     }
 
     /// Phase one: check and build everything off to the side. Writes only
@@ -726,7 +686,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         let sources = dense_sources(adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &adapter.overlay)?;
-        self.staging.pack_and_upload(&self.layout, &plan, name)?;
+        self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
         let dense_pairs = plan.metas().to_vec();
         Ok(Staged {
             name: name.to_string(),
@@ -799,6 +759,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             dense_pairs: s.pairs.len(),
             expert_pairs: s.expert_pairs.len(),
             stage_us: 0.0,
+            audit_us: 0.0,
             publish_us: started.elapsed().as_secs_f64() * 1e6,
         })
     }

@@ -256,7 +256,7 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
     let reps = opts.reps.clamp(5, 30);
     let mut rows = Vec::new();
     if opts.wants("swap") {
-        rows.push(bench_io::swap(device, reps)?);
+        rows.push(bench_io::swap(device, reps, opts.sweep)?);
     }
     if opts.wants("landing") {
         rows.push(bench_io::peer_landing(reps.min(10))?);

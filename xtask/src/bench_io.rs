@@ -45,7 +45,8 @@ const LLAMA_8B: &str = include_str!("../../lora-layout/testdata/llama-3.1-8b.jso
 /// Swap a synthetic rank-16 all-linear Llama-3.1-8B adapter (about 84 MB
 /// BF16) from a file in the page cache into a slot, `reps` times, against a
 /// pinned host-to-device copy of the slot's bytes. Target: within 1.5x.
-pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
+/// With `sweep`, the swap is also timed at other staging chunk sizes.
+pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> {
     let cfg = ModelConfig::from_hf_config(LLAMA_8B).map_err(|e| e.to_string())?;
     let dir = std::env::temp_dir().join(format!("lora-swap-bench-{}", std::process::id()));
     lora_rdma::bench::write_adapter(&dir, &cfg, 16).map_err(|e| e.to_string())?;
@@ -78,6 +79,7 @@ pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
     let mut copy_us = Vec::with_capacity(reps);
     let mut swap_us = Vec::with_capacity(reps);
     let (mut stage_us, mut publish_us) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
+    let mut audit_us = Vec::with_capacity(reps);
     // Warm both paths once, then interleave them so drift hits both alike.
     dst.upload_pinned(0, &pinned).map_err(|e| e.to_string())?;
     pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
@@ -93,6 +95,22 @@ pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
         swap_us.push(t.elapsed().as_secs_f64() * 1e6);
         stage_us.push(report.stage_us);
         publish_us.push(report.publish_us);
+        audit_us.push(report.audit_us);
+    }
+    let chunks = pool.staging_chunks();
+    let mut swept = String::new();
+    if sweep {
+        for mib in [1usize, 2, 8, 32] {
+            pool.set_staging_chunk_bytes(mib << 20).map_err(|e| e.to_string())?;
+            let mut us = Vec::with_capacity(reps);
+            for _ in 0..reps {
+                let t = Instant::now();
+                pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
+                sync(device)?;
+                us.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            swept += &format!("; {mib} MiB chunks {:.0} us", quantiles(us).0);
+        }
     }
     let parts = swap_parts(&pool, &dir, reps)?;
     let _ = std::fs::remove_dir_all(&dir);
@@ -100,11 +118,15 @@ pub fn swap(device: &Device, reps: usize) -> Result<IoRow, String> {
     let (median_us, spread) = quantiles(swap_us);
     let (stage, _) = quantiles(stage_us);
     let (publish, _) = quantiles(publish_us);
+    let (audit, _) = quantiles(audit_us);
     Ok(IoRow {
         name: format!("disk swap into a slot, {:.1} MB", bytes as f64 / 1e6),
         bytes,
         median_us,
-        spread: format!("{spread}; stage {stage:.0} us, publish {publish:.0} us; alone: {parts}"),
+        spread: format!(
+            "{spread}; stage {stage:.0} us (of which audit {audit:.0} us), {chunks} chunks, publish {publish:.0} us; \
+             alone: {parts}{swept}"
+        ),
         baseline: "pinned host-to-device copy".into(),
         baseline_us: copy,
         target_ratio: Some(1.5),
