@@ -86,6 +86,21 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Tensor-core pieces of the TC kernels. ldmatrix: lanes 0-7 (x1) or 0-15
+// (x2) give the 16-byte row addresses of 8x8 bf16 tiles.
+__device__ __forceinline__ void ldsm_x1(u32& r0, const bf16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(r0) : "r"(smem_u32(row)));
+}
+__device__ __forceinline__ void ldsm_x2(u32& r0, u32& r1, const bf16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(smem_u32(row)));
+}
+// d (16x8 f32) += a (16x8 bf16, row-major) * b (8x8 bf16, column-major).
+__device__ __forceinline__ void mma_k8(float* d, u32 a0, u32 a1, u32 b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
+
 // Copy n bf16 from global to shared and zero the tail up to n_pad (a
 // multiple of 8): 16-byte cp.async when `vec` (both ends 16-byte aligned,
 // n a multiple of 8), else plain loads. `lane_id` of `lanes` threads share it.
@@ -122,8 +137,9 @@ struct ItemRows {
 // Every thread of the block: read the window's entry indices (an index past
 // the table raises a fault when `report` and counts as no delta), then list
 // the rows that lead an item. Row j leads an item when its occurrence number
-// among the window's rows of the same entry is a multiple of G; thread t owns
-// rows 2t and 2t + 1. Returns the item count (the same in every thread).
+// among the window's rows of the same entry is a multiple of G; rows 2t and
+// 2t + 1 are counted by thread t (and, for short windows, t + BGMV_THREADS / 2).
+// Returns the item count (the same in every thread).
 __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, int n_entries, u64 fault, bool report,
                                            WindowScan* w) {
     const int tid = threadIdx.x;
@@ -138,42 +154,64 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
     }
     __syncthreads();
 
+    // Up to BGMV_THREADS rows, two threads share a row pair: the upper half
+    // of the block counts the second half of the earlier rows (the longest
+    // count is half as long); the partial counts meet through w->items,
+    // which is free until the leads are listed.
+    constexpr int HALF = BGMV_THREADS / 2;
+    const bool split = nwin <= BGMV_THREADS;
+    const int pair = split ? (tid & (HALF - 1)) : tid;
+    const bool upper = split && tid >= HALF;
+    const int j0 = 2 * pair;
+    const int e0 = j0 < nwin ? w->idx[j0] : -1;
+    const int e1 = j0 + 1 < nwin ? w->idx[j0 + 1] : -1;
+    const int mid = split ? (j0 >> 1) & ~3 : j0;
+    int occ0 = 0;
+    int occ1 = 0;
+    if (e0 >= 0 || e1 >= 0) {
+        int i = upper ? mid : 0;
+        const int end = upper ? j0 : mid;
+#pragma unroll 4
+        for (; i + 4 <= end; i += 4) {
+            const int4 v = *(const int4*)&w->idx[i];
+            occ0 += (v.x == e0) + (v.y == e0) + (v.z == e0) + (v.w == e0);
+            occ1 += (v.x == e1) + (v.y == e1) + (v.z == e1) + (v.w == e1);
+        }
+#pragma unroll 1
+        for (; i < end; ++i) {
+            occ0 += w->idx[i] == e0;
+            occ1 += w->idx[i] == e1;
+        }
+    }
+    if (split) {
+        if (upper) {
+            w->items[2 * pair] = occ0;
+            w->items[2 * pair + 1] = occ1;
+        }
+        __syncthreads();
+        if (!upper) {
+            occ0 += w->items[2 * pair];
+            occ1 += w->items[2 * pair + 1];
+        }
+        __syncthreads();  // w->items is written below
+    }
     int lead_flags = 0;
     int n_lead = 0;
-    {
-        const int j0 = 2 * tid;
-        const int e0 = j0 < nwin ? w->idx[j0] : -1;
-        const int e1 = j0 + 1 < nwin ? w->idx[j0 + 1] : -1;
-        if (e0 >= 0 || e1 >= 0) {
-            int occ0 = 0;
-            int occ1 = 0;
-            int i = 0;
-#pragma unroll 1
-            for (; i + 4 <= j0; i += 4) {
-                const int4 v = *(const int4*)&w->idx[i];
-                occ0 += (v.x == e0) + (v.y == e0) + (v.z == e0) + (v.w == e0);
-                occ1 += (v.x == e1) + (v.y == e1) + (v.z == e1) + (v.w == e1);
-            }
-#pragma unroll 1
-            for (; i < j0; ++i) {
-                occ0 += w->idx[i] == e0;
-                occ1 += w->idx[i] == e1;
-            }
-            occ1 += e0 == e1;
-            if (e0 >= 0 && occ0 % BGMV_G == 0) {
-                lead_flags |= 1;
-                n_lead++;
-            }
-            if (e1 >= 0 && occ1 % BGMV_G == 0) {
-                lead_flags |= 2;
-                n_lead++;
-            }
+    if (!upper) {
+        occ1 += e0 == e1;
+        if (e0 >= 0 && occ0 % BGMV_G == 0) {
+            lead_flags |= 1;
+            n_lead++;
+        }
+        if (e1 >= 0 && occ1 % BGMV_G == 0) {
+            lead_flags |= 2;
+            n_lead++;
         }
     }
     int n_items;
     int pos = block_exclusive_scan<BGMV_THREADS>(n_lead, w->scan, &n_items);
-    if (lead_flags & 1) w->items[pos++] = 2 * tid;
-    if (lead_flags & 2) w->items[pos] = 2 * tid + 1;
+    if (lead_flags & 1) w->items[pos++] = j0;
+    if (lead_flags & 2) w->items[pos] = j0 + 1;
     return n_items;
 }
 
@@ -209,12 +247,24 @@ __device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin
 //   sY   [G][lo_max] Y                this block's y values of the item's rows
 //   sTp  [G][tp] f32                  partial rank vectors (read by the cluster peers)
 //   sT   [G][tp] f32                  summed, scaled rank vectors
-//   sA   [stages][stride][kch] bf16   A slice chunk(s)
-//   sX   [stages][G][kch] bf16        x slice chunk(s)
-// tp = stride8 = stride rounded up to 8. Every row is zero-padded to a
-// multiple of 8 columns, so the arithmetic below has one (16-byte) path.
-// The host sizes it and passes the offsets in.
-template <typename Y, int C>
+//   sRed [warps][128] f32             per-warp partial tiles of the TC shrink
+//   sA   [stages][stride16][kch + 8] bf16   A slice chunk(s)
+//   sX   [stages][G][kch + 8] bf16          x slice chunk(s)
+// tp = stride8 = stride rounded up to 8; lo_max is a multiple of 16 and the
+// A stage holds stride rounded up to 16 rows, so whole 16-row tensor-core
+// tiles stay inside the allocation (rows past the rank or the block's outputs
+// hold stale values that only reach outputs nobody writes). A and x rows are
+// 8 columns longer than a chunk: ldmatrix rows then fall in distinct banks.
+// Every staged row is zero-padded to a multiple of 8 columns, so the
+// arithmetic below has one (16-byte) path. The host sizes it and passes the
+// offsets in.
+//
+// TC: shrink and expand on tensor cores (mma m16n8k8 bf16, f32 accumulate):
+// the shrink is rank rows x the item's 8 rows x K, the expand 16 outputs x
+// the item's rows x rank, with t split into bf16 hi + lo so it keeps about 16
+// bits. Worth it when items hold several rows; without TC each (row, rank)
+// pair is one warp reduction and each (output, row) pair a scalar dot.
+template <typename Y, int C, bool TC>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     extern __shared__ __align__(16) unsigned char dyn[];
     __shared__ WindowScan s_win;
@@ -253,6 +303,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     const int stride = p.rank_stride;
     const int bpitch = ((stride + 7) & ~7) + 8;
     const int kch = p.k_chunk;
+    const int kp = kch + 8;  // staged A / x row pitch
+    const int arows = (stride + 15) & ~15;
     const int lo_max = p.lo_max;
     bf16_t* sB = (bf16_t*)dyn;
     Y* sY = (Y*)(dyn + p.off_y);
@@ -261,6 +313,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     const int tp = (stride + 7) & ~7;
     float* sTp = (float*)(dyn + p.off_t);
     float* sT = sTp + BGMV_G * tp;
+    float* sRed = sT + BGMV_G * tp;  // [warps][128] f32: the TC shrink's per-warp tiles
+    bf16_t* sTh = (bf16_t*)sT;       // TC: t as bf16 hi and lo, in place of the f32 sT
     const bf16_t* X = (const bf16_t*)p.x;
     Y* Yp = (Y*)p.y;
     const PairEntry* table = (const PairEntry*)tg.table;
@@ -338,21 +392,62 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 __syncthreads();
                 const int st = ch & 1;
                 const int len = min(kch, k1 - (k0 + ch * kch));
-                const bf16_t* a = sA + st * stride * kch;
-                const bf16_t* x = sX + st * BGMV_G * kch;
+                const bf16_t* a = sA + st * arows * kp;
+                const bf16_t* x = sX + st * BGMV_G * kp;
                 const int n8 = (len + 7) >> 3;
+                if (TC) {
+                    // Warp w takes the 8-column steps w, w + 8, ... of every
+                    // 16-rank tile; the warps' tiles are summed in warp order
+                    // through sRed (shared float atomics are CAS loops on sm_90).
 #pragma unroll 1
-                for (int g = 0; g < nr; ++g) {
-                    const bf16_t* xg = x + g * kch;
+                    for (int m0 = 0; m0 < rank; m0 += 16) {
+                        float d[4] = {0.f, 0.f, 0.f, 0.f};
+                        float e[4] = {0.f, 0.f, 0.f, 0.f};  // odd steps: two independent chains
 #pragma unroll 1
-                    for (int k = warp; k < rank; k += BGMV_WARPS) {
-                        const bf16_t* arow = a + k * kch;
-                        float acc = 0.f;
+                        for (int ks = warp; ks < n8; ks += 2 * BGMV_WARPS) {
+                            u32 a0, a1, b0;
+                            ldsm_x2(a0, a1, a + (m0 + (lane & 15)) * kp + ks * 8);
+                            ldsm_x1(b0, x + (lane & 7) * kp + ks * 8);
+                            const int ks2 = ks + BGMV_WARPS;
+                            if (ks2 < n8) {
+                                u32 c0, c1, b1;
+                                ldsm_x2(c0, c1, a + (m0 + (lane & 15)) * kp + ks2 * 8);
+                                ldsm_x1(b1, x + (lane & 7) * kp + ks2 * 8);
+                                mma_k8(e, c0, c1, b1);
+                            }
+                            mma_k8(d, a0, a1, b0);
+                        }
+                        *(float4*)(sRed + warp * 128 + lane * 4) =
+                            make_float4(d[0] + e[0], d[1] + e[1], d[2] + e[2], d[3] + e[3]);
+                        __syncthreads();
+                        // Thread t < 128 owns fragment value t: lane t / 4, slot t % 4, that is
+                        // rank m0 + t / 16 + 8 ((t / 2) & 1), row 2 ((t / 4) % 4) + t % 2.
+                        if (tid < 128) {
+                            const int kk = m0 + (tid >> 4) + ((tid >> 1) & 1) * 8;
+                            const int gg = ((tid >> 2) & 3) * 2 + (tid & 1);
+                            if (kk < rank && gg < nr) {
+                                float sum = 0.f;
+#pragma unroll
+                                for (int w = 0; w < BGMV_WARPS; ++w) sum += sRed[w * 128 + tid];
+                                sTp[gg * tp + kk] += sum;
+                            }
+                        }
+                        __syncthreads();
+                    }
+                } else {
+#pragma unroll 1
+                    for (int g = 0; g < nr; ++g) {
+                        const bf16_t* xg = x + g * kp;
+#pragma unroll 1
+                        for (int k = warp; k < rank; k += BGMV_WARPS) {
+                            const bf16_t* arow = a + k * kp;
+                            float acc = 0.f;
 #pragma unroll 2
-                        for (int c = lane; c < n8; c += 32)
-                            acc = dot8(*(const uint4*)(arow + c * 8), *(const uint4*)(xg + c * 8), acc);
-                        acc = warp_sum(acc);
-                        if (lane == 0) sTp[g * tp + k] += acc;
+                            for (int c = lane; c < n8; c += 32)
+                                acc = dot8(*(const uint4*)(arow + c * 8), *(const uint4*)(xg + c * 8), acc);
+                            acc = warp_sum(acc);
+                            if (lane == 0) sTp[g * tp + k] += acc;
+                        }
                     }
                 }
                 __syncthreads();  // stage ch & 1 is free again
@@ -362,13 +457,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 const int kc = k0 + step * kch;
                 const int len = min(kch, k1 - kc);
                 const int len8 = (len + 7) & ~7;
-                bf16_t* a = sA + st * stride * kch;
-                bf16_t* x = sX + st * BGMV_G * kch;
+                bf16_t* a = sA + st * arows * kp;
+                bf16_t* x = sX + st * BGMV_G * kp;
                 // Warps split the rows: A rows k, then x rows g.
 #pragma unroll 1
                 for (int r = warp; r < rank + nr; r += BGMV_WARPS) {
                     const bool is_a = r < rank;
-                    bf16_t* dst = is_a ? a + r * kch : x + (r - rank) * kch;
+                    bf16_t* dst = is_a ? a + r * kp : x + (r - rank) * kp;
                     const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_item.rows[r - rank] * p.x_stride + kc;
                     stage_row(dst, src, len, len8, vec_x, lane, 32);
                 }
@@ -380,36 +475,78 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
         // ---- sum the partial rank vectors over the cluster, scale them.
         const float scale = en.scale;
+        // One (row, rank) value per thread, all rows at once; the C peer
+        // loads are issued together and summed in rank order.
         if (C > 1) {
             cluster_arrive();
             cluster_wait();
-#pragma unroll 1
-            for (int g = 0; g < nr; ++g) {
-#pragma unroll 1
-                for (int k = tid; k < rank; k += BGMV_THREADS) {
-                    float s = 0.f;
-#pragma unroll
-                    for (int r = 0; r < C; ++r) s += ld_dsmem(&sTp[g * tp + k], (u32)r);
-                    sT[g * tp + k] = s * scale;
-                }
-            }
-            cluster_arrive();
-            pending = true;
-        } else {
-#pragma unroll 1
-            for (int g = 0; g < nr; ++g)
-#pragma unroll 1
-                for (int k = tid; k < rank; k += BGMV_THREADS) sT[g * tp + k] = sTp[g * tp + k] * scale;
         }
 #pragma unroll 1
-        for (int g = 0; g < nr; ++g)
-#pragma unroll 1
-            for (int k = rank + tid; k < rank8; k += BGMV_THREADS) sT[g * tp + k] = 0.f;
+        for (int v = tid; v < nr * rank8; v += BGMV_THREADS) {
+            const int g = v / rank8;
+            const int k = v - g * rank8;
+            float s = 0.f;
+            if (k < rank) {
+                float part[C];
+#pragma unroll
+                for (int r = 0; r < C; ++r) part[r] = C > 1 ? ld_dsmem(&sTp[g * tp + k], (u32)r) : sTp[g * tp + k];
+#pragma unroll
+                for (int r = 0; r < C; ++r) s += part[r];
+            }
+            s *= scale;
+            if (TC) {
+                // The expand's B operand, once per item: t as bf16 hi [G][tp] then lo [G][tp].
+                const bf16_t h = f2bf(s);
+                sTh[g * tp + k] = h;
+                sTh[(BGMV_G + g) * tp + k] = f2bf(s - bf2f(h));
+            } else {
+                sT[g * tp + k] = s;
+            }
+        }
+        if (C > 1) {
+            cluster_arrive();
+            pending = true;
+        }
         __syncthreads();
 
         // ---- expand from shared memory: y[row_g, coff + o] = sY + sum_k sT[g][k] sB[o][k].
+        if (TC) {
+            // Warps take 16-output tiles; per 8-rank step the B operand is t
+            // (row g = lane / 4, ranks 2 (lane % 4) + {0, 1}) as bf16 hi and lo.
+            // d[0..1]: output m0 + lane / 4, rows kq + {0, 1}; d[2..3]: output + 8.
+            const int kq = (lane & 3) * 2;
+            const bf16_t* th = sTh + (lane >> 2) * tp + kq;
+            const bf16_t* tl = th + BGMV_G * tp;
+            // This lane's two item rows: y in global memory and in sY, from this block's first output.
+            Y* yg[2];
+            const Y* ysh[2];
+            bool live[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                live[h] = kq + h < nr;
+                yg[h] = Yp + (u64)s_item.rows[live[h] ? kq + h : 0] * ys + coff + o0;
+                ysh[h] = sY + (kq + h) * lo_max;
+            }
 #pragma unroll 1
-        for (int r = tid; nr > 0 && r < lo; r += BGMV_THREADS) {
+            for (int m0 = warp * 16; nr > 0 && m0 < lo; m0 += BGMV_WARPS * 16) {
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+                for (int kb = 0; kb < rank8; kb += 8) {
+                    u32 a0, a1;
+                    ldsm_x2(a0, a1, sB + (m0 + (lane & 15)) * bpitch + kb);
+                    mma_k8(d, a0, a1, *(const u32*)(th + kb));
+                    mma_k8(d, a0, a1, *(const u32*)(tl + kb));
+                }
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int o = m0 + (lane >> 2) + (q >> 1) * 8;
+                    const int h = q & 1;
+                    if (o < lo && live[h]) y_store(yg[h] + o, y_load(ysh[h] + o) + d[q]);
+                }
+            }
+        }
+#pragma unroll 1
+        for (int r = tid; !TC && nr > 0 && r < lo; r += BGMV_THREADS) {
             const bf16_t* brow = sB + r * bpitch;
 #pragma unroll 1
             for (int g = 0; g < nr; ++g) {
@@ -437,23 +574,38 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     if (C > 1 && pending) cluster_wait();  // keep our shared memory alive until every peer read it
 }
 
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_c1_bf16(const BgmvParams p) { bgmv_body<bf16_t, 1>(p); }
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_c1_f32(const BgmvParams p) { bgmv_body<float, 1>(p); }
+#define BGMV_KERNEL_C1(NAME, Y, TC) \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS) NAME(const BgmvParams p) { bgmv_body<Y, 1, TC>(p); }
+BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false)
+BGMV_KERNEL_C1(bgmv_c1_f32, float, false)
+BGMV_KERNEL_C1(bgmv_tc_c1_bf16, bf16_t, true)
+BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true)
 
 #if __CUDA_ARCH__ >= 900
-extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c4_bf16(const BgmvParams p) {
-    bgmv_body<bf16_t, 4>(p);
-}
-extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c4_f32(const BgmvParams p) {
-    bgmv_body<float, 4>(p);
-}
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c8_bf16(const BgmvParams p) {
-    bgmv_body<bf16_t, 8>(p);
-}
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGMV_THREADS, 3) bgmv_c8_f32(const BgmvParams p) {
-    bgmv_body<float, 8>(p);
-}
+#define BGMV_KERNEL_CL(NAME, Y, C, TC)                                                                 \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGMV_THREADS, 3) NAME(const BgmvParams p) { \
+        bgmv_body<Y, C, TC>(p);                                                                         \
+    }
+// The TC kernels need fewer registers: four blocks per multiprocessor
+// (`TC_BLOCKS_PER_SM` in bgmv.rs), so more items are served in one round.
+#define BGMV_KERNEL_CL4(NAME, Y, C, TC)                                                                \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGMV_THREADS, 4) NAME(const BgmvParams p) { \
+        bgmv_body<Y, C, TC>(p);                                                                         \
+    }
+BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false)
+BGMV_KERNEL_CL(bgmv_c4_f32, float, 4, false)
+BGMV_KERNEL_CL(bgmv_c8_bf16, bf16_t, 8, false)
+BGMV_KERNEL_CL(bgmv_c8_f32, float, 8, false)
+BGMV_KERNEL_CL4(bgmv_tc_c4_bf16, bf16_t, 4, true)
+BGMV_KERNEL_CL4(bgmv_tc_c4_f32, float, 4, true)
+BGMV_KERNEL_CL4(bgmv_tc_c8_bf16, bf16_t, 8, true)
+BGMV_KERNEL_CL4(bgmv_tc_c8_f32, float, 8, true)
 #endif
+
+// The launch floor of a measurement: one block that does nothing. The
+// bench times it like every op (graph replay after an L2 flush), so a
+// reader sees how much of a small batch's time is launch and cold start.
+extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 
 // ---- Two-phase decode: a shrink launch, then an expand launch ----------------
 //

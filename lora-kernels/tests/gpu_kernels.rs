@@ -207,13 +207,14 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         let tunings: &[BgmvTuning] = if n <= 512 {
             &[
                 BgmvTuning::default(),
-                FUSED,
+                FUSED_SCALAR,
+                FUSED_TC,
                 TWO_PHASE,
                 TWO_PHASE_DEPENDENT,
                 TWO_PHASE_POW2,
             ]
         } else {
-            &[BgmvTuning::default(), FUSED]
+            &[BgmvTuning::default(), FUSED_SCALAR, FUSED_TC]
         };
         for &t in tunings {
             check_bgmv(
@@ -236,6 +237,17 @@ const FUSED: BgmvTuning = BgmvTuning {
     expand_cols: None,
     dependent_launch: None,
     pow2_slices: None,
+    tensor_cores: None,
+};
+
+/// The fused kernel on its scalar path and on tensor cores.
+const FUSED_SCALAR: BgmvTuning = BgmvTuning {
+    tensor_cores: Some(false),
+    ..FUSED
+};
+const FUSED_TC: BgmvTuning = BgmvTuning {
+    tensor_cores: Some(true),
+    ..FUSED
 };
 
 /// The two-phase kernels (shrink, then expand), whatever the batch, with
@@ -269,7 +281,7 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    for t in [FUSED, TWO_PHASE] {
+    for t in [FUSED_SCALAR, FUSED_TC, TWO_PHASE] {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
     }
 }
@@ -318,6 +330,20 @@ fn gpu_bgmv_row_patterns_and_paths() {
             ..FUSED
         },
         BgmvTuning {
+            cluster: Some(1),
+            ..FUSED_TC
+        },
+        BgmvTuning {
+            cluster: Some(8),
+            out_splits: Some(3),
+            clusters_per_window: Some(2),
+            ..FUSED_TC
+        },
+        BgmvTuning {
+            cluster: Some(4),
+            ..FUSED_SCALAR
+        },
+        BgmvTuning {
             expand_cols: Some(64),
             ..TWO_PHASE
         },
@@ -356,7 +382,7 @@ fn gpu_bgmv_f32_router_logits() {
     let idx = random_idx(&mut rng, 40, 32, 9);
     let cpu = Device::cpu();
     let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    for t in [FUSED, TWO_PHASE] {
+    for t in [FUSED_SCALAR, FUSED_TC, TWO_PHASE] {
         let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
         compare(&format!("f32 y {t:?}"), &p.y_f32, &c, &g);
         let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
@@ -527,7 +553,7 @@ fn gpu_graph_replay_follows_table_contents() {
         return;
     };
     let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
-    for t in [BgmvTuning::default(), FUSED, TWO_PHASE_DEPENDENT] {
+    for t in [BgmvTuning::default(), FUSED, FUSED_TC, TWO_PHASE_DEPENDENT] {
         graph_replay_case(&gpu, &mut rng, t);
     }
 }
@@ -875,4 +901,18 @@ fn gpu_buffers_round_trip() {
     assert_eq!(b.download_range(1500, 300).unwrap(), &data[..300]);
     assert!(b.write(1999, &data[..2]).is_err());
     gpu.preload_kernels().unwrap();
+}
+
+#[test]
+fn gpu_empty_launch_runs_and_captures() {
+    let Some(gpu) = cuda_or_skip("gpu_empty_launch_runs_and_captures") else {
+        return;
+    };
+    lora_kernels::ops::launch_floor::empty_launch(&gpu).unwrap();
+    let graph = gpu
+        .capture_graph(|| lora_kernels::ops::launch_floor::empty_launch(&gpu))
+        .unwrap();
+    graph.replay().unwrap();
+    gpu.synchronize().unwrap();
+    gpu.check_faults().unwrap();
 }

@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use half::bf16;
+use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{RandomPairs, Rng};
 use lora_kernels::{
     BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, Rows, RowsMut, Segments,
@@ -304,6 +305,7 @@ fn floor_bytes(n: usize, in_dim: usize, out: usize, r: usize, distinct: usize) -
 
 fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
     let mut rng = Rng::new(0x5eed_0004);
+    launch_floor_row(ctx)?;
     for &(n, in_dim, out, r, distinct, peer) in DECODE {
         let name = format!("decode n={n} in={in_dim} out={out} r={r} d={distinct}");
         if !ctx.opts.wants_case(&name) {
@@ -312,20 +314,35 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         let mut variants = vec![("default".to_string(), BgmvTuning::default())];
         if ctx.opts.sweep {
             // The fused kernel (its own launch choice, then clusters of 8 with
-            // one or two output splits) against the two-phase kernels by expand width.
-            let fused = BgmvTuning {
+            // one or two output splits), scalar and on tensor cores, against
+            // the two-phase kernels by expand width.
+            for (label, tc) in [("", false), (" tc", true)] {
+                let fused = BgmvTuning {
+                    two_phase: Some(false),
+                    tensor_cores: Some(tc),
+                    ..Default::default()
+                };
+                variants.push((format!("fused{label}"), fused));
+                for sp in [1, 2] {
+                    let t = BgmvTuning {
+                        cluster: Some(8),
+                        out_splits: Some(sp),
+                        ..fused
+                    };
+                    variants.push((format!("c8 s{sp}{label}"), t));
+                }
+            }
+            // Clusters per window as before the 7/8 residency rule (one per
+            // 8 resident blocks), to measure that rule.
+            let t = BgmvTuning {
                 two_phase: Some(false),
+                tensor_cores: Some(true),
+                cluster: Some(8),
+                out_splits: Some(1),
+                clusters_per_window: Some(49),
                 ..Default::default()
             };
-            variants.push(("fused".to_string(), fused));
-            for sp in [1, 2] {
-                let t = BgmvTuning {
-                    cluster: Some(8),
-                    out_splits: Some(sp),
-                    ..fused
-                };
-                variants.push((format!("c8 s{sp}"), t));
-            }
+            variants.push(("tc q49".to_string(), t));
             for cols in [512, 1024] {
                 let t = BgmvTuning {
                     two_phase: Some(true),
@@ -479,6 +496,33 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             });
         }
     }
+    Ok(())
+}
+
+/// The launch floor of this method: one block of an empty kernel, captured
+/// and replayed after an L2 flush like every case, so a reader sees how much
+/// of a small batch's time is launch and cold start rather than kernel work.
+fn launch_floor_row(ctx: &mut Ctx<'_>) -> Result<(), String> {
+    let name = "launch floor: empty kernel, 1 block";
+    if !ctx.opts.wants_case(name) && !ctx.opts.wants_case("decode") {
+        return Ok(());
+    }
+    let device = ctx.device;
+    let graph = device.capture_graph(|| empty_launch(device)).map_err(err)?;
+    let stats = ctx.time_graph(&graph)?;
+    ctx.rows.push(Row {
+        section: "kernels",
+        name: name.to_string(),
+        // Not "default": the PyTorch baseline has no counterpart to time.
+        variant: "floor".to_string(),
+        stats,
+        floor_bytes: 0.0,
+        peer_us: None,
+        target_us: None,
+        floor_share_target: None,
+        shape: json!({"kind": "empty", "n": 0}),
+        torch_us: None,
+    });
     Ok(())
 }
 

@@ -36,6 +36,12 @@ fn round16(v: usize) -> usize {
     v.div_ceil(16) * 16
 }
 
+/// Pitch (elements) of a staged A or x row of a `k_chunk`-column chunk: 8
+/// more than the chunk, so ldmatrix rows fall in distinct banks.
+fn stage_pitch(k_chunk: usize) -> usize {
+    k_chunk + 8
+}
+
 /// What the shared-memory plan depends on.
 #[derive(Debug, Clone, Copy)]
 struct PlanShape {
@@ -48,7 +54,9 @@ struct PlanShape {
 
 /// The kernel's dynamic shared memory layout for one launch (see `cuda/bgmv.cu`):
 /// B rows and y values of the block's outputs, the rank vectors, then one or
-/// two stages of A and x chunks.
+/// two stages of A and x chunks. The output piece is a multiple of 16 and an
+/// A stage holds the stride rounded up to 16 rows, so the tensor-core
+/// kernels' 16-row tiles stay inside the allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct SmemPlan {
     splits: usize,
@@ -73,13 +81,14 @@ impl SmemPlan {
             cluster,
             ..
         } = shape;
-        let lo_max = piece8(piece8(max_out, splits), cluster);
+        let lo_max = round16(piece8(piece8(max_out, splits), cluster));
         // B rows are padded to a multiple of 8 columns plus 8 (`bpitch` in the kernel).
         let off_y = round16(lo_max * (stride.div_ceil(8) * 8 + 8) * 2);
         let off_t = off_y + round16(ITEM_ROWS * lo_max * y_size);
-        let off_a = off_t + 2 * ITEM_ROWS * stride.div_ceil(8) * 8 * 4;
-        let off_x = off_a + round16(stages * stride * k_chunk * 2);
-        let total = off_x + round16(stages * ITEM_ROWS * k_chunk * 2);
+        // sTp and sT [G][stride8] f32, then the TC shrink's per-warp tiles [warps][128] f32.
+        let off_a = off_t + 2 * ITEM_ROWS * stride.div_ceil(8) * 8 * 4 + (THREADS as usize / 32) * 128 * 4;
+        let off_x = off_a + round16(stages * round16(stride) * stage_pitch(k_chunk) * 2);
+        let total = off_x + round16(stages * ITEM_ROWS * stage_pitch(k_chunk) * 2);
         SmemPlan {
             splits,
             k_chunk,
@@ -115,7 +124,7 @@ impl SmemPlan {
         for &s in &options {
             let fixed = Self::layout(shape, s, 0, 2).total;
             let room = Self::BUDGETS[1].saturating_sub(fixed);
-            let k_chunk = room / (2 * (shape.stride + ITEM_ROWS) * 2) / 8 * 8;
+            let k_chunk = (room / (2 * (round16(shape.stride) + ITEM_ROWS) * 2)).saturating_sub(8) / 8 * 8;
             if k_chunk >= 128 {
                 return Self::layout(shape, s, k_chunk.min(slice), 2);
             }
@@ -128,6 +137,8 @@ impl SmemPlan {
 const STATIC_SMEM: usize = 4 * 1024 + 128;
 /// Blocks per multiprocessor the kernel's register use allows (`__launch_bounds__(256, 3)`).
 const REG_BLOCKS_PER_SM: usize = 3;
+/// The same for the tensor-core cluster kernels (`__launch_bounds__(256, 4)`).
+const TC_BLOCKS_PER_SM: usize = 4;
 
 /// What of the device the launch choice depends on.
 #[derive(Debug, Clone, Copy)]
@@ -146,6 +157,19 @@ struct RowShape {
     y_size: usize,
     window: usize,
     n_windows: usize,
+    /// The tensor-core kernels (more blocks per multiprocessor with clusters).
+    tensor_cores: bool,
+}
+
+impl RowShape {
+    /// Blocks per multiprocessor the kernel's registers allow.
+    fn reg_blocks(&self, cluster: usize) -> usize {
+        if self.tensor_cores && cluster > 1 {
+            TC_BLOCKS_PER_SM
+        } else {
+            REG_BLOCKS_PER_SM
+        }
+    }
 }
 
 /// The launch shape of one call: cluster size, clusters per window and the shared-memory plan.
@@ -180,6 +204,7 @@ impl LaunchChoice {
             y_size,
             window,
             n_windows,
+            ..
         } = rows;
         let clusters: Vec<usize> = match tuning.cluster {
             Some(8 | 4) if !hopper => return Err(invalid("tuning.cluster", "clusters need sm_90 or newer")),
@@ -210,11 +235,15 @@ impl LaunchChoice {
                 if plan.total > smem_optin {
                     continue;
                 }
-                let bps = REG_BLOCKS_PER_SM.min(smem_per_sm / (plan.total + STATIC_SMEM + 1024));
+                let bps = rows.reg_blocks(cl).min(smem_per_sm / (plan.total + STATIC_SMEM + 1024));
                 if bps == 0 {
                     continue;
                 }
-                let capacity = sms * bps;
+                // Clusters must fit whole in a GPC, so fewer are resident than
+                // blocks allow (ncu on the H200: 45 active clusters of 8 where
+                // 132 x 3 blocks would give 49); a cluster past that waits for a
+                // second wave, so a window gets at most 7/8 of the block count.
+                let capacity = if cl > 1 { sms * bps * 7 / 8 } else { sms * bps };
                 let per_cluster_row = cl * s * n_targets * n_windows;
                 let cpw = match tuning.clusters_per_window {
                     Some(v) => (v as usize).clamp(1, window),
@@ -266,7 +295,17 @@ pub struct BgmvTuning {
     /// Two-phase: launch the expand as a programmatic dependent of the
     /// shrink, so its blocks get resident while the shrink drains.
     pub dependent_launch: Option<bool>,
+    /// Fused kernel: shrink and expand on tensor cores (items of several
+    /// rows cost one matrix instruction per 8 columns instead of a warp
+    /// reduction per row). `None`: on for batches of more than
+    /// [`TENSOR_CORE_MIN_ROWS`] rows.
+    pub tensor_cores: Option<bool>,
 }
+
+/// The fused kernel uses tensor cores by default from this many rows on
+/// (items of several rows are likely); below, its scalar path, whose code is
+/// smaller (a small batch runs from a cold instruction cache).
+pub const TENSOR_CORE_MIN_ROWS: usize = 129;
 
 /// Batch sizes for which [`bgmv`] uses two launches by default. Below, the
 /// fused kernel's single launch wins (its chain of round trips is the whole
@@ -460,14 +499,20 @@ fn reference<Y: OutputElem>(
     reference_apply(memory, x, &rows, "idx", targets, stride, y)
 }
 
-fn kernel_name(cluster: u32, y: &'static str) -> Option<&'static str> {
-    Some(match (cluster, y) {
-        (1, "bf16") => "bgmv_c1_bf16",
-        (1, "f32") => "bgmv_c1_f32",
-        (4, "bf16") => "bgmv_c4_bf16",
-        (4, "f32") => "bgmv_c4_f32",
-        (8, "bf16") => "bgmv_c8_bf16",
-        (8, "f32") => "bgmv_c8_f32",
+fn kernel_name(cluster: u32, y: &'static str, tensor_cores: bool) -> Option<&'static str> {
+    Some(match (cluster, y, tensor_cores) {
+        (1, "bf16", false) => "bgmv_c1_bf16",
+        (1, "f32", false) => "bgmv_c1_f32",
+        (4, "bf16", false) => "bgmv_c4_bf16",
+        (4, "f32", false) => "bgmv_c4_f32",
+        (8, "bf16", false) => "bgmv_c8_bf16",
+        (8, "f32", false) => "bgmv_c8_f32",
+        (1, "bf16", true) => "bgmv_tc_c1_bf16",
+        (1, "f32", true) => "bgmv_tc_c1_f32",
+        (4, "bf16", true) => "bgmv_tc_c4_bf16",
+        (4, "f32", true) => "bgmv_tc_c4_f32",
+        (8, "bf16", true) => "bgmv_tc_c8_bf16",
+        (8, "f32", true) => "bgmv_tc_c8_f32",
         _ => return None,
     })
 }
@@ -522,16 +567,19 @@ fn launch<Y: OutputElem>(
         smem_optin: c.smem_optin,
         smem_per_sm: c.smem_per_sm,
     };
+    let tensor_cores = tuning.tensor_cores.unwrap_or(n >= TENSOR_CORE_MIN_ROWS);
     let rows = RowShape {
         in_dim: x.width,
         stride,
         y_size: std::mem::size_of::<Y>(),
         window,
         n_windows,
+        tensor_cores,
     };
     let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
-    let name = kernel_name(cl as u32, Y::NAME).ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
+    let name = kernel_name(cl as u32, Y::NAME, tensor_cores)
+        .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
     let grid_y = n_windows * cpw;
     if grid_y > 65_535 {
         return Err(invalid(

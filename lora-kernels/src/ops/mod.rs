@@ -6,6 +6,7 @@
 //! - [`sgmv`]: segment-grouped LoRA apply (prefill) and the one-adapter case.
 //! - [`moe_index`]: routed-expert entry-index builders.
 //! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
+//! - [`launch_floor`]: an empty launch, the floor a benchmark's timing method sets.
 //!
 //! Apply calls allocate nothing, never synchronise and keep every address
 //! and launch shape fixed for fixed arguments, so they can be captured in a
@@ -14,6 +15,7 @@
 //! ([`crate::Device::check_faults`]); after a fault the output is unspecified.
 
 pub mod bgmv;
+pub mod launch_floor;
 pub mod moe_index;
 pub mod overlay;
 mod pairs;

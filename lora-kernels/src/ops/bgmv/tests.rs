@@ -334,10 +334,13 @@ fn check_plan(p: &SmemPlan, s: PlanShape, stages: usize) {
         "B rows are padded like the kernel pads them"
     );
     assert!(p.off_t - p.off_y >= ITEM_ROWS * p.lo_max * s.y_size);
-    assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4);
-    assert!(p.off_x - p.off_a >= stages * s.stride * p.k_chunk * 2);
-    assert!(p.total - p.off_x >= stages * ITEM_ROWS * p.k_chunk * 2);
+    assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4 + 8 * 128 * 4);
+    // A stages hold whole 16-row tiles of padded rows.
+    assert!(p.off_x - p.off_a >= stages * s.stride.div_ceil(16) * 16 * (p.k_chunk + 8) * 2);
+    assert!(p.total - p.off_x >= stages * ITEM_ROWS * (p.k_chunk + 8) * 2);
     assert_eq!(p.k_chunk % 8, 0);
+    // Whole 16-output tiles of B rows stay inside the B region.
+    assert_eq!(p.lo_max % 16, 0, "{p:?}");
     // The block's output piece never exceeds lo_max.
     assert!(piece8(piece8(s.max_out, p.splits), s.cluster) <= p.lo_max);
 }
@@ -396,6 +399,7 @@ fn choice(n: usize, in_dim: usize, out: usize, stride: usize) -> LaunchChoice {
         y_size: 2,
         window: n,
         n_windows: 1,
+        tensor_cores: n >= TENSOR_CORE_MIN_ROWS,
     };
     LaunchChoice::pick(H200, rows, &t, BgmvTuning::default()).unwrap()
 }
@@ -418,7 +422,12 @@ fn launch_choices_keep_every_block_resident() {
             assert_eq!(c.plan.splits, if n <= 2 { 2 } else { 1 }, "n={n}: {c:?}");
         }
         let blocks = c.cluster * c.plan.splits * c.cpw;
-        let bps = REG_BLOCKS_PER_SM.min(H200.smem_per_sm / (c.plan.total + STATIC_SMEM + 1024));
+        let reg_blocks = if n >= TENSOR_CORE_MIN_ROWS {
+            TC_BLOCKS_PER_SM
+        } else {
+            REG_BLOCKS_PER_SM
+        };
+        let bps = reg_blocks.min(H200.smem_per_sm / (c.plan.total + STATIC_SMEM + 1024));
         assert!(
             blocks <= 132 * bps,
             "n={n} stride={stride}: {c:?} has {blocks} blocks for {bps}/SM"
@@ -442,6 +451,7 @@ fn launch_choices_keep_every_block_resident() {
         y_size: 2,
         window: 4,
         n_windows: 1,
+        tensor_cores: false,
     };
     let ampere = DeviceLimits { hopper: false, ..H200 };
     assert_eq!(
