@@ -222,6 +222,9 @@ __device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin
                                           int stride, u64 fault, bool report, ItemRows* out) {
     const int lane = threadIdx.x & 31;
     const int e = win_idx[lead];
+    // The entry's load is in flight while the rows are gathered.
+    PairEntry en = {0ull, 0ull, 0.f, 0u};
+    if (lane == 0) en = table[e];
     int found = 0;
     for (int base = lead; base < nwin && found < BGMV_G; base += 32) {
         const int j = base + lane;
@@ -233,7 +236,6 @@ __device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin
     }
     if (lane == 0) {
         out->nrows = min(found, BGMV_G);
-        PairEntry en = table[e];
         if (en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
             if (report) raise_fault(fault, FAULT_BAD_RANK);
             en.rank = 0;

@@ -282,7 +282,8 @@ pub struct BgmvTuning {
     pub clusters_per_window: Option<u32>,
     /// Two launches (a shrink into the device's scratch, then an expand)
     /// instead of the fused kernel; batches of at most 512 rows. `None`:
-    /// two launches for [`TWO_PHASE_ROWS`] rows.
+    /// two launches for [`TWO_PHASE_ROWS`] rows, except batches of up to 64
+    /// rows of adapters of rank stride 16 or less and at most 8192 outputs.
     pub two_phase: Option<bool>,
     /// Two-phase expand: outputs per unit of work (8..=1024, rounded up to a
     /// multiple of 8). `None`: 512, or 1024 for outputs wider than 8192.
@@ -315,6 +316,16 @@ pub const TENSOR_CORE_MIN_ROWS: usize = 129;
 /// at 14336 outputs); above, items of several rows make the two-phase
 /// shrink's per-row reductions the cost (n = 256, 32 adapters: 36-39 against 29).
 pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
+
+/// Whether [`bgmv`] takes the two launches for `n` rows: [`TWO_PHASE_ROWS`],
+/// except batches of up to 64 rows of small adapters (rank stride 16 or
+/// less, at most 8192 outputs), where the fused kernel measured faster once
+/// its clusters all fit in one wave (18.6 against 19.8 µs at n = 64, rank
+/// 16, 4096 x 4096 on the H200; at rank 64 or 14336 outputs two launches
+/// stay ahead: 42 against 55 µs, 31 against 41).
+fn two_phase_by_default(n: usize, stride: usize, max_out: usize) -> bool {
+    TWO_PHASE_ROWS.contains(&n) && !(n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
+}
 
 /// Byte offsets in the scratch of the two-phase decode (`BGMV2_*` in `cuda/bgmv.cu`):
 /// per-target headers, then item descriptors, then the partial rank vectors.
@@ -530,13 +541,17 @@ fn launch<Y: OutputElem>(
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
-    if tuning.two_phase.unwrap_or(TWO_PHASE_ROWS.contains(&n)) {
+    let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+    if tuning
+        .two_phase
+        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out))
+    {
         let plan = TwoPhasePlan::new(
             n,
             x.width,
             stride,
             n_targets,
-            targets.iter().map(|t| t.out_dim).max().unwrap_or(0),
+            max_out,
             std::mem::size_of::<Y>(),
             tuning.expand_cols,
             SCRATCH_BYTES,
