@@ -120,6 +120,6 @@ pub use probe::{
 };
 pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
 pub use tensors::{
-    AdapterTensors, HostTensor, MappedSafetensors, SafetensorsFile, TensorDtype, TensorInfo, load_adapter_safetensors,
-    load_bf16,
+    AdapterTensors, HostTensor, MappedSafetensors, SafetensorsFile, TensorDtype, TensorInfo, UnparsedSafetensors,
+    load_adapter_safetensors, load_bf16,
 };

@@ -201,9 +201,31 @@ impl std::fmt::Debug for SafetensorsFile {
     }
 }
 
-impl SafetensorsFile {
-    /// Open `path` and read and validate its header.
-    pub fn open(path: &Path) -> Result<SafetensorsFile, AuditError> {
+/// A safetensors file whose header bytes are read but not yet parsed: its
+/// data section can be read (as raw bytes) while another thread parses and
+/// audits the header. Nothing read through it is trusted before
+/// [`UnparsedSafetensors::parse`] has validated the header against the file.
+pub struct UnparsedSafetensors {
+    path: String,
+    file: File,
+    text: Vec<u8>,
+    data_start: u64,
+    file_len: u64,
+}
+
+impl std::fmt::Debug for UnparsedSafetensors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnparsedSafetensors")
+            .field("path", &self.path)
+            .field("data_start", &self.data_start)
+            .field("file_len", &self.file_len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UnparsedSafetensors {
+    /// Open `path` and read its header bytes (length checked against the file).
+    pub fn open(path: &Path) -> Result<UnparsedSafetensors, AuditError> {
         use std::os::unix::fs::FileExt;
         let shown = path.display().to_string();
         let corrupt = |reason: String| AuditError::Safetensors {
@@ -223,21 +245,67 @@ impl SafetensorsFile {
         }
         let mut text = vec![0u8; n as usize];
         file.read_exact_at(&mut text, 8).map_err(|e| AuditError::io(path, e))?;
-        let header = Header::parse(&text).map_err(corrupt)?;
-        let data_start = 8 + n;
-        if data_start.checked_add(header.data_len() as u64) != Some(file_len) {
+        Ok(UnparsedSafetensors {
+            path: shown,
+            file,
+            text,
+            data_start: 8 + n,
+            file_len,
+        })
+    }
+
+    /// Bytes after the header: the data section, if the header agrees.
+    pub fn data_len(&self) -> u64 {
+        self.file_len - self.data_start
+    }
+
+    /// Fill `buf` with the data section's bytes at `offset` (from the
+    /// section's start).
+    pub fn read_data_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let at = self
+            .data_start
+            .checked_add(offset)
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "offset past the end of a file"))?;
+        self.file.read_exact_at(buf, at)
+    }
+
+    /// Parse and validate the header: offsets contiguous, sizes matching
+    /// shapes and dtypes, the data section exactly filling the file.
+    pub fn parse(&self) -> Result<SafetensorsFile, AuditError> {
+        let corrupt = |reason: String| AuditError::Safetensors {
+            path: self.path.clone(),
+            reason,
+        };
+        let header = Header::parse(&self.text).map_err(corrupt)?;
+        if self.data_start.checked_add(header.data_len() as u64) != Some(self.file_len) {
             return Err(corrupt(format!(
                 "the header describes {} data bytes, the file holds {}",
                 header.data_len(),
-                file_len - data_start
+                self.data_len()
             )));
         }
         Ok(SafetensorsFile {
-            path: shown,
-            file,
-            data_start,
+            path: self.path.clone(),
+            file: self
+                .file
+                .try_clone()
+                .map_err(|e| AuditError::io(Path::new(&self.path), e))?,
+            data_start: self.data_start,
             header,
         })
+    }
+}
+
+impl SafetensorsFile {
+    /// Open `path` and read and validate its header.
+    pub fn open(path: &Path) -> Result<SafetensorsFile, AuditError> {
+        UnparsedSafetensors::open(path)?.parse()
+    }
+
+    /// Absolute byte offset of the data section.
+    pub fn data_start(&self) -> u64 {
+        self.data_start
     }
 
     /// One tensor: its type, shape, and where its bytes lie in the file

@@ -47,6 +47,7 @@ device_elem! {
     PairEntry => "pair_entry",
     EmbedOverlayEntry => "embed_overlay_entry",
     LmHeadOverlayEntry => "lm_head_overlay_entry",
+    crate::ops::repack::RepackRegion => "repack_region",
 }
 
 /// A typed allocation of `len` elements on one device, zeroed at creation.

@@ -27,10 +27,17 @@ pub(crate) enum Family {
     Sgmv,
     MoeIndex,
     Overlay,
+    Repack,
 }
 
 impl Family {
-    pub(crate) const ALL: [Family; 4] = [Family::Bgmv, Family::Sgmv, Family::MoeIndex, Family::Overlay];
+    pub(crate) const ALL: [Family; 5] = [
+        Family::Bgmv,
+        Family::Sgmv,
+        Family::MoeIndex,
+        Family::Overlay,
+        Family::Repack,
+    ];
 
     pub(crate) fn file(self) -> &'static str {
         match self {
@@ -38,6 +45,7 @@ impl Family {
             Family::Sgmv => "sgmv.cu",
             Family::MoeIndex => "moe_index.cu",
             Family::Overlay => "overlay.cu",
+            Family::Repack => "repack.cu",
         }
     }
 
@@ -47,6 +55,7 @@ impl Family {
             Family::Sgmv => include_str!("../cuda/sgmv.cu"),
             Family::MoeIndex => include_str!("../cuda/moe_index.cu"),
             Family::Overlay => include_str!("../cuda/overlay.cu"),
+            Family::Repack => include_str!("../cuda/repack.cu"),
         }
     }
 

@@ -236,3 +236,73 @@ pub fn rel_error(out: &[f32], reference: &[f32]) -> f64 {
 pub fn widen(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
+
+/// A random repack case: raw source bytes (random BF16 / F16 / F32 values,
+/// tensors at any byte offset) and non-overlapping regions over a
+/// destination of `dst_len` elements, some of them zeros only.
+#[derive(Debug, Clone)]
+pub struct RepackCase {
+    /// The raw source bytes.
+    pub src: Vec<u8>,
+    /// The regions, in destination order.
+    pub regions: Vec<crate::ops::repack::RepackRegion>,
+    /// Destination elements the regions span (and some gaps they leave).
+    pub dst_len: usize,
+}
+
+impl RepackCase {
+    /// A case of `n_regions` regions with sides up to `max_side`.
+    pub fn random(rng: &mut Rng, n_regions: usize, max_side: usize) -> RepackCase {
+        use crate::ops::repack::{RepackDtype, RepackRegion};
+        let mut src = Vec::new();
+        let mut regions = Vec::with_capacity(n_regions);
+        let mut dst_at = 0usize;
+        for _ in 0..n_regions {
+            let dtype = [RepackDtype::Bf16, RepackDtype::F16, RepackDtype::F32][rng.below(3)];
+            let dst_rows = 1 + rng.below(max_side);
+            let dst_cols = 1 + rng.below(max_side);
+            let zeros_only = rng.below(8) == 0;
+            let rows = if zeros_only { 0 } else { 1 + rng.below(dst_rows) };
+            let src_cols = 1 + rng.below(dst_cols);
+            // Odd gaps in the source and the destination: any alignment.
+            src.resize(src.len() + rng.below(3), 0xa5);
+            dst_at += rng.below(3) * 8 + rng.below(2);
+            let src_byte = src.len();
+            for _ in 0..rows * src_cols {
+                let v = (rng.uniform() - 0.5) * 8.0;
+                match dtype {
+                    RepackDtype::Bf16 => src.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
+                    RepackDtype::F16 => src.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+                    RepackDtype::F32 => src.extend_from_slice(&v.to_le_bytes()),
+                }
+            }
+            regions.push(RepackRegion {
+                src_byte: src_byte as u64,
+                dst_elem: dst_at as u64,
+                rows: rows as u32,
+                src_cols: src_cols as u32,
+                dst_rows: dst_rows as u32,
+                dst_cols: dst_cols as u32,
+                dtype: dtype as u32,
+                pad: 0,
+            });
+            dst_at += dst_rows * dst_cols;
+        }
+        // An even source length, as the BF16 carrier buffer needs.
+        src.resize(src.len().next_multiple_of(2), 0);
+        RepackCase {
+            src,
+            regions,
+            dst_len: dst_at + 5,
+        }
+    }
+
+    /// Run the case on `device` over a destination filled with `poison`.
+    pub fn run(&self, device: &Device, poison: bf16) -> Result<Vec<bf16>, KernelError> {
+        let src = device.upload(bytemuck::cast_slice::<u8, bf16>(&self.src))?;
+        let mut dst = device.upload(&vec![poison; self.dst_len])?;
+        let mut scratch = device.alloc_zeros(self.regions.len().max(1))?;
+        crate::ops::repack::repack(device, &src, self.src.len(), &self.regions, &mut scratch, &mut dst)?;
+        dst.download()
+    }
+}

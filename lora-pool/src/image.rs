@@ -417,6 +417,70 @@ impl<'a> PackPlan<'a> {
     }
 }
 
+impl PackPlan<'_> {
+    /// The plan as device repack regions over one slot image (element
+    /// offsets from the slot's start), reading from a copy of a file's data
+    /// section: two regions per place (A, then B; unadapted places as zeros).
+    /// `None` unless every pair comes from that one file ([`Elems::File`] at
+    /// or after `data_start`).
+    pub fn repack_regions(
+        &self,
+        layout: &impl PairLayout,
+        file: &SafetensorsFile,
+    ) -> Option<Vec<lora_kernels::RepackRegion>> {
+        use lora_kernels::{RepackDtype, RepackRegion};
+        let stride = layout.stride();
+        let data_start = file.data_start();
+        let src_of = |elems: &Elems<'_>| match elems {
+            Elems::File {
+                file: f, offset, dtype, ..
+            } if std::ptr::eq(*f, file) => {
+                let dtype = match dtype {
+                    TensorDtype::BF16 => RepackDtype::Bf16,
+                    TensorDtype::F16 => RepackDtype::F16,
+                    TensorDtype::F32 => RepackDtype::F32,
+                    _ => return None,
+                };
+                Some((offset.checked_sub(data_start)?, dtype as u32))
+            }
+            _ => None,
+        };
+        let u32_of = |v: usize| u32::try_from(v).ok();
+        let mut regions = Vec::with_capacity(2 * self.by_place.len());
+        for (i, src) in self.by_place.iter().enumerate() {
+            let place = layout.place(i)?;
+            let (a_dst, b_dst) = (place.a_offset / 2, place.b_offset / 2);
+            let (rank, a, b) = match src {
+                Some(p) => (p.meta.rank, Some(src_of(&p.a)?), Some(src_of(&p.b)?)),
+                None => (0, None, None),
+            };
+            let (a_byte, a_dtype) = a.unwrap_or((0, 0));
+            let (b_byte, b_dtype) = b.unwrap_or((0, 0));
+            regions.push(RepackRegion {
+                src_byte: a_byte,
+                dst_elem: a_dst as u64,
+                rows: u32_of(rank)?,
+                src_cols: u32_of(place.in_dim)?,
+                dst_rows: u32_of(stride)?,
+                dst_cols: u32_of(place.in_dim)?,
+                dtype: a_dtype,
+                pad: 0,
+            });
+            regions.push(RepackRegion {
+                src_byte: b_byte,
+                dst_elem: b_dst as u64,
+                rows: if rank == 0 { 0 } else { u32_of(place.out_dim)? },
+                src_cols: u32_of(rank)?,
+                dst_rows: u32_of(place.out_dim)?,
+                dst_cols: u32_of(stride)?,
+                dtype: b_dtype,
+                pad: 0,
+            });
+        }
+        Some(regions)
+    }
+}
+
 /// Elements of places `range` of `layout`.
 pub fn range_elems(layout: &impl PairLayout, range: Range<usize>) -> usize {
     let stride = layout.stride();

@@ -5,15 +5,16 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
 use lora_audit::{
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, PreparedAdapter, SafetensorsFile,
-    TensorDtype, audit_adapter, audit_header, prepare_adapter,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, AuditReport, HostOverlay, LoraOptions, PreparedAdapter,
+    SafetensorsFile, TensorDtype, UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
-    Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, Rows, RowsMut, Segments, WorkspaceSpec,
-    bgmv, one_adapter, sgmv,
+    Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion, Rows, RowsMut, Segments,
+    WorkspaceSpec, bgmv, one_adapter, repack, sgmv,
 };
 use lora_layout::{
     ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, PairKey, SlotLayout, build_seq_slot_host,
@@ -74,11 +75,54 @@ pub struct SwapReport {
     /// microseconds; 0 for a publish of landed images.
     pub stage_us: f64,
     /// The part of `stage_us` spent opening the weights' header and
-    /// auditing it (disk swaps only; 0 otherwise).
+    /// auditing it (disk swaps only; 0 otherwise). On the device-repack
+    /// route the audit runs beside the file's copy.
     pub audit_us: f64,
+    /// How the dense pairs reached the slot.
+    pub route: SwapRoute,
     /// Host time of the publish phase (slot copy, tables, bookkeeping),
     /// microseconds. Device copies may still be running when it returns.
     pub publish_us: f64,
+}
+
+/// How a load or swap brought an adapter's dense pairs into its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwapRoute {
+    /// The file's data section copied to the device as it is while the
+    /// header was audited, then placed by one device repack.
+    DeviceRepack,
+    /// Each tensor read from the file into its padded place in pinned
+    /// chunks on the host, then copied.
+    HostPack,
+    /// Prepared in full on the host first (expert pairs, token overlays, or
+    /// a caller's prepared adapter), then packed.
+    Prepared,
+    /// Images landed from a peer.
+    Landed,
+}
+
+/// How the swap path moves adapters to the device; see
+/// [`LoraPool::tune_staging`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagingTuning {
+    /// Bytes of one pinned chunk (default 4 MiB).
+    pub chunk_bytes: usize,
+    /// Chunks filled at once (default 2); the rest of the rayon pool helps
+    /// inside each.
+    pub in_flight: usize,
+    /// Take the device-repack route when the file's data section fits the
+    /// device staging slot (default true).
+    pub device_repack: bool,
+}
+
+impl Default for StagingTuning {
+    fn default() -> StagingTuning {
+        StagingTuning {
+            chunk_bytes: crate::staging::DEFAULT_CHUNK_BYTES,
+            in_flight: crate::staging::DEFAULT_IN_FLIGHT,
+            device_repack: true,
+        }
+    }
 }
 
 /// One module of an apply call and where its outputs start in y.
@@ -93,6 +137,7 @@ pub struct ModuleTarget {
 /// An adapter staged off to the side: everything a publish writes, checked.
 struct Staged<S> {
     name: String,
+    route: SwapRoute,
     dense: DenseSource,
     dense_pairs: Vec<PairMeta>,
     experts: Option<(ExpertLayout, SlotImage)>,
@@ -104,6 +149,9 @@ struct Staged<S> {
 enum DenseSource {
     /// Packed and uploaded into the pool's device staging slot.
     Staging,
+    /// A file's data section copied as it is into the device staging slot
+    /// (its first `bytes` bytes), placed by `regions` (offsets within a slot).
+    Raw { regions: Vec<RepackRegion>, bytes: usize },
     /// A landed image.
     Image(SlotImage),
 }
@@ -130,6 +178,7 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     prefill_rows: usize,
     workspace: LoraWorkspace,
     staging: Staging,
+    device_repack: bool,
 }
 
 fn audit_err(adapter: &str) -> impl FnOnce(lora_audit::AuditError) -> PoolError + '_ {
@@ -264,6 +313,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             prefill_rows: 0,
             workspace: LoraWorkspace::new(device, ws_spec)?,
             staging: Staging::new(device, &layout, DEFAULT_CHUNK_BYTES)?,
+            device_repack: true,
             layout,
             cfg,
             opts,
@@ -457,14 +507,18 @@ impl<C: SlotCompanion> LoraPool<C> {
         Ok(report)
     }
 
-    /// Cut the host side of the swap path into pinned chunks of about
-    /// `bytes` (default 4 MiB): each chunk's copy to the device starts as
-    /// soon as it is packed. Smaller chunks start the copies sooner; each
-    /// copy then carries more fixed cost. A tuning knob for the host at
-    /// hand; nothing else changes.
-    pub fn set_staging_chunk_bytes(&mut self, bytes: usize) -> Result<(), PoolError> {
+    /// Tune the swap path for the host at hand: the host side is cut into
+    /// pinned chunks, each copied to the device as soon as it is filled
+    /// (smaller chunks start the copies sooner, each copy then carries more
+    /// fixed cost), and a dense adapter whose data section fits the device
+    /// staging slot may go there as it is and be placed by a device repack.
+    /// What ends up in a slot is the same on every setting.
+    pub fn tune_staging(&mut self, tuning: StagingTuning) -> Result<(), PoolError> {
         self.device.synchronize()?;
-        self.staging.rechunk(&self.device, &self.layout, bytes)
+        self.staging
+            .retune(&self.device, &self.layout, tuning.chunk_bytes, tuning.in_flight)?;
+        self.device_repack = tuning.device_repack;
+        Ok(())
     }
 
     /// Number of pinned staging chunks the swap path uses.
@@ -564,6 +618,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
         let staged = Staged {
             name: name.to_string(),
+            route: SwapRoute::Landed,
             dense_pairs: dense.pairs().to_vec(),
             dense: DenseSource::Image(dense),
             experts,
@@ -583,53 +638,68 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
     }
 
-    /// Phase one from an adapter directory. An adapter of dense pairs only
-    /// is packed straight from its memory-mapped file into the staging
-    /// buffer (one pass, converting F32/F16 on the way); one with expert
-    /// pairs or token overlays goes through `prepare_adapter`, which splits
-    /// fused experts and compiles overlays.
-    /// Stage from a PEFT directory; also returns the audit's host time, µs.
+    /// Phase one from an adapter directory; also returns the audit's host
+    /// time, µs. An adapter of dense pairs only goes straight from its file:
+    /// when its data section fits the device staging slot, the section is
+    /// copied there as it is while another thread parses and audits the
+    /// header, and publish places every tensor with one device repack;
+    /// otherwise each tensor is read into its padded place in the pinned
+    /// chunks. One with expert pairs or token overlays goes through
+    /// `prepare_adapter`, which splits fused experts and compiles overlays.
     fn stage_from_dir(&mut self, name: &str, dir: &Path) -> Result<(Staged<C::Staged>, f64), PoolError> {
         if name.is_empty() {
             return Err(PoolError::EmptyName);
         }
         let started = std::time::Instant::now();
-        // Open the weights and read their header only: the audit reads the
-        // header, the packer reads each tensor straight into its place in
-        // the pinned staging chunks. A directory without them (a pickle,
-        // nothing) gets the full audit's verdict.
+        let since = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e6;
         let weights = dir.join(ADAPTER_WEIGHTS);
-        let file = if weights.is_file() {
-            Some(SafetensorsFile::open(&weights).map_err(audit_err(name))?)
-        } else {
-            None
-        };
-        let report = match &file {
-            Some(f) => {
-                let config_path = dir.join(ADAPTER_CONFIG);
-                let text = std::fs::read_to_string(&config_path).map_err(|e| {
-                    audit_err(name)(AuditError::Io {
-                        path: config_path.display().to_string(),
-                        source: e,
-                    })
-                })?;
-                audit_header(&dir.display().to_string(), &text, f.infos(), &self.cfg, &self.opts)
-            }
-            None => audit_adapter(dir, &self.cfg, &self.opts),
+        if !weights.is_file() {
+            // A pickle, or no weights: the full audit's verdict.
+            let report = audit_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
+            let audit_us = since(started);
+            return Ok((self.stage_prepared(name, dir, report)?, audit_us));
         }
-        .map_err(audit_err(name))?;
-        let audit_us = started.elapsed().as_secs_f64() * 1e6;
-        let dense_only = report.is_servable() && report.experts.is_empty() && report.overlay.is_empty();
-        let file = match file {
-            Some(f) if dense_only => f,
-            _ => {
-                if !report.is_servable() {
-                    return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
-                }
-                let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
-                return Ok((self.stage(name, &prepared)?, audit_us));
-            }
+        let unparsed = UnparsedSafetensors::open(&weights).map_err(audit_err(name))?;
+        let config_path = dir.join(ADAPTER_CONFIG);
+        let text = std::fs::read_to_string(&config_path).map_err(|e| {
+            audit_err(name)(AuditError::Io {
+                path: config_path.display().to_string(),
+                source: e,
+            })
+        })?;
+        let raw_len = usize::try_from(unparsed.data_len()).unwrap_or(usize::MAX);
+        let raw = self.device_repack && raw_len <= self.staging.capacity_bytes();
+        let shown = dir.display().to_string();
+        let (cfg, opts) = (&self.cfg, &self.opts);
+        let audit = || {
+            let file = unparsed.parse()?;
+            let report = audit_header(&shown, &text, file.infos(), cfg, opts)?;
+            Ok::<_, AuditError>((file, report, since(started)))
         };
+        let (audited, read) = if raw {
+            let stop = AtomicBool::new(false);
+            std::thread::scope(|scope| {
+                let auditor = scope.spawn(|| {
+                    let audited = audit();
+                    if !matches!(&audited, Ok((_, report, _)) if dense_only(report)) {
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                    audited
+                });
+                let read = self.staging.read_raw(&unparsed, &weights, raw_len, &stop, name);
+                match auditor.join() {
+                    Ok(audited) => (audited, read),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            })
+        } else {
+            (audit(), Ok(()))
+        };
+        let (file, report, audit_us) = audited.map_err(audit_err(name))?;
+        if !dense_only(&report) {
+            return Ok((self.stage_prepared(name, dir, report)?, audit_us));
+        }
+        read?;
         let sources = report
             .placed
             .iter()
@@ -650,17 +720,44 @@ impl<C: SlotCompanion> LoraPool<C> {
             .collect::<Result<Vec<_>, PoolError>>()?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
-        self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
-        let dense_pairs = plan.metas().to_vec();
+        let regions = if raw {
+            plan.repack_regions(&self.layout, &file)
+        } else {
+            None
+        };
+        let (dense, route) = match regions {
+            Some(regions) => (
+                DenseSource::Raw {
+                    regions,
+                    bytes: raw_len,
+                },
+                SwapRoute::DeviceRepack,
+            ),
+            None => {
+                self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
+                (DenseSource::Staging, SwapRoute::HostPack)
+            }
+        };
         let staged = Staged {
             name: name.to_string(),
-            dense: DenseSource::Staging,
-            dense_pairs,
+            route,
+            dense,
+            dense_pairs: plan.metas().to_vec(),
             experts: None,
             companion: Some(companion),
             has_overlay: false,
         };
         Ok((staged, audit_us))
+    }
+
+    /// An audited adapter that is not dense-only: refused, or prepared in
+    /// full (experts split, overlays compiled) and staged.
+    fn stage_prepared(&mut self, name: &str, dir: &Path, report: AuditReport) -> Result<Staged<C::Staged>, PoolError> {
+        if !report.is_servable() {
+            return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
+        }
+        let prepared = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err(name))?;
+        self.stage(name, &prepared)
     }
 
     /// Phase one: check and build everything off to the side. Writes only
@@ -690,6 +787,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         let dense_pairs = plan.metas().to_vec();
         Ok(Staged {
             name: name.to_string(),
+            route: SwapRoute::Prepared,
             dense: DenseSource::Staging,
             dense_pairs,
             experts,
@@ -707,6 +805,23 @@ impl<C: SlotCompanion> LoraPool<C> {
         let base = slot * elems;
         match &staged.dense {
             DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
+            DenseSource::Raw { regions, bytes } => {
+                let at_slot: Vec<RepackRegion> = regions
+                    .iter()
+                    .map(|r| RepackRegion {
+                        dst_elem: r.dst_elem + base as u64,
+                        ..*r
+                    })
+                    .collect();
+                repack(
+                    &self.device,
+                    &self.staging.device,
+                    *bytes,
+                    &at_slot,
+                    &mut self.staging.regions,
+                    &mut self.weights,
+                )?;
+            }
             DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
         }
         self.clear_table_entries(slot);
@@ -760,6 +875,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             expert_pairs: s.expert_pairs.len(),
             stage_us: 0.0,
             audit_us: 0.0,
+            route: staged.route,
             publish_us: started.elapsed().as_secs_f64() * 1e6,
         })
     }
@@ -972,6 +1088,12 @@ fn targets<'t>(
 }
 
 /// A tensor of a memory-mapped adapter file as packable elements.
+/// Whether an audit lets the adapter go straight from its file: servable,
+/// and dense pairs only.
+fn dense_only(report: &AuditReport) -> bool {
+    report.is_servable() && report.experts.is_empty() && report.overlay.is_empty()
+}
+
 fn file_elems<'a>(file: &'a SafetensorsFile, key: &str) -> Result<Elems<'a>, AuditError> {
     let (dtype, _, offset, bytes) = file.tensor(key)?;
     let size = match dtype {

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use common::{fixtures, model_config};
 use lora_kernels::{Device, PairEntry};
 use lora_layout::LoraModule;
-use lora_pool::{AdapterSlot, AdapterSource, BatchCapacity, LoraOptions, LoraPool, PoolError};
+use lora_pool::{
+    AdapterSlot, AdapterSource, BatchCapacity, LoraOptions, LoraPool, PoolError, StagingTuning, SwapRoute,
+};
 
 fn dir(adapter: &str) -> PathBuf {
     fixtures().join("llama").join(adapter)
@@ -293,23 +295,65 @@ fn startup_load_checks_names_and_slot_count() {
 }
 
 #[test]
-fn packing_from_the_mapped_file_equals_packing_the_converted_adapter() {
-    let mut pool = pool_with(options(2, 0), &[]);
+fn every_route_from_a_file_writes_the_bytes_of_the_converted_adapter() {
     let cfg = model_config("llama");
+    // A stride of 64 lets even the F32 files fit the device staging slot.
+    let opts = LoraOptions {
+        max_rank: 64,
+        ..options(2, 0)
+    };
+    let host_pack = StagingTuning {
+        device_repack: false,
+        ..StagingTuning::default()
+    };
+    let tiny_chunks = StagingTuning {
+        chunk_bytes: 1,
+        in_flight: 3,
+        ..StagingTuning::default()
+    };
     for adapter in [
         "dense_all_linear_f32",
         "dense_all_linear_f16",
         "dense_all_linear_bf16",
         "rank_alpha_pattern",
     ] {
-        pool.swap_from_disk(0, "direct", &dir(adapter)).unwrap();
-        let prepared = lora_audit::prepare_adapter(&dir(adapter), &cfg, pool.options()).unwrap();
-        pool.swap_prepared(1, "converted", &prepared).unwrap();
-        assert_eq!(
-            pool.slot_contents(0).unwrap(),
-            pool.slot_contents(1).unwrap(),
-            "{adapter}"
-        );
-        assert_eq!(pool.slots()[0].pairs, pool.slots()[1].pairs, "{adapter}");
+        for (tuning, route) in [
+            (StagingTuning::default(), SwapRoute::DeviceRepack),
+            (tiny_chunks, SwapRoute::DeviceRepack),
+            (host_pack, SwapRoute::HostPack),
+        ] {
+            let mut pool = pool_with(opts.clone(), &[]);
+            pool.tune_staging(tuning).unwrap();
+            let report = pool.swap_from_disk(0, "direct", &dir(adapter)).unwrap();
+            assert_eq!(report.route, route, "{adapter} {tuning:?}");
+            let prepared = lora_audit::prepare_adapter(&dir(adapter), &cfg, pool.options()).unwrap();
+            let report = pool.swap_prepared(1, "converted", &prepared).unwrap();
+            assert_eq!(report.route, SwapRoute::Prepared);
+            assert_eq!(
+                pool.slot_contents(0).unwrap(),
+                pool.slot_contents(1).unwrap(),
+                "{adapter} {tuning:?}"
+            );
+            assert_eq!(pool.slots()[0].pairs, pool.slots()[1].pairs, "{adapter}");
+        }
     }
+}
+
+#[test]
+fn a_data_section_larger_than_the_staging_slot_is_packed_on_the_host() {
+    let weights = dir("dense_all_linear_f32").join(lora_audit::ADAPTER_WEIGHTS);
+    let data = lora_audit::UnparsedSafetensors::open(&weights).unwrap().data_len() as usize;
+    // At a stride of the adapter's rank, F32 data is twice the BF16 slot.
+    let opts = LoraOptions {
+        max_rank: 8,
+        ..options(2, 0)
+    };
+    let mut pool = pool_with(opts, &[]);
+    assert!(
+        data > pool.layout().slot_bytes(),
+        "{data} data bytes fit a {}-byte slot",
+        pool.layout().slot_bytes()
+    );
+    let report = pool.swap_from_disk(0, "f32", &dir("dense_all_linear_f32")).unwrap();
+    assert_eq!(report.route, SwapRoute::HostPack);
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use half::bf16;
 use lora_kernels::Device;
 use lora_layout::ModelConfig;
-use lora_pool::{BatchCapacity, LoraOptions, LoraPool};
+use lora_pool::{BatchCapacity, LoraOptions, LoraPool, StagingTuning};
 
 /// One measured operation beside its baseline.
 #[derive(Debug, Clone)]
@@ -80,6 +80,7 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
     let mut swap_us = Vec::with_capacity(reps);
     let (mut stage_us, mut publish_us) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
     let mut audit_us = Vec::with_capacity(reps);
+    let mut route = String::new();
     // Warm both paths once, then interleave them so drift hits both alike.
     dst.upload_pinned(0, &pinned).map_err(|e| e.to_string())?;
     pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
@@ -96,12 +97,26 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
         stage_us.push(report.stage_us);
         publish_us.push(report.publish_us);
         audit_us.push(report.audit_us);
+        route = format!("{:?}", report.route);
     }
     let chunks = pool.staging_chunks();
     let mut swept = String::new();
     if sweep {
-        for mib in [1usize, 2, 8, 32] {
-            pool.set_staging_chunk_bytes(mib << 20).map_err(|e| e.to_string())?;
+        for (mib, in_flight, device_repack) in [
+            (4usize, 2usize, false),
+            (1, 2, true),
+            (2, 2, true),
+            (8, 2, true),
+            (4, 1, true),
+            (4, 4, true),
+            (16, 1, true),
+        ] {
+            let tuning = StagingTuning {
+                chunk_bytes: mib << 20,
+                in_flight,
+                device_repack,
+            };
+            pool.tune_staging(tuning).map_err(|e| e.to_string())?;
             let mut us = Vec::with_capacity(reps);
             for _ in 0..reps {
                 let t = Instant::now();
@@ -109,8 +124,10 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
                 sync(device)?;
                 us.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            swept += &format!("; {mib} MiB chunks {:.0} us", quantiles(us).0);
+            let route = if device_repack { "repack" } else { "host pack" };
+            swept += &format!("; {route} {mib} MiB x {in_flight}: {:.0} us", quantiles(us).0);
         }
+        pool.tune_staging(StagingTuning::default()).map_err(|e| e.to_string())?;
     }
     let parts = swap_parts(&pool, &dir, reps)?;
     let _ = std::fs::remove_dir_all(&dir);
@@ -124,8 +141,8 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
         bytes,
         median_us,
         spread: format!(
-            "{spread}; stage {stage:.0} us (of which audit {audit:.0} us), {chunks} chunks, publish {publish:.0} us; \
-             alone: {parts}{swept}"
+            "{spread}; route {route}; stage {stage:.0} us (audit {audit:.0} us), {chunks} chunks, \
+             publish {publish:.0} us; alone: {parts}{swept}"
         ),
         baseline: "pinned host-to-device copy".into(),
         baseline_us: copy,

@@ -7,6 +7,7 @@
 //! - [`moe_index`]: routed-expert entry-index builders.
 //! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
 //! - [`launch_floor`]: an empty launch, the floor a benchmark's timing method sets.
+//! - [`repack`]: a slot image written on the device from raw adapter-file bytes.
 //!
 //! Apply calls allocate nothing, never synchronise and keep every address
 //! and launch shape fixed for fixed arguments, so they can be captured in a
@@ -19,6 +20,7 @@ pub mod launch_floor;
 pub mod moe_index;
 pub mod overlay;
 mod pairs;
+pub mod repack;
 pub mod sgmv;
 mod workspace;
 

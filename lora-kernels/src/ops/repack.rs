@@ -1,0 +1,232 @@
+//! Slot repack: write a pool slot's regions on the device from the raw bytes
+//! of an adapter file already copied there.
+//!
+//! A swap can then move the file's data section to the device as it is, in
+//! large copies that need no knowledge of where each tensor goes, while the
+//! host still audits the header; once the audit has placed every tensor, one
+//! launch writes the slot image (rank padding and unadapted places as zeros,
+//! F16 / F32 rounded to BF16 like the host packer). Every region is checked
+//! against both buffers on the host before anything is launched.
+
+use bytemuck::{Pod, Zeroable};
+use half::{bf16, f16};
+
+use crate::buffer::{DeviceBuffer, check_range};
+use crate::cuda_rt::{Family, Kernel, Launch};
+use crate::device::{Backend, Device};
+use crate::error::{KernelError, invalid};
+use crate::ops::to_u32;
+
+/// Element type of a region's source bytes (little-endian).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum RepackDtype {
+    /// bfloat16, copied as is.
+    Bf16 = 0,
+    /// IEEE half, converted exactly to f32 then rounded to BF16.
+    F16 = 1,
+    /// IEEE single, rounded to BF16 (nearest even).
+    F32 = 2,
+}
+
+impl RepackDtype {
+    /// Bytes per source element.
+    pub fn size(self) -> usize {
+        match self {
+            RepackDtype::Bf16 | RepackDtype::F16 => 2,
+            RepackDtype::F32 => 4,
+        }
+    }
+}
+
+/// One destination block `[dst_rows, dst_cols]` of BF16 at element
+/// `dst_elem`, whose top-left `[rows, src_cols]` comes from the row-major
+/// source at byte `src_byte`; every other element is zero. `rows == 0`
+/// writes zeros only.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct RepackRegion {
+    /// First source byte (any alignment).
+    pub src_byte: u64,
+    /// First destination element.
+    pub dst_elem: u64,
+    /// Source rows.
+    pub rows: u32,
+    /// Source elements per row.
+    pub src_cols: u32,
+    /// Destination rows (`>= rows`).
+    pub dst_rows: u32,
+    /// Destination elements per row (`>= src_cols`).
+    pub dst_cols: u32,
+    /// A [`RepackDtype`] as `u32`.
+    pub dtype: u32,
+    /// Zero.
+    pub pad: u32,
+}
+
+// SAFETY: `#[repr(C)]`, integers only, no padding (40 bytes, checked by the
+// layout test), mirrored by `RepackRegion` in cuda/repack.cu; all-zero bytes
+// are a valid value.
+unsafe impl cudarc::driver::DeviceRepr for RepackRegion {}
+// SAFETY: see above.
+unsafe impl cudarc::driver::ValidAsZeroBits for RepackRegion {}
+
+impl RepackRegion {
+    fn dtype(&self) -> Result<RepackDtype, KernelError> {
+        match self.dtype {
+            0 => Ok(RepackDtype::Bf16),
+            1 => Ok(RepackDtype::F16),
+            2 => Ok(RepackDtype::F32),
+            other => Err(invalid(
+                "regions",
+                format!("dtype {other} is not 0 (BF16), 1 (F16) or 2 (F32)"),
+            )),
+        }
+    }
+
+    /// Check the region against a source of `src_bytes` and a destination of
+    /// `dst_elems`; returns (source bytes, destination elements) it covers.
+    fn check(&self, src_bytes: usize, dst_elems: usize) -> Result<(usize, usize), KernelError> {
+        let dtype = self.dtype()?;
+        if self.rows > self.dst_rows || self.src_cols > self.dst_cols {
+            return Err(invalid(
+                "regions",
+                format!(
+                    "source [{}, {}] does not fit destination [{}, {}]",
+                    self.rows, self.src_cols, self.dst_rows, self.dst_cols
+                ),
+            ));
+        }
+        let overflow = || invalid("regions", "region size overflows");
+        let src_len = (self.rows as usize)
+            .checked_mul(self.src_cols as usize)
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .ok_or_else(overflow)?;
+        let dst_len = (self.dst_rows as usize)
+            .checked_mul(self.dst_cols as usize)
+            .ok_or_else(overflow)?;
+        let src_at = usize::try_from(self.src_byte).map_err(|_| overflow())?;
+        let dst_at = usize::try_from(self.dst_elem).map_err(|_| overflow())?;
+        if src_len > 0 {
+            check_range("region source", src_at, src_len, src_bytes)?;
+        }
+        check_range("region destination", dst_at, dst_len, dst_elems)?;
+        Ok((src_len, dst_len))
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RepackParams {
+    regions: u64,
+    src: u64,
+    dst: u64,
+}
+
+/// Blocks per region along x: enough to spread a 14336 x 16 block over the
+/// SMs without leaving small regions with idle blocks for long.
+const BLOCKS_PER_REGION: u32 = 8;
+
+/// Write `regions` of `dst` from the first `src_bytes` bytes of `src` (raw
+/// bytes, any type; BF16 is just its carrier here). `scratch` receives the
+/// region table (at least `regions.len()` entries; its contents are
+/// replaced). Every region is checked first; regions must not overlap in
+/// `dst` (not checked: the caller's layout guarantees it).
+pub fn repack(
+    device: &Device,
+    src: &DeviceBuffer<bf16>,
+    src_bytes: usize,
+    regions: &[RepackRegion],
+    scratch: &mut DeviceBuffer<RepackRegion>,
+    dst: &mut DeviceBuffer<bf16>,
+) -> Result<(), KernelError> {
+    device.expect_same("src", src.device())?;
+    device.expect_same("dst", dst.device())?;
+    device.expect_same("scratch", scratch.device())?;
+    check_range("src_bytes", 0, src_bytes, 2 * src.len())?;
+    check_range("regions", 0, regions.len(), scratch.len())?;
+    let mut work = 0usize;
+    for r in regions {
+        let (_, dst_len) = r.check(src_bytes, dst.len())?;
+        work = work.saturating_add(dst_len);
+    }
+    if regions.is_empty() || work == 0 {
+        return Ok(());
+    }
+    match device.backend() {
+        Backend::Cpu(_) => {
+            let src_alloc = src
+                .cpu_alloc()
+                .ok_or_else(|| invalid("src", "not a CPU buffer"))?
+                .clone();
+            let dst_len = dst.len();
+            dst.cpu_modify(0, dst_len, |out| {
+                src_alloc.with_bytes(|bytes| {
+                    for r in regions {
+                        repack_reference(r, bytes, out);
+                    }
+                })
+            })
+        }
+        Backend::Cuda(c) => {
+            scratch.write(0, regions)?;
+            let params = RepackParams {
+                regions: scratch.device_addr(),
+                src: src.device_addr(),
+                dst: dst.device_addr(),
+            };
+            if regions.len() > 65_535 {
+                return Err(invalid("regions", format!("{} regions; at most 65535", regions.len())));
+            }
+            let launch = Launch {
+                grid: (BLOCKS_PER_REGION, to_u32("regions", regions.len())?, 1),
+                block: 256,
+                smem: 0,
+            };
+            // SAFETY: params mirror the kernel's struct; every region was
+            // checked to lie inside `src` (first `src_bytes` bytes) and `dst`,
+            // and `scratch` holds the checked table the kernel reads.
+            unsafe {
+                c.launch(
+                    Kernel {
+                        family: Family::Repack,
+                        name: "repack_regions",
+                    },
+                    launch,
+                    &params,
+                )
+            }
+        }
+    }
+}
+
+/// The CPU reference of one region (checked by the caller).
+fn repack_reference(r: &RepackRegion, src: &[u8], dst: &mut [bf16]) {
+    let dtype = match r.dtype {
+        1 => RepackDtype::F16,
+        2 => RepackDtype::F32,
+        _ => RepackDtype::Bf16,
+    };
+    let size = dtype.size();
+    let (rows, src_cols, dst_cols) = (r.rows as usize, r.src_cols as usize, r.dst_cols as usize);
+    let base = r.src_byte as usize;
+    let out = &mut dst[r.dst_elem as usize..r.dst_elem as usize + r.dst_rows as usize * dst_cols];
+    for (row, line) in out.chunks_exact_mut(dst_cols.max(1)).enumerate() {
+        for (col, d) in line.iter_mut().enumerate() {
+            *d = if row < rows && col < src_cols {
+                let at = base + (row * src_cols + col) * size;
+                let b = &src[at..at + size];
+                match dtype {
+                    RepackDtype::Bf16 => bf16::from_bits(u16::from_le_bytes([b[0], b[1]])),
+                    RepackDtype::F16 => bf16::from_f32(f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
+                    RepackDtype::F32 => bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                }
+            } else {
+                bf16::ZERO
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
