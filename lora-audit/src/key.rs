@@ -77,18 +77,28 @@ pub struct LoraKey {
 /// `prefix.layers.{i}.rest` or `layers.{i}.rest`. `None` without a layer
 /// index, or with one that does not fit `usize`.
 pub fn split_layer_path(path: &str) -> Option<(&str, usize, &str)> {
-    let mut search_from = 0;
+    // A walk over the dot-separated segments (no substring searcher: this
+    // runs for every tensor of every swap).
+    let bytes = path.as_bytes();
+    let mut start = 0;
     loop {
-        let found = path[search_from..].find("layers.")? + search_from;
-        let at_boundary = found == 0 || path.as_bytes()[found - 1] == b'.';
-        let after = &path[found + "layers.".len()..];
-        let digits = after.bytes().take_while(u8::is_ascii_digit).count();
-        if at_boundary && digits > 0 && after.as_bytes().get(digits) == Some(&b'.') {
-            let layer = after[..digits].parse::<usize>().ok()?;
-            let prefix = path[..found].strip_suffix('.').unwrap_or("");
-            return Some((prefix, layer, &after[digits + 1..]));
+        let end = bytes[start..]
+            .iter()
+            .position(|&b| b == b'.')
+            .map_or(bytes.len(), |i| start + i);
+        if end == bytes.len() {
+            return None;
         }
-        search_from = found + 1;
+        if &bytes[start..end] == b"layers" {
+            let after = &path[end + 1..];
+            let digits = after.bytes().take_while(u8::is_ascii_digit).count();
+            if digits > 0 && after.as_bytes().get(digits) == Some(&b'.') {
+                let layer = after[..digits].parse::<usize>().ok()?;
+                let prefix = path[..start].strip_suffix('.').unwrap_or("");
+                return Some((prefix, layer, &after[digits + 1..]));
+            }
+        }
+        start = end + 1;
     }
 }
 

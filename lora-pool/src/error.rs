@@ -140,6 +140,14 @@ pub enum PoolError {
         /// What failed.
         message: String,
     },
+    /// The swap path's reader threads could not be started.
+    #[error("cannot start {threads} staging reader threads: {message}")]
+    StagingThreads {
+        /// Threads asked for.
+        threads: usize,
+        /// The thread pool's error.
+        message: String,
+    },
 }
 
 impl PoolError {

@@ -107,12 +107,14 @@ pub enum SwapRoute {
 pub struct StagingTuning {
     /// Bytes of one pinned chunk (default 4 MiB).
     pub chunk_bytes: usize,
-    /// Chunks filled at once (default 2); the rest of the rayon pool helps
+    /// Chunks filled at once (default 4); the rest of the rayon pool helps
     /// inside each.
     pub in_flight: usize,
     /// Take the device-repack route when the file's data section fits the
     /// device staging slot (default true).
     pub device_repack: bool,
+    /// The swap path's own reader threads (default: three per four cores).
+    pub read_threads: usize,
 }
 
 impl Default for StagingTuning {
@@ -121,6 +123,7 @@ impl Default for StagingTuning {
             chunk_bytes: crate::staging::DEFAULT_CHUNK_BYTES,
             in_flight: crate::staging::DEFAULT_IN_FLIGHT,
             device_repack: true,
+            read_threads: crate::staging::default_read_threads(),
         }
     }
 }
@@ -515,8 +518,13 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// What ends up in a slot is the same on every setting.
     pub fn tune_staging(&mut self, tuning: StagingTuning) -> Result<(), PoolError> {
         self.device.synchronize()?;
-        self.staging
-            .retune(&self.device, &self.layout, tuning.chunk_bytes, tuning.in_flight)?;
+        self.staging.retune(
+            &self.device,
+            &self.layout,
+            tuning.chunk_bytes,
+            tuning.in_flight,
+            tuning.read_threads,
+        )?;
         self.device_repack = tuning.device_repack;
         Ok(())
     }

@@ -9,6 +9,7 @@ use half::bf16;
 use lora_kernels::Device;
 use lora_layout::ModelConfig;
 use lora_pool::{BatchCapacity, LoraOptions, LoraPool, StagingTuning};
+use rayon::prelude::*;
 
 /// One measured operation beside its baseline.
 #[derive(Debug, Clone)]
@@ -102,34 +103,40 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
     let chunks = pool.staging_chunks();
     let mut swept = String::new();
     if sweep {
-        for (mib, in_flight, device_repack) in [
-            (4usize, 2usize, false),
-            (1, 2, true),
-            (2, 2, true),
-            (8, 2, true),
-            (4, 1, true),
-            (4, 4, true),
-            (16, 1, true),
+        for (mib, in_flight, read_threads, device_repack) in [
+            (4usize, 4usize, 12usize, false),
+            (4, 4, 16, true),
+            (4, 4, 14, true),
+            (4, 4, 10, true),
+            (8, 4, 12, true),
+            (2, 4, 12, true),
         ] {
             let tuning = StagingTuning {
                 chunk_bytes: mib << 20,
                 in_flight,
                 device_repack,
+                read_threads,
             };
             pool.tune_staging(tuning).map_err(|e| e.to_string())?;
-            let mut us = Vec::with_capacity(reps);
+            let (mut us, mut stage) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
             for _ in 0..reps {
                 let t = Instant::now();
-                pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
+                let report = pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
                 sync(device)?;
                 us.push(t.elapsed().as_secs_f64() * 1e6);
+                stage.push(report.stage_us);
             }
             let route = if device_repack { "repack" } else { "host pack" };
-            swept += &format!("; {route} {mib} MiB x {in_flight}: {:.0} us", quantiles(us).0);
+            swept += &format!(
+                "; {route} {mib} MiB x {in_flight}, {read_threads} readers: {:.0} us (stage {:.0})",
+                quantiles(us).0,
+                quantiles(stage).0
+            );
         }
         pool.tune_staging(StagingTuning::default()).map_err(|e| e.to_string())?;
     }
     let parts = swap_parts(&pool, &dir, reps)?;
+    let (raw_read, read_and_copy) = read_beside_copy(device, &dir, &pinned, &mut dst, reps)?;
     let _ = std::fs::remove_dir_all(&dir);
     let (copy, _) = quantiles(copy_us);
     let (median_us, spread) = quantiles(swap_us);
@@ -142,7 +149,8 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
         median_us,
         spread: format!(
             "{spread}; route {route}; stage {stage:.0} us (audit {audit:.0} us), {chunks} chunks, \
-             publish {publish:.0} us; alone: {parts}{swept}"
+             publish {publish:.0} us; alone: {parts}; the data section read alone {raw_read:.0} us, \
+             read while the pinned copy runs: both done in {read_and_copy:.0} us{swept}"
         ),
         baseline: "pinned host-to-device copy".into(),
         baseline_us: copy,
@@ -222,6 +230,43 @@ fn swap_parts(pool: &LoraPool, dir: &std::path::Path, reps: usize) -> Result<Str
         "audit {audit:.0} us, read + pack {pack:.0} us on {} threads",
         rayon_threads()
     ))
+}
+
+/// The two streams a disk swap cannot avoid, timed alone and together: the
+/// adapter file's data section read from the page cache (every core, the
+/// swap's 128 KiB pieces) and the pinned host-to-device copy of the slot.
+/// Together they share the host's memory bandwidth; the time until both are
+/// done is what any swap from the page cache must at least take on this
+/// host. Medians, µs: (read alone, read and copy together).
+fn read_beside_copy(
+    device: &Device,
+    dir: &std::path::Path,
+    pinned: &lora_kernels::PinnedHostBuffer<bf16>,
+    dst: &mut lora_kernels::DeviceBuffer<bf16>,
+    reps: usize,
+) -> Result<(f64, f64), String> {
+    let s = |e: &dyn std::fmt::Display| e.to_string();
+    let file = lora_audit::UnparsedSafetensors::open(&dir.join(lora_audit::ADAPTER_WEIGHTS)).map_err(|e| s(&e))?;
+    let mut raw = vec![0u8; file.data_len() as usize];
+    let piece = 128 << 10;
+    let read = |raw: &mut Vec<u8>| {
+        raw.par_chunks_mut(piece)
+            .enumerate()
+            .try_for_each(|(i, p)| file.read_data_at(p, (i * piece) as u64))
+            .map_err(|e| s(&e))
+    };
+    let (mut alone, mut together) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let t = Instant::now();
+        read(&mut raw)?;
+        alone.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        dst.upload_pinned(0, pinned).map_err(|e| s(&e))?;
+        read(&mut raw)?;
+        device.synchronize().map_err(|e| s(&e))?;
+        together.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok((quantiles(alone).0, quantiles(together).0))
 }
 
 fn rayon_threads() -> usize {

@@ -279,3 +279,37 @@ proptest::proptest! {
         }
     }
 }
+
+/// The substring-search formulation of `split_layer_path`, as a reference.
+fn split_layer_path_by_search(path: &str) -> Option<(&str, usize, &str)> {
+    let mut from = 0;
+    loop {
+        let found = path[from..].find("layers.")? + from;
+        let at_boundary = found == 0 || path.as_bytes()[found - 1] == b'.';
+        let after = &path[found + "layers.".len()..];
+        let digits = after.bytes().take_while(u8::is_ascii_digit).count();
+        if at_boundary && digits > 0 && after.as_bytes().get(digits) == Some(&b'.') {
+            let layer = after[..digits].parse::<usize>().ok()?;
+            return Some((
+                path[..found].strip_suffix('.').unwrap_or(""),
+                layer,
+                &after[digits + 1..],
+            ));
+        }
+        from = found + 1;
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+    #[test]
+    fn the_segment_walk_agrees_with_a_substring_search(
+        parts in proptest::collection::vec(
+            proptest::sample::select(vec!["layers", "xlayers", "layersx", "model", "7", "12", "", "mlp", "0x", "99999999999999999999999"]),
+            0..8,
+        )
+    ) {
+        let path = parts.join(".");
+        proptest::prop_assert_eq!(split_layer_path(&path), split_layer_path_by_search(&path), "{}", path);
+    }
+}

@@ -81,7 +81,7 @@ fn one_chunk_and_one_chunk_per_place_stage_the_same_bytes() {
 }
 
 #[test]
-fn inside_the_rayon_pool_the_pack_is_chunk_by_chunk_and_the_same() {
+fn called_from_inside_a_rayon_pool_the_staging_is_the_same() {
     rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
