@@ -24,6 +24,7 @@ mod lease;
 mod pool;
 mod registry;
 mod staging;
+mod streaming;
 
 pub use companion::{NoCompanion, SlotCompanion};
 pub use error::PoolError;

@@ -115,6 +115,10 @@ pub struct StagingTuning {
     pub device_repack: bool,
     /// The swap path's own reader threads (default: three per four cores).
     pub read_threads: usize,
+    /// On the device-repack route, read through a small per-thread buffer
+    /// and move the bytes on with non-temporal stores, so the copy engine
+    /// reads memory rather than dirty cache lines (default false).
+    pub streaming_stores: bool,
 }
 
 impl Default for StagingTuning {
@@ -124,6 +128,7 @@ impl Default for StagingTuning {
             in_flight: crate::staging::DEFAULT_IN_FLIGHT,
             device_repack: true,
             read_threads: crate::staging::default_read_threads(),
+            streaming_stores: false,
         }
     }
 }
@@ -518,13 +523,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// What ends up in a slot is the same on every setting.
     pub fn tune_staging(&mut self, tuning: StagingTuning) -> Result<(), PoolError> {
         self.device.synchronize()?;
-        self.staging.retune(
-            &self.device,
-            &self.layout,
-            tuning.chunk_bytes,
-            tuning.in_flight,
-            tuning.read_threads,
-        )?;
+        self.staging.retune(&self.device, &self.layout, &tuning)?;
         self.device_repack = tuning.device_repack;
         Ok(())
     }

@@ -29,6 +29,7 @@ use rayon::prelude::*;
 
 use crate::error::PoolError;
 use crate::image::{ImageError, PackPlan, range_elems};
+use crate::streaming::read_streaming;
 
 /// Default size of one pinned chunk: small enough that the first copy
 /// starts early and the last one ends soon after the last read, large
@@ -55,6 +56,8 @@ const READ_PIECE: usize = 128 << 10;
 pub(crate) struct Staging {
     chunks: Vec<StagingChunk>,
     in_flight: usize,
+    /// Raw reads go through a per-thread buffer and non-temporal stores.
+    streaming: bool,
     /// The swap path's own readers: they never wait on (or hold up) the
     /// engine's rayon work, and their number is a tuning choice.
     threads: rayon::ThreadPool,
@@ -76,6 +79,7 @@ impl Staging {
         Ok(Staging {
             chunks: chunks(device, layout, chunk_bytes)?,
             in_flight: DEFAULT_IN_FLIGHT,
+            streaming: false,
             threads: reader_pool(default_read_threads())?,
             device: device.alloc_zeros(layout.slot_bytes() / 2)?,
             regions: device.alloc_zeros(Self::region_capacity(layout))?,
@@ -93,15 +97,14 @@ impl Staging {
         &mut self,
         device: &Device,
         layout: &SlotLayout,
-        chunk_bytes: usize,
-        in_flight: usize,
-        read_threads: usize,
+        tuning: &crate::StagingTuning,
     ) -> Result<(), PoolError> {
-        if read_threads != self.threads.current_num_threads() {
-            self.threads = reader_pool(read_threads)?;
+        if tuning.read_threads != self.threads.current_num_threads() {
+            self.threads = reader_pool(tuning.read_threads)?;
         }
-        self.chunks = chunks(device, layout, chunk_bytes)?;
-        self.in_flight = in_flight.max(1);
+        self.chunks = chunks(device, layout, tuning.chunk_bytes)?;
+        self.in_flight = tuning.in_flight.max(1);
+        self.streaming = tuning.streaming_stores;
         Ok(())
     }
 
@@ -159,6 +162,7 @@ impl Staging {
             covered += 2 * self.chunks[count].host.len();
             count += 1;
         }
+        let streaming = self.streaming;
         self.pipeline(count, stop, |chunk| {
             let at = 2 * chunk.elem_offset;
             let host = chunk.host.as_mut_slice()?;
@@ -167,7 +171,14 @@ impl Staging {
             bytes[..want]
                 .par_chunks_mut(READ_PIECE)
                 .enumerate()
-                .try_for_each(|(i, piece)| file.read_data_at(piece, (at + i * READ_PIECE) as u64))
+                .try_for_each(|(i, piece)| {
+                    let offset = (at + i * READ_PIECE) as u64;
+                    if streaming {
+                        read_streaming(piece, |buf| file.read_data_at(buf, offset))
+                    } else {
+                        file.read_data_at(piece, offset)
+                    }
+                })
                 .map_err(|e| PoolError::Audit {
                     adapter: adapter.to_string(),
                     source: Box::new(AuditError::Io {

@@ -311,6 +311,11 @@ fn every_route_from_a_file_writes_the_bytes_of_the_converted_adapter() {
         in_flight: 3,
         ..StagingTuning::default()
     };
+    let streaming = StagingTuning {
+        streaming_stores: true,
+        read_threads: 3,
+        ..StagingTuning::default()
+    };
     for adapter in [
         "dense_all_linear_f32",
         "dense_all_linear_f16",
@@ -320,6 +325,7 @@ fn every_route_from_a_file_writes_the_bytes_of_the_converted_adapter() {
         for (tuning, route) in [
             (StagingTuning::default(), SwapRoute::DeviceRepack),
             (tiny_chunks, SwapRoute::DeviceRepack),
+            (streaming, SwapRoute::DeviceRepack),
             (host_pack, SwapRoute::HostPack),
         ] {
             let mut pool = pool_with(opts.clone(), &[]);

@@ -103,19 +103,21 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
     let chunks = pool.staging_chunks();
     let mut swept = String::new();
     if sweep {
-        for (mib, in_flight, read_threads, device_repack) in [
-            (4usize, 4usize, 12usize, false),
-            (4, 4, 16, true),
-            (4, 4, 14, true),
-            (4, 4, 10, true),
-            (8, 4, 12, true),
-            (2, 4, 12, true),
+        for (mib, in_flight, read_threads, device_repack, streaming_stores) in [
+            (4usize, 4usize, 12usize, false, false),
+            (4, 4, 12, true, true),
+            (4, 4, 16, true, true),
+            (4, 4, 16, true, false),
+            (4, 4, 14, true, false),
+            (4, 4, 10, true, false),
+            (8, 4, 12, true, false),
         ] {
             let tuning = StagingTuning {
                 chunk_bytes: mib << 20,
                 in_flight,
                 device_repack,
                 read_threads,
+                streaming_stores,
             };
             pool.tune_staging(tuning).map_err(|e| e.to_string())?;
             let (mut us, mut stage) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
@@ -126,7 +128,11 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
                 us.push(t.elapsed().as_secs_f64() * 1e6);
                 stage.push(report.stage_us);
             }
-            let route = if device_repack { "repack" } else { "host pack" };
+            let route = match (device_repack, streaming_stores) {
+                (false, _) => "host pack",
+                (true, false) => "repack",
+                (true, true) => "repack, streaming stores",
+            };
             swept += &format!(
                 "; {route} {mib} MiB x {in_flight}, {read_threads} readers: {:.0} us (stage {:.0})",
                 quantiles(us).0,
