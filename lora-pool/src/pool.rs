@@ -113,11 +113,12 @@ pub struct StagingTuning {
     /// Take the device-repack route when the file's data section fits the
     /// device staging slot (default true).
     pub device_repack: bool,
-    /// The swap path's own reader threads (default: three per four cores).
+    /// The swap path's own reader threads (default: one per core).
     pub read_threads: usize,
     /// On the device-repack route, read through a small per-thread buffer
     /// and move the bytes on with non-temporal stores, so the copy engine
-    /// reads memory rather than dirty cache lines (default false).
+    /// reads memory rather than dirty cache lines (default true: measured
+    /// faster on the H200 host).
     pub streaming_stores: bool,
 }
 
@@ -128,7 +129,7 @@ impl Default for StagingTuning {
             in_flight: crate::staging::DEFAULT_IN_FLIGHT,
             device_repack: true,
             read_threads: crate::staging::default_read_threads(),
-            streaming_stores: false,
+            streaming_stores: true,
         }
     }
 }

@@ -39,11 +39,12 @@ pub(crate) const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
 /// Default number of chunks filled at once.
 pub(crate) const DEFAULT_IN_FLIGHT: usize = 4;
 
-/// Default reader threads: three per four cores, leaving room for the
-/// header's audit and the driver (on the 16-core H200 host, 12 readers
-/// swapped in 2.19 ms, 14 in 2.25, 16 in 2.39; 8 or fewer starve the copy).
+/// Default reader threads: one per core (on the 16-core H200 host, with
+/// streaming stores, 16 readers swapped in 2.15 ms and 12 in 2.21; 10 or
+/// fewer starve the copy). Between hosts of one kind the best count moved
+/// by a few threads; `StagingTuning` overrides it.
 pub(crate) fn default_read_threads() -> usize {
-    (std::thread::available_parallelism().map_or(4, |n| n.get()) * 3 / 4).max(1)
+    std::thread::available_parallelism().map_or(4, |n| n.get())
 }
 
 /// Bytes one worker reads at a time from a file: small enough that a
@@ -79,7 +80,7 @@ impl Staging {
         Ok(Staging {
             chunks: chunks(device, layout, chunk_bytes)?,
             in_flight: DEFAULT_IN_FLIGHT,
-            streaming: false,
+            streaming: true,
             threads: reader_pool(default_read_threads())?,
             device: device.alloc_zeros(layout.slot_bytes() / 2)?,
             regions: device.alloc_zeros(Self::region_capacity(layout))?,

@@ -104,13 +104,13 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
     let mut swept = String::new();
     if sweep {
         for (mib, in_flight, read_threads, device_repack, streaming_stores) in [
-            (4usize, 4usize, 12usize, false, false),
-            (4, 4, 12, true, true),
-            (4, 4, 16, true, true),
+            (4usize, 4usize, 16usize, false, false),
             (4, 4, 16, true, false),
-            (4, 4, 14, true, false),
-            (4, 4, 10, true, false),
-            (8, 4, 12, true, false),
+            (4, 4, 12, true, false),
+            (4, 4, 12, true, true),
+            (4, 4, 14, true, true),
+            (8, 4, 16, true, true),
+            (2, 8, 16, true, true),
         ] {
             let tuning = StagingTuning {
                 chunk_bytes: mib << 20,
