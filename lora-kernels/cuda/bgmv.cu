@@ -671,14 +671,6 @@ struct ItemDesc {
 };
 static_assert(sizeof(ItemDesc) == 64, "descriptor stride");
 
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-#else
-__device__ __forceinline__ void grid_dependency_wait() {}
-__device__ __forceinline__ void grid_launch_dependents() {}
-#endif
-
 // Eight bf16 from p, of which the first `valid` are read (the rest zero and
 // never touched): one 16-byte load when `vec` (p 16-byte aligned) and all 8 valid.
 __device__ __forceinline__ uint4 load8(const bf16_t* p, int valid, bool vec) {

@@ -118,6 +118,18 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
 #endif
 }
 
+// Programmatic dependent launch: a kernel launched as a dependent of the
+// previous one waits here until that kernel completed and its writes are
+// visible; a kernel lets its dependents get resident early by calling
+// grid_launch_dependents. Both are no-ops without a dependent launch.
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+#else
+__device__ __forceinline__ void grid_dependency_wait() {}
+__device__ __forceinline__ void grid_launch_dependents() {}
+#endif
+
 // Output element access for y of type bf16 or f32.
 __device__ __forceinline__ float y_load(const bf16_t* p) { return bf2f(*p); }
 __device__ __forceinline__ float y_load(const float* p) { return *p; }

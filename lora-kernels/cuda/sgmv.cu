@@ -19,6 +19,8 @@
 #define SG_BK 64
 #define SG_BN 64
 #define SG_STAGES 3
+// Pipeline depth of the shrink for rank strides up to 16 (`STAGES_R16` in sgmv.rs).
+#define SG_STAGES_R16 6
 #define SG_THREADS 128
 #define SG_LD (SG_BK + 8)
 #define SG_BO 128
@@ -46,7 +48,7 @@ struct SgmvParams {
     int max_tiles;
     int rank_chunks;
     int out_tiles;
-    int pad1;
+    int balance_items;
     int pad2;
     LoraTarget targets[MAX_TARGETS];
 };
@@ -91,6 +93,15 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats to bf16x2 (lo in the low half) with the hardware's round to
+// nearest even: the same result as f2bf for every non-NaN value, in one
+// instruction instead of a handful per value.
+__device__ __forceinline__ u32 pack_bf2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
 // Warp 0: find tile `tile` of target `tg` and the entry it uses. Writes *out.
@@ -156,6 +167,61 @@ __device__ void find_tile(const SgmvParams& p, const LoraTarget& tg, int tile, T
     __syncwarp();
 }
 
+// Warp 0: how many tiles the launch really has (the most over targets, in
+// find_tile's numbering: segments of a bad range or entry have none), at
+// most max_tiles. The host sizes grids for max_tiles, which counts one
+// partial tile per segment that aligned segments do not have.
+__device__ int count_tiles(const SgmvParams& p) {
+    const int lane = threadIdx.x & 31;
+    if (p.uniform_entry >= 0) return min(p.max_tiles, (p.n_rows + SG_BM - 1) / SG_BM);
+    const int* cu = (const int*)p.cu_seqlens;
+    const int* slots = (const int*)p.seg_slot;
+    int counts[MAX_TARGETS] = {0, 0, 0, 0};
+    for (int s = lane; s < p.n_segments; s += 32) {
+        const int start = cu[s];
+        const int end = cu[s + 1];
+        const int e = slots[s];
+        if (start >= 0 && end >= start && end <= p.n_rows && e >= 0) {
+            const int nt = (end - start + SG_BM - 1) / SG_BM;
+#pragma unroll
+            for (int t = 0; t < MAX_TARGETS; ++t)
+                if (t < p.n_targets && e < p.targets[t].n_entries) counts[t] += nt;
+        }
+    }
+    int most = 0;
+#pragma unroll
+    for (int t = 0; t < MAX_TARGETS; ++t) {
+        int c = counts[t];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+        most = max(most, c);
+    }
+    return min(most, p.max_tiles);
+}
+
+// The items [*it0, *it1) of this block of a persistent expand with
+// `per_tile` items per tile: balanced contiguous runs over the tiles the
+// launch really has when p.balance_items (warp 0 counts them; every thread
+// must call), else runs of ceil(items / grid) over max_tiles.
+__device__ __forceinline__ void block_items(const SgmvParams& p, int per_tile, int* it0, int* it1) {
+    __shared__ int s_total;
+    if (p.balance_items) {
+        if (threadIdx.x < 32) {
+            const int tiles = count_tiles(p);
+            if (threadIdx.x == 0) s_total = tiles * per_tile;
+        }
+        __syncthreads();
+        const long long total = s_total;
+        *it0 = (int)(blockIdx.x * total / gridDim.x);
+        *it1 = (int)((blockIdx.x + 1) * total / gridDim.x);
+    } else {
+        const int total = p.max_tiles * per_tile;
+        const int per = (total + gridDim.x - 1) / gridDim.x;
+        *it0 = min(total, (int)blockIdx.x * per);
+        *it1 = min(total, *it0 + per);
+    }
+}
+
 // Loads the entry of a found tile and checks it; returns its rank (0: skip).
 __device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraTarget& tg, TileInfo* tile,
                                                 PairEntry* out, bool report) {
@@ -176,11 +242,15 @@ __device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraT
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const SgmvParams p) {
-    // Dynamic shared memory: x tiles [SG_STAGES][SG_BM][SG_LD] then A tiles [SG_STAGES][SG_BN][SG_LD].
-    typedef bf16_t Tile[SG_BM][SG_LD];
-    Tile* s_x = (Tile*)dyn;
-    Tile* s_a = (Tile*)(dyn + sizeof(Tile) * SG_STAGES);
+// The shrink body for A tiles of AR rows (a rank chunk of at most AR) and a
+// cp.async pipeline STAGES deep. Dynamic shared memory: x tiles
+// [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
+template <int AR, int STAGES>
+__device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
+    typedef bf16_t XTile[SG_BM][SG_LD];
+    typedef bf16_t ATile[AR][SG_LD];
+    XTile* s_x = (XTile*)dyn;
+    ATile* s_a = (ATile*)(dyn + sizeof(XTile) * STAGES);
     __shared__ TileInfo s_tile;
     __shared__ PairEntry s_entry;
 
@@ -195,6 +265,8 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     const int ks = (int)blockIdx.y;
     const LoraTarget tg = p.targets[ti];
     const bool report = ks == 0 && rc == 0;
+    // A dependent expand may get resident now: it waits for this grid to complete before reading t.
+    grid_launch_dependents();
 
     if (warp == 0) find_tile(p, tg, tile, &s_tile, report);
     __syncthreads();
@@ -203,9 +275,9 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     if (!s_tile.valid) return;
     const PairEntry en = s_entry;
     const int rank = (int)en.rank;
-    const int n0 = rc * SG_BN;
+    const int n0 = rc * AR;
     if (n0 >= rank) return;
-    const int nlen = min(SG_BN, rank - n0);
+    const int nlen = min(AR, rank - n0);
     const int NT = (nlen + 7) / 8;
     const int row0 = s_tile.row0;
     const int rows = s_tile.rows;
@@ -220,7 +292,19 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     const int nk = kc1 - kc0;
     const bool vec = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
 
-    // Stage `st` <- K chunk `kc`: 64 x-rows and 64 A-rows of SG_BK columns each.
+    // One row piece (8 columns from col) of a staged tile: rows past `valid_rows` are zero.
+    auto load_piece = [&](bf16_t* dst, const bf16_t* base, u64 pitch, int r, int valid_rows, int col) {
+        const bool rv = r < valid_rows;
+        const bf16_t* src = base + (u64)(rv ? r : 0) * pitch;
+        if (vec) {
+            const bool inb = col < in;
+            cp_async16(dst, inb && rv ? src + col : base, inb && rv);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dst[j] = col + j < in && rv ? src[col + j] : (bf16_t)0;
+        }
+    };
+    // Stage `st` <- K chunk `kc`: SG_BM x-rows and AR A-rows of SG_BK columns each.
     auto load_stage = [&](int st, int kc) {
         const int col0 = kc * SG_BK;
 #pragma unroll
@@ -228,29 +312,22 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
             const int v = tid + u * SG_THREADS;
             const int r = v / (SG_BK / 8);
             const int c = (v % (SG_BK / 8)) * 8;
-            const int col = col0 + c;
-            const bool xv = r < rows;
-            const bool av = r < nlen;
-            const bf16_t* xs = X + (u64)(row0 + (xv ? r : 0)) * p.x_stride;
-            const bf16_t* as = A + (u64)(n0 + (av ? r : 0)) * in;
-            if (vec) {
-                const bool inb = col < in;
-                cp_async16(&s_x[st][r][c], inb && xv ? xs + col : X, inb && xv);
-                cp_async16(&s_a[st][r][c], inb && av ? as + col : A, inb && av);
-            } else {
+            load_piece(&s_x[st][r][c], X + (u64)row0 * p.x_stride, (u64)p.x_stride, r, rows, col0 + c);
+        }
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const bool inb = col + j < in;
-                    s_x[st][r][c + j] = inb && xv ? xs[col + j] : (bf16_t)0;
-                    s_a[st][r][c + j] = inb && av ? as[col + j] : (bf16_t)0;
-                }
+        for (int u = 0; u < (AR * SG_BK / 8 + SG_THREADS - 1) / SG_THREADS; ++u) {
+            const int v = tid + u * SG_THREADS;
+            if (v < AR * SG_BK / 8) {
+                const int r = v / (SG_BK / 8);
+                const int c = (v % (SG_BK / 8)) * 8;
+                load_piece(&s_a[st][r][c], A + (u64)n0 * in, (u64)in, r, nlen, col0 + c);
             }
         }
     };
 
-    float acc[8][4];
+    float acc[AR / 8][4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < AR / 8; ++i) {
         acc[i][0] = 0.f;
         acc[i][1] = 0.f;
         acc[i][2] = 0.f;
@@ -258,25 +335,25 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     }
 
 #pragma unroll
-    for (int s = 0; s < SG_STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
         if (s < nk) load_stage(s, kc0 + s);
         cp_async_commit();
     }
     for (int i = 0; i < nk; ++i) {
-        cp_async_wait<SG_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
         {
-            const int nxt = i + SG_STAGES - 1;
-            if (nxt < nk) load_stage(nxt % SG_STAGES, kc0 + nxt);
+            const int nxt = i + STAGES - 1;
+            if (nxt < nk) load_stage(nxt % STAGES, kc0 + nxt);
             cp_async_commit();
         }
-        const int st = i % SG_STAGES;
+        const int st = i % STAGES;
 #pragma unroll
         for (int kk = 0; kk < SG_BK; kk += 16) {
             u32 a[4];
             ldmatrix_x4(a, &s_x[st][warp * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
 #pragma unroll
-            for (int np = 0; np < 4; ++np) {
+            for (int np = 0; np < AR / 16; ++np) {
                 if (2 * np < NT) {
                     u32 b[4];
                     ldmatrix_x4(b, &s_a[st][np * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
@@ -293,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     const int t4 = lane & 3;
     const int ra = warp * 16 + g;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < AR / 8; ++nt) {
         if (nt < NT) {
             const int k = n0 + nt * 8 + 2 * t4;
             if (ra < rows) *(float2*)&W[(u64)(row0 + ra) * p.ws_rank_pad + k] = make_float2(acc[nt][0], acc[nt][1]);
@@ -303,9 +380,19 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
     }
 }
 
-// The expand is persistent: block b walks the work items (tile, target,
-// 128-output chunk) b * per .. (b + 1) * per in order, so consecutive items
-// mostly share a tile (its entry and rank vectors are staged once). Per item
+// Rank chunks of 64: A tiles as tall as x tiles.
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const SgmvParams p) {
+    sgmv_shrink_body<SG_BN, SG_STAGES>(p);
+}
+// Rank strides up to 16: A tiles of 16 rows leave room for a deeper
+// pipeline (more x bytes in flight per block) at 3 blocks per SM.
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_r16_bf16(const SgmvParams p) {
+    sgmv_shrink_body<16, SG_STAGES_R16>(p);
+}
+
+// The expand is persistent: block b walks a contiguous run of the work
+// items (tile, target, 128-output chunk) in order (`block_items`), so
+// consecutive items mostly share a tile (its entry and rank vectors are staged once). Per item
 // the y tile moves through shared memory in 16-byte pieces: copied in with
 // cp.async (the next item's tile is requested while this one computes, into
 // the other of two buffers), the mma result added there at fragment
@@ -321,14 +408,30 @@ struct ExpandItem {
     int o_base;
 };
 
-__device__ __forceinline__ ExpandItem expand_item(const SgmvParams& p, int it) {
+// Item `it` of an expand whose items are `width` outputs wide.
+__device__ __forceinline__ ExpandItem expand_item(const SgmvParams& p, int it, int width) {
     const int per_tile = p.n_targets * p.out_tiles;
     ExpandItem e;
     e.tile = it / per_tile;
     const int rem = it - e.tile * per_tile;
     e.ti = rem / p.out_tiles;
-    e.o_base = (rem - e.ti * p.out_tiles) * SG_BO;
+    e.o_base = (rem - e.ti * p.out_tiles) * width;
     return e;
+}
+
+// Every thread of a persistent expand calls this for each item it works on:
+// for a new (tile, target) warp 0 finds the tile and thread 0 loads and
+// checks its entry into shared memory. False when the item has nothing to
+// do (no such tile, or an entry of rank 0).
+__device__ __forceinline__ bool begin_tile(const SgmvParams& p, const LoraTarget& tg, const ExpandItem& item,
+                                           bool new_tile, int warp, TileInfo* s_tile, PairEntry* s_entry) {
+    if (new_tile) {
+        if (warp == 0) find_tile(p, tg, item.tile, s_tile, false);
+        __syncthreads();
+        load_tile_entry(p, tg, s_tile, s_entry, false);
+        __syncthreads();
+    }
+    return s_tile->valid && s_entry->rank != 0;
 }
 
 // Pitch of a staged y row, in elements: 16 bytes of padding.
@@ -365,6 +468,10 @@ __device__ __forceinline__ void move_y_tile(Y* sy, Y* gy, int ys, int rows, int 
     }
 }
 
+// Two adjacent outputs, rounded by the hardware (alignment as y_store2).
+__device__ __forceinline__ void y_store2_rn(bf16_t* p, float a, float b) { *(u32*)p = pack_bf2_rn(a, b); }
+__device__ __forceinline__ void y_store2_rn(float* p, float a, float b) { *(float2*)p = make_float2(a, b); }
+
 template <typename Y>
 __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     __shared__ TileInfo s_tile;
@@ -373,10 +480,9 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int total = p.max_tiles * p.n_targets * p.out_tiles;
-    const int per = (total + gridDim.x - 1) / gridDim.x;
-    const int it0 = blockIdx.x * per;
-    const int it1 = min(total, it0 + per);
+    int it0;
+    int it1;
+    block_items(p, p.n_targets * p.out_tiles, &it0, &it1);
     const int stride = p.rank_stride;
     const int bp = ((stride + 15) & ~15) + 8;
     const int tpch = ((stride + 15) & ~15) + 4;
@@ -396,7 +502,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     int buf = 0;
     bool staged = false;  // this item's y tile was requested by the previous item
     for (int it = it0; it < it1; ++it) {
-        const ExpandItem item = expand_item(p, it);
+        const ExpandItem item = expand_item(p, it, SG_BO);
         const LoraTarget tg = p.targets[item.ti];
         const int out = tg.out_dim;
         if (item.o_base >= out) {
@@ -405,13 +511,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         }
         __syncthreads();  // the previous item no longer reads sB / sT / s_tile, and its y tile is stored
         const bool new_tile = item.tile != cur_tile || item.ti != cur_ti;
-        if (new_tile) {
-            if (warp == 0) find_tile(p, tg, item.tile, &s_tile, false);
-            __syncthreads();
-            load_tile_entry(p, tg, &s_tile, &s_entry, false);
-            __syncthreads();
-        }
-        if (!s_tile.valid || s_entry.rank == 0) {
+        if (!begin_tile(p, tg, item, new_tile, warp, &s_tile, &s_entry)) {
             cur_tile = item.tile;
             cur_ti = item.ti;
             staged = false;
@@ -452,7 +552,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         // ---- group B: the next item's y tile when it is the same tile (the common case).
         staged = false;
         if (it + 1 < it1) {
-            const ExpandItem nx = expand_item(p, it + 1);
+            const ExpandItem nx = expand_item(p, it + 1, SG_BO);
             if (nx.tile == item.tile && nx.ti == item.ti && nx.o_base < out) {
                 const int nlen = min(SG_BO, out - nx.o_base);
                 move_y_tile<Y>(sY0 + (size_t)(buf ^ 1) * SG_BM * yp, Yp + (u64)row0 * ys + coff + nx.o_base, ys, rows,
@@ -465,6 +565,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
 
         // ---- t of a new tile: sum the K-split partials of its rows, scale, zero past rank.
         if (new_tile) {
+            grid_dependency_wait();  // a dependent launch: the shrink's partials are visible past this
             const float* W = (const float*)p.ws + (u64)item.ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
             const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
             const int q4 = rk16 / 4;
@@ -516,10 +617,8 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
                 const int r = warp * 16 + g + (h & 1) * 8;
                 const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
                 const float2 t = *(const float2*)(sT + r * tpch + k);
-                const bf16_t h0 = f2bf(t.x);
-                const bf16_t h1 = f2bf(t.y);
-                a_hi[h] = (u32)h0 | ((u32)h1 << 16);
-                a_lo[h] = pack_bf2(t.x - bf2f(h0), t.y - bf2f(h1));
+                a_hi[h] = pack_bf2_rn(t.x, t.y);
+                a_lo[h] = pack_bf2_rn(t.x - bf_lo(a_hi[h]), t.y - bf_hi(a_hi[h]));
             }
 #pragma unroll
             for (int np = 0; np < 8; ++np) {
@@ -541,9 +640,9 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             Y* yb = ya + 8 * yp;
             float v0, v1;
             y_load2(ya, v0, v1);
-            y_store2(ya, v0 + acc[nt][0], v1 + acc[nt][1]);
+            y_store2_rn(ya, v0 + acc[nt][0], v1 + acc[nt][1]);
             y_load2(yb, v0, v1);
-            y_store2(yb, v0 + acc[nt][2], v1 + acc[nt][3]);
+            y_store2_rn(yb, v0 + acc[nt][2], v1 + acc[nt][3]);
         }
         __syncthreads();
         move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, false);
@@ -557,4 +656,337 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_bf16(con
 }
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(const SgmvParams p) {
     sgmv_expand_body<float>(p);
+}
+
+// ---------------------------------------------------------------------------
+// Register expand (`sgmv_expand_rf_*`): items of 64 rows x SG_EO outputs; y
+// never passes through shared memory. The B rows of an item are staged in a
+// permuted order so that the mma accumulators of one thread cover 8
+// consecutive outputs of a row: smem row nt * 8 + n holds output
+//   (nt / 4) * 32 + (n / 2) * 8 + (nt % 4) * 2 + n % 2
+// of the item, so thread (g, t4) holds, for rows g and g + 8 of its warp and
+// each 32-output group q, the outputs q * 32 + t4 * 8 .. + 8: one 16-byte
+// load and one 16-byte store each, and 4 threads cover 64 contiguous bytes
+// (whole sectors). The next item's y is loaded into registers and its B rows
+// into the other B buffer while this item computes; the two after that are
+// requested into L2. Items are dealt to blocks in balanced contiguous runs,
+// so consecutive items mostly share a tile (t built once). Dynamic shared
+// memory:
+//   sB  [2][SG_EO][r16 + 8] bf16             permuted B rows, columns past rank zeroed
+//   sTf [r16 / 16][2][SG_THREADS] uint4      each thread's t fragments (hi, lo): t summed
+//                                            over the K splits, times scale, zero past rank
+#define SG_EO 64
+
+// Eight y values as loaded (raw, converted only when used).
+template <typename Y>
+struct YRaw;
+template <>
+struct YRaw<bf16_t> {
+    uint4 w;
+};
+template <>
+struct YRaw<float> {
+    float4 a;
+    float4 b;
+};
+
+// y[p .. p + valid) into r (the rest zero): one 16-byte access per 16 bytes when `vec` and whole.
+__device__ __forceinline__ void yraw_load(YRaw<bf16_t>& r, const bf16_t* p, int valid, bool vec) {
+    if (vec && valid >= 8) {
+        r.w = *(const uint4*)p;
+        return;
+    }
+    u32 w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < valid) w[j >> 1] |= ((u32)p[j]) << ((j & 1) * 16);
+    r.w = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void yraw_load(YRaw<float>& r, const float* p, int valid, bool vec) {
+    if (vec && valid >= 8) {
+        r.a = *(const float4*)p;
+        r.b = *(const float4*)(p + 4);
+        return;
+    }
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = j < valid ? p[j] : 0.f;
+    r.a = make_float4(v[0], v[1], v[2], v[3]);
+    r.b = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void yraw_unpack(const YRaw<bf16_t>& r, float* v) { unpack8(r.w, v); }
+__device__ __forceinline__ void yraw_unpack(const YRaw<float>& r, float* v) {
+    v[0] = r.a.x;
+    v[1] = r.a.y;
+    v[2] = r.a.z;
+    v[3] = r.a.w;
+    v[4] = r.b.x;
+    v[5] = r.b.y;
+    v[6] = r.b.z;
+    v[7] = r.b.w;
+}
+// v[0 .. valid) to y[p ..], rounded once.
+__device__ __forceinline__ void y_store_n(bf16_t* p, const float* v, int valid, bool vec) {
+    if (vec && valid >= 8) {
+        *(uint4*)p = make_uint4(pack_bf2_rn(v[0], v[1]), pack_bf2_rn(v[2], v[3]), pack_bf2_rn(v[4], v[5]),
+                                pack_bf2_rn(v[6], v[7]));
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < valid) p[j] = f2bf(v[j]);
+}
+__device__ __forceinline__ void y_store_n(float* p, const float* v, int valid, bool vec) {
+    if (vec && valid >= 8) {
+        *(float4*)p = make_float4(v[0], v[1], v[2], v[3]);
+        *(float4*)(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < valid) p[j] = v[j];
+}
+
+// Where one item's y values of this thread lie: rows ra, ra + 8 of the tile,
+// outputs o_base + q * 32 + t4 * 8 for q = 0, 1.
+struct YSpot {
+    u64 off[4];  // element offsets from y; index h * 2 + q (h: row ra or ra + 8)
+    int valid[4];
+};
+
+__device__ __forceinline__ YSpot y_spot(int row0, int rows, int ys, int coff, int o_base, int out, int ra, int t4) {
+    YSpot s;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int r = ra + h * 8;
+            const int o = o_base + q * 32 + t4 * 8;
+            s.off[h * 2 + q] = (u64)(row0 + r) * ys + coff + o;
+            s.valid[h * 2 + q] = r < rows ? max(0, min(8, out - o)) : 0;
+        }
+    }
+    return s;
+}
+
+// Stage an item's B rows (permuted, see above) into sb with cp.async; columns past rank zeroed.
+__device__ __forceinline__ void stage_b_permuted(bf16_t* sb, const bf16_t* B, int stride, int rank, int rk16, int bp,
+                                                 int o_base, int out, bool vec_b) {
+    const int pieces = rk16 / 8;
+    const int full8 = vec_b ? rank / 8 : 0;
+    for (int v = threadIdx.x; v < SG_EO * pieces; v += SG_THREADS) {
+        const int s = v / pieces;
+        const int c = v - s * pieces;
+        const int nt = s >> 3;
+        const int n = s & 7;
+        const int o = o_base + (nt >> 2) * 32 + (n >> 1) * 8 + (nt & 3) * 2 + (n & 1);
+        bf16_t* dst = sb + s * bp + c * 8;
+        const bf16_t* src = B + (u64)o * stride + c * 8;
+        if (o < out && c < full8) {
+            cp_async16(dst, src, true);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dst[j] = (o < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
+        }
+    }
+}
+
+// The item after `e` in launch order (no divisions: items are walked in order).
+__device__ __forceinline__ ExpandItem next_item(const SgmvParams& p, ExpandItem e) {
+    e.o_base += SG_EO;
+    if (e.o_base >= p.out_tiles * SG_EO) {
+        e.o_base = 0;
+        if (++e.ti == p.n_targets) {
+            e.ti = 0;
+            ++e.tile;
+        }
+    }
+    return e;
+}
+
+template <typename Y>
+__device__ __forceinline__ void sgmv_expand_rf_body(const SgmvParams& p) {
+    __shared__ TileInfo s_tile;
+    __shared__ PairEntry s_entry;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    int it0;
+    int it1;
+    block_items(p, p.n_targets * p.out_tiles, &it0, &it1);
+    const int stride = p.rank_stride;
+    const int bp = ((stride + 15) & ~15) + 8;
+    bf16_t* sB0 = (bf16_t*)dyn;
+    // This thread's t fragments (hi, lo) per 16-rank step: [kst][half][thread] uint4, read only by their thread.
+    uint4* sTf = (uint4*)(dyn + (size_t)2 * SG_EO * bp * 2);
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int ra = warp * 16 + g;
+    Y* Yp = (Y*)p.y;
+    const int ys = p.y_stride;
+    const bool vec_y_base = ((int)sizeof(Y) * ys % 16 == 0) && aligned16(Yp);
+
+    int cur_tile = -1;
+    int cur_ti = -1;
+    int buf = 0;
+    bool staged = false;  // this item's y (in yn) and B (in sB[buf]) were requested by the previous item
+    YRaw<Y> yn[4];
+    ExpandItem item = expand_item(p, it0, SG_EO);
+    for (int it = it0; it < it1; ++it, item = next_item(p, item)) {
+        const LoraTarget tg = p.targets[item.ti];
+        const int out = tg.out_dim;
+        if (item.o_base >= out) {
+            staged = false;
+            continue;  // uniform over the block
+        }
+        __syncthreads();  // the previous item no longer reads sB / s_tile
+        const bool new_tile = item.tile != cur_tile || item.ti != cur_ti;
+        if (!begin_tile(p, tg, item, new_tile, warp, &s_tile, &s_entry)) {
+            cur_tile = item.tile;
+            cur_ti = item.ti;
+            staged = false;
+            continue;
+        }
+        const PairEntry en = s_entry;
+        const int rank = (int)en.rank;
+        const int row0 = s_tile.row0;
+        const int rows = s_tile.rows;
+        const bf16_t* B = (const bf16_t*)en.b;
+        const int rk16 = (rank + 15) & ~15;
+        const int coff = tg.y_col_off;
+        const bool vec_y = vec_y_base && ((int)sizeof(Y) * coff % 16 == 0);
+        const bool vec_b = (stride % 8 == 0) && aligned16(B);
+
+        // ---- group A: this item's y and B, unless the previous item requested them.
+        YRaw<Y> yc[4];
+        const YSpot spot = y_spot(row0, rows, ys, coff, item.o_base, out, ra, t4);
+        if (!staged) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) yraw_load(yc[i], Yp + spot.off[i], spot.valid[i], vec_y);
+            stage_b_permuted(sB0 + (size_t)buf * SG_EO * bp, B, stride, rank, rk16, bp, item.o_base, out, vec_b);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) yc[i] = yn[i];
+        }
+        cp_async_commit();
+
+        // ---- group B: the next item's y and B when it is the same tile (the common case);
+        // the two after it go to L2.
+        staged = false;
+        if (it + 1 < it1) {
+            const ExpandItem nx = next_item(p, item);
+            if (nx.tile == item.tile && nx.ti == item.ti && nx.o_base < out) {
+                const YSpot ns = y_spot(row0, rows, ys, coff, nx.o_base, out, ra, t4);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) yraw_load(yn[i], Yp + ns.off[i], ns.valid[i], vec_y);
+                stage_b_permuted(sB0 + (size_t)(buf ^ 1) * SG_EO * bp, B, stride, rank, rk16, bp, nx.o_base, out,
+                                 vec_b);
+                staged = true;
+                // Threads 0..63 request row tid of item it + 2, threads 64..127 of item it + 3.
+                const int ahead = 2 + tid / SG_BM;
+                const int r = tid % SG_BM;
+                if (it + ahead < it1 && r < rows) {
+                    ExpandItem na = next_item(p, nx);
+                    if (ahead == 3) na = next_item(p, na);
+                    if (na.tile == item.tile && na.ti == item.ti && na.o_base < out) {
+                        const int len = min(SG_EO, out - na.o_base);
+                        prefetch_l2(Yp + (u64)(row0 + r) * ys + coff + na.o_base, (u64)len * sizeof(Y));
+                    }
+                }
+            }
+        }
+        cp_async_commit();
+
+        // ---- t fragments of a new tile, straight from the K-split partials: rows ra, ra + 8,
+        // ranks k, k + 1, k + 8, k + 9 (k = kst * 16 + 2 t4), scaled, zero past rank and rows,
+        // split into bf16 hi + lo (t keeps ~16 bits).
+        if (new_tile) {
+            // Launched as a dependent of the shrink: its partials are complete and visible
+            // only past this wait (a no-op otherwise). Everything above reads no shrink output.
+            grid_dependency_wait();
+            const float* W = (const float*)p.ws + (u64)item.ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
+            const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
+            const float scale = en.scale;
+            for (int kst = 0; kst < rk16 / 16; ++kst) {
+                u32 hi[4];
+                u32 lo[4];
+#pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    const int r = ra + (h & 1) * 8;
+                    const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
+                    float2 sum = make_float2(0.f, 0.f);
+                    if (r < rows && k < rank) {
+                        const float* q = W + (u64)(row0 + r) * p.ws_rank_pad + k;
+#pragma unroll
+                        for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks) {
+                            if (ks < p.k_splits) {
+                                const float2 w = *(const float2*)(q + ks * split_stride);
+                                sum.x += w.x;
+                                sum.y += w.y;
+                            }
+                        }
+                    }
+                    const float t0 = sum.x * scale;
+                    const float t1 = k + 1 < rank ? sum.y * scale : 0.f;
+                    hi[h] = pack_bf2_rn(t0, t1);
+                    lo[h] = pack_bf2_rn(t0 - bf_lo(hi[h]), t1 - bf_hi(hi[h]));
+                }
+                sTf[(kst * 2 + 0) * SG_THREADS + tid] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+                sTf[(kst * 2 + 1) * SG_THREADS + tid] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            }
+            cur_tile = item.tile;
+            cur_ti = item.ti;
+        }
+        cp_async_wait<1>();  // group A landed; the next item's B may still be in flight
+        __syncthreads();
+
+        const bf16_t* sB = sB0 + (size_t)buf * SG_EO * bp;
+        float acc[SG_EO / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < SG_EO / 8; ++nt) {
+            acc[nt][0] = 0.f;
+            acc[nt][1] = 0.f;
+            acc[nt][2] = 0.f;
+            acc[nt][3] = 0.f;
+        }
+        for (int kst = 0; kst < rk16 / 16; ++kst) {
+            const uint4 h4 = sTf[(kst * 2 + 0) * SG_THREADS + tid];
+            const uint4 l4 = sTf[(kst * 2 + 1) * SG_THREADS + tid];
+            const u32 a_hi[4] = {h4.x, h4.y, h4.z, h4.w};
+            const u32 a_lo[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+            for (int np = 0; np < SG_EO / 16; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * bp + kst * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
+                mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
+                mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
+                mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
+            }
+        }
+
+        // ---- y += delta in registers, rounded once, 16-byte stores.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int i = h * 2 + q;
+                float v[8];
+                yraw_unpack(yc[i], v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] += acc[q * 4 + (e >> 1)][h * 2 + (e & 1)];
+                if (spot.valid[i] > 0) y_store_n(Yp + spot.off[i], v, spot.valid[i], vec_y);
+            }
+        }
+        if (staged) buf ^= 1;
+    }
+    cp_async_wait<0>();
+}
+
+extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_rf_bf16(const SgmvParams p) {
+    sgmv_expand_rf_body<bf16_t>(p);
+}
+extern "C" __global__ void __launch_bounds__(SG_THREADS, 3) sgmv_expand_rf_f32(const SgmvParams p) {
+    sgmv_expand_rf_body<float>(p);
 }

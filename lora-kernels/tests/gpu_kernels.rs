@@ -9,7 +9,7 @@ use half::bf16;
 use lora_kernels::testing::{RandomPairs, Rng, cuda_or_skip, rel_error, widen};
 use lora_kernels::{
     BgmvTuning, Device, DeviceBuffer, EmbedOverlayEntry, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting,
-    OutputElem, PairEntry, Rows, RowsMut, Segments, SgmvTuning, WorkspaceSpec, bgmv_tuned, embed_overlay,
+    OutputElem, PairEntry, Rows, RowsMut, Segments, SgmvExpand, SgmvTuning, WorkspaceSpec, bgmv_tuned, embed_overlay,
     lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff, sgmv_tuned,
 };
 
@@ -474,6 +474,26 @@ fn run_sgmv_on<Y: OutputElem>(
     y.download().unwrap()
 }
 
+/// Launch choices of the segment apply the tests cover: both expands, both
+/// shrinks, dependent and plain expand launches, both ways of dealing items.
+fn sgmv_kernels() -> Vec<SgmvTuning> {
+    let pick = |expand, narrow, dependent, balanced| SgmvTuning {
+        expand: Some(expand),
+        narrow_shrink: Some(narrow),
+        dependent_expand: Some(dependent),
+        balanced_items: Some(balanced),
+        ..Default::default()
+    };
+    vec![
+        SgmvTuning::default(),
+        pick(SgmvExpand::StagedY, true, false, true),
+        pick(SgmvExpand::StagedY, false, true, false),
+        pick(SgmvExpand::Registers, true, true, true),
+        pick(SgmvExpand::Registers, true, false, false),
+        pick(SgmvExpand::Registers, false, true, true),
+    ]
+}
+
 #[test]
 fn gpu_sgmv_matches_cpu() {
     let Some(gpu) = cuda_or_skip("gpu_sgmv_matches_cpu") else {
@@ -494,19 +514,23 @@ fn gpu_sgmv_matches_cpu() {
         let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 13 % stride) as u32).collect();
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
         let (cu, slot) = segments_for(&mut rng, n, n_seg, slots);
+        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, SgmvTuning::default());
         for ks in [None, Some(1), Some(3)] {
-            let tuning = SgmvTuning {
-                k_splits: ks,
-                ..Default::default()
-            };
-            let label = format!("sgmv n={n} in={in_dim} outs={outs:?} stride={stride} ks={ks:?}");
-            let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
-            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
-            compare(&label, &p.y_bf16, &c, &g);
+            for kernels in sgmv_kernels() {
+                let tuning = SgmvTuning {
+                    k_splits: ks,
+                    ..kernels
+                };
+                let label = format!("sgmv n={n} in={in_dim} outs={outs:?} stride={stride} {tuning:?}");
+                let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
+                compare(&label, &p.y_bf16, &c, &g);
+            }
         }
         let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_f32, SgmvTuning::default());
-        let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, SgmvTuning::default());
-        compare("sgmv f32 y", &p.y_f32, &c, &g);
+        for tuning in sgmv_kernels() {
+            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, tuning);
+            compare(&format!("sgmv f32 y {tuning:?}"), &p.y_f32, &c, &g);
+        }
     }
 }
 
@@ -523,8 +547,10 @@ fn gpu_sgmv_every_rank_against_padded_pool() {
     let cu: Vec<i32> = (0..=64).map(|s| s * 20).collect();
     let slot: Vec<i32> = (0..64).collect();
     let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, SgmvTuning::default());
-    let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, SgmvTuning::default());
-    compare("sgmv every rank", &p.y_bf16, &c, &g);
+    for tuning in sgmv_kernels() {
+        let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
+        compare(&format!("sgmv every rank {tuning:?}"), &p.y_bf16, &c, &g);
+    }
 }
 
 #[test]

@@ -30,7 +30,7 @@ use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{RandomPairs, Rng};
 use lora_kernels::{
     BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, Rows, RowsMut, Segments,
-    SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
+    SgmvExpand, SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
 };
 use serde_json::{Value, json};
 
@@ -427,15 +427,47 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                     },
                 ));
             }
-            for (label, phase) in [("shrink", SgmvPhase::Shrink), ("expand", SgmvPhase::Expand)] {
-                variants.push((
-                    format!("{label} only"),
+            let expand_only = |t: SgmvTuning| SgmvTuning {
+                only_phase: Some(SgmvPhase::Expand),
+                ..t
+            };
+            let unbalanced = SgmvTuning {
+                balanced_items: Some(false),
+                ..Default::default()
+            };
+            let registers = SgmvTuning {
+                expand: Some(SgmvExpand::Registers),
+                ..Default::default()
+            };
+            let plain = [
+                ("unbalanced", unbalanced),
+                (
+                    "no pdl",
                     SgmvTuning {
-                        only_phase: Some(phase),
+                        dependent_expand: Some(false),
                         ..Default::default()
                     },
-                ));
-            }
+                ),
+                ("register expand", registers),
+                (
+                    "wide shrink",
+                    SgmvTuning {
+                        narrow_shrink: Some(false),
+                        ..Default::default()
+                    },
+                ),
+                (
+                    "shrink only",
+                    SgmvTuning {
+                        only_phase: Some(SgmvPhase::Shrink),
+                        ..Default::default()
+                    },
+                ),
+                ("expand only", expand_only(SgmvTuning::default())),
+                ("unbalanced expand only", expand_only(unbalanced)),
+                ("register expand only", expand_only(registers)),
+            ];
+            variants.extend(plain.into_iter().map(|(label, t)| (label.to_string(), t)));
         }
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; segs]);
         let pool = pairs.upload(ctx.device).map_err(err)?;

@@ -22,7 +22,14 @@ const RANK_CHUNK: usize = 64;
 const K_CHUNK: usize = 64;
 /// cp.async stages of the shrink (`SG_STAGES`).
 const STAGES: usize = 3;
+/// cp.async stages of the shrink for rank strides up to 16 (`SG_STAGES_R16`).
+const STAGES_R16: usize = 6;
+/// Rank rows of the A tile of the narrow shrink (`sgmv_shrink_r16_bf16`).
+const NARROW_RANK: usize = 16;
+/// Outputs per item of the staged-y expand (`SG_BO`).
 const OUT_TILE: usize = 128;
+/// Outputs per item of the register expand (`SG_EO`).
+const OUT_TILE_RF: usize = 64;
 const THREADS: u32 = 128;
 
 /// The segments of a prefill batch: `cu_seqlens` holds `n_segments + 1`
@@ -48,6 +55,32 @@ pub struct SgmvTuning {
     /// output is then NOT the LoRA apply (the expand reads whatever the
     /// workspace holds).
     pub only_phase: Option<SgmvPhase>,
+    /// Which expand kernel; `None` picks [`SgmvExpand::StagedY`] (measured
+    /// faster at both prefill bench shapes, NOTES.md v6).
+    pub expand: Option<SgmvExpand>,
+    /// Rank strides up to 16 only: the shrink with 16-row A tiles and a
+    /// deeper pipeline (`true`, the default) or the 64-row one (`false`).
+    pub narrow_shrink: Option<bool>,
+    /// Launch the expand as a programmatic dependent of the shrink (`true`,
+    /// the default), so its blocks get resident and load y and B while the
+    /// shrink finishes; they wait for the shrink before reading t.
+    pub dependent_expand: Option<bool>,
+    /// Deal the expand's items to blocks in equal runs over the tiles the
+    /// segments really have (`true`, the default: each block counts them
+    /// first), or in runs of `ceil(items / grid)` over the most tiles the
+    /// host allows for (`false`).
+    pub balanced_items: Option<bool>,
+}
+
+/// The two expand kernels of `cuda/sgmv.cu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SgmvExpand {
+    /// `sgmv_expand_*`: 128-output items, y tiles through shared memory.
+    StagedY,
+    /// `sgmv_expand_rf_*`: 64-output items, y in registers (B rows staged
+    /// permuted so each thread's outputs are contiguous), the next item's
+    /// y and B requested while this one computes.
+    Registers,
 }
 
 /// One of the two launches of the segment apply.
@@ -83,7 +116,7 @@ struct SgmvParams {
     max_tiles: i32,
     rank_chunks: i32,
     out_tiles: i32,
-    pad1: i32,
+    balance_items: i32,
     pad2: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
@@ -296,7 +329,13 @@ fn launch<Y: OutputElem>(
     }
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
-    let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
+    let expand_kind = tuning.expand.unwrap_or(SgmvExpand::StagedY);
+    let item_outputs = match expand_kind {
+        SgmvExpand::StagedY => OUT_TILE,
+        SgmvExpand::Registers => OUT_TILE_RF,
+    };
+    let out_tiles = max_out.div_ceil(item_outputs).max(1);
+    let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(true);
     let params = SgmvParams {
         x: x.addr(),
         y: y.addr(),
@@ -318,7 +357,7 @@ fn launch<Y: OutputElem>(
         max_tiles: to_i32("tiles", max_tiles)?,
         rank_chunks: to_i32("rank_chunks", rank_chunks)?,
         out_tiles: to_i32("out_tiles", out_tiles)?,
-        pad1: 0,
+        balance_items: i32::from(tuning.balanced_items.unwrap_or(true)),
         pad2: 0,
         targets: *target_params,
     };
@@ -330,8 +369,13 @@ fn launch<Y: OutputElem>(
     // Persistent expand: every resident block walks a share of the (tile, target, chunk) items.
     let items = max_tiles * n_targets * out_tiles;
     to_i32("expand items", items)?;
-    let smem = expand_smem_bytes(stride, std::mem::size_of::<Y>());
-    let resident = expand_blocks_per_sm(smem, c.smem_per_sm) * c.sm_count as usize;
+    let y_size = std::mem::size_of::<Y>();
+    let (smem, max_per_sm) = match expand_kind {
+        SgmvExpand::StagedY => (expand_smem_bytes(stride, y_size), 4),
+        // `__launch_bounds__(128, 4)` for bf16 y, `(128, 3)` for f32 y.
+        SgmvExpand::Registers => (expand_rf_smem_bytes(stride), if y_size == 2 { 4 } else { 3 }),
+    };
+    let resident = expand_blocks_per_sm(smem, c.smem_per_sm, max_per_sm) * c.sm_count as usize;
     let expand_grid = (to_u32("grid", items.min(resident).max(1))?, 1, 1);
     let expand_smem = to_u32("expand shared memory", smem)?;
     if expand_smem as usize > c.smem_optin {
@@ -347,17 +391,23 @@ fn launch<Y: OutputElem>(
     // floats with `n_rows <= max_rows`, `stride <= rank_pad`, `k_splits <= 4`.
     // The kernels check segment bounds, indices and ranks on the device before
     // reading A and B through table addresses (kept valid by the table's owner).
+    // A dependent expand reads nothing the shrink writes before its
+    // `griddepcontrol.wait`, and y and B are not written by the shrink.
     unsafe {
         if tuning.only_phase != Some(SgmvPhase::Expand) {
             c.launch(
                 Kernel {
                     family: Family::Sgmv,
-                    name: "sgmv_shrink_bf16",
+                    name: if narrow {
+                        "sgmv_shrink_r16_bf16"
+                    } else {
+                        "sgmv_shrink_bf16"
+                    },
                 },
                 Launch {
                     grid: shrink_grid,
                     block: THREADS,
-                    smem: SHRINK_SMEM,
+                    smem: if narrow { SHRINK_R16_SMEM } else { SHRINK_SMEM },
                 },
                 &params,
             )?;
@@ -365,27 +415,35 @@ fn launch<Y: OutputElem>(
         if tuning.only_phase == Some(SgmvPhase::Shrink) {
             return Ok(());
         }
-        let expand = match Y::NAME {
-            "bf16" => "sgmv_expand_bf16",
-            _ => "sgmv_expand_f32",
+        let expand = match (expand_kind, Y::NAME) {
+            (SgmvExpand::StagedY, "bf16") => "sgmv_expand_bf16",
+            (SgmvExpand::StagedY, _) => "sgmv_expand_f32",
+            (SgmvExpand::Registers, "bf16") => "sgmv_expand_rf_bf16",
+            (SgmvExpand::Registers, _) => "sgmv_expand_rf_f32",
         };
-        c.launch(
-            Kernel {
-                family: Family::Sgmv,
-                name: expand,
-            },
-            Launch {
-                grid: expand_grid,
-                block: THREADS,
-                smem: expand_smem,
-            },
-            &params,
-        )
+        let kernel = Kernel {
+            family: Family::Sgmv,
+            name: expand,
+        };
+        let shape = Launch {
+            grid: expand_grid,
+            block: THREADS,
+            smem: expand_smem,
+        };
+        // Both expands run `griddepcontrol.wait` before they read the workspace.
+        let dependent = tuning.dependent_expand.unwrap_or(true);
+        if dependent {
+            c.launch_dependent(kernel, shape, &params)
+        } else {
+            c.launch(kernel, shape, &params)
+        }
     }
 }
 
 /// Dynamic shared memory of the shrink: x and A tiles, `STAGES` deep, rows padded by 8.
 const SHRINK_SMEM: u32 = (2 * STAGES * TILE_ROWS * (K_CHUNK + 8) * 2) as u32;
+/// Dynamic shared memory of the narrow shrink: x tiles and 16-row A tiles, `STAGES_R16` deep.
+const SHRINK_R16_SMEM: u32 = (STAGES_R16 * (TILE_ROWS + NARROW_RANK) * (K_CHUNK + 8) * 2) as u32;
 
 /// Dynamic shared memory of the expand (`sB`, `sT` and the two `sY` tiles
 /// in `cuda/sgmv.cu`) for y elements of `y_size` bytes.
@@ -394,9 +452,17 @@ fn expand_smem_bytes(stride: usize, y_size: usize) -> usize {
     OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4 + 2 * TILE_ROWS * (OUT_TILE * y_size + 16)
 }
 
-/// Expand blocks resident per multiprocessor (`__launch_bounds__(128, 4)`), as shared memory allows.
-fn expand_blocks_per_sm(smem: usize, smem_per_sm: usize) -> usize {
-    (smem_per_sm / (smem + 1024)).clamp(1, 4)
+/// Dynamic shared memory of the register expand: two permuted `sB` buffers
+/// and `sTf`, each thread's t fragments (two 16-byte pieces per 16 ranks).
+fn expand_rf_smem_bytes(stride: usize) -> usize {
+    let r16 = stride.div_ceil(16) * 16;
+    2 * OUT_TILE_RF * (r16 + 8) * 2 + (r16 / 16) * 2 * THREADS as usize * 16
+}
+
+/// Expand blocks resident per multiprocessor: at most `max_per_sm` (the
+/// kernel's `__launch_bounds__`), as shared memory allows.
+fn expand_blocks_per_sm(smem: usize, smem_per_sm: usize, max_per_sm: usize) -> usize {
+    (smem_per_sm / (smem + 1024)).clamp(1, max_per_sm)
 }
 
 #[cfg(test)]
