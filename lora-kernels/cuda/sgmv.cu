@@ -5,12 +5,16 @@
 // Two launches:
 //   sgmv_shrink: t[ks][row][k] = sum over K split ks of A[k, i] x[row, i],
 //                tensor cores (mma.sync m16n8k16 bf16, f32 accumulate), a
-//                64-row tile of one segment per block, cp.async pipeline.
+//                64-row tile of one segment per block, cp.async pipeline
+//                (sgmv_shrink_r16_bf16: 16-row A tiles and a deeper pipeline
+//                for rank strides up to 16).
 //   sgmv_expand: y[row, col_off + o] += scale * sum_k B[o, k] t[row][k]
 //                (t summed over the K splits), tensor cores with t split
 //                into a bf16 high and low part so t keeps ~16 bits; B and t
-//                staged in shared memory first; the accumulators start from
-//                y, so y is read once and rounded once.
+//                staged in shared memory first; y read once and rounded
+//                once. Persistent blocks, each a balanced run of the items;
+//                the host may launch it as a programmatic dependent of the
+//                shrink (it waits before reading t).
 // A tile never crosses a segment: tile i of the launch is found by a prefix
 // sum of ceil(len_s / 64) over segments, so the grid (sized by the host from
 // the row and segment counts) stays fixed while the contents change.
@@ -408,14 +412,13 @@ struct ExpandItem {
     int o_base;
 };
 
-// Item `it` of an expand whose items are `width` outputs wide.
-__device__ __forceinline__ ExpandItem expand_item(const SgmvParams& p, int it, int width) {
+__device__ __forceinline__ ExpandItem expand_item(const SgmvParams& p, int it) {
     const int per_tile = p.n_targets * p.out_tiles;
     ExpandItem e;
     e.tile = it / per_tile;
     const int rem = it - e.tile * per_tile;
     e.ti = rem / p.out_tiles;
-    e.o_base = (rem - e.ti * p.out_tiles) * width;
+    e.o_base = (rem - e.ti * p.out_tiles) * SG_BO;
     return e;
 }
 
@@ -502,7 +505,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     int buf = 0;
     bool staged = false;  // this item's y tile was requested by the previous item
     for (int it = it0; it < it1; ++it) {
-        const ExpandItem item = expand_item(p, it, SG_BO);
+        const ExpandItem item = expand_item(p, it);
         const LoraTarget tg = p.targets[item.ti];
         const int out = tg.out_dim;
         if (item.o_base >= out) {
@@ -552,7 +555,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         // ---- group B: the next item's y tile when it is the same tile (the common case).
         staged = false;
         if (it + 1 < it1) {
-            const ExpandItem nx = expand_item(p, it + 1, SG_BO);
+            const ExpandItem nx = expand_item(p, it + 1);
             if (nx.tile == item.tile && nx.ti == item.ti && nx.o_base < out) {
                 const int nlen = min(SG_BO, out - nx.o_base);
                 move_y_tile<Y>(sY0 + (size_t)(buf ^ 1) * SG_BM * yp, Yp + (u64)row0 * ys + coff + nx.o_base, ys, rows,
@@ -656,337 +659,4 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_bf16(con
 }
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(const SgmvParams p) {
     sgmv_expand_body<float>(p);
-}
-
-// ---------------------------------------------------------------------------
-// Register expand (`sgmv_expand_rf_*`): items of 64 rows x SG_EO outputs; y
-// never passes through shared memory. The B rows of an item are staged in a
-// permuted order so that the mma accumulators of one thread cover 8
-// consecutive outputs of a row: smem row nt * 8 + n holds output
-//   (nt / 4) * 32 + (n / 2) * 8 + (nt % 4) * 2 + n % 2
-// of the item, so thread (g, t4) holds, for rows g and g + 8 of its warp and
-// each 32-output group q, the outputs q * 32 + t4 * 8 .. + 8: one 16-byte
-// load and one 16-byte store each, and 4 threads cover 64 contiguous bytes
-// (whole sectors). The next item's y is loaded into registers and its B rows
-// into the other B buffer while this item computes; the two after that are
-// requested into L2. Items are dealt to blocks in balanced contiguous runs,
-// so consecutive items mostly share a tile (t built once). Dynamic shared
-// memory:
-//   sB  [2][SG_EO][r16 + 8] bf16             permuted B rows, columns past rank zeroed
-//   sTf [r16 / 16][2][SG_THREADS] uint4      each thread's t fragments (hi, lo): t summed
-//                                            over the K splits, times scale, zero past rank
-#define SG_EO 64
-
-// Eight y values as loaded (raw, converted only when used).
-template <typename Y>
-struct YRaw;
-template <>
-struct YRaw<bf16_t> {
-    uint4 w;
-};
-template <>
-struct YRaw<float> {
-    float4 a;
-    float4 b;
-};
-
-// y[p .. p + valid) into r (the rest zero): one 16-byte access per 16 bytes when `vec` and whole.
-__device__ __forceinline__ void yraw_load(YRaw<bf16_t>& r, const bf16_t* p, int valid, bool vec) {
-    if (vec && valid >= 8) {
-        r.w = *(const uint4*)p;
-        return;
-    }
-    u32 w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-        if (j < valid) w[j >> 1] |= ((u32)p[j]) << ((j & 1) * 16);
-    r.w = make_uint4(w[0], w[1], w[2], w[3]);
-}
-__device__ __forceinline__ void yraw_load(YRaw<float>& r, const float* p, int valid, bool vec) {
-    if (vec && valid >= 8) {
-        r.a = *(const float4*)p;
-        r.b = *(const float4*)(p + 4);
-        return;
-    }
-    float v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = j < valid ? p[j] : 0.f;
-    r.a = make_float4(v[0], v[1], v[2], v[3]);
-    r.b = make_float4(v[4], v[5], v[6], v[7]);
-}
-__device__ __forceinline__ void yraw_unpack(const YRaw<bf16_t>& r, float* v) { unpack8(r.w, v); }
-__device__ __forceinline__ void yraw_unpack(const YRaw<float>& r, float* v) {
-    v[0] = r.a.x;
-    v[1] = r.a.y;
-    v[2] = r.a.z;
-    v[3] = r.a.w;
-    v[4] = r.b.x;
-    v[5] = r.b.y;
-    v[6] = r.b.z;
-    v[7] = r.b.w;
-}
-// v[0 .. valid) to y[p ..], rounded once.
-__device__ __forceinline__ void y_store_n(bf16_t* p, const float* v, int valid, bool vec) {
-    if (vec && valid >= 8) {
-        *(uint4*)p = make_uint4(pack_bf2_rn(v[0], v[1]), pack_bf2_rn(v[2], v[3]), pack_bf2_rn(v[4], v[5]),
-                                pack_bf2_rn(v[6], v[7]));
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-        if (j < valid) p[j] = f2bf(v[j]);
-}
-__device__ __forceinline__ void y_store_n(float* p, const float* v, int valid, bool vec) {
-    if (vec && valid >= 8) {
-        *(float4*)p = make_float4(v[0], v[1], v[2], v[3]);
-        *(float4*)(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-        if (j < valid) p[j] = v[j];
-}
-
-// Where one item's y values of this thread lie: rows ra, ra + 8 of the tile,
-// outputs o_base + q * 32 + t4 * 8 for q = 0, 1.
-struct YSpot {
-    u64 off[4];  // element offsets from y; index h * 2 + q (h: row ra or ra + 8)
-    int valid[4];
-};
-
-__device__ __forceinline__ YSpot y_spot(int row0, int rows, int ys, int coff, int o_base, int out, int ra, int t4) {
-    YSpot s;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const int r = ra + h * 8;
-            const int o = o_base + q * 32 + t4 * 8;
-            s.off[h * 2 + q] = (u64)(row0 + r) * ys + coff + o;
-            s.valid[h * 2 + q] = r < rows ? max(0, min(8, out - o)) : 0;
-        }
-    }
-    return s;
-}
-
-// Stage an item's B rows (permuted, see above) into sb with cp.async; columns past rank zeroed.
-__device__ __forceinline__ void stage_b_permuted(bf16_t* sb, const bf16_t* B, int stride, int rank, int rk16, int bp,
-                                                 int o_base, int out, bool vec_b) {
-    const int pieces = rk16 / 8;
-    const int full8 = vec_b ? rank / 8 : 0;
-    for (int v = threadIdx.x; v < SG_EO * pieces; v += SG_THREADS) {
-        const int s = v / pieces;
-        const int c = v - s * pieces;
-        const int nt = s >> 3;
-        const int n = s & 7;
-        const int o = o_base + (nt >> 2) * 32 + (n >> 1) * 8 + (nt & 3) * 2 + (n & 1);
-        bf16_t* dst = sb + s * bp + c * 8;
-        const bf16_t* src = B + (u64)o * stride + c * 8;
-        if (o < out && c < full8) {
-            cp_async16(dst, src, true);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) dst[j] = (o < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
-        }
-    }
-}
-
-// The item after `e` in launch order (no divisions: items are walked in order).
-__device__ __forceinline__ ExpandItem next_item(const SgmvParams& p, ExpandItem e) {
-    e.o_base += SG_EO;
-    if (e.o_base >= p.out_tiles * SG_EO) {
-        e.o_base = 0;
-        if (++e.ti == p.n_targets) {
-            e.ti = 0;
-            ++e.tile;
-        }
-    }
-    return e;
-}
-
-template <typename Y>
-__device__ __forceinline__ void sgmv_expand_rf_body(const SgmvParams& p) {
-    __shared__ TileInfo s_tile;
-    __shared__ PairEntry s_entry;
-
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    int it0;
-    int it1;
-    block_items(p, p.n_targets * p.out_tiles, &it0, &it1);
-    const int stride = p.rank_stride;
-    const int bp = ((stride + 15) & ~15) + 8;
-    bf16_t* sB0 = (bf16_t*)dyn;
-    // This thread's t fragments (hi, lo) per 16-rank step: [kst][half][thread] uint4, read only by their thread.
-    uint4* sTf = (uint4*)(dyn + (size_t)2 * SG_EO * bp * 2);
-    const int g = lane >> 2;
-    const int t4 = lane & 3;
-    const int ra = warp * 16 + g;
-    Y* Yp = (Y*)p.y;
-    const int ys = p.y_stride;
-    const bool vec_y_base = ((int)sizeof(Y) * ys % 16 == 0) && aligned16(Yp);
-
-    int cur_tile = -1;
-    int cur_ti = -1;
-    int buf = 0;
-    bool staged = false;  // this item's y (in yn) and B (in sB[buf]) were requested by the previous item
-    YRaw<Y> yn[4];
-    ExpandItem item = expand_item(p, it0, SG_EO);
-    for (int it = it0; it < it1; ++it, item = next_item(p, item)) {
-        const LoraTarget tg = p.targets[item.ti];
-        const int out = tg.out_dim;
-        if (item.o_base >= out) {
-            staged = false;
-            continue;  // uniform over the block
-        }
-        __syncthreads();  // the previous item no longer reads sB / s_tile
-        const bool new_tile = item.tile != cur_tile || item.ti != cur_ti;
-        if (!begin_tile(p, tg, item, new_tile, warp, &s_tile, &s_entry)) {
-            cur_tile = item.tile;
-            cur_ti = item.ti;
-            staged = false;
-            continue;
-        }
-        const PairEntry en = s_entry;
-        const int rank = (int)en.rank;
-        const int row0 = s_tile.row0;
-        const int rows = s_tile.rows;
-        const bf16_t* B = (const bf16_t*)en.b;
-        const int rk16 = (rank + 15) & ~15;
-        const int coff = tg.y_col_off;
-        const bool vec_y = vec_y_base && ((int)sizeof(Y) * coff % 16 == 0);
-        const bool vec_b = (stride % 8 == 0) && aligned16(B);
-
-        // ---- group A: this item's y and B, unless the previous item requested them.
-        YRaw<Y> yc[4];
-        const YSpot spot = y_spot(row0, rows, ys, coff, item.o_base, out, ra, t4);
-        if (!staged) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) yraw_load(yc[i], Yp + spot.off[i], spot.valid[i], vec_y);
-            stage_b_permuted(sB0 + (size_t)buf * SG_EO * bp, B, stride, rank, rk16, bp, item.o_base, out, vec_b);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) yc[i] = yn[i];
-        }
-        cp_async_commit();
-
-        // ---- group B: the next item's y and B when it is the same tile (the common case);
-        // the two after it go to L2.
-        staged = false;
-        if (it + 1 < it1) {
-            const ExpandItem nx = next_item(p, item);
-            if (nx.tile == item.tile && nx.ti == item.ti && nx.o_base < out) {
-                const YSpot ns = y_spot(row0, rows, ys, coff, nx.o_base, out, ra, t4);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) yraw_load(yn[i], Yp + ns.off[i], ns.valid[i], vec_y);
-                stage_b_permuted(sB0 + (size_t)(buf ^ 1) * SG_EO * bp, B, stride, rank, rk16, bp, nx.o_base, out,
-                                 vec_b);
-                staged = true;
-                // Threads 0..63 request row tid of item it + 2, threads 64..127 of item it + 3.
-                const int ahead = 2 + tid / SG_BM;
-                const int r = tid % SG_BM;
-                if (it + ahead < it1 && r < rows) {
-                    ExpandItem na = next_item(p, nx);
-                    if (ahead == 3) na = next_item(p, na);
-                    if (na.tile == item.tile && na.ti == item.ti && na.o_base < out) {
-                        const int len = min(SG_EO, out - na.o_base);
-                        prefetch_l2(Yp + (u64)(row0 + r) * ys + coff + na.o_base, (u64)len * sizeof(Y));
-                    }
-                }
-            }
-        }
-        cp_async_commit();
-
-        // ---- t fragments of a new tile, straight from the K-split partials: rows ra, ra + 8,
-        // ranks k, k + 1, k + 8, k + 9 (k = kst * 16 + 2 t4), scaled, zero past rank and rows,
-        // split into bf16 hi + lo (t keeps ~16 bits).
-        if (new_tile) {
-            // Launched as a dependent of the shrink: its partials are complete and visible
-            // only past this wait (a no-op otherwise). Everything above reads no shrink output.
-            grid_dependency_wait();
-            const float* W = (const float*)p.ws + (u64)item.ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
-            const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
-            const float scale = en.scale;
-            for (int kst = 0; kst < rk16 / 16; ++kst) {
-                u32 hi[4];
-                u32 lo[4];
-#pragma unroll
-                for (int h = 0; h < 4; ++h) {
-                    const int r = ra + (h & 1) * 8;
-                    const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
-                    float2 sum = make_float2(0.f, 0.f);
-                    if (r < rows && k < rank) {
-                        const float* q = W + (u64)(row0 + r) * p.ws_rank_pad + k;
-#pragma unroll
-                        for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks) {
-                            if (ks < p.k_splits) {
-                                const float2 w = *(const float2*)(q + ks * split_stride);
-                                sum.x += w.x;
-                                sum.y += w.y;
-                            }
-                        }
-                    }
-                    const float t0 = sum.x * scale;
-                    const float t1 = k + 1 < rank ? sum.y * scale : 0.f;
-                    hi[h] = pack_bf2_rn(t0, t1);
-                    lo[h] = pack_bf2_rn(t0 - bf_lo(hi[h]), t1 - bf_hi(hi[h]));
-                }
-                sTf[(kst * 2 + 0) * SG_THREADS + tid] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-                sTf[(kst * 2 + 1) * SG_THREADS + tid] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-            }
-            cur_tile = item.tile;
-            cur_ti = item.ti;
-        }
-        cp_async_wait<1>();  // group A landed; the next item's B may still be in flight
-        __syncthreads();
-
-        const bf16_t* sB = sB0 + (size_t)buf * SG_EO * bp;
-        float acc[SG_EO / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < SG_EO / 8; ++nt) {
-            acc[nt][0] = 0.f;
-            acc[nt][1] = 0.f;
-            acc[nt][2] = 0.f;
-            acc[nt][3] = 0.f;
-        }
-        for (int kst = 0; kst < rk16 / 16; ++kst) {
-            const uint4 h4 = sTf[(kst * 2 + 0) * SG_THREADS + tid];
-            const uint4 l4 = sTf[(kst * 2 + 1) * SG_THREADS + tid];
-            const u32 a_hi[4] = {h4.x, h4.y, h4.z, h4.w};
-            const u32 a_lo[4] = {l4.x, l4.y, l4.z, l4.w};
-#pragma unroll
-            for (int np = 0; np < SG_EO / 16; ++np) {
-                u32 b[4];
-                ldmatrix_x4(b, sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * bp + kst * 16 + ((lane >> 3) & 1) * 8);
-                mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
-                mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
-                mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
-                mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
-            }
-        }
-
-        // ---- y += delta in registers, rounded once, 16-byte stores.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int i = h * 2 + q;
-                float v[8];
-                yraw_unpack(yc[i], v);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[e] += acc[q * 4 + (e >> 1)][h * 2 + (e & 1)];
-                if (spot.valid[i] > 0) y_store_n(Yp + spot.off[i], v, spot.valid[i], vec_y);
-            }
-        }
-        if (staged) buf ^= 1;
-    }
-    cp_async_wait<0>();
-}
-
-extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_rf_bf16(const SgmvParams p) {
-    sgmv_expand_rf_body<bf16_t>(p);
-}
-extern "C" __global__ void __launch_bounds__(SG_THREADS, 3) sgmv_expand_rf_f32(const SgmvParams p) {
-    sgmv_expand_rf_body<float>(p);
 }

@@ -57,6 +57,6 @@ pub use ops::bgmv::{BGMV_MAX_RANK, BgmvTuning, bgmv, bgmv_tuned};
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};
 pub use ops::overlay::{embed_overlay, lm_head_overlay, row_diff};
 pub use ops::repack::{RepackDtype, RepackRegion, repack};
-pub use ops::sgmv::{Segments, SgmvExpand, SgmvPhase, SgmvTuning, one_adapter, sgmv, sgmv_tuned};
+pub use ops::sgmv::{Segments, SgmvPhase, SgmvTuning, one_adapter, sgmv, sgmv_tuned};
 pub use ops::{LoraTarget, LoraWorkspace, MAX_TARGETS, OutputElem, Rows, RowsMut, WorkspaceSpec};
 pub use table::{EmbedOverlayEntry, LmHeadOverlayEntry, PairEntry};

@@ -9,7 +9,7 @@ use half::bf16;
 use lora_kernels::testing::{RandomPairs, Rng, cuda_or_skip, rel_error, widen};
 use lora_kernels::{
     BgmvTuning, Device, DeviceBuffer, EmbedOverlayEntry, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting,
-    OutputElem, PairEntry, Rows, RowsMut, Segments, SgmvExpand, SgmvTuning, WorkspaceSpec, bgmv_tuned, embed_overlay,
+    OutputElem, PairEntry, Rows, RowsMut, Segments, SgmvTuning, WorkspaceSpec, bgmv_tuned, embed_overlay,
     lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff, sgmv_tuned,
 };
 
@@ -474,24 +474,16 @@ fn run_sgmv_on<Y: OutputElem>(
     y.download().unwrap()
 }
 
-/// Launch choices of the segment apply the tests cover: both expands, both
-/// shrinks, dependent and plain expand launches, both ways of dealing items.
+/// Launch choices of the segment apply the tests cover: each shrink, the
+/// dependent and the plain expand launch, each way of dealing items.
 fn sgmv_kernels() -> Vec<SgmvTuning> {
-    let pick = |expand, narrow, dependent, balanced| SgmvTuning {
-        expand: Some(expand),
+    let pick = |narrow, dependent, balanced| SgmvTuning {
         narrow_shrink: Some(narrow),
         dependent_expand: Some(dependent),
         balanced_items: Some(balanced),
         ..Default::default()
     };
-    vec![
-        SgmvTuning::default(),
-        pick(SgmvExpand::StagedY, true, false, true),
-        pick(SgmvExpand::StagedY, false, true, false),
-        pick(SgmvExpand::Registers, true, true, true),
-        pick(SgmvExpand::Registers, true, false, false),
-        pick(SgmvExpand::Registers, false, true, true),
-    ]
+    vec![SgmvTuning::default(), pick(true, false, true), pick(false, true, false)]
 }
 
 #[test]

@@ -30,7 +30,7 @@ use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{RandomPairs, Rng};
 use lora_kernels::{
     BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, Rows, RowsMut, Segments,
-    SgmvExpand, SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
+    SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
 };
 use serde_json::{Value, json};
 
@@ -435,10 +435,6 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 balanced_items: Some(false),
                 ..Default::default()
             };
-            let registers = SgmvTuning {
-                expand: Some(SgmvExpand::Registers),
-                ..Default::default()
-            };
             let plain = [
                 ("unbalanced", unbalanced),
                 (
@@ -448,7 +444,6 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                         ..Default::default()
                     },
                 ),
-                ("register expand", registers),
                 (
                     "wide shrink",
                     SgmvTuning {
@@ -465,7 +460,6 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ),
                 ("expand only", expand_only(SgmvTuning::default())),
                 ("unbalanced expand only", expand_only(unbalanced)),
-                ("register expand only", expand_only(registers)),
             ];
             variants.extend(plain.into_iter().map(|(label, t)| (label.to_string(), t)));
         }

@@ -26,10 +26,8 @@ const STAGES: usize = 3;
 const STAGES_R16: usize = 6;
 /// Rank rows of the A tile of the narrow shrink (`sgmv_shrink_r16_bf16`).
 const NARROW_RANK: usize = 16;
-/// Outputs per item of the staged-y expand (`SG_BO`).
+/// Outputs per item of the expand (`SG_BO`).
 const OUT_TILE: usize = 128;
-/// Outputs per item of the register expand (`SG_EO`).
-const OUT_TILE_RF: usize = 64;
 const THREADS: u32 = 128;
 
 /// The segments of a prefill batch: `cu_seqlens` holds `n_segments + 1`
@@ -55,9 +53,6 @@ pub struct SgmvTuning {
     /// output is then NOT the LoRA apply (the expand reads whatever the
     /// workspace holds).
     pub only_phase: Option<SgmvPhase>,
-    /// Which expand kernel; `None` picks [`SgmvExpand::StagedY`] (measured
-    /// faster at both prefill bench shapes, NOTES.md v6).
-    pub expand: Option<SgmvExpand>,
     /// Rank strides up to 16 only: the shrink with 16-row A tiles and a
     /// deeper pipeline (`true`, the default) or the 64-row one (`false`).
     pub narrow_shrink: Option<bool>,
@@ -70,17 +65,6 @@ pub struct SgmvTuning {
     /// first), or in runs of `ceil(items / grid)` over the most tiles the
     /// host allows for (`false`).
     pub balanced_items: Option<bool>,
-}
-
-/// The two expand kernels of `cuda/sgmv.cu`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SgmvExpand {
-    /// `sgmv_expand_*`: 128-output items, y tiles through shared memory.
-    StagedY,
-    /// `sgmv_expand_rf_*`: 64-output items, y in registers (B rows staged
-    /// permuted so each thread's outputs are contiguous), the next item's
-    /// y and B requested while this one computes.
-    Registers,
 }
 
 /// One of the two launches of the segment apply.
@@ -329,12 +313,7 @@ fn launch<Y: OutputElem>(
     }
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
-    let expand_kind = tuning.expand.unwrap_or(SgmvExpand::StagedY);
-    let item_outputs = match expand_kind {
-        SgmvExpand::StagedY => OUT_TILE,
-        SgmvExpand::Registers => OUT_TILE_RF,
-    };
-    let out_tiles = max_out.div_ceil(item_outputs).max(1);
+    let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
     let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(true);
     let params = SgmvParams {
         x: x.addr(),
@@ -369,13 +348,8 @@ fn launch<Y: OutputElem>(
     // Persistent expand: every resident block walks a share of the (tile, target, chunk) items.
     let items = max_tiles * n_targets * out_tiles;
     to_i32("expand items", items)?;
-    let y_size = std::mem::size_of::<Y>();
-    let (smem, max_per_sm) = match expand_kind {
-        SgmvExpand::StagedY => (expand_smem_bytes(stride, y_size), 4),
-        // `__launch_bounds__(128, 4)` for bf16 y, `(128, 3)` for f32 y.
-        SgmvExpand::Registers => (expand_rf_smem_bytes(stride), if y_size == 2 { 4 } else { 3 }),
-    };
-    let resident = expand_blocks_per_sm(smem, c.smem_per_sm, max_per_sm) * c.sm_count as usize;
+    let smem = expand_smem_bytes(stride, std::mem::size_of::<Y>());
+    let resident = expand_blocks_per_sm(smem, c.smem_per_sm) * c.sm_count as usize;
     let expand_grid = (to_u32("grid", items.min(resident).max(1))?, 1, 1);
     let expand_smem = to_u32("expand shared memory", smem)?;
     if expand_smem as usize > c.smem_optin {
@@ -415,11 +389,9 @@ fn launch<Y: OutputElem>(
         if tuning.only_phase == Some(SgmvPhase::Shrink) {
             return Ok(());
         }
-        let expand = match (expand_kind, Y::NAME) {
-            (SgmvExpand::StagedY, "bf16") => "sgmv_expand_bf16",
-            (SgmvExpand::StagedY, _) => "sgmv_expand_f32",
-            (SgmvExpand::Registers, "bf16") => "sgmv_expand_rf_bf16",
-            (SgmvExpand::Registers, _) => "sgmv_expand_rf_f32",
+        let expand = match Y::NAME {
+            "bf16" => "sgmv_expand_bf16",
+            _ => "sgmv_expand_f32",
         };
         let kernel = Kernel {
             family: Family::Sgmv,
@@ -430,7 +402,7 @@ fn launch<Y: OutputElem>(
             block: THREADS,
             smem: expand_smem,
         };
-        // Both expands run `griddepcontrol.wait` before they read the workspace.
+        // The expand runs `griddepcontrol.wait` before it reads the workspace.
         let dependent = tuning.dependent_expand.unwrap_or(true);
         if dependent {
             c.launch_dependent(kernel, shape, &params)
@@ -444,6 +416,9 @@ fn launch<Y: OutputElem>(
 const SHRINK_SMEM: u32 = (2 * STAGES * TILE_ROWS * (K_CHUNK + 8) * 2) as u32;
 /// Dynamic shared memory of the narrow shrink: x tiles and 16-row A tiles, `STAGES_R16` deep.
 const SHRINK_R16_SMEM: u32 = (STAGES_R16 * (TILE_ROWS + NARROW_RANK) * (K_CHUNK + 8) * 2) as u32;
+// Three narrow-shrink blocks fit an H100 / H200 multiprocessor (228 KB, 1 KB reserved per block):
+// the depth was chosen so that the 288 blocks of a 4096-row batch are resident at once.
+const _: () = assert!(3 * (SHRINK_R16_SMEM as usize + 1024) <= 228 * 1024);
 
 /// Dynamic shared memory of the expand (`sB`, `sT` and the two `sY` tiles
 /// in `cuda/sgmv.cu`) for y elements of `y_size` bytes.
@@ -452,17 +427,9 @@ fn expand_smem_bytes(stride: usize, y_size: usize) -> usize {
     OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4 + 2 * TILE_ROWS * (OUT_TILE * y_size + 16)
 }
 
-/// Dynamic shared memory of the register expand: two permuted `sB` buffers
-/// and `sTf`, each thread's t fragments (two 16-byte pieces per 16 ranks).
-fn expand_rf_smem_bytes(stride: usize) -> usize {
-    let r16 = stride.div_ceil(16) * 16;
-    2 * OUT_TILE_RF * (r16 + 8) * 2 + (r16 / 16) * 2 * THREADS as usize * 16
-}
-
-/// Expand blocks resident per multiprocessor: at most `max_per_sm` (the
-/// kernel's `__launch_bounds__`), as shared memory allows.
-fn expand_blocks_per_sm(smem: usize, smem_per_sm: usize, max_per_sm: usize) -> usize {
-    (smem_per_sm / (smem + 1024)).clamp(1, max_per_sm)
+/// Expand blocks resident per multiprocessor (`__launch_bounds__(128, 4)`), as shared memory allows.
+fn expand_blocks_per_sm(smem: usize, smem_per_sm: usize) -> usize {
+    (smem_per_sm / (smem + 1024)).clamp(1, 4)
 }
 
 #[cfg(test)]
