@@ -246,11 +246,20 @@ __device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraT
     }
 }
 
+// How the shrink stages one K chunk. Split: the x tile, then the A tile, each
+// piece choosing the vector or scalar copy by itself (any AR). Paired (AR ==
+// SG_BM only): the x and A pieces at the same position issued together, the
+// vector-path check hoisted above the piece loop, so the vector path of the
+// main loop is straight-line cp.async (v5's loop was this short; the split
+// form lengthened the 64-row kernel's main loop by about a third).
+enum class StageForm { Split, Paired };
+
 // The shrink body for A tiles of AR rows (a rank chunk of at most AR) and a
 // cp.async pipeline STAGES deep. Dynamic shared memory: x tiles
 // [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
-template <int AR, int STAGES>
+template <int AR, int STAGES, StageForm FORM>
 __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
+    static_assert(FORM == StageForm::Split || AR == SG_BM, "paired staging needs A tiles as tall as x tiles");
     typedef bf16_t XTile[SG_BM][SG_LD];
     typedef bf16_t ATile[AR][SG_LD];
     XTile* s_x = (XTile*)dyn;
@@ -308,23 +317,58 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
             for (int j = 0; j < 8; ++j) dst[j] = col + j < in && rv ? src[col + j] : (bf16_t)0;
         }
     };
+    // Paired staging: the x and A pieces at (r, c) of stage `st`, by the vector path or the scalar one
+    // (a constant at each inlined call, so each path is compiled on its own).
+    auto load_pair = [&](bool vec_path, int st, int r, int c, int col) {
+        const bool xv = r < rows;
+        const bool av = r < nlen;
+        const bf16_t* xs = X + (u64)(row0 + (xv ? r : 0)) * p.x_stride;
+        const bf16_t* as = A + (u64)(n0 + (av ? r : 0)) * in;
+        if (vec_path) {
+            const bool inb = col < in;
+            cp_async16(&s_x[st][r][c], inb && xv ? xs + col : X, inb && xv);
+            cp_async16(&s_a[st][r][c], inb && av ? as + col : A, inb && av);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const bool inb = col + j < in;
+                s_x[st][r][c + j] = inb && xv ? xs[col + j] : (bf16_t)0;
+                s_a[st][r][c + j] = inb && av ? as[col + j] : (bf16_t)0;
+            }
+        }
+    };
     // Stage `st` <- K chunk `kc`: SG_BM x-rows and AR A-rows of SG_BK columns each.
     auto load_stage = [&](int st, int kc) {
         const int col0 = kc * SG_BK;
+        if constexpr (FORM == StageForm::Paired) {
+            auto pieces = [&](bool vec_path) {
 #pragma unroll
-        for (int u = 0; u < SG_BM * SG_BK / 8 / SG_THREADS; ++u) {
-            const int v = tid + u * SG_THREADS;
-            const int r = v / (SG_BK / 8);
-            const int c = (v % (SG_BK / 8)) * 8;
-            load_piece(&s_x[st][r][c], X + (u64)row0 * p.x_stride, (u64)p.x_stride, r, rows, col0 + c);
-        }
+                for (int u = 0; u < SG_BM * SG_BK / 8 / SG_THREADS; ++u) {
+                    const int v = tid + u * SG_THREADS;
+                    const int c = (v % (SG_BK / 8)) * 8;
+                    load_pair(vec_path, st, v / (SG_BK / 8), c, col0 + c);
+                }
+            };
+            if (vec)
+                pieces(true);
+            else
+                pieces(false);
+        } else {
 #pragma unroll
-        for (int u = 0; u < (AR * SG_BK / 8 + SG_THREADS - 1) / SG_THREADS; ++u) {
-            const int v = tid + u * SG_THREADS;
-            if (v < AR * SG_BK / 8) {
+            for (int u = 0; u < SG_BM * SG_BK / 8 / SG_THREADS; ++u) {
+                const int v = tid + u * SG_THREADS;
                 const int r = v / (SG_BK / 8);
                 const int c = (v % (SG_BK / 8)) * 8;
-                load_piece(&s_a[st][r][c], A + (u64)n0 * in, (u64)in, r, nlen, col0 + c);
+                load_piece(&s_x[st][r][c], X + (u64)row0 * p.x_stride, (u64)p.x_stride, r, rows, col0 + c);
+            }
+#pragma unroll
+            for (int u = 0; u < (AR * SG_BK / 8 + SG_THREADS - 1) / SG_THREADS; ++u) {
+                const int v = tid + u * SG_THREADS;
+                if (v < AR * SG_BK / 8) {
+                    const int r = v / (SG_BK / 8);
+                    const int c = (v % (SG_BK / 8)) * 8;
+                    load_piece(&s_a[st][r][c], A + (u64)n0 * in, (u64)in, r, nlen, col0 + c);
+                }
             }
         }
     };
@@ -384,14 +428,18 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
     }
 }
 
-// Rank chunks of 64: A tiles as tall as x tiles.
+// Rank chunks of 64: A tiles as tall as x tiles, x and A pieces staged in pairs.
 extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const SgmvParams p) {
-    sgmv_shrink_body<SG_BN, SG_STAGES>(p);
+    sgmv_shrink_body<SG_BN, SG_STAGES, StageForm::Paired>(p);
+}
+// The same with split staging (v6's form), kept to time against the paired one.
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_split_bf16(const SgmvParams p) {
+    sgmv_shrink_body<SG_BN, SG_STAGES, StageForm::Split>(p);
 }
 // Rank strides up to 16: A tiles of 16 rows leave room for a deeper
 // pipeline (more x bytes in flight per block) at 3 blocks per SM.
 extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_r16_bf16(const SgmvParams p) {
-    sgmv_shrink_body<16, SG_STAGES_R16>(p);
+    sgmv_shrink_body<16, SG_STAGES_R16, StageForm::Split>(p);
 }
 
 // The expand is persistent: block b walks a contiguous run of the work

@@ -474,16 +474,23 @@ fn run_sgmv_on<Y: OutputElem>(
     y.download().unwrap()
 }
 
-/// Launch choices of the segment apply the tests cover: each shrink, the
-/// dependent and the plain expand launch, each way of dealing items.
+/// Launch choices of the segment apply the tests cover: each shrink (the
+/// 64-row one with paired and split staging), the dependent and the plain
+/// expand launch, each way of dealing items.
 fn sgmv_kernels() -> Vec<SgmvTuning> {
-    let pick = |narrow, dependent, balanced| SgmvTuning {
+    let pick = |narrow, dependent, balanced, paired| SgmvTuning {
         narrow_shrink: Some(narrow),
         dependent_expand: Some(dependent),
         balanced_items: Some(balanced),
+        paired_staging: Some(paired),
         ..Default::default()
     };
-    vec![SgmvTuning::default(), pick(true, false, true), pick(false, true, false)]
+    vec![
+        SgmvTuning::default(),
+        pick(true, false, true, true),
+        pick(false, true, false, true),
+        pick(false, true, true, false),
+    ]
 }
 
 #[test]

@@ -431,6 +431,19 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 only_phase: Some(SgmvPhase::Expand),
                 ..t
             };
+            let shrink_only = |t: SgmvTuning| SgmvTuning {
+                only_phase: Some(SgmvPhase::Shrink),
+                ..t
+            };
+            // The 64-row shrink: paired staging (default) against split staging (v6).
+            let split = SgmvTuning {
+                paired_staging: Some(false),
+                ..Default::default()
+            };
+            let wide = SgmvTuning {
+                narrow_shrink: Some(false),
+                ..Default::default()
+            };
             let unbalanced = SgmvTuning {
                 balanced_items: Some(false),
                 ..Default::default()
@@ -444,19 +457,23 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                         ..Default::default()
                     },
                 ),
+                ("wide shrink", wide),
                 (
-                    "wide shrink",
+                    "split staging",
                     SgmvTuning {
-                        narrow_shrink: Some(false),
+                        paired_staging: Some(false),
                         ..Default::default()
                     },
                 ),
+                ("shrink only", shrink_only(SgmvTuning::default())),
+                ("split staging shrink only", shrink_only(split)),
+                ("wide shrink only", shrink_only(wide)),
                 (
-                    "shrink only",
-                    SgmvTuning {
-                        only_phase: Some(SgmvPhase::Shrink),
-                        ..Default::default()
-                    },
+                    "wide split shrink only",
+                    shrink_only(SgmvTuning {
+                        narrow_shrink: Some(false),
+                        ..split
+                    }),
                 ),
                 ("expand only", expand_only(SgmvTuning::default())),
                 ("unbalanced expand only", expand_only(unbalanced)),

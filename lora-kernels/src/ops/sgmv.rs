@@ -65,6 +65,11 @@ pub struct SgmvTuning {
     /// first), or in runs of `ceil(items / grid)` over the most tiles the
     /// host allows for (`false`).
     pub balanced_items: Option<bool>,
+    /// The 64-row shrink only (rank strides over 16, or `narrow_shrink`
+    /// off): stage the x and A pieces of one position together, the
+    /// vector-path check hoisted above the piece loop (`true`, the
+    /// default), or in two loops with the check per piece (`false`).
+    pub paired_staging: Option<bool>,
 }
 
 /// One of the two launches of the segment apply.
@@ -372,11 +377,7 @@ fn launch<Y: OutputElem>(
             c.launch(
                 Kernel {
                     family: Family::Sgmv,
-                    name: if narrow {
-                        "sgmv_shrink_r16_bf16"
-                    } else {
-                        "sgmv_shrink_bf16"
-                    },
+                    name: shrink_kernel(narrow, tuning.paired_staging.unwrap_or(true)),
                 },
                 Launch {
                     grid: shrink_grid,
@@ -409,6 +410,15 @@ fn launch<Y: OutputElem>(
         } else {
             c.launch(kernel, shape, &params)
         }
+    }
+}
+
+/// The shrink kernel: the narrow one, else the 64-row one with paired or split staging.
+fn shrink_kernel(narrow: bool, paired: bool) -> &'static str {
+    match (narrow, paired) {
+        (true, _) => "sgmv_shrink_r16_bf16",
+        (false, true) => "sgmv_shrink_bf16",
+        (false, false) => "sgmv_shrink_split_bf16",
     }
 }
 

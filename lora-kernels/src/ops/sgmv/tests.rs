@@ -169,3 +169,11 @@ fn workspace_limits_are_enforced() {
     assert!(c.run(None, 0).is_ok());
     assert!(LoraWorkspace::new(&c.d, WorkspaceSpec { max_targets: 5, ..spec }).is_err());
 }
+
+#[test]
+fn the_narrow_shrink_wins_over_the_staging_choice() {
+    assert_eq!(shrink_kernel(true, true), "sgmv_shrink_r16_bf16");
+    assert_eq!(shrink_kernel(true, false), "sgmv_shrink_r16_bf16");
+    assert_eq!(shrink_kernel(false, true), "sgmv_shrink_bf16");
+    assert_eq!(shrink_kernel(false, false), "sgmv_shrink_split_bf16");
+}
