@@ -7,7 +7,8 @@
 //                tensor cores (mma.sync m16n8k16 bf16, f32 accumulate), a
 //                64-row tile of one segment per block, cp.async pipeline
 //                (sgmv_shrink_r16_bf16: 16-row A tiles and a deeper pipeline
-//                for rank strides up to 16).
+//                for rank strides up to 16; sgmv_shrink_split_bf16: the
+//                64-row kernel with v6's split staging, to time against).
 //   sgmv_expand: y[row, col_off + o] += scale * sum_k B[o, k] t[row][k]
 //                (t summed over the K splits), tensor cores with t split
 //                into a bf16 high and low part so t keeps ~16 bits; B and t
