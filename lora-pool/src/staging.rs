@@ -156,11 +156,21 @@ impl Staging {
                 },
             });
         }
-        // The chunks that cover `len` bytes, in order.
+        // The chunks that cover `len` bytes, in order (they tile the staging
+        // slot, so `len <= capacity` is covered).
         let mut count = 0;
         let mut covered = 0usize;
         while covered < len {
-            covered += 2 * self.chunks[count].host.len();
+            let Some(chunk) = self.chunks.get(count) else {
+                return Err(PoolError::Image {
+                    adapter: adapter.to_string(),
+                    source: ImageError::Destination {
+                        got: covered,
+                        expected: len,
+                    },
+                });
+            };
+            covered += 2 * chunk.host.len();
             count += 1;
         }
         let streaming = self.streaming;
