@@ -42,11 +42,9 @@ struct BgmvParams {
     int off_t;
     int off_a;
     int off_x;
-    int hashed_items;  // list the items with hash_window (else scan_window)
-    int pad0;
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgmvParams) == 200 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 104, "mirrors bgmv.rs");
+static_assert(sizeof(BgmvParams) == 192 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 96, "mirrors bgmv.rs");
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u64 g = (u64)p;
@@ -217,114 +215,6 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
     return n_items;
 }
 
-// Entries below this value are listed by hash_window (it packs an item's
-// entry, first place and row count into one int).
-#define BGMV_HASH_ENTRY_LIMIT (1 << 20)
-
-// The items of a window of at most BGMV_THREADS rows (one row per thread),
-// without the counting pass of scan_window, whose longest count is half the
-// window per thread (about a quarter of the fused kernel's instructions at
-// n = 256) and which every block repeats. Every block of a launch must list
-// the same items in the same order (the blocks of a cluster sum one item's
-// rows by position; the clusters deal the items out), so nothing depends on
-// the order of the atomics:
-// - each row's entry is inserted into a shared hash table of BGMV_THREADS
-//   slots (never full: a window has at most that many distinct entries);
-//   only the slot an entry lands in depends on the insert order, and it
-//   is never used to order anything;
-// - a row's number among the rows of its entry, in row order: its rank in
-//   its warp (match_any) plus the counts of the entry in the earlier warps,
-//   kept as one byte per warp in the slot's 64-bit counter (a warp adds its
-//   count to its own byte, so the sum is the same in any order);
-// - the entries' first rows, in row order, take their places and items by
-//   one block scan over the rows.
-// On return w->idx holds the window's rows permuted so that the rows of each
-// entry are together in row order, and w->items[i] item i packed as
-// place | (rows - 1) << 9 | entry << 12. Returns the item count, or -1 (in
-// every thread) when the window is longer than BGMV_THREADS or an entry is
-// at least BGMV_HASH_ENTRY_LIMIT: the caller then runs scan_window.
-__device__ __forceinline__ int hash_window(const int* idx, int row0, int nwin, int n_entries, u64 fault, bool report,
-                                           WindowScan* w) {
-    static_assert(BGMV_WARPS <= 8 && BGMV_THREADS <= 256 && BGMV_G == 8, "one byte per warp, packing below");
-    if (nwin > BGMV_THREADS) return -1;  // uniform over the launch
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    int* keys = w->idx;                                         // [BGMV_THREADS] entry per slot, -1: free
-    unsigned long long* counts = (unsigned long long*)w->items;  // [BGMV_THREADS] byte w: rows of warp w
-    static_assert(sizeof(unsigned long long) * BGMV_THREADS <= sizeof(w->items), "counts fit w->items");
-    int e = tid < nwin ? idx[row0 + tid] : -1;
-    if (e >= n_entries) {
-        if (report) raise_fault(fault, FAULT_BAD_INDEX);
-        e = -1;
-    }
-    if (e < 0) e = -1;
-    keys[tid] = -1;
-    counts[tid] = 0ull;
-    if (__syncthreads_or(e >= BGMV_HASH_ENTRY_LIMIT)) return -1;
-    int slot = 0;
-    if (e >= 0) {
-        u32 h = ((u32)e * 2654435761u) >> 24;  // Fibonacci hashing into 256 slots
-#pragma unroll 1
-        for (;;) {
-            const int prev = atomicCAS(&keys[h], -1, e);
-            if (prev == -1 || prev == e) break;
-            h = (h + 1) & (BGMV_THREADS - 1);
-        }
-        slot = (int)h;
-    }
-    const unsigned same = __match_any_sync(0xffffffffu, e);
-    const int in_warp = __popc(same & ((1u << lane) - 1u));
-    if (e >= 0 && in_warp == 0) atomicAdd(&counts[slot], (unsigned long long)__popc(same) << (8 * warp));
-    __syncthreads();
-    const unsigned long long c64 = counts[slot];
-    const unsigned long long below = warp == 0 ? 0ull : c64 & ((1ull << (8 * warp)) - 1ull);
-    const int occ = in_warp + (int)(__dp4a((u32)below, 0x01010101u, 0u) + __dp4a((u32)(below >> 32), 0x01010101u, 0u));
-    const int count = (int)(__dp4a((u32)c64, 0x01010101u, 0u) + __dp4a((u32)(c64 >> 32), 0x01010101u, 0u));
-    // The entry's first row: count places and ceil(count / G) items, packed as items << 16 | places.
-    const bool first = e >= 0 && occ == 0;
-    int total;
-    const int base = block_exclusive_scan<BGMV_THREADS>(first ? count | ((count + BGMV_G - 1) / BGMV_G) << 16 : 0,
-                                                        w->scan, &total);
-    if (first) keys[slot] = base;  // every insert finished before the scan's barriers
-    __syncthreads();
-    const int b = keys[slot];
-    __syncthreads();  // keys and counts are overwritten below
-    if (e >= 0) {
-        const int place = (b & 0xffff) + occ;
-        keys[place] = tid;
-        if (occ % BGMV_G == 0) {
-            const int rows = min(BGMV_G, count - occ);
-            w->items[(b >> 16) + occ / BGMV_G] = (int)((u32)place | (u32)(rows - 1) << 9 | (u32)e << 12);
-        }
-    }
-    return total >> 16;
-}
-
-// Warp 0, lane 0: check the item's entry against the stride (a bad entry
-// raises a fault when `report` and counts as rank 0) and publish it.
-__device__ __forceinline__ void store_entry(PairEntry en, int nrows, int stride, u64 fault, bool report, ItemRows* out) {
-    out->nrows = nrows;
-    if (en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
-        if (report) raise_fault(fault, FAULT_BAD_RANK);
-        en.rank = 0;
-    }
-    out->entry = en;
-}
-
-// Warp 0 only: item `it` of hash_window's list, its rows and checked entry.
-__device__ __forceinline__ void load_hashed_item(const WindowScan* w, int it, int row0, const PairEntry* table,
-                                                 int stride, u64 fault, bool report, ItemRows* out) {
-    const int lane = threadIdx.x & 31;
-    const u32 packed = (u32)w->items[it];
-    const int place = (int)(packed & 511u);
-    const int nrows = (int)((packed >> 9) & 7u) + 1;
-    PairEntry en = {0ull, 0ull, 0.f, 0u};
-    if (lane == 0) en = table[packed >> 12];
-    if (lane < nrows) out->rows[lane] = row0 + w->idx[place + lane];
-    if (lane == 0) store_entry(en, nrows, stride, fault, report, out);
-}
-
 // Warp 0 only: the rows (up to G) of the item led by window row `lead`, and
 // its table entry, checked against the stride (a bad entry raises a fault
 // when `report` and counts as rank 0).
@@ -344,7 +234,14 @@ __device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin
         if (m && at < BGMV_G) out->rows[at] = row0 + j;
         found += __popc(bal);
     }
-    if (lane == 0) store_entry(en, min(found, BGMV_G), stride, fault, report, out);
+    if (lane == 0) {
+        out->nrows = min(found, BGMV_G);
+        if (en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
+            if (report) raise_fault(fault, FAULT_BAD_RANK);
+            en.rank = 0;
+        }
+        out->entry = en;
+    }
 }
 
 // Dynamic shared memory layout, in this order (each region 16-byte aligned):
@@ -392,14 +289,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     // The table is small: pull it towards L2 while idx arrives, so the entry
     // load after the row scan is not a second cold round trip.
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    // Uniform over the block: either list, whole.
-    bool hashed = p.hashed_items != 0;
-    int n_items = hashed ? hash_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win) : -1;
-    if (n_items < 0) {
-        hashed = false;
-        __syncthreads();  // hash_window's keys are overwritten
-        n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win);
-    }
+    const int n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win);
 
     int k0, k1;
     split8(p.in_dim, C, crank, k0, k1);
@@ -436,10 +326,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
     for (int it = q; it < n_items; it += p.clusters_per_window) {
         __syncthreads();  // the previous item's shared state is no longer read
-        if (warp == 0) {
-            if (hashed) load_hashed_item(&s_win, it, row0, table, stride, p.fault, report, &s_item);
-            else load_item(s_win.idx, s_win.items[it], nwin, row0, table, stride, p.fault, report, &s_item);
-        }
+        if (warp == 0) load_item(s_win.idx, s_win.items[it], nwin, row0, table, stride, p.fault, report, &s_item);
         if (C > 1 && pending) {
             cluster_wait();  // every peer finished reading our sTp
             pending = false;

@@ -209,22 +209,12 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
                 BgmvTuning::default(),
                 FUSED_SCALAR,
                 FUSED_TC,
-                FUSED_SCALAR_HASHED,
-                FUSED_TC_HASHED,
-                FUSED_TC_COUNTED,
                 TWO_PHASE,
                 TWO_PHASE_DEPENDENT,
                 TWO_PHASE_POW2,
             ]
         } else {
-            &[
-                BgmvTuning::default(),
-                FUSED_SCALAR,
-                FUSED_TC,
-                FUSED_SCALAR_HASHED,
-                FUSED_TC_HASHED,
-                FUSED_TC_COUNTED,
-            ]
+            &[BgmvTuning::default(), FUSED_SCALAR, FUSED_TC]
         };
         for &t in tunings {
             check_bgmv(
@@ -248,7 +238,6 @@ const FUSED: BgmvTuning = BgmvTuning {
     dependent_launch: None,
     pow2_slices: None,
     tensor_cores: None,
-    hashed_items: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -259,20 +248,6 @@ const FUSED_SCALAR: BgmvTuning = BgmvTuning {
 const FUSED_TC: BgmvTuning = BgmvTuning {
     tensor_cores: Some(true),
     ..FUSED
-};
-
-/// The fused kernels with each way of listing a window's items.
-const FUSED_SCALAR_HASHED: BgmvTuning = BgmvTuning {
-    hashed_items: Some(true),
-    ..FUSED_SCALAR
-};
-const FUSED_TC_HASHED: BgmvTuning = BgmvTuning {
-    hashed_items: Some(true),
-    ..FUSED_TC
-};
-const FUSED_TC_COUNTED: BgmvTuning = BgmvTuning {
-    hashed_items: Some(false),
-    ..FUSED_TC
 };
 
 /// The two-phase kernels (shrink, then expand), whatever the batch, with
@@ -306,7 +281,7 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    for t in [FUSED_SCALAR, FUSED_TC, FUSED_TC_HASHED, TWO_PHASE] {
+    for t in [FUSED_SCALAR, FUSED_TC, TWO_PHASE] {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
     }
 }
@@ -368,19 +343,6 @@ fn gpu_bgmv_row_patterns_and_paths() {
             cluster: Some(4),
             ..FUSED_SCALAR
         },
-        FUSED_TC_HASHED,
-        FUSED_SCALAR_HASHED,
-        FUSED_TC_COUNTED,
-        BgmvTuning {
-            cluster: Some(8),
-            out_splits: Some(3),
-            clusters_per_window: Some(2),
-            ..FUSED_TC_HASHED
-        },
-        BgmvTuning {
-            cluster: Some(1),
-            ..FUSED_TC_HASHED
-        },
         BgmvTuning {
             expand_cols: Some(64),
             ..TWO_PHASE
@@ -441,7 +403,7 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
     let mut y = gpu.upload(&p.y_bf16).unwrap();
     let targets = on.targets(&p);
-    for t in [FUSED, FUSED_TC_HASHED, FUSED_SCALAR_HASHED, TWO_PHASE] {
+    for t in [FUSED, TWO_PHASE] {
         bgmv_tuned(
             &gpu,
             on.x_rows(&p),
@@ -616,13 +578,7 @@ fn gpu_graph_replay_follows_table_contents() {
         return;
     };
     let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
-    for t in [
-        BgmvTuning::default(),
-        FUSED,
-        FUSED_TC,
-        FUSED_TC_HASHED,
-        TWO_PHASE_DEPENDENT,
-    ] {
+    for t in [BgmvTuning::default(), FUSED, FUSED_TC, TWO_PHASE_DEPENDENT] {
         graph_replay_case(&gpu, &mut rng, t);
     }
 }

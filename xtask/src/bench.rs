@@ -343,19 +343,6 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("tc q49".to_string(), t));
-            // Each way of listing a window's items (the row-counting scan
-            // against the shared hash table), on both fused paths.
-            for (label, tc) in [("", false), (" tc", true)] {
-                for (how, hashed) in [("counted", false), ("hashed", true)] {
-                    let t = BgmvTuning {
-                        two_phase: Some(false),
-                        tensor_cores: Some(tc),
-                        hashed_items: Some(hashed),
-                        ..Default::default()
-                    };
-                    variants.push((format!("fused{label} {how}"), t));
-                }
-            }
             for cols in [512, 1024] {
                 let t = BgmvTuning {
                     two_phase: Some(true),

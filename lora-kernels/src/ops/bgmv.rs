@@ -301,19 +301,7 @@ pub struct BgmvTuning {
     /// reduction per row). `None`: on for batches of more than
     /// [`TENSOR_CORE_MIN_ROWS`] rows.
     pub tensor_cores: Option<bool>,
-    /// Fused kernel: list each window's items through a shared hash table of
-    /// the rows' entries (a warp match, a few shared atomics per row and one
-    /// block scan) instead of counting, for every row, the earlier rows of
-    /// its entry (half the window per thread). Windows of at most 256 rows;
-    /// longer ones, and tables of 2^20 entries or more, are counted. Every
-    /// block lists the items itself either way, and the list does not depend
-    /// on the order of the atomics. `None`: [`HASHED_ITEMS_BY_DEFAULT`].
-    pub hashed_items: Option<bool>,
 }
-
-/// Whether the fused kernel lists items with its hash table by default
-/// (see [`BgmvTuning::hashed_items`]).
-pub const HASHED_ITEMS_BY_DEFAULT: bool = false;
 
 /// The fused kernel uses tensor cores by default from this many rows on
 /// (items of several rows are likely); below, its scalar path, whose code is
@@ -455,11 +443,9 @@ struct BgmvParams {
     off_t: i32,
     off_a: i32,
     off_x: i32,
-    hashed_items: i32,
-    pad0: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgmvParams>() == 200 && std::mem::offset_of!(BgmvParams, targets) == 104);
+const _: () = assert!(size_of::<BgmvParams>() == 192 && std::mem::offset_of!(BgmvParams, targets) == 96);
 
 /// `y[row, target columns] += scale * B (A x[row])` with the entry of
 /// `idx[row]` (`idx` holds at least `x.n_rows` values; -1 = no delta).
@@ -637,8 +623,6 @@ fn launch<Y: OutputElem>(
         off_t: to_i32("smem", plan.off_t)?,
         off_a: to_i32("smem", plan.off_a)?,
         off_x: to_i32("smem", plan.off_x)?,
-        hashed_items: i32::from(tuning.hashed_items.unwrap_or(HASHED_ITEMS_BY_DEFAULT)),
-        pad0: 0,
         targets: *target_params,
     };
     let grid = (
