@@ -31,8 +31,9 @@ pub use error::PoolError;
 pub use expert::ExpertPool;
 pub use lease::{SlotLease, SlotUse};
 pub use lora_audit::LoraOptions;
-pub use pool::{AdapterSource, BatchCapacity, LoraPool, ModuleTarget, StagingTuning, SwapReport, SwapRoute};
+pub use pool::{AdapterSource, BatchCapacity, LoraPool, ModuleTarget, SwapReport, SwapRoute};
 pub use registry::{AdapterSlot, SlotRegistry};
+pub use staging::StagingTuning;
 
 /// The README's engine example, compiled and run as a doc test.
 #[cfg(doctest)]

@@ -27,7 +27,7 @@ use crate::expert::ExpertPool;
 use crate::image::{Elems, PackPlan, PairMeta, PairSource, SlotImage, dense_sources, expert_sources};
 use crate::lease::{SlotLease, SlotUse};
 use crate::registry::{AdapterSlot, SlotRegistry};
-use crate::staging::{DEFAULT_CHUNK_BYTES, Staging};
+use crate::staging::{Staging, StagingTuning};
 
 /// The largest batch the pool's routing buffers and scratch serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,39 +101,6 @@ pub enum SwapRoute {
     Landed,
 }
 
-/// How the swap path moves adapters to the device; see
-/// [`LoraPool::tune_staging`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StagingTuning {
-    /// Bytes of one pinned chunk (default 4 MiB).
-    pub chunk_bytes: usize,
-    /// Chunks filled at once (default 4); the rest of the rayon pool helps
-    /// inside each.
-    pub in_flight: usize,
-    /// Take the device-repack route when the file's data section fits the
-    /// device staging slot (default true).
-    pub device_repack: bool,
-    /// The swap path's own reader threads (default: one per core).
-    pub read_threads: usize,
-    /// On the device-repack route, read through a small per-thread buffer
-    /// and move the bytes on with non-temporal stores, so the copy engine
-    /// reads memory rather than dirty cache lines (default true: measured
-    /// faster on the H200 host).
-    pub streaming_stores: bool,
-}
-
-impl Default for StagingTuning {
-    fn default() -> StagingTuning {
-        StagingTuning {
-            chunk_bytes: crate::staging::DEFAULT_CHUNK_BYTES,
-            in_flight: crate::staging::DEFAULT_IN_FLIGHT,
-            device_repack: true,
-            read_threads: crate::staging::default_read_threads(),
-            streaming_stores: true,
-        }
-    }
-}
-
 /// One module of an apply call and where its outputs start in y.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModuleTarget {
@@ -187,7 +154,6 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     prefill_rows: usize,
     workspace: LoraWorkspace,
     staging: Staging,
-    device_repack: bool,
 }
 
 fn audit_err(adapter: &str) -> impl FnOnce(lora_audit::AuditError) -> PoolError + '_ {
@@ -321,8 +287,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             segments: 0,
             prefill_rows: 0,
             workspace: LoraWorkspace::new(device, ws_spec)?,
-            staging: Staging::new(device, &layout, DEFAULT_CHUNK_BYTES)?,
-            device_repack: true,
+            staging: Staging::new(device, &layout, StagingTuning::default())?,
             layout,
             cfg,
             opts,
@@ -524,9 +489,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// What ends up in a slot is the same on every setting.
     pub fn tune_staging(&mut self, tuning: StagingTuning) -> Result<(), PoolError> {
         self.device.synchronize()?;
-        self.staging.retune(&self.device, &self.layout, &tuning)?;
-        self.device_repack = tuning.device_repack;
-        Ok(())
+        self.staging.retune(&self.device, &self.layout, tuning)
     }
 
     /// Number of pinned staging chunks the swap path uses.
@@ -676,7 +639,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             })
         })?;
         let raw_len = usize::try_from(unparsed.data_len()).unwrap_or(usize::MAX);
-        let raw = self.device_repack && raw_len <= self.staging.capacity_bytes();
+        let raw = self.staging.takes_raw(raw_len);
         let shown = dir.display().to_string();
         let (cfg, opts) = (&self.cfg, &self.opts);
         let audit = || {

@@ -34,16 +34,16 @@ use crate::streaming::read_streaming;
 /// Default size of one pinned chunk: small enough that the first copy
 /// starts early and the last one ends soon after the last read, large
 /// enough that each copy runs at the link's full rate.
-pub(crate) const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
+const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
 
 /// Default number of chunks filled at once.
-pub(crate) const DEFAULT_IN_FLIGHT: usize = 4;
+const DEFAULT_IN_FLIGHT: usize = 4;
 
 /// Default reader threads: one per core (on the 16-core H200 host, with
 /// streaming stores, 16 readers swapped in 2.15 ms and 12 in 2.21; 10 or
 /// fewer starve the copy). Between hosts of one kind the best count moved
 /// by a few threads; `StagingTuning` overrides it.
-pub(crate) fn default_read_threads() -> usize {
+fn default_read_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| n.get())
 }
 
@@ -53,12 +53,43 @@ pub(crate) fn default_read_threads() -> usize {
 /// ran 1.6x slower than 8 MiB chunks).
 const READ_PIECE: usize = 128 << 10;
 
+/// How the swap path moves adapters to the device; see
+/// [`crate::LoraPool::tune_staging`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagingTuning {
+    /// Bytes of one pinned chunk (default 4 MiB).
+    pub chunk_bytes: usize,
+    /// Chunks filled at once (default 4); the rest of the rayon pool helps
+    /// inside each.
+    pub in_flight: usize,
+    /// Take the device-repack route when the file's data section fits the
+    /// device staging slot (default true).
+    pub device_repack: bool,
+    /// The swap path's own reader threads (default: one per core).
+    pub read_threads: usize,
+    /// On the device-repack route, read through a small per-thread buffer
+    /// and move the bytes on with non-temporal stores, so the copy engine
+    /// reads memory rather than dirty cache lines (default true: measured
+    /// faster on the H200 host).
+    pub streaming_stores: bool,
+}
+
+impl Default for StagingTuning {
+    fn default() -> StagingTuning {
+        StagingTuning {
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            in_flight: DEFAULT_IN_FLIGHT,
+            device_repack: true,
+            read_threads: default_read_threads(),
+            streaming_stores: true,
+        }
+    }
+}
+
 /// Host chunks, the device staging slot, and the repack region table of one pool.
 pub(crate) struct Staging {
     chunks: Vec<StagingChunk>,
-    in_flight: usize,
-    /// Raw reads go through a per-thread buffer and non-temporal stores.
-    streaming: bool,
+    tuning: StagingTuning,
     /// The swap path's own readers: they never wait on (or hold up) the
     /// engine's rayon work, and their number is a tuning choice.
     threads: rayon::ThreadPool,
@@ -73,40 +104,38 @@ struct StagingChunk {
 }
 
 impl Staging {
-    /// Chunks of whole places of about `chunk_bytes` (a place larger than
-    /// that is a chunk alone), a device slot of `layout`'s size, and a
-    /// region table of two entries per place.
-    pub(crate) fn new(device: &Device, layout: &SlotLayout, chunk_bytes: usize) -> Result<Staging, PoolError> {
+    /// Chunks of whole places of about `tuning.chunk_bytes` (a place
+    /// larger than that is a chunk alone), a device slot of `layout`'s size,
+    /// and a region table of two entries per place.
+    pub(crate) fn new(device: &Device, layout: &SlotLayout, tuning: StagingTuning) -> Result<Staging, PoolError> {
         Ok(Staging {
-            chunks: chunks(device, layout, chunk_bytes)?,
-            in_flight: DEFAULT_IN_FLIGHT,
-            streaming: true,
-            threads: reader_pool(default_read_threads())?,
+            chunks: chunks(device, layout, tuning.chunk_bytes)?,
+            threads: reader_pool(tuning.read_threads)?,
+            tuning,
             device: device.alloc_zeros(layout.slot_bytes() / 2)?,
-            regions: device.alloc_zeros(Self::region_capacity(layout))?,
+            regions: device.alloc_zeros(2 * PairLayout::len(layout).max(1))?,
         })
     }
 
-    /// Entries of the region table: two per place.
-    pub(crate) fn region_capacity(layout: &SlotLayout) -> usize {
-        2 * PairLayout::len(layout).max(1)
-    }
-
-    /// Re-cut the host chunks, set how many are filled at once and by how
-    /// many reader threads (the device slot stays).
+    /// Re-cut the host chunks and take `tuning`'s other choices (the
+    /// device slot stays).
     pub(crate) fn retune(
         &mut self,
         device: &Device,
         layout: &SlotLayout,
-        tuning: &crate::StagingTuning,
+        tuning: StagingTuning,
     ) -> Result<(), PoolError> {
         if tuning.read_threads != self.threads.current_num_threads() {
             self.threads = reader_pool(tuning.read_threads)?;
         }
         self.chunks = chunks(device, layout, tuning.chunk_bytes)?;
-        self.in_flight = tuning.in_flight.max(1);
-        self.streaming = tuning.streaming_stores;
+        self.tuning = tuning;
         Ok(())
+    }
+
+    /// Whether a data section of `len` bytes goes the device-repack route.
+    pub(crate) fn takes_raw(&self, len: usize) -> bool {
+        self.tuning.device_repack && len <= self.capacity_bytes()
     }
 
     /// Number of host chunks.
@@ -173,7 +202,7 @@ impl Staging {
             covered += 2 * chunk.host.len();
             count += 1;
         }
-        let streaming = self.streaming;
+        let streaming = self.tuning.streaming_stores;
         self.pipeline(count, stop, |chunk| {
             let at = 2 * chunk.elem_offset;
             let host = chunk.host.as_mut_slice()?;
@@ -212,7 +241,7 @@ impl Staging {
         let Staging {
             chunks,
             device,
-            in_flight,
+            tuning,
             threads,
             ..
         } = self;
@@ -240,7 +269,7 @@ impl Staging {
                 }
             }
         };
-        let workers = (*in_flight).clamp(1, threads.current_num_threads());
+        let workers = tuning.in_flight.clamp(1, threads.current_num_threads());
         // The rest of the readers help inside each fill.
         threads.install(|| (0..workers).into_par_iter().for_each(|_| worker()));
         match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {

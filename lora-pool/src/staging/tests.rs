@@ -56,7 +56,7 @@ fn staged_equals_image(chunk_bytes: usize) {
     let pairs = pairs(&cfg, &layout, 8);
     let sources = sources(&pairs);
     let device = Device::cpu();
-    let mut staging = Staging::new(&device, &layout, chunk_bytes).unwrap();
+    let mut staging = Staging::new(&device, &layout, chunked(chunk_bytes)).unwrap();
     let plan = PackPlan::new(&layout, &sources).unwrap();
     staging.pack_and_upload(&layout, &plan, image_error).unwrap();
     let image = SlotImage::pack(&layout, &sources).unwrap();
@@ -65,6 +65,13 @@ fn staged_equals_image(chunk_bytes: usize) {
         image.as_elems(),
         "chunks of {chunk_bytes} bytes"
     );
+}
+
+fn chunked(chunk_bytes: usize) -> StagingTuning {
+    StagingTuning {
+        chunk_bytes,
+        ..StagingTuning::default()
+    }
 }
 
 fn image_error(e: ImageError) -> PoolError {
@@ -161,7 +168,7 @@ fn a_read_that_fails_mid_pack_stops_every_worker_and_is_returned() {
         .collect();
     let plan = PackPlan::new(&layout, &sources).unwrap();
     let device = Device::cpu();
-    let mut staging = Staging::new(&device, &layout, 2048).unwrap();
+    let mut staging = Staging::new(&device, &layout, chunked(2048)).unwrap();
     assert!(staging.chunk_count() > 4);
     // Intact file: the staged slot is the image of the same pairs.
     staging.pack_and_upload(&layout, &plan, image_error).unwrap();
