@@ -1,7 +1,7 @@
 //! Host images of one slot: the exact bytes a publish writes into a pool
 //! slot, built off to the side so a failure never touches the slot.
 //!
-//! A [`SlotImage`] follows the one layout walk ([`SlotLayout`]); every byte
+//! A [`SlotImage`] follows the one layout walk ([`SlotLayout`](lora_layout::SlotLayout)); every byte
 //! of it is written exactly once: a packed pair's A rows `rank..max_rank` and
 //! B columns `rank..max_rank` as zeros, an unadapted module as zeros. There is
 //! no separate zeroing pass.
