@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use half::bf16;
-use lora_audit::{PreparedAdapter, SafetensorsFile, TensorDtype};
+use lora_audit::{AuditError, PlacedPair, PreparedAdapter, SafetensorsFile, TensorDtype};
 use lora_layout::{PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
 
@@ -160,6 +160,48 @@ pub fn dense_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
             },
             a: Elems::Bf16(&p.a),
             b: Elems::Bf16(&p.b),
+        })
+        .collect()
+}
+
+/// An audit's placed dense pairs as pack sources read on demand from their
+/// opened safetensors file (F32, F16 or BF16; any other type is an error
+/// naming the tensor).
+pub fn file_sources<'a>(placed: &[PlacedPair], file: &'a SafetensorsFile) -> Result<Vec<PairSource<'a>>, AuditError> {
+    let elems = |key: &str| -> Result<Elems<'a>, AuditError> {
+        let (dtype, _, offset, bytes) = file.tensor(key)?;
+        let size = match dtype {
+            TensorDtype::BF16 | TensorDtype::F16 => 2,
+            TensorDtype::F32 => 4,
+            other => {
+                return Err(AuditError::Tensor {
+                    name: key.to_string(),
+                    reason: format!("dtype {other}; adapter weights must be F32, F16 or BF16"),
+                });
+            }
+        };
+        Ok(Elems::File {
+            file,
+            offset,
+            dtype,
+            len: bytes / size,
+        })
+    };
+    placed
+        .iter()
+        .map(|p| {
+            Ok(PairSource {
+                meta: PairMeta {
+                    key: PairKey::Dense {
+                        layer: p.layer,
+                        module: p.module,
+                    },
+                    rank: p.rank,
+                    scale: p.scale,
+                },
+                a: elems(&p.a_key)?,
+                b: elems(&p.b_key)?,
+            })
         })
         .collect()
 }

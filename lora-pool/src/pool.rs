@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use half::bf16;
 use lora_audit::{
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, AuditReport, HostOverlay, LoraOptions, PreparedAdapter,
-    SafetensorsFile, TensorDtype, UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
+    UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
     Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion, Rows, RowsMut, Segments,
@@ -24,7 +24,7 @@ use lora_layout::{
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
 use crate::expert::ExpertPool;
-use crate::image::{Elems, PackPlan, PairMeta, PairSource, SlotImage, dense_sources, expert_sources};
+use crate::image::{PackPlan, PairMeta, SlotImage, dense_sources, expert_sources, file_sources};
 use crate::lease::{SlotLease, SlotUse};
 use crate::registry::{AdapterSlot, SlotRegistry};
 use crate::staging::{Staging, StagingTuning};
@@ -671,24 +671,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             return Ok((self.stage_prepared(name, dir, report)?, audit_us));
         }
         read?;
-        let sources = report
-            .placed
-            .iter()
-            .map(|p| {
-                Ok(PairSource {
-                    meta: PairMeta {
-                        key: PairKey::Dense {
-                            layer: p.layer,
-                            module: p.module,
-                        },
-                        rank: p.rank,
-                        scale: p.scale,
-                    },
-                    a: file_elems(&file, &p.a_key).map_err(audit_err(name))?,
-                    b: file_elems(&file, &p.b_key).map_err(audit_err(name))?,
-                })
-            })
-            .collect::<Result<Vec<_>, PoolError>>()?;
+        let sources = file_sources(&report.placed, &file).map_err(audit_err(name))?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
         let regions = if raw {
@@ -1063,26 +1046,6 @@ fn targets<'t>(
 /// and dense pairs only.
 fn dense_only(report: &AuditReport) -> bool {
     report.is_servable() && report.experts.is_empty() && report.overlay.is_empty()
-}
-
-fn file_elems<'a>(file: &'a SafetensorsFile, key: &str) -> Result<Elems<'a>, AuditError> {
-    let (dtype, _, offset, bytes) = file.tensor(key)?;
-    let size = match dtype {
-        TensorDtype::BF16 | TensorDtype::F16 => 2,
-        TensorDtype::F32 => 4,
-        other => {
-            return Err(AuditError::Tensor {
-                name: key.to_string(),
-                reason: format!("dtype {other}; adapter weights must be F32, F16 or BF16"),
-            });
-        }
-    };
-    Ok(Elems::File {
-        file,
-        offset,
-        dtype,
-        len: bytes / size,
-    })
 }
 
 fn check_unique_names(adapters: &[AdapterSource<'_>]) -> Result<(), PoolError> {

@@ -183,9 +183,9 @@ pub fn peer_landing(reps: usize) -> Result<IoRow, String> {
 /// placement), and the pack of every pair read from the file straight into
 /// host memory, each timed alone. Medians, in words.
 fn swap_parts(pool: &LoraPool, dir: &std::path::Path, reps: usize) -> Result<String, String> {
-    use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, SafetensorsFile, TensorDtype, audit_header};
-    use lora_layout::{PairKey, PairLayout};
-    use lora_pool::image::{Elems, PackPlan, PairMeta, PairSource};
+    use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, SafetensorsFile, audit_header};
+    use lora_layout::PairLayout;
+    use lora_pool::image::{PackPlan, file_sources};
     let s = |e: &dyn std::fmt::Display| e.to_string();
     let layout = pool.layout();
     let mut dst = vec![bf16::ZERO; layout.slot_bytes() / 2];
@@ -197,34 +197,7 @@ fn swap_parts(pool: &LoraPool, dir: &std::path::Path, reps: usize) -> Result<Str
         let report = audit_header("bench", &text, file.infos(), pool.config(), pool.options()).map_err(|e| s(&e))?;
         audit_us.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
-        let sources = report
-            .placed
-            .iter()
-            .map(|p| {
-                let elems = |key: &str| match file.tensor(key) {
-                    Ok((TensorDtype::BF16, _, offset, bytes)) => Ok(Elems::File {
-                        file: &file,
-                        offset,
-                        dtype: TensorDtype::BF16,
-                        len: bytes / 2,
-                    }),
-                    Ok((other, ..)) => Err(format!("{key}: {other}")),
-                    Err(e) => Err(e.to_string()),
-                };
-                Ok(PairSource {
-                    meta: PairMeta {
-                        key: PairKey::Dense {
-                            layer: p.layer,
-                            module: p.module,
-                        },
-                        rank: p.rank,
-                        scale: p.scale,
-                    },
-                    a: elems(&p.a_key)?,
-                    b: elems(&p.b_key)?,
-                })
-            })
-            .collect::<Result<Vec<_>, String>>()?;
+        let sources = file_sources(&report.placed, &file).map_err(|e| s(&e))?;
         let plan = PackPlan::new(layout, &sources).map_err(|e| s(&e))?;
         plan.fill(layout, 0..PairLayout::len(layout), &mut dst)
             .map_err(|e| s(&e))?;
