@@ -202,10 +202,8 @@ pub fn repack(
 
 /// The CPU reference of one region (checked by the caller).
 fn repack_reference(r: &RepackRegion, src: &[u8], dst: &mut [bf16]) {
-    let dtype = match r.dtype {
-        1 => RepackDtype::F16,
-        2 => RepackDtype::F32,
-        _ => RepackDtype::Bf16,
+    let Ok(dtype) = r.dtype() else {
+        return;
     };
     let size = dtype.size();
     let (rows, src_cols, dst_cols) = (r.rows as usize, r.src_cols as usize, r.dst_cols as usize);
