@@ -33,6 +33,17 @@ pub struct PairMeta {
     pub scale: f32,
 }
 
+impl PairMeta {
+    /// The metadata of a dense pair.
+    pub fn dense(layer: usize, module: lora_layout::LoraModule, rank: usize, scale: f32) -> PairMeta {
+        PairMeta {
+            key: PairKey::Dense { layer, module },
+            rank,
+            scale,
+        }
+    }
+}
+
 /// Tensor elements to pack, as they are found: converted BF16 values, or
 /// the raw little-endian bytes of a memory-mapped file (converted to BF16
 /// while packing, with the same rounding as lora-audit's loader).
@@ -150,14 +161,7 @@ pub fn dense_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
         .dense
         .iter()
         .map(|p| PairSource {
-            meta: PairMeta {
-                key: PairKey::Dense {
-                    layer: p.layer,
-                    module: p.module,
-                },
-                rank: p.rank,
-                scale: p.scale,
-            },
+            meta: PairMeta::dense(p.layer, p.module, p.rank, p.scale),
             a: Elems::Bf16(&p.a),
             b: Elems::Bf16(&p.b),
         })
@@ -191,14 +195,7 @@ pub fn file_sources<'a>(placed: &[PlacedPair], file: &'a SafetensorsFile) -> Res
         .iter()
         .map(|p| {
             Ok(PairSource {
-                meta: PairMeta {
-                    key: PairKey::Dense {
-                        layer: p.layer,
-                        module: p.module,
-                    },
-                    rank: p.rank,
-                    scale: p.scale,
-                },
+                meta: PairMeta::dense(p.layer, p.module, p.rank, p.scale),
                 a: elems(&p.a_key)?,
                 b: elems(&p.b_key)?,
             })
