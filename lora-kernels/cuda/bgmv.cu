@@ -42,9 +42,12 @@ struct BgmvParams {
     int off_t;
     int off_a;
     int off_x;
+    u64 list;          // the launch's item list (bgmv_list writes it), or 0: every block scans its window
+    int list_stride;   // bytes per (window, target) list: a 64-byte header, then `window` ItemRows
+    int list_prefetch; // bgmv_list asks L2 for each item's A and B and its x rows
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgmvParams) == 192 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 96, "mirrors bgmv.rs");
+static_assert(sizeof(BgmvParams) == 208 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 112, "mirrors bgmv.rs");
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u64 g = (u64)p;
@@ -128,11 +131,13 @@ struct WindowScan {
 };
 
 // One item: its rows (absolute row numbers) and its checked table entry.
+// Also the record of the item list in the scratch (64 bytes, copied as 16 words).
 struct ItemRows {
     int rows[BGMV_G];
     int nrows;
     PairEntry entry;
 };
+static_assert(sizeof(ItemRows) == 64, "item list record");
 
 // Every thread of the block: read the window's entry indices (an index past
 // the table raises a fault when `report` and counts as no delta), then list
@@ -215,10 +220,10 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
     return n_items;
 }
 
-// Warp 0 only: the rows (up to G) of the item led by window row `lead`, and
+// One warp: the rows (up to G) of the item led by window row `lead`, and
 // its table entry, checked against the stride (a bad entry raises a fault
-// when `report` and counts as rank 0).
-__device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin, int row0, const PairEntry* table,
+// when `report` and counts as rank 0). Returns the checked entry in lane 0.
+__device__ __forceinline__ PairEntry load_item(const int* win_idx, int lead, int nwin, int row0, const PairEntry* table,
                                           int stride, u64 fault, bool report, ItemRows* out) {
     const int lane = threadIdx.x & 31;
     const int e = win_idx[lead];
@@ -242,6 +247,7 @@ __device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin
         }
         out->entry = en;
     }
+    return en;
 }
 
 // Dynamic shared memory layout, in this order (each region 16-byte aligned):
@@ -266,11 +272,18 @@ __device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin
 // the item's rows x rank, with t split into bf16 hi + lo so it keeps about 16
 // bits. Worth it when items hold several rows; without TC each (row, rank)
 // pair is one warp reduction and each (output, row) pair a scalar dot.
-template <typename Y, int C, bool TC>
+//
+// LIST: the items come from the list bgmv_list wrote into the scratch (the
+// kernel is launched as its programmatic dependent) instead of every block
+// scanning the window and gathering its item's rows and entry: the block
+// waits for the list, then reads the item count and its first item in one
+// round trip. Faults are raised by bgmv_list then, never here.
+template <typename Y, int C, bool TC, bool LIST>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     extern __shared__ __align__(16) unsigned char dyn[];
     __shared__ WindowScan s_win;
     __shared__ ItemRows s_item;
+    __shared__ int s_nitems;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -286,10 +299,28 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     if (nwin <= 0) return;
     const bool report = crank == 0 && split == 0 && q == 0;
 
-    // The table is small: pull it towards L2 while idx arrives, so the entry
-    // load after the row scan is not a second cold round trip.
-    if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    const int n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win);
+    int n_items;
+    const ItemRows* list = nullptr;  // LIST: this (window, target)'s items, after the 64-byte header
+    if (LIST) {
+        list = (const ItemRows*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride) + 1;
+        grid_dependency_wait();  // bgmv_list completed and its writes are visible
+        if (warp == 0) {
+            // Item q is read before the count is known (q < clusters_per_window <= window:
+            // inside the list); it is used only when q < count. L2 loads (.cg):
+            // nothing of a previous launch's list may be served from L1.
+            const int c = lane == 0 ? __ldcg((const int*)(list - 1)) : 0;
+            const int v = lane < 16 ? __ldcg((const int*)(list + q) + lane) : 0;
+            if (lane < 16) ((int*)&s_item)[lane] = v;
+            if (lane == 0) s_nitems = c;
+        }
+        __syncthreads();
+        n_items = s_nitems;
+    } else {
+        // The table is small: pull it towards L2 while idx arrives, so the entry
+        // load after the row scan is not a second cold round trip.
+        if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
+        n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win);
+    }
 
     int k0, k1;
     split8(p.in_dim, C, crank, k0, k1);
@@ -326,7 +357,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
     for (int it = q; it < n_items; it += p.clusters_per_window) {
         __syncthreads();  // the previous item's shared state is no longer read
-        if (warp == 0) load_item(s_win.idx, s_win.items[it], nwin, row0, table, stride, p.fault, report, &s_item);
+        if (warp == 0) {
+            if (LIST) {
+                if (it != q && lane < 16) ((int*)&s_item)[lane] = __ldcg((const int*)(list + it) + lane);
+            } else {
+                load_item(s_win.idx, s_win.items[it], nwin, row0, table, stride, p.fault, report, &s_item);
+            }
+        }
         if (C > 1 && pending) {
             cluster_wait();  // every peer finished reading our sTp
             pending = false;
@@ -576,33 +613,84 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     if (C > 1 && pending) cluster_wait();  // keep our shared memory alive until every peer read it
 }
 
-#define BGMV_KERNEL_C1(NAME, Y, TC) \
-    extern "C" __global__ void __launch_bounds__(BGMV_THREADS) NAME(const BgmvParams p) { bgmv_body<Y, 1, TC>(p); }
+// Each kernel twice: scanning its window (NAME) and reading bgmv_list's list (NAME_list).
+#define BGMV_KERNEL_C1(NAME, Y, TC)                                                                               \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS) NAME(const BgmvParams p) { bgmv_body<Y, 1, TC, false>(p); } \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS) NAME##_list(const BgmvParams p) {                 \
+        bgmv_body<Y, 1, TC, true>(p);                                                                             \
+    }
 BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false)
 BGMV_KERNEL_C1(bgmv_c1_f32, float, false)
 BGMV_KERNEL_C1(bgmv_tc_c1_bf16, bf16_t, true)
 BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true)
 
 #if __CUDA_ARCH__ >= 900
-#define BGMV_KERNEL_CL(NAME, Y, C, TC)                                                                 \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGMV_THREADS, 3) NAME(const BgmvParams p) { \
-        bgmv_body<Y, C, TC>(p);                                                                         \
-    }
 // The TC kernels need fewer registers: four blocks per multiprocessor
-// (`TC_BLOCKS_PER_SM` in bgmv.rs), so more items are served in one round.
-#define BGMV_KERNEL_CL4(NAME, Y, C, TC)                                                                \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGMV_THREADS, 4) NAME(const BgmvParams p) { \
-        bgmv_body<Y, C, TC>(p);                                                                         \
+// (`TC_BLOCKS_PER_SM` in bgmv.rs), so more items are served in one round; the scalar ones three.
+#define BGMV_KERNEL_CL(NAME, Y, C, TC, BLOCKS)                                                                  \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGMV_THREADS, BLOCKS)                \
+        NAME(const BgmvParams p) {                                                                              \
+        bgmv_body<Y, C, TC, false>(p);                                                                          \
+    }                                                                                                           \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGMV_THREADS, BLOCKS)                \
+        NAME##_list(const BgmvParams p) {                                                                       \
+        bgmv_body<Y, C, TC, true>(p);                                                                           \
     }
-BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false)
-BGMV_KERNEL_CL(bgmv_c4_f32, float, 4, false)
-BGMV_KERNEL_CL(bgmv_c8_bf16, bf16_t, 8, false)
-BGMV_KERNEL_CL(bgmv_c8_f32, float, 8, false)
-BGMV_KERNEL_CL4(bgmv_tc_c4_bf16, bf16_t, 4, true)
-BGMV_KERNEL_CL4(bgmv_tc_c4_f32, float, 4, true)
-BGMV_KERNEL_CL4(bgmv_tc_c8_bf16, bf16_t, 8, true)
-BGMV_KERNEL_CL4(bgmv_tc_c8_f32, float, 8, true)
+BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false, 3)
+BGMV_KERNEL_CL(bgmv_c4_f32, float, 4, false, 3)
+BGMV_KERNEL_CL(bgmv_c8_bf16, bf16_t, 8, false, 3)
+BGMV_KERNEL_CL(bgmv_c8_f32, float, 8, false, 3)
+BGMV_KERNEL_CL(bgmv_tc_c4_bf16, bf16_t, 4, true, 4)
+BGMV_KERNEL_CL(bgmv_tc_c4_f32, float, 4, true, 4)
+BGMV_KERNEL_CL(bgmv_tc_c8_bf16, bf16_t, 8, true, 4)
+BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, 4)
 #endif
+
+// ---- The item list of a launch: bgmv_list, then a fused kernel's _list form ----
+//
+// One block per (window, target) lists the window's items once (the row scan
+// and per-item gathers every fused block otherwise repeats, idle clusters
+// included) and writes them into the backend's scratch at
+// list + (window * n_targets + target) * list_stride: an int count in a
+// 64-byte header, then the items as ItemRows (absolute rows, checked entry;
+// a bad index or entry raises its fault here, once per (window, target), as
+// the scanning kernel's reporting block does). The fused kernel is launched
+// as a programmatic dependent: its blocks get resident while this runs
+// (launch_dependents first) and wait for its completion before reading.
+// With list_prefetch, the rows' x and each item's A and B are requested into
+// L2 here, so DRAM streams them while the list completes.
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvParams p) {
+    __shared__ WindowScan s_win;
+    grid_launch_dependents();
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int win = (int)blockIdx.x;
+    const LoraTarget tg = p.targets[blockIdx.z];
+    const int row0 = win * p.window;
+    const int nwin = min(p.window, p.n_rows - row0);
+    if (nwin <= 0) return;
+    int* header = (int*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride);
+    ItemRows* items = (ItemRows*)header + 1;
+    const PairEntry* table = (const PairEntry*)tg.table;
+    if (tid == 0) prefetch_l2((const void*)table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
+    if (p.list_prefetch) {
+#pragma unroll 1
+        for (int j = tid; j < nwin; j += BGMV_THREADS)
+            prefetch_l2((const bf16_t*)p.x + (u64)(row0 + j) * p.x_stride, (u64)p.in_dim * sizeof(bf16_t));
+    }
+    const int n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, true, &s_win);
+#pragma unroll 1
+    for (int it = warp; it < n_items; it += BGMV_WARPS) {
+        const PairEntry en =
+            load_item(s_win.idx, s_win.items[it], nwin, row0, table, p.rank_stride, p.fault, true, &items[it]);
+        if (p.list_prefetch && lane == 0 && en.rank > 0) {
+            prefetch_l2((const void*)en.a, (u64)en.rank * p.in_dim * sizeof(bf16_t));
+            prefetch_l2((const void*)en.b, (u64)tg.out_dim * p.rank_stride * sizeof(bf16_t));
+        }
+    }
+    if (tid == 0) header[0] = n_items;
+}
 
 // The launch floor of a measurement: one block that does nothing. The
 // bench times it like every op (graph replay after an L2 flush), so a

@@ -207,14 +207,23 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         let tunings: &[BgmvTuning] = if n <= 512 {
             &[
                 BgmvTuning::default(),
-                FUSED_SCALAR,
-                FUSED_TC,
+                FUSED_SCALAR_SCAN,
+                FUSED_TC_SCAN,
+                FUSED_SCALAR_LIST,
+                FUSED_TC_LIST,
+                FUSED_TC_LIST_NO_PREFETCH,
                 TWO_PHASE,
                 TWO_PHASE_DEPENDENT,
                 TWO_PHASE_POW2,
             ]
         } else {
-            &[BgmvTuning::default(), FUSED_SCALAR, FUSED_TC]
+            &[
+                BgmvTuning::default(),
+                FUSED_SCALAR_SCAN,
+                FUSED_TC_SCAN,
+                FUSED_SCALAR_LIST,
+                FUSED_TC_LIST,
+            ]
         };
         for &t in tunings {
             check_bgmv(
@@ -238,6 +247,8 @@ const FUSED: BgmvTuning = BgmvTuning {
     dependent_launch: None,
     pow2_slices: None,
     tensor_cores: None,
+    item_list_pass: None,
+    list_prefetch: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -248,6 +259,30 @@ const FUSED_SCALAR: BgmvTuning = BgmvTuning {
 const FUSED_TC: BgmvTuning = BgmvTuning {
     tensor_cores: Some(true),
     ..FUSED
+};
+
+/// The fused kernel reading the item list of a first launch (`bgmv_list`),
+/// scalar and on tensor cores, with and without its L2 prefetches.
+const FUSED_SCALAR_LIST: BgmvTuning = BgmvTuning {
+    item_list_pass: Some(true),
+    ..FUSED_SCALAR
+};
+const FUSED_TC_LIST: BgmvTuning = BgmvTuning {
+    item_list_pass: Some(true),
+    ..FUSED_TC
+};
+const FUSED_TC_LIST_NO_PREFETCH: BgmvTuning = BgmvTuning {
+    list_prefetch: Some(false),
+    ..FUSED_TC_LIST
+};
+/// The fused kernel in the scanning form (every block lists its window's items).
+const FUSED_SCALAR_SCAN: BgmvTuning = BgmvTuning {
+    item_list_pass: Some(false),
+    ..FUSED_SCALAR
+};
+const FUSED_TC_SCAN: BgmvTuning = BgmvTuning {
+    item_list_pass: Some(false),
+    ..FUSED_TC
 };
 
 /// The two-phase kernels (shrink, then expand), whatever the batch, with
@@ -281,7 +316,13 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    for t in [FUSED_SCALAR, FUSED_TC, TWO_PHASE] {
+    for t in [
+        FUSED_SCALAR_SCAN,
+        FUSED_TC_SCAN,
+        FUSED_SCALAR_LIST,
+        FUSED_TC_LIST,
+        TWO_PHASE,
+    ] {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
     }
 }
@@ -341,7 +382,29 @@ fn gpu_bgmv_row_patterns_and_paths() {
         },
         BgmvTuning {
             cluster: Some(4),
-            ..FUSED_SCALAR
+            ..FUSED_SCALAR_SCAN
+        },
+        FUSED_SCALAR_LIST,
+        FUSED_TC_LIST,
+        BgmvTuning {
+            cluster: Some(1),
+            ..FUSED_SCALAR_LIST
+        },
+        BgmvTuning {
+            cluster: Some(4),
+            ..FUSED_SCALAR_LIST
+        },
+        BgmvTuning {
+            cluster: Some(8),
+            out_splits: Some(3),
+            clusters_per_window: Some(2),
+            ..FUSED_TC_LIST
+        },
+        BgmvTuning {
+            cluster: Some(1),
+            out_splits: Some(1),
+            clusters_per_window: Some(1),
+            ..FUSED_TC_LIST_NO_PREFETCH
         },
         BgmvTuning {
             expand_cols: Some(64),
@@ -382,7 +445,13 @@ fn gpu_bgmv_f32_router_logits() {
     let idx = random_idx(&mut rng, 40, 32, 9);
     let cpu = Device::cpu();
     let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    for t in [FUSED_SCALAR, FUSED_TC, TWO_PHASE] {
+    for t in [
+        FUSED_SCALAR_SCAN,
+        FUSED_TC_SCAN,
+        FUSED_SCALAR_LIST,
+        FUSED_TC_LIST,
+        TWO_PHASE,
+    ] {
         let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
         compare(&format!("f32 y {t:?}"), &p.y_f32, &c, &g);
         let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
@@ -403,7 +472,13 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
     let mut y = gpu.upload(&p.y_bf16).unwrap();
     let targets = on.targets(&p);
-    for t in [FUSED, TWO_PHASE] {
+    for t in [
+        FUSED_SCALAR_SCAN,
+        FUSED_TC_SCAN,
+        FUSED_SCALAR_LIST,
+        FUSED_TC_LIST,
+        TWO_PHASE,
+    ] {
         bgmv_tuned(
             &gpu,
             on.x_rows(&p),
@@ -420,6 +495,58 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
             "faults: {faults} {t:?}"
         );
         assert!(gpu.take_faults().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows");
+    let (n, stride) = (4, 8);
+    let p = Problem::new(&mut rng, n, 64, &[32], stride, &[8, 8], false);
+    let on = OnDevice::new(&gpu, &p);
+    // Entry 1 claims a rank above the stride: its rows get no delta, the others theirs.
+    let mut entries = on.table.download().unwrap();
+    entries[1].rank = stride as u32 + 1;
+    let table = gpu.upload(&entries).unwrap();
+    let target = [LoraTarget {
+        table: &table,
+        table_offset: 0,
+        n_entries: 2,
+        out_dim: 32,
+        y_col_offset: 0,
+    }];
+    let idx = gpu.upload(&[0i32, 1, 1, -1]).unwrap();
+    let cpu = Device::cpu();
+    let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1], &p.y_bf16, BgmvTuning::default());
+    for t in [
+        FUSED_SCALAR_SCAN,
+        FUSED_TC_SCAN,
+        FUSED_SCALAR_LIST,
+        FUSED_TC_LIST,
+        TWO_PHASE,
+    ] {
+        let mut y = gpu.upload(&p.y_bf16).unwrap();
+        bgmv_tuned(
+            &gpu,
+            on.x_rows(&p),
+            &idx,
+            &target,
+            stride,
+            RowsMut::dense(&mut y, n, p.y_width),
+            t,
+        )
+        .unwrap();
+        let faults = gpu.take_faults().unwrap();
+        assert_eq!(faults.0, lora_kernels::FaultFlags::BAD_RANK, "faults: {faults} {t:?}");
+        compare(
+            &format!("bad entry {t:?}"),
+            &p.y_bf16,
+            &good_only,
+            &y.download().unwrap(),
+        );
     }
 }
 
@@ -578,7 +705,14 @@ fn gpu_graph_replay_follows_table_contents() {
         return;
     };
     let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
-    for t in [BgmvTuning::default(), FUSED, FUSED_TC, TWO_PHASE_DEPENDENT] {
+    for t in [
+        BgmvTuning::default(),
+        FUSED_SCALAR_SCAN,
+        FUSED_TC_SCAN,
+        FUSED_SCALAR_LIST,
+        FUSED_TC_LIST,
+        TWO_PHASE_DEPENDENT,
+    ] {
         graph_replay_case(&gpu, &mut rng, t);
     }
 }

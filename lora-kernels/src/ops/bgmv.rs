@@ -301,6 +301,35 @@ pub struct BgmvTuning {
     /// reduction per row). `None`: on for batches of more than
     /// [`TENSOR_CORE_MIN_ROWS`] rows.
     pub tensor_cores: Option<bool>,
+    /// Fused kernel: a small first launch (`bgmv_list`) lists each window's
+    /// items (rows and checked table entry) once into the device's scratch,
+    /// and the fused kernel, launched as its programmatic dependent, reads
+    /// its items from there instead of every block scanning the window.
+    /// Used when the list fits the scratch (see [`item_list_fits`]); else
+    /// the scanning form. `None`: off (not yet measured faster).
+    pub item_list_pass: Option<bool>,
+    /// With the item list: the first launch also asks L2 for every listed
+    /// row's x and each item's A and B, so DRAM streams them while the list
+    /// completes. `None`: on.
+    pub list_prefetch: Option<bool>,
+}
+
+/// Bytes of one (window, target) item list in the scratch (`list_stride` in
+/// `cuda/bgmv.cu`): a 64-byte header (the item count), then up to one
+/// 64-byte `ItemRows` record per window row.
+const fn item_list_stride(window: usize) -> usize {
+    64 * (window + 1)
+}
+
+/// Whether the item lists of a fused launch (every window and target) fit a
+/// scratch of `scratch` bytes.
+pub fn item_list_fits(window: usize, n_windows: usize, n_targets: usize, scratch: usize) -> bool {
+    window
+        .checked_add(1)
+        .and_then(|w| w.checked_mul(64))
+        .and_then(|b| b.checked_mul(n_windows))
+        .and_then(|b| b.checked_mul(n_targets))
+        .is_some_and(|b| b <= scratch)
 }
 
 /// The fused kernel uses tensor cores by default from this many rows on
@@ -443,9 +472,13 @@ struct BgmvParams {
     off_t: i32,
     off_a: i32,
     off_x: i32,
+    /// Device address of the launch's item lists, or 0 (every block scans its window).
+    list: u64,
+    list_stride: i32,
+    list_prefetch: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgmvParams>() == 192 && std::mem::offset_of!(BgmvParams, targets) == 96);
+const _: () = assert!(size_of::<BgmvParams>() == 208 && std::mem::offset_of!(BgmvParams, targets) == 112);
 
 /// `y[row, target columns] += scale * B (A x[row])` with the entry of
 /// `idx[row]` (`idx` holds at least `x.n_rows` values; -1 = no delta).
@@ -510,20 +543,33 @@ fn reference<Y: OutputElem>(
     reference_apply(memory, x, &rows, "idx", targets, stride, y)
 }
 
-fn kernel_name(cluster: u32, y: &'static str, tensor_cores: bool) -> Option<&'static str> {
-    Some(match (cluster, y, tensor_cores) {
-        (1, "bf16", false) => "bgmv_c1_bf16",
-        (1, "f32", false) => "bgmv_c1_f32",
-        (4, "bf16", false) => "bgmv_c4_bf16",
-        (4, "f32", false) => "bgmv_c4_f32",
-        (8, "bf16", false) => "bgmv_c8_bf16",
-        (8, "f32", false) => "bgmv_c8_f32",
-        (1, "bf16", true) => "bgmv_tc_c1_bf16",
-        (1, "f32", true) => "bgmv_tc_c1_f32",
-        (4, "bf16", true) => "bgmv_tc_c4_bf16",
-        (4, "f32", true) => "bgmv_tc_c4_f32",
-        (8, "bf16", true) => "bgmv_tc_c8_bf16",
-        (8, "f32", true) => "bgmv_tc_c8_f32",
+/// The fused kernel for a cluster size, y type and form (`_list`: reads `bgmv_list`'s item list).
+fn kernel_name(cluster: u32, y: &'static str, tensor_cores: bool, list: bool) -> Option<&'static str> {
+    Some(match (cluster, y, tensor_cores, list) {
+        (1, "bf16", false, false) => "bgmv_c1_bf16",
+        (1, "f32", false, false) => "bgmv_c1_f32",
+        (4, "bf16", false, false) => "bgmv_c4_bf16",
+        (4, "f32", false, false) => "bgmv_c4_f32",
+        (8, "bf16", false, false) => "bgmv_c8_bf16",
+        (8, "f32", false, false) => "bgmv_c8_f32",
+        (1, "bf16", true, false) => "bgmv_tc_c1_bf16",
+        (1, "f32", true, false) => "bgmv_tc_c1_f32",
+        (4, "bf16", true, false) => "bgmv_tc_c4_bf16",
+        (4, "f32", true, false) => "bgmv_tc_c4_f32",
+        (8, "bf16", true, false) => "bgmv_tc_c8_bf16",
+        (8, "f32", true, false) => "bgmv_tc_c8_f32",
+        (1, "bf16", false, true) => "bgmv_c1_bf16_list",
+        (1, "f32", false, true) => "bgmv_c1_f32_list",
+        (4, "bf16", false, true) => "bgmv_c4_bf16_list",
+        (4, "f32", false, true) => "bgmv_c4_f32_list",
+        (8, "bf16", false, true) => "bgmv_c8_bf16_list",
+        (8, "f32", false, true) => "bgmv_c8_f32_list",
+        (1, "bf16", true, true) => "bgmv_tc_c1_bf16_list",
+        (1, "f32", true, true) => "bgmv_tc_c1_f32_list",
+        (4, "bf16", true, true) => "bgmv_tc_c4_bf16_list",
+        (4, "f32", true, true) => "bgmv_tc_c4_f32_list",
+        (8, "bf16", true, true) => "bgmv_tc_c8_bf16_list",
+        (8, "f32", true, true) => "bgmv_tc_c8_f32_list",
         _ => return None,
     })
 }
@@ -593,7 +639,8 @@ fn launch<Y: OutputElem>(
     };
     let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
-    let name = kernel_name(cl as u32, Y::NAME, tensor_cores)
+    let list = tuning.item_list_pass.unwrap_or(false) && item_list_fits(window, n_windows, n_targets, SCRATCH_BYTES);
+    let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
         .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
     let grid_y = n_windows * cpw;
     if grid_y > 65_535 {
@@ -602,7 +649,7 @@ fn launch<Y: OutputElem>(
             format!("{n} rows need {grid_y} cluster rows; at most 65535"),
         ));
     }
-    let params = BgmvParams {
+    let mut params = BgmvParams {
         x: x.addr(),
         y: y.addr(),
         idx: idx.device_addr(),
@@ -623,34 +670,63 @@ fn launch<Y: OutputElem>(
         off_t: to_i32("smem", plan.off_t)?,
         off_a: to_i32("smem", plan.off_a)?,
         off_x: to_i32("smem", plan.off_x)?,
+        list: 0,
+        list_stride: to_i32("window", item_list_stride(window))?,
+        list_prefetch: i32::from(tuning.list_prefetch.unwrap_or(true)),
         targets: *target_params,
     };
-    let grid = (
-        to_u32("grid", cl * splits)?,
-        to_u32("grid", grid_y)?,
-        to_u32("grid", n_targets)?,
-    );
-    // SAFETY: `BgmvParams` mirrors the kernel's struct (sizes asserted on both sides). The
-    // host checked that x and y cover `n_rows` rows of their widths and strides,
-    // that idx holds `n_rows` values, that each target's table range and
-    // column range lie inside their buffers, and that the stride fits the
-    // kernel; the kernel checks each index against `n_entries` and each entry's
-    // rank against the stride before reading A and B through table addresses,
-    // which the table's owner keeps pointing at live `[stride, in]` / `[out, stride]` pairs.
-    unsafe {
-        c.launch(
-            Kernel {
-                family: Family::Bgmv,
-                name,
-            },
-            Launch {
-                grid,
-                block: THREADS,
-                smem: to_u32("smem", plan.total)?,
-            },
-            &params,
-        )
+    let kernel = Kernel {
+        family: Family::Bgmv,
+        name,
+    };
+    let shape = Launch {
+        grid: (
+            to_u32("grid", cl * splits)?,
+            to_u32("grid", grid_y)?,
+            to_u32("grid", n_targets)?,
+        ),
+        block: THREADS,
+        smem: to_u32("smem", plan.total)?,
+    };
+    if !list {
+        // SAFETY: `BgmvParams` mirrors the kernel's struct (sizes asserted on both sides). The
+        // host checked that x and y cover `n_rows` rows of their widths and strides,
+        // that idx holds `n_rows` values, that each target's table range and
+        // column range lie inside their buffers, and that the stride fits the
+        // kernel; the kernel checks each index against `n_entries` and each entry's
+        // rank against the stride before reading A and B through table addresses,
+        // which the table's owner keeps pointing at live `[stride, in]` / `[out, stride]` pairs.
+        return unsafe { c.launch(kernel, shape, &params) };
     }
+    let dependent = c.compute_capability.0 >= 9;
+    c.with_scratch(|scratch| {
+        params.list = scratch;
+        // SAFETY: as for the scanning form above; in addition `item_list_fits`
+        // keeps every (window, target) list `bgmv_list` writes and the fused
+        // kernel reads inside the scratch, which `with_scratch` holds for both
+        // launches. `bgmv_list` checks indices and entries as the scanning
+        // kernel does (the fused kernel reads only checked entries), and the
+        // fused kernel runs `griddepcontrol.wait` before it reads the list.
+        unsafe {
+            c.launch(
+                Kernel {
+                    family: Family::Bgmv,
+                    name: "bgmv_list",
+                },
+                Launch {
+                    grid: (to_u32("grid", n_windows)?, 1, to_u32("grid", n_targets)?),
+                    block: THREADS,
+                    smem: 0,
+                },
+                &params,
+            )?;
+            if dependent {
+                c.launch_dependent(kernel, shape, &params)
+            } else {
+                c.launch(kernel, shape, &params)
+            }
+        }
+    })
 }
 
 /// The two-phase decode: `bgmv2_shrink` then `bgmv2_expand_*`, through the

@@ -522,3 +522,28 @@ fn two_launches_by_default_where_they_measured_faster() {
     // Many rows: the fused kernel (on tensor cores).
     assert!(!two_phase_by_default(256, 16, 4096));
 }
+
+#[test]
+fn item_lists_fit_the_scratch_of_large_batches() {
+    // Every single window, for every target.
+    assert!(item_list_fits(WINDOW_MAX, 1, MAX_TARGETS, SCRATCH_BYTES));
+    // Windows of 256 rows: a list is 16 KiB + 64 bytes per target.
+    assert!(item_list_fits(WINDOW_LARGE, 100, 1, SCRATCH_BYTES));
+    assert!(!item_list_fits(WINDOW_LARGE, 200, 4, SCRATCH_BYTES));
+    assert!(!item_list_fits(usize::MAX / 2, 4, 4, SCRATCH_BYTES));
+    assert_eq!(item_list_stride(256), 64 * 257);
+}
+
+#[test]
+fn every_fused_kernel_has_a_list_form() {
+    for cluster in [1, 4, 8] {
+        for y in ["bf16", "f32"] {
+            for tc in [false, true] {
+                let scan = kernel_name(cluster, y, tc, false).unwrap();
+                let list = kernel_name(cluster, y, tc, true).unwrap();
+                assert_eq!(list, format!("{scan}_list"));
+            }
+        }
+    }
+    assert!(kernel_name(2, "bf16", true, true).is_none());
+}
