@@ -331,6 +331,17 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                     };
                     variants.push((format!("c8 s{sp}{label}"), t));
                 }
+                // Every block scanning its window against the item list of a
+                // first launch (v9), with and without that launch's L2 prefetches.
+                let forms = [("scan", false, true), ("list", true, true), ("list nopf", true, false)];
+                for (form, list, prefetch) in forms {
+                    let t = BgmvTuning {
+                        item_list_pass: Some(list),
+                        list_prefetch: Some(prefetch),
+                        ..fused
+                    };
+                    variants.push((format!("fused{label} {form}"), t));
+                }
             }
             // Clusters per window as before the 7/8 residency rule (one per
             // 8 resident blocks), to measure that rule.
