@@ -42,9 +42,9 @@ struct BgmvParams {
     int off_t;
     int off_a;
     int off_x;
-    u64 list;          // the launch's item list (bgmv_list writes it), or 0: every block scans its window
-    int list_stride;   // bytes per (window, target) list: a 64-byte header, then `window` ItemRows
-    int list_prefetch; // bgmv_list asks L2 for each item's A and B and its x rows
+    u64 list;         // the launch's item lists (bgmv_list writes them), or 0: every block scans its window
+    int list_stride;  // bytes per (window, target) list: a 64-byte header, then `window` ItemRows
+    int list_flag;    // the fused blocks poll the header's ready flag instead of griddepcontrol.wait
     LoraTarget targets[MAX_TARGETS];
 };
 static_assert(sizeof(BgmvParams) == 208 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 112, "mirrors bgmv.rs");
@@ -87,6 +87,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The item list's ready flag (bgmv_list releases it, the fused _list kernels acquire it).
+__device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_u64(u64* p, u64 v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // Tensor-core pieces of the TC kernels. ldmatrix: lanes 0-7 (x1) or 0-15
@@ -297,21 +307,33 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     const int nwin = min(p.window, p.n_rows - row0);
     // Uniform over the cluster (same blockIdx.y and z): no barrier is skipped by one rank only.
     if (nwin <= 0) return;
+    // Index faults are raised by one block per (window, target); an item's
+    // entry fault by rank 0 of split 0 of the one cluster that serves it.
     const bool report = crank == 0 && split == 0 && q == 0;
+    const bool report_entry = crank == 0 && split == 0;
 
     int n_items;
     const ItemRows* list = nullptr;  // LIST: this (window, target)'s items, after the 64-byte header
     if (LIST) {
         list = (const ItemRows*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride) + 1;
-        grid_dependency_wait();  // bgmv_list completed and its writes are visible
-        if (warp == 0) {
-            // Item q is read before the count is known (q < clusters_per_window <= window:
-            // inside the list); it is used only when q < count. L2 loads (.cg):
-            // nothing of a previous launch's list may be served from L1.
-            const int c = lane == 0 ? __ldcg((const int*)(list - 1)) : 0;
-            const int v = lane < 16 ? __ldcg((const int*)(list + q) + lane) : 0;
-            if (lane < 16) ((int*)&s_item)[lane] = v;
-            if (lane == 0) s_nitems = c;
+        const u64* header = (const u64*)(list - 1);
+        if (!p.list_flag) grid_dependency_wait();  // bgmv_list completed and its writes are visible
+        if (warp == 0 && lane < 16) {
+            // Header: item count | ready << 32. L2 loads (.cg / acquire): nothing of a
+            // previous launch's list may come from L1. Under the wait, item q is read
+            // with the count (q < clusters_per_window <= window: inside the list) and
+            // used only when q < count; under the flag, after the acquire that saw it.
+            u64 h;
+            if (p.list_flag) {
+#pragma unroll 1
+                do {
+                    h = ld_acquire_u64(header);
+                } while ((h >> 32) == 0ull);
+            } else {
+                h = __ldcg(header);
+            }
+            ((int*)&s_item)[lane] = __ldcg((const int*)(list + q) + lane);
+            if (lane == 0) s_nitems = (int)(u32)h;
         }
         __syncthreads();
         n_items = s_nitems;
@@ -361,7 +383,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             if (LIST) {
                 if (it != q && lane < 16) ((int*)&s_item)[lane] = __ldcg((const int*)(list + it) + lane);
             } else {
-                load_item(s_win.idx, s_win.items[it], nwin, row0, table, stride, p.fault, report, &s_item);
+                load_item(s_win.idx, s_win.items[it], nwin, row0, table, stride, p.fault, report_entry, &s_item);
             }
         }
         if (C > 1 && pending) {
@@ -648,48 +670,115 @@ BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, 4)
 
 // ---- The item list of a launch: bgmv_list, then a fused kernel's _list form ----
 //
-// One block per (window, target) lists the window's items once (the row scan
-// and per-item gathers every fused block otherwise repeats, idle clusters
-// included) and writes them into the backend's scratch at
-// list + (window * n_targets + target) * list_stride: an int count in a
-// 64-byte header, then the items as ItemRows (absolute rows, checked entry;
-// a bad index or entry raises its fault here, once per (window, target), as
-// the scanning kernel's reporting block does). The fused kernel is launched
-// as a programmatic dependent: its blocks get resident while this runs
-// (launch_dependents first) and wait for its completion before reading.
-// With list_prefetch, the rows' x and each item's A and B are requested into
-// L2 here, so DRAM streams them while the list completes.
+// One block per (window, target) lists the window's items once, instead of
+// every fused block scanning the window, gathering its item's rows and
+// loading its entry (idle clusters included), and writes them into the
+// backend's scratch at list + (window * n_targets + target) * list_stride:
+// a 64-byte header (item count | ready << 32), then the items as ItemRows
+// (absolute rows, checked entry). Faults: a bad index raises FAULT_BAD_INDEX
+// and the row gets no delta, a bad entry FAULT_BAD_RANK and its item rank 0,
+// as in the scanning kernel.
+//
+// One thread per row, nothing serial: a row's place among its entry's rows
+// is a shared atomic on a per-entry counter (the host launches this only
+// for tables of at most BGMV_LIST_MAP entries), the entries' items are
+// numbered by one block scan over each entry's first row, and each item's
+// first row loads and checks its entry, all items at once. Which rows of an
+// entry share an item depends on the atomics' order; each row's result does
+// not (every row's shrink and expand are its own dot products).
+//
+// The fused kernel is launched as a programmatic dependent: its blocks get
+// resident while this runs (launch_dependents first) and either wait for
+// this grid's completion (griddepcontrol.wait) or, with list_flag, poll the
+// header, which this block clears before it lets them launch and releases
+// after every item is written.
+#define BGMV_LIST_MAP 4096
+
+
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvParams p) {
-    __shared__ WindowScan s_win;
-    grid_launch_dependents();
+    static_assert(BGMV_WIN_MAX <= 2 * BGMV_THREADS && BGMV_WIN_MAX < (1 << 16), "two rows per thread, 16-bit counts");
+    __shared__ int s_map[BGMV_LIST_MAP];  // per entry: its row count, then count | first item << 16
+    __shared__ int s_scan[BGMV_WARPS + 1];
     const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
     const int win = (int)blockIdx.x;
     const LoraTarget tg = p.targets[blockIdx.z];
     const int row0 = win * p.window;
     const int nwin = min(p.window, p.n_rows - row0);
-    if (nwin <= 0) return;
-    int* header = (int*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride);
+    u64* header = (u64*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride);
     ItemRows* items = (ItemRows*)header + 1;
-    const PairEntry* table = (const PairEntry*)tg.table;
-    if (tid == 0) prefetch_l2((const void*)table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    if (p.list_prefetch) {
-#pragma unroll 1
-        for (int j = tid; j < nwin; j += BGMV_THREADS)
-            prefetch_l2((const bf16_t*)p.x + (u64)(row0 + j) * p.x_stride, (u64)p.in_dim * sizeof(bf16_t));
+    if (p.list_flag) {
+        // Cleared before the dependents may launch: none of them sees a previous launch's flag.
+        if (tid == 0) {
+            *(volatile u64*)header = 0ull;
+            __threadfence();
+        }
+        __syncthreads();
     }
-    const int n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, true, &s_win);
-#pragma unroll 1
-    for (int it = warp; it < n_items; it += BGMV_WARPS) {
-        const PairEntry en =
-            load_item(s_win.idx, s_win.items[it], nwin, row0, table, p.rank_stride, p.fault, true, &items[it]);
-        if (p.list_prefetch && lane == 0 && en.rank > 0) {
-            prefetch_l2((const void*)en.a, (u64)en.rank * p.in_dim * sizeof(bf16_t));
-            prefetch_l2((const void*)en.b, (u64)tg.out_dim * p.rank_stride * sizeof(bf16_t));
+    grid_launch_dependents();
+    const PairEntry* table = (const PairEntry*)tg.table;
+    // The table is small: pull it towards L2 while idx arrives.
+    if (tid == 0) prefetch_l2((const void*)table, (u64)min(tg.n_entries, BGMV_LIST_MAP) * sizeof(PairEntry));
+    const bool listed = nwin > 0 && tg.n_entries <= BGMV_LIST_MAP;  // uniform over the block
+
+    int e[2];
+    int occ[2] = {0, 0};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = tid + r * BGMV_THREADS;
+        int v = listed && j < nwin ? ((const int*)p.idx)[row0 + j] : -1;
+        if (v >= tg.n_entries) {
+            raise_fault(p.fault, FAULT_BAD_INDEX);
+            v = -1;
+        }
+        e[r] = v < 0 ? -1 : v;
+        if (e[r] >= 0) s_map[e[r]] = 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        if (e[r] >= 0) occ[r] = atomicAdd(&s_map[e[r]], 1);
+    __syncthreads();
+    // Each entry's first row (place 0) counts its items, G rows each.
+    int cnt[2] = {0, 0};
+    int mine = 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (e[r] >= 0 && occ[r] == 0) {
+            cnt[r] = s_map[e[r]];
+            mine += (cnt[r] + BGMV_G - 1) / BGMV_G;
         }
     }
-    if (tid == 0) header[0] = n_items;
+    int n_items;
+    int first = block_exclusive_scan<BGMV_THREADS>(mine, s_scan, &n_items);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (e[r] >= 0 && occ[r] == 0) {
+            s_map[e[r]] = cnt[r] | first << 16;
+            first += (cnt[r] + BGMV_G - 1) / BGMV_G;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (e[r] < 0) continue;
+        const int m = s_map[e[r]];
+        const int count = m & 0xffff;
+        ItemRows* item = items + (m >> 16) + occ[r] / BGMV_G;
+        const int slot = occ[r] % BGMV_G;
+        item->rows[slot] = row0 + tid + r * BGMV_THREADS;
+        if (slot == 0) {
+            PairEntry en = table[e[r]];
+            item->nrows = min(BGMV_G, count - occ[r]);
+            if (en.rank > (u32)p.rank_stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
+                raise_fault(p.fault, FAULT_BAD_RANK);
+                en.rank = 0;
+            }
+            item->entry = en;
+        }
+    }
+    __threadfence();  // every item write before the header, whoever wrote it
+    __syncthreads();
+    if (tid == 0) st_release_u64(header, 1ull << 32 | (u64)(u32)n_items);
 }
 
 // The launch floor of a measurement: one block that does nothing. The
@@ -828,7 +917,8 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 3) bgmv2_shrink(const
         const int it = u / ks_n;
         const int ks = u - it * ks_n;
         __syncthreads();  // the previous unit no longer reads s_item / sT
-        if (warp == 0) load_item(s_win.idx, s_win.items[it], nwin, 0, table, p.rank_stride, p.fault, lead_block, &s_item);
+        // Every item has one K slice 0: its unit reports a bad entry.
+        if (warp == 0) load_item(s_win.idx, s_win.items[it], nwin, 0, table, p.rank_stride, p.fault, ks == 0, &s_item);
         __syncthreads();
         const PairEntry en = s_item.entry;
         const int rank = (int)en.rank;

@@ -211,7 +211,8 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
                 FUSED_TC_SCAN,
                 FUSED_SCALAR_LIST,
                 FUSED_TC_LIST,
-                FUSED_TC_LIST_NO_PREFETCH,
+                FUSED_SCALAR_LIST_FLAG,
+                FUSED_TC_LIST_FLAG,
                 TWO_PHASE,
                 TWO_PHASE_DEPENDENT,
                 TWO_PHASE_POW2,
@@ -223,6 +224,8 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
                 FUSED_TC_SCAN,
                 FUSED_SCALAR_LIST,
                 FUSED_TC_LIST,
+                FUSED_SCALAR_LIST_FLAG,
+                FUSED_TC_LIST_FLAG,
             ]
         };
         for &t in tunings {
@@ -248,7 +251,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     pow2_slices: None,
     tensor_cores: None,
     item_list_pass: None,
-    list_prefetch: None,
+    list_ready_flag: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -262,7 +265,8 @@ const FUSED_TC: BgmvTuning = BgmvTuning {
 };
 
 /// The fused kernel reading the item list of a first launch (`bgmv_list`),
-/// scalar and on tensor cores, with and without its L2 prefetches.
+/// scalar and on tensor cores, after that launch completes or once its
+/// ready flag is up.
 const FUSED_SCALAR_LIST: BgmvTuning = BgmvTuning {
     item_list_pass: Some(true),
     ..FUSED_SCALAR
@@ -271,9 +275,13 @@ const FUSED_TC_LIST: BgmvTuning = BgmvTuning {
     item_list_pass: Some(true),
     ..FUSED_TC
 };
-const FUSED_TC_LIST_NO_PREFETCH: BgmvTuning = BgmvTuning {
-    list_prefetch: Some(false),
+const FUSED_TC_LIST_FLAG: BgmvTuning = BgmvTuning {
+    list_ready_flag: Some(true),
     ..FUSED_TC_LIST
+};
+const FUSED_SCALAR_LIST_FLAG: BgmvTuning = BgmvTuning {
+    list_ready_flag: Some(true),
+    ..FUSED_SCALAR_LIST
 };
 /// The fused kernel in the scanning form (every block lists its window's items).
 const FUSED_SCALAR_SCAN: BgmvTuning = BgmvTuning {
@@ -321,9 +329,35 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
         FUSED_TC_SCAN,
         FUSED_SCALAR_LIST,
         FUSED_TC_LIST,
+        FUSED_SCALAR_LIST_FLAG,
+        FUSED_TC_LIST_FLAG,
         TWO_PHASE,
     ] {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
+    }
+}
+
+#[test]
+fn gpu_bgmv_tables_past_the_item_list_limit_scan_instead() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_tables_past_the_item_list_limit_scan_instead") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_tables_past_the_item_list_limit_scan_instead");
+    // One entry more than the list launch serves; rows repeat a few of them.
+    let slots = lora_kernels::ops::bgmv::ITEM_LIST_MAX_ENTRIES + 1;
+    let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s % 8) as u32).collect();
+    let p = Problem::new(&mut rng, 200, 64, &[40], 8, &ranks, true);
+    let idx: Vec<i32> = (0..200)
+        .map(|i| {
+            if i % 9 == 0 {
+                -1
+            } else {
+                (rng.below(12) * 373 % slots) as i32
+            }
+        })
+        .collect();
+    for t in [FUSED_SCALAR_LIST, FUSED_TC_LIST_FLAG] {
+        check_bgmv(&gpu, &format!("large table {t:?}"), &p, &idx, t);
     }
 }
 
@@ -386,6 +420,7 @@ fn gpu_bgmv_row_patterns_and_paths() {
         },
         FUSED_SCALAR_LIST,
         FUSED_TC_LIST,
+        FUSED_SCALAR_LIST_FLAG,
         BgmvTuning {
             cluster: Some(1),
             ..FUSED_SCALAR_LIST
@@ -404,7 +439,7 @@ fn gpu_bgmv_row_patterns_and_paths() {
             cluster: Some(1),
             out_splits: Some(1),
             clusters_per_window: Some(1),
-            ..FUSED_TC_LIST_NO_PREFETCH
+            ..FUSED_TC_LIST_FLAG
         },
         BgmvTuning {
             expand_cols: Some(64),
@@ -450,6 +485,8 @@ fn gpu_bgmv_f32_router_logits() {
         FUSED_TC_SCAN,
         FUSED_SCALAR_LIST,
         FUSED_TC_LIST,
+        FUSED_SCALAR_LIST_FLAG,
+        FUSED_TC_LIST_FLAG,
         TWO_PHASE,
     ] {
         let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
@@ -477,6 +514,8 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
         FUSED_TC_SCAN,
         FUSED_SCALAR_LIST,
         FUSED_TC_LIST,
+        FUSED_SCALAR_LIST_FLAG,
+        FUSED_TC_LIST_FLAG,
         TWO_PHASE,
     ] {
         bgmv_tuned(
@@ -526,6 +565,8 @@ fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
         FUSED_TC_SCAN,
         FUSED_SCALAR_LIST,
         FUSED_TC_LIST,
+        FUSED_SCALAR_LIST_FLAG,
+        FUSED_TC_LIST_FLAG,
         TWO_PHASE,
     ] {
         let mut y = gpu.upload(&p.y_bf16).unwrap();
@@ -711,6 +752,8 @@ fn gpu_graph_replay_follows_table_contents() {
         FUSED_TC_SCAN,
         FUSED_SCALAR_LIST,
         FUSED_TC_LIST,
+        FUSED_SCALAR_LIST_FLAG,
+        FUSED_TC_LIST_FLAG,
         TWO_PHASE_DEPENDENT,
     ] {
         graph_replay_case(&gpu, &mut rng, t);

@@ -305,18 +305,24 @@ pub struct BgmvTuning {
     /// items (rows and checked table entry) once into the device's scratch,
     /// and the fused kernel, launched as its programmatic dependent, reads
     /// its items from there instead of every block scanning the window.
-    /// Used when the list fits the scratch (see [`item_list_fits`]); else
-    /// the scanning form. `None`: off (not yet measured faster).
+    /// Used when the lists fit the scratch ([`item_list_fits`]) and every
+    /// table has at most [`ITEM_LIST_MAX_ENTRIES`] entries; else the
+    /// scanning form. `None`: off (not measured faster).
     pub item_list_pass: Option<bool>,
-    /// With the item list: the first launch also asks L2 for every listed
-    /// row's x and each item's A and B, so DRAM streams them while the list
-    /// completes. `None`: on.
-    pub list_prefetch: Option<bool>,
+    /// With the item list: the fused blocks poll a ready flag the first
+    /// launch releases once its list is written, instead of waiting for
+    /// that launch's completion (`griddepcontrol.wait`). `None`: off.
+    pub list_ready_flag: Option<bool>,
 }
 
+/// Largest table (entries per target) the item-list launch serves: it
+/// counts each entry's rows in a shared-memory array indexed by entry
+/// (`BGMV_LIST_MAP` in `cuda/bgmv.cu`).
+pub const ITEM_LIST_MAX_ENTRIES: usize = 4096;
+
 /// Bytes of one (window, target) item list in the scratch (`list_stride` in
-/// `cuda/bgmv.cu`): a 64-byte header (the item count), then up to one
-/// 64-byte `ItemRows` record per window row.
+/// `cuda/bgmv.cu`): a 64-byte header (item count and ready flag), then up
+/// to one 64-byte `ItemRows` record per window row.
 const fn item_list_stride(window: usize) -> usize {
     64 * (window + 1)
 }
@@ -475,7 +481,7 @@ struct BgmvParams {
     /// Device address of the launch's item lists, or 0 (every block scans its window).
     list: u64,
     list_stride: i32,
-    list_prefetch: i32,
+    list_flag: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
 const _: () = assert!(size_of::<BgmvParams>() == 208 && std::mem::offset_of!(BgmvParams, targets) == 112);
@@ -639,7 +645,9 @@ fn launch<Y: OutputElem>(
     };
     let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
-    let list = tuning.item_list_pass.unwrap_or(false) && item_list_fits(window, n_windows, n_targets, SCRATCH_BYTES);
+    let list = tuning.item_list_pass.unwrap_or(false)
+        && item_list_fits(window, n_windows, n_targets, SCRATCH_BYTES)
+        && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
         .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
     let grid_y = n_windows * cpw;
@@ -672,7 +680,7 @@ fn launch<Y: OutputElem>(
         off_x: to_i32("smem", plan.off_x)?,
         list: 0,
         list_stride: to_i32("window", item_list_stride(window))?,
-        list_prefetch: i32::from(tuning.list_prefetch.unwrap_or(true)),
+        list_flag: i32::from(tuning.list_ready_flag.unwrap_or(false)),
         targets: *target_params,
     };
     let kernel = Kernel {
@@ -704,9 +712,12 @@ fn launch<Y: OutputElem>(
         // SAFETY: as for the scanning form above; in addition `item_list_fits`
         // keeps every (window, target) list `bgmv_list` writes and the fused
         // kernel reads inside the scratch, which `with_scratch` holds for both
-        // launches. `bgmv_list` checks indices and entries as the scanning
-        // kernel does (the fused kernel reads only checked entries), and the
-        // fused kernel runs `griddepcontrol.wait` before it reads the list.
+        // launches; every table has at most `ITEM_LIST_MAX_ENTRIES` entries, so
+        // `bgmv_list`'s per-entry counters stay inside its shared array. It
+        // checks indices and entries as the scanning kernel does (the fused
+        // kernel reads only checked entries), and the fused kernel reads the
+        // list only after `griddepcontrol.wait` or after acquiring the ready
+        // flag `bgmv_list` clears before its dependents may start.
         unsafe {
             c.launch(
                 Kernel {
