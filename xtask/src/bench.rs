@@ -332,12 +332,13 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                     variants.push((format!("c8 s{sp}{label}"), t));
                 }
                 // Every block scanning its window against the item list of a
-                // first launch (v9), with and without that launch's L2 prefetches.
-                let forms = [("scan", false, true), ("list", true, true), ("list nopf", true, false)];
-                for (form, list, prefetch) in forms {
+                // first launch (v9), read after that launch completes or once
+                // its ready flag is up.
+                let forms = [("scan", false, false), ("list", true, false), ("list flag", true, true)];
+                for (form, list, flag) in forms {
                     let t = BgmvTuning {
                         item_list_pass: Some(list),
-                        list_prefetch: Some(prefetch),
+                        list_ready_flag: Some(flag),
                         ..fused
                     };
                     variants.push((format!("fused{label} {form}"), t));
