@@ -14,6 +14,11 @@
 // launch. All of a block's A, B, x and y bytes are requested into L2 with
 // bulk prefetches as soon as the entry is known, so the loads that follow
 // find them in flight.
+//
+// Items: every block of the scanning kernels lists its window's items itself
+// (scan_window, then load_item per item). The _list kernels read them from a
+// list bgmv_list (a first, one-block-per-window launch) wrote into the
+// backend's scratch; they are picked for batches whose items hold many rows.
 
 #define BGMV_THREADS 256
 #define BGMV_WARPS (BGMV_THREADS / 32)

@@ -307,13 +307,25 @@ pub struct BgmvTuning {
     /// its items from there instead of every block scanning the window.
     /// Used when the lists fit the scratch ([`item_list_fits`]) and every
     /// table has at most [`ITEM_LIST_MAX_ENTRIES`] entries; else the
-    /// scanning form. `None`: off (not measured faster).
+    /// scanning form. `None`: on for single-window batches of at least
+    /// [`TENSOR_CORE_MIN_ROWS`] rows ([`ITEM_LIST_ROWS`]).
     pub item_list_pass: Option<bool>,
     /// With the item list: the fused blocks poll a ready flag the first
     /// launch releases once its list is written, instead of waiting for
-    /// that launch's completion (`griddepcontrol.wait`). `None`: off.
+    /// that launch's completion (`griddepcontrol.wait`). `None`: off
+    /// (measured slower: 17.7 against 17.3 µs at n = 256, 19.6 against
+    /// 19.4 at n = 64).
     pub list_ready_flag: Option<bool>,
 }
+
+/// Batch sizes for which the fused kernel reads a first launch's item list
+/// by default: where items hold several rows, so every block's own window
+/// scan is long (H200, n = 256 of 32 adapters: 17.3 against 19.4 µs on
+/// tensor cores, 25.3 against 26.8 scalar). With fewer rows the list's
+/// second launch costs more than the scan it saves (n = 1: 10.0 against
+/// 9.1, n = 16: 11.6 against 10.8, n = 64 rank 16: 19.4 against 18.5).
+/// Batches of several windows were not measured.
+pub const ITEM_LIST_ROWS: std::ops::RangeInclusive<usize> = TENSOR_CORE_MIN_ROWS..=WINDOW_MAX;
 
 /// Largest table (entries per target) the item-list launch serves: it
 /// counts each entry's rows in a shared-memory array indexed by entry
@@ -645,7 +657,7 @@ fn launch<Y: OutputElem>(
     };
     let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
-    let list = tuning.item_list_pass.unwrap_or(false)
+    let list = tuning.item_list_pass.unwrap_or_else(|| ITEM_LIST_ROWS.contains(&n))
         && item_list_fits(window, n_windows, n_targets, SCRATCH_BYTES)
         && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)

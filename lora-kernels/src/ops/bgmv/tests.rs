@@ -547,3 +547,16 @@ fn every_fused_kernel_has_a_list_form() {
     }
     assert!(kernel_name(2, "bf16", true, true).is_none());
 }
+
+#[test]
+fn item_list_by_default_where_it_measured_faster() {
+    // Items of several rows (n = 256 of 32 adapters on the H200), one window.
+    assert!(ITEM_LIST_ROWS.contains(&256));
+    assert!(ITEM_LIST_ROWS.contains(&WINDOW_MAX));
+    // Few rows per item: the scan in every block costs less than a second launch.
+    for n in [1, 16, 64, 128] {
+        assert!(!ITEM_LIST_ROWS.contains(&n), "{n}");
+    }
+    // Several windows: not measured.
+    assert!(!ITEM_LIST_ROWS.contains(&(WINDOW_MAX + 1)));
+}
