@@ -54,7 +54,7 @@ struct SgmvParams {
     int rank_chunks;
     int out_tiles;
     int balance_items;
-    int y_prefetch_elem;  // bytes of a y element when the shrink prefetches y into L2, else 0
+    int pad2;
     LoraTarget targets[MAX_TARGETS];
 };
 static_assert(sizeof(SgmvParams) == 208 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 112, "mirrors sgmv.rs");
@@ -295,17 +295,6 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
     const int NT = (nlen + 7) / 8;
     const int row0 = s_tile.row0;
     const int rows = s_tile.rows;
-    // y of this tile, for the expand: rank chunk 0's K-split blocks each ask
-    // L2 for a share of the rows, one bulk prefetch per row (a hint: it never
-    // changes a result).
-    if (p.y_prefetch_elem > 0 && rc == 0) {
-        const int r0 = rows * ks / p.k_splits;
-        const int r1 = rows * (ks + 1) / p.k_splits;
-        const u64 es = (u64)p.y_prefetch_elem;
-        for (int r = r0 + tid; r < r1; r += SG_THREADS)
-            prefetch_l2((const unsigned char*)p.y + ((u64)(row0 + r) * p.y_stride + tg.y_col_off) * es,
-                        (u64)tg.out_dim * es);
-    }
 
     const int in = p.in_dim;
     const bf16_t* X = (const bf16_t*)p.x;

@@ -476,7 +476,7 @@ fn run_sgmv_on<Y: OutputElem>(
 
 /// Launch choices of the segment apply the tests cover: each shrink (the
 /// 64-row one with paired and split staging), the dependent and the plain
-/// expand launch, each way of dealing items, the shrink prefetching y.
+/// expand launch, each way of dealing items.
 fn sgmv_kernels() -> Vec<SgmvTuning> {
     let pick = |narrow, dependent, balanced, paired| SgmvTuning {
         narrow_shrink: Some(narrow),
@@ -490,10 +490,6 @@ fn sgmv_kernels() -> Vec<SgmvTuning> {
         pick(true, false, true, true),
         pick(false, true, false, true),
         pick(false, true, true, false),
-        SgmvTuning {
-            prefetch_y: Some(true),
-            ..Default::default()
-        },
     ]
 }
 

@@ -538,13 +538,13 @@ fn decode_in_graph(
             BgmvTuning::default(),
         )
     })?;
-    attach_in_graph(ctx, name, "default", timed);
+    attach_in_graph(ctx, name, timed);
     Ok(())
 }
 
-/// Record an in-graph time on the row of `name` and `variant`.
-fn attach_in_graph(ctx: &mut Ctx<'_>, name: &str, variant: &str, timed: InGraph) {
-    if let Some(row) = ctx.rows.iter_mut().find(|r| r.name == name && r.variant == variant) {
+/// Record an in-graph time on the default row of `name`.
+fn attach_in_graph(ctx: &mut Ctx<'_>, name: &str, timed: InGraph) {
+    if let Some(row) = ctx.rows.iter_mut().find(|r| r.name == name && r.variant == "default") {
         row.shape["in_graph"] = json!({"sets": timed.sets, "ops": timed.ops});
         row.in_graph = Some(timed);
     }
@@ -557,10 +557,6 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
             continue;
         }
         let mut variants = vec![("default".to_string(), SgmvTuning::default())];
-        let prefetch_y = SgmvTuning {
-            prefetch_y: Some(true),
-            ..Default::default()
-        };
         if ctx.opts.sweep {
             for k in [2, 4] {
                 variants.push((
@@ -593,7 +589,6 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 ..Default::default()
             };
             let plain = [
-                ("prefetch y", prefetch_y),
                 ("unbalanced", unbalanced),
                 (
                     "no pdl",
@@ -704,41 +699,33 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
             .map(|_| upload(device))
             .collect::<Result<Vec<_>, _>>()
             .map_err(err)?;
-        // The default, and in a sweep the variants whose effect the isolated
-        // time cannot show (L2 traffic left for the next op).
-        let mut in_graph_variants = vec![("default", SgmvTuning::default())];
-        if ctx.opts.sweep {
-            in_graph_variants.push(("prefetch y", prefetch_y));
-        }
-        for (variant, tuning) in in_graph_variants {
-            let timed = ctx.time_in_graph(sets, ops, |i| {
-                let c = &mut copies[i % sets];
-                let target = [LoraTarget {
-                    table: &c.pool.table,
-                    table_offset: 0,
-                    n_entries: segs,
-                    out_dim: out,
-                    y_col_offset: 0,
-                }];
-                let s = Segments {
-                    cu_seqlens: &c.cu,
-                    seg_slot: &c.slot,
-                    n_segments: segs,
-                };
-                let yv = RowsMut::dense(&mut c.y, rows, out);
-                sgmv_tuned(
-                    device,
-                    Rows::dense(&c.x, rows, in_dim),
-                    &s,
-                    &target,
-                    r,
-                    yv,
-                    &mut ws,
-                    tuning,
-                )
-            })?;
-            attach_in_graph(ctx, &name, variant, timed);
-        }
+        let timed = ctx.time_in_graph(sets, ops, |i| {
+            let c = &mut copies[i % sets];
+            let target = [LoraTarget {
+                table: &c.pool.table,
+                table_offset: 0,
+                n_entries: segs,
+                out_dim: out,
+                y_col_offset: 0,
+            }];
+            let s = Segments {
+                cu_seqlens: &c.cu,
+                seg_slot: &c.slot,
+                n_segments: segs,
+            };
+            let yv = RowsMut::dense(&mut c.y, rows, out);
+            sgmv_tuned(
+                device,
+                Rows::dense(&c.x, rows, in_dim),
+                &s,
+                &target,
+                r,
+                yv,
+                &mut ws,
+                SgmvTuning::default(),
+            )
+        })?;
+        attach_in_graph(ctx, &name, timed);
     }
     Ok(())
 }

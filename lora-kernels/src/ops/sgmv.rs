@@ -70,10 +70,6 @@ pub struct SgmvTuning {
     /// vector-path check hoisted above the piece loop (`true`, the
     /// default), or in two loops with the check per piece (`false`).
     pub paired_staging: Option<bool>,
-    /// The shrink asks L2 for each tile's y rows as soon as the tile's entry
-    /// is known, so the expand finds y in L2 (`true`), or leaves y to the
-    /// expand (`false`, the default until measured faster).
-    pub prefetch_y: Option<bool>,
 }
 
 /// One of the two launches of the segment apply.
@@ -110,8 +106,7 @@ struct SgmvParams {
     rank_chunks: i32,
     out_tiles: i32,
     balance_items: i32,
-    /// Bytes of one y element when the shrink prefetches y into L2, else 0.
-    y_prefetch_elem: i32,
+    pad2: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
 const _: () = assert!(size_of::<SgmvParams>() == 208 && std::mem::offset_of!(SgmvParams, targets) == 112);
@@ -347,11 +342,7 @@ fn launch<Y: OutputElem>(
         rank_chunks: to_i32("rank_chunks", rank_chunks)?,
         out_tiles: to_i32("out_tiles", out_tiles)?,
         balance_items: i32::from(tuning.balanced_items.unwrap_or(true)),
-        y_prefetch_elem: if tuning.prefetch_y.unwrap_or(false) {
-            to_i32("y element", std::mem::size_of::<Y>())?
-        } else {
-            0
-        },
+        pad2: 0,
         targets: *target_params,
     };
     let shrink_grid = (
