@@ -8,6 +8,10 @@ use half::bf16;
 
 use super::pairs::reference_apply;
 use super::workspace::MAX_K_SPLITS;
+
+/// K splits of the shrink when the tuning names none (the best measured at
+/// both bench shapes, NOTES.md).
+const DEFAULT_K_SPLITS: usize = 4;
 use super::{
     LoraTarget, LoraWorkspace, MAX_TARGETS, OutputElem, Rows, RowsMut, TargetParams, check_targets, to_i32, to_u32,
 };
@@ -47,7 +51,7 @@ pub struct Segments<'a> {
 /// Launch knobs of the segment apply; `None` picks from the shape.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SgmvTuning {
-    /// K splits of the shrink (1..=4).
+    /// K splits of the shrink (1..=8).
     pub k_splits: Option<u32>,
     /// Benchmarks only: launch just this phase, to time it alone. The
     /// output is then NOT the LoRA apply (the expand reads whatever the
@@ -311,10 +315,9 @@ fn launch<Y: OutputElem>(
     let max_tiles = n.div_ceil(TILE_ROWS) + n_segments;
     let rank_chunks = stride.div_ceil(RANK_CHUNK);
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
-    // Measured on the H200: four splits are best at both bench shapes (NOTES.md).
     let k_splits = match tuning.k_splits {
         Some(v) => v as usize,
-        None => MAX_K_SPLITS,
+        None => DEFAULT_K_SPLITS,
     }
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
@@ -367,7 +370,7 @@ fn launch<Y: OutputElem>(
     // The host checked x and y cover `n_rows` rows, the segment arrays hold
     // `n_segments (+1)` values, every target's table and column ranges lie in
     // their buffers, and the workspace holds `[targets][4][max_rows][rank_pad]`
-    // floats with `n_rows <= max_rows`, `stride <= rank_pad`, `k_splits <= 4`.
+    // floats with `n_rows <= max_rows`, `stride <= rank_pad`, `k_splits <= MAX_K_SPLITS`.
     // The kernels check segment bounds, indices and ranks on the device before
     // reading A and B through table addresses (kept valid by the table's owner).
     // A dependent expand reads nothing the shrink writes before its
