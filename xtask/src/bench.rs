@@ -558,7 +558,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
         }
         let mut variants = vec![("default".to_string(), SgmvTuning::default())];
         if ctx.opts.sweep {
-            for k in [2, 4, 5, 6, 8] {
+            for k in [2, 4] {
                 variants.push((
                     format!("ks{k}"),
                     SgmvTuning {
@@ -580,8 +580,8 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 paired_staging: Some(false),
                 ..Default::default()
             };
-            let wide = SgmvTuning {
-                narrow_shrink: Some(false),
+            let narrow = SgmvTuning {
+                narrow_shrink: Some(true),
                 ..Default::default()
             };
             let unbalanced = SgmvTuning {
@@ -597,7 +597,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                         ..Default::default()
                     },
                 ),
-                ("wide shrink", wide),
+                ("narrow shrink", narrow),
                 (
                     "split staging",
                     SgmvTuning {
@@ -607,14 +607,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 ),
                 ("shrink only", shrink_only(SgmvTuning::default())),
                 ("split staging shrink only", shrink_only(split)),
-                ("wide shrink only", shrink_only(wide)),
-                (
-                    "wide split shrink only",
-                    shrink_only(SgmvTuning {
-                        narrow_shrink: Some(false),
-                        ..split
-                    }),
-                ),
+                ("narrow shrink only", shrink_only(narrow)),
                 ("expand only", expand_only(SgmvTuning::default())),
                 ("unbalanced expand only", expand_only(unbalanced)),
             ];

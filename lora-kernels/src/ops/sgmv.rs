@@ -8,10 +8,6 @@ use half::bf16;
 
 use super::pairs::reference_apply;
 use super::workspace::MAX_K_SPLITS;
-
-/// K splits of the shrink when the tuning names none (the best measured at
-/// both bench shapes, NOTES.md).
-const DEFAULT_K_SPLITS: usize = 4;
 use super::{
     LoraTarget, LoraWorkspace, MAX_TARGETS, OutputElem, Rows, RowsMut, TargetParams, check_targets, to_i32, to_u32,
 };
@@ -51,14 +47,16 @@ pub struct Segments<'a> {
 /// Launch knobs of the segment apply; `None` picks from the shape.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SgmvTuning {
-    /// K splits of the shrink (1..=8).
+    /// K splits of the shrink (1..=4).
     pub k_splits: Option<u32>,
     /// Benchmarks only: launch just this phase, to time it alone. The
     /// output is then NOT the LoRA apply (the expand reads whatever the
     /// workspace holds).
     pub only_phase: Option<SgmvPhase>,
     /// Rank strides up to 16 only: the shrink with 16-row A tiles and a
-    /// deeper pipeline (`true`, the default) or the 64-row one (`false`).
+    /// deeper pipeline (`true`) or the 64-row one (`false`, the default:
+    /// as fast alone, and about 5 µs faster at prefill r16 when applies
+    /// follow one another in a graph; NOTES.md v10).
     pub narrow_shrink: Option<bool>,
     /// Launch the expand as a programmatic dependent of the shrink (`true`,
     /// the default), so its blocks get resident and load y and B while the
@@ -315,14 +313,15 @@ fn launch<Y: OutputElem>(
     let max_tiles = n.div_ceil(TILE_ROWS) + n_segments;
     let rank_chunks = stride.div_ceil(RANK_CHUNK);
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
+    // Measured on the H200: four splits are best at both bench shapes (NOTES.md).
     let k_splits = match tuning.k_splits {
         Some(v) => v as usize,
-        None => DEFAULT_K_SPLITS,
+        None => MAX_K_SPLITS,
     }
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
-    let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(true);
+    let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(false);
     let params = SgmvParams {
         x: x.addr(),
         y: y.addr(),
@@ -370,7 +369,7 @@ fn launch<Y: OutputElem>(
     // The host checked x and y cover `n_rows` rows, the segment arrays hold
     // `n_segments (+1)` values, every target's table and column ranges lie in
     // their buffers, and the workspace holds `[targets][4][max_rows][rank_pad]`
-    // floats with `n_rows <= max_rows`, `stride <= rank_pad`, `k_splits <= MAX_K_SPLITS`.
+    // floats with `n_rows <= max_rows`, `stride <= rank_pad`, `k_splits <= 4`.
     // The kernels check segment bounds, indices and ranks on the device before
     // reading A and B through table addresses (kept valid by the table's owner).
     // A dependent expand reads nothing the shrink writes before its

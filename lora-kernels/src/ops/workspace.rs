@@ -7,7 +7,7 @@ use crate::error::{KernelError, invalid};
 
 /// Most K splits the shrink uses (each split keeps its own partial rank
 /// vectors, summed by the expand).
-pub(crate) const MAX_K_SPLITS: usize = 8;
+pub(crate) const MAX_K_SPLITS: usize = 4;
 
 /// The largest call a [`LoraWorkspace`] serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
