@@ -6,8 +6,9 @@
 //   sgmv_shrink: t[ks][row][k] = sum over K split ks of A[k, i] x[row, i],
 //                tensor cores (mma.sync m16n8k16 bf16, f32 accumulate), a
 //                64-row tile of one segment per block, cp.async pipeline
-//                (sgmv_shrink_r16_bf16: 16-row A tiles and a deeper pipeline
-//                for rank strides up to 16; sgmv_shrink_split_bf16: the
+//                (sgmv_shrink_r16_bf16, chosen by SgmvTuning::narrow_shrink:
+//                16-row A tiles and a deeper pipeline for rank strides up
+//                to 16; sgmv_shrink_split_bf16: the
 //                64-row kernel with v6's split staging, to time against).
 //   sgmv_expand: y[row, col_off + o] += scale * sum_k B[o, k] t[row][k]
 //                (t summed over the K splits), tensor cores with t split

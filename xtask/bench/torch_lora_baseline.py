@@ -5,7 +5,11 @@ The same LoRA ops as the kernels section, written the way a PyTorch user
 would: decode as gather + bmm (`A[idx]`, `B[idx]`), prefill as a loop of
 matmuls over the segments. Timed like the Rust bench: captured once in a CUDA
 graph, L2 flushed (by reading a buffer of 4x L2) before each replay, device
-events around each replay, median of many. Writes {name: {"median_us": ...}}.
+events around each replay, median of many. And in a graph, as the Rust bench
+does when the shape carries "in_graph": {"sets", "ops"}: the op captured
+`ops` times in one graph over `sets` copies of its inputs (a pass streams at
+least 4x L2, so every op starts cold), replayed back to back, the median of
+replay time / ops. Writes {name: {"median_us": ..., "in_graph_us": ...}}.
 """
 import argparse
 import json
@@ -36,6 +40,34 @@ def time_graph(fn, reps, flush_buf):
         pairs.append((start, end))
     torch.cuda.synchronize()
     us = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)
+    return us[len(us) // 2]
+
+
+def time_in_graph(fns, ops, reps):
+    """Per-op µs of `ops` calls (call i runs fns[i % len(fns)]) captured in
+    one graph and replayed back to back, median over replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(ops):
+            fns[i % len(fns)]()
+    for _ in range(2):
+        graph.replay()
+    pairs = []
+    for _ in range(max(25, (reps + 3) // 4)):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    us = sorted(s.elapsed_time(e) * 1e3 / ops for s, e in pairs)
     return us[len(us) // 2]
 
 
@@ -105,11 +137,20 @@ def main():
     flush_buf = torch.empty(4 * l2 // 4, dtype=torch.float32, device=dev).uniform_()
     results = {}
     for s in json.loads(args.shapes):
-        fn = decode_op(s, dev) if s["kind"] == "decode" else prefill_op(s, dev)
+        make = decode_op if s["kind"] == "decode" else prefill_op
+        fn = make(s, dev)
         us = time_graph(fn, args.reps, flush_buf)
         results[s["name"]] = {"median_us": us}
-        print(f"torch {s['name']}: {us:.2f} us", flush=True)
         del fn
+        line = f"torch {s['name']}: {us:.2f} us"
+        rot = s.get("in_graph")
+        if rot:
+            fns = [make(s, dev) for _ in range(rot["sets"])]
+            ig = time_in_graph(fns, rot["ops"], args.reps)
+            results[s["name"]]["in_graph_us"] = ig
+            line += f", in a graph of {rot['ops']} over {rot['sets']} input copies: {ig:.2f} us"
+            del fns
+        print(line, flush=True)
         torch.cuda.empty_cache()
     results["__matrix_rate__"] = {"tflops": matrix_rate(dev)}
     print(f"torch bf16 8192^3 matmul: {results['__matrix_rate__']['tflops']:.0f} TFLOP/s", flush=True)

@@ -12,6 +12,16 @@
 //! (gather + bmm; a per-segment matmul loop for prefill), timed the same way
 //! by `xtask/bench/torch_lora_baseline.py` in the same call.
 //!
+//! A second time per case, "in a graph": the op captured many times in one
+//! graph over rotating copies of its inputs (enough copies that one pass
+//! streams at least 4x L2, so each op finds its inputs cold), the replay's
+//! time divided by the ops in it. That is the cost an op adds inside an
+//! engine's captured decode step, where one graph launch serves hundreds of
+//! kernels, and the form of vLLM's LoRA kernel benchmark (an argument pool
+//! rotated inside a graph of many calls). The isolated time above also pays
+//! the graph's own launch (the empty-kernel row measures that). PyTorch is
+//! timed both ways, over the same rotation.
+//!
 //! Sections: `kernels` (device-event timings above), and the I/O sections
 //! `swap` (a disk swap into a slot against a pinned host-to-device copy) and
 //! `landing` (a peer landing over TCP loopback against a memcpy), timed on
@@ -27,7 +37,7 @@ use std::process::Command;
 
 use half::bf16;
 use lora_kernels::ops::launch_floor::empty_launch;
-use lora_kernels::testing::{RandomPairs, Rng};
+use lora_kernels::testing::{PairPool, RandomPairs, Rng};
 use lora_kernels::{
     BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, Rows, RowsMut, Segments,
     SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
@@ -105,6 +115,18 @@ struct Row {
     /// Shape fields for the JSON and the PyTorch script.
     shape: Value,
     torch_us: Option<f64>,
+    /// The per-op time inside a graph of many over rotating inputs.
+    in_graph: Option<InGraph>,
+    torch_in_graph_us: Option<f64>,
+}
+
+/// A per-op time from [`Ctx::time_in_graph`], with its rotation.
+#[derive(Debug, Clone, Copy)]
+struct InGraph {
+    stats: Stats,
+    /// Input copies rotated through, and ops captured in the graph.
+    sets: usize,
+    ops: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -183,6 +205,57 @@ impl Ctx<'_> {
         }
         Ok(stats(us))
     }
+
+    /// Capture `op(0..ops)` in one graph (op `i` works on input copy
+    /// `i % sets`), replay it back to back and return the per-op time: each
+    /// replay's time over `ops`, median of many. No flush: the rotation keeps
+    /// every op's inputs out of L2 (see [`rotation`]).
+    fn time_in_graph<F>(&mut self, sets: usize, ops: usize, mut op: F) -> Result<InGraph, String>
+    where
+        F: FnMut(usize) -> Result<(), KernelError>,
+    {
+        let graph = self
+            .device
+            .capture_graph(|| (0..ops).try_for_each(&mut op))
+            .map_err(err)?;
+        for _ in 0..2 {
+            graph.replay().map_err(err)?;
+        }
+        let reps = self.opts.reps.div_ceil(4).max(25);
+        let mut events = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let start = self.device.record_event().map_err(err)?;
+            graph.replay().map_err(err)?;
+            let end = self.device.record_event().map_err(err)?;
+            events.push((start, end));
+        }
+        self.device.synchronize().map_err(err)?;
+        self.device.check_faults().map_err(err)?;
+        let mut us = Vec::with_capacity(events.len());
+        for (s, e) in &events {
+            us.push(f64::from(s.elapsed_ms(e).map_err(err)?) * 1e3 / ops as f64);
+        }
+        Ok(InGraph {
+            stats: stats(us),
+            sets,
+            ops,
+        })
+    }
+}
+
+/// Most ops captured in one in-graph timing, and the fewest (so the graph's
+/// own launch is spread thin even when a few input copies fill 4x L2).
+const IN_GRAPH_MAX_OPS: usize = 1024;
+const IN_GRAPH_MIN_OPS: usize = 32;
+
+/// `(sets, ops)` for an op that moves `set_bytes`: enough input copies that
+/// one pass over them streams at least 4x L2 (so by the time an op's copy
+/// comes round again it has long left the cache), and a whole number of
+/// passes of at least [`IN_GRAPH_MIN_OPS`] ops.
+fn rotation(l2_bytes: usize, set_bytes: f64) -> (usize, usize) {
+    let sets = ((4.0 * l2_bytes as f64 / set_bytes.max(1.0)).ceil() as usize + 1).clamp(2, IN_GRAPH_MAX_OPS);
+    let passes = IN_GRAPH_MIN_OPS.div_ceil(sets);
+    (sets, sets * passes)
 }
 
 fn stats(mut us: Vec<f64>) -> Stats {
@@ -377,11 +450,17 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             variants.push(("2p pow2".to_string(), t));
         }
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);
-        let pool = pairs.upload(ctx.device).map_err(err)?;
-        let x = ctx.device.upload(&rng.bf16_vec(n * in_dim, 1.0)).map_err(err)?;
-        let mut y = ctx.device.upload(&rng.bf16_vec(n * out, 1.0)).map_err(err)?;
-        let idx: Vec<i32> = (0..n).map(|i| (i % distinct) as i32).collect();
-        let idx = ctx.device.upload(&idx).map_err(err)?;
+        let (x_host, y_host) = (rng.bf16_vec(n * in_dim, 1.0), rng.bf16_vec(n * out, 1.0));
+        let idx_host: Vec<i32> = (0..n).map(|i| (i % distinct) as i32).collect();
+        let upload = |device: &Device| -> Result<DecodeInputs, KernelError> {
+            Ok(DecodeInputs {
+                pool: pairs.upload(device)?,
+                x: device.upload(&x_host)?,
+                y: device.upload(&y_host)?,
+                idx: device.upload(&idx_host)?,
+            })
+        };
+        let DecodeInputs { pool, x, mut y, idx } = upload(ctx.device).map_err(err)?;
         for (variant, tuning) in variants {
             let target = [LoraTarget {
                 table: &pool.table,
@@ -420,9 +499,70 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 floor_share_target: (n >= 64).then_some(0.5),
                 shape: json!({"kind": "decode", "n": n, "in": in_dim, "out": out, "r": r, "distinct": distinct}),
                 torch_us: None,
+                in_graph: None,
+                torch_in_graph_us: None,
             });
         }
+        drop((pool, x, y, idx));
+        decode_in_graph(ctx, &name, (n, in_dim, out, r, distinct), &upload)?;
     }
+    prefill_cases(ctx, &mut rng)
+}
+
+/// One copy of a decode case's inputs.
+struct DecodeInputs {
+    pool: PairPool,
+    x: DeviceBuffer<bf16>,
+    y: DeviceBuffer<bf16>,
+    idx: DeviceBuffer<i32>,
+}
+
+/// The default decode launch of `name` timed in a graph over rotating
+/// copies of its inputs (made by `upload`), attached to its default row.
+fn decode_in_graph(
+    ctx: &mut Ctx<'_>,
+    name: &str,
+    (n, in_dim, out, r, distinct): (usize, usize, usize, usize, usize),
+    upload: &dyn Fn(&Device) -> Result<DecodeInputs, KernelError>,
+) -> Result<(), String> {
+    let device = ctx.device;
+    let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(n, in_dim, out, r, distinct));
+    let mut copies = (0..sets)
+        .map(|_| upload(device))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(err)?;
+    let timed = ctx.time_in_graph(sets, ops, |i| {
+        let c = &mut copies[i % sets];
+        let target = [LoraTarget {
+            table: &c.pool.table,
+            table_offset: 0,
+            n_entries: distinct,
+            out_dim: out,
+            y_col_offset: 0,
+        }];
+        bgmv_tuned(
+            device,
+            Rows::dense(&c.x, n, in_dim),
+            &c.idx,
+            &target,
+            r,
+            RowsMut::dense(&mut c.y, n, out),
+            BgmvTuning::default(),
+        )
+    })?;
+    attach_in_graph(ctx, name, "default", timed);
+    Ok(())
+}
+
+/// Record an in-graph time on the row of `name` and `variant`.
+fn attach_in_graph(ctx: &mut Ctx<'_>, name: &str, variant: &str, timed: InGraph) {
+    if let Some(row) = ctx.rows.iter_mut().find(|r| r.name == name && r.variant == variant) {
+        row.shape["in_graph"] = json!({"sets": timed.sets, "ops": timed.ops});
+        row.in_graph = Some(timed);
+    }
+}
+
+fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
     for &(rows, segs, in_dim, out, r, peer) in PREFILL {
         let name = format!("prefill rows={rows} segs={segs} in={in_dim} out={out} r={r}");
         if !ctx.opts.wants_case(&name) {
@@ -452,8 +592,8 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 paired_staging: Some(false),
                 ..Default::default()
             };
-            let wide = SgmvTuning {
-                narrow_shrink: Some(false),
+            let narrow = SgmvTuning {
+                narrow_shrink: Some(true),
                 ..Default::default()
             };
             let unbalanced = SgmvTuning {
@@ -469,7 +609,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                         ..Default::default()
                     },
                 ),
-                ("wide shrink", wide),
+                ("narrow shrink", narrow),
                 (
                     "split staging",
                     SgmvTuning {
@@ -479,27 +619,32 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ),
                 ("shrink only", shrink_only(SgmvTuning::default())),
                 ("split staging shrink only", shrink_only(split)),
-                ("wide shrink only", shrink_only(wide)),
-                (
-                    "wide split shrink only",
-                    shrink_only(SgmvTuning {
-                        narrow_shrink: Some(false),
-                        ..split
-                    }),
-                ),
+                ("narrow shrink only", shrink_only(narrow)),
                 ("expand only", expand_only(SgmvTuning::default())),
                 ("unbalanced expand only", expand_only(unbalanced)),
             ];
             variants.extend(plain.into_iter().map(|(label, t)| (label.to_string(), t)));
         }
-        let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; segs]);
-        let pool = pairs.upload(ctx.device).map_err(err)?;
-        let x = ctx.device.upload(&rng.bf16_vec(rows * in_dim, 1.0)).map_err(err)?;
-        let mut y = ctx.device.upload(&rng.bf16_vec(rows * out, 1.0)).map_err(err)?;
-        let cu: Vec<i32> = (0..=segs).map(|s| (s * rows / segs) as i32).collect();
-        let slot: Vec<i32> = (0..segs as i32).collect();
-        let cu = ctx.device.upload(&cu).map_err(err)?;
-        let slot = ctx.device.upload(&slot).map_err(err)?;
+        let pairs = RandomPairs::new(rng, in_dim, out, r, &vec![r as u32; segs]);
+        let (x_host, y_host) = (rng.bf16_vec(rows * in_dim, 1.0), rng.bf16_vec(rows * out, 1.0));
+        let cu_host: Vec<i32> = (0..=segs).map(|s| (s * rows / segs) as i32).collect();
+        let slot_host: Vec<i32> = (0..segs as i32).collect();
+        let upload = |device: &Device| -> Result<PrefillInputs, KernelError> {
+            Ok(PrefillInputs {
+                pool: pairs.upload(device)?,
+                x: device.upload(&x_host)?,
+                y: device.upload(&y_host)?,
+                cu: device.upload(&cu_host)?,
+                slot: device.upload(&slot_host)?,
+            })
+        };
+        let PrefillInputs {
+            pool,
+            x,
+            mut y,
+            cu,
+            slot,
+        } = upload(ctx.device).map_err(err)?;
         let spec = WorkspaceSpec {
             max_rows: rows,
             max_rank: r,
@@ -507,6 +652,13 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             max_targets: 1,
         };
         let mut ws = LoraWorkspace::new(ctx.device, spec).map_err(err)?;
+        // In a graph: every whole apply of a sweep (the y written back to
+        // DRAM during the next op is a cost the isolated time leaves out).
+        let whole: Vec<(String, SgmvTuning)> = variants
+            .iter()
+            .filter(|(_, t)| t.only_phase.is_none())
+            .cloned()
+            .collect();
         for (variant, tuning) in variants {
             let target = [LoraTarget {
                 table: &pool.table,
@@ -548,10 +700,57 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 floor_share_target: Some(0.67),
                 shape: json!({"kind": "prefill", "n": rows, "segments": segs, "in": in_dim, "out": out, "r": r, "distinct": segs}),
                 torch_us: None,
+                in_graph: None,
+                torch_in_graph_us: None,
             });
+        }
+        drop((pool, x, y, cu, slot));
+        let device = ctx.device;
+        let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(rows, in_dim, out, r, segs));
+        let mut copies = (0..sets)
+            .map(|_| upload(device))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
+        for (variant, tuning) in whole {
+            let timed = ctx.time_in_graph(sets, ops, |i| {
+                let c = &mut copies[i % sets];
+                let target = [LoraTarget {
+                    table: &c.pool.table,
+                    table_offset: 0,
+                    n_entries: segs,
+                    out_dim: out,
+                    y_col_offset: 0,
+                }];
+                let s = Segments {
+                    cu_seqlens: &c.cu,
+                    seg_slot: &c.slot,
+                    n_segments: segs,
+                };
+                let yv = RowsMut::dense(&mut c.y, rows, out);
+                sgmv_tuned(
+                    device,
+                    Rows::dense(&c.x, rows, in_dim),
+                    &s,
+                    &target,
+                    r,
+                    yv,
+                    &mut ws,
+                    tuning,
+                )
+            })?;
+            attach_in_graph(ctx, &name, &variant, timed);
         }
     }
     Ok(())
+}
+
+/// One copy of a prefill case's inputs.
+struct PrefillInputs {
+    pool: PairPool,
+    x: DeviceBuffer<bf16>,
+    y: DeviceBuffer<bf16>,
+    cu: DeviceBuffer<i32>,
+    slot: DeviceBuffer<i32>,
 }
 
 /// The launch floor of this method: one block of an empty kernel, captured
@@ -565,6 +764,8 @@ fn launch_floor_row(ctx: &mut Ctx<'_>) -> Result<(), String> {
     let device = ctx.device;
     let graph = device.capture_graph(|| empty_launch(device)).map_err(err)?;
     let stats = ctx.time_graph(&graph)?;
+    // In a graph: an empty kernel node after another, nothing to rotate.
+    let in_graph = ctx.time_in_graph(1, IN_GRAPH_MIN_OPS * 2, |_| empty_launch(device))?;
     ctx.rows.push(Row {
         section: "kernels",
         name: name.to_string(),
@@ -577,6 +778,8 @@ fn launch_floor_row(ctx: &mut Ctx<'_>) -> Result<(), String> {
         floor_share_target: None,
         shape: json!({"kind": "empty", "n": 0}),
         torch_us: None,
+        in_graph: Some(in_graph),
+        torch_in_graph_us: None,
     });
     Ok(())
 }
@@ -617,6 +820,7 @@ fn torch_baseline(script: &PathBuf, ctx: &mut Ctx<'_>) -> Result<(), String> {
         if let Some(us) = results[&row.name]["median_us"].as_f64() {
             row.torch_us = Some(us);
         }
+        row.torch_in_graph_us = results[&row.name]["in_graph_us"].as_f64();
     }
     ctx.matrix_tflops = results["__matrix_rate__"]["tflops"].as_f64();
     Ok(())
@@ -637,16 +841,29 @@ fn floor_us(row: &Row, copy_gbps: f64, matrix_tflops: Option<f64>) -> f64 {
 
 fn print_table(ctx: &Ctx<'_>) {
     println!(
-        "\n{:<52} {:>8} {:>9} {:>15} {:>8} {:>7} {:>8} {:>7} {:>8}  verdict",
-        "case", "variant", "ours µs", "p10..p90", "floor µs", "%floor", "target", "peer", "torch"
+        "\n{:<52} {:>8} {:>9} {:>15} {:>8} {:>7} {:>8} {:>7} {:>8} {:>9} {:>9} {:>9}  verdict",
+        "case",
+        "variant",
+        "ours µs",
+        "p10..p90",
+        "floor µs",
+        "%floor",
+        "target",
+        "peer",
+        "torch",
+        "in-graph",
+        "%floor",
+        "torch ig"
     );
     for r in &ctx.rows {
         let floor = floor_us(r, ctx.copy_gbps, ctx.matrix_tflops);
         let share = floor / r.stats.median_us;
         let fast = r.target_us.is_none_or(|t| r.stats.median_us <= t);
         let near = r.floor_share_target.is_none_or(|s| share >= s);
+        let opt = |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |t| format!("{t:.digits$}"));
+        let in_graph_us = r.in_graph.map(|g| g.stats.median_us);
         println!(
-            "{:<52} {:>8} {:>9.2} {:>7.2}..{:<7.2} {:>8.2} {:>6.0}% {:>8.2} {:>7.1} {:>8}  {}",
+            "{:<52} {:>8} {:>9.2} {:>7.2}..{:<7.2} {:>8.2} {:>6.0}% {:>8.2} {:>7.1} {:>8} {:>9} {:>8} {:>9}  {}",
             r.name,
             r.variant,
             r.stats.median_us,
@@ -656,7 +873,10 @@ fn print_table(ctx: &Ctx<'_>) {
             share * 100.0,
             r.target_us.unwrap_or(f64::NAN),
             r.peer_us.unwrap_or(f64::NAN),
-            r.torch_us.map_or("-".to_string(), |t| format!("{t:.1}")),
+            opt(r.torch_us, 1),
+            opt(in_graph_us, 2),
+            opt(in_graph_us.filter(|_| floor > 0.0).map(|t| floor / t * 100.0), 0),
+            opt(r.torch_in_graph_us, 1),
             match (fast, near) {
                 (true, true) => "ok",
                 (false, true) => "SLOW vs target",
@@ -694,6 +914,15 @@ fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String
                 "peer_us": r.peer_us,
                 "target_us": r.target_us,
                 "torch_us": r.torch_us,
+                "in_graph": r.in_graph.map(|g| json!({
+                    "median_us": g.stats.median_us,
+                    "p10_us": g.stats.p10_us,
+                    "p90_us": g.stats.p90_us,
+                    "share_of_floor": floor / g.stats.median_us,
+                    "sets": g.sets,
+                    "ops": g.ops,
+                })),
+                "torch_in_graph_us": r.torch_in_graph_us,
             })
         })
         .collect();
@@ -704,6 +933,7 @@ fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String
         "l2_bytes": device.l2_bytes(),
         "reps": ctx.opts.reps,
         "method": "CUDA graph replay, L2 flushed before each replay, device events, median",
+        "method_in_graph": "the op captured `ops` times in one graph over `sets` rotating input copies (one pass >= 4x L2), replayed back to back, device events, median of replay time / ops",
         "rows": rows,
         "io": io.iter().map(|r| json!({
             "name": r.name,
@@ -723,4 +953,23 @@ fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String
     std::fs::write(&ctx.opts.out, text).map_err(|e| format!("cannot write {}: {e}", ctx.opts.out.display()))?;
     eprintln!("bench: wrote {}", ctx.opts.out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A pass over the copies streams at least 4x L2 (unless capped),
+        /// and the graph holds whole passes of at least the minimum ops.
+        #[test]
+        fn rotation_covers_four_l2_in_whole_passes(l2 in 1usize << 20..1 << 28, set in 1.0f64..1e9) {
+            let (sets, ops) = rotation(l2, set);
+            prop_assert!((2..=IN_GRAPH_MAX_OPS).contains(&sets));
+            prop_assert!(sets == IN_GRAPH_MAX_OPS || sets as f64 * set >= 4.0 * l2 as f64);
+            prop_assert!(ops % sets == 0 && ops >= IN_GRAPH_MIN_OPS);
+            prop_assert!(ops < sets + IN_GRAPH_MIN_OPS);
+        }
+    }
 }

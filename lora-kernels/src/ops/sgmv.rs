@@ -54,7 +54,9 @@ pub struct SgmvTuning {
     /// workspace holds).
     pub only_phase: Option<SgmvPhase>,
     /// Rank strides up to 16 only: the shrink with 16-row A tiles and a
-    /// deeper pipeline (`true`, the default) or the 64-row one (`false`).
+    /// deeper pipeline (`true`) or the 64-row one (`false`, the default:
+    /// as fast alone, and about 5 µs faster at prefill r16 when applies
+    /// follow one another in a graph; NOTES.md v10).
     pub narrow_shrink: Option<bool>,
     /// Launch the expand as a programmatic dependent of the shrink (`true`,
     /// the default), so its blocks get resident and load y and B while the
@@ -319,7 +321,7 @@ fn launch<Y: OutputElem>(
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
-    let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(true);
+    let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(false);
     let params = SgmvParams {
         x: x.addr(),
         y: y.addr(),
