@@ -17,21 +17,31 @@ import json
 import torch
 
 
-def time_graph(fn, reps, flush_buf):
+def capture(fns, ops):
+    """Warm every fn up on a side stream, then capture `ops` calls (call i
+    runs fns[i % len(fns)]) in one graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for fn in fns:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
+        for i in range(ops):
+            fns[i % len(fns)]()
+    return graph
+
+
+def median_replay_us(graph, reps, before=None):
+    """Median µs of `reps` replays of `graph` after two warm ones, each after
+    `before()` (outside the events)."""
+    for _ in range(2):
         graph.replay()
     pairs = []
     for _ in range(reps):
-        flush_buf.sum()
+        if before is not None:
+            before()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -43,32 +53,15 @@ def time_graph(fn, reps, flush_buf):
     return us[len(us) // 2]
 
 
+def time_graph(fn, reps, flush_buf):
+    """One call per graph, the L2 flushed (by reading flush_buf) before each replay."""
+    return median_replay_us(capture([fn], 1), reps, before=flush_buf.sum)
+
+
 def time_in_graph(fns, ops, reps):
     """Per-op µs of `ops` calls (call i runs fns[i % len(fns)]) captured in
     one graph and replayed back to back, median over replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(ops):
-            fns[i % len(fns)]()
-    for _ in range(2):
-        graph.replay()
-    pairs = []
-    for _ in range(max(25, (reps + 3) // 4)):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    us = sorted(s.elapsed_time(e) * 1e3 / ops for s, e in pairs)
-    return us[len(us) // 2]
+    return median_replay_us(capture(fns, ops), max(25, (reps + 3) // 4)) / ops
 
 
 def decode_op(s, dev):

@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: timings on a CUDA device, written as a table on
 //! stdout and a JSON report.
 //!
-//! Method (per `/work/.library/device/METHOD.md` and PERF-NOTES): each op is
+//! Method: each op is
 //! captured once in a CUDA graph and replayed; before every timed replay the
 //! L2 is flushed by streaming two tables of 2x L2 each through the row-diff
 //! kernel (reads only, so no dirty lines are left to write back during the
@@ -39,8 +39,8 @@ use half::bf16;
 use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{PairPool, RandomPairs, Rng};
 use lora_kernels::{
-    BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, Rows, RowsMut, Segments,
-    SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
+    BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, PairEntry, Rows, RowsMut,
+    Segments, SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
 };
 use serde_json::{Value, json};
 
@@ -186,23 +186,8 @@ fn err(e: KernelError) -> String {
 impl Ctx<'_> {
     /// Replay `graph` `reps` times, each after an L2 flush, timed with events.
     fn time_graph(&mut self, graph: &DeviceGraph) -> Result<Stats, String> {
-        for _ in 0..3 {
-            graph.replay().map_err(err)?;
-        }
-        let mut events = Vec::with_capacity(self.opts.reps);
-        for _ in 0..self.opts.reps {
-            self.flusher.flush(self.device).map_err(err)?;
-            let start = self.device.record_event().map_err(err)?;
-            graph.replay().map_err(err)?;
-            let end = self.device.record_event().map_err(err)?;
-            events.push((start, end));
-        }
-        self.device.synchronize().map_err(err)?;
-        self.device.check_faults().map_err(err)?;
-        let mut us = Vec::with_capacity(events.len());
-        for (s, e) in &events {
-            us.push(f64::from(s.elapsed_ms(e).map_err(err)?) * 1e3);
-        }
+        let (device, flusher) = (self.device, &mut self.flusher);
+        let us = replay_times(device, graph, 3, self.opts.reps, || flusher.flush(device))?;
         Ok(stats(us))
     }
 
@@ -218,29 +203,42 @@ impl Ctx<'_> {
             .device
             .capture_graph(|| (0..ops).try_for_each(&mut op))
             .map_err(err)?;
-        for _ in 0..2 {
-            graph.replay().map_err(err)?;
-        }
         let reps = self.opts.reps.div_ceil(4).max(25);
-        let mut events = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let start = self.device.record_event().map_err(err)?;
-            graph.replay().map_err(err)?;
-            let end = self.device.record_event().map_err(err)?;
-            events.push((start, end));
-        }
-        self.device.synchronize().map_err(err)?;
-        self.device.check_faults().map_err(err)?;
-        let mut us = Vec::with_capacity(events.len());
-        for (s, e) in &events {
-            us.push(f64::from(s.elapsed_ms(e).map_err(err)?) * 1e3 / ops as f64);
-        }
+        let us = replay_times(self.device, &graph, 2, reps, || Ok(()))?;
         Ok(InGraph {
-            stats: stats(us),
+            stats: stats(us.into_iter().map(|t| t / ops as f64).collect()),
             sets,
             ops,
         })
     }
+}
+
+/// `warm` replays of `graph`, then `reps` timed ones, each after `before`
+/// (outside the events): µs per replay, once the device checked no fault.
+fn replay_times(
+    device: &Device,
+    graph: &DeviceGraph,
+    warm: usize,
+    reps: usize,
+    mut before: impl FnMut() -> Result<(), KernelError>,
+) -> Result<Vec<f64>, String> {
+    for _ in 0..warm {
+        graph.replay().map_err(err)?;
+    }
+    let mut events = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        before().map_err(err)?;
+        let start = device.record_event().map_err(err)?;
+        graph.replay().map_err(err)?;
+        let end = device.record_event().map_err(err)?;
+        events.push((start, end));
+    }
+    device.synchronize().map_err(err)?;
+    device.check_faults().map_err(err)?;
+    events
+        .iter()
+        .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e).map_err(err)?) * 1e3))
+        .collect()
 }
 
 /// Most ops captured in one in-graph timing, and the fewest (so the graph's
@@ -463,13 +461,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         let DecodeInputs { pool, x, mut y, idx } = upload(ctx.device).map_err(err)?;
         let all_variants = variants.clone();
         for (variant, tuning) in variants {
-            let target = [LoraTarget {
-                table: &pool.table,
-                table_offset: 0,
-                n_entries: distinct,
-                out_dim: out,
-                y_col_offset: 0,
-            }];
+            let target = whole_table(&pool.table, distinct, out);
             let device = ctx.device;
             let graph = match device.capture_graph(|| {
                 bgmv_tuned(
@@ -530,20 +522,11 @@ fn decode_in_graph(
 ) -> Result<(), String> {
     let device = ctx.device;
     let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(n, in_dim, out, r, distinct));
-    let mut copies = (0..sets)
-        .map(|_| upload(device))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(err)?;
+    let mut copies = input_copies(device, sets, &upload)?;
     for (variant, tuning) in variants {
         let timed = ctx.time_in_graph(sets, ops, |i| {
             let c = &mut copies[i % sets];
-            let target = [LoraTarget {
-                table: &c.pool.table,
-                table_offset: 0,
-                n_entries: distinct,
-                out_dim: out,
-                y_col_offset: 0,
-            }];
+            let target = whole_table(&c.pool.table, distinct, out);
             bgmv_tuned(
                 device,
                 Rows::dense(&c.x, n, in_dim),
@@ -561,6 +544,29 @@ fn decode_in_graph(
         }
     }
     Ok(())
+}
+
+/// The one target of a bench case: all of `table`, `out` columns from 0.
+fn whole_table(table: &DeviceBuffer<PairEntry>, n_entries: usize, out: usize) -> [LoraTarget<'_>; 1] {
+    [LoraTarget {
+        table,
+        table_offset: 0,
+        n_entries,
+        out_dim: out,
+        y_col_offset: 0,
+    }]
+}
+
+/// `sets` copies of a case's inputs, each made by `upload`.
+fn input_copies<T>(
+    device: &Device,
+    sets: usize,
+    upload: &dyn Fn(&Device) -> Result<T, KernelError>,
+) -> Result<Vec<T>, String> {
+    (0..sets)
+        .map(|_| upload(device))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(err)
 }
 
 /// Record an in-graph time on the row of `name` and `variant`.
@@ -669,13 +675,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
             .cloned()
             .collect();
         for (variant, tuning) in variants {
-            let target = [LoraTarget {
-                table: &pool.table,
-                table_offset: 0,
-                n_entries: segs,
-                out_dim: out,
-                y_col_offset: 0,
-            }];
+            let target = whole_table(&pool.table, segs, out);
             let s = Segments {
                 cu_seqlens: &cu,
                 seg_slot: &slot,
@@ -716,20 +716,11 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
         drop((pool, x, y, cu, slot));
         let device = ctx.device;
         let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(rows, in_dim, out, r, segs));
-        let mut copies = (0..sets)
-            .map(|_| upload(device))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(err)?;
+        let mut copies = input_copies(device, sets, &upload)?;
         for (variant, tuning) in whole {
             let timed = ctx.time_in_graph(sets, ops, |i| {
                 let c = &mut copies[i % sets];
-                let target = [LoraTarget {
-                    table: &c.pool.table,
-                    table_offset: 0,
-                    n_entries: segs,
-                    out_dim: out,
-                    y_col_offset: 0,
-                }];
+                let target = whole_table(&c.pool.table, segs, out);
                 let s = Segments {
                     cu_seqlens: &c.cu,
                     seg_slot: &c.slot,
