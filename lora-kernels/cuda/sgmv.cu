@@ -31,7 +31,7 @@
 #define SG_LD (SG_BK + 8)
 #define SG_BO 128
 // Most K splits of the shrink (`MAX_K_SPLITS` in workspace.rs).
-#define SG_MAX_K_SPLITS 4
+#define SG_MAX_K_SPLITS 8
 
 struct SgmvParams {
     u64 x;

@@ -682,7 +682,7 @@ fn gpu_sgmv_matches_cpu() {
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
         let (cu, slot) = segments_for(&mut rng, n, n_seg, slots);
         let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, SgmvTuning::default());
-        for ks in [None, Some(1), Some(3)] {
+        for ks in [None, Some(1), Some(3), Some(8)] {
             for kernels in sgmv_kernels() {
                 let tuning = SgmvTuning {
                     k_splits: ks,

@@ -585,7 +585,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
         }
         let mut variants = vec![("default".to_string(), SgmvTuning::default())];
         if ctx.opts.sweep {
-            for k in [2, 4] {
+            for k in [2, 3, 4, 5, 6, 7, 8] {
                 variants.push((
                     format!("ks{k}"),
                     SgmvTuning {

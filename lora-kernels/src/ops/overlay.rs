@@ -2,7 +2,7 @@
 //! row diff that finds a table's overridden rows, the embedding lookup that
 //! takes a slot's overlay row where it has one, and the lm_head overlay that
 //! rewrites the logits of a slot's overridden ids. CUDA kernel family:
-//! `cuda/overlay.cu`; entry structs in [`crate::table`].
+//! `cuda/overlay.cu`; entry structs [`crate::EmbedOverlayEntry`] and [`crate::LmHeadOverlayEntry`].
 
 use half::bf16;
 

@@ -47,7 +47,7 @@ pub struct Segments<'a> {
 /// Launch knobs of the segment apply; `None` picks from the shape.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SgmvTuning {
-    /// K splits of the shrink (1..=4).
+    /// K splits of the shrink (1..=8; by default as many as fill one wave, at least 4).
     pub k_splits: Option<u32>,
     /// Benchmarks only: launch just this phase, to time it alone. The
     /// output is then NOT the LoRA apply (the expand reads whatever the
@@ -313,15 +313,16 @@ fn launch<Y: OutputElem>(
     let max_tiles = n.div_ceil(TILE_ROWS) + n_segments;
     let rank_chunks = stride.div_ceil(RANK_CHUNK);
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
-    // Measured on the H200: four splits are best at both bench shapes (NOTES.md).
+    let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(false);
+    let shrink_tiles = max_tiles * n_targets * rank_chunks;
+    let shrink_resident = shrink_blocks_per_sm(narrow, c.smem_per_sm) * c.sm_count as usize;
     let k_splits = match tuning.k_splits {
         Some(v) => v as usize,
-        None => MAX_K_SPLITS,
+        None => default_k_splits(shrink_tiles, shrink_resident),
     }
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
-    let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(false);
     let params = SgmvParams {
         x: x.addr(),
         y: y.addr(),
@@ -347,11 +348,7 @@ fn launch<Y: OutputElem>(
         pad2: 0,
         targets: *target_params,
     };
-    let shrink_grid = (
-        to_u32("grid", max_tiles * n_targets * rank_chunks)?,
-        to_u32("grid", k_splits)?,
-        1,
-    );
+    let shrink_grid = (to_u32("grid", shrink_tiles)?, to_u32("grid", k_splits)?, 1);
     // Persistent expand: every resident block walks a share of the (tile, target, chunk) items.
     let items = max_tiles * n_targets * out_tiles;
     to_i32("expand items", items)?;
@@ -368,8 +365,8 @@ fn launch<Y: OutputElem>(
     // SAFETY: `SgmvParams` mirrors the kernels' struct (sizes asserted on both sides).
     // The host checked x and y cover `n_rows` rows, the segment arrays hold
     // `n_segments (+1)` values, every target's table and column ranges lie in
-    // their buffers, and the workspace holds `[targets][4][max_rows][rank_pad]`
-    // floats with `n_rows <= max_rows`, `stride <= rank_pad`, `k_splits <= 4`.
+    // their buffers, and the workspace holds `[targets][MAX_K_SPLITS][max_rows][rank_pad]`
+    // floats with `n_rows <= max_rows`, `stride <= rank_pad`, `k_splits <= MAX_K_SPLITS`.
     // The kernels check segment bounds, indices and ranks on the device before
     // reading A and B through table addresses (kept valid by the table's owner).
     // A dependent expand reads nothing the shrink writes before its
@@ -437,6 +434,24 @@ const _: () = assert!(3 * (SHRINK_R16_SMEM as usize + 1024) <= 228 * 1024);
 fn expand_smem_bytes(stride: usize, y_size: usize) -> usize {
     let r16 = stride.div_ceil(16) * 16;
     OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4 + 2 * TILE_ROWS * (OUT_TILE * y_size + 16)
+}
+
+/// K splits of the shrink when the tuning names none: as many as keep all
+/// of its `tiles x splits` blocks resident in one wave (more blocks, each
+/// with fewer K chunks, keep more copies in flight), at least four (the
+/// best where the tiles alone fill the machine) and at most
+/// [`MAX_K_SPLITS`]. Measured on the H200 (NOTES.md v10): prefill r16 (72
+/// tiles, 528 resident) takes 7, 42.4 -> 40.5 µs; r64 (160 tiles) keeps 4,
+/// where 3 and 5..8 were slower.
+pub(super) fn default_k_splits(tiles: usize, resident: usize) -> usize {
+    (resident / tiles.max(1)).clamp(4, MAX_K_SPLITS)
+}
+
+/// Shrink blocks resident per multiprocessor, as shared memory allows (the
+/// register use of either kernel allows four).
+fn shrink_blocks_per_sm(narrow: bool, smem_per_sm: usize) -> usize {
+    let smem = if narrow { SHRINK_R16_SMEM } else { SHRINK_SMEM } as usize;
+    (smem_per_sm / (smem + 1024)).clamp(1, 4)
 }
 
 /// Expand blocks resident per multiprocessor (`__launch_bounds__(128, 4)`), as shared memory allows.

@@ -7,7 +7,7 @@ use crate::error::{KernelError, invalid};
 
 /// Most K splits the shrink uses (each split keeps its own partial rank
 /// vectors, summed by the expand).
-pub(crate) const MAX_K_SPLITS: usize = 4;
+pub(crate) const MAX_K_SPLITS: usize = 8;
 
 /// The largest call a [`LoraWorkspace`] serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +23,9 @@ pub struct WorkspaceSpec {
 }
 
 /// Scratch for [`super::sgmv::sgmv`] and [`super::sgmv::one_adapter`]: the
-/// partial rank vectors `[targets][k_splits][rows][rank_pad]` (f32).
+/// partial rank vectors `[targets][k_splits][rows][rank_pad]` (f32), room
+/// for 8 K splits: `32 · max_targets · max_rows · max_rank` bytes (rank
+/// rounded up to 16) on a CUDA device, nothing on the CPU.
 pub struct LoraWorkspace {
     spec: WorkspaceSpec,
     rank_pad: usize,

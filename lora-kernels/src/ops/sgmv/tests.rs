@@ -171,6 +171,17 @@ fn workspace_limits_are_enforced() {
 }
 
 #[test]
+fn default_k_splits_fill_one_wave_within_four_to_the_most() {
+    // The bench shapes on an H200 (132 SMs, four 64-row shrink blocks each).
+    assert_eq!(default_k_splits(72, 528), 7);
+    assert_eq!(default_k_splits(160, 528), 4);
+    // A handful of tiles: the most the workspace holds; a huge batch: four.
+    assert_eq!(default_k_splits(3, 528), MAX_K_SPLITS);
+    assert_eq!(default_k_splits(100_000, 528), 4);
+    assert_eq!(default_k_splits(0, 528), MAX_K_SPLITS);
+}
+
+#[test]
 fn the_narrow_shrink_wins_over_the_staging_choice() {
     assert_eq!(shrink_kernel(true, true), "sgmv_shrink_r16_bf16");
     assert_eq!(shrink_kernel(true, false), "sgmv_shrink_r16_bf16");
