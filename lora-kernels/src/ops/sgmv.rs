@@ -443,7 +443,7 @@ fn expand_smem_bytes(stride: usize, y_size: usize) -> usize {
 /// [`MAX_K_SPLITS`]. Measured on the H200 (NOTES.md v10): prefill r16 (72
 /// tiles, 528 resident) takes 7, 42.4 -> 40.5 µs; r64 (160 tiles) keeps 4,
 /// where 3 and 5..8 were slower.
-pub(super) fn default_k_splits(tiles: usize, resident: usize) -> usize {
+fn default_k_splits(tiles: usize, resident: usize) -> usize {
     (resident / tiles.max(1)).clamp(4, MAX_K_SPLITS)
 }
 
