@@ -458,22 +458,13 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 idx: device.upload(&idx_host)?,
             })
         };
-        let DecodeInputs { pool, x, mut y, idx } = upload(ctx.device).map_err(err)?;
-        let all_variants = variants.clone();
-        for (variant, tuning) in variants {
-            let target = whole_table(&pool.table, distinct, out);
-            let device = ctx.device;
-            let graph = match device.capture_graph(|| {
-                bgmv_tuned(
-                    device,
-                    Rows::dense(&x, n, in_dim),
-                    &idx,
-                    &target,
-                    r,
-                    RowsMut::dense(&mut y, n, out),
-                    tuning,
-                )
-            }) {
+        let shape = (n, in_dim, out, r, distinct);
+        let device = ctx.device;
+        // The isolated time uses the first copy; the in-graph one rotates through all.
+        let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(n, in_dim, out, r, distinct));
+        let mut copies = input_copies(device, sets, &upload)?;
+        for &(ref variant, tuning) in &variants {
+            let graph = match device.capture_graph(|| copies[0].apply(device, shape, tuning)) {
                 Ok(g) => g,
                 Err(e) => {
                     eprintln!("bench: {name} {variant}: {e}");
@@ -484,7 +475,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             ctx.rows.push(Row {
                 section: "kernels",
                 name: name.clone(),
-                variant,
+                variant: variant.clone(),
                 stats,
                 floor_bytes: floor_bytes(n, in_dim, out, r, distinct),
                 peer_us: Some(peer),
@@ -496,8 +487,13 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 torch_in_graph_us: None,
             });
         }
-        drop((pool, x, y, idx));
-        decode_in_graph(ctx, &name, (n, in_dim, out, r, distinct), &all_variants, &upload)?;
+        for &(ref variant, tuning) in &variants {
+            match ctx.time_in_graph(sets, ops, |i| copies[i % sets].apply(device, shape, tuning)) {
+                Ok(t) => attach_in_graph(ctx, &name, variant, t),
+                // As for the isolated time: a launch choice this shape cannot take.
+                Err(e) => eprintln!("bench: {name} {variant} in a graph: {e}"),
+            }
+        }
     }
     prefill_cases(ctx, &mut rng)
 }
@@ -510,40 +506,25 @@ struct DecodeInputs {
     idx: DeviceBuffer<i32>,
 }
 
-/// The decode launches of `name` (each variant's tuning) timed in a graph
-/// over rotating copies of their inputs (made by `upload`), attached to
-/// their rows.
-fn decode_in_graph(
-    ctx: &mut Ctx<'_>,
-    name: &str,
-    (n, in_dim, out, r, distinct): (usize, usize, usize, usize, usize),
-    variants: &[(String, BgmvTuning)],
-    upload: &dyn Fn(&Device) -> Result<DecodeInputs, KernelError>,
-) -> Result<(), String> {
-    let device = ctx.device;
-    let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(n, in_dim, out, r, distinct));
-    let mut copies = input_copies(device, sets, &upload)?;
-    for (variant, tuning) in variants {
-        let timed = ctx.time_in_graph(sets, ops, |i| {
-            let c = &mut copies[i % sets];
-            let target = whole_table(&c.pool.table, distinct, out);
-            bgmv_tuned(
-                device,
-                Rows::dense(&c.x, n, in_dim),
-                &c.idx,
-                &target,
-                r,
-                RowsMut::dense(&mut c.y, n, out),
-                *tuning,
-            )
-        });
-        match timed {
-            Ok(t) => attach_in_graph(ctx, name, variant, t),
-            // As for the isolated time: a launch choice this shape cannot take.
-            Err(e) => eprintln!("bench: {name} {variant} in a graph: {e}"),
-        }
+impl DecodeInputs {
+    /// The decode apply of `(n, in, out, r, distinct)` on these inputs.
+    fn apply(
+        &mut self,
+        device: &Device,
+        (n, in_dim, out, r, distinct): (usize, usize, usize, usize, usize),
+        tuning: BgmvTuning,
+    ) -> Result<(), KernelError> {
+        let target = whole_table(&self.pool.table, distinct, out);
+        bgmv_tuned(
+            device,
+            Rows::dense(&self.x, n, in_dim),
+            &self.idx,
+            &target,
+            r,
+            RowsMut::dense(&mut self.y, n, out),
+            tuning,
+        )
     }
-    Ok(())
 }
 
 /// The one target of a bench case: all of `table`, `out` columns from 0.
@@ -653,55 +634,27 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 slot: device.upload(&slot_host)?,
             })
         };
-        let PrefillInputs {
-            pool,
-            x,
-            mut y,
-            cu,
-            slot,
-        } = upload(ctx.device).map_err(err)?;
+        let shape = (rows, segs, in_dim, out, r);
+        let device = ctx.device;
+        // The isolated time uses the first copy; the in-graph one rotates through all.
+        let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(rows, in_dim, out, r, segs));
+        let mut copies = input_copies(device, sets, &upload)?;
         let spec = WorkspaceSpec {
             max_rows: rows,
             max_rank: r,
             max_segments: segs,
             max_targets: 1,
         };
-        let mut ws = LoraWorkspace::new(ctx.device, spec).map_err(err)?;
-        // In a graph: every whole apply of a sweep (the y written back to
-        // DRAM during the next op is a cost the isolated time leaves out).
-        let whole: Vec<(String, SgmvTuning)> = variants
-            .iter()
-            .filter(|(_, t)| t.only_phase.is_none())
-            .cloned()
-            .collect();
-        for (variant, tuning) in variants {
-            let target = whole_table(&pool.table, segs, out);
-            let s = Segments {
-                cu_seqlens: &cu,
-                seg_slot: &slot,
-                n_segments: segs,
-            };
-            let device = ctx.device;
+        let mut ws = LoraWorkspace::new(device, spec).map_err(err)?;
+        for &(ref variant, tuning) in &variants {
             let graph = device
-                .capture_graph(|| {
-                    let yv = RowsMut::dense(&mut y, rows, out);
-                    sgmv_tuned(
-                        device,
-                        Rows::dense(&x, rows, in_dim),
-                        &s,
-                        &target,
-                        r,
-                        yv,
-                        &mut ws,
-                        tuning,
-                    )
-                })
+                .capture_graph(|| copies[0].apply(device, shape, &mut ws, tuning))
                 .map_err(err)?;
             let stats = ctx.time_graph(&graph)?;
             ctx.rows.push(Row {
                 section: "kernels",
                 name: name.clone(),
-                variant,
+                variant: variant.clone(),
                 stats,
                 floor_bytes: floor_bytes(rows, in_dim, out, r, segs),
                 peer_us: Some(peer),
@@ -713,32 +666,11 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 torch_in_graph_us: None,
             });
         }
-        drop((pool, x, y, cu, slot));
-        let device = ctx.device;
-        let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(rows, in_dim, out, r, segs));
-        let mut copies = input_copies(device, sets, &upload)?;
-        for (variant, tuning) in whole {
-            let timed = ctx.time_in_graph(sets, ops, |i| {
-                let c = &mut copies[i % sets];
-                let target = whole_table(&c.pool.table, segs, out);
-                let s = Segments {
-                    cu_seqlens: &c.cu,
-                    seg_slot: &c.slot,
-                    n_segments: segs,
-                };
-                let yv = RowsMut::dense(&mut c.y, rows, out);
-                sgmv_tuned(
-                    device,
-                    Rows::dense(&c.x, rows, in_dim),
-                    &s,
-                    &target,
-                    r,
-                    yv,
-                    &mut ws,
-                    tuning,
-                )
-            })?;
-            attach_in_graph(ctx, &name, &variant, timed);
+        // In a graph: every whole apply of a sweep (the y written back to
+        // DRAM during the next op is a cost the isolated time leaves out).
+        for &(ref variant, tuning) in variants.iter().filter(|(_, t)| t.only_phase.is_none()) {
+            let timed = ctx.time_in_graph(sets, ops, |i| copies[i % sets].apply(device, shape, &mut ws, tuning))?;
+            attach_in_graph(ctx, &name, variant, timed);
         }
     }
     Ok(())
@@ -751,6 +683,34 @@ struct PrefillInputs {
     y: DeviceBuffer<bf16>,
     cu: DeviceBuffer<i32>,
     slot: DeviceBuffer<i32>,
+}
+
+impl PrefillInputs {
+    /// The segment apply of `(rows, segments, in, out, r)` on these inputs.
+    fn apply(
+        &mut self,
+        device: &Device,
+        (rows, segs, in_dim, out, r): (usize, usize, usize, usize, usize),
+        ws: &mut LoraWorkspace,
+        tuning: SgmvTuning,
+    ) -> Result<(), KernelError> {
+        let target = whole_table(&self.pool.table, segs, out);
+        let segments = Segments {
+            cu_seqlens: &self.cu,
+            seg_slot: &self.slot,
+            n_segments: segs,
+        };
+        sgmv_tuned(
+            device,
+            Rows::dense(&self.x, rows, in_dim),
+            &segments,
+            &target,
+            r,
+            RowsMut::dense(&mut self.y, rows, out),
+            ws,
+            tuning,
+        )
+    }
 }
 
 /// The launch floor of this method: one block of an empty kernel, captured
