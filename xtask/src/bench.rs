@@ -461,8 +461,8 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         let shape = (n, in_dim, out, r, distinct);
         let device = ctx.device;
         // The isolated time uses the first copy; the in-graph one rotates through all.
-        let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(n, in_dim, out, r, distinct));
-        let mut copies = input_copies(device, sets, &upload)?;
+        let (mut copies, ops) = rotating_copies(device, floor_bytes(n, in_dim, out, r, distinct), &upload)?;
+        let sets = copies.len();
         for &(ref variant, tuning) in &variants {
             let graph = match device.capture_graph(|| copies[0].apply(device, shape, tuning)) {
                 Ok(g) => g,
@@ -538,16 +538,17 @@ fn whole_table(table: &DeviceBuffer<PairEntry>, n_entries: usize, out: usize) ->
     }]
 }
 
-/// `sets` copies of a case's inputs, each made by `upload`.
-fn input_copies<T>(
+/// The input copies of a case that moves `set_bytes` per op, each made by
+/// `upload` (as many as [`rotation`] asks for), and the ops of its in-graph
+/// timing.
+fn rotating_copies<T>(
     device: &Device,
-    sets: usize,
+    set_bytes: f64,
     upload: &dyn Fn(&Device) -> Result<T, KernelError>,
-) -> Result<Vec<T>, String> {
-    (0..sets)
-        .map(|_| upload(device))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(err)
+) -> Result<(Vec<T>, usize), String> {
+    let (sets, ops) = rotation(device.l2_bytes(), set_bytes);
+    let copies = (0..sets).map(|_| upload(device)).collect::<Result<Vec<_>, _>>();
+    Ok((copies.map_err(err)?, ops))
 }
 
 /// Record an in-graph time on the row of `name` and `variant`.
@@ -637,8 +638,8 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
         let shape = (rows, segs, in_dim, out, r);
         let device = ctx.device;
         // The isolated time uses the first copy; the in-graph one rotates through all.
-        let (sets, ops) = rotation(device.l2_bytes(), floor_bytes(rows, in_dim, out, r, segs));
-        let mut copies = input_copies(device, sets, &upload)?;
+        let (mut copies, ops) = rotating_copies(device, floor_bytes(rows, in_dim, out, r, segs), &upload)?;
+        let sets = copies.len();
         let spec = WorkspaceSpec {
             max_rows: rows,
             max_rank: r,
