@@ -224,6 +224,11 @@ impl std::fmt::Debug for UnparsedSafetensors {
 }
 
 impl UnparsedSafetensors {
+    /// The path it was opened from, as shown in errors.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
     /// Open `path` and read its header bytes (length checked against the file).
     pub fn open(path: &Path) -> Result<UnparsedSafetensors, AuditError> {
         use std::os::unix::fs::FileExt;

@@ -10,6 +10,7 @@ use std::ops::Range;
 
 use half::bf16;
 use lora_audit::{AuditError, PlacedPair, PreparedAdapter, SafetensorsFile, TensorDtype};
+use lora_kernels::RepackDtype;
 use lora_layout::{PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
 
@@ -168,22 +169,28 @@ pub fn dense_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
         .collect()
 }
 
+/// The repack kernel's form of a weight dtype (F32, F16 and BF16 only).
+fn repack_dtype(dtype: TensorDtype) -> Option<RepackDtype> {
+    match dtype {
+        TensorDtype::BF16 => Some(RepackDtype::Bf16),
+        TensorDtype::F16 => Some(RepackDtype::F16),
+        TensorDtype::F32 => Some(RepackDtype::F32),
+        _ => None,
+    }
+}
+
 /// An audit's placed dense pairs as pack sources read on demand from their
 /// opened safetensors file (F32, F16 or BF16; any other type is an error
 /// naming the tensor).
 pub fn file_sources<'a>(placed: &[PlacedPair], file: &'a SafetensorsFile) -> Result<Vec<PairSource<'a>>, AuditError> {
     let elems = |key: &str| -> Result<Elems<'a>, AuditError> {
         let (dtype, _, offset, bytes) = file.tensor(key)?;
-        let size = match dtype {
-            TensorDtype::BF16 | TensorDtype::F16 => 2,
-            TensorDtype::F32 => 4,
-            other => {
-                return Err(AuditError::Tensor {
-                    name: key.to_string(),
-                    reason: format!("dtype {other}; adapter weights must be F32, F16 or BF16"),
-                });
-            }
-        };
+        let size = repack_dtype(dtype)
+            .map(RepackDtype::size)
+            .ok_or_else(|| AuditError::Tensor {
+                name: key.to_string(),
+                reason: format!("dtype {dtype}; adapter weights must be F32, F16 or BF16"),
+            })?;
         Ok(Elems::File {
             file,
             offset,
@@ -467,21 +474,13 @@ impl PackPlan<'_> {
         layout: &impl PairLayout,
         file: &SafetensorsFile,
     ) -> Option<Vec<lora_kernels::RepackRegion>> {
-        use lora_kernels::{RepackDtype, RepackRegion};
+        use lora_kernels::RepackRegion;
         let stride = layout.stride();
         let data_start = file.data_start();
         let src_of = |elems: &Elems<'_>| match elems {
             Elems::File {
                 file: f, offset, dtype, ..
-            } if std::ptr::eq(*f, file) => {
-                let dtype = match dtype {
-                    TensorDtype::BF16 => RepackDtype::Bf16,
-                    TensorDtype::F16 => RepackDtype::F16,
-                    TensorDtype::F32 => RepackDtype::F32,
-                    _ => return None,
-                };
-                Some((offset.checked_sub(data_start)?, dtype as u32))
-            }
+            } if std::ptr::eq(*f, file) => Some((offset.checked_sub(data_start)?, repack_dtype(*dtype)? as u32)),
             _ => None,
         };
         let u32_of = |v: usize| u32::try_from(v).ok();

@@ -657,7 +657,7 @@ impl<C: SlotCompanion> LoraPool<C> {
                     }
                     audited
                 });
-                let read = self.staging.read_raw(&unparsed, &weights, raw_len, &stop, name);
+                let read = self.staging.read_raw(&unparsed, raw_len, &stop, name);
                 match auditor.join() {
                     Ok(audited) => (audited, read),
                     Err(panic) => std::panic::resume_unwind(panic),
@@ -752,26 +752,23 @@ impl<C: SlotCompanion> LoraPool<C> {
 
     /// Phase two: write the staged adapter into `slot` and make it live.
     /// Only device failures can stop it now.
-    fn publish(&mut self, slot: usize, staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
+    fn publish(&mut self, slot: usize, mut staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
         let started = std::time::Instant::now();
         self.check_idle(slot)?;
         let elems = self.layout.slot_bytes() / 2;
         let base = slot * elems;
-        match &staged.dense {
+        match &mut staged.dense {
             DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
             DenseSource::Raw { regions, bytes } => {
-                let at_slot: Vec<RepackRegion> = regions
-                    .iter()
-                    .map(|r| RepackRegion {
-                        dst_elem: r.dst_elem + base as u64,
-                        ..*r
-                    })
-                    .collect();
+                // The plan places regions in a slot of its own; this slot starts at `base`.
+                for r in regions.iter_mut() {
+                    r.dst_elem += base as u64;
+                }
                 repack(
                     &self.device,
                     &self.staging.device,
                     *bytes,
-                    &at_slot,
+                    regions,
                     &mut self.staging.regions,
                     &mut self.weights,
                 )?;
@@ -1041,7 +1038,6 @@ fn targets<'t>(
         .collect()
 }
 
-/// A tensor of a memory-mapped adapter file as packable elements.
 /// Whether an audit lets the adapter go straight from its file: servable,
 /// and dense pairs only.
 fn dense_only(report: &AuditReport) -> bool {

@@ -117,7 +117,7 @@ impl Staging {
         })
     }
 
-    /// Re-cut the host chunks and take `tuning`'s other choices (the
+    /// Re-cut the host chunks if their size changes and take `tuning`'s other choices (the
     /// device slot stays).
     pub(crate) fn retune(
         &mut self,
@@ -128,7 +128,10 @@ impl Staging {
         if tuning.read_threads != self.threads.current_num_threads() {
             self.threads = reader_pool(tuning.read_threads)?;
         }
-        self.chunks = chunks(device, layout, tuning.chunk_bytes)?;
+        // The pinned chunks depend on their size only: keep them otherwise.
+        if tuning.chunk_bytes != self.tuning.chunk_bytes {
+            self.chunks = chunks(device, layout, tuning.chunk_bytes)?;
+        }
         self.tuning = tuning;
         Ok(())
     }
@@ -171,7 +174,6 @@ impl Staging {
     pub(crate) fn read_raw(
         &mut self,
         file: &UnparsedSafetensors,
-        path: &std::path::Path,
         len: usize,
         stop: &AtomicBool,
         adapter: &str,
@@ -222,7 +224,7 @@ impl Staging {
                 .map_err(|e| PoolError::Audit {
                     adapter: adapter.to_string(),
                     source: Box::new(AuditError::Io {
-                        path: path.display().to_string(),
+                        path: file.path().to_string(),
                         source: e,
                     }),
                 })

@@ -36,6 +36,7 @@ pub(crate) fn read_streaming(
 /// `dst.copy_from_slice(src)` (equal lengths), the 16-byte-aligned body
 /// with non-temporal stores on x86-64.
 pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    debug_assert_eq!(dst.len(), src.len());
     let n = dst.len().min(src.len());
     #[cfg(target_arch = "x86_64")]
     {

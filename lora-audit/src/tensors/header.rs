@@ -4,9 +4,10 @@
 //! swap. Parsing it through the `safetensors` crate buffers every entry as a
 //! generic JSON value first (its metadata key is flattened), then hashes
 //! names twice; this parser visits the JSON map once into typed entries and
-//! validates them exactly as `safetensors` does: offsets contiguous from zero
-//! in offset order, each tensor's byte length equal to its shape times its
-//! dtype's size (checked arithmetic), and no name twice.
+//! validates them as `safetensors` does: offsets contiguous from zero in
+//! offset order, each tensor's byte length equal to its shape times its
+//! dtype's size (checked arithmetic), and no name twice. `__metadata__` is
+//! skipped, not read: a malformed metadata map is accepted here.
 
 use std::fmt;
 
