@@ -235,10 +235,16 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
     return n_items;
 }
 
+// A table entry the kernels must not read through: a rank past the stride
+// (or the kernels' most), or a missing A or B address. Counted as rank 0.
+__device__ __forceinline__ bool bad_entry(const PairEntry& en, int stride) {
+    return en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0));
+}
+
 // One warp: the rows (up to G) of the item led by window row `lead`, and
 // its table entry, checked against the stride (a bad entry raises a fault
-// when `report` and counts as rank 0). Returns the checked entry in lane 0.
-__device__ __forceinline__ PairEntry load_item(const int* win_idx, int lead, int nwin, int row0, const PairEntry* table,
+// when `report` and counts as rank 0).
+__device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin, int row0, const PairEntry* table,
                                           int stride, u64 fault, bool report, ItemRows* out) {
     const int lane = threadIdx.x & 31;
     const int e = win_idx[lead];
@@ -256,13 +262,18 @@ __device__ __forceinline__ PairEntry load_item(const int* win_idx, int lead, int
     }
     if (lane == 0) {
         out->nrows = min(found, BGMV_G);
-        if (en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
+        if (bad_entry(en, stride)) {
             if (report) raise_fault(fault, FAULT_BAD_RANK);
             en.rank = 0;
         }
         out->entry = en;
     }
-    return en;
+}
+
+// Lanes 0-15 of a warp: item `i` of a list bgmv_list wrote (64 bytes) into
+// *out, through L2 (.cg): nothing of a previous launch's list may come from L1.
+__device__ __forceinline__ void copy_list_item(const ItemRows* list, int i, ItemRows* out, int lane) {
+    if (lane < 16) ((int*)out)[lane] = __ldcg((const int*)(list + i) + lane);
 }
 
 // Dynamic shared memory layout, in this order (each region 16-byte aligned):
@@ -337,7 +348,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             } else {
                 h = __ldcg(header);
             }
-            ((int*)&s_item)[lane] = __ldcg((const int*)(list + q) + lane);
+            copy_list_item(list, q, &s_item, lane);
             if (lane == 0) s_nitems = (int)(u32)h;
         }
         __syncthreads();
@@ -386,7 +397,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         __syncthreads();  // the previous item's shared state is no longer read
         if (warp == 0) {
             if (LIST) {
-                if (it != q && lane < 16) ((int*)&s_item)[lane] = __ldcg((const int*)(list + it) + lane);
+                if (it != q) copy_list_item(list, it, &s_item, lane);
             } else {
                 load_item(s_win.idx, s_win.items[it], nwin, row0, table, stride, p.fault, report_entry, &s_item);
             }
@@ -604,10 +615,10 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                     mma_k8(d, a0, a1, *(const u32*)(tl + kb));
                 }
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int o = m0 + (lane >> 2) + (q >> 1) * 8;
-                    const int h = q & 1;
-                    if (o < lo && live[h]) y_store(yg[h] + o, y_load(ysh[h] + o) + d[q]);
+                for (int f = 0; f < 4; ++f) {
+                    const int o = m0 + (lane >> 2) + (f >> 1) * 8;
+                    const int h = f & 1;
+                    if (o < lo && live[h]) y_store(yg[h] + o, y_load(ysh[h] + o) + d[f]);
                 }
             }
         }
@@ -774,7 +785,7 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvP
         if (slot == 0) {
             PairEntry en = table[e[r]];
             item->nrows = min(BGMV_G, count - occ[r]);
-            if (en.rank > (u32)p.rank_stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
+            if (bad_entry(en, p.rank_stride)) {
                 raise_fault(p.fault, FAULT_BAD_RANK);
                 en.rank = 0;
             }

@@ -147,7 +147,17 @@ __device__ __forceinline__ void y_load2(const float* p, float& a, float& b) {
     a = w.x;
     b = w.y;
 }
-__device__ __forceinline__ void y_store2(bf16_t* p, float a, float b) { *(u32*)p = pack_bf2(a, b); }
+// Two floats to bf16x2 (lo in the low half) with the hardware's round to
+// nearest even: the same result as f2bf for every non-NaN value, in one
+// instruction instead of a handful per value.
+__device__ __forceinline__ u32 pack_bf2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Two adjacent outputs (4- or 8-byte aligned), rounded by the hardware.
+__device__ __forceinline__ void y_store2(bf16_t* p, float a, float b) { *(u32*)p = pack_bf2_rn(a, b); }
 __device__ __forceinline__ void y_store2(float* p, float a, float b) { *(float2*)p = make_float2(a, b); }
 
 // Exclusive prefix sum over a block of BLOCK threads (BLOCK a multiple of 32,

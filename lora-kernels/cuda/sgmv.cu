@@ -101,14 +101,12 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two floats to bf16x2 (lo in the low half) with the hardware's round to
-// nearest even: the same result as f2bf for every non-NaN value, in one
-// instruction instead of a handful per value.
-__device__ __forceinline__ u32 pack_bf2_rn(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
+// Whether rows [start, end) are a segment of an n_rows batch, and the tiles
+// of one of `len` rows: the one segment rule of find_tile and count_tiles.
+__device__ __forceinline__ bool segment_ok(int start, int end, int n_rows) {
+    return start >= 0 && end >= start && end <= n_rows;
 }
+__device__ __forceinline__ int segment_tiles(int len) { return (len + SG_BM - 1) / SG_BM; }
 
 // Warp 0: find tile `tile` of target `tg` and the entry it uses. Writes *out.
 __device__ void find_tile(const SgmvParams& p, const LoraTarget& tg, int tile, TileInfo* out, bool report) {
@@ -118,7 +116,7 @@ __device__ void find_tile(const SgmvParams& p, const LoraTarget& tg, int tile, T
     if (p.uniform_entry >= 0) {
         if (lane == 0) {
             const int e = p.uniform_entry;
-            const int nt = (p.n_rows + SG_BM - 1) / SG_BM;
+            const int nt = segment_tiles(p.n_rows);
             if (e >= tg.n_entries) {
                 if (report) raise_fault(p.fault, FAULT_BAD_INDEX);
             } else if (tile < nt) {
@@ -144,14 +142,14 @@ __device__ void find_tile(const SgmvParams& p, const LoraTarget& tg, int tile, T
             start = cu[s];
             end = cu[s + 1];
             e = slots[s];
-            if (start < 0 || end < start || end > p.n_rows) {
+            if (!segment_ok(start, end, p.n_rows)) {
                 if (report) raise_fault(p.fault, FAULT_BAD_SEQLENS);
                 e = -1;
             } else if (e >= tg.n_entries) {
                 if (report) raise_fault(p.fault, FAULT_BAD_INDEX);
                 e = -1;
             }
-            if (e >= 0) nt = (end - start + SG_BM - 1) / SG_BM;
+            if (e >= 0) nt = segment_tiles(end - start);
         }
         int incl = nt;
 #pragma unroll
@@ -179,7 +177,7 @@ __device__ void find_tile(const SgmvParams& p, const LoraTarget& tg, int tile, T
 // partial tile per segment that aligned segments do not have.
 __device__ int count_tiles(const SgmvParams& p) {
     const int lane = threadIdx.x & 31;
-    if (p.uniform_entry >= 0) return min(p.max_tiles, (p.n_rows + SG_BM - 1) / SG_BM);
+    if (p.uniform_entry >= 0) return min(p.max_tiles, segment_tiles(p.n_rows));
     const int* cu = (const int*)p.cu_seqlens;
     const int* slots = (const int*)p.seg_slot;
     int counts[MAX_TARGETS] = {0, 0, 0, 0};
@@ -187,8 +185,8 @@ __device__ int count_tiles(const SgmvParams& p) {
         const int start = cu[s];
         const int end = cu[s + 1];
         const int e = slots[s];
-        if (start >= 0 && end >= start && end <= p.n_rows && e >= 0) {
-            const int nt = (end - start + SG_BM - 1) / SG_BM;
+        if (segment_ok(start, end, p.n_rows) && e >= 0) {
+            const int nt = segment_tiles(end - start);
 #pragma unroll
             for (int t = 0; t < MAX_TARGETS; ++t)
                 if (t < p.n_targets && e < p.targets[t].n_entries) counts[t] += nt;
@@ -521,9 +519,6 @@ __device__ __forceinline__ void move_y_tile(Y* sy, Y* gy, int ys, int rows, int 
     }
 }
 
-// Two adjacent outputs, rounded by the hardware (alignment as y_store2).
-__device__ __forceinline__ void y_store2_rn(bf16_t* p, float a, float b) { *(u32*)p = pack_bf2_rn(a, b); }
-__device__ __forceinline__ void y_store2_rn(float* p, float a, float b) { *(float2*)p = make_float2(a, b); }
 
 template <typename Y>
 __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
@@ -693,9 +688,9 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             Y* yb = ya + 8 * yp;
             float v0, v1;
             y_load2(ya, v0, v1);
-            y_store2_rn(ya, v0 + acc[nt][0], v1 + acc[nt][1]);
+            y_store2(ya, v0 + acc[nt][0], v1 + acc[nt][1]);
             y_load2(yb, v0, v1);
-            y_store2_rn(yb, v0 + acc[nt][2], v1 + acc[nt][3]);
+            y_store2(yb, v0 + acc[nt][2], v1 + acc[nt][3]);
         }
         __syncthreads();
         move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, false);

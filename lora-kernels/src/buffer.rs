@@ -21,8 +21,8 @@ mod sealed {
 }
 
 /// An element type a [`DeviceBuffer`] can hold: plain old data that the
-/// device copies byte for byte. Sealed: bf16, f32, i32, u32, u64, u8 and the
-/// table entry structs.
+/// device copies byte for byte. Sealed: bf16, f32, i32, u32, u64, u8, the
+/// table entry structs and `RepackRegion`.
 pub trait DeviceElem: bytemuck::Pod + Default + fmt::Debug + Send + Sync + 'static + sealed::Sealed {
     /// Short type name, as used in kernel names (`bf16`, `f32`, ...).
     const NAME: &'static str;

@@ -312,22 +312,28 @@ impl CudaBackend {
         .map_err(driver_err("cuLaunchKernel"))
     }
 
-    /// [`Self::launch`] as a programmatic dependent launch: the kernel's
-    /// blocks may start while the stream's previous kernel still runs (once
-    /// all of that kernel's blocks ran `griddepcontrol.launch_dependents` or
-    /// exited), so they can get resident early.
+    /// [`Self::launch`], as a programmatic dependent launch when `dependent`
+    /// and the device has them (sm_90 and newer; a plain launch otherwise):
+    /// the kernel's blocks may then start while the stream's previous kernel
+    /// still runs (once all of that kernel's blocks ran
+    /// `griddepcontrol.launch_dependents` or exited), so they get resident early.
     ///
     /// # Safety
     /// As [`Self::launch`]; in addition the kernel must execute
     /// `griddepcontrol.wait` (which waits for the previous kernel to complete
     /// and its writes to be visible) before it touches memory that kernel writes.
-    pub(crate) unsafe fn launch_dependent<P>(
+    pub(crate) unsafe fn launch_chained<P>(
         &self,
         kernel: Kernel,
         launch: Launch,
         params: &P,
+        dependent: bool,
     ) -> Result<(), KernelError> {
         use cudarc::driver::sys;
+        if !dependent || self.compute_capability.0 < 9 {
+            // SAFETY: the caller's guarantees are those of `launch`.
+            return unsafe { self.launch(kernel, launch, params) };
+        }
         let f = self.function(kernel)?;
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         let mut args = [params as *const P as *mut c_void];

@@ -204,31 +204,12 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
         let idx = random_idx(&mut rng, n, slots, 7);
         // The two-phase kernels serve single windows (512 rows) only.
-        let tunings: &[BgmvTuning] = if n <= 512 {
-            &[
-                BgmvTuning::default(),
-                FUSED_SCALAR_SCAN,
-                FUSED_TC_SCAN,
-                FUSED_SCALAR_LIST,
-                FUSED_TC_LIST,
-                FUSED_SCALAR_LIST_FLAG,
-                FUSED_TC_LIST_FLAG,
-                TWO_PHASE,
-                TWO_PHASE_DEPENDENT,
-                TWO_PHASE_POW2,
-            ]
-        } else {
-            &[
-                BgmvTuning::default(),
-                FUSED_SCALAR_SCAN,
-                FUSED_TC_SCAN,
-                FUSED_SCALAR_LIST,
-                FUSED_TC_LIST,
-                FUSED_SCALAR_LIST_FLAG,
-                FUSED_TC_LIST_FLAG,
-            ]
-        };
-        for &t in tunings {
+        let mut tunings = vec![BgmvTuning::default()];
+        tunings.extend(FUSED_FORMS);
+        if n <= 512 {
+            tunings.extend([TWO_PHASE, TWO_PHASE_DEPENDENT, TWO_PHASE_POW2]);
+        }
+        for t in tunings {
             check_bgmv(
                 &gpu,
                 &format!("n={n} in={in_dim} outs={outs:?} stride={stride} {t:?}"),
@@ -292,6 +273,16 @@ const FUSED_TC_SCAN: BgmvTuning = BgmvTuning {
     item_list_pass: Some(false),
     ..FUSED_TC
 };
+/// Every form of the fused kernel: scalar and tensor-core, each scanning
+/// its window, reading the item list after completion, or after its flag.
+const FUSED_FORMS: [BgmvTuning; 6] = [
+    FUSED_SCALAR_SCAN,
+    FUSED_TC_SCAN,
+    FUSED_SCALAR_LIST,
+    FUSED_TC_LIST,
+    FUSED_SCALAR_LIST_FLAG,
+    FUSED_TC_LIST_FLAG,
+];
 
 /// The two-phase kernels (shrink, then expand), whatever the batch, with
 /// as many K slices as fill the grid.
@@ -324,15 +315,7 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    for t in [
-        FUSED_SCALAR_SCAN,
-        FUSED_TC_SCAN,
-        FUSED_SCALAR_LIST,
-        FUSED_TC_LIST,
-        FUSED_SCALAR_LIST_FLAG,
-        FUSED_TC_LIST_FLAG,
-        TWO_PHASE,
-    ] {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
     }
 }
@@ -480,15 +463,7 @@ fn gpu_bgmv_f32_router_logits() {
     let idx = random_idx(&mut rng, 40, 32, 9);
     let cpu = Device::cpu();
     let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    for t in [
-        FUSED_SCALAR_SCAN,
-        FUSED_TC_SCAN,
-        FUSED_SCALAR_LIST,
-        FUSED_TC_LIST,
-        FUSED_SCALAR_LIST_FLAG,
-        FUSED_TC_LIST_FLAG,
-        TWO_PHASE,
-    ] {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
         let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
         compare(&format!("f32 y {t:?}"), &p.y_f32, &c, &g);
         let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
@@ -509,15 +484,7 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
     let mut y = gpu.upload(&p.y_bf16).unwrap();
     let targets = on.targets(&p);
-    for t in [
-        FUSED_SCALAR_SCAN,
-        FUSED_TC_SCAN,
-        FUSED_SCALAR_LIST,
-        FUSED_TC_LIST,
-        FUSED_SCALAR_LIST_FLAG,
-        FUSED_TC_LIST_FLAG,
-        TWO_PHASE,
-    ] {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
         bgmv_tuned(
             &gpu,
             on.x_rows(&p),
@@ -560,15 +527,7 @@ fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
     let idx = gpu.upload(&[0i32, 1, 1, -1]).unwrap();
     let cpu = Device::cpu();
     let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1], &p.y_bf16, BgmvTuning::default());
-    for t in [
-        FUSED_SCALAR_SCAN,
-        FUSED_TC_SCAN,
-        FUSED_SCALAR_LIST,
-        FUSED_TC_LIST,
-        FUSED_SCALAR_LIST_FLAG,
-        FUSED_TC_LIST_FLAG,
-        TWO_PHASE,
-    ] {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
         let mut y = gpu.upload(&p.y_bf16).unwrap();
         bgmv_tuned(
             &gpu,
@@ -746,16 +705,11 @@ fn gpu_graph_replay_follows_table_contents() {
         return;
     };
     let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
-    for t in [
-        BgmvTuning::default(),
-        FUSED_SCALAR_SCAN,
-        FUSED_TC_SCAN,
-        FUSED_SCALAR_LIST,
-        FUSED_TC_LIST,
-        FUSED_SCALAR_LIST_FLAG,
-        FUSED_TC_LIST_FLAG,
-        TWO_PHASE_DEPENDENT,
-    ] {
+    for t in [BgmvTuning::default()]
+        .into_iter()
+        .chain(FUSED_FORMS)
+        .chain([TWO_PHASE_DEPENDENT])
+    {
         graph_replay_case(&gpu, &mut rng, t);
     }
 }

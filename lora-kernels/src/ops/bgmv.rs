@@ -298,14 +298,14 @@ pub struct BgmvTuning {
     pub dependent_launch: Option<bool>,
     /// Fused kernel: shrink and expand on tensor cores (items of several
     /// rows cost one matrix instruction per 8 columns instead of a warp
-    /// reduction per row). `None`: on for batches of more than
+    /// reduction per row). `None`: on for batches of at least
     /// [`TENSOR_CORE_MIN_ROWS`] rows.
     pub tensor_cores: Option<bool>,
     /// Fused kernel: a small first launch (`bgmv_list`) lists each window's
     /// items (rows and checked table entry) once into the device's scratch,
     /// and the fused kernel, launched as its programmatic dependent, reads
     /// its items from there instead of every block scanning the window.
-    /// Used when the lists fit the scratch ([`item_list_fits`]) and every
+    /// Used when the lists fit the device's launch scratch and every
     /// table has at most [`ITEM_LIST_MAX_ENTRIES`] entries; else the
     /// scanning form. `None`: on for single-window batches of at least
     /// [`TENSOR_CORE_MIN_ROWS`] rows ([`ITEM_LIST_ROWS`]).
@@ -334,20 +334,18 @@ pub const ITEM_LIST_MAX_ENTRIES: usize = 4096;
 
 /// Bytes of one (window, target) item list in the scratch (`list_stride` in
 /// `cuda/bgmv.cu`): a 64-byte header (item count and ready flag), then up
-/// to one 64-byte `ItemRows` record per window row.
-const fn item_list_stride(window: usize) -> usize {
-    64 * (window + 1)
+/// to one 64-byte `ItemRows` record per window row. `None` on overflow.
+fn item_list_stride(window: usize) -> Option<usize> {
+    window.checked_add(1)?.checked_mul(64)
 }
 
-/// Whether the item lists of a fused launch (every window and target) fit a
-/// scratch of `scratch` bytes.
-pub fn item_list_fits(window: usize, n_windows: usize, n_targets: usize, scratch: usize) -> bool {
-    window
-        .checked_add(1)
-        .and_then(|w| w.checked_mul(64))
+/// Whether the item lists of a fused launch (every window and target) fit
+/// the launch scratch ([`SCRATCH_BYTES`]).
+fn item_list_fits(window: usize, n_windows: usize, n_targets: usize) -> bool {
+    item_list_stride(window)
         .and_then(|b| b.checked_mul(n_windows))
         .and_then(|b| b.checked_mul(n_targets))
-        .is_some_and(|b| b <= scratch)
+        .is_some_and(|b| b <= SCRATCH_BYTES)
 }
 
 /// The fused kernel uses tensor cores by default from this many rows on
@@ -355,12 +353,13 @@ pub fn item_list_fits(window: usize, n_windows: usize, n_targets: usize, scratch
 /// smaller (a small batch runs from a cold instruction cache).
 pub const TENSOR_CORE_MIN_ROWS: usize = 129;
 
-/// Batch sizes for which [`bgmv`] uses two launches by default. Below, the
-/// fused kernel's single launch wins (its chain of round trips is the whole
-/// time: 9-10 against 13-15 µs on the H200 at n = 1 and 16); in between, the
-/// adapters' bytes dominate and two launches stream them better (n = 64: 20
-/// against 21 µs at rank 16, 41-44 against 87 at rank 64, 31-34 against 56-60
-/// at 14336 outputs); above, items of several rows make the two-phase
+/// Batch sizes for which [`bgmv`] may take two launches by default (see
+/// `two_phase_by_default` for the small adapters it leaves fused). Below,
+/// the fused kernel's single launch wins (its chain of round trips is the
+/// whole time: 9-10 against 13-15 µs on the H200 at n = 1 and 16); in
+/// between, the adapters' bytes dominate and two launches stream them better
+/// (n = 64: 41-44 against 87 µs at rank 64, 31-34 against 56-60 at 14336
+/// outputs); above, items of several rows make the two-phase
 /// shrink's per-row reductions the cost (n = 256, 32 adapters: 36-39 against 29).
 pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 
@@ -622,7 +621,7 @@ fn launch<Y: OutputElem>(
         );
         match plan {
             Some(plan) if plan.expand_smem <= c.smem_optin => {
-                let dependent = tuning.dependent_launch.unwrap_or(false) && c.compute_capability.0 >= 9;
+                let dependent = tuning.dependent_launch.unwrap_or(false);
                 let pow2 = tuning.pow2_slices.unwrap_or(true);
                 return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, dependent, pow2);
             }
@@ -658,7 +657,7 @@ fn launch<Y: OutputElem>(
     let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
     let list = tuning.item_list_pass.unwrap_or_else(|| ITEM_LIST_ROWS.contains(&n))
-        && item_list_fits(window, n_windows, n_targets, SCRATCH_BYTES)
+        && item_list_fits(window, n_windows, n_targets)
         && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
         .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
@@ -691,7 +690,7 @@ fn launch<Y: OutputElem>(
         off_a: to_i32("smem", plan.off_a)?,
         off_x: to_i32("smem", plan.off_x)?,
         list: 0,
-        list_stride: to_i32("window", item_list_stride(window))?,
+        list_stride: to_i32("window", item_list_stride(window).unwrap_or(usize::MAX))?,
         list_flag: i32::from(tuning.list_ready_flag.unwrap_or(false)),
         targets: *target_params,
     };
@@ -718,7 +717,6 @@ fn launch<Y: OutputElem>(
         // which the table's owner keeps pointing at live `[stride, in]` / `[out, stride]` pairs.
         return unsafe { c.launch(kernel, shape, &params) };
     }
-    let dependent = c.compute_capability.0 >= 9;
     c.with_scratch(|scratch| {
         params.list = scratch;
         // SAFETY: as for the scanning form above; in addition `item_list_fits`
@@ -743,11 +741,7 @@ fn launch<Y: OutputElem>(
                 },
                 &params,
             )?;
-            if dependent {
-                c.launch_dependent(kernel, shape, &params)
-            } else {
-                c.launch(kernel, shape, &params)
-            }
+            c.launch_chained(kernel, shape, &params, true)
         }
     })
 }
@@ -826,11 +820,7 @@ fn launch_two_phase<Y: OutputElem>(
                 smem: to_u32("smem", plan.expand_smem)?,
             };
             // The expand runs `griddepcontrol.wait` before it reads the scratch.
-            if dependent {
-                c.launch_dependent(kernel, shape, &params)
-            } else {
-                c.launch(kernel, shape, &params)
-            }
+            c.launch_chained(kernel, shape, &params, dependent)
         }
     })
 }

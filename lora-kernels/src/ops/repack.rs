@@ -85,8 +85,8 @@ impl RepackRegion {
     }
 
     /// Check the region against a source of `src_bytes` and a destination of
-    /// `dst_elems`; returns (source bytes, destination elements) it covers.
-    fn check(&self, src_bytes: usize, dst_elems: usize) -> Result<(usize, usize), KernelError> {
+    /// `dst_elems`; returns the destination elements it covers.
+    fn check(&self, src_bytes: usize, dst_elems: usize) -> Result<usize, KernelError> {
         let dtype = self.dtype()?;
         if self.rows > self.dst_rows || self.src_cols > self.dst_cols {
             return Err(invalid(
@@ -111,7 +111,7 @@ impl RepackRegion {
             check_range("region source", src_at, src_len, src_bytes)?;
         }
         check_range("region destination", dst_at, dst_len, dst_elems)?;
-        Ok((src_len, dst_len))
+        Ok(dst_len)
     }
 }
 
@@ -147,18 +147,14 @@ pub fn repack(
     check_range("regions", 0, regions.len(), scratch.len())?;
     let mut work = 0usize;
     for r in regions {
-        let (_, dst_len) = r.check(src_bytes, dst.len())?;
-        work = work.saturating_add(dst_len);
+        work = work.saturating_add(r.check(src_bytes, dst.len())?);
     }
     if regions.is_empty() || work == 0 {
         return Ok(());
     }
     match device.backend() {
         Backend::Cpu(_) => {
-            let src_alloc = src
-                .cpu_alloc()
-                .ok_or_else(|| invalid("src", "not a CPU buffer"))?
-                .clone();
+            let src_alloc = src.cpu_alloc().ok_or_else(|| invalid("src", "not a CPU buffer"))?;
             let dst_len = dst.len();
             dst.cpu_modify(0, dst_len, |out| {
                 src_alloc.with_bytes(|bytes| {
@@ -169,15 +165,16 @@ pub fn repack(
             })
         }
         Backend::Cuda(c) => {
+            // Refused before the caller's scratch is touched.
+            if regions.len() > 65_535 {
+                return Err(invalid("regions", format!("{} regions; at most 65535", regions.len())));
+            }
             scratch.write(0, regions)?;
             let params = RepackParams {
                 regions: scratch.device_addr(),
                 src: src.device_addr(),
                 dst: dst.device_addr(),
             };
-            if regions.len() > 65_535 {
-                return Err(invalid("regions", format!("{} regions; at most 65535", regions.len())));
-            }
             let launch = Launch {
                 grid: (BLOCKS_PER_REGION, to_u32("regions", regions.len())?, 1),
                 block: 256,

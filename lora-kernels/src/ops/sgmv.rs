@@ -315,7 +315,8 @@ fn launch<Y: OutputElem>(
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
     let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(false);
     let shrink_tiles = max_tiles * n_targets * rank_chunks;
-    let shrink_resident = shrink_blocks_per_sm(narrow, c.smem_per_sm) * c.sm_count as usize;
+    let shrink_smem = if narrow { SHRINK_R16_SMEM } else { SHRINK_SMEM };
+    let shrink_resident = blocks_per_sm(shrink_smem as usize, c.smem_per_sm) * c.sm_count as usize;
     let k_splits = match tuning.k_splits {
         Some(v) => v as usize,
         None => default_k_splits(shrink_tiles, shrink_resident),
@@ -353,7 +354,7 @@ fn launch<Y: OutputElem>(
     let items = max_tiles * n_targets * out_tiles;
     to_i32("expand items", items)?;
     let smem = expand_smem_bytes(stride, std::mem::size_of::<Y>());
-    let resident = expand_blocks_per_sm(smem, c.smem_per_sm) * c.sm_count as usize;
+    let resident = blocks_per_sm(smem, c.smem_per_sm) * c.sm_count as usize;
     let expand_grid = (to_u32("grid", items.min(resident).max(1))?, 1, 1);
     let expand_smem = to_u32("expand shared memory", smem)?;
     if expand_smem as usize > c.smem_optin {
@@ -381,7 +382,7 @@ fn launch<Y: OutputElem>(
                 Launch {
                     grid: shrink_grid,
                     block: THREADS,
-                    smem: if narrow { SHRINK_R16_SMEM } else { SHRINK_SMEM },
+                    smem: shrink_smem,
                 },
                 &params,
             )?;
@@ -403,12 +404,7 @@ fn launch<Y: OutputElem>(
             smem: expand_smem,
         };
         // The expand runs `griddepcontrol.wait` before it reads the workspace.
-        let dependent = tuning.dependent_expand.unwrap_or(true);
-        if dependent {
-            c.launch_dependent(kernel, shape, &params)
-        } else {
-            c.launch(kernel, shape, &params)
-        }
+        c.launch_chained(kernel, shape, &params, tuning.dependent_expand.unwrap_or(true))
     }
 }
 
@@ -447,15 +443,10 @@ fn default_k_splits(tiles: usize, resident: usize) -> usize {
     (resident / tiles.max(1)).clamp(4, MAX_K_SPLITS)
 }
 
-/// Shrink blocks resident per multiprocessor, as shared memory allows (the
-/// register use of either kernel allows four).
-fn shrink_blocks_per_sm(narrow: bool, smem_per_sm: usize) -> usize {
-    let smem = if narrow { SHRINK_R16_SMEM } else { SHRINK_SMEM } as usize;
-    (smem_per_sm / (smem + 1024)).clamp(1, 4)
-}
-
-/// Expand blocks resident per multiprocessor (`__launch_bounds__(128, 4)`), as shared memory allows.
-fn expand_blocks_per_sm(smem: usize, smem_per_sm: usize) -> usize {
+/// Blocks of `smem` bytes of shared memory resident per multiprocessor, at
+/// most four (the registers of the shrinks allow four, and the expand's
+/// `__launch_bounds__(128, 4)` asks for four).
+fn blocks_per_sm(smem: usize, smem_per_sm: usize) -> usize {
     (smem_per_sm / (smem + 1024)).clamp(1, 4)
 }
 
