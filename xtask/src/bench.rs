@@ -30,7 +30,8 @@
 //! report.
 //!
 //! usage: `cargo xtask bench [--out PATH] [--torch-script PATH] [--reps N]
-//! [--sections a,b] [--sweep] [--quick] [--only SUBSTRING]`
+//! [--sections a,b] [--sweep] [--variant SUBSTRING] [--quick] [--only SUBSTRING]`
+//! (`--variant`: the sweep's launch choices whose label contains it, beside the default)
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -60,6 +61,8 @@ struct Options {
     sweep: bool,
     /// Only cases whose name contains this.
     only: Option<String>,
+    /// Only sweep variants whose label contains this (and the default).
+    variant: Option<String>,
 }
 
 impl Options {
@@ -71,6 +74,7 @@ impl Options {
             sections: None,
             sweep: false,
             only: None,
+            variant: None,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -82,6 +86,10 @@ impl Options {
                 "--sections" => o.sections = Some(value()?.split(',').map(String::from).collect()),
                 "--sweep" => o.sweep = true,
                 "--only" => o.only = Some(value()?),
+                "--variant" => {
+                    o.variant = Some(value()?);
+                    o.sweep = true;
+                }
                 "--quick" => o.reps = 30,
                 other => return Err(format!("unknown bench argument {other}")),
             }
@@ -91,6 +99,13 @@ impl Options {
 
     fn wants_case(&self, name: &str) -> bool {
         self.only.as_ref().is_none_or(|o| name.contains(o.as_str()))
+    }
+
+    /// Keep the default and the sweep variants `--variant` asks for.
+    fn filter_variants<T>(&self, variants: &mut Vec<(String, T)>) {
+        if let Some(v) = &self.variant {
+            variants.retain(|(label, _)| label == "default" || label.contains(v.as_str()));
+        }
     }
 
     fn wants(&self, section: &str) -> bool {
@@ -446,7 +461,21 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("2p pow2".to_string(), t));
+            // The streamed decode by unit size.
+            for (label, bytes) in [
+                ("stream", None),
+                ("stream u16k", Some(16384)),
+                ("stream u64k", Some(65536)),
+            ] {
+                let t = BgmvTuning {
+                    stream: Some(true),
+                    stream_unit_bytes: bytes,
+                    ..Default::default()
+                };
+                variants.push((label.to_string(), t));
+            }
         }
+        ctx.opts.filter_variants(&mut variants);
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);
         let (x_host, y_host) = (rng.bf16_vec(n * in_dim, 1.0), rng.bf16_vec(n * out, 1.0));
         let idx_host: Vec<i32> = (0..n).map(|i| (i % distinct) as i32).collect();
@@ -622,6 +651,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
             ];
             variants.extend(plain.into_iter().map(|(label, t)| (label.to_string(), t)));
         }
+        ctx.opts.filter_variants(&mut variants);
         let pairs = RandomPairs::new(rng, in_dim, out, r, &vec![r as u32; segs]);
         let (x_host, y_host) = (rng.bf16_vec(rows * in_dim, 1.0), rng.bf16_vec(rows * out, 1.0));
         let cu_host: Vec<i32> = (0..=segs).map(|s| (s * rows / segs) as i32).collect();
