@@ -150,7 +150,6 @@ struct WindowScan {
 struct ItemRows {
     int rows[BGMV_G];
     int nrows;
-    int done;  // the streamed decode's count of finished shrink units (bgmv_list zeroes it)
     PairEntry entry;
 };
 static_assert(sizeof(ItemRows) == 64, "item list record");
@@ -786,7 +785,6 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvP
         if (slot == 0) {
             PairEntry en = table[e[r]];
             item->nrows = min(BGMV_G, count - occ[r]);
-            item->done = 0;
             if (bad_entry(en, p.rank_stride)) {
                 raise_fault(p.fault, FAULT_BAD_RANK);
                 en.rank = 0;
@@ -794,8 +792,6 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvP
             item->entry = en;
         }
     }
-    // The streamed decode's block counter: the second word of the first list's header.
-    if (tid == 0 && win == 0 && blockIdx.z == 0) header[1] = 0ull;
     __threadfence();  // every item write before the header, whoever wrote it
     __syncthreads();
     if (tid == 0) st_release_u64(header, 1ull << 32 | (u64)(u32)n_items);

@@ -51,12 +51,7 @@ impl Family {
 
     fn body(self) -> &'static str {
         match self {
-            // The streamed decode reads bgmv.cu's item lists: one module.
-            Family::Bgmv => concat!(
-                include_str!("../cuda/bgmv.cu"),
-                "\n#line 1 \"bgmv_stream.cu\"\n",
-                include_str!("../cuda/bgmv_stream.cu")
-            ),
+            Family::Bgmv => include_str!("../cuda/bgmv.cu"),
             Family::Sgmv => include_str!("../cuda/sgmv.cu"),
             Family::MoeIndex => include_str!("../cuda/moe_index.cu"),
             Family::Overlay => include_str!("../cuda/overlay.cu"),

@@ -208,7 +208,6 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         tunings.extend(FUSED_FORMS);
         if n <= 512 {
             tunings.extend([TWO_PHASE, TWO_PHASE_DEPENDENT, TWO_PHASE_POW2]);
-            tunings.extend(STREAM_FORMS);
         }
         for t in tunings {
             check_bgmv(
@@ -234,8 +233,6 @@ const FUSED: BgmvTuning = BgmvTuning {
     tensor_cores: None,
     item_list_pass: None,
     list_ready_flag: None,
-    stream: None,
-    stream_unit_bytes: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -287,18 +284,6 @@ const FUSED_FORMS: [BgmvTuning; 6] = [
     FUSED_TC_LIST_FLAG,
 ];
 
-/// The streamed decode with its default units, and with units of 2 KiB
-/// (many units per block: the ring wraps, blocks wait on other blocks' shrinks).
-const STREAM: BgmvTuning = BgmvTuning {
-    stream: Some(true),
-    ..FUSED
-};
-const STREAM_SMALL_UNITS: BgmvTuning = BgmvTuning {
-    stream_unit_bytes: Some(2048),
-    ..STREAM
-};
-const STREAM_FORMS: [BgmvTuning; 2] = [STREAM, STREAM_SMALL_UNITS];
-
 /// The two-phase kernels (shrink, then expand), whatever the batch, with
 /// as many K slices as fill the grid.
 const TWO_PHASE: BgmvTuning = BgmvTuning {
@@ -330,7 +315,7 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]).chain(STREAM_FORMS) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
     }
 }
@@ -451,8 +436,6 @@ fn gpu_bgmv_row_patterns_and_paths() {
             pow2_slices: Some(true),
             ..TWO_PHASE
         },
-        STREAM,
-        STREAM_SMALL_UNITS,
     ];
     for (label, idx) in &patterns {
         for t in tunings {
@@ -480,7 +463,7 @@ fn gpu_bgmv_f32_router_logits() {
     let idx = random_idx(&mut rng, 40, 32, 9);
     let cpu = Device::cpu();
     let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]).chain(STREAM_FORMS) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
         let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
         compare(&format!("f32 y {t:?}"), &p.y_f32, &c, &g);
         let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
@@ -501,7 +484,7 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
     let mut y = gpu.upload(&p.y_bf16).unwrap();
     let targets = on.targets(&p);
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]).chain(STREAM_FORMS) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
         bgmv_tuned(
             &gpu,
             on.x_rows(&p),
@@ -544,7 +527,7 @@ fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
     let idx = gpu.upload(&[0i32, 1, 1, -1]).unwrap();
     let cpu = Device::cpu();
     let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1], &p.y_bf16, BgmvTuning::default());
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]).chain(STREAM_FORMS) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
         let mut y = gpu.upload(&p.y_bf16).unwrap();
         bgmv_tuned(
             &gpu,
@@ -726,7 +709,6 @@ fn gpu_graph_replay_follows_table_contents() {
         .into_iter()
         .chain(FUSED_FORMS)
         .chain([TWO_PHASE_DEPENDENT])
-        .chain(STREAM_FORMS)
     {
         graph_replay_case(&gpu, &mut rng, t);
     }

@@ -461,19 +461,6 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("2p pow2".to_string(), t));
-            // The streamed decode by unit size.
-            for (label, bytes) in [
-                ("stream", None),
-                ("stream u16k", Some(16384)),
-                ("stream u64k", Some(65536)),
-            ] {
-                let t = BgmvTuning {
-                    stream: Some(true),
-                    stream_unit_bytes: bytes,
-                    ..Default::default()
-                };
-                variants.push((label.to_string(), t));
-            }
         }
         ctx.opts.filter_variants(&mut variants);
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);

@@ -17,8 +17,6 @@ use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch, SCRATCH_BYTES};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
 
-mod stream;
-
 /// Largest rank stride bgmv serves (the rank vectors live in shared memory).
 pub const BGMV_MAX_RANK: usize = 256;
 /// Rows grouped together at most (one window); larger batches use windows of [`WINDOW_LARGE`].
@@ -318,15 +316,6 @@ pub struct BgmvTuning {
     /// (measured slower: 17.7 against 17.3 µs at n = 256, 19.6 against
     /// 19.4 at n = 64).
     pub list_ready_flag: Option<bool>,
-    /// The streamed decode (`cuda/bgmv_stream.cu`): `bgmv_list`, then one
-    /// wave of blocks that streams every item's A and B in units of about
-    /// [`BgmvTuning::stream_unit_bytes`] through shared-memory rings. For
-    /// single-window batches (at most 512 rows) whose tables have at most
-    /// [`ITEM_LIST_MAX_ENTRIES`] entries and whose units fit the kernel;
-    /// else the other paths. `None`: off.
-    pub stream: Option<bool>,
-    /// Streamed decode: weight bytes per unit (`None`: 16 KiB).
-    pub stream_unit_bytes: Option<u32>,
 }
 
 /// Batch sizes for which the fused kernel reads a first launch's item list
@@ -616,35 +605,6 @@ fn launch<Y: OutputElem>(
     let n = x.n_rows;
     let n_targets = targets.len();
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
-    if tuning.stream.unwrap_or(false) {
-        let out_dims: Vec<usize> = targets.iter().map(|t| t.out_dim).collect();
-        let shape = stream::StreamShape {
-            n_rows: n,
-            in_dim: x.width,
-            stride,
-            out_dims: &out_dims,
-            y_size: std::mem::size_of::<Y>(),
-            sms: c.sm_count as usize,
-            smem_per_sm: c.smem_per_sm,
-            smem_optin: c.smem_optin,
-        };
-        let unit_bytes = tuning
-            .stream_unit_bytes
-            .map_or(stream::DEFAULT_UNIT_BYTES, |b| b as usize);
-        let plan = stream::StreamPlan::new(shape, unit_bytes).filter(|_| stream::tables_fit(targets));
-        match plan {
-            Some(plan) => {
-                return stream::launch_stream(c, x, idx.device_addr(), target_params, n_targets, stride, y, plan);
-            }
-            None if tuning.stream == Some(true) => {
-                return Err(invalid(
-                    "tuning.stream",
-                    format!("{n} rows of rank stride {stride} do not fit the streamed decode"),
-                ));
-            }
-            None => {}
-        }
-    }
     if tuning
         .two_phase
         .unwrap_or_else(|| two_phase_by_default(n, stride, max_out))
