@@ -399,8 +399,8 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         }
         let mut variants = vec![("default".to_string(), BgmvTuning::default())];
         if ctx.opts.sweep {
-            // The fused kernel (its own launch choice, then clusters of 8 with
-            // one or two output splits), scalar and on tensor cores, against
+            // The fused kernel (its own launch choice, then clusters of 8 or 4
+            // with one or two output splits), scalar and on tensor cores, against
             // the two-phase kernels by expand width.
             for (label, tc) in [("", false), (" tc", true)] {
                 let fused = BgmvTuning {
@@ -409,13 +409,13 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                     ..Default::default()
                 };
                 variants.push((format!("fused{label}"), fused));
-                for sp in [1, 2] {
+                for (cl, sp) in [(8, 1), (8, 2), (4, 1), (4, 2)] {
                     let t = BgmvTuning {
-                        cluster: Some(8),
+                        cluster: Some(cl),
                         out_splits: Some(sp),
                         ..fused
                     };
-                    variants.push((format!("c8 s{sp}{label}"), t));
+                    variants.push((format!("c{cl} s{sp}{label}"), t));
                 }
                 // Every block scanning its window against the item list of a
                 // first launch (v9), read after that launch completes or once
