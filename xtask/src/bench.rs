@@ -372,14 +372,19 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
 
 // ---- the kernels section -------------------------------------------------
 
-/// Issue 4's shapes: decode (n, in, out, r, distinct) and the best peer µs.
-const DECODE: &[(usize, usize, usize, usize, usize, f64)] = &[
-    (1, 4096, 4096, 16, 1, 15.2),
-    (16, 4096, 4096, 16, 16, 20.1),
-    (64, 4096, 4096, 16, 64, 29.5),
-    (64, 4096, 4096, 64, 64, 74.0),
-    (256, 4096, 4096, 16, 32, 26.8),
-    (64, 4096, 14336, 16, 64, 52.1),
+/// A decode case: rows, in, out, rank, distinct adapters, and the best peer µs.
+type DecodeCase = (usize, usize, usize, usize, usize, Option<f64>);
+
+/// Issue 4's decode shapes, then a batch of several row windows (no peer
+/// figure; it times the launch choices past one window).
+const DECODE: &[DecodeCase] = &[
+    (1, 4096, 4096, 16, 1, Some(15.2)),
+    (16, 4096, 4096, 16, 16, Some(20.1)),
+    (64, 4096, 4096, 16, 64, Some(29.5)),
+    (64, 4096, 4096, 64, 64, Some(74.0)),
+    (256, 4096, 4096, 16, 32, Some(26.8)),
+    (64, 4096, 14336, 16, 64, Some(52.1)),
+    (1024, 4096, 4096, 16, 64, None),
 ];
 /// Prefill (rows, segments, in, out, r) and the best peer µs.
 const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =
@@ -494,9 +499,9 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 variant: variant.clone(),
                 stats,
                 floor_bytes: floor_bytes(n, in_dim, out, r, distinct),
-                peer_us: Some(peer),
-                target_us: Some(peer / 3.0),
-                floor_share_target: (n >= 64).then_some(0.5),
+                peer_us: peer,
+                target_us: peer.map(|p| p / 3.0),
+                floor_share_target: (peer.is_some() && n >= 64).then_some(0.5),
                 shape: json!({"kind": "decode", "n": n, "in": in_dim, "out": out, "r": r, "distinct": distinct}),
                 torch_us: None,
                 in_graph: None,

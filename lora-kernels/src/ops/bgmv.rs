@@ -19,7 +19,8 @@ use crate::error::{KernelError, invalid};
 
 /// Largest rank stride bgmv serves (the rank vectors live in shared memory).
 pub const BGMV_MAX_RANK: usize = 256;
-/// Rows grouped together at most (one window); larger batches use windows of [`WINDOW_LARGE`].
+/// Rows grouped together at most (one window); larger batches use windows
+/// of this many rows with the item list, else of [`WINDOW_LARGE`] (`row_windows`).
 const WINDOW_MAX: usize = 512;
 const WINDOW_LARGE: usize = 256;
 const THREADS: u32 = 256;
@@ -307,7 +308,7 @@ pub struct BgmvTuning {
     /// its items from there instead of every block scanning the window.
     /// Used when the lists fit the device's launch scratch and every
     /// table has at most [`ITEM_LIST_MAX_ENTRIES`] entries; else the
-    /// scanning form. `None`: on for single-window batches of at least
+    /// scanning form. `None`: on for batches of at least
     /// [`TENSOR_CORE_MIN_ROWS`] rows ([`ITEM_LIST_ROWS`]).
     pub item_list_pass: Option<bool>,
     /// With the item list: the fused blocks poll a ready flag the first
@@ -321,11 +322,13 @@ pub struct BgmvTuning {
 /// Batch sizes for which the fused kernel reads a first launch's item list
 /// by default: where items hold several rows, so every block's own window
 /// scan is long (H200, n = 256 of 32 adapters: 17.3 against 19.4 µs on
-/// tensor cores, 25.3 against 26.8 scalar). With fewer rows the list's
-/// second launch costs more than the scan it saves (n = 1: 10.0 against
-/// 9.1, n = 16: 11.6 against 10.8, n = 64 rank 16: 19.4 against 18.5).
-/// Batches of several windows were not measured.
-pub const ITEM_LIST_ROWS: std::ops::RangeInclusive<usize> = TENSOR_CORE_MIN_ROWS..=WINDOW_MAX;
+/// tensor cores, 25.3 against 26.8 scalar), and past one window, where the
+/// list also lets windows hold 512 rows instead of 256, so each window reads
+/// its adapters once for twice the rows (n = 1024 of 64 adapters: 45.5
+/// against 77.6 µs; 70.9 with the list and 256-row windows). With fewer rows
+/// the list's second launch costs more than the scan it saves (n = 1: 10.0
+/// against 9.1, n = 16: 11.6 against 10.8, n = 64 rank 16: 19.4 against 18.5).
+pub const ITEM_LIST_ROWS: std::ops::RangeFrom<usize> = TENSOR_CORE_MIN_ROWS..;
 
 /// Largest table (entries per target) the item-list launch serves: it
 /// counts each entry's rows in a shared-memory array indexed by entry
@@ -337,6 +340,22 @@ pub const ITEM_LIST_MAX_ENTRIES: usize = 4096;
 /// to one 64-byte `ItemRows` record per window row. `None` on overflow.
 fn item_list_stride(window: usize) -> Option<usize> {
     window.checked_add(1)?.checked_mul(64)
+}
+
+/// Row windows `(rows per window, windows)` of a fused launch of `n` rows:
+/// one window up to [`WINDOW_MAX`] rows; past that, windows of
+/// [`WINDOW_MAX`] when the item list serves them (`list`, and their lists
+/// fit the scratch), since no block then scans a window and every window
+/// reads its adapters once; else windows of [`WINDOW_LARGE`], whose
+/// per-block scan stays short.
+fn row_windows(n: usize, list: bool, n_targets: usize) -> (usize, usize) {
+    if n <= WINDOW_MAX {
+        (n, 1)
+    } else if list && item_list_fits(WINDOW_MAX, n.div_ceil(WINDOW_MAX), n_targets) {
+        (WINDOW_MAX, n.div_ceil(WINDOW_MAX))
+    } else {
+        (WINDOW_LARGE, n.div_ceil(WINDOW_LARGE))
+    }
 }
 
 /// Whether the item lists of a fused launch (every window and target) fit
@@ -634,11 +653,9 @@ fn launch<Y: OutputElem>(
             _ => {}
         }
     }
-    let (window, n_windows) = if n <= WINDOW_MAX {
-        (n, 1)
-    } else {
-        (WINDOW_LARGE, n.div_ceil(WINDOW_LARGE))
-    };
+    let list_wanted = tuning.item_list_pass.unwrap_or_else(|| ITEM_LIST_ROWS.contains(&n))
+        && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
+    let (window, n_windows) = row_windows(n, list_wanted, n_targets);
     let limits = DeviceLimits {
         hopper: c.compute_capability.0 >= 9,
         sms: c.sm_count as usize,
@@ -656,9 +673,7 @@ fn launch<Y: OutputElem>(
     };
     let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
-    let list = tuning.item_list_pass.unwrap_or_else(|| ITEM_LIST_ROWS.contains(&n))
-        && item_list_fits(window, n_windows, n_targets)
-        && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
+    let list = list_wanted && item_list_fits(window, n_windows, n_targets);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
         .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
     let grid_y = n_windows * cpw;

@@ -557,6 +557,22 @@ fn item_list_by_default_where_it_measured_faster() {
     for n in [1, 16, 64, 128] {
         assert!(!ITEM_LIST_ROWS.contains(&n), "{n}");
     }
-    // Several windows: not measured.
-    assert!(!ITEM_LIST_ROWS.contains(&(WINDOW_MAX + 1)));
+    // Several windows (n = 1024 of 64 adapters on the H200).
+    assert!(ITEM_LIST_ROWS.contains(&(WINDOW_MAX + 1)));
+    assert!(ITEM_LIST_ROWS.contains(&1024));
+}
+
+#[test]
+fn windows_hold_512_rows_past_one_window_only_with_the_item_list() {
+    for n in [1, 300, WINDOW_MAX] {
+        assert_eq!(row_windows(n, true, 1), (n, 1));
+        assert_eq!(row_windows(n, false, 1), (n, 1));
+    }
+    assert_eq!(row_windows(WINDOW_MAX + 1, true, 1), (WINDOW_MAX, 2));
+    assert_eq!(row_windows(1024, true, 3), (WINDOW_MAX, 2));
+    assert_eq!(row_windows(1024, false, 1), (WINDOW_LARGE, 4));
+    // Lists past the scratch: the scanning form's windows.
+    let huge = 300 * WINDOW_MAX;
+    assert!(!item_list_fits(WINDOW_MAX, huge.div_ceil(WINDOW_MAX), 1));
+    assert_eq!(row_windows(huge, true, 1), (WINDOW_LARGE, huge.div_ceil(WINDOW_LARGE)));
 }
