@@ -55,7 +55,7 @@ struct SgmvParams {
     int rank_chunks;
     int out_tiles;
     int balance_items;
-    int pad2;
+    int y_buffers;  // the expand's y tiles: 2 (the next item's tile requested during this one) or 1
     LoraTarget targets[MAX_TARGETS];
 };
 static_assert(sizeof(SgmvParams) == 208 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 112, "mirrors sgmv.rs");
@@ -452,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_r16_bf16(co
 // memory:
 //   sB [SG_BO][r16 + 8] bf16     B rows o_base.., columns past rank zeroed
 //   sT [SG_BM][r16 + 4] f32      t summed over the K splits, times scale; zero past rank
-//   sY [2][SG_BM][SG_BO + YPAD]  y tiles (YPAD keeps fragment accesses off shared banks)
+//   sY [y_buffers][SG_BM][SG_BO + YPAD]  y tiles (YPAD keeps fragment accesses off shared banks)
 // r16 = the stride rounded up to 16 (the host sizes the buffer from it).
 struct ExpandItem {
     int tile;
@@ -597,16 +597,19 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         }
         cp_async_commit();
 
-        // ---- group B: the next item's y tile when it is the same tile (the common case).
+        // ---- group B: the next item's y tile when it is the same tile (the
+        // common case) and there are two y buffers; its B rows towards L2.
         staged = false;
         if (it + 1 < it1) {
             const ExpandItem nx = expand_item(p, it + 1);
             if (nx.tile == item.tile && nx.ti == item.ti && nx.o_base < out) {
                 const int nlen = min(SG_BO, out - nx.o_base);
-                move_y_tile<Y>(sY0 + (size_t)(buf ^ 1) * SG_BM * yp, Yp + (u64)row0 * ys + coff + nx.o_base, ys, rows,
-                               nlen, vec_y, true);
+                if (p.y_buffers > 1) {
+                    move_y_tile<Y>(sY0 + (size_t)(buf ^ 1) * SG_BM * yp, Yp + (u64)row0 * ys + coff + nx.o_base, ys,
+                                   rows, nlen, vec_y, true);
+                    staged = true;
+                }
                 if (tid == SG_THREADS - 1) prefetch_l2(B + (u64)nx.o_base * stride, (u64)nlen * stride * 2);
-                staged = true;
             }
         }
         cp_async_commit();

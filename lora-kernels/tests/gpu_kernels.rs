@@ -603,7 +603,7 @@ fn run_sgmv_on<Y: OutputElem>(
 
 /// Launch choices of the segment apply the tests cover: each shrink (the
 /// 64-row one with paired and split staging), the dependent and the plain
-/// expand launch, each way of dealing items.
+/// expand launch, each way of dealing items, one and two y buffers.
 fn sgmv_kernels() -> Vec<SgmvTuning> {
     let pick = |narrow, dependent, balanced, paired| SgmvTuning {
         narrow_shrink: Some(narrow),
@@ -612,11 +612,17 @@ fn sgmv_kernels() -> Vec<SgmvTuning> {
         paired_staging: Some(paired),
         ..Default::default()
     };
+    let y_buffers = |n| SgmvTuning {
+        y_buffers: Some(n),
+        ..Default::default()
+    };
     vec![
         SgmvTuning::default(),
         pick(true, false, true, true),
         pick(false, true, false, true),
         pick(false, true, true, false),
+        y_buffers(1),
+        y_buffers(2),
     ]
 }
 

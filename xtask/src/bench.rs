@@ -618,6 +618,15 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 balanced_items: Some(false),
                 ..Default::default()
             };
+            // The expand's y tiles in one shared-memory buffer or two.
+            let one_y = SgmvTuning {
+                y_buffers: Some(1),
+                ..Default::default()
+            };
+            let two_y = SgmvTuning {
+                y_buffers: Some(2),
+                ..Default::default()
+            };
             let plain = [
                 ("unbalanced", unbalanced),
                 (
@@ -640,6 +649,10 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 ("narrow shrink only", shrink_only(narrow)),
                 ("expand only", expand_only(SgmvTuning::default())),
                 ("unbalanced expand only", expand_only(unbalanced)),
+                ("one y buffer", one_y),
+                ("two y buffers", two_y),
+                ("one y buffer expand only", expand_only(one_y)),
+                ("two y buffers expand only", expand_only(two_y)),
             ];
             variants.extend(plain.into_iter().map(|(label, t)| (label.to_string(), t)));
         }

@@ -72,6 +72,12 @@ pub struct SgmvTuning {
     /// vector-path check hoisted above the piece loop (`true`, the
     /// default), or in two loops with the check per piece (`false`).
     pub paired_staging: Option<bool>,
+    /// The expand's y tiles: one shared-memory buffer (`Some(1)`) or two
+    /// (`Some(2)`: the next item's tile is requested while this one
+    /// computes). `None`: one where that lets more expand blocks be
+    /// resident (rank strides whose two buffers leave three blocks per
+    /// multiprocessor), else two.
+    pub y_buffers: Option<u32>,
 }
 
 /// One of the two launches of the segment apply.
@@ -108,7 +114,7 @@ struct SgmvParams {
     rank_chunks: i32,
     out_tiles: i32,
     balance_items: i32,
-    pad2: i32,
+    y_buffers: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
 const _: () = assert!(size_of::<SgmvParams>() == 208 && std::mem::offset_of!(SgmvParams, targets) == 112);
@@ -324,6 +330,12 @@ fn launch<Y: OutputElem>(
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
+    let y_size = std::mem::size_of::<Y>();
+    let y_buffers = match tuning.y_buffers {
+        Some(v @ (1 | 2)) => v as usize,
+        Some(v) => return Err(invalid("tuning.y_buffers", format!("{v}; 1 or 2"))),
+        None => default_y_buffers(stride, y_size, c.smem_per_sm),
+    };
     let params = SgmvParams {
         x: x.addr(),
         y: y.addr(),
@@ -346,14 +358,14 @@ fn launch<Y: OutputElem>(
         rank_chunks: to_i32("rank_chunks", rank_chunks)?,
         out_tiles: to_i32("out_tiles", out_tiles)?,
         balance_items: i32::from(tuning.balanced_items.unwrap_or(true)),
-        pad2: 0,
+        y_buffers: to_i32("tuning.y_buffers", y_buffers)?,
         targets: *target_params,
     };
     let shrink_grid = (to_u32("grid", shrink_tiles)?, to_u32("grid", k_splits)?, 1);
     // Persistent expand: every resident block walks a share of the (tile, target, chunk) items.
     let items = max_tiles * n_targets * out_tiles;
     to_i32("expand items", items)?;
-    let smem = expand_smem_bytes(stride, std::mem::size_of::<Y>());
+    let smem = expand_smem_bytes(stride, y_size, y_buffers);
     let resident = blocks_per_sm(smem, c.smem_per_sm) * c.sm_count as usize;
     let expand_grid = (to_u32("grid", items.min(resident).max(1))?, 1, 1);
     let expand_smem = to_u32("expand shared memory", smem)?;
@@ -425,11 +437,19 @@ const SHRINK_R16_SMEM: u32 = (STAGES_R16 * (TILE_ROWS + NARROW_RANK) * (K_CHUNK 
 // the depth was chosen so that the 288 blocks of a 4096-row batch are resident at once.
 const _: () = assert!(3 * (SHRINK_R16_SMEM as usize + 1024) <= 228 * 1024);
 
-/// Dynamic shared memory of the expand (`sB`, `sT` and the two `sY` tiles
-/// in `cuda/sgmv.cu`) for y elements of `y_size` bytes.
-fn expand_smem_bytes(stride: usize, y_size: usize) -> usize {
+/// Dynamic shared memory of the expand (`sB`, `sT` and `y_buffers` `sY`
+/// tiles in `cuda/sgmv.cu`) for y elements of `y_size` bytes.
+fn expand_smem_bytes(stride: usize, y_size: usize, y_buffers: usize) -> usize {
     let r16 = stride.div_ceil(16) * 16;
-    OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4 + 2 * TILE_ROWS * (OUT_TILE * y_size + 16)
+    OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4 + y_buffers * TILE_ROWS * (OUT_TILE * y_size + 16)
+}
+
+/// The expand's y buffers when the tuning names none: one where that makes
+/// more blocks resident than two do, else two (the next tile in flight).
+fn default_y_buffers(stride: usize, y_size: usize, smem_per_sm: usize) -> usize {
+    let one = blocks_per_sm(expand_smem_bytes(stride, y_size, 1), smem_per_sm);
+    let two = blocks_per_sm(expand_smem_bytes(stride, y_size, 2), smem_per_sm);
+    if one > two { 1 } else { 2 }
 }
 
 /// K splits of the shrink when the tuning names none: as many as keep all
