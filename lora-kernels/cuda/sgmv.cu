@@ -446,10 +446,10 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_r16_bf16(co
 // items (tile, target, 128-output chunk) in order (`block_items`), so
 // consecutive items mostly share a tile (its entry and rank vectors are staged once). Per item
 // the y tile moves through shared memory in 16-byte pieces: copied in with
-// cp.async (the next item's tile is requested while this one computes, into
-// the other of two buffers), the mma result added there at fragment
-// positions, and written back with coalesced 16-byte stores. Dynamic shared
-// memory:
+// cp.async (with p.y_buffers == 2 the next item's tile is requested while
+// this one computes, into the other buffer; one buffer leaves room for more
+// resident blocks), the mma result added there at fragment positions, and
+// written back with coalesced 16-byte stores. Dynamic shared memory:
 //   sB [SG_BO][r16 + 8] bf16     B rows o_base.., columns past rank zeroed
 //   sT [SG_BM][r16 + 4] f32      t summed over the K splits, times scale; zero past rank
 //   sY [y_buffers][SG_BM][SG_BO + YPAD]  y tiles (YPAD keeps fragment accesses off shared banks)
