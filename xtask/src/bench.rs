@@ -135,6 +135,36 @@ struct Row {
     torch_in_graph_us: Option<f64>,
 }
 
+/// What every row of one kernels-section case shares: its name, floor and targets.
+struct KernelCase {
+    name: String,
+    floor_bytes: f64,
+    peer_us: Option<f64>,
+    target_us: Option<f64>,
+    floor_share_target: Option<f64>,
+    shape: Value,
+}
+
+impl KernelCase {
+    /// The row of one launch choice of the case, timed in isolation.
+    fn row(&self, variant: &str, stats: Stats) -> Row {
+        Row {
+            section: "kernels",
+            name: self.name.clone(),
+            variant: variant.to_string(),
+            stats,
+            floor_bytes: self.floor_bytes,
+            peer_us: self.peer_us,
+            target_us: self.target_us,
+            floor_share_target: self.floor_share_target,
+            shape: self.shape.clone(),
+            torch_us: None,
+            in_graph: None,
+            torch_in_graph_us: None,
+        }
+    }
+}
+
 /// A per-op time from [`Ctx::time_in_graph`], with its rotation.
 #[derive(Debug, Clone, Copy)]
 struct InGraph {
@@ -480,9 +510,17 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             })
         };
         let shape = (n, in_dim, out, r, distinct);
+        let case = KernelCase {
+            name: name.clone(),
+            floor_bytes: floor_bytes(n, in_dim, out, r, distinct),
+            peer_us: peer,
+            target_us: peer.map(|p| p / 3.0),
+            floor_share_target: (peer.is_some() && n >= 64).then_some(0.5),
+            shape: json!({"kind": "decode", "n": n, "in": in_dim, "out": out, "r": r, "distinct": distinct}),
+        };
         let device = ctx.device;
         // The isolated time uses the first copy; the in-graph one rotates through all.
-        let (mut copies, ops) = rotating_copies(device, floor_bytes(n, in_dim, out, r, distinct), &upload)?;
+        let (mut copies, ops) = rotating_copies(device, case.floor_bytes, &upload)?;
         let sets = copies.len();
         for &(ref variant, tuning) in &variants {
             let graph = match device.capture_graph(|| copies[0].apply(device, shape, tuning)) {
@@ -493,20 +531,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 }
             };
             let stats = ctx.time_graph(&graph)?;
-            ctx.rows.push(Row {
-                section: "kernels",
-                name: name.clone(),
-                variant: variant.clone(),
-                stats,
-                floor_bytes: floor_bytes(n, in_dim, out, r, distinct),
-                peer_us: peer,
-                target_us: peer.map(|p| p / 3.0),
-                floor_share_target: (peer.is_some() && n >= 64).then_some(0.5),
-                shape: json!({"kind": "decode", "n": n, "in": in_dim, "out": out, "r": r, "distinct": distinct}),
-                torch_us: None,
-                in_graph: None,
-                torch_in_graph_us: None,
-            });
+            ctx.rows.push(case.row(variant, stats));
         }
         for &(ref variant, tuning) in &variants {
             match ctx.time_in_graph(sets, ops, |i| copies[i % sets].apply(device, shape, tuning)) {
@@ -671,9 +696,17 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
             })
         };
         let shape = (rows, segs, in_dim, out, r);
+        let case = KernelCase {
+            name: name.clone(),
+            floor_bytes: floor_bytes(rows, in_dim, out, r, segs),
+            peer_us: Some(peer),
+            target_us: Some(peer / 1.5),
+            floor_share_target: Some(0.67),
+            shape: json!({"kind": "prefill", "n": rows, "segments": segs, "in": in_dim, "out": out, "r": r, "distinct": segs}),
+        };
         let device = ctx.device;
         // The isolated time uses the first copy; the in-graph one rotates through all.
-        let (mut copies, ops) = rotating_copies(device, floor_bytes(rows, in_dim, out, r, segs), &upload)?;
+        let (mut copies, ops) = rotating_copies(device, case.floor_bytes, &upload)?;
         let sets = copies.len();
         let spec = WorkspaceSpec {
             max_rows: rows,
@@ -687,20 +720,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 .capture_graph(|| copies[0].apply(device, shape, &mut ws, tuning))
                 .map_err(err)?;
             let stats = ctx.time_graph(&graph)?;
-            ctx.rows.push(Row {
-                section: "kernels",
-                name: name.clone(),
-                variant: variant.clone(),
-                stats,
-                floor_bytes: floor_bytes(rows, in_dim, out, r, segs),
-                peer_us: Some(peer),
-                target_us: Some(peer / 1.5),
-                floor_share_target: Some(0.67),
-                shape: json!({"kind": "prefill", "n": rows, "segments": segs, "in": in_dim, "out": out, "r": r, "distinct": segs}),
-                torch_us: None,
-                in_graph: None,
-                torch_in_graph_us: None,
-            });
+            ctx.rows.push(case.row(variant, stats));
         }
         // In a graph: every whole apply of a sweep (the y written back to
         // DRAM during the next op is a cost the isolated time leaves out).
@@ -762,21 +782,18 @@ fn launch_floor_row(ctx: &mut Ctx<'_>) -> Result<(), String> {
     let stats = ctx.time_graph(&graph)?;
     // In a graph: an empty kernel node after another, nothing to rotate.
     let in_graph = ctx.time_in_graph(1, IN_GRAPH_MIN_OPS * 2, |_| empty_launch(device))?;
-    ctx.rows.push(Row {
-        section: "kernels",
+    let case = KernelCase {
         name: name.to_string(),
-        // Not "default": the PyTorch baseline has no counterpart to time.
-        variant: "floor".to_string(),
-        stats,
         floor_bytes: 0.0,
         peer_us: None,
         target_us: None,
         floor_share_target: None,
         shape: json!({"kind": "empty", "n": 0}),
-        torch_us: None,
-        in_graph: Some(in_graph),
-        torch_in_graph_us: None,
-    });
+    };
+    // Not "default": the PyTorch baseline has no counterpart to time.
+    let mut row = case.row("floor", stats);
+    row.in_graph = Some(in_graph);
+    ctx.rows.push(row);
     Ok(())
 }
 
