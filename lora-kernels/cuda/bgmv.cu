@@ -50,9 +50,17 @@ struct BgmvParams {
     u64 list;         // the launch's item lists (bgmv_list writes them), or 0: every block scans its window
     int list_stride;  // bytes per (window, target) list: a 64-byte header, then `window` ItemRows
     int list_flag;    // the fused blocks poll the header's ready flag instead of griddepcontrol.wait
+    int off_r;        // push: the cluster sum's receive slots in the dynamic shared memory
+    int push;         // clusters sum their partial rank vectors by pushing them (st.async), not by barrier and pull
+    int overlap;      // a programmatic dependent: idx, tables and adapters read before griddepcontrol.wait, x and y after
+    int pad0;
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgmvParams) == 208 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 112, "mirrors bgmv.rs");
+static_assert(sizeof(BgmvParams) == 224 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 128, "mirrors bgmv.rs");
+
+// Tables of at most this many entries are copied whole into shared memory
+// while the row indices arrive, so an item's entry is no second round trip.
+#define BGMV_TABLE_SMEM 128
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u64 g = (u64)p;
@@ -71,10 +79,54 @@ __device__ __forceinline__ float ld_dsmem(const float* local, u32 rank) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
 }
+// The push form of the cluster sum: every block stores its partial rank
+// vectors into each peer's receive slots with st.async, which counts the
+// bytes on the peer's mbarrier; a block waits on its own mbarrier only. No
+// cluster barrier per item, and so no release fence (MEMBAR.ALL.GPU) in it.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_addr(const void* local, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// The inits visible to the cluster's peers before their first st.async (with a cluster barrier after it).
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, "
+            "p;\n}"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void st_async_f4(u32 remote, float4 v, u32 remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(remote),
+                 "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+                 "r"(__float_as_uint(v.w)), "r"(remote_bar)
+                 : "memory");
+}
 #else
 __device__ __forceinline__ void cluster_arrive() {}
 __device__ __forceinline__ void cluster_wait() {}
 __device__ __forceinline__ float ld_dsmem(const float* local, u32) { return *local; }
+__device__ __forceinline__ void cluster_arrive_relaxed() {}
+__device__ __forceinline__ u32 cluster_addr(const void* local, u32) { return smem_u32(local); }
+__device__ __forceinline__ void mbar_init(u64*, u32) {}
+__device__ __forceinline__ void fence_mbar_init() {}
+__device__ __forceinline__ void mbar_arrive_expect(u64*, u32) {}
+__device__ __forceinline__ void mbar_wait(u64*, u32) {}
+__device__ __forceinline__ void st_async_f4(u32, float4, u32) {}
 #endif
 
 // Piece i of [0, n) split into `parts` pieces whose starts are multiples of 8.
@@ -87,6 +139,9 @@ __device__ __forceinline__ void split8(int n, int parts, int i, int& b, int& e) 
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -310,6 +365,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     __shared__ WindowScan s_win;
     __shared__ ItemRows s_item;
     __shared__ int s_nitems;
+    __shared__ __align__(16) PairEntry s_table[BGMV_TABLE_SMEM];
+    __shared__ __align__(8) u64 s_mbar[2];  // push: one per receive buffer
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -327,8 +384,29 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     // entry fault by rank 0 of split 0 of the one cluster that serves it.
     const bool report = crank == 0 && split == 0 && q == 0;
     const bool report_entry = crank == 0 && split == 0;
+    // Uniform over the cluster (a launch parameter).
+    const bool push = C > 1 && p.push != 0;
+    if (push) {
+        if (tid == 0) {
+            mbar_init(&s_mbar[0], 1);
+            mbar_init(&s_mbar[1], 1);
+            fence_mbar_init();
+        }
+        // Waited for before the first push: every peer is running and its mbarriers are initialised.
+        cluster_arrive_relaxed();
+    }
+    bool peers_ready = false;
+    int pushes = 0;  // items summed by pushing so far (the same count in every block of the cluster)
+    // Overlap (scanning form only): the previous kernel may still run until
+    // grid_dependency_wait; it writes neither idx, the tables nor the adapters
+    // (the caller's contract), only x and y may be its outputs. The next
+    // apply may start as early.
+    const bool overlap = !LIST && p.overlap != 0;
+    bool waited = !overlap;
+    if (overlap) grid_launch_dependents();
 
     int n_items;
+    bool table_smem = false;         // the scanning form reads entries from s_table
     const ItemRows* list = nullptr;  // LIST: this (window, target)'s items, after the 64-byte header
     if (LIST) {
         list = (const ItemRows*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride) + 1;
@@ -354,10 +432,24 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         __syncthreads();
         n_items = s_nitems;
     } else {
-        // The table is small: pull it towards L2 while idx arrives, so the entry
-        // load after the row scan is not a second cold round trip.
-        if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
+        // The entry of an item depends on idx: a small table is copied whole
+        // into shared memory while idx arrives; a larger one is pulled towards
+        // L2, so the entry load after the row scan is not a cold round trip.
+        table_smem = tg.n_entries <= BGMV_TABLE_SMEM && (tg.table & 7ull) == 0ull;
+        if (table_smem) {
+            const u64* src = (const u64*)tg.table;
+            u64* dst = (u64*)s_table;
+#pragma unroll 1
+            for (int w = tid; w < tg.n_entries * 3; w += BGMV_THREADS) cp_async8(dst + w, src + w);
+            cp_async_commit();
+        } else if (tid == 0) {
+            prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
+        }
         n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win);
+        if (table_smem) {
+            cp_async_wait<0>();
+            __syncthreads();
+        }
     }
 
     int k0, k1;
@@ -388,7 +480,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     bf16_t* sTh = (bf16_t*)sT;       // TC: t as bf16 hi and lo, in place of the f32 sT
     const bf16_t* X = (const bf16_t*)p.x;
     Y* Yp = (Y*)p.y;
-    const PairEntry* table = (const PairEntry*)tg.table;
+    const PairEntry* table = table_smem ? s_table : (const PairEntry*)tg.table;
     const int ys = p.y_stride;
     const int coff = tg.y_col_off;
     bool pending = false;
@@ -420,6 +512,24 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                            aligned16(Yp) && ((int)sizeof(Y) * lo % 16 == 0);
         const int rank8 = (rank + 7) & ~7;
         const int n_chunks = (k1 - k0 + kch - 1) / kch;
+        // Warps split the rows of chunk c: A rows k in [r0, min(r1, rank)), then x rows g.
+        auto stage_chunk = [&](int c, int r0, int r1) {
+            const int kc = k0 + c * kch;
+            const int len = min(kch, k1 - kc);
+            bf16_t* a = sA + (c & 1) * arows * kp;
+            bf16_t* x = sX + (c & 1) * BGMV_G * kp;
+#pragma unroll 1
+            for (int r = r0 + warp; r < r1; r += BGMV_WARPS) {
+                const bool is_a = r < rank;
+                bf16_t* dst = is_a ? a + r * kp : x + (r - rank) * kp;
+                const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_item.rows[r - rank] * p.x_stride + kc;
+                stage_row(dst, src, len, (len + 7) & ~7, vec_x, lane, 32);
+            }
+        };
+        // Overlap, first item: B and every A chunk (at most two, so all fit
+        // the stages) are requested before the wait, y and x after it, in one group.
+        const bool early = !waited && nr > 0 && lo > 0 && n_chunks <= 2;
+        if (!waited && !early) grid_dependency_wait();
 
         // ---- one batch of copies for everything the block reads: B rows and
         // y values (group 0), then the first two chunks of A and x (groups 1, 2).
@@ -440,6 +550,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                     for (int j = 0; j < 8; ++j) dst[j] = c * 8 + j < rank ? src[j] : (bf16_t)0;
                 }
             }
+            if (early) {
+#pragma unroll 1
+                for (int c = 0; c < n_chunks; ++c) stage_chunk(c, 0, rank);
+                grid_dependency_wait();
+#pragma unroll 1
+                for (int c = 0; c < n_chunks; ++c) stage_chunk(c, rank, rank + nr);
+            }
             const int y_per_row = vec_y ? lo * (int)sizeof(Y) / 16 : lo;
 #pragma unroll 1
             for (int g = 0; g < nr; ++g) {
@@ -452,6 +569,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             }
         }
         cp_async_commit();
+        waited = true;
 
         // ---- shrink: sTp[g][k] = sum over this rank's slice of A[k, i] x[row_g, i].
         // A and x arrive in chunks of kch columns through two stages; step s
@@ -529,22 +647,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 }
                 __syncthreads();  // stage ch & 1 is free again
             }
-            if (step < chunks) {
-                const int st = step & 1;
-                const int kc = k0 + step * kch;
-                const int len = min(kch, k1 - kc);
-                const int len8 = (len + 7) & ~7;
-                bf16_t* a = sA + st * arows * kp;
-                bf16_t* x = sX + st * BGMV_G * kp;
-                // Warps split the rows: A rows k, then x rows g.
-#pragma unroll 1
-                for (int r = warp; r < rank + nr; r += BGMV_WARPS) {
-                    const bool is_a = r < rank;
-                    bf16_t* dst = is_a ? a + r * kp : x + (r - rank) * kp;
-                    const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_item.rows[r - rank] * p.x_stride + kc;
-                    stage_row(dst, src, len, len8, vec_x, lane, 32);
-                }
-            }
+            // (early: every chunk is in the first group; the empty groups keep the count.)
+            if (step < chunks && !early) stage_chunk(step, 0, rank + nr);
             cp_async_commit();
         }
         cp_async_wait<0>();  // B and y (and nothing else) may still be in flight
@@ -552,9 +656,36 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
         // ---- sum the partial rank vectors over the cluster, scale them.
         const float scale = en.scale;
-        // One (row, rank) value per thread, all rows at once; the C peer
-        // loads are issued together and summed in rank order.
-        if (C > 1) {
+        // Push form: each block stores its partials (whole float4s of rows x
+        // rank8, past the rank unread) into slot crank of every block's
+        // receive buffer `pushes & 1`, then waits for its own C slots. A
+        // buffer is written again two items later, only by a peer that has
+        // received this block's next push, sent after this sum read it.
+        // Pull form: one (row, rank) value per thread, all rows at once; the C
+        // peer loads are issued together and summed in rank order.
+        const float* recv = (const float*)(dyn + p.off_r) + (pushes & 1) * C * BGMV_G * tp;
+        if (push && nr > 0) {
+            const int b = pushes & 1;
+            const u32 parity = (u32)(pushes >> 1) & 1u;
+            ++pushes;
+            if (!peers_ready) {
+                cluster_wait();
+                peers_ready = true;
+            }
+            if (tid == 0) mbar_arrive_expect(&s_mbar[b], (u32)(C * nr * rank8 * 4));
+            const int q4 = rank8 >> 2;
+            const int per_peer = nr * q4;
+#pragma unroll 1
+            for (int v = tid; v < C * per_peer; v += BGMV_THREADS) {
+                const int r = v / per_peer;
+                const int gk = v - r * per_peer;
+                const int g = gk / q4;
+                const int k = (gk - g * q4) * 4;
+                st_async_f4(cluster_addr(recv + (crank * BGMV_G + g) * tp + k, (u32)r),
+                            *(const float4*)&sTp[g * tp + k], cluster_addr(&s_mbar[b], (u32)r));
+            }
+            mbar_wait(&s_mbar[b], parity);
+        } else if (C > 1 && !push) {
             cluster_arrive();
             cluster_wait();
         }
@@ -566,7 +697,9 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             if (k < rank) {
                 float part[C];
 #pragma unroll
-                for (int r = 0; r < C; ++r) part[r] = C > 1 ? ld_dsmem(&sTp[g * tp + k], (u32)r) : sTp[g * tp + k];
+                for (int r = 0; r < C; ++r)
+                    part[r] = push ? recv[(r * BGMV_G + g) * tp + k]
+                                   : (C > 1 ? ld_dsmem(&sTp[g * tp + k], (u32)r) : sTp[g * tp + k]);
 #pragma unroll
                 for (int r = 0; r < C; ++r) s += part[r];
             }
@@ -580,7 +713,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 sT[g * tp + k] = s;
             }
         }
-        if (C > 1) {
+        if (C > 1 && !push) {
             cluster_arrive();
             pending = true;
         }

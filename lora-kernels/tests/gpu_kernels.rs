@@ -209,6 +209,21 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         if n <= 512 {
             tunings.extend([TWO_PHASE, TWO_PHASE_DEPENDENT, TWO_PHASE_POW2]);
         }
+        // The cluster sum both ways, whatever the stride's default.
+        tunings.extend([
+            BgmvTuning {
+                push_sum: Some(true),
+                ..FUSED_TC_SCAN
+            },
+            BgmvTuning {
+                push_sum: Some(false),
+                ..FUSED_SCALAR_SCAN
+            },
+            BgmvTuning {
+                push_sum: Some(true),
+                ..FUSED_SCALAR_LIST
+            },
+        ]);
         for t in tunings {
             check_bgmv(
                 &gpu,
@@ -233,6 +248,8 @@ const FUSED: BgmvTuning = BgmvTuning {
     tensor_cores: None,
     item_list_pass: None,
     list_ready_flag: None,
+    push_sum: None,
+    overlap_previous: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -303,6 +320,119 @@ const TWO_PHASE_DEPENDENT: BgmvTuning = BgmvTuning {
     dependent_launch: Some(true),
     ..TWO_PHASE
 };
+
+/// Applies chained in one stream, each reading as x what the one before
+/// wrote as y (`overlap_previous`: launched as a programmatic dependent, it
+/// reads x and y only after the previous kernel completed), against the same
+/// chain on the CPU. Both buffers hold `n` rows of `pitch` columns (x and y
+/// use the first `in_dim == out` of them); apply i reads `bufs[i % 2]` and
+/// adds into `bufs[(i + 1) % 2]`.
+fn overlap_chain(
+    dev: &Device,
+    p: &Problem,
+    start: &[Vec<bf16>; 2],
+    pitch: usize,
+    idx: &[i32],
+    tunings: &[BgmvTuning],
+) -> Vec<f32> {
+    assert_eq!(p.outs, [p.in_dim], "the chain feeds y back as x");
+    let on = OnDevice::new(dev, p);
+    let idx = dev.upload(idx).unwrap();
+    let targets = on.targets(p);
+    let mut bufs = [dev.upload(&start[0]).unwrap(), dev.upload(&start[1]).unwrap()];
+    for (i, &t) in tunings.iter().enumerate() {
+        let (lo, hi) = bufs.split_at_mut(1);
+        let (x, y) = if i % 2 == 0 {
+            (&lo[0], &mut hi[0])
+        } else {
+            (&hi[0], &mut lo[0])
+        };
+        let rows = Rows {
+            buf: x,
+            offset: 0,
+            n_rows: p.n,
+            width: p.in_dim,
+            stride: pitch,
+        };
+        let y = RowsMut {
+            buf: y,
+            offset: 0,
+            n_rows: p.n,
+            width: p.in_dim,
+            stride: pitch,
+        };
+        bgmv_tuned(dev, rows, &idx, &targets, p.stride, y, t).unwrap();
+    }
+    dev.check_faults().unwrap();
+    let last = bufs[tunings.len() % 2].download().unwrap();
+    widen(&last)
+}
+
+#[test]
+fn gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel");
+    let overlap = BgmvTuning {
+        overlap_previous: Some(true),
+        ..FUSED_SCALAR_SCAN
+    };
+    // (n, width, stride, slots, tuning): the first item's A chunks requested
+    // before the wait (one or two chunks), or everything after it (more
+    // chunks: one block per item), with the cluster sum pushed or pulled.
+    let cases: [(usize, usize, usize, usize, BgmvTuning); 5] = [
+        (1, 4096, 16, 2, overlap),
+        (16, 1024, 16, 5, overlap),
+        (
+            16,
+            1024,
+            16,
+            5,
+            BgmvTuning {
+                push_sum: Some(false),
+                ..overlap
+            },
+        ),
+        (
+            9,
+            2048,
+            64,
+            3,
+            BgmvTuning {
+                cluster: Some(1),
+                ..overlap
+            },
+        ),
+        (
+            40,
+            520,
+            32,
+            6,
+            BgmvTuning {
+                tensor_cores: Some(true),
+                clusters_per_window: Some(2),
+                ..overlap
+            },
+        ),
+    ];
+    for (n, width, stride, slots, t) in cases {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 7 % stride) as u32).collect();
+        let p = Problem::new(&mut rng, n, width, &[width], stride, &ranks, true);
+        // Rows of no adapter among the rest (a single row always has one).
+        let idx = random_idx(&mut rng, n, slots, if n == 1 { 0 } else { 5 });
+        // 16-byte aligned rows (the vector paths) with spare columns past the width.
+        let pitch = width.div_ceil(8) * 8 + 8;
+        let start = [rng.bf16_vec(n * pitch, 1.0), rng.bf16_vec(n * pitch, 1.0)];
+        // A plain apply first (its predecessor is an upload), then dependents.
+        let chain = [FUSED_SCALAR_SCAN, t, t, t, t, t];
+        let cpu = overlap_chain(&Device::cpu(), &p, &start, pitch, &idx, &[BgmvTuning::default(); 6]);
+        let g = overlap_chain(&gpu, &p, &start, pitch, &idx, &chain);
+        assert!(g.iter().all(|v| v.is_finite()), "n={n} {t:?}: non-finite output");
+        let err = rel_error(&g, &cpu);
+        assert!(err < TOL, "n={n} width={width} {t:?}: ‖gpu − cpu‖/‖cpu‖ = {err:e}");
+    }
+}
 
 #[test]
 fn gpu_bgmv_every_rank_against_padded_pool() {
@@ -400,6 +530,34 @@ fn gpu_bgmv_row_patterns_and_paths() {
         BgmvTuning {
             cluster: Some(4),
             ..FUSED_SCALAR_SCAN
+        },
+        // Many items per cluster (rank-0 items among them): the push form's
+        // receive buffers and mbarrier phases reused, and the pull form.
+        BgmvTuning {
+            cluster: Some(8),
+            out_splits: Some(3),
+            clusters_per_window: Some(2),
+            push_sum: Some(false),
+            ..FUSED_SCALAR_SCAN
+        },
+        BgmvTuning {
+            cluster: Some(8),
+            clusters_per_window: Some(1),
+            push_sum: Some(true),
+            ..FUSED_SCALAR_SCAN
+        },
+        BgmvTuning {
+            cluster: Some(4),
+            clusters_per_window: Some(1),
+            push_sum: Some(true),
+            ..FUSED_TC_LIST
+        },
+        BgmvTuning {
+            cluster: Some(8),
+            out_splits: Some(2),
+            clusters_per_window: Some(3),
+            push_sum: Some(false),
+            ..FUSED_TC_LIST
         },
         FUSED_SCALAR_LIST,
         FUSED_TC_LIST,

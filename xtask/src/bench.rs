@@ -464,7 +464,22 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                     };
                     variants.push((format!("fused{label} {form}"), t));
                 }
+                // The cluster sum by barrier and peer loads, or by pushes.
+                for (form, push) in [("pull", false), ("push", true)] {
+                    let t = BgmvTuning {
+                        push_sum: Some(push),
+                        ..fused
+                    };
+                    variants.push((format!("fused{label} {form}"), t));
+                }
             }
+            // Each apply a programmatic dependent of the one before (the
+            // caller's contract holds: the previous apply writes only its y).
+            let t = BgmvTuning {
+                overlap_previous: Some(true),
+                ..Default::default()
+            };
+            variants.push(("overlap".to_string(), t));
             // Clusters per window as before the 7/8 residency rule (one per
             // 8 resident blocks), to measure that rule.
             let t = BgmvTuning {

@@ -51,11 +51,16 @@ struct PlanShape {
     stride: usize,
     y_size: usize,
     cluster: usize,
+    /// The cluster sum pushes partials into receive slots (`off_r`).
+    push: bool,
+    /// The tensor-core shrink's per-warp tiles follow the rank vectors.
+    tensor_cores: bool,
 }
 
 /// The kernel's dynamic shared memory layout for one launch (see `cuda/bgmv.cu`):
-/// B rows and y values of the block's outputs, the rank vectors, then one or
-/// two stages of A and x chunks. The output piece is a multiple of 16 and an
+/// B rows and y values of the block's outputs, the rank vectors, one or
+/// two stages of A and x chunks, then (push form) the cluster sum's two
+/// receive buffers of `cluster` slots of `[G][stride8]` f32. The output piece is a multiple of 16 and an
 /// A stage holds the stride rounded up to 16 rows, so the tensor-core
 /// kernels' 16-row tiles stay inside the allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +72,7 @@ struct SmemPlan {
     off_t: usize,
     off_a: usize,
     off_x: usize,
+    off_r: usize,
     total: usize,
 }
 
@@ -80,16 +86,24 @@ impl SmemPlan {
             stride,
             y_size,
             cluster,
+            push,
+            tensor_cores,
             ..
         } = shape;
         let lo_max = round16(piece8(piece8(max_out, splits), cluster));
         // B rows are padded to a multiple of 8 columns plus 8 (`bpitch` in the kernel).
         let off_y = round16(lo_max * (stride.div_ceil(8) * 8 + 8) * 2);
         let off_t = off_y + round16(ITEM_ROWS * lo_max * y_size);
-        // sTp and sT [G][stride8] f32, then the TC shrink's per-warp tiles [warps][128] f32.
-        let off_a = off_t + 2 * ITEM_ROWS * stride.div_ceil(8) * 8 * 4 + (THREADS as usize / 32) * 128 * 4;
+        // sTp and sT [G][stride8] f32, then (TC) the shrink's per-warp tiles [warps][128] f32.
+        let red = if tensor_cores {
+            (THREADS as usize / 32) * 128 * 4
+        } else {
+            0
+        };
+        let off_a = off_t + 2 * ITEM_ROWS * stride.div_ceil(8) * 8 * 4 + red;
         let off_x = off_a + round16(stages * round16(stride) * stage_pitch(k_chunk) * 2);
-        let total = off_x + round16(stages * ITEM_ROWS * stage_pitch(k_chunk) * 2);
+        let off_r = off_x + round16(stages * ITEM_ROWS * stage_pitch(k_chunk) * 2);
+        let total = off_r + if push { push_recv_bytes(cluster, stride) } else { 0 };
         SmemPlan {
             splits,
             k_chunk,
@@ -98,6 +112,7 @@ impl SmemPlan {
             off_t,
             off_a,
             off_x,
+            off_r,
             total,
         }
     }
@@ -134,8 +149,20 @@ impl SmemPlan {
     }
 }
 
-/// Static shared memory of the kernel (row window and items), bytes.
-const STATIC_SMEM: usize = 4 * 1024 + 128;
+/// Static shared memory of the scanning kernels (row window, items, a small
+/// table) and of the `_list` ones (an item), bytes.
+const STATIC_SMEM: usize = 7 * 1024 + 256;
+const LIST_STATIC_SMEM: usize = 256;
+
+/// Bytes of the push form's receive buffers: two of `cluster` slots of `[G][stride8]` f32.
+fn push_recv_bytes(cluster: usize, stride: usize) -> usize {
+    2 * cluster * ITEM_ROWS * stride.div_ceil(8) * 8 * 4
+}
+
+/// Rank strides up to which clusters sum by pushing by default: the receive
+/// buffers (`push_recv_bytes`, 8 KB at 16 with clusters of 8) then cost
+/// little shared memory.
+pub const PUSH_SUM_MAX_STRIDE: usize = 32;
 /// Blocks per multiprocessor the kernel's register use allows (`__launch_bounds__(256, 3)`).
 const REG_BLOCKS_PER_SM: usize = 3;
 /// The same for the tensor-core cluster kernels (`__launch_bounds__(256, 4)`).
@@ -160,10 +187,16 @@ struct RowShape {
     n_windows: usize,
     /// The tensor-core kernels (more blocks per multiprocessor with clusters).
     tensor_cores: bool,
+    /// The `_list` kernels (items from `bgmv_list`: little static shared memory).
+    list: bool,
 }
 
 impl RowShape {
     /// Blocks per multiprocessor the kernel's registers allow.
+    fn static_smem(&self) -> usize {
+        if self.list { LIST_STATIC_SMEM } else { STATIC_SMEM }
+    }
+
     fn reg_blocks(&self, cluster: usize) -> usize {
         if self.tensor_cores && cluster > 1 {
             TC_BLOCKS_PER_SM
@@ -179,6 +212,8 @@ struct LaunchChoice {
     cluster: usize,
     cpw: usize,
     plan: SmemPlan,
+    /// The cluster sum pushes partials (st.async) instead of a barrier and peer loads.
+    push: bool,
 }
 
 impl LaunchChoice {
@@ -219,12 +254,15 @@ impl LaunchChoice {
         let n_targets = targets.len();
         let mut best: Option<(f64, LaunchChoice)> = None;
         for cl in clusters {
+            let push = cl > 1 && tuning.push_sum.unwrap_or(stride <= PUSH_SUM_MAX_STRIDE);
             let shape = PlanShape {
                 in_dim,
                 max_out,
                 stride,
                 y_size,
                 cluster: cl,
+                push,
+                tensor_cores: rows.tensor_cores,
             };
             let slice = piece8(in_dim, cl);
             let split_options: Vec<usize> = match tuning.out_splits {
@@ -236,7 +274,9 @@ impl LaunchChoice {
                 if plan.total > smem_optin {
                     continue;
                 }
-                let bps = rows.reg_blocks(cl).min(smem_per_sm / (plan.total + STATIC_SMEM + 1024));
+                let bps = rows
+                    .reg_blocks(cl)
+                    .min(smem_per_sm / (plan.total + rows.static_smem() + 1024));
                 if bps == 0 {
                     continue;
                 }
@@ -259,7 +299,15 @@ impl LaunchChoice {
                 let cost =
                     rounds as f64 * (3.0 + chunks as f64) - 0.1 * bps as f64 + 0.05 * (s as f64 - preferred).abs();
                 if best.as_ref().is_none_or(|(b, _)| cost < *b) {
-                    best = Some((cost, LaunchChoice { cluster: cl, cpw, plan }));
+                    best = Some((
+                        cost,
+                        LaunchChoice {
+                            cluster: cl,
+                            cpw,
+                            plan,
+                            push,
+                        },
+                    ));
                 }
             }
         }
@@ -317,6 +365,24 @@ pub struct BgmvTuning {
     /// (measured slower: 17.7 against 17.3 µs at n = 256, 19.6 against
     /// 19.4 at n = 64).
     pub list_ready_flag: Option<bool>,
+    /// Fused kernel in clusters: each block pushes its partial rank vectors
+    /// into every peer's shared memory (`st.async`, counted on the peer's
+    /// mbarrier) and waits on its own, instead of a cluster barrier, peer
+    /// loads and a second barrier per item. Costs receive buffers of
+    /// `2 · cluster · 8 · stride` f32. `None`: on up to
+    /// [`PUSH_SUM_MAX_STRIDE`].
+    pub push_sum: Option<bool>,
+    /// Fused kernel, scanning form: launch as a programmatic dependent of the
+    /// stream's previous kernel, so the row indices, the table entries and
+    /// the first item's A and B are read while that kernel finishes; x and y
+    /// are touched only after it completed (`griddepcontrol.wait`). The
+    /// kernel also lets the next kernel start early the same way.
+    ///
+    /// Only correct when the previous kernel writes neither `idx`, the
+    /// pair tables nor the adapter weights they point at (in an engine:
+    /// the apply follows the base projection, which writes y). Off by
+    /// default; ignored where the item list or two launches serve the batch.
+    pub overlap_previous: Option<bool>,
 }
 
 /// Batch sizes for which the fused kernel reads a first launch's item list
@@ -512,9 +578,16 @@ struct BgmvParams {
     list: u64,
     list_stride: i32,
     list_flag: i32,
+    /// Push form: byte offset of the receive buffers in the dynamic shared memory.
+    off_r: i32,
+    /// 1: the cluster sum pushes partials (`BgmvTuning::push_sum`).
+    push: i32,
+    /// 1: a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
+    overlap: i32,
+    pad0: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgmvParams>() == 208 && std::mem::offset_of!(BgmvParams, targets) == 112);
+const _: () = assert!(size_of::<BgmvParams>() == 224 && std::mem::offset_of!(BgmvParams, targets) == 128);
 
 /// `y[row, target columns] += scale * B (A x[row])` with the entry of
 /// `idx[row]` (`idx` holds at least `x.n_rows` values; -1 = no delta).
@@ -663,6 +736,7 @@ fn launch<Y: OutputElem>(
         smem_per_sm: c.smem_per_sm,
     };
     let tensor_cores = tuning.tensor_cores.unwrap_or(n >= TENSOR_CORE_MIN_ROWS);
+    let list = list_wanted && item_list_fits(window, n_windows, n_targets);
     let rows = RowShape {
         in_dim: x.width,
         stride,
@@ -670,10 +744,11 @@ fn launch<Y: OutputElem>(
         window,
         n_windows,
         tensor_cores,
+        list,
     };
     let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
-    let list = list_wanted && item_list_fits(window, n_windows, n_targets);
+    let overlap = !list && tuning.overlap_previous.unwrap_or(false);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
         .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
     let grid_y = n_windows * cpw;
@@ -707,6 +782,10 @@ fn launch<Y: OutputElem>(
         list: 0,
         list_stride: to_i32("window", item_list_stride(window).unwrap_or(usize::MAX))?,
         list_flag: i32::from(tuning.list_ready_flag.unwrap_or(false)),
+        off_r: to_i32("smem", plan.off_r)?,
+        push: i32::from(config.push),
+        overlap: i32::from(overlap),
+        pad0: 0,
         targets: *target_params,
     };
     let kernel = Kernel {
@@ -730,7 +809,10 @@ fn launch<Y: OutputElem>(
         // kernel; the kernel checks each index against `n_entries` and each entry's
         // rank against the stride before reading A and B through table addresses,
         // which the table's owner keeps pointing at live `[stride, in]` / `[out, stride]` pairs.
-        return unsafe { c.launch(kernel, shape, &params) };
+        // As a dependent launch (`overlap`) the kernel reads x and y only after
+        // `griddepcontrol.wait`; idx, the tables and the pairs before it, which the
+        // caller promised the previous kernel does not write.
+        return unsafe { c.launch_chained(kernel, shape, &params, overlap) };
     }
     c.with_scratch(|scratch| {
         params.list = scratch;

@@ -320,13 +320,15 @@ fn shape(in_dim: usize, max_out: usize, stride: usize) -> PlanShape {
         stride,
         y_size: 2,
         cluster: 8,
+        push: stride <= PUSH_SUM_MAX_STRIDE,
+        tensor_cores: true,
     }
 }
 
 /// Every region of the plan is 16-byte aligned, holds what the kernel puts
 /// there, and the regions follow each other without overlap.
 fn check_plan(p: &SmemPlan, s: PlanShape, stages: usize) {
-    for off in [p.off_y, p.off_t, p.off_a, p.off_x, p.total] {
+    for off in [p.off_y, p.off_t, p.off_a, p.off_x, p.off_r, p.total] {
         assert_eq!(off % 16, 0, "{p:?}");
     }
     assert!(
@@ -334,10 +336,18 @@ fn check_plan(p: &SmemPlan, s: PlanShape, stages: usize) {
         "B rows are padded like the kernel pads them"
     );
     assert!(p.off_t - p.off_y >= ITEM_ROWS * p.lo_max * s.y_size);
-    assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4 + 8 * 128 * 4);
+    let red = if s.tensor_cores { 8 * 128 * 4 } else { 0 };
+    assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4 + red);
     // A stages hold whole 16-row tiles of padded rows.
     assert!(p.off_x - p.off_a >= stages * s.stride.div_ceil(16) * 16 * (p.k_chunk + 8) * 2);
-    assert!(p.total - p.off_x >= stages * ITEM_ROWS * (p.k_chunk + 8) * 2);
+    assert!(p.off_r - p.off_x >= stages * ITEM_ROWS * (p.k_chunk + 8) * 2);
+    // Push form: two receive buffers of one [G][stride8] f32 slot per cluster rank.
+    let recv = if s.push {
+        2 * s.cluster * ITEM_ROWS * s.stride.div_ceil(8) * 8 * 4
+    } else {
+        0
+    };
+    assert!(p.total - p.off_r >= recv, "{p:?}");
     assert_eq!(p.k_chunk % 8, 0);
     // Whole 16-output tiles of B rows stay inside the B region.
     assert_eq!(p.lo_max % 16, 0, "{p:?}");
@@ -365,8 +375,8 @@ fn smem_plans_of_the_bench_shapes_fit_two_or_three_blocks_per_sm() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
-    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>()) {
-        let s = shape(in_dim, out, stride);
+    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>(), push in any::<bool>(), tensor_cores in any::<bool>()) {
+        let s = PlanShape { push, tensor_cores, ..shape(in_dim, out, stride) };
         let p = SmemPlan::choose(s, s0, fixed);
         let slice = piece8(in_dim, 8);
         let stages = if p.k_chunk < slice { 2 } else { 1 };
@@ -400,6 +410,7 @@ fn choice(n: usize, in_dim: usize, out: usize, stride: usize) -> LaunchChoice {
         window: n,
         n_windows: 1,
         tensor_cores: n >= TENSOR_CORE_MIN_ROWS,
+        list: ITEM_LIST_ROWS.contains(&n),
     };
     LaunchChoice::pick(H200, rows, &t, BgmvTuning::default()).unwrap()
 }
@@ -427,7 +438,12 @@ fn launch_choices_keep_every_block_resident() {
         } else {
             REG_BLOCKS_PER_SM
         };
-        let bps = reg_blocks.min(H200.smem_per_sm / (c.plan.total + STATIC_SMEM + 1024));
+        let static_smem = if ITEM_LIST_ROWS.contains(&n) {
+            LIST_STATIC_SMEM
+        } else {
+            STATIC_SMEM
+        };
+        let bps = reg_blocks.min(H200.smem_per_sm / (c.plan.total + static_smem + 1024));
         assert!(
             blocks <= 132 * bps,
             "n={n} stride={stride}: {c:?} has {blocks} blocks for {bps}/SM"
@@ -452,6 +468,7 @@ fn launch_choices_keep_every_block_resident() {
         window: 4,
         n_windows: 1,
         tensor_cores: false,
+        list: false,
     };
     let ampere = DeviceLimits { hopper: false, ..H200 };
     assert_eq!(
