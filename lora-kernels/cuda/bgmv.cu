@@ -11,9 +11,22 @@
 // memory, and then each block adds its 1/C share of the outputs (expand). The
 // grid is (C * out_splits, n_windows * clusters_per_window, n_targets); each
 // out split recomputes the (tiny) rank vector instead of paying a second
-// launch. All of a block's A, B, x and y bytes are requested into L2 with
-// bulk prefetches as soon as the entry is known, so the loads that follow
-// find them in flight.
+// launch. All of a block's A, B, x and y bytes are requested (cp.async) in
+// one batch as soon as the entry is known.
+//
+// Cluster sum: by default (p.push, small rank strides) each block pushes its
+// partial rank vectors into every peer's receive buffer with st.async, whose
+// bytes complete on the peer's mbarrier, and waits on its own mbarrier: one
+// one-way hop per item, no cluster barrier and so no GPU-scope release
+// fence. Otherwise a cluster barrier, loads from the peers' shared memory,
+// and a second barrier before the partials are overwritten.
+//
+// Overlap (p.overlap, scanning form): launched as a programmatic dependent
+// of the stream's previous kernel, the block reads idx, the table and its
+// first item's B and A before griddepcontrol.wait and x and y only after it,
+// so the chain idx -> entry -> weights runs under that kernel's tail. The
+// caller guarantees the previous kernel writes neither idx, the tables nor
+// the adapters.
 //
 // Items: every block of the scanning kernels lists its window's items itself
 // (scan_window, then load_item per item). The _list kernels read them from a
