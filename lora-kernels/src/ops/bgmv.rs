@@ -253,8 +253,21 @@ impl LaunchChoice {
         let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
         let n_targets = targets.len();
         let mut best: Option<(f64, LaunchChoice)> = None;
-        for cl in clusters {
-            let push = cl > 1 && tuning.push_sum.unwrap_or(stride <= PUSH_SUM_MAX_STRIDE);
+        // The push sum where asked for; by default tried first up to
+        // PUSH_SUM_MAX_STRIDE, and kept wherever its receive buffers cost no
+        // resident block (a tie otherwise goes to it), else the pull.
+        let push_options: &[bool] = match tuning.push_sum {
+            Some(true) => &[true],
+            Some(false) => &[false],
+            None if stride <= PUSH_SUM_MAX_STRIDE => &[true, false],
+            None => &[false],
+        };
+        let pairs = clusters.iter().flat_map(|&cl| {
+            // One block per item has no cluster sum.
+            let options: &[bool] = if cl > 1 { push_options } else { &[false] };
+            options.iter().map(move |&push| (cl, push))
+        });
+        for (cl, push) in pairs {
             let shape = PlanShape {
                 in_dim,
                 max_out,
@@ -296,8 +309,9 @@ impl LaunchChoice {
                 // split, or two for a batch of one or two rows (measured on the H200:
                 // 9.0 against 9.5-9.9 µs at n = 1; one split wins from n = 16 on).
                 let preferred = if window * n_windows <= 2 { 2.0 } else { 1.0 };
-                let cost =
-                    rounds as f64 * (3.0 + chunks as f64) - 0.1 * bps as f64 + 0.05 * (s as f64 - preferred).abs();
+                let cost = rounds as f64 * (3.0 + chunks as f64) - 0.1 * bps as f64
+                    + 0.05 * (s as f64 - preferred).abs()
+                    + if push { 0.0 } else { 0.001 };
                 if best.as_ref().is_none_or(|(b, _)| cost < *b) {
                     best = Some((
                         cost,
@@ -370,7 +384,7 @@ pub struct BgmvTuning {
     /// mbarrier) and waits on its own, instead of a cluster barrier, peer
     /// loads and a second barrier per item. Costs receive buffers of
     /// `2 · cluster · 8 · stride` f32. `None`: on up to
-    /// [`PUSH_SUM_MAX_STRIDE`].
+    /// [`PUSH_SUM_MAX_STRIDE`] where those cost no resident block.
     pub push_sum: Option<bool>,
     /// Fused kernel, scanning form: launch as a programmatic dependent of the
     /// stream's previous kernel, so the row indices, the table entries and

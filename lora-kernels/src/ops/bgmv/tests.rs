@@ -428,6 +428,14 @@ fn launch_choices_keep_every_block_resident() {
     ] {
         let c = choice(n, in_dim, out, stride);
         eprintln!("n={n} in={in_dim} out={out} stride={stride}: {c:?}");
+        // Small adapters sum by pushes where their receive buffers cost no
+        // resident block (at 14336 outputs they would: the pull is kept).
+        if out == 4096 {
+            assert_eq!(c.push, stride <= PUSH_SUM_MAX_STRIDE, "n={n} stride={stride}: {c:?}");
+        }
+        if stride > PUSH_SUM_MAX_STRIDE {
+            assert!(!c.push);
+        }
         // One or two rows: two output splits (measured faster at n = 1); else one.
         if (in_dim, out) == (4096, 4096) {
             assert_eq!(c.plan.splits, if n <= 2 { 2 } else { 1 }, "n={n}: {c:?}");
