@@ -192,11 +192,12 @@ struct RowShape {
 }
 
 impl RowShape {
-    /// Blocks per multiprocessor the kernel's registers allow.
+    /// Static shared memory of the kernel form, bytes.
     fn static_smem(&self) -> usize {
         if self.list { LIST_STATIC_SMEM } else { STATIC_SMEM }
     }
 
+    /// Blocks per multiprocessor the kernel's registers allow.
     fn reg_blocks(&self, cluster: usize) -> usize {
         if self.tensor_cores && cluster > 1 {
             TC_BLOCKS_PER_SM
