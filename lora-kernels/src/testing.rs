@@ -299,7 +299,14 @@ impl RepackCase {
 
     /// Run the case on `device` over a destination filled with `poison`.
     pub fn run(&self, device: &Device, poison: bf16) -> Result<Vec<bf16>, KernelError> {
-        let src = device.upload(bytemuck::cast_slice::<u8, bf16>(&self.src))?;
+        // Element by element: a byte vector's address need not be 2-aligned
+        // (an empty one's is 1), which a cast would refuse.
+        let carrier: Vec<bf16> = self
+            .src
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        let src = device.upload(&carrier)?;
         let mut dst = device.upload(&vec![poison; self.dst_len])?;
         let mut scratch = device.alloc_zeros(self.regions.len().max(1))?;
         crate::ops::repack::repack(device, &src, self.src.len(), &self.regions, &mut scratch, &mut dst)?;
