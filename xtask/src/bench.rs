@@ -31,7 +31,7 @@
 //!
 //! usage: `cargo xtask bench [--out PATH] [--torch-script PATH] [--reps N]
 //! [--sections a,b] [--sweep] [--variant SUBSTRING] [--quick] [--only SUBSTRING]`
-//! (`--variant`: the sweep's launch choices whose label contains it, beside the default)
+//! (`--variant`: the sweep's launch choices whose label contains it, or one of its `|`-separated pieces, beside the default)
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -61,7 +61,8 @@ struct Options {
     sweep: bool,
     /// Only cases whose name contains this.
     only: Option<String>,
-    /// Only sweep variants whose label contains this (and the default).
+    /// Only sweep variants whose label contains this, or one of its
+    /// `|`-separated pieces (and the default).
     variant: Option<String>,
 }
 
@@ -104,7 +105,7 @@ impl Options {
     /// Keep the default and the sweep variants `--variant` asks for.
     fn filter_variants<T>(&self, variants: &mut Vec<(String, T)>) {
         if let Some(v) = &self.variant {
-            variants.retain(|(label, _)| label == "default" || label.contains(v.as_str()));
+            variants.retain(|(label, _)| label == "default" || v.split('|').any(|w| label.contains(w)));
         }
     }
 
@@ -480,6 +481,26 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("overlap".to_string(), t));
+            // The overlap where every block scans its window, and in the
+            // fused kernel where two launches serve by default.
+            let forms = [
+                ("overlap scan", Some(false), None),
+                ("overlap fused", None, Some(false)),
+            ];
+            for (label, item_list_pass, two_phase) in forms {
+                let o = BgmvTuning {
+                    item_list_pass,
+                    two_phase,
+                    ..t
+                };
+                variants.push((label.to_string(), o));
+            }
+            // With two launches, the expand also a dependent of the shrink.
+            let o = BgmvTuning {
+                dependent_launch: Some(true),
+                ..t
+            };
+            variants.push(("overlap dep".to_string(), o));
             // Clusters per window as before the 7/8 residency rule (one per
             // 8 resident blocks), to measure that rule.
             let t = BgmvTuning {
@@ -491,7 +512,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("tc q49".to_string(), t));
-            for cols in [512, 1024] {
+            for cols in [256, 512, 1024] {
                 let t = BgmvTuning {
                     two_phase: Some(true),
                     expand_cols: Some(cols),

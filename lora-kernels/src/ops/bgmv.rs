@@ -387,16 +387,18 @@ pub struct BgmvTuning {
     /// `2 · cluster · 8 · stride` f32. `None`: on up to
     /// [`PUSH_SUM_MAX_STRIDE`] where those cost no resident block.
     pub push_sum: Option<bool>,
-    /// Fused kernel, scanning form: launch as a programmatic dependent of the
-    /// stream's previous kernel, so the row indices, the table entries and
-    /// the first item's A and B are read while that kernel finishes; x and y
-    /// are touched only after it completed (`griddepcontrol.wait`). The
-    /// kernel also lets the next kernel start early the same way.
+    /// Launch the apply's first kernel as a programmatic dependent of the
+    /// stream's previous kernel, so what depends only on the row indices,
+    /// the tables and the adapters is read while that kernel finishes; x, y
+    /// and the device's scratch are touched only after it completed
+    /// (`griddepcontrol.wait`). The fused kernel's scanning form reads idx,
+    /// the table entries and its first item's A and B early; `bgmv_list`
+    /// and the two-phase shrink idx and the table. The apply's last kernel
+    /// lets the next kernel start early the same way.
     ///
     /// Only correct when the previous kernel writes neither `idx`, the
     /// pair tables nor the adapter weights they point at (in an engine:
-    /// the apply follows the base projection, which writes y). Off by
-    /// default; ignored where the item list or two launches serve the batch.
+    /// the apply follows the base projection, which writes y). Off by default.
     pub overlap_previous: Option<bool>,
 }
 
@@ -556,13 +558,14 @@ struct Bgmv2Params {
     ks_max: i32,
     expand_cols: i32,
     pow2_slices: i32,
-    pad1: i32,
+    /// 1: the shrink is a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
+    overlap: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
 const _: () = assert!(size_of::<Bgmv2Params>() == 176 && std::mem::offset_of!(Bgmv2Params, targets) == 80);
 
 /// Resident blocks per multiprocessor of the two-phase kernels (`__launch_bounds__` in `cuda/bgmv.cu`).
-const SHRINK_BLOCKS_PER_SM: usize = 3;
+const SHRINK_BLOCKS_PER_SM: usize = 4;
 const EXPAND_BLOCKS_PER_SM: usize = 4;
 
 /// Mirror of `struct BgmvParams` in `cuda/bgmv.cu`.
@@ -728,9 +731,12 @@ fn launch<Y: OutputElem>(
         );
         match plan {
             Some(plan) if plan.expand_smem <= c.smem_optin => {
-                let dependent = tuning.dependent_launch.unwrap_or(false);
-                let pow2 = tuning.pow2_slices.unwrap_or(true);
-                return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, dependent, pow2);
+                let forms = TwoPhaseForms {
+                    dependent: tuning.dependent_launch.unwrap_or(false),
+                    pow2_slices: tuning.pow2_slices.unwrap_or(true),
+                    overlap: tuning.overlap_previous.unwrap_or(false),
+                };
+                return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, forms);
             }
             _ if tuning.two_phase == Some(true) => {
                 return Err(invalid(
@@ -763,7 +769,7 @@ fn launch<Y: OutputElem>(
     };
     let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
-    let overlap = !list && tuning.overlap_previous.unwrap_or(false);
+    let overlap = tuning.overlap_previous.unwrap_or(false);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
         .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
     let grid_y = n_windows * cpw;
@@ -839,9 +845,11 @@ fn launch<Y: OutputElem>(
         // checks indices and entries as the scanning kernel does (the fused
         // kernel reads only checked entries), and the fused kernel reads the
         // list only after `griddepcontrol.wait` or after acquiring the ready
-        // flag `bgmv_list` clears before its dependents may start.
+        // flag `bgmv_list` clears before its dependents may start. As a dependent
+        // launch (`overlap`) `bgmv_list` reads idx and the tables before its wait
+        // and writes the scratch only after it.
         unsafe {
-            c.launch(
+            c.launch_chained(
                 Kernel {
                     family: Family::Bgmv,
                     name: "bgmv_list",
@@ -852,10 +860,22 @@ fn launch<Y: OutputElem>(
                     smem: 0,
                 },
                 &params,
+                overlap,
             )?;
             c.launch_chained(kernel, shape, &params, true)
         }
     })
+}
+
+/// The two-phase launches' forms (`BgmvTuning`'s knobs, resolved).
+#[derive(Debug, Clone, Copy)]
+struct TwoPhaseForms {
+    /// The expand a programmatic dependent of the shrink.
+    dependent: bool,
+    /// K slices rounded down to a power of two.
+    pow2_slices: bool,
+    /// The shrink a programmatic dependent of the stream's previous kernel.
+    overlap: bool,
 }
 
 /// The two-phase decode: `bgmv2_shrink` then `bgmv2_expand_*`, through the
@@ -870,8 +890,7 @@ fn launch_two_phase<Y: OutputElem>(
     stride: usize,
     y: &RowsMut<'_, Y>,
     plan: TwoPhasePlan,
-    dependent: bool,
-    pow2_slices: bool,
+    forms: TwoPhaseForms,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
@@ -899,8 +918,8 @@ fn launch_two_phase<Y: OutputElem>(
             n_targets: to_i32("targets", n_targets)?,
             ks_max: to_i32("k_splits", plan.ks_max)?,
             expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
-            pow2_slices: i32::from(pow2_slices),
-            pad1: 0,
+            pow2_slices: i32::from(forms.pow2_slices),
+            overlap: i32::from(forms.overlap),
             targets: *target_params,
         };
         // SAFETY: `Bgmv2Params` mirrors the kernels' struct (sizes asserted on both
@@ -909,8 +928,11 @@ fn launch_two_phase<Y: OutputElem>(
         // inside the scratch (`scratch_bytes <= SCRATCH_BYTES`, n <= 512 rows),
         // which `with_scratch` holds for both launches; the kernels check each
         // index and each entry's rank before reading A and B through table addresses.
+        // As a dependent launch (`overlap`) the shrink reads x and touches the
+        // scratch only after its wait; idx, the tables and A before it, which
+        // the caller promised the previous kernel does not write.
         unsafe {
-            c.launch(
+            c.launch_chained(
                 Kernel {
                     family: Family::Bgmv,
                     name: "bgmv2_shrink",
@@ -921,6 +943,7 @@ fn launch_two_phase<Y: OutputElem>(
                     smem: 0,
                 },
                 &params,
+                forms.overlap,
             )?;
             let kernel = Kernel {
                 family: Family::Bgmv,
@@ -932,7 +955,7 @@ fn launch_two_phase<Y: OutputElem>(
                 smem: to_u32("smem", plan.expand_smem)?,
             };
             // The expand runs `griddepcontrol.wait` before it reads the scratch.
-            c.launch_chained(kernel, shape, &params, dependent)
+            c.launch_chained(kernel, shape, &params, forms.dependent)
         }
     })
 }
