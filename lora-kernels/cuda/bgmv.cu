@@ -972,7 +972,12 @@ extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 // vectors into the backend's scratch, plus one descriptor per item.
 // bgmv2_expand: units (item, output chunk), B read with whole warps on
 // contiguous rows, partials summed and scaled, y staged through shared memory
-// so it moves in 16-byte pieces.
+// so it moves in 16-byte pieces. Both sum a lane's partial dots over the lanes
+// that share them by halving exchanges (butterfly8 in the shrink, two halving
+// steps in the expand): the reductions were what kept a warp from its next
+// loads. The expand is by default the shrink's programmatic dependent, and
+// with p.overlap the shrink is the previous kernel's (idx and the tables read
+// before its wait; x and the scratch after it).
 //
 // Scratch layout (the host sizes and checks it; `BGMV2_*` mirror bgmv.rs):
 //   [0, 256)                      Bgmv2Header per target

@@ -317,10 +317,11 @@ const FUSED_FORMS: [BgmvTuning; 6] = [
 ];
 
 /// The two-phase kernels (shrink, then expand), whatever the batch, with
-/// as many K slices as fill the grid.
+/// as many K slices as fill the grid, the expand a plain launch.
 const TWO_PHASE: BgmvTuning = BgmvTuning {
     two_phase: Some(true),
     pow2_slices: Some(false),
+    dependent_launch: Some(false),
     ..FUSED
 };
 

@@ -495,12 +495,12 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 };
                 variants.push((label.to_string(), o));
             }
-            // With two launches, the expand also a dependent of the shrink.
+            // With two launches, the expand not a dependent of the shrink.
             let o = BgmvTuning {
-                dependent_launch: Some(true),
+                dependent_launch: Some(false),
                 ..t
             };
-            variants.push(("overlap dep".to_string(), o));
+            variants.push(("overlap nodep".to_string(), o));
             // Clusters per window as before the 7/8 residency rule (one per
             // 8 resident blocks), to measure that rule.
             let t = BgmvTuning {
@@ -522,10 +522,10 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             }
             let t = BgmvTuning {
                 two_phase: Some(true),
-                dependent_launch: Some(true),
+                dependent_launch: Some(false),
                 ..Default::default()
             };
-            variants.push(("2p dep".to_string(), t));
+            variants.push(("2p nodep".to_string(), t));
             let t = BgmvTuning {
                 two_phase: Some(true),
                 pow2_slices: Some(true),
