@@ -501,6 +501,11 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..t
             };
             variants.push(("overlap nodep".to_string(), o));
+            let o = BgmvTuning {
+                two_phase: Some(true),
+                ..t
+            };
+            variants.push(("overlap 2p".to_string(), o));
             // Clusters per window as before the 7/8 residency rule (one per
             // 8 resident blocks), to measure that rule.
             let t = BgmvTuning {

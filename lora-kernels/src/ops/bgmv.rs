@@ -346,8 +346,9 @@ pub struct BgmvTuning {
     pub clusters_per_window: Option<u32>,
     /// Two launches (a shrink into the device's scratch, then an expand)
     /// instead of the fused kernel; batches of at most 512 rows. `None`:
-    /// two launches for [`TWO_PHASE_ROWS`] rows, except batches of up to 64
-    /// rows of adapters of rank stride 16 or less and at most 8192 outputs.
+    /// two launches for [`TWO_PHASE_ROWS`] rows, except, under
+    /// `overlap_previous`, batches of up to 64 rows of adapters of rank
+    /// stride 16 or less and at most 8192 outputs.
     pub two_phase: Option<bool>,
     /// Two-phase expand: outputs per unit of work (8..=1024, rounded up to a
     /// multiple of 8). `None`: 512, or 1024 for outputs wider than 8192.
@@ -468,13 +469,15 @@ pub const TENSOR_CORE_MIN_ROWS: usize = 129;
 pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 
 /// Whether [`bgmv`] takes the two launches for `n` rows: [`TWO_PHASE_ROWS`],
-/// except batches of up to 64 rows of small adapters (rank stride 16 or
-/// less, at most 8192 outputs), where the fused kernel measured faster once
-/// its clusters all fit in one wave (18.6 against 19.8 µs at n = 64, rank
-/// 16, 4096 x 4096 on the H200; at rank 64 or 14336 outputs two launches
-/// stay ahead: 42 against 55 µs, 31 against 41).
-fn two_phase_by_default(n: usize, stride: usize, max_out: usize) -> bool {
-    TWO_PHASE_ROWS.contains(&n) && !(n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
+/// except, under [`BgmvTuning::overlap_previous`], batches of up to 64 rows
+/// of small adapters (rank stride 16 or less, at most 8192 outputs), whose
+/// fused launch reads its first items' weights under the previous kernel
+/// (n = 64, rank 16, 4096 x 4096 on the H200, in a graph: 10.7 µs fused
+/// against 14.5 for two launches without the overlap; at rank 64 or 14336
+/// outputs two launches stay ahead with it too: 25.3 against 47.6 µs,
+/// 21.5 against 33.4).
+fn two_phase_by_default(n: usize, stride: usize, max_out: usize, overlap: bool) -> bool {
+    TWO_PHASE_ROWS.contains(&n) && !(overlap && n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
 }
 
 /// Byte offsets in the scratch of the two-phase decode (`BGMV2_*` in `cuda/bgmv.cu`):
@@ -719,7 +722,7 @@ fn launch<Y: OutputElem>(
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     if tuning
         .two_phase
-        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out))
+        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, tuning.overlap_previous.unwrap_or(false)))
     {
         let plan = TwoPhasePlan::new(
             n,

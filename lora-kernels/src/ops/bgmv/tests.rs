@@ -537,15 +537,20 @@ fn two_phase_serves_single_windows_only() {
 
 #[test]
 fn two_launches_by_default_where_they_measured_faster() {
-    // Few rows: the fused kernel's single launch.
-    assert!(!two_phase_by_default(16, 16, 4096));
-    // Up to 64 rows of small adapters: fused; larger adapters or more rows: two launches.
-    assert!(!two_phase_by_default(64, 16, 4096));
-    assert!(two_phase_by_default(64, 64, 4096));
-    assert!(two_phase_by_default(64, 16, 14336));
-    assert!(two_phase_by_default(128, 16, 4096));
-    // Many rows: the fused kernel (on tensor cores).
-    assert!(!two_phase_by_default(256, 16, 4096));
+    for overlap in [false, true] {
+        // Few rows: the fused kernel's single launch.
+        assert!(!two_phase_by_default(16, 16, 4096, overlap));
+        // Larger adapters or more rows: two launches.
+        assert!(two_phase_by_default(64, 64, 4096, overlap));
+        assert!(two_phase_by_default(64, 16, 14336, overlap));
+        assert!(two_phase_by_default(128, 16, 4096, overlap));
+        // Many rows: the fused kernel (on tensor cores).
+        assert!(!two_phase_by_default(256, 16, 4096, overlap));
+    }
+    // Up to 64 rows of small adapters: two launches, or the fused one when
+    // it overlaps the previous kernel.
+    assert!(two_phase_by_default(64, 16, 4096, false));
+    assert!(!two_phase_by_default(64, 16, 4096, true));
 }
 
 #[test]
