@@ -25,9 +25,9 @@
 // previous kernel, a scanning block reads idx, the table and its first
 // item's B and A before griddepcontrol.wait and x and y only after it, so
 // the chain idx -> entry -> weights runs under that kernel's tail; bgmv_list
-// reads idx and the table before its wait and writes its list after it. The
-// caller guarantees the previous kernel writes neither idx, the tables nor
-// the adapters.
+// and bgmv2_shrink (below) read idx and the table before their wait and
+// write the scratch after it. The caller guarantees the previous kernel
+// writes neither idx, the tables nor the adapters.
 //
 // Items: every block of the scanning kernels lists its window's items itself
 // (scan_window, then load_item per item). The _list kernels read them from a

@@ -360,8 +360,8 @@ pub struct BgmvTuning {
     pub pow2_slices: Option<bool>,
     /// Two-phase: launch the expand as a programmatic dependent of the
     /// shrink, so its blocks get resident while the shrink drains. `None`:
-    /// on (n = 64 on the H200, in a graph: 0.4 µs at rank 64 and at 14336
-    /// outputs, 38.65 -> 38.22 and 22.82 -> 22.42).
+    /// on (n = 64 on the H200, in a graph: rank 64 28.20 -> 27.90 µs, 14336
+    /// outputs 24.80 -> 24.55).
     pub dependent_launch: Option<bool>,
     /// Fused kernel: shrink and expand on tensor cores (items of several
     /// rows cost one matrix instruction per 8 columns instead of a warp
@@ -471,11 +471,11 @@ pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 /// Whether [`bgmv`] takes the two launches for `n` rows: [`TWO_PHASE_ROWS`],
 /// except, under [`BgmvTuning::overlap_previous`], batches of up to 64 rows
 /// of small adapters (rank stride 16 or less, at most 8192 outputs), whose
-/// fused launch reads its first items' weights under the previous kernel
-/// (n = 64, rank 16, 4096 x 4096 on the H200, in a graph: 10.7 µs fused
-/// against 14.5 for two launches without the overlap; at rank 64 or 14336
-/// outputs two launches stay ahead with it too: 25.3 against 47.6 µs,
-/// 21.5 against 33.4).
+/// fused launch reads its first items' weights under the previous kernel.
+/// On the H200 at n = 64, rank 16, 4096 x 4096, in a graph: two launches
+/// 14.0 µs against 15.5 fused by default, but under the overlap fused 10.7
+/// against 12.0; at rank 64 or 14336 outputs two launches stay ahead under
+/// the overlap too (25.3 against 47.6 µs, 21.5 against 33.4).
 fn two_phase_by_default(n: usize, stride: usize, max_out: usize, overlap: bool) -> bool {
     TWO_PHASE_ROWS.contains(&n) && !(overlap && n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
 }
@@ -934,8 +934,8 @@ fn launch_two_phase<Y: OutputElem>(
         // which `with_scratch` holds for both launches; the kernels check each
         // index and each entry's rank before reading A and B through table addresses.
         // As a dependent launch (`overlap`) the shrink reads x and touches the
-        // scratch only after its wait; idx, the tables and A before it, which
-        // the caller promised the previous kernel does not write.
+        // scratch only after its wait; idx and the tables before it, which the
+        // caller promised the previous kernel does not write.
         unsafe {
             c.launch_chained(
                 Kernel {
