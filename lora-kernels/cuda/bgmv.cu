@@ -678,9 +678,9 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // received this block's next push, sent after this sum read it.
         // Pull form: one (row, rank) value per thread, all rows at once; the C
         // peer loads are issued together and summed in rank order.
-        const float* recv = (const float*)(dyn + p.off_r) + (pushes & 1) * C * BGMV_G * tp;
+        const int b = pushes & 1;  // this item's receive buffer and mbarrier
+        const float* recv = (const float*)(dyn + p.off_r) + b * C * BGMV_G * tp;
         if (push && nr > 0) {
-            const int b = pushes & 1;
             const u32 parity = (u32)(pushes >> 1) & 1u;
             ++pushes;
             if (!peers_ready) {

@@ -237,6 +237,16 @@ pub fn widen(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
+/// Raw little-endian bytes (an even count) as the bf16 elements of a
+/// carrier buffer, element by element: a byte vector's address need not be
+/// 2-aligned (an empty one's is 1), which a cast would refuse.
+pub fn bf16_carrier(bytes: &[u8]) -> Vec<bf16> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+        .collect()
+}
+
 /// A random repack case: raw source bytes (random BF16 / F16 / F32 values,
 /// tensors at any byte offset) and non-overlapping regions over a
 /// destination of `dst_len` elements, some of them zeros only.
@@ -299,14 +309,7 @@ impl RepackCase {
 
     /// Run the case on `device` over a destination filled with `poison`.
     pub fn run(&self, device: &Device, poison: bf16) -> Result<Vec<bf16>, KernelError> {
-        // Element by element: a byte vector's address need not be 2-aligned
-        // (an empty one's is 1), which a cast would refuse.
-        let carrier: Vec<bf16> = self
-            .src
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]))
-            .collect();
-        let src = device.upload(&carrier)?;
+        let src = device.upload(&bf16_carrier(&self.src))?;
         let mut dst = device.upload(&vec![poison; self.dst_len])?;
         let mut scratch = device.alloc_zeros(self.regions.len().max(1))?;
         crate::ops::repack::repack(device, &src, self.src.len(), &self.regions, &mut scratch, &mut dst)?;

@@ -470,9 +470,8 @@ fn check_overlap_chain(gpu: &Device, rng: &mut Rng, shape: (usize, usize, usize,
 /// The overlap in the forms of two launches: the item list (`bgmv_list`
 /// reads idx and the tables before its wait, writes its list after it) and
 /// the two-phase shrink (idx and the tables before its wait; the scratch and
-/// x after it). Chains mix the forms, so each one's
-/// first kernel runs under a previous apply's last kernel that still reads
-/// the same scratch.
+/// x after it). Chains mix the forms, so each one's first kernel runs under
+/// a previous apply's last kernel that still reads the same scratch.
 #[test]
 fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms") else {

@@ -60,9 +60,9 @@ struct PlanShape {
 /// The kernel's dynamic shared memory layout for one launch (see `cuda/bgmv.cu`):
 /// B rows and y values of the block's outputs, the rank vectors, one or
 /// two stages of A and x chunks, then (push form) the cluster sum's two
-/// receive buffers of `cluster` slots of `[G][stride8]` f32. The output piece is a multiple of 16 and an
-/// A stage holds the stride rounded up to 16 rows, so the tensor-core
-/// kernels' 16-row tiles stay inside the allocation.
+/// receive buffers of `cluster` slots of `[G][stride8]` f32. The output
+/// piece is a multiple of 16 and an A stage holds the stride rounded up to
+/// 16 rows, so the tensor-core kernels' 16-row tiles stay inside the allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct SmemPlan {
     splits: usize,

@@ -1,5 +1,5 @@
 use super::*;
-use crate::testing::{RepackCase, Rng};
+use crate::testing::{RepackCase, Rng, bf16_carrier};
 
 fn region(src_byte: u64, dst_elem: u64, rows: u32, src_cols: u32, dst_rows: u32, dst_cols: u32) -> RepackRegion {
     RepackRegion {
@@ -99,8 +99,7 @@ fn nan_and_subnormal_sources_convert_like_the_host_packer() {
     let f32_at = src.len();
     src.extend(singles.iter().flat_map(|v| v.to_le_bytes()));
     let device = Device::cpu();
-    let carrier: Vec<bf16> = src.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
-    let srcbuf = device.upload(&carrier).unwrap();
+    let srcbuf = device.upload(&bf16_carrier(&src)).unwrap();
     let mut dst = device.alloc_zeros(16).unwrap();
     let mut scratch = device.alloc_zeros(2).unwrap();
     let mut a = region(0, 0, 1, halves.len() as u32, 1, halves.len() as u32);
