@@ -188,6 +188,19 @@ __device__ __forceinline__ void mma_k8(float* d, u32 a0, u32 a1, u32 b0) {
                  : "r"(a0), "r"(a1), "r"(b0));
 }
 
+// d (16x8 f32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major).
+// Registers as PTX lays them out: a0 (row g, k 2t..2t+1), a1 (row g + 8,
+// same k), a2 (row g, k 2t+8..2t+9), a3 (row g + 8, those k); b0 (k 2t..2t+1,
+// column g), b1 (k 2t+8..2t+9); d0, d1 (row g, columns 2t, 2t+1), d2, d3
+// (row g + 8), for lane = 4 g + t.
+__device__ __forceinline__ void mma_k16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // Copy n bf16 from global to shared and zero the tail up to n_pad (a
 // multiple of 8): 16-byte cp.async when `vec` (both ends 16-byte aligned,
 // n a multiple of 8), else plain loads. `lane_id` of `lanes` threads share it.
@@ -969,7 +982,8 @@ extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 // A, then waits, then streams B; here every block of each launch only
 // streams. bgmv2_shrink: units (item, K slice), A read straight into
 // registers (16-byte loads, several rows in flight per lane), partial rank
-// vectors into the backend's scratch, plus one descriptor per item.
+// vectors into the backend's scratch, plus one descriptor per item
+// (bgmv2_shrink_tc: the same units on tensor cores, for items of many rows).
 // bgmv2_expand: units (item, output chunk), B read with whole warps on
 // contiguous rows, partials summed and scaled, y staged through shared memory
 // so it moves in 16-byte pieces. Both sum a lane's partial dots over the lanes
@@ -988,6 +1002,8 @@ extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 #define BGMV2_PART_OFF (BGMV2_DESC_OFF + MAX_TARGETS * BGMV_WIN_MAX * 64)
 #define BGMV2_UNROLL 4
 #define BGMV2_XROWS 2
+// Tensor-core shrink: 32-column chunks per warp in flight (each lane 2 16-byte A loads per chunk).
+#define BGMV2_TC_UNROLL 4
 // Most K slices of the shrink (`TWO_PHASE_MAX_SPLITS` in bgmv.rs).
 #define BGMV2_MAX_SPLITS 16
 
@@ -1087,11 +1103,79 @@ __device__ __forceinline__ int butterfly8_index(int lane) {
     return ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
 }
 
-// Four blocks per multiprocessor (`SHRINK_BLOCKS_PER_SM` in bgmv.rs): more
-// A loads in flight and twice the K slices of three (n = 64, rank 64: 35.4
-// against 39.6 µs on the H200).
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink(const Bgmv2Params p) {
+// The tensor-core shrink's sums of one round: every warp's 16 x 8 tile (rank
+// rows x item rows, in mma_k16's fragment order) in sRed, summed over the
+// warps that share a group in warp order, into sT: no float atomics, so the
+// result does not depend on the warps' timing (a graph replays its eager
+// run bit for bit). Groups gph + round * gw, gph < gw; between barriers.
+__device__ __forceinline__ void shrink_tc_sum(float* sT, const float* sRed, int round, int gw, int cw, int groups16,
+                                              int rank, int nr) {
+#pragma unroll 1
+    for (int v = threadIdx.x; v < gw * 128; v += BGMV_THREADS) {
+        const int gph = v >> 7;
+        const int e = v & 127;
+        const int grp = gph + round * gw;
+        const int lane = e & 31;
+        const int i = e >> 5;
+        const int k = grp * 16 + (lane >> 2) + (i >> 1) * 8;
+        const int row = (lane & 3) * 2 + (i & 1);
+        if (grp < groups16 && k < rank && row < nr) {
+            float sum = 0.f;
+            for (int c = 0; c < cw; ++c) sum += sRed[(gph * cw + c) * 128 + e];
+            sT[row * BGMV_MAX_RANK + k] = sum;
+        }
+    }
+}
+
+// One warp's 16 rank rows (a_lo: row g, a_hi: row g + 8 of lane 4 g + t)
+// times its item rows over its chunks cph, cph + cw, ... of 32 columns
+// from k0, into d, U chunks in flight. VEC: A and x rows 16-byte aligned
+// (in a multiple of 8), so every chunk is whole 16-byte loads; else element
+// loads, one chunk at a time (the registers they need).
+template <bool VEC, int U>
+__device__ __forceinline__ void shrink_tc_group(float* d, const bf16_t* a_lo, const bf16_t* a_hi, const bf16_t* xrow,
+                                                bool lo_ok, bool hi_ok, bool has_row, int k0, int k1, int cph, int cw,
+                                                int c32, int tq) {
+    const uint4 z = make_uint4(0, 0, 0, 0);
+#pragma unroll 1
+    for (int c = cph; c < c32; c += U * cw) {
+        // A's rows first, all in flight; x (a few rows, read by every
+        // group's warps, mostly from L1) as each chunk is summed.
+        uint4 al[U], ah[U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const int col = k0 + (c + j * cw) * 32 + tq * 8;
+            const int valid = c + j * cw < c32 ? k1 - col : 0;  // <= 0: past the slice
+            if (VEC) {
+                al[j] = lo_ok && valid > 0 ? ldg16(a_lo + col) : z;
+                ah[j] = hi_ok && valid > 0 ? ldg16(a_hi + col) : z;
+            } else {
+                al[j] = lo_ok && valid > 0 ? load8(a_lo + col, valid, false) : z;
+                ah[j] = hi_ok && valid > 0 ? load8(a_hi + col, valid, false) : z;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const int col = k0 + (c + j * cw) * 32 + tq * 8;
+            const int valid = c + j * cw < c32 ? k1 - col : 0;
+            uint4 xv = z;
+            if (has_row && valid > 0) xv = VEC ? ldg16(xrow + col) : load8(xrow + col, valid, false);
+            mma_k16(d, al[j].x, ah[j].x, al[j].y, ah[j].y, xv.x, xv.y);
+            mma_k16(d, al[j].z, ah[j].z, al[j].w, ah[j].w, xv.z, xv.w);
+        }
+    }
+}
+
+// How the shrink sums an item: scalar (unpacking, FMAs, butterfly8) or on
+// tensor cores (an mma_k16 takes up to 8 item rows at once, where the scalar
+// path re-reads A for each pair of rows).
+#define SHRINK_SCALAR 0
+#define SHRINK_TC 1
+
+template <int MODE>
+__device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     __shared__ WindowScan s_win;
+    __shared__ float s_tc[MODE == SHRINK_TC ? BGMV_WARPS * 128 : 1];  // the tensor-core rounds' tiles
     __shared__ ItemRows s_item;
     __shared__ float sT[BGMV_G * BGMV_MAX_RANK];
 
@@ -1170,7 +1254,50 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink(const
         const int kp = warp / groups;
         const bool vec_a = (in % 8 == 0) && aligned16(A);
         const bool vec_x = (p.x_stride % 8 == 0) && aligned16(X);
-        if (kp < kw) {
+        if (MODE == SHRINK_TC) {
+            // Tensor cores: a warp's m16n8k16 tile is 16 rank rows x the
+            // item's (up to 8) rows over 32 columns, which each lane reads as
+            // 16 contiguous bytes of two A rows and of its x row: the columns
+            // of a tile are summed in whatever order, so lane 4 g + t holds
+            // columns 8 t .. 8 t + 7, of which words 0-1 and 2-3 are the k
+            // pairs of two mma_k16. One instruction per 256 multiply-adds
+            // instead of the scalar path's unpacking, FMAs and exchanges.
+            const int groups16 = (rank + 15) >> 4;
+            const int c32 = (nch + 3) >> 2;
+            // Warps tile (chunk phase, group phase): on chunks, except that
+            // warps move to groups (while there are groups for them) until
+            // each has BGMV2_TC_UNROLL chunks per group, its loads in flight.
+            int cw = 8;
+            while (cw > 1 && (cw > c32 || (c32 < BGMV2_TC_UNROLL * cw && 2 * (BGMV_WARPS / cw) <= groups16))) cw >>= 1;
+            const int gw = BGMV_WARPS / cw;
+            const int cph = warp % cw;
+            const int g = lane >> 2;
+            const int tq = lane & 3;
+            const bool has_row = g < nr;
+            const bf16_t* xrow = X + (u64)s_item.rows[has_row ? g : 0] * p.x_stride;
+            const int rounds = (groups16 + gw - 1) / gw;
+#pragma unroll 1
+            for (int round = 0; round < rounds; ++round) {
+                const int grp = warp / cw + round * gw;
+                const int r0 = grp * 16 + g;
+                const bool lo_ok = r0 < rank;
+                const bool hi_ok = r0 + 8 < rank;
+                const bf16_t* a_lo = A + (u64)r0 * in;
+                const bf16_t* a_hi = A + (u64)(r0 + 8) * in;
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+                if (grp >= groups16) {
+                } else if (vec_a && vec_x) {
+                    shrink_tc_group<true, BGMV2_TC_UNROLL>(d, a_lo, a_hi, xrow, lo_ok, hi_ok, has_row, k0, k1, cph, cw, c32, tq);
+                } else {
+                    shrink_tc_group<false, 1>(d, a_lo, a_hi, xrow, lo_ok, hi_ok, has_row, k0, k1, cph, cw, c32, tq);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s_tc[warp * 128 + i * 32 + lane] = d[i];
+                __syncthreads();
+                shrink_tc_sum(sT, s_tc, round, gw, cw, groups16, rank, nr);
+                __syncthreads();  // s_tc is rewritten by the next round
+            }
+        } else if (kp < kw) {
 #pragma unroll 1
             for (int cb = cg * 32; cb < nch; cb += groups * 32) {
                 const int c = cb + lane;
@@ -1220,6 +1347,17 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink(const
     // A block without units has written nothing; it still waits, so that the
     // lead block writes the header of an empty batch too.
     if (!waited) wait_previous_then_header();
+}
+
+// Four blocks per multiprocessor (`SHRINK_BLOCKS_PER_SM` in bgmv.rs): more
+// A loads in flight and twice the K slices of three (n = 64, rank 64: 35.4
+// against 39.6 µs on the H200).
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink(const Bgmv2Params p) {
+    bgmv2_shrink_body<SHRINK_SCALAR>(p);
+}
+// `BgmvTuning::shrink_tensor_cores`.
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_tc(const Bgmv2Params p) {
+    bgmv2_shrink_body<SHRINK_TC>(p);
 }
 
 // Dynamic shared memory of the expand: sAcc [G][cols] f32, sY [G][cols] Y, sT [G][rpad] f32.

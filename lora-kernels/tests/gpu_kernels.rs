@@ -211,6 +211,7 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         tunings.extend(FUSED_FORMS);
         if n <= 512 {
             tunings.extend([TWO_PHASE, TWO_PHASE_DEPENDENT, TWO_PHASE_POW2]);
+            tunings.extend([TWO_PHASE_TC, TWO_PHASE_TC_POW2_DEPENDENT]);
         }
         // The cluster sum both ways, whatever the stride's default (the
         // push's receive buffers of rank stride 256 do not fit: refused below).
@@ -259,6 +260,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     two_phase: Some(false),
     expand_cols: None,
     dependent_launch: None,
+    shrink_tensor_cores: None,
     pow2_slices: None,
     tensor_cores: None,
     item_list_pass: None,
@@ -335,6 +337,18 @@ const TWO_PHASE_POW2: BgmvTuning = BgmvTuning {
 const TWO_PHASE_DEPENDENT: BgmvTuning = BgmvTuning {
     dependent_launch: Some(true),
     ..TWO_PHASE
+};
+
+/// The two-phase kernels with the shrink on tensor cores, with each launch
+/// form of the expand.
+const TWO_PHASE_TC: BgmvTuning = BgmvTuning {
+    shrink_tensor_cores: Some(true),
+    ..TWO_PHASE
+};
+const TWO_PHASE_TC_POW2_DEPENDENT: BgmvTuning = BgmvTuning {
+    shrink_tensor_cores: Some(true),
+    pow2_slices: Some(true),
+    ..TWO_PHASE_DEPENDENT
 };
 
 /// Applies chained in one stream, each reading as x what the one before
@@ -490,6 +504,7 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
         ..two_phase
     };
     let scan = with_overlap(FUSED_SCALAR_SCAN);
+    let two_phase_tc = with_overlap(TWO_PHASE_TC_POW2_DEPENDENT);
     // (n, width, stride, slots): one window and several (n > 512 for the list).
     let shapes = [
         (200, 1024, 16, 7),
@@ -509,13 +524,15 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
                 two_phase_dependent,
                 two_phase,
                 scan,
+                two_phase_tc,
+                two_phase_tc,
                 list,
             ]
         } else {
             vec![FUSED_TC_LIST, list, list_flag, scan, list, list]
         };
         // And each form chained to itself.
-        let own: Vec<BgmvTuning> = vec![chain[1 + i % 2]; 5];
+        let own: Vec<BgmvTuning> = vec![[list, two_phase, two_phase_tc, list_flag][i]; 5];
         check_overlap_chain(&gpu, &mut rng, shape, &chain);
         check_overlap_chain(&gpu, &mut rng, shape, &own);
     }
@@ -532,7 +549,7 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, TWO_PHASE_TC]) {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
     }
 }
@@ -681,6 +698,7 @@ fn gpu_bgmv_row_patterns_and_paths() {
             pow2_slices: Some(true),
             ..TWO_PHASE
         },
+        TWO_PHASE_TC_POW2_DEPENDENT,
     ];
     for (label, idx) in &patterns {
         for t in tunings {

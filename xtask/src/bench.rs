@@ -31,7 +31,7 @@
 //!
 //! usage: `cargo xtask bench [--out PATH] [--torch-script PATH] [--reps N]
 //! [--sections a,b] [--sweep] [--variant SUBSTRING] [--quick] [--only SUBSTRING]`
-//! (`--variant`: the sweep's launch choices whose label contains it, or one of its `|`-separated pieces, beside the default)
+//! (`--variant`: the sweep's launch choices whose label contains it, or one of its `|`-separated pieces, beside the default; `--only` likewise for the cases)
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -99,7 +99,9 @@ impl Options {
     }
 
     fn wants_case(&self, name: &str) -> bool {
-        self.only.as_ref().is_none_or(|o| name.contains(o.as_str()))
+        self.only
+            .as_ref()
+            .is_none_or(|o| o.split('|').any(|w| name.contains(w)))
     }
 
     /// Keep the default and the sweep variants `--variant` asks for.
@@ -406,8 +408,9 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
 /// A decode case: rows, in, out, rank, distinct adapters, and the best peer µs.
 type DecodeCase = (usize, usize, usize, usize, usize, Option<f64>);
 
-/// Issue 4's decode shapes, then a batch of several row windows (no peer
-/// figure; it times the launch choices past one window).
+/// Issue 4's decode shapes, then (no peer figures) a batch of several row
+/// windows (the launch choices past one window) and two of 8-row items in
+/// the two-phase range (few adapters for many rows).
 const DECODE: &[DecodeCase] = &[
     (1, 4096, 4096, 16, 1, Some(15.2)),
     (16, 4096, 4096, 16, 16, Some(20.1)),
@@ -416,6 +419,9 @@ const DECODE: &[DecodeCase] = &[
     (256, 4096, 4096, 16, 32, Some(26.8)),
     (64, 4096, 14336, 16, 64, Some(52.1)),
     (1024, 4096, 4096, 16, 64, None),
+    // Items of 8 rows in the two-phase range (no peer figure).
+    (128, 4096, 4096, 16, 16, None),
+    (64, 4096, 4096, 16, 8, None),
 ];
 /// Prefill (rows, segments, in, out, r) and the best peer µs.
 const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =
@@ -537,6 +543,18 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("2p pow2".to_string(), t));
+            // The shrink on tensor cores, plain and under the overlap.
+            let t = BgmvTuning {
+                two_phase: Some(true),
+                shrink_tensor_cores: Some(true),
+                ..Default::default()
+            };
+            variants.push(("2p stc".to_string(), t));
+            let o = BgmvTuning {
+                overlap_previous: Some(true),
+                ..t
+            };
+            variants.push(("overlap 2p stc".to_string(), o));
         }
         ctx.opts.filter_variants(&mut variants);
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);

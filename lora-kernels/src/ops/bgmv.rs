@@ -346,7 +346,8 @@ pub struct BgmvTuning {
     pub clusters_per_window: Option<u32>,
     /// Two launches (a shrink into the device's scratch, then an expand)
     /// instead of the fused kernel; batches of at most 512 rows. `None`:
-    /// two launches for [`TWO_PHASE_ROWS`] rows, except, under
+    /// two launches for [`TWO_PHASE_ROWS`] rows, except batches of more
+    /// than [`MULTI_ROW_ITEMS`] rows per table entry and, under
     /// `overlap_previous`, batches of up to 64 rows of adapters of rank
     /// stride 16 or less and at most 8192 outputs.
     pub two_phase: Option<bool>,
@@ -363,10 +364,18 @@ pub struct BgmvTuning {
     /// on (n = 64 on the H200, in a graph: rank 64 28.20 -> 27.90 µs, 14336
     /// outputs 24.80 -> 24.55).
     pub dependent_launch: Option<bool>,
+    /// Two-phase shrink on tensor cores: one matrix instruction per 16 rank
+    /// rows x 16 columns x the item's rows (up to 8), instead of per-lane
+    /// unpacking, multiply-adds and warp exchanges for every 2 rows. `None`:
+    /// off (items of one row, where two launches serve by default, measured
+    /// the same either way; n = 256 of 32 adapters, forced to two launches:
+    /// 24.1 against 27.6 µs in a graph on the H200).
+    pub shrink_tensor_cores: Option<bool>,
     /// Fused kernel: shrink and expand on tensor cores (items of several
     /// rows cost one matrix instruction per 8 columns instead of a warp
     /// reduction per row). `None`: on for batches of at least
-    /// [`TENSOR_CORE_MIN_ROWS`] rows.
+    /// [`TENSOR_CORE_MIN_ROWS`] rows, and of [`TWO_PHASE_ROWS`] rows of more
+    /// than [`MULTI_ROW_ITEMS`] rows per table entry.
     pub tensor_cores: Option<bool>,
     /// Fused kernel: a small first launch (`bgmv_list`) lists each window's
     /// items (rows and checked table entry) once into the device's scratch,
@@ -374,8 +383,8 @@ pub struct BgmvTuning {
     /// its items from there instead of every block scanning the window.
     /// Used when the lists fit the device's launch scratch and every
     /// table has at most [`ITEM_LIST_MAX_ENTRIES`] entries; else the
-    /// scanning form. `None`: on for batches of at least
-    /// [`TENSOR_CORE_MIN_ROWS`] rows ([`ITEM_LIST_ROWS`]).
+    /// scanning form. `None`: where `tensor_cores` is on by default
+    /// ([`ITEM_LIST_ROWS`], and few adapters for [`TWO_PHASE_ROWS`] rows).
     pub item_list_pass: Option<bool>,
     /// With the item list: the fused blocks poll a ready flag the first
     /// launch releases once its list is written, instead of waiting for
@@ -476,8 +485,27 @@ pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 /// 14.0 µs against 15.5 fused by default, but under the overlap fused 10.7
 /// against 12.0; at rank 64 or 14336 outputs two launches stay ahead under
 /// the overlap too (25.3 against 47.6 µs, 21.5 against 33.4).
-fn two_phase_by_default(n: usize, stride: usize, max_out: usize, overlap: bool) -> bool {
-    TWO_PHASE_ROWS.contains(&n) && !(overlap && n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
+///
+/// Nor batches whose items must hold many rows: more than
+/// [`MULTI_ROW_ITEMS`] rows per table entry (the tables' largest), so fewer
+/// at most `n / MULTI_ROW_ITEMS` distinct adapters. There the fused kernel on tensor cores with the item list (as
+/// from [`TENSOR_CORE_MIN_ROWS`] rows) reads each adapter once for all its
+/// rows without the two launches' fixed cost (n = 128 of 16 adapters, in a
+/// graph: 11.4 against 19.0 µs).
+fn two_phase_by_default(n: usize, stride: usize, max_out: usize, overlap: bool, max_entries: usize) -> bool {
+    TWO_PHASE_ROWS.contains(&n)
+        && !few_adapters(n, max_entries)
+        && !(overlap && n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
+}
+
+/// Rows per table entry past which a batch of [`TWO_PHASE_ROWS`] rows is
+/// served like a large one (see `two_phase_by_default`).
+pub const MULTI_ROW_ITEMS: usize = 2;
+
+/// A batch of [`TWO_PHASE_ROWS`] rows over tables of at most `max_entries`
+/// entries, so of items of several rows on average.
+fn few_adapters(n: usize, max_entries: usize) -> bool {
+    TWO_PHASE_ROWS.contains(&n) && n > MULTI_ROW_ITEMS * max_entries
 }
 
 /// Byte offsets in the scratch of the two-phase decode (`BGMV2_*` in `cuda/bgmv.cu`):
@@ -720,9 +748,11 @@ fn launch<Y: OutputElem>(
     let n = x.n_rows;
     let n_targets = targets.len();
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+    let max_entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0);
+    let overlap = tuning.overlap_previous.unwrap_or(false);
     if tuning
         .two_phase
-        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, tuning.overlap_previous.unwrap_or(false)))
+        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, overlap, max_entries))
     {
         let plan = TwoPhasePlan::new(
             n,
@@ -737,6 +767,7 @@ fn launch<Y: OutputElem>(
         match plan {
             Some(plan) if plan.expand_smem <= c.smem_optin => {
                 let forms = TwoPhaseForms {
+                    shrink_tensor_cores: tuning.shrink_tensor_cores.unwrap_or(false),
                     dependent: tuning.dependent_launch.unwrap_or(true),
                     pow2_slices: tuning.pow2_slices.unwrap_or(true),
                     overlap: tuning.overlap_previous.unwrap_or(false),
@@ -752,8 +783,9 @@ fn launch<Y: OutputElem>(
             _ => {}
         }
     }
-    let list_wanted = tuning.item_list_pass.unwrap_or_else(|| ITEM_LIST_ROWS.contains(&n))
-        && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
+    let many_rows = ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries);
+    let list_wanted =
+        tuning.item_list_pass.unwrap_or(many_rows) && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
     let (window, n_windows) = row_windows(n, list_wanted, n_targets);
     let limits = DeviceLimits {
         hopper: c.compute_capability.0 >= 9,
@@ -761,7 +793,7 @@ fn launch<Y: OutputElem>(
         smem_optin: c.smem_optin,
         smem_per_sm: c.smem_per_sm,
     };
-    let tensor_cores = tuning.tensor_cores.unwrap_or(n >= TENSOR_CORE_MIN_ROWS);
+    let tensor_cores = tuning.tensor_cores.unwrap_or(many_rows);
     let list = list_wanted && item_list_fits(window, n_windows, n_targets);
     let rows = RowShape {
         in_dim: x.width,
@@ -875,6 +907,8 @@ fn launch<Y: OutputElem>(
 /// The two-phase launches' forms (`BgmvTuning`'s knobs, resolved).
 #[derive(Debug, Clone, Copy)]
 struct TwoPhaseForms {
+    /// The shrink on tensor cores (`bgmv2_shrink_tc`).
+    shrink_tensor_cores: bool,
     /// The expand a programmatic dependent of the shrink.
     dependent: bool,
     /// K slices rounded down to a power of two.
@@ -940,7 +974,11 @@ fn launch_two_phase<Y: OutputElem>(
             c.launch_chained(
                 Kernel {
                     family: Family::Bgmv,
-                    name: "bgmv2_shrink",
+                    name: if forms.shrink_tensor_cores {
+                        "bgmv2_shrink_tc"
+                    } else {
+                        "bgmv2_shrink"
+                    },
                 },
                 Launch {
                     grid: (to_u32("grid", shrink_blocks)?, 1, to_u32("grid", n_targets)?),

@@ -537,20 +537,37 @@ fn two_phase_serves_single_windows_only() {
 
 #[test]
 fn two_launches_by_default_where_they_measured_faster() {
+    // Tables of 64 entries: items of one row are possible up to 128 rows.
     for overlap in [false, true] {
         // Few rows: the fused kernel's single launch.
-        assert!(!two_phase_by_default(16, 16, 4096, overlap));
+        assert!(!two_phase_by_default(16, 16, 4096, overlap, 64));
         // Larger adapters or more rows: two launches.
-        assert!(two_phase_by_default(64, 64, 4096, overlap));
-        assert!(two_phase_by_default(64, 16, 14336, overlap));
-        assert!(two_phase_by_default(128, 16, 4096, overlap));
+        assert!(two_phase_by_default(64, 64, 4096, overlap, 64));
+        assert!(two_phase_by_default(64, 16, 14336, overlap, 64));
+        assert!(two_phase_by_default(128, 16, 4096, overlap, 64));
         // Many rows: the fused kernel (on tensor cores).
-        assert!(!two_phase_by_default(256, 16, 4096, overlap));
+        assert!(!two_phase_by_default(256, 16, 4096, overlap, 64));
+        // Rows that must share few adapters (more than 2 per table entry):
+        // the fused kernel on tensor cores with the item list, as for many rows.
+        assert!(!two_phase_by_default(128, 16, 4096, overlap, 16));
+        assert!(!two_phase_by_default(64, 64, 4096, overlap, 31));
+        assert!(two_phase_by_default(64, 64, 4096, overlap, 32));
     }
     // Up to 64 rows of small adapters: two launches, or the fused one when
     // it overlaps the previous kernel.
-    assert!(two_phase_by_default(64, 16, 4096, false));
-    assert!(!two_phase_by_default(64, 16, 4096, true));
+    assert!(two_phase_by_default(64, 16, 4096, false, 64));
+    assert!(!two_phase_by_default(64, 16, 4096, true, 64));
+}
+
+#[test]
+fn few_adapters_is_a_bound_on_the_items_of_the_two_phase_range() {
+    assert!(few_adapters(128, 16));
+    assert!(!few_adapters(128, 64));
+    assert!(few_adapters(32, 15));
+    assert!(!few_adapters(32, 16));
+    // Outside the range the row count alone decides.
+    assert!(!few_adapters(16, 1));
+    assert!(!few_adapters(256, 1));
 }
 
 #[test]
