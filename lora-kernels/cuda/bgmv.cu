@@ -1246,9 +1246,10 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
         __syncthreads();
 
         const int nch = (k1 - k0 + 7) >> 3;
-        // Warps tile (column group, rank phase): groups of 32 chunks (256
-        // columns) side by side, the remaining factor splits the rank rows.
-        const int groups = min(BGMV_WARPS, max(1, (nch + 31) >> 5));
+        // Warps tile (column group, rank phase): up to two groups of 32
+        // chunks (256 columns) side by side (each of them walks its passes;
+        // see the sums below), the remaining factor splits the rank rows.
+        const int groups = min(2, max(1, (nch + 31) >> 5));
         const int kw = BGMV_WARPS / groups;
         const int cg = warp % groups;
         const int kp = warp / groups;
@@ -1298,41 +1299,49 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
                 __syncthreads();  // s_tc is rewritten by the next round
             }
         } else if (kp < kw) {
+            // A warp's column passes are summed in its registers before one
+            // butterfly8 and one shared add per (rank rows, item rows) step,
+            // so each rank sum gets one add per column group: two at most,
+            // and a + b == b + a, so the result does not depend on the warps'
+            // timing (a replay equals its eager run bit for bit).
 #pragma unroll 1
-            for (int cb = cg * 32; cb < nch; cb += groups * 32) {
-                const int c = cb + lane;
-                const int col = k0 + c * 8;
-                const int valid = c < nch ? k1 - col : 0;
-                // Rows in register groups of BGMV2_XROWS (an item's second group re-reads A from L1).
+            for (int g0 = 0; g0 < nr; g0 += BGMV2_XROWS) {
 #pragma unroll 1
-                for (int g0 = 0; g0 < nr; g0 += BGMV2_XROWS) {
-                    uint4 xr[BGMV2_XROWS];
-#pragma unroll
-                    for (int g = 0; g < BGMV2_XROWS; ++g)
-                        xr[g] = g0 + g < nr ? load8(X + (u64)s_item.rows[g0 + g] * p.x_stride + col, valid, vec_x)
-                                            : make_uint4(0, 0, 0, 0);
+                for (int k = kp; k < rank; k += kw * BGMV2_UNROLL) {
+                    static_assert(BGMV2_UNROLL * BGMV2_XROWS == 8, "butterfly8 sums 8 values");
+                    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
-                    for (int k = kp; k < rank; k += kw * BGMV2_UNROLL) {
+                    for (int cb = cg * 32; cb < nch; cb += groups * 32) {
+                        const int c = cb + lane;
+                        const int col = k0 + c * 8;
+                        const int valid = c < nch ? k1 - col : 0;
                         uint4 a[BGMV2_UNROLL];
 #pragma unroll
                         for (int j = 0; j < BGMV2_UNROLL; ++j) {
                             const int kk = k + j * kw;
                             a[j] = kk < rank ? load8(A + (u64)kk * in + col, valid, vec_a) : make_uint4(0, 0, 0, 0);
                         }
-                        // The 8 partial dots (rank rows x item rows) summed over the warp
-                        // at once; rows past the rank or the item's rows are zero, unwritten.
-                        static_assert(BGMV2_UNROLL * BGMV2_XROWS == 8, "butterfly8 sums 8 values");
-                        float v[8];
+                        // x of rows g0, g0 + 1 (an item's later row pairs and rank
+                        // steps re-read it, and A, from L1).
+                        uint4 xr[BGMV2_XROWS];
+#pragma unroll
+                        for (int g = 0; g < BGMV2_XROWS; ++g)
+                            xr[g] = g0 + g < nr ? load8(X + (u64)s_item.rows[g0 + g] * p.x_stride + col, valid, vec_x)
+                                                : make_uint4(0, 0, 0, 0);
+                        // The 8 partial dots (rank rows x item rows); rows past the
+                        // rank or the item's rows are zero, unwritten.
 #pragma unroll
                         for (int j = 0; j < BGMV2_UNROLL; ++j)
 #pragma unroll
-                            for (int g = 0; g < BGMV2_XROWS; ++g) v[j * BGMV2_XROWS + g] = dot8(a[j], xr[g], 0.f);
-                        const float sum = butterfly8(v, lane);
-                        const int vi = butterfly8_index(lane);
-                        const int kk = k + (vi / BGMV2_XROWS) * kw;
-                        const int g = g0 + vi % BGMV2_XROWS;
-                        if ((lane & 3) == 0 && kk < rank && g < nr) atomicAdd(&sT[g * BGMV_MAX_RANK + kk], sum);
+                            for (int g = 0; g < BGMV2_XROWS; ++g)
+                                v[j * BGMV2_XROWS + g] = dot8(a[j], xr[g], v[j * BGMV2_XROWS + g]);
                     }
+                    // Summed over the warp at once.
+                    const float sum = butterfly8(v, lane);
+                    const int vi = butterfly8_index(lane);
+                    const int kk = k + (vi / BGMV2_XROWS) * kw;
+                    const int g = g0 + vi % BGMV2_XROWS;
+                    if ((lane & 3) == 0 && kk < rank && g < nr) atomicAdd(&sT[g * BGMV_MAX_RANK + kk], sum);
                 }
             }
         }
