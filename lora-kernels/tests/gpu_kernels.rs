@@ -538,16 +538,17 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
     }
 }
 
-/// The two-phase shrink sums each rank row over its warps in a fixed order
-/// (at most two column groups, each walking its own passes; the tensor-core
-/// tiles in warp order), so repeated applies give the same f32 bits: long
-/// K slices (several 256-column passes per warp) and items of several rows.
+/// Every decode form sums in a fixed order (the two-phase shrink: at most
+/// two column groups, each walking its own passes, or the tensor-core tiles
+/// in warp order; the fused kernel's warps and cluster peers in order), so
+/// repeated applies give the same f32 bits: long K slices (several
+/// 256-column passes per warp) and items of several rows.
 #[test]
-fn gpu_two_phase_applies_are_bit_reproducible() {
-    let Some(gpu) = cuda_or_skip("gpu_two_phase_applies_are_bit_reproducible") else {
+fn gpu_decode_applies_are_bit_reproducible() {
+    let Some(gpu) = cuda_or_skip("gpu_decode_applies_are_bit_reproducible") else {
         return;
     };
-    let mut rng = Rng::fresh("gpu_two_phase_applies_are_bit_reproducible");
+    let mut rng = Rng::fresh("gpu_decode_applies_are_bit_reproducible");
     // (n, in, stride, slots): 40 items over 8 K slices of 2048 columns; 8-row
     // items of an odd width.
     for (n, in_dim, stride, slots) in [(40, 16384, 16, 40), (64, 4100, 64, 8)] {
@@ -555,7 +556,7 @@ fn gpu_two_phase_applies_are_bit_reproducible() {
         let p = Problem::new(&mut rng, n, in_dim, &[1024], stride, &ranks, true);
         let idx: Vec<i32> = (0..n).map(|i| (i % slots) as i32).collect();
         let cpu = run_bgmv_on(&Device::cpu(), &p, &idx, &p.y_f32, BgmvTuning::default());
-        for t in [TWO_PHASE, TWO_PHASE_TC] {
+        for t in [TWO_PHASE, TWO_PHASE_TC].into_iter().chain(FUSED_FORMS) {
             let first = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
             compare(&format!("n={n} in={in_dim} {t:?}"), &p.y_f32, &cpu, &first);
             for _ in 0..4 {
