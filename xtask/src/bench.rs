@@ -409,8 +409,8 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
 type DecodeCase = (usize, usize, usize, usize, usize, Option<f64>);
 
 /// Issue 4's decode shapes, then (no peer figures) a batch of several row
-/// windows (the launch choices past one window) and two of 8-row items in
-/// the two-phase range (few adapters for many rows).
+/// windows (the launch choices past one window) and four of items of
+/// several rows in the two-phase range (few adapters for many rows).
 const DECODE: &[DecodeCase] = &[
     (1, 4096, 4096, 16, 1, Some(15.2)),
     (16, 4096, 4096, 16, 16, Some(20.1)),
@@ -419,9 +419,12 @@ const DECODE: &[DecodeCase] = &[
     (256, 4096, 4096, 16, 32, Some(26.8)),
     (64, 4096, 14336, 16, 64, Some(52.1)),
     (1024, 4096, 4096, 16, 64, None),
-    // Items of 8 rows in the two-phase range (no peer figure).
+    // Items of 8 rows in the two-phase range (no peer figure), and of 2 and
+    // 2.7: either side of the few-adapters rule.
     (128, 4096, 4096, 16, 16, None),
     (64, 4096, 4096, 16, 8, None),
+    (64, 4096, 4096, 16, 32, None),
+    (64, 4096, 4096, 16, 24, None),
 ];
 /// Prefill (rows, segments, in, out, r) and the best peer µs.
 const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =
