@@ -486,12 +486,13 @@ pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 /// against 12.0; at rank 64 or 14336 outputs two launches stay ahead under
 /// the overlap too (25.3 against 47.6 µs, 21.5 against 33.4).
 ///
-/// Nor batches whose items must hold many rows: more than
-/// [`MULTI_ROW_ITEMS`] rows per table entry (the tables' largest), so fewer
-/// at most `n / MULTI_ROW_ITEMS` distinct adapters. There the fused kernel on tensor cores with the item list (as
-/// from [`TENSOR_CORE_MIN_ROWS`] rows) reads each adapter once for all its
-/// rows without the two launches' fixed cost (n = 128 of 16 adapters, in a
-/// graph: 11.4 against 19.0 µs).
+/// Nor batches whose items must hold several rows: more than
+/// [`MULTI_ROW_ITEMS`] rows per entry of the largest table, so fewer than
+/// `n / MULTI_ROW_ITEMS` distinct adapters. There the fused kernel on
+/// tensor cores with the item list (as from [`TENSOR_CORE_MIN_ROWS`] rows)
+/// reads each adapter once for all its rows without the two launches'
+/// fixed cost (H200, in a graph: n = 128 of 16 adapters 11.5 against 19.1
+/// µs, n = 64 of 8 10.3 against 16.9, n = 64 of 24 11.1 against 14.6).
 fn two_phase_by_default(n: usize, stride: usize, max_out: usize, overlap: bool, max_entries: usize) -> bool {
     TWO_PHASE_ROWS.contains(&n)
         && !few_adapters(n, max_entries)
@@ -770,7 +771,7 @@ fn launch<Y: OutputElem>(
                     shrink_tensor_cores: tuning.shrink_tensor_cores.unwrap_or(false),
                     dependent: tuning.dependent_launch.unwrap_or(true),
                     pow2_slices: tuning.pow2_slices.unwrap_or(true),
-                    overlap: tuning.overlap_previous.unwrap_or(false),
+                    overlap,
                 };
                 return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, forms);
             }
