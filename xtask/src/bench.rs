@@ -99,15 +99,13 @@ impl Options {
     }
 
     fn wants_case(&self, name: &str) -> bool {
-        self.only
-            .as_ref()
-            .is_none_or(|o| o.split('|').any(|w| name.contains(w)))
+        self.only.as_ref().is_none_or(|o| contains_any(name, o))
     }
 
     /// Keep the default and the sweep variants `--variant` asks for.
     fn filter_variants<T>(&self, variants: &mut Vec<(String, T)>) {
         if let Some(v) = &self.variant {
-            variants.retain(|(label, _)| label == "default" || v.split('|').any(|w| label.contains(w)));
+            variants.retain(|(label, _)| label == "default" || contains_any(label, v));
         }
     }
 
@@ -404,6 +402,12 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
 }
 
 // ---- the kernels section -------------------------------------------------
+
+/// Whether `text` contains one of the `|`-separated pieces of `pattern`
+/// (`--only`, `--variant`).
+fn contains_any(text: &str, pattern: &str) -> bool {
+    pattern.split('|').any(|piece| text.contains(piece))
+}
 
 /// A decode case: rows, in, out, rank, distinct adapters, and the best peer µs.
 type DecodeCase = (usize, usize, usize, usize, usize, Option<f64>);
