@@ -658,18 +658,43 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                         __syncthreads();
                     }
                 } else {
+                    // A warp takes rank rows k and k + WARPS together and each
+                    // lane two column steps at once: four independent dot
+                    // chains sharing the x loads, then one halving exchange for
+                    // both rows. With a handful of warps per multiprocessor the
+                    // chains' latency, not the bytes, is this phase's time.
+                    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll 1
                     for (int g = 0; g < nr; ++g) {
                         const bf16_t* xg = x + g * kp;
 #pragma unroll 1
-                        for (int k = warp; k < rank; k += BGMV_WARPS) {
-                            const bf16_t* arow = a + k * kp;
-                            float acc = 0.f;
-#pragma unroll 2
-                            for (int c = lane; c < n8; c += 32)
-                                acc = dot8(*(const uint4*)(arow + c * 8), *(const uint4*)(xg + c * 8), acc);
-                            acc = warp_sum(acc);
-                            if (lane == 0) sTp[g * tp + k] += acc;
+                        for (int k = warp; k < rank; k += 2 * BGMV_WARPS) {
+                            const bool two = k + BGMV_WARPS < rank;
+                            const bf16_t* a0 = a + k * kp;
+                            const bf16_t* a1 = a + (two ? k + BGMV_WARPS : k) * kp;
+                            float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;
+#pragma unroll 1
+                            for (int c = lane; c < n8; c += 64) {
+                                const bool c2 = c + 32 < n8;
+                                const uint4 x0 = *(const uint4*)(xg + c * 8);
+                                const uint4 p0 = *(const uint4*)(a0 + c * 8);
+                                const uint4 q0 = *(const uint4*)(a1 + c * 8);
+                                const uint4 x1 = c2 ? *(const uint4*)(xg + c * 8 + 256) : zero;
+                                const uint4 p1 = c2 ? *(const uint4*)(a0 + c * 8 + 256) : zero;
+                                const uint4 q1 = c2 ? *(const uint4*)(a1 + c * 8 + 256) : zero;
+                                s00 = dot8(p0, x0, s00);
+                                s10 = dot8(q0, x0, s10);
+                                s01 = dot8(p1, x1, s01);
+                                s11 = dot8(q1, x1, s11);
+                            }
+                            // Lanes 0-15 keep row k, 16-31 row k + WARPS.
+                            const bool upper = (lane & 16) != 0;
+                            const float v0 = s00 + s01, v1 = s10 + s11;
+                            float v = (upper ? v1 : v0) + __shfl_xor_sync(0xffffffffu, upper ? v0 : v1, 16);
+#pragma unroll
+                            for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                            if (lane == 0) sTp[g * tp + k] += v;
+                            if (lane == 16 && two) sTp[g * tp + k + BGMV_WARPS] += v;
                         }
                     }
                 }
@@ -783,29 +808,47 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 }
             }
         }
+        // Scalar expand: a thread takes outputs r and r + THREADS together,
+        // each summed as two chains (rank steps 8 apart), so four FMA chains
+        // run at once behind one batch of shared loads.
 #pragma unroll 1
-        for (int r = tid; !TC && nr > 0 && r < lo; r += BGMV_THREADS) {
-            const bf16_t* brow = sB + r * bpitch;
+        for (int r = tid; !TC && nr > 0 && r < lo; r += 2 * BGMV_THREADS) {
+            const bool two = r + BGMV_THREADS < lo;
+            const int r1 = two ? r + BGMV_THREADS : r;
+            const bf16_t* b0 = sB + r * bpitch;
+            const bf16_t* b1 = sB + r1 * bpitch;
 #pragma unroll 1
             for (int g = 0; g < nr; ++g) {
                 const float* tg = sT + g * tp;
-                float acc = 0.f;
+                const float y0 = y_load(sY + g * lo_max + r);
+                const float y1 = y_load(sY + g * lo_max + r1);
+                float e0 = 0.f, e1 = 0.f, f0 = 0.f, f1 = 0.f;
 #pragma unroll 1
-                for (int kb = 0; kb < rank8; kb += 8) {
-                    float w[8];
-                    unpack8(*(const uint4*)(brow + kb), w);
-                    const float4 ta = *(const float4*)(tg + kb);
-                    const float4 tb = *(const float4*)(tg + kb + 4);
-                    acc = fmaf(ta.x, w[0], acc);
-                    acc = fmaf(ta.y, w[1], acc);
-                    acc = fmaf(ta.z, w[2], acc);
-                    acc = fmaf(ta.w, w[3], acc);
-                    acc = fmaf(tb.x, w[4], acc);
-                    acc = fmaf(tb.y, w[5], acc);
-                    acc = fmaf(tb.z, w[6], acc);
-                    acc = fmaf(tb.w, w[7], acc);
+                for (int kb = 0; kb < rank8; kb += 16) {
+                    const bool k2 = kb + 8 < rank8;
+                    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+                    const uint4 u0 = *(const uint4*)(b0 + kb);
+                    const uint4 u1 = *(const uint4*)(b1 + kb);
+                    const uint4 v0 = k2 ? *(const uint4*)(b0 + kb + 8) : zero;  // unread past rank8
+                    const uint4 v1 = k2 ? *(const uint4*)(b1 + kb + 8) : zero;
+                    float t[16];
+#pragma unroll
+                    for (int j = 0; j < 16; j += 4) {
+                        const float4 q = *(const float4*)(tg + kb + (k2 ? j : (j & 7)));
+                        t[j] = q.x;
+                        t[j + 1] = q.y;
+                        t[j + 2] = q.z;
+                        t[j + 3] = q.w;
+                    }
+                    e0 = dot8f(u0, t, e0);
+                    e1 = dot8f(u1, t, e1);
+                    if (k2) {  // uniform over the block
+                        f0 = dot8f(v0, t + 8, f0);
+                        f1 = dot8f(v1, t + 8, f1);
+                    }
                 }
-                y_store(Yp + (u64)s_item.rows[g] * ys + coff + o0 + r, y_load(sY + g * lo_max + r) + acc);
+                y_store(Yp + (u64)s_item.rows[g] * ys + coff + o0 + r, y0 + (e0 + f0));
+                if (two) y_store(Yp + (u64)s_item.rows[g] * ys + coff + o0 + r1, y1 + (e1 + f1));
             }
         }
     }
@@ -813,15 +856,19 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 }
 
 // Each kernel twice: scanning its window (NAME) and reading bgmv_list's list (NAME_list).
-#define BGMV_KERNEL_C1(NAME, Y, TC)                                                                               \
-    extern "C" __global__ void __launch_bounds__(BGMV_THREADS) NAME(const BgmvParams p) { bgmv_body<Y, 1, TC, false>(p); } \
-    extern "C" __global__ void __launch_bounds__(BGMV_THREADS) NAME##_list(const BgmvParams p) {                 \
+// Register bounds as for the clusters below: the scalar kernels' two-row
+// shrink and expand need more than 64 registers without spilling.
+#define BGMV_KERNEL_C1(NAME, Y, TC, BLOCKS)                                                                       \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME(const BgmvParams p) {                 \
+        bgmv_body<Y, 1, TC, false>(p);                                                                            \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME##_list(const BgmvParams p) {         \
         bgmv_body<Y, 1, TC, true>(p);                                                                             \
     }
-BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false)
-BGMV_KERNEL_C1(bgmv_c1_f32, float, false)
-BGMV_KERNEL_C1(bgmv_tc_c1_bf16, bf16_t, true)
-BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true)
+BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false, 3)
+BGMV_KERNEL_C1(bgmv_c1_f32, float, false, 3)
+BGMV_KERNEL_C1(bgmv_tc_c1_bf16, bf16_t, true, 4)
+BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true, 4)
 
 #if __CUDA_ARCH__ >= 900
 // The TC kernels need fewer registers: four blocks per multiprocessor

@@ -88,6 +88,15 @@ __device__ __forceinline__ uint4 ldg16(const bf16_t* p) { return __ldg((const ui
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15ull) == 0ull; }
 
+// acc + sum_j w[j] t[j] over 8 bf16 weights, in j order.
+__device__ __forceinline__ float dot8f(uint4 w, const float* t, float acc) {
+    float f[8];
+    unpack8(w, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = fmaf(t[j], f[j], acc);
+    return acc;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
