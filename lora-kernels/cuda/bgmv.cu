@@ -67,7 +67,7 @@ struct BgmvParams {
     int off_r;        // push: the cluster sum's receive slots in the dynamic shared memory
     int push;         // clusters sum their partial rank vectors by pushing them (st.async), not by barrier and pull
     int overlap;      // a programmatic dependent: idx, tables and adapters read before griddepcontrol.wait, x and y after
-    int pad0;
+    int b_pitch;      // staged B row pitch, elements: the stride rounded to 8, plus 8 where shared memory allows (no bank conflicts)
     LoraTarget targets[MAX_TARGETS];
 };
 static_assert(sizeof(BgmvParams) == 224 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 128, "mirrors bgmv.rs");
@@ -492,7 +492,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
     const int in = p.in_dim;
     const int stride = p.rank_stride;
-    const int bpitch = ((stride + 7) & ~7) + 8;
+    const int bpitch = p.b_pitch;
     const int kch = p.k_chunk;
     const int kp = kch + 8;  // staged A / x row pitch
     const int arows = (stride + 15) & ~15;
@@ -882,10 +882,17 @@ BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true, 4)
         NAME##_list(const BgmvParams p) {                                                                       \
         bgmv_body<Y, C, TC, true>(p);                                                                           \
     }
+// Clusters of 2 serve batches whose items outnumber the resident clusters
+// of 8: one block per multiprocessor (a whole half of A and B staged at
+// once), so every item of a 64-row batch is served in one round.
+BGMV_KERNEL_CL(bgmv_c2_bf16, bf16_t, 2, false, 1)
+BGMV_KERNEL_CL(bgmv_c2_f32, float, 2, false, 1)
 BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false, 3)
 BGMV_KERNEL_CL(bgmv_c4_f32, float, 4, false, 3)
 BGMV_KERNEL_CL(bgmv_c8_bf16, bf16_t, 8, false, 3)
 BGMV_KERNEL_CL(bgmv_c8_f32, float, 8, false, 3)
+BGMV_KERNEL_CL(bgmv_tc_c2_bf16, bf16_t, 2, true, 1)
+BGMV_KERNEL_CL(bgmv_tc_c2_f32, float, 2, true, 1)
 BGMV_KERNEL_CL(bgmv_tc_c4_bf16, bf16_t, 4, true, 4)
 BGMV_KERNEL_CL(bgmv_tc_c4_f32, float, 4, true, 4)
 BGMV_KERNEL_CL(bgmv_tc_c8_bf16, bf16_t, 8, true, 4)

@@ -696,6 +696,28 @@ fn gpu_bgmv_row_patterns_and_paths() {
         FUSED_SCALAR_LIST,
         FUSED_TC_LIST,
         FUSED_SCALAR_LIST_FLAG,
+        // Clusters of 2: one block per multiprocessor, B rows unpadded.
+        BgmvTuning {
+            cluster: Some(2),
+            ..FUSED_SCALAR_SCAN
+        },
+        BgmvTuning {
+            cluster: Some(2),
+            out_splits: Some(3),
+            clusters_per_window: Some(2),
+            push_sum: Some(false),
+            ..FUSED_SCALAR_SCAN
+        },
+        BgmvTuning {
+            cluster: Some(2),
+            clusters_per_window: Some(1),
+            push_sum: Some(true),
+            ..FUSED_TC_LIST
+        },
+        BgmvTuning {
+            cluster: Some(2),
+            ..FUSED_SCALAR_LIST
+        },
         BgmvTuning {
             cluster: Some(1),
             ..FUSED_SCALAR_LIST

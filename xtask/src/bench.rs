@@ -423,6 +423,9 @@ const DECODE: &[DecodeCase] = &[
     (256, 4096, 4096, 16, 32, Some(26.8)),
     (64, 4096, 14336, 16, 64, Some(52.1)),
     (1024, 4096, 4096, 16, 64, None),
+    // The smallest batch of the two-phase range, one-row items (no peer
+    // figure): the fused launch serves it in one round of clusters of 8.
+    (32, 4096, 4096, 16, 32, None),
     // Items of 8 rows in the two-phase range (no peer figure), and of 2 and
     // 2.7: either side of the few-adapters rule.
     (128, 4096, 4096, 16, 16, None),
@@ -448,7 +451,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         }
         let mut variants = vec![("default".to_string(), BgmvTuning::default())];
         if ctx.opts.sweep {
-            // The fused kernel (its own launch choice, then clusters of 8 or 4
+            // The fused kernel (its own launch choice, then clusters of 8, 4 or 2
             // with one or two output splits), scalar and on tensor cores, against
             // the two-phase kernels by expand width.
             for (label, tc) in [("", false), (" tc", true)] {
@@ -458,7 +461,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                     ..Default::default()
                 };
                 variants.push((format!("fused{label}"), fused));
-                for (cl, sp) in [(8, 1), (8, 2), (4, 1), (4, 2)] {
+                for (cl, sp) in [(8, 1), (8, 2), (4, 1), (4, 2), (2, 1)] {
                     let t = BgmvTuning {
                         cluster: Some(cl),
                         out_splits: Some(sp),

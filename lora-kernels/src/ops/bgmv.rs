@@ -68,6 +68,8 @@ struct SmemPlan {
     splits: usize,
     k_chunk: usize,
     lo_max: usize,
+    /// Staged B row pitch, elements.
+    b_pitch: usize,
     off_y: usize,
     off_t: usize,
     off_a: usize,
@@ -91,8 +93,11 @@ impl SmemPlan {
             ..
         } = shape;
         let lo_max = round16(piece8(piece8(max_out, splits), cluster));
-        // B rows are padded to a multiple of 8 columns plus 8 (`bpitch` in the kernel).
-        let off_y = round16(lo_max * (stride.div_ceil(8) * 8 + 8) * 2);
+        // B rows: the stride rounded to 8 columns, plus 8 against bank
+        // conflicts, except in clusters of 2, whose blocks stage half of B
+        // (at rank 16 and 4096 outputs the padding would not fit beside A).
+        let b_pitch = stride.div_ceil(8) * 8 + if cluster == 2 { 0 } else { 8 };
+        let off_y = round16(lo_max * b_pitch * 2);
         let off_t = off_y + round16(ITEM_ROWS * lo_max * y_size);
         // sTp and sT [G][stride8] f32, then (TC) the shrink's per-warp tiles [warps][128] f32.
         let red = if tensor_cores {
@@ -108,6 +113,7 @@ impl SmemPlan {
             splits,
             k_chunk,
             lo_max,
+            b_pitch,
             off_y,
             off_t,
             off_a,
@@ -212,6 +218,8 @@ impl RowShape {
 struct LaunchChoice {
     cluster: usize,
     cpw: usize,
+    /// Rounds of resident clusters the launch needs for the most items its windows can hold.
+    rounds: usize,
     plan: SmemPlan,
     /// The cluster sum pushes partials (st.async) instead of a barrier and peer loads.
     push: bool,
@@ -244,15 +252,20 @@ impl LaunchChoice {
             ..
         } = rows;
         let clusters: Vec<usize> = match tuning.cluster {
-            Some(8 | 4) if !hopper => return Err(invalid("tuning.cluster", "clusters need sm_90 or newer")),
+            Some(8 | 4 | 2) if !hopper => return Err(invalid("tuning.cluster", "clusters need sm_90 or newer")),
             Some(v) => vec![v as usize],
-            // Clusters of 4 are kept for tuning; on the H200 they never beat 8 (NOTES.md).
+            // Clusters of 4 are kept for tuning; on the H200 they never beat 8
+            // (NOTES.md). Clusters of 2 (one block per multiprocessor) win
+            // where items outnumber the resident clusters of 8, in the scalar
+            // kernel: each of their blocks does four times the work.
+            None if hopper && !rows.tensor_cores => vec![8, 2],
             None if hopper => vec![8],
             None => vec![1],
         };
         let min_out = targets.iter().map(|t| t.out_dim).min().unwrap_or(0);
         let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
         let n_targets = targets.len();
+        let items = window_items_bound(window, targets.iter().map(|t| t.n_entries).max().unwrap_or(0));
         let mut best: Option<(f64, LaunchChoice)> = None;
         // The push sum where asked for; by default tried first up to
         // PUSH_SUM_MAX_STRIDE, and kept wherever its receive buffers cost no
@@ -298,13 +311,15 @@ impl LaunchChoice {
                 // blocks allow (ncu on the H200: 45 active clusters of 8 where
                 // 132 x 3 blocks would give 49); a cluster past that waits for a
                 // second wave, so a window gets at most 7/8 of the block count.
-                let capacity = if cl > 1 { sms * bps * 7 / 8 } else { sms * bps };
+                // Pairs fit every GPC (the occupancy query: 66 clusters of 2 at
+                // one block per multiprocessor).
+                let capacity = if cl > 2 { sms * bps * 7 / 8 } else { sms * bps };
                 let per_cluster_row = cl * s * n_targets * n_windows;
                 let cpw = match tuning.clusters_per_window {
                     Some(v) => (v as usize).clamp(1, window),
-                    None => window.min((capacity / per_cluster_row).max(1)),
+                    None => items.min((capacity / per_cluster_row).max(1)),
                 };
-                let rounds = window.div_ceil(cpw) * (per_cluster_row * cpw).div_ceil(capacity);
+                let rounds = items.div_ceil(cpw) * (per_cluster_row * cpw).div_ceil(capacity);
                 let chunks = slice.div_ceil(plan.k_chunk.max(1));
                 // Ties go to more resident blocks (latency overlaps), then to one
                 // split, or two for a batch of one or two rows (measured on the H200:
@@ -319,6 +334,7 @@ impl LaunchChoice {
                         LaunchChoice {
                             cluster: cl,
                             cpw,
+                            rounds,
                             plan,
                             push,
                         },
@@ -335,10 +351,19 @@ impl LaunchChoice {
     }
 }
 
+/// The most items a window of `window` rows can hold over a table of
+/// `entries` entries: an entry's `r` rows make `ceil(r / 8)` items, so the
+/// at most `min(entries, window)` entries with rows make at most
+/// `(window + 7 · min(entries, window)) / 8` (and never more than the rows).
+fn window_items_bound(window: usize, entries: usize) -> usize {
+    let used = entries.min(window);
+    (window.saturating_add(7 * used) / ITEM_ROWS).clamp(1, window.max(1))
+}
+
 /// Launch knobs of [`bgmv_tuned`]; `None` picks from the shape and device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BgmvTuning {
-    /// Blocks per cluster sharing one item's shrink: 8 or 4 (sm_90 and newer) or 1.
+    /// Blocks per cluster sharing one item's shrink: 8, 4 or 2 (sm_90 and newer) or 1.
     pub cluster: Option<u32>,
     /// Output splits: clusters serving one item, each a slice of the outputs.
     pub out_splits: Option<u32>,
@@ -493,10 +518,25 @@ pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 /// reads each adapter once for all its rows without the two launches'
 /// fixed cost (H200, in a graph: n = 128 of 16 adapters 11.5 against 19.1
 /// µs, n = 64 of 8 10.3 against 16.9, n = 64 of 24 11.1 against 14.6).
-fn two_phase_by_default(n: usize, stride: usize, max_out: usize, overlap: bool, max_entries: usize) -> bool {
+///
+/// Nor batches the fused launch serves in one round of resident clusters
+/// (`fused_rounds`, counting every row as its own item): its chain is then
+/// paid once, against the two launches' two chains. At n = 64 of rank-16
+/// adapters, 4096 x 4096, that is clusters of 2, one block per
+/// multiprocessor (H200, in a graph: 12.3 against 13.9 µs); with f32 y,
+/// rank 64 or 14336 outputs the fused launch needs several rounds.
+fn two_phase_by_default(
+    n: usize,
+    stride: usize,
+    max_out: usize,
+    overlap: bool,
+    max_entries: usize,
+    fused_rounds: Option<usize>,
+) -> bool {
     TWO_PHASE_ROWS.contains(&n)
         && !few_adapters(n, max_entries)
         && !(overlap && n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
+        && fused_rounds != Some(1)
 }
 
 /// Rows per table entry past which a batch of [`TWO_PHASE_ROWS`] rows is
@@ -636,7 +676,7 @@ struct BgmvParams {
     push: i32,
     /// 1: a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
     overlap: i32,
-    pad0: i32,
+    b_pitch: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
 const _: () = assert!(size_of::<BgmvParams>() == 224 && std::mem::offset_of!(BgmvParams, targets) == 128);
@@ -709,24 +749,32 @@ fn kernel_name(cluster: u32, y: &'static str, tensor_cores: bool, list: bool) ->
     Some(match (cluster, y, tensor_cores, list) {
         (1, "bf16", false, false) => "bgmv_c1_bf16",
         (1, "f32", false, false) => "bgmv_c1_f32",
+        (2, "bf16", false, false) => "bgmv_c2_bf16",
+        (2, "f32", false, false) => "bgmv_c2_f32",
         (4, "bf16", false, false) => "bgmv_c4_bf16",
         (4, "f32", false, false) => "bgmv_c4_f32",
         (8, "bf16", false, false) => "bgmv_c8_bf16",
         (8, "f32", false, false) => "bgmv_c8_f32",
         (1, "bf16", true, false) => "bgmv_tc_c1_bf16",
         (1, "f32", true, false) => "bgmv_tc_c1_f32",
+        (2, "bf16", true, false) => "bgmv_tc_c2_bf16",
+        (2, "f32", true, false) => "bgmv_tc_c2_f32",
         (4, "bf16", true, false) => "bgmv_tc_c4_bf16",
         (4, "f32", true, false) => "bgmv_tc_c4_f32",
         (8, "bf16", true, false) => "bgmv_tc_c8_bf16",
         (8, "f32", true, false) => "bgmv_tc_c8_f32",
         (1, "bf16", false, true) => "bgmv_c1_bf16_list",
         (1, "f32", false, true) => "bgmv_c1_f32_list",
+        (2, "bf16", false, true) => "bgmv_c2_bf16_list",
+        (2, "f32", false, true) => "bgmv_c2_f32_list",
         (4, "bf16", false, true) => "bgmv_c4_bf16_list",
         (4, "f32", false, true) => "bgmv_c4_f32_list",
         (8, "bf16", false, true) => "bgmv_c8_bf16_list",
         (8, "f32", false, true) => "bgmv_c8_f32_list",
         (1, "bf16", true, true) => "bgmv_tc_c1_bf16_list",
         (1, "f32", true, true) => "bgmv_tc_c1_f32_list",
+        (2, "bf16", true, true) => "bgmv_tc_c2_bf16_list",
+        (2, "f32", true, true) => "bgmv_tc_c2_f32_list",
         (4, "bf16", true, true) => "bgmv_tc_c4_bf16_list",
         (4, "f32", true, true) => "bgmv_tc_c4_f32_list",
         (8, "bf16", true, true) => "bgmv_tc_c8_bf16_list",
@@ -750,10 +798,34 @@ fn launch<Y: OutputElem>(
     let n_targets = targets.len();
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let max_entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0);
+    let many_rows = ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries);
+    let list_wanted =
+        tuning.item_list_pass.unwrap_or(many_rows) && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
+    let (window, n_windows) = row_windows(n, list_wanted, n_targets);
+    let limits = DeviceLimits {
+        hopper: c.compute_capability.0 >= 9,
+        sms: c.sm_count as usize,
+        smem_optin: c.smem_optin,
+        smem_per_sm: c.smem_per_sm,
+    };
+    let tensor_cores = tuning.tensor_cores.unwrap_or(many_rows);
+    let list = list_wanted && item_list_fits(window, n_windows, n_targets);
+    let rows = RowShape {
+        in_dim: x.width,
+        stride,
+        y_size: std::mem::size_of::<Y>(),
+        window,
+        n_windows,
+        tensor_cores,
+        list,
+    };
+    // The fused launch's choice decides the default between the forms, and serves if it wins.
+    let fused = LaunchChoice::pick(limits, rows, targets, tuning);
     let overlap = tuning.overlap_previous.unwrap_or(false);
+    let fused_rounds = fused.as_ref().ok().map(|f| f.rounds);
     if tuning
         .two_phase
-        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, overlap, max_entries))
+        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, overlap, max_entries, fused_rounds))
     {
         let plan = TwoPhasePlan::new(
             n,
@@ -784,32 +856,11 @@ fn launch<Y: OutputElem>(
             _ => {}
         }
     }
-    let many_rows = ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries);
-    let list_wanted =
-        tuning.item_list_pass.unwrap_or(many_rows) && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
-    let (window, n_windows) = row_windows(n, list_wanted, n_targets);
-    let limits = DeviceLimits {
-        hopper: c.compute_capability.0 >= 9,
-        sms: c.sm_count as usize,
-        smem_optin: c.smem_optin,
-        smem_per_sm: c.smem_per_sm,
-    };
-    let tensor_cores = tuning.tensor_cores.unwrap_or(many_rows);
-    let list = list_wanted && item_list_fits(window, n_windows, n_targets);
-    let rows = RowShape {
-        in_dim: x.width,
-        stride,
-        y_size: std::mem::size_of::<Y>(),
-        window,
-        n_windows,
-        tensor_cores,
-        list,
-    };
-    let config = LaunchChoice::pick(limits, rows, targets, tuning)?;
+    let config = fused?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
     let overlap = tuning.overlap_previous.unwrap_or(false);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
-        .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 4 or 8")))?;
+        .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 2, 4 or 8")))?;
     let grid_y = n_windows * cpw;
     if grid_y > 65_535 {
         return Err(invalid(
@@ -844,7 +895,7 @@ fn launch<Y: OutputElem>(
         off_r: to_i32("smem", plan.off_r)?,
         push: i32::from(config.push),
         overlap: i32::from(overlap),
-        pad0: 0,
+        b_pitch: to_i32("rank_stride", plan.b_pitch)?,
         targets: *target_params,
     };
     let kernel = Kernel {

@@ -331,10 +331,10 @@ fn check_plan(p: &SmemPlan, s: PlanShape, stages: usize) {
     for off in [p.off_y, p.off_t, p.off_a, p.off_x, p.off_r, p.total] {
         assert_eq!(off % 16, 0, "{p:?}");
     }
-    assert!(
-        p.off_y >= p.lo_max * (s.stride.div_ceil(8) * 8 + 8) * 2,
-        "B rows are padded like the kernel pads them"
-    );
+    // B rows: whole 16-byte chunks, padded by 8 columns except in clusters of 2.
+    let pad = if s.cluster == 2 { 0 } else { 8 };
+    assert_eq!(p.b_pitch, s.stride.div_ceil(8) * 8 + pad, "{p:?}");
+    assert!(p.off_y >= p.lo_max * p.b_pitch * 2);
     assert!(p.off_t - p.off_y >= ITEM_ROWS * p.lo_max * s.y_size);
     let red = if s.tensor_cores { 8 * 128 * 4 } else { 0 };
     assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4 + red);
@@ -375,10 +375,10 @@ fn smem_plans_of_the_bench_shapes_fit_two_or_three_blocks_per_sm() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
-    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>(), push in any::<bool>(), tensor_cores in any::<bool>()) {
-        let s = PlanShape { push, tensor_cores, ..shape(in_dim, out, stride) };
+    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>(), push in any::<bool>(), tensor_cores in any::<bool>(), cluster in prop_oneof![Just(1usize), Just(2), Just(4), Just(8)]) {
+        let s = PlanShape { push, tensor_cores, cluster, ..shape(in_dim, out, stride) };
         let p = SmemPlan::choose(s, s0, fixed);
-        let slice = piece8(in_dim, 8);
+        let slice = piece8(in_dim, cluster);
         let stages = if p.k_chunk < slice { 2 } else { 1 };
         check_plan(&p, s, stages);
         prop_assert!(p.k_chunk <= slice.max(8));
@@ -393,20 +393,25 @@ const H200: DeviceLimits = DeviceLimits {
     smem_per_sm: 228 * 1024,
 };
 
+/// The launch choice for `n` rows over a table of `n` entries (one-row items possible).
 fn choice(n: usize, in_dim: usize, out: usize, stride: usize) -> LaunchChoice {
+    choice_y(n, in_dim, out, stride, 2, n)
+}
+
+fn choice_y(n: usize, in_dim: usize, out: usize, stride: usize, y_size: usize, entries: usize) -> LaunchChoice {
     let d = Device::cpu();
-    let table = d.alloc_zeros::<PairEntry>(1).unwrap();
+    let table = d.alloc_zeros::<PairEntry>(entries).unwrap();
     let t = [LoraTarget {
         table: &table,
         table_offset: 0,
-        n_entries: 1,
+        n_entries: entries,
         out_dim: out,
         y_col_offset: 0,
     }];
     let rows = RowShape {
         in_dim,
         stride,
-        y_size: 2,
+        y_size,
         window: n,
         n_windows: 1,
         tensor_cores: n >= TENSOR_CORE_MIN_ROWS,
@@ -439,6 +444,16 @@ fn launch_choices_keep_every_block_resident() {
         // One or two rows: two output splits (measured faster at n = 1); else one.
         if (in_dim, out) == (4096, 4096) {
             assert_eq!(c.plan.splits, if n <= 2 { 2 } else { 1 }, "n={n}: {c:?}");
+        }
+        // 64 one-row items outnumber the resident clusters of 8 (43): the
+        // scalar kernel takes clusters of 2, one block per multiprocessor,
+        // all 64 in one round. Fewer items, or tensor cores: clusters of 8.
+        let pairs = n == 64 && out == 4096 && stride == 16;
+        if (in_dim, out) == (4096, 4096) {
+            assert_eq!(c.cluster, if pairs { 2 } else { 8 }, "n={n} stride={stride}: {c:?}");
+        }
+        if pairs {
+            assert_eq!(c.cpw, 64, "{c:?}");
         }
         let blocks = c.cluster * c.plan.splits * c.cpw;
         let reg_blocks = if n >= TENSOR_CORE_MIN_ROWS {
@@ -540,23 +555,45 @@ fn two_launches_by_default_where_they_measured_faster() {
     // Tables of 64 entries: items of one row are possible up to 128 rows.
     for overlap in [false, true] {
         // Few rows: the fused kernel's single launch.
-        assert!(!two_phase_by_default(16, 16, 4096, overlap, 64));
+        assert!(!two_phase_by_default(16, 16, 4096, overlap, 64, None));
         // Larger adapters or more rows: two launches.
-        assert!(two_phase_by_default(64, 64, 4096, overlap, 64));
-        assert!(two_phase_by_default(64, 16, 14336, overlap, 64));
-        assert!(two_phase_by_default(128, 16, 4096, overlap, 64));
+        assert!(two_phase_by_default(64, 64, 4096, overlap, 64, None));
+        assert!(two_phase_by_default(64, 16, 14336, overlap, 64, None));
+        assert!(two_phase_by_default(128, 16, 4096, overlap, 64, None));
         // Many rows: the fused kernel (on tensor cores).
-        assert!(!two_phase_by_default(256, 16, 4096, overlap, 64));
+        assert!(!two_phase_by_default(256, 16, 4096, overlap, 64, None));
         // Rows that must share few adapters (more than 2 per table entry):
         // the fused kernel on tensor cores with the item list, as for many rows.
-        assert!(!two_phase_by_default(128, 16, 4096, overlap, 16));
-        assert!(!two_phase_by_default(64, 64, 4096, overlap, 31));
-        assert!(two_phase_by_default(64, 64, 4096, overlap, 32));
+        assert!(!two_phase_by_default(128, 16, 4096, overlap, 16, None));
+        assert!(!two_phase_by_default(64, 64, 4096, overlap, 31, None));
+        assert!(two_phase_by_default(64, 64, 4096, overlap, 32, None));
     }
     // Up to 64 rows of small adapters: two launches, or the fused one when
     // it overlaps the previous kernel.
-    assert!(two_phase_by_default(64, 16, 4096, false, 64));
-    assert!(!two_phase_by_default(64, 16, 4096, true, 64));
+    assert!(two_phase_by_default(64, 16, 4096, false, 64, None));
+    assert!(!two_phase_by_default(64, 16, 4096, true, 64, None));
+    // A fused launch of one round wins; of several, two launches.
+    assert!(!two_phase_by_default(64, 16, 4096, false, 64, Some(1)));
+    assert!(two_phase_by_default(64, 16, 4096, false, 64, Some(2)));
+    assert!(two_phase_by_default(64, 64, 4096, true, 64, Some(5)));
+}
+
+#[test]
+fn fused_rounds_of_the_two_phase_range() {
+    // 64 one-row items of rank 16: clusters of 2, one round (bf16 y). With
+    // f32 y their y pieces do not fit beside A and B: several rounds.
+    assert_eq!(choice(64, 4096, 4096, 16).rounds, 1);
+    assert!(choice_y(64, 4096, 4096, 16, 4, 64).rounds > 1);
+    // 64 rows over 32 adapters make at most 36 items: clusters of 8, one round.
+    let c = choice_y(64, 4096, 4096, 16, 2, 32);
+    assert_eq!((c.cluster, c.rounds), (8, 1), "{c:?}");
+    // 32 items fit the resident clusters of 8.
+    let c = choice(32, 4096, 4096, 16);
+    assert_eq!((c.cluster, c.rounds), (8, 1), "{c:?}");
+    // Larger adapters, wider outputs or more rows: several rounds.
+    assert!(choice(64, 4096, 4096, 64).rounds > 1);
+    assert!(choice(64, 4096, 14336, 16).rounds > 1);
+    assert!(choice(128, 4096, 4096, 16).rounds > 1);
 }
 
 #[test]
@@ -583,7 +620,7 @@ fn item_lists_fit_the_scratch_of_large_batches() {
 
 #[test]
 fn every_fused_kernel_has_a_list_form() {
-    for cluster in [1, 4, 8] {
+    for cluster in [1, 2, 4, 8] {
         for y in ["bf16", "f32"] {
             for tc in [false, true] {
                 let scan = kernel_name(cluster, y, tc, false).unwrap();
@@ -592,7 +629,7 @@ fn every_fused_kernel_has_a_list_form() {
             }
         }
     }
-    assert!(kernel_name(2, "bf16", true, true).is_none());
+    assert!(kernel_name(3, "bf16", true, true).is_none());
 }
 
 #[test]
@@ -622,4 +659,24 @@ fn windows_hold_512_rows_past_one_window_only_with_the_item_list() {
     let huge = 300 * WINDOW_MAX;
     assert!(!item_list_fits(WINDOW_MAX, huge.div_ceil(WINDOW_MAX), 1));
     assert_eq!(row_windows(huge, true, 1), (WINDOW_LARGE, huge.div_ceil(WINDOW_LARGE)));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// However the rows of a window fall on a table's entries, their items
+    /// (8 rows at most each, one entry each) never exceed the bound the
+    /// launch choice sizes its clusters by.
+    #[test]
+    fn window_items_never_exceed_their_bound(
+        entries in 1usize..300,
+        rows in proptest::collection::vec(0usize..300, 1..=WINDOW_MAX),
+    ) {
+        let mut per_entry = std::collections::HashMap::new();
+        for r in &rows {
+            *per_entry.entry(r % entries).or_insert(0usize) += 1;
+        }
+        let items: usize = per_entry.values().map(|r| r.div_ceil(ITEM_ROWS)).sum();
+        prop_assert!(items <= window_items_bound(rows.len(), entries));
+        prop_assert!(window_items_bound(rows.len(), entries) <= rows.len());
+    }
 }
