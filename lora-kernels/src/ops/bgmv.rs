@@ -371,7 +371,8 @@ pub struct BgmvTuning {
     pub clusters_per_window: Option<u32>,
     /// Two launches (a shrink into the device's scratch, then an expand)
     /// instead of the fused kernel; batches of at most 512 rows. `None`:
-    /// two launches for [`TWO_PHASE_ROWS`] rows, except batches of more
+    /// two launches for [`TWO_PHASE_ROWS`] rows, except batches the fused
+    /// launch serves in one round of resident clusters, batches of more
     /// than [`MULTI_ROW_ITEMS`] rows per table entry and, under
     /// `overlap_previous`, batches of up to 64 rows of adapters of rank
     /// stride 16 or less and at most 8192 outputs.
