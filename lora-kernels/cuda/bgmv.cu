@@ -236,18 +236,50 @@ struct ItemRows {
 };
 static_assert(sizeof(ItemRows) == 64, "item list record");
 
+// The window row index this thread reads first (row row0 + tid; -1 past
+// the window), read by the caller before its other setup so the load is in
+// flight meanwhile (the first dependent round trip of every scanning kernel).
+__device__ __forceinline__ int first_index(const int* idx, int row0, int nwin) {
+    return (int)threadIdx.x < nwin ? idx[row0 + (int)threadIdx.x] : -1;
+}
+
 // Every thread of the block: read the window's entry indices (an index past
 // the table raises a fault when `report` and counts as no delta), then list
 // the rows that lead an item. Row j leads an item when its occurrence number
 // among the window's rows of the same entry is a multiple of G; rows 2t and
 // 2t + 1 are counted by thread t (and, for short windows, t + BGMV_THREADS / 2).
-// Returns the item count (the same in every thread).
+// `first` is first_index's value. Returns the item count (the same in every thread).
 __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, int n_entries, u64 fault, bool report,
-                                           WindowScan* w) {
+                                           WindowScan* w, int first) {
     const int tid = threadIdx.x;
+    if (nwin <= 32) {
+        // One warp: a row's occurrence number is the count of lower lanes
+        // holding its entry (match_any), the leads are numbered by a ballot.
+        // One barrier instead of the block scan's five.
+        if (tid < 32) {
+            int e = -1;
+            if (tid < nwin) {
+                e = first;
+                if (e >= n_entries) {
+                    if (report) raise_fault(fault, FAULT_BAD_INDEX);
+                    e = -1;
+                }
+                e = e < 0 ? -1 : e;
+                w->idx[tid] = e;
+            }
+            const unsigned same = __match_any_sync(0xffffffffu, e);
+            const unsigned below = (1u << tid) - 1u;
+            const bool lead = e >= 0 && __popc(same & below) % BGMV_G == 0;
+            const unsigned leads = __ballot_sync(0xffffffffu, lead);
+            if (lead) w->items[__popc(leads & below)] = tid;
+            if (tid == 0) w->scan[0] = __popc(leads);
+        }
+        __syncthreads();
+        return w->scan[0];
+    }
 #pragma unroll 1
     for (int j = tid; j < nwin; j += BGMV_THREADS) {
-        int e = idx[row0 + j];
+        int e = j == tid ? first : idx[row0 + j];
         if (e >= n_entries) {
             if (report) raise_fault(fault, FAULT_BAD_INDEX);
             e = -1;
@@ -407,6 +439,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     const int nwin = min(p.window, p.n_rows - row0);
     // Uniform over the cluster (same blockIdx.y and z): no barrier is skipped by one rank only.
     if (nwin <= 0) return;
+    // The scanning form's first round trip starts before the cluster and table setup.
+    const int idx_first = LIST ? -1 : first_index((const int*)p.idx, row0, nwin);
     // Index faults are raised by one block per (window, target); an item's
     // entry fault by rank 0 of split 0 of the one cluster that serves it.
     const bool report = crank == 0 && split == 0 && q == 0;
@@ -473,7 +507,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         } else if (tid == 0) {
             prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
         }
-        n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win);
+        n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win, idx_first);
         if (table_smem) {
             cp_async_wait<0>();
             __syncthreads();
@@ -1240,10 +1274,11 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     const LoraTarget tg = p.targets[t];
     const int nwin = p.n_rows;
     const bool lead_block = blockIdx.x == 0;
+    const int idx_first = first_index((const int*)p.idx, 0, nwin);
     // The expand may get resident now (a dependent launch); it waits for this grid to complete.
     grid_launch_dependents();
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    const int n_items = scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win);
+    const int n_items = scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win, idx_first);
     // Enough K slices that the units fill the grid once (the same in every block).
     int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
     if (p.pow2_slices) ks_n = 1 << (31 - __clz(ks_n));  // whole 256-column passes when in is a multiple of 4096
