@@ -524,7 +524,7 @@ pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 /// (`fused_rounds`, counting every row as its own item): its chain is then
 /// paid once, against the two launches' two chains. At n = 64 of rank-16
 /// adapters, 4096 x 4096, that is clusters of 2, one block per
-/// multiprocessor (H200, in a graph: 12.3 against 13.9 µs); with f32 y,
+/// multiprocessor (H200, in a graph: 10.9 against 13.9 µs); with f32 y,
 /// rank 64 or 14336 outputs the fused launch needs several rounds.
 fn two_phase_by_default(
     n: usize,
