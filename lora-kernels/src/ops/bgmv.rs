@@ -521,8 +521,8 @@ pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 /// µs, n = 64 of 8 10.3 against 16.9, n = 64 of 24 11.1 against 14.6).
 ///
 /// Nor batches the fused launch serves in one round of resident clusters
-/// (`fused_rounds`, counting every row as its own item): its chain is then
-/// paid once, against the two launches' two chains. At n = 64 of rank-16
+/// (`fused_rounds`, for the most items its windows can make over the
+/// table): its chain is then paid once, against the two launches' two chains. At n = 64 of rank-16
 /// adapters, 4096 x 4096, that is clusters of 2, one block per
 /// multiprocessor (H200, in a graph: 10.9 against 13.9 µs); with f32 y,
 /// rank 64 or 14336 outputs the fused launch needs several rounds.
