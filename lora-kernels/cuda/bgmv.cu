@@ -243,6 +243,16 @@ __device__ __forceinline__ int first_index(const int* idx, int row0, int nwin) {
     return (int)threadIdx.x < nwin ? idx[row0 + (int)threadIdx.x] : -1;
 }
 
+// A window row's entry index as the scans use it: -1 (no delta) for a
+// negative one, or for one past the table, which also raises a fault when `report`.
+__device__ __forceinline__ int checked_index(int e, int n_entries, u64 fault, bool report) {
+    if (e >= n_entries) {
+        if (report) raise_fault(fault, FAULT_BAD_INDEX);
+        e = -1;
+    }
+    return e < 0 ? -1 : e;
+}
+
 // Every thread of the block: read the window's entry indices (an index past
 // the table raises a fault when `report` and counts as no delta), then list
 // the rows that lead an item. Row j leads an item when its occurrence number
@@ -259,12 +269,7 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
         if (tid < 32) {
             int e = -1;
             if (tid < nwin) {
-                e = first;
-                if (e >= n_entries) {
-                    if (report) raise_fault(fault, FAULT_BAD_INDEX);
-                    e = -1;
-                }
-                e = e < 0 ? -1 : e;
+                e = checked_index(first, n_entries, fault, report);
                 w->idx[tid] = e;
             }
             const unsigned same = __match_any_sync(0xffffffffu, e);
@@ -279,12 +284,7 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
     }
 #pragma unroll 1
     for (int j = tid; j < nwin; j += BGMV_THREADS) {
-        int e = j == tid ? first : idx[row0 + j];
-        if (e >= n_entries) {
-            if (report) raise_fault(fault, FAULT_BAD_INDEX);
-            e = -1;
-        }
-        w->idx[j] = e < 0 ? -1 : e;
+        w->idx[j] = checked_index(j == tid ? first : idx[row0 + j], n_entries, fault, report);
     }
     __syncthreads();
 
@@ -1012,12 +1012,7 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvP
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int j = tid + r * BGMV_THREADS;
-        int v = listed && j < nwin ? ((const int*)p.idx)[row0 + j] : -1;
-        if (v >= tg.n_entries) {
-            raise_fault(p.fault, FAULT_BAD_INDEX);
-            v = -1;
-        }
-        e[r] = v < 0 ? -1 : v;
+        e[r] = checked_index(listed && j < nwin ? ((const int*)p.idx)[row0 + j] : -1, tg.n_entries, p.fault, true);
         if (e[r] >= 0) s_map[e[r]] = 0;
     }
     if (overlap) {
@@ -1245,24 +1240,26 @@ __device__ __forceinline__ void shrink_tc_group(float* d, const bf16_t* a_lo, co
         // A's rows first, all in flight; x (a few rows, read by every
         // group's warps, mostly from L1) as each chunk is summed.
         uint4 al[U], ah[U];
+        int col[U], valid[U];  // valid <= 0: past the slice
 #pragma unroll
         for (int j = 0; j < U; ++j) {
-            const int col = k0 + (c + j * cw) * 32 + tq * 8;
-            const int valid = c + j * cw < c32 ? k1 - col : 0;  // <= 0: past the slice
+            col[j] = k0 + (c + j * cw) * 32 + tq * 8;
+            valid[j] = c + j * cw < c32 ? k1 - col[j] : 0;
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
             if (VEC) {
-                al[j] = lo_ok && valid > 0 ? ldg16(a_lo + col) : z;
-                ah[j] = hi_ok && valid > 0 ? ldg16(a_hi + col) : z;
+                al[j] = lo_ok && valid[j] > 0 ? ldg16(a_lo + col[j]) : z;
+                ah[j] = hi_ok && valid[j] > 0 ? ldg16(a_hi + col[j]) : z;
             } else {
-                al[j] = lo_ok && valid > 0 ? load8(a_lo + col, valid, false) : z;
-                ah[j] = hi_ok && valid > 0 ? load8(a_hi + col, valid, false) : z;
+                al[j] = lo_ok && valid[j] > 0 ? load8(a_lo + col[j], valid[j], false) : z;
+                ah[j] = hi_ok && valid[j] > 0 ? load8(a_hi + col[j], valid[j], false) : z;
             }
         }
 #pragma unroll
         for (int j = 0; j < U; ++j) {
-            const int col = k0 + (c + j * cw) * 32 + tq * 8;
-            const int valid = c + j * cw < c32 ? k1 - col : 0;
             uint4 xv = z;
-            if (has_row && valid > 0) xv = VEC ? ldg16(xrow + col) : load8(xrow + col, valid, false);
+            if (has_row && valid[j] > 0) xv = VEC ? ldg16(xrow + col[j]) : load8(xrow + col[j], valid[j], false);
             mma_k16(d, al[j].x, ah[j].x, al[j].y, ah[j].y, xv.x, xv.y);
             mma_k16(d, al[j].z, ah[j].z, al[j].w, ah[j].w, xv.z, xv.w);
         }

@@ -533,38 +533,49 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("tc q49".to_string(), t));
+            // The two-phase kernels: expand widths, the expand not a dependent
+            // of the shrink, power-of-two K slices, and the shrink on tensor
+            // cores, plain and under the overlap.
+            let two_phase = BgmvTuning {
+                two_phase: Some(true),
+                ..Default::default()
+            };
             for cols in [256, 512, 1024] {
                 let t = BgmvTuning {
-                    two_phase: Some(true),
                     expand_cols: Some(cols),
-                    ..Default::default()
+                    ..two_phase
                 };
                 variants.push((format!("2p c{cols}"), t));
             }
-            let t = BgmvTuning {
-                two_phase: Some(true),
-                dependent_launch: Some(false),
-                ..Default::default()
-            };
-            variants.push(("2p nodep".to_string(), t));
-            let t = BgmvTuning {
-                two_phase: Some(true),
-                pow2_slices: Some(true),
-                ..Default::default()
-            };
-            variants.push(("2p pow2".to_string(), t));
-            // The shrink on tensor cores, plain and under the overlap.
-            let t = BgmvTuning {
-                two_phase: Some(true),
+            let stc = BgmvTuning {
                 shrink_tensor_cores: Some(true),
-                ..Default::default()
+                ..two_phase
             };
-            variants.push(("2p stc".to_string(), t));
-            let o = BgmvTuning {
-                overlap_previous: Some(true),
-                ..t
-            };
-            variants.push(("overlap 2p stc".to_string(), o));
+            let forms = [
+                (
+                    "2p nodep",
+                    BgmvTuning {
+                        dependent_launch: Some(false),
+                        ..two_phase
+                    },
+                ),
+                (
+                    "2p pow2",
+                    BgmvTuning {
+                        pow2_slices: Some(true),
+                        ..two_phase
+                    },
+                ),
+                ("2p stc", stc),
+                (
+                    "overlap 2p stc",
+                    BgmvTuning {
+                        overlap_previous: Some(true),
+                        ..stc
+                    },
+                ),
+            ];
+            variants.extend(forms.into_iter().map(|(label, t)| (label.to_string(), t)));
         }
         ctx.opts.filter_variants(&mut variants);
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);

@@ -522,10 +522,11 @@ pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 ///
 /// Nor batches the fused launch serves in one round of resident clusters
 /// (`fused_rounds`, for the most items its windows can make over the
-/// table): its chain is then paid once, against the two launches' two chains. At n = 64 of rank-16
-/// adapters, 4096 x 4096, that is clusters of 2, one block per
-/// multiprocessor (H200, in a graph: 10.9 against 13.9 µs); with f32 y,
-/// rank 64 or 14336 outputs the fused launch needs several rounds.
+/// table): its chain is then paid once, against the two launches' two
+/// chains. At n = 64 of rank-16 adapters, 4096 x 4096, that is clusters of
+/// 2, one block per multiprocessor (H200, in a graph: 10.9 against 13.9
+/// µs); with f32 y, rank 64 or 14336 outputs the fused launch needs several
+/// rounds.
 fn two_phase_by_default(
     n: usize,
     stride: usize,
@@ -859,7 +860,6 @@ fn launch<Y: OutputElem>(
     }
     let config = fused?;
     let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
-    let overlap = tuning.overlap_previous.unwrap_or(false);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
         .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 2, 4 or 8")))?;
     let grid_y = n_windows * cpw;
