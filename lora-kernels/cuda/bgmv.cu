@@ -256,96 +256,96 @@ __device__ __forceinline__ int checked_index(int e, int n_entries, u64 fault, bo
 // Every thread of the block: read the window's entry indices (an index past
 // the table raises a fault when `report` and counts as no delta), then list
 // the rows that lead an item. Row j leads an item when its occurrence number
-// among the window's rows of the same entry is a multiple of G; rows 2t and
-// 2t + 1 are counted by thread t (and, for short windows, t + BGMV_THREADS / 2).
-// `first` is first_index's value. Returns the item count (the same in every thread).
+// among the window's rows of the same entry is a multiple of G. `first` is
+// first_index's value. With `drain`, the caller's cp.async copies are
+// complete (and visible to the block) on return. Returns the item count
+// (the same in every thread).
+//
+// Windows of up to BGMV_THREADS rows (one row per thread): a row's
+// occurrence number is the count of lower lanes holding its entry
+// (__match_any_sync) plus the rows of the lower warps holding it, and the
+// leads are numbered by a ballot per warp and the warps' counts: three
+// barriers (one for up to 32 rows). Longer windows: rows 2t and 2t + 1 are
+// counted by thread t and the leads numbered by a block scan.
 __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, int n_entries, u64 fault, bool report,
-                                           WindowScan* w, int first) {
+                                           WindowScan* w, int first, bool drain) {
     const int tid = threadIdx.x;
-    if (nwin <= 32) {
-        // One warp: a row's occurrence number is the count of lower lanes
-        // holding its entry (match_any), the leads are numbered by a ballot.
-        // One barrier instead of the block scan's five.
-        if (tid < 32) {
-            int e = -1;
-            if (tid < nwin) {
-                e = checked_index(first, n_entries, fault, report);
-                w->idx[tid] = e;
-            }
-            const unsigned same = __match_any_sync(0xffffffffu, e);
-            const unsigned below = (1u << tid) - 1u;
-            const bool lead = e >= 0 && __popc(same & below) % BGMV_G == 0;
-            const unsigned leads = __ballot_sync(0xffffffffu, lead);
-            if (lead) w->items[__popc(leads & below)] = tid;
-            if (tid == 0) w->scan[0] = __popc(leads);
+    if (nwin <= BGMV_THREADS) {
+        const int lane = tid & 31;
+        const int warp = tid >> 5;
+        const bool one_warp = nwin <= 32;  // uniform: only warp 0 holds rows
+        int e = -1;
+        if (tid < nwin) {
+            e = checked_index(first, n_entries, fault, report);
+            w->idx[tid] = e;
         }
+        const unsigned below = (1u << lane) - 1u;
+        int occ = __popc(__match_any_sync(0xffffffffu, e) & below);
+        if (!one_warp) {
+            __syncthreads();  // every row's entry in w->idx
+            // Rows [0, 32 warp) all lie in the window when this warp holds one.
+            if (e >= 0) {
+#pragma unroll 4
+                for (int i = 0; i < warp * 32; i += 4) {
+                    const int4 v = *(const int4*)&w->idx[i];
+                    occ += (v.x == e) + (v.y == e) + (v.z == e) + (v.w == e);
+                }
+            }
+        }
+        const bool lead = e >= 0 && occ % BGMV_G == 0;
+        const unsigned leads = __ballot_sync(0xffffffffu, lead);
+        int before = 0;
+        int total = __popc(leads);
+        if (!one_warp) {
+            if (lane == 0) w->scan[warp] = total;
+            __syncthreads();
+            total = 0;
+#pragma unroll
+            for (int v = 0; v < BGMV_WARPS; ++v) {
+                const int c = w->scan[v];
+                before += v < warp ? c : 0;
+                total += c;
+            }
+        } else if (tid == 0) {
+            w->scan[0] = total;
+        }
+        if (lead) w->items[before + __popc(leads & below)] = tid;
+        if (drain) cp_async_wait<0>();
         __syncthreads();
-        return w->scan[0];
+        return one_warp ? w->scan[0] : total;
     }
 #pragma unroll 1
     for (int j = tid; j < nwin; j += BGMV_THREADS) {
         w->idx[j] = checked_index(j == tid ? first : idx[row0 + j], n_entries, fault, report);
     }
     __syncthreads();
-
-    // Up to BGMV_THREADS rows, two threads share a row pair: the upper half
-    // of the block counts the second half of the earlier rows (the longest
-    // count is half as long); the partial counts meet through w->items,
-    // which is free until the leads are listed.
-    constexpr int HALF = BGMV_THREADS / 2;
-    const bool split = nwin <= BGMV_THREADS;
-    const int pair = split ? (tid & (HALF - 1)) : tid;
-    const bool upper = split && tid >= HALF;
-    const int j0 = 2 * pair;
+    const int j0 = 2 * tid;
     const int e0 = j0 < nwin ? w->idx[j0] : -1;
     const int e1 = j0 + 1 < nwin ? w->idx[j0 + 1] : -1;
-    const int mid = split ? (j0 >> 1) & ~3 : j0;
     int occ0 = 0;
-    int occ1 = 0;
+    int occ1 = e0 == e1;
     if (e0 >= 0 || e1 >= 0) {
-        int i = upper ? mid : 0;
-        const int end = upper ? j0 : mid;
+        int i = 0;
 #pragma unroll 4
-        for (; i + 4 <= end; i += 4) {
+        for (; i + 4 <= j0; i += 4) {
             const int4 v = *(const int4*)&w->idx[i];
             occ0 += (v.x == e0) + (v.y == e0) + (v.z == e0) + (v.w == e0);
             occ1 += (v.x == e1) + (v.y == e1) + (v.z == e1) + (v.w == e1);
         }
 #pragma unroll 1
-        for (; i < end; ++i) {
+        for (; i < j0; ++i) {
             occ0 += w->idx[i] == e0;
             occ1 += w->idx[i] == e1;
         }
     }
-    if (split) {
-        if (upper) {
-            w->items[2 * pair] = occ0;
-            w->items[2 * pair + 1] = occ1;
-        }
-        __syncthreads();
-        if (!upper) {
-            occ0 += w->items[2 * pair];
-            occ1 += w->items[2 * pair + 1];
-        }
-        __syncthreads();  // w->items is written below
-    }
-    int lead_flags = 0;
-    int n_lead = 0;
-    if (!upper) {
-        occ1 += e0 == e1;
-        if (e0 >= 0 && occ0 % BGMV_G == 0) {
-            lead_flags |= 1;
-            n_lead++;
-        }
-        if (e1 >= 0 && occ1 % BGMV_G == 0) {
-            lead_flags |= 2;
-            n_lead++;
-        }
-    }
+    const bool lead0 = e0 >= 0 && occ0 % BGMV_G == 0;
+    const bool lead1 = e1 >= 0 && occ1 % BGMV_G == 0;
     int n_items;
-    int pos = block_exclusive_scan<BGMV_THREADS>(n_lead, w->scan, &n_items);
-    if (lead_flags & 1) w->items[pos++] = j0;
-    if (lead_flags & 2) w->items[pos] = j0 + 1;
+    int pos = block_exclusive_scan<BGMV_THREADS>((int)lead0 + (int)lead1, w->scan, &n_items);
+    if (lead0) w->items[pos++] = j0;
+    if (lead1) w->items[pos] = j0 + 1;
+    if (drain) cp_async_wait<0>();
+    __syncthreads();
     return n_items;
 }
 
@@ -391,7 +391,8 @@ __device__ __forceinline__ void copy_list_item(const ItemRows* list, int i, Item
 }
 
 // Dynamic shared memory layout, in this order (each region 16-byte aligned):
-//   sB   [lo_max][stride8 + 8] bf16  this block's B rows (padded: no bank conflicts), zero past rank
+//   sB   [lo_max][b_pitch] bf16      this block's B rows, zero past rank (padded by 8 columns,
+//                                    no bank conflicts, except in clusters of 2)
 //   sY   [G][lo_max] Y                this block's y values of the item's rows
 //   sTp  [G][tp] f32                  partial rank vectors (read by the cluster peers)
 //   sT   [G][tp] f32                  summed, scaled rank vectors
@@ -507,11 +508,9 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         } else if (tid == 0) {
             prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
         }
-        n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win, idx_first);
-        if (table_smem) {
-            cp_async_wait<0>();
-            __syncthreads();
-        }
+        // The table copy completes within the scan's last barrier.
+        n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win, idx_first,
+                              table_smem);
     }
 
     int k0, k1;
@@ -548,7 +547,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     bool pending = false;
 
     for (int it = q; it < n_items; it += p.clusters_per_window) {
-        __syncthreads();  // the previous item's shared state is no longer read
+        // The previous item's shared state is no longer read (the first follows the scan's or list's barrier).
+        if (it != q) __syncthreads();
         if (warp == 0) {
             if (LIST) {
                 if (it != q) copy_list_item(list, it, &s_item, lane);
@@ -708,10 +708,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                     }
                 } else {
                     // A warp takes rank rows k and k + WARPS together and each
-                    // lane two column steps at once: four independent dot
+                    // lane SC column steps at once: 2 SC independent dot
                     // chains sharing the x loads, then one halving exchange for
                     // both rows. With a handful of warps per multiprocessor the
                     // chains' latency, not the bytes, is this phase's time.
+                    // Clusters of 2 (registers to spare, 2048 columns per
+                    // block at 4096) take four steps, the others two.
+                    constexpr int SC = C == 2 ? 4 : 2;
                     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll 1
                     for (int g = 0; g < nr; ++g) {
@@ -721,24 +724,34 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                             const bool two = k + BGMV_WARPS < rank;
                             const bf16_t* a0 = a + k * kp;
                             const bf16_t* a1 = a + (two ? k + BGMV_WARPS : k) * kp;
-                            float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;
+                            float s0[SC], s1[SC];
+#pragma unroll
+                            for (int i = 0; i < SC; ++i) s0[i] = s1[i] = 0.f;
 #pragma unroll 1
-                            for (int c = lane; c < n8; c += 64) {
-                                const bool c2 = c + 32 < n8;
-                                const uint4 x0 = *(const uint4*)(xg + c * 8);
-                                const uint4 p0 = *(const uint4*)(a0 + c * 8);
-                                const uint4 q0 = *(const uint4*)(a1 + c * 8);
-                                const uint4 x1 = c2 ? *(const uint4*)(xg + c * 8 + 256) : zero;
-                                const uint4 p1 = c2 ? *(const uint4*)(a0 + c * 8 + 256) : zero;
-                                const uint4 q1 = c2 ? *(const uint4*)(a1 + c * 8 + 256) : zero;
-                                s00 = dot8(p0, x0, s00);
-                                s10 = dot8(q0, x0, s10);
-                                s01 = dot8(p1, x1, s01);
-                                s11 = dot8(q1, x1, s11);
+                            for (int c = lane; c < n8; c += 32 * SC) {
+                                uint4 xv[SC], pv[SC], qv[SC];
+#pragma unroll
+                                for (int i = 0; i < SC; ++i) {
+                                    const bool in = i == 0 || c + 32 * i < n8;
+                                    const int off = (c + 32 * i) * 8;
+                                    xv[i] = in ? *(const uint4*)(xg + off) : zero;
+                                    pv[i] = in ? *(const uint4*)(a0 + off) : zero;
+                                    qv[i] = in ? *(const uint4*)(a1 + off) : zero;
+                                }
+#pragma unroll
+                                for (int i = 0; i < SC; ++i) {
+                                    s0[i] = dot8(pv[i], xv[i], s0[i]);
+                                    s1[i] = dot8(qv[i], xv[i], s1[i]);
+                                }
+                            }
+                            float v0 = s0[0], v1 = s1[0];
+#pragma unroll
+                            for (int i = 1; i < SC; ++i) {
+                                v0 += s0[i];
+                                v1 += s1[i];
                             }
                             // Lanes 0-15 keep row k, 16-31 row k + WARPS.
                             const bool upper = (lane & 16) != 0;
-                            const float v0 = s00 + s01, v1 = s10 + s11;
                             float v = (upper ? v1 : v0) + __shfl_xor_sync(0xffffffffu, upper ? v0 : v1, 16);
 #pragma unroll
                             for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -753,8 +766,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             if (step < chunks && !early && !lead_a) stage_chunk(step, 0, rank + nr);
             cp_async_commit();
         }
-        cp_async_wait<0>();  // B and y (and nothing else) may still be in flight
-        __syncthreads();
+        // Without a chunk no step's barrier follows the zeroing of sTp, which the cluster sum reads.
+        if (chunks == 0) __syncthreads();
 
         // ---- sum the partial rank vectors over the cluster, scale them.
         const float scale = en.scale;
@@ -819,6 +832,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             cluster_arrive();
             pending = true;
         }
+        // B and y (and nothing else) may still be in flight: they arrived during the cluster sum.
+        cp_async_wait<0>();
         __syncthreads();
 
         // ---- expand from shared memory: y[row_g, coff + o] = sY + sum_k sT[g][k] sB[o][k].
@@ -857,47 +872,59 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 }
             }
         }
-        // Scalar expand: a thread takes outputs r and r + THREADS together,
-        // each summed as two chains (rank steps 8 apart), so four FMA chains
-        // run at once behind one batch of shared loads.
+        // Scalar expand: a thread takes EO outputs THREADS apart together,
+        // each summed as two chains (rank steps 8 apart), so 2 EO FMA chains
+        // run at once behind one batch of shared loads. Clusters of 2 (one
+        // block per multiprocessor, registers to spare, 8 outputs per thread
+        // at 4096) take four at once, the others two.
+        constexpr int EO = C == 2 ? 4 : 2;
 #pragma unroll 1
-        for (int r = tid; !TC && nr > 0 && r < lo; r += 2 * BGMV_THREADS) {
-            const bool two = r + BGMV_THREADS < lo;
-            const int r1 = two ? r + BGMV_THREADS : r;
-            const bf16_t* b0 = sB + r * bpitch;
-            const bf16_t* b1 = sB + r1 * bpitch;
+        for (int r = tid; !TC && nr > 0 && r < lo; r += EO * BGMV_THREADS) {
+            const bf16_t* brow[EO];
+            bool live[EO];
+#pragma unroll
+            for (int j = 0; j < EO; ++j) {
+                live[j] = r + j * BGMV_THREADS < lo;
+                brow[j] = sB + (live[j] ? r + j * BGMV_THREADS : r) * bpitch;
+            }
 #pragma unroll 1
             for (int g = 0; g < nr; ++g) {
                 const float* tg = sT + g * tp;
-                const float y0 = y_load(sY + g * lo_max + r);
-                const float y1 = y_load(sY + g * lo_max + r1);
-                float e0 = 0.f, e1 = 0.f, f0 = 0.f, f1 = 0.f;
+                float e[EO], f[EO];
+#pragma unroll
+                for (int j = 0; j < EO; ++j) e[j] = f[j] = 0.f;
 #pragma unroll 1
                 for (int kb = 0; kb < rank8; kb += 16) {
-                    const bool k2 = kb + 8 < rank8;
+                    const bool k2 = kb + 8 < rank8;  // uniform over the block
                     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-                    const uint4 u0 = *(const uint4*)(b0 + kb);
-                    const uint4 u1 = *(const uint4*)(b1 + kb);
-                    const uint4 v0 = k2 ? *(const uint4*)(b0 + kb + 8) : zero;  // unread past rank8
-                    const uint4 v1 = k2 ? *(const uint4*)(b1 + kb + 8) : zero;
+                    uint4 u[EO], v[EO];
+#pragma unroll
+                    for (int j = 0; j < EO; ++j) {
+                        u[j] = *(const uint4*)(brow[j] + kb);
+                        v[j] = k2 ? *(const uint4*)(brow[j] + kb + 8) : zero;  // unread past rank8
+                    }
                     float t[16];
 #pragma unroll
-                    for (int j = 0; j < 16; j += 4) {
-                        const float4 q = *(const float4*)(tg + kb + (k2 ? j : (j & 7)));
-                        t[j] = q.x;
-                        t[j + 1] = q.y;
-                        t[j + 2] = q.z;
-                        t[j + 3] = q.w;
+                    for (int i = 0; i < 16; i += 4) {
+                        const float4 q = *(const float4*)(tg + kb + (k2 ? i : (i & 7)));
+                        t[i] = q.x;
+                        t[i + 1] = q.y;
+                        t[i + 2] = q.z;
+                        t[i + 3] = q.w;
                     }
-                    e0 = dot8f(u0, t, e0);
-                    e1 = dot8f(u1, t, e1);
-                    if (k2) {  // uniform over the block
-                        f0 = dot8f(v0, t + 8, f0);
-                        f1 = dot8f(v1, t + 8, f1);
+#pragma unroll
+                    for (int j = 0; j < EO; ++j) e[j] = dot8f(u[j], t, e[j]);
+                    if (k2) {
+#pragma unroll
+                        for (int j = 0; j < EO; ++j) f[j] = dot8f(v[j], t + 8, f[j]);
                     }
                 }
-                y_store(Yp + (u64)s_item.rows[g] * ys + coff + o0 + r, y0 + (e0 + f0));
-                if (two) y_store(Yp + (u64)s_item.rows[g] * ys + coff + o0 + r1, y1 + (e1 + f1));
+                Y* yrow = Yp + (u64)s_item.rows[g] * ys + coff + o0;
+#pragma unroll
+                for (int j = 0; j < EO; ++j) {
+                    const int o = r + j * BGMV_THREADS;
+                    if (live[j]) y_store(yrow + o, y_load(sY + g * lo_max + o) + (e[j] + f[j]));
+                }
             }
         }
     }
@@ -1290,7 +1317,7 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     // The expand may get resident now (a dependent launch); it waits for this grid to complete.
     grid_launch_dependents();
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    const int n_items = scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win, idx_first);
+    const int n_items = scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win, idx_first, false);
     // Enough K slices that the units fill the grid once (the same in every block).
     int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
     if (p.pow2_slices) ks_n = 1 << (31 - __clz(ks_n));  // whole 256-column passes when in is a multiple of 4096

@@ -614,147 +614,161 @@ fn gpu_bgmv_row_patterns_and_paths() {
         return;
     };
     let mut rng = Rng::fresh("gpu_bgmv_row_patterns_and_paths");
-    let n = 300;
-    let p = Problem::new(&mut rng, n, 1024, &[512, 128], 32, &[32, 7, 16, 0, 1], true);
-    let patterns: Vec<(&str, Vec<i32>)> = vec![
-        ("no adapter anywhere", vec![-1; n]),
-        ("all rows one adapter", vec![2; n]),
-        (
-            "every row a different adapter",
-            (0..n).map(|i| (i % 5) as i32).collect(),
-        ),
-        (
-            "padding rows at the end",
-            (0..n).map(|i| if i < 200 { (i % 3) as i32 } else { -1 }).collect(),
-        ),
-        (
-            "rank-0 slot rows",
-            (0..n).map(|i| if i % 2 == 0 { 3 } else { 1 }).collect(),
-        ),
-        ("random", random_idx(&mut rng, n, 5, 4)),
-    ];
-    let tunings = [
-        BgmvTuning::default(),
-        BgmvTuning {
-            cluster: Some(1),
-            ..FUSED
-        },
-        BgmvTuning {
-            cluster: Some(8),
-            out_splits: Some(3),
-            clusters_per_window: Some(2),
-            ..FUSED
-        },
-        BgmvTuning {
-            cluster: Some(1),
-            out_splits: Some(1),
-            clusters_per_window: Some(1),
-            ..FUSED
-        },
-        BgmvTuning {
-            cluster: Some(1),
-            ..FUSED_TC
-        },
-        BgmvTuning {
-            cluster: Some(8),
-            out_splits: Some(3),
-            clusters_per_window: Some(2),
-            ..FUSED_TC
-        },
-        BgmvTuning {
-            cluster: Some(4),
-            ..FUSED_SCALAR_SCAN
-        },
-        // Many items per cluster (rank-0 items among them): the push form's
-        // receive buffers and mbarrier phases reused, and the pull form.
-        BgmvTuning {
-            cluster: Some(8),
-            out_splits: Some(3),
-            clusters_per_window: Some(2),
-            push_sum: Some(false),
-            ..FUSED_SCALAR_SCAN
-        },
-        BgmvTuning {
-            cluster: Some(8),
-            clusters_per_window: Some(1),
-            push_sum: Some(true),
-            ..FUSED_SCALAR_SCAN
-        },
-        BgmvTuning {
-            cluster: Some(4),
-            clusters_per_window: Some(1),
-            push_sum: Some(true),
-            ..FUSED_TC_LIST
-        },
-        BgmvTuning {
-            cluster: Some(8),
-            out_splits: Some(2),
-            clusters_per_window: Some(3),
-            push_sum: Some(false),
-            ..FUSED_TC_LIST
-        },
-        FUSED_SCALAR_LIST,
-        FUSED_TC_LIST,
-        FUSED_SCALAR_LIST_FLAG,
-        // Clusters of 2: one block per multiprocessor, B rows unpadded.
-        BgmvTuning {
-            cluster: Some(2),
-            ..FUSED_SCALAR_SCAN
-        },
-        BgmvTuning {
-            cluster: Some(2),
-            out_splits: Some(3),
-            clusters_per_window: Some(2),
-            push_sum: Some(false),
-            ..FUSED_SCALAR_SCAN
-        },
-        BgmvTuning {
-            cluster: Some(2),
-            clusters_per_window: Some(1),
-            push_sum: Some(true),
-            ..FUSED_TC_LIST
-        },
-        BgmvTuning {
-            cluster: Some(2),
-            ..FUSED_SCALAR_LIST
-        },
-        BgmvTuning {
-            cluster: Some(1),
-            ..FUSED_SCALAR_LIST
-        },
-        BgmvTuning {
-            cluster: Some(4),
-            ..FUSED_SCALAR_LIST
-        },
-        BgmvTuning {
-            cluster: Some(8),
-            out_splits: Some(3),
-            clusters_per_window: Some(2),
-            ..FUSED_TC_LIST
-        },
-        BgmvTuning {
-            cluster: Some(1),
-            out_splits: Some(1),
-            clusters_per_window: Some(1),
-            ..FUSED_TC_LIST_FLAG
-        },
-        BgmvTuning {
-            expand_cols: Some(64),
-            ..TWO_PHASE
-        },
-        BgmvTuning {
-            expand_cols: Some(512),
-            ..TWO_PHASE_DEPENDENT
-        },
-        BgmvTuning {
-            pow2_slices: Some(true),
-            ..TWO_PHASE
-        },
-        TWO_PHASE_TC_POW2_DEPENDENT,
-    ];
-    for (label, idx) in &patterns {
-        for t in tunings {
-            check_bgmv(&gpu, &format!("{label} {t:?}"), &p, idx, t);
+    // Windows of 300 rows (the scan's two rows per thread) and of 200 (one per thread).
+    for n in [300, 200] {
+        let p = Problem::new(&mut rng, n, 1024, &[512, 128], 32, &[32, 7, 16, 0, 1], true);
+        let patterns: Vec<(&str, Vec<i32>)> = vec![
+            ("no adapter anywhere", vec![-1; n]),
+            ("all rows one adapter", vec![2; n]),
+            (
+                "every row a different adapter",
+                (0..n).map(|i| (i % 5) as i32).collect(),
+            ),
+            (
+                "padding rows at the end",
+                (0..n).map(|i| if i < 200 { (i % 3) as i32 } else { -1 }).collect(),
+            ),
+            (
+                "rank-0 slot rows",
+                (0..n).map(|i| if i % 2 == 0 { 3 } else { 1 }).collect(),
+            ),
+            ("random", random_idx(&mut rng, n, 5, 4)),
+        ];
+        let tunings = [
+            BgmvTuning::default(),
+            BgmvTuning {
+                cluster: Some(1),
+                ..FUSED
+            },
+            BgmvTuning {
+                cluster: Some(8),
+                out_splits: Some(3),
+                clusters_per_window: Some(2),
+                ..FUSED
+            },
+            BgmvTuning {
+                cluster: Some(1),
+                out_splits: Some(1),
+                clusters_per_window: Some(1),
+                ..FUSED
+            },
+            BgmvTuning {
+                cluster: Some(1),
+                ..FUSED_TC
+            },
+            BgmvTuning {
+                cluster: Some(8),
+                out_splits: Some(3),
+                clusters_per_window: Some(2),
+                ..FUSED_TC
+            },
+            BgmvTuning {
+                cluster: Some(4),
+                ..FUSED_SCALAR_SCAN
+            },
+            // Many items per cluster (rank-0 items among them): the push form's
+            // receive buffers and mbarrier phases reused, and the pull form.
+            BgmvTuning {
+                cluster: Some(8),
+                out_splits: Some(3),
+                clusters_per_window: Some(2),
+                push_sum: Some(false),
+                ..FUSED_SCALAR_SCAN
+            },
+            BgmvTuning {
+                cluster: Some(8),
+                clusters_per_window: Some(1),
+                push_sum: Some(true),
+                ..FUSED_SCALAR_SCAN
+            },
+            BgmvTuning {
+                cluster: Some(4),
+                clusters_per_window: Some(1),
+                push_sum: Some(true),
+                ..FUSED_TC_LIST
+            },
+            BgmvTuning {
+                cluster: Some(8),
+                out_splits: Some(2),
+                clusters_per_window: Some(3),
+                push_sum: Some(false),
+                ..FUSED_TC_LIST
+            },
+            FUSED_SCALAR_LIST,
+            FUSED_TC_LIST,
+            FUSED_SCALAR_LIST_FLAG,
+            // Clusters of 2: one block per multiprocessor, B rows unpadded.
+            BgmvTuning {
+                cluster: Some(2),
+                ..FUSED_SCALAR_SCAN
+            },
+            BgmvTuning {
+                cluster: Some(2),
+                out_splits: Some(3),
+                clusters_per_window: Some(2),
+                push_sum: Some(false),
+                ..FUSED_SCALAR_SCAN
+            },
+            BgmvTuning {
+                cluster: Some(2),
+                clusters_per_window: Some(1),
+                push_sum: Some(true),
+                ..FUSED_TC_LIST
+            },
+            BgmvTuning {
+                cluster: Some(2),
+                ..FUSED_SCALAR_LIST
+            },
+            // Every item of a window through one cluster: the one-chunk items'
+            // copy groups and the push's receive buffers reused many times.
+            BgmvTuning {
+                cluster: Some(2),
+                clusters_per_window: Some(1),
+                ..FUSED_SCALAR_SCAN
+            },
+            BgmvTuning {
+                cluster: Some(1),
+                clusters_per_window: Some(1),
+                ..FUSED_SCALAR_LIST
+            },
+            BgmvTuning {
+                cluster: Some(1),
+                ..FUSED_SCALAR_LIST
+            },
+            BgmvTuning {
+                cluster: Some(4),
+                ..FUSED_SCALAR_LIST
+            },
+            BgmvTuning {
+                cluster: Some(8),
+                out_splits: Some(3),
+                clusters_per_window: Some(2),
+                ..FUSED_TC_LIST
+            },
+            BgmvTuning {
+                cluster: Some(1),
+                out_splits: Some(1),
+                clusters_per_window: Some(1),
+                ..FUSED_TC_LIST_FLAG
+            },
+            BgmvTuning {
+                expand_cols: Some(64),
+                ..TWO_PHASE
+            },
+            BgmvTuning {
+                expand_cols: Some(512),
+                ..TWO_PHASE_DEPENDENT
+            },
+            BgmvTuning {
+                pow2_slices: Some(true),
+                ..TWO_PHASE
+            },
+            TWO_PHASE_TC_POW2_DEPENDENT,
+        ];
+        for (label, idx) in &patterns {
+            for t in tunings {
+                check_bgmv(&gpu, &format!("n={n} {label} {t:?}"), &p, idx, t);
+            }
         }
     }
 }
