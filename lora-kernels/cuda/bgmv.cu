@@ -468,6 +468,39 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     bool waited = LIST || !overlap;
     if (overlap) grid_launch_dependents();
 
+    // The block's slices and shared-memory layout depend on no row index:
+    // worked out while the first index (or the item list) is in flight.
+    int k0, k1;
+    split8(p.in_dim, C, crank, k0, k1);
+    int s0, s1;
+    split8(tg.out_dim, p.out_splits, split, s0, s1);
+    int o0, o1;
+    split8(s1 - s0, C, crank, o0, o1);
+    o0 += s0;
+    o1 += s0;
+    const int lo = o1 - o0;
+
+    const int in = p.in_dim;
+    const int stride = p.rank_stride;
+    const int bpitch = p.b_pitch;
+    const int kch = p.k_chunk;
+    const int kp = kch + 8;  // staged A / x row pitch
+    const int arows = (stride + 15) & ~15;
+    const int lo_max = p.lo_max;
+    bf16_t* sB = (bf16_t*)dyn;
+    Y* sY = (Y*)(dyn + p.off_y);
+    bf16_t* sA = (bf16_t*)(dyn + p.off_a);
+    bf16_t* sX = (bf16_t*)(dyn + p.off_x);
+    const int tp = (stride + 7) & ~7;
+    float* sTp = (float*)(dyn + p.off_t);
+    float* sT = sTp + BGMV_G * tp;
+    float* sRed = sT + BGMV_G * tp;  // [warps][128] f32: the TC shrink's per-warp tiles
+    bf16_t* sTh = (bf16_t*)sT;       // TC: t as bf16 hi and lo, in place of the f32 sT
+    const bf16_t* X = (const bf16_t*)p.x;
+    Y* Yp = (Y*)p.y;
+    const int ys = p.y_stride;
+    const int coff = tg.y_col_off;
+
     int n_items;
     bool table_smem = false;         // the scanning form reads entries from s_table
     const ItemRows* list = nullptr;  // LIST: this (window, target)'s items, after the 64-byte header
@@ -513,37 +546,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                               table_smem);
     }
 
-    int k0, k1;
-    split8(p.in_dim, C, crank, k0, k1);
-    int s0, s1;
-    split8(tg.out_dim, p.out_splits, split, s0, s1);
-    int o0, o1;
-    split8(s1 - s0, C, crank, o0, o1);
-    o0 += s0;
-    o1 += s0;
-    const int lo = o1 - o0;
-
-    const int in = p.in_dim;
-    const int stride = p.rank_stride;
-    const int bpitch = p.b_pitch;
-    const int kch = p.k_chunk;
-    const int kp = kch + 8;  // staged A / x row pitch
-    const int arows = (stride + 15) & ~15;
-    const int lo_max = p.lo_max;
-    bf16_t* sB = (bf16_t*)dyn;
-    Y* sY = (Y*)(dyn + p.off_y);
-    bf16_t* sA = (bf16_t*)(dyn + p.off_a);
-    bf16_t* sX = (bf16_t*)(dyn + p.off_x);
-    const int tp = (stride + 7) & ~7;
-    float* sTp = (float*)(dyn + p.off_t);
-    float* sT = sTp + BGMV_G * tp;
-    float* sRed = sT + BGMV_G * tp;  // [warps][128] f32: the TC shrink's per-warp tiles
-    bf16_t* sTh = (bf16_t*)sT;       // TC: t as bf16 hi and lo, in place of the f32 sT
-    const bf16_t* X = (const bf16_t*)p.x;
-    Y* Yp = (Y*)p.y;
     const PairEntry* table = table_smem ? s_table : (const PairEntry*)tg.table;
-    const int ys = p.y_stride;
-    const int coff = tg.y_col_off;
     bool pending = false;
 
     for (int it = q; it < n_items; it += p.clusters_per_window) {
