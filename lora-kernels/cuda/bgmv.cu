@@ -67,7 +67,8 @@ struct BgmvParams {
     int off_r;        // push: the cluster sum's receive slots in the dynamic shared memory
     int push;         // clusters sum their partial rank vectors by pushing them (st.async), not by barrier and pull
     int overlap;      // a programmatic dependent: idx, tables and adapters read before griddepcontrol.wait, x and y after
-    int b_pitch;      // staged B row pitch, elements: the stride rounded to 8, plus 8 where shared memory allows (no bank conflicts)
+    int b_pitch;      // staged B row pitch, elements: the stride rounded to 8, plus 8 (no bank
+                      // conflicts) where shared memory allows
     LoraTarget targets[MAX_TARGETS];
 };
 static_assert(sizeof(BgmvParams) == 224 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 128, "mirrors bgmv.rs");
@@ -1320,7 +1321,8 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     // The expand may get resident now (a dependent launch); it waits for this grid to complete.
     grid_launch_dependents();
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    const int n_items = scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win, idx_first, false);
+    const int n_items =
+        scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win, idx_first, false);
     // Enough K slices that the units fill the grid once (the same in every block).
     int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
     if (p.pow2_slices) ks_n = 1 << (31 - __clz(ks_n));  // whole 256-column passes when in is a multiple of 4096
