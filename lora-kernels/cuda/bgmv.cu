@@ -12,7 +12,9 @@
 // grid is (C * out_splits, n_windows * clusters_per_window, n_targets); each
 // out split recomputes the (tiny) rank vector instead of paying a second
 // launch. All of a block's A, B, x and y bytes are requested (cp.async) in
-// one batch as soon as the entry is known.
+// one batch as soon as the entry is known. The scalar clusters of 2 run
+// blocks of 16 warps: for a one-row item, warps 0-7 request A and x and
+// shrink while warps 8-15 request B and y; otherwise all 16 share each phase.
 //
 // Cluster sum: by default (p.push, small rank strides) each block pushes its
 // partial rank vectors into every peer's receive buffer with st.async, whose
@@ -82,6 +84,14 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     u64 s;
     asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(g));
     return (u32)s;
+}
+
+// Named barriers (0 is __syncthreads): `count` threads, whole warps, take part.
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -220,12 +230,13 @@ __device__ __noinline__ void stage_row(bf16_t* dst, const bf16_t* src, int n, in
     for (int c = n + lane_id; c < n_pad; c += lanes) dst[c] = 0;
 }
 
-// The row window of one launch in shared memory: each row's checked entry
-// (-1: none) and the rows that lead an item.
+// The row window of one launch in shared memory (for a block of NT
+// threads): each row's checked entry (-1: none) and the rows that lead an item.
+template <int NT>
 struct WindowScan {
     __align__(16) int idx[BGMV_WIN_MAX];
     int items[BGMV_WIN_MAX];
-    int scan[BGMV_WARPS + 1];
+    int scan[NT / 32 + 1];
 };
 
 // One item: its rows (absolute row numbers) and its checked table entry.
@@ -262,16 +273,17 @@ __device__ __forceinline__ int checked_index(int e, int n_entries, u64 fault, bo
 // complete (and visible to the block) on return. Returns the item count
 // (the same in every thread).
 //
-// Windows of up to BGMV_THREADS rows (one row per thread): a row's
+// Windows of up to NT rows (one row per thread of a block of NT): a row's
 // occurrence number is the count of lower lanes holding its entry
 // (__match_any_sync) plus the rows of the lower warps holding it, and the
 // leads are numbered by a ballot per warp and the warps' counts: three
 // barriers (one for up to 32 rows). Longer windows: rows 2t and 2t + 1 are
 // counted by thread t and the leads numbered by a block scan.
+template <int NT>
 __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, int n_entries, u64 fault, bool report,
-                                           WindowScan* w, int first, bool drain) {
+                                           WindowScan<NT>* w, int first, bool drain) {
     const int tid = threadIdx.x;
-    if (nwin <= BGMV_THREADS) {
+    if (nwin <= NT) {
         const int lane = tid & 31;
         const int warp = tid >> 5;
         const bool one_warp = nwin <= 32;  // uniform: only warp 0 holds rows
@@ -302,7 +314,7 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
             __syncthreads();
             total = 0;
 #pragma unroll
-            for (int v = 0; v < BGMV_WARPS; ++v) {
+            for (int v = 0; v < NT / 32; ++v) {
                 const int c = w->scan[v];
                 before += v < warp ? c : 0;
                 total += c;
@@ -316,7 +328,7 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
         return one_warp ? w->scan[0] : total;
     }
 #pragma unroll 1
-    for (int j = tid; j < nwin; j += BGMV_THREADS) {
+    for (int j = tid; j < nwin; j += NT) {
         w->idx[j] = checked_index(j == tid ? first : idx[row0 + j], n_entries, fault, report);
     }
     __syncthreads();
@@ -342,7 +354,7 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
     const bool lead0 = e0 >= 0 && occ0 % BGMV_G == 0;
     const bool lead1 = e1 >= 0 && occ1 % BGMV_G == 0;
     int n_items;
-    int pos = block_exclusive_scan<BGMV_THREADS>((int)lead0 + (int)lead1, w->scan, &n_items);
+    int pos = block_exclusive_scan<NT>((int)lead0 + (int)lead1, w->scan, &n_items);
     if (lead0) w->items[pos++] = j0;
     if (lead1) w->items[pos] = j0 + 1;
     if (drain) cp_async_wait<0>();
@@ -420,10 +432,12 @@ __device__ __forceinline__ void copy_list_item(const ItemRows* list, int i, Item
 // scanning the window and gathering its item's rows and entry: the block
 // waits for the list, then reads the item count and its first item in one
 // round trip. Faults are raised by bgmv_list then, never here.
-template <typename Y, int C, bool TC, bool LIST>
+template <typename Y, int C, bool TC, bool LIST, int NT>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
+    constexpr int NW = NT / 32;
+    static_assert(NT == BGMV_THREADS || (NT == 2 * BGMV_THREADS && !TC), "512 threads: the scalar kernels only");
     extern __shared__ __align__(16) unsigned char dyn[];
-    __shared__ WindowScan s_win;
+    __shared__ WindowScan<NT> s_win;
     __shared__ ItemRows s_item;
     __shared__ int s_nitems;
     __shared__ __align__(16) PairEntry s_table[BGMV_TABLE_SMEM];
@@ -537,13 +551,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             const u64* src = (const u64*)tg.table;
             u64* dst = (u64*)s_table;
 #pragma unroll 1
-            for (int w = tid; w < tg.n_entries * 3; w += BGMV_THREADS) cp_async8(dst + w, src + w);
+            for (int w = tid; w < tg.n_entries * 3; w += NT) cp_async8(dst + w, src + w);
             cp_async_commit();
         } else if (tid == 0) {
             prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
         }
         // The table copy completes within the scan's last barrier.
-        n_items = scan_window((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win, idx_first,
+        n_items = scan_window<NT>((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win, idx_first,
                               table_smem);
     }
 
@@ -578,14 +592,14 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                            aligned16(Yp) && ((int)sizeof(Y) * lo % 16 == 0);
         const int rank8 = (rank + 7) & ~7;
         const int n_chunks = (k1 - k0 + kch - 1) / kch;
-        // Warps split the rows of chunk c: A rows k in [r0, min(r1, rank)), then x rows g.
-        auto stage_chunk = [&](int c, int r0, int r1) {
+        // Warps w0, w0 + nw, ... split the rows of chunk c: A rows k in [r0, min(r1, rank)), then x rows g.
+        auto stage_chunk = [&](int c, int r0, int r1, int w0, int nw) {
             const int kc = k0 + c * kch;
             const int len = min(kch, k1 - kc);
             bf16_t* a = sA + (c & 1) * arows * kp;
             bf16_t* x = sX + (c & 1) * BGMV_G * kp;
 #pragma unroll 1
-            for (int r = r0 + warp; r < r1; r += BGMV_WARPS) {
+            for (int r = r0 + w0; r < r1; r += nw) {
                 const bool is_a = r < rank;
                 bf16_t* dst = is_a ? a + r * kp : x + (r - rank) * kp;
                 const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_item.rows[r - rank] * p.x_stride + kc;
@@ -605,42 +619,60 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // short, measured slower at n = 256 of 32 adapters: 14.5 against
         // 13.8 µs in a graph.)
         const bool lead_a = !TC && !early && nr > 0 && lo > 0 && n_chunks == 1;
-        if (lead_a) {
-            stage_chunk(0, 0, rank + nr);
-            cp_async_commit();
-        }
-        if (nr > 0 && lo > 0) {
-            // B row o: `rank` useful columns; whole 8-column chunks are copied, the rest zeroed.
-            const int cpr = rank8 >> 3;
-            const int full = vec_b ? (rank >> 3) : 0;
+        // Blocks of 16 warps, one-row one-chunk items summed by pushing:
+        // warps 0-7 request A and x, then warps 8-15 B and y while warps 0-7
+        // shrink and push (B requested beside A delays A, and so the shrink;
+        // B held back until A arrived delays the expand more). Items of
+        // several rows shrink longer: all 16 warps take part.
+        const bool split_warps = NT > BGMV_THREADS && push && lead_a && nr == 1;
+        const bool b_warp = split_warps && warp >= BGMV_WARPS;
+        if (split_warps && !b_warp) {
+            stage_chunk(0, 0, rank + nr, warp, BGMV_WARPS);
+            named_barrier_arrive(1, NT);
+        } else {
+            if (b_warp) named_barrier_sync(1, NT);  // A and x requested
+            if (lead_a && !split_warps) {
+                stage_chunk(0, 0, rank + nr, warp, NW);
+                cp_async_commit();
+            }
+            if (nr > 0 && lo > 0) {
+                // Threads t0, t0 + nt, ... request B and y.
+                const int t0 = b_warp ? tid - BGMV_THREADS : tid;
+                const int nt = split_warps ? BGMV_THREADS : NT;
+                // B row o: `rank` useful columns; whole 8-column chunks are copied, the rest zeroed.
+                const int cpr = rank8 >> 3;
+                const int full = vec_b ? (rank >> 3) : 0;
 #pragma unroll 1
-            for (int v = tid; v < lo * cpr; v += BGMV_THREADS) {
-                const int r = v / cpr;
-                const int c = v - r * cpr;
-                const bf16_t* src = B + (u64)(o0 + r) * stride + c * 8;
-                bf16_t* dst = sB + r * bpitch + c * 8;
-                if (c < full) {
-                    cp_async16(dst, src);
-                } else {
+                for (int v = t0; v < lo * cpr; v += nt) {
+                    const int r = v / cpr;
+                    const int c = v - r * cpr;
+                    const bf16_t* src = B + (u64)(o0 + r) * stride + c * 8;
+                    bf16_t* dst = sB + r * bpitch + c * 8;
+                    if (c < full) {
+                        cp_async16(dst, src);
+                    } else {
 #pragma unroll 1
-                    for (int j = 0; j < 8; ++j) dst[j] = c * 8 + j < rank ? src[j] : (bf16_t)0;
+                        for (int j = 0; j < 8; ++j) dst[j] = c * 8 + j < rank ? src[j] : (bf16_t)0;
+                    }
                 }
-            }
-            if (early) {
+                if (early) {
 #pragma unroll 1
-                for (int c = 0; c < n_chunks; ++c) stage_chunk(c, 0, rank);
-                grid_dependency_wait();
+                    for (int c = 0; c < n_chunks; ++c) stage_chunk(c, 0, rank, warp, NW);
+                    grid_dependency_wait();
 #pragma unroll 1
-                for (int c = 0; c < n_chunks; ++c) stage_chunk(c, rank, rank + nr);
-            }
-            const int y_per_row = vec_y ? lo * (int)sizeof(Y) / 16 : lo;
+                    for (int c = 0; c < n_chunks; ++c) stage_chunk(c, rank, rank + nr, warp, NW);
+                }
+                const int y_per_row = vec_y ? lo * (int)sizeof(Y) / 16 : lo;
 #pragma unroll 1
-            for (int g = 0; g < nr; ++g) {
-                const Y* src = Yp + (u64)s_item.rows[g] * ys + coff + o0;
+                for (int g = 0; g < nr; ++g) {
+                    const Y* src = Yp + (u64)s_item.rows[g] * ys + coff + o0;
 #pragma unroll 1
-                for (int c = tid; c < y_per_row; c += BGMV_THREADS) {
-                    if (vec_y) cp_async16((unsigned char*)(sY + g * lo_max) + c * 16, (const unsigned char*)src + c * 16);
-                    else sY[g * lo_max + c] = src[c];
+                    for (int c = t0; c < y_per_row; c += nt) {
+                        if (vec_y)
+                            cp_async16((unsigned char*)(sY + g * lo_max) + c * 16, (const unsigned char*)src + c * 16);
+                        else
+                            sY[g * lo_max + c] = src[c];
+                    }
                 }
             }
         }
@@ -653,8 +685,77 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 #pragma unroll 1
         for (int g = 0; g < nr; ++g)
 #pragma unroll 1
-            for (int k = tid; k < rank; k += BGMV_THREADS) sTp[g * tp + k] = 0.f;
-        const int chunks = nr > 0 ? n_chunks : 0;
+            for (int k = tid; k < rank; k += NT) sTp[g * tp + k] = 0.f;
+        // The scalar shrink of one staged chunk (a, x; n8 column steps) by
+        // 8 * halves warps, the calling one being wi. A warp takes rank rows
+        // k and k + 8 together and each lane SC column steps at once: 2 SC
+        // independent dot chains sharing the x loads, then one halving
+        // exchange for both rows. With a handful of warps per multiprocessor
+        // the chains' latency, not the bytes, is this phase's time. Clusters
+        // of 2 (registers to spare, 2048 columns per block at 4096) take four
+        // steps, the others two. With two halves (16 warps) warps 8-15 take
+        // the upper half of the column steps and leave their sums in sT (free
+        // until the cluster sum), added to sTp after the step's barrier.
+        auto scalar_shrink = [&](const bf16_t* a, const bf16_t* x, int n8, int wi, int halves) {
+            constexpr int SC = C == 2 ? 4 : 2;
+            constexpr int RW = BGMV_WARPS;  // warps along the rank rows
+            const int rw = halves == 1 ? wi : wi % RW;
+            const int half = halves == 1 ? 0 : wi / RW;
+            const int per_half = (n8 + halves - 1) / halves;
+            const int c_lo = half * per_half;
+            const int c_hi = min(n8, c_lo + per_half);
+            float* dst = half == 0 ? sTp : sT;
+            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll 1
+            for (int g = 0; g < nr; ++g) {
+                const bf16_t* xg = x + g * kp;
+#pragma unroll 1
+                for (int k = rw; k < rank; k += 2 * RW) {
+                    const bool two = k + RW < rank;
+                    const bf16_t* a0 = a + k * kp;
+                    const bf16_t* a1 = a + (two ? k + RW : k) * kp;
+                    float s0[SC], s1[SC];
+#pragma unroll
+                    for (int i = 0; i < SC; ++i) s0[i] = s1[i] = 0.f;
+#pragma unroll 1
+                    for (int c = c_lo + lane; c < c_hi; c += 32 * SC) {
+                        uint4 xv[SC], pv[SC], qv[SC];
+#pragma unroll
+                        for (int i = 0; i < SC; ++i) {
+                            const bool in = i == 0 || c + 32 * i < c_hi;
+                            const int off = (c + 32 * i) * 8;
+                            xv[i] = in ? *(const uint4*)(xg + off) : zero;
+                            pv[i] = in ? *(const uint4*)(a0 + off) : zero;
+                            qv[i] = in ? *(const uint4*)(a1 + off) : zero;
+                        }
+#pragma unroll
+                        for (int i = 0; i < SC; ++i) {
+                            s0[i] = dot8(pv[i], xv[i], s0[i]);
+                            s1[i] = dot8(qv[i], xv[i], s1[i]);
+                        }
+                    }
+                    float v0 = s0[0], v1 = s1[0];
+#pragma unroll
+                    for (int i = 1; i < SC; ++i) {
+                        v0 += s0[i];
+                        v1 += s1[i];
+                    }
+                    // Lanes 0-15 keep row k, 16-31 row k + WARPS.
+                    const bool upper = (lane & 16) != 0;
+                    float v = (upper ? v1 : v0) + __shfl_xor_sync(0xffffffffu, upper ? v0 : v1, 16);
+#pragma unroll
+                    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    if (half == 0) {
+                        if (lane == 0) dst[g * tp + k] += v;
+                        if (lane == 16 && two) dst[g * tp + k + RW] += v;
+                    } else {
+                        if (lane == 0) dst[g * tp + k] = v;
+                        if (lane == 16 && two) dst[g * tp + k + RW] = v;
+                    }
+                }
+            }
+        };
+        const int chunks = nr > 0 && !split_warps ? n_chunks : 0;
 #pragma unroll 1
         for (int step = 0; step < chunks + 2; ++step) {
             const int ch = step - 2;
@@ -680,11 +781,11 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                         float d[4] = {0.f, 0.f, 0.f, 0.f};
                         float e[4] = {0.f, 0.f, 0.f, 0.f};  // odd steps: two independent chains
 #pragma unroll 1
-                        for (int ks = warp; ks < n8; ks += 2 * BGMV_WARPS) {
+                        for (int ks = warp; ks < n8; ks += 2 * NW) {
                             u32 a0, a1, b0;
                             ldsm_x2(a0, a1, a + (m0 + (lane & 15)) * kp + ks * 8);
                             ldsm_x1(b0, x + (lane & 7) * kp + ks * 8);
-                            const int ks2 = ks + BGMV_WARPS;
+                            const int ks2 = ks + NW;
                             if (ks2 < n8) {
                                 u32 c0, c1, b1;
                                 ldsm_x2(c0, c1, a + (m0 + (lane & 15)) * kp + ks2 * 8);
@@ -704,74 +805,42 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                             if (kk < rank && gg < nr) {
                                 float sum = 0.f;
 #pragma unroll
-                                for (int w = 0; w < BGMV_WARPS; ++w) sum += sRed[w * 128 + tid];
+                                for (int w = 0; w < NW; ++w) sum += sRed[w * 128 + tid];
                                 sTp[gg * tp + kk] += sum;
                             }
                         }
                         __syncthreads();
                     }
                 } else {
-                    // A warp takes rank rows k and k + WARPS together and each
-                    // lane SC column steps at once: 2 SC independent dot
-                    // chains sharing the x loads, then one halving exchange for
-                    // both rows. With a handful of warps per multiprocessor the
-                    // chains' latency, not the bytes, is this phase's time.
-                    // Clusters of 2 (registers to spare, 2048 columns per
-                    // block at 4096) take four steps, the others two.
-                    constexpr int SC = C == 2 ? 4 : 2;
-                    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll 1
-                    for (int g = 0; g < nr; ++g) {
-                        const bf16_t* xg = x + g * kp;
-#pragma unroll 1
-                        for (int k = warp; k < rank; k += 2 * BGMV_WARPS) {
-                            const bool two = k + BGMV_WARPS < rank;
-                            const bf16_t* a0 = a + k * kp;
-                            const bf16_t* a1 = a + (two ? k + BGMV_WARPS : k) * kp;
-                            float s0[SC], s1[SC];
-#pragma unroll
-                            for (int i = 0; i < SC; ++i) s0[i] = s1[i] = 0.f;
-#pragma unroll 1
-                            for (int c = lane; c < n8; c += 32 * SC) {
-                                uint4 xv[SC], pv[SC], qv[SC];
-#pragma unroll
-                                for (int i = 0; i < SC; ++i) {
-                                    const bool in = i == 0 || c + 32 * i < n8;
-                                    const int off = (c + 32 * i) * 8;
-                                    xv[i] = in ? *(const uint4*)(xg + off) : zero;
-                                    pv[i] = in ? *(const uint4*)(a0 + off) : zero;
-                                    qv[i] = in ? *(const uint4*)(a1 + off) : zero;
-                                }
-#pragma unroll
-                                for (int i = 0; i < SC; ++i) {
-                                    s0[i] = dot8(pv[i], xv[i], s0[i]);
-                                    s1[i] = dot8(qv[i], xv[i], s1[i]);
-                                }
-                            }
-                            float v0 = s0[0], v1 = s1[0];
-#pragma unroll
-                            for (int i = 1; i < SC; ++i) {
-                                v0 += s0[i];
-                                v1 += s1[i];
-                            }
-                            // Lanes 0-15 keep row k, 16-31 row k + WARPS.
-                            const bool upper = (lane & 16) != 0;
-                            float v = (upper ? v1 : v0) + __shfl_xor_sync(0xffffffffu, upper ? v0 : v1, 16);
-#pragma unroll
-                            for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                            if (lane == 0) sTp[g * tp + k] += v;
-                            if (lane == 16 && two) sTp[g * tp + k + BGMV_WARPS] += v;
-                        }
-                    }
+                    scalar_shrink(a, x, n8, warp, NW / BGMV_WARPS);
                 }
                 __syncthreads();  // stage ch & 1 is free again
+                if (NW > BGMV_WARPS) {
+#pragma unroll 1
+                    for (int v = tid; v < nr * rank; v += NT) {
+                        const int g = v / rank;
+                        const int k = v - g * rank;
+                        sTp[g * tp + k] += sT[g * tp + k];
+                    }
+                }
             }
             // (early: every chunk is in the first group; the empty groups keep the count.)
-            if (step < chunks && !early && !lead_a) stage_chunk(step, 0, rank + nr);
+            if (step < chunks && !early && !lead_a) stage_chunk(step, 0, rank + nr, warp, NW);
             cp_async_commit();
         }
-        // Without a chunk no step's barrier follows the zeroing of sTp, which the cluster sum reads.
-        if (chunks == 0) __syncthreads();
+        if (split_warps) {
+            // Warps 0-7 shrink as soon as their A and x arrived, while B and y stream.
+            if (!b_warp) {
+                cp_async_wait<0>();
+                named_barrier_sync(2, BGMV_THREADS);  // A and x arrived, sTp zeroed
+                scalar_shrink(sA, sX, (k1 - k0 + 7) >> 3, warp, 1);
+                named_barrier_sync(2, BGMV_THREADS);  // sTp complete
+            }
+        } else if (chunks == 0 || NW > BGMV_WARPS) {
+            // Without a chunk no step's barrier follows the zeroing of sTp, which
+            // the cluster sum reads; with 16 warps none follows the last halves' sum.
+            __syncthreads();
+        }
 
         // ---- sum the partial rank vectors over the cluster, scale them.
         const float scale = en.scale;
@@ -784,6 +853,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // peer loads are issued together and summed in rank order.
         const int b = pushes & 1;  // this item's receive buffer and mbarrier
         const float* recv = (const float*)(dyn + p.off_r) + b * C * BGMV_G * tp;
+        // Split warps: warps 0-7 push and sum while warps 8-15 wait for B and y.
+        const int sum_threads = split_warps ? BGMV_THREADS : NT;
         if (push && nr > 0) {
             const u32 parity = (u32)(pushes >> 1) & 1u;
             ++pushes;
@@ -795,7 +866,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             const int q4 = rank8 >> 2;
             const int per_peer = nr * q4;
 #pragma unroll 1
-            for (int v = tid; v < C * per_peer; v += BGMV_THREADS) {
+            for (int v = b_warp ? C * per_peer : tid; v < C * per_peer; v += sum_threads) {
                 const int r = v / per_peer;
                 const int gk = v - r * per_peer;
                 const int g = gk / q4;
@@ -803,13 +874,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 st_async_f4(cluster_addr(recv + (crank * BGMV_G + g) * tp + k, (u32)r),
                             *(const float4*)&sTp[g * tp + k], cluster_addr(&s_mbar[b], (u32)r));
             }
-            mbar_wait(&s_mbar[b], parity);
+            if (!b_warp) mbar_wait(&s_mbar[b], parity);
         } else if (C > 1 && !push) {
             cluster_arrive();
             cluster_wait();
         }
 #pragma unroll 1
-        for (int v = tid; v < nr * rank8; v += BGMV_THREADS) {
+        for (int v = b_warp ? nr * rank8 : tid; v < nr * rank8; v += sum_threads) {
             const int g = v / rank8;
             const int k = v - g * rank8;
             float s = 0.f;
@@ -859,7 +930,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 ysh[h] = sY + (kq + h) * lo_max;
             }
 #pragma unroll 1
-            for (int m0 = warp * 16; nr > 0 && m0 < lo; m0 += BGMV_WARPS * 16) {
+            for (int m0 = warp * 16; nr > 0 && m0 < lo; m0 += NW * 16) {
                 float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
                 for (int kb = 0; kb < rank8; kb += 8) {
@@ -883,13 +954,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // at 4096) take four at once, the others two.
         constexpr int EO = C == 2 ? 4 : 2;
 #pragma unroll 1
-        for (int r = tid; !TC && nr > 0 && r < lo; r += EO * BGMV_THREADS) {
+        for (int r = tid; !TC && nr > 0 && r < lo; r += EO * NT) {
             const bf16_t* brow[EO];
             bool live[EO];
 #pragma unroll
             for (int j = 0; j < EO; ++j) {
-                live[j] = r + j * BGMV_THREADS < lo;
-                brow[j] = sB + (live[j] ? r + j * BGMV_THREADS : r) * bpitch;
+                live[j] = r + j * NT < lo;
+                brow[j] = sB + (live[j] ? r + j * NT : r) * bpitch;
             }
 #pragma unroll 1
             for (int g = 0; g < nr; ++g) {
@@ -926,7 +997,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 Y* yrow = Yp + (u64)s_item.rows[g] * ys + coff + o0;
 #pragma unroll
                 for (int j = 0; j < EO; ++j) {
-                    const int o = r + j * BGMV_THREADS;
+                    const int o = r + j * NT;
                     if (live[j]) y_store(yrow + o, y_load(sY + g * lo_max + o) + (e[j] + f[j]));
                 }
             }
@@ -940,10 +1011,10 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 // shrink and expand need more than 64 registers without spilling.
 #define BGMV_KERNEL_C1(NAME, Y, TC, BLOCKS)                                                                       \
     extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME(const BgmvParams p) {                 \
-        bgmv_body<Y, 1, TC, false>(p);                                                                            \
+        bgmv_body<Y, 1, TC, false, BGMV_THREADS>(p);                                                                            \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME##_list(const BgmvParams p) {         \
-        bgmv_body<Y, 1, TC, true>(p);                                                                             \
+        bgmv_body<Y, 1, TC, true, BGMV_THREADS>(p);                                                                             \
     }
 BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false, 3)
 BGMV_KERNEL_C1(bgmv_c1_f32, float, false, 3)
@@ -953,30 +1024,32 @@ BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true, 4)
 #if __CUDA_ARCH__ >= 900
 // The TC kernels need fewer registers: four blocks per multiprocessor
 // (`TC_BLOCKS_PER_SM` in bgmv.rs), so more items are served in one round; the scalar ones three.
-#define BGMV_KERNEL_CL(NAME, Y, C, TC, BLOCKS)                                                                  \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGMV_THREADS, BLOCKS)                \
-        NAME(const BgmvParams p) {                                                                              \
-        bgmv_body<Y, C, TC, false>(p);                                                                          \
+#define BGMV_KERNEL_CL(NAME, Y, C, TC, NT, BLOCKS)                                                              \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, BLOCKS) NAME(const BgmvParams p) { \
+        bgmv_body<Y, C, TC, false, NT>(p);                                                                      \
     }                                                                                                           \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGMV_THREADS, BLOCKS)                \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, BLOCKS)                          \
         NAME##_list(const BgmvParams p) {                                                                       \
-        bgmv_body<Y, C, TC, true>(p);                                                                           \
+        bgmv_body<Y, C, TC, true, NT>(p);                                                                       \
     }
 // Clusters of 2 serve batches whose items outnumber the resident clusters
 // of 8: one block per multiprocessor (a whole half of A and B staged at
-// once), so every item of a 64-row batch is served in one round.
-BGMV_KERNEL_CL(bgmv_c2_bf16, bf16_t, 2, false, 1)
-BGMV_KERNEL_CL(bgmv_c2_f32, float, 2, false, 1)
-BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false, 3)
-BGMV_KERNEL_CL(bgmv_c4_f32, float, 4, false, 3)
-BGMV_KERNEL_CL(bgmv_c8_bf16, bf16_t, 8, false, 3)
-BGMV_KERNEL_CL(bgmv_c8_f32, float, 8, false, 3)
-BGMV_KERNEL_CL(bgmv_tc_c2_bf16, bf16_t, 2, true, 1)
-BGMV_KERNEL_CL(bgmv_tc_c2_f32, float, 2, true, 1)
-BGMV_KERNEL_CL(bgmv_tc_c4_bf16, bf16_t, 4, true, 4)
-BGMV_KERNEL_CL(bgmv_tc_c4_f32, float, 4, true, 4)
-BGMV_KERNEL_CL(bgmv_tc_c8_bf16, bf16_t, 8, true, 4)
-BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, 4)
+// once), so every item of a 64-row batch is served in one round. Their
+// scalar blocks run 16 warps (`fused_threads` in bgmv.rs): eight warps'
+// cp.async just reach the copy bandwidth, so the shrink of the first A
+// bytes only overlaps the rest's arrival with more warps than that.
+BGMV_KERNEL_CL(bgmv_c2_bf16, bf16_t, 2, false, 2 * BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_c2_f32, float, 2, false, 2 * BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false, BGMV_THREADS, 3)
+BGMV_KERNEL_CL(bgmv_c4_f32, float, 4, false, BGMV_THREADS, 3)
+BGMV_KERNEL_CL(bgmv_c8_bf16, bf16_t, 8, false, BGMV_THREADS, 3)
+BGMV_KERNEL_CL(bgmv_c8_f32, float, 8, false, BGMV_THREADS, 3)
+BGMV_KERNEL_CL(bgmv_tc_c2_bf16, bf16_t, 2, true, BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_tc_c2_f32, float, 2, true, BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_tc_c4_bf16, bf16_t, 4, true, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c4_f32, float, 4, true, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c8_bf16, bf16_t, 8, true, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, BGMV_THREADS, 4)
 #endif
 
 // ---- The item list of a launch: bgmv_list, then a fused kernel's _list form ----
@@ -1305,7 +1378,7 @@ __device__ __forceinline__ void shrink_tc_group(float* d, const bf16_t* a_lo, co
 
 template <int MODE>
 __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
-    __shared__ WindowScan s_win;
+    __shared__ WindowScan<BGMV_THREADS> s_win;
     __shared__ float s_tc[MODE == SHRINK_TC ? BGMV_WARPS * 128 : 1];  // the tensor-core rounds' tiles
     __shared__ ItemRows s_item;
     __shared__ float sT[BGMV_G * BGMV_MAX_RANK];
@@ -1322,7 +1395,7 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     grid_launch_dependents();
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
     const int n_items =
-        scan_window((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win, idx_first, false);
+        scan_window<BGMV_THREADS>((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win, idx_first, false);
     // Enough K slices that the units fill the grid once (the same in every block).
     int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
     if (p.pow2_slices) ks_n = 1 << (31 - __clz(ks_n));  // whole 256-column passes when in is a multiple of 4096

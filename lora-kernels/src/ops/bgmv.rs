@@ -25,6 +25,16 @@ const WINDOW_MAX: usize = 512;
 const WINDOW_LARGE: usize = 256;
 const THREADS: u32 = 256;
 
+/// Threads per block of the fused kernel: the scalar clusters of 2 run 16
+/// warps (`BGMV_KERNEL_CL` in `cuda/bgmv.cu`), the others eight.
+fn fused_threads(cluster: usize, tensor_cores: bool) -> u32 {
+    if cluster == 2 && !tensor_cores {
+        2 * THREADS
+    } else {
+        THREADS
+    }
+}
+
 /// Rows per item (`BGMV_G` in the kernel).
 const ITEM_ROWS: usize = 8;
 
@@ -169,7 +179,8 @@ fn push_recv_bytes(cluster: usize, stride: usize) -> usize {
 /// buffers (`push_recv_bytes`, 8 KB at 16 with clusters of 8) then cost
 /// little shared memory.
 pub const PUSH_SUM_MAX_STRIDE: usize = 32;
-/// Blocks per multiprocessor the kernel's register use allows (`__launch_bounds__(256, 3)`).
+/// Blocks per multiprocessor the kernel's register use allows (`__launch_bounds__(256, 3)`;
+/// the 512-thread scalar clusters of 2, `__launch_bounds__(512, 1)`, one).
 const REG_BLOCKS_PER_SM: usize = 3;
 /// The same for the tensor-core cluster kernels (`__launch_bounds__(256, 4)`).
 const TC_BLOCKS_PER_SM: usize = 4;
@@ -207,6 +218,8 @@ impl RowShape {
     fn reg_blocks(&self, cluster: usize) -> usize {
         if self.tensor_cores && cluster > 1 {
             TC_BLOCKS_PER_SM
+        } else if fused_threads(cluster, self.tensor_cores) > THREADS {
+            1
         } else {
             REG_BLOCKS_PER_SM
         }
@@ -909,7 +922,7 @@ fn launch<Y: OutputElem>(
             to_u32("grid", grid_y)?,
             to_u32("grid", n_targets)?,
         ),
-        block: THREADS,
+        block: fused_threads(cl, tensor_cores),
         smem: to_u32("smem", plan.total)?,
     };
     if !list {

@@ -680,3 +680,40 @@ proptest! {
         prop_assert!(window_items_bound(rows.len(), entries) <= rows.len());
     }
 }
+
+#[test]
+fn scalar_clusters_of_two_run_sixteen_warps_one_block_per_multiprocessor() {
+    // `BGMV_KERNEL_CL` in cuda/bgmv.cu: the scalar clusters of 2 are built
+    // for 512 threads with `__launch_bounds__(512, 1)`; every other form for 256.
+    assert_eq!(fused_threads(2, false), 2 * THREADS);
+    for (cluster, tensor_cores) in [
+        (1, false),
+        (4, false),
+        (8, false),
+        (1, true),
+        (2, true),
+        (4, true),
+        (8, true),
+    ] {
+        assert_eq!(
+            fused_threads(cluster, tensor_cores),
+            THREADS,
+            "cluster {cluster}, tc {tensor_cores}"
+        );
+    }
+    let rows = |tensor_cores| RowShape {
+        in_dim: 4096,
+        stride: 16,
+        y_size: 2,
+        window: 64,
+        n_windows: 1,
+        tensor_cores,
+        list: false,
+    };
+    assert_eq!(rows(false).reg_blocks(2), 1);
+    assert_eq!(rows(false).reg_blocks(8), REG_BLOCKS_PER_SM);
+    assert_eq!(rows(true).reg_blocks(2), TC_BLOCKS_PER_SM);
+    // The bench's n = 64 of rank-16 adapters: clusters of 2, every item in one round.
+    let c = choice(64, 4096, 4096, 16);
+    assert_eq!((c.cluster, c.rounds), (2, 1), "{c:?}");
+}
