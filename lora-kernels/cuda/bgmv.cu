@@ -866,7 +866,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             const int q4 = rank8 >> 2;
             const int per_peer = nr * q4;
 #pragma unroll 1
-            for (int v = b_warp ? C * per_peer : tid; v < C * per_peer; v += sum_threads) {
+            for (int v = tid; !b_warp && v < C * per_peer; v += sum_threads) {
                 const int r = v / per_peer;
                 const int gk = v - r * per_peer;
                 const int g = gk / q4;
@@ -880,7 +880,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             cluster_wait();
         }
 #pragma unroll 1
-        for (int v = b_warp ? nr * rank8 : tid; v < nr * rank8; v += sum_threads) {
+        for (int v = tid; !b_warp && v < nr * rank8; v += sum_threads) {
             const int g = v / rank8;
             const int k = v - g * rank8;
             float s = 0.f;
@@ -1011,10 +1011,10 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 // shrink and expand need more than 64 registers without spilling.
 #define BGMV_KERNEL_C1(NAME, Y, TC, BLOCKS)                                                                       \
     extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME(const BgmvParams p) {                 \
-        bgmv_body<Y, 1, TC, false, BGMV_THREADS>(p);                                                                            \
+        bgmv_body<Y, 1, TC, false, BGMV_THREADS>(p);                                                              \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME##_list(const BgmvParams p) {         \
-        bgmv_body<Y, 1, TC, true, BGMV_THREADS>(p);                                                                             \
+        bgmv_body<Y, 1, TC, true, BGMV_THREADS>(p);                                                               \
     }
 BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false, 3)
 BGMV_KERNEL_C1(bgmv_c1_f32, float, false, 3)
@@ -1035,9 +1035,9 @@ BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true, 4)
 // Clusters of 2 serve batches whose items outnumber the resident clusters
 // of 8: one block per multiprocessor (a whole half of A and B staged at
 // once), so every item of a 64-row batch is served in one round. Their
-// scalar blocks run 16 warps (`fused_threads` in bgmv.rs): eight warps'
-// cp.async just reach the copy bandwidth, so the shrink of the first A
-// bytes only overlaps the rest's arrival with more warps than that.
+// scalar blocks run 16 warps (`fused_threads` in bgmv.rs), so a one-row
+// item's B and y are requested by warps of their own while the others
+// shrink on A (split_warps in bgmv_body).
 BGMV_KERNEL_CL(bgmv_c2_bf16, bf16_t, 2, false, 2 * BGMV_THREADS, 1)
 BGMV_KERNEL_CL(bgmv_c2_f32, float, 2, false, 2 * BGMV_THREADS, 1)
 BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false, BGMV_THREADS, 3)
