@@ -433,6 +433,13 @@ const DECODE: &[DecodeCase] = &[
     (64, 4096, 4096, 16, 32, None),
     (64, 4096, 4096, 16, 24, None),
 ];
+/// Decode cases over a table of more entries than the batch uses (the
+/// second field), as an engine's table of every resident adapter is: the
+/// launch is sized by the table, not by the adapters the rows name.
+const DECODE_WIDE_TABLE: &[(DecodeCase, usize)] = &[
+    ((64, 4096, 4096, 16, 8, None), 64),
+    ((64, 4096, 4096, 16, 32, None), 64),
+];
 /// Prefill (rows, segments, in, out, r) and the best peer µs.
 const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =
     &[(4096, 8, 4096, 4096, 16, 69.4), (8192, 32, 4096, 4096, 64, 445.9)];
@@ -444,8 +451,15 @@ fn floor_bytes(n: usize, in_dim: usize, out: usize, r: usize, distinct: usize) -
 fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
     let mut rng = Rng::new(0x5eed_0004);
     launch_floor_row(ctx)?;
-    for &(n, in_dim, out, r, distinct, peer) in DECODE {
-        let name = format!("decode n={n} in={in_dim} out={out} r={r} d={distinct}");
+    let cases = DECODE
+        .iter()
+        .map(|&case| (case, case.4))
+        .chain(DECODE_WIDE_TABLE.iter().copied());
+    for ((n, in_dim, out, r, distinct, peer), entries) in cases {
+        let mut name = format!("decode n={n} in={in_dim} out={out} r={r} d={distinct}");
+        if entries > distinct {
+            name += &format!(" of {entries}");
+        }
         if !ctx.opts.wants_case(&name) {
             continue;
         }
@@ -533,6 +547,16 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("tc q49".to_string(), t));
+            // A scalar cluster for every row (the row-mapped form, what a
+            // table of at least as many entries as rows gets by default).
+            let t = BgmvTuning {
+                two_phase: Some(false),
+                tensor_cores: Some(false),
+                item_list_pass: Some(false),
+                clusters_per_window: Some(512),
+                ..Default::default()
+            };
+            variants.push(("rows".to_string(), t));
             // The two-phase kernels: expand widths, the expand not a dependent
             // of the shrink, power-of-two K slices, and the shrink on tensor
             // cores, plain and under the overlap.
@@ -578,7 +602,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             variants.extend(forms.into_iter().map(|(label, t)| (label.to_string(), t)));
         }
         ctx.opts.filter_variants(&mut variants);
-        let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; distinct]);
+        let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; entries]);
         let (x_host, y_host) = (rng.bf16_vec(n * in_dim, 1.0), rng.bf16_vec(n * out, 1.0));
         let idx_host: Vec<i32> = (0..n).map(|i| (i % distinct) as i32).collect();
         let upload = |device: &Device| -> Result<DecodeInputs, KernelError> {
@@ -589,7 +613,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 idx: device.upload(&idx_host)?,
             })
         };
-        let shape = (n, in_dim, out, r, distinct);
+        let shape = (n, in_dim, out, r, entries);
         let case = KernelCase {
             name: name.clone(),
             floor_bytes: floor_bytes(n, in_dim, out, r, distinct),
@@ -633,14 +657,14 @@ struct DecodeInputs {
 }
 
 impl DecodeInputs {
-    /// The decode apply of `(n, in, out, r, distinct)` on these inputs.
+    /// The decode apply of `(n, in, out, r, table entries)` on these inputs.
     fn apply(
         &mut self,
         device: &Device,
-        (n, in_dim, out, r, distinct): (usize, usize, usize, usize, usize),
+        (n, in_dim, out, r, entries): (usize, usize, usize, usize, usize),
         tuning: BgmvTuning,
     ) -> Result<(), KernelError> {
-        let target = whole_table(&self.pool.table, distinct, out);
+        let target = whole_table(&self.pool.table, entries, out);
         bgmv_tuned(
             device,
             Rows::dense(&self.x, n, in_dim),
