@@ -35,6 +35,11 @@
 // (scan_window, then load_item per item). The _list kernels read them from a
 // list bgmv_list (a first, one-block-per-window launch) wrote into the
 // backend's scratch; they are picked for batches whose items hold many rows.
+// Row-mapped (the 16-warp clusters of 2 with a cluster for every row of the
+// window): cluster q serves the item row q leads, if any, known
+// from one counting barrier over the window's indices, so the lead row's A,
+// x, y and B are requested before the item's other rows are gathered, and a
+// cluster whose row leads no item ends there.
 
 #define BGMV_THREADS 256
 #define BGMV_WARPS (BGMV_THREADS / 32)
@@ -457,6 +462,30 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     if (nwin <= 0) return;
     // The scanning form's first round trip starts before the cluster and table setup.
     const int idx_first = LIST ? -1 : first_index((const int*)p.idx, row0, nwin);
+    // Row-mapped: the 16-warp scanning kernels with a cluster for every row
+    // of the window (one row per thread). Cluster q serves the item row q
+    // leads, if any (each item is served by one cluster either way), so row
+    // q's index alone names its entry and one counting barrier says whether
+    // it leads: warps 0-7 request the lead row's A, x and y and warps 8-15
+    // its B before warp 0 gathers the item's other rows. Uniform over the cluster.
+    const bool row_mapped = !LIST && !TC && NT > BGMV_THREADS && p.overlap == 0 && nwin <= NT &&
+                            p.clusters_per_window >= nwin;
+    const int idx_mine = row_mapped && q < nwin ? ((const int*)p.idx)[row0 + q] : -1;
+    // An item's entry depends on idx: a small table is copied whole into
+    // shared memory while idx arrives (requested first, as it depends on
+    // nothing); a larger one is pulled towards L2, so the entry load after
+    // the row scan is not a cold round trip.
+    const bool table_smem = !LIST && tg.n_entries <= BGMV_TABLE_SMEM && (tg.table & 7ull) == 0ull;
+    if (table_smem) {
+        const u64* src = (const u64*)tg.table;
+        u64* dst = (u64*)s_table;
+#pragma unroll 1
+        for (int w = tid; w < tg.n_entries * 3; w += NT) cp_async8(dst + w, src + w);
+        cp_async_commit();
+    } else if (!LIST && tid == 0) {
+        prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
+    }
+    const PairEntry* table = table_smem ? s_table : (const PairEntry*)tg.table;
     // Index faults are raised by one block per (window, target); an item's
     // entry fault by rank 0 of split 0 of the one cluster that serves it.
     const bool report = crank == 0 && split == 0 && q == 0;
@@ -515,9 +544,62 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     Y* Yp = (Y*)p.y;
     const int ys = p.y_stride;
     const int coff = tg.y_col_off;
+    const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) && aligned16(Yp) &&
+                       ((int)sizeof(Y) * lo % 16 == 0);
+    const int n_chunks = (k1 - k0 + kch - 1) / kch;
 
-    int n_items;
-    bool table_smem = false;         // the scanning form reads entries from s_table
+    // Warps w0, w0 + nw, ... stage the rows [r0, r1) of chunk c of an item of
+    // entry (A, rank): A rows k < rank, then x rows (s_item.rows[r - rank]).
+    auto stage_chunk = [&](const bf16_t* A, int rank, bool vec_x, int c, int r0, int r1, int w0, int nw) {
+        const int kc = k0 + c * kch;
+        const int len = min(kch, k1 - kc);
+        bf16_t* a = sA + (c & 1) * arows * kp;
+        bf16_t* x = sX + (c & 1) * BGMV_G * kp;
+#pragma unroll 1
+        for (int r = r0 + w0; r < r1; r += nw) {
+            const bool is_a = r < rank;
+            bf16_t* dst = is_a ? a + r * kp : x + (r - rank) * kp;
+            const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_item.rows[r - rank] * p.x_stride + kc;
+            stage_row(dst, src, len, (len + 7) & ~7, vec_x, lane, 32);
+        }
+    };
+    // Threads t0, t0 + nt, ... request the block's B rows of entry (B, rank):
+    // `rank` useful columns; whole 8-column chunks are copied, the rest zeroed.
+    auto request_b = [&](const bf16_t* B, int rank, bool vec_b, int t0, int nt) {
+        const int cpr = ((rank + 7) & ~7) >> 3;
+        const int full = vec_b ? (rank >> 3) : 0;
+#pragma unroll 1
+        for (int v = t0; v < lo * cpr; v += nt) {
+            const int r = v / cpr;
+            const int c = v - r * cpr;
+            const bf16_t* src = B + (u64)(o0 + r) * stride + c * 8;
+            bf16_t* dst = sB + r * bpitch + c * 8;
+            if (c < full) {
+                cp_async16(dst, src);
+            } else {
+#pragma unroll 1
+                for (int j = 0; j < 8; ++j) dst[j] = c * 8 + j < rank ? src[j] : (bf16_t)0;
+            }
+        }
+    };
+    // Threads t0, t0 + nt, ... request the block's y values of item rows [g0, g1).
+    auto request_y = [&](int g0, int g1, int t0, int nt) {
+        const int y_per_row = vec_y ? lo * (int)sizeof(Y) / 16 : lo;
+#pragma unroll 1
+        for (int g = g0; g < g1; ++g) {
+            const Y* src = Yp + (u64)s_item.rows[g] * ys + coff + o0;
+#pragma unroll 1
+            for (int c = t0; c < y_per_row; c += nt) {
+                if (vec_y)
+                    cp_async16((unsigned char*)(sY + g * lo_max) + c * 16, (const unsigned char*)src + c * 16);
+                else
+                    sY[g * lo_max + c] = src[c];
+            }
+        }
+    };
+
+    int n_items = 0;
+    bool lead_mine = false;  // row-mapped: row q leads an item
     const ItemRows* list = nullptr;  // LIST: this (window, target)'s items, after the 64-byte header
     if (LIST) {
         list = (const ItemRows*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride) + 1;
@@ -542,32 +624,65 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         }
         __syncthreads();
         n_items = s_nitems;
-    } else {
-        // The entry of an item depends on idx: a small table is copied whole
-        // into shared memory while idx arrives; a larger one is pulled towards
-        // L2, so the entry load after the row scan is not a cold round trip.
-        table_smem = tg.n_entries <= BGMV_TABLE_SMEM && (tg.table & 7ull) == 0ull;
-        if (table_smem) {
-            const u64* src = (const u64*)tg.table;
-            u64* dst = (u64*)s_table;
-#pragma unroll 1
-            for (int w = tid; w < tg.n_entries * 3; w += NT) cp_async8(dst + w, src + w);
-            cp_async_commit();
-        } else if (tid == 0) {
-            prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
+    } else if (row_mapped) {
+        // Every row's checked entry (index faults raised here) and whether
+        // row q leads an item: the rows before it holding its index number a
+        // multiple of G. A row that leads none ends its cluster here.
+        if (table_smem) cp_async_wait<0>();
+        if (tid < nwin) s_win.idx[tid] = checked_index(idx_first, tg.n_entries, p.fault, report);
+        if (tid == 0) s_item.rows[0] = row0 + q;
+        const int e = checked_index(idx_mine, tg.n_entries, p.fault, false);
+        const int before = __syncthreads_count(e >= 0 && tid < q && idx_first == idx_mine);
+        lead_mine = e >= 0 && before % BGMV_G == 0;  // uniform over the cluster
+        // The lead row's requests: A, x and y by warps 0-7, then B by warps
+        // 8-15, for an entry load_item (which raises its faults) serves.
+        PairEntry en = {0ull, 0ull, 0.f, 0u};
+        if (lead_mine && lo > 0 && n_chunks == 1) en = table[e];
+        if (en.rank > 0 && !bad_entry(en, stride)) {  // uniform over the block
+            const int rank = (int)en.rank;
+            const bf16_t* A = (const bf16_t*)en.a;
+            const bf16_t* B = (const bf16_t*)en.b;
+            if (warp < BGMV_WARPS) {
+                const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
+                stage_chunk(A, rank, vec_x, 0, 0, rank + 1, warp, BGMV_WARPS);
+                request_y(0, 1, tid, BGMV_THREADS);
+                cp_async_commit();
+                named_barrier_arrive(1, NT);
+            } else {
+                named_barrier_sync(1, NT);  // A, x and y requested
+                request_b(B, rank, (stride % 8 == 0) && aligned16(B), tid - BGMV_THREADS, BGMV_THREADS);
+                cp_async_commit();
+            }
         }
+        // Warps 0-7 load the item (its rows and entry) once none of them
+        // reads the lead row above any more, while warps 8-15 request B;
+        // barrier 4 hands the item to them.
+        if (lead_mine) {
+            if (warp < BGMV_WARPS) {
+                named_barrier_sync(3, BGMV_THREADS);
+                if (warp == 0) load_item(s_win.idx, q, nwin, row0, table, stride, p.fault, report_entry, &s_item);
+                named_barrier_sync(3, BGMV_THREADS);
+                named_barrier_arrive(4, NT);
+            } else {
+                named_barrier_sync(4, NT);
+            }
+        }
+    } else {
         // The table copy completes within the scan's last barrier.
         n_items = scan_window<NT>((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win, idx_first,
-                              table_smem);
+                                  table_smem);
     }
 
-    const PairEntry* table = table_smem ? s_table : (const PairEntry*)tg.table;
     bool pending = false;
+    // Row-mapped: one item at most, row q's (its rows and entry already in s_item).
+    const int it_first = row_mapped ? 0 : q;
+    const int it_end = row_mapped ? (int)lead_mine : n_items;
+    const int it_step = row_mapped ? 1 : p.clusters_per_window;
 
-    for (int it = q; it < n_items; it += p.clusters_per_window) {
+    for (int it = it_first; it < it_end; it += it_step) {
         // The previous item's shared state is no longer read (the first follows the scan's or list's barrier).
-        if (it != q) __syncthreads();
-        if (warp == 0) {
+        if (it != it_first) __syncthreads();
+        if (warp == 0 && !row_mapped) {
             if (LIST) {
                 if (it != q) copy_list_item(list, it, &s_item, lane);
             } else {
@@ -578,7 +693,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             cluster_wait();  // every peer finished reading our sTp
             pending = false;
         }
-        __syncthreads();
+        if (!row_mapped) __syncthreads();
         const PairEntry en = s_item.entry;
         // rank 0 skips the arithmetic but not the cluster barriers, so the
         // ranks of a cluster stay in step whatever the table holds.
@@ -588,24 +703,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         const bf16_t* B = (const bf16_t*)en.b;
         const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
         const bool vec_b = (stride % 8 == 0) && aligned16(B);
-        const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) &&
-                           aligned16(Yp) && ((int)sizeof(Y) * lo % 16 == 0);
         const int rank8 = (rank + 7) & ~7;
-        const int n_chunks = (k1 - k0 + kch - 1) / kch;
-        // Warps w0, w0 + nw, ... split the rows of chunk c: A rows k in [r0, min(r1, rank)), then x rows g.
-        auto stage_chunk = [&](int c, int r0, int r1, int w0, int nw) {
-            const int kc = k0 + c * kch;
-            const int len = min(kch, k1 - kc);
-            bf16_t* a = sA + (c & 1) * arows * kp;
-            bf16_t* x = sX + (c & 1) * BGMV_G * kp;
-#pragma unroll 1
-            for (int r = r0 + w0; r < r1; r += nw) {
-                const bool is_a = r < rank;
-                bf16_t* dst = is_a ? a + r * kp : x + (r - rank) * kp;
-                const bf16_t* src = is_a ? A + (u64)r * in + kc : X + (u64)s_item.rows[r - rank] * p.x_stride + kc;
-                stage_row(dst, src, len, (len + 7) & ~7, vec_x, lane, 32);
-            }
-        };
         // Overlap, first item: B and every A chunk (at most two, so all fit
         // the stages) are requested before the wait, y and x after it, in one group.
         const bool early = !waited && nr > 0 && lo > 0 && n_chunks <= 2;
@@ -626,57 +724,42 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // several rows shrink longer: all 16 warps take part.
         const bool split_warps = NT > BGMV_THREADS && push && lead_a && nr == 1;
         const bool b_warp = split_warps && warp >= BGMV_WARPS;
-        if (split_warps && !b_warp) {
-            stage_chunk(0, 0, rank + nr, warp, BGMV_WARPS);
+        // Row-mapped: the lead row's A, x and y (one group, by warps 0-7) and
+        // B (by warps 8-15) were requested before the scan; the item's other
+        // rows' x (warps 0-7) and y (warps 8-15) follow in one more.
+        const bool pre = row_mapped && lead_a;
+        if (pre) {
+            if (nr > 1) {
+                if (warp < BGMV_WARPS) stage_chunk(A, rank, vec_x, 0, rank + 1, rank + nr, warp, BGMV_WARPS);
+                const int t0 = tid - (NT - BGMV_THREADS);
+                if (t0 >= 0) request_y(1, nr, t0, BGMV_THREADS);
+                cp_async_commit();
+            }
+        } else if (split_warps && !b_warp) {
+            stage_chunk(A, rank, vec_x, 0, 0, rank + nr, warp, BGMV_WARPS);
             named_barrier_arrive(1, NT);
         } else {
             if (b_warp) named_barrier_sync(1, NT);  // A and x requested
             if (lead_a && !split_warps) {
-                stage_chunk(0, 0, rank + nr, warp, NW);
+                stage_chunk(A, rank, vec_x, 0, 0, rank + nr, warp, NW);
                 cp_async_commit();
             }
             if (nr > 0 && lo > 0) {
                 // Threads t0, t0 + nt, ... request B and y.
                 const int t0 = b_warp ? tid - BGMV_THREADS : tid;
                 const int nt = split_warps ? BGMV_THREADS : NT;
-                // B row o: `rank` useful columns; whole 8-column chunks are copied, the rest zeroed.
-                const int cpr = rank8 >> 3;
-                const int full = vec_b ? (rank >> 3) : 0;
-#pragma unroll 1
-                for (int v = t0; v < lo * cpr; v += nt) {
-                    const int r = v / cpr;
-                    const int c = v - r * cpr;
-                    const bf16_t* src = B + (u64)(o0 + r) * stride + c * 8;
-                    bf16_t* dst = sB + r * bpitch + c * 8;
-                    if (c < full) {
-                        cp_async16(dst, src);
-                    } else {
-#pragma unroll 1
-                        for (int j = 0; j < 8; ++j) dst[j] = c * 8 + j < rank ? src[j] : (bf16_t)0;
-                    }
-                }
+                request_b(B, rank, vec_b, t0, nt);
                 if (early) {
 #pragma unroll 1
-                    for (int c = 0; c < n_chunks; ++c) stage_chunk(c, 0, rank, warp, NW);
+                    for (int c = 0; c < n_chunks; ++c) stage_chunk(A, rank, vec_x, c, 0, rank, warp, NW);
                     grid_dependency_wait();
 #pragma unroll 1
-                    for (int c = 0; c < n_chunks; ++c) stage_chunk(c, rank, rank + nr, warp, NW);
+                    for (int c = 0; c < n_chunks; ++c) stage_chunk(A, rank, vec_x, c, rank, rank + nr, warp, NW);
                 }
-                const int y_per_row = vec_y ? lo * (int)sizeof(Y) / 16 : lo;
-#pragma unroll 1
-                for (int g = 0; g < nr; ++g) {
-                    const Y* src = Yp + (u64)s_item.rows[g] * ys + coff + o0;
-#pragma unroll 1
-                    for (int c = t0; c < y_per_row; c += nt) {
-                        if (vec_y)
-                            cp_async16((unsigned char*)(sY + g * lo_max) + c * 16, (const unsigned char*)src + c * 16);
-                        else
-                            sY[g * lo_max + c] = src[c];
-                    }
-                }
+                request_y(0, nr, t0, nt);
             }
         }
-        cp_async_commit();
+        if (!pre) cp_async_commit();
         waited = true;
 
         // ---- shrink: sTp[g][k] = sum over this rank's slice of A[k, i] x[row_g, i].
@@ -761,7 +844,12 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             const int ch = step - 2;
             if (ch >= 0) {
                 // Groups: (lead_a: A and x), B and y, then one per step.
-                if (lead_a) {
+                // Row-mapped, a thread's groups: warps 0-7 (A, x, y), (other
+                // x rows), steps; warps 8-15 (B), (other y rows), steps,
+                // none of them needed before the expand.
+                if (pre) {
+                    if (warp < BGMV_WARPS) cp_async_wait<2>();
+                } else if (lead_a) {
                     cp_async_wait<3>();
                 } else {
                     cp_async_wait<1>();
@@ -825,7 +913,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 }
             }
             // (early: every chunk is in the first group; the empty groups keep the count.)
-            if (step < chunks && !early && !lead_a) stage_chunk(step, 0, rank + nr, warp, NW);
+            if (step < chunks && !early && !lead_a) stage_chunk(A, rank, vec_x, step, 0, rank + nr, warp, NW);
             cp_async_commit();
         }
         if (split_warps) {
@@ -951,8 +1039,12 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // each summed as two chains (rank steps 8 apart), so 2 EO FMA chains
         // run at once behind one batch of shared loads. Clusters of 2 (one
         // block per multiprocessor, registers to spare, 8 outputs per thread
-        // at 4096) take four at once, the others two.
+        // at 4096) take four at once, the others two. Their unpadded B rows
+        // of an even number of 16-byte pieces (rank stride 16: 32 bytes) put
+        // lanes i and i + 4 in the same banks, so lanes 4-7 of every 8 read
+        // a rank step's upper half first (h0): each load then spans all the banks.
         constexpr int EO = C == 2 ? 4 : 2;
+        const bool swap_halves = C == 2 && (bpitch & 15) == 0;
 #pragma unroll 1
         for (int r = tid; !TC && nr > 0 && r < lo; r += EO * NT) {
             const bf16_t* brow[EO];
@@ -971,17 +1063,18 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 #pragma unroll 1
                 for (int kb = 0; kb < rank8; kb += 16) {
                     const bool k2 = kb + 8 < rank8;  // uniform over the block
+                    const int h0 = swap_halves && k2 ? (lane & 4) * 2 : 0;  // the half u holds: 0 or 8
                     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
                     uint4 u[EO], v[EO];
 #pragma unroll
                     for (int j = 0; j < EO; ++j) {
-                        u[j] = *(const uint4*)(brow[j] + kb);
-                        v[j] = k2 ? *(const uint4*)(brow[j] + kb + 8) : zero;  // unread past rank8
+                        u[j] = *(const uint4*)(brow[j] + kb + h0);
+                        v[j] = k2 ? *(const uint4*)(brow[j] + kb + (h0 ^ 8)) : zero;  // unread past rank8
                     }
                     float t[16];
 #pragma unroll
                     for (int i = 0; i < 16; i += 4) {
-                        const float4 q = *(const float4*)(tg + kb + (k2 ? i : (i & 7)));
+                        const float4 q = *(const float4*)(tg + kb + (k2 ? (i ^ h0) : (i & 7)));
                         t[i] = q.x;
                         t[i + 1] = q.y;
                         t[i + 2] = q.z;

@@ -232,6 +232,16 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
             push_sum: Some(false),
             ..FUSED_SCALAR_SCAN
         });
+        // A cluster for every row (the row-mapped form in 16-warp clusters
+        // of 2, where their stage fits), and the default cluster size.
+        let clusters: &[Option<u32>] = if stride <= 64 { &[None, Some(2)] } else { &[None] };
+        for &cluster in clusters {
+            tunings.push(BgmvTuning {
+                cluster,
+                clusters_per_window: Some(512),
+                ..FUSED_SCALAR_SCAN
+            });
+        }
         for t in tunings {
             check_bgmv(
                 &gpu,
@@ -306,6 +316,13 @@ const FUSED_SCALAR_SCAN: BgmvTuning = BgmvTuning {
 const FUSED_TC_SCAN: BgmvTuning = BgmvTuning {
     item_list_pass: Some(false),
     ..FUSED_TC
+};
+/// The scanning scalar kernel in 16-warp clusters of 2 with a cluster for
+/// every row: the row-mapped form (windows of up to 512 rows).
+const FUSED_ROW_MAPPED: BgmvTuning = BgmvTuning {
+    cluster: Some(2),
+    clusters_per_window: Some(512),
+    ..FUSED_SCALAR_SCAN
 };
 /// Every form of the fused kernel: scalar and tensor-core, each scanning
 /// its window, reading the item list after completion, or after its flag.
@@ -556,7 +573,10 @@ fn gpu_decode_applies_are_bit_reproducible() {
         let p = Problem::new(&mut rng, n, in_dim, &[1024], stride, &ranks, true);
         let idx: Vec<i32> = (0..n).map(|i| (i % slots) as i32).collect();
         let cpu = run_bgmv_on(&Device::cpu(), &p, &idx, &p.y_f32, BgmvTuning::default());
-        for t in [TWO_PHASE, TWO_PHASE_TC].into_iter().chain(FUSED_FORMS) {
+        for t in [TWO_PHASE, TWO_PHASE_TC, FUSED_ROW_MAPPED]
+            .into_iter()
+            .chain(FUSED_FORMS)
+        {
             let first = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
             compare(&format!("n={n} in={in_dim} {t:?}"), &p.y_f32, &cpu, &first);
             for _ in 0..4 {
@@ -719,6 +739,33 @@ fn gpu_bgmv_row_patterns_and_paths() {
                 cluster: Some(2),
                 ..FUSED_SCALAR_LIST
             },
+            // A cluster for every row. The 16-warp clusters of 2 take the
+            // row-mapped form there (row q's cluster serves the item row q
+            // leads, if any, and requests its weights before the item is
+            // gathered), for one-row items (split warps) and several-row
+            // ones, pushed and pulled. The others scan, most clusters idle.
+            FUSED_ROW_MAPPED,
+            BgmvTuning {
+                push_sum: Some(false),
+                ..FUSED_ROW_MAPPED
+            },
+            BgmvTuning {
+                cluster: Some(8),
+                clusters_per_window: Some(512),
+                ..FUSED_SCALAR_SCAN
+            },
+            BgmvTuning {
+                cluster: Some(8),
+                out_splits: Some(3),
+                clusters_per_window: Some(512),
+                push_sum: Some(false),
+                ..FUSED_SCALAR_SCAN
+            },
+            BgmvTuning {
+                cluster: Some(1),
+                clusters_per_window: Some(512),
+                ..FUSED_SCALAR_SCAN
+            },
             // Every item of a window through one cluster: the one-chunk items'
             // copy groups and the push's receive buffers reused many times.
             BgmvTuning {
@@ -792,7 +839,7 @@ fn gpu_bgmv_f32_router_logits() {
     let idx = random_idx(&mut rng, 40, 32, 9);
     let cpu = Device::cpu();
     let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, FUSED_ROW_MAPPED]) {
         let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
         compare(&format!("f32 y {t:?}"), &p.y_f32, &c, &g);
         let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
@@ -813,7 +860,7 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
     let mut y = gpu.upload(&p.y_bf16).unwrap();
     let targets = on.targets(&p);
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, FUSED_ROW_MAPPED]) {
         bgmv_tuned(
             &gpu,
             on.x_rows(&p),
@@ -856,7 +903,7 @@ fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
     let idx = gpu.upload(&[0i32, 1, 1, -1]).unwrap();
     let cpu = Device::cpu();
     let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1], &p.y_bf16, BgmvTuning::default());
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE]) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, FUSED_ROW_MAPPED]) {
         let mut y = gpu.upload(&p.y_bf16).unwrap();
         bgmv_tuned(
             &gpu,
@@ -1043,7 +1090,7 @@ fn gpu_graph_replay_follows_table_contents() {
     for t in [BgmvTuning::default()]
         .into_iter()
         .chain(FUSED_FORMS)
-        .chain([TWO_PHASE_DEPENDENT])
+        .chain([TWO_PHASE_DEPENDENT, FUSED_ROW_MAPPED])
     {
         graph_replay_case(&gpu, &mut rng, t);
     }
