@@ -36,10 +36,9 @@
 // list bgmv_list (a first, one-block-per-window launch) wrote into the
 // backend's scratch; they are picked for batches whose items hold many rows.
 // Row-mapped (the 16-warp clusters of 2 with a cluster for every row of the
-// window): cluster q serves the item row q leads, if any, known
-// from one counting barrier over the window's indices, so the lead row's A,
-// x, y and B are requested before the item's other rows are gathered, and a
-// cluster whose row leads no item ends there.
+// window): cluster q serves row q alone, an item of one row named by row q's
+// index, so its A, x, y and B are requested as soon as the entry is known and
+// no window is scanned (rows of one entry read its A and B again, from L2).
 
 #define BGMV_THREADS 256
 #define BGMV_WARPS (BGMV_THREADS / 32)
@@ -460,16 +459,17 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     const int nwin = min(p.window, p.n_rows - row0);
     // Uniform over the cluster (same blockIdx.y and z): no barrier is skipped by one rank only.
     if (nwin <= 0) return;
-    // The scanning form's first round trip starts before the cluster and table setup.
-    const int idx_first = LIST ? -1 : first_index((const int*)p.idx, row0, nwin);
     // Row-mapped: the 16-warp scanning kernels with a cluster for every row
-    // of the window (one row per thread). Cluster q serves the item row q
-    // leads, if any (each item is served by one cluster either way), so row
-    // q's index alone names its entry and one counting barrier says whether
-    // it leads: warps 0-7 request the lead row's A, x and y and warps 8-15
-    // its B before warp 0 gathers the item's other rows. Uniform over the cluster.
+    // of the window. Cluster q serves row q alone, as an item of one row
+    // (rows of one entry are not grouped: the clusters are there anyway, and
+    // an entry's A and B read again by another cluster come from L2), so
+    // row q's index alone names the item and no window is scanned: warps 0-7
+    // request A, x and y and warps 8-15 B as soon as the entry is known.
+    // Uniform over the cluster.
     const bool row_mapped = !LIST && !TC && NT > BGMV_THREADS && p.overlap == 0 && nwin <= NT &&
                             p.clusters_per_window >= nwin;
+    // The first round trip (the thread's window row, or row q) starts before the cluster and table setup.
+    const int idx_first = LIST || row_mapped ? -1 : first_index((const int*)p.idx, row0, nwin);
     const int idx_mine = row_mapped && q < nwin ? ((const int*)p.idx)[row0 + q] : -1;
     // An item's entry depends on idx: a small table is copied whole into
     // shared memory while idx arrives (requested first, as it depends on
@@ -599,7 +599,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     };
 
     int n_items = 0;
-    bool lead_mine = false;  // row-mapped: row q leads an item
+    PairEntry row_entry = {0ull, 0ull, 0.f, 0u};  // row-mapped: row q's checked entry
     const ItemRows* list = nullptr;  // LIST: this (window, target)'s items, after the 64-byte header
     if (LIST) {
         list = (const ItemRows*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride) + 1;
@@ -625,23 +625,26 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         __syncthreads();
         n_items = s_nitems;
     } else if (row_mapped) {
-        // Every row's checked entry (index faults raised here) and whether
-        // row q leads an item: the rows before it holding its index number a
-        // multiple of G. A row that leads none ends its cluster here.
+        // Row q's checked entry (an index past the table or a bad entry
+        // raises its fault here, as the scan and load_item do). A row of no
+        // entry ends its cluster.
         if (table_smem) cp_async_wait<0>();
-        if (tid < nwin) s_win.idx[tid] = checked_index(idx_first, tg.n_entries, p.fault, report);
         if (tid == 0) s_item.rows[0] = row0 + q;
-        const int e = checked_index(idx_mine, tg.n_entries, p.fault, false);
-        const int before = __syncthreads_count(e >= 0 && tid < q && idx_first == idx_mine);
-        lead_mine = e >= 0 && before % BGMV_G == 0;  // uniform over the cluster
-        // The lead row's requests: A, x and y by warps 0-7, then B by warps
-        // 8-15, for an entry load_item (which raises its faults) serves.
-        PairEntry en = {0ull, 0ull, 0.f, 0u};
-        if (lead_mine && lo > 0 && n_chunks == 1) en = table[e];
-        if (en.rank > 0 && !bad_entry(en, stride)) {  // uniform over the block
-            const int rank = (int)en.rank;
-            const bf16_t* A = (const bf16_t*)en.a;
-            const bf16_t* B = (const bf16_t*)en.b;
+        __syncthreads();  // the table and the row in shared memory
+        const int e = checked_index(idx_mine, tg.n_entries, p.fault, report_entry && tid == 0);
+        if (e >= 0) {
+            row_entry = table[e];
+            if (bad_entry(row_entry, stride)) {
+                if (report_entry && tid == 0) raise_fault(p.fault, FAULT_BAD_RANK);
+                row_entry.rank = 0;
+            }
+        }
+        n_items = e >= 0 ? 1 : 0;
+        // The row's requests: A, x and y by warps 0-7, then B by warps 8-15.
+        if (row_entry.rank > 0 && lo > 0 && n_chunks == 1) {  // uniform over the block
+            const int rank = (int)row_entry.rank;
+            const bf16_t* A = (const bf16_t*)row_entry.a;
+            const bf16_t* B = (const bf16_t*)row_entry.b;
             if (warp < BGMV_WARPS) {
                 const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
                 stage_chunk(A, rank, vec_x, 0, 0, rank + 1, warp, BGMV_WARPS);
@@ -654,19 +657,6 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 cp_async_commit();
             }
         }
-        // Warps 0-7 load the item (its rows and entry) once none of them
-        // reads the lead row above any more, while warps 8-15 request B;
-        // barrier 4 hands the item to them.
-        if (lead_mine) {
-            if (warp < BGMV_WARPS) {
-                named_barrier_sync(3, BGMV_THREADS);
-                if (warp == 0) load_item(s_win.idx, q, nwin, row0, table, stride, p.fault, report_entry, &s_item);
-                named_barrier_sync(3, BGMV_THREADS);
-                named_barrier_arrive(4, NT);
-            } else {
-                named_barrier_sync(4, NT);
-            }
-        }
     } else {
         // The table copy completes within the scan's last barrier.
         n_items = scan_window<NT>((const int*)p.idx, row0, nwin, tg.n_entries, p.fault, report, &s_win, idx_first,
@@ -674,12 +664,11 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     }
 
     bool pending = false;
-    // Row-mapped: one item at most, row q's (its rows and entry already in s_item).
+    // Row-mapped: one item at most, row q (in s_item.rows[0] and row_entry).
     const int it_first = row_mapped ? 0 : q;
-    const int it_end = row_mapped ? (int)lead_mine : n_items;
     const int it_step = row_mapped ? 1 : p.clusters_per_window;
 
-    for (int it = it_first; it < it_end; it += it_step) {
+    for (int it = it_first; it < n_items; it += it_step) {
         // The previous item's shared state is no longer read (the first follows the scan's or list's barrier).
         if (it != it_first) __syncthreads();
         if (warp == 0 && !row_mapped) {
@@ -694,11 +683,11 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             pending = false;
         }
         if (!row_mapped) __syncthreads();
-        const PairEntry en = s_item.entry;
+        const PairEntry en = row_mapped ? row_entry : s_item.entry;
         // rank 0 skips the arithmetic but not the cluster barriers, so the
         // ranks of a cluster stay in step whatever the table holds.
         const int rank = (int)en.rank;
-        const int nr = rank > 0 ? s_item.nrows : 0;
+        const int nr = rank > 0 ? (row_mapped ? 1 : s_item.nrows) : 0;
         const bf16_t* A = (const bf16_t*)en.a;
         const bf16_t* B = (const bf16_t*)en.b;
         const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
@@ -724,21 +713,13 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // several rows shrink longer: all 16 warps take part.
         const bool split_warps = NT > BGMV_THREADS && push && lead_a && nr == 1;
         const bool b_warp = split_warps && warp >= BGMV_WARPS;
-        // Row-mapped: the lead row's A, x and y (one group, by warps 0-7) and
-        // B (by warps 8-15) were requested before the scan; the item's other
-        // rows' x (warps 0-7) and y (warps 8-15) follow in one more.
+        // Row-mapped: the row's A, x and y (one group, by warps 0-7) and B
+        // (by warps 8-15) are already requested.
         const bool pre = row_mapped && lead_a;
-        if (pre) {
-            if (nr > 1) {
-                if (warp < BGMV_WARPS) stage_chunk(A, rank, vec_x, 0, rank + 1, rank + nr, warp, BGMV_WARPS);
-                const int t0 = tid - (NT - BGMV_THREADS);
-                if (t0 >= 0) request_y(1, nr, t0, BGMV_THREADS);
-                cp_async_commit();
-            }
-        } else if (split_warps && !b_warp) {
+        if (!pre && split_warps && !b_warp) {
             stage_chunk(A, rank, vec_x, 0, 0, rank + nr, warp, BGMV_WARPS);
             named_barrier_arrive(1, NT);
-        } else {
+        } else if (!pre) {
             if (b_warp) named_barrier_sync(1, NT);  // A and x requested
             if (lead_a && !split_warps) {
                 stage_chunk(A, rank, vec_x, 0, 0, rank + nr, warp, NW);
@@ -844,9 +825,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             const int ch = step - 2;
             if (ch >= 0) {
                 // Groups: (lead_a: A and x), B and y, then one per step.
-                // Row-mapped, a thread's groups: warps 0-7 (A, x, y), (other
-                // x rows), steps; warps 8-15 (B), (other y rows), steps,
-                // none of them needed before the expand.
+                // Row-mapped, a thread's groups: warps 0-7 (A, x, y), steps;
+                // warps 8-15 (B), steps, not needed before the expand.
                 if (pre) {
                     if (warp < BGMV_WARPS) cp_async_wait<2>();
                 } else if (lead_a) {

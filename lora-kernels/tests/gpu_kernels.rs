@@ -740,10 +740,10 @@ fn gpu_bgmv_row_patterns_and_paths() {
                 ..FUSED_SCALAR_LIST
             },
             // A cluster for every row. The 16-warp clusters of 2 take the
-            // row-mapped form there (row q's cluster serves the item row q
-            // leads, if any, and requests its weights before the item is
-            // gathered), for one-row items (split warps) and several-row
-            // ones, pushed and pulled. The others scan, most clusters idle.
+            // row-mapped form there (row q's cluster serves row q alone,
+            // requesting its weights as soon as its entry is known; rows of
+            // one adapter are not grouped), pushed and pulled. The others
+            // scan, most clusters idle.
             FUSED_ROW_MAPPED,
             BgmvTuning {
                 push_sum: Some(false),
