@@ -547,8 +547,9 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("tc q49".to_string(), t));
-            // A scalar cluster for every row (the row-mapped form, what a
-            // table of at least as many entries as rows gets by default).
+            // A scalar cluster for every row, the cluster size picked
+            // ("rows") or clusters of 2 ("rows c2": the row-mapped form,
+            // the default from `ROW_MAPPED_MIN_ROWS` rows to one round).
             let t = BgmvTuning {
                 two_phase: Some(false),
                 tensor_cores: Some(false),
@@ -557,6 +558,8 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("rows".to_string(), t));
+            let t = BgmvTuning { cluster: Some(2), ..t };
+            variants.push(("rows c2".to_string(), t));
             // The two-phase kernels: expand widths, the expand not a dependent
             // of the shrink, power-of-two K slices, and the shrink on tensor
             // cores, plain and under the overlap.

@@ -380,7 +380,13 @@ pub struct BgmvTuning {
     pub cluster: Option<u32>,
     /// Output splits: clusters serving one item, each a slice of the outputs.
     pub out_splits: Option<u32>,
-    /// Clusters per row window (items are dealt round-robin to them).
+    /// Clusters per row window (items are dealt round-robin to them). As
+    /// many as the window's rows make the scalar clusters of 2 row-mapped:
+    /// each cluster serves its own row's item, requested before the window
+    /// is scanned. `None`: from the shape and device, row-mapped for
+    /// [`ROW_MAPPED_MIN_ROWS`] rows or more that fit one round when this
+    /// knob, `cluster`, `out_splits`, `two_phase`, `tensor_cores` and
+    /// `item_list_pass` are all unset and `overlap_previous` is off.
     pub clusters_per_window: Option<u32>,
     /// Two launches (a shrink into the device's scratch, then an expand)
     /// instead of the fused kernel; batches of at most 512 rows. `None`:
@@ -388,7 +394,8 @@ pub struct BgmvTuning {
     /// launch serves in one round of resident clusters, batches of more
     /// than [`MULTI_ROW_ITEMS`] rows per table entry and, under
     /// `overlap_previous`, batches of up to 64 rows of adapters of rank
-    /// stride 16 or less and at most 8192 outputs.
+    /// stride 16 or less and at most 8192 outputs; never for the row-mapped
+    /// batches (`clusters_per_window`).
     pub two_phase: Option<bool>,
     /// Two-phase expand: outputs per unit of work (8..=1024, rounded up to a
     /// multiple of 8). `None`: 512, or 1024 for outputs wider than 8192.
@@ -414,7 +421,8 @@ pub struct BgmvTuning {
     /// rows cost one matrix instruction per 8 columns instead of a warp
     /// reduction per row). `None`: on for batches of at least
     /// [`TENSOR_CORE_MIN_ROWS`] rows, and of [`TWO_PHASE_ROWS`] rows of more
-    /// than [`MULTI_ROW_ITEMS`] rows per table entry.
+    /// than [`MULTI_ROW_ITEMS`] rows per table entry, except the row-mapped
+    /// batches (`clusters_per_window`).
     pub tensor_cores: Option<bool>,
     /// Fused kernel: a small first launch (`bgmv_list`) lists each window's
     /// items (rows and checked table entry) once into the device's scratch,
@@ -515,6 +523,45 @@ pub const TENSOR_CORE_MIN_ROWS: usize = 129;
 /// outputs); above, items of several rows make the two-phase
 /// shrink's per-row reductions the cost (n = 256, 32 adapters: 36-39 against 29).
 pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
+
+/// Batches the fused kernel serves row-mapped by default: at least this many
+/// rows in one window, whose scalar clusters of 2 with a cluster per row fit
+/// one round of resident clusters (one block per multiprocessor: 66 rows of
+/// one target on the H200). Each row is then its own item, requested as soon
+/// as its entry is known (rows of one adapter read its A and B again, from
+/// L2), instead of items of up to 8 rows grouped by a window scan. H200, in a
+/// graph, n = 64 of rank-16 adapters over tables of 8, 24 and 32 entries:
+/// 9.69, 11.04 and 9.47 µs by the grouping choices, 7.82, 7.88 and 7.88
+/// row-mapped; with fewer rows fewer multiprocessors stream the bytes: n =
+/// 32 of 32 adapters 7.52 (clusters of 8) against 7.81, n = 16 5.98 against
+/// 7.73. Between 32 and 64 rows unmeasured: the threshold is their midpoint.
+pub const ROW_MAPPED_MIN_ROWS: usize = 48;
+
+/// The tuning of the row-mapped form (scalar, scanning, clusters of 2, a
+/// cluster per row, one launch) where [`bgmv`] takes it by default: sm_90 or
+/// newer, [`ROW_MAPPED_MIN_ROWS`] rows or more, one round of one block per
+/// multiprocessor for every (row, target), and none of the knobs it sets
+/// (nor the overlap, which it does not serve) chosen by the caller. The
+/// caller still checks that its launch fits one round.
+fn row_mapped_tuning(n: usize, n_targets: usize, sms: usize, hopper: bool, tuning: BgmvTuning) -> Option<BgmvTuning> {
+    let unset = tuning.cluster.is_none()
+        && tuning.out_splits.is_none()
+        && tuning.clusters_per_window.is_none()
+        && tuning.two_phase.is_none()
+        && tuning.tensor_cores.is_none()
+        && tuning.item_list_pass.is_none()
+        && tuning.overlap_previous != Some(true);
+    let one_round = n.checked_mul(2 * n_targets).is_some_and(|blocks| blocks <= sms);
+    (hopper && unset && n >= ROW_MAPPED_MIN_ROWS && one_round).then(|| BgmvTuning {
+        cluster: Some(2),
+        out_splits: Some(1),
+        clusters_per_window: u32::try_from(n).ok(),
+        two_phase: Some(false),
+        tensor_cores: Some(false),
+        item_list_pass: Some(false),
+        ..tuning
+    })
+}
 
 /// Whether [`bgmv`] takes the two launches for `n` rows: [`TWO_PHASE_ROWS`],
 /// except, under [`BgmvTuning::overlap_previous`], batches of up to 64 rows
@@ -813,16 +860,31 @@ fn launch<Y: OutputElem>(
     let n_targets = targets.len();
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let max_entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0);
-    let many_rows = ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries);
-    let list_wanted =
-        tuning.item_list_pass.unwrap_or(many_rows) && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
-    let (window, n_windows) = row_windows(n, list_wanted, n_targets);
     let limits = DeviceLimits {
         hopper: c.compute_capability.0 >= 9,
         sms: c.sm_count as usize,
         smem_optin: c.smem_optin,
         smem_per_sm: c.smem_per_sm,
     };
+    // The row-mapped form where it is the default and its launch fits one round.
+    let tuning = row_mapped_tuning(n, n_targets, limits.sms, limits.hopper, tuning)
+        .filter(|mapped| {
+            let rows = RowShape {
+                in_dim: x.width,
+                stride,
+                y_size: std::mem::size_of::<Y>(),
+                window: n,
+                n_windows: 1,
+                tensor_cores: false,
+                list: false,
+            };
+            LaunchChoice::pick(limits, rows, targets, *mapped).is_ok_and(|choice| choice.rounds == 1)
+        })
+        .unwrap_or(tuning);
+    let many_rows = ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries);
+    let list_wanted =
+        tuning.item_list_pass.unwrap_or(many_rows) && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
+    let (window, n_windows) = row_windows(n, list_wanted, n_targets);
     let tensor_cores = tuning.tensor_cores.unwrap_or(many_rows);
     let list = list_wanted && item_list_fits(window, n_windows, n_targets);
     let rows = RowShape {

@@ -398,7 +398,13 @@ fn choice(n: usize, in_dim: usize, out: usize, stride: usize) -> LaunchChoice {
     choice_y(n, in_dim, out, stride, 2, n)
 }
 
-fn choice_y(n: usize, in_dim: usize, out: usize, stride: usize, y_size: usize, entries: usize) -> LaunchChoice {
+/// The H200's launch choice for one target of `out` columns over a table of `entries` entries.
+fn pick_one_target(
+    rows: RowShape,
+    out: usize,
+    entries: usize,
+    tuning: BgmvTuning,
+) -> Result<LaunchChoice, KernelError> {
     let d = Device::cpu();
     let table = d.alloc_zeros::<PairEntry>(entries).unwrap();
     let t = [LoraTarget {
@@ -408,6 +414,10 @@ fn choice_y(n: usize, in_dim: usize, out: usize, stride: usize, y_size: usize, e
         out_dim: out,
         y_col_offset: 0,
     }];
+    LaunchChoice::pick(H200, rows, &t, tuning)
+}
+
+fn choice_y(n: usize, in_dim: usize, out: usize, stride: usize, y_size: usize, entries: usize) -> LaunchChoice {
     let rows = RowShape {
         in_dim,
         stride,
@@ -417,7 +427,7 @@ fn choice_y(n: usize, in_dim: usize, out: usize, stride: usize, y_size: usize, e
         tensor_cores: n >= TENSOR_CORE_MIN_ROWS,
         list: ITEM_LIST_ROWS.contains(&n),
     };
-    LaunchChoice::pick(H200, rows, &t, BgmvTuning::default()).unwrap()
+    pick_one_target(rows, out, entries, BgmvTuning::default()).unwrap()
 }
 
 #[test]
@@ -716,4 +726,82 @@ fn scalar_clusters_of_two_run_sixteen_warps_one_block_per_multiprocessor() {
     // The bench's n = 64 of rank-16 adapters: clusters of 2, every item in one round.
     let c = choice(64, 4096, 4096, 16);
     assert_eq!((c.cluster, c.rounds), (2, 1), "{c:?}");
+}
+
+#[test]
+fn row_mapped_by_default_where_one_round_of_clusters_of_two_holds_every_row() {
+    let t = BgmvTuning::default();
+    let sms = H200.sms;
+    let mapped = row_mapped_tuning(64, 1, sms, true, t).expect("n = 64 of one target is row-mapped");
+    assert_eq!(
+        (
+            mapped.cluster,
+            mapped.out_splits,
+            mapped.clusters_per_window,
+            mapped.two_phase,
+            mapped.tensor_cores,
+            mapped.item_list_pass
+        ),
+        (Some(2), Some(1), Some(64), Some(false), Some(false), Some(false))
+    );
+    // Rows from the threshold to one block per multiprocessor per (row, target).
+    assert!(row_mapped_tuning(ROW_MAPPED_MIN_ROWS, 1, sms, true, t).is_some());
+    assert!(row_mapped_tuning(ROW_MAPPED_MIN_ROWS - 1, 1, sms, true, t).is_none());
+    assert!(row_mapped_tuning(sms / 2, 1, sms, true, t).is_some());
+    assert!(row_mapped_tuning(sms / 2 + 1, 1, sms, true, t).is_none());
+    assert!(
+        row_mapped_tuning(64, 2, sms, true, t).is_none(),
+        "two targets need two rounds"
+    );
+    assert!(row_mapped_tuning(64, 1, sms, false, t).is_none(), "clusters need sm_90");
+    // A knob the caller chose keeps its choice.
+    let forced = [
+        BgmvTuning { cluster: Some(8), ..t },
+        BgmvTuning {
+            out_splits: Some(2),
+            ..t
+        },
+        BgmvTuning {
+            clusters_per_window: Some(4),
+            ..t
+        },
+        BgmvTuning {
+            two_phase: Some(true),
+            ..t
+        },
+        BgmvTuning {
+            tensor_cores: Some(true),
+            ..t
+        },
+        BgmvTuning {
+            item_list_pass: Some(true),
+            ..t
+        },
+        BgmvTuning {
+            overlap_previous: Some(true),
+            ..t
+        },
+    ];
+    for f in forced {
+        assert!(row_mapped_tuning(64, 1, sms, true, f).is_none(), "{f:?}");
+    }
+    // The launch then takes one round over a table of any size; rank 64
+    // and 14336 outputs do not fit clusters of 2 (their default stays).
+    let pick = |out: usize, stride: usize, entries: usize| {
+        let rows = RowShape {
+            in_dim: 4096,
+            stride,
+            y_size: 2,
+            window: 64,
+            n_windows: 1,
+            tensor_cores: false,
+            list: false,
+        };
+        pick_one_target(rows, out, entries, mapped).map(|c| (c.cluster, c.cpw, c.rounds))
+    };
+    for entries in [1, 8, 64, 512] {
+        assert_eq!(pick(4096, 16, entries).unwrap(), (2, 64, 1), "{entries} entries");
+    }
+    assert!(pick(4096, 64, 64).is_err());
+    assert!(pick(14336, 16, 64).is_err());
 }
