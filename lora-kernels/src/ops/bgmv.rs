@@ -382,8 +382,8 @@ pub struct BgmvTuning {
     pub out_splits: Option<u32>,
     /// Clusters per row window (items are dealt round-robin to them). As
     /// many as the window's rows make the scalar clusters of 2 row-mapped:
-    /// each cluster serves its own row's item, requested before the window
-    /// is scanned. `None`: from the shape and device, row-mapped for
+    /// each cluster serves its own row alone, as soon as its entry is known,
+    /// and no window is scanned. `None`: from the shape and device, row-mapped for
     /// [`ROW_MAPPED_MIN_ROWS`] rows or more that fit one round when this
     /// knob, `cluster`, `out_splits`, `two_phase`, `tensor_cores` and
     /// `item_list_pass` are all unset and `overlap_previous` is off.
@@ -866,21 +866,22 @@ fn launch<Y: OutputElem>(
         smem_optin: c.smem_optin,
         smem_per_sm: c.smem_per_sm,
     };
-    // The row-mapped form where it is the default and its launch fits one round.
-    let tuning = row_mapped_tuning(n, n_targets, limits.sms, limits.hopper, tuning)
-        .filter(|mapped| {
-            let rows = RowShape {
-                in_dim: x.width,
-                stride,
-                y_size: std::mem::size_of::<Y>(),
-                window: n,
-                n_windows: 1,
-                tensor_cores: false,
-                list: false,
-            };
-            LaunchChoice::pick(limits, rows, targets, *mapped).is_ok_and(|choice| choice.rounds == 1)
-        })
-        .unwrap_or(tuning);
+    // The row-mapped form (one window of n rows, scalar, scanning) where it
+    // is the default and its launch fits one round; its choice then serves.
+    let mapped = row_mapped_tuning(n, n_targets, limits.sms, limits.hopper, tuning).and_then(|mapped| {
+        let rows = RowShape {
+            in_dim: x.width,
+            stride,
+            y_size: std::mem::size_of::<Y>(),
+            window: n,
+            n_windows: 1,
+            tensor_cores: false,
+            list: false,
+        };
+        let choice = LaunchChoice::pick(limits, rows, targets, mapped).ok()?;
+        (choice.rounds == 1).then_some((mapped, choice))
+    });
+    let tuning = mapped.map_or(tuning, |(mapped, _)| mapped);
     let many_rows = ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries);
     let list_wanted =
         tuning.item_list_pass.unwrap_or(many_rows) && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
@@ -897,7 +898,10 @@ fn launch<Y: OutputElem>(
         list,
     };
     // The fused launch's choice decides the default between the forms, and serves if it wins.
-    let fused = LaunchChoice::pick(limits, rows, targets, tuning);
+    let fused = match mapped {
+        Some((_, choice)) => Ok(choice),
+        None => LaunchChoice::pick(limits, rows, targets, tuning),
+    };
     let overlap = tuning.overlap_previous.unwrap_or(false);
     let fused_rounds = fused.as_ref().ok().map(|f| f.rounds);
     if tuning
