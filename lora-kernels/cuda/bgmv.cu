@@ -401,6 +401,28 @@ __device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin
     }
 }
 
+// Lane 0 of a warp: row `row` as an item of its own (the two-phase row
+// form), with its checked entry: an index past the table raises
+// FAULT_BAD_INDEX and a bad entry FAULT_BAD_RANK when `report`, and either
+// leaves the row without a delta (nrows 0 or rank 0), as the scan and
+// load_item do.
+__device__ __forceinline__ void load_row_item(const int* idx, int row, int n_entries, const PairEntry* table, int stride,
+                                              u64 fault, bool report, ItemRows* out) {
+    if ((threadIdx.x & 31) != 0) return;
+    const int e = checked_index(idx[row], n_entries, fault, report);
+    PairEntry en = {0ull, 0ull, 0.f, 0u};
+    if (e >= 0) {
+        en = table[e];
+        if (bad_entry(en, stride)) {
+            if (report) raise_fault(fault, FAULT_BAD_RANK);
+            en.rank = 0;
+        }
+    }
+    out->rows[0] = row;
+    out->nrows = e >= 0 ? 1 : 0;
+    out->entry = en;
+}
+
 // Lanes 0-15 of a warp: item `i` of a list bgmv_list wrote (64 bytes) into
 // *out, through L2 (.cg): nothing of a previous launch's list may come from L1.
 __device__ __forceinline__ void copy_list_item(const ItemRows* list, int i, ItemRows* out, int lane) {
@@ -1268,6 +1290,14 @@ extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 // with p.overlap the shrink is the previous kernel's (idx and the tables read
 // before its wait; x and the scratch after it).
 //
+// Row form (the _rows kernels, p.row_ks > 0 K slices, the default): every
+// row is an item of its own, so the shrink scans no window and writes no
+// descriptor, and the expand finds each row's entry from idx and the table
+// itself; neither depends on the shrink, so a block's first unit asks L2 for
+// its B rows and (not under the overlap) copies its y values in before
+// griddepcontrol.wait. Rows of one adapter each read its A and B (from L2
+// after the first).
+//
 // Scratch layout (the host sizes and checks it; `BGMV2_*` mirror bgmv.rs):
 //   [0, 256)                      Bgmv2Header per target
 //   [BGMV2_DESC_OFF, +desc)       ItemDesc [MAX_TARGETS][BGMV_WIN_MAX]
@@ -1298,9 +1328,12 @@ struct Bgmv2Params {
     int expand_cols;
     int pow2_slices;
     int overlap;  // the shrink is a programmatic dependent: idx and tables read before griddepcontrol.wait
+    int row_ks;   // > 0: each row its own item, in this many K slices (the _rows kernels)
+    int pad;      // keeps targets 8-byte aligned
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(Bgmv2Params) == 176 && sizeof(Bgmv2Params) - sizeof(LoraTarget) * MAX_TARGETS == 80, "mirrors bgmv.rs");
+static_assert(sizeof(Bgmv2Params) == 184 && sizeof(Bgmv2Params) - sizeof(LoraTarget) * MAX_TARGETS == 88, "mirrors bgmv.rs");
+
 
 struct Bgmv2Header {
     int n_items;
@@ -1449,7 +1482,8 @@ __device__ __forceinline__ void shrink_tc_group(float* d, const bf16_t* a_lo, co
 #define SHRINK_SCALAR 0
 #define SHRINK_TC 1
 
-template <int MODE>
+// ROWS: the row form (p.row_ks > 0), its own kernels.
+template <int MODE, bool ROWS>
 __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     __shared__ WindowScan<BGMV_THREADS> s_win;
     __shared__ float s_tc[MODE == SHRINK_TC ? BGMV_WARPS * 128 : 1];  // the tensor-core rounds' tiles
@@ -1463,15 +1497,21 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     const LoraTarget tg = p.targets[t];
     const int nwin = p.n_rows;
     const bool lead_block = blockIdx.x == 0;
-    const int idx_first = first_index((const int*)p.idx, 0, nwin);
+    // Row form: every row is an item of its own, so nothing is scanned and
+    // no descriptor written (the expand finds each row's entry itself).
+    const bool row_items = ROWS;
+    const int idx_first = row_items ? -1 : first_index((const int*)p.idx, 0, nwin);
     // The expand may get resident now (a dependent launch); it waits for this grid to complete.
     grid_launch_dependents();
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    const int n_items =
-        scan_window<BGMV_THREADS>((const int*)p.idx, 0, nwin, tg.n_entries, p.fault, lead_block, &s_win, idx_first, false);
-    // Enough K slices that the units fill the grid once (the same in every block).
+    const int n_items = row_items ? nwin
+                                  : scan_window<BGMV_THREADS>((const int*)p.idx, 0, nwin, tg.n_entries, p.fault,
+                                                              lead_block, &s_win, idx_first, false);
+    // Enough K slices that the units fill the grid once (the same in every
+    // block; the row form's count, the same rule, comes from the host).
     int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
     if (p.pow2_slices) ks_n = 1 << (31 - __clz(ks_n));  // whole 256-column passes when in is a multiple of 4096
+    if (row_items) ks_n = p.row_ks;
     // Overlap: the previous kernel (a previous apply's expand, say) may still
     // read the scratch and write x: both only after this wait, which every
     // block passes once (the lead block before its header).
@@ -1499,8 +1539,14 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
         const int it = u / ks_n;
         const int ks = u - it * ks_n;
         __syncthreads();  // the previous unit no longer reads s_item / sT
-        // Every item has one K slice 0: its unit reports a bad entry.
-        if (warp == 0) load_item(s_win.idx, s_win.items[it], nwin, 0, table, p.rank_stride, p.fault, ks == 0, &s_item);
+        // Every item has one K slice 0: its unit reports a bad entry (and,
+        // in the row form, a bad index).
+        if (warp == 0) {
+            if (row_items)
+                load_row_item((const int*)p.idx, it, tg.n_entries, table, p.rank_stride, p.fault, ks == 0, &s_item);
+            else
+                load_item(s_win.idx, s_win.items[it], nwin, 0, table, p.rank_stride, p.fault, ks == 0, &s_item);
+        }
         __syncthreads();
         const PairEntry en = s_item.entry;
         const int rank = (int)en.rank;
@@ -1509,7 +1555,7 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
         split8(in, ks_n, ks, k0, k1);
         const bf16_t* A = (const bf16_t*)en.a;
         if (!waited) wait_previous_then_header();
-        if (ks == 0 && tid < BGMV_G) {
+        if (!row_items && ks == 0 && tid < BGMV_G) {
             ItemDesc* d = bgmv2_desc(p, t, it);
             d->rows[tid] = tid < s_item.nrows ? s_item.rows[tid] : 0;
             if (tid == 0) {
@@ -1641,15 +1687,23 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
 // A loads in flight and twice the K slices of three (n = 64, rank 64: 35.4
 // against 39.6 µs on the H200).
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink(const Bgmv2Params p) {
-    bgmv2_shrink_body<SHRINK_SCALAR>(p);
+    bgmv2_shrink_body<SHRINK_SCALAR, false>(p);
 }
 // `BgmvTuning::shrink_tensor_cores`.
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_tc(const Bgmv2Params p) {
-    bgmv2_shrink_body<SHRINK_TC>(p);
+    bgmv2_shrink_body<SHRINK_TC, false>(p);
+}
+// The row form of each (`BgmvTuning::two_phase_row_items`).
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_rows(const Bgmv2Params p) {
+    bgmv2_shrink_body<SHRINK_SCALAR, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_tc_rows(const Bgmv2Params p) {
+    bgmv2_shrink_body<SHRINK_TC, true>(p);
 }
 
 // Dynamic shared memory of the expand: sAcc [G][cols] f32, sY [G][cols] Y, sT [G][rpad] f32.
-template <typename Y>
+// ROWS: the row form (p.row_ks > 0), its own kernels.
+template <typename Y, bool ROWS>
 __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     extern __shared__ __align__(16) unsigned char dyn[];
     const int tid = threadIdx.x;
@@ -1666,35 +1720,95 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     // Overlap: the next apply may get resident now; it waits for this grid.
     if (p.overlap) grid_launch_dependents();
     // Under a dependent launch this block may start before the shrink ends:
-    // wait for it (and its writes) before reading the scratch. A no-op otherwise.
-    grid_dependency_wait();
-    const Bgmv2Header h = *bgmv2_header(p, t);
+    // wait for it (and its writes) before reading the scratch (the row form
+    // further down). A no-op otherwise.
+    Bgmv2Header h;
+    if constexpr (!ROWS) {
+        grid_dependency_wait();
+        h = *bgmv2_header(p, t);
+    }
     const int chunks = (tg.out_dim + cols - 1) / cols;
-    const int units = h.n_items * chunks;
     Y* Yp = (Y*)p.y;
     const int ys = p.y_stride;
     const int coff = tg.y_col_off;
-
+    // Row form: unit u is row u / chunks, whose entry this kernel reads from
+    // idx and the table (the shrink raised their faults): neither depends on
+    // the shrink, so a block's first unit asks L2 for its B rows, and (not
+    // under the overlap, where the kernel before the shrink may still write
+    // y) copies its y values in, before the wait below.
+    const bool row_items = ROWS;
+    auto row_entry = [&](int row) {
+        PairEntry en = {0ull, 0ull, 0.f, 0u};
+        const int e = ((const int*)p.idx)[row];
+        if (e >= 0 && e < tg.n_entries) {
+            en = ((const PairEntry*)tg.table)[e];
+            if (bad_entry(en, stride)) en.rank = 0;
+        }
+        return en;
+    };
+    auto vec_y_of = [&](int o0, int lc) {
+        return ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) && aligned16(Yp) &&
+               (lc % 8 == 0);
+    };
+    bool y_early = false;  // the first unit's y already requested
+    if (row_items && (int)blockIdx.x < p.n_rows * chunks) {
+        const int row = (int)blockIdx.x / chunks;
+        const int o0 = ((int)blockIdx.x - row * chunks) * cols;
+        const int lc = min(cols, tg.out_dim - o0);
+        const PairEntry en = row_entry(row);
+        if (en.rank > 0) {
+            if (tid == 32) prefetch_l2((const bf16_t*)en.b + (u64)o0 * stride, (u64)lc * stride * 2);
+            if (!p.overlap && vec_y_of(o0, lc)) {
+                const unsigned char* src = (const unsigned char*)(Yp + (u64)row * ys + coff + o0);
+#pragma unroll 1
+                for (int c = tid; c < lc * (int)sizeof(Y) / 16; c += BGMV_THREADS)
+                    cp_async16((unsigned char*)sY + c * 16, src + c * 16);
+                cp_async_commit();
+                y_early = true;
+            }
+        }
+    }
+    if constexpr (ROWS) {
+        grid_dependency_wait();
+        h.n_items = p.n_rows;
+        h.k_splits = p.row_ks;
+    }
+    const int units = h.n_items * chunks;
 #pragma unroll 1
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         const int it = u / chunks;
         const int o0 = (u - it * chunks) * cols;
         const int lc = min(cols, tg.out_dim - o0);
-        const ItemDesc* dp = bgmv2_desc(p, t, it);
-        const int rank = dp->rank;
-        const int nr = dp->nrows;
-        if (rank == 0 || nr == 0) continue;  // uniform over the block
-        const bf16_t* B = (const bf16_t*)dp->b;
-        const float scale = dp->scale;
+        int rank, nr;
+        const bf16_t* B;
+        float scale;
         int rows[BGMV_G];
+        if constexpr (ROWS) {
+            const PairEntry en = row_entry(it);
+            rank = (int)en.rank;
+            nr = 1;
+            if (rank == 0) continue;  // uniform over the block
+            B = (const bf16_t*)en.b;
+            scale = en.scale;
 #pragma unroll
-        for (int g = 0; g < BGMV_G; ++g) rows[g] = dp->rows[g];
+            for (int g = 0; g < BGMV_G; ++g) rows[g] = it;
+        } else {
+            const ItemDesc* dp = bgmv2_desc(p, t, it);
+            rank = dp->rank;
+            nr = dp->nrows;
+            if (rank == 0 || nr == 0) continue;  // uniform over the block
+            B = (const bf16_t*)dp->b;
+            scale = dp->scale;
+#pragma unroll
+            for (int g = 0; g < BGMV_G; ++g) rows[g] = dp->rows[g];
+        }
         __syncthreads();  // the previous unit no longer reads shared memory
 
-        // y of this unit's rows: 16-byte copies into sY, waited for after the B pass.
+        // y of this unit's rows, unless requested before the wait.
         const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) &&
                            aligned16(Yp) && (lc % 8 == 0);
-        if (vec_y) {
+        const bool y_requested = ROWS && y_early && u == (int)blockIdx.x;
+        if (vec_y && !y_requested) {
             const int per_row = lc * (int)sizeof(Y) / 16;
 #pragma unroll 1
             for (int v = tid; v < nr * per_row; v += BGMV_THREADS) {
@@ -1709,14 +1823,28 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         }
         cp_async_commit();
         // This unit's B rows are read after the partials are summed: ask L2
-        // for them now (one contiguous span); and the next unit's.
-        if (tid == 32) prefetch_l2(B + (u64)o0 * stride, (u64)lc * stride * 2);
+        // for them now (one contiguous span; the row form's first unit did
+        // before the wait); and the next unit's.
+        if (tid == 32 && !(ROWS && u == (int)blockIdx.x)) prefetch_l2(B + (u64)o0 * stride, (u64)lc * stride * 2);
         if (tid == 0 && u + (int)gridDim.x < units) {
             const int nit = (u + (int)gridDim.x) / chunks;
             const int no0 = (u + (int)gridDim.x - nit * chunks) * cols;
-            const ItemDesc* nd = bgmv2_desc(p, t, nit);
-            if (nd->rank > 0)
-                prefetch_l2((const bf16_t*)nd->b + (u64)no0 * stride, (u64)min(cols, tg.out_dim - no0) * stride * 2);
+            if constexpr (ROWS) {
+                // B and the rank of the next row's entry only (the whole entry costs registers).
+                const int e = ((const int*)p.idx)[nit];
+                if (e >= 0 && e < tg.n_entries) {
+                    const PairEntry* pe = (const PairEntry*)tg.table + e;
+                    const u32 r = pe->rank;
+                    const u64 b = pe->b;
+                    if (r > 0 && r <= (u32)stride && b != 0)
+                        prefetch_l2((const bf16_t*)b + (u64)no0 * stride, (u64)min(cols, tg.out_dim - no0) * stride * 2);
+                }
+            } else {
+                const ItemDesc* nd = bgmv2_desc(p, t, nit);
+                if (nd->rank > 0)
+                    prefetch_l2((const bf16_t*)nd->b + (u64)no0 * stride,
+                                (u64)min(cols, tg.out_dim - no0) * stride * 2);
+            }
         }
 
         // t = scale * (sum of the K-slice partials), zero from rank to the next multiple of 8.
@@ -1851,8 +1979,15 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_bf16(const Bgmv2Params p) {
-    bgmv2_expand_body<bf16_t>(p);
+    bgmv2_expand_body<bf16_t, false>(p);
 }
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_f32(const Bgmv2Params p) {
-    bgmv2_expand_body<float>(p);
+    bgmv2_expand_body<float, false>(p);
 }
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_bf16(const Bgmv2Params p) {
+    bgmv2_expand_body<bf16_t, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_f32(const Bgmv2Params p) {
+    bgmv2_expand_body<float, true>(p);
+}
+

@@ -212,6 +212,7 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         if n <= 512 {
             tunings.extend([TWO_PHASE, TWO_PHASE_DEPENDENT, TWO_PHASE_POW2]);
             tunings.extend([TWO_PHASE_TC, TWO_PHASE_TC_POW2_DEPENDENT]);
+            tunings.extend([TWO_PHASE_ROWS, TWO_PHASE_ROWS_PLAIN, TWO_PHASE_ROWS_TC]);
         }
         // The cluster sum both ways, whatever the stride's default (the
         // push's receive buffers of rank stride 256 do not fit: refused below).
@@ -271,6 +272,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     expand_cols: None,
     dependent_launch: None,
     shrink_tensor_cores: None,
+    two_phase_row_items: None,
     pow2_slices: None,
     tensor_cores: None,
     item_list_pass: None,
@@ -335,10 +337,12 @@ const FUSED_FORMS: [BgmvTuning; 6] = [
     FUSED_TC_LIST_FLAG,
 ];
 
-/// The two-phase kernels (shrink, then expand), whatever the batch, with
-/// as many K slices as fill the grid, the expand a plain launch.
+/// The two-phase kernels (shrink, then expand), whatever the batch, in the
+/// scanning form (items of up to 8 rows of one entry, listed by the shrink),
+/// with as many K slices as fill the grid, the expand a plain launch.
 const TWO_PHASE: BgmvTuning = BgmvTuning {
     two_phase: Some(true),
+    two_phase_row_items: Some(false),
     pow2_slices: Some(false),
     dependent_launch: Some(false),
     ..FUSED
@@ -366,6 +370,23 @@ const TWO_PHASE_TC_POW2_DEPENDENT: BgmvTuning = BgmvTuning {
     shrink_tensor_cores: Some(true),
     pow2_slices: Some(true),
     ..TWO_PHASE_DEPENDENT
+};
+
+/// The two-phase kernels with every row its own item, the expand a
+/// dependent launch (its first unit's entry, B and y requested before it
+/// waits); the same as plain launches, and with the shrink on tensor cores.
+const TWO_PHASE_ROWS: BgmvTuning = BgmvTuning {
+    two_phase_row_items: Some(true),
+    pow2_slices: Some(true),
+    ..TWO_PHASE_DEPENDENT
+};
+const TWO_PHASE_ROWS_PLAIN: BgmvTuning = BgmvTuning {
+    two_phase_row_items: Some(true),
+    ..TWO_PHASE
+};
+const TWO_PHASE_ROWS_TC: BgmvTuning = BgmvTuning {
+    shrink_tensor_cores: Some(true),
+    ..TWO_PHASE_ROWS
 };
 
 /// Applies chained in one stream, each reading as x what the one before
@@ -522,6 +543,7 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
     };
     let scan = with_overlap(FUSED_SCALAR_SCAN);
     let two_phase_tc = with_overlap(TWO_PHASE_TC_POW2_DEPENDENT);
+    let two_phase_rows = with_overlap(TWO_PHASE_ROWS);
     // (n, width, stride, slots): one window and several (n > 512 for the list).
     let shapes = [
         (200, 1024, 16, 7),
@@ -543,6 +565,9 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
                 scan,
                 two_phase_tc,
                 two_phase_tc,
+                two_phase_rows,
+                two_phase,
+                two_phase_rows,
                 list,
             ]
         } else {
@@ -552,6 +577,9 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
         let own: Vec<BgmvTuning> = vec![[list, two_phase, two_phase_tc, list_flag][i]; 5];
         check_overlap_chain(&gpu, &mut rng, shape, &chain);
         check_overlap_chain(&gpu, &mut rng, shape, &own);
+        if n <= 512 {
+            check_overlap_chain(&gpu, &mut rng, shape, &[two_phase_rows; 5]);
+        }
     }
 }
 
@@ -573,7 +601,7 @@ fn gpu_decode_applies_are_bit_reproducible() {
         let p = Problem::new(&mut rng, n, in_dim, &[1024], stride, &ranks, true);
         let idx: Vec<i32> = (0..n).map(|i| (i % slots) as i32).collect();
         let cpu = run_bgmv_on(&Device::cpu(), &p, &idx, &p.y_f32, BgmvTuning::default());
-        for t in [TWO_PHASE, TWO_PHASE_TC, FUSED_ROW_MAPPED]
+        for t in [TWO_PHASE, TWO_PHASE_TC, TWO_PHASE_ROWS, FUSED_ROW_MAPPED]
             .into_iter()
             .chain(FUSED_FORMS)
         {
@@ -599,7 +627,7 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, TWO_PHASE_TC]) {
+    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, TWO_PHASE_TC, TWO_PHASE_ROWS]) {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
     }
 }
@@ -839,7 +867,10 @@ fn gpu_bgmv_f32_router_logits() {
     let idx = random_idx(&mut rng, 40, 32, 9);
     let cpu = Device::cpu();
     let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, FUSED_ROW_MAPPED]) {
+    for t in FUSED_FORMS
+        .into_iter()
+        .chain([TWO_PHASE, TWO_PHASE_ROWS, FUSED_ROW_MAPPED])
+    {
         let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
         compare(&format!("f32 y {t:?}"), &p.y_f32, &c, &g);
         let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
@@ -860,7 +891,10 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
     let mut y = gpu.upload(&p.y_bf16).unwrap();
     let targets = on.targets(&p);
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, FUSED_ROW_MAPPED]) {
+    for t in FUSED_FORMS
+        .into_iter()
+        .chain([TWO_PHASE, TWO_PHASE_ROWS, FUSED_ROW_MAPPED])
+    {
         bgmv_tuned(
             &gpu,
             on.x_rows(&p),
@@ -903,7 +937,10 @@ fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
     let idx = gpu.upload(&[0i32, 1, 1, -1]).unwrap();
     let cpu = Device::cpu();
     let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1], &p.y_bf16, BgmvTuning::default());
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, FUSED_ROW_MAPPED]) {
+    for t in FUSED_FORMS
+        .into_iter()
+        .chain([TWO_PHASE, TWO_PHASE_ROWS, FUSED_ROW_MAPPED])
+    {
         let mut y = gpu.upload(&p.y_bf16).unwrap();
         bgmv_tuned(
             &gpu,
@@ -1087,11 +1124,11 @@ fn gpu_graph_replay_follows_table_contents() {
         return;
     };
     let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
-    for t in [BgmvTuning::default()]
-        .into_iter()
-        .chain(FUSED_FORMS)
-        .chain([TWO_PHASE_DEPENDENT, FUSED_ROW_MAPPED])
-    {
+    for t in [BgmvTuning::default()].into_iter().chain(FUSED_FORMS).chain([
+        TWO_PHASE_DEPENDENT,
+        TWO_PHASE_ROWS,
+        FUSED_ROW_MAPPED,
+    ]) {
         graph_replay_case(&gpu, &mut rng, t);
     }
 }

@@ -603,6 +603,21 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ),
             ];
             variants.extend(forms.into_iter().map(|(label, t)| (label.to_string(), t)));
+            // The scanning form (items of up to 8 rows listed by the shrink)
+            // against the row form (the default: every row its own item),
+            // plain and under the overlap.
+            let scan = BgmvTuning {
+                two_phase_row_items: Some(false),
+                ..two_phase
+            };
+            let overlap_scan = BgmvTuning {
+                overlap_previous: Some(true),
+                ..scan
+            };
+            variants.extend([
+                ("2p scan".to_string(), scan),
+                ("overlap 2p scan".to_string(), overlap_scan),
+            ]);
         }
         ctx.opts.filter_variants(&mut variants);
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; entries]);

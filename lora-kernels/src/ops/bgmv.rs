@@ -417,6 +417,18 @@ pub struct BgmvTuning {
     /// the same either way; n = 256 of 32 adapters, forced to two launches:
     /// 24.1 against 27.6 µs in a graph on the H200).
     pub shrink_tensor_cores: Option<bool>,
+    /// Two launches, every row an item of its own (the row form): the
+    /// shrink scans no window and writes no item descriptors, and the expand
+    /// reads each row's entry from the indices and tables, so a block's first
+    /// B rows (and, unless under `overlap_previous`, y values) are requested
+    /// before it waits for the shrink. Rows of one adapter each read its A
+    /// and B (from L2 after the first). Off: the scanning form, whose shrink
+    /// lists items of up to 8 rows of one entry for the expand. `None`: on
+    /// (H200, in a graph, row form against scanning form: n = 64, rank 64
+    /// 26.1 against 26.8 µs, 14336 outputs 22.5 against 23.1; under the
+    /// overlap 24.3 against 25.0 and 21.3 against 21.2; n = 128 of 16
+    /// adapters forced to two launches, under the overlap, 15.0 against 22.3).
+    pub two_phase_row_items: Option<bool>,
     /// Fused kernel: shrink and expand on tensor cores (items of several
     /// rows cost one matrix instruction per 8 columns instead of a warp
     /// reduction per row). `None`: on for batches of at least
@@ -696,9 +708,14 @@ struct Bgmv2Params {
     pow2_slices: i32,
     /// 1: the shrink is a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
     overlap: i32,
+    /// Above zero: every row its own item, in this many K slices (the
+    /// `_rows` kernels, `BgmvTuning::two_phase_row_items`).
+    row_ks: i32,
+    /// Keeps `targets` 8-byte aligned.
+    pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<Bgmv2Params>() == 176 && std::mem::offset_of!(Bgmv2Params, targets) == 80);
+const _: () = assert!(size_of::<Bgmv2Params>() == 184 && std::mem::offset_of!(Bgmv2Params, targets) == 88);
 
 /// Resident blocks per multiprocessor of the two-phase kernels (`__launch_bounds__` in `cuda/bgmv.cu`).
 const SHRINK_BLOCKS_PER_SM: usize = 4;
@@ -925,6 +942,7 @@ fn launch<Y: OutputElem>(
                     dependent: tuning.dependent_launch.unwrap_or(true),
                     pow2_slices: tuning.pow2_slices.unwrap_or(true),
                     overlap,
+                    row_items: tuning.two_phase_row_items.unwrap_or(true),
                 };
                 return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, forms);
             }
@@ -1047,6 +1065,53 @@ struct TwoPhaseForms {
     pow2_slices: bool,
     /// The shrink a programmatic dependent of the stream's previous kernel.
     overlap: bool,
+    /// Every row its own item (no window scan, no descriptors): the `_rows` kernels.
+    row_items: bool,
+}
+
+/// K slices of the two-phase shrink: enough that its units fill the grid
+/// once, at most `ks_max`, rounded down to a power of two under
+/// `pow2_slices` (the kernel's own rule for the scanning form, whose item
+/// count it knows only there; the row form's count is the rows).
+fn two_phase_slices(grid: usize, items: usize, ks_max: usize, pow2_slices: bool) -> usize {
+    let ks = (grid / items.max(1)).clamp(1, ks_max.max(1));
+    if pow2_slices { 1 << ks.ilog2() } else { ks }
+}
+
+/// The two-phase kernels' parameters: `row_ks` > 0 for the row form.
+#[allow(clippy::too_many_arguments)]
+fn two_phase_params<Y: OutputElem>(
+    c: &CudaBackend,
+    x: &Rows<'_, bf16>,
+    idx: &DeviceBuffer<i32>,
+    (target_params, n_targets): (&[TargetParams; MAX_TARGETS], usize),
+    stride: usize,
+    y: &RowsMut<'_, Y>,
+    plan: TwoPhasePlan,
+    forms: TwoPhaseForms,
+    scratch: u64,
+    row_ks: usize,
+) -> Result<Bgmv2Params, KernelError> {
+    Ok(Bgmv2Params {
+        x: x.addr(),
+        y: y.addr(),
+        idx: idx.device_addr(),
+        fault: c.fault_addr(),
+        scratch,
+        n_rows: to_i32("x.n_rows", x.n_rows)?,
+        in_dim: to_i32("x.width", x.width)?,
+        x_stride: to_i32("x.stride", x.stride)?,
+        y_stride: to_i32("y.stride", y.stride)?,
+        rank_stride: to_i32("rank_stride", stride)?,
+        n_targets: to_i32("targets", n_targets)?,
+        ks_max: to_i32("k_splits", plan.ks_max)?,
+        expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
+        pow2_slices: i32::from(forms.pow2_slices),
+        overlap: i32::from(forms.overlap),
+        row_ks: to_i32("k_splits", row_ks)?,
+        pad: 0,
+        targets: *target_params,
+    })
 }
 
 /// The two-phase decode: `bgmv2_shrink` then `bgmv2_expand_*`, through the
@@ -1070,29 +1135,30 @@ fn launch_two_phase<Y: OutputElem>(
     // Every block resident at once; more units than blocks are walked in turn.
     let shrink_blocks = (n * plan.ks_max).min(sms * SHRINK_BLOCKS_PER_SM).max(1);
     let expand_blocks = (n * max_out.div_ceil(plan.cols)).min(sms * EXPAND_BLOCKS_PER_SM).max(1);
-    let expand = match Y::NAME {
-        "bf16" => "bgmv2_expand_bf16",
-        _ => "bgmv2_expand_f32",
+    let expand = match (Y::NAME, forms.row_items) {
+        ("bf16", false) => "bgmv2_expand_bf16",
+        ("bf16", true) => "bgmv2_expand_rows_bf16",
+        (_, false) => "bgmv2_expand_f32",
+        (_, true) => "bgmv2_expand_rows_f32",
     };
     c.with_scratch(|scratch| {
-        let params = Bgmv2Params {
-            x: x.addr(),
-            y: y.addr(),
-            idx: idx.device_addr(),
-            fault: c.fault_addr(),
-            scratch,
-            n_rows: to_i32("x.n_rows", n)?,
-            in_dim: to_i32("x.width", x.width)?,
-            x_stride: to_i32("x.stride", x.stride)?,
-            y_stride: to_i32("y.stride", y.stride)?,
-            rank_stride: to_i32("rank_stride", stride)?,
-            n_targets: to_i32("targets", n_targets)?,
-            ks_max: to_i32("k_splits", plan.ks_max)?,
-            expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
-            pow2_slices: i32::from(forms.pow2_slices),
-            overlap: i32::from(forms.overlap),
-            targets: *target_params,
+        let row_ks = if forms.row_items {
+            two_phase_slices(shrink_blocks, n, plan.ks_max, forms.pow2_slices)
+        } else {
+            0
         };
+        let params = two_phase_params(
+            c,
+            x,
+            idx,
+            (target_params, n_targets),
+            stride,
+            y,
+            plan,
+            forms,
+            scratch,
+            row_ks,
+        )?;
         // SAFETY: `Bgmv2Params` mirrors the kernels' struct (sizes asserted on both
         // sides). The host checked x, y, idx and the targets as for the fused
         // kernel; `plan` keeps every descriptor and partial the kernels address
@@ -1101,15 +1167,20 @@ fn launch_two_phase<Y: OutputElem>(
         // index and each entry's rank before reading A and B through table addresses.
         // As a dependent launch (`overlap`) the shrink reads x and touches the
         // scratch only after its wait; idx and the tables before it, which the
-        // caller promised the previous kernel does not write.
+        // caller promised the previous kernel does not write. The row form's
+        // expand checks each row's index and entry itself and reads idx, the
+        // tables and B before its wait (the shrink writes none of them), and y
+        // only when the shrink is a plain launch (every earlier kernel then
+        // completed before the shrink, and so before the expand, started).
         unsafe {
             c.launch_chained(
                 Kernel {
                     family: Family::Bgmv,
-                    name: if forms.shrink_tensor_cores {
-                        "bgmv2_shrink_tc"
-                    } else {
-                        "bgmv2_shrink"
+                    name: match (forms.shrink_tensor_cores, forms.row_items) {
+                        (false, false) => "bgmv2_shrink",
+                        (true, false) => "bgmv2_shrink_tc",
+                        (false, true) => "bgmv2_shrink_rows",
+                        (true, true) => "bgmv2_shrink_tc_rows",
                     },
                 },
                 Launch {

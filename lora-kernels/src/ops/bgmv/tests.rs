@@ -560,6 +560,30 @@ fn two_phase_serves_single_windows_only() {
     assert_eq!(p.cols, 1024);
 }
 
+proptest! {
+    /// The row form's K slices (computed here, passed to both kernels) stay
+    /// inside the partials the scratch holds (`ks_max`), fill the shrink's
+    /// grid at most once, and are the kernel's own rule (a power of two under
+    /// `pow2_slices`).
+    #[test]
+    fn two_phase_row_slices_fit_the_scratch_and_the_grid(
+        n in 1usize..=512,
+        ks_max in 1usize..=TWO_PHASE_MAX_SPLITS,
+        grid in 1usize..=2048,
+        pow2 in any::<bool>(),
+    ) {
+        let ks = two_phase_slices(grid, n, ks_max, pow2);
+        prop_assert!((1..=ks_max).contains(&ks));
+        prop_assert!(n * ks <= grid || ks == 1);
+        if pow2 {
+            prop_assert!(ks.is_power_of_two());
+            prop_assert!(2 * ks > (grid / n).clamp(1, ks_max));
+        } else {
+            prop_assert_eq!(ks, (grid / n).clamp(1, ks_max));
+        }
+    }
+}
+
 #[test]
 fn two_launches_by_default_where_they_measured_faster() {
     // Tables of 64 entries: items of one row are possible up to 128 rows.
