@@ -1701,7 +1701,8 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_tc_ro
     bgmv2_shrink_body<SHRINK_TC, true>(p);
 }
 
-// Dynamic shared memory of the expand: sAcc [G][cols] f32, sY [G][cols] Y, sT [G][rpad] f32.
+// Dynamic shared memory of the expand: sAcc [GR][cols] f32, sY [GR][cols] Y,
+// sT [GR][rpad] f32, for items of up to GR rows (G; the row form's 1).
 // ROWS: the row form (p.row_ks > 0), its own kernels.
 template <typename Y, bool ROWS>
 __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
@@ -1714,9 +1715,10 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     const int cols = p.expand_cols;
     const int stride = p.rank_stride;
     const int rpad = (stride + 7) & ~7;
+    constexpr int GR = ROWS ? 1 : BGMV_G;
     float* sAcc = (float*)dyn;
-    Y* sY = (Y*)(dyn + BGMV_G * cols * 4);
-    float* sT = (float*)(dyn + BGMV_G * cols * (4 + (int)sizeof(Y)));
+    Y* sY = (Y*)(dyn + GR * cols * 4);
+    float* sT = (float*)(dyn + GR * cols * (4 + (int)sizeof(Y)));
     // Overlap: the next apply may get resident now; it waits for this grid.
     if (p.overlap) grid_launch_dependents();
     // Under a dependent launch this block may start before the shrink ends:

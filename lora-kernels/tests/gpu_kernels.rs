@@ -197,6 +197,8 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         (256, 4096, &[1024, 256, 256], 16, 32),
         (700, 512, &[96], 32, 5),
         (33, 96, &[4097], 8, 3),
+        // Wide outputs: the row form's expand units past 1024 outputs.
+        (64, 520, &[14336], 16, 64),
         (5, 7, &[9], 3, 2),
         // The largest rank stride: 32 lanes share each B row in the two-phase expand.
         (40, 1000, &[300], 256, 3),
@@ -839,6 +841,17 @@ fn gpu_bgmv_row_patterns_and_paths() {
                 ..TWO_PHASE
             },
             TWO_PHASE_TC_POW2_DEPENDENT,
+            // The row form: units of one row, of its default width, of an
+            // odd width past the scanning form's most, and of its most.
+            TWO_PHASE_ROWS,
+            BgmvTuning {
+                expand_cols: Some(1500),
+                ..TWO_PHASE_ROWS
+            },
+            BgmvTuning {
+                expand_cols: Some(4096),
+                ..TWO_PHASE_ROWS_PLAIN
+            },
         ];
         for (label, idx) in &patterns {
             for t in tunings {

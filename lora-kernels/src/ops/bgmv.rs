@@ -397,8 +397,12 @@ pub struct BgmvTuning {
     /// stride 16 or less and at most 8192 outputs; never for the row-mapped
     /// batches (`clusters_per_window`).
     pub two_phase: Option<bool>,
-    /// Two-phase expand: outputs per unit of work (8..=1024, rounded up to a
-    /// multiple of 8). `None`: 512, or 1024 for outputs wider than 8192.
+    /// Two-phase expand: outputs per unit of work (8..=1024, or 8..=4096 in
+    /// the row form; rounded up to a multiple of 8). `None`: the row form
+    /// cuts each row's outputs into equal chunks, as many as give every row
+    /// the same share of the expand's resident blocks (256..=4096 outputs;
+    /// H200, n = 64: 14336 outputs in 8 chunks of 1792); the scanning form
+    /// takes 512, or 1024 for outputs wider than 8192.
     pub expand_cols: Option<u32>,
     /// Two-phase shrink: round the K slice count down to a power of two, so
     /// every slice is whole 256-column warp passes when `in` is a multiple of
@@ -634,6 +638,11 @@ const TWO_PHASE_MIN_SLICE: usize = 256;
 const TWO_PHASE_COLS: usize = 512;
 /// Outputs wider than this use expand units of `2 * TWO_PHASE_COLS` (31.5 against 33-34.5 µs at 14336).
 const TWO_PHASE_WIDE_OUT: usize = 8192;
+/// The row form's expand units: one row's outputs in as many equal chunks
+/// as give every row the same share of the expand's resident blocks (one
+/// round, no block with a second unit), of this many outputs at most (and
+/// at least the smaller bound, so a unit's B rows stay one long stream).
+const TWO_PHASE_ROW_COLS: std::ops::RangeInclusive<usize> = 256..=4096;
 
 /// The shape of a two-phase launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -642,6 +651,8 @@ struct TwoPhasePlan {
     ks_max: usize,
     /// Outputs per expand unit, a multiple of 8.
     cols: usize,
+    /// Rows per expand unit: 1 in the row form, else up to [`ITEM_ROWS`].
+    unit_rows: usize,
     /// Bytes of the scratch the launch uses.
     scratch_bytes: usize,
     /// Dynamic shared memory of the expand, for y elements of `y_size` bytes.
@@ -649,7 +660,9 @@ struct TwoPhasePlan {
 }
 
 impl TwoPhasePlan {
-    /// `None` when the batch spans several windows or its partials do not fit `scratch`.
+    /// `None` when the batch spans several windows or its partials do not fit
+    /// `scratch`. `row_form`: the expand's resident blocks per target, for
+    /// the row form (items of one row), or `None` (the scanning form).
     #[allow(clippy::too_many_arguments)]
     fn new(
         n: usize,
@@ -660,6 +673,7 @@ impl TwoPhasePlan {
         y_size: usize,
         cols: Option<u32>,
         scratch: usize,
+        row_form: Option<usize>,
     ) -> Option<TwoPhasePlan> {
         if n == 0 || n > WINDOW_MAX || n_targets == 0 {
             return None;
@@ -673,17 +687,23 @@ impl TwoPhasePlan {
         if ks_max == 0 {
             return None;
         }
-        let default_cols = if max_out > TWO_PHASE_WIDE_OUT {
-            2 * TWO_PHASE_COLS
-        } else {
-            TWO_PHASE_COLS
+        let (default_cols, max_cols, unit_rows) = match row_form {
+            Some(slots) => {
+                let chunks = (slots / n).max(1);
+                let cols = max_out.div_ceil(chunks).div_ceil(8) * 8;
+                let cols = cols.clamp(*TWO_PHASE_ROW_COLS.start(), *TWO_PHASE_ROW_COLS.end());
+                (cols, *TWO_PHASE_ROW_COLS.end(), 1)
+            }
+            None if max_out > TWO_PHASE_WIDE_OUT => (2 * TWO_PHASE_COLS, 1024, ITEM_ROWS),
+            None => (TWO_PHASE_COLS, 1024, ITEM_ROWS),
         };
-        let cols = cols.map_or(default_cols, |c| (c as usize).clamp(8, 1024).div_ceil(8) * 8);
+        let cols = cols.map_or(default_cols, |c| (c as usize).clamp(8, max_cols).div_ceil(8) * 8);
         Some(TwoPhasePlan {
             ks_max,
             cols,
+            unit_rows,
             scratch_bytes: TWO_PHASE_PART_OFF + ks_max * per_split,
-            expand_smem: ITEM_ROWS * cols * (4 + y_size) + ITEM_ROWS * rpad * 4,
+            expand_smem: unit_rows * (cols * (4 + y_size) + rpad * 4),
         })
     }
 }
@@ -925,6 +945,13 @@ fn launch<Y: OutputElem>(
         .two_phase
         .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, overlap, max_entries, fused_rounds))
     {
+        let forms = TwoPhaseForms {
+            shrink_tensor_cores: tuning.shrink_tensor_cores.unwrap_or(false),
+            dependent: tuning.dependent_launch.unwrap_or(true),
+            pow2_slices: tuning.pow2_slices.unwrap_or(true),
+            overlap,
+            row_items: tuning.two_phase_row_items.unwrap_or(true),
+        };
         let plan = TwoPhasePlan::new(
             n,
             x.width,
@@ -934,16 +961,10 @@ fn launch<Y: OutputElem>(
             std::mem::size_of::<Y>(),
             tuning.expand_cols,
             SCRATCH_BYTES,
+            forms.row_items.then_some(limits.sms * EXPAND_BLOCKS_PER_SM),
         );
         match plan {
             Some(plan) if plan.expand_smem <= c.smem_optin => {
-                let forms = TwoPhaseForms {
-                    shrink_tensor_cores: tuning.shrink_tensor_cores.unwrap_or(false),
-                    dependent: tuning.dependent_launch.unwrap_or(true),
-                    pow2_slices: tuning.pow2_slices.unwrap_or(true),
-                    overlap,
-                    row_items: tuning.two_phase_row_items.unwrap_or(true),
-                };
                 return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, forms);
             }
             _ if tuning.two_phase == Some(true) => {

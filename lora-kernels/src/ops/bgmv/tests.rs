@@ -535,7 +535,7 @@ proptest! {
         y_size in prop_oneof![Just(2usize), Just(4usize)],
         cols in proptest::option::of(0u32..10_000),
     ) {
-        let p = TwoPhasePlan::new(n, in_dim, stride, targets, 4096, y_size, cols, SCRATCH_BYTES).unwrap();
+        let p = TwoPhasePlan::new(n, in_dim, stride, targets, 4096, y_size, cols, SCRATCH_BYTES, None).unwrap();
         prop_assert!(p.scratch_bytes <= SCRATCH_BYTES);
         prop_assert!((1..=TWO_PHASE_MAX_SPLITS).contains(&p.ks_max));
         // Every slice keeps at least one warp-wide pass of columns, unless `in` is below that.
@@ -545,19 +545,52 @@ proptest! {
         prop_assert_eq!(p.expand_smem, ITEM_ROWS * p.cols * (4 + y_size) + ITEM_ROWS * rpad * 4);
         prop_assert!(p.expand_smem <= H200.smem_optin);
     }
+
+    /// The row form's units: one row each, at most 4096 outputs (the
+    /// default in equal chunks of a row, one unit per resident block where
+    /// the rows allow), and shared memory for that one row.
+    #[test]
+    fn two_phase_row_form_units_fit_one_row(
+        n in 1usize..=WINDOW_MAX,
+        stride in 1usize..=BGMV_MAX_RANK,
+        max_out in 1usize..60_000,
+        y_size in prop_oneof![Just(2usize), Just(4usize)],
+        cols in proptest::option::of(0u32..10_000),
+        slots in 1usize..2048,
+    ) {
+        let p = TwoPhasePlan::new(n, 4096, stride, 1, max_out, y_size, cols, SCRATCH_BYTES, Some(slots)).unwrap();
+        prop_assert_eq!(p.unit_rows, 1);
+        prop_assert!(p.cols >= 8 && p.cols <= 4096 && p.cols.is_multiple_of(8));
+        if cols.is_none() {
+            prop_assert!(TWO_PHASE_ROW_COLS.contains(&p.cols));
+            let chunks = max_out.div_ceil(p.cols);
+            // Never more units than blocks, unless the chunks are at a bound.
+            prop_assert!(n * chunks <= slots.max(n) || TWO_PHASE_ROW_COLS.start() == &p.cols || TWO_PHASE_ROW_COLS.end() == &p.cols);
+        }
+        let rpad = stride.div_ceil(8) * 8;
+        prop_assert_eq!(p.expand_smem, p.cols * (4 + y_size) + rpad * 4);
+        prop_assert!(p.expand_smem <= H200.smem_optin);
+    }
 }
 
 #[test]
 fn two_phase_serves_single_windows_only() {
-    assert!(TwoPhasePlan::new(WINDOW_MAX + 1, 4096, 16, 1, 4096, 2, None, SCRATCH_BYTES).is_none());
-    assert!(TwoPhasePlan::new(0, 4096, 16, 1, 4096, 2, None, SCRATCH_BYTES).is_none());
-    // Partials that cannot fit the scratch even once.
-    assert!(TwoPhasePlan::new(512, 4096, 256, 4, 4096, 2, None, 1 << 20).is_none());
-    let p = TwoPhasePlan::new(64, 4096, 64, 1, 4096, 2, None, SCRATCH_BYTES).unwrap();
+    for row_form in [None, Some(528)] {
+        assert!(TwoPhasePlan::new(WINDOW_MAX + 1, 4096, 16, 1, 4096, 2, None, SCRATCH_BYTES, row_form).is_none());
+        assert!(TwoPhasePlan::new(0, 4096, 16, 1, 4096, 2, None, SCRATCH_BYTES, row_form).is_none());
+        // Partials that cannot fit the scratch even once.
+        assert!(TwoPhasePlan::new(512, 4096, 256, 4, 4096, 2, None, 1 << 20, row_form).is_none());
+    }
+    let p = TwoPhasePlan::new(64, 4096, 64, 1, 4096, 2, None, SCRATCH_BYTES, None).unwrap();
     assert_eq!((p.ks_max, p.cols), (16, 512));
     // Wide outputs take wider expand units.
-    let p = TwoPhasePlan::new(64, 4096, 16, 1, 14336, 2, None, SCRATCH_BYTES).unwrap();
+    let p = TwoPhasePlan::new(64, 4096, 16, 1, 14336, 2, None, SCRATCH_BYTES, None).unwrap();
     assert_eq!(p.cols, 1024);
+    // The row form on the H200's 528 expand blocks: 64 rows get 8 chunks each.
+    let p = TwoPhasePlan::new(64, 4096, 64, 1, 4096, 2, None, SCRATCH_BYTES, Some(528)).unwrap();
+    assert_eq!((p.cols, p.unit_rows), (512, 1));
+    let p = TwoPhasePlan::new(64, 4096, 16, 1, 14336, 2, None, SCRATCH_BYTES, Some(528)).unwrap();
+    assert_eq!(p.cols, 1792);
 }
 
 proptest! {
