@@ -399,10 +399,12 @@ pub struct BgmvTuning {
     pub two_phase: Option<bool>,
     /// Two-phase expand: outputs per unit of work (8..=1024, or 8..=4096 in
     /// the row form; rounded up to a multiple of 8). `None`: the row form
-    /// cuts each row's outputs into equal chunks, as many as give every row
-    /// the same share of the expand's resident blocks (256..=4096 outputs;
-    /// H200, n = 64: 14336 outputs in 8 chunks of 1792); the scanning form
-    /// takes 512, or 1024 for outputs wider than 8192.
+    /// cuts each row's outputs into equal chunks, as many as give every
+    /// (row, target) the same share of the expand's resident blocks
+    /// (256..=4096 outputs; H200, n = 64 of one target: 14336 outputs in 8
+    /// chunks of 1792, 20.4 against 22.4 µs in a graph with 14 of 1024, where
+    /// some blocks took two); the scanning form takes 512, or 1024 for
+    /// outputs wider than 8192.
     pub expand_cols: Option<u32>,
     /// Two-phase shrink: round the K slice count down to a power of two, so
     /// every slice is whole 256-column warp passes when `in` is a multiple of
@@ -643,6 +645,12 @@ const TWO_PHASE_WIDE_OUT: usize = 8192;
 /// round, no block with a second unit), of this many outputs at most (and
 /// at least the smaller bound, so a unit's B rows stay one long stream).
 const TWO_PHASE_ROW_COLS: std::ops::RangeInclusive<usize> = 256..=4096;
+
+/// The row form's expand blocks per target: the resident blocks, shared
+/// by the targets (a grid layer each), at least one.
+fn row_form_expand_slots(sms: usize, n_targets: usize) -> usize {
+    (sms * EXPAND_BLOCKS_PER_SM / n_targets.max(1)).max(1)
+}
 
 /// The shape of a two-phase launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -961,7 +969,7 @@ fn launch<Y: OutputElem>(
             std::mem::size_of::<Y>(),
             tuning.expand_cols,
             SCRATCH_BYTES,
-            forms.row_items.then_some(limits.sms * EXPAND_BLOCKS_PER_SM),
+            forms.row_items.then_some(row_form_expand_slots(limits.sms, n_targets)),
         );
         match plan {
             Some(plan) if plan.expand_smem <= c.smem_optin => {

@@ -591,6 +591,13 @@ fn two_phase_serves_single_windows_only() {
     assert_eq!((p.cols, p.unit_rows), (512, 1));
     let p = TwoPhasePlan::new(64, 4096, 16, 1, 14336, 2, None, SCRATCH_BYTES, Some(528)).unwrap();
     assert_eq!(p.cols, 1792);
+    // Three targets (q, k, v) share the blocks: 176 each, 2 chunks of a row.
+    assert_eq!(row_form_expand_slots(132, 1), 528);
+    assert_eq!(row_form_expand_slots(132, 3), 176);
+    assert_eq!(row_form_expand_slots(1, 4), 1);
+    let slots = row_form_expand_slots(132, 3);
+    let p = TwoPhasePlan::new(64, 4096, 16, 3, 4096, 2, None, SCRATCH_BYTES, Some(slots)).unwrap();
+    assert_eq!(p.cols, 2048);
 }
 
 proptest! {
