@@ -66,17 +66,20 @@ def time_in_graph(fns, ops, reps):
 
 def decode_op(s, dev):
     n, k, o, r, d = s["n"], s["in"], s["out"], s["r"], s["distinct"]
-    a = (torch.rand(d, r, k, device=dev) * 2 - 1).mul_(k ** -0.5).to(torch.bfloat16)
-    b = (torch.rand(d, o, r, device=dev) * 2 - 1).mul_(r ** -0.5).to(torch.bfloat16)
-    scale = (torch.rand(d, device=dev) + 0.5).to(torch.bfloat16)
+    # Several targets (q, k, v): each its own adapters, outputs side by side in y.
+    tg = s.get("targets", 1)
+    a = [(torch.rand(d, r, k, device=dev) * 2 - 1).mul_(k ** -0.5).to(torch.bfloat16) for _ in range(tg)]
+    b = [(torch.rand(d, o, r, device=dev) * 2 - 1).mul_(r ** -0.5).to(torch.bfloat16) for _ in range(tg)]
+    scale = [(torch.rand(d, device=dev) + 0.5).to(torch.bfloat16) for _ in range(tg)]
     x = (torch.rand(n, k, device=dev) * 2 - 1).to(torch.bfloat16)
-    y = (torch.rand(n, o, device=dev) * 2 - 1).to(torch.bfloat16)
+    y = (torch.rand(n, o * tg, device=dev) * 2 - 1).to(torch.bfloat16)
     idx = torch.arange(n, device=dev) % d
 
     def fn():
-        t = torch.bmm(a.index_select(0, idx), x.unsqueeze(2))
-        delta = torch.bmm(b.index_select(0, idx), t).squeeze(2)
-        y.add_(delta * scale.index_select(0, idx).unsqueeze(1))
+        for i in range(tg):
+            t = torch.bmm(a[i].index_select(0, idx), x.unsqueeze(2))
+            delta = torch.bmm(b[i].index_select(0, idx), t).squeeze(2)
+            y[:, i * o:(i + 1) * o].add_(delta * scale[i].index_select(0, idx).unsqueeze(1))
 
     return fn
 

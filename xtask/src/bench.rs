@@ -440,12 +440,16 @@ const DECODE_WIDE_TABLE: &[(DecodeCase, usize)] = &[
     ((64, 4096, 4096, 16, 8, None), 64),
     ((64, 4096, 4096, 16, 32, None), 64),
 ];
+/// Decode cases of several targets in one launch (q, k and v: each its own
+/// adapters' pairs, outputs side by side in y), and their target count.
+const DECODE_TARGETS: &[(DecodeCase, usize)] = &[((64, 4096, 4096, 16, 64, None), 3)];
 /// Prefill (rows, segments, in, out, r) and the best peer µs.
 const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =
     &[(4096, 8, 4096, 4096, 16, 69.4), (8192, 32, 4096, 4096, 64, 445.9)];
 
-fn floor_bytes(n: usize, in_dim: usize, out: usize, r: usize, distinct: usize) -> f64 {
-    (distinct * (r * in_dim + out * r) * 2 + n * (in_dim * 2 + out * 4)) as f64
+/// Each target's distinct adapters' A and B, x read once, every target's y read and written.
+fn floor_bytes(n: usize, in_dim: usize, out: usize, r: usize, distinct: usize, targets: usize) -> f64 {
+    (targets * distinct * (r * in_dim + out * r) * 2 + n * (in_dim * 2 + targets * out * 4)) as f64
 }
 
 fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
@@ -453,12 +457,16 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
     launch_floor_row(ctx)?;
     let cases = DECODE
         .iter()
-        .map(|&case| (case, case.4))
-        .chain(DECODE_WIDE_TABLE.iter().copied());
-    for ((n, in_dim, out, r, distinct, peer), entries) in cases {
+        .map(|&case| (case, case.4, 1))
+        .chain(DECODE_WIDE_TABLE.iter().map(|&(case, entries)| (case, entries, 1)))
+        .chain(DECODE_TARGETS.iter().map(|&(case, targets)| (case, case.4, targets)));
+    for ((n, in_dim, out, r, distinct, peer), entries, targets) in cases {
         let mut name = format!("decode n={n} in={in_dim} out={out} r={r} d={distinct}");
         if entries > distinct {
             name += &format!(" of {entries}");
+        }
+        if targets > 1 {
+            name += &format!(" x{targets} targets");
         }
         if !ctx.opts.wants_case(&name) {
             continue;
@@ -620,8 +628,9 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             ]);
         }
         ctx.opts.filter_variants(&mut variants);
-        let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; entries]);
-        let (x_host, y_host) = (rng.bf16_vec(n * in_dim, 1.0), rng.bf16_vec(n * out, 1.0));
+        // Target t's table is entries [t * entries, (t + 1) * entries) of one pool.
+        let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; entries * targets]);
+        let (x_host, y_host) = (rng.bf16_vec(n * in_dim, 1.0), rng.bf16_vec(n * out * targets, 1.0));
         let idx_host: Vec<i32> = (0..n).map(|i| (i % distinct) as i32).collect();
         let upload = |device: &Device| -> Result<DecodeInputs, KernelError> {
             Ok(DecodeInputs {
@@ -631,14 +640,21 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 idx: device.upload(&idx_host)?,
             })
         };
-        let shape = (n, in_dim, out, r, entries);
+        let shape = DecodeShape {
+            n,
+            in_dim,
+            out,
+            r,
+            entries,
+            targets,
+        };
         let case = KernelCase {
             name: name.clone(),
-            floor_bytes: floor_bytes(n, in_dim, out, r, distinct),
+            floor_bytes: floor_bytes(n, in_dim, out, r, distinct, targets),
             peer_us: peer,
             target_us: peer.map(|p| p / 3.0),
             floor_share_target: (peer.is_some() && n >= 64).then_some(0.5),
-            shape: json!({"kind": "decode", "n": n, "in": in_dim, "out": out, "r": r, "distinct": distinct}),
+            shape: json!({"kind": "decode", "n": n, "in": in_dim, "out": out, "r": r, "distinct": distinct, "targets": targets}),
         };
         let device = ctx.device;
         // The isolated time uses the first copy; the in-graph one rotates through all.
@@ -674,27 +690,6 @@ struct DecodeInputs {
     idx: DeviceBuffer<i32>,
 }
 
-impl DecodeInputs {
-    /// The decode apply of `(n, in, out, r, table entries)` on these inputs.
-    fn apply(
-        &mut self,
-        device: &Device,
-        (n, in_dim, out, r, entries): (usize, usize, usize, usize, usize),
-        tuning: BgmvTuning,
-    ) -> Result<(), KernelError> {
-        let target = whole_table(&self.pool.table, entries, out);
-        bgmv_tuned(
-            device,
-            Rows::dense(&self.x, n, in_dim),
-            &self.idx,
-            &target,
-            r,
-            RowsMut::dense(&mut self.y, n, out),
-            tuning,
-        )
-    }
-}
-
 /// The one target of a bench case: all of `table`, `out` columns from 0.
 fn whole_table(table: &DeviceBuffer<PairEntry>, n_entries: usize, out: usize) -> [LoraTarget<'_>; 1] {
     [LoraTarget {
@@ -704,6 +699,51 @@ fn whole_table(table: &DeviceBuffer<PairEntry>, n_entries: usize, out: usize) ->
         out_dim: out,
         y_col_offset: 0,
     }]
+}
+
+/// The shape of a decode case: `targets` targets of `out` outputs each
+/// (side by side in y), each over its own `entries` table entries.
+#[derive(Debug, Clone, Copy)]
+struct DecodeShape {
+    n: usize,
+    in_dim: usize,
+    out: usize,
+    r: usize,
+    entries: usize,
+    targets: usize,
+}
+
+impl DecodeInputs {
+    /// The decode apply of `shape` on these inputs.
+    fn apply(&mut self, device: &Device, shape: DecodeShape, tuning: BgmvTuning) -> Result<(), KernelError> {
+        let DecodeShape {
+            n,
+            in_dim,
+            out,
+            r,
+            entries,
+            targets,
+        } = shape;
+        let table = &self.pool.table;
+        let targets: Vec<LoraTarget<'_>> = (0..targets)
+            .map(|t| LoraTarget {
+                table,
+                table_offset: t * entries,
+                n_entries: entries,
+                out_dim: out,
+                y_col_offset: t * out,
+            })
+            .collect();
+        bgmv_tuned(
+            device,
+            Rows::dense(&self.x, n, in_dim),
+            &self.idx,
+            &targets,
+            r,
+            RowsMut::dense(&mut self.y, n, out * shape.targets),
+            tuning,
+        )
+    }
 }
 
 /// The input copies of a case that moves `set_bytes` per op, each made by
@@ -820,7 +860,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
         let shape = (rows, segs, in_dim, out, r);
         let case = KernelCase {
             name: name.clone(),
-            floor_bytes: floor_bytes(rows, in_dim, out, r, segs),
+            floor_bytes: floor_bytes(rows, in_dim, out, r, segs, 1),
             peer_us: Some(peer),
             target_us: Some(peer / 1.5),
             floor_share_target: Some(0.67),

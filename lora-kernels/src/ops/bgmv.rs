@@ -392,10 +392,9 @@ pub struct BgmvTuning {
     /// instead of the fused kernel; batches of at most 512 rows. `None`:
     /// two launches for [`TWO_PHASE_ROWS`] rows, except batches the fused
     /// launch serves in one round of resident clusters, batches of more
-    /// than [`MULTI_ROW_ITEMS`] rows per table entry and, under
-    /// `overlap_previous`, batches of up to 64 rows of adapters of rank
-    /// stride 16 or less and at most 8192 outputs; never for the row-mapped
-    /// batches (`clusters_per_window`).
+    /// than [`MULTI_ROW_ITEMS`] rows per table entry and batches of up to
+    /// 64 rows of adapters of rank stride 16 or less and at most 8192
+    /// outputs; never for the row-mapped batches (`clusters_per_window`).
     pub two_phase: Option<bool>,
     /// Two-phase expand: outputs per unit of work (8..=1024, or 8..=4096 in
     /// the row form; rounded up to a multiple of 8). `None`: the row form
@@ -582,13 +581,15 @@ fn row_mapped_tuning(n: usize, n_targets: usize, sms: usize, hopper: bool, tunin
 }
 
 /// Whether [`bgmv`] takes the two launches for `n` rows: [`TWO_PHASE_ROWS`],
-/// except, under [`BgmvTuning::overlap_previous`], batches of up to 64 rows
-/// of small adapters (rank stride 16 or less, at most 8192 outputs), whose
-/// fused launch reads its first items' weights under the previous kernel.
-/// On the H200 at n = 64, rank 16, 4096 x 4096, in a graph: two launches
-/// 14.0 µs against 15.5 fused by default, but under the overlap fused 10.7
-/// against 12.0; at rank 64 or 14336 outputs two launches stay ahead under
-/// the overlap too (25.3 against 47.6 µs, 21.5 against 33.4).
+/// except batches of up to 64 rows of small adapters (rank stride 16 or
+/// less, at most 8192 outputs), which the fused launch serves faster even in
+/// several rounds: H200, in a graph, n = 64 of rank-16 adapters, 4096 x
+/// 4096, three targets in one launch (q, k, v): fused 23.3 µs (three rounds
+/// of row-mapped clusters of 2, or its own pick) against 26.8 for two
+/// launches (row form); one target: 8.8 (one round) against 13.1; under the
+/// overlap the fused launch reads its first items' weights under the
+/// previous kernel. At rank 64 or 14336 outputs two launches stay ahead,
+/// under the overlap too (25.3 against 47.6 µs, 21.5 against 33.4).
 ///
 /// Nor batches whose items must hold several rows: more than
 /// [`MULTI_ROW_ITEMS`] rows per entry of the largest table, so fewer than
@@ -601,21 +602,19 @@ fn row_mapped_tuning(n: usize, n_targets: usize, sms: usize, hopper: bool, tunin
 /// Nor batches the fused launch serves in one round of resident clusters
 /// (`fused_rounds`, for the most items its windows can make over the
 /// table): its chain is then paid once, against the two launches' two
-/// chains. At n = 64 of rank-16 adapters, 4096 x 4096, that is clusters of
-/// 2, one block per multiprocessor (H200, in a graph: 10.9 against 13.9
-/// µs); with f32 y, rank 64 or 14336 outputs the fused launch needs several
-/// rounds.
+/// chains (H200, in a graph: n = 64 of rank-16 adapters, clusters of 2,
+/// one block per multiprocessor, 10.9 against 13.9 µs); at rank 64 or
+/// 14336 outputs the fused launch needs several rounds.
 fn two_phase_by_default(
     n: usize,
     stride: usize,
     max_out: usize,
-    overlap: bool,
     max_entries: usize,
     fused_rounds: Option<usize>,
 ) -> bool {
     TWO_PHASE_ROWS.contains(&n)
         && !few_adapters(n, max_entries)
-        && !(overlap && n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
+        && !(n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
         && fused_rounds != Some(1)
 }
 
@@ -951,7 +950,7 @@ fn launch<Y: OutputElem>(
     let fused_rounds = fused.as_ref().ok().map(|f| f.rounds);
     if tuning
         .two_phase
-        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, overlap, max_entries, fused_rounds))
+        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, max_entries, fused_rounds))
     {
         let forms = TwoPhaseForms {
             shrink_tensor_cores: tuning.shrink_tensor_cores.unwrap_or(false),

@@ -627,29 +627,30 @@ proptest! {
 #[test]
 fn two_launches_by_default_where_they_measured_faster() {
     // Tables of 64 entries: items of one row are possible up to 128 rows.
-    for overlap in [false, true] {
-        // Few rows: the fused kernel's single launch.
-        assert!(!two_phase_by_default(16, 16, 4096, overlap, 64, None));
-        // Larger adapters or more rows: two launches.
-        assert!(two_phase_by_default(64, 64, 4096, overlap, 64, None));
-        assert!(two_phase_by_default(64, 16, 14336, overlap, 64, None));
-        assert!(two_phase_by_default(128, 16, 4096, overlap, 64, None));
-        // Many rows: the fused kernel (on tensor cores).
-        assert!(!two_phase_by_default(256, 16, 4096, overlap, 64, None));
-        // Rows that must share few adapters (more than 2 per table entry):
-        // the fused kernel on tensor cores with the item list, as for many rows.
-        assert!(!two_phase_by_default(128, 16, 4096, overlap, 16, None));
-        assert!(!two_phase_by_default(64, 64, 4096, overlap, 31, None));
-        assert!(two_phase_by_default(64, 64, 4096, overlap, 32, None));
-    }
-    // Up to 64 rows of small adapters: two launches, or the fused one when
-    // it overlaps the previous kernel.
-    assert!(two_phase_by_default(64, 16, 4096, false, 64, None));
-    assert!(!two_phase_by_default(64, 16, 4096, true, 64, None));
-    // A fused launch of one round wins; of several, two launches.
-    assert!(!two_phase_by_default(64, 16, 4096, false, 64, Some(1)));
-    assert!(two_phase_by_default(64, 16, 4096, false, 64, Some(2)));
-    assert!(two_phase_by_default(64, 64, 4096, true, 64, Some(5)));
+    // Few rows: the fused kernel's single launch.
+    assert!(!two_phase_by_default(16, 16, 4096, 64, None));
+    // Larger adapters or more rows: two launches.
+    assert!(two_phase_by_default(64, 64, 4096, 64, None));
+    assert!(two_phase_by_default(64, 16, 14336, 64, None));
+    assert!(two_phase_by_default(128, 16, 4096, 64, None));
+    // Many rows: the fused kernel (on tensor cores).
+    assert!(!two_phase_by_default(256, 16, 4096, 64, None));
+    // Rows that must share few adapters (more than 2 per table entry):
+    // the fused kernel on tensor cores with the item list, as for many rows.
+    assert!(!two_phase_by_default(128, 16, 4096, 16, None));
+    assert!(!two_phase_by_default(64, 64, 4096, 31, None));
+    assert!(two_phase_by_default(64, 64, 4096, 32, None));
+    // Up to 64 rows of small adapters: the fused launch, in however many
+    // rounds (three targets); past 64 rows, or larger adapters, two launches
+    // unless the fused launch takes one round.
+    assert!(!two_phase_by_default(64, 16, 4096, 64, None));
+    assert!(!two_phase_by_default(64, 16, 4096, 64, Some(3)));
+    assert!(!two_phase_by_default(40, 8, 8192, 64, Some(2)));
+    assert!(two_phase_by_default(65, 16, 4096, 64, Some(2)));
+    assert!(two_phase_by_default(64, 32, 4096, 64, Some(2)));
+    assert!(two_phase_by_default(64, 16, 8200, 64, Some(2)));
+    assert!(!two_phase_by_default(96, 16, 4096, 64, Some(1)));
+    assert!(two_phase_by_default(64, 64, 4096, 64, Some(5)));
 }
 
 #[test]
