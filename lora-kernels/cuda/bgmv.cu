@@ -372,6 +372,24 @@ __device__ __forceinline__ bool bad_entry(const PairEntry& en, int stride) {
     return en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0));
 }
 
+// The entry a row index names, checked: returns the entry index, or -1 (no
+// delta) for a negative index or one past the table (which raises
+// FAULT_BAD_INDEX when `report`); a bad entry raises FAULT_BAD_RANK when
+// `report` and comes back with rank 0. *en is rank 0 whenever -1 is returned.
+__device__ __forceinline__ int checked_entry(int raw, int n_entries, const PairEntry* table, int stride, u64 fault,
+                                             bool report, PairEntry* en) {
+    const int e = checked_index(raw, n_entries, fault, report);
+    *en = {0ull, 0ull, 0.f, 0u};
+    if (e >= 0) {
+        *en = table[e];
+        if (bad_entry(*en, stride)) {
+            if (report) raise_fault(fault, FAULT_BAD_RANK);
+            en->rank = 0;
+        }
+    }
+    return e;
+}
+
 // One warp: the rows (up to G) of the item led by window row `lead`, and
 // its table entry, checked against the stride (a bad entry raises a fault
 // when `report` and counts as rank 0).
@@ -409,15 +427,8 @@ __device__ __forceinline__ void load_item(const int* win_idx, int lead, int nwin
 __device__ __forceinline__ void load_row_item(const int* idx, int row, int n_entries, const PairEntry* table, int stride,
                                               u64 fault, bool report, ItemRows* out) {
     if ((threadIdx.x & 31) != 0) return;
-    const int e = checked_index(idx[row], n_entries, fault, report);
-    PairEntry en = {0ull, 0ull, 0.f, 0u};
-    if (e >= 0) {
-        en = table[e];
-        if (bad_entry(en, stride)) {
-            if (report) raise_fault(fault, FAULT_BAD_RANK);
-            en.rank = 0;
-        }
-    }
+    PairEntry en;
+    const int e = checked_entry(idx[row], n_entries, table, stride, fault, report, &en);
     out->rows[0] = row;
     out->nrows = e >= 0 ? 1 : 0;
     out->entry = en;
@@ -653,14 +664,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         if (table_smem) cp_async_wait<0>();
         if (tid == 0) s_item.rows[0] = row0 + q;
         __syncthreads();  // the table and the row in shared memory
-        const int e = checked_index(idx_mine, tg.n_entries, p.fault, report_entry && tid == 0);
-        if (e >= 0) {
-            row_entry = table[e];
-            if (bad_entry(row_entry, stride)) {
-                if (report_entry && tid == 0) raise_fault(p.fault, FAULT_BAD_RANK);
-                row_entry.rank = 0;
-            }
-        }
+        const int e = checked_entry(idx_mine, tg.n_entries, table, stride, p.fault, report_entry && tid == 0, &row_entry);
         n_items = e >= 0 ? 1 : 0;
         // The row's requests: A, x and y by warps 0-7, then B by warps 8-15.
         if (row_entry.rank > 0 && lo > 0 && n_chunks == 1) {  // uniform over the block
@@ -1334,7 +1338,6 @@ struct Bgmv2Params {
 };
 static_assert(sizeof(Bgmv2Params) == 184 && sizeof(Bgmv2Params) - sizeof(LoraTarget) * MAX_TARGETS == 88, "mirrors bgmv.rs");
 
-
 struct Bgmv2Header {
     int n_items;
     int k_splits;
@@ -1499,19 +1502,18 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     const bool lead_block = blockIdx.x == 0;
     // Row form: every row is an item of its own, so nothing is scanned and
     // no descriptor written (the expand finds each row's entry itself).
-    const bool row_items = ROWS;
-    const int idx_first = row_items ? -1 : first_index((const int*)p.idx, 0, nwin);
+    const int idx_first = ROWS ? -1 : first_index((const int*)p.idx, 0, nwin);
     // The expand may get resident now (a dependent launch); it waits for this grid to complete.
     grid_launch_dependents();
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    const int n_items = row_items ? nwin
+    const int n_items = ROWS ? nwin
                                   : scan_window<BGMV_THREADS>((const int*)p.idx, 0, nwin, tg.n_entries, p.fault,
                                                               lead_block, &s_win, idx_first, false);
     // Enough K slices that the units fill the grid once (the same in every
     // block; the row form's count, the same rule, comes from the host).
     int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
     if (p.pow2_slices) ks_n = 1 << (31 - __clz(ks_n));  // whole 256-column passes when in is a multiple of 4096
-    if (row_items) ks_n = p.row_ks;
+    if (ROWS) ks_n = p.row_ks;
     // Overlap: the previous kernel (a previous apply's expand, say) may still
     // read the scratch and write x: both only after this wait, which every
     // block passes once (the lead block before its header).
@@ -1542,7 +1544,7 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
         // Every item has one K slice 0: its unit reports a bad entry (and,
         // in the row form, a bad index).
         if (warp == 0) {
-            if (row_items)
+            if (ROWS)
                 load_row_item((const int*)p.idx, it, tg.n_entries, table, p.rank_stride, p.fault, ks == 0, &s_item);
             else
                 load_item(s_win.idx, s_win.items[it], nwin, 0, table, p.rank_stride, p.fault, ks == 0, &s_item);
@@ -1555,7 +1557,7 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
         split8(in, ks_n, ks, k0, k1);
         const bf16_t* A = (const bf16_t*)en.a;
         if (!waited) wait_previous_then_header();
-        if (!row_items && ks == 0 && tid < BGMV_G) {
+        if (!ROWS && ks == 0 && tid < BGMV_G) {
             ItemDesc* d = bgmv2_desc(p, t, it);
             d->rows[tid] = tid < s_item.nrows ? s_item.rows[tid] : 0;
             if (tid == 0) {
@@ -1738,14 +1740,9 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     // the shrink, so a block's first unit asks L2 for its B rows, and (not
     // under the overlap, where the kernel before the shrink may still write
     // y) copies its y values in, before the wait below.
-    const bool row_items = ROWS;
     auto row_entry = [&](int row) {
-        PairEntry en = {0ull, 0ull, 0.f, 0u};
-        const int e = ((const int*)p.idx)[row];
-        if (e >= 0 && e < tg.n_entries) {
-            en = ((const PairEntry*)tg.table)[e];
-            if (bad_entry(en, stride)) en.rank = 0;
-        }
+        PairEntry en;
+        checked_entry(((const int*)p.idx)[row], tg.n_entries, (const PairEntry*)tg.table, stride, p.fault, false, &en);
         return en;
     };
     auto vec_y_of = [&](int o0, int lc) {
@@ -1753,7 +1750,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
                (lc % 8 == 0);
     };
     bool y_early = false;  // the first unit's y already requested
-    if (row_items && (int)blockIdx.x < p.n_rows * chunks) {
+    if (ROWS && (int)blockIdx.x < p.n_rows * chunks) {
         const int row = (int)blockIdx.x / chunks;
         const int o0 = ((int)blockIdx.x - row * chunks) * cols;
         const int lc = min(cols, tg.out_dim - o0);
@@ -1807,6 +1804,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         __syncthreads();  // the previous unit no longer reads shared memory
 
         // y of this unit's rows, unless requested before the wait.
+        // vec_y_of spelled out: through the lambda the scanning form's machine code changes.
         const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) &&
                            aligned16(Yp) && (lc % 8 == 0);
         const bool y_requested = ROWS && y_early && u == (int)blockIdx.x;
@@ -1992,4 +1990,3 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_f32(const Bgmv2Params p) {
     bgmv2_expand_body<float, true>(p);
 }
-

@@ -237,13 +237,12 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         });
         // A cluster for every row (the row-mapped form in 16-warp clusters
         // of 2, where their stage fits), and the default cluster size.
-        let clusters: &[Option<u32>] = if stride <= 64 { &[None, Some(2)] } else { &[None] };
-        for &cluster in clusters {
-            tunings.push(BgmvTuning {
-                cluster,
-                clusters_per_window: Some(512),
-                ..FUSED_SCALAR_SCAN
-            });
+        tunings.push(BgmvTuning {
+            cluster: None,
+            ..FUSED_ROW_MAPPED
+        });
+        if stride <= 64 {
+            tunings.push(FUSED_ROW_MAPPED);
         }
         for t in tunings {
             check_bgmv(

@@ -1106,42 +1106,6 @@ fn two_phase_slices(grid: usize, items: usize, ks_max: usize, pow2_slices: bool)
     if pow2_slices { 1 << ks.ilog2() } else { ks }
 }
 
-/// The two-phase kernels' parameters: `row_ks` > 0 for the row form.
-#[allow(clippy::too_many_arguments)]
-fn two_phase_params<Y: OutputElem>(
-    c: &CudaBackend,
-    x: &Rows<'_, bf16>,
-    idx: &DeviceBuffer<i32>,
-    (target_params, n_targets): (&[TargetParams; MAX_TARGETS], usize),
-    stride: usize,
-    y: &RowsMut<'_, Y>,
-    plan: TwoPhasePlan,
-    forms: TwoPhaseForms,
-    scratch: u64,
-    row_ks: usize,
-) -> Result<Bgmv2Params, KernelError> {
-    Ok(Bgmv2Params {
-        x: x.addr(),
-        y: y.addr(),
-        idx: idx.device_addr(),
-        fault: c.fault_addr(),
-        scratch,
-        n_rows: to_i32("x.n_rows", x.n_rows)?,
-        in_dim: to_i32("x.width", x.width)?,
-        x_stride: to_i32("x.stride", x.stride)?,
-        y_stride: to_i32("y.stride", y.stride)?,
-        rank_stride: to_i32("rank_stride", stride)?,
-        n_targets: to_i32("targets", n_targets)?,
-        ks_max: to_i32("k_splits", plan.ks_max)?,
-        expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
-        pow2_slices: i32::from(forms.pow2_slices),
-        overlap: i32::from(forms.overlap),
-        row_ks: to_i32("k_splits", row_ks)?,
-        pad: 0,
-        targets: *target_params,
-    })
-}
-
 /// The two-phase decode: `bgmv2_shrink` then `bgmv2_expand_*`, through the
 /// backend's scratch (held for both launches).
 #[allow(clippy::too_many_arguments)]
@@ -1169,24 +1133,32 @@ fn launch_two_phase<Y: OutputElem>(
         (_, false) => "bgmv2_expand_f32",
         (_, true) => "bgmv2_expand_rows_f32",
     };
+    let row_ks = if forms.row_items {
+        two_phase_slices(shrink_blocks, n, plan.ks_max, forms.pow2_slices)
+    } else {
+        0
+    };
     c.with_scratch(|scratch| {
-        let row_ks = if forms.row_items {
-            two_phase_slices(shrink_blocks, n, plan.ks_max, forms.pow2_slices)
-        } else {
-            0
-        };
-        let params = two_phase_params(
-            c,
-            x,
-            idx,
-            (target_params, n_targets),
-            stride,
-            y,
-            plan,
-            forms,
+        let params = Bgmv2Params {
+            x: x.addr(),
+            y: y.addr(),
+            idx: idx.device_addr(),
+            fault: c.fault_addr(),
             scratch,
-            row_ks,
-        )?;
+            n_rows: to_i32("x.n_rows", n)?,
+            in_dim: to_i32("x.width", x.width)?,
+            x_stride: to_i32("x.stride", x.stride)?,
+            y_stride: to_i32("y.stride", y.stride)?,
+            rank_stride: to_i32("rank_stride", stride)?,
+            n_targets: to_i32("targets", n_targets)?,
+            ks_max: to_i32("k_splits", plan.ks_max)?,
+            expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
+            pow2_slices: i32::from(forms.pow2_slices),
+            overlap: i32::from(forms.overlap),
+            row_ks: to_i32("k_splits", row_ks)?,
+            pad: 0,
+            targets: *target_params,
+        };
         // SAFETY: `Bgmv2Params` mirrors the kernels' struct (sizes asserted on both
         // sides). The host checked x, y, idx and the targets as for the fused
         // kernel; `plan` keeps every descriptor and partial the kernels address
