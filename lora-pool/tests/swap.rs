@@ -75,8 +75,17 @@ fn snapshot(pool: &LoraPool) -> Snapshot {
     }
 }
 
+/// A temp folder removed when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A copy of fixture `adapter` in a temp dir, for breaking it.
-fn broken_copy(adapter: &str, tag: &str, breaker: impl FnOnce(&Path)) -> PathBuf {
+fn broken_copy(adapter: &str, tag: &str, breaker: impl FnOnce(&Path)) -> TempDir {
     let dst = std::env::temp_dir().join(format!("lora-pool-swap-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     std::fs::create_dir_all(&dst).unwrap();
@@ -85,7 +94,7 @@ fn broken_copy(adapter: &str, tag: &str, breaker: impl FnOnce(&Path)) -> PathBuf
         std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
     }
     breaker(&dst);
-    dst
+    TempDir(dst)
 }
 
 #[test]
@@ -133,8 +142,8 @@ fn failed_swaps_leave_the_pool_bit_for_bit() {
     });
     let cases: [(&str, &Path, &[&str]); 5] = [
         ("unreadable", &missing, &[]),
-        ("truncated weights", &truncated, &[]),
-        ("corrupt config", &bad_json, &[]),
+        ("truncated weights", &truncated.0, &[]),
+        ("corrupt config", &bad_json.0, &[]),
         ("refused adapter", &dir("dora"), &["REJECT[dora]"]),
         (
             "rank over max_rank",

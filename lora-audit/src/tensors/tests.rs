@@ -178,5 +178,6 @@ proptest! {
         let dst = std::env::temp_dir().join(format!("lora-audit-prop-open-{}.safetensors", std::process::id()));
         std::fs::write(&dst, &bytes).unwrap();
         let _ = SafetensorsFile::open(&dst);
+        let _ = std::fs::remove_file(&dst);
     }
 }
