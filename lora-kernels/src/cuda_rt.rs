@@ -199,6 +199,9 @@ fn include_dirs() -> Vec<String> {
     dirs.into_iter().filter(|d| std::path::Path::new(d).is_dir()).collect()
 }
 
+/// Set to `1` to compile the kernels with source line information (for a profiler).
+pub const LINEINFO_ENV: &str = "LORA_NVRTC_LINEINFO";
+
 /// Compile one family to PTX for `sm_{major}{minor}` with NVRTC (no driver needed).
 pub(crate) fn compile_family(family: Family, compute_capability: (i32, i32)) -> Result<String, KernelError> {
     compile_source(family.file(), &family.source(), compute_capability)
@@ -220,6 +223,10 @@ pub(crate) fn compile_source(
         "-std=c++17".to_string(),
     ];
     options.extend(include_dirs().into_iter().map(|d| format!("--include-path={d}")));
+    // Source lines for a profiler's per-line view; the machine code is the same.
+    if std::env::var(LINEINFO_ENV).is_ok_and(|v| v == "1") {
+        options.push("--generate-line-info".to_string());
+    }
     let opts = CompileOptions {
         options,
         name: Some(file.to_string()),
