@@ -423,6 +423,10 @@ const DECODE: &[DecodeCase] = &[
     (256, 4096, 4096, 16, 32, Some(26.8)),
     (64, 4096, 14336, 16, 64, Some(52.1)),
     (1024, 4096, 4096, 16, 64, None),
+    // Large batches of several rows per adapter: where the fused launch's
+    // clusters of 8 need several rounds (no peer figure).
+    (512, 4096, 4096, 16, 64, None),
+    (256, 4096, 4096, 16, 64, None),
     // The smallest batch of the two-phase range, one-row items (no peer
     // figure): the fused launch serves it in one round of clusters of 8.
     (32, 4096, 4096, 16, 32, None),
@@ -622,9 +626,22 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 overlap_previous: Some(true),
                 ..scan
             };
+            // The scanning form's shrink on tensor cores (items of several rows).
+            let scan_tc = BgmvTuning {
+                shrink_tensor_cores: Some(true),
+                ..scan
+            };
             variants.extend([
                 ("2p scan".to_string(), scan),
                 ("overlap 2p scan".to_string(), overlap_scan),
+                ("2p scan stc".to_string(), scan_tc),
+                (
+                    "overlap 2p scan stc".to_string(),
+                    BgmvTuning {
+                        overlap_previous: Some(true),
+                        ..scan_tc
+                    },
+                ),
             ]);
         }
         ctx.opts.filter_variants(&mut variants);
