@@ -768,6 +768,16 @@ fn gpu_bgmv_row_patterns_and_paths() {
                 cluster: Some(2),
                 ..FUSED_SCALAR_LIST
             },
+            // Tensor cores in clusters of 2 (the default where 8-row items
+            // surely fill more than a round of clusters of 8), listed and scanning.
+            BgmvTuning {
+                cluster: Some(2),
+                ..FUSED_TC_LIST
+            },
+            BgmvTuning {
+                cluster: Some(2),
+                ..FUSED_TC
+            },
             // A cluster for every row. The 16-warp clusters of 2 take the
             // row-mapped form there (row q's cluster serves row q alone,
             // requesting its weights as soon as its entry is known; rows of

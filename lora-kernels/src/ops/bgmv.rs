@@ -269,12 +269,16 @@ impl LaunchChoice {
             Some(v) => vec![v as usize],
             // Clusters of 4 are kept for tuning; on the H200 they never beat 8
             // (NOTES.md). Clusters of 2 (one block per multiprocessor) win
-            // where items outnumber the resident clusters of 8, in the scalar
-            // kernel: each of their blocks does four times the work.
-            None if hopper && !rows.tensor_cores => vec![8, 2],
-            None if hopper => vec![8],
+            // where items outnumber the resident clusters of 8: each of their
+            // blocks does four times the work, but in fewer rounds. On tensor
+            // cores only where the rows alone make more items than a round
+            // of clusters of 8 holds (below).
+            None if hopper => vec![8, 2],
             None => vec![1],
         };
+        // The fewest items the window's rows can make (at most ITEM_ROWS rows
+        // each), whatever the table: the real count is known only on the device.
+        let min_items = window.div_ceil(ITEM_ROWS);
         let min_out = targets.iter().map(|t| t.out_dim).min().unwrap_or(0);
         let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
         let n_targets = targets.len();
@@ -295,6 +299,20 @@ impl LaunchChoice {
             options.iter().map(move |&push| (cl, push))
         });
         for (cl, push) in pairs {
+            // Tensor cores in pairs only where clusters of 8 surely take more
+            // than one round (H200, in a graph: n = 512 of 64 adapters 23.8 ->
+            // 20.9 µs, n = 1024 41.5 -> 36.6). Where one round may do, the
+            // pairs' four times the work per block loses (n = 256 of 32
+            // adapters: 13.8 against 18.4), and their bound on the items
+            // counts every table entry, not the ones the rows name.
+            let sure_rounds = |b: &LaunchChoice| min_items > b.cpw;
+            if cl == 2
+                && rows.tensor_cores
+                && tuning.cluster.is_none()
+                && !best.as_ref().is_some_and(|(_, b)| sure_rounds(b))
+            {
+                continue;
+            }
             let shape = PlanShape {
                 in_dim,
                 max_out,

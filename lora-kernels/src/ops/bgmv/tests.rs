@@ -438,6 +438,7 @@ fn launch_choices_keep_every_block_resident() {
         (64, 4096, 4096, 16),
         (64, 4096, 4096, 64),
         (256, 4096, 4096, 16),
+        (512, 4096, 4096, 16),
         (64, 4096, 14336, 16),
         (7, 2049, 333, 3),
     ] {
@@ -457,13 +458,14 @@ fn launch_choices_keep_every_block_resident() {
         }
         // 64 one-row items outnumber the resident clusters of 8 (43): the
         // scalar kernel takes clusters of 2, one block per multiprocessor,
-        // all 64 in one round. Fewer items, or tensor cores: clusters of 8.
-        let pairs = n == 64 && out == 4096 && stride == 16;
+        // all 64 in one round; so do tensor cores for 512 rows (at least 64
+        // items of 8). Fewer items: clusters of 8.
+        let pairs = (n == 64 || n == 512) && out == 4096 && stride == 16;
         if (in_dim, out) == (4096, 4096) {
             assert_eq!(c.cluster, if pairs { 2 } else { 8 }, "n={n} stride={stride}: {c:?}");
         }
         if pairs {
-            assert_eq!(c.cpw, 64, "{c:?}");
+            assert_eq!(c.cpw, if n == 64 { 64 } else { 66 }, "{c:?}");
         }
         let blocks = c.cluster * c.plan.splits * c.cpw;
         let reg_blocks = if n >= TENSOR_CORE_MIN_ROWS {
@@ -869,4 +871,47 @@ fn row_mapped_by_default_where_one_round_of_clusters_of_two_holds_every_row() {
     }
     assert!(pick(4096, 64, 64).is_err());
     assert!(pick(14336, 16, 64).is_err());
+}
+
+#[test]
+fn tensor_cores_take_pairs_only_where_the_rows_fill_a_round_of_eights() {
+    let tc = |n: usize, entries: usize| {
+        let (window, n_windows) = row_windows(n, true, 1);
+        let rows = RowShape {
+            in_dim: 4096,
+            stride: 16,
+            y_size: 2,
+            window,
+            n_windows,
+            tensor_cores: true,
+            list: true,
+        };
+        pick_one_target(rows, 4096, entries, BgmvTuning::default()).unwrap()
+    };
+    // 256 rows make at least 32 items: one round of the 43 resident clusters
+    // of 8 may serve them, whatever the table's size (the bound counts every entry).
+    for entries in [32, 64, 1024] {
+        assert_eq!(tc(256, entries).cluster, 8, "{entries} entries");
+    }
+    // 512 rows (one window) and 1024 (two) make at least 64 items per window.
+    for (n, entries) in [(512, 64), (512, 32), (1024, 64), (1024, 1024)] {
+        let c = tc(n, entries);
+        assert_eq!((c.cluster, c.plan.splits), (2, 1), "n={n} of {entries}: {c:?}");
+    }
+    // A cluster size the caller sets is kept.
+    let (window, n_windows) = row_windows(1024, true, 1);
+    let rows = RowShape {
+        in_dim: 4096,
+        stride: 16,
+        y_size: 2,
+        window,
+        n_windows,
+        tensor_cores: true,
+        list: true,
+    };
+    let eights = BgmvTuning {
+        cluster: Some(8),
+        ..Default::default()
+    };
+    assert_eq!(pick_one_target(rows, 4096, 64, eights).unwrap().cluster, 8);
 }
