@@ -581,6 +581,15 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
         if n <= 512 {
             check_overlap_chain(&gpu, &mut rng, shape, &[two_phase_rows; 5]);
         }
+        // The defaults under the overlap (up to 256 rows every block scans
+        // its window on tensor cores; past that, the list).
+        let defaults = with_overlap(BgmvTuning::default());
+        check_overlap_chain(
+            &gpu,
+            &mut rng,
+            shape,
+            &[BgmvTuning::default(), defaults, defaults, defaults],
+        );
     }
 }
 

@@ -466,7 +466,8 @@ pub struct BgmvTuning {
     /// Used when the lists fit the device's launch scratch and every
     /// table has at most [`ITEM_LIST_MAX_ENTRIES`] entries; else the
     /// scanning form. `None`: where `tensor_cores` is on by default
-    /// ([`ITEM_LIST_ROWS`], and few adapters for [`TWO_PHASE_ROWS`] rows).
+    /// ([`ITEM_LIST_ROWS`], and few adapters for [`TWO_PHASE_ROWS`] rows),
+    /// except under `overlap_previous` for batches of up to 256 rows.
     pub item_list_pass: Option<bool>,
     /// With the item list: the fused blocks poll a ready flag the first
     /// launch releases once its list is written, instead of waiting for
@@ -506,6 +507,17 @@ pub struct BgmvTuning {
 /// the list's second launch costs more than the scan it saves (n = 1: 10.0
 /// against 9.1, n = 16: 11.6 against 10.8, n = 64 rank 16: 19.4 against 18.5).
 pub const ITEM_LIST_ROWS: std::ops::RangeFrom<usize> = TENSOR_CORE_MIN_ROWS..;
+
+/// Whether the fused launch reads a first launch's item list by default:
+/// for [`ITEM_LIST_ROWS`] rows and few adapters, except under the overlap
+/// for batches of one window of up to [`WINDOW_LARGE`] rows, which every
+/// block then scans itself: the list's launch would wait for the previous
+/// kernel, where the scan overlaps it (H200, in a graph under the overlap:
+/// n = 128 of 16 adapters 8.1 against 10.3 µs, n = 256 of 32 12.1 against
+/// 13.1, n = 256 of 64 18.3 against 20.3; but n = 512 of 64 22.1 against 19.6).
+fn item_list_by_default(n: usize, max_entries: usize, overlap: bool) -> bool {
+    (ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries)) && !(overlap && n <= WINDOW_LARGE)
+}
 
 /// Largest table (entries per target) the item-list launch serves: it
 /// counts each entry's rows in a shared-memory array indexed by entry
@@ -945,8 +957,11 @@ fn launch<Y: OutputElem>(
     });
     let tuning = mapped.map_or(tuning, |(mapped, _)| mapped);
     let many_rows = ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries);
-    let list_wanted =
-        tuning.item_list_pass.unwrap_or(many_rows) && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
+    let overlap = tuning.overlap_previous.unwrap_or(false);
+    let list_wanted = tuning
+        .item_list_pass
+        .unwrap_or_else(|| item_list_by_default(n, max_entries, overlap))
+        && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
     let (window, n_windows) = row_windows(n, list_wanted, n_targets);
     let tensor_cores = tuning.tensor_cores.unwrap_or(many_rows);
     let list = list_wanted && item_list_fits(window, n_windows, n_targets);
@@ -964,7 +979,6 @@ fn launch<Y: OutputElem>(
         Some((_, choice)) => Ok(choice),
         None => LaunchChoice::pick(limits, rows, targets, tuning),
     };
-    let overlap = tuning.overlap_previous.unwrap_or(false);
     let fused_rounds = fused.as_ref().ok().map(|f| f.rounds);
     if tuning
         .two_phase

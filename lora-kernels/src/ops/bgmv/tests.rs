@@ -915,3 +915,17 @@ fn tensor_cores_take_pairs_only_where_the_rows_fill_a_round_of_eights() {
     };
     assert_eq!(pick_one_target(rows, 4096, 64, eights).unwrap().cluster, 8);
 }
+
+#[test]
+fn the_item_list_serves_by_default_except_short_batches_under_the_overlap() {
+    // Plain: from TENSOR_CORE_MIN_ROWS rows, and few adapters in the two-phase range.
+    assert!(item_list_by_default(256, 32, false));
+    assert!(item_list_by_default(128, 16, false));
+    assert!(!item_list_by_default(128, 128, false));
+    assert!(!item_list_by_default(64, 64, false));
+    // Under the overlap a window of up to 256 rows is scanned by every block.
+    assert!(!item_list_by_default(256, 32, true));
+    assert!(!item_list_by_default(128, 16, true));
+    assert!(item_list_by_default(257, 32, true));
+    assert!(item_list_by_default(1024, 64, true));
+}
