@@ -470,6 +470,19 @@ __device__ __forceinline__ ExpandItem expand_item(const SgmvParams& p, int it) {
     return e;
 }
 
+// The item after e in expand_item's order, without its divisions.
+__device__ __forceinline__ ExpandItem next_expand_item(const SgmvParams& p, ExpandItem e) {
+    e.o_base += SG_BO;
+    if (e.o_base >= p.out_tiles * SG_BO) {
+        e.o_base = 0;
+        if (++e.ti == p.n_targets) {
+            e.ti = 0;
+            ++e.tile;
+        }
+    }
+    return e;
+}
+
 // Every thread of a persistent expand calls this for each item it works on:
 // for a new (tile, target) warp 0 finds the tile and thread 0 loads and
 // checks its entry into shared memory. False when the item has nothing to
@@ -500,6 +513,25 @@ __device__ __forceinline__ void move_y_tile(Y* sy, Y* gy, int ys, int rows, int 
     constexpr int per = 16 / (int)sizeof(Y);
     constexpr int pieces = SG_BO / per;
     const int yp = y_pitch<Y>();
+    static_assert(SG_THREADS % pieces == 0 && SG_BM % (SG_THREADS / pieces) == 0, "whole-tile steps");
+    if (vec && rows == SG_BM && len == SG_BO) {
+        // A whole tile (the common case): a thread's pieces are one column of
+        // rows SG_THREADS / pieces apart, so its addresses step by constants
+        // and no piece is checked (the general loop's index arithmetic was
+        // about a quarter of the expand's instructions).
+        constexpr int step = SG_THREADS / pieces;
+        const int r0 = threadIdx.x / pieces;
+        const int c = (threadIdx.x % pieces) * per;
+        Y* s = sy + r0 * yp + c;
+        Y* g = gy + (u64)r0 * ys + c;
+        const u64 gstep = (u64)step * ys;
+#pragma unroll
+        for (int k = 0; k < SG_BM / step; ++k) {
+            if (to_shared) cp_async16(s + k * step * yp, g + k * gstep, true);
+            else *(uint4*)(g + k * gstep) = *(const uint4*)(s + k * step * yp);
+        }
+        return;
+    }
     for (int v = threadIdx.x; v < SG_BM * pieces; v += SG_THREADS) {
         const int r = v / pieces;
         const int c = (v - r * pieces) * per;
@@ -548,8 +580,8 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     int cur_ti = -1;
     int buf = 0;
     bool staged = false;  // this item's y tile was requested by the previous item
-    for (int it = it0; it < it1; ++it) {
-        const ExpandItem item = expand_item(p, it);
+    ExpandItem item = expand_item(p, it0);
+    for (int it = it0; it < it1; ++it, item = next_expand_item(p, item)) {
         const LoraTarget tg = p.targets[item.ti];
         const int out = tg.out_dim;
         if (item.o_base >= out) {
@@ -600,7 +632,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         // common case) and there are two y buffers; its B rows towards L2.
         staged = false;
         if (it + 1 < it1) {
-            const ExpandItem nx = expand_item(p, it + 1);
+            const ExpandItem nx = next_expand_item(p, item);
             if (nx.tile == item.tile && nx.ti == item.ti && nx.o_base < out) {
                 const int nlen = min(SG_BO, out - nx.o_base);
                 if (p.y_buffers > 1) {

@@ -74,9 +74,8 @@ pub struct SgmvTuning {
     pub paired_staging: Option<bool>,
     /// The expand's y tiles: one shared-memory buffer (`Some(1)`) or two
     /// (`Some(2)`: the next item's tile is requested while this one
-    /// computes). `None`: one where that lets more expand blocks be
-    /// resident (rank strides whose two buffers leave three blocks per
-    /// multiprocessor), else two.
+    /// computes). `None`: one (never fewer resident blocks, and measured
+    /// faster at both prefill shapes).
     pub y_buffers: Option<u32>,
 }
 
@@ -334,7 +333,7 @@ fn launch<Y: OutputElem>(
     let y_buffers = match tuning.y_buffers {
         Some(v @ (1 | 2)) => v as usize,
         Some(v) => return Err(invalid("tuning.y_buffers", format!("{v}; 1 or 2"))),
-        None => default_y_buffers(stride, y_size, c.smem_per_sm),
+        None => DEFAULT_Y_BUFFERS,
     };
     let params = SgmvParams {
         x: x.addr(),
@@ -444,13 +443,12 @@ fn expand_smem_bytes(stride: usize, y_size: usize, y_buffers: usize) -> usize {
     OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4 + y_buffers * TILE_ROWS * (OUT_TILE * y_size + 16)
 }
 
-/// The expand's y buffers when the tuning names none: one where that makes
-/// more blocks resident than two do, else two (the next tile in flight).
-fn default_y_buffers(stride: usize, y_size: usize, smem_per_sm: usize) -> usize {
-    let one = blocks_per_sm(expand_smem_bytes(stride, y_size, 1), smem_per_sm);
-    let two = blocks_per_sm(expand_smem_bytes(stride, y_size, 2), smem_per_sm);
-    if one > two { 1 } else { 2 }
-}
+/// The expand's y buffers when the tuning names none: one. It never leaves
+/// fewer blocks resident than two, and since whole tiles move without
+/// per-piece checks it is also faster where both give four blocks (H200,
+/// prefill r16 in a graph: 40.6 against 41.7 µs; r64, where one buffer
+/// makes 4 blocks resident instead of 3, 106.5 against 113.3).
+const DEFAULT_Y_BUFFERS: usize = 1;
 
 /// K splits of the shrink when the tuning names none: as many as keep all
 /// of its `tiles x splits` blocks resident in one wave (more blocks, each
