@@ -613,17 +613,30 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         if (!staged) move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, true);
         const bool vec_b = (stride % 8 == 0) && aligned16(B);
         const int full8 = vec_b ? rank / 8 : 0;
-        for (int v = tid; v < SG_BO * (rk16 / 8); v += SG_THREADS) {
-            const int r = v / (rk16 / 8);
-            const int c = v - r * (rk16 / 8);
-            const int n = o_base + r;
-            bf16_t* dst = sB + r * bp + c * 8;
-            const bf16_t* src = B + (u64)n * stride + c * 8;
-            if (n < out && c < full8) {
-                cp_async16(dst, src, true);
-            } else {
+        const int cpr = rk16 / 8;  // 16-byte pieces per staged B row
+        if (full8 == cpr && SG_THREADS % cpr == 0 && o_base + SG_BO <= out) {
+            // Every piece whole (the common case): a thread's pieces sit at
+            // constant steps, so no piece is checked or divided out.
+            const int c = tid % cpr;
+            const int r0 = tid / cpr;
+            const int step = SG_THREADS / cpr;  // rows per pass
+            const bf16_t* src = B + (u64)(o_base + r0) * stride + c * 8;
+            bf16_t* dst = sB + r0 * bp + c * 8;
+#pragma unroll 4
+            for (int r = r0; r < SG_BO; r += step, src += (u64)step * stride, dst += step * bp) cp_async16(dst, src, true);
+        } else {
+            for (int v = tid; v < SG_BO * cpr; v += SG_THREADS) {
+                const int r = v / cpr;
+                const int c = v - r * cpr;
+                const int n = o_base + r;
+                bf16_t* dst = sB + r * bp + c * 8;
+                const bf16_t* src = B + (u64)n * stride + c * 8;
+                if (n < out && c < full8) {
+                    cp_async16(dst, src, true);
+                } else {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) dst[j] = (n < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
+                    for (int j = 0; j < 8; ++j) dst[j] = (n < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
+                }
             }
         }
         cp_async_commit();
