@@ -200,7 +200,7 @@ fn include_dirs() -> Vec<String> {
 }
 
 /// Set to `1` to compile the kernels with source line information (for a profiler).
-pub const LINEINFO_ENV: &str = "LORA_NVRTC_LINEINFO";
+pub(crate) const LINEINFO_ENV: &str = "LORA_NVRTC_LINEINFO";
 
 /// Compile one family to PTX for `sm_{major}{minor}` with NVRTC (no driver needed).
 pub(crate) fn compile_family(family: Family, compute_capability: (i32, i32)) -> Result<String, KernelError> {

@@ -622,27 +622,19 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 two_phase_row_items: Some(false),
                 ..two_phase
             };
-            let overlap_scan = BgmvTuning {
-                overlap_previous: Some(true),
-                ..scan
-            };
             // The scanning form's shrink on tensor cores (items of several rows).
             let scan_tc = BgmvTuning {
                 shrink_tensor_cores: Some(true),
                 ..scan
             };
-            variants.extend([
-                ("2p scan".to_string(), scan),
-                ("overlap 2p scan".to_string(), overlap_scan),
-                ("2p scan stc".to_string(), scan_tc),
-                (
-                    "overlap 2p scan stc".to_string(),
-                    BgmvTuning {
-                        overlap_previous: Some(true),
-                        ..scan_tc
-                    },
-                ),
-            ]);
+            for (label, t) in [("2p scan", scan), ("2p scan stc", scan_tc)] {
+                variants.push((label.to_string(), t));
+                let overlap = BgmvTuning {
+                    overlap_previous: Some(true),
+                    ..t
+                };
+                variants.push((format!("overlap {label}"), overlap));
+            }
         }
         ctx.opts.filter_variants(&mut variants);
         // Target t's table is entries [t * entries, (t + 1) * entries) of one pool.

@@ -305,11 +305,10 @@ impl LaunchChoice {
             // pairs' four times the work per block loses (n = 256 of 32
             // adapters: 13.8 against 18.4), and their bound on the items
             // counts every table entry, not the ones the rows name.
-            let sure_rounds = |b: &LaunchChoice| min_items > b.cpw;
             if cl == 2
                 && rows.tensor_cores
                 && tuning.cluster.is_none()
-                && !best.as_ref().is_some_and(|(_, b)| sure_rounds(b))
+                && best.as_ref().is_none_or(|(_, b)| min_items <= b.cpw)
             {
                 continue;
             }
@@ -516,7 +515,14 @@ pub const ITEM_LIST_ROWS: std::ops::RangeFrom<usize> = TENSOR_CORE_MIN_ROWS..;
 /// n = 128 of 16 adapters 8.1 against 10.3 µs, n = 256 of 32 12.1 against
 /// 13.1, n = 256 of 64 18.3 against 20.3; but n = 512 of 64 22.1 against 19.6).
 fn item_list_by_default(n: usize, max_entries: usize, overlap: bool) -> bool {
-    (ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries)) && !(overlap && n <= WINDOW_LARGE)
+    many_rows(n, max_entries) && !(overlap && n <= WINDOW_LARGE)
+}
+
+/// Batches the fused launch serves on tensor cores by default (and lists
+/// by default, `item_list_by_default`): [`ITEM_LIST_ROWS`] rows, or few
+/// adapters for [`TWO_PHASE_ROWS`] rows.
+fn many_rows(n: usize, max_entries: usize) -> bool {
+    ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries)
 }
 
 /// Largest table (entries per target) the item-list launch serves: it
@@ -956,14 +962,13 @@ fn launch<Y: OutputElem>(
         (choice.rounds == 1).then_some((mapped, choice))
     });
     let tuning = mapped.map_or(tuning, |(mapped, _)| mapped);
-    let many_rows = ITEM_LIST_ROWS.contains(&n) || few_adapters(n, max_entries);
     let overlap = tuning.overlap_previous.unwrap_or(false);
     let list_wanted = tuning
         .item_list_pass
         .unwrap_or_else(|| item_list_by_default(n, max_entries, overlap))
         && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
     let (window, n_windows) = row_windows(n, list_wanted, n_targets);
-    let tensor_cores = tuning.tensor_cores.unwrap_or(many_rows);
+    let tensor_cores = tuning.tensor_cores.unwrap_or_else(|| many_rows(n, max_entries));
     let list = list_wanted && item_list_fits(window, n_windows, n_targets);
     let rows = RowShape {
         in_dim: x.width,

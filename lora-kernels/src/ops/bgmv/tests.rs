@@ -875,7 +875,7 @@ fn row_mapped_by_default_where_one_round_of_clusters_of_two_holds_every_row() {
 
 #[test]
 fn tensor_cores_take_pairs_only_where_the_rows_fill_a_round_of_eights() {
-    let tc = |n: usize, entries: usize| {
+    let tc_tuned = |n: usize, entries: usize, tuning: BgmvTuning| {
         let (window, n_windows) = row_windows(n, true, 1);
         let rows = RowShape {
             in_dim: 4096,
@@ -886,8 +886,9 @@ fn tensor_cores_take_pairs_only_where_the_rows_fill_a_round_of_eights() {
             tensor_cores: true,
             list: true,
         };
-        pick_one_target(rows, 4096, entries, BgmvTuning::default()).unwrap()
+        pick_one_target(rows, 4096, entries, tuning).unwrap()
     };
+    let tc = |n: usize, entries: usize| tc_tuned(n, entries, BgmvTuning::default());
     // 256 rows make at least 32 items: one round of the 43 resident clusters
     // of 8 may serve them, whatever the table's size (the bound counts every entry).
     for entries in [32, 64, 1024] {
@@ -899,21 +900,11 @@ fn tensor_cores_take_pairs_only_where_the_rows_fill_a_round_of_eights() {
         assert_eq!((c.cluster, c.plan.splits), (2, 1), "n={n} of {entries}: {c:?}");
     }
     // A cluster size the caller sets is kept.
-    let (window, n_windows) = row_windows(1024, true, 1);
-    let rows = RowShape {
-        in_dim: 4096,
-        stride: 16,
-        y_size: 2,
-        window,
-        n_windows,
-        tensor_cores: true,
-        list: true,
-    };
     let eights = BgmvTuning {
         cluster: Some(8),
         ..Default::default()
     };
-    assert_eq!(pick_one_target(rows, 4096, 64, eights).unwrap().cluster, 8);
+    assert_eq!(tc_tuned(1024, 64, eights).cluster, 8);
 }
 
 #[test]
