@@ -551,6 +551,39 @@ __device__ __forceinline__ void move_y_tile(Y* sy, Y* gy, int ys, int rows, int 
     }
 }
 
+// acc[nt] += the delta of a warp's 16 rows x 8-wide tile nt of the item's outputs: t (sT, f32, scaled)
+// split into a bf16 high part and the bf16 rounding of the rest, times the staged B rows (sB). Row i
+// of tile j is output j * 8 + i.
+__device__ __forceinline__ void expand_tile_mma(float (&acc)[16][4], const bf16_t* sB, int bp, const float* sT,
+                                                int tpch, int rk16, int warp, int lane) {
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    // ldmatrix rows: lanes 0-15 give tile 2 * np, lanes 16-31 the next one.
+    const bf16_t* b_lane = sB + ((lane >> 4) * 8 + (lane & 7)) * bp + ((lane >> 3) & 1) * 8;
+    for (int kst = 0; kst < rk16 / 16; ++kst) {
+        // t in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
+        u32 a_hi[4];
+        u32 a_lo[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int r = warp * 16 + g + (q & 1) * 8;
+            const int k = kst * 16 + 2 * t4 + (q >> 1) * 8;
+            const float2 t = *(const float2*)(sT + r * tpch + k);
+            a_hi[q] = pack_bf2_rn(t.x, t.y);
+            a_lo[q] = pack_bf2_rn(t.x - bf_lo(a_hi[q]), t.y - bf_hi(a_hi[q]));
+        }
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+            u32 b[4];
+            ldmatrix_x4(b, b_lane + np * 16 * bp + kst * 16);
+            mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
+            mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
+            mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
+        }
+    }
+}
+
 template <typename Y>
 __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     __shared__ TileInfo s_tile;
@@ -665,29 +698,51 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
             const int q4 = rk16 / 4;
             const float scale = en.scale;
-            for (int v = tid; v < SG_BM * q4; v += SG_THREADS) {
-                const int r = v / q4;
-                const int k = (v - r * q4) * 4;
-                float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (r < rows && k < rank) {
-                    // Independent loads: all K splits in flight at once.
-                    const float* q = W + (u64)(row0 + r) * p.ws_rank_pad + k;
+            // Each thread sums T_PAIR (row, 4-rank) pieces per pass, every split of all of them loaded
+            // unconditionally before the first add: the compiler issues the loads together, one L2
+            // round trip per pass (loads guarded one by one were issued one after another, each
+            // waiting for the last). Pieces out of range load the first partial and are not added;
+            // splits past k_splits load split 0 again and are not added.
+            constexpr int T_PAIR = 2;
+            for (int v0 = tid; v0 < SG_BM * q4; v0 += T_PAIR * SG_THREADS) {
+                float4 w[T_PAIR][SG_MAX_K_SPLITS];
+                int rr[T_PAIR];
+                int kk[T_PAIR];
+                bool ok[T_PAIR];
 #pragma unroll
-                    for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks) {
-                        if (ks < p.k_splits) {
-                            const float4 w = *(const float4*)(q + ks * split_stride);
-                            sum.x += w.x;
-                            sum.y += w.y;
-                            sum.z += w.z;
-                            sum.w += w.w;
+                for (int u = 0; u < T_PAIR; ++u) {
+                    const int v = v0 + u * SG_THREADS;
+                    rr[u] = v / q4;
+                    kk[u] = (v - rr[u] * q4) * 4;
+                    ok[u] = v < SG_BM * q4 && rr[u] < rows && kk[u] < rank;
+                    const float* q = W + (ok[u] ? (u64)(row0 + rr[u]) * p.ws_rank_pad + kk[u] : 0);
+#pragma unroll
+                    for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks)
+                        w[u][ks] = *(const float4*)(q + (ks < p.k_splits ? ks : 0) * split_stride);
+                }
+#pragma unroll
+                for (int u = 0; u < T_PAIR; ++u) {
+                    const int r = rr[u];
+                    const int k = kk[u];
+                    if (v0 + u * SG_THREADS >= SG_BM * q4) continue;
+                    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (ok[u]) {
+#pragma unroll
+                        for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks) {
+                            if (ks < p.k_splits) {
+                                sum.x += w[u][ks].x;
+                                sum.y += w[u][ks].y;
+                                sum.z += w[u][ks].z;
+                                sum.w += w[u][ks].w;
+                            }
                         }
                     }
+                    float* d = sT + r * tpch + k;
+                    d[0] = k < rank ? sum.x * scale : 0.f;
+                    d[1] = k + 1 < rank ? sum.y * scale : 0.f;
+                    d[2] = k + 2 < rank ? sum.z * scale : 0.f;
+                    d[3] = k + 3 < rank ? sum.w * scale : 0.f;
                 }
-                float* d = sT + r * tpch + k;
-                d[0] = k < rank ? sum.x * scale : 0.f;
-                d[1] = k + 1 < rank ? sum.y * scale : 0.f;
-                d[2] = k + 2 < rank ? sum.z * scale : 0.f;
-                d[3] = k + 3 < rank ? sum.w * scale : 0.f;
             }
             cur_tile = item.tile;
             cur_ti = item.ti;
@@ -695,49 +750,24 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         cp_async_wait<1>();  // group A landed; the next tile may still be in flight
         __syncthreads();
 
+        // The mma's C starts as this item's y, so the delta is added in f32 inside the mma (no zeroed
+        // accumulators, no separate add) and y is rounded once.
         float acc[16][4];
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {
-            acc[nt][0] = 0.f;
-            acc[nt][1] = 0.f;
-            acc[nt][2] = 0.f;
-            acc[nt][3] = 0.f;
+            const Y* ya = sY + ra * yp + nt * 8 + 2 * t4;
+            y_load2(ya, acc[nt][0], acc[nt][1]);
+            y_load2(ya + 8 * yp, acc[nt][2], acc[nt][3]);
         }
-        for (int kst = 0; kst < rk16 / 16; ++kst) {
-            // t fragment in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
-            u32 a_hi[4];
-            u32 a_lo[4];
-#pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                const int r = warp * 16 + g + (h & 1) * 8;
-                const int k = kst * 16 + 2 * t4 + (h >> 1) * 8;
-                const float2 t = *(const float2*)(sT + r * tpch + k);
-                a_hi[h] = pack_bf2_rn(t.x, t.y);
-                a_lo[h] = pack_bf2_rn(t.x - bf_lo(a_hi[h]), t.y - bf_hi(a_hi[h]));
-            }
-#pragma unroll
-            for (int np = 0; np < 8; ++np) {
-                u32 b[4];
-                ldmatrix_x4(b, sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * bp + kst * 16 + ((lane >> 3) & 1) * 8);
-                mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
-                mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
-                mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
-                mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
-            }
-        }
+        expand_tile_mma(acc, sB, bp, sT, tpch, rk16, warp, lane);
 
-        // ---- y += delta in shared memory (rounded once), then the tile goes back in 16-byte pieces.
+        // ---- the summed tile back to shared memory, then out in 16-byte pieces.
         // Columns past `len` and rows past `rows` hold nothing and are never stored.
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {
-            const int c = nt * 8 + 2 * t4;
-            Y* ya = sY + ra * yp + c;
-            Y* yb = ya + 8 * yp;
-            float v0, v1;
-            y_load2(ya, v0, v1);
-            y_store2(ya, v0 + acc[nt][0], v1 + acc[nt][1]);
-            y_load2(yb, v0, v1);
-            y_store2(yb, v0 + acc[nt][2], v1 + acc[nt][3]);
+            Y* ya = sY + ra * yp + nt * 8 + 2 * t4;
+            y_store2(ya, acc[nt][0], acc[nt][1]);
+            y_store2(ya + 8 * yp, acc[nt][2], acc[nt][3]);
         }
         __syncthreads();
         move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, false);
