@@ -1856,14 +1856,20 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             int r = rows[0];
 #pragma unroll
             for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
-            // The partials are independent loads: keep them all in flight.
+            // Every split loaded unconditionally, then added: the compiler issues all the loads before
+            // the first add, one L2 round trip (loads guarded one by one were interleaved with the
+            // adds, each add waiting for its load before the next issued). Splits past k_splits read
+            // split 0 again and are not added.
             float s = 0.f;
             if (k < rank) {
                 const float* part = bgmv2_part(p, t, 0, r) + k;
                 const u64 split = (u64)p.n_rows * rpad;
+                float w[BGMV2_MAX_SPLITS];
+#pragma unroll
+                for (int ks = 0; ks < BGMV2_MAX_SPLITS; ++ks) w[ks] = part[(ks < h.k_splits ? ks : 0) * split];
 #pragma unroll
                 for (int ks = 0; ks < BGMV2_MAX_SPLITS; ++ks)
-                    if (ks < h.k_splits) s += part[ks * split];
+                    if (ks < h.k_splits) s += w[ks];
             }
             sT[g * rpad + k] = s * scale;
         }
