@@ -30,8 +30,9 @@
 //! report.
 //!
 //! usage: `cargo xtask bench [--out PATH] [--torch-script PATH] [--reps N]
-//! [--sections a,b] [--sweep] [--variant SUBSTRING] [--quick] [--only SUBSTRING]`
-//! (`--variant`: the sweep's launch choices whose label contains it, or one of its `|`-separated pieces, beside the default; `--only` likewise for the cases)
+//! [--sections a,b] [--sweep] [--variant SUBSTRING] [--without-default] [--quick] [--only SUBSTRING]`
+//! (`--variant`: the sweep's launch choices whose label contains it, or one of its `|`-separated pieces, beside the default
+//! unless `--without-default`; `--only` likewise for the cases)
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -64,6 +65,9 @@ struct Options {
     /// Only sweep variants whose label contains this, or one of its
     /// `|`-separated pieces (and the default).
     variant: Option<String>,
+    /// With `--variant`: leave the default out too (one variant's launches
+    /// alone, for a profiler).
+    without_default: bool,
 }
 
 impl Options {
@@ -76,6 +80,7 @@ impl Options {
             sweep: false,
             only: None,
             variant: None,
+            without_default: false,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -92,6 +97,7 @@ impl Options {
                     o.sweep = true;
                 }
                 "--quick" => o.reps = 30,
+                "--without-default" => o.without_default = true,
                 other => return Err(format!("unknown bench argument {other}")),
             }
         }
@@ -105,7 +111,8 @@ impl Options {
     /// Keep the default and the sweep variants `--variant` asks for.
     fn filter_variants<T>(&self, variants: &mut Vec<(String, T)>) {
         if let Some(v) = &self.variant {
-            variants.retain(|(label, _)| label == "default" || contains_any(label, v));
+            let keep_default = !self.without_default;
+            variants.retain(|(label, _)| (keep_default && label == "default") || contains_any(label, v));
         }
     }
 
