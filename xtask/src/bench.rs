@@ -31,8 +31,8 @@
 //!
 //! usage: `cargo xtask bench [--out PATH] [--torch-script PATH] [--reps N]
 //! [--sections a,b] [--sweep] [--variant SUBSTRING] [--without-default] [--quick] [--only SUBSTRING]`
-//! (`--variant`: the sweep's launch choices whose label contains it, or one of its `|`-separated pieces, beside the default
-//! unless `--without-default`; `--only` likewise for the cases)
+//! (`--variant`: the sweep's launch choices whose label contains it, or one of its `|`-separated pieces (a piece
+//! `=label`: that label exactly), beside the default unless `--without-default`; `--only` likewise for the cases)
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -412,8 +412,13 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
 
 /// Whether `text` contains one of the `|`-separated pieces of `pattern`
 /// (`--only`, `--variant`).
+/// Whether `text` contains one of `pattern`'s `|`-separated pieces, or
+/// equals a piece written `=label`.
 fn contains_any(text: &str, pattern: &str) -> bool {
-    pattern.split('|').any(|piece| text.contains(piece))
+    pattern.split('|').any(|piece| match piece.strip_prefix('=') {
+        Some(label) => text == label,
+        None => text.contains(piece),
+    })
 }
 
 /// A decode case: rows, in, out, rank, distinct adapters, and the best peer µs.
@@ -1162,5 +1167,14 @@ mod tests {
             prop_assert!(ops % sets == 0 && ops >= IN_GRAPH_MIN_OPS);
             prop_assert!(ops < sets + IN_GRAPH_MIN_OPS);
         }
+    }
+
+    #[test]
+    fn variant_pieces_match_by_substring_or_exactly() {
+        assert!(contains_any("overlap 2p", "overlap"));
+        assert!(contains_any("overlap 2p", "rows|2p"));
+        assert!(!contains_any("overlap 2p", "=overlap"));
+        assert!(contains_any("overlap", "=overlap"));
+        assert!(contains_any("overlap", "x|=overlap"));
     }
 }
