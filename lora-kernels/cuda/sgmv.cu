@@ -708,13 +708,15 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
                 float4 w[T_PAIR][SG_MAX_K_SPLITS];
                 int rr[T_PAIR];
                 int kk[T_PAIR];
-                bool ok[T_PAIR];
+                bool in_tile[T_PAIR];  // a piece of this tile's sT
+                bool ok[T_PAIR];       // ... whose row and rank have partials
 #pragma unroll
                 for (int u = 0; u < T_PAIR; ++u) {
                     const int v = v0 + u * SG_THREADS;
                     rr[u] = v / q4;
                     kk[u] = (v - rr[u] * q4) * 4;
-                    ok[u] = v < SG_BM * q4 && rr[u] < rows && kk[u] < rank;
+                    in_tile[u] = v < SG_BM * q4;
+                    ok[u] = in_tile[u] && rr[u] < rows && kk[u] < rank;
                     const float* q = W + (ok[u] ? (u64)(row0 + rr[u]) * p.ws_rank_pad + kk[u] : 0);
 #pragma unroll
                     for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks)
@@ -724,7 +726,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
                 for (int u = 0; u < T_PAIR; ++u) {
                     const int r = rr[u];
                     const int k = kk[u];
-                    if (v0 + u * SG_THREADS >= SG_BM * q4) continue;
+                    if (!in_tile[u]) continue;
                     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
                     if (ok[u]) {
 #pragma unroll

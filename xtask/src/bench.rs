@@ -63,7 +63,8 @@ struct Options {
     /// Only cases whose name contains this.
     only: Option<String>,
     /// Only sweep variants whose label contains this, or one of its
-    /// `|`-separated pieces (and the default).
+    /// `|`-separated pieces, or equals a piece `=label` (and the default,
+    /// unless `without_default`).
     variant: Option<String>,
     /// With `--variant`: leave the default out too (one variant's launches
     /// alone, for a profiler).
@@ -410,10 +411,8 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
 
 // ---- the kernels section -------------------------------------------------
 
-/// Whether `text` contains one of the `|`-separated pieces of `pattern`
-/// (`--only`, `--variant`).
-/// Whether `text` contains one of `pattern`'s `|`-separated pieces, or
-/// equals a piece written `=label`.
+/// Whether `text` contains one of the `|`-separated pieces of `pattern`,
+/// or equals a piece written `=label` (`--only`, `--variant`).
 fn contains_any(text: &str, pattern: &str) -> bool {
     pattern.split('|').any(|piece| match piece.strip_prefix('=') {
         Some(label) => text == label,
