@@ -59,9 +59,21 @@ impl Family {
         }
     }
 
+    /// Files compiled after the family's own, in the same module (they use its helpers).
+    fn extra(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Family::Bgmv => &[("bgmv_entry.cu", include_str!("../cuda/bgmv_entry.cu"))],
+            _ => &[],
+        }
+    }
+
     /// The full translation unit NVRTC compiles.
     pub(crate) fn source(self) -> String {
-        format!("{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.body())
+        let mut src = format!("{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.body());
+        for (file, body) in self.extra() {
+            src.push_str(&format!("\n#line 1 \"{file}\"\n{body}"));
+        }
+        src
     }
 }
 

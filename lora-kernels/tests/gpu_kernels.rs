@@ -68,6 +68,19 @@ impl Problem {
     }
 }
 
+impl Problem {
+    /// The same adapters with x and y rows 16-byte aligned (a multiple of 8
+    /// columns apart) and fresh x and y, for the forms that need it.
+    fn with_aligned_rows(mut self, rng: &mut Rng) -> Problem {
+        self.x_stride = self.in_dim.div_ceil(8) * 8 + 8;
+        self.y_width = self.outs.iter().sum::<usize>().div_ceil(8) * 8 + 8;
+        self.x = rng.bf16_vec(self.n * self.x_stride, 1.0);
+        self.y_bf16 = rng.bf16_vec(self.n * self.y_width, 1.0);
+        self.y_f32 = (0..self.n * self.y_width).map(|_| rng.uniform()).collect();
+        self
+    }
+}
+
 /// The problem's buffers on one device.
 struct OnDevice {
     x: DeviceBuffer<bf16>,
@@ -84,6 +97,26 @@ impl OnDevice {
         for pairs in &p.pairs {
             let w = dev.upload(&pairs.data).unwrap();
             entries.extend(pairs.entries(w.device_addr()));
+            weights.push(w);
+        }
+        OnDevice {
+            x: dev.upload(&p.x).unwrap(),
+            _weights: weights,
+            table: dev.upload(&entries).unwrap(),
+            slots: p.pairs[0].ranks.len(),
+        }
+    }
+
+    /// As [`OnDevice::new`], with every pair's weights `shift` elements past
+    /// a 16-byte boundary (A and B rows of any 2-byte alignment).
+    fn shifted(dev: &Device, p: &Problem, shift: usize) -> OnDevice {
+        let mut weights = Vec::new();
+        let mut entries = Vec::new();
+        for pairs in &p.pairs {
+            let mut data = vec![bf16::ZERO; shift];
+            data.extend_from_slice(&pairs.data);
+            let w = dev.upload(&data).unwrap();
+            entries.extend(pairs.entries(w.device_addr() + 2 * shift as u64));
             weights.push(w);
         }
         OnDevice {
@@ -156,6 +189,18 @@ fn run_bgmv_on<Y: OutputElem>(dev: &Device, p: &Problem, idx: &[i32], y0: &[Y], 
     let on = OnDevice::new(dev, p);
     let idx = dev.upload(idx).unwrap();
     let mut y = dev.upload(y0).unwrap();
+    let targets = on.targets(p);
+    let yv = RowsMut::dense(&mut y, p.n, p.y_width);
+    bgmv_tuned(dev, on.x_rows(p), &idx, &targets, p.stride, yv, tuning).unwrap();
+    dev.check_faults().unwrap();
+    y.download().unwrap()
+}
+
+/// [`run_bgmv_on`] with the weights placed by `OnDevice::shifted`.
+fn run_bgmv_shifted(dev: &Device, p: &Problem, idx: &[i32], shift: usize, tuning: BgmvTuning) -> Vec<bf16> {
+    let on = OnDevice::shifted(dev, p, shift);
+    let idx = dev.upload(idx).unwrap();
+    let mut y = dev.upload(&p.y_bf16).unwrap();
     let targets = on.targets(p);
     let yv = RowsMut::dense(&mut y, p.n, p.y_width);
     bgmv_tuned(dev, on.x_rows(p), &idx, &targets, p.stride, yv, tuning).unwrap();
@@ -280,6 +325,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     list_ready_flag: None,
     push_sum: None,
     overlap_previous: None,
+    entry_clusters: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -327,6 +373,16 @@ const FUSED_ROW_MAPPED: BgmvTuning = BgmvTuning {
     clusters_per_window: Some(512),
     ..FUSED_SCALAR_SCAN
 };
+/// The entry-clustered form: a cluster of 8 (or 4) blocks per table entry.
+const ENTRY: BgmvTuning = BgmvTuning {
+    entry_clusters: Some(true),
+    ..FUSED
+};
+const ENTRY_C4: BgmvTuning = BgmvTuning {
+    cluster: Some(4),
+    ..ENTRY
+};
+
 /// Every form of the fused kernel: scalar and tensor-core, each scanning
 /// its window, reading the item list after completion, or after its flag.
 const FUSED_FORMS: [BgmvTuning; 6] = [
@@ -945,6 +1001,24 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     }
 }
 
+/// The problem's table with entry 1 claiming a rank past the stride.
+fn table_with_bad_rank(gpu: &Device, on: &OnDevice, stride: usize) -> DeviceBuffer<PairEntry> {
+    let mut entries = on.table.download().unwrap();
+    entries[1].rank = stride as u32 + 1;
+    gpu.upload(&entries).unwrap()
+}
+
+/// One target over the first `n_entries` entries of `table`, at column 0.
+fn whole_table_target(table: &DeviceBuffer<PairEntry>, n_entries: usize, out_dim: usize) -> [LoraTarget<'_>; 1] {
+    [LoraTarget {
+        table,
+        table_offset: 0,
+        n_entries,
+        out_dim,
+        y_col_offset: 0,
+    }]
+}
+
 #[test]
 fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows") else {
@@ -955,16 +1029,8 @@ fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
     let p = Problem::new(&mut rng, n, 64, &[32], stride, &[8, 8], false);
     let on = OnDevice::new(&gpu, &p);
     // Entry 1 claims a rank above the stride: its rows get no delta, the others theirs.
-    let mut entries = on.table.download().unwrap();
-    entries[1].rank = stride as u32 + 1;
-    let table = gpu.upload(&entries).unwrap();
-    let target = [LoraTarget {
-        table: &table,
-        table_offset: 0,
-        n_entries: 2,
-        out_dim: 32,
-        y_col_offset: 0,
-    }];
+    let table = table_with_bad_rank(&gpu, &on, stride);
+    let target = whole_table_target(&table, 2, 32);
     let idx = gpu.upload(&[0i32, 1, 1, -1]).unwrap();
     let cpu = Device::cpu();
     let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1], &p.y_bf16, BgmvTuning::default());
@@ -1521,4 +1587,141 @@ fn gpu_empty_launch_runs_and_captures() {
     graph.replay().unwrap();
     gpu.synchronize().unwrap();
     gpu.check_faults().unwrap();
+}
+
+/// The entry-clustered form against the CPU reference: every stride it
+/// serves, entries of one row to hundreds (several 16-row passes), slices of
+/// `in` that end inside a 32-column chunk, outputs that end inside a
+/// 32-output group, several targets, rows of no adapter, every rank of the
+/// stride against NaN padding, and weights at every 2-byte alignment.
+#[test]
+fn gpu_bgmv_entry_clusters_match_cpu() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_clusters_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_entry_clusters_match_cpu");
+    let cpu = Device::cpu();
+    // (n, in, outs, stride, slots, rows of no adapter every)
+    type Shape = (usize, usize, &'static [usize], usize, usize, usize);
+    let shapes: &[Shape] = &[
+        (256, 4096, &[4096], 16, 32, 0),
+        (300, 520, &[96, 336], 32, 5, 4),
+        (64, 1024, &[14336], 64, 64, 0),
+        (1000, 264, &[264], 16, 3, 9),
+        (1024, 128, &[72, 8, 40], 64, 2, 0),
+        (17, 8, &[8], 32, 17, 3),
+        (1, 4096, &[4096], 16, 4, 0),
+    ];
+    for &(n, in_dim, outs, stride, slots, none_every) in shapes {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 37 % stride) as u32).collect();
+        let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true).with_aligned_rows(&mut rng);
+        let idx = random_idx(&mut rng, n, slots, none_every);
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
+        for t in [ENTRY, ENTRY_C4] {
+            let label = format!("entry n={n} in={in_dim} outs={outs:?} stride={stride} {t:?}");
+            let g = run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t);
+            compare(&label, &p.y_bf16, &c, &g);
+            // The same sums in the same order: bit-identical when repeated.
+            assert_eq!(
+                g,
+                run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t),
+                "{label}: a repeated apply differs"
+            );
+        }
+        for shift in [1, 2, 4, 7] {
+            let g = run_bgmv_shifted(&gpu, &p, &idx, shift, ENTRY);
+            compare(
+                &format!("entry n={n} stride={stride} weights shifted by {shift}"),
+                &p.y_bf16,
+                &c,
+                &g,
+            );
+        }
+    }
+    // Every rank of the stride, each entry twice, and the patterns of whole batches.
+    let ranks: Vec<u32> = (0..=64).collect();
+    let p = Problem::new(&mut rng, 130, 1024, &[768], 64, &ranks, true).with_aligned_rows(&mut rng);
+    let mut idx: Vec<i32> = (0..65).collect();
+    idx.extend((0..65).map(|i| i * 37 % 65));
+    let patterns: [(&str, Vec<i32>); 3] = [
+        ("every rank", idx),
+        ("all rows one adapter", vec![64; 130]),
+        ("no adapter anywhere", vec![-1; 130]),
+    ];
+    for (what, idx) in patterns {
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
+        for t in [ENTRY, ENTRY_C4] {
+            let g = run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t);
+            compare(&format!("entry {what} {t:?}"), &p.y_bf16, &c, &g);
+        }
+    }
+}
+
+/// The entry-clustered form reports an index past the table and an entry
+/// of a rank past the stride as the other forms do, and serves the other
+/// rows; under the overlap it reads x and y only after the previous kernel.
+#[test]
+fn gpu_bgmv_entry_clusters_faults_and_overlap() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_clusters_faults_and_overlap") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_entry_clusters_faults_and_overlap");
+    let (n, stride) = (6, 16);
+    let p = Problem::new(&mut rng, n, 64, &[32], stride, &[8, 16, 4], false).with_aligned_rows(&mut rng);
+    let on = OnDevice::new(&gpu, &p);
+    let table = table_with_bad_rank(&gpu, &on, stride);
+    let target = whole_table_target(&table, 3, 32);
+    // Row 1 names entry 1 (bad rank), row 4 an index past the table.
+    let idx = gpu.upload(&[0i32, 1, 2, -1, 3, 0]).unwrap();
+    let good_only = run_bgmv_on(
+        &Device::cpu(),
+        &p,
+        &[0, -1, 2, -1, -1, 0],
+        &p.y_bf16,
+        BgmvTuning::default(),
+    );
+    for t in [ENTRY, ENTRY_C4] {
+        let mut y = gpu.upload(&p.y_bf16).unwrap();
+        let yv = RowsMut::dense(&mut y, n, p.y_width);
+        bgmv_tuned(&gpu, on.x_rows(&p), &idx, &target, stride, yv, t).unwrap();
+        let faults = gpu.take_faults().unwrap();
+        let want = lora_kernels::FaultFlags::BAD_RANK | lora_kernels::FaultFlags::BAD_INDEX;
+        assert_eq!(faults.0, want, "faults: {faults} {t:?}");
+        compare(
+            &format!("entry faults {t:?}"),
+            &p.y_bf16,
+            &good_only,
+            &y.download().unwrap(),
+        );
+    }
+    // Calls the form cannot serve are refused, not approximated.
+    let unaligned = Problem::new(&mut rng, 8, 64, &[32], stride, &[8], false);
+    let on = OnDevice::new(&gpu, &unaligned);
+    let idx = gpu.upload(&[0i32; 8]).unwrap();
+    let mut y = gpu.upload(&unaligned.y_bf16).unwrap();
+    let yv = RowsMut::dense(&mut y, 8, unaligned.y_width);
+    let err = bgmv_tuned(
+        &gpu,
+        on.x_rows(&unaligned),
+        &idx,
+        &on.targets(&unaligned),
+        stride,
+        yv,
+        ENTRY,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("entry_clusters"), "{err}");
+
+    let overlap = BgmvTuning {
+        overlap_previous: Some(true),
+        ..ENTRY
+    };
+    for shape in [(256, 1024, 16, 32), (40, 520, 64, 6)] {
+        check_overlap_chain(
+            &gpu,
+            &mut rng,
+            shape,
+            &[FUSED_SCALAR_SCAN, overlap, overlap, TWO_PHASE, overlap],
+        );
+    }
 }

@@ -447,6 +447,8 @@ const DECODE: &[DecodeCase] = &[
     (64, 4096, 4096, 16, 8, None),
     (64, 4096, 4096, 16, 32, None),
     (64, 4096, 4096, 16, 24, None),
+    // Rank 64 with 8 rows per adapter (the entry-clustered form's pull sum).
+    (256, 4096, 4096, 64, 32, None),
 ];
 /// Decode cases over a table of more entries than the batch uses (the
 /// second field), as an engine's table of every resident adapter is: the
@@ -638,6 +640,21 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 shrink_tensor_cores: Some(true),
                 ..scan
             };
+            // The entry-clustered form (a cluster of 8 or 4 blocks per table
+            // entry, tensor cores, no scan or list), plain and under the overlap.
+            for cl in [8u32, 4] {
+                let t = BgmvTuning {
+                    entry_clusters: Some(true),
+                    cluster: Some(cl),
+                    ..Default::default()
+                };
+                variants.push((format!("entry c{cl}"), t));
+                let overlap = BgmvTuning {
+                    overlap_previous: Some(true),
+                    ..t
+                };
+                variants.push((format!("overlap entry c{cl}"), overlap));
+            }
             for (label, t) in [("2p scan", scan), ("2p scan stc", scan_tc)] {
                 variants.push((label.to_string(), t));
                 let overlap = BgmvTuning {

@@ -17,6 +17,9 @@ use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch, SCRATCH_BYTES};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
 
+mod entry;
+pub use entry::ENTRY_MAX_ROWS;
+
 /// Largest rank stride bgmv serves (the rank vectors live in shared memory).
 pub const BGMV_MAX_RANK: usize = 256;
 /// Rows grouped together at most (one window); larger batches use windows
@@ -494,6 +497,17 @@ pub struct BgmvTuning {
     /// pair tables nor the adapter weights they point at (in an engine:
     /// the apply follows the base projection, which writes y). Off by default.
     pub overlap_previous: Option<bool>,
+    /// The entry-clustered form (`cuda/bgmv_entry.cu`): one launch, a
+    /// cluster of blocks (8, or 4 with `cluster: Some(4)`) per table entry
+    /// serving all of the entry's rows, on tensor cores with fragments
+    /// loaded straight from global memory; no window scan or item list.
+    /// Serves bf16 y, rank strides 16, 32 and 64, at most
+    /// [`ENTRY_MAX_ROWS`] rows, rows 16-byte aligned (`Some(true)` on
+    /// another call is an error). `None`: on for batches of
+    /// [`ENTRY_MIN_ROWS`] rows or more with at least
+    /// [`ENTRY_MIN_ROWS_PER_ENTRY`] rows per table entry, where the call
+    /// suits it and no knob of another form is set.
+    pub entry_clusters: Option<bool>,
 }
 
 /// Batch sizes for which the fused kernel reads a first launch's item list
@@ -566,6 +580,69 @@ fn item_list_fits(window: usize, n_windows: usize, n_targets: usize) -> bool {
 /// (items of several rows are likely); below, its scalar path, whose code is
 /// smaller (a small batch runs from a cold instruction cache).
 pub const TENSOR_CORE_MIN_ROWS: usize = 129;
+
+/// Rows per table entry from which [`bgmv`] serves a batch in the
+/// entry-clustered form by default (`BgmvTuning::entry_clusters`): there
+/// each entry's A and B are read once for all its rows by one cluster. H200,
+/// in a graph, against the previous defaults: n = 256 of 32 rank-16 adapters
+/// 8.70 against 14.27 µs, n = 128 of 16 6.38 against 11.37, n = 64 of 8 5.28
+/// against 7.88, n = 64 of 24 6.49 against 7.95, n = 512 of 64 15.52
+/// against 21.08, n = 1024 of 64 19.64 against 36.99. With one row per
+/// entry it loses (n = 64 of 64 adapters of rank 64: 37.6 against 25.7):
+/// each cluster then serves one row, and the clusters of a 64-entry table
+/// need two rounds of resident blocks.
+pub const ENTRY_MIN_ROWS_PER_ENTRY: usize = 2;
+
+/// Batch sizes from which the entry-clustered form serves batches of
+/// several rows per entry by default (smaller ones only when their tables
+/// are small, below).
+pub const ENTRY_MIN_ROWS: usize = 32;
+
+/// What of a call the default choice of the entry-clustered form depends on.
+#[derive(Debug, Clone, Copy)]
+struct EntryCall {
+    n: usize,
+    max_entries: usize,
+    n_targets: usize,
+    stride: usize,
+    max_out: usize,
+    sms: usize,
+    /// `BgmvTuning::overlap_previous`.
+    overlap: bool,
+}
+
+/// Whether [`bgmv`] takes the entry-clustered form when the caller left it
+/// unset and set no knob of another form (the call must also suit the form,
+/// which the caller checks):
+/// - [`ENTRY_MIN_ROWS`] rows or more, at least [`ENTRY_MIN_ROWS_PER_ENTRY`]
+///   per entry of the largest table; or
+/// - rank stride 16 and at most 8192 outputs, with clusters of 8 for every
+///   entry of every target resident at once (three blocks per multiprocessor,
+///   7/8 of them in whole clusters): H200, in a graph, n = 1 4.60 against
+///   4.80 µs, n = 16 of 16 adapters 5.94 against 5.97, n = 32 of 32 7.50
+///   against 7.73. A 64-entry table of one-row entries needs two rounds and
+///   loses (n = 64 of 64: 12.7 against 8.8), as do wider outputs and larger
+///   ranks with one row per entry (14336 outputs 28 against 20, rank 64 35
+///   against 26), where the clusters' per-entry chain is not shared by rows.
+///   Not under the overlap, where the fused launch reads its first item's
+///   weights under the previous kernel (n = 1 2.71 against 4.46 µs, n = 16
+///   3.70 against 5.64, n = 32 5.59 against 7.12; with several rows per
+///   entry the entry form still wins there: n = 128 of 16 5.94 against 8.12).
+fn entry_by_default(call: EntryCall, tuning: BgmvTuning) -> bool {
+    let others_unset = tuning.out_splits.is_none()
+        && tuning.clusters_per_window.is_none()
+        && tuning.two_phase.is_none()
+        && tuning.tensor_cores.is_none()
+        && tuning.item_list_pass.is_none()
+        && matches!(tuning.cluster, None | Some(8) | Some(4));
+    let entries = call.max_entries.max(1);
+    let several_rows = call.n >= ENTRY_MIN_ROWS && call.n >= ENTRY_MIN_ROWS_PER_ENTRY * entries;
+    let one_round = !call.overlap
+        && call.stride <= 16
+        && call.max_out <= TWO_PHASE_WIDE_OUT
+        && entries * 8 * call.n_targets.max(1) <= call.sms * 3 * 7 / 8;
+    others_unset && (several_rows || one_round)
+}
 
 /// Batch sizes for which [`bgmv`] may take two launches by default (see
 /// `two_phase_by_default` for the small adapters it leaves fused). Below,
@@ -940,8 +1017,59 @@ fn launch<Y: OutputElem>(
     let n_targets = targets.len();
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let max_entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0);
+    let hopper = c.compute_capability.0 >= 9;
+    let entry_shape = entry::EntryShape {
+        hopper,
+        n,
+        in_dim: x.width,
+        stride,
+        x_stride: x.stride,
+        x_addr: x.addr(),
+        y_stride: y.stride,
+        y_addr: y.addr(),
+        y_name: Y::NAME,
+    };
+    let entry_wanted = match tuning.entry_clusters {
+        Some(true) => {
+            entry_shape
+                .check(targets)
+                .map_err(|reason| invalid("tuning.entry_clusters", reason))?;
+            true
+        }
+        Some(false) => false,
+        None => {
+            let call = EntryCall {
+                n,
+                max_entries,
+                n_targets,
+                stride,
+                max_out,
+                sms: c.sm_count as usize,
+                overlap: tuning.overlap_previous.unwrap_or(false),
+            };
+            entry_by_default(call, tuning) && entry_shape.check(targets).is_ok()
+        }
+    };
+    if entry_wanted {
+        let cluster = match tuning.cluster {
+            None => entry::default_cluster(stride, max_entries, c.sm_count as usize),
+            Some(v) => v as usize,
+        };
+        let overlap = tuning.overlap_previous.unwrap_or(false);
+        return entry::launch_entry(
+            c,
+            x,
+            idx.device_addr(),
+            target_params,
+            targets,
+            stride,
+            y,
+            cluster,
+            overlap,
+        );
+    }
     let limits = DeviceLimits {
-        hopper: c.compute_capability.0 >= 9,
+        hopper,
         sms: c.sm_count as usize,
         smem_optin: c.smem_optin,
         smem_per_sm: c.smem_per_sm,

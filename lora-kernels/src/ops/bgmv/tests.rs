@@ -920,3 +920,68 @@ fn the_item_list_serves_by_default_except_short_batches_under_the_overlap() {
     assert!(item_list_by_default(257, 32, true));
     assert!(item_list_by_default(1024, 64, true));
 }
+
+#[test]
+fn the_entry_clusters_serve_several_rows_per_entry_or_small_tables_by_default() {
+    let unset = BgmvTuning::default();
+    let call = |n: usize, max_entries: usize, stride: usize, max_out: usize, n_targets: usize| EntryCall {
+        n,
+        max_entries,
+        n_targets,
+        stride,
+        max_out,
+        sms: 132,
+        overlap: false,
+    };
+    // Several rows per entry of the table, from ENTRY_MIN_ROWS rows on, any rank or width.
+    for (n, entries) in [(256, 32), (128, 16), (64, 8), (64, 32), (1024, 64), (32, 16)] {
+        assert!(
+            entry_by_default(call(n, entries, 64, 14336, 1), unset),
+            "n={n} of {entries}"
+        );
+    }
+    // Rank 16 and one round of clusters of 8: up to 43 entries of one target on 132 SMs.
+    for (n, entries) in [(1, 1), (16, 16), (32, 32), (64, 43)] {
+        assert!(
+            entry_by_default(call(n, entries, 16, 4096, 1), unset),
+            "n={n} of {entries}"
+        );
+    }
+    // One row per entry otherwise: a 64-entry table, three targets, wide outputs, larger ranks.
+    for (n, entries, stride, out, targets) in [
+        (64, 64, 16, 4096, 1),
+        (64, 44, 16, 4096, 1),
+        (64, 64, 16, 4096, 3),
+        (32, 32, 16, 14336, 1),
+        (16, 16, 64, 4096, 1),
+        (31, 2, 64, 4096, 1),
+    ] {
+        assert!(
+            !entry_by_default(call(n, entries, stride, out, targets), unset),
+            "n={n} of {entries}, stride {stride}, {out} outputs, {targets} targets"
+        );
+    }
+    // Under the overlap only several rows per entry.
+    let overlapped = |n, entries| EntryCall {
+        overlap: true,
+        ..call(n, entries, 16, 4096, 1)
+    };
+    assert!(!entry_by_default(overlapped(16, 16), unset));
+    assert!(entry_by_default(overlapped(128, 16), unset));
+    // A knob of another form keeps that form; clusters of 8 or 4 keep this one.
+    let fused = BgmvTuning {
+        two_phase: Some(false),
+        ..unset
+    };
+    assert!(!entry_by_default(call(256, 32, 16, 4096, 1), fused));
+    let pairs = BgmvTuning {
+        cluster: Some(2),
+        ..unset
+    };
+    assert!(!entry_by_default(call(256, 32, 16, 4096, 1), pairs));
+    let fours = BgmvTuning {
+        cluster: Some(4),
+        ..unset
+    };
+    assert!(entry_by_default(call(256, 32, 16, 4096, 1), fours));
+}

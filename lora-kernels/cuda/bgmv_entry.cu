@@ -1,0 +1,457 @@
+// The entry-clustered form of the row-indexed apply (bgmv.rs `entry`):
+// one cluster of C blocks per (table entry, target) serves every row that
+// names the entry, on tensor cores, with fragments loaded straight from
+// global memory (no shared-memory staging). Compiled with bgmv.cu (one
+// module): it uses that file's helpers.
+//
+// Why: where entries hold many rows (decode batches of a few hundred rows
+// over tens of adapters), the fused kernel's per-item staging loops cost
+// more instructions than the bytes they move (NOTES.md v20). Here a warp
+// moves 16 bytes per lane per load straight into mma fragments, and an
+// entry's A and B are read once for all of its rows.
+//
+// Block (cluster rank q of entry e, target z):
+//   1. reads entry e of the table and every row index (one load each per
+//      thread), lists the rows naming e in row order (a ballot per warp,
+//      one barrier); no rows: the whole cluster returns.
+//   2. shrink: its 1/C slice of `in`, in 32-column chunks dealt to the
+//      warps. m16n8k16 with M = 16 ranks, N = 8 rows, K = 16 columns: a lane
+//      loads 8 consecutive columns of A rows g and g + 8 and of x row g, and
+//      two mma take its words (0, 1) and (2, 3) as their k pairs (2c, 2c+1)
+//      and (2c+8, 2c+9). The k order is a permutation shared by both
+//      operands, so the sum is the same.
+//   3. sum: the warps' partials in shared memory, then the cluster's
+//      blocks' partials through distributed shared memory, in rank order,
+//      times the scale: t [rows][ranks] f32, the same in every block.
+//   4. expand: its 1/C slice of the outputs, in groups of 32 outputs dealt
+//      to the warps. m16n8k16 with M = 16 rows, N = 8 outputs, K = 16
+//      ranks, t split into bf16 hi + lo (two mma). The 8 outputs of tile j
+//      are permuted so that lane (g, c) ends with outputs 8c .. 8c+7 of row
+//      g (and g + 8) in its four tiles' accumulators: one 16-byte load of
+//      y before (the mma's C operand) and one store after.
+// Rows are taken 16 at a time (a pass); an entry with more rows runs more
+// passes, each reading its A and B slices again (from L2 after the first).
+//
+// Requirements the host checks: bf16 y; in, x_stride, y_stride, every
+// target's out and column offset multiples of 8; x and y 16-byte aligned;
+// rank stride 16 * KS. A and B addresses of any 2-byte alignment are read
+// (16-byte loads where aligned, else element loads).
+
+#define BGE_THREADS 256
+#define BGE_WARPS (BGE_THREADS / 32)
+// Rows per pass (the expand's M).
+#define BGE_ROWS 16
+// Most rows of a launch (row indices held per thread: BGE_MAX_ROWS / BGE_THREADS).
+#define BGE_MAX_ROWS 1024
+
+struct BgeParams {
+    u64 x;
+    u64 y;
+    u64 idx;
+    u64 fault;
+    int n_rows;
+    int in_dim;
+    int x_stride;
+    int y_stride;
+    int rank_stride;
+    int n_targets;
+    int overlap;  // a programmatic dependent: idx, the tables and the adapters read before griddepcontrol.wait
+    int stage_cols;  // outputs per block staged in shared memory (B rows and y values), 0: none
+    LoraTarget targets[MAX_TARGETS];
+};
+static_assert(sizeof(BgeParams) == 160 && sizeof(BgeParams) - sizeof(LoraTarget) * MAX_TARGETS == 64, "mirrors bgmv.rs");
+
+// 8 consecutive bf16 at p (16-byte load when aligned, else element loads).
+__device__ __forceinline__ uint4 load8_any(const bf16_t* p, bool aligned) {
+    if (aligned) return ldg16(p);
+    uint4 r;
+    r.x = (u32)__ldg(p + 0) | ((u32)__ldg(p + 1) << 16);
+    r.y = (u32)__ldg(p + 2) | ((u32)__ldg(p + 3) << 16);
+    r.z = (u32)__ldg(p + 4) | ((u32)__ldg(p + 5) << 16);
+    r.w = (u32)__ldg(p + 6) | ((u32)__ldg(p + 7) << 16);
+    return r;
+}
+
+// The bf16 pair (lo, hi) as one word, and the residual pair: t = hi + lo to about 16 bits.
+__device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
+    hi = pack_bf2_rn(a, b);
+    lo = pack_bf2_rn(a - bf_lo(hi), b - bf_hi(hi));
+}
+
+// Mask of the ranks r0, r0 + 1 of a bf16 pair word that lie below `rank`.
+__device__ __forceinline__ u32 rank_mask(int r0, int rank) {
+    return (r0 < rank ? 0x0000ffffu : 0u) | (r0 + 1 < rank ? 0xffff0000u : 0u);
+}
+
+template <int C, int KS>
+__device__ __forceinline__ void bge_body(const BgeParams& p) {
+    constexpr int S = 16 * KS;  // rank stride
+    constexpr int RPT = BGE_MAX_ROWS / BGE_THREADS;
+    // Loads of several chunks (groups) in flight per warp, as registers allow.
+    constexpr int SHRINK_UNROLL = KS <= 2 ? 2 : 1;
+    constexpr int EXPAND_UNROLL = KS == 1 ? 2 : 1;
+    extern __shared__ __align__(16) unsigned char bge_smem[];
+    // Dynamic shared memory: red [warps][S][16] f32, part [S][16] f32 (the
+    // pull form) or recv [2][C][S][16] f32 (the push form), t [16][S + 4]
+    // f32, rows [n_rows] int, then (staged) the block's B rows
+    // [stage_cols][S] bf16 (as in global memory) and its y values
+    // [16][stage_cols + 32] bf16 (64 bytes of padding per row: the 16-byte
+    // reads of a quarter warp fall in distinct banks).
+    // Push form for strides up to 32 (its receive buffers: 16 KB at 16 in clusters of 8).
+    constexpr bool PUSH = C > 1 && KS <= 2;
+    constexpr int PART = S * BGE_ROWS;  // floats of one block's partial
+    float* s_red = (float*)bge_smem;
+    float* s_part = s_red + BGE_WARPS * PART;  // pull: part; push: recv
+    float* s_t = s_part + (PUSH ? 2 * C : 1) * PART;
+    constexpr int TP = S + 4;  // t row pitch
+    int* s_rows = (int*)(s_t + BGE_ROWS * TP);
+    bf16_t* s_b =
+        (bf16_t*)(bge_smem + ((4 * ((BGE_WARPS + (PUSH ? 2 * C : 1)) * PART + BGE_ROWS * TP + p.n_rows) + 15) & ~15));
+    const int yp = p.stage_cols + 32;  // staged y row pitch
+    bf16_t* s_y = s_b + p.stage_cols * S;
+    __shared__ int s_wcount[BGE_WARPS];
+    __shared__ __align__(8) u64 s_mbar[2];  // push form: one per receive buffer
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+    const int q = C > 1 ? (int)(blockIdx.x % C) : 0;  // rank in the cluster (clusters span x)
+    const int e = (int)blockIdx.y;
+    const LoraTarget tg = p.targets[blockIdx.z];
+    const int* idx = (const int*)p.idx;
+    // Block (0, 0) of each target reports indices past the table (they count as no delta).
+    const bool report_index = e == 0 && q == 0;
+
+    // 1. The rows naming e, in row order.
+    int raw[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const int j = i * BGE_THREADS + tid;
+        raw[i] = j < p.n_rows ? idx[j] : -1;
+    }
+    if (report_index) {
+#pragma unroll
+        for (int i = 0; i < RPT; ++i)
+            if (raw[i] >= tg.n_entries) raise_fault(p.fault, FAULT_BAD_INDEX);
+    }
+    // Uniform over the cluster: the same entry and target.
+    if (e >= tg.n_entries) return;
+    const PairEntry en = ((const PairEntry*)tg.table)[e];
+    int n_found = 0;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        if (i * BGE_THREADS >= p.n_rows) break;
+        const int j = i * BGE_THREADS + tid;
+        const bool m = raw[i] == e;
+        const unsigned bal = __ballot_sync(0xffffffffu, m);
+        if (lane == 0) s_wcount[warp] = __popc(bal);
+        __syncthreads();
+        int before = n_found;
+        int total = n_found;
+#pragma unroll
+        for (int w = 0; w < BGE_WARPS; ++w) {
+            const int cnt = s_wcount[w];
+            before += w < warp ? cnt : 0;
+            total += cnt;
+        }
+        if (m) s_rows[before + __popc(bal & ((1u << lane) - 1u))] = j;
+        n_found = total;
+        __syncthreads();  // s_wcount is rewritten next round; s_rows complete after the last
+    }
+    if (n_found == 0) return;  // uniform over the cluster: every block counted the same rows
+    if (bad_entry(en, S)) {
+        if (q == 0 && tid == 0) raise_fault(p.fault, FAULT_BAD_RANK);
+        return;
+    }
+    const int rank = (int)en.rank;
+    if (rank == 0) return;
+    if (PUSH) {
+        if (tid == 0) {
+            mbar_init(&s_mbar[0], 1);
+            mbar_init(&s_mbar[1], 1);
+            fence_mbar_init();
+        }
+        // Waited for before the first push: every peer is running and its mbarriers are initialised.
+        cluster_arrive_relaxed();
+    }
+
+    const bf16_t* A = (const bf16_t*)en.a;
+    const bf16_t* B = (const bf16_t*)en.b;
+    const int in = p.in_dim;
+    const bool a_vec = aligned16(A) && (in & 7) == 0;
+    const bool b_vec = (en.b & (u64)(S / 2 - 1)) == 0;  // a lane's S/4 ranks of a B row: S/2 bytes
+    int k0, k1, o0, o1;
+    split8(in, C, q, k0, k1);
+    split8(tg.out_dim, C, q, o0, o1);
+    const int n_chunks = (k1 - k0 + 31) / 32;
+    const int n_groups = (o1 - o0 + 31) / 32;
+    // The rank masks of this lane's B words: ranks c * S/4 + 2w, + 1.
+    u32 bmask[KS * 2];
+#pragma unroll
+    for (int w = 0; w < KS * 2; ++w) bmask[w] = rank_mask(c * (S / 4) + 2 * w, rank);
+
+    // The expand's B rows and y values are copied into shared memory
+    // (cp.async) while the shrink runs, so its loads are all in flight at
+    // once instead of one output group after another. Uniform per block.
+    const bool staged = p.stage_cols >= o1 - o0 && aligned16(B);
+
+    if (p.overlap) grid_dependency_wait();
+    const bf16_t* x = (const bf16_t*)p.x;
+    bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
+
+    bool pending = false;  // pull: an arrive on the cluster barrier not yet waited for
+    int passes = 0;
+#pragma unroll 1
+    for (int r0 = 0; r0 < n_found; r0 += BGE_ROWS) {
+        const int rows_here = min(BGE_ROWS, n_found - r0);
+        const int row_a = g < rows_here ? s_rows[r0 + g] : -1;
+        const int row_b = g + 8 < rows_here ? s_rows[r0 + g + 8] : -1;
+        const bool two_tiles = rows_here > 8;
+        // 2. Shrink: acc[mt][nt] is ranks 16 mt + (g, g + 8) x rows 8 nt + (2c, 2c + 1).
+        float acc[KS][2][4];
+#pragma unroll
+        for (int mt = 0; mt < KS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        // Chunk ch's fragments: 8 columns of x rows g, g + 8 and of A rows 16 mt + (g, g + 8).
+        struct Frag {
+            uint4 xa, xb, a0[KS], a1[KS];
+        };
+        auto load_chunk = [&](int ch) {
+            Frag f;
+            const int col = k0 + ch * 32 + c * 8;
+            const bool ok = ch < n_chunks && col + 8 <= k1;
+            f.xa = ok && row_a >= 0 ? ldg16(x + (u64)row_a * p.x_stride + col) : zero;
+            f.xb = ok && row_b >= 0 ? ldg16(x + (u64)row_b * p.x_stride + col) : zero;
+#pragma unroll
+            for (int mt = 0; mt < KS; ++mt) {
+                const int ra = 16 * mt + g;
+                f.a0[mt] = ok && ra < rank ? load8_any(A + (u64)ra * in + col, a_vec) : zero;
+                f.a1[mt] = ok && ra + 8 < rank ? load8_any(A + (u64)(ra + 8) * in + col, a_vec) : zero;
+            }
+            return f;
+        };
+        auto mma_chunk = [&](const Frag& f) {
+#pragma unroll
+            for (int mt = 0; mt < KS; ++mt) {
+                const uint4 a0 = f.a0[mt], a1 = f.a1[mt];
+                mma_k16(acc[mt][0], a0.x, a1.x, a0.y, a1.y, f.xa.x, f.xa.y);
+                mma_k16(acc[mt][0], a0.z, a1.z, a0.w, a1.w, f.xa.z, f.xa.w);
+                if (two_tiles) {
+                    mma_k16(acc[mt][1], a0.x, a1.x, a0.y, a1.y, f.xb.x, f.xb.y);
+                    mma_k16(acc[mt][1], a0.z, a1.z, a0.w, a1.w, f.xb.z, f.xb.w);
+                }
+            }
+        };
+        // The shrink's first loads go out before the expand's staging: they
+        // are on the critical path, the staged bytes are needed only after the sum.
+        Frag first[SHRINK_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SHRINK_UNROLL; ++u) first[u] = load_chunk(warp + u * BGE_WARPS);
+        if (staged) {
+            if (r0 == 0) {
+#pragma unroll 1
+                for (int i = tid; i < (o1 - o0) * S / 8; i += BGE_THREADS)
+                    cp_async16(s_b + 8 * i, B + (u64)o0 * S + 8 * i);
+            }
+            const int pieces = (o1 - o0) / 8;
+#pragma unroll 1
+            for (int r = 0; r < rows_here; ++r) {
+                const bf16_t* src = y + (u64)s_rows[r0 + r] * p.y_stride + o0;
+#pragma unroll 1
+                for (int i = tid; i < pieces; i += BGE_THREADS) cp_async16(s_y + r * yp + 8 * i, src + 8 * i);
+            }
+        }
+        cp_async_commit();
+#pragma unroll
+        for (int u = 0; u < SHRINK_UNROLL; ++u) mma_chunk(first[u]);
+#pragma unroll SHRINK_UNROLL
+        for (int ch = warp + SHRINK_UNROLL * BGE_WARPS; ch < n_chunks; ch += BGE_WARPS) mma_chunk(load_chunk(ch));
+
+        // 3. Sum over the warps, then over the cluster, in fixed orders.
+        // Push: every block stores its partial into slot q of each peer's
+        // receive buffer `passes & 1` (st.async, counted on the peer's
+        // mbarrier) and waits for its own C slots: no cluster barrier, so no
+        // GPU-scope release fence. A buffer is written again two passes
+        // later, only by a peer that received this block's next push, sent
+        // after this sum read it. Pull: a cluster barrier, the peers' partials
+        // read in place, a relaxed arrive once read (waited for before the
+        // next pass's partial is written, or before exit).
+        if (pending) cluster_wait();
+        pending = false;
+#pragma unroll
+        for (int mt = 0; mt < KS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                float* r = s_red + ((warp * S + 16 * mt + g) * BGE_ROWS + 8 * nt + 2 * c);
+                *(float2*)r = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+                *(float2*)(r + 8 * BGE_ROWS) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+            }
+        __syncthreads();
+        if (PUSH) {
+            const int b = passes & 1;
+            const u32 parity = (u32)(passes >> 1) & 1u;
+            ++passes;
+            if (passes == 1) cluster_wait();  // the peers' mbarriers are initialised
+            if (tid == 0) mbar_arrive_expect(&s_mbar[b], (u32)(C * PART * 4));
+            float* recv = s_part + b * C * PART;
+            for (int i = tid; i < PART / 4; i += BGE_THREADS) {
+                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                for (int w = 0; w < BGE_WARPS; ++w) {
+                    const float4 r = *(const float4*)(s_red + w * PART + 4 * i);
+                    v.x += r.x;
+                    v.y += r.y;
+                    v.z += r.z;
+                    v.w += r.w;
+                }
+#pragma unroll
+                for (int pq = 0; pq < C; ++pq)
+                    st_async_f4(cluster_addr(recv + q * PART + 4 * i, (u32)pq), v, cluster_addr(&s_mbar[b], (u32)pq));
+            }
+            mbar_wait(&s_mbar[b], parity);
+            for (int i = tid; i < PART; i += BGE_THREADS) {
+                float v = 0.f;
+#pragma unroll
+                for (int pq = 0; pq < C; ++pq) v += recv[pq * PART + i];
+                s_t[(i % BGE_ROWS) * TP + i / BGE_ROWS] = v * en.scale;
+            }
+        } else {
+#pragma unroll
+            for (int i = tid; i < PART; i += BGE_THREADS) {
+                float v = 0.f;
+#pragma unroll
+                for (int w = 0; w < BGE_WARPS; ++w) v += s_red[w * PART + i];
+                s_part[i] = v;
+            }
+            if (C > 1) {
+                cluster_arrive();
+                cluster_wait();
+            } else {
+                __syncthreads();
+            }
+#pragma unroll
+            for (int i = tid; i < PART; i += BGE_THREADS) {
+                float v = 0.f;
+                if (C > 1) {
+#pragma unroll
+                    for (int pq = 0; pq < C; ++pq) v += ld_dsmem(s_part + i, (u32)pq);
+                } else {
+                    v = s_part[i];
+                }
+                s_t[(i % BGE_ROWS) * TP + i / BGE_ROWS] = v * en.scale;
+            }
+            if (C > 1) {
+                // The values are in registers (summed above): nothing to release.
+                cluster_arrive_relaxed();
+                pending = true;
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // 4. Expand. t fragments: rows g, g + 8; ranks c * S/4 + 4 ks + (0, 1) and (2, 3).
+        u32 th[KS][4], tl[KS][4];
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int rb = c * (S / 4) + 4 * ks;
+            const float* ta = s_t + g * TP + rb;
+            const float* tb = s_t + (g + 8) * TP + rb;
+            split_pair(ta[0], ta[1], th[ks][0], tl[ks][0]);
+            split_pair(tb[0], tb[1], th[ks][1], tl[ks][1]);
+            split_pair(ta[2], ta[3], th[ks][2], tl[ks][2]);
+            split_pair(tb[2], tb[3], th[ks][3], tl[ks][3]);
+        }
+#pragma unroll EXPAND_UNROLL
+        for (int gi = warp; gi < n_groups; gi += BGE_WARPS) {
+            const int base = o0 + gi * 32;
+            // Tile j, column g: output base + 8 (g / 2) + 2 j + g % 2 (whole when its 8-piece is).
+            const bool b_ok = base + 8 * (g >> 1) + 8 <= o1;
+            u32 bw[4][KS * 2];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int bo = base + 8 * (g >> 1) + 2 * j + (g & 1);
+                const bf16_t* brow = B + (u64)bo * S + c * (S / 4);
+#pragma unroll
+                for (int w = 0; w < KS * 2; ++w) bw[j][w] = 0u;
+                if (b_ok) {
+                    if (staged) {
+                        const u32* sw = (const u32*)(s_b + (bo - o0) * S + c * (S / 4));
+#pragma unroll
+                        for (int w = 0; w < KS * 2; ++w) bw[j][w] = sw[w];
+                    } else if (b_vec) {
+                        if (KS == 1) {
+                            const uint2 v = __ldg((const uint2*)brow);
+                            bw[j][0] = v.x;
+                            bw[j][1] = v.y;
+                        } else {
+#pragma unroll
+                            for (int h = 0; h < KS / 2; ++h) {
+                                const uint4 v = ldg16(brow + 8 * h);
+                                bw[j][4 * h + 0] = v.x;
+                                bw[j][4 * h + 1] = v.y;
+                                bw[j][4 * h + 2] = v.z;
+                                bw[j][4 * h + 3] = v.w;
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int w = 0; w < KS * 2; ++w)
+                            bw[j][w] = (u32)__ldg(brow + 2 * w) | ((u32)__ldg(brow + 2 * w + 1) << 16);
+                    }
+                }
+#pragma unroll
+                for (int w = 0; w < KS * 2; ++w) bw[j][w] &= bmask[w];
+            }
+            // Lane (g, c): outputs base + 8c .. + 7 of rows g and g + 8.
+            const bool y_ok = base + 8 * c + 8 <= o1;
+            bf16_t* ya = row_a >= 0 && y_ok ? y + (u64)row_a * p.y_stride + base + 8 * c : nullptr;
+            bf16_t* yb = row_b >= 0 && y_ok ? y + (u64)row_b * p.y_stride + base + 8 * c : nullptr;
+            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+            const uint4 va = !ya ? zero : staged ? *(const uint4*)(s_y + g * yp + (base - o0) + 8 * c) : *(const uint4*)ya;
+            const uint4 vb = !yb ? zero : staged ? *(const uint4*)(s_y + (g + 8) * yp + (base - o0) + 8 * c) : *(const uint4*)yb;
+            const u32 wa[4] = {va.x, va.y, va.z, va.w};
+            const u32 wb[4] = {vb.x, vb.y, vb.z, vb.w};
+            float d[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                d[j][0] = bf_lo(wa[j]);
+                d[j][1] = bf_hi(wa[j]);
+                d[j][2] = bf_lo(wb[j]);
+                d[j][3] = bf_hi(wb[j]);
+#pragma unroll
+                for (int ks = 0; ks < KS; ++ks) {
+                    mma_k16(d[j], th[ks][0], th[ks][1], th[ks][2], th[ks][3], bw[j][2 * ks], bw[j][2 * ks + 1]);
+                    mma_k16(d[j], tl[ks][0], tl[ks][1], tl[ks][2], tl[ks][3], bw[j][2 * ks], bw[j][2 * ks + 1]);
+                }
+            }
+            if (ya) *(uint4*)ya = make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
+                                             pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1]));
+            if (yb) *(uint4*)yb = make_uint4(pack_bf2_rn(d[0][2], d[0][3]), pack_bf2_rn(d[1][2], d[1][3]),
+                                             pack_bf2_rn(d[2][2], d[2][3]), pack_bf2_rn(d[3][2], d[3][3]));
+        }
+        __syncthreads();  // s_t and s_red are rewritten by the next pass
+    }
+    if (p.overlap) grid_launch_dependents();
+    if (pending) cluster_wait();  // keep our partials alive until every peer read them
+}
+
+#if __CUDA_ARCH__ >= 900
+// Rank 16 in at most 80 registers: three blocks per multiprocessor, so 8-block
+// clusters of 32 entries are all resident at once (`ENTRY_BLOCKS_PER_SM` in bgmv/entry.rs).
+#define BGE_KERNEL(NAME, C, KS, BLOCKS)                                                                  \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGE_THREADS, BLOCKS) NAME(const BgeParams p) { \
+        bge_body<C, KS>(p);                                                                              \
+    }
+BGE_KERNEL(bgmv_entry_c8_r16, 8, 1, 3)
+BGE_KERNEL(bgmv_entry_c8_r32, 8, 2, 2)
+BGE_KERNEL(bgmv_entry_c8_r64, 8, 4, 2)
+BGE_KERNEL(bgmv_entry_c4_r16, 4, 1, 3)
+BGE_KERNEL(bgmv_entry_c4_r32, 4, 2, 2)
+BGE_KERNEL(bgmv_entry_c4_r64, 4, 4, 2)
+#endif

@@ -1,0 +1,297 @@
+//! The entry-clustered form of [`super::bgmv`]: one launch, a cluster of
+//! blocks per (table entry, target) serving every row that names the entry,
+//! shrink and expand on tensor cores with fragments loaded straight from
+//! global memory (`cuda/bgmv_entry.cu`). An entry's A and B are read once
+//! for all of its rows, and no item list or window scan runs first.
+//!
+//! It serves BF16 y, rank strides 16, 32 and 64, and 16-byte aligned rows
+//! (`EntryShape::check`); it never guesses: a batch it cannot serve is
+//! refused here, before any launch.
+
+use half::bf16;
+
+use super::{Rows, RowsMut};
+use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
+use crate::error::{KernelError, invalid};
+use crate::ops::{LoraTarget, MAX_TARGETS, OutputElem, TargetParams, to_i32, to_u32};
+
+/// Threads per block (`BGE_THREADS` in the kernel).
+const THREADS: u32 = 256;
+/// Warps per block, rows per pass (`BGE_WARPS`, `BGE_ROWS`).
+const WARPS: usize = 8;
+const PASS_ROWS: usize = 16;
+/// Most rows of one launch (`BGE_MAX_ROWS`: each thread holds four row indices).
+pub const ENTRY_MAX_ROWS: usize = 1024;
+/// Most table entries per target: the grid's y extent.
+const MAX_ENTRIES: usize = 65_535;
+
+/// Mirror of `struct BgeParams` in `cuda/bgmv_entry.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct BgeParams {
+    x: u64,
+    y: u64,
+    idx: u64,
+    fault: u64,
+    n_rows: i32,
+    in_dim: i32,
+    x_stride: i32,
+    y_stride: i32,
+    rank_stride: i32,
+    n_targets: i32,
+    /// 1: a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
+    overlap: i32,
+    /// Outputs per block whose B rows and y values are staged in shared memory (0: none).
+    stage_cols: i32,
+    targets: [TargetParams; MAX_TARGETS],
+}
+const _: () = assert!(size_of::<BgeParams>() == 160 && std::mem::offset_of!(BgeParams, targets) == 64);
+
+/// What of a call the form's eligibility depends on.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct EntryShape {
+    pub(super) hopper: bool,
+    pub(super) n: usize,
+    pub(super) in_dim: usize,
+    pub(super) stride: usize,
+    pub(super) x_stride: usize,
+    pub(super) x_addr: u64,
+    pub(super) y_stride: usize,
+    pub(super) y_addr: u64,
+    /// Y's element name (`OutputElem::NAME`).
+    pub(super) y_name: &'static str,
+}
+
+impl EntryShape {
+    /// Why the form cannot serve this call, or `Ok` when it can.
+    pub(super) fn check(&self, targets: &[LoraTarget<'_>]) -> Result<(), String> {
+        let eight = |v: usize| v.is_multiple_of(8);
+        if !self.hopper {
+            return Err("clusters need sm_90 or newer".into());
+        }
+        if self.y_name != "bf16" {
+            return Err(format!("y of {} (bf16 only)", self.y_name));
+        }
+        if !matches!(self.stride, 16 | 32 | 64) {
+            return Err(format!("rank stride {} (16, 32 or 64)", self.stride));
+        }
+        if self.n > ENTRY_MAX_ROWS {
+            return Err(format!("{} rows (at most {ENTRY_MAX_ROWS})", self.n));
+        }
+        if !eight(self.in_dim) || !eight(self.x_stride) || !self.x_addr.is_multiple_of(16) {
+            return Err("x rows not 16-byte aligned multiples of 8 columns".into());
+        }
+        if !eight(self.y_stride) || !self.y_addr.is_multiple_of(16) {
+            return Err("y rows not 16-byte aligned".into());
+        }
+        for t in targets {
+            if !eight(t.out_dim) || !eight(t.y_col_offset) {
+                return Err(format!(
+                    "target of {} outputs at column {} (multiples of 8 only)",
+                    t.out_dim, t.y_col_offset
+                ));
+            }
+            if t.n_entries > MAX_ENTRIES {
+                return Err(format!("a table of {} entries (at most {MAX_ENTRIES})", t.n_entries));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rank strides up to which the cluster sums by pushing partials into
+/// receive buffers (`PUSH` in the kernel; two buffers of a partial per block).
+const PUSH_MAX_STRIDE: usize = 32;
+
+/// Blocks per multiprocessor of the kernels (`__launch_bounds__` in the
+/// kernel): three at rank stride 16 (80 registers), else two.
+fn blocks_per_sm(stride: usize) -> usize {
+    if stride <= 16 { 3 } else { 2 }
+}
+
+/// Blocks per cluster by default: 8, except at rank strides past 16 when
+/// clusters of 8 for every table entry would not all be resident at once
+/// (clusters must fit whole in a GPC: about 7/8 of the block slots hold
+/// them), where clusters of 4 take one round. H200, in a graph, n = 256 of
+/// 32 rank-64 adapters: 19.7 µs in clusters of 4 against 24.4 in clusters
+/// of 8. At rank 16 clusters of 8 win even in two rounds (n = 512 of 64
+/// adapters: 15.5 against 20.7; n = 1024 of 64: 19.6 against 25.5).
+pub(super) fn default_cluster(stride: usize, entries: usize, sms: usize) -> usize {
+    let resident_blocks = sms * blocks_per_sm(stride) * 7 / 8;
+    if stride <= 16 || entries * 8 <= resident_blocks {
+        8
+    } else {
+        4
+    }
+}
+
+/// Dynamic shared memory of a launch without staging: the warps' partial
+/// tiles, the block's partial (or the push form's receive buffers), t, and
+/// the row list (`bge_body`), rounded to 16 bytes.
+fn base_smem_bytes(stride: usize, n: usize, cluster: usize) -> usize {
+    let parts = if cluster > 1 && stride <= PUSH_MAX_STRIDE {
+        2 * cluster
+    } else {
+        1
+    };
+    (4 * ((WARPS + parts) * stride * PASS_ROWS + PASS_ROWS * (stride + 4) + n)).div_ceil(16) * 16
+}
+
+/// Bytes of the staged B rows (`cols` of them) and of 16 rows of y values (64 bytes of padding each).
+fn stage_bytes(stride: usize, cols: usize) -> usize {
+    cols * stride * 2 + PASS_ROWS * (cols + 32) * 2
+}
+
+/// Most dynamic shared memory per block with staging: the register bound's
+/// blocks per multiprocessor must still fit (the driver reserves 1 KB per
+/// block; 256 bytes cover the static shared memory).
+fn staged_smem_max(stride: usize, smem_per_sm: usize) -> usize {
+    (smem_per_sm / blocks_per_sm(stride)).saturating_sub(1024 + 256)
+}
+
+/// The outputs per block staged in shared memory (every block's whole
+/// slice of the widest target), and the launch's dynamic shared memory; no
+/// staging where it would cost a resident block.
+fn smem_plan(stride: usize, n: usize, max_out: usize, cluster: usize, smem_per_sm: usize) -> (usize, usize) {
+    let base = base_smem_bytes(stride, n, cluster);
+    let cols = max_out.div_ceil(cluster).div_ceil(8) * 8;
+    let staged = base + stage_bytes(stride, cols);
+    if staged <= staged_smem_max(stride, smem_per_sm) {
+        (cols, staged)
+    } else {
+        (0, base)
+    }
+}
+
+fn kernel_name(cluster: usize, stride: usize) -> Option<&'static str> {
+    Some(match (cluster, stride) {
+        (8, 16) => "bgmv_entry_c8_r16",
+        (8, 32) => "bgmv_entry_c8_r32",
+        (8, 64) => "bgmv_entry_c8_r64",
+        (4, 16) => "bgmv_entry_c4_r16",
+        (4, 32) => "bgmv_entry_c4_r32",
+        (4, 64) => "bgmv_entry_c4_r64",
+        _ => return None,
+    })
+}
+
+/// Launch the form (the caller checked `EntryShape::check`). `cluster`: 8 or 4 blocks per entry.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn launch_entry<Y: OutputElem>(
+    c: &CudaBackend,
+    x: &Rows<'_, bf16>,
+    idx_addr: u64,
+    target_params: &[TargetParams; MAX_TARGETS],
+    targets: &[LoraTarget<'_>],
+    stride: usize,
+    y: &RowsMut<'_, Y>,
+    cluster: usize,
+    overlap: bool,
+) -> Result<(), KernelError> {
+    let name = kernel_name(cluster, stride).ok_or_else(|| invalid("tuning.cluster", format!("{cluster}; 8 or 4")))?;
+    let n = x.n_rows;
+    let entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0).max(1);
+    let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+    let (stage_cols, smem) = smem_plan(stride, n, max_out, cluster, c.smem_per_sm);
+    let params = BgeParams {
+        x: x.addr(),
+        y: y.addr(),
+        idx: idx_addr,
+        fault: c.fault_addr(),
+        n_rows: to_i32("x.n_rows", n)?,
+        in_dim: to_i32("x.width", x.width)?,
+        x_stride: to_i32("x.stride", x.stride)?,
+        y_stride: to_i32("y.stride", y.stride)?,
+        rank_stride: to_i32("rank_stride", stride)?,
+        n_targets: to_i32("targets", targets.len())?,
+        overlap: i32::from(overlap),
+        stage_cols: to_i32("stage_cols", stage_cols)?,
+        targets: *target_params,
+    };
+    let shape = Launch {
+        grid: (
+            to_u32("grid", cluster)?,
+            to_u32("grid", entries)?,
+            to_u32("grid", targets.len())?,
+        ),
+        block: THREADS,
+        smem: to_u32("smem", smem)?,
+    };
+    // SAFETY: `BgeParams` mirrors the kernel's struct (sizes asserted on both
+    // sides). The host checked that x and y cover `n_rows` rows of their widths
+    // and strides, that idx holds `n_rows` values, that each target's table
+    // range and column range lie inside their buffers, and (`EntryShape::check`)
+    // that rows are 16-byte aligned multiples of 8 columns, y is bf16, the
+    // stride is the kernel's and the rows fit its index registers; the shared
+    // memory holds the row list of `n_rows` rows. The kernel checks each index
+    // against `n_entries` and each entry's rank against the stride before it
+    // reads A and B through table addresses, which the table's owner keeps
+    // pointing at live `[stride, in]` / `[out, stride]` pairs. As a dependent
+    // launch (`overlap`) it reads x and y only after `griddepcontrol.wait`.
+    unsafe {
+        c.launch_chained(
+            Kernel {
+                family: Family::Bgmv,
+                name,
+            },
+            shape,
+            &params,
+            overlap,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_holds_the_partials_the_row_list_and_the_stage() {
+        // Rank 16, 256 rows, clusters of 8: 8 warps' and 2 x 8 receive slots' 16 x 16, 16 x 20 floats, 256 rows.
+        assert_eq!(base_smem_bytes(16, 256, 8), 4 * (24 * 256 + 320 + 256));
+        // Rank 64 sums by pulling: one partial.
+        assert_eq!(base_smem_bytes(64, 256, 8), 4 * (9 * 1024 + 16 * 68 + 256));
+        assert!(base_smem_bytes(64, ENTRY_MAX_ROWS, 8) < 64 * 1024);
+        // The H200's 228 KB per multiprocessor. 4096 outputs in clusters of
+        // 8: 512 staged outputs per block.
+        let sm = 228 * 1024;
+        let (cols, smem) = smem_plan(16, 256, 4096, 8, sm);
+        assert_eq!(cols, 512);
+        assert_eq!(smem, base_smem_bytes(16, 256, 8) + 512 * 32 + 16 * 544 * 2);
+        // In clusters of 4 three blocks of 1024 staged outputs would not fit.
+        assert_eq!(smem_plan(16, 256, 4096, 4, sm).0, 0);
+        // Staging never costs a resident block.
+        for (stride, n, out, cl) in [
+            (64, 1024, 4096, 4),
+            (16, 1024, 14336, 4),
+            (64, 256, 14336, 8),
+            (32, 64, 4096, 8),
+        ] {
+            let (cols, smem) = smem_plan(stride, n, out, cl, sm);
+            assert!(
+                blocks_per_sm(stride) * (smem + 1024 + 256) <= sm,
+                "{stride} {n} {out} {cl}"
+            );
+            assert!(cols == 0 || cols * cl >= out);
+        }
+    }
+
+    #[test]
+    fn clusters_of_four_where_eights_would_take_two_rounds_past_rank_16() {
+        assert_eq!(default_cluster(16, 64, 132), 8);
+        assert_eq!(default_cluster(64, 32, 132), 4);
+        assert_eq!(default_cluster(32, 28, 132), 8);
+        assert_eq!(default_cluster(64, 29, 132), 4);
+        assert_eq!(default_cluster(64, 8, 132), 8);
+    }
+
+    #[test]
+    fn every_served_stride_and_cluster_has_a_kernel() {
+        for cl in [8, 4] {
+            for s in [16, 32, 64] {
+                assert!(kernel_name(cl, s).is_some());
+            }
+        }
+        assert!(kernel_name(2, 16).is_none() && kernel_name(8, 48).is_none());
+    }
+}
