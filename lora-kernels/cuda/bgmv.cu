@@ -1,4 +1,6 @@
-// Row-indexed LoRA apply (decode, mixed slots): every row of x names a
+// Row-indexed LoRA apply (decode, mixed slots), the fused, list and
+// two-phase forms (the entry-clustered form is bgmv_entry.cu, compiled after
+// this file in the same module): every row of x names a
 // PairEntry by index (-1: no delta) and
 //   y[row, col_off + o] += scale * sum_k B[o, k] * (sum_i A[k, i] * x[row, i])
 // for each target, in one launch.

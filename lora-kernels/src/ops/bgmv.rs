@@ -5,7 +5,8 @@
 //!
 //! Dense decode passes `idx = seq_slot` into a `[max_loras]` table; MoE
 //! passes `idx = expert * max_loras + slot` into a `[num_experts * max_loras]`
-//! table. CUDA kernel family: `cuda/bgmv.cu`.
+//! table. CUDA kernel family: `cuda/bgmv.cu`, and the entry-clustered
+//! form's `cuda/bgmv_entry.cu` (module `entry`, compiled with it).
 
 use half::bf16;
 
