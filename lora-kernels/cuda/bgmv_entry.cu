@@ -259,12 +259,13 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                 for (int i = tid; i < (o1 - o0) * S / 8; i += BGE_THREADS)
                     cp_async16(s_b + 8 * i, B + (u64)o0 * S + 8 * i);
             }
+            // A warp per row (two rows per warp past 8): every warp copies at once.
             const int pieces = (o1 - o0) / 8;
 #pragma unroll 1
-            for (int r = 0; r < rows_here; ++r) {
+            for (int r = warp; r < rows_here; r += BGE_WARPS) {
                 const bf16_t* src = y + (u64)s_rows[r0 + r] * p.y_stride + o0;
 #pragma unroll 1
-                for (int i = tid; i < pieces; i += BGE_THREADS) cp_async16(s_y + r * yp + 8 * i, src + 8 * i);
+                for (int i = lane; i < pieces; i += 32) cp_async16(s_y + r * yp + 8 * i, src + 8 * i);
             }
         }
         cp_async_commit();
