@@ -1,28 +1,31 @@
 // The entry-clustered form of the row-indexed apply (bgmv.rs `entry`):
 // one cluster of C blocks per (table entry, target) serves every row that
-// names the entry, on tensor cores, with fragments loaded straight from
-// global memory (no shared-memory staging). Compiled with bgmv.cu (one
-// module): it uses that file's helpers.
+// names the entry, on tensor cores, with the shrink's fragments loaded
+// straight from global memory. Compiled with bgmv.cu (one module): it uses
+// that file's helpers.
 //
-// Why: where entries hold many rows (decode batches of a few hundred rows
-// over tens of adapters), the fused kernel's per-item staging loops cost
-// more instructions than the bytes they move (NOTES.md v20). Here a warp
-// moves 16 bytes per lane per load straight into mma fragments, and an
+// Why: where entries hold several rows (decode batches of tens to hundreds
+// of rows over tens of adapters), the fused kernel's per-item staging loops
+// cost more instructions than the bytes they move (NOTES.md v20). Here a
+// warp moves 16 bytes per lane per load straight into mma fragments, and an
 // entry's A and B are read once for all of its rows.
 //
 // Block (cluster rank q of entry e, target z):
 //   1. reads entry e of the table and every row index (one load each per
-//      thread), lists the rows naming e in row order (a ballot per warp,
-//      one barrier); no rows: the whole cluster returns.
+//      thread and 256 rows), lists the rows naming e in row order (a ballot
+//      per warp, two barriers per 256 rows); no rows: the whole cluster returns.
 //   2. shrink: its 1/C slice of `in`, in 32-column chunks dealt to the
 //      warps. m16n8k16 with M = 16 ranks, N = 8 rows, K = 16 columns: a lane
 //      loads 8 consecutive columns of A rows g and g + 8 and of x row g, and
 //      two mma take its words (0, 1) and (2, 3) as their k pairs (2c, 2c+1)
 //      and (2c+8, 2c+9). The k order is a permutation shared by both
-//      operands, so the sum is the same.
+//      operands, so the sum is the same. Once the first chunks' loads are
+//      out, the block's B rows and y values are copied into shared memory
+//      (cp.async; where they fit) for the expand.
 //   3. sum: the warps' partials in shared memory, then the cluster's
-//      blocks' partials through distributed shared memory, in rank order,
-//      times the scale: t [rows][ranks] f32, the same in every block.
+//      blocks' partials (pushed into every peer's receive buffer, or read
+//      from the peers at rank 64), in rank order, times the scale:
+//      t [rows][ranks] f32, the same in every block.
 //   4. expand: its 1/C slice of the outputs, in groups of 32 outputs dealt
 //      to the warps. m16n8k16 with M = 16 rows, N = 8 outputs, K = 16
 //      ranks, t split into bf16 hi + lo (two mma). The 8 outputs of tile j
@@ -30,12 +33,14 @@
 //      g (and g + 8) in its four tiles' accumulators: one 16-byte load of
 //      y before (the mma's C operand) and one store after.
 // Rows are taken 16 at a time (a pass); an entry with more rows runs more
-// passes, each reading its A and B slices again (from L2 after the first).
+// passes, each reading its A slice again (from L2 after the first) and
+// copying its rows' y values.
 //
 // Requirements the host checks: bf16 y; in, x_stride, y_stride, every
 // target's out and column offset multiples of 8; x and y 16-byte aligned;
 // rank stride 16 * KS. A and B addresses of any 2-byte alignment are read
-// (16-byte loads where aligned, else element loads).
+// (16-byte loads where aligned, else element loads; B is staged only when
+// 16-byte aligned).
 
 #define BGE_THREADS 256
 #define BGE_WARPS (BGE_THREADS / 32)

@@ -244,6 +244,37 @@ pub(super) fn launch_entry<Y: OutputElem>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the call, the plan keeps the kernel's blocks per
+        /// multiprocessor, stages every block's whole output slice or
+        /// nothing, and holds the row list of every row.
+        #[test]
+        fn the_shared_memory_plan_keeps_the_resident_blocks(
+            stride in prop::sample::select(vec![16usize, 32, 64]),
+            n in 1usize..=ENTRY_MAX_ROWS,
+            out in 1usize..20_000,
+            cluster in prop::sample::select(vec![4usize, 8]),
+            sm_kb in prop::sample::select(vec![100usize, 164, 228]),
+        ) {
+            let out = out.div_ceil(8) * 8;
+            let sm = sm_kb * 1024;
+            let (cols, smem) = smem_plan(stride, n, out, cluster, sm);
+            let base = base_smem_bytes(stride, n, cluster);
+            prop_assert!(base >= 4 * n, "the row list fits");
+            if cols == 0 {
+                prop_assert_eq!(smem, base);
+            } else {
+                prop_assert!(blocks_per_sm(stride) * (smem + 1024 + 256) <= sm);
+                prop_assert!(cols * cluster >= out && cols % 8 == 0);
+                prop_assert_eq!(smem, base + stage_bytes(stride, cols));
+            }
+            let cl = default_cluster(stride, n, 132);
+            prop_assert!(cl == 8 || cl == 4);
+            prop_assert!(kernel_name(cl, stride).is_some());
+        }
+    }
 
     #[test]
     fn shared_memory_holds_the_partials_the_row_list_and_the_stage() {
