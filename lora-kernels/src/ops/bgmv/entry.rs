@@ -317,6 +317,58 @@ mod tests {
     }
 
     #[test]
+    fn calls_the_form_cannot_serve_are_refused_with_the_reason() {
+        let dev = crate::Device::cpu();
+        let table = dev.upload(&[crate::PairEntry::default(); 4]).unwrap();
+        let target = |out_dim, y_col_offset| LoraTarget {
+            table: &table,
+            table_offset: 0,
+            n_entries: 4,
+            out_dim,
+            y_col_offset,
+        };
+        let ok = EntryShape {
+            hopper: true,
+            n: 256,
+            in_dim: 4096,
+            stride: 16,
+            x_stride: 4096,
+            x_addr: 1 << 20,
+            y_stride: 4096,
+            y_addr: 2 << 20,
+            y_name: "bf16",
+        };
+        assert_eq!(ok.check(&[target(4096, 0)]), Ok(()));
+        let refusals = [
+            (EntryShape { hopper: false, ..ok }, "sm_90"),
+            (EntryShape { y_name: "f32", ..ok }, "bf16 only"),
+            (EntryShape { stride: 48, ..ok }, "rank stride 48"),
+            (
+                EntryShape {
+                    n: ENTRY_MAX_ROWS + 1,
+                    ..ok
+                },
+                "1025 rows",
+            ),
+            (EntryShape { in_dim: 4095, ..ok }, "x rows"),
+            (
+                EntryShape {
+                    x_addr: (1 << 20) + 8,
+                    ..ok
+                },
+                "x rows",
+            ),
+            (EntryShape { y_stride: 4100, ..ok }, "y rows"),
+        ];
+        for (shape, why) in refusals {
+            let err = shape.check(&[target(4096, 0)]).unwrap_err();
+            assert!(err.contains(why), "{err}");
+        }
+        let err = ok.check(&[target(4096, 0), target(100, 4096)]).unwrap_err();
+        assert!(err.contains("100 outputs"), "{err}");
+    }
+
+    #[test]
     fn every_served_stride_and_cluster_has_a_kernel() {
         for cl in [8, 4] {
             for s in [16, 32, 64] {
