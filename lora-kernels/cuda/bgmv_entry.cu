@@ -58,13 +58,11 @@ struct BgeParams {
     int in_dim;
     int x_stride;
     int y_stride;
-    int rank_stride;
-    int n_targets;
     int overlap;  // a programmatic dependent: idx, the tables and the adapters read before griddepcontrol.wait
     int stage_cols;  // outputs per block staged in shared memory (B rows and y values), 0: none
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgeParams) == 160 && sizeof(BgeParams) - sizeof(LoraTarget) * MAX_TARGETS == 64, "mirrors bgmv.rs");
+static_assert(sizeof(BgeParams) == 152 && sizeof(BgeParams) - sizeof(LoraTarget) * MAX_TARGETS == 56, "mirrors bgmv.rs");
 
 // 8 consecutive bf16 at p (16-byte load when aligned, else element loads).
 __device__ __forceinline__ uint4 load8_any(const bf16_t* p, bool aligned) {
@@ -90,6 +88,7 @@ __device__ __forceinline__ u32 rank_mask(int r0, int rank) {
 
 template <int C, int KS>
 __device__ __forceinline__ void bge_body(const BgeParams& p) {
+    static_assert(C > 1, "a cluster of blocks per entry");
     constexpr int S = 16 * KS;  // rank stride
     constexpr int RPT = BGE_MAX_ROWS / BGE_THREADS;
     // Loads of several chunks (groups) in flight per warp, as registers allow.
@@ -103,13 +102,16 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     // [16][stage_cols + 32] bf16 (64 bytes of padding per row: the 16-byte
     // reads of a quarter warp fall in distinct banks).
     // Push form for strides up to 32 (its receive buffers: 16 KB at 16 in clusters of 8).
-    constexpr bool PUSH = C > 1 && KS <= 2;
+    constexpr bool PUSH = KS <= 2;
     constexpr int PART = S * BGE_ROWS;  // floats of one block's partial
     float* s_red = (float*)bge_smem;
     float* s_part = s_red + BGE_WARPS * PART;  // pull: part; push: recv
     float* s_t = s_part + (PUSH ? 2 * C : 1) * PART;
     constexpr int TP = S + 4;  // t row pitch
     int* s_rows = (int*)(s_t + BGE_ROWS * TP);
+    // The staging area: the byte offset past the row list, rounded to 16
+    // (an offset, not the row list's address rounded: 32-bit arithmetic,
+    // which keeps rank 16 at its 16 bytes of spills instead of 76).
     bf16_t* s_b =
         (bf16_t*)(bge_smem + ((4 * ((BGE_WARPS + (PUSH ? 2 * C : 1)) * PART + BGE_ROWS * TP + p.n_rows) + 15) & ~15));
     const int yp = p.stage_cols + 32;  // staged y row pitch
@@ -122,7 +124,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     const int warp = tid >> 5;
     const int g = lane >> 2;
     const int c = lane & 3;
-    const int q = C > 1 ? (int)(blockIdx.x % C) : 0;  // rank in the cluster (clusters span x)
+    const int q = (int)(blockIdx.x % C);  // rank in the cluster (clusters span x)
     const int e = (int)blockIdx.y;
     const LoraTarget tg = p.targets[blockIdx.z];
     const int* idx = (const int*)p.idx;
@@ -138,8 +140,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     }
     if (report_index) {
 #pragma unroll
-        for (int i = 0; i < RPT; ++i)
-            if (raw[i] >= tg.n_entries) raise_fault(p.fault, FAULT_BAD_INDEX);
+        for (int i = 0; i < RPT; ++i) checked_index(raw[i], tg.n_entries, p.fault, true);
     }
     // Uniform over the cluster: the same entry and target.
     if (e >= tg.n_entries) return;
@@ -335,28 +336,18 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                 for (int w = 0; w < BGE_WARPS; ++w) v += s_red[w * PART + i];
                 s_part[i] = v;
             }
-            if (C > 1) {
-                cluster_arrive();
-                cluster_wait();
-            } else {
-                __syncthreads();
-            }
+            cluster_arrive();
+            cluster_wait();
 #pragma unroll
             for (int i = tid; i < PART; i += BGE_THREADS) {
                 float v = 0.f;
-                if (C > 1) {
 #pragma unroll
-                    for (int pq = 0; pq < C; ++pq) v += ld_dsmem(s_part + i, (u32)pq);
-                } else {
-                    v = s_part[i];
-                }
+                for (int pq = 0; pq < C; ++pq) v += ld_dsmem(s_part + i, (u32)pq);
                 s_t[(i % BGE_ROWS) * TP + i / BGE_ROWS] = v * en.scale;
             }
-            if (C > 1) {
-                // The values are in registers (summed above): nothing to release.
-                cluster_arrive_relaxed();
-                pending = true;
-            }
+            // The values are in registers (summed above): nothing to release.
+            cluster_arrive_relaxed();
+            pending = true;
         }
         cp_async_wait<0>();
         __syncthreads();
@@ -418,7 +409,6 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
             const bool y_ok = base + 8 * c + 8 <= o1;
             bf16_t* ya = row_a >= 0 && y_ok ? y + (u64)row_a * p.y_stride + base + 8 * c : nullptr;
             bf16_t* yb = row_b >= 0 && y_ok ? y + (u64)row_b * p.y_stride + base + 8 * c : nullptr;
-            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
             const uint4 va = !ya ? zero : staged ? *(const uint4*)(s_y + g * yp + (base - o0) + 8 * c) : *(const uint4*)ya;
             const uint4 vb = !yb ? zero : staged ? *(const uint4*)(s_y + (g + 8) * yp + (base - o0) + 8 * c) : *(const uint4*)yb;
             const u32 wa[4] = {va.x, va.y, va.z, va.w};
@@ -449,7 +439,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
 
 #if __CUDA_ARCH__ >= 900
 // Rank 16 in at most 80 registers: three blocks per multiprocessor, so 8-block
-// clusters of 32 entries are all resident at once (`ENTRY_BLOCKS_PER_SM` in bgmv/entry.rs).
+// clusters of 32 entries are all resident at once (`blocks_per_sm` in bgmv/entry.rs).
 #define BGE_KERNEL(NAME, C, KS, BLOCKS)                                                                  \
     extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGE_THREADS, BLOCKS) NAME(const BgeParams p) { \
         bge_body<C, KS>(p);                                                                              \

@@ -92,23 +92,11 @@ struct OnDevice {
 
 impl OnDevice {
     fn new(dev: &Device, p: &Problem) -> OnDevice {
-        let mut weights = Vec::new();
-        let mut entries = Vec::new();
-        for pairs in &p.pairs {
-            let w = dev.upload(&pairs.data).unwrap();
-            entries.extend(pairs.entries(w.device_addr()));
-            weights.push(w);
-        }
-        OnDevice {
-            x: dev.upload(&p.x).unwrap(),
-            _weights: weights,
-            table: dev.upload(&entries).unwrap(),
-            slots: p.pairs[0].ranks.len(),
-        }
+        OnDevice::shifted(dev, p, 0)
     }
 
-    /// As [`OnDevice::new`], with every pair's weights `shift` elements past
-    /// a 16-byte boundary (A and B rows of any 2-byte alignment).
+    /// The buffers with every pair's weights `shift` elements past a 16-byte
+    /// boundary (A and B rows of any 2-byte alignment; 0: aligned).
     fn shifted(dev: &Device, p: &Problem, shift: usize) -> OnDevice {
         let mut weights = Vec::new();
         let mut entries = Vec::new();
@@ -186,21 +174,21 @@ fn compare<Y: OutputElem>(label: &str, input: &[Y], cpu: &[Y], gpu: &[Y]) {
 }
 
 fn run_bgmv_on<Y: OutputElem>(dev: &Device, p: &Problem, idx: &[i32], y0: &[Y], tuning: BgmvTuning) -> Vec<Y> {
-    let on = OnDevice::new(dev, p);
-    let idx = dev.upload(idx).unwrap();
-    let mut y = dev.upload(y0).unwrap();
-    let targets = on.targets(p);
-    let yv = RowsMut::dense(&mut y, p.n, p.y_width);
-    bgmv_tuned(dev, on.x_rows(p), &idx, &targets, p.stride, yv, tuning).unwrap();
-    dev.check_faults().unwrap();
-    y.download().unwrap()
+    run_bgmv_shifted(dev, p, idx, y0, 0, tuning)
 }
 
 /// [`run_bgmv_on`] with the weights placed by `OnDevice::shifted`.
-fn run_bgmv_shifted(dev: &Device, p: &Problem, idx: &[i32], shift: usize, tuning: BgmvTuning) -> Vec<bf16> {
+fn run_bgmv_shifted<Y: OutputElem>(
+    dev: &Device,
+    p: &Problem,
+    idx: &[i32],
+    y0: &[Y],
+    shift: usize,
+    tuning: BgmvTuning,
+) -> Vec<Y> {
     let on = OnDevice::shifted(dev, p, shift);
     let idx = dev.upload(idx).unwrap();
-    let mut y = dev.upload(&p.y_bf16).unwrap();
+    let mut y = dev.upload(y0).unwrap();
     let targets = on.targets(p);
     let yv = RowsMut::dense(&mut y, p.n, p.y_width);
     bgmv_tuned(dev, on.x_rows(p), &idx, &targets, p.stride, yv, tuning).unwrap();
@@ -1629,7 +1617,7 @@ fn gpu_bgmv_entry_clusters_match_cpu() {
             );
         }
         for shift in [1, 2, 4, 7] {
-            let g = run_bgmv_shifted(&gpu, &p, &idx, shift, ENTRY);
+            let g = run_bgmv_shifted(&gpu, &p, &idx, &p.y_bf16, shift, ENTRY);
             compare(
                 &format!("entry n={n} stride={stride} weights shifted by {shift}"),
                 &p.y_bf16,

@@ -504,10 +504,12 @@ pub struct BgmvTuning {
     /// loaded straight from global memory; no window scan or item list.
     /// Serves bf16 y, rank strides 16, 32 and 64, at most
     /// [`ENTRY_MAX_ROWS`] rows, rows 16-byte aligned (`Some(true)` on
-    /// another call is an error). `None`: on for batches of
+    /// another call is an error). `None`: on where the call suits it, no
+    /// knob of another form is set, and either the batch has
     /// [`ENTRY_MIN_ROWS`] rows or more with at least
-    /// [`ENTRY_MIN_ROWS_PER_ENTRY`] rows per table entry, where the call
-    /// suits it and no knob of another form is set.
+    /// [`ENTRY_MIN_ROWS_PER_ENTRY`] per table entry, or (rank stride 16,
+    /// at most [`ENTRY_ONE_ROUND_MAX_OUT`] outputs, not under the overlap)
+    /// every entry's cluster of 8 is resident at once.
     pub entry_clusters: Option<bool>,
 }
 
@@ -582,17 +584,21 @@ fn item_list_fits(window: usize, n_windows: usize, n_targets: usize) -> bool {
 /// smaller (a small batch runs from a cold instruction cache).
 pub const TENSOR_CORE_MIN_ROWS: usize = 129;
 
-/// Rows per table entry from which [`bgmv`] serves a batch in the
-/// entry-clustered form by default (`BgmvTuning::entry_clusters`): there
-/// each entry's A and B are read once for all its rows by one cluster. H200,
-/// in a graph, against the previous defaults: n = 256 of 32 rank-16 adapters
-/// 8.70 against 14.27 µs, n = 128 of 16 6.38 against 11.37, n = 64 of 8 5.28
-/// against 7.88, n = 64 of 24 6.49 against 7.95, n = 512 of 64 15.52
-/// against 21.08, n = 1024 of 64 19.64 against 36.99. With one row per
-/// entry it loses (n = 64 of 64 adapters of rank 64: 37.6 against 25.7):
-/// each cluster then serves one row, and the clusters of a 64-entry table
-/// need two rounds of resident blocks.
+/// Rows per table entry from which [`bgmv`] serves a batch of
+/// [`ENTRY_MIN_ROWS`] rows or more in the entry-clustered form by default
+/// (`BgmvTuning::entry_clusters`): there each entry's A and B are read once
+/// for all its rows by one cluster. H200, in a graph, against the previous
+/// defaults: n = 256 of 32 rank-16 adapters 8.70 against 14.27 µs, n = 128
+/// of 16 6.38 against 11.37, n = 64 of 8 5.28 against 7.88, n = 64 of 24
+/// 6.49 against 7.95, n = 512 of 64 15.52 against 21.08, n = 1024 of 64
+/// 19.64 against 36.99. With one row per entry of a 64-entry table it loses
+/// (n = 64 of 64 adapters of rank 64: 37.6 against 25.7): each cluster then
+/// serves one row, and the clusters need two rounds of resident blocks.
 pub const ENTRY_MIN_ROWS_PER_ENTRY: usize = 2;
+
+/// Widest output the entry-clustered form serves by default with one row
+/// per entry (`entry_by_default`); 14336 outputs lost there (28 against 20 µs).
+pub const ENTRY_ONE_ROUND_MAX_OUT: usize = 8192;
 
 /// Batch sizes from which the entry-clustered form serves batches of
 /// several rows per entry by default (smaller ones only when their tables
@@ -617,9 +623,9 @@ struct EntryCall {
 /// which the caller checks):
 /// - [`ENTRY_MIN_ROWS`] rows or more, at least [`ENTRY_MIN_ROWS_PER_ENTRY`]
 ///   per entry of the largest table; or
-/// - rank stride 16 and at most 8192 outputs, with clusters of 8 for every
-///   entry of every target resident at once (three blocks per multiprocessor,
-///   7/8 of them in whole clusters): H200, in a graph, n = 1 4.60 against
+/// - rank stride 16 and at most [`ENTRY_ONE_ROUND_MAX_OUT`] outputs, with
+///   clusters of 8 for every entry of every target resident at once
+///   (`entry::cluster_block_slots`): H200, in a graph, n = 1 4.60 against
 ///   4.80 µs, n = 16 of 16 adapters 5.94 against 5.97, n = 32 of 32 7.50
 ///   against 7.73. A 64-entry table of one-row entries needs two rounds and
 ///   loses (n = 64 of 64: 12.7 against 8.8), as do wider outputs and larger
@@ -640,8 +646,8 @@ fn entry_by_default(call: EntryCall, tuning: BgmvTuning) -> bool {
     let several_rows = call.n >= ENTRY_MIN_ROWS && call.n >= ENTRY_MIN_ROWS_PER_ENTRY * entries;
     let one_round = !call.overlap
         && call.stride <= 16
-        && call.max_out <= TWO_PHASE_WIDE_OUT
-        && entries * 8 * call.n_targets.max(1) <= call.sms * 3 * 7 / 8;
+        && call.max_out <= ENTRY_ONE_ROUND_MAX_OUT
+        && entries * 8 * call.n_targets.max(1) <= entry::cluster_block_slots(16, call.sms);
     others_unset && (several_rows || one_round)
 }
 
@@ -1019,6 +1025,7 @@ fn launch<Y: OutputElem>(
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let max_entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0);
     let hopper = c.compute_capability.0 >= 9;
+    let overlap = tuning.overlap_previous.unwrap_or(false);
     let entry_shape = entry::EntryShape {
         hopper,
         n,
@@ -1046,7 +1053,7 @@ fn launch<Y: OutputElem>(
                 stride,
                 max_out,
                 sms: c.sm_count as usize,
-                overlap: tuning.overlap_previous.unwrap_or(false),
+                overlap,
             };
             entry_by_default(call, tuning) && entry_shape.check(targets).is_ok()
         }
@@ -1056,7 +1063,6 @@ fn launch<Y: OutputElem>(
             None => entry::default_cluster(stride, max_entries, c.sm_count as usize),
             Some(v) => v as usize,
         };
-        let overlap = tuning.overlap_previous.unwrap_or(false);
         return entry::launch_entry(
             c,
             x,
@@ -1090,8 +1096,8 @@ fn launch<Y: OutputElem>(
         let choice = LaunchChoice::pick(limits, rows, targets, mapped).ok()?;
         (choice.rounds == 1).then_some((mapped, choice))
     });
+    // (The row-mapped tuning keeps the caller's `overlap_previous`: `overlap` stands.)
     let tuning = mapped.map_or(tuning, |(mapped, _)| mapped);
-    let overlap = tuning.overlap_previous.unwrap_or(false);
     let list_wanted = tuning
         .item_list_pass
         .unwrap_or_else(|| item_list_by_default(n, max_entries, overlap))

@@ -37,15 +37,13 @@ struct BgeParams {
     in_dim: i32,
     x_stride: i32,
     y_stride: i32,
-    rank_stride: i32,
-    n_targets: i32,
     /// 1: a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
     overlap: i32,
     /// Outputs per block whose B rows and y values are staged in shared memory (0: none).
     stage_cols: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgeParams>() == 160 && std::mem::offset_of!(BgeParams, targets) == 64);
+const _: () = assert!(size_of::<BgeParams>() == 152 && std::mem::offset_of!(BgeParams, targets) == 56);
 
 /// What of a call the form's eligibility depends on.
 #[derive(Debug, Clone, Copy)]
@@ -109,16 +107,22 @@ fn blocks_per_sm(stride: usize) -> usize {
     if stride <= 16 { 3 } else { 2 }
 }
 
+/// Block slots of the device that clusters can fill at once: clusters must
+/// fit whole in a GPC, so about 7/8 of the blocks per multiprocessor times
+/// the multiprocessors hold them (as `LaunchChoice::pick` counts for the
+/// fused kernel's clusters).
+pub(super) fn cluster_block_slots(stride: usize, sms: usize) -> usize {
+    sms * blocks_per_sm(stride) * 7 / 8
+}
+
 /// Blocks per cluster by default: 8, except at rank strides past 16 when
 /// clusters of 8 for every table entry would not all be resident at once
-/// (clusters must fit whole in a GPC: about 7/8 of the block slots hold
-/// them), where clusters of 4 take one round. H200, in a graph, n = 256 of
+/// (`cluster_block_slots`), where clusters of 4 take one round. H200, in a graph, n = 256 of
 /// 32 rank-64 adapters: 19.7 µs in clusters of 4 against 24.4 in clusters
 /// of 8. At rank 16 clusters of 8 win even in two rounds (n = 512 of 64
 /// adapters: 15.5 against 20.7; n = 1024 of 64: 19.6 against 25.5).
 pub(super) fn default_cluster(stride: usize, entries: usize, sms: usize) -> usize {
-    let resident_blocks = sms * blocks_per_sm(stride) * 7 / 8;
-    if stride <= 16 || entries * 8 <= resident_blocks {
+    if stride <= 16 || entries * 8 <= cluster_block_slots(stride, sms) {
         8
     } else {
         4
@@ -202,8 +206,6 @@ pub(super) fn launch_entry<Y: OutputElem>(
         in_dim: to_i32("x.width", x.width)?,
         x_stride: to_i32("x.stride", x.stride)?,
         y_stride: to_i32("y.stride", y.stride)?,
-        rank_stride: to_i32("rank_stride", stride)?,
-        n_targets: to_i32("targets", targets.len())?,
         overlap: i32::from(overlap),
         stage_cols: to_i32("stage_cols", stage_cols)?,
         targets: *target_params,
