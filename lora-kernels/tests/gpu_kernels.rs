@@ -418,8 +418,8 @@ const TWO_PHASE_TC_POW2_DEPENDENT: BgmvTuning = BgmvTuning {
 };
 
 /// The two-phase kernels with every row its own item, the expand a
-/// dependent launch (its first unit's entry, B and y requested before it
-/// waits); the same as plain launches, and with the shrink on tensor cores.
+/// dependent launch (its first unit's entry and y read before it waits);
+/// the same as plain launches, and with the shrink on tensor cores.
 const TWO_PHASE_ROWS: BgmvTuning = BgmvTuning {
     two_phase_row_items: Some(true),
     pow2_slices: Some(true),
