@@ -1480,6 +1480,59 @@ __device__ __forceinline__ void shrink_tc_group(float* d, const bf16_t* a_lo, co
     }
 }
 
+// The scalar shrink of warp (kp, cg): steps of RU rank rows (kp, kp + kw,
+// ...) x XR item rows over its column passes (cg, cg + groups, ... of 32
+// 8-column chunks from k0), RU A loads in flight per lane. A warp's column
+// passes are summed in its registers before one butterfly8 and one shared
+// add per step, so each rank sum gets one add per column group: two at
+// most, and a + b == b + a, so the result does not depend on the warps'
+// timing (a replay equals its eager run bit for bit).
+template <int RU, int XR>
+__device__ __forceinline__ void shrink_scalar_steps(float* sT, const bf16_t* A, const bf16_t* X, const int* rows,
+                                                    int x_stride, int nr, int rank, int in, int k0, int k1, int nch,
+                                                    int kp, int kw, int cg, int groups, int lane, bool vec_a,
+                                                    bool vec_x) {
+    static_assert(RU * XR == 8, "butterfly8 sums 8 values");
+#pragma unroll 1
+    for (int g0 = 0; g0 < nr; g0 += XR) {
+#pragma unroll 1
+        for (int k = kp; k < rank; k += kw * RU) {
+            float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+            for (int cb = cg * 32; cb < nch; cb += groups * 32) {
+                const int c = cb + lane;
+                const int col = k0 + c * 8;
+                const int valid = c < nch ? k1 - col : 0;
+                uint4 a[RU];
+#pragma unroll
+                for (int j = 0; j < RU; ++j) {
+                    const int kk = k + j * kw;
+                    a[j] = kk < rank ? load8(A + (u64)kk * in + col, valid, vec_a) : make_uint4(0, 0, 0, 0);
+                }
+                // x of rows g0 .. g0 + XR (an item's later rows and rank
+                // steps re-read it, and A, from L1).
+                uint4 xr[XR];
+#pragma unroll
+                for (int g = 0; g < XR; ++g)
+                    xr[g] = g0 + g < nr ? load8(X + (u64)rows[g0 + g] * x_stride + col, valid, vec_x)
+                                        : make_uint4(0, 0, 0, 0);
+                // The 8 partial dots (rank rows x item rows); rows past the
+                // rank or the item's rows are zero, unwritten.
+#pragma unroll
+                for (int j = 0; j < RU; ++j)
+#pragma unroll
+                    for (int g = 0; g < XR; ++g) v[j * XR + g] = dot8(a[j], xr[g], v[j * XR + g]);
+            }
+            // Summed over the warp at once.
+            const float sum = butterfly8(v, lane);
+            const int vi = butterfly8_index(lane);
+            const int kk = k + (vi / XR) * kw;
+            const int g = g0 + vi % XR;
+            if ((lane & 3) == 0 && kk < rank && g < nr) atomicAdd(&sT[g * BGMV_MAX_RANK + kk], sum);
+        }
+    }
+}
+
 // How the shrink sums an item: scalar (unpacking, FMAs, butterfly8) or on
 // tensor cores (an mma_k16 takes up to 8 item rows at once, where the scalar
 // path re-reads A for each pair of rows).
@@ -1626,80 +1679,18 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
                 shrink_tc_sum(sT, s_tc, round, gw, cw, groups16, rank, nr);
                 __syncthreads();  // s_tc is rewritten by the next round
             }
-        } else if (ROWS && kp < kw) {
-            // One-row items (the row form): 8 rank rows per step and one x
-            // row, so a lane has 8 A loads in flight where the two-row steps
-            // below have 4 and leave half their sums empty (H200, in a
-            // graph, n = 64 of rank-64 adapters: 25.72 -> 25.2 µs).
-            const bf16_t* xrow = X + (u64)s_item.rows[0] * p.x_stride;
-#pragma unroll 1
-            for (int k = kp; k < rank; k += kw * 8) {
-                float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-                for (int cb = cg * 32; cb < nch; cb += groups * 32) {
-                    const int c = cb + lane;
-                    const int col = k0 + c * 8;
-                    const int valid = c < nch ? k1 - col : 0;
-                    uint4 a[8];
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const int kk = k + j * kw;
-                        a[j] = kk < rank ? load8(A + (u64)kk * in + col, valid, vec_a) : make_uint4(0, 0, 0, 0);
-                    }
-                    const uint4 xr = load8(xrow + col, valid, vec_x);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) v[j] = dot8(a[j], xr, v[j]);
-                }
-                const float sum = butterfly8(v, lane);
-                const int kk = k + butterfly8_index(lane) * kw;
-                if ((lane & 3) == 0 && kk < rank) atomicAdd(&sT[kk], sum);
-            }
         } else if (kp < kw) {
-            // A warp's column passes are summed in its registers before one
-            // butterfly8 and one shared add per (rank rows, item rows) step,
-            // so each rank sum gets one add per column group: two at most,
-            // and a + b == b + a, so the result does not depend on the warps'
-            // timing (a replay equals its eager run bit for bit).
-#pragma unroll 1
-            for (int g0 = 0; g0 < nr; g0 += BGMV2_XROWS) {
-#pragma unroll 1
-                for (int k = kp; k < rank; k += kw * BGMV2_UNROLL) {
-                    static_assert(BGMV2_UNROLL * BGMV2_XROWS == 8, "butterfly8 sums 8 values");
-                    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-                    for (int cb = cg * 32; cb < nch; cb += groups * 32) {
-                        const int c = cb + lane;
-                        const int col = k0 + c * 8;
-                        const int valid = c < nch ? k1 - col : 0;
-                        uint4 a[BGMV2_UNROLL];
-#pragma unroll
-                        for (int j = 0; j < BGMV2_UNROLL; ++j) {
-                            const int kk = k + j * kw;
-                            a[j] = kk < rank ? load8(A + (u64)kk * in + col, valid, vec_a) : make_uint4(0, 0, 0, 0);
-                        }
-                        // x of rows g0, g0 + 1 (an item's later row pairs and rank
-                        // steps re-read it, and A, from L1).
-                        uint4 xr[BGMV2_XROWS];
-#pragma unroll
-                        for (int g = 0; g < BGMV2_XROWS; ++g)
-                            xr[g] = g0 + g < nr ? load8(X + (u64)s_item.rows[g0 + g] * p.x_stride + col, valid, vec_x)
-                                                : make_uint4(0, 0, 0, 0);
-                        // The 8 partial dots (rank rows x item rows); rows past the
-                        // rank or the item's rows are zero, unwritten.
-#pragma unroll
-                        for (int j = 0; j < BGMV2_UNROLL; ++j)
-#pragma unroll
-                            for (int g = 0; g < BGMV2_XROWS; ++g)
-                                v[j * BGMV2_XROWS + g] = dot8(a[j], xr[g], v[j * BGMV2_XROWS + g]);
-                    }
-                    // Summed over the warp at once.
-                    const float sum = butterfly8(v, lane);
-                    const int vi = butterfly8_index(lane);
-                    const int kk = k + (vi / BGMV2_XROWS) * kw;
-                    const int g = g0 + vi % BGMV2_XROWS;
-                    if ((lane & 3) == 0 && kk < rank && g < nr) atomicAdd(&sT[g * BGMV_MAX_RANK + kk], sum);
-                }
-            }
+            // One-row items (the row form): 8 rank rows per step and one x
+            // row, so a lane has 8 A loads in flight where steps of 4 x 2
+            // have 4 and leave half their sums empty (H200, in a graph, n =
+            // 64 of rank-64 adapters: 25.72 -> 25.2 µs).
+            // (nr is 1 there: an item of rank 0 was skipped above.)
+            if constexpr (ROWS)
+                shrink_scalar_steps<8, 1>(sT, A, X, s_item.rows, p.x_stride, 1, rank, in, k0, k1, nch, kp, kw, cg,
+                                          groups, lane, vec_a, vec_x);
+            else
+                shrink_scalar_steps<BGMV2_UNROLL, BGMV2_XROWS>(sT, A, X, s_item.rows, p.x_stride, nr, rank, in, k0,
+                                                                k1, nch, kp, kw, cg, groups, lane, vec_a, vec_x);
         }
         __syncthreads();
 #pragma unroll 1
