@@ -464,6 +464,18 @@ const DECODE_TARGETS: &[(DecodeCase, usize)] = &[((64, 4096, 4096, 16, 64, None)
 const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =
     &[(4096, 8, 4096, 4096, 16, 69.4), (8192, 32, 4096, 4096, 64, 445.9)];
 
+/// More prefill shapes (rows, segments, in, out, r), timed only under
+/// `--sweep` and with no target: to check a default (the shrink's K
+/// splits, say) beyond the two shapes above.
+const PREFILL_SWEEP: &[(usize, usize, usize, usize, usize)] = &[
+    (1024, 8, 4096, 4096, 16),
+    (2048, 4, 4096, 4096, 16),
+    (4096, 32, 4096, 4096, 16),
+    (8192, 8, 4096, 4096, 16),
+    (4096, 8, 4096, 4096, 32),
+    (4096, 16, 4096, 4096, 64),
+];
+
 /// Each target's distinct adapters' A and B, x read once, every target's y read and written.
 fn floor_bytes(n: usize, in_dim: usize, out: usize, r: usize, distinct: usize, targets: usize) -> f64 {
     (targets * distinct * (r * in_dim + out * r) * 2 + n * (in_dim * 2 + targets * out * 4)) as f64
@@ -592,7 +604,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 two_phase: Some(true),
                 ..Default::default()
             };
-            for cols in [256, 512, 1024] {
+            for cols in [256, 512, 1024, 2048, 3584] {
                 let t = BgmvTuning {
                     expand_cols: Some(cols),
                     ..two_phase
@@ -805,7 +817,16 @@ fn attach_in_graph(ctx: &mut Ctx<'_>, name: &str, variant: &str, timed: InGraph)
 }
 
 fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
-    for &(rows, segs, in_dim, out, r, peer) in PREFILL {
+    let extra: &[(usize, usize, usize, usize, usize)] = if ctx.opts.sweep { PREFILL_SWEEP } else { &[] };
+    let shapes = PREFILL
+        .iter()
+        .map(|&(rows, segs, in_dim, out, r, peer)| (rows, segs, in_dim, out, r, Some(peer)))
+        .chain(
+            extra
+                .iter()
+                .map(|&(rows, segs, in_dim, out, r)| (rows, segs, in_dim, out, r, None)),
+        );
+    for (rows, segs, in_dim, out, r, peer) in shapes {
         let name = format!("prefill rows={rows} segs={segs} in={in_dim} out={out} r={r}");
         if !ctx.opts.wants_case(&name) {
             continue;
@@ -898,9 +919,9 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
         let case = KernelCase {
             name: name.clone(),
             floor_bytes: floor_bytes(rows, in_dim, out, r, segs, 1),
-            peer_us: Some(peer),
-            target_us: Some(peer / 1.5),
-            floor_share_target: Some(0.67),
+            peer_us: peer,
+            target_us: peer.map(|p| p / 1.5),
+            floor_share_target: peer.map(|_| 0.67),
             shape: json!({"kind": "prefill", "n": rows, "segments": segs, "in": in_dim, "out": out, "r": r, "distinct": segs}),
         };
         let device = ctx.device;
