@@ -1300,8 +1300,9 @@ extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 // row is an item of its own, so the shrink scans no window and writes no
 // descriptor, and the expand finds each row's entry from idx and the table
 // itself; neither depends on the shrink, so a block's first unit copies its
-// y values in (not under the overlap) before griddepcontrol.wait. Rows of
-// one adapter each read its A and B (from L2 after the first).
+// y values in (not under the overlap) and loads its first B rows before
+// griddepcontrol.wait. Rows of one adapter each read its A and B (from L2
+// after the first).
 //
 // Scratch layout (the host sizes and checks it; `BGMV2_*` mirror bgmv.rs):
 //   [0, 256)                      Bgmv2Header per target
@@ -1723,6 +1724,20 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_tc_ro
     bgmv2_shrink_body<SHRINK_TC, true>(p);
 }
 
+// The sum over K splits [0, k_splits) of part[ks * split], k_splits <= KS, in split order: all KS
+// loads issued before the first add (splits past k_splits read split 0 again and are not added).
+template <int KS>
+__device__ __forceinline__ float sum_splits(const float* part, u64 split, int k_splits) {
+    float w[KS];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) w[ks] = part[(ks < k_splits ? ks : 0) * split];
+    float s = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+        if (ks < k_splits) s += w[ks];
+    return s;
+}
+
 // Dynamic shared memory of the expand: sAcc [GR][cols] f32, sY [GR][cols] Y,
 // sT [GR][rpad] f32, for items of up to GR rows (G; the row form's 1).
 // ROWS: the row form (p.row_ks > 0), its own kernels.
@@ -1758,10 +1773,11 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     // Row form: unit u is row u / chunks, whose entry this kernel reads from
     // idx and the table (the shrink raised their faults): neither depends on
     // the shrink, so a block's first unit copies its y values in before the
-    // wait below (not under the overlap, where the kernel before the shrink
-    // may still write y). Its B rows are not prefetched into L2 there: the
-    // loads after the wait alone were faster (H200, in a graph, n = 64: rank
-    // 64 24.83 -> 24.07 µs, 14336 outputs 19.66 -> 18.56).
+    // wait (not under the overlap, where the kernel before the shrink may
+    // still write y), and its first B rows are loaded into registers before it
+    // (the B pass below). An L2 prefetch of its whole B span there was slower
+    // than no prefetch (H200, in a graph, n = 64: rank 64 24.83 -> 24.07 µs
+    // without it, 14336 outputs 19.66 -> 18.56).
     auto row_entry = [&](int row) {
         PairEntry en;
         checked_entry(((const int*)p.idx)[row], tg.n_entries, (const PairEntry*)tg.table, stride, p.fault, false, &en);
@@ -1788,8 +1804,10 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             }
         }
     }
+    // The row form waits for the shrink inside its first unit, after that
+    // unit's first B rows are requested (B is not the shrink's output).
+    bool waited = !ROWS;
     if constexpr (ROWS) {
-        grid_dependency_wait();
         h.n_items = p.n_rows;
         h.k_splits = p.row_ks;
     }
@@ -1829,6 +1847,11 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) &&
                            aligned16(Yp) && (lc % 8 == 0);
         const bool y_requested = ROWS && y_early && u == (int)blockIdx.x;
+        // Under the overlap the kernel before the shrink may still write y.
+        if (!waited && p.overlap) {
+            grid_dependency_wait();
+            waited = true;
+        }
         if (vec_y && !y_requested) {
             const int per_row = lc * (int)sizeof(Y) / 16;
 #pragma unroll 1
@@ -1870,32 +1893,6 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
 
         // t = scale * (sum of the K-slice partials), zero from rank to the next multiple of 8.
         const int rank8 = (rank + 7) & ~7;
-#pragma unroll 1
-        for (int v = tid; v < nr * rank8; v += BGMV_THREADS) {
-            const int g = v / rank8;
-            const int k = v - g * rank8;
-            int r = rows[0];
-#pragma unroll
-            for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
-            // Every split loaded unconditionally, then added: the compiler issues all the loads before
-            // the first add, one L2 round trip (loads guarded one by one were interleaved with the
-            // adds, each add waiting for its load before the next issued). Splits past k_splits read
-            // split 0 again and are not added.
-            float s = 0.f;
-            if (k < rank) {
-                const float* part = bgmv2_part(p, t, 0, r) + k;
-                const u64 split = (u64)p.n_rows * rpad;
-                float w[BGMV2_MAX_SPLITS];
-#pragma unroll
-                for (int ks = 0; ks < BGMV2_MAX_SPLITS; ++ks) w[ks] = part[(ks < h.k_splits ? ks : 0) * split];
-#pragma unroll
-                for (int ks = 0; ks < BGMV2_MAX_SPLITS; ++ks)
-                    if (ks < h.k_splits) s += w[ks];
-            }
-            sT[g * rpad + k] = s * scale;
-        }
-        __syncthreads();
-
         // B pass: L lanes (a power of two) hold the 8-column chunks of one
         // output row, so a warp reads 32 / L whole rows, contiguous in B.
         const int cpr = rank8 >> 3;
@@ -1917,9 +1914,40 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         // A warp requests its next B rows right after the last dot products
         // that consume the current ones, so they are in flight during the
         // halving steps (n = 64 on the H200: rank 64 31.1 -> 30.5 µs,
-        // 14336 outputs 28.0 -> 26.8).
+        // 14336 outputs 28.0 -> 26.8). Its first B rows are requested before
+        // the partials are summed and, in the row form, before the wait for
+        // the shrink (B is not its output), so their round trip overlaps the
+        // wait and the partials' (H200, in a graph, n = 64: rank 64 24.33 ->
+        // 22.23 µs, 14336 outputs 18.91 -> 17.15).
         uint4 b[BGMV2_UNROLL];
         load_b(b, warp * per_pass);
+        if (!waited) {
+            grid_dependency_wait();
+            waited = true;
+        }
+
+#pragma unroll 1
+        for (int v = tid; v < nr * rank8; v += BGMV_THREADS) {
+            const int g = v / rank8;
+            const int k = v - g * rank8;
+            int r = rows[0];
+#pragma unroll
+            for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+            // Every split loaded unconditionally, then added: the compiler issues all the loads before
+            // the first add, one L2 round trip (loads guarded one by one were interleaved with the
+            // adds, each add waiting for its load before the next issued). Eight splits or fewer
+            // (n >= 64 by default) load eight, which leaves registers for B's first rows unspilled.
+            float s = 0.f;
+            if (k < rank) {
+                const float* part = bgmv2_part(p, t, 0, r) + k;
+                const u64 split = (u64)p.n_rows * rpad;
+                s = h.k_splits <= 8 ? sum_splits<8>(part, split, h.k_splits)
+                                    : sum_splits<BGMV2_MAX_SPLITS>(part, split, h.k_splits);
+            }
+            sT[g * rpad + k] = s * scale;
+        }
+        __syncthreads();
+
 #pragma unroll 1
         for (int base = warp * per_pass; base < lc; base += step) {
             // Each lane's partial dots of its 4 rows, summed over the rows' L
@@ -2003,6 +2031,9 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             }
         }
     }
+    // A block whose units all had rank 0 still waits, so this grid completes
+    // only after the shrink (a following dependent launch relies on it).
+    if (!waited) grid_dependency_wait();
 }
 
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_bf16(const Bgmv2Params p) {
