@@ -1891,7 +1891,6 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             }
         }
 
-        // t = scale * (sum of the K-slice partials), zero from rank to the next multiple of 8.
         const int rank8 = (rank + 7) & ~7;
         // B pass: L lanes (a power of two) hold the 8-column chunks of one
         // output row, so a warp reads 32 / L whole rows, contiguous in B.
@@ -1926,6 +1925,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             waited = true;
         }
 
+        // t = scale * (sum of the K-slice partials), zero from rank to the next multiple of 8.
 #pragma unroll 1
         for (int v = tid; v < nr * rank8; v += BGMV_THREADS) {
             const int g = v / rank8;
