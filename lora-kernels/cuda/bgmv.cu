@@ -1866,9 +1866,9 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             }
         }
         cp_async_commit();
-        // This unit's B rows are read after the partials are summed: ask L2
-        // for them now (one contiguous span; not for the row form's first
-        // unit, above); and the next unit's.
+        // This unit's B rows past the first few are read after the partials
+        // are summed: ask L2 for its span now (not for the row form's first
+        // unit, above); and for the next unit's.
         if (tid == 32 && !(ROWS && u == (int)blockIdx.x)) prefetch_l2(B + (u64)o0 * stride, (u64)lc * stride * 2);
         if (tid == 0 && u + (int)gridDim.x < units) {
             const int nit = (u + (int)gridDim.x) / chunks;

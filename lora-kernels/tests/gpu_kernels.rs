@@ -418,8 +418,9 @@ const TWO_PHASE_TC_POW2_DEPENDENT: BgmvTuning = BgmvTuning {
 };
 
 /// The two-phase kernels with every row its own item, the expand a
-/// dependent launch (its first unit's entry and y read before it waits);
-/// the same as plain launches, and with the shrink on tensor cores.
+/// dependent launch (its first unit's entry, first B rows and y read before
+/// it waits); the same as plain launches, and with the shrink on tensor
+/// cores.
 const TWO_PHASE_ROWS: BgmvTuning = BgmvTuning {
     two_phase_row_items: Some(true),
     pow2_slices: Some(true),

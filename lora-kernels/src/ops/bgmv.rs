@@ -446,8 +446,8 @@ pub struct BgmvTuning {
     /// Two launches, every row an item of its own (the row form): the
     /// shrink scans no window and writes no item descriptors, and the expand
     /// reads each row's entry from the indices and tables, so a block's first
-    /// y values are requested before it waits for the shrink (unless under
-    /// `overlap_previous`). Rows of one adapter each read its A
+    /// B rows (and, unless under `overlap_previous`, y values) are requested
+    /// before it waits for the shrink. Rows of one adapter each read its A
     /// and B (from L2 after the first). Off: the scanning form, whose shrink
     /// lists items of up to 8 rows of one entry for the expand. `None`: on
     /// (H200, in a graph, row form against scanning form: n = 64, rank 64
