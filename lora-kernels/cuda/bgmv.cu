@@ -1738,6 +1738,15 @@ __device__ __forceinline__ float sum_splits(const float* part, u64 split, int k_
     return s;
 }
 
+// rows[g] of an item, g < BGMV_G, selected through registers (no indexing
+// of the array, which would put it in local memory).
+__device__ __forceinline__ int item_row(const int (&rows)[BGMV_G], int g) {
+    int r = rows[0];
+#pragma unroll
+    for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+    return r;
+}
+
 // Dynamic shared memory of the expand: sAcc [GR][cols] f32, sY [GR][cols] Y,
 // sT [GR][rpad] f32, for items of up to GR rows (G; the row form's 1).
 // ROWS: the row form (p.row_ks > 0), its own kernels.
@@ -1858,9 +1867,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             for (int v = tid; v < nr * per_row; v += BGMV_THREADS) {
                 const int g = v / per_row;
                 const int c = v - g * per_row;
-                int r = rows[0];
-#pragma unroll
-                for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+                const int r = item_row(rows, g);
                 cp_async16((unsigned char*)(sY + g * cols) + c * 16,
                            (const unsigned char*)(Yp + (u64)r * ys + coff + o0) + c * 16);
             }
@@ -1930,9 +1937,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         for (int v = tid; v < nr * rank8; v += BGMV_THREADS) {
             const int g = v / rank8;
             const int k = v - g * rank8;
-            int r = rows[0];
-#pragma unroll
-            for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+            const int r = item_row(rows, g);
             // Every split loaded unconditionally, then added: the compiler issues all the loads before
             // the first add, one L2 round trip (loads guarded one by one were interleaved with the
             // adds, each add waiting for its load before the next issued). Eight splits or fewer
@@ -2008,9 +2013,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             for (int v = tid; v < nr * per_row; v += BGMV_THREADS) {
                 const int g = v / per_row;
                 const int c = (v - g * per_row) * 8;
-                int r = rows[0];
-#pragma unroll
-                for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+                const int r = item_row(rows, g);
                 const Y* sy = sY + g * cols + c;
                 const float* sa = sAcc + g * cols + c;
                 float out8[8];
@@ -2023,9 +2026,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             for (int v = tid; v < nr * lc; v += BGMV_THREADS) {
                 const int g = v / lc;
                 const int o = v - g * lc;
-                int r = rows[0];
-#pragma unroll
-                for (int q = 1; q < BGMV_G; ++q) r = g == q ? rows[q] : r;
+                const int r = item_row(rows, g);
                 Y* dst = Yp + (u64)r * ys + coff + o0 + o;
                 y_store(dst, y_load(dst) + sAcc[g * cols + o]);
             }
