@@ -85,13 +85,6 @@ static_assert(sizeof(BgmvParams) == 224 && sizeof(BgmvParams) - sizeof(LoraTarge
 // while the row indices arrive, so an item's entry is no second round trip.
 #define BGMV_TABLE_SMEM 128
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u64 g = (u64)p;
-    u64 s;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(g));
-    return (u32)s;
-}
-
 // Named barriers (0 is __syncthreads): `count` threads, whole warps, take part.
 __device__ __forceinline__ void named_barrier_sync(u32 id, u32 count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");

@@ -139,6 +139,14 @@ __device__ __forceinline__ void grid_dependency_wait() {}
 __device__ __forceinline__ void grid_launch_dependents() {}
 #endif
 
+// The 32-bit shared-window address of a shared-memory pointer.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u64 g = (u64)p;
+    u64 s;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(g));
+    return (u32)s;
+}
+
 // Output element access for y of type bf16 or f32.
 __device__ __forceinline__ float y_load(const bf16_t* p) { return bf2f(*p); }
 __device__ __forceinline__ float y_load(const float* p) { return *p; }

@@ -70,16 +70,9 @@ struct TileInfo {
     int valid;
 };
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u64 g = (u64)p;
-    u64 s;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(g));
-    return (u32)s;
-}
-
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem)), "l"(gmem), "r"(n) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -90,7 +83,7 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const void* smem) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(smem)));
+                 : "r"(smem_u32(smem)));
 }
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
@@ -254,54 +247,24 @@ __device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraT
 // form lengthened the 64-row kernel's main loop by about a third).
 enum class StageForm { Split, Paired };
 
-// The shrink body for A tiles of AR rows (a rank chunk of at most AR) and a
-// cp.async pipeline STAGES deep. Dynamic shared memory: x tiles
-// [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
+// The shrink's main loop over K chunks [kc0, kc1): acc[nt] = warp `warp`'s
+// 16 rows of the x tile (rows row0.., `rows` of them real, the rest zero)
+// times A rows n0 + nt * 8.. (`nlen` of them real), summed over those chunks.
+// Stages at `smem`: x tiles [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
 template <int AR, int STAGES, StageForm FORM>
-__device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
+__device__ __forceinline__ void shrink_tile(const SgmvParams& p, unsigned char* smem, const bf16_t* A, int row0,
+                                            int rows, int n0, int nlen, int kc0, int kc1, float (&acc)[AR / 8][4]) {
     static_assert(FORM == StageForm::Split || AR == SG_BM, "paired staging needs A tiles as tall as x tiles");
     typedef bf16_t XTile[SG_BM][SG_LD];
     typedef bf16_t ATile[AR][SG_LD];
-    XTile* s_x = (XTile*)dyn;
-    ATile* s_a = (ATile*)(dyn + sizeof(XTile) * STAGES);
-    __shared__ TileInfo s_tile;
-    __shared__ PairEntry s_entry;
-
+    XTile* s_x = (XTile*)smem;
+    ATile* s_a = (ATile*)(smem + sizeof(XTile) * STAGES);
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int per_tile = p.n_targets * p.rank_chunks;
-    const int tile = (int)blockIdx.x / per_tile;
-    const int rem = (int)blockIdx.x % per_tile;
-    const int ti = rem / p.rank_chunks;
-    const int rc = rem % p.rank_chunks;
-    const int ks = (int)blockIdx.y;
-    const LoraTarget tg = p.targets[ti];
-    const bool report = ks == 0 && rc == 0;
-    // A dependent expand may get resident now: it waits for this grid to complete before reading t.
-    grid_launch_dependents();
-
-    if (warp == 0) find_tile(p, tg, tile, &s_tile, report);
-    __syncthreads();
-    load_tile_entry(p, tg, &s_tile, &s_entry, report);
-    __syncthreads();
-    if (!s_tile.valid) return;
-    const PairEntry en = s_entry;
-    const int rank = (int)en.rank;
-    const int n0 = rc * AR;
-    if (n0 >= rank) return;
-    const int nlen = min(AR, rank - n0);
     const int NT = (nlen + 7) / 8;
-    const int row0 = s_tile.row0;
-    const int rows = s_tile.rows;
-
     const int in = p.in_dim;
     const bf16_t* X = (const bf16_t*)p.x;
-    const bf16_t* A = (const bf16_t*)en.a;
-    const int nkc = (in + SG_BK - 1) / SG_BK;
-    const int per = (nkc + p.k_splits - 1) / p.k_splits;
-    const int kc0 = min(nkc, ks * per);
-    const int kc1 = min(nkc, kc0 + per);
     const int nk = kc1 - kc0;
     const bool vec = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
 
@@ -373,7 +336,6 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
         }
     };
 
-    float acc[AR / 8][4];
 #pragma unroll
     for (int i = 0; i < AR / 8; ++i) {
         acc[i][0] = 0.f;
@@ -412,6 +374,50 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
         }
     }
     cp_async_wait<0>();
+}
+
+// The shrink body for A tiles of AR rows (a rank chunk of at most AR) and a
+// cp.async pipeline STAGES deep. Dynamic shared memory: x tiles
+// [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
+template <int AR, int STAGES, StageForm FORM>
+__device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
+    __shared__ TileInfo s_tile;
+    __shared__ PairEntry s_entry;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int per_tile = p.n_targets * p.rank_chunks;
+    const int tile = (int)blockIdx.x / per_tile;
+    const int rem = (int)blockIdx.x % per_tile;
+    const int ti = rem / p.rank_chunks;
+    const int rc = rem % p.rank_chunks;
+    const int ks = (int)blockIdx.y;
+    const LoraTarget tg = p.targets[ti];
+    const bool report = ks == 0 && rc == 0;
+    // A dependent expand may get resident now: it waits for this grid to complete before reading t.
+    grid_launch_dependents();
+
+    if (warp == 0) find_tile(p, tg, tile, &s_tile, report);
+    __syncthreads();
+    load_tile_entry(p, tg, &s_tile, &s_entry, report);
+    __syncthreads();
+    if (!s_tile.valid) return;
+    const PairEntry en = s_entry;
+    const int rank = (int)en.rank;
+    const int n0 = rc * AR;
+    if (n0 >= rank) return;
+    const int nlen = min(AR, rank - n0);
+    const int row0 = s_tile.row0;
+    const int rows = s_tile.rows;
+
+    const int nkc = (p.in_dim + SG_BK - 1) / SG_BK;
+    const int per = (nkc + p.k_splits - 1) / p.k_splits;
+    const int kc0 = min(nkc, ks * per);
+    const int kc1 = min(nkc, kc0 + per);
+    float acc[AR / 8][4];
+    shrink_tile<AR, STAGES, FORM>(p, dyn, (const bf16_t*)en.a, row0, rows, n0, nlen, kc0, kc1, acc);
+    const int NT = (nlen + 7) / 8;
 
     float* W = (float*)p.ws + (u64)(ti * p.k_splits + ks) * p.ws_rows * p.ws_rank_pad;
     const int g = lane >> 2;
@@ -551,36 +557,91 @@ __device__ __forceinline__ void move_y_tile(Y* sy, Y* gy, int ys, int rows, int 
     }
 }
 
+// Stage B rows o_base.. (SG_BO of them, `out` real) into sB (pitch bp):
+// cp.async where a 16-byte piece is whole and aligned, columns past `rank`
+// and rows past `out` zeroed. The caller commits and waits.
+__device__ __forceinline__ void stage_b_rows(bf16_t* sB, int bp, const bf16_t* B, int stride, int o_base, int out,
+                                             int rank) {
+    const int tid = threadIdx.x;
+    const int rk16 = (rank + 15) & ~15;
+    const bool vec_b = (stride % 8 == 0) && aligned16(B);
+    const int full8 = vec_b ? rank / 8 : 0;
+    const int cpr = rk16 / 8;  // 16-byte pieces per staged B row
+    if (full8 == cpr && SG_THREADS % cpr == 0 && o_base + SG_BO <= out) {
+        // Every piece whole (the common case): a thread's pieces sit at
+        // constant steps, so no piece is checked or divided out.
+        const int c = tid % cpr;
+        const int r0 = tid / cpr;
+        const int step = SG_THREADS / cpr;  // rows per pass
+        const bf16_t* src = B + (u64)(o_base + r0) * stride + c * 8;
+        bf16_t* dst = sB + r0 * bp + c * 8;
+#pragma unroll 4
+        for (int r = r0; r < SG_BO; r += step, src += (u64)step * stride, dst += step * bp) cp_async16(dst, src, true);
+    } else {
+        for (int v = tid; v < SG_BO * cpr; v += SG_THREADS) {
+            const int r = v / cpr;
+            const int c = v - r * cpr;
+            const int n = o_base + r;
+            bf16_t* dst = sB + r * bp + c * 8;
+            const bf16_t* src = B + (u64)n * stride + c * 8;
+            if (n < out && c < full8) {
+                cp_async16(dst, src, true);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) dst[j] = (n < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
+            }
+        }
+    }
+}
+
+// The mma A registers of warp `warp`'s 16 rows x rank columns kst * 16.. of
+// t (sT, f32, pitch tpch): its bf16 high part and the bf16 rounding of the
+// rest, in register order (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
+__device__ __forceinline__ void t_fragments(const float* sT, int tpch, int kst, int warp, int lane, u32 (&a_hi)[4],
+                                            u32 (&a_lo)[4]) {
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int r = warp * 16 + g + (q & 1) * 8;
+        const int k = kst * 16 + 2 * t4 + (q >> 1) * 8;
+        const float2 t = *(const float2*)(sT + r * tpch + k);
+        a_hi[q] = pack_bf2_rn(t.x, t.y);
+        a_lo[q] = pack_bf2_rn(t.x - bf_lo(a_hi[q]), t.y - bf_hi(a_hi[q]));
+    }
+}
+
+// acc[nt] += t's 16 columns kst * 16.. (a_hi + a_lo) times those columns of
+// the 128 staged B rows; b_lane is this lane's ldmatrix row of sB (pitch bp).
+__device__ __forceinline__ void b_pass_mma(float (&acc)[16][4], const bf16_t* b_lane, int bp, int kst,
+                                           const u32 (&a_hi)[4], const u32 (&a_lo)[4]) {
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+        u32 b[4];
+        ldmatrix_x4(b, b_lane + np * 16 * bp + kst * 16);
+        mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
+        mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
+        mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
+    }
+}
+
+// The ldmatrix row of sB (pitch bp) for this lane: lanes 0-15 give tile 2 * np, lanes 16-31 the next one.
+__device__ __forceinline__ const bf16_t* b_lane_row(const bf16_t* sB, int bp, int lane) {
+    return sB + ((lane >> 4) * 8 + (lane & 7)) * bp + ((lane >> 3) & 1) * 8;
+}
+
 // acc[nt] += the delta of a warp's 16 rows x 8-wide tile nt of the item's outputs: t (sT, f32, scaled)
 // split into a bf16 high part and the bf16 rounding of the rest, times the staged B rows (sB). Row i
 // of tile j is output j * 8 + i.
 __device__ __forceinline__ void expand_tile_mma(float (&acc)[16][4], const bf16_t* sB, int bp, const float* sT,
                                                 int tpch, int rk16, int warp, int lane) {
-    const int g = lane >> 2;
-    const int t4 = lane & 3;
-    // ldmatrix rows: lanes 0-15 give tile 2 * np, lanes 16-31 the next one.
-    const bf16_t* b_lane = sB + ((lane >> 4) * 8 + (lane & 7)) * bp + ((lane >> 3) & 1) * 8;
+    const bf16_t* b_lane = b_lane_row(sB, bp, lane);
     for (int kst = 0; kst < rk16 / 16; ++kst) {
-        // t in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
         u32 a_hi[4];
         u32 a_lo[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int r = warp * 16 + g + (q & 1) * 8;
-            const int k = kst * 16 + 2 * t4 + (q >> 1) * 8;
-            const float2 t = *(const float2*)(sT + r * tpch + k);
-            a_hi[q] = pack_bf2_rn(t.x, t.y);
-            a_lo[q] = pack_bf2_rn(t.x - bf_lo(a_hi[q]), t.y - bf_hi(a_hi[q]));
-        }
-#pragma unroll
-        for (int np = 0; np < 8; ++np) {
-            u32 b[4];
-            ldmatrix_x4(b, b_lane + np * 16 * bp + kst * 16);
-            mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
-            mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
-            mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
-            mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
-        }
+        t_fragments(sT, tpch, kst, warp, lane, a_hi, a_lo);
+        b_pass_mma(acc, b_lane, bp, kst, a_hi, a_lo);
     }
 }
 
@@ -644,34 +705,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
 
         // ---- group A: this item's y tile (unless already requested) and its B rows.
         if (!staged) move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, true);
-        const bool vec_b = (stride % 8 == 0) && aligned16(B);
-        const int full8 = vec_b ? rank / 8 : 0;
-        const int cpr = rk16 / 8;  // 16-byte pieces per staged B row
-        if (full8 == cpr && SG_THREADS % cpr == 0 && o_base + SG_BO <= out) {
-            // Every piece whole (the common case): a thread's pieces sit at
-            // constant steps, so no piece is checked or divided out.
-            const int c = tid % cpr;
-            const int r0 = tid / cpr;
-            const int step = SG_THREADS / cpr;  // rows per pass
-            const bf16_t* src = B + (u64)(o_base + r0) * stride + c * 8;
-            bf16_t* dst = sB + r0 * bp + c * 8;
-#pragma unroll 4
-            for (int r = r0; r < SG_BO; r += step, src += (u64)step * stride, dst += step * bp) cp_async16(dst, src, true);
-        } else {
-            for (int v = tid; v < SG_BO * cpr; v += SG_THREADS) {
-                const int r = v / cpr;
-                const int c = v - r * cpr;
-                const int n = o_base + r;
-                bf16_t* dst = sB + r * bp + c * 8;
-                const bf16_t* src = B + (u64)n * stride + c * 8;
-                if (n < out && c < full8) {
-                    cp_async16(dst, src, true);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) dst[j] = (n < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
-                }
-            }
-        }
+        stage_b_rows(sB, bp, B, stride, o_base, out, rank);
         cp_async_commit();
 
         // ---- group B: the next item's y tile when it is the same tile (the
@@ -784,3 +818,4 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_bf16(con
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(const SgmvParams p) {
     sgmv_expand_body<float>(p);
 }
+
