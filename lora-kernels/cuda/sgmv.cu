@@ -819,3 +819,220 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(cons
     sgmv_expand_body<float>(p);
 }
 
+// ---- The fused prefill: shrink and expand in one launch, a cluster of C
+// blocks per (tile, target).
+//
+// Block c of the cluster reduces its share of the K chunks of x against A
+// (shrink_tile) into a partial t in its own sT. After a cluster barrier,
+// block c sums row slice c (SG_BM / C rows) of t over the cluster's partials,
+// scales it, zeroes it past the rank and stores the sums into that slice of
+// every block's sT, over the partials (slice c is read and written by block
+// c alone). After a second barrier every block holds the whole t and expands
+// its share of the 128-output chunks with t's mma fragments held in
+// registers; per chunk the y tile and B rows move through shared memory as in
+// the expand, in a ring of YB buffers (the next YB - 1 chunks are requested
+// while one computes). The first YB - 1 chunks' y and B are requested before
+// the first barrier. The partials never leave the cluster: no workspace, no second
+// launch and no L2 round trip for t.
+//
+// Dynamic shared memory: a region holding the shrink's stages, later the
+// expand's YB (sY [SG_BM][y_pitch], sB [SG_BO][r16 + 8]) buffers, then
+// sT [SG_BM][r16 + 4] f32. `fused_smem_bytes` in sgmv.rs mirrors it.
+template <typename Y, int AR, int STAGES, int YB>
+__device__ __forceinline__ int fused_region_bytes(int r16) {
+    const int stages = STAGES * (SG_BM + AR) * SG_LD * 2;
+    const int bufs = YB * (SG_BM * y_pitch<Y>() * (int)sizeof(Y) + SG_BO * (r16 + 8) * 2);
+    return (max(stages, bufs) + 127) & ~127;
+}
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ float4 ld_cluster_f4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_cluster_f4(u32 addr, float4 v) {
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
+}
+
+template <typename Y, int AR, int STAGES, StageForm FORM, int YB, int C>
+__device__ __forceinline__ void sgmv_fused_body(const SgmvParams& p) {
+    static_assert(SG_BM % C == 0 && YB >= 1, "row slices and y buffers");
+    __shared__ TileInfo s_tile;
+    __shared__ PairEntry s_entry;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int crank = (int)blockIdx.x % C;  // the block's rank in its cluster (clusters of C along x)
+    const int tile = (int)blockIdx.x / C;
+    const LoraTarget tg = p.targets[blockIdx.y];
+    const bool report = crank == 0;
+    if (warp == 0) find_tile(p, tg, tile, &s_tile, report);
+    __syncthreads();
+    load_tile_entry(p, tg, &s_tile, &s_entry, report);
+    __syncthreads();
+    // Every block of the cluster found the same tile and entry, so the cluster leaves together.
+    if (!s_tile.valid || s_entry.rank == 0) return;
+    const PairEntry en = s_entry;
+    const int rank = (int)en.rank;
+    const int row0 = s_tile.row0;
+    const int rows = s_tile.rows;
+    const int stride = p.rank_stride;
+    const int r16 = (stride + 15) & ~15;
+    const int tpch = r16 + 4;
+    const int bp = r16 + 8;
+    const int yp = y_pitch<Y>();
+    float* sT = (float*)(dyn + fused_region_bytes<Y, AR, STAGES, YB>(r16));
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int ra = warp * 16 + g;
+
+    // ---- shrink: this block's K chunks into its partial t.
+    {
+        const int nkc = (p.in_dim + SG_BK - 1) / SG_BK;
+        const int per = (nkc + C - 1) / C;
+        const int kc0 = min(nkc, crank * per);
+        const int kc1 = min(nkc, kc0 + per);
+        float acc[AR / 8][4];
+        shrink_tile<AR, STAGES, FORM>(p, dyn, (const bf16_t*)en.a, row0, rows, 0, rank, kc0, kc1, acc);
+        // Every column below r16 is written (zero past the rank), so the sum reads nothing stale.
+#pragma unroll
+        for (int nt = 0; nt < AR / 8; ++nt) {
+            const int k = nt * 8 + 2 * t4;
+            if (k < r16) {
+                *(float2*)(sT + ra * tpch + k) = make_float2(acc[nt][0], acc[nt][1]);
+                *(float2*)(sT + (ra + 8) * tpch + k) = make_float2(acc[nt][2], acc[nt][3]);
+            }
+        }
+    }
+    __syncthreads();  // every warp is past its last stage read: the region holds y and B from here
+
+    // ---- the first chunk's y tile and B rows, requested before the cluster sum.
+    const int out = tg.out_dim;
+    Y* gY = (Y*)p.y + (u64)row0 * p.y_stride + tg.y_col_off;
+    const int ys = p.y_stride;
+    const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && aligned16((Y*)p.y) && ((int)sizeof(Y) * tg.y_col_off % 16 == 0);
+    const bf16_t* B = (const bf16_t*)en.b;
+    const int out_chunks = (out + SG_BO - 1) / SG_BO;
+    const int per_o = (out_chunks + C - 1) / C;
+    const int ch0 = min(out_chunks, crank * per_o);
+    const int nch = min(out_chunks, ch0 + per_o) - ch0;
+    const int y_bytes = SG_BM * yp * (int)sizeof(Y);
+    const int buf_bytes = y_bytes + SG_BO * bp * 2;
+    auto sY_of = [&](int b) { return (Y*)(dyn + b * buf_bytes); };
+    auto sB_of = [&](int b) { return (bf16_t*)(dyn + b * buf_bytes + y_bytes); };
+    // Chunk j lives in buffer j % YB; each request is a cp.async group of its own.
+    auto request = [&](int j) {
+        if (j < nch) {
+            const int o_base = (ch0 + j) * SG_BO;
+            move_y_tile<Y>(sY_of(j % YB), gY + o_base, ys, rows, min(SG_BO, out - o_base), vec_y, true);
+            stage_b_rows(sB_of(j % YB), bp, B, stride, o_base, out, rank);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < YB - 1; ++j) request(j);
+
+    // ---- the cluster sum of t: row slice `crank`, from every peer's partial to every peer's sT.
+    cluster_arrive();
+    cluster_wait();
+    {
+        constexpr int SLICE = SG_BM / C;
+        const int q4 = r16 / 4;
+        const float scale = en.scale;
+        for (int v = tid; v < SLICE * q4; v += SG_THREADS) {
+            const int r = crank * SLICE + v / q4;
+            const int k = (v % q4) * 4;
+            const float* local = sT + r * tpch + k;
+            float4 part[C];
+#pragma unroll
+            for (int q = 0; q < C; ++q) part[q] = ld_cluster_f4(cluster_addr(local, q));
+            float4 sum = part[0];
+#pragma unroll
+            for (int q = 1; q < C; ++q) {
+                sum.x += part[q].x;
+                sum.y += part[q].y;
+                sum.z += part[q].z;
+                sum.w += part[q].w;
+            }
+            sum.x = k < rank ? sum.x * scale : 0.f;
+            sum.y = k + 1 < rank ? sum.y * scale : 0.f;
+            sum.z = k + 2 < rank ? sum.z * scale : 0.f;
+            sum.w = k + 3 < rank ? sum.w * scale : 0.f;
+#pragma unroll
+            for (int q = 0; q < C; ++q) st_cluster_f4(cluster_addr(local, q), sum);
+        }
+    }
+    // The sums are in every sT; past this no block touches a peer's shared memory, so any may exit.
+    cluster_arrive();
+    cluster_wait();
+
+    // ---- t's mma fragments, held over the chunks.
+    constexpr int KS = AR / 16;
+    const int ksteps = (rank + 15) / 16;
+    u32 a_hi[KS][4];
+    u32 a_lo[KS][4];
+#pragma unroll
+    for (int kst = 0; kst < KS; ++kst) {
+        if (kst < ksteps) {
+            t_fragments(sT, tpch, kst, warp, lane, a_hi[kst], a_lo[kst]);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) a_hi[kst][q] = a_lo[kst][q] = 0u;
+        }
+    }
+
+    // ---- expand: this block's chunks, y += t B^T through shared memory, YB - 1 chunks ahead.
+    for (int j = 0; j < nch; ++j) {
+        const int o_base = (ch0 + j) * SG_BO;
+        if (j > 0) __syncthreads();  // chunk j - 1 is stored: its buffer takes chunk j + YB - 1
+        request(j + YB - 1);
+        cp_async_wait<YB - 1>();  // chunk j's group landed (YB - 1 later groups may be in flight)
+        __syncthreads();
+        Y* sY = sY_of(j % YB);
+        // The mma's C starts as y: the delta is added in f32 and y rounded once.
+        float acc[16][4];
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            const Y* ya = sY + ra * yp + nt * 8 + 2 * t4;
+            y_load2(ya, acc[nt][0], acc[nt][1]);
+            y_load2(ya + 8 * yp, acc[nt][2], acc[nt][3]);
+        }
+        const bf16_t* b_lane = b_lane_row(sB_of(j % YB), bp, lane);
+#pragma unroll
+        for (int kst = 0; kst < KS; ++kst)
+            if (kst < ksteps) b_pass_mma(acc, b_lane, bp, kst, a_hi[kst], a_lo[kst]);
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            Y* ya = sY + ra * yp + nt * 8 + 2 * t4;
+            y_store2(ya, acc[nt][0], acc[nt][1]);
+            y_store2(ya + 8 * yp, acc[nt][2], acc[nt][3]);
+        }
+        __syncthreads();
+        move_y_tile<Y>(sY, gY + o_base, ys, rows, min(SG_BO, out - o_base), vec_y, false);
+    }
+    cp_async_wait<0>();
+}
+
+// Rank strides up to 16 (16-row A tiles, six stages; bf16 y three chunks
+// deep) and up to 64 (64-row A tiles in pairs, three stages, one chunk),
+// in clusters of 2, 4 and 8; three blocks per multiprocessor (each under
+// 75 KB of shared memory). `fused_smem_bytes` in sgmv.rs mirrors the depths.
+#define SGMV_FUSED(NAME, Y, AR, STAGES, FORM, YB, C)                                                               \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(SG_THREADS, 3) NAME(const SgmvParams p) { \
+        sgmv_fused_body<Y, AR, STAGES, FORM, YB, C>(p);                                                             \
+    }
+#define SGMV_FUSED_CLUSTERS(R, Y, YN, AR, STAGES, FORM, YB)                       \
+    SGMV_FUSED(sgmv_fused_##R##_c2_##YN, Y, AR, STAGES, FORM, YB, 2)              \
+    SGMV_FUSED(sgmv_fused_##R##_c4_##YN, Y, AR, STAGES, FORM, YB, 4)              \
+    SGMV_FUSED(sgmv_fused_##R##_c8_##YN, Y, AR, STAGES, FORM, YB, 8)
+SGMV_FUSED_CLUSTERS(r16, bf16_t, bf16, 16, 6, StageForm::Split, 3)
+SGMV_FUSED_CLUSTERS(r64, bf16_t, bf16, 64, 3, StageForm::Paired, 1)
+SGMV_FUSED_CLUSTERS(r16, float, f32, 16, 6, StageForm::Split, 1)
+SGMV_FUSED_CLUSTERS(r64, float, f32, 64, 3, StageForm::Paired, 1)
+#endif
