@@ -85,7 +85,6 @@ static_assert(sizeof(BgmvParams) == 224 && sizeof(BgmvParams) - sizeof(LoraTarge
 // while the row indices arrive, so an item's entry is no second round trip.
 #define BGMV_TABLE_SMEM 128
 
-
 // Named barriers (0 is __syncthreads): `count` threads, whole warps, take part.
 __device__ __forceinline__ void named_barrier_sync(u32 id, u32 count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
@@ -95,6 +94,8 @@ __device__ __forceinline__ void named_barrier_arrive(u32 id, u32 count) {
 }
 
 #if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ float ld_dsmem(const float* local, u32 rank) {
     u32 remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
@@ -108,6 +109,11 @@ __device__ __forceinline__ float ld_dsmem(const float* local, u32 rank) {
 // cluster barrier per item, and so no release fence (MEMBAR.ALL.GPU) in it.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_addr(const void* local, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
+    return remote;
 }
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -135,8 +141,11 @@ __device__ __forceinline__ void st_async_f4(u32 remote, float4 v, u32 remote_bar
                  : "memory");
 }
 #else
+__device__ __forceinline__ void cluster_arrive() {}
+__device__ __forceinline__ void cluster_wait() {}
 __device__ __forceinline__ float ld_dsmem(const float* local, u32) { return *local; }
 __device__ __forceinline__ void cluster_arrive_relaxed() {}
+__device__ __forceinline__ u32 cluster_addr(const void* local, u32) { return smem_u32(local); }
 __device__ __forceinline__ void mbar_init(u64*, u32) {}
 __device__ __forceinline__ void fence_mbar_init() {}
 __device__ __forceinline__ void mbar_arrive_expect(u64*, u32) {}

@@ -147,24 +147,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)s;
 }
 
-// Thread-block clusters: the cluster barrier (release on arrive, acquire on
-// wait; every thread of every block of the cluster takes part) and the
-// address of `local`'s counterpart in the shared memory of block `rank` of
-// the cluster. Without clusters (before sm_90) a cluster is one block.
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ u32 cluster_addr(const void* local, u32 rank) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
-    return remote;
-}
-#else
-__device__ __forceinline__ void cluster_arrive() {}
-__device__ __forceinline__ void cluster_wait() {}
-__device__ __forceinline__ u32 cluster_addr(const void* local, u32) { return smem_u32(local); }
-#endif
-
 // Output element access for y of type bf16 or f32.
 __device__ __forceinline__ float y_load(const bf16_t* p) { return bf2f(*p); }
 __device__ __forceinline__ float y_load(const float* p) { return *p; }

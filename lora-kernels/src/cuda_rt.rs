@@ -379,40 +379,6 @@ impl CudaBackend {
             .map_err(driver_err("cuLaunchKernelEx"))
     }
 
-    /// How many clusters of `kernel` (whose cluster size is compiled in) can
-    /// be resident at once with `block` threads and `smem` bytes of dynamic
-    /// shared memory per block.
-    pub(crate) fn max_active_clusters(
-        &self,
-        kernel: Kernel,
-        cluster: u32,
-        block: u32,
-        smem: u32,
-    ) -> Result<usize, KernelError> {
-        use cudarc::driver::sys;
-        let f = self.function(kernel)?;
-        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-        let config = sys::CUlaunchConfig {
-            gridDimX: cluster,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: self.stream.cu_stream(),
-            attrs: std::ptr::null_mut(),
-            numAttrs: 0,
-        };
-        let mut clusters: std::ffi::c_int = 0;
-        // SAFETY: `config` and `clusters` outlive the call, which only reads
-        // the one and writes the other; the function handle is loaded.
-        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
-            .result()
-            .map_err(driver_err("cuOccupancyMaxActiveClusters"))?;
-        Ok(usize::try_from(clusters).unwrap_or(0))
-    }
-
     /// Device address of the fault word.
     pub(crate) fn fault_addr(&self) -> u64 {
         use cudarc::driver::DevicePtr;

@@ -833,17 +833,12 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
         }
         let mut variants = vec![("default".to_string(), SgmvTuning::default())];
         if ctx.opts.sweep {
-            // The sweep's knobs are those of the two launches.
-            let two = SgmvTuning {
-                fused: Some(false),
-                ..Default::default()
-            };
             for k in [2, 3, 4, 5, 6, 7, 8] {
                 variants.push((
                     format!("ks{k}"),
                     SgmvTuning {
                         k_splits: Some(k),
-                        ..two
+                        ..Default::default()
                     },
                 ));
             }
@@ -858,41 +853,32 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
             // The 64-row shrink: paired staging (default) against split staging (v6).
             let split = SgmvTuning {
                 paired_staging: Some(false),
-                ..two
+                ..Default::default()
             };
             let narrow = SgmvTuning {
                 narrow_shrink: Some(true),
-                ..two
+                ..Default::default()
             };
             let unbalanced = SgmvTuning {
                 balanced_items: Some(false),
-                ..two
+                ..Default::default()
             };
             // The expand's y tiles in one shared-memory buffer or two.
             let one_y = SgmvTuning {
                 y_buffers: Some(1),
-                ..two
+                ..Default::default()
             };
             let two_y = SgmvTuning {
                 y_buffers: Some(2),
-                ..two
-            };
-            let fused = |cluster| SgmvTuning {
-                fused: Some(true),
-                fused_cluster: Some(cluster),
                 ..Default::default()
             };
             let plain = [
-                ("two launches", two),
-                ("fused c2", fused(2)),
-                ("fused c4", fused(4)),
-                ("fused c8", fused(8)),
                 ("unbalanced", unbalanced),
                 (
                     "no pdl",
                     SgmvTuning {
                         dependent_expand: Some(false),
-                        ..two
+                        ..Default::default()
                     },
                 ),
                 ("narrow shrink", narrow),
@@ -900,13 +886,13 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                     "split staging",
                     SgmvTuning {
                         paired_staging: Some(false),
-                        ..two
+                        ..Default::default()
                     },
                 ),
-                ("shrink only", shrink_only(two)),
+                ("shrink only", shrink_only(SgmvTuning::default())),
                 ("split staging shrink only", shrink_only(split)),
                 ("narrow shrink only", shrink_only(narrow)),
-                ("expand only", expand_only(two)),
+                ("expand only", expand_only(SgmvTuning::default())),
                 ("unbalanced expand only", expand_only(unbalanced)),
                 ("one y buffer", one_y),
                 ("two y buffers", two_y),

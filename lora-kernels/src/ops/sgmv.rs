@@ -77,19 +77,6 @@ pub struct SgmvTuning {
     /// computes). `None`: one (never fewer resident blocks, and measured
     /// faster at both prefill shapes).
     pub y_buffers: Option<u32>,
-    /// Shrink and expand in one launch (`true`): a cluster of blocks per
-    /// 64-row tile, each block reducing its share of `in` and then
-    /// expanding its share of the outputs, the partial rank vectors summed
-    /// through the cluster's shared memory instead of the workspace. Needs
-    /// thread-block clusters (sm_90 and newer) and a rank stride of at most
-    /// 64; asking for it elsewhere is an error. `false`: the two launches.
-    /// `None`: the two launches (faster at every prefill shape measured on
-    /// an H200, NOTES.md v26).
-    pub fused: Option<bool>,
-    /// Blocks per cluster of the fused launch: 2, 4 or 8. `None`: the
-    /// largest whose clusters for every (tile, target) can be resident at
-    /// once (the driver's occupancy query), else 2.
-    pub fused_cluster: Option<u32>,
 }
 
 /// One of the two launches of the segment apply.
@@ -329,8 +316,6 @@ fn launch<Y: OutputElem>(
     };
     // Segments may each end in a partial tile: at most one extra tile per segment.
     let max_tiles = n.div_ceil(TILE_ROWS) + n_segments;
-    let y_size = std::mem::size_of::<Y>();
-    let fused_cluster = fused_choice(c, &tuning, stride, n.div_ceil(TILE_ROWS) * n_targets, y_size)?;
     let rank_chunks = stride.div_ceil(RANK_CHUNK);
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
     let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(false);
@@ -344,6 +329,7 @@ fn launch<Y: OutputElem>(
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
+    let y_size = std::mem::size_of::<Y>();
     let y_buffers = match tuning.y_buffers {
         Some(v @ (1 | 2)) => v as usize,
         Some(v) => return Err(invalid("tuning.y_buffers", format!("{v}; 1 or 2"))),
@@ -374,9 +360,6 @@ fn launch<Y: OutputElem>(
         y_buffers: to_i32("tuning.y_buffers", y_buffers)?,
         targets: *target_params,
     };
-    if let Some(cluster) = fused_cluster {
-        return launch_fused(c, &params, max_tiles, n_targets, stride, y_size, cluster);
-    }
     let shrink_grid = (to_u32("grid", shrink_tiles)?, to_u32("grid", k_splits)?, 1);
     // Persistent expand: every resident block walks a share of the (tile, target, chunk) items.
     let items = max_tiles * n_targets * out_tiles;
@@ -435,154 +418,6 @@ fn launch<Y: OutputElem>(
         c.launch_chained(kernel, shape, &params, tuning.dependent_expand.unwrap_or(true))
     }
 }
-
-/// The fused launch's cluster size, or `None` for the two launches: what
-/// the tuning asks for, checked. `tiles` counts (tile, target) pairs.
-fn fused_choice(
-    c: &CudaBackend,
-    tuning: &SgmvTuning,
-    stride: usize,
-    tiles: usize,
-    y_size: usize,
-) -> Result<Option<usize>, KernelError> {
-    let available = c.compute_capability.0 >= 9 && stride <= FUSED_MAX_STRIDE;
-    if let Some(v) = tuning.fused_cluster
-        && !FUSED_CLUSTERS.contains(&(v as usize))
-    {
-        return Err(invalid("tuning.fused_cluster", format!("{v}; 2, 4 or 8")));
-    }
-    match tuning.fused {
-        Some(false) => Ok(None),
-        Some(true) if tuning.only_phase.is_some() => {
-            Err(invalid("tuning.fused", "the fused launch has no phase to time alone"))
-        }
-        Some(true) if !available => Err(invalid(
-            "tuning.fused",
-            format!(
-                "needs clusters (sm_90+, this device is sm_{}{}) and a rank stride of at most \
-                 {FUSED_MAX_STRIDE} (this one {stride})",
-                c.compute_capability.0, c.compute_capability.1
-            ),
-        )),
-        Some(true) => match tuning.fused_cluster {
-            Some(v) => Ok(Some(v as usize)),
-            None => Ok(Some(pick_fused_cluster(c, tiles, stride, y_size)?.unwrap_or(2))),
-        },
-        // Slower than the two launches at every prefill shape measured (NOTES.md v26).
-        None => Ok(None),
-    }
-}
-
-/// The fused kernel for a rank stride, a cluster size and y elements of `y_size` bytes.
-fn fused_kernel(stride: usize, cluster: usize, y_size: usize) -> Kernel {
-    let name = match (stride > NARROW_RANK, cluster, y_size == 2) {
-        (false, 2, true) => "sgmv_fused_r16_c2_bf16",
-        (false, 4, true) => "sgmv_fused_r16_c4_bf16",
-        (false, _, true) => "sgmv_fused_r16_c8_bf16",
-        (true, 2, true) => "sgmv_fused_r64_c2_bf16",
-        (true, 4, true) => "sgmv_fused_r64_c4_bf16",
-        (true, _, true) => "sgmv_fused_r64_c8_bf16",
-        (false, 2, false) => "sgmv_fused_r16_c2_f32",
-        (false, 4, false) => "sgmv_fused_r16_c4_f32",
-        (false, _, false) => "sgmv_fused_r16_c8_f32",
-        (true, 2, false) => "sgmv_fused_r64_c2_f32",
-        (true, 4, false) => "sgmv_fused_r64_c4_f32",
-        (true, _, false) => "sgmv_fused_r64_c8_f32",
-    };
-    Kernel {
-        family: Family::Sgmv,
-        name,
-    }
-}
-
-/// The fused launch (`sgmv_fused_*` in `cuda/sgmv.cu`): clusters of
-/// `cluster` blocks along x, one cluster per (tile, target).
-fn launch_fused(
-    c: &CudaBackend,
-    params: &SgmvParams,
-    max_tiles: usize,
-    n_targets: usize,
-    stride: usize,
-    y_size: usize,
-    cluster: usize,
-) -> Result<(), KernelError> {
-    let smem = fused_smem_bytes(stride, y_size);
-    if smem > c.smem_optin {
-        return Err(invalid(
-            "rank_stride",
-            format!("{stride} needs {smem} bytes of shared memory for the fused launch"),
-        ));
-    }
-    let grid = (to_u32("grid", max_tiles * cluster)?, to_u32("grid", n_targets)?, 1);
-    // SAFETY: as for the two launches in `launch` (the same parameters and
-    // checks); the fused kernel reads x, A, B and the segment arrays, writes
-    // only y, and uses no workspace. Its grid's x is a multiple of its
-    // compiled cluster size.
-    unsafe {
-        c.launch(
-            fused_kernel(stride, cluster, y_size),
-            Launch {
-                grid,
-                block: THREADS,
-                smem: to_u32("fused shared memory", smem)?,
-            },
-            params,
-        )
-    }
-}
-
-/// Rank strides the fused launch serves (its shrink holds one rank chunk).
-const FUSED_MAX_STRIDE: usize = 64;
-
-/// Cluster sizes of the fused launch.
-const FUSED_CLUSTERS: [usize; 3] = [2, 4, 8];
-
-/// The fused launch's cluster size when the tuning names none: the largest
-/// whose clusters for all `tiles` (tile, target) pairs are resident at once
-/// (more blocks per tile, each with fewer K chunks and outputs, keep more
-/// bytes in flight), or `None` where even clusters of 2 would take a second
-/// wave: the two launches then serve the batch.
-fn pick_fused_cluster(
-    c: &CudaBackend,
-    tiles: usize,
-    stride: usize,
-    y_size: usize,
-) -> Result<Option<usize>, KernelError> {
-    let smem = to_u32("fused shared memory", fused_smem_bytes(stride, y_size))?;
-    for &cluster in FUSED_CLUSTERS.iter().rev() {
-        let kernel = fused_kernel(stride, cluster, y_size);
-        if tiles <= c.max_active_clusters(kernel, cluster as u32, THREADS, smem)? {
-            return Ok(Some(cluster));
-        }
-    }
-    Ok(None)
-}
-
-/// Dynamic shared memory of the fused kernel (`fused_region_bytes` and sT
-/// in `cuda/sgmv.cu`): the shrink's stages or the expand's ring of y and B
-/// buffers, whichever is larger, then t.
-const fn fused_smem_bytes(stride: usize, y_size: usize) -> usize {
-    let r16 = stride.div_ceil(16) * 16;
-    let narrow = stride <= NARROW_RANK;
-    let (a_rows, stages) = if narrow { (NARROW_RANK, 6) } else { (RANK_CHUNK, 3) };
-    // Three y and B buffers for bf16 y at rank strides up to 16, one otherwise.
-    let y_buffers = if narrow && y_size == 2 { 3 } else { 1 };
-    let stage_bytes = stages * (TILE_ROWS + a_rows) * (K_CHUNK + 8) * 2;
-    let buffer_bytes = y_buffers * (TILE_ROWS * (OUT_TILE * y_size + 16) + OUT_TILE * (r16 + 8) * 2);
-    let region = if stage_bytes > buffer_bytes {
-        stage_bytes
-    } else {
-        buffer_bytes
-    };
-    region.next_multiple_of(128) + TILE_ROWS * (r16 + 4) * 4
-}
-
-// Three fused blocks fit an H100 / H200 multiprocessor (228 KB, 1 KB reserved per block) at every
-// stride and y type they serve, as their `__launch_bounds__(128, 3)` expects.
-const _: () = assert!(3 * (fused_smem_bytes(16, 2) + 1024) <= 228 * 1024);
-const _: () = assert!(3 * (fused_smem_bytes(16, 4) + 1024) <= 228 * 1024);
-const _: () = assert!(3 * (fused_smem_bytes(64, 2) + 1024) <= 228 * 1024);
-const _: () = assert!(3 * (fused_smem_bytes(64, 4) + 1024) <= 228 * 1024);
 
 /// The shrink kernel: the narrow one, else the 64-row one with paired or split staging.
 fn shrink_kernel(narrow: bool, paired: bool) -> &'static str {
