@@ -56,12 +56,9 @@ struct SgmvParams {
     int out_tiles;
     int balance_items;
     int y_buffers;  // the expand's y tiles: 2 (the next item's tile requested during this one) or 1
-    int expand_group;  // sgmv_stream: consecutive 128-output items per expand unit
-    int pad;
-    u64 counters;  // sgmv_stream: [next unit, blocks done, shrink units done per (tile, target)], zero between launches
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(SgmvParams) == 224 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 128, "mirrors sgmv.rs");
+static_assert(sizeof(SgmvParams) == 208 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 112, "mirrors sgmv.rs");
 
 // The dynamic shared memory of both kernels (one declaration for the file).
 extern __shared__ __align__(128) unsigned char dyn[];
@@ -383,7 +380,7 @@ __device__ __forceinline__ void shrink_tile(const SgmvParams& p, unsigned char* 
 // cp.async pipeline STAGES deep. Dynamic shared memory: x tiles
 // [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
 template <int AR, int STAGES, StageForm FORM>
-__device__ __forceinline__ void sgmv_shrink_unit(const SgmvParams& p, int unit, int ks) {
+__device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
     __shared__ TileInfo s_tile;
     __shared__ PairEntry s_entry;
 
@@ -391,12 +388,15 @@ __device__ __forceinline__ void sgmv_shrink_unit(const SgmvParams& p, int unit, 
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int per_tile = p.n_targets * p.rank_chunks;
-    const int tile = unit / per_tile;
-    const int rem = unit % per_tile;
+    const int tile = (int)blockIdx.x / per_tile;
+    const int rem = (int)blockIdx.x % per_tile;
     const int ti = rem / p.rank_chunks;
     const int rc = rem % p.rank_chunks;
+    const int ks = (int)blockIdx.y;
     const LoraTarget tg = p.targets[ti];
     const bool report = ks == 0 && rc == 0;
+    // A dependent expand may get resident now: it waits for this grid to complete before reading t.
+    grid_launch_dependents();
 
     if (warp == 0) find_tile(p, tg, tile, &s_tile, report);
     __syncthreads();
@@ -434,23 +434,18 @@ __device__ __forceinline__ void sgmv_shrink_unit(const SgmvParams& p, int unit, 
     }
 }
 
-// The shrink kernels: block (x, y) is unit x (tile, target, rank chunk) of K split y. A dependent
-// expand may get resident at once: it waits for this grid to complete before reading t.
 // Rank chunks of 64: A tiles as tall as x tiles, x and A pieces staged in pairs.
 extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const SgmvParams p) {
-    grid_launch_dependents();
-    sgmv_shrink_unit<SG_BN, SG_STAGES, StageForm::Paired>(p, blockIdx.x, blockIdx.y);
+    sgmv_shrink_body<SG_BN, SG_STAGES, StageForm::Paired>(p);
 }
 // The same with split staging (v6's form), kept to time against the paired one.
 extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_split_bf16(const SgmvParams p) {
-    grid_launch_dependents();
-    sgmv_shrink_unit<SG_BN, SG_STAGES, StageForm::Split>(p, blockIdx.x, blockIdx.y);
+    sgmv_shrink_body<SG_BN, SG_STAGES, StageForm::Split>(p);
 }
 // Rank strides up to 16: A tiles of 16 rows leave room for a deeper
 // pipeline (more x bytes in flight per block) at 3 blocks per SM.
 extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_r16_bf16(const SgmvParams p) {
-    grid_launch_dependents();
-    sgmv_shrink_unit<16, SG_STAGES_R16, StageForm::Split>(p, blockIdx.x, blockIdx.y);
+    sgmv_shrink_body<16, SG_STAGES_R16, StageForm::Split>(p);
 }
 
 // The expand is persistent: block b walks a contiguous run of the work
@@ -650,36 +645,17 @@ __device__ __forceinline__ void expand_tile_mma(float (&acc)[16][4], const bf16_
     }
 }
 
-// sgmv_stream: thread 0 waits until every shrink unit of (tile, ti) has
-// written its partials (their count reaches k_splits x rank_chunks), then
-// the block goes on. The units were taken before this one, by running
-// blocks that never wait, so the count always gets there.
-__device__ __forceinline__ void wait_tile_partials(const SgmvParams& p, int tile, int ti) {
-    if (threadIdx.x == 0) {
-        const int* done = (const int*)p.counters + 2 + tile * p.n_targets + ti;
-        const int need = p.k_splits * p.rank_chunks;
-        int v;
-        for (;;) {
-            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
-            if (v >= need) break;
-            __nanosleep(64);
-        }
-    }
-    __syncthreads();
-}
-
-// The expand of items [it0, it1) (expand_item's order). STREAM: the items
-// are a unit of sgmv_stream, which waits for each new tile's partials by
-// their count and reads them from L2 (`ld.global.cg`) instead of waiting
-// for the shrink grid.
-template <typename Y, bool STREAM>
-__device__ __forceinline__ void sgmv_expand_items(const SgmvParams& p, int it0, int it1) {
+template <typename Y>
+__device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     __shared__ TileInfo s_tile;
     __shared__ PairEntry s_entry;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
+    int it0;
+    int it1;
+    block_items(p, p.n_targets * p.out_tiles, &it0, &it1);
     const int stride = p.rank_stride;
     const int bp = ((stride + 15) & ~15) + 8;
     const int tpch = ((stride + 15) & ~15) + 4;
@@ -751,10 +727,7 @@ __device__ __forceinline__ void sgmv_expand_items(const SgmvParams& p, int it0, 
 
         // ---- t of a new tile: sum the K-split partials of its rows, scale, zero past rank.
         if (new_tile) {
-            if (STREAM)
-                wait_tile_partials(p, item.tile, item.ti);
-            else
-                grid_dependency_wait();  // a dependent launch: the shrink's partials are visible past this
+            grid_dependency_wait();  // a dependent launch: the shrink's partials are visible past this
             const float* W = (const float*)p.ws + (u64)item.ti * p.k_splits * p.ws_rows * p.ws_rank_pad;
             const u64 split_stride = (u64)p.ws_rows * p.ws_rank_pad;
             const int q4 = rk16 / 4;
@@ -780,10 +753,8 @@ __device__ __forceinline__ void sgmv_expand_items(const SgmvParams& p, int it0, 
                     ok[u] = in_tile[u] && rr[u] < rows && kk[u] < rank;
                     const float* q = W + (ok[u] ? (u64)(row0 + rr[u]) * p.ws_rank_pad + kk[u] : 0);
 #pragma unroll
-                    for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks) {
-                        const float4* src = (const float4*)(q + (ks < p.k_splits ? ks : 0) * split_stride);
-                        w[u][ks] = STREAM ? __ldcg(src) : *src;
-                    }
+                    for (int ks = 0; ks < SG_MAX_K_SPLITS; ++ks)
+                        w[u][ks] = *(const float4*)(q + (ks < p.k_splits ? ks : 0) * split_stride);
                 }
 #pragma unroll
                 for (int u = 0; u < T_PAIR; ++u) {
@@ -841,77 +812,10 @@ __device__ __forceinline__ void sgmv_expand_items(const SgmvParams& p, int it0, 
     cp_async_wait<0>();
 }
 
-template <typename Y>
-__device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
-    int it0;
-    int it1;
-    block_items(p, p.n_targets * p.out_tiles, &it0, &it1);
-    sgmv_expand_items<Y, false>(p, it0, it1);
-}
-
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_bf16(const SgmvParams p) {
     sgmv_expand_body<bf16_t>(p);
 }
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(const SgmvParams p) {
     sgmv_expand_body<float>(p);
-}
-
-// ---- The stream form: both phases in one launch of resident blocks that
-// take units in order from a counter: first every shrink unit (tile, target,
-// rank chunk, K split; tile-major), then every expand unit (tile, target,
-// `expand_group` consecutive 128-output items). A shrink unit writes its
-// partials and counts itself done for its (tile, target); an expand unit
-// waits for that count before it sums them. Units are dealt as blocks free
-// up, so busier multiprocessors take fewer, the expand of the first tiles
-// overlaps the shrink of the last, and no launch gap separates the phases.
-// The last block to finish zeroes the counters for the next launch (a
-// replayed graph included). Dynamic shared memory: the larger of the
-// 64-row shrink's and the expand's.
-template <typename Y>
-__device__ __forceinline__ void sgmv_stream_body(const SgmvParams& p) {
-    __shared__ int s_unit;
-    int* ctr = (int*)p.counters;
-    const int n_shrink = p.max_tiles * p.n_targets * p.rank_chunks * p.k_splits;
-    const int groups = (p.out_tiles + p.expand_group - 1) / p.expand_group;
-    const int n_expand = p.max_tiles * p.n_targets * groups;
-    for (;;) {
-        __syncthreads();  // the last unit no longer reads s_unit or the shared memory
-        if (threadIdx.x == 0) s_unit = atomicAdd(ctr, 1);
-        __syncthreads();
-        const int u = s_unit;
-        if (u < n_shrink) {
-            const int unit = u / p.k_splits;
-            sgmv_shrink_unit<SG_BN, SG_STAGES, StageForm::Paired>(p, unit, u % p.k_splits);
-            __syncthreads();  // every partial of the unit is written
-            if (threadIdx.x == 0) {
-                __threadfence();
-                const int tile_target = unit / p.rank_chunks;  // tile * n_targets + target
-                atomicAdd(ctr + 2 + tile_target, 1);
-            }
-        } else if (u < n_shrink + n_expand) {
-            const int e = u - n_shrink;
-            const int tile_target = e / groups;
-            const int first = tile_target * p.out_tiles + (e % groups) * p.expand_group;
-            const int last = min(first + p.expand_group, (tile_target + 1) * p.out_tiles);
-            sgmv_expand_items<Y, true>(p, first, last);
-        } else {
-            break;
-        }
-    }
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
-            // Every block has taken its last unit and finished it: nothing reads the counters now.
-            for (int i = 0; i < 2 + p.max_tiles * p.n_targets; ++i) ctr[i] = 0;
-            __threadfence();
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_stream_bf16(const SgmvParams p) {
-    sgmv_stream_body<bf16_t>(p);
-}
-extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_stream_f32(const SgmvParams p) {
-    sgmv_stream_body<float>(p);
 }
 

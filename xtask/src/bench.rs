@@ -872,16 +872,7 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 y_buffers: Some(2),
                 ..Default::default()
             };
-            let stream = |group| SgmvTuning {
-                stream: Some(true),
-                stream_group: Some(group),
-                ..Default::default()
-            };
             let plain = [
-                ("stream g1", stream(1)),
-                ("stream g2", stream(2)),
-                ("stream g4", stream(4)),
-                ("stream g8", stream(8)),
                 ("unbalanced", unbalanced),
                 (
                     "no pdl",

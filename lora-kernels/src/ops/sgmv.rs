@@ -77,16 +77,6 @@ pub struct SgmvTuning {
     /// computes). `None`: one (never fewer resident blocks, and measured
     /// faster at both prefill shapes).
     pub y_buffers: Option<u32>,
-    /// Both phases in one launch (`true`): resident blocks take units in
-    /// order from a counter, every shrink unit first, then the expand's in
-    /// groups of [`Self::stream_group`] items, each waiting for its tile's
-    /// partials by their count; units are dealt as blocks free up and no
-    /// launch gap separates the phases. Uses the 64-row shrink and one y
-    /// buffer; `only_phase` rules it out. `false` or `None`: the two launches.
-    pub stream: Option<bool>,
-    /// Stream form only: consecutive 128-output items per expand unit
-    /// (each unit sums its tile's partials once). `None`: 4.
-    pub stream_group: Option<u32>,
 }
 
 /// One of the two launches of the segment apply.
@@ -124,12 +114,9 @@ struct SgmvParams {
     out_tiles: i32,
     balance_items: i32,
     y_buffers: i32,
-    expand_group: i32,
-    pad: i32,
-    counters: u64,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<SgmvParams>() == 224 && std::mem::offset_of!(SgmvParams, targets) == 128);
+const _: () = assert!(size_of::<SgmvParams>() == 208 && std::mem::offset_of!(SgmvParams, targets) == 112);
 
 /// How rows pick their entry.
 #[derive(Clone, Copy)]
@@ -343,22 +330,11 @@ fn launch<Y: OutputElem>(
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let out_tiles = max_out.div_ceil(OUT_TILE).max(1);
     let y_size = std::mem::size_of::<Y>();
-    let stream = tuning.stream.unwrap_or(false);
-    if stream && tuning.only_phase.is_some() {
-        return Err(invalid("tuning.stream", "the stream form has no phase to time alone"));
-    }
-    let expand_group = match tuning.stream_group {
-        Some(0) => return Err(invalid("tuning.stream_group", "0; at least 1")),
-        Some(v) => v as usize,
-        None => DEFAULT_STREAM_GROUP,
-    };
     let y_buffers = match tuning.y_buffers {
         Some(v @ (1 | 2)) => v as usize,
         Some(v) => return Err(invalid("tuning.y_buffers", format!("{v}; 1 or 2"))),
         None => DEFAULT_Y_BUFFERS,
     };
-    // The stream form stages one y tile at a time.
-    let y_buffers = if stream { 1 } else { y_buffers };
     let params = SgmvParams {
         x: x.addr(),
         y: y.addr(),
@@ -382,14 +358,8 @@ fn launch<Y: OutputElem>(
         out_tiles: to_i32("out_tiles", out_tiles)?,
         balance_items: i32::from(tuning.balanced_items.unwrap_or(true)),
         y_buffers: to_i32("tuning.y_buffers", y_buffers)?,
-        expand_group: to_i32("tuning.stream_group", expand_group)?,
-        pad: 0,
-        counters: ws.counters_addr(),
         targets: *target_params,
     };
-    if stream {
-        return launch_stream(c, &params, stride, y_size, max_tiles * n_targets, ws);
-    }
     let shrink_grid = (to_u32("grid", shrink_tiles)?, to_u32("grid", k_splits)?, 1);
     // Persistent expand: every resident block walks a share of the (tile, target, chunk) items.
     let items = max_tiles * n_targets * out_tiles;
@@ -448,60 +418,6 @@ fn launch<Y: OutputElem>(
         c.launch_chained(kernel, shape, &params, tuning.dependent_expand.unwrap_or(true))
     }
 }
-
-/// The stream form (`sgmv_stream_*` in `cuda/sgmv.cu`): one launch of as
-/// many blocks as can be resident at once.
-fn launch_stream(
-    c: &CudaBackend,
-    params: &SgmvParams,
-    stride: usize,
-    y_size: usize,
-    tile_targets: usize,
-    ws: &LoraWorkspace,
-) -> Result<(), KernelError> {
-    if 2 + tile_targets > ws.counter_len() {
-        return Err(invalid(
-            "segments",
-            format!(
-                "{tile_targets} (tile, target) pairs; the workspace counts {}",
-                ws.counter_len() - 2
-            ),
-        ));
-    }
-    let smem = (SHRINK_SMEM as usize).max(expand_smem_bytes(stride, y_size, 1));
-    if smem > c.smem_optin {
-        return Err(invalid(
-            "rank_stride",
-            format!("{stride} needs {smem} bytes of shared memory"),
-        ));
-    }
-    let blocks = blocks_per_sm(smem, c.smem_per_sm) * c.sm_count as usize;
-    let name = match y_size {
-        2 => "sgmv_stream_bf16",
-        _ => "sgmv_stream_f32",
-    };
-    // SAFETY: as for the two launches in `launch` (the same parameters and
-    // checks); in addition `counters` holds `2 + tiles x targets` zeroed
-    // ints (checked above; the kernel's last block zeroes them again), and
-    // one stream orders this launch after the previous user of the workspace.
-    unsafe {
-        c.launch(
-            Kernel {
-                family: Family::Sgmv,
-                name,
-            },
-            Launch {
-                grid: (to_u32("grid", blocks)?, 1, 1),
-                block: THREADS,
-                smem: to_u32("stream shared memory", smem)?,
-            },
-            params,
-        )
-    }
-}
-
-/// Expand items per unit of the stream form when the tuning names none.
-const DEFAULT_STREAM_GROUP: usize = 4;
 
 /// The shrink kernel: the narrow one, else the 64-row one with paired or split staging.
 fn shrink_kernel(narrow: bool, paired: bool) -> &'static str {

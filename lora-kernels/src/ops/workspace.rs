@@ -30,9 +30,6 @@ pub struct LoraWorkspace {
     spec: WorkspaceSpec,
     rank_pad: usize,
     scratch: DeviceBuffer<f32>,
-    /// The stream form's unit counters: `2 + tiles x targets` ints, zero
-    /// between launches (the kernel's last block zeroes them).
-    counters: DeviceBuffer<i32>,
 }
 
 impl LoraWorkspace {
@@ -59,22 +56,10 @@ impl LoraWorkspace {
             0
         };
         super::fits_i32("max_rows", spec.max_rows)?;
-        // Tiles of 64 rows, at most one partial tile more per segment (as the segment apply counts them).
-        let counters = if device.is_cuda() {
-            spec.max_rows
-                .div_ceil(64)
-                .checked_add(spec.max_segments)
-                .and_then(|v| v.checked_mul(spec.max_targets))
-                .and_then(|v| v.checked_add(2))
-                .ok_or_else(|| invalid("spec", "workspace size overflows"))?
-        } else {
-            0
-        };
         Ok(LoraWorkspace {
             spec,
             rank_pad,
             scratch: device.alloc_zeros(len)?,
-            counters: device.alloc_zeros(counters)?,
         })
     }
 
@@ -101,13 +86,5 @@ impl LoraWorkspace {
 
     pub(crate) fn addr(&self) -> u64 {
         self.scratch.device_addr()
-    }
-
-    pub(crate) fn counters_addr(&self) -> u64 {
-        self.counters.device_addr()
-    }
-
-    pub(crate) fn counter_len(&self) -> usize {
-        self.counters.len()
     }
 }
