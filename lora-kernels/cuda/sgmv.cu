@@ -30,6 +30,9 @@
 #define SG_THREADS 128
 #define SG_LD (SG_BK + 8)
 #define SG_BO 128
+// Table entries the shrink copies into shared memory (`SHRINK_STATIC_SMEM` in sgmv.rs counts them):
+// run 257 (NOTES.md v26), prefill r16 0.3 µs faster in a graph, 0.6-0.8 alone.
+#define SG_TABLE_SMEM 64
 // Most K splits of the shrink (`MAX_K_SPLITS` in workspace.rs).
 #define SG_MAX_K_SPLITS 8
 
@@ -220,8 +223,10 @@ __device__ __forceinline__ void block_items(const SgmvParams& p, int per_tile, i
 }
 
 // Loads the entry of a found tile and checks it; returns its rank (0: skip).
+// Entries below `n_staged` come from `staged`, a shared-memory copy of the table's first entries.
 __device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraTarget& tg, TileInfo* tile,
-                                                PairEntry* out, bool report) {
+                                                PairEntry* out, bool report, const PairEntry* staged = nullptr,
+                                                int n_staged = 0) {
     if (threadIdx.x == 0) {
         PairEntry en;
         en.a = 0;
@@ -229,7 +234,7 @@ __device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraT
         en.scale = 0.f;
         en.rank = 0;
         if (tile->valid) {
-            en = ((const PairEntry*)tg.table)[tile->entry];
+            en = tile->entry < n_staged ? staged[tile->entry] : ((const PairEntry*)tg.table)[tile->entry];
             if (en.rank > (u32)p.rank_stride || (en.rank > 0 && (en.a == 0 || en.b == 0))) {
                 if (report) raise_fault(p.fault, FAULT_BAD_RANK);
                 en.rank = 0;
@@ -403,6 +408,15 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
     const int kc0 = min(nkc, ks * per);
     const int kc1 = min(nkc, kc0 + per);
 
+    // The table's first entries, copied by warps 1.. while warp 0 finds the tile: the tile's entry is
+    // then a shared-memory read, not a second round trip after the segments'.
+    __shared__ PairEntry s_table[SG_TABLE_SMEM];
+    const int n_staged = p.uniform_entry < 0 ? min(tg.n_entries, SG_TABLE_SMEM) : 0;
+    if (warp > 0) {
+        const u64* src = (const u64*)tg.table;
+        u64* dst = (u64*)s_table;
+        for (int i = tid - 32; i < n_staged * 3; i += SG_THREADS - 32) dst[i] = src[i];
+    }
     if (warp == 0) find_tile(p, tg, tile, &s_tile, report);
     __syncthreads();
     // The first two stages' x lines start towards L2 while the entry is
@@ -418,7 +432,7 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
         }
     }
-    load_tile_entry(p, tg, &s_tile, &s_entry, report);
+    load_tile_entry(p, tg, &s_tile, &s_entry, report, s_table, n_staged);
     __syncthreads();
     if (!s_tile.valid) return;
     const PairEntry en = s_entry;

@@ -432,9 +432,15 @@ fn shrink_kernel(narrow: bool, paired: bool) -> &'static str {
 const SHRINK_SMEM: u32 = (2 * STAGES * TILE_ROWS * (K_CHUNK + 8) * 2) as u32;
 /// Dynamic shared memory of the narrow shrink: x tiles and 16-row A tiles, `STAGES_R16` deep.
 const SHRINK_R16_SMEM: u32 = (STAGES_R16 * (TILE_ROWS + NARROW_RANK) * (K_CHUNK + 8) * 2) as u32;
+/// Static shared memory of the shrinks, at most: the copy of the table's
+/// first 64 entries (`SG_TABLE_SMEM` in `cuda/sgmv.cu`, 1.5 KB), the tile
+/// and its entry (1664 bytes under nvcc 13).
+const SHRINK_STATIC_SMEM: usize = 2048;
 // Three narrow-shrink blocks fit an H100 / H200 multiprocessor (228 KB, 1 KB reserved per block):
 // the depth was chosen so that the 288 blocks of a 4096-row batch are resident at once.
-const _: () = assert!(3 * (SHRINK_R16_SMEM as usize + 1024) <= 228 * 1024);
+const _: () = assert!(3 * (SHRINK_R16_SMEM as usize + SHRINK_STATIC_SMEM + 1024) <= 228 * 1024);
+// Four 64-row shrink blocks fit one, as `blocks_per_sm` counts for the default K splits.
+const _: () = assert!(4 * (SHRINK_SMEM as usize + SHRINK_STATIC_SMEM + 1024) <= 228 * 1024);
 
 /// Dynamic shared memory of the expand (`sB`, `sT` and `y_buffers` `sY`
 /// tiles in `cuda/sgmv.cu`) for y elements of `y_size` bytes.
