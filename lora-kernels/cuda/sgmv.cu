@@ -255,15 +255,15 @@ enum class StageForm { Split, Paired };
 // The shrink's main loop over K chunks [kc0, kc1): acc[nt] = warp `warp`'s
 // 16 rows of the x tile (rows row0.., `rows` of them real, the rest zero)
 // times A rows n0 + nt * 8.. (`nlen` of them real), summed over those chunks.
-// Stages at `smem`: x tiles [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
+// Stages in the dynamic shared memory: x tiles [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
 template <int AR, int STAGES, StageForm FORM>
-__device__ __forceinline__ void shrink_tile(const SgmvParams& p, unsigned char* smem, const bf16_t* A, int row0,
-                                            int rows, int n0, int nlen, int kc0, int kc1, float (&acc)[AR / 8][4]) {
+__device__ __forceinline__ void shrink_tile(const SgmvParams& p, const bf16_t* A, int row0, int rows, int n0, int nlen,
+                                            int kc0, int kc1, float (&acc)[AR / 8][4]) {
     static_assert(FORM == StageForm::Split || AR == SG_BM, "paired staging needs A tiles as tall as x tiles");
     typedef bf16_t XTile[SG_BM][SG_LD];
     typedef bf16_t ATile[AR][SG_LD];
-    XTile* s_x = (XTile*)smem;
-    ATile* s_a = (ATile*)(smem + sizeof(XTile) * STAGES);
+    XTile* s_x = (XTile*)dyn;
+    ATile* s_a = (ATile*)(dyn + sizeof(XTile) * STAGES);
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -415,7 +415,8 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
     if (warp > 0) {
         const u64* src = (const u64*)tg.table;
         u64* dst = (u64*)s_table;
-        for (int i = tid - 32; i < n_staged * 3; i += SG_THREADS - 32) dst[i] = src[i];
+        constexpr int words = sizeof(PairEntry) / sizeof(u64);
+        for (int i = tid - 32; i < n_staged * words; i += SG_THREADS - 32) dst[i] = src[i];
     }
     if (warp == 0) find_tile(p, tg, tile, &s_tile, report);
     __syncthreads();
@@ -444,7 +445,7 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
     const int rows = s_tile.rows;
 
     float acc[AR / 8][4];
-    shrink_tile<AR, STAGES, FORM>(p, dyn, (const bf16_t*)en.a, row0, rows, n0, nlen, kc0, kc1, acc);
+    shrink_tile<AR, STAGES, FORM>(p, (const bf16_t*)en.a, row0, rows, n0, nlen, kc0, kc1, acc);
     const int NT = (nlen + 7) / 8;
 
     float* W = (float*)p.ws + (u64)(ti * p.k_splits + ks) * p.ws_rows * p.ws_rank_pad;
@@ -622,54 +623,36 @@ __device__ __forceinline__ void stage_b_rows(bf16_t* sB, int bp, const bf16_t* B
     }
 }
 
-// The mma A registers of warp `warp`'s 16 rows x rank columns kst * 16.. of
-// t (sT, f32, pitch tpch): its bf16 high part and the bf16 rounding of the
-// rest, in register order (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
-__device__ __forceinline__ void t_fragments(const float* sT, int tpch, int kst, int warp, int lane, u32 (&a_hi)[4],
-                                            u32 (&a_lo)[4]) {
-    const int g = lane >> 2;
-    const int t4 = lane & 3;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int r = warp * 16 + g + (q & 1) * 8;
-        const int k = kst * 16 + 2 * t4 + (q >> 1) * 8;
-        const float2 t = *(const float2*)(sT + r * tpch + k);
-        a_hi[q] = pack_bf2_rn(t.x, t.y);
-        a_lo[q] = pack_bf2_rn(t.x - bf_lo(a_hi[q]), t.y - bf_hi(a_hi[q]));
-    }
-}
-
-// acc[nt] += t's 16 columns kst * 16.. (a_hi + a_lo) times those columns of
-// the 128 staged B rows; b_lane is this lane's ldmatrix row of sB (pitch bp).
-__device__ __forceinline__ void b_pass_mma(float (&acc)[16][4], const bf16_t* b_lane, int bp, int kst,
-                                           const u32 (&a_hi)[4], const u32 (&a_lo)[4]) {
-#pragma unroll
-    for (int np = 0; np < 8; ++np) {
-        u32 b[4];
-        ldmatrix_x4(b, b_lane + np * 16 * bp + kst * 16);
-        mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
-        mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
-        mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
-        mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
-    }
-}
-
-// The ldmatrix row of sB (pitch bp) for this lane: lanes 0-15 give tile 2 * np, lanes 16-31 the next one.
-__device__ __forceinline__ const bf16_t* b_lane_row(const bf16_t* sB, int bp, int lane) {
-    return sB + ((lane >> 4) * 8 + (lane & 7)) * bp + ((lane >> 3) & 1) * 8;
-}
-
 // acc[nt] += the delta of a warp's 16 rows x 8-wide tile nt of the item's outputs: t (sT, f32, scaled)
 // split into a bf16 high part and the bf16 rounding of the rest, times the staged B rows (sB). Row i
 // of tile j is output j * 8 + i.
 __device__ __forceinline__ void expand_tile_mma(float (&acc)[16][4], const bf16_t* sB, int bp, const float* sT,
                                                 int tpch, int rk16, int warp, int lane) {
-    const bf16_t* b_lane = b_lane_row(sB, bp, lane);
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    // ldmatrix rows: lanes 0-15 give tile 2 * np, lanes 16-31 the next one.
+    const bf16_t* b_lane = sB + ((lane >> 4) * 8 + (lane & 7)) * bp + ((lane >> 3) & 1) * 8;
     for (int kst = 0; kst < rk16 / 16; ++kst) {
+        // t in mma A-register order: (g, k), (g + 8, k), (g, k + 8), (g + 8, k + 8).
         u32 a_hi[4];
         u32 a_lo[4];
-        t_fragments(sT, tpch, kst, warp, lane, a_hi, a_lo);
-        b_pass_mma(acc, b_lane, bp, kst, a_hi, a_lo);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int r = warp * 16 + g + (q & 1) * 8;
+            const int k = kst * 16 + 2 * t4 + (q >> 1) * 8;
+            const float2 t = *(const float2*)(sT + r * tpch + k);
+            a_hi[q] = pack_bf2_rn(t.x, t.y);
+            a_lo[q] = pack_bf2_rn(t.x - bf_lo(a_hi[q]), t.y - bf_hi(a_hi[q]));
+        }
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+            u32 b[4];
+            ldmatrix_x4(b, b_lane + np * 16 * bp + kst * 16);
+            mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
+            mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
+            mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
+        }
     }
 }
 
@@ -846,4 +829,3 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_bf16(con
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(const SgmvParams p) {
     sgmv_expand_body<float>(p);
 }
-
