@@ -59,9 +59,11 @@ struct SgmvParams {
     int out_tiles;
     int balance_items;
     int y_buffers;  // the expand's y tiles: 2 (the next item's tile requested during this one) or 1
+    int early_dependents;  // the shrink lets the expand get resident at its start (1) or after its main loop (0)
+    int pad_;
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(SgmvParams) == 208 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 112, "mirrors sgmv.rs");
+static_assert(sizeof(SgmvParams) == 216 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 120, "mirrors sgmv.rs");
 
 // The dynamic shared memory of both kernels (one declaration for the file).
 extern __shared__ __align__(128) unsigned char dyn[];
@@ -250,7 +252,7 @@ __device__ __forceinline__ void load_tile_entry(const SgmvParams& p, const LoraT
 // vector-path check hoisted above the piece loop, so the vector path of the
 // main loop is straight-line cp.async (v5's loop was this short; the split
 // form lengthened the 64-row kernel's main loop by about a third).
-enum class StageForm { Split, Paired };
+enum class StageForm { Split, Paired, Wgmma };
 
 // The shrink's main loop over K chunks [kc0, kc1): acc[nt] = warp `warp`'s
 // 16 rows of the x tile (rows row0.., `rows` of them real, the rest zero)
@@ -259,7 +261,8 @@ enum class StageForm { Split, Paired };
 template <int AR, int STAGES, StageForm FORM>
 __device__ __forceinline__ void shrink_tile(const SgmvParams& p, const bf16_t* A, int row0, int rows, int n0, int nlen,
                                             int kc0, int kc1, float (&acc)[AR / 8][4]) {
-    static_assert(FORM == StageForm::Split || AR == SG_BM, "paired staging needs A tiles as tall as x tiles");
+    static_assert(FORM == StageForm::Split || (FORM == StageForm::Paired && AR == SG_BM),
+                  "paired staging needs A tiles as tall as x tiles; the wgmma form is shrink_tile_wg");
     typedef bf16_t XTile[SG_BM][SG_LD];
     typedef bf16_t ATile[AR][SG_LD];
     XTile* s_x = (XTile*)dyn;
@@ -381,6 +384,163 @@ __device__ __forceinline__ void shrink_tile(const SgmvParams& p, const bf16_t* A
     cp_async_wait<0>();
 }
 
+// ---- The shrink on warpgroup MMAs (sm_90a) ----
+// The block's four warps are one warpgroup: per K chunk, four wgmma
+// m64nARk16 read the staged x tile (64 rows) and A tile (AR rows) straight
+// from shared memory, once for the group, where mma.sync had every warp
+// load the whole A tile through ldmatrix (about 7 µs of the r64 shrink's
+// 38, NOTES.md v27). Tiles are 64 bf16 columns (128-byte rows) in the
+// 128-byte swizzle wgmma reads: 16-byte piece c of row r lies at
+// r * 128 + ((c ^ (r & 7)) * 16), every tile starting on a 1024-byte
+// boundary of the dynamic shared memory (the host adds 1 KB to align it).
+#define SG_WG_ALIGN 1024
+// Stages of the wgmma shrink for A tiles of `ar` rows: as many as fit
+// 56 KB, so four blocks stay resident per SM (`wg_stages` in sgmv.rs).
+#define SG_WG_STAGE_BUDGET (56 * 1024)
+__host__ __device__ constexpr int sg_wg_stages(int ar) { return SG_WG_STAGE_BUDGET / ((SG_BM + ar) * 2 * SG_BK); }
+
+// Byte offset of 16-byte piece c of row r in a swizzled tile.
+__device__ __forceinline__ u32 swz128(int r, int c) { return (u32)(r * (2 * SG_BK) + ((c ^ (r & 7)) << 4)); }
+
+// The wgmma descriptor of a swizzled K-major tile at shared address `addr`:
+// 128-byte swizzle, 8-row groups 1024 bytes apart (the leading offset is
+// unused by this layout and set to 1, its encoded minimum).
+__device__ __forceinline__ u64 wg_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+// Generic-proxy writes of shared memory (cp.async, stores) made visible to wgmma's reads.
+__device__ __forceinline__ void fence_async_smem() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// acc (64 x N, f32, mma.sync's fragment order per 8 columns) += the 64 x 16
+// tile of descriptor da times the N x 16 tile of descriptor db, transposed.
+template <int N>
+__device__ __forceinline__ void wgmma_k16(float (&acc)[N / 8][4], u64 da, u64 db);
+template <>
+__device__ __forceinline__ void wgmma_k16<16>(float (&acc)[2][4], u64 da, u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, 0, 0;"
+        : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
+        : "l"(da), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wgmma_k16<32>(float (&acc)[4][4], u64 da, u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, 1, 0, 0;"
+        : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
+        : "l"(da), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wgmma_k16<64>(float (&acc)[8][4], u64 da, u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;"
+        : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]), "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]), "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]), "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]), "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
+        : "l"(da), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wgmma_k16<128>(float (&acc)[16][4], u64 da, u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, 0, 0;"
+        : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]), "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]), "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]), "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]), "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3]), "+f"(acc[8][0]), "+f"(acc[8][1]), "+f"(acc[8][2]), "+f"(acc[8][3]), "+f"(acc[9][0]), "+f"(acc[9][1]), "+f"(acc[9][2]), "+f"(acc[9][3]), "+f"(acc[10][0]), "+f"(acc[10][1]), "+f"(acc[10][2]), "+f"(acc[10][3]), "+f"(acc[11][0]), "+f"(acc[11][1]), "+f"(acc[11][2]), "+f"(acc[11][3]), "+f"(acc[12][0]), "+f"(acc[12][1]), "+f"(acc[12][2]), "+f"(acc[12][3]), "+f"(acc[13][0]), "+f"(acc[13][1]), "+f"(acc[13][2]), "+f"(acc[13][3]), "+f"(acc[14][0]), "+f"(acc[14][1]), "+f"(acc[14][2]), "+f"(acc[14][3]), "+f"(acc[15][0]), "+f"(acc[15][1]), "+f"(acc[15][2]), "+f"(acc[15][3])
+        : "l"(da), "l"(db));
+}
+#endif
+
+// shrink_tile's contract on warpgroup MMAs: acc[nt] = warp `warp`'s 16 rows
+// of the x tile (rows row0.., `rows` real) times A rows n0 + nt * 8..
+// (`nlen` real; A rows past them are staged as zeros, so every column of
+// acc is computed and the caller stores the real ones), over K chunks
+// [kc0, kc1). Dynamic shared memory, aligned up to SG_WG_ALIGN: x tiles
+// [STAGES][SG_BM][SG_BK], then A tiles [STAGES][AR][SG_BK], swizzled.
+template <int AR, int STAGES>
+__device__ __forceinline__ void shrink_tile_wg(const SgmvParams& p, const bf16_t* A, int row0, int rows, int n0,
+                                               int nlen, int kc0, int kc1, float (&acc)[AR / 8][4]) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(AR % 16 == 0 && AR <= SG_BM, "wgmma n of 16, 32 or 64");
+    constexpr u32 X_TILE = SG_BM * SG_BK * 2;
+    constexpr u32 A_TILE = AR * SG_BK * 2;
+    const u32 base = (smem_u32(dyn) + SG_WG_ALIGN - 1) & ~(u32)(SG_WG_ALIGN - 1);
+    unsigned char* const tiles = dyn + (base - smem_u32(dyn));
+    const u32 x0 = base;
+    const u32 a0 = base + STAGES * X_TILE;
+    const int tid = threadIdx.x;
+    const int in = p.in_dim;
+    const bf16_t* X = (const bf16_t*)p.x + (u64)row0 * p.x_stride;
+    const bf16_t* An = A + (u64)n0 * in;
+    const int nk = kc1 - kc0;
+    const bool vec = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16((const bf16_t*)p.x) && aligned16(A);
+
+    // `n` rows of a tile (rows past `valid` zero) <- columns col0.. of rows at `src` (row pitch `pitch`).
+    auto stage_rows = [&](u32 tile, const bf16_t* src, u64 pitch, int n, int valid, int col0) {
+#pragma unroll
+        for (int u = 0; u < n * (SG_BK / 8) / SG_THREADS; ++u) {
+            const int v = tid + u * SG_THREADS;
+            const int r = v / (SG_BK / 8);
+            const int c = v % (SG_BK / 8);
+            const int col = col0 + c * 8;
+            const bool rv = r < valid;
+            const bf16_t* row = src + (u64)(rv ? r : 0) * pitch;
+            const u32 off = tile - base + swz128(r, c);
+            if (vec) {
+                const bool ok = rv && col < in;
+                cp_async16(tiles + off, ok ? row + col : src, ok);
+            } else {
+                bf16_t* d = (bf16_t*)(tiles + off);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) d[j] = rv && col + j < in ? row[col + j] : (bf16_t)0;
+            }
+        }
+    };
+    auto load_stage = [&](int st, int kc) {
+        stage_rows(x0 + st * X_TILE, X, (u64)p.x_stride, SG_BM, rows, kc * SG_BK);
+        stage_rows(a0 + st * A_TILE, An, (u64)in, AR, nlen, kc * SG_BK);
+    };
+
+#pragma unroll
+    for (int i = 0; i < AR / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nk) load_stage(s, kc0 + s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < nk; ++i) {
+        cp_async_wait<STAGES - 2>();
+        fence_async_smem();
+        __syncthreads();  // chunk i staged by every thread; chunk i - 1's wgmma done in every warp
+        {
+            const int nxt = i + STAGES - 1;
+            if (nxt < nk) load_stage(nxt % STAGES, kc0 + nxt);
+            cp_async_commit();
+        }
+        const int st = i % STAGES;
+        const u64 dx = wg_desc(x0 + st * X_TILE);
+        const u64 da = wg_desc(a0 + st * A_TILE);
+        wg_fence();
+        // K steps of 16 columns (32 bytes, 2 in the descriptor's address units) within the swizzled rows.
+#pragma unroll
+        for (int kk = 0; kk < SG_BK / 16; ++kk) wgmma_k16<AR>(acc, dx + 2 * kk, da + 2 * kk);
+        wg_commit();
+        wg_wait_all();
+    }
+    cp_async_wait<0>();
+#else
+    // Launched only on sm_90a (the host checks); other targets compile a stub.
+    (void)p, (void)A, (void)row0, (void)rows, (void)n0, (void)nlen, (void)kc0, (void)kc1;
+#pragma unroll
+    for (int i = 0; i < AR / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    __trap();
+#endif
+}
+
 // The shrink body for A tiles of AR rows (a rank chunk of at most AR) and a
 // cp.async pipeline STAGES deep. Dynamic shared memory: x tiles
 // [STAGES][SG_BM][SG_LD], then A tiles [STAGES][AR][SG_LD].
@@ -400,8 +560,9 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
     const int ks = (int)blockIdx.y;
     const LoraTarget tg = p.targets[ti];
     const bool report = ks == 0 && rc == 0;
-    // A dependent expand may get resident now: it waits for this grid to complete before reading t.
-    grid_launch_dependents();
+    // A dependent expand may get resident now (or, with p.early_dependents off, once this block is past
+    // its main loop): it waits for this grid to complete before reading t.
+    if (p.early_dependents) grid_launch_dependents();
 
     const int nkc = (p.in_dim + SG_BK - 1) / SG_BK;
     const int per = (nkc + p.k_splits - 1) / p.k_splits;
@@ -445,7 +606,11 @@ __device__ __forceinline__ void sgmv_shrink_body(const SgmvParams& p) {
     const int rows = s_tile.rows;
 
     float acc[AR / 8][4];
-    shrink_tile<AR, STAGES, FORM>(p, (const bf16_t*)en.a, row0, rows, n0, nlen, kc0, kc1, acc);
+    if constexpr (FORM == StageForm::Wgmma)
+        shrink_tile_wg<AR, STAGES>(p, (const bf16_t*)en.a, row0, rows, n0, nlen, kc0, kc1, acc);
+    else
+        shrink_tile<AR, STAGES, FORM>(p, (const bf16_t*)en.a, row0, rows, n0, nlen, kc0, kc1, acc);
+    if (!p.early_dependents) grid_launch_dependents();
     const int NT = (nlen + 7) / 8;
 
     float* W = (float*)p.ws + (u64)(ti * p.k_splits + ks) * p.ws_rows * p.ws_rank_pad;
@@ -470,6 +635,16 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_bf16(const 
 // The same with split staging (v6's form), kept to time against the paired one.
 extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_split_bf16(const SgmvParams p) {
     sgmv_shrink_body<SG_BN, SG_STAGES, StageForm::Split>(p);
+}
+// The wgmma shrinks (sm_90a), for rank strides up to 16, up to 32, and rank chunks of 64.
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_wg16_bf16(const SgmvParams p) {
+    sgmv_shrink_body<16, sg_wg_stages(16), StageForm::Wgmma>(p);
+}
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_wg32_bf16(const SgmvParams p) {
+    sgmv_shrink_body<32, sg_wg_stages(32), StageForm::Wgmma>(p);
+}
+extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_wg64_bf16(const SgmvParams p) {
+    sgmv_shrink_body<SG_BN, sg_wg_stages(SG_BN), StageForm::Wgmma>(p);
 }
 // Rank strides up to 16: A tiles of 16 rows leave room for a deeper
 // pipeline (more x bytes in flight per block) at 3 blocks per SM.
@@ -656,7 +831,89 @@ __device__ __forceinline__ void expand_tile_mma(float (&acc)[16][4], const bf16_
     }
 }
 
-template <typename Y>
+// The wgmma expand's B rows: SG_BO rows of rk16 columns as K atoms of 64
+// columns ([atoms][SG_BO][SG_BK], 16 KB each, swizzled like the shrink's
+// tiles) at shared address `sb`; pieces past `rank` and rows past `out` are
+// zero. Columns past rk16 are never read. The caller commits and waits.
+__device__ __forceinline__ void stage_b_rows_wg(unsigned char* sB, const bf16_t* B, int stride, int o_base, int out,
+                                                int rank) {
+    const int tid = threadIdx.x;
+    const int rk16 = (rank + 15) & ~15;
+    const bool vec_b = (stride % 8 == 0) && aligned16(B);
+    const int full8 = vec_b ? rank / 8 : 0;
+    const int cpr = rk16 / 8;  // 16-byte pieces per row
+    for (int v = tid; v < SG_BO * cpr; v += SG_THREADS) {
+        const int r = v / cpr;
+        const int c = v - r * cpr;
+        const int n = o_base + r;
+        unsigned char* dst = sB + (c / 8) * (SG_BO * SG_BK * 2) + swz128(r, c % 8);
+        const bf16_t* src = B + (u64)n * stride + c * 8;
+        if (n < out && c < full8) {
+            cp_async16(dst, src, true);
+        } else {
+            bf16_t* d = (bf16_t*)dst;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) d[j] = (n < out && c * 8 + j < rank) ? src[j] : (bf16_t)0;
+        }
+    }
+}
+
+// The wgmma expand's t: a bf16 high part and the bf16 rounding of the rest,
+// each [atoms][SG_BM][SG_BK] swizzled like B, written once per tile by the
+// t sum. Stores t[r][k..k + 3] (k a multiple of 4) into both.
+__device__ __forceinline__ void store_t4_wg(unsigned char* t_hi, unsigned char* t_lo, int r, int k, float4 v) {
+    const u32 off = (k / SG_BK) * (SG_BM * SG_BK * 2) + swz128(r, (k % SG_BK) / 8) + (k % 8) * 2;
+    const u32 h01 = pack_bf2_rn(v.x, v.y);
+    const u32 h23 = pack_bf2_rn(v.z, v.w);
+    *(uint2*)(t_hi + off) = make_uint2(h01, h23);
+    *(uint2*)(t_lo + off) = make_uint2(pack_bf2_rn(v.x - bf_lo(h01), v.y - bf_hi(h01)),
+                                       pack_bf2_rn(v.z - bf_lo(h23), v.w - bf_hi(h23)));
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// acc += STEPS K steps of t's high and low parts (atoms at shared addresses
+// th, tl) times the B atom at `b`, one fence and one wait for them all.
+template <int STEPS>
+__device__ __forceinline__ void expand_atom_wg(float (&acc)[16][4], u32 th, u32 tl, u32 b) {
+    // Orders the accumulators' last writes (y loaded into them) before the MMAs read them.
+    wg_fence();
+#pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+        wgmma_k16<SG_BO>(acc, wg_desc(th + j * 32), wg_desc(b + j * 32));
+        wgmma_k16<SG_BO>(acc, wg_desc(tl + j * 32), wg_desc(b + j * 32));
+    }
+    wg_commit();
+    wg_wait_all();
+}
+#endif
+
+// expand_tile_mma on warpgroup MMAs: acc += t (its high and low parts at
+// shared addresses th, tl, from store_t4_wg) times the B rows staged by
+// stage_b_rows_wg at `sb`, over rk16 columns.
+__device__ __forceinline__ void expand_tile_wg(float (&acc)[16][4], u32 sb, u32 th, u32 tl, int rk16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int ATOM_STEPS = SG_BK / 16;
+    for (int k0 = 0; k0 < rk16 / 16; k0 += ATOM_STEPS) {
+        const int atom = k0 / ATOM_STEPS;
+        const u32 b = sb + atom * (SG_BO * SG_BK * 2);
+        const u32 h = th + atom * (SG_BM * SG_BK * 2);
+        const u32 l = tl + atom * (SG_BM * SG_BK * 2);
+        // Each count of steps straight-line: MMAs issued under a condition made the compiler wait after each.
+        switch (min(ATOM_STEPS, rk16 / 16 - k0)) {
+            case 1: expand_atom_wg<1>(acc, h, l, b); break;
+            case 2: expand_atom_wg<2>(acc, h, l, b); break;
+            case 3: expand_atom_wg<3>(acc, h, l, b); break;
+            default: expand_atom_wg<4>(acc, h, l, b); break;
+        }
+    }
+#else
+    // Launched only on sm_90a (the host checks); other targets compile a stub.
+    (void)acc, (void)sb, (void)th, (void)tl, (void)rk16;
+    __trap();
+#endif
+}
+
+template <typename Y, bool WG>
 __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     __shared__ TileInfo s_tile;
     __shared__ PairEntry s_entry;
@@ -671,9 +928,17 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
     const int bp = ((stride + 15) & ~15) + 8;
     const int tpch = ((stride + 15) & ~15) + 4;
     const int yp = y_pitch<Y>();
-    bf16_t* sB = (bf16_t*)dyn;
-    float* sT = (float*)(dyn + (size_t)SG_BO * bp * 2);
-    Y* sY0 = (Y*)(dyn + (size_t)SG_BO * bp * 2 + (size_t)SG_BM * tpch * 4);
+    // wgmma: B rows as swizzled K atoms from the first 1024-byte boundary (the host adds 1 KB).
+    // wgmma: then t's high and low parts as swizzled atoms in place of the f32 sT.
+    unsigned char* const b_base = WG ? dyn + (((smem_u32(dyn) + 1023) & ~1023u) - smem_u32(dyn)) : dyn;
+    const int atoms = (stride + SG_BK - 1) / SG_BK;
+    const size_t b_bytes = WG ? (size_t)atoms * SG_BO * SG_BK * 2 : (size_t)SG_BO * bp * 2;
+    const size_t t_bytes = WG ? (size_t)2 * atoms * SG_BM * SG_BK * 2 : (size_t)SG_BM * tpch * 4;
+    bf16_t* sB = (bf16_t*)b_base;
+    float* sT = (float*)(b_base + b_bytes);
+    unsigned char* const t_hi = b_base + b_bytes;
+    unsigned char* const t_lo = t_hi + t_bytes / 2;
+    Y* sY0 = (Y*)(b_base + b_bytes + t_bytes);
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int ra = warp * 16 + g;
@@ -716,7 +981,10 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
 
         // ---- group A: this item's y tile (unless already requested) and its B rows.
         if (!staged) move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, true);
-        stage_b_rows(sB, bp, B, stride, o_base, out, rank);
+        if constexpr (WG)
+            stage_b_rows_wg(b_base, B, stride, o_base, out, rank);
+        else
+            stage_b_rows(sB, bp, B, stride, o_base, out, rank);
         cp_async_commit();
 
         // ---- group B: the next item's y tile when it is the same tile (the
@@ -784,17 +1052,24 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
                             }
                         }
                     }
-                    float* d = sT + r * tpch + k;
-                    d[0] = k < rank ? sum.x * scale : 0.f;
-                    d[1] = k + 1 < rank ? sum.y * scale : 0.f;
-                    d[2] = k + 2 < rank ? sum.z * scale : 0.f;
-                    d[3] = k + 3 < rank ? sum.w * scale : 0.f;
+                    const float4 v = make_float4(k < rank ? sum.x * scale : 0.f, k + 1 < rank ? sum.y * scale : 0.f,
+                                                 k + 2 < rank ? sum.z * scale : 0.f, k + 3 < rank ? sum.w * scale : 0.f);
+                    if constexpr (WG) {
+                        store_t4_wg(t_hi, t_lo, r, k, v);
+                    } else {
+                        float* d = sT + r * tpch + k;
+                        d[0] = v.x;
+                        d[1] = v.y;
+                        d[2] = v.z;
+                        d[3] = v.w;
+                    }
                 }
             }
             cur_tile = item.tile;
             cur_ti = item.ti;
         }
         cp_async_wait<1>();  // group A landed; the next tile may still be in flight
+        if constexpr (WG) fence_async_smem();
         __syncthreads();
 
         // The mma's C starts as this item's y, so the delta is added in f32 inside the mma (no zeroed
@@ -806,7 +1081,10 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             y_load2(ya, acc[nt][0], acc[nt][1]);
             y_load2(ya + 8 * yp, acc[nt][2], acc[nt][3]);
         }
-        expand_tile_mma(acc, sB, bp, sT, tpch, rk16, warp, lane);
+        if constexpr (WG)
+            expand_tile_wg(acc, smem_u32(b_base), smem_u32(t_hi), smem_u32(t_lo), rk16);
+        else
+            expand_tile_mma(acc, sB, bp, sT, tpch, rk16, warp, lane);
 
         // ---- the summed tile back to shared memory, then out in 16-byte pieces.
         // Columns past `len` and rows past `rows` hold nothing and are never stored.
@@ -824,8 +1102,15 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_bf16(const SgmvParams p) {
-    sgmv_expand_body<bf16_t>(p);
+    sgmv_expand_body<bf16_t, false>(p);
 }
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(const SgmvParams p) {
-    sgmv_expand_body<float>(p);
+    sgmv_expand_body<float, false>(p);
+}
+// On warpgroup MMAs (sm_90a).
+extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_wg_bf16(const SgmvParams p) {
+    sgmv_expand_body<bf16_t, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_wg_f32(const SgmvParams p) {
+    sgmv_expand_body<float, true>(p);
 }

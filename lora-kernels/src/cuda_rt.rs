@@ -230,8 +230,12 @@ pub(crate) fn compile_source(
         return Err(KernelError::NvrtcMissing);
     }
     let (major, minor) = compute_capability;
+    // Compute capability 9.0 compiles for sm_90a, whose arch-specific
+    // instructions (wgmma) run on that capability only: the code is built
+    // for the device it loads on.
+    let suffix = if compute_capability == (9, 0) { "a" } else { "" };
     let mut options = vec![
-        format!("--gpu-architecture=sm_{major}{minor}"),
+        format!("--gpu-architecture=sm_{major}{minor}{suffix}"),
         "-std=c++17".to_string(),
     ];
     options.extend(include_dirs().into_iter().map(|d| format!("--include-path={d}")));

@@ -1101,8 +1101,10 @@ fn run_sgmv_on<Y: OutputElem>(
 }
 
 /// Launch choices of the segment apply the tests cover: each shrink (the
-/// 64-row one with paired and split staging), the dependent and the plain
-/// expand launch, each way of dealing items, one and two y buffers.
+/// wgmma ones where the device has them, the narrow one, the 64-row one with
+/// paired and split staging), each expand (wgmma and mma.sync), the
+/// dependent and the plain expand launch, early and late dependents, each
+/// way of dealing items, one and two y buffers.
 fn sgmv_kernels() -> Vec<SgmvTuning> {
     let pick = |narrow, dependent, balanced, paired| SgmvTuning {
         narrow_shrink: Some(narrow),
@@ -1115,8 +1117,20 @@ fn sgmv_kernels() -> Vec<SgmvTuning> {
         y_buffers: Some(n),
         ..Default::default()
     };
+    let mma_sync = SgmvTuning {
+        wgmma_shrink: Some(false),
+        wgmma_expand: Some(false),
+        ..Default::default()
+    };
+    let dependents = |early| SgmvTuning {
+        early_dependents: Some(early),
+        ..Default::default()
+    };
     vec![
         SgmvTuning::default(),
+        mma_sync,
+        dependents(true),
+        dependents(false),
         pick(true, false, true, true),
         pick(false, true, false, true),
         pick(false, true, true, false),

@@ -863,6 +863,24 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 balanced_items: Some(false),
                 ..Default::default()
             };
+            // The shrink, the expand or both on mma.sync where the default is wgmma.
+            let mma_sync = SgmvTuning {
+                wgmma_shrink: Some(false),
+                ..Default::default()
+            };
+            let mma_sync_expand = SgmvTuning {
+                wgmma_expand: Some(false),
+                ..Default::default()
+            };
+            let mma_sync_both = SgmvTuning {
+                wgmma_expand: Some(false),
+                ..mma_sync
+            };
+            // When the shrink lets the expand get resident.
+            let early = |on| SgmvTuning {
+                early_dependents: Some(on),
+                ..Default::default()
+            };
             // The expand's y tiles in one shared-memory buffer or two.
             let one_y = SgmvTuning {
                 y_buffers: Some(1),
@@ -889,7 +907,14 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                         ..Default::default()
                     },
                 ),
+                ("mma.sync shrink", mma_sync),
+                ("mma.sync expand", mma_sync_expand),
+                ("mma.sync both", mma_sync_both),
+                ("early dependents", early(true)),
+                ("late dependents", early(false)),
                 ("shrink only", shrink_only(SgmvTuning::default())),
+                ("mma.sync shrink only", shrink_only(mma_sync)),
+                ("mma.sync expand only", expand_only(mma_sync_expand)),
                 ("split staging shrink only", shrink_only(split)),
                 ("narrow shrink only", shrink_only(narrow)),
                 ("expand only", expand_only(SgmvTuning::default())),

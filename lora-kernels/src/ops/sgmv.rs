@@ -72,6 +72,21 @@ pub struct SgmvTuning {
     /// vector-path check hoisted above the piece loop (`true`, the
     /// default), or in two loops with the check per piece (`false`).
     pub paired_staging: Option<bool>,
+    /// The shrink on warpgroup MMAs (`true`: `wgmma`, sm_90a only, A tiles
+    /// of 16, 32 or 64 rows by the rank stride) or on `mma.sync` (`false`).
+    /// `None`: wgmma where the device has it (compute capability 9.0) and
+    /// neither `narrow_shrink` nor `paired_staging` names an mma.sync kernel.
+    pub wgmma_shrink: Option<bool>,
+    /// The expand on warpgroup MMAs (`true`: `wgmma` with t's fragments
+    /// from registers and B from swizzled shared memory, sm_90a only) or on
+    /// `mma.sync` (`false`). `None`: wgmma where the device has it.
+    pub wgmma_expand: Option<bool>,
+    /// When the shrink lets a dependent expand get resident: at its start
+    /// (`true`) or once its blocks are past their main loop (`false`).
+    /// `None`: at the start, except for the wgmma shrink of 64-row A tiles
+    /// (NOTES.md v27, H200 in a graph: prefill r64 110 µs early against 92.9
+    /// late; r16 34.6 against 38.5, r32 38.2 against 41.7).
+    pub early_dependents: Option<bool>,
     /// The expand's y tiles: one shared-memory buffer (`Some(1)`) or two
     /// (`Some(2)`: the next item's tile is requested while this one
     /// computes). `None`: one (never fewer resident blocks, and measured
@@ -114,9 +129,11 @@ struct SgmvParams {
     out_tiles: i32,
     balance_items: i32,
     y_buffers: i32,
+    early_dependents: i32,
+    pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<SgmvParams>() == 208 && std::mem::offset_of!(SgmvParams, targets) == 112);
+const _: () = assert!(size_of::<SgmvParams>() == 216 && std::mem::offset_of!(SgmvParams, targets) == 120);
 
 /// How rows pick their entry.
 #[derive(Clone, Copy)]
@@ -318,9 +335,23 @@ fn launch<Y: OutputElem>(
     let max_tiles = n.div_ceil(TILE_ROWS) + n_segments;
     let rank_chunks = stride.div_ceil(RANK_CHUNK);
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
-    let narrow = stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(false);
+    let wgmma = c.compute_capability == (9, 0);
+    let shrink = choose_shrink(&tuning, stride, wgmma)?;
+    let wgmma_expand = match tuning.wgmma_expand {
+        Some(true) if !wgmma => {
+            return Err(invalid(
+                "tuning.wgmma_expand",
+                "wgmma needs compute capability 9.0 (sm_90a)",
+            ));
+        }
+        Some(on) => on,
+        None => wgmma,
+    };
+    let early_dependents = tuning
+        .early_dependents
+        .unwrap_or(shrink != ShrinkKernel::Wgmma { a_rows: RANK_CHUNK });
     let shrink_tiles = max_tiles * n_targets * rank_chunks;
-    let shrink_smem = if narrow { SHRINK_R16_SMEM } else { SHRINK_SMEM };
+    let shrink_smem = shrink.smem();
     let shrink_resident = blocks_per_sm(shrink_smem as usize, c.smem_per_sm) * c.sm_count as usize;
     let k_splits = match tuning.k_splits {
         Some(v) => v as usize,
@@ -358,13 +389,15 @@ fn launch<Y: OutputElem>(
         out_tiles: to_i32("out_tiles", out_tiles)?,
         balance_items: i32::from(tuning.balanced_items.unwrap_or(true)),
         y_buffers: to_i32("tuning.y_buffers", y_buffers)?,
+        early_dependents: i32::from(early_dependents),
+        pad: 0,
         targets: *target_params,
     };
     let shrink_grid = (to_u32("grid", shrink_tiles)?, to_u32("grid", k_splits)?, 1);
     // Persistent expand: every resident block walks a share of the (tile, target, chunk) items.
     let items = max_tiles * n_targets * out_tiles;
     to_i32("expand items", items)?;
-    let smem = expand_smem_bytes(stride, y_size, y_buffers);
+    let smem = expand_smem_bytes(stride, y_size, y_buffers, wgmma_expand);
     let resident = blocks_per_sm(smem, c.smem_per_sm) * c.sm_count as usize;
     let expand_grid = (to_u32("grid", items.min(resident).max(1))?, 1, 1);
     let expand_smem = to_u32("expand shared memory", smem)?;
@@ -388,7 +421,7 @@ fn launch<Y: OutputElem>(
             c.launch(
                 Kernel {
                     family: Family::Sgmv,
-                    name: shrink_kernel(narrow, tuning.paired_staging.unwrap_or(true)),
+                    name: shrink.name(),
                 },
                 Launch {
                     grid: shrink_grid,
@@ -401,9 +434,11 @@ fn launch<Y: OutputElem>(
         if tuning.only_phase == Some(SgmvPhase::Shrink) {
             return Ok(());
         }
-        let expand = match Y::NAME {
-            "bf16" => "sgmv_expand_bf16",
-            _ => "sgmv_expand_f32",
+        let expand = match (Y::NAME, wgmma_expand) {
+            ("bf16", false) => "sgmv_expand_bf16",
+            ("bf16", true) => "sgmv_expand_wg_bf16",
+            (_, false) => "sgmv_expand_f32",
+            (_, true) => "sgmv_expand_wg_f32",
         };
         let kernel = Kernel {
             family: Family::Sgmv,
@@ -419,13 +454,87 @@ fn launch<Y: OutputElem>(
     }
 }
 
-/// The shrink kernel: the narrow one, else the 64-row one with paired or split staging.
-fn shrink_kernel(narrow: bool, paired: bool) -> &'static str {
-    match (narrow, paired) {
-        (true, _) => "sgmv_shrink_r16_bf16",
-        (false, true) => "sgmv_shrink_bf16",
-        (false, false) => "sgmv_shrink_split_bf16",
+/// A shrink kernel of `cuda/sgmv.cu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ShrinkKernel {
+    /// mma.sync with 64-row A tiles, x and A pieces staged in pairs or split.
+    Wide { paired: bool },
+    /// mma.sync with 16-row A tiles and a deeper pipeline (rank strides up to 16).
+    Narrow,
+    /// wgmma (sm_90a) with A tiles of `a_rows` (16, 32 or 64) rows.
+    Wgmma { a_rows: usize },
+}
+
+impl ShrinkKernel {
+    fn name(self) -> &'static str {
+        match self {
+            ShrinkKernel::Wide { paired: true } => "sgmv_shrink_bf16",
+            ShrinkKernel::Wide { paired: false } => "sgmv_shrink_split_bf16",
+            ShrinkKernel::Narrow => "sgmv_shrink_r16_bf16",
+            ShrinkKernel::Wgmma { a_rows: 16 } => "sgmv_shrink_wg16_bf16",
+            ShrinkKernel::Wgmma { a_rows: 32 } => "sgmv_shrink_wg32_bf16",
+            ShrinkKernel::Wgmma { .. } => "sgmv_shrink_wg64_bf16",
+        }
     }
+
+    /// Dynamic shared memory of the kernel.
+    fn smem(self) -> u32 {
+        match self {
+            ShrinkKernel::Wide { .. } => SHRINK_SMEM,
+            ShrinkKernel::Narrow => SHRINK_R16_SMEM,
+            ShrinkKernel::Wgmma { a_rows } => wg_shrink_smem(a_rows),
+        }
+    }
+}
+
+/// The shrink for a rank stride under `tuning`, where `wgmma` says whether
+/// the device runs sm_90a code. The mma.sync kernels stay reachable by
+/// naming them (`wgmma_shrink: Some(false)`, `narrow_shrink`, `paired_staging`).
+fn choose_shrink(tuning: &SgmvTuning, stride: usize, wgmma: bool) -> Result<ShrinkKernel, KernelError> {
+    let names_mma_sync = tuning.narrow_shrink.is_some() || tuning.paired_staging.is_some();
+    let use_wgmma = match tuning.wgmma_shrink {
+        Some(true) if !wgmma => {
+            return Err(invalid(
+                "tuning.wgmma_shrink",
+                "wgmma needs compute capability 9.0 (sm_90a)",
+            ));
+        }
+        Some(true) if names_mma_sync => {
+            return Err(invalid(
+                "tuning.wgmma_shrink",
+                "narrow_shrink and paired_staging choose among the mma.sync shrinks",
+            ));
+        }
+        Some(on) => on,
+        None => wgmma && !names_mma_sync,
+    };
+    Ok(if use_wgmma {
+        let a_rows = match stride {
+            0..=16 => 16,
+            17..=32 => 32,
+            _ => RANK_CHUNK,
+        };
+        ShrinkKernel::Wgmma { a_rows }
+    } else if stride <= NARROW_RANK && tuning.narrow_shrink.unwrap_or(false) {
+        ShrinkKernel::Narrow
+    } else {
+        ShrinkKernel::Wide {
+            paired: tuning.paired_staging.unwrap_or(true),
+        }
+    })
+}
+
+/// Stages of the wgmma shrink for A tiles of `a_rows` rows: as many x and A
+/// tile pairs as fit 56 KB, so four blocks stay resident per multiprocessor
+/// (`sg_wg_stages` in `cuda/sgmv.cu`).
+const fn wg_shrink_stages(a_rows: usize) -> usize {
+    56 * 1024 / ((TILE_ROWS + a_rows) * K_CHUNK * 2)
+}
+
+/// Dynamic shared memory of the wgmma shrink: its stages of swizzled tiles
+/// (unpadded rows) and 1 KB to align them to the swizzle's 1024 bytes.
+const fn wg_shrink_smem(a_rows: usize) -> u32 {
+    (wg_shrink_stages(a_rows) * (TILE_ROWS + a_rows) * K_CHUNK * 2 + 1024) as u32
 }
 
 /// Dynamic shared memory of the shrink: x and A tiles, `STAGES` deep, rows padded by 8.
@@ -441,12 +550,30 @@ const SHRINK_STATIC_SMEM: usize = 2048;
 const _: () = assert!(3 * (SHRINK_R16_SMEM as usize + SHRINK_STATIC_SMEM + 1024) <= 228 * 1024);
 // Four 64-row shrink blocks fit one, as `blocks_per_sm` counts for the default K splits.
 const _: () = assert!(4 * (SHRINK_SMEM as usize + SHRINK_STATIC_SMEM + 1024) <= 228 * 1024);
+// So do four wgmma shrink blocks of every A tile height, each with at least three stages.
+const _: () = {
+    let heights = [16, 32, RANK_CHUNK];
+    let mut i = 0;
+    while i < heights.len() {
+        assert!(4 * (wg_shrink_smem(heights[i]) as usize + SHRINK_STATIC_SMEM + 1024) <= 228 * 1024);
+        assert!(wg_shrink_stages(heights[i]) >= 3);
+        i += 1;
+    }
+};
 
 /// Dynamic shared memory of the expand (`sB`, `sT` and `y_buffers` `sY`
-/// tiles in `cuda/sgmv.cu`) for y elements of `y_size` bytes.
-fn expand_smem_bytes(stride: usize, y_size: usize, y_buffers: usize) -> usize {
+/// tiles in `cuda/sgmv.cu`) for y elements of `y_size` bytes. The wgmma
+/// expand stages B, and t's bf16 high and low parts in place of the f32 sT,
+/// as 64-column swizzled atoms from a 1024-byte boundary.
+fn expand_smem_bytes(stride: usize, y_size: usize, y_buffers: usize, wgmma: bool) -> usize {
     let r16 = stride.div_ceil(16) * 16;
-    OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4 + y_buffers * TILE_ROWS * (OUT_TILE * y_size + 16)
+    let b_and_t = if wgmma {
+        let atoms = stride.div_ceil(K_CHUNK);
+        atoms * (OUT_TILE + 2 * TILE_ROWS) * K_CHUNK * 2 + 1024
+    } else {
+        OUT_TILE * (r16 + 8) * 2 + TILE_ROWS * (r16 + 4) * 4
+    };
+    b_and_t + y_buffers * TILE_ROWS * (OUT_TILE * y_size + 16)
 }
 
 /// The expand's y buffers when the tuning names none: one. It never leaves

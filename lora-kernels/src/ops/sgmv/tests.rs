@@ -183,10 +183,95 @@ fn default_k_splits_fill_one_wave_within_four_to_the_most() {
 
 #[test]
 fn the_narrow_shrink_wins_over_the_staging_choice() {
-    assert_eq!(shrink_kernel(true, true), "sgmv_shrink_r16_bf16");
-    assert_eq!(shrink_kernel(true, false), "sgmv_shrink_r16_bf16");
-    assert_eq!(shrink_kernel(false, true), "sgmv_shrink_bf16");
-    assert_eq!(shrink_kernel(false, false), "sgmv_shrink_split_bf16");
+    let name = |narrow, paired| {
+        let t = SgmvTuning {
+            narrow_shrink: Some(narrow),
+            paired_staging: Some(paired),
+            ..Default::default()
+        };
+        choose_shrink(&t, 16, true).unwrap().name()
+    };
+    assert_eq!(name(true, true), "sgmv_shrink_r16_bf16");
+    assert_eq!(name(true, false), "sgmv_shrink_r16_bf16");
+    assert_eq!(name(false, true), "sgmv_shrink_bf16");
+    assert_eq!(name(false, false), "sgmv_shrink_split_bf16");
+}
+
+#[test]
+fn the_wgmma_shrink_is_the_default_where_the_device_has_it() {
+    let default = SgmvTuning::default();
+    for (stride, name) in [
+        (1, "sgmv_shrink_wg16_bf16"),
+        (16, "sgmv_shrink_wg16_bf16"),
+        (17, "sgmv_shrink_wg32_bf16"),
+        (32, "sgmv_shrink_wg32_bf16"),
+        (33, "sgmv_shrink_wg64_bf16"),
+        (64, "sgmv_shrink_wg64_bf16"),
+        (256, "sgmv_shrink_wg64_bf16"),
+    ] {
+        assert_eq!(
+            choose_shrink(&default, stride, true).unwrap().name(),
+            name,
+            "stride {stride}"
+        );
+        // Without sm_90a: the 64-row mma.sync shrink, paired.
+        assert_eq!(
+            choose_shrink(&default, stride, false).unwrap().name(),
+            "sgmv_shrink_bf16"
+        );
+    }
+    // Naming an mma.sync kernel, or turning wgmma off, reaches the mma.sync shrinks on any device.
+    let narrow = SgmvTuning {
+        narrow_shrink: Some(true),
+        ..Default::default()
+    };
+    assert_eq!(choose_shrink(&narrow, 16, true).unwrap(), ShrinkKernel::Narrow);
+    let off = SgmvTuning {
+        wgmma_shrink: Some(false),
+        ..Default::default()
+    };
+    assert_eq!(
+        choose_shrink(&off, 64, true).unwrap(),
+        ShrinkKernel::Wide { paired: true }
+    );
+}
+
+#[test]
+fn asking_for_wgmma_where_it_cannot_run_is_an_error() {
+    let on = SgmvTuning {
+        wgmma_shrink: Some(true),
+        ..Default::default()
+    };
+    assert_eq!(
+        choose_shrink(&on, 16, true).unwrap(),
+        ShrinkKernel::Wgmma { a_rows: 16 }
+    );
+    let err = choose_shrink(&on, 16, false).unwrap_err().to_string();
+    assert!(err.contains("wgmma_shrink"), "{err}");
+    let conflicting = SgmvTuning {
+        narrow_shrink: Some(true),
+        ..on
+    };
+    let err = choose_shrink(&conflicting, 16, true).unwrap_err().to_string();
+    assert!(err.contains("wgmma_shrink"), "{err}");
+}
+
+#[test]
+fn the_wgmma_stages_mirror_the_kernel_source() {
+    // sgmv.cu sizes its stages from SG_WG_STAGE_BUDGET the way wg_shrink_stages does.
+    let source = include_str!("../../../cuda/sgmv.cu");
+    assert!(source.contains("#define SG_WG_STAGE_BUDGET (56 * 1024)"));
+    assert_eq!(wg_shrink_stages(16), 5);
+    assert_eq!(wg_shrink_stages(32), 4);
+    assert_eq!(wg_shrink_stages(64), 3);
+    // Four blocks of each stay resident on an H200 multiprocessor, as for the mma.sync shrink.
+    for a_rows in [16, 32, 64] {
+        assert_eq!(
+            blocks_per_sm(wg_shrink_smem(a_rows) as usize, 228 * 1024),
+            4,
+            "A rows {a_rows}"
+        );
+    }
 }
 
 #[test]
@@ -194,14 +279,19 @@ fn one_y_buffer_never_leaves_fewer_expand_blocks_resident_than_two() {
     // The H200: 228 KiB of shared memory per multiprocessor.
     let sm = 228 * 1024;
     // Rank stride 64: two bf16 y buffers leave 3 blocks, one leaves 4.
-    assert_eq!(blocks_per_sm(expand_smem_bytes(64, 2, 2), sm), 3);
-    assert_eq!(blocks_per_sm(expand_smem_bytes(64, 2, 1), sm), 4);
+    assert_eq!(blocks_per_sm(expand_smem_bytes(64, 2, 2, false), sm), 3);
+    assert_eq!(blocks_per_sm(expand_smem_bytes(64, 2, 1, false), sm), 4);
+    // The wgmma expand keeps four at rank strides 16 and 64.
+    assert_eq!(blocks_per_sm(expand_smem_bytes(16, 2, 1, true), sm), 4);
+    assert_eq!(blocks_per_sm(expand_smem_bytes(64, 2, 1, true), sm), 4);
     assert_eq!(DEFAULT_Y_BUFFERS, 1);
     for stride in 1..=256 {
         for y_size in [2, 4] {
-            let two = blocks_per_sm(expand_smem_bytes(stride, y_size, 2), sm);
-            let one = blocks_per_sm(expand_smem_bytes(stride, y_size, 1), sm);
-            assert!(one >= two, "stride {stride} y {y_size}");
+            for wgmma in [false, true] {
+                let two = blocks_per_sm(expand_smem_bytes(stride, y_size, 2, wgmma), sm);
+                let one = blocks_per_sm(expand_smem_bytes(stride, y_size, 1, wgmma), sm);
+                assert!(one >= two, "stride {stride} y {y_size} wgmma {wgmma}");
+            }
         }
     }
 }
