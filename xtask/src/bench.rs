@@ -842,6 +842,22 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                     },
                 ));
             }
+            // K splits crossed with when the expand gets resident and its y buffers.
+            for k in [3, 4, 5, 6] {
+                for (when, early) in [("early", true), ("late", false)] {
+                    for y in [1, 2] {
+                        variants.push((
+                            format!("ks{k} {when} y{y}"),
+                            SgmvTuning {
+                                k_splits: Some(k),
+                                early_dependents: Some(early),
+                                y_buffers: Some(y),
+                                ..Default::default()
+                            },
+                        ));
+                    }
+                }
+            }
             let expand_only = |t: SgmvTuning| SgmvTuning {
                 only_phase: Some(SgmvPhase::Expand),
                 ..t

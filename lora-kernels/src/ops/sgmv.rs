@@ -83,9 +83,8 @@ pub struct SgmvTuning {
     pub wgmma_expand: Option<bool>,
     /// When the shrink lets a dependent expand get resident: at its start
     /// (`true`) or once its blocks are past their main loop (`false`).
-    /// `None`: at the start, except for the wgmma shrink of 64-row A tiles
-    /// (NOTES.md v27, H200 in a graph: prefill r64 110 µs early against 92.9
-    /// late; r16 34.6 against 38.5, r32 38.2 against 41.7).
+    /// `None`: by [`SgmvTuning::y_buffers`] and the shrink (see
+    /// `default_early_dependents`).
     pub early_dependents: Option<bool>,
     /// The expand's y tiles: one shared-memory buffer (`Some(1)`) or two
     /// (`Some(2)`: the next item's tile is requested while this one
@@ -347,15 +346,12 @@ fn launch<Y: OutputElem>(
         Some(on) => on,
         None => wgmma,
     };
-    let early_dependents = tuning
-        .early_dependents
-        .unwrap_or(shrink != ShrinkKernel::Wgmma { a_rows: RANK_CHUNK });
     let shrink_tiles = max_tiles * n_targets * rank_chunks;
     let shrink_smem = shrink.smem();
     let shrink_resident = blocks_per_sm(shrink_smem as usize, c.smem_per_sm) * c.sm_count as usize;
     let k_splits = match tuning.k_splits {
         Some(v) => v as usize,
-        None => default_k_splits(shrink_tiles, shrink_resident),
+        None => default_k_splits(shrink_tiles, shrink_resident, least_k_splits(shrink)),
     }
     .clamp(1, MAX_K_SPLITS.min(k_chunks));
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
@@ -366,6 +362,9 @@ fn launch<Y: OutputElem>(
         Some(v) => return Err(invalid("tuning.y_buffers", format!("{v}; 1 or 2"))),
         None => DEFAULT_Y_BUFFERS,
     };
+    let early_dependents = tuning
+        .early_dependents
+        .unwrap_or(default_early_dependents(shrink, y_buffers));
     let params = SgmvParams {
         x: x.addr(),
         y: y.addr(),
@@ -585,13 +584,35 @@ const DEFAULT_Y_BUFFERS: usize = 1;
 
 /// K splits of the shrink when the tuning names none: as many as keep all
 /// of its `tiles x splits` blocks resident in one wave (more blocks, each
-/// with fewer K chunks, keep more copies in flight), at least four (the
+/// with fewer K chunks, keep more copies in flight), at least `least` (the
 /// best where the tiles alone fill the machine) and at most
-/// [`MAX_K_SPLITS`]. Measured on the H200 (NOTES.md v10): prefill r16 (72
-/// tiles, 528 resident) takes 7, 42.4 -> 40.5 µs; r64 (160 tiles) keeps 4,
-/// where 3 and 5..8 were slower.
-fn default_k_splits(tiles: usize, resident: usize) -> usize {
-    (resident / tiles.max(1)).clamp(4, MAX_K_SPLITS)
+/// [`MAX_K_SPLITS`]. Measured on the H200: prefill r16 (72 tiles, 528
+/// resident) takes 7, 42.4 -> 40.5 µs (NOTES.md v10); at r64 (160 tiles)
+/// the mma.sync shrink was best at 4 (v10), the wgmma shrink at 3 (v27: in
+/// a graph 83.4 against 84.3 µs at 4, 89.5 at 2).
+fn default_k_splits(tiles: usize, resident: usize, least: usize) -> usize {
+    (resident / tiles.max(1)).clamp(least, MAX_K_SPLITS)
+}
+
+/// When the shrink lets the expand get resident, where the tuning does not
+/// say: at its start, except with two y buffers after a wgmma shrink of A
+/// tiles over 16 rows, where early residency was much slower (NOTES.md v27,
+/// H200 in a graph, two y buffers, early against late: prefill r64 115.5
+/// against 90.1 µs, r32 48.7 against 42.9; r16 36.7 against 39.3; with one
+/// buffer early wins at every shape: r64 84.3 against 91.4).
+fn default_early_dependents(shrink: ShrinkKernel, y_buffers: usize) -> bool {
+    match shrink {
+        ShrinkKernel::Wgmma { a_rows } if a_rows > 16 => y_buffers == 1,
+        _ => true,
+    }
+}
+
+/// The fewest K splits [`default_k_splits`] picks for a shrink kernel.
+fn least_k_splits(shrink: ShrinkKernel) -> usize {
+    match shrink {
+        ShrinkKernel::Wgmma { .. } => 3,
+        _ => 4,
+    }
 }
 
 /// Blocks of `smem` bytes of shared memory resident per multiprocessor, at

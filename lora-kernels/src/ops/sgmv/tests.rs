@@ -171,14 +171,32 @@ fn workspace_limits_are_enforced() {
 }
 
 #[test]
-fn default_k_splits_fill_one_wave_within_four_to_the_most() {
+fn default_k_splits_fill_one_wave_within_the_least_to_the_most() {
     // The bench shapes on an H200 (132 SMs, four 64-row shrink blocks each).
-    assert_eq!(default_k_splits(72, 528), 7);
-    assert_eq!(default_k_splits(160, 528), 4);
-    // A handful of tiles: the most the workspace holds; a huge batch: four.
-    assert_eq!(default_k_splits(3, 528), MAX_K_SPLITS);
-    assert_eq!(default_k_splits(100_000, 528), 4);
-    assert_eq!(default_k_splits(0, 528), MAX_K_SPLITS);
+    let mma_sync = least_k_splits(ShrinkKernel::Wide { paired: true });
+    let wgmma = least_k_splits(ShrinkKernel::Wgmma { a_rows: 64 });
+    assert_eq!((mma_sync, wgmma), (4, 3));
+    assert_eq!(default_k_splits(72, 528, mma_sync), 7);
+    assert_eq!(default_k_splits(160, 528, mma_sync), 4);
+    assert_eq!(default_k_splits(160, 528, wgmma), 3);
+    // A handful of tiles: the most the workspace holds; a huge batch: the least.
+    assert_eq!(default_k_splits(3, 528, wgmma), MAX_K_SPLITS);
+    assert_eq!(default_k_splits(100_000, 528, mma_sync), 4);
+    assert_eq!(default_k_splits(100_000, 528, wgmma), 3);
+    assert_eq!(default_k_splits(0, 528, mma_sync), MAX_K_SPLITS);
+}
+
+#[test]
+fn the_expand_gets_resident_early_but_after_wide_wgmma_shrinks_with_two_y_buffers() {
+    for y_buffers in [1, 2] {
+        assert!(default_early_dependents(ShrinkKernel::Wgmma { a_rows: 16 }, y_buffers));
+        assert!(default_early_dependents(ShrinkKernel::Wide { paired: true }, y_buffers));
+        assert!(default_early_dependents(ShrinkKernel::Narrow, y_buffers));
+    }
+    for a_rows in [32, 64] {
+        assert!(default_early_dependents(ShrinkKernel::Wgmma { a_rows }, 1));
+        assert!(!default_early_dependents(ShrinkKernel::Wgmma { a_rows }, 2));
+    }
 }
 
 #[test]
