@@ -17,6 +17,11 @@
 //                once. Persistent blocks, each a balanced run of the items;
 //                the host may launch it as a programmatic dependent of the
 //                shrink (it waits before reading t).
+// On sm_90a (compute capability 9.0) both phases also have warpgroup-MMA
+// kernels, the host's default there: sgmv_shrink_wg{16,32,64}_bf16 (A tiles
+// of 16, 32 or 64 rows, x and A in 128-byte-swizzled tiles read by wgmma)
+// and sgmv_expand_wg_{bf16,f32} (t's two bf16 parts and B swizzled, t
+// staged once per tile).
 // A tile never crosses a segment: tile i of the launch is found by a prefix
 // sum of ceil(len_s / 64) over segments, so the grid (sized by the host from
 // the row and segment counts) stays fixed while the contents change.

@@ -2,7 +2,8 @@
 //! `cu_seqlens[s] .. cu_seqlens[s + 1]` share the entry `seg_slot[s]` (-1 =
 //! no delta), and [`one_adapter`], the plain pair of GEMMs when every row
 //! uses one entry. CUDA kernel family: `cuda/sgmv.cu` (a tensor-core shrink
-//! into the workspace, then a tensor-core expand fused with the add into y).
+//! into the workspace, then a tensor-core expand fused with the add into y;
+//! warpgroup MMAs on compute capability 9.0, mma.sync elsewhere).
 
 use half::bf16;
 
