@@ -20,8 +20,8 @@
 // On sm_90a (compute capability 9.0) both phases also have warpgroup-MMA
 // kernels, the host's default there: sgmv_shrink_wg{16,32,64}_bf16 (A tiles
 // of 16, 32 or 64 rows, x and A in 128-byte-swizzled tiles read by wgmma)
-// and sgmv_expand_wg_{bf16,f32} (t's two bf16 parts and B swizzled, t
-// staged once per tile).
+// and sgmv_expand_wg{,f}_{bf16,f32} (t's two bf16 parts and B swizzled, t
+// staged once per tile; `wgf`: the MMAs before y lands).
 // A tile never crosses a segment: tile i of the launch is found by a prefix
 // sum of ceil(len_s / 64) over segments, so the grid (sized by the host from
 // the row and segment counts) stays fixed while the contents change.
@@ -918,8 +918,13 @@ __device__ __forceinline__ void expand_tile_wg(float (&acc)[16][4], u32 sb, u32 
 #endif
 }
 
-template <typename Y, bool WG>
+// MMA_FIRST (wgmma only): the MMAs start from zero as soon as B lands and y
+// is added after it lands, instead of starting from y (prefill r64 in a
+// graph 83.5 -> 82.0 µs; at ranks 16 and 32 the extra barrier costs
+// 0.3-0.5, so the host picks it past rank stride 32; NOTES.md v27).
+template <typename Y, bool WG, bool MMA_FIRST>
 __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
+    static_assert(WG || !MMA_FIRST, "the MMAs before y need the wgmma expand");
     __shared__ TileInfo s_tile;
     __shared__ PairEntry s_entry;
 
@@ -984,12 +989,19 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         Y* sY = sY0 + (size_t)buf * SG_BM * yp;
         Y* gY = Yp + (u64)row0 * ys + coff + o_base;
 
-        // ---- group A: this item's y tile (unless already requested) and its B rows.
-        if (!staged) move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, true);
-        if constexpr (WG)
+        // ---- group A: this item's y tile (unless already requested) and its B rows; MMA_FIRST: B's
+        // rows (from L2) a group of their own before y's (from DRAM).
+        if constexpr (MMA_FIRST) {
             stage_b_rows_wg(b_base, B, stride, o_base, out, rank);
-        else
-            stage_b_rows(sB, bp, B, stride, o_base, out, rank);
+            cp_async_commit();
+            if (!staged) move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, true);
+        } else {
+            if (!staged) move_y_tile<Y>(sY, gY, ys, rows, len, vec_y, true);
+            if constexpr (WG)
+                stage_b_rows_wg(b_base, B, stride, o_base, out, rank);
+            else
+                stage_b_rows(sB, bp, B, stride, o_base, out, rank);
+        }
         cp_async_commit();
 
         // ---- group B: the next item's y tile when it is the same tile (the
@@ -1073,23 +1085,45 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             cur_tile = item.tile;
             cur_ti = item.ti;
         }
-        cp_async_wait<1>();  // group A landed; the next tile may still be in flight
-        if constexpr (WG) fence_async_smem();
-        __syncthreads();
-
-        // The mma's C starts as this item's y, so the delta is added in f32 inside the mma (no zeroed
-        // accumulators, no separate add) and y is rounded once.
         float acc[16][4];
+        if constexpr (MMA_FIRST) {
+            cp_async_wait<2>();  // B landed; y and the next tile may still be in flight
+            fence_async_smem();
+            __syncthreads();
+            // The delta from zero while y is in flight, then y added in f32: y is rounded once.
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const Y* ya = sY + ra * yp + nt * 8 + 2 * t4;
-            y_load2(ya, acc[nt][0], acc[nt][1]);
-            y_load2(ya + 8 * yp, acc[nt][2], acc[nt][3]);
-        }
-        if constexpr (WG)
+            for (int nt = 0; nt < 16; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
             expand_tile_wg(acc, smem_u32(b_base), smem_u32(t_hi), smem_u32(t_lo), rk16);
-        else
-            expand_tile_mma(acc, sB, bp, sT, tpch, rk16, warp, lane);
+            cp_async_wait<1>();  // y landed
+            __syncthreads();
+#pragma unroll
+            for (int nt = 0; nt < 16; ++nt) {
+                const Y* ya = sY + ra * yp + nt * 8 + 2 * t4;
+                float y0, y1, y2, y3;
+                y_load2(ya, y0, y1);
+                y_load2(ya + 8 * yp, y2, y3);
+                acc[nt][0] += y0;
+                acc[nt][1] += y1;
+                acc[nt][2] += y2;
+                acc[nt][3] += y3;
+            }
+        } else {
+            cp_async_wait<1>();  // group A landed; the next tile may still be in flight
+            if constexpr (WG) fence_async_smem();
+            __syncthreads();
+            // The MMAs' C starts as this item's y, so the delta is added in f32 inside them (no
+            // zeroed accumulators, no separate add) and y is rounded once.
+#pragma unroll
+            for (int nt = 0; nt < 16; ++nt) {
+                const Y* ya = sY + ra * yp + nt * 8 + 2 * t4;
+                y_load2(ya, acc[nt][0], acc[nt][1]);
+                y_load2(ya + 8 * yp, acc[nt][2], acc[nt][3]);
+            }
+            if constexpr (WG)
+                expand_tile_wg(acc, smem_u32(b_base), smem_u32(t_hi), smem_u32(t_lo), rk16);
+            else
+                expand_tile_mma(acc, sB, bp, sT, tpch, rk16, warp, lane);
+        }
 
         // ---- the summed tile back to shared memory, then out in 16-byte pieces.
         // Columns past `len` and rows past `rows` hold nothing and are never stored.
@@ -1107,15 +1141,21 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_bf16(const SgmvParams p) {
-    sgmv_expand_body<bf16_t, false>(p);
+    sgmv_expand_body<bf16_t, false, false>(p);
 }
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_f32(const SgmvParams p) {
-    sgmv_expand_body<float, false>(p);
+    sgmv_expand_body<float, false, false>(p);
 }
-// On warpgroup MMAs (sm_90a).
+// On warpgroup MMAs (sm_90a), starting from y or before it.
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_wg_bf16(const SgmvParams p) {
-    sgmv_expand_body<bf16_t, true>(p);
+    sgmv_expand_body<bf16_t, true, false>(p);
 }
 extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_wg_f32(const SgmvParams p) {
-    sgmv_expand_body<float, true>(p);
+    sgmv_expand_body<float, true, false>(p);
+}
+extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_wgf_bf16(const SgmvParams p) {
+    sgmv_expand_body<bf16_t, true, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(SG_THREADS, 4) sgmv_expand_wgf_f32(const SgmvParams p) {
+    sgmv_expand_body<float, true, true>(p);
 }

@@ -1102,7 +1102,8 @@ fn run_sgmv_on<Y: OutputElem>(
 
 /// Launch choices of the segment apply the tests cover: each shrink (the
 /// wgmma ones where the device has them, the narrow one, the 64-row one with
-/// paired and split staging), each expand (wgmma and mma.sync), the
+/// paired and split staging), each expand (wgmma from y or before it,
+/// mma.sync), the
 /// dependent and the plain expand launch, early and late dependents, each
 /// way of dealing items, one and two y buffers.
 fn sgmv_kernels() -> Vec<SgmvTuning> {
@@ -1122,6 +1123,11 @@ fn sgmv_kernels() -> Vec<SgmvTuning> {
         wgmma_expand: Some(false),
         ..Default::default()
     };
+    // The wgmma expand from y past rank stride 32, where the default starts before y.
+    let mma_after_y = SgmvTuning {
+        mma_before_y: Some(false),
+        ..Default::default()
+    };
     let dependents = |early| SgmvTuning {
         early_dependents: Some(early),
         ..Default::default()
@@ -1129,6 +1135,7 @@ fn sgmv_kernels() -> Vec<SgmvTuning> {
     vec![
         SgmvTuning::default(),
         mma_sync,
+        mma_after_y,
         dependents(true),
         dependents(false),
         pick(true, false, true, true),

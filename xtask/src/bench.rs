@@ -926,6 +926,20 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 ("mma.sync shrink", mma_sync),
                 ("mma.sync expand", mma_sync_expand),
                 ("mma.sync both", mma_sync_both),
+                (
+                    "mma after y",
+                    SgmvTuning {
+                        mma_before_y: Some(false),
+                        ..Default::default()
+                    },
+                ),
+                (
+                    "mma before y",
+                    SgmvTuning {
+                        mma_before_y: Some(true),
+                        ..Default::default()
+                    },
+                ),
                 ("early dependents", early(true)),
                 ("late dependents", early(false)),
                 ("shrink only", shrink_only(SgmvTuning::default())),

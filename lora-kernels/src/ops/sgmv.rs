@@ -82,6 +82,11 @@ pub struct SgmvTuning {
     /// from registers and B from swizzled shared memory, sm_90a only) or on
     /// `mma.sync` (`false`). `None`: wgmma where the device has it.
     pub wgmma_expand: Option<bool>,
+    /// The wgmma expand only: start each item's MMAs from zero as soon as
+    /// its B rows land and add y once it lands (`true`), or start them from
+    /// y (`false`). `None`: `true` past rank stride 32 (see
+    /// `default_mma_before_y`).
+    pub mma_before_y: Option<bool>,
     /// When the shrink lets a dependent expand get resident: at its start
     /// (`true`) or once its blocks are past their main loop (`false`).
     /// `None`: by [`SgmvTuning::y_buffers`] and the shrink (see
@@ -347,6 +352,16 @@ fn launch<Y: OutputElem>(
         Some(on) => on,
         None => wgmma,
     };
+    let mma_before_y = match tuning.mma_before_y {
+        Some(true) if !wgmma_expand => {
+            return Err(invalid(
+                "tuning.mma_before_y",
+                "starting the MMAs before y needs the wgmma expand",
+            ));
+        }
+        Some(on) => on,
+        None => wgmma_expand && default_mma_before_y(stride),
+    };
     let shrink_tiles = max_tiles * n_targets * rank_chunks;
     let shrink_smem = shrink.smem();
     let shrink_resident = blocks_per_sm(shrink_smem as usize, c.smem_per_sm) * c.sm_count as usize;
@@ -434,12 +449,7 @@ fn launch<Y: OutputElem>(
         if tuning.only_phase == Some(SgmvPhase::Shrink) {
             return Ok(());
         }
-        let expand = match (Y::NAME, wgmma_expand) {
-            ("bf16", false) => "sgmv_expand_bf16",
-            ("bf16", true) => "sgmv_expand_wg_bf16",
-            (_, false) => "sgmv_expand_f32",
-            (_, true) => "sgmv_expand_wg_f32",
-        };
+        let expand = expand_kernel(Y::NAME == "bf16", wgmma_expand, mma_before_y);
         let kernel = Kernel {
             family: Family::Sgmv,
             name: expand,
@@ -452,6 +462,27 @@ fn launch<Y: OutputElem>(
         // The expand runs `griddepcontrol.wait` before it reads the workspace.
         c.launch_chained(kernel, shape, &params, tuning.dependent_expand.unwrap_or(true))
     }
+}
+
+/// The expand kernel for bf16 (else f32) y: mma.sync, or wgmma starting
+/// from y or (`mma_before_y`) before it.
+fn expand_kernel(bf16_y: bool, wgmma: bool, mma_before_y: bool) -> &'static str {
+    match (bf16_y, wgmma, mma_before_y) {
+        (true, false, _) => "sgmv_expand_bf16",
+        (false, false, _) => "sgmv_expand_f32",
+        (true, true, false) => "sgmv_expand_wg_bf16",
+        (false, true, false) => "sgmv_expand_wg_f32",
+        (true, true, true) => "sgmv_expand_wgf_bf16",
+        (false, true, true) => "sgmv_expand_wgf_f32",
+    }
+}
+
+/// Whether the wgmma expand starts its MMAs before y lands, where the
+/// tuning does not say: past rank stride 32. Measured on the H200 in a
+/// graph (NOTES.md v27): prefill r64 83.5 -> 82.0 µs; r32 37.7 -> 38.1, r16
+/// 34.5 -> 34.9 (the extra barrier outweighs MMAs too short to hide much).
+fn default_mma_before_y(stride: usize) -> bool {
+    stride > 32
 }
 
 /// A shrink kernel of `cuda/sgmv.cu`.

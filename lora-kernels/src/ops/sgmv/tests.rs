@@ -275,6 +275,18 @@ fn asking_for_wgmma_where_it_cannot_run_is_an_error() {
 }
 
 #[test]
+fn the_wgmma_expand_starts_before_y_past_rank_stride_32() {
+    assert!(!default_mma_before_y(16));
+    assert!(!default_mma_before_y(32));
+    assert!(default_mma_before_y(33));
+    assert!(default_mma_before_y(64));
+    assert_eq!(expand_kernel(true, true, true), "sgmv_expand_wgf_bf16");
+    assert_eq!(expand_kernel(false, true, false), "sgmv_expand_wg_f32");
+    // mma.sync has one form whatever the flag says.
+    assert_eq!(expand_kernel(true, false, true), "sgmv_expand_bf16");
+}
+
+#[test]
 fn the_wgmma_stages_mirror_the_kernel_source() {
     // sgmv.cu sizes its stages from SG_WG_STAGE_BUDGET the way wg_shrink_stages does.
     let source = include_str!("../../../cuda/sgmv.cu");
