@@ -342,26 +342,20 @@ fn launch<Y: OutputElem>(
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
     let wgmma = c.compute_capability == (9, 0);
     let shrink = choose_shrink(&tuning, stride, wgmma)?;
-    let wgmma_expand = match tuning.wgmma_expand {
-        Some(true) if !wgmma => {
-            return Err(invalid(
-                "tuning.wgmma_expand",
-                "wgmma needs compute capability 9.0 (sm_90a)",
-            ));
-        }
-        Some(on) => on,
-        None => wgmma,
-    };
-    let mma_before_y = match tuning.mma_before_y {
-        Some(true) if !wgmma_expand => {
-            return Err(invalid(
-                "tuning.mma_before_y",
-                "starting the MMAs before y needs the wgmma expand",
-            ));
-        }
-        Some(on) => on,
-        None => wgmma_expand && default_mma_before_y(stride),
-    };
+    let wgmma_expand = capability_flag(
+        "tuning.wgmma_expand",
+        tuning.wgmma_expand,
+        wgmma,
+        "wgmma needs compute capability 9.0 (sm_90a)",
+        true,
+    )?;
+    let mma_before_y = capability_flag(
+        "tuning.mma_before_y",
+        tuning.mma_before_y,
+        wgmma_expand,
+        "starting the MMAs before y needs the wgmma expand",
+        default_mma_before_y(stride),
+    )?;
     let shrink_tiles = max_tiles * n_targets * rank_chunks;
     let shrink_smem = shrink.smem();
     let shrink_resident = blocks_per_sm(shrink_smem as usize, c.smem_per_sm) * c.sm_count as usize;
@@ -461,6 +455,23 @@ fn launch<Y: OutputElem>(
         };
         // The expand runs `griddepcontrol.wait` before it reads the workspace.
         c.launch_chained(kernel, shape, &params, tuning.dependent_expand.unwrap_or(true))
+    }
+}
+
+/// A tuning flag that needs a capability: `Some(true)` without it is a
+/// typed error naming `field`; `None` is `default` where the capability is
+/// there, else off.
+fn capability_flag(
+    field: &'static str,
+    asked: Option<bool>,
+    available: bool,
+    needs: &str,
+    default: bool,
+) -> Result<bool, KernelError> {
+    match asked {
+        Some(true) if !available => Err(invalid(field, needs)),
+        Some(on) => Ok(on),
+        None => Ok(available && default),
     }
 }
 

@@ -275,6 +275,19 @@ fn asking_for_wgmma_where_it_cannot_run_is_an_error() {
 }
 
 #[test]
+fn a_flag_asked_for_without_its_capability_is_an_error() {
+    let err = capability_flag("tuning.x", Some(true), false, "needs y", true)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tuning.x"), "{err}");
+    assert!(!capability_flag("tuning.x", Some(false), false, "needs y", true).unwrap());
+    assert!(capability_flag("tuning.x", Some(true), true, "needs y", false).unwrap());
+    assert!(!capability_flag("tuning.x", None, false, "needs y", true).unwrap());
+    assert!(capability_flag("tuning.x", None, true, "needs y", true).unwrap());
+    assert!(!capability_flag("tuning.x", None, true, "needs y", false).unwrap());
+}
+
+#[test]
 fn the_wgmma_expand_starts_before_y_past_rank_stride_32() {
     assert!(!default_mma_before_y(16));
     assert!(!default_mma_before_y(32));
