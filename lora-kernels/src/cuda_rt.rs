@@ -122,6 +122,9 @@ pub(crate) struct CudaBackend {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),
+    /// Kernels are built for the arch-specific target (`sm_90a`), so the
+    /// wgmma kernels run here ([`arch_specific`]).
+    pub(crate) wgmma: bool,
     pub(crate) sm_count: u32,
     pub(crate) l2_bytes: usize,
     /// Shared memory one block may opt in to.
@@ -188,6 +191,7 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         stream,
         name,
         compute_capability,
+        wgmma: arch_specific(compute_capability),
         sm_count: u32::try_from(sm_count).unwrap_or(1).max(1),
         l2_bytes: usize::try_from(l2).unwrap_or(0),
         smem_optin: usize::try_from(optin).unwrap_or(48 * 1024),
@@ -196,6 +200,34 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         fault: Mutex::new(fault),
         scratch: Box::new(Mutex::new(scratch)),
     })
+}
+
+/// Whether kernels for `compute_capability` are compiled for its
+/// arch-specific target: `sm_90a` (wgmma) on compute capability 9.0, where
+/// the NVRTC found is CUDA 12.0 or newer (older ones know only `sm_90`, and
+/// the kernels then build without the wgmma forms).
+pub(crate) fn arch_specific(compute_capability: (i32, i32)) -> bool {
+    static NVRTC: OnceLock<Option<(i32, i32)>> = OnceLock::new();
+    arch_specific_with(compute_capability, *NVRTC.get_or_init(nvrtc_version))
+}
+
+/// [`arch_specific`] for a given NVRTC version (`None`: no NVRTC).
+fn arch_specific_with(compute_capability: (i32, i32), nvrtc: Option<(i32, i32)>) -> bool {
+    compute_capability == (9, 0) && nvrtc.is_some_and(|v| v >= (12, 0))
+}
+
+/// NVRTC's (major, minor) version, where the library loads.
+fn nvrtc_version() -> Option<(i32, i32)> {
+    // SAFETY: `is_culib_present` only tries `dlopen` (see `libraries_present`);
+    // `nvrtcVersion` writes two ints through valid pointers.
+    unsafe {
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            return None;
+        }
+        let (mut major, mut minor) = (0, 0);
+        let status = cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor);
+        (status == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((major, minor))
+    }
 }
 
 /// Folders searched for CUDA headers (kernels include none today; kept so a
@@ -230,10 +262,9 @@ pub(crate) fn compile_source(
         return Err(KernelError::NvrtcMissing);
     }
     let (major, minor) = compute_capability;
-    // Compute capability 9.0 compiles for sm_90a, whose arch-specific
-    // instructions (wgmma) run on that capability only: the code is built
-    // for the device it loads on.
-    let suffix = if compute_capability == (9, 0) { "a" } else { "" };
+    // sm_90a's arch-specific instructions (wgmma) run on that capability
+    // only: the code is built for the device it loads on.
+    let suffix = if arch_specific(compute_capability) { "a" } else { "" };
     let mut options = vec![
         format!("--gpu-architecture=sm_{major}{minor}{suffix}"),
         "-std=c++17".to_string(),
@@ -454,4 +485,21 @@ pub(crate) fn elapsed_ms(start: &CudaEvent, end: &CudaEvent) -> Result<f32, Kern
 
 pub(crate) fn replay(graph: &CudaGraph) -> Result<(), KernelError> {
     graph.launch().map_err(driver_err("cuGraphLaunch"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::arch_specific_with;
+
+    #[test]
+    fn sm_90a_needs_capability_9_0_and_a_cuda_12_nvrtc() {
+        assert!(arch_specific_with((9, 0), Some((12, 0))));
+        assert!(arch_specific_with((9, 0), Some((13, 0))));
+        // CUDA 11.8's NVRTC knows sm_90 but not sm_90a; without NVRTC nothing compiles.
+        assert!(!arch_specific_with((9, 0), Some((11, 8))));
+        assert!(!arch_specific_with((9, 0), None));
+        // Other capabilities compile for their plain target.
+        assert!(!arch_specific_with((8, 0), Some((13, 0))));
+        assert!(!arch_specific_with((10, 0), Some((13, 0))));
+    }
 }

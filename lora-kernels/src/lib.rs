@@ -12,7 +12,8 @@
 //! - [`ops`]: the kernels — row-indexed apply ([`bgmv`]), segment apply
 //!   ([`sgmv`], [`one_adapter`]), MoE index builders, overlay kernels — each a
 //!   CUDA kernel (`cuda/*.cu`, compiled by NVRTC at first use for the device's
-//!   own architecture, `sm_90a` on compute capability 9.0, cached per context)
+//!   own architecture, `sm_90a` on compute capability 9.0 with a CUDA 12+
+//!   NVRTC, cached per context)
 //!   and a CPU reference with the same
 //!   signature and math.
 //! - [`DeviceGraph`]: CUDA-graph capture and replay of apply calls.

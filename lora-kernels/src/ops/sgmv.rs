@@ -75,12 +75,13 @@ pub struct SgmvTuning {
     pub paired_staging: Option<bool>,
     /// The shrink on warpgroup MMAs (`true`: `wgmma`, sm_90a only, A tiles
     /// of 16, 32 or 64 rows by the rank stride) or on `mma.sync` (`false`).
-    /// `None`: wgmma where the device has it (compute capability 9.0) and
-    /// neither `narrow_shrink` nor `paired_staging` names an mma.sync kernel.
+    /// `None`: wgmma where the device runs it (compute capability 9.0, an
+    /// NVRTC of CUDA 12.0 or newer) and neither `narrow_shrink` nor
+    /// `paired_staging` names an mma.sync kernel.
     pub wgmma_shrink: Option<bool>,
-    /// The expand on warpgroup MMAs (`true`: `wgmma` with t's fragments
-    /// from registers and B from swizzled shared memory, sm_90a only) or on
-    /// `mma.sync` (`false`). `None`: wgmma where the device has it.
+    /// The expand on warpgroup MMAs (`true`: `wgmma` with t's two bf16
+    /// parts and B in swizzled shared memory, sm_90a only) or on `mma.sync`
+    /// (`false`). `None`: wgmma where the device runs it.
     pub wgmma_expand: Option<bool>,
     /// The wgmma expand only: start each item's MMAs from zero as soon as
     /// its B rows land and add y once it lands (`true`), or start them from
@@ -340,13 +341,13 @@ fn launch<Y: OutputElem>(
     let max_tiles = n.div_ceil(TILE_ROWS) + n_segments;
     let rank_chunks = stride.div_ceil(RANK_CHUNK);
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
-    let wgmma = c.compute_capability == (9, 0);
+    let wgmma = c.wgmma;
     let shrink = choose_shrink(&tuning, stride, wgmma)?;
     let wgmma_expand = capability_flag(
         "tuning.wgmma_expand",
         tuning.wgmma_expand,
         wgmma,
-        "wgmma needs compute capability 9.0 (sm_90a)",
+        "wgmma needs compute capability 9.0 and an NVRTC of CUDA 12.0 or newer (sm_90a)",
         true,
     )?;
     let mma_before_y = capability_flag(
@@ -538,7 +539,7 @@ fn choose_shrink(tuning: &SgmvTuning, stride: usize, wgmma: bool) -> Result<Shri
         Some(true) if !wgmma => {
             return Err(invalid(
                 "tuning.wgmma_shrink",
-                "wgmma needs compute capability 9.0 (sm_90a)",
+                "wgmma needs compute capability 9.0 and an NVRTC of CUDA 12.0 or newer (sm_90a)",
             ));
         }
         Some(true) if names_mma_sync => {
