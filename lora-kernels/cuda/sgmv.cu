@@ -104,6 +104,37 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Zeroed accumulators of N 8-column mma tiles.
+template <int N>
+__device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// The bf16 rounding of what (lo, hi) keeps beyond its bf16 pair `high` (pack_bf2_rn(lo, hi)): with
+// `high`, t keeps ~16 bits through bf16 MMAs.
+__device__ __forceinline__ u32 bf2_rest(float lo, float hi, u32 high) {
+    return pack_bf2_rn(lo - bf_lo(high), hi - bf_hi(high));
+}
+
+// The first STAGES - 1 stages of a cp.async ring over nk chunks from kc0, a group per stage.
+template <int STAGES, typename LoadStage>
+__device__ __forceinline__ void ring_prologue(int nk, int kc0, LoadStage&& load_stage) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nk) load_stage(s, kc0 + s);
+        cp_async_commit();
+    }
+}
+
+// Chunk i's turn in the ring: chunk i + STAGES - 1 into the stage chunk i - 1 left, as a group.
+template <int STAGES, typename LoadStage>
+__device__ __forceinline__ void ring_refill(int i, int nk, int kc0, LoadStage&& load_stage) {
+    const int nxt = i + STAGES - 1;
+    if (nxt < nk) load_stage(nxt % STAGES, kc0 + nxt);
+    cp_async_commit();
+}
+
 // Whether rows [start, end) are a segment of an n_rows batch, and the tiles
 // of one of `len` rows: the one segment rule of find_tile and count_tiles.
 __device__ __forceinline__ bool segment_ok(int start, int end, int n_rows) {
@@ -349,27 +380,12 @@ __device__ __forceinline__ void shrink_tile(const SgmvParams& p, const bf16_t* A
         }
     };
 
-#pragma unroll
-    for (int i = 0; i < AR / 8; ++i) {
-        acc[i][0] = 0.f;
-        acc[i][1] = 0.f;
-        acc[i][2] = 0.f;
-        acc[i][3] = 0.f;
-    }
-
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nk) load_stage(s, kc0 + s);
-        cp_async_commit();
-    }
+    zero_acc(acc);
+    ring_prologue<STAGES>(nk, kc0, load_stage);
     for (int i = 0; i < nk; ++i) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        {
-            const int nxt = i + STAGES - 1;
-            if (nxt < nk) load_stage(nxt % STAGES, kc0 + nxt);
-            cp_async_commit();
-        }
+        ring_refill<STAGES>(i, nk, kc0, load_stage);
         const int st = i % STAGES;
 #pragma unroll
         for (int kk = 0; kk < SG_BK; kk += 16) {
@@ -510,22 +526,13 @@ __device__ __forceinline__ void shrink_tile_wg(const SgmvParams& p, const bf16_t
         stage_rows(a0 + st * A_TILE, An, (u64)in, AR, nlen, kc * SG_BK);
     };
 
-#pragma unroll
-    for (int i = 0; i < AR / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nk) load_stage(s, kc0 + s);
-        cp_async_commit();
-    }
+    zero_acc(acc);
+    ring_prologue<STAGES>(nk, kc0, load_stage);
     for (int i = 0; i < nk; ++i) {
         cp_async_wait<STAGES - 2>();
         fence_async_smem();
         __syncthreads();  // chunk i staged by every thread; chunk i - 1's wgmma done in every warp
-        {
-            const int nxt = i + STAGES - 1;
-            if (nxt < nk) load_stage(nxt % STAGES, kc0 + nxt);
-            cp_async_commit();
-        }
+        ring_refill<STAGES>(i, nk, kc0, load_stage);
         const int st = i % STAGES;
         const u64 dx = wg_desc(x0 + st * X_TILE);
         const u64 da = wg_desc(a0 + st * A_TILE);
@@ -540,8 +547,7 @@ __device__ __forceinline__ void shrink_tile_wg(const SgmvParams& p, const bf16_t
 #else
     // Launched only on sm_90a (the host checks); other targets compile a stub.
     (void)p, (void)A, (void)row0, (void)rows, (void)n0, (void)nlen, (void)kc0, (void)kc1;
-#pragma unroll
-    for (int i = 0; i < AR / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    zero_acc(acc);
     __trap();
 #endif
 }
@@ -822,7 +828,7 @@ __device__ __forceinline__ void expand_tile_mma(float (&acc)[16][4], const bf16_
             const int k = kst * 16 + 2 * t4 + (q >> 1) * 8;
             const float2 t = *(const float2*)(sT + r * tpch + k);
             a_hi[q] = pack_bf2_rn(t.x, t.y);
-            a_lo[q] = pack_bf2_rn(t.x - bf_lo(a_hi[q]), t.y - bf_hi(a_hi[q]));
+            a_lo[q] = bf2_rest(t.x, t.y, a_hi[q]);
         }
 #pragma unroll
         for (int np = 0; np < 8; ++np) {
@@ -871,8 +877,7 @@ __device__ __forceinline__ void store_t4_wg(unsigned char* t_hi, unsigned char* 
     const u32 h01 = pack_bf2_rn(v.x, v.y);
     const u32 h23 = pack_bf2_rn(v.z, v.w);
     *(uint2*)(t_hi + off) = make_uint2(h01, h23);
-    *(uint2*)(t_lo + off) = make_uint2(pack_bf2_rn(v.x - bf_lo(h01), v.y - bf_hi(h01)),
-                                       pack_bf2_rn(v.z - bf_lo(h23), v.w - bf_hi(h23)));
+    *(uint2*)(t_lo + off) = make_uint2(bf2_rest(v.x, v.y, h01), bf2_rest(v.z, v.w, h23));
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1091,8 +1096,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             fence_async_smem();
             __syncthreads();
             // The delta from zero while y is in flight, then y added in f32: y is rounded once.
-#pragma unroll
-            for (int nt = 0; nt < 16; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            zero_acc(acc);
             expand_tile_wg(acc, smem_u32(b_base), smem_u32(t_hi), smem_u32(t_lo), rk16);
             cp_async_wait<1>();  // y landed
             __syncthreads();

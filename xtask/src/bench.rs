@@ -892,6 +892,11 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 wgmma_expand: Some(false),
                 ..mma_sync
             };
+            // The wgmma expand's MMAs from y or ahead of it.
+            let mma_before_y = |on| SgmvTuning {
+                mma_before_y: Some(on),
+                ..Default::default()
+            };
             // When the shrink lets the expand get resident.
             let early = |on| SgmvTuning {
                 early_dependents: Some(on),
@@ -926,20 +931,8 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
                 ("mma.sync shrink", mma_sync),
                 ("mma.sync expand", mma_sync_expand),
                 ("mma.sync both", mma_sync_both),
-                (
-                    "mma after y",
-                    SgmvTuning {
-                        mma_before_y: Some(false),
-                        ..Default::default()
-                    },
-                ),
-                (
-                    "mma before y",
-                    SgmvTuning {
-                        mma_before_y: Some(true),
-                        ..Default::default()
-                    },
-                ),
+                ("mma after y", mma_before_y(false)),
+                ("mma before y", mma_before_y(true)),
                 ("early dependents", early(true)),
                 ("late dependents", early(false)),
                 ("shrink only", shrink_only(SgmvTuning::default())),

@@ -343,13 +343,7 @@ fn launch<Y: OutputElem>(
     let k_chunks = x.width.div_ceil(K_CHUNK).max(1);
     let wgmma = c.wgmma;
     let shrink = choose_shrink(&tuning, stride, wgmma)?;
-    let wgmma_expand = capability_flag(
-        "tuning.wgmma_expand",
-        tuning.wgmma_expand,
-        wgmma,
-        "wgmma needs compute capability 9.0 and an NVRTC of CUDA 12.0 or newer (sm_90a)",
-        true,
-    )?;
+    let wgmma_expand = capability_flag("tuning.wgmma_expand", tuning.wgmma_expand, wgmma, WGMMA_NEEDS, true)?;
     let mma_before_y = capability_flag(
         "tuning.mma_before_y",
         tuning.mma_before_y,
@@ -459,6 +453,9 @@ fn launch<Y: OutputElem>(
     }
 }
 
+/// Why a wgmma kernel asked for cannot run.
+const WGMMA_NEEDS: &str = "wgmma needs compute capability 9.0 and an NVRTC of CUDA 12.0 or newer (sm_90a)";
+
 /// A tuning flag that needs a capability: `Some(true)` without it is a
 /// typed error naming `field`; `None` is `default` where the capability is
 /// there, else off.
@@ -535,22 +532,19 @@ impl ShrinkKernel {
 /// naming them (`wgmma_shrink: Some(false)`, `narrow_shrink`, `paired_staging`).
 fn choose_shrink(tuning: &SgmvTuning, stride: usize, wgmma: bool) -> Result<ShrinkKernel, KernelError> {
     let names_mma_sync = tuning.narrow_shrink.is_some() || tuning.paired_staging.is_some();
-    let use_wgmma = match tuning.wgmma_shrink {
-        Some(true) if !wgmma => {
-            return Err(invalid(
-                "tuning.wgmma_shrink",
-                "wgmma needs compute capability 9.0 and an NVRTC of CUDA 12.0 or newer (sm_90a)",
-            ));
-        }
-        Some(true) if names_mma_sync => {
-            return Err(invalid(
-                "tuning.wgmma_shrink",
-                "narrow_shrink and paired_staging choose among the mma.sync shrinks",
-            ));
-        }
-        Some(on) => on,
-        None => wgmma && !names_mma_sync,
-    };
+    if tuning.wgmma_shrink == Some(true) && names_mma_sync {
+        return Err(invalid(
+            "tuning.wgmma_shrink",
+            "narrow_shrink and paired_staging choose among the mma.sync shrinks",
+        ));
+    }
+    let use_wgmma = capability_flag(
+        "tuning.wgmma_shrink",
+        tuning.wgmma_shrink,
+        wgmma,
+        WGMMA_NEEDS,
+        !names_mma_sync,
+    )?;
     Ok(if use_wgmma {
         let a_rows = match stride {
             0..=16 => 16,
