@@ -77,9 +77,11 @@ struct BgmvParams {
     int overlap;      // a programmatic dependent: idx, tables and adapters read before griddepcontrol.wait, x and y after
     int b_pitch;      // staged B row pitch, elements: the stride rounded to 8, plus 8 (no bank
                       // conflicts) where shared memory allows
+    int b_registers;  // row-mapped clusters of 2 at rank stride 16: B in registers (expand_b_registers)
+    int pad;
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgmvParams) == 224 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 128, "mirrors bgmv.rs");
+static_assert(sizeof(BgmvParams) == 232 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 136, "mirrors bgmv.rs");
 
 // Tables of at most this many entries are copied whole into shared memory
 // while the row indices arrive, so an item's entry is no second round trip.
@@ -464,6 +466,120 @@ __device__ __forceinline__ void copy_list_item(const ItemRows* list, int i, Item
 // scanning the window and gathering its item's rows and entry: the block
 // waits for the list, then reads the item count and its first item in one
 // round trip. Faults are raised by bgmv_list then, never here.
+//
+// B in registers (p.b_registers, the row-mapped clusters of 2 at rank
+// stride 16): no sB; its place holds [lo_max] f32 of the expand's sums,
+// and sY and sX one row each.
+
+// 8 bytes of a read-once stream, not kept in L1. Volatile: issued where
+// written, ahead of the barrier the caller then waits on.
+__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// 4 bf16 of B (rank columns 4c .. 4c + 3 of one row) as 8 bytes: one
+// streamed load where B is 8-byte aligned, else four 2-byte loads (the
+// table may hold any 2-byte aligned pointer).
+__device__ __forceinline__ uint2 ldg_b4(const bf16_t* p, bool aligned8) {
+    if (aligned8) return ldg_stream8(p);
+    const unsigned short* h = (const unsigned short*)p;
+    return make_uint2((u32)__ldg(h) | ((u32)__ldg(h + 1) << 16), (u32)__ldg(h + 2) | ((u32)__ldg(h + 3) << 16));
+}
+
+// dst[0..8) = src[0..8) + v[0..8): 16-byte aligned bf16 or 32-byte aligned f32 rows.
+__device__ __forceinline__ void y_add8(bf16_t* dst, const bf16_t* src, const float* v) {
+    const uint4 s = *(const uint4*)src;
+    const float4 v0 = *(const float4*)v;
+    const float4 v1 = *(const float4*)(v + 4);
+    uint4 o;
+    o.x = pack_bf2_rn(bf_lo(s.x) + v0.x, bf_hi(s.x) + v0.y);
+    o.y = pack_bf2_rn(bf_lo(s.y) + v0.z, bf_hi(s.y) + v0.w);
+    o.z = pack_bf2_rn(bf_lo(s.z) + v1.x, bf_hi(s.z) + v1.y);
+    o.w = pack_bf2_rn(bf_lo(s.w) + v1.z, bf_hi(s.w) + v1.w);
+    *(uint4*)dst = o;
+}
+__device__ __forceinline__ void y_add8(float* dst, const float* src, const float* v) {
+#pragma unroll
+    for (int h = 0; h < 8; h += 4) {
+        const float4 s = *(const float4*)(src + h);
+        const float4 a = *(const float4*)(v + h);
+        *(float4*)(dst + h) = make_float4(s.x + a.x, s.y + a.y, s.z + a.z, s.w + a.w);
+    }
+}
+
+// The row-mapped clusters of 2 at rank stride 16 (p.b_registers): warps
+// 8-15 hold the block's B slice in registers instead of staging it in
+// shared memory (2048 outputs: 64 KB, 64 registers a lane), loaded right
+// after A and x were requested, and expand on tensor cores once t is summed
+// (named barrier 3, which warps 0-7 reach with t and y in shared memory).
+// Shared memory then carries only A, x and y, and the expand reads no B
+// from it. Warp wb's outputs [256 wb, 256 wb + 256) are 16 tiles of 16
+// outputs (mma m16n8k16: M = outputs, K = the 16 rank columns, N = t's bf16
+// hi and lo parts as columns 0 and 1, the other six zero). Lane (g, c)
+// loads 8 bytes, rank columns 4c .. 4c + 3, of the tile's outputs g and
+// g + 8: mma's k pairs (2c, 2c + 1) and (2c + 8, 2c + 9) under a
+// permutation of k that t's fragment follows, so the sum is unchanged.
+// Lanes c = 0 end with hi + lo of outputs g and g + 8; they pass through
+// `scratch` (shared memory no longer used for B) so that each lane adds and
+// stores 8 consecutive outputs. B's columns past the rank are masked (its
+// padding is not trusted), t's past the rank are zero.
+#define BGMV_REG_B_TILES 16
+#define BGMV_REG_B_OUTS (BGMV_WARPS * 16 * BGMV_REG_B_TILES)
+template <typename Y>
+__device__ __forceinline__ void expand_b_registers(const bf16_t* B, int rank, int lo, int wb, int lane, int nt,
+                                                   const float* t, const Y* ys, Y* yrow, bool vec_y, float* scratch) {
+    const int g = lane >> 2;
+    const int c = lane & 3;
+    const int base = wb * 16 * BGMV_REG_B_TILES;
+    const bool aligned8 = (((u64)B) & 7ull) == 0ull;  // uniform over the block
+    uint2 w[BGMV_REG_B_TILES][2];
+#pragma unroll
+    for (int tile = 0; tile < BGMV_REG_B_TILES; ++tile)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = base + 16 * tile + 8 * h + g;
+            w[tile][h] = r < lo ? ldg_b4(B + (u64)r * 16 + 4 * c, aligned8) : make_uint2(0u, 0u);
+        }
+    named_barrier_sync(3, nt);  // t summed, y staged
+    if (base >= lo) return;
+    const u32 keep0 = (4 * c < rank ? 0xffffu : 0u) | (4 * c + 1 < rank ? 0xffff0000u : 0u);
+    const u32 keep1 = (4 * c + 2 < rank ? 0xffffu : 0u) | (4 * c + 3 < rank ? 0xffff0000u : 0u);
+    u32 b0 = 0u, b1 = 0u;
+    if (g < 2) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int k = 4 * c + j;
+            const float s = k < rank ? t[k] : 0.f;
+            const float hi = bf2f(f2bf(s));
+            v[j] = g == 0 ? hi : s - hi;
+        }
+        b0 = pack_bf2(v[0], v[1]);
+        b1 = pack_bf2(v[2], v[3]);
+    }
+    scratch += base;
+#pragma unroll
+    for (int tile = 0; tile < BGMV_REG_B_TILES; ++tile) {
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_k16(d, w[tile][0].x & keep0, w[tile][1].x & keep0, w[tile][0].y & keep1, w[tile][1].y & keep1, b0, b1);
+        const int r = 16 * tile + g;
+        if (c == 0 && base + r < lo) scratch[r] = d[0] + d[1];
+        if (c == 0 && base + r + 8 < lo) scratch[r + 8] = d[2] + d[3];
+    }
+    __syncwarp();
+    const int o = base + 8 * lane;
+    const float* v = scratch + 8 * lane;
+    if (vec_y && o + 8 <= lo) {
+        y_add8(yrow + o, ys + o, v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (o + j < lo) y_store(yrow + o + j, y_load(ys + o + j) + v[j]);
+    }
+}
+
 template <typename Y, int C, bool TC, bool LIST, int NT>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     constexpr int NW = NT / 32;
@@ -628,6 +744,9 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
     int n_items = 0;
     PairEntry row_entry = {0ull, 0ull, 0.f, 0u};  // row-mapped: row q's checked entry
+    // Row-mapped, 16 warps: warps 8-15 hold B in registers (expand_b_registers). Uniform over the block.
+    constexpr bool B_REGISTERS = C == 2 && NT > BGMV_THREADS && !TC && !LIST;
+    bool b_registers = false;
     const ItemRows* list = nullptr;  // LIST: this (window, target)'s items, after the 64-byte header
     if (LIST) {
         list = (const ItemRows*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride) + 1;
@@ -666,6 +785,12 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             const int rank = (int)row_entry.rank;
             const bf16_t* A = (const bf16_t*)row_entry.a;
             const bf16_t* B = (const bf16_t*)row_entry.b;
+            // The host sets p.b_registers only for this form with pushed rank
+            // vectors (the split warps' form, below, in which warps 8-15 take
+            // no part in the sum), rank stride 16 and at most BGMV_REG_B_OUTS
+            // outputs a block, and lays out shared memory with no B region:
+            // the staged expand is then no fallback, whatever the entry holds.
+            b_registers = B_REGISTERS && p.b_registers != 0;
             if (warp < BGMV_WARPS) {
                 const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
                 stage_chunk(A, rank, vec_x, 0, 0, rank + 1, warp, BGMV_WARPS);
@@ -674,6 +799,12 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 named_barrier_arrive(1, NT);
             } else {
                 named_barrier_sync(1, NT);  // A, x and y requested
+                if (B_REGISTERS && b_registers) {
+                    // The whole of these warps' part: nothing below involves them.
+                    expand_b_registers<Y>(B + (u64)o0 * 16, rank, lo, warp - BGMV_WARPS, lane, NT, sT, sY,
+                                          Yp + (u64)(row0 + q) * ys + coff + o0, vec_y, (float*)sB);
+                    return;
+                }
                 request_b(B, rank, (stride % 8 == 0) && aligned16(B), tid - BGMV_THREADS, BGMV_THREADS);
                 cp_async_commit();
             }
@@ -998,6 +1129,10 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         }
         // B and y (and nothing else) may still be in flight: they arrived during the cluster sum.
         cp_async_wait<0>();
+        if (B_REGISTERS && b_registers) {
+            named_barrier_sync(3, NT);  // t and y are ready for warps 8-15, which expand from their registers
+            continue;
+        }
         __syncthreads();
 
         // ---- expand from shared memory: y[row_g, coff + o] = sY + sum_k sT[g][k] sB[o][k].

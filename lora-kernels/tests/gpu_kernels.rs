@@ -276,6 +276,8 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         });
         if stride <= 64 {
             tunings.push(FUSED_ROW_MAPPED);
+            // B in registers (rank stride 16; elsewhere the staged form serves).
+            tunings.push(BGMV_ROW_MAPPED_B_REGISTERS);
         }
         for t in tunings {
             check_bgmv(
@@ -314,6 +316,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     push_sum: None,
     overlap_previous: None,
     entry_clusters: None,
+    expand_b_registers: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -360,6 +363,11 @@ const FUSED_ROW_MAPPED: BgmvTuning = BgmvTuning {
     cluster: Some(2),
     clusters_per_window: Some(512),
     ..FUSED_SCALAR_SCAN
+};
+/// The row-mapped form with B in registers at rank stride 16 (opt-in).
+const BGMV_ROW_MAPPED_B_REGISTERS: BgmvTuning = BgmvTuning {
+    expand_b_registers: Some(true),
+    ..FUSED_ROW_MAPPED
 };
 /// The entry-clustered form: a cluster of 8 (or 4) blocks per table entry.
 const ENTRY: BgmvTuning = BgmvTuning {
@@ -684,6 +692,51 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     idx.extend((0..64).map(|i| i * 37 % 64));
     for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, TWO_PHASE_TC, TWO_PHASE_ROWS]) {
         check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
+    }
+}
+
+/// The row-mapped clusters of 2 at rank stride 16 with each block's B rows
+/// in registers (`expand_b_registers`): every rank 1..=16 against a poisoned
+/// padded pool, rows of no adapter, blocks of 2048 outputs (every tile of
+/// every warp) and of a few hundred (warps partly or wholly past the
+/// block's outputs), f32 y, and weights 8-byte aligned (one load per lane
+/// and tile) or only 2-byte (four), against the CPU, the default and the
+/// staged form.
+#[test]
+fn gpu_bgmv_row_mapped_b_in_registers() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_row_mapped_b_in_registers") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_bgmv_row_mapped_b_in_registers");
+    let ranks: Vec<u32> = (1..=16).collect();
+    for (outs, aligned_rows) in [
+        (&[4096][..], true),
+        (&[4096], false),
+        (&[1000, 24], true),
+        (&[1000, 24], false),
+    ] {
+        let p = Problem::new(&mut rng, 64, 1024, outs, 16, &ranks, true);
+        // Rows 16-byte aligned: y added and stored 8 outputs at a time; otherwise one by one.
+        let p = if aligned_rows { p.with_aligned_rows(&mut rng) } else { p };
+        let mut idx: Vec<i32> = (0..64).map(|i| (i % 17) as i32 - 1).collect();
+        idx.swap(3, 40);
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
+        for shift in [0, 4, 1] {
+            for t in [BgmvTuning::default(), FUSED_ROW_MAPPED, BGMV_ROW_MAPPED_B_REGISTERS] {
+                let label = format!("outs={outs:?} aligned rows {aligned_rows} weights shifted by {shift} {t:?}");
+                let g = run_bgmv_shifted(&gpu, &p, &idx, &p.y_bf16, shift, t);
+                compare(&label, &p.y_bf16, &c, &g);
+            }
+        }
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
+        let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, BGMV_ROW_MAPPED_B_REGISTERS);
+        compare(
+            &format!("outs={outs:?} aligned rows {aligned_rows} f32 y"),
+            &p.y_f32,
+            &c,
+            &g,
+        );
     }
 }
 

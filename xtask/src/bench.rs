@@ -597,6 +597,12 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             variants.push(("rows".to_string(), t));
             let t = BgmvTuning { cluster: Some(2), ..t };
             variants.push(("rows c2".to_string(), t));
+            // The row-mapped form with B in registers (rank stride 16).
+            let t = BgmvTuning {
+                expand_b_registers: Some(true),
+                ..Default::default()
+            };
+            variants.push(("b registers".to_string(), t));
             // The two-phase kernels: expand widths, the expand not a dependent
             // of the shrink, power-of-two K slices, and the shrink on tensor
             // cores, plain and under the overlap.

@@ -69,7 +69,15 @@ struct PlanShape {
     push: bool,
     /// The tensor-core shrink's per-warp tiles follow the rank vectors.
     tensor_cores: bool,
+    /// The row-mapped form may hold B in registers (`BgmvTuning::expand_b_registers`):
+    /// where the plan is one chunk of at most [`B_REGISTERS_MAX_OUTS`] outputs, B is
+    /// not staged and every item is one row.
+    b_registers: bool,
 }
+
+/// Most outputs per block of the row-mapped form with B in registers
+/// (`BGMV_REG_B_OUTS` in `cuda/bgmv.cu`: 8 warps of 16 tiles of 16).
+const B_REGISTERS_MAX_OUTS: usize = 2048;
 
 /// The kernel's dynamic shared memory layout for one launch (see `cuda/bgmv.cu`):
 /// B rows and y values of the block's outputs, the rank vectors, one or
@@ -90,6 +98,9 @@ struct SmemPlan {
     off_x: usize,
     off_r: usize,
     total: usize,
+    /// B in registers (`p.b_registers`): the B region holds the expand's
+    /// `lo_max` f32 instead, and y and x one row each.
+    b_registers: bool,
 }
 
 impl SmemPlan {
@@ -111,8 +122,17 @@ impl SmemPlan {
         // conflicts, except in clusters of 2, whose blocks stage half of B
         // (at rank 16 and 4096 outputs the padding would not fit beside A).
         let b_pitch = stride.div_ceil(8) * 8 + if cluster == 2 { 0 } else { 8 };
-        let off_y = round16(lo_max * b_pitch * 2);
-        let off_t = off_y + round16(ITEM_ROWS * lo_max * y_size);
+        let b_registers = shape.b_registers
+            && stages == 1
+            && k_chunk >= piece8(shape.in_dim, cluster)
+            && lo_max <= B_REGISTERS_MAX_OUTS;
+        let (b_bytes, item_rows) = if b_registers {
+            (lo_max * 4, 1)
+        } else {
+            (lo_max * b_pitch * 2, ITEM_ROWS)
+        };
+        let off_y = round16(b_bytes);
+        let off_t = off_y + round16(item_rows * lo_max * y_size);
         // sTp and sT [G][stride8] f32, then (TC) the shrink's per-warp tiles [warps][128] f32.
         let red = if tensor_cores {
             (THREADS as usize / 32) * 128 * 4
@@ -121,7 +141,7 @@ impl SmemPlan {
         };
         let off_a = off_t + 2 * ITEM_ROWS * stride.div_ceil(8) * 8 * 4 + red;
         let off_x = off_a + round16(stages * round16(stride) * stage_pitch(k_chunk) * 2);
-        let off_r = off_x + round16(stages * ITEM_ROWS * stage_pitch(k_chunk) * 2);
+        let off_r = off_x + round16(stages * item_rows * stage_pitch(k_chunk) * 2);
         let total = off_r + if push { push_recv_bytes(cluster, stride) } else { 0 };
         SmemPlan {
             splits,
@@ -134,6 +154,7 @@ impl SmemPlan {
             off_x,
             off_r,
             total,
+            b_registers,
         }
     }
 
@@ -316,6 +337,14 @@ impl LaunchChoice {
             {
                 continue;
             }
+            // The row-mapped form (the kernel's `row_mapped`: 16-warp scanning
+            // clusters of 2 with a cluster for every row of the window) may
+            // hold B in registers where its rank vectors are pushed.
+            let row_mapped = cl == 2
+                && !rows.tensor_cores
+                && !rows.list
+                && !tuning.overlap_previous.unwrap_or(false)
+                && tuning.clusters_per_window.is_some_and(|v| v as usize >= window);
             let shape = PlanShape {
                 in_dim,
                 max_out,
@@ -324,6 +353,7 @@ impl LaunchChoice {
                 cluster: cl,
                 push,
                 tensor_cores: rows.tensor_cores,
+                b_registers: row_mapped && push && stride == 16 && tuning.expand_b_registers == Some(true),
             };
             let slice = piece8(in_dim, cl);
             let split_options: Vec<usize> = match tuning.out_splits {
@@ -511,6 +541,18 @@ pub struct BgmvTuning {
     /// at most [`ENTRY_ONE_ROUND_MAX_OUT`] outputs, not under the overlap)
     /// every entry's cluster of 8 is resident at once.
     pub entry_clusters: Option<bool>,
+    /// The row-mapped form (`clusters_per_window`) at rank stride 16, its
+    /// rank vectors pushed, A and x in one chunk and at most 2048 outputs
+    /// per block: warps 8-15 load the block's B rows straight into
+    /// registers (64 a lane) as soon as A is requested, and expand on tensor
+    /// cores once the rank vector is summed, instead of staging B in shared
+    /// memory for a scalar expand by all 16 warps. The block's shared
+    /// memory then holds no B (and y and x one row each). `None`: off
+    /// (H200, in a graph, against the staged form in the same call: n = 64
+    /// of 64 rank-16 adapters 9.36 against 8.89 µs; 8 adapters named in a
+    /// 64-entry table 7.17 against 7.96, 32 of 64 7.97 against 8.02;
+    /// NOTES.md v28).
+    pub expand_b_registers: Option<bool>,
 }
 
 /// Batch sizes for which the fused kernel reads a first launch's item list
@@ -903,9 +945,13 @@ struct BgmvParams {
     /// 1: a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
     overlap: i32,
     b_pitch: i32,
+    /// 1: the row-mapped clusters of 2 at rank stride 16 hold B in registers (`BgmvTuning::expand_b_registers`).
+    b_registers: i32,
+    /// Keeps `targets` 8-byte aligned.
+    pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgmvParams>() == 224 && std::mem::offset_of!(BgmvParams, targets) == 128);
+const _: () = assert!(size_of::<BgmvParams>() == 232 && std::mem::offset_of!(BgmvParams, targets) == 136);
 
 /// `y[row, target columns] += scale * B (A x[row])` with the entry of
 /// `idx[row]` (`idx` holds at least `x.n_rows` values; -1 = no delta).
@@ -1194,6 +1240,8 @@ fn launch<Y: OutputElem>(
         push: i32::from(config.push),
         overlap: i32::from(overlap),
         b_pitch: to_i32("rank_stride", plan.b_pitch)?,
+        b_registers: i32::from(plan.b_registers),
+        pad: 0,
         targets: *target_params,
     };
     let kernel = Kernel {

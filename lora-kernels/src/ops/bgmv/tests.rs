@@ -322,6 +322,7 @@ fn shape(in_dim: usize, max_out: usize, stride: usize) -> PlanShape {
         cluster: 8,
         push: stride <= PUSH_SUM_MAX_STRIDE,
         tensor_cores: true,
+        b_registers: false,
     }
 }
 
@@ -334,13 +335,25 @@ fn check_plan(p: &SmemPlan, s: PlanShape, stages: usize) {
     // B rows: whole 16-byte chunks, padded by 8 columns except in clusters of 2.
     let pad = if s.cluster == 2 { 0 } else { 8 };
     assert_eq!(p.b_pitch, s.stride.div_ceil(8) * 8 + pad, "{p:?}");
-    assert!(p.off_y >= p.lo_max * p.b_pitch * 2);
-    assert!(p.off_t - p.off_y >= ITEM_ROWS * p.lo_max * s.y_size);
+    // B in registers: the B region holds lo_max f32, y and x one row each,
+    // and only where asked, in one chunk, for at most 2048 outputs.
+    let (b_bytes, rows) = if p.b_registers {
+        assert!(
+            s.b_registers && stages == 1 && p.lo_max <= B_REGISTERS_MAX_OUTS,
+            "{p:?}"
+        );
+        assert!(p.k_chunk >= piece8(s.in_dim, s.cluster), "{p:?}");
+        (p.lo_max * 4, 1)
+    } else {
+        (p.lo_max * p.b_pitch * 2, ITEM_ROWS)
+    };
+    assert!(p.off_y >= b_bytes);
+    assert!(p.off_t - p.off_y >= rows * p.lo_max * s.y_size);
     let red = if s.tensor_cores { 8 * 128 * 4 } else { 0 };
     assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4 + red);
     // A stages hold whole 16-row tiles of padded rows.
     assert!(p.off_x - p.off_a >= stages * s.stride.div_ceil(16) * 16 * (p.k_chunk + 8) * 2);
-    assert!(p.off_r - p.off_x >= stages * ITEM_ROWS * (p.k_chunk + 8) * 2);
+    assert!(p.off_r - p.off_x >= stages * rows * (p.k_chunk + 8) * 2);
     // Push form: two receive buffers of one [G][stride8] f32 slot per cluster rank.
     let recv = if s.push {
         2 * s.cluster * ITEM_ROWS * s.stride.div_ceil(8) * 8 * 4
@@ -375,8 +388,8 @@ fn smem_plans_of_the_bench_shapes_fit_two_or_three_blocks_per_sm() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
-    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>(), push in any::<bool>(), tensor_cores in any::<bool>(), cluster in prop_oneof![Just(1usize), Just(2), Just(4), Just(8)]) {
-        let s = PlanShape { push, tensor_cores, cluster, ..shape(in_dim, out, stride) };
+    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>(), push in any::<bool>(), tensor_cores in any::<bool>(), b_registers in any::<bool>(), cluster in prop_oneof![Just(1usize), Just(2), Just(4), Just(8)]) {
+        let s = PlanShape { push, tensor_cores, cluster, b_registers, ..shape(in_dim, out, stride) };
         let p = SmemPlan::choose(s, s0, fixed);
         let slice = piece8(in_dim, cluster);
         let stages = if p.k_chunk < slice { 2 } else { 1 };
@@ -795,6 +808,80 @@ fn scalar_clusters_of_two_run_sixteen_warps_one_block_per_multiprocessor() {
     assert_eq!((c.cluster, c.rounds), (2, 1), "{c:?}");
 }
 
+/// One window of 64 rows of 4096 inputs, bf16 y, scalar, scanning.
+fn scalar_rows_of_64(stride: usize) -> RowShape {
+    RowShape {
+        in_dim: 4096,
+        stride,
+        y_size: 2,
+        window: 64,
+        n_windows: 1,
+        tensor_cores: false,
+        list: false,
+    }
+}
+
+/// The row-mapped form holds B in registers at rank stride 16 where asked
+/// (n = 64 of 4096 x 4096: no B staged, y and x one row), not by default,
+/// and only where it is row-mapped with its rank vectors pushed.
+#[test]
+fn row_mapped_plans_hold_b_in_registers_at_rank_stride_16() {
+    let sms = H200.sms;
+    let plan = |stride: usize, out: usize, tuning: BgmvTuning| {
+        let rows = scalar_rows_of_64(stride);
+        let mapped = row_mapped_tuning(64, 1, sms, true, tuning).unwrap_or(tuning);
+        pick_one_target(rows, out, 64, mapped).unwrap().plan
+    };
+    let t = BgmvTuning {
+        expand_b_registers: Some(true),
+        ..BgmvTuning::default()
+    };
+    let p = plan(16, 4096, t);
+    assert!(p.b_registers, "{p:?}");
+    assert_eq!((p.k_chunk, p.lo_max), (2048, 2048), "{p:?}");
+    assert_eq!(p.off_y, 2048 * 4, "{p:?}");
+    let staged = plan(16, 4096, BgmvTuning::default());
+    assert!(!staged.b_registers && staged.off_y == 2048 * 16 * 2, "{staged:?}");
+    assert!(p.total + 100 * 1024 < staged.total, "{p:?} {staged:?}");
+    let off = BgmvTuning {
+        expand_b_registers: Some(false),
+        ..t
+    };
+    assert_eq!(plan(16, 4096, off), staged);
+    assert!(!plan(8, 4096, t).b_registers, "rank stride 8");
+    // 4096 outputs per block (8192 in clusters of 2, one split): past the registers' 2048.
+    let wide = PlanShape {
+        cluster: 2,
+        push: true,
+        tensor_cores: false,
+        b_registers: true,
+        ..shape(4096, 8192, 16)
+    };
+    let wide = SmemPlan::choose(wide, 1, true);
+    assert!(wide.lo_max == 4096 && !wide.b_registers, "{wide:?}");
+    assert!(
+        !plan(
+            16,
+            4096,
+            BgmvTuning {
+                push_sum: Some(false),
+                ..t
+            }
+        )
+        .b_registers,
+        "pulled rank vectors"
+    );
+    let not_mapped = BgmvTuning { cluster: Some(2), ..t };
+    assert!(!plan(16, 4096, not_mapped).b_registers, "a scan over the window");
+    let overlap = BgmvTuning {
+        cluster: Some(2),
+        clusters_per_window: Some(64),
+        overlap_previous: Some(true),
+        ..t
+    };
+    assert!(!plan(16, 4096, overlap).b_registers, "under the overlap");
+}
+
 #[test]
 fn row_mapped_by_default_where_one_round_of_clusters_of_two_holds_every_row() {
     let t = BgmvTuning::default();
@@ -855,15 +942,7 @@ fn row_mapped_by_default_where_one_round_of_clusters_of_two_holds_every_row() {
     // The launch then takes one round over a table of any size; rank 64
     // and 14336 outputs do not fit clusters of 2 (their default stays).
     let pick = |out: usize, stride: usize, entries: usize| {
-        let rows = RowShape {
-            in_dim: 4096,
-            stride,
-            y_size: 2,
-            window: 64,
-            n_windows: 1,
-            tensor_cores: false,
-            list: false,
-        };
+        let rows = scalar_rows_of_64(stride);
         pick_one_target(rows, out, entries, mapped).map(|c| (c.cluster, c.cpw, c.rounds))
     };
     for entries in [1, 8, 64, 512] {
