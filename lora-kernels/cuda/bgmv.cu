@@ -490,15 +490,12 @@ __device__ __forceinline__ uint2 ldg_b4(const bf16_t* p, bool aligned8) {
 
 // dst[0..8) = src[0..8) + v[0..8): 16-byte aligned bf16 or 32-byte aligned f32 rows.
 __device__ __forceinline__ void y_add8(bf16_t* dst, const bf16_t* src, const float* v) {
-    const uint4 s = *(const uint4*)src;
-    const float4 v0 = *(const float4*)v;
-    const float4 v1 = *(const float4*)(v + 4);
-    uint4 o;
-    o.x = pack_bf2_rn(bf_lo(s.x) + v0.x, bf_hi(s.x) + v0.y);
-    o.y = pack_bf2_rn(bf_lo(s.y) + v0.z, bf_hi(s.y) + v0.w);
-    o.z = pack_bf2_rn(bf_lo(s.z) + v1.x, bf_hi(s.z) + v1.y);
-    o.w = pack_bf2_rn(bf_lo(s.w) + v1.z, bf_hi(s.w) + v1.w);
-    *(uint4*)dst = o;
+    float f[8];
+    unpack8(*(const uint4*)src, f);
+    u32 o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] = pack_bf2_rn(f[2 * i] + v[2 * i], f[2 * i + 1] + v[2 * i + 1]);
+    *(uint4*)dst = make_uint4(o[0], o[1], o[2], o[3]);
 }
 __device__ __forceinline__ void y_add8(float* dst, const float* src, const float* v) {
 #pragma unroll
