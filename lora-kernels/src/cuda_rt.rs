@@ -62,7 +62,10 @@ impl Family {
     /// Files compiled after the family's own, in the same module (they use its helpers).
     fn extra(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Family::Bgmv => &[("bgmv_entry.cu", include_str!("../cuda/bgmv_entry.cu"))],
+            Family::Bgmv => &[
+                ("bgmv_entry.cu", include_str!("../cuda/bgmv_entry.cu")),
+                ("bgmv_rows.cu", include_str!("../cuda/bgmv_rows.cu")),
+            ],
             _ => &[],
         }
     }

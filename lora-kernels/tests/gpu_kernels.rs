@@ -9,8 +9,8 @@ use half::bf16;
 use lora_kernels::testing::{RandomPairs, Rng, cuda_or_skip, rel_error, widen};
 use lora_kernels::{
     BgmvTuning, Device, DeviceBuffer, EmbedOverlayEntry, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting,
-    OutputElem, PairEntry, Rows, RowsMut, Segments, SgmvTuning, WorkspaceSpec, bgmv_tuned, embed_overlay,
-    lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff, sgmv_tuned,
+    OutputElem, PairEntry, ROWS_MAX_IN, ROWS_MAX_OUT, Rows, RowsMut, Segments, SgmvTuning, WorkspaceSpec, bgmv_tuned,
+    embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff, sgmv_tuned,
 };
 
 const TOL: f64 = 1e-2;
@@ -153,7 +153,15 @@ fn compare<Y: OutputElem>(label: &str, input: &[Y], cpu: &[Y], gpu: &[Y]) {
         gpu.iter().map(|v| v.to_f32()).collect(),
     );
     let err = rel_error(&g, &c);
-    assert!(err < TOL, "{label}: ‖gpu − cpu‖/‖cpu‖ = {err:e}");
+    if err >= TOL {
+        // The first elements that differ, to tell a wrong row, target or slice from noise.
+        let off: Vec<String> = (0..c.len())
+            .filter(|&i| (g[i] - c[i]).abs() > 1e-2 * c[i].abs().max(1e-2))
+            .take(24)
+            .map(|i| format!("[{i}] in {} cpu {} gpu {}", inp[i], c[i], g[i]))
+            .collect();
+        panic!("{label}: ‖gpu − cpu‖/‖cpu‖ = {err:e}; differing: {}", off.join(", "));
+    }
     // Elements the reference left bit-identical (no delta there) must be
     // bit-identical on the GPU too: no stray writes.
     for i in 0..c.len() {
@@ -279,6 +287,11 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
             // B in registers (rank stride 16; elsewhere the staged form serves).
             tunings.push(BGMV_ROW_MAPPED_B_REGISTERS);
         }
+        // The row-register form where its shape limits allow.
+        if stride == 16 && in_dim.is_multiple_of(8) && in_dim <= ROWS_MAX_IN && outs.iter().all(|&o| o <= ROWS_MAX_OUT)
+        {
+            tunings.push(ROW_REGISTERS);
+        }
         for t in tunings {
             check_bgmv(
                 &gpu,
@@ -317,6 +330,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     overlap_previous: None,
     entry_clusters: None,
     expand_b_registers: None,
+    row_registers: Some(false),
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -368,6 +382,11 @@ const FUSED_ROW_MAPPED: BgmvTuning = BgmvTuning {
 const BGMV_ROW_MAPPED_B_REGISTERS: BgmvTuning = BgmvTuning {
     expand_b_registers: Some(true),
     ..FUSED_ROW_MAPPED
+};
+/// The row-register form: a cluster of 2 blocks per (row, target), loads into registers.
+const ROW_REGISTERS: BgmvTuning = BgmvTuning {
+    row_registers: Some(true),
+    ..FUSED
 };
 /// The entry-clustered form: a cluster of 8 (or 4) blocks per table entry.
 const ENTRY: BgmvTuning = BgmvTuning {
@@ -707,35 +726,203 @@ fn gpu_bgmv_row_mapped_b_in_registers() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_row_mapped_b_in_registers") else {
         return;
     };
-    let cpu = Device::cpu();
     let mut rng = Rng::fresh("gpu_bgmv_row_mapped_b_in_registers");
-    let ranks: Vec<u32> = (1..=16).collect();
     for (outs, aligned_rows) in [
         (&[4096][..], true),
         (&[4096], false),
         (&[1000, 24], true),
         (&[1000, 24], false),
     ] {
-        let p = Problem::new(&mut rng, 64, 1024, outs, 16, &ranks, true);
         // Rows 16-byte aligned: y added and stored 8 outputs at a time; otherwise one by one.
-        let p = if aligned_rows { p.with_aligned_rows(&mut rng) } else { p };
-        let mut idx: Vec<i32> = (0..64).map(|i| (i % 17) as i32 - 1).collect();
-        idx.swap(3, 40);
-        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
-        for shift in [0, 4, 1] {
-            for t in [BgmvTuning::default(), FUSED_ROW_MAPPED, BGMV_ROW_MAPPED_B_REGISTERS] {
-                let label = format!("outs={outs:?} aligned rows {aligned_rows} weights shifted by {shift} {t:?}");
-                let g = run_bgmv_shifted(&gpu, &p, &idx, &p.y_bf16, shift, t);
-                compare(&label, &p.y_bf16, &c, &g);
-            }
+        let tunings = [BgmvTuning::default(), FUSED_ROW_MAPPED, BGMV_ROW_MAPPED_B_REGISTERS];
+        check_row_form(
+            &gpu,
+            &mut rng,
+            (64, 1024, outs),
+            aligned_rows,
+            (3, 40),
+            &tunings,
+            BGMV_ROW_MAPPED_B_REGISTERS,
+        );
+    }
+}
+
+/// One shape of the row forms' tests: pairs of every rank 1..=16 over a
+/// poisoned padded pool, row i naming entry (i % 17) - 1 (-1: no adapter)
+/// with the rows `swap` exchanged, x and y rows 16-byte aligned or not:
+/// every tuning with the weights shifted by 0, 4 and 1 elements (16-, 8-
+/// and 2-byte aligned) against the CPU with bf16 y, then `f32_tuning` with
+/// f32 y.
+fn check_row_form(
+    gpu: &Device,
+    rng: &mut Rng,
+    (n, in_dim, outs): (usize, usize, &[usize]),
+    aligned_rows: bool,
+    swap: (usize, usize),
+    tunings: &[BgmvTuning],
+    f32_tuning: BgmvTuning,
+) {
+    let cpu = Device::cpu();
+    let ranks: Vec<u32> = (1..=16).collect();
+    let p = Problem::new(rng, n, in_dim, outs, 16, &ranks, true);
+    let p = if aligned_rows { p.with_aligned_rows(rng) } else { p };
+    let mut idx: Vec<i32> = (0..n).map(|i| (i % 17) as i32 - 1).collect();
+    idx.swap(swap.0, swap.1);
+    let shape = format!("n={n} in={in_dim} outs={outs:?} aligned rows {aligned_rows}");
+    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
+    for shift in [0, 4, 1] {
+        for &t in tunings {
+            let g = run_bgmv_shifted(gpu, &p, &idx, &p.y_bf16, shift, t);
+            compare(&format!("{shape} weights shifted by {shift} {t:?}"), &p.y_bf16, &c, &g);
         }
-        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-        let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, BGMV_ROW_MAPPED_B_REGISTERS);
-        compare(
-            &format!("outs={outs:?} aligned rows {aligned_rows} f32 y"),
-            &p.y_f32,
-            &c,
-            &g,
+    }
+    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
+    let g = run_bgmv_on(gpu, &p, &idx, &p.y_f32, f32_tuning);
+    compare(&format!("{shape} f32 y {f32_tuning:?}"), &p.y_f32, &c, &g);
+}
+
+/// The row-register form (`row_registers`): every rank 1..=16 against a
+/// poisoned padded pool, rows of no adapter, blocks of 2048 outputs and
+/// columns (every thread busy) and of a few (threads and the second block
+/// partly or wholly idle), outputs not a multiple of 4 (a thread's last
+/// outputs one by one), several targets, f32 y, rows 16-byte aligned or
+/// not, and weights 16-byte aligned or only 8- or 2-byte (element loads),
+/// against the CPU; at 4096 x 4096 the `_full` kernels, whose straight-line
+/// form serves the rank-16 entries with aligned weights and the general
+/// form the others; at n = 64 of one target also the default and the
+/// row-mapped fused form.
+#[test]
+fn gpu_bgmv_row_registers() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_row_registers") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_row_registers");
+    // (n, in, outs)
+    let shapes: &[(usize, usize, &[usize])] = &[
+        (64, 4096, &[4096]),
+        (48, 4096, &[4096, 4096]),
+        (64, 1024, &[1000, 24]),
+        (50, 2056, &[4093]),
+        (3, 8, &[8, 5, 3]),
+    ];
+    for &(n, in_dim, outs) in shapes {
+        let mut tunings = vec![ROW_REGISTERS];
+        if n == 64 && outs.len() == 1 {
+            tunings.extend([BgmvTuning::default(), FUSED_ROW_MAPPED]);
+        }
+        for aligned_rows in [true, false] {
+            check_row_form(
+                &gpu,
+                &mut rng,
+                (n, in_dim, outs),
+                aligned_rows,
+                (1, n - 1),
+                &tunings,
+                ROW_REGISTERS,
+            );
+        }
+    }
+}
+
+/// The row-register form's faults (an index past the table, an entry of a
+/// rank past the stride: their rows get no delta, the others theirs), its
+/// refusals (a typed error naming the knob, nothing launched), and the
+/// overlap (x and y read only after the previous kernel) in chains mixed
+/// with the fused form.
+#[test]
+fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_row_registers_faults_refusals_and_overlap") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_row_registers_faults_refusals_and_overlap");
+    let (n, stride) = (5, 16);
+    let p = Problem::new(&mut rng, n, 64, &[32], stride, &[16, 7], false);
+    let on = OnDevice::new(&gpu, &p);
+    let table = table_with_bad_rank(&gpu, &on, stride);
+    let target = whole_table_target(&table, 2, 32);
+    let idx = gpu.upload(&[0i32, 1, 9, -1, 0]).unwrap();
+    let cpu = Device::cpu();
+    let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1, 0], &p.y_bf16, BgmvTuning::default());
+    let mut y = gpu.upload(&p.y_bf16).unwrap();
+    bgmv_tuned(
+        &gpu,
+        on.x_rows(&p),
+        &idx,
+        &target,
+        stride,
+        RowsMut::dense(&mut y, n, p.y_width),
+        ROW_REGISTERS,
+    )
+    .unwrap();
+    let faults = gpu.take_faults().unwrap();
+    assert_eq!(
+        faults.0,
+        lora_kernels::FaultFlags::BAD_RANK | lora_kernels::FaultFlags::BAD_INDEX,
+        "faults: {faults}"
+    );
+    compare(
+        "row registers, bad entry and index",
+        &p.y_bf16,
+        &good_only,
+        &y.download().unwrap(),
+    );
+
+    // Refused: another rank stride, in past the limit or not a multiple of 8, a wider target.
+    let refused: [(usize, usize, usize); 4] = [
+        (32, 64, 32),
+        (16, ROWS_MAX_IN + 8, 32),
+        (16, 60, 32),
+        (16, 64, ROWS_MAX_OUT + 8),
+    ];
+    for (stride, in_dim, out) in refused {
+        let p = Problem::new(&mut rng, 2, in_dim, &[out], stride, &[4], false);
+        let on = OnDevice::new(&gpu, &p);
+        let idx = gpu.upload(&[0i32, 0]).unwrap();
+        let before = p.y_bf16.clone();
+        let mut y = gpu.upload(&before).unwrap();
+        let err = bgmv_tuned(
+            &gpu,
+            on.x_rows(&p),
+            &idx,
+            &on.targets(&p),
+            stride,
+            RowsMut::dense(&mut y, 2, p.y_width),
+            ROW_REGISTERS,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("row_registers"),
+            "stride {stride} in {in_dim} out {out}: {err}"
+        );
+        assert_eq!(y.download().unwrap(), before, "nothing launched");
+    }
+    let both = BgmvTuning {
+        entry_clusters: Some(true),
+        ..ROW_REGISTERS
+    };
+    let mut y = gpu.upload(&p.y_bf16).unwrap();
+    let err = bgmv_tuned(
+        &gpu,
+        on.x_rows(&p),
+        &idx,
+        &on.targets(&p),
+        stride,
+        RowsMut::dense(&mut y, n, p.y_width),
+        both,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("row_registers"), "{err}");
+
+    let overlap = BgmvTuning {
+        overlap_previous: Some(true),
+        ..ROW_REGISTERS
+    };
+    for (rows, width, slots) in [(64, 4096, 64), (7, 1024, 3)] {
+        check_overlap_chain(
+            &gpu,
+            &mut rng,
+            (rows, width, 16, slots),
+            &[FUSED_SCALAR_SCAN, overlap, overlap, FUSED_SCALAR_SCAN, overlap, overlap],
         );
     }
 }
@@ -1288,6 +1475,7 @@ fn gpu_graph_replay_follows_table_contents() {
         TWO_PHASE_DEPENDENT,
         TWO_PHASE_ROWS,
         FUSED_ROW_MAPPED,
+        ROW_REGISTERS,
     ]) {
         graph_replay_case(&gpu, &mut rng, t);
     }

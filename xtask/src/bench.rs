@@ -603,6 +603,18 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("b registers".to_string(), t));
+            // The row-register form forced (where its shape limits allow:
+            // rank 16, in and out up to 4096), and the default with it off.
+            let t = BgmvTuning {
+                row_registers: Some(true),
+                ..Default::default()
+            };
+            variants.push(("row registers".to_string(), t));
+            let t = BgmvTuning {
+                row_registers: Some(false),
+                ..Default::default()
+            };
+            variants.push(("no row registers".to_string(), t));
             // The two-phase kernels: expand widths, the expand not a dependent
             // of the shrink, power-of-two K slices, and the shrink on tensor
             // cores, plain and under the overlap.

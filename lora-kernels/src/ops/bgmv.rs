@@ -5,8 +5,9 @@
 //!
 //! Dense decode passes `idx = seq_slot` into a `[max_loras]` table; MoE
 //! passes `idx = expert * max_loras + slot` into a `[num_experts * max_loras]`
-//! table. CUDA kernel family: `cuda/bgmv.cu`, and the entry-clustered
-//! form's `cuda/bgmv_entry.cu` (module `entry`, compiled with it).
+//! table. CUDA kernel family: `cuda/bgmv.cu`, the entry-clustered form's
+//! `cuda/bgmv_entry.cu` (module `entry`) and the row-register form's
+//! `cuda/bgmv_rows.cu` (module `rows`), compiled with it.
 
 use half::bf16;
 
@@ -19,7 +20,9 @@ use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
 
 mod entry;
+mod rows;
 pub use entry::ENTRY_MAX_ROWS;
+pub use rows::{ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE};
 
 /// Largest rank stride bgmv serves (the rank vectors live in shared memory).
 pub const BGMV_MAX_RANK: usize = 256;
@@ -553,6 +556,25 @@ pub struct BgmvTuning {
     /// 64-entry table 7.17 against 7.96, 32 of 64 7.97 against 8.02;
     /// NOTES.md v28).
     pub expand_b_registers: Option<bool>,
+    /// The row-register form (`cuda/bgmv_rows.cu`): one launch, a cluster
+    /// of 2 blocks of 512 threads per (row, target), each loading its half
+    /// of the row's A slice, x, B rows and y values straight into registers
+    /// (8 loads of A and 8 of B in flight a thread) as soon as the row's
+    /// entry is known, the pair's partial rank vectors pushed to each other.
+    /// Serves rank stride [`ROWS_STRIDE`], `in` a multiple of 8 up to
+    /// [`ROWS_MAX_IN`], targets of up to [`ROWS_MAX_OUT`] outputs, on sm_90
+    /// or newer (`Some(true)` on another call, or with `entry_clusters`, is
+    /// an error). In 4096 x 4096 calls with aligned x and y rows it runs its
+    /// straight-line kernels (`_full`) for rank-16 entries with aligned
+    /// weights. `None`: off. H200, in a graph, against the default in the
+    /// same call: n = 64 of 64 rank-16 adapters 7.97 against 8.86 µs, three
+    /// targets of 64 adapters 20.82 against 23.36, 32 of a 64-entry table
+    /// 7.02 against 7.99; slower at n = 1 (5.30 against 4.62) and with
+    /// several rows per adapter (n = 256 of 32: 21.6 against 8.75), where
+    /// the entry-clustered form shares each adapter's bytes. Not yet the
+    /// default: its last change (the entry's table copy and index load) is
+    /// not measured on the GPU (NOTES.md v29).
+    pub row_registers: Option<bool>,
 }
 
 /// Batch sizes for which the fused kernel reads a first launch's item list
@@ -1083,6 +1105,24 @@ fn launch<Y: OutputElem>(
         y_addr: y.addr(),
         y_name: Y::NAME,
     };
+    let rows_shape = rows::RowsShape {
+        hopper,
+        n,
+        in_dim: x.width,
+        stride,
+    };
+    if tuning.row_registers == Some(true) {
+        if tuning.entry_clusters == Some(true) {
+            return Err(invalid(
+                "tuning.row_registers",
+                "with entry_clusters: one form per call",
+            ));
+        }
+        rows_shape
+            .check(targets)
+            .map_err(|reason| invalid("tuning.row_registers", reason))?;
+        return rows::launch_rows(c, x, idx.device_addr(), target_params, targets, y, overlap);
+    }
     let entry_wanted = match tuning.entry_clusters {
         Some(true) => {
             entry_shape

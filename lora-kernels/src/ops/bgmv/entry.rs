@@ -25,23 +25,24 @@ pub const ENTRY_MAX_ROWS: usize = 1024;
 /// Most table entries per target: the grid's y extent.
 const MAX_ENTRIES: usize = 65_535;
 
-/// Mirror of `struct BgeParams` in `cuda/bgmv_entry.cu`.
+/// Mirror of `struct BgeParams` in `cuda/bgmv_entry.cu` (also the
+/// row-register form's, `rows`, which leaves `stage_cols` unread).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct BgeParams {
-    x: u64,
-    y: u64,
-    idx: u64,
-    fault: u64,
-    n_rows: i32,
-    in_dim: i32,
-    x_stride: i32,
-    y_stride: i32,
+pub(super) struct BgeParams {
+    pub(super) x: u64,
+    pub(super) y: u64,
+    pub(super) idx: u64,
+    pub(super) fault: u64,
+    pub(super) n_rows: i32,
+    pub(super) in_dim: i32,
+    pub(super) x_stride: i32,
+    pub(super) y_stride: i32,
     /// 1: a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
-    overlap: i32,
+    pub(super) overlap: i32,
     /// Outputs per block whose B rows and y values are staged in shared memory (0: none).
-    stage_cols: i32,
-    targets: [TargetParams; MAX_TARGETS],
+    pub(super) stage_cols: i32,
+    pub(super) targets: [TargetParams; MAX_TARGETS],
 }
 const _: () = assert!(size_of::<BgeParams>() == 152 && std::mem::offset_of!(BgeParams, targets) == 56);
 
