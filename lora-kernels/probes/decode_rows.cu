@@ -1,0 +1,483 @@
+// One-row items in registers: a standalone probe (not part of the library
+// or the bench; NOTES.md v29). It times a decode apply of n = 64 rows, each
+// naming its own rank-16 adapter (4096 x 4096, bf16), in the row-register
+// form: a cluster of C blocks per row, every block loading its 1/C slice of
+// A, x, B and y straight into registers as soon as the row's entry is known
+// (nothing staged in shared memory), the rank vector summed over the
+// cluster by pushing partials (st.async), then the expand from the
+// registers. `rows_reg` is the probe's own kernel (clusters of 8, 4 or 2;
+// its F flags add, one at a time, what the library's general form needs);
+// `library_rows` runs the library's `cuda/bgmv_rows.cu` body (`_full` or
+// general) under the same harness. Timed the way `xtask bench` times an op
+// in a graph: many calls captured in one CUDA graph over rotating input
+// sets (16 of 17 MB, so nothing is left in L2), replayed, per-call time =
+// replay time / calls, median of 21 replays. Copy 0 is checked against a
+// host reference first.
+//
+// Build and run on the GPU machine (from lora-kernels/probes):
+//   nvcc -arch=sm_90a -O3 -std=c++17 -o decode_rows decode_rows.cu && ./decode_rows
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "../cuda/common.cuh"
+// The library's row-register kernel, timed beside the probe's forms. Its
+// sm_90 kernels sit under `#if __CUDA_ARCH__ >= 900`, which the host pass
+// must see too (NVRTC compiles device code only).
+#ifndef __CUDA_ARCH__
+#define __CUDA_ARCH__ 900
+#define PROBE_HOST_ARCH
+#endif
+#include "../cuda/bgmv.cu"
+#include "../cuda/bgmv_entry.cu"
+#include "../cuda/bgmv_rows.cu"
+#ifdef PROBE_HOST_ARCH
+#undef __CUDA_ARCH__
+#endif
+
+// The library kernel's body under the probe's own declaration (the
+// library's is compiled for device code only).
+template <bool FULL>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(BGR_THREADS, 1) library_rows(const BgeParams p) {
+    bgr_body<bf16_t, FULL>(p);
+}
+
+#define CK(x)                                                                 \
+    do {                                                                      \
+        cudaError_t e = (x);                                                  \
+        if (e != cudaSuccess) {                                               \
+            printf("error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
+            exit(1);                                                          \
+        }                                                                     \
+    } while (0)
+
+constexpr int N_ROWS = 64;
+constexpr int IN = 4096;
+constexpr int OUT = 4096;
+constexpr int R = 16;
+constexpr int ENTRIES = 64;
+
+struct Params {
+    const bf16_t* x;
+    bf16_t* y;
+    const int* idx;
+    const PairEntry* table;
+    int n_entries;
+};
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ u32 peer_addr(const void* local, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+    return remote;
+}
+
+// F (bisection of the library form's differences): 1 B masked by rank,
+// 2 loads guarded by the split8 slices, 4 the transposed butterfly, 8 y
+// through the library's helpers, 16 the entry through checked_entry.
+template <int C, int NT, int MINB, int F = 0>
+__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, MINB) rows_reg(const Params p) {
+    constexpr int CH = IN / (8 * C);  // 8-column pieces per block and rank row
+    constexpr int KG = NT / CH;       // rank rows loaded at once by the block
+    constexpr int RPT = R / KG;       // rank rows per thread
+    constexpr int OPT = OUT / (C * NT);
+    constexpr int NW = NT / 32;
+    static_assert(CH * KG == NT && RPT * KG == R && OPT * C * NT == OUT && CH % 32 == 0, "shape");
+    static_assert(OPT == 2 || OPT == 4, "y as one 4- or 8-byte word");
+    __shared__ __align__(16) PairEntry s_table[ENTRIES];
+    __shared__ float s_part[NW][RPT];
+    __shared__ __align__(16) float s_mine[R];
+    __shared__ __align__(16) float s_recv[C][R];
+    __shared__ __align__(16) float s_t[R];
+    __shared__ __align__(8) u64 s_bar;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int q = (int)blockIdx.x % C;
+    const int row = (int)blockIdx.y;
+    const int e = __ldg(p.idx + row);
+    for (int w = tid; w < p.n_entries * (int)sizeof(PairEntry) / 16; w += NT)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr((char*)s_table + 16 * w)),
+                     "l"((const char*)p.table + 16 * w)
+                     : "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    if (tid == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&s_bar)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    // Uniform over the cluster: every block reads the same row.
+    if (e < 0 || e >= p.n_entries) {
+        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+        return;
+    }
+    PairEntry en = s_table[e];
+    if (F & 16) {
+        checked_entry(e, p.n_entries, s_table, R, 0ull, false, &en);
+        if (en.rank == 0) {
+            asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+            return;
+        }
+    }
+    const int rank = (int)en.rank;
+    int k0, k1, o0, o1;
+    split8(IN, C, q, k0, k1);
+    split8(OUT, C, q, o0, o1);
+    const bf16_t* A = (const bf16_t*)en.a;
+    const bf16_t* B = (const bf16_t*)en.b;
+    const int c = tid % CH;
+    const int kg = tid / CH;
+    const int col = q * (IN / C) + 8 * c;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    uint4 a[RPT];
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+        const int k = kg + KG * j;
+        a[j] = k < rank && (!(F & 2) || col < k1) ? ldg16(A + (u64)k * IN + col) : zero;
+    }
+    const uint4 xv = !(F & 2) || col < k1 ? ldg16(p.x + (u64)row * IN + col) : zero;
+    const int o = q * (OUT / C) + OPT * tid;
+    const int live = max(0, min(OPT, o1 - o));
+    uint4 b[2 * OPT];
+#pragma unroll
+    for (int i = 0; i < 2 * OPT; ++i) b[i] = !(F & 2) || i / 2 < live ? ldg16(B + (u64)o * R + 8 * i) : zero;
+    bf16_t* yp = p.y + (u64)row * OUT + o;
+    u32 yw[4];
+    const bool y_vec = live == OPT && ((u64)yp % 8) == 0ull;
+    if constexpr (OPT == 4 && (F & 8)) {
+        bgr_load_y(yp, y_vec, live, yw);
+    } else if constexpr (OPT == 4) {
+        const uint2 v = *(const uint2*)yp;
+        yw[0] = v.x;
+        yw[1] = v.y;
+    } else {
+        yw[0] = *(const u32*)yp;
+    }
+
+    float s[RPT];
+#pragma unroll
+    if constexpr ((F & 4) && RPT == 8) {
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) s[j] = dot8(a[j], xv, 0.f);
+#pragma unroll
+        for (int h = 4, bit = 16; h >= 1; h >>= 1, bit >>= 1) {
+            const bool upper = (lane & bit) != 0;
+#pragma unroll
+            for (int i = 0; i < h; ++i) {
+                const float keep = upper ? s[i + h] : s[i];
+                const float send = upper ? s[i] : s[i + h];
+                s[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+            }
+        }
+        float v = s[0];
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        if ((lane & 3) == 0) s_part[warp][((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1)] = v;
+    } else {
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) s[j] = warp_sum(dot8(a[j], xv, 0.f));
+        if (lane == 0)
+#pragma unroll
+            for (int j = 0; j < RPT; ++j) s_part[warp][j] = s[j];
+    }
+    __syncthreads();
+    if (tid < R) {
+        const int g = tid % KG;
+        const int j = tid / KG;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < CH / 32; ++w) v += s_part[g * (CH / 32) + w][j];
+        s_mine[tid] = v;
+    }
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");  // the peers' mbarriers are initialised
+    if (warp == 0) {
+        __syncwarp();
+        if (lane == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&s_bar)),
+                         "r"((u32)(C * R * 4))
+                         : "memory");
+        if (lane < 4 * C) {
+            const u32 r = (u32)(lane / 4);
+            const int k4 = 4 * (lane % 4);
+            const float4 v = *(const float4*)&s_mine[k4];
+            asm volatile(
+                "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                    peer_addr(&s_recv[q][k4], r)),
+                "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+                "r"(__float_as_uint(v.w)), "r"(peer_addr(&s_bar, r))
+                : "memory");
+        }
+    }
+    u32 done = 0;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, "
+            "p;\n}"
+            : "=r"(done)
+            : "r"(smem_addr(&s_bar))
+            : "memory");
+    } while (!done);
+    if (tid < R) {
+        float v = 0.f;
+#pragma unroll
+        for (int r = 0; r < C; ++r) v += s_recv[r][tid];
+        s_t[tid] = v * en.scale;
+    }
+    __syncthreads();
+    float t[R];
+#pragma unroll
+    for (int k = 0; k < R; k += 4) {
+        const float4 v = *(const float4*)&s_t[k];
+        t[k] = v.x;
+        t[k + 1] = v.y;
+        t[k + 2] = v.z;
+        t[k + 3] = v.w;
+    }
+    if (F & 1) {
+#pragma unroll
+        for (int i = 0; i < 2 * OPT; ++i) {
+            const int h = (i & 1) * 8;
+            b[i] = make_uint4(b[i].x & rank_mask(h, rank), b[i].y & rank_mask(h + 2, rank), b[i].z & rank_mask(h + 4, rank),
+                              b[i].w & rank_mask(h + 6, rank));
+        }
+    }
+    u32 outw[OPT / 2];
+    float d[OPT];
+#pragma unroll
+    for (int i = 0; i < OPT; i += 2) {
+        const float d0 = dot8f(b[2 * i + 1], t + 8, dot8f(b[2 * i], t, 0.f));
+        const float d1 = dot8f(b[2 * i + 3], t + 8, dot8f(b[2 * i + 2], t, 0.f));
+        d[i] = d0;
+        d[i + 1] = d1;
+        outw[i / 2] = pack_bf2(bf_lo(yw[i / 2]) + d0, bf_hi(yw[i / 2]) + d1);
+    }
+    if constexpr (OPT == 4 && (F & 8)) {
+        if (live > 0) bgr_store_y(yp, y_vec, live, yw, d);
+    } else if constexpr (OPT == 4) {
+        *(uint2*)yp = make_uint2(outw[0], outw[1]);
+    } else {
+        *(u32*)yp = outw[0];
+    }
+}
+
+__global__ void fill_bf16(bf16_t* p, size_t n, u32 seed, float amp) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        u32 h = (u32)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        const float v = ((float)(h & 0xffffu) / 65536.f - 0.5f) * 2.f * amp;
+        p[i] = f2bf(v);
+    }
+}
+
+__global__ void empty_kernel() {}
+
+static float host_bf(bf16_t h) {
+    const u32 u = (u32)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+struct Copy {
+    bf16_t *a, *b, *x, *y;
+    int* idx;
+    PairEntry* table;
+};
+
+int main() {
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const size_t a_elems = (size_t)ENTRIES * R * IN, b_elems = (size_t)ENTRIES * OUT * R;
+    const size_t x_elems = (size_t)N_ROWS * IN, y_elems = (size_t)N_ROWS * OUT;
+    const int copies = 16;
+    std::vector<Copy> cs(copies);
+    srand(7);
+    for (int i = 0; i < copies; ++i) {
+        Copy& c = cs[i];
+        CK(cudaMalloc(&c.a, a_elems * 2));
+        CK(cudaMalloc(&c.b, b_elems * 2));
+        CK(cudaMalloc(&c.x, x_elems * 2));
+        CK(cudaMalloc(&c.y, y_elems * 2));
+        CK(cudaMalloc(&c.idx, N_ROWS * 4));
+        CK(cudaMalloc(&c.table, ENTRIES * sizeof(PairEntry)));
+        fill_bf16<<<1024, 256>>>(c.a, a_elems, 11u + 4u * i, 0.05f);
+        fill_bf16<<<1024, 256>>>(c.b, b_elems, 12u + 4u * i, 0.05f);
+        fill_bf16<<<1024, 256>>>(c.x, x_elems, 13u + 4u * i, 1.f);
+        fill_bf16<<<1024, 256>>>(c.y, y_elems, 14u + 4u * i, 0.5f);
+        std::vector<int> perm(N_ROWS);
+        for (int r = 0; r < N_ROWS; ++r) perm[r] = r;
+        for (int r = N_ROWS - 1; r > 0; --r) std::swap(perm[r], perm[rand() % (r + 1)]);
+        CK(cudaMemcpy(c.idx, perm.data(), N_ROWS * 4, cudaMemcpyHostToDevice));
+        std::vector<PairEntry> t(ENTRIES);
+        for (int e = 0; e < ENTRIES; ++e)
+            t[e] = PairEntry{(u64)(c.a + (size_t)e * R * IN), (u64)(c.b + (size_t)e * OUT * R), 0.5f, (u32)R};
+        CK(cudaMemcpy(c.table, t.data(), ENTRIES * sizeof(PairEntry), cudaMemcpyHostToDevice));
+    }
+    CK(cudaDeviceSynchronize());
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+
+    // Copy bandwidth (bytes read + written), as the bench measures it: 256 MB copied.
+    {
+        char *s = nullptr, *d = nullptr;
+        const size_t bytes = 256u << 20;
+        CK(cudaMalloc(&s, bytes));
+        CK(cudaMalloc(&d, bytes));
+        float best = 1e30f;
+        for (int k = 0; k < 10; ++k) {
+            CK(cudaEventRecord(e0, st));
+            CK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice, st));
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms = 0.f;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (ms < best) best = ms;
+        }
+        const double bw = 2.0 * bytes / (best * 1e-3) / 1e9;
+        const double floor_bytes = (double)ENTRIES * (R * IN + OUT * R) * 2 + (double)N_ROWS * (IN * 2 + OUT * 4);
+        printf("copy bandwidth %.0f GB/s; floor %.2f us (50 %%: %.2f us)\n", bw, floor_bytes / bw / 1e3,
+               2.0 * floor_bytes / bw / 1e3);
+        CK(cudaFree(s));
+        CK(cudaFree(d));
+    }
+
+    auto run_form = [&](const char* name, auto kernel, int C, int NT) {
+        int clusters = 0;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(C, N_ROWS, 1);
+        cfg.blockDim = dim3(NT, 1, 1);
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = C;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        CK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+        cudaFuncAttributes fa;
+        CK(cudaFuncGetAttributes(&fa, kernel));
+        auto launch = [&](const Copy& c) {
+            if constexpr (std::is_invocable_v<decltype(kernel), BgeParams>) {
+                BgeParams b = {};
+                b.x = (u64)c.x;
+                b.y = (u64)c.y;
+                b.idx = (u64)c.idx;
+                b.n_rows = N_ROWS;
+                b.in_dim = IN;
+                b.x_stride = IN;
+                b.y_stride = OUT;
+                b.targets[0] = LoraTarget{(u64)c.table, ENTRIES, OUT, 0, 0};
+                kernel<<<dim3(C, N_ROWS, 1), NT, 0, st>>>(b);
+            } else {
+                Params p{c.x, c.y, c.idx, c.table, ENTRIES};
+                kernel<<<dim3(C, N_ROWS, 1), NT, 0, st>>>(p);
+            }
+        };
+        // Correctness on copy 0 from y = 0: the result is the rounded delta.
+        Copy& c0 = cs[0];
+        CK(cudaMemset(c0.y, 0, y_elems * 2));
+        launch(c0);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        std::vector<bf16_t> ha(a_elems), hb(b_elems), hx(x_elems), hy(y_elems);
+        std::vector<int> hidx(N_ROWS);
+        CK(cudaMemcpy(ha.data(), c0.a, a_elems * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hb.data(), c0.b, b_elems * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hx.data(), c0.x, x_elems * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hy.data(), c0.y, y_elems * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hidx.data(), c0.idx, N_ROWS * 4, cudaMemcpyDeviceToHost));
+        double num = 0.0, den = 0.0;
+        for (int r = 0; r < N_ROWS; ++r) {
+            const int e = hidx[r];
+            double t[R];
+            for (int k = 0; k < R; ++k) {
+                double s = 0.0;
+                for (int i = 0; i < IN; ++i)
+                    s += (double)host_bf(ha[((size_t)e * R + k) * IN + i]) * host_bf(hx[(size_t)r * IN + i]);
+                t[k] = 0.5 * s;
+            }
+            for (int o = 0; o < OUT; ++o) {
+                double d = 0.0;
+                for (int k = 0; k < R; ++k) d += (double)host_bf(hb[((size_t)e * OUT + o) * R + k]) * t[k];
+                const double got = host_bf(hy[(size_t)r * OUT + o]);
+                num += (got - d) * (got - d);
+                den += d * d;
+            }
+        }
+        const double rel = std::sqrt(num / den);
+        fill_bf16<<<1024, 256, 0, st>>>(c0.y, y_elems, 14u, 0.5f);
+
+        const int calls = copies * 4;
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+        for (int k = 0; k < calls; ++k) launch(cs[k % copies]);
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaStreamSynchronize(st));
+        const int runs = 21;
+        std::vector<float> ts(runs);
+        for (int k = 0; k < runs; ++k) {
+            CK(cudaEventRecord(e0, st));
+            CK(cudaGraphLaunch(ge, st));
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms = 0.f;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            ts[k] = ms * 1000.f / calls;
+        }
+        std::sort(ts.begin(), ts.end());
+        printf("%-28s %6.2f us (p10 %.2f, p90 %.2f)  rel err %.2e  %d regs, %zu B spilled, %d clusters resident\n",
+               name, ts[runs / 2], ts[runs / 10], ts[runs - 1 - runs / 10], rel, fa.numRegs, (size_t)fa.localSizeBytes,
+               clusters);
+        CK(cudaGraphExecDestroy(ge));
+        CK(cudaGraphDestroy(g));
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+        run_form("clusters of 8, 256 threads", rows_reg<8, 256, 4>, 8, 256);
+        run_form("clusters of 4, 256 threads", rows_reg<4, 256, 2>, 4, 256);
+        run_form("clusters of 2, 512 threads", rows_reg<2, 512, 1>, 2, 512);
+        run_form("c2 F1 B masked", rows_reg<2, 512, 1, 1>, 2, 512);
+        run_form("c2 F2 guarded loads", rows_reg<2, 512, 1, 2>, 2, 512);
+        run_form("c2 F4 butterfly", rows_reg<2, 512, 1, 4>, 2, 512);
+        run_form("c2 F8 y helpers", rows_reg<2, 512, 1, 8>, 2, 512);
+        run_form("c2 F16 checked entry", rows_reg<2, 512, 1, 16>, 2, 512);
+        run_form("c2 F31 all", rows_reg<2, 512, 1, 31>, 2, 512);
+        run_form("library full", library_rows<true>, 2, 512);
+        run_form("library general", library_rows<false>, 2, 512);
+    }
+    {
+        const int calls = 256;
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+        for (int k = 0; k < calls; ++k) empty_kernel<<<1, 32, 0, st>>>();
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e0, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0.f;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        printf("empty kernel in a graph %.2f us\n", ms * 1000.f / calls);
+    }
+    return 0;
+}
