@@ -571,9 +571,12 @@ pub struct BgmvTuning {
     /// targets of 64 adapters 20.82 against 23.36, 32 of a 64-entry table
     /// 7.02 against 7.99; slower at n = 1 (5.30 against 4.62) and with
     /// several rows per adapter (n = 256 of 32: 21.6 against 8.75), where
-    /// the entry-clustered form shares each adapter's bytes. Not yet the
-    /// default: its last change (the entry's table copy and index load) is
-    /// not measured on the GPU (NOTES.md v29).
+    /// the entry-clustered form shares each adapter's bytes. Experimental:
+    /// a GPU test of the build before this one lost a target's deltas in
+    /// some rows of a tiny three-target call (3 rows, `in` = 8, a 3-output
+    /// target); this build reverts two changes made since a build that
+    /// passed it and is not yet run on a GPU. Do not serve with it until
+    /// `gpu_bgmv_row_registers` passes (NOTES.md v29).
     pub row_registers: Option<bool>,
 }
 
