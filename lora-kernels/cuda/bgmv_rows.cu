@@ -248,7 +248,13 @@ __device__ __forceinline__ void bgr_apply_general(const BgeParams& p, const Lora
         a[j] = col_live && k < rank ? load8_any(A + (u64)k * in + col, a_vec) : zero;
     }
     const int o = o0 + OPT * tid;
-    const int live = max(0, min(OPT, o1 - o));
+    // The thread's outputs: OPT where the block's range holds them all, else
+    // those left (none past it). Not `max(0, min(OPT, o1 - o)) == OPT` for
+    // `whole`: ptxas folded that test into the clamp's predicate output and
+    // threads with 1 output left took the 4-output vector store, writing
+    // back stale y over the next target's columns (NOTES.md v30).
+    const bool whole = o + OPT <= o1;
+    const int live = whole ? OPT : max(0, o1 - o);
     const bool b_vec = aligned16(B);
     uint4 b[2 * OPT];
 #pragma unroll
@@ -260,7 +266,7 @@ __device__ __forceinline__ void bgr_apply_general(const BgeParams& p, const Lora
     const bf16_t* xrow = (const bf16_t*)p.x + (u64)row * p.x_stride;
     const uint4 xv = col_live ? load8_any(xrow + col, aligned16(xrow)) : zero;
     Y* yp = (Y*)p.y + (u64)row * p.y_stride + tg.y_col_off + o;
-    const bool y_vec = live == OPT && ((u64)yp % (OPT * sizeof(Y))) == 0ull;
+    const bool y_vec = whole && ((u64)yp % (OPT * sizeof(Y))) == 0ull;
     u32 yw[4];
     bgr_load_y(yp, y_vec, live, yw);
 

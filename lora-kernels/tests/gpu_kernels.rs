@@ -823,8 +823,11 @@ fn gpu_bgmv_row_registers() {
         }
     }
     // Tiny calls of several odd-width targets, again and again on fresh
-    // inputs: a build once lost a 3-output target's deltas in some rows
-    // only (NOTES.md v29), so one pass is not enough to trust this shape.
+    // inputs. A target that ends 1 past a multiple of 4 outputs, followed
+    // by another in the same 8 bytes of y, caught a miscompile (NOTES.md
+    // v30): its thread of 1 output took the 4-output vector store and wrote
+    // stale y over the next target's first columns, in some rows only, as
+    // the two blocks' stores raced.
     for round in 0..16 {
         let outs: &[usize] = if round % 2 == 0 { &[8, 5, 3] } else { &[3, 3, 7, 1] };
         let shape = (3 + round % 3, 8, outs);
