@@ -440,7 +440,8 @@ pub struct BgmvTuning {
     /// and no window is scanned. `None`: from the shape and device, row-mapped for
     /// [`ROW_MAPPED_MIN_ROWS`] rows or more that fit one round when this
     /// knob, `cluster`, `out_splits`, `two_phase`, `tensor_cores` and
-    /// `item_list_pass` are all unset and `overlap_previous` is off.
+    /// `item_list_pass` are all unset and `overlap_previous` is off, where
+    /// the row-register form (`row_registers`) does not take the call.
     pub clusters_per_window: Option<u32>,
     /// Two launches (a shrink into the device's scratch, then an expand)
     /// instead of the fused kernel; batches of at most 512 rows. `None`:
@@ -566,17 +567,14 @@ pub struct BgmvTuning {
     /// or newer (`Some(true)` on another call, or with `entry_clusters`, is
     /// an error). In 4096 x 4096 calls with aligned x and y rows it runs its
     /// straight-line kernels (`_full`) for rank-16 entries with aligned
-    /// weights. `None`: off. H200, in a graph, against the default in the
-    /// same call: n = 64 of 64 rank-16 adapters 7.97 against 8.86 µs, three
-    /// targets of 64 adapters 20.82 against 23.36, 32 of a 64-entry table
-    /// 7.02 against 7.99; slower at n = 1 (5.30 against 4.62) and with
-    /// several rows per adapter (n = 256 of 32: 21.6 against 8.75), where
-    /// the entry-clustered form shares each adapter's bytes. Experimental:
-    /// a GPU test of the build before this one lost a target's deltas in
-    /// some rows of a tiny three-target call (3 rows, `in` = 8, a 3-output
-    /// target); this build reverts two changes made since a build that
-    /// passed it and is not yet run on a GPU. Do not serve with it until
-    /// `gpu_bgmv_row_registers` passes (NOTES.md v29).
+    /// weights. `None`: from the shape and device: the form for
+    /// [`ROW_REGISTER_ROWS`] rows, at most [`ROW_REGISTER_ROWS_PER_ENTRY`]
+    /// per entry of the largest table, where it serves the call, no other
+    /// knob is set and `overlap_previous` is off (measured there:
+    /// [`ROW_REGISTER_ROWS`]). Slower at n = 1 (5.26 against 4.56 µs) and
+    /// with many rows per adapter (n = 256 of 32: 21.30 against 8.73),
+    /// where the entry-clustered form shares each adapter's bytes (NOTES.md
+    /// v29-v30).
     pub row_registers: Option<bool>,
 }
 
@@ -727,6 +725,41 @@ fn entry_by_default(call: EntryCall, tuning: BgmvTuning) -> bool {
 /// outputs); above, items of several rows make the two-phase
 /// shrink's per-row reductions the cost (n = 256, 32 adapters: 36-39 against 29).
 pub const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
+
+/// Batches the row-register form serves by default (`BgmvTuning::row_registers`),
+/// over tables of at least one entry per [`ROW_REGISTER_ROWS_PER_ENTRY`] rows.
+/// H200, in a graph, against the previous default in the same call (NOTES.md
+/// v30): n = 32 of 32 adapters 6.29 against 7.44 µs, n = 64 of 64 7.85
+/// against 8.81, three targets of 64 20.59 against 23.38, 64 rows naming 8
+/// or 32 of a 64-entry table 5.98 and 6.86 against 7.98 and 8.01; at n = 16
+/// about even (5.78 against 5.89), at n = 1 slower (5.26 against 4.56), and
+/// past one round of resident clusters (66 rows on the H200) slower (n = 128
+/// of 16: 11.23 against 6.38).
+pub const ROW_REGISTER_ROWS: std::ops::RangeInclusive<usize> = 32..=64;
+
+/// Most rows per table entry the row-register form takes by default: rows
+/// of one adapter each read its A and B (from L2 after the first), which
+/// the entry-clustered and fused forms share. n = 64 over 32-entry tables
+/// 6.84 against 7.63 µs, over 24-entry ones 6.63 against 6.50, over 8 5.93
+/// against 5.26 (H200, in a graph, NOTES.md v30).
+pub const ROW_REGISTER_ROWS_PER_ENTRY: usize = 2;
+
+/// Whether [`bgmv`] takes the row-register form by default for `n` rows over
+/// tables of at most `max_entries` entries: [`ROW_REGISTER_ROWS`] rows, at
+/// most [`ROW_REGISTER_ROWS_PER_ENTRY`] per entry, no other knob set and
+/// the overlap off. The caller checks that the form serves the call's
+/// shape (`RowsShape::check`).
+fn row_registers_by_default(n: usize, max_entries: usize, tuning: BgmvTuning) -> bool {
+    let others_unset = BgmvTuning {
+        row_registers: None,
+        overlap_previous: None,
+        ..tuning
+    } == BgmvTuning::default();
+    others_unset
+        && tuning.overlap_previous != Some(true)
+        && ROW_REGISTER_ROWS.contains(&n)
+        && n <= ROW_REGISTER_ROWS_PER_ENTRY.saturating_mul(max_entries)
+}
 
 /// Batches the fused kernel serves row-mapped by default: at least this many
 /// rows in one window, whose scalar clusters of 2 with a cluster per row fit
@@ -1114,16 +1147,23 @@ fn launch<Y: OutputElem>(
         in_dim: x.width,
         stride,
     };
-    if tuning.row_registers == Some(true) {
-        if tuning.entry_clusters == Some(true) {
-            return Err(invalid(
-                "tuning.row_registers",
-                "with entry_clusters: one form per call",
-            ));
+    let rows_wanted = match tuning.row_registers {
+        Some(true) => {
+            if tuning.entry_clusters == Some(true) {
+                return Err(invalid(
+                    "tuning.row_registers",
+                    "with entry_clusters: one form per call",
+                ));
+            }
+            rows_shape
+                .check(targets)
+                .map_err(|reason| invalid("tuning.row_registers", reason))?;
+            true
         }
-        rows_shape
-            .check(targets)
-            .map_err(|reason| invalid("tuning.row_registers", reason))?;
+        Some(false) => false,
+        None => row_registers_by_default(n, max_entries, tuning) && rows_shape.check(targets).is_ok(),
+    };
+    if rows_wanted {
         return rows::launch_rows(c, x, idx.device_addr(), target_params, targets, y, overlap);
     }
     let entry_wanted = match tuning.entry_clusters {

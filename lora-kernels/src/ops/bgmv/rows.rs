@@ -4,9 +4,9 @@
 //! soon as the row's entry is known, the rank vector summed over the pair
 //! by pushing partials (`cuda/bgmv_rows.cu`). Rows of one adapter each read
 //! its A and B (from L2 after the first), so it suits batches of mostly
-//! distinct adapters, which the row-mapped fused form serves by default.
-//! An opt-in (`BgmvTuning::row_registers`) until its GPU tests pass on the
-//! committed code (NOTES.md v29).
+//! distinct adapters: the default for 32 to 64 rows of at most 2 a table
+//! entry (`row_registers_by_default`), an opt-in elsewhere
+//! (`BgmvTuning::row_registers`; NOTES.md v29-v30).
 //!
 //! It serves rank stride 16, `in` a multiple of 8 up to [`ROWS_MAX_IN`] and
 //! outputs up to [`ROWS_MAX_OUT`] per target (`RowsShape::check`), any

@@ -1064,3 +1064,54 @@ fn the_entry_clusters_serve_several_rows_per_entry_or_small_tables_by_default() 
     };
     assert!(entry_by_default(call(256, 32, 16, 4096, 1), fours));
 }
+
+#[test]
+fn row_registers_by_default_for_rows_of_few_rows_an_adapter() {
+    let t = BgmvTuning::default();
+    let (lo, hi) = (*ROW_REGISTER_ROWS.start(), *ROW_REGISTER_ROWS.end());
+    assert!(row_registers_by_default(64, 64, t));
+    assert!(row_registers_by_default(lo, lo, t));
+    assert!(row_registers_by_default(hi, 4096, t));
+    assert!(!row_registers_by_default(lo - 1, 4096, t), "below the measured range");
+    assert!(!row_registers_by_default(hi + 1, 4096, t), "past one round");
+    assert!(row_registers_by_default(64, 32, t), "two rows an entry");
+    assert!(!row_registers_by_default(64, 31, t), "more than two rows an entry");
+    assert!(!row_registers_by_default(64, 0, t), "an empty table");
+    // Any other knob the caller chose keeps the caller's form, and so does the overlap.
+    let chosen = [
+        BgmvTuning { cluster: Some(2), ..t },
+        BgmvTuning {
+            entry_clusters: Some(false),
+            ..t
+        },
+        BgmvTuning {
+            expand_b_registers: Some(true),
+            ..t
+        },
+        BgmvTuning {
+            two_phase: Some(false),
+            ..t
+        },
+        BgmvTuning {
+            overlap_previous: Some(true),
+            ..t
+        },
+    ];
+    for tuning in chosen {
+        assert!(!row_registers_by_default(64, 64, tuning), "{tuning:?}");
+    }
+    // `row_registers` itself is the launch's to read, not this rule's; the
+    // overlap chosen off is no other form.
+    for tuning in [
+        BgmvTuning {
+            row_registers: Some(false),
+            ..t
+        },
+        BgmvTuning {
+            overlap_previous: Some(false),
+            ..t
+        },
+    ] {
+        assert!(row_registers_by_default(64, 64, tuning), "{tuning:?}");
+    }
+}
