@@ -27,36 +27,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "../cuda/common.cuh"
-// The library's row-register kernel, timed beside the probe's forms. Its
-// sm_90 kernels sit under `#if __CUDA_ARCH__ >= 900`, which the host pass
-// must see too (NVRTC compiles device code only).
-#ifndef __CUDA_ARCH__
-#define __CUDA_ARCH__ 900
-#define PROBE_HOST_ARCH
-#endif
-#include "../cuda/bgmv.cu"
-#include "../cuda/bgmv_entry.cu"
-#include "../cuda/bgmv_rows.cu"
-#ifdef PROBE_HOST_ARCH
-#undef __CUDA_ARCH__
-#endif
-
-// The library kernel's body under the probe's own declaration (the
-// library's is compiled for device code only).
-template <bool FULL>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(BGR_THREADS, 1) library_rows(const BgeParams p) {
-    bgr_body<bf16_t, FULL>(p);
-}
-
-#define CK(x)                                                                 \
-    do {                                                                      \
-        cudaError_t e = (x);                                                  \
-        if (e != cudaSuccess) {                                               \
-            printf("error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
-            exit(1);                                                          \
-        }                                                                     \
-    } while (0)
+#define PROBE_LIBRARY_ROWS
+#include "probe.cuh"
 
 constexpr int N_ROWS = 64;
 constexpr int IN = 4096;
@@ -282,13 +254,6 @@ __global__ void fill_bf16(bf16_t* p, size_t n, u32 seed, float amp) {
 }
 
 __global__ void empty_kernel() {}
-
-static float host_bf(bf16_t h) {
-    const u32 u = (u32)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 struct Copy {
     bf16_t *a, *b, *x, *y;

@@ -27,14 +27,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                 \
-    do {                                                                      \
-        cudaError_t e = (x);                                                  \
-        if (e != cudaSuccess) {                                               \
-            printf("error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
-            exit(1);                                                          \
-        }                                                                     \
-    } while (0)
+#include "probe.cuh"
 typedef unsigned long long u64;
 typedef unsigned short bf;  // bf16 bits; the probes move bytes, their sums are not checked
 const int ROWS = 8192, COLS = 4096;

@@ -19,14 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CK(x)                                                                        \
-    do {                                                                             \
-        cudaError_t e = (x);                                                         \
-        if (e != cudaSuccess) {                                                      \
-            printf("error %s at line %d\n", cudaGetErrorString(e), __LINE__);        \
-            exit(1);                                                                 \
-        }                                                                            \
-    } while (0)
+#include "probe.cuh"
 
 __global__ void rd_grid_stride(const uint4* __restrict__ p, size_t n16, unsigned* out) {
     unsigned acc = 0;

@@ -22,41 +22,9 @@
 #include <cstring>
 #include <vector>
 
-#include "../cuda/common.cuh"
-#ifndef __CUDA_ARCH__
-#define __CUDA_ARCH__ 900
-#define PROBE_HOST_ARCH
-#endif
-#include "../cuda/bgmv.cu"
-#include "../cuda/bgmv_entry.cu"
-#ifdef ROWS_SRC
-#include ROWS_SRC
-#else
-#include "../cuda/bgmv_rows.cu"
-#endif
-#ifdef PROBE_HOST_ARCH
-#undef __CUDA_ARCH__
-#endif
+#define PROBE_LIBRARY_ROWS
+#include "probe.cuh"
 
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(BGR_THREADS, 1) library_rows(const BgeParams p) {
-    bgr_body<bf16_t, false>(p);
-}
-
-#define CK(x)                                                                 \
-    do {                                                                      \
-        cudaError_t e = (x);                                                  \
-        if (e != cudaSuccess) {                                               \
-            printf("error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
-            exit(1);                                                          \
-        }                                                                     \
-    } while (0)
-
-static float host_bf(bf16_t h) {
-    u32 u = (u32)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 static bf16_t host_f2bf(float f) {
     u32 u;
     memcpy(&u, &f, 4);
@@ -172,7 +140,7 @@ static void run_case(const Case& cs, int launches) {
     bool shown = false;
     for (int l = 0; l < launches; ++l) {
         CK(cudaMemcpy(dy, hy0.data(), hy0.size() * 2, cudaMemcpyHostToDevice));
-        library_rows<<<dim3(2, cs.n, nt), BGR_THREADS>>>(p);
+        library_rows<false><<<dim3(2, cs.n, nt), BGR_THREADS>>>(p);
         CK(cudaGetLastError());
         CK(cudaMemcpy(hy.data(), dy, hy.size() * 2, cudaMemcpyDeviceToHost));
         for (int r = 0; r < cs.n; ++r)
