@@ -569,12 +569,15 @@ pub struct BgmvTuning {
     /// straight-line kernels (`_full`) for rank-16 entries with aligned
     /// weights. `None`: from the shape and device: the form for
     /// [`ROW_REGISTER_ROWS`] rows, at most [`ROW_REGISTER_ROWS_PER_ENTRY`]
-    /// per entry of the largest table, where it serves the call, no other
-    /// knob is set and `overlap_previous` is off (measured there:
-    /// [`ROW_REGISTER_ROWS`]). Slower at n = 1 (5.26 against 4.56 µs) and
-    /// with many rows per adapter (n = 256 of 32: 21.30 against 8.73),
-    /// where the entry-clustered form shares each adapter's bytes (NOTES.md
-    /// v29-v30).
+    /// per entry of the largest table, in calls its straight-line kernels
+    /// serve (`in` and every target [`ROWS_MAX_IN`] wide, x and y rows
+    /// aligned), no other knob set and `overlap_previous` off (measured
+    /// there: [`ROW_REGISTER_ROWS`]); the general kernel alone ran n = 64
+    /// of 64 slower than the row-mapped form (9.07 against 8.84 µs, NOTES.md
+    /// v29), so other shapes keep their form. Slower at n = 1 (5.26 against
+    /// 4.56 µs) and with many rows per adapter (n = 256 of 32: 21.30
+    /// against 8.73), where the entry-clustered form shares each adapter's
+    /// bytes (NOTES.md v29-v30).
     pub row_registers: Option<bool>,
 }
 
@@ -748,7 +751,8 @@ pub const ROW_REGISTER_ROWS_PER_ENTRY: usize = 2;
 /// tables of at most `max_entries` entries: [`ROW_REGISTER_ROWS`] rows, at
 /// most [`ROW_REGISTER_ROWS_PER_ENTRY`] per entry, no other knob set and
 /// the overlap off. The caller checks that the form serves the call's
-/// shape (`RowsShape::check`).
+/// shape (`RowsShape::check`) and that its straight-line kernels do
+/// (`rows::full_form`).
 fn row_registers_by_default(n: usize, max_entries: usize, tuning: BgmvTuning) -> bool {
     let others_unset = BgmvTuning {
         row_registers: None,
@@ -1161,7 +1165,13 @@ fn launch<Y: OutputElem>(
             true
         }
         Some(false) => false,
-        None => row_registers_by_default(n, max_entries, tuning) && rows_shape.check(targets).is_ok(),
+        // By default only where the straight-line kernels serve: the general
+        // one alone measured slower than the row-mapped form (NOTES.md v29).
+        None => {
+            row_registers_by_default(n, max_entries, tuning)
+                && rows_shape.check(targets).is_ok()
+                && rows::full_form(x, y, targets, overlap)
+        }
     };
     if rows_wanted {
         return rows::launch_rows(c, x, idx.device_addr(), target_params, targets, y, overlap);

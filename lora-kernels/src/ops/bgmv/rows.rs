@@ -5,7 +5,8 @@
 //! by pushing partials (`cuda/bgmv_rows.cu`). Rows of one adapter each read
 //! its A and B (from L2 after the first), so it suits batches of mostly
 //! distinct adapters: the default for 32 to 64 rows of at most 2 a table
-//! entry (`row_registers_by_default`), an opt-in elsewhere
+//! entry in the calls its straight-line kernels serve (`full_form`;
+//! `row_registers_by_default`), an opt-in elsewhere
 //! (`BgmvTuning::row_registers`; NOTES.md v29-v30).
 //!
 //! It serves rank stride 16, `in` a multiple of 8 up to [`ROWS_MAX_IN`] and
@@ -85,7 +86,12 @@ fn fits_blocks(in_dim: usize, widest_out: usize) -> Result<(), String> {
 /// rows whose entry is of rank 16 with A and B 16-byte aligned, the general
 /// one for the others; measured faster than the general kernel alone
 /// (NOTES.md v29).
-fn full_form<Y: OutputElem>(x: &Rows<'_, bf16>, y: &RowsMut<'_, Y>, targets: &[LoraTarget<'_>], overlap: bool) -> bool {
+pub(super) fn full_form<Y: OutputElem>(
+    x: &Rows<'_, bf16>,
+    y: &RowsMut<'_, Y>,
+    targets: &[LoraTarget<'_>],
+    overlap: bool,
+) -> bool {
     let y_align = 4 * std::mem::size_of::<Y>() as u64;
     !overlap
         && x.width == ROWS_MAX_IN
