@@ -242,19 +242,6 @@ __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, MINB) rows_reg(c
     }
 }
 
-__global__ void fill_bf16(bf16_t* p, size_t n, u32 seed, float amp) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        const float v = ((float)(h & 0xffffu) / 65536.f - 0.5f) * 2.f * amp;
-        p[i] = f2bf(v);
-    }
-}
-
-__global__ void empty_kernel() {}
-
 struct Copy {
     bf16_t *a, *b, *x, *y;
     int* idx;
@@ -277,10 +264,10 @@ int main() {
         CK(cudaMalloc(&c.y, y_elems * 2));
         CK(cudaMalloc(&c.idx, N_ROWS * 4));
         CK(cudaMalloc(&c.table, ENTRIES * sizeof(PairEntry)));
-        fill_bf16<<<1024, 256>>>(c.a, a_elems, 11u + 4u * i, 0.05f);
-        fill_bf16<<<1024, 256>>>(c.b, b_elems, 12u + 4u * i, 0.05f);
-        fill_bf16<<<1024, 256>>>(c.x, x_elems, 13u + 4u * i, 1.f);
-        fill_bf16<<<1024, 256>>>(c.y, y_elems, 14u + 4u * i, 0.5f);
+        probe_fill_bf16<<<1024, 256>>>(c.a, a_elems, 11u + 4u * i, 0.05f);
+        probe_fill_bf16<<<1024, 256>>>(c.b, b_elems, 12u + 4u * i, 0.05f);
+        probe_fill_bf16<<<1024, 256>>>(c.x, x_elems, 13u + 4u * i, 1.f);
+        probe_fill_bf16<<<1024, 256>>>(c.y, y_elems, 14u + 4u * i, 0.5f);
         std::vector<int> perm(N_ROWS);
         for (int r = 0; r < N_ROWS; ++r) perm[r] = r;
         for (int r = N_ROWS - 1; r > 0; --r) std::swap(perm[r], perm[rand() % (r + 1)]);
@@ -293,32 +280,13 @@ int main() {
     CK(cudaDeviceSynchronize());
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
 
-    // Copy bandwidth (bytes read + written), as the bench measures it: 256 MB copied.
+    // Copy bandwidth (bytes read + written), as the bench measures it.
     {
-        char *s = nullptr, *d = nullptr;
-        const size_t bytes = 256u << 20;
-        CK(cudaMalloc(&s, bytes));
-        CK(cudaMalloc(&d, bytes));
-        float best = 1e30f;
-        for (int k = 0; k < 10; ++k) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms = 0.f;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (ms < best) best = ms;
-        }
-        const double bw = 2.0 * bytes / (best * 1e-3) / 1e9;
+        const double bw = probe_copy_bandwidth(st);
         const double floor_bytes = (double)ENTRIES * (R * IN + OUT * R) * 2 + (double)N_ROWS * (IN * 2 + OUT * 4);
         printf("copy bandwidth %.0f GB/s; floor %.2f us (50 %%: %.2f us)\n", bw, floor_bytes / bw / 1e3,
                2.0 * floor_bytes / bw / 1e3);
-        CK(cudaFree(s));
-        CK(cudaFree(d));
     }
 
     auto run_form = [&](const char* name, auto kernel, int C, int NT) {
@@ -385,34 +353,11 @@ int main() {
             }
         }
         const double rel = std::sqrt(num / den);
-        fill_bf16<<<1024, 256, 0, st>>>(c0.y, y_elems, 14u, 0.5f);
+        probe_fill_bf16<<<1024, 256, 0, st>>>(c0.y, y_elems, 14u, 0.5f);
 
-        const int calls = copies * 4;
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (int k = 0; k < calls; ++k) launch(cs[k % copies]);
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaStreamSynchronize(st));
-        const int runs = 21;
-        std::vector<float> ts(runs);
-        for (int k = 0; k < runs; ++k) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaGraphLaunch(ge, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms = 0.f;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ts[k] = ms * 1000.f / calls;
-        }
-        std::sort(ts.begin(), ts.end());
+        const ProbeTime tm = probe_time_graph(st, copies * 4, [&](int k) { launch(cs[k % copies]); });
         printf("%-28s %6.2f us (p10 %.2f, p90 %.2f)  rel err %.2e  %d regs, %zu B spilled, %d clusters resident\n",
-               name, ts[runs / 2], ts[runs / 10], ts[runs - 1 - runs / 10], rel, fa.numRegs, (size_t)fa.localSizeBytes,
-               clusters);
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
+               name, tm.median, tm.p10, tm.p90, rel, fa.numRegs, (size_t)fa.localSizeBytes, clusters);
     };
     for (int pass = 0; pass < 2; ++pass) {
         run_form("clusters of 8, 256 threads", rows_reg<8, 256, 4>, 8, 256);
@@ -427,22 +372,6 @@ int main() {
         run_form("library full", library_rows<true>, 2, 512);
         run_form("library general", library_rows<false>, 2, 512);
     }
-    {
-        const int calls = 256;
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (int k = 0; k < calls; ++k) empty_kernel<<<1, 32, 0, st>>>();
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0.f;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        printf("empty kernel in a graph %.2f us\n", ms * 1000.f / calls);
-    }
+    printf("empty kernel in a graph %.2f us\n", probe_empty_in_graph(st));
     return 0;
 }

@@ -1,0 +1,293 @@
+// Adapters in registers across their rows: a standalone probe (not part of
+// the library or the bench; NOTES.md v30). It times a decode apply of n =
+// 256 rows naming 32 rank-16 adapters, 8 rows each (4096 x 4096, bf16), in
+// an entry-register form: a cluster of C blocks per table entry, every
+// block loading its 1/C slice of the entry's A and B straight into
+// registers (nothing staged in shared memory), finding the entry's rows in
+// idx, loading those rows' x and y slices, then shrinking all of them at
+// once (32 sums a lane, reduced over the warp by a transposed butterfly),
+// summing the rank vectors over the cluster in one push (st.async), and
+// expanding from the B registers. SPEC: A and B requested before the scan
+// says whether the entry has rows (a library form could do that only for
+// tables it knows are all in use). `library_rows<true>` (the row-register
+// form, one cluster per row) runs under the same harness to tie it to the
+// bench's rows (21.3 us there, run 300). Timed like the bench's in-a-graph
+// rows: many calls in one graph over rotating input sets (24 of 12 MB, so
+// nothing is left in L2), per-call time = replay time / calls, median of
+// 21 replays. Copy 0 is checked against a host reference first.
+//
+// Build and run on the GPU machine (from lora-kernels/probes):
+//   nvcc -arch=sm_90a -O3 -std=c++17 -o decode_entries decode_entries.cu && ./decode_entries
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#define PROBE_LIBRARY_ROWS
+#include "probe.cuh"
+
+constexpr int N_ROWS = 256;
+constexpr int IN = 4096;
+constexpr int OUT = 4096;
+constexpr int R = 16;
+constexpr int ENTRIES = 32;
+// Rows of one entry a block holds at once (the probe's batches have 8).
+constexpr int RB = 8;
+
+struct EParams {
+    const bf16_t* x;
+    bf16_t* y;
+    const int* idx;
+    const PairEntry* table;
+};
+
+// Block q of entry e's cluster: columns [q IN/C, (q+1) IN/C) of A (thread
+// (g, c): rank rows g, g + G, ... of piece c) and outputs [q OUT/C, ...)
+// of B (OPT a thread).
+template <int C, int NT, int MINB, bool SPEC>
+__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, MINB) entry_reg(const EParams p) {
+    constexpr int PIECES = IN / C / 8;
+    constexpr int G = NT / PIECES;
+    constexpr int RPT = R / G;
+    constexpr int OUTB = OUT / C;
+    constexpr int OPT = OUTB / NT;
+    constexpr int NW = NT / 32;
+    constexpr int WPG = PIECES / 32;
+    static_assert(G * PIECES == NT && RPT * G == R && OPT == 2 && RB * RPT == 32 && 32 * C <= NT, "shape");
+    __shared__ int s_rows[N_ROWS];
+    __shared__ int s_count[N_ROWS / 32];
+    __shared__ float s_part[NW][32];
+    __shared__ __align__(16) float s_mine[RB * R];
+    __shared__ __align__(16) float s_recv[C][RB * R];
+    __shared__ __align__(16) float s_t[RB * R];
+    __shared__ __align__(8) u64 s_bar;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int q = (int)blockIdx.x;
+    const int e = (int)blockIdx.y;
+    const int my_idx = tid < N_ROWS ? p.idx[tid] : -1;
+    const PairEntry en = p.table[e];
+    if (tid == 0) {
+        mbar_init(&s_bar, 1);
+        fence_mbar_init();
+    }
+    cluster_arrive_relaxed();
+
+    const bf16_t* A = (const bf16_t*)en.a;
+    const bf16_t* B = (const bf16_t*)en.b;
+    const int col = q * (IN / C) + 8 * (tid % PIECES);
+    const int g = tid / PIECES;
+    const int o = q * OUTB + OPT * tid;
+    uint4 a[RPT], b[2 * OPT];
+    auto load_weights = [&]() {
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) a[i] = ldg16(A + (u64)(g + G * i) * IN + col);
+#pragma unroll
+        for (int i = 0; i < 2 * OPT; ++i) b[i] = ldg16(B + (u64)o * R + 8 * i);
+    };
+    if (SPEC) load_weights();
+
+    // The entry's rows, in order.
+    const bool mine = my_idx == e;
+    const u32 ballot = __ballot_sync(0xffffffffu, mine);
+    if (warp < N_ROWS / 32 && lane == 0) s_count[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, m = 0;
+#pragma unroll
+    for (int w = 0; w < N_ROWS / 32; ++w) {
+        before += w < warp ? s_count[w] : 0;
+        m += s_count[w];
+    }
+    if (mine) s_rows[before + __popc(ballot & ((1u << lane) - 1u))] = tid;
+    __syncthreads();
+    if (m == 0) {  // uniform over the cluster
+        cluster_wait();
+        return;
+    }
+    if (!SPEC) load_weights();
+    m = min(m, RB);  // the probe's batches have exactly RB rows an entry
+
+    uint4 xv[RB];
+    u32 yw[RB];
+#pragma unroll
+    for (int j = 0; j < RB; ++j) {
+        const int row = j < m ? s_rows[j] : 0;
+        xv[j] = j < m ? ldg16(p.x + (u64)row * IN + col) : make_uint4(0u, 0u, 0u, 0u);
+        yw[j] = j < m ? *(const u32*)(p.y + (u64)row * OUT + o) : 0u;
+    }
+
+    // Shrink: value j RPT + i is row j's dot over rank row g + G i; the
+    // transposed butterfly leaves lane l the warp's sum of value l.
+    float v[32];
+#pragma unroll
+    for (int j = 0; j < RB; ++j)
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) v[j * RPT + i] = dot8(a[i], xv[j], 0.f);
+#pragma unroll
+    for (int w = 16; w >= 1; w >>= 1) {
+        const bool up = (lane & w) != 0;
+#pragma unroll
+        for (int k = 0; k < w; ++k) {
+            const float send = up ? v[k] : v[k + w];
+            const float keep = up ? v[k + w] : v[k];
+            v[k] = keep + __shfl_xor_sync(0xffffffffu, send, w);
+        }
+    }
+    s_part[warp][lane] = v[0];
+    __syncthreads();
+    if (tid < RB * R) {
+        const int j = tid / R, k = tid % R;
+        const int gk = k % G, i = k / G;
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WPG; ++w) sum += s_part[gk * WPG + w][j * RPT + i];
+        s_mine[tid] = sum;
+    }
+    __syncthreads();
+    // The cluster's sum: every block pushes its partials into slot q of every peer.
+    cluster_wait();
+    if (tid == 0) mbar_arrive_expect(&s_bar, (u32)(C * RB * R * 4));
+    if (tid < 32 * C) {
+        const u32 peer = (u32)(tid / 32);
+        const int c4 = 4 * (tid % 32);
+        st_async_f4(cluster_addr(&s_recv[q][c4], peer), *(const float4*)&s_mine[c4], cluster_addr(&s_bar, peer));
+    }
+    mbar_wait(&s_bar, 0u);
+    if (tid < RB * R) {
+        float sum = 0.f;
+#pragma unroll
+        for (int r = 0; r < C; ++r) sum += s_recv[r][tid];
+        s_t[tid] = sum * en.scale;
+    }
+    __syncthreads();
+    // Expand from the B registers, row by row.
+#pragma unroll
+    for (int j = 0; j < RB; ++j) {
+        if (j < m) {
+            float t[R];
+#pragma unroll
+            for (int k = 0; k < R; k += 4) {
+                const float4 w4 = *(const float4*)&s_t[j * R + k];
+                t[k] = w4.x;
+                t[k + 1] = w4.y;
+                t[k + 2] = w4.z;
+                t[k + 3] = w4.w;
+            }
+            const float d0 = dot8f(b[1], t + 8, dot8f(b[0], t, 0.f));
+            const float d1 = dot8f(b[3], t + 8, dot8f(b[2], t, 0.f));
+            *(u32*)(p.y + (u64)s_rows[j] * OUT + o) = pack_bf2_rn(bf_lo(yw[j]) + d0, bf_hi(yw[j]) + d1);
+        }
+    }
+}
+
+struct Copy {
+    bf16_t *a, *b, *x, *y;
+    int* idx;
+    PairEntry* table;
+};
+
+int main() {
+    const size_t a_elems = (size_t)ENTRIES * R * IN, b_elems = (size_t)ENTRIES * OUT * R;
+    const size_t x_elems = (size_t)N_ROWS * IN, y_elems = (size_t)N_ROWS * OUT;
+    const int copies = 24;
+    std::vector<Copy> cs(copies);
+    srand(7);
+    for (int i = 0; i < copies; ++i) {
+        Copy& c = cs[i];
+        CK(cudaMalloc(&c.a, a_elems * 2));
+        CK(cudaMalloc(&c.b, b_elems * 2));
+        CK(cudaMalloc(&c.x, x_elems * 2));
+        CK(cudaMalloc(&c.y, y_elems * 2));
+        CK(cudaMalloc(&c.idx, N_ROWS * 4));
+        CK(cudaMalloc(&c.table, ENTRIES * sizeof(PairEntry)));
+        probe_fill_bf16<<<1024, 256>>>(c.a, a_elems, 11u + 4u * i, 0.05f);
+        probe_fill_bf16<<<1024, 256>>>(c.b, b_elems, 12u + 4u * i, 0.05f);
+        probe_fill_bf16<<<1024, 256>>>(c.x, x_elems, 13u + 4u * i, 1.f);
+        probe_fill_bf16<<<1024, 256>>>(c.y, y_elems, 14u + 4u * i, 0.5f);
+        // Every entry named by N_ROWS / ENTRIES rows, shuffled.
+        std::vector<int> idx(N_ROWS);
+        for (int r = 0; r < N_ROWS; ++r) idx[r] = r % ENTRIES;
+        for (int r = N_ROWS - 1; r > 0; --r) std::swap(idx[r], idx[rand() % (r + 1)]);
+        CK(cudaMemcpy(c.idx, idx.data(), N_ROWS * 4, cudaMemcpyHostToDevice));
+        std::vector<PairEntry> t(ENTRIES);
+        for (int e = 0; e < ENTRIES; ++e)
+            t[e] = PairEntry{(u64)(c.a + (size_t)e * R * IN), (u64)(c.b + (size_t)e * OUT * R), 0.5f, (u32)R};
+        CK(cudaMemcpy(c.table, t.data(), ENTRIES * sizeof(PairEntry), cudaMemcpyHostToDevice));
+    }
+    CK(cudaDeviceSynchronize());
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    {
+        const double bw = probe_copy_bandwidth(st);
+        const double floor_bytes = (double)ENTRIES * (R * IN + OUT * R) * 2 + (double)N_ROWS * (IN * 2 + OUT * 4);
+        printf("copy bandwidth %.0f GB/s; floor %.2f us (50 %%: %.2f us)\n", bw, floor_bytes / bw / 1e3,
+               2.0 * floor_bytes / bw / 1e3);
+    }
+
+    auto run_form = [&](const char* name, auto kernel, dim3 grid, int NT) {
+        cudaFuncAttributes fa;
+        CK(cudaFuncGetAttributes(&fa, kernel));
+        auto launch = [&](const Copy& c) {
+            if constexpr (std::is_invocable_v<decltype(kernel), BgeParams>) {
+                BgeParams b = {};
+                b.x = (u64)c.x;
+                b.y = (u64)c.y;
+                b.idx = (u64)c.idx;
+                b.n_rows = N_ROWS;
+                b.in_dim = IN;
+                b.x_stride = IN;
+                b.y_stride = OUT;
+                b.targets[0] = LoraTarget{(u64)c.table, ENTRIES, OUT, 0, 0};
+                kernel<<<grid, NT, 0, st>>>(b);
+            } else {
+                kernel<<<grid, NT, 0, st>>>(EParams{c.x, c.y, c.idx, c.table});
+            }
+        };
+        // Correctness on copy 0 from y = 0: the result is the rounded delta.
+        Copy& c0 = cs[0];
+        CK(cudaMemset(c0.y, 0, y_elems * 2));
+        launch(c0);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        std::vector<bf16_t> ha(a_elems), hb(b_elems), hx(x_elems), hy(y_elems);
+        std::vector<int> hidx(N_ROWS);
+        CK(cudaMemcpy(ha.data(), c0.a, a_elems * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hb.data(), c0.b, b_elems * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hx.data(), c0.x, x_elems * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hy.data(), c0.y, y_elems * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hidx.data(), c0.idx, N_ROWS * 4, cudaMemcpyDeviceToHost));
+        double num = 0.0, den = 0.0;
+        for (int r = 0; r < N_ROWS; ++r) {
+            const int e = hidx[r];
+            double t[R];
+            for (int k = 0; k < R; ++k) {
+                double s = 0.0;
+                for (int i = 0; i < IN; ++i)
+                    s += (double)host_bf(ha[((size_t)e * R + k) * IN + i]) * host_bf(hx[(size_t)r * IN + i]);
+                t[k] = 0.5 * s;
+            }
+            for (int o = 0; o < OUT; ++o) {
+                double d = 0.0;
+                for (int k = 0; k < R; ++k) d += (double)host_bf(hb[((size_t)e * OUT + o) * R + k]) * t[k];
+                const double got = host_bf(hy[(size_t)r * OUT + o]);
+                num += (got - d) * (got - d);
+                den += d * d;
+            }
+        }
+        const double rel = std::sqrt(num / den);
+        probe_fill_bf16<<<1024, 256, 0, st>>>(c0.y, y_elems, 14u, 0.5f);
+        const ProbeTime tm = probe_time_graph(st, copies * 4, [&](int k) { launch(cs[k % copies]); });
+        printf("%-34s %6.2f us (p10 %.2f, p90 %.2f)  rel err %.2e  %d regs, %zu B spilled\n", name, tm.median, tm.p10,
+               tm.p90, rel, fa.numRegs, (size_t)fa.localSizeBytes);
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+        run_form("entries c4 x 512, A and B first", entry_reg<4, 512, 1, true>, dim3(4, ENTRIES), 512);
+        run_form("entries c4 x 512, after the scan", entry_reg<4, 512, 1, false>, dim3(4, ENTRIES), 512);
+        run_form("entries c8 x 256, A and B first", entry_reg<8, 256, 2, true>, dim3(8, ENTRIES), 256);
+        run_form("entries c8 x 256, after the scan", entry_reg<8, 256, 2, false>, dim3(8, ENTRIES), 256);
+        run_form("library rows (a cluster a row)", library_rows<true>, dim3(2, N_ROWS), 512);
+    }
+    printf("empty kernel in a graph %.2f us\n", probe_empty_in_graph(st));
+    return 0;
+}
