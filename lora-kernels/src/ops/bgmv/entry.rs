@@ -46,6 +46,35 @@ pub(super) struct BgeParams {
 }
 const _: () = assert!(size_of::<BgeParams>() == 152 && std::mem::offset_of!(BgeParams, targets) == 56);
 
+impl BgeParams {
+    /// The parameter block of a call: x, y and idx as given, the device's
+    /// fault word, `stage_cols` staged outputs per block (0 for the
+    /// row-register form, which leaves it unread).
+    pub(super) fn new<Y: OutputElem>(
+        c: &CudaBackend,
+        x: &Rows<'_, bf16>,
+        idx_addr: u64,
+        target_params: &[TargetParams; MAX_TARGETS],
+        y: &RowsMut<'_, Y>,
+        overlap: bool,
+        stage_cols: usize,
+    ) -> Result<BgeParams, KernelError> {
+        Ok(BgeParams {
+            x: x.addr(),
+            y: y.addr(),
+            idx: idx_addr,
+            fault: c.fault_addr(),
+            n_rows: to_i32("x.n_rows", x.n_rows)?,
+            in_dim: to_i32("x.width", x.width)?,
+            x_stride: to_i32("x.stride", x.stride)?,
+            y_stride: to_i32("y.stride", y.stride)?,
+            overlap: i32::from(overlap),
+            stage_cols: to_i32("stage_cols", stage_cols)?,
+            targets: *target_params,
+        })
+    }
+}
+
 /// What of a call the form's eligibility depends on.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct EntryShape {
@@ -198,19 +227,7 @@ pub(super) fn launch_entry<Y: OutputElem>(
     let entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0).max(1);
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
     let (stage_cols, smem) = smem_plan(stride, n, max_out, cluster, c.smem_per_sm);
-    let params = BgeParams {
-        x: x.addr(),
-        y: y.addr(),
-        idx: idx_addr,
-        fault: c.fault_addr(),
-        n_rows: to_i32("x.n_rows", n)?,
-        in_dim: to_i32("x.width", x.width)?,
-        x_stride: to_i32("x.stride", x.stride)?,
-        y_stride: to_i32("y.stride", y.stride)?,
-        overlap: i32::from(overlap),
-        stage_cols: to_i32("stage_cols", stage_cols)?,
-        targets: *target_params,
-    };
+    let params = BgeParams::new(c, x, idx_addr, target_params, y, overlap, stage_cols)?;
     let shape = Launch {
         grid: (
             to_u32("grid", cluster)?,

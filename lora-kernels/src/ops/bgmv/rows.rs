@@ -20,7 +20,7 @@ use super::entry::BgeParams;
 use super::{Rows, RowsMut, piece8};
 use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
 use crate::error::KernelError;
-use crate::ops::{LoraTarget, MAX_TARGETS, OutputElem, TargetParams, to_i32, to_u32};
+use crate::ops::{LoraTarget, MAX_TARGETS, OutputElem, TargetParams, to_u32};
 
 /// Threads per block (`BGR_THREADS`).
 const THREADS: u32 = 512;
@@ -115,19 +115,7 @@ pub(super) fn launch_rows<Y: OutputElem>(
     overlap: bool,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
-    let params = BgeParams {
-        x: x.addr(),
-        y: y.addr(),
-        idx: idx_addr,
-        fault: c.fault_addr(),
-        n_rows: to_i32("x.n_rows", n)?,
-        in_dim: to_i32("x.width", x.width)?,
-        x_stride: to_i32("x.stride", x.stride)?,
-        y_stride: to_i32("y.stride", y.stride)?,
-        overlap: i32::from(overlap),
-        stage_cols: 0,
-        targets: *target_params,
-    };
+    let params = BgeParams::new(c, x, idx_addr, target_params, y, overlap, 0)?;
     let shape = Launch {
         grid: (
             to_u32("grid", CLUSTER)?,
