@@ -327,32 +327,8 @@ int main() {
         launch(c0);
         CK(cudaStreamSynchronize(st));
         CK(cudaGetLastError());
-        std::vector<bf16_t> ha(a_elems), hb(b_elems), hx(x_elems), hy(y_elems);
-        std::vector<int> hidx(N_ROWS);
-        CK(cudaMemcpy(ha.data(), c0.a, a_elems * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(hb.data(), c0.b, b_elems * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(hx.data(), c0.x, x_elems * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(hy.data(), c0.y, y_elems * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(hidx.data(), c0.idx, N_ROWS * 4, cudaMemcpyDeviceToHost));
-        double num = 0.0, den = 0.0;
-        for (int r = 0; r < N_ROWS; ++r) {
-            const int e = hidx[r];
-            double t[R];
-            for (int k = 0; k < R; ++k) {
-                double s = 0.0;
-                for (int i = 0; i < IN; ++i)
-                    s += (double)host_bf(ha[((size_t)e * R + k) * IN + i]) * host_bf(hx[(size_t)r * IN + i]);
-                t[k] = 0.5 * s;
-            }
-            for (int o = 0; o < OUT; ++o) {
-                double d = 0.0;
-                for (int k = 0; k < R; ++k) d += (double)host_bf(hb[((size_t)e * OUT + o) * R + k]) * t[k];
-                const double got = host_bf(hy[(size_t)r * OUT + o]);
-                num += (got - d) * (got - d);
-                den += d * d;
-            }
-        }
-        const double rel = std::sqrt(num / den);
+        const double rel =
+            probe_apply_error(ProbeApply{c0.a, c0.b, c0.x, c0.y, c0.idx, N_ROWS, IN, OUT, R, ENTRIES, 0.5f});
         probe_fill_bf16<<<1024, 256, 0, st>>>(c0.y, y_elems, 14u, 0.5f);
 
         const ProbeTime tm = probe_time_graph(st, copies * 4, [&](int k) { launch(cs[k % copies]); });

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -49,13 +50,13 @@ static double probe_copy_bandwidth(cudaStream_t st) {
 }
 
 // Per-call time in a graph: `calls` calls of `launch(k)` captured in one
-// graph, replayed once to warm up, then 21 times; median, p10 and p90 of
-// replay time / calls, in us.
+// graph, replayed once to warm up, then `runs` times; median, p10 and p90
+// of replay time / calls, in us.
 struct ProbeTime {
     float median, p10, p90;
 };
 template <class Launch>
-static ProbeTime probe_time_graph(cudaStream_t st, int calls, Launch launch) {
+static ProbeTime probe_time_graph(cudaStream_t st, int calls, Launch launch, int runs = 21) {
     cudaGraph_t g;
     cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
@@ -67,7 +68,6 @@ static ProbeTime probe_time_graph(cudaStream_t st, int calls, Launch launch) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    const int runs = 21;
     std::vector<float> ts(runs);
     for (int k = 0; k < runs; ++k) {
         CK(cudaEventRecord(e0, st));
@@ -137,5 +137,48 @@ static float host_bf(bf16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+// A decode apply on the device: A [entries][rank][in], B [entries][out][rank],
+// x [n_rows][in], y [n_rows][out] (all bf16, dense), idx [n_rows].
+struct ProbeApply {
+    const bf16_t *a, *b, *x, *y;
+    const int* idx;
+    int n_rows, in, out, rank, entries;
+    float scale;
+};
+
+// The relative error of y, computed from y = 0 (the rounded delta), against
+// a host reference in double.
+static double probe_apply_error(const ProbeApply& d) {
+    const size_t a_elems = (size_t)d.entries * d.rank * d.in, b_elems = (size_t)d.entries * d.out * d.rank;
+    const size_t x_elems = (size_t)d.n_rows * d.in, y_elems = (size_t)d.n_rows * d.out;
+    std::vector<bf16_t> ha(a_elems), hb(b_elems), hx(x_elems), hy(y_elems);
+    std::vector<int> hidx(d.n_rows);
+    CK(cudaMemcpy(ha.data(), d.a, a_elems * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hb.data(), d.b, b_elems * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hx.data(), d.x, x_elems * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hy.data(), d.y, y_elems * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hidx.data(), d.idx, (size_t)d.n_rows * 4, cudaMemcpyDeviceToHost));
+    double num = 0.0, den = 0.0;
+    std::vector<double> t(d.rank);
+    for (int r = 0; r < d.n_rows; ++r) {
+        const int e = hidx[r];
+        for (int k = 0; k < d.rank; ++k) {
+            double s = 0.0;
+            for (int i = 0; i < d.in; ++i)
+                s += (double)host_bf(ha[((size_t)e * d.rank + k) * d.in + i]) * host_bf(hx[(size_t)r * d.in + i]);
+            t[k] = d.scale * s;
+        }
+        for (int o = 0; o < d.out; ++o) {
+            double delta = 0.0;
+            for (int k = 0; k < d.rank; ++k)
+                delta += (double)host_bf(hb[((size_t)e * d.out + o) * d.rank + k]) * t[k];
+            const double got = host_bf(hy[(size_t)r * d.out + o]);
+            num += (got - delta) * (got - delta);
+            den += delta * delta;
+        }
+    }
+    return std::sqrt(num / den);
 }
 #endif

@@ -148,9 +148,6 @@ int main() {
     CK(cudaMalloc(&out, 64));
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     CK(cudaFuncSetAttribute(rd_bulk<16384, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536));
     CK(cudaFuncSetAttribute(rd_bulk<32768, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 98304));
     CK(cudaFuncSetAttribute(rd_bulk<65536, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 196608));
@@ -159,36 +156,9 @@ int main() {
         const int buffers = (int)(total / S);
         auto bench = [&](const char* name, auto launch) {
             const int calls = buffers * 4 < 32 ? 32 : buffers * 4;
-            cudaGraph_t g;
-            cudaGraphExec_t ge;
-            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-            for (int r = 0; r < calls; ++r) launch(pool + (size_t)(r % buffers) * S, S);
-            CK(cudaStreamEndCapture(st, &g));
-            CK(cudaGraphInstantiate(&ge, g, 0));
-            CK(cudaGraphLaunch(ge, st));
-            CK(cudaStreamSynchronize(st));
-            const int runs = 7;
-            float ts[runs];
-            for (int k = 0; k < runs; ++k) {
-                CK(cudaEventRecord(e0, st));
-                CK(cudaGraphLaunch(ge, st));
-                CK(cudaEventRecord(e1, st));
-                CK(cudaEventSynchronize(e1));
-                float ms = 0.f;
-                CK(cudaEventElapsedTime(&ms, e0, e1));
-                ts[k] = ms * 1000.f / calls;
-            }
-            for (int i = 0; i < runs; ++i)
-                for (int j = i + 1; j < runs; ++j)
-                    if (ts[j] < ts[i]) {
-                        const float t = ts[i];
-                        ts[i] = ts[j];
-                        ts[j] = t;
-                    }
-            const float us = ts[runs / 2];
+            const float us =
+                probe_time_graph(st, calls, [&](int r) { launch(pool + (size_t)(r % buffers) * S, S); }, 7).median;
             printf("S=%3zuMB %-30s %8.2f us  %6.0f GB/s\n", S >> 20, name, us, S / us / 1e3);
-            CK(cudaGraphExecDestroy(ge));
-            CK(cudaGraphDestroy(g));
         };
         // S bytes of traffic: S/2 read and S/2 written.
         bench("memcpy d2d (read + written)", [&](char* p, size_t n) {
