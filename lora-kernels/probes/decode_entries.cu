@@ -23,13 +23,9 @@
 #include <type_traits>
 
 #define PROBE_LIBRARY_ROWS
+#define PROBE_DECODE_N256
 #include "probe.cuh"
 
-constexpr int N_ROWS = 256;
-constexpr int IN = 4096;
-constexpr int OUT = 4096;
-constexpr int R = 16;
-constexpr int ENTRIES = 32;
 // Rows of one entry a block holds at once (the probe's batches have 8).
 constexpr int RB = 8;
 
@@ -181,78 +177,33 @@ __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, MINB) entry_reg(
     }
 }
 
-struct Copy {
-    bf16_t *a, *b, *x, *y;
-    int* idx;
-    PairEntry* table;
-};
-
 int main() {
-    const size_t a_elems = (size_t)ENTRIES * R * IN, b_elems = (size_t)ENTRIES * OUT * R;
-    const size_t x_elems = (size_t)N_ROWS * IN, y_elems = (size_t)N_ROWS * OUT;
     const int copies = 24;
-    std::vector<Copy> cs(copies);
     srand(7);
-    for (int i = 0; i < copies; ++i) {
-        Copy& c = cs[i];
-        CK(cudaMalloc(&c.a, a_elems * 2));
-        CK(cudaMalloc(&c.b, b_elems * 2));
-        CK(cudaMalloc(&c.x, x_elems * 2));
-        CK(cudaMalloc(&c.y, y_elems * 2));
-        CK(cudaMalloc(&c.idx, N_ROWS * 4));
-        CK(cudaMalloc(&c.table, ENTRIES * sizeof(PairEntry)));
-        probe_fill_bf16<<<1024, 256>>>(c.a, a_elems, 11u + 4u * i, 0.05f);
-        probe_fill_bf16<<<1024, 256>>>(c.b, b_elems, 12u + 4u * i, 0.05f);
-        probe_fill_bf16<<<1024, 256>>>(c.x, x_elems, 13u + 4u * i, 1.f);
-        probe_fill_bf16<<<1024, 256>>>(c.y, y_elems, 14u + 4u * i, 0.5f);
+    std::vector<ProbeCopy> cs = probe_decode_copies(copies, N_ROWS, IN, OUT, R, ENTRIES, [](int) {
         // Every entry named by N_ROWS / ENTRIES rows, shuffled.
         std::vector<int> idx(N_ROWS);
         for (int r = 0; r < N_ROWS; ++r) idx[r] = r % ENTRIES;
         for (int r = N_ROWS - 1; r > 0; --r) std::swap(idx[r], idx[rand() % (r + 1)]);
-        CK(cudaMemcpy(c.idx, idx.data(), N_ROWS * 4, cudaMemcpyHostToDevice));
-        std::vector<PairEntry> t(ENTRIES);
-        for (int e = 0; e < ENTRIES; ++e)
-            t[e] = PairEntry{(u64)(c.a + (size_t)e * R * IN), (u64)(c.b + (size_t)e * OUT * R), 0.5f, (u32)R};
-        CK(cudaMemcpy(c.table, t.data(), ENTRIES * sizeof(PairEntry), cudaMemcpyHostToDevice));
-    }
-    CK(cudaDeviceSynchronize());
+        return idx;
+    });
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    {
-        const double bw = probe_copy_bandwidth(st);
-        const double floor_bytes = (double)ENTRIES * (R * IN + OUT * R) * 2 + (double)N_ROWS * (IN * 2 + OUT * 4);
-        printf("copy bandwidth %.0f GB/s; floor %.2f us (50 %%: %.2f us)\n", bw, floor_bytes / bw / 1e3,
-               2.0 * floor_bytes / bw / 1e3);
-    }
+    probe_print_floor(st, N_ROWS, IN, OUT, R, ENTRIES);
 
     auto run_form = [&](const char* name, auto kernel, dim3 grid, int NT) {
         cudaFuncAttributes fa;
         CK(cudaFuncGetAttributes(&fa, kernel));
-        auto launch = [&](const Copy& c) {
+        auto launch = [&](const ProbeCopy& c) {
             if constexpr (std::is_invocable_v<decltype(kernel), BgeParams>) {
-                BgeParams b = {};
-                b.x = (u64)c.x;
-                b.y = (u64)c.y;
-                b.idx = (u64)c.idx;
-                b.n_rows = N_ROWS;
-                b.in_dim = IN;
-                b.x_stride = IN;
-                b.y_stride = OUT;
-                b.targets[0] = LoraTarget{(u64)c.table, ENTRIES, OUT, 0, 0};
+                const BgeParams b = probe_library_params(c, N_ROWS, IN, OUT, ENTRIES);
                 kernel<<<grid, NT, 0, st>>>(b);
             } else {
                 kernel<<<grid, NT, 0, st>>>(EParams{c.x, c.y, c.idx, c.table});
             }
         };
         // Correctness on copy 0 from y = 0: the result is the rounded delta.
-        Copy& c0 = cs[0];
-        CK(cudaMemset(c0.y, 0, y_elems * 2));
-        launch(c0);
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        const double rel =
-            probe_apply_error(ProbeApply{c0.a, c0.b, c0.x, c0.y, c0.idx, N_ROWS, IN, OUT, R, ENTRIES, 0.5f});
-        probe_fill_bf16<<<1024, 256, 0, st>>>(c0.y, y_elems, 14u, 0.5f);
+        const double rel = probe_check_copy(st, cs[0], N_ROWS, IN, OUT, R, ENTRIES, launch);
         const ProbeTime tm = probe_time_graph(st, copies * 4, [&](int k) { launch(cs[k % copies]); });
         printf("%-34s %6.2f us (p10 %.2f, p90 %.2f)  rel err %.2e  %d regs, %zu B spilled\n", name, tm.median, tm.p10,
                tm.p90, rel, fa.numRegs, (size_t)fa.localSizeBytes);

@@ -242,52 +242,22 @@ __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, MINB) rows_reg(c
     }
 }
 
-struct Copy {
-    bf16_t *a, *b, *x, *y;
-    int* idx;
-    PairEntry* table;
-};
-
 int main() {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const size_t a_elems = (size_t)ENTRIES * R * IN, b_elems = (size_t)ENTRIES * OUT * R;
-    const size_t x_elems = (size_t)N_ROWS * IN, y_elems = (size_t)N_ROWS * OUT;
     const int copies = 16;
-    std::vector<Copy> cs(copies);
     srand(7);
-    for (int i = 0; i < copies; ++i) {
-        Copy& c = cs[i];
-        CK(cudaMalloc(&c.a, a_elems * 2));
-        CK(cudaMalloc(&c.b, b_elems * 2));
-        CK(cudaMalloc(&c.x, x_elems * 2));
-        CK(cudaMalloc(&c.y, y_elems * 2));
-        CK(cudaMalloc(&c.idx, N_ROWS * 4));
-        CK(cudaMalloc(&c.table, ENTRIES * sizeof(PairEntry)));
-        probe_fill_bf16<<<1024, 256>>>(c.a, a_elems, 11u + 4u * i, 0.05f);
-        probe_fill_bf16<<<1024, 256>>>(c.b, b_elems, 12u + 4u * i, 0.05f);
-        probe_fill_bf16<<<1024, 256>>>(c.x, x_elems, 13u + 4u * i, 1.f);
-        probe_fill_bf16<<<1024, 256>>>(c.y, y_elems, 14u + 4u * i, 0.5f);
+    std::vector<ProbeCopy> cs = probe_decode_copies(copies, N_ROWS, IN, OUT, R, ENTRIES, [](int) {
         std::vector<int> perm(N_ROWS);
         for (int r = 0; r < N_ROWS; ++r) perm[r] = r;
         for (int r = N_ROWS - 1; r > 0; --r) std::swap(perm[r], perm[rand() % (r + 1)]);
-        CK(cudaMemcpy(c.idx, perm.data(), N_ROWS * 4, cudaMemcpyHostToDevice));
-        std::vector<PairEntry> t(ENTRIES);
-        for (int e = 0; e < ENTRIES; ++e)
-            t[e] = PairEntry{(u64)(c.a + (size_t)e * R * IN), (u64)(c.b + (size_t)e * OUT * R), 0.5f, (u32)R};
-        CK(cudaMemcpy(c.table, t.data(), ENTRIES * sizeof(PairEntry), cudaMemcpyHostToDevice));
-    }
-    CK(cudaDeviceSynchronize());
+        return perm;
+    });
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
 
     // Copy bandwidth (bytes read + written), as the bench measures it.
-    {
-        const double bw = probe_copy_bandwidth(st);
-        const double floor_bytes = (double)ENTRIES * (R * IN + OUT * R) * 2 + (double)N_ROWS * (IN * 2 + OUT * 4);
-        printf("copy bandwidth %.0f GB/s; floor %.2f us (50 %%: %.2f us)\n", bw, floor_bytes / bw / 1e3,
-               2.0 * floor_bytes / bw / 1e3);
-    }
+    probe_print_floor(st, N_ROWS, IN, OUT, R, ENTRIES);
 
     auto run_form = [&](const char* name, auto kernel, int C, int NT) {
         int clusters = 0;
@@ -304,17 +274,9 @@ int main() {
         CK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
         cudaFuncAttributes fa;
         CK(cudaFuncGetAttributes(&fa, kernel));
-        auto launch = [&](const Copy& c) {
+        auto launch = [&](const ProbeCopy& c) {
             if constexpr (std::is_invocable_v<decltype(kernel), BgeParams>) {
-                BgeParams b = {};
-                b.x = (u64)c.x;
-                b.y = (u64)c.y;
-                b.idx = (u64)c.idx;
-                b.n_rows = N_ROWS;
-                b.in_dim = IN;
-                b.x_stride = IN;
-                b.y_stride = OUT;
-                b.targets[0] = LoraTarget{(u64)c.table, ENTRIES, OUT, 0, 0};
+                const BgeParams b = probe_library_params(c, N_ROWS, IN, OUT, ENTRIES);
                 kernel<<<dim3(C, N_ROWS, 1), NT, 0, st>>>(b);
             } else {
                 Params p{c.x, c.y, c.idx, c.table, ENTRIES};
@@ -322,14 +284,7 @@ int main() {
             }
         };
         // Correctness on copy 0 from y = 0: the result is the rounded delta.
-        Copy& c0 = cs[0];
-        CK(cudaMemset(c0.y, 0, y_elems * 2));
-        launch(c0);
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        const double rel =
-            probe_apply_error(ProbeApply{c0.a, c0.b, c0.x, c0.y, c0.idx, N_ROWS, IN, OUT, R, ENTRIES, 0.5f});
-        probe_fill_bf16<<<1024, 256, 0, st>>>(c0.y, y_elems, 14u, 0.5f);
+        const double rel = probe_check_copy(st, cs[0], N_ROWS, IN, OUT, R, ENTRIES, launch);
 
         const ProbeTime tm = probe_time_graph(st, copies * 4, [&](int k) { launch(cs[k % copies]); });
         printf("%-28s %6.2f us (p10 %.2f, p90 %.2f)  rel err %.2e  %d regs, %zu B spilled, %d clusters resident\n",
