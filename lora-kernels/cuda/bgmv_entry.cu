@@ -42,6 +42,13 @@
 // (16-byte loads where aligned, else element loads; B is staged only when
 // 16-byte aligned).
 
+// Probe hooks (probes/entry_timeline.cu stamps each phase of a block):
+// nothing in the library.
+#ifndef BGE_TRACE_BEGIN
+#define BGE_TRACE_BEGIN(p)
+#define BGE_STAMP(k, dep)
+#endif
+
 #define BGE_THREADS 256
 #define BGE_WARPS (BGE_THREADS / 32)
 // Rows per pass (the expand's M).
@@ -119,6 +126,8 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     __shared__ int s_wcount[BGE_WARPS];
     __shared__ __align__(8) u64 s_mbar[2];  // push form: one per receive buffer
 
+    BGE_TRACE_BEGIN(p);
+    BGE_STAMP(0, 0u);
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -145,6 +154,8 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     // Uniform over the cluster: the same entry and target.
     if (e >= tg.n_entries) return;
     const PairEntry en = ((const PairEntry*)tg.table)[e];
+    BGE_STAMP(1, (u32)raw[0]);
+    BGE_STAMP(2, en.rank);
     int n_found = 0;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
@@ -166,6 +177,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
         n_found = total;
         __syncthreads();  // s_wcount is rewritten next round; s_rows complete after the last
     }
+    BGE_STAMP(3, (u32)n_found);
     if (n_found == 0) return;  // uniform over the cluster: every block counted the same rows
     if (bad_entry(en, S)) {
         if (q == 0 && tid == 0) raise_fault(p.fault, FAULT_BAD_RANK);
@@ -275,10 +287,13 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
             }
         }
         cp_async_commit();
+        BGE_STAMP(4, 0u);
 #pragma unroll
         for (int u = 0; u < SHRINK_UNROLL; ++u) mma_chunk(first[u]);
+        BGE_STAMP(5, __float_as_uint(acc[0][0][0]));
 #pragma unroll SHRINK_UNROLL
         for (int ch = warp + SHRINK_UNROLL * BGE_WARPS; ch < n_chunks; ch += BGE_WARPS) mma_chunk(load_chunk(ch));
+        BGE_STAMP(6, __float_as_uint(acc[0][0][0]));
 
         // 3. Sum over the warps, then over the cluster, in fixed orders.
         // Push: every block stores its partial into slot q of each peer's
@@ -300,6 +315,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                 *(float2*)(r + 8 * BGE_ROWS) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
             }
         __syncthreads();
+        BGE_STAMP(7, 0u);
         if (PUSH) {
             const int b = passes & 1;
             const u32 parity = (u32)(passes >> 1) & 1u;
@@ -322,6 +338,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                     st_async_f4(cluster_addr(recv + q * PART + 4 * i, (u32)pq), v, cluster_addr(&s_mbar[b], (u32)pq));
             }
             mbar_wait(&s_mbar[b], parity);
+            BGE_STAMP(8, 0u);
             for (int i = tid; i < PART; i += BGE_THREADS) {
                 float v = 0.f;
 #pragma unroll
@@ -351,6 +368,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
         }
         cp_async_wait<0>();
         __syncthreads();
+        BGE_STAMP(9, 0u);
 
         // 4. Expand. t fragments: rows g, g + 8; ranks c * S/4 + 4 ks + (0, 1) and (2, 3).
         u32 th[KS][4], tl[KS][4];
@@ -364,6 +382,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
             split_pair(ta[2], ta[3], th[ks][2], tl[ks][2]);
             split_pair(tb[2], tb[3], th[ks][3], tl[ks][3]);
         }
+        BGE_STAMP(12, th[0][0]);
 #pragma unroll EXPAND_UNROLL
         for (int gi = warp; gi < n_groups; gi += BGE_WARPS) {
             const int base = o0 + gi * 32;
@@ -431,10 +450,12 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
             if (yb) *(uint4*)yb = make_uint4(pack_bf2_rn(d[0][2], d[0][3]), pack_bf2_rn(d[1][2], d[1][3]),
                                              pack_bf2_rn(d[2][2], d[2][3]), pack_bf2_rn(d[3][2], d[3][3]));
         }
+        BGE_STAMP(10, 0u);
         __syncthreads();  // s_t and s_red are rewritten by the next pass
     }
     if (p.overlap) grid_launch_dependents();
     if (pending) cluster_wait();  // keep our partials alive until every peer read them
+    BGE_STAMP(11, 0u);
 }
 
 #if __CUDA_ARCH__ >= 900
