@@ -31,7 +31,11 @@
 //      ranks, t split into bf16 hi + lo (two mma). The 8 outputs of tile j
 //      are permuted so that lane (g, c) ends with outputs 8c .. 8c+7 of row
 //      g (and g + 8) in its four tiles' accumulators: one 16-byte load of
-//      y before (the mma's C operand) and one store after.
+//      y before (the mma's C operand) and one store after. At rank strides
+//      32 and 64 with B and y staged, outputs are the M instead (B's rows
+//      through ldmatrix, y's staged values through ldmatrix.trans and back
+//      through stmatrix.trans, then stored 16 bytes a lane), so the form
+//      above is built unstaged there and keeps within its registers.
 // Rows are taken 16 at a time (a pass); an entry with more rows runs more
 // passes, each reading its A slice again (from L2 after the first) and
 // copying its rows' y values.
@@ -92,6 +96,27 @@ __device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
 __device__ __forceinline__ u32 rank_mask(int r0, int rank) {
     return (r0 < rank ? 0x0000ffffu : 0u) | (r0 + 1 < rank ? 0xffff0000u : 0u);
 }
+
+#if __CUDA_ARCH__ >= 900
+// Four 8x8 bf16 tiles; lanes 8m .. 8m + 7 give the 16-byte row addresses of tile m.
+__device__ __forceinline__ void ldsm_x4(u32* r, const bf16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(row)));
+}
+// The same, each tile transposed: lane (g, c) gets tile elements (2c, g) and (2c + 1, g).
+__device__ __forceinline__ void ldsm_x4_trans(u32* r, const bf16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(row)));
+}
+// The inverse of ldsm_x4_trans at the same addresses.
+__device__ __forceinline__ void stsm_x4_trans(bf16_t* row, const u32* r) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};" ::"r"(smem_u32(row)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+#endif
 
 template <int C, int KS>
 __device__ __forceinline__ void bge_body(const BgeParams& p) {
@@ -370,7 +395,93 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
         __syncthreads();
         BGE_STAMP(9, 0u);
 
-        // 4. Expand. t fragments: rows g, g + 8; ranks c * S/4 + 4 ks + (0, 1) and (2, 3).
+        // 4. Expand.
+        if (KS >= 2 && staged) {
+            // Rank strides 32 and 64, staged: outputs as the mma's M. m16n8k16
+            // with M = 16 outputs (the staged B rows, read with ldmatrix), N =
+            // 8 rows, K = 16 ranks (t as the B operand, split into bf16 hi +
+            // lo). y's staged values are the C operand, read transposed
+            // (ldmatrix.trans) and written back the same way (stmatrix.trans);
+            // the warp then stores its group's rows, 16 bytes a lane. The form
+            // below is then built for unstaged calls only at these strides,
+            // which keeps it within its registers (NOTES.md v32). At rank
+            // stride 16 the form below, staged, measured faster.
+            const int n_tiles = rows_here > 8 ? 2 : 1;
+            // t fragments: rows 8 nt + g; ranks 16 ks + 2c, + 1 (b0) and 16 ks + 2c + 8, + 9 (b1).
+            u32 tbh[2][KS][2], tbl[2][KS][2];
+            u32 km0[KS], km1[KS];
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                km0[ks] = rank_mask(16 * ks + 2 * c, rank);
+                km1[ks] = rank_mask(16 * ks + 2 * c + 8, rank);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const float* tr = s_t + (8 * nt + g) * TP + 16 * ks + 2 * c;
+                    split_pair(tr[0], tr[1], tbh[nt][ks][0], tbl[nt][ks][0]);
+                    split_pair(tr[8], tr[9], tbh[nt][ks][1], tbl[nt][ks][1]);
+                }
+            }
+            BGE_STAMP(12, tbh[0][0][0]);
+            // This lane's ldmatrix rows: B row (lane & 15) of a 16-output half, ranks 8 (lane >> 4) on
+            // (rows past the staged ones, in a last group that ends early, read the last one: their
+            // outputs are not stored); y row (lane & 7) of a row tile, outputs 8 (lane >> 3) on of the group.
+            const int n_staged = o1 - o0;
+            const bf16_t* b_lane = s_b + 8 * (lane >> 4);
+            bf16_t* y_lane = s_y + (lane & 7) * yp + 8 * (lane >> 3);
+#pragma unroll EXPAND_UNROLL
+            for (int gi = warp; gi < n_groups; gi += BGE_WARPS) {
+                const int lb = gi * 32;
+                u32 af[2][KS][4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int br = min(lb + 16 * h + (lane & 15), n_staged - 1);
+#pragma unroll
+                    for (int ks = 0; ks < KS; ++ks) {
+                        ldsm_x4(af[h][ks], b_lane + br * S + 16 * ks);
+                        af[h][ks][0] &= km0[ks];
+                        af[h][ks][1] &= km0[ks];
+                        af[h][ks][2] &= km1[ks];
+                        af[h][ks][3] &= km1[ks];
+                    }
+                }
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    if (nt >= n_tiles) break;
+                    bf16_t* yt = y_lane + 8 * nt * yp + lb;
+                    u32 yv[4];
+                    ldsm_x4_trans(yv, yt);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        // d: outputs g, g + 8 of the half x rows 2c, 2c + 1 of the tile.
+                        float d[4] = {bf_lo(yv[2 * h]), bf_hi(yv[2 * h]), bf_lo(yv[2 * h + 1]), bf_hi(yv[2 * h + 1])};
+#pragma unroll
+                        for (int ks = 0; ks < KS; ++ks) {
+                            const u32* a = af[h][ks];
+                            mma_k16(d, a[0], a[1], a[2], a[3], tbh[nt][ks][0], tbh[nt][ks][1]);
+                            mma_k16(d, a[0], a[1], a[2], a[3], tbl[nt][ks][0], tbl[nt][ks][1]);
+                        }
+                        yv[2 * h] = pack_bf2_rn(d[0], d[1]);
+                        yv[2 * h + 1] = pack_bf2_rn(d[2], d[3]);
+                    }
+                    stsm_x4_trans(yt, yv);
+                }
+                __syncwarp();
+                // Lane: row 8 nt + (lane >> 2), outputs lb + 8 (lane & 3) .. + 7.
+                const int ol = lb + 8 * (lane & 3);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const int r = 8 * nt + (lane >> 2);
+                    if (r < rows_here && ol < n_staged)
+                        *(uint4*)(y + (u64)s_rows[r0 + r] * p.y_stride + o0 + ol) = *(const uint4*)(s_y + r * yp + ol);
+                }
+            }
+            BGE_STAMP(10, 0u);
+            __syncthreads();  // s_t and s_red are rewritten by the next pass
+            continue;
+        }
+        // Staged here at rank stride 16 only (above otherwise).
+        const bool stg = KS == 1 && staged;
+        // Outputs as the mma's N. t fragments: rows g, g + 8; ranks c * S/4 + 4 ks + (0, 1) and (2, 3).
         u32 th[KS][4], tl[KS][4];
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
@@ -396,7 +507,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
 #pragma unroll
                 for (int w = 0; w < KS * 2; ++w) bw[j][w] = 0u;
                 if (b_ok) {
-                    if (staged) {
+                    if (stg) {
                         const u32* sw = (const u32*)(s_b + (bo - o0) * S + c * (S / 4));
 #pragma unroll
                         for (int w = 0; w < KS * 2; ++w) bw[j][w] = sw[w];
@@ -428,8 +539,8 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
             const bool y_ok = base + 8 * c + 8 <= o1;
             bf16_t* ya = row_a >= 0 && y_ok ? y + (u64)row_a * p.y_stride + base + 8 * c : nullptr;
             bf16_t* yb = row_b >= 0 && y_ok ? y + (u64)row_b * p.y_stride + base + 8 * c : nullptr;
-            const uint4 va = !ya ? zero : staged ? *(const uint4*)(s_y + g * yp + (base - o0) + 8 * c) : *(const uint4*)ya;
-            const uint4 vb = !yb ? zero : staged ? *(const uint4*)(s_y + (g + 8) * yp + (base - o0) + 8 * c) : *(const uint4*)yb;
+            const uint4 va = !ya ? zero : stg ? *(const uint4*)(s_y + g * yp + (base - o0) + 8 * c) : *(const uint4*)ya;
+            const uint4 vb = !yb ? zero : stg ? *(const uint4*)(s_y + (g + 8) * yp + (base - o0) + 8 * c) : *(const uint4*)yb;
             const u32 wa[4] = {va.x, va.y, va.z, va.w};
             const u32 wb[4] = {vb.x, vb.y, vb.z, vb.w};
             float d[4][4];
