@@ -31,11 +31,11 @@
 //      ranks, t split into bf16 hi + lo (two mma). The 8 outputs of tile j
 //      are permuted so that lane (g, c) ends with outputs 8c .. 8c+7 of row
 //      g (and g + 8) in its four tiles' accumulators: one 16-byte load of
-//      y before (the mma's C operand) and one store after. At rank strides
-//      32 and 64 with B and y staged, outputs are the M instead (B's rows
-//      through ldmatrix, y's staged values through ldmatrix.trans and back
-//      through stmatrix.trans, then stored 16 bytes a lane), so the form
-//      above is built unstaged there and keeps within its registers.
+//      y before (the mma's C operand) and one store after. At rank stride
+//      64 with B and y staged, outputs are the M instead (B's rows through
+//      ldmatrix, y's staged values through ldmatrix.trans and back through
+//      stmatrix.trans, then stored 16 bytes a lane), so the form above is
+//      built unstaged there and keeps within its registers.
 // Rows are taken 16 at a time (a pass); an entry with more rows runs more
 // passes, each reading its A slice again (from L2 after the first) and
 // copying its rows' y values.
@@ -396,16 +396,16 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
         BGE_STAMP(9, 0u);
 
         // 4. Expand.
-        if (KS >= 2 && staged) {
-            // Rank strides 32 and 64, staged: outputs as the mma's M. m16n8k16
-            // with M = 16 outputs (the staged B rows, read with ldmatrix), N =
-            // 8 rows, K = 16 ranks (t as the B operand, split into bf16 hi +
-            // lo). y's staged values are the C operand, read transposed
-            // (ldmatrix.trans) and written back the same way (stmatrix.trans);
-            // the warp then stores its group's rows, 16 bytes a lane. The form
-            // below is then built for unstaged calls only at these strides,
-            // which keeps it within its registers (NOTES.md v32). At rank
-            // stride 16 the form below, staged, measured faster.
+        if (KS == 4 && staged) {
+            // Rank stride 64, staged: outputs as the mma's M. m16n8k16 with M
+            // = 16 outputs (the staged B rows, read with ldmatrix), N = 8 rows,
+            // K = 16 ranks (t as the B operand, split into bf16 hi + lo). y's
+            // staged values are the C operand, read transposed (ldmatrix.trans)
+            // and written back the same way (stmatrix.trans); the warp then
+            // stores its group's rows, 16 bytes a lane. Its point: the form
+            // below is then built for unstaged calls only at this stride, which
+            // keeps it within its registers (NOTES.md v32). At strides 16 and
+            // 32 the form below, staged, measured faster than this expand.
             const int n_tiles = rows_here > 8 ? 2 : 1;
             // t fragments: rows 8 nt + g; ranks 16 ks + 2c, + 1 (b0) and 16 ks + 2c + 8, + 9 (b1).
             u32 tbh[2][KS][2], tbl[2][KS][2];
@@ -479,8 +479,8 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
             __syncthreads();  // s_t and s_red are rewritten by the next pass
             continue;
         }
-        // Staged here at rank stride 16 only (above otherwise).
-        const bool stg = KS == 1 && staged;
+        // Staged here at rank strides 16 and 32 only (above at 64).
+        const bool stg = KS != 4 && staged;
         // Outputs as the mma's N. t fragments: rows g, g + 8; ranks c * S/4 + 4 ks + (0, 1) and (2, 3).
         u32 th[KS][4], tl[KS][4];
 #pragma unroll

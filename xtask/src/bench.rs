@@ -449,6 +449,9 @@ const DECODE: &[DecodeCase] = &[
     (64, 4096, 4096, 16, 24, None),
     // Rank 64 with 8 rows per adapter (the entry-clustered form's pull sum).
     (256, 4096, 4096, 64, 32, None),
+    // Rank 32 with 8 rows per adapter over 16: the entry-clustered form in
+    // clusters of 8 with B and y staged (its rank-32 staged expand).
+    (128, 4096, 4096, 32, 16, None),
 ];
 /// Decode cases over a table of more entries than the batch uses (the
 /// second field), as an engine's table of every resident adapter is: the
