@@ -62,11 +62,6 @@ static const char* STAMP_NAMES[TRACE_STAMPS] = {
 // Print order: the expand's t split (stamp 12) comes before its groups.
 static const int STAMP_ORDER[TRACE_STAMPS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 10, 11};
 
-static double pct(std::vector<double> v, double q) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[(size_t)(q * (v.size() - 1) + 0.5)];
-}
-
 int main() {
     const size_t y_elems = (size_t)N_ROWS * OUT;
     const size_t trace_bytes = (size_t)TRACE_BLOCKS * TRACE_SLOTS * 8;
@@ -123,8 +118,8 @@ int main() {
             const int k = STAMP_ORDER[o];
             std::vector<double> v;
             for (int b = 0; b < TRACE_BLOCKS; ++b) v.push_back((double)(at(0, b, k) - t0));
-            printf("%-16s %7.0f %7.0f %7.0f %7.0f\n", STAMP_NAMES[k], pct(v, 0.1), pct(v, 0.5), pct(v, 0.9),
-                   pct(v, 1.0));
+            printf("%-16s %7.0f %7.0f %7.0f %7.0f\n", STAMP_NAMES[k], probe_pct(v, 0.1), probe_pct(v, 0.5), probe_pct(v, 0.9),
+                   probe_pct(v, 1.0));
         }
         std::vector<int> per_sm(1024, 0);
         for (int b = 0; b < TRACE_BLOCKS; ++b) per_sm[at(0, b, TRACE_SM) & 1023]++;
@@ -137,16 +132,9 @@ int main() {
                 }
             if (!arrive.empty())
                 printf("blocks on SMs of %d: %3zu; first A, x in med %.0f max %.0f; end med %.0f max %.0f\n", k,
-                       arrive.size(), pct(arrive, 0.5), pct(arrive, 1.0), pct(fin, 0.5), pct(fin, 1.0));
+                       arrive.size(), probe_pct(arrive, 0.5), probe_pct(arrive, 1.0), probe_pct(fin, 0.5), probe_pct(fin, 1.0));
         }
-        for (ProbeCopy& c : cs) {
-            CK(cudaFree(c.a));
-            CK(cudaFree(c.b));
-            CK(cudaFree(c.x));
-            CK(cudaFree(c.y));
-            CK(cudaFree(c.idx));
-            CK(cudaFree(c.table));
-        }
+        probe_free_copies(cs);
     }
     printf("\nempty kernel in a graph %.2f us\n", probe_empty_in_graph(st));
     return 0;

@@ -91,6 +91,12 @@ static ProbeTime probe_time_graph(cudaStream_t st, int calls, Launch launch, int
     return ProbeTime{ts[runs / 2], ts[runs / 10], ts[runs - 1 - runs / 10]};
 }
 
+// The f-quantile (0..1) of v, nearest rank.
+static double probe_pct(std::vector<double> v, double f) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[(size_t)(f * (v.size() - 1) + 0.5)];
+}
+
 __global__ void probe_empty_kernel() {}
 
 // An empty kernel's time in a graph of 256 (the launch floor), in us.
@@ -179,6 +185,19 @@ static std::vector<ProbeCopy> probe_decode_copies(int copies, int n_rows, int in
     }
     CK(cudaDeviceSynchronize());
     return cs;
+}
+
+// Frees what probe_decode_copies allocated.
+static void probe_free_copies(std::vector<ProbeCopy>& cs) {
+    for (ProbeCopy& c : cs) {
+        CK(cudaFree(c.a));
+        CK(cudaFree(c.b));
+        CK(cudaFree(c.x));
+        CK(cudaFree(c.y));
+        CK(cudaFree(c.idx));
+        CK(cudaFree(c.table));
+    }
+    cs.clear();
 }
 
 // The decode floor's bytes: every entry's A and B, x read, y read and written.
