@@ -118,6 +118,67 @@ __device__ __forceinline__ void stsm_x4_trans(bf16_t* row, const u32* r) {
 }
 #endif
 
+// One round of the row listing (every thread of the block, one row each):
+// row j, which names the entry when `m`, goes to s_rows after the
+// `listed` rows of earlier rounds and the lower rows of this one (a ballot
+// per warp, the warps' counts through s_wcount, one barrier). Returns the
+// rows listed so far (the same in every thread). The caller synchronises
+// before s_wcount is written again or s_rows is read.
+__device__ __forceinline__ int bge_list_round(bool m, int j, int listed, int* s_wcount, int* s_rows) {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const unsigned bal = __ballot_sync(0xffffffffu, m);
+    if (lane == 0) s_wcount[warp] = __popc(bal);
+    __syncthreads();
+    int before = listed;
+    int total = listed;
+#pragma unroll
+    for (int w = 0; w < BGE_WARPS; ++w) {
+        const int cnt = s_wcount[w];
+        before += w < warp ? cnt : 0;
+        total += cnt;
+    }
+    if (m) s_rows[before + __popc(bal & ((1u << lane) - 1u))] = j;
+    return total;
+}
+
+// The push form's cluster sum of a pass: the block's warps' partials
+// (`red`, [warps][PART] f32, complete: the caller synchronised) summed in
+// rank order and stored into slot q of every peer's receive buffer
+// `passes & 1` (`recv`, [2][C][PART]; st.async, counted on the peer's
+// mbarrier); then this block's C slots waited for. No cluster barrier, so
+// no GPU-scope release fence. A buffer is written again two passes later,
+// only by a peer that received this block's next push, sent after this
+// pass's sum read it. Returns the pass's receive buffer; counts the pass.
+template <int C, int PART>
+__device__ __forceinline__ const float* bge_push_partials(const float* red, float* recv, u64* mbar, int& passes, int q) {
+    const int b = passes & 1;
+    const u32 parity = (u32)(passes >> 1) & 1u;
+    ++passes;
+    if (passes == 1) cluster_wait();  // the peers' mbarriers are initialised
+    if (threadIdx.x == 0) mbar_arrive_expect(&mbar[b], (u32)(C * PART * 4));
+    float* buf = recv + b * C * PART;
+    static_assert(PART / 4 <= BGE_THREADS, "a thread a float4 of the partial");
+    const int i = threadIdx.x;
+    if (i < PART / 4) {
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < BGE_WARPS; ++w) {
+            const float4 r = *(const float4*)(red + w * PART + 4 * i);
+            v.x += r.x;
+            v.y += r.y;
+            v.z += r.z;
+            v.w += r.w;
+        }
+#pragma unroll
+        for (int pq = 0; pq < C; ++pq)
+            st_async_f4(cluster_addr(buf + q * PART + 4 * i, (u32)pq), v, cluster_addr(&mbar[b], (u32)pq));
+    }
+    mbar_wait(&mbar[b], parity);
+    return buf;
+}
+
 template <int C, int KS>
 __device__ __forceinline__ void bge_body(const BgeParams& p) {
     static_assert(C > 1, "a cluster of blocks per entry");
@@ -186,20 +247,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     for (int i = 0; i < RPT; ++i) {
         if (i * BGE_THREADS >= p.n_rows) break;
         const int j = i * BGE_THREADS + tid;
-        const bool m = raw[i] == e;
-        const unsigned bal = __ballot_sync(0xffffffffu, m);
-        if (lane == 0) s_wcount[warp] = __popc(bal);
-        __syncthreads();
-        int before = n_found;
-        int total = n_found;
-#pragma unroll
-        for (int w = 0; w < BGE_WARPS; ++w) {
-            const int cnt = s_wcount[w];
-            before += w < warp ? cnt : 0;
-            total += cnt;
-        }
-        if (m) s_rows[before + __popc(bal & ((1u << lane) - 1u))] = j;
-        n_found = total;
+        n_found = bge_list_round(raw[i] == e, j, n_found, s_wcount, s_rows);
         __syncthreads();  // s_wcount is rewritten next round; s_rows complete after the last
     }
     BGE_STAMP(3, (u32)n_found);
@@ -321,12 +369,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
         BGE_STAMP(6, __float_as_uint(acc[0][0][0]));
 
         // 3. Sum over the warps, then over the cluster, in fixed orders.
-        // Push: every block stores its partial into slot q of each peer's
-        // receive buffer `passes & 1` (st.async, counted on the peer's
-        // mbarrier) and waits for its own C slots: no cluster barrier, so no
-        // GPU-scope release fence. A buffer is written again two passes
-        // later, only by a peer that received this block's next push, sent
-        // after this sum read it. Pull: a cluster barrier, the peers' partials
+        // Push: bge_push_partials. Pull: a cluster barrier, the peers' partials
         // read in place, a relaxed arrive once read (waited for before the
         // next pass's partial is written, or before exit).
         if (pending) cluster_wait();
@@ -342,27 +385,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
         __syncthreads();
         BGE_STAMP(7, 0u);
         if (PUSH) {
-            const int b = passes & 1;
-            const u32 parity = (u32)(passes >> 1) & 1u;
-            ++passes;
-            if (passes == 1) cluster_wait();  // the peers' mbarriers are initialised
-            if (tid == 0) mbar_arrive_expect(&s_mbar[b], (u32)(C * PART * 4));
-            float* recv = s_part + b * C * PART;
-            for (int i = tid; i < PART / 4; i += BGE_THREADS) {
-                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-                for (int w = 0; w < BGE_WARPS; ++w) {
-                    const float4 r = *(const float4*)(s_red + w * PART + 4 * i);
-                    v.x += r.x;
-                    v.y += r.y;
-                    v.z += r.z;
-                    v.w += r.w;
-                }
-#pragma unroll
-                for (int pq = 0; pq < C; ++pq)
-                    st_async_f4(cluster_addr(recv + q * PART + 4 * i, (u32)pq), v, cluster_addr(&s_mbar[b], (u32)pq));
-            }
-            mbar_wait(&s_mbar[b], parity);
+            const float* recv = bge_push_partials<C, PART>(s_red, s_part, s_mbar, passes, q);
             BGE_STAMP(8, 0u);
             for (int i = tid; i < PART; i += BGE_THREADS) {
                 float v = 0.f;
@@ -569,6 +592,216 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     BGE_STAMP(11, 0u);
 }
 
+// The register form (bgmv/entry.rs `registers`): rank stride 16, clusters
+// of 8, a block's K slice and output slice at most BGE_REG_CHUNKS and
+// BGE_REG_GROUPS pieces of 32 per warp (512 columns and 512 outputs: `in`
+// and every target up to 4096). The block's A slice and B rows are loaded
+// into registers once, for every pass; each pass loads its rows' x and y
+// into registers too, so every byte a pass needs is requested before its
+// first mma, and the expand reads nothing from shared memory but t.
+//
+// ptxas schedules an mma (and the moves that gather its operands, which
+// wait for the loads) above later loads, even above a barrier, so the
+// block's loads would go out in two round trips: every pass's mma sit in a
+// branch on a value read after a barrier that follows the loads.
+#define BGE_REG_CHUNKS 2
+#define BGE_REG_GROUPS 2
+#define BGE_REG_MAX_ROWS 256
+
+// One 16-byte store (the compiler splits `*(uint4*)p = v` of packed halves into four).
+__device__ __forceinline__ void st_global16(void* p, uint4 v) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// Not inlined: its registers stay out of the register form's allocation.
+template <int C>
+__device__ __noinline__ void bge_reg_fallback(const BgeParams p) {
+    bge_body<C, 1>(p);
+}
+
+// The block's weights are requested as soon as its entry is known, before
+// the row indices arrive, so also by clusters whose entry no row names (the
+// host takes this kernel by default only for batches of several rows per
+// entry). Requested after a barrier had found a row naming the entry, the
+// kernel lost to the staged one at every shape the bench has (NOTES.md v33).
+template <int C>
+__device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
+    constexpr int NCH = BGE_REG_CHUNKS, NG = BGE_REG_GROUPS;
+    // One row index a thread: at most BGE_REG_MAX_ROWS rows (more would
+    // spill, and a spilled load result waits for its load).
+    constexpr int RPT = BGE_REG_MAX_ROWS / BGE_THREADS;
+    static_assert(RPT == 1, "one row index a thread");
+    // Rows per pass: 8 (the shrink's N, half the expand's M), so a pass's
+    // x and y take 16 registers a thread, not 32.
+    constexpr int PR = 8;
+    constexpr int PART = 16 * PR;  // ranks x rows of a partial (f32)
+    constexpr int TP = 16 + 4;     // t row pitch
+    extern __shared__ __align__(16) unsigned char bge_smem[];
+    // Dynamic shared memory, within bge_body's push-form plan at stride 16:
+    // red [warps][16][8], recv [2][C][16][8], t [8][20] f32, rows [n_rows].
+    float* s_red = (float*)bge_smem;
+    float* s_recv = s_red + BGE_WARPS * PART;
+    float* s_t = s_recv + 2 * C * PART;
+    int* s_rows = (int*)(s_t + PR * TP);
+    __shared__ int s_wcount[BGE_WARPS];
+    __shared__ int s_live;  // 1, read after each pass's loads (the scheduling fence above)
+    __shared__ __align__(8) u64 s_mbar[2];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+    const int q = (int)(blockIdx.x % C);
+    const int e = (int)blockIdx.y;
+    const LoraTarget tg = p.targets[blockIdx.z];
+
+    // 1. The row index of this thread's row, and the entry.
+    const int raw = tid < p.n_rows ? ((const int*)p.idx)[tid] : -1;
+    if (e == 0 && q == 0) checked_index(raw, tg.n_entries, p.fault, true);
+    if (e >= tg.n_entries) return;
+    const PairEntry en = ((const PairEntry*)tg.table)[e];
+    // Weights not 16- and 8-byte aligned: the staged body's element loads
+    // (uniform over the cluster; it reads the indices again, unstaged).
+    if (!aligned16((const void*)en.a) || (en.b & 7ull) != 0) {
+        bge_reg_fallback<C>(p);
+        return;
+    }
+    if (tid == 0) s_live = 1;
+    const bool valid = !bad_entry(en, 16) && en.rank > 0;
+    const int rank = valid ? (int)en.rank : 0;
+    const bf16_t* A = (const bf16_t*)en.a;
+    const bf16_t* B = (const bf16_t*)en.b;
+    const int in = p.in_dim;
+    int k0, k1, o0, o1;
+    split8(in, C, q, k0, k1);
+    split8(tg.out_dim, C, q, o0, o1);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+    // 2. The block's A slice (chunk u: 8 columns of ranks g, g + 8) and B
+    // rows (group u, tile j: ranks 4c .. 4c + 3 of output base + 8 (g / 2)
+    // + 2 j + g % 2), for every pass; nothing of a bad entry.
+    uint4 a0[NCH], a1[NCH];
+    uint2 bw[NG][4];
+    auto load_weights = [&]() {
+#pragma unroll
+        for (int u = 0; u < NCH; ++u) {
+            const int col = k0 + (warp + u * BGE_WARPS) * 32 + c * 8;
+            const bool ok = col < k1;  // k1 - k0 is a multiple of 8
+            a0[u] = ok && g < rank ? ldg16(A + (u64)g * in + col) : zero;
+            a1[u] = ok && g + 8 < rank ? ldg16(A + (u64)(g + 8) * in + col) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < NG; ++u) {
+            const int base = o0 + (warp + u * BGE_WARPS) * 32;
+            const bool b_ok = rank > 0 && base + 8 * (g >> 1) + 8 <= o1;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int bo = base + 8 * (g >> 1) + 2 * j + (g & 1);
+                bw[u][j] = b_ok ? __ldg((const uint2*)(B + (u64)bo * 16 + 4 * c)) : make_uint2(0u, 0u);
+            }
+        }
+    };
+    load_weights();
+
+    // 3. The rows naming e, in row order.
+    const int n_found = bge_list_round(raw == e, tid, 0, s_wcount, s_rows);
+    if (tid == 0) {
+        mbar_init(&s_mbar[0], 1);
+        mbar_init(&s_mbar[1], 1);
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (n_found == 0) return;  // uniform over the cluster
+    if (!valid) {
+        if (q == 0 && tid == 0 && en.rank > 0) raise_fault(p.fault, FAULT_BAD_RANK);
+        return;
+    }
+    cluster_arrive_relaxed();  // waited for before the first push
+
+    if (p.overlap) grid_dependency_wait();
+    const bf16_t* x = (const bf16_t*)p.x;
+    bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
+    int passes = 0;
+#pragma unroll 1
+    for (int r0 = 0; r0 < n_found; r0 += PR) {
+        const int row = g < n_found - r0 ? s_rows[r0 + g] : -1;
+        // The pass's x (chunk u: 8 columns of row g) and y (group u: outputs
+        // base + 8c .. + 7 of row g).
+        uint4 xr[NCH], yr[NG];
+#pragma unroll
+        for (int u = 0; u < NCH; ++u) {
+            const int col = k0 + (warp + u * BGE_WARPS) * 32 + c * 8;
+            xr[u] = col < k1 && row >= 0 ? ldg16(x + (u64)row * p.x_stride + col) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < NG; ++u) {
+            const int base = o0 + (warp + u * BGE_WARPS) * 32;
+            const bool y_ok = base + 8 * c + 8 <= o1 && row >= 0;
+            yr[u] = y_ok ? *(const uint4*)(y + (u64)row * p.y_stride + base + 8 * c) : zero;
+        }
+        __syncthreads();  // the scheduling fence (above); also: s_t and s_red free again
+        const int live = *(volatile int*)&s_live;
+
+        // 4. Shrink: acc is ranks (g, g + 8) x rows (2c, 2c + 1).
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (live) {
+#pragma unroll
+            for (int u = 0; u < NCH; ++u) {
+                mma_k16(acc, a0[u].x, a1[u].x, a0[u].y, a1[u].y, xr[u].x, xr[u].y);
+                mma_k16(acc, a0[u].z, a1[u].z, a0[u].w, a1[u].w, xr[u].z, xr[u].w);
+            }
+        }
+        {
+            float* r = s_red + (warp * 16 + g) * PR + 2 * c;
+            *(float2*)r = make_float2(acc[0], acc[1]);
+            *(float2*)(r + 8 * PR) = make_float2(acc[2], acc[3]);
+        }
+        __syncthreads();
+        const float* recv = bge_push_partials<C, PART>(s_red, s_recv, s_mbar, passes, q);
+        if (tid < PART) {
+            float v = 0.f;
+#pragma unroll
+            for (int pq = 0; pq < C; ++pq) v += recv[pq * PART + tid];
+            s_t[(tid % PR) * TP + tid / PR] = v * en.scale;
+        }
+        __syncthreads();
+
+        // 5. Expand: M = rows (g; rows g + 8 of the mma empty), N = outputs,
+        // K = ranks 4c .. 4c + 3 (t as hi + lo).
+        const u32 bm0 = rank_mask(4 * c, rank), bm1 = rank_mask(4 * c + 2, rank);
+        u32 th[2], tl[2];
+        {
+            const float* ta = s_t + g * TP + 4 * c;
+            split_pair(ta[0], ta[1], th[0], tl[0]);
+            split_pair(ta[2], ta[3], th[1], tl[1]);
+        }
+#pragma unroll
+        for (int u = 0; u < NG; ++u) {
+            const int base = o0 + (warp + u * BGE_WARPS) * 32;
+            const bool y_ok = base + 8 * c + 8 <= o1 && row >= 0;
+            const u32 wa[4] = {yr[u].x, yr[u].y, yr[u].z, yr[u].w};
+            float d[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                d[j][0] = bf_lo(wa[j]);
+                d[j][1] = bf_hi(wa[j]);
+                d[j][2] = 0.f;
+                d[j][3] = 0.f;
+                // Masked here, not at the load: nothing may wait for a load before the fence.
+                const u32 b0 = bw[u][j].x & bm0, b1 = bw[u][j].y & bm1;
+                mma_k16(d[j], th[0], 0u, th[1], 0u, b0, b1);
+                mma_k16(d[j], tl[0], 0u, tl[1], 0u, b0, b1);
+            }
+            if (y_ok)
+                st_global16(y + (u64)row * p.y_stride + base + 8 * c,
+                            make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
+                                       pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
+        }
+    }
+    if (p.overlap) grid_launch_dependents();
+}
+
 #if __CUDA_ARCH__ >= 900
 // Rank 16 in at most 80 registers: three blocks per multiprocessor, so 8-block
 // clusters of 32 entries are all resident at once (`blocks_per_sm` in bgmv/entry.rs).
@@ -582,4 +815,8 @@ BGE_KERNEL(bgmv_entry_c8_r64, 8, 4, 2)
 BGE_KERNEL(bgmv_entry_c4_r16, 4, 1, 3)
 BGE_KERNEL(bgmv_entry_c4_r32, 4, 2, 2)
 BGE_KERNEL(bgmv_entry_c4_r64, 4, 4, 2)
+// The register form: rank 16 in at most 80 registers, as bgmv_entry_c8_r16.
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg(const BgeParams p) {
+    bge_reg_body<8>(p);
+}
 #endif

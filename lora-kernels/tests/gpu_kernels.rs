@@ -331,6 +331,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     entry_clusters: None,
     expand_b_registers: None,
     row_registers: Some(false),
+    entry_registers: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -395,6 +396,18 @@ const ENTRY: BgmvTuning = BgmvTuning {
 };
 const ENTRY_C4: BgmvTuning = BgmvTuning {
     cluster: Some(4),
+    ..ENTRY
+};
+/// The entry form's staged kernel where the register kernel is the default
+/// (rank stride 16, clusters of 8, at most 256 rows, `in` and outputs up to
+/// 4096, 8 rows per table entry).
+const ENTRY_STAGED: BgmvTuning = BgmvTuning {
+    entry_registers: Some(false),
+    ..ENTRY
+};
+/// The entry form's register kernel wherever it serves the call.
+const ENTRY_REGISTERS: BgmvTuning = BgmvTuning {
+    entry_registers: Some(true),
     ..ENTRY
 };
 
@@ -1887,7 +1900,7 @@ fn gpu_bgmv_entry_clusters_match_cpu() {
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true).with_aligned_rows(&mut rng);
         let idx = random_idx(&mut rng, n, slots, none_every);
         let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
-        for t in [ENTRY, ENTRY_C4] {
+        for t in [ENTRY, ENTRY_STAGED, ENTRY_C4] {
             let label = format!("entry n={n} in={in_dim} outs={outs:?} stride={stride} {t:?}");
             let g = run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t);
             compare(&label, &p.y_bf16, &c, &g);
@@ -1908,21 +1921,46 @@ fn gpu_bgmv_entry_clusters_match_cpu() {
             );
         }
     }
-    // Every rank of the stride, each entry twice, and the patterns of whole batches.
-    let ranks: Vec<u32> = (0..=64).collect();
-    let p = Problem::new(&mut rng, 130, 1024, &[768], 64, &ranks, true).with_aligned_rows(&mut rng);
-    let mut idx: Vec<i32> = (0..65).collect();
-    idx.extend((0..65).map(|i| i * 37 % 65));
-    let patterns: [(&str, Vec<i32>); 3] = [
-        ("every rank", idx),
-        ("all rows one adapter", vec![64; 130]),
-        ("no adapter anywhere", vec![-1; 130]),
-    ];
-    for (what, idx) in patterns {
-        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
-        for t in [ENTRY, ENTRY_C4] {
-            let g = run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t);
-            compare(&format!("entry {what} {t:?}"), &p.y_bf16, &c, &g);
+    // Every rank of the stride, each entry `per` times, and the patterns of
+    // whole batches; at stride 16 (8 rows per entry: the register kernel by
+    // default, where one adapter's batch leaves 16 clusters reading their
+    // weights for nothing) and 64.
+    for (stride, in_dim, out, per) in [
+        (64, 1024, 768, 2),
+        (16, 4096, 4096, 2),
+        (16, 2056, 1032, 2),
+        (16, 4096, 4096, 8),
+        (16, 1032, 2056, 8),
+    ] {
+        let ranks: Vec<u32> = (0..=stride as u32).collect();
+        let slots = ranks.len() as i32;
+        let n = per * ranks.len();
+        let p = Problem::new(&mut rng, n, in_dim, &[out], stride, &ranks, true).with_aligned_rows(&mut rng);
+        let idx: Vec<i32> = (0..n as i32).map(|i| (i * 37 + i / slots) % slots).collect();
+        let patterns: [(&str, Vec<i32>); 3] = [
+            ("every rank", idx),
+            ("all rows one adapter", vec![slots - 1; n]),
+            ("no adapter anywhere", vec![-1; n]),
+        ];
+        // At stride 16 the register kernel also where it is not the default
+        // (2 rows per entry; no row anywhere: every cluster reads its weights
+        // for nothing).
+        let tunings: &[BgmvTuning] = if stride == 16 {
+            &[ENTRY, ENTRY_STAGED, ENTRY_C4, ENTRY_REGISTERS]
+        } else {
+            &[ENTRY, ENTRY_STAGED, ENTRY_C4]
+        };
+        for (what, idx) in patterns {
+            let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
+            for &t in tunings {
+                let g = run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t);
+                compare(
+                    &format!("entry {what} stride={stride} in={in_dim} {t:?}"),
+                    &p.y_bf16,
+                    &c,
+                    &g,
+                );
+            }
         }
     }
 }
@@ -1950,7 +1988,7 @@ fn gpu_bgmv_entry_clusters_faults_and_overlap() {
         &p.y_bf16,
         BgmvTuning::default(),
     );
-    for t in [ENTRY, ENTRY_C4] {
+    for t in [ENTRY, ENTRY_STAGED, ENTRY_C4, ENTRY_REGISTERS] {
         let mut y = gpu.upload(&p.y_bf16).unwrap();
         let yv = RowsMut::dense(&mut y, n, p.y_width);
         bgmv_tuned(&gpu, on.x_rows(&p), &idx, &target, stride, yv, t).unwrap();

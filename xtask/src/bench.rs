@@ -688,6 +688,15 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 };
                 variants.push((format!("overlap entry c{cl}"), overlap));
             }
+            // The entry form's kernel with B and y staged in shared memory,
+            // against its register kernel (the default where it serves).
+            let staged = BgmvTuning {
+                entry_clusters: Some(true),
+                cluster: Some(8),
+                entry_registers: Some(false),
+                ..Default::default()
+            };
+            variants.push(("entry c8 staged".to_string(), staged));
             for (label, t) in [("2p scan", scan), ("2p scan stc", scan_tc)] {
                 variants.push((label.to_string(), t));
                 let overlap = BgmvTuning {

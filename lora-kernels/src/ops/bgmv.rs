@@ -21,7 +21,7 @@ use crate::error::{KernelError, invalid};
 
 mod entry;
 mod rows;
-pub use entry::ENTRY_MAX_ROWS;
+pub use entry::{ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS, ENTRY_REGISTERS_ROWS_PER_ENTRY};
 pub use rows::{ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE};
 
 /// Largest rank stride bgmv serves (the rank vectors live in shared memory).
@@ -579,6 +579,20 @@ pub struct BgmvTuning {
     /// against 8.73), where the entry-clustered form shares each adapter's
     /// bytes (NOTES.md v29-v30).
     pub row_registers: Option<bool>,
+    /// The entry-clustered form's register kernel (`bge_reg_body` in
+    /// `cuda/bgmv_entry.cu`): at rank stride 16 in clusters of 8, each block
+    /// requests its A slice and B rows into registers as soon as its entry
+    /// is known (before the row indices arrive, so also where no row names
+    /// the entry), keeps them for every pass, and loads each pass's x and y
+    /// into registers before its first mma; nothing is staged in shared
+    /// memory. Serves calls of at most [`ENTRY_REGISTERS_MAX_ROWS`] rows with
+    /// `in` and every target at most [`ENTRY_REGISTERS_MAX_DIM`] wide
+    /// (`Some(true)` on another call, or with the entry form off, is an
+    /// error). `None`: on where the entry-clustered form runs a call it
+    /// serves with at least [`ENTRY_REGISTERS_ROWS_PER_ENTRY`] rows per
+    /// entry of the largest table (H200, in a graph, n = 256 of 32 rank-16
+    /// adapters: 7.40 against 8.39 µs, NOTES.md v33).
+    pub entry_registers: Option<bool>,
 }
 
 /// Batch sizes for which the fused kernel reads a first launch's item list
@@ -1176,6 +1190,12 @@ fn launch<Y: OutputElem>(
     if rows_wanted {
         return rows::launch_rows(c, x, idx.device_addr(), target_params, targets, y, overlap);
     }
+    if tuning.entry_registers == Some(true) && tuning.entry_clusters == Some(false) {
+        return Err(invalid(
+            "tuning.entry_registers",
+            "with entry_clusters off: the register kernel is the entry-clustered form's",
+        ));
+    }
     let entry_wanted = match tuning.entry_clusters {
         Some(true) => {
             entry_shape
@@ -1184,6 +1204,12 @@ fn launch<Y: OutputElem>(
             true
         }
         Some(false) => false,
+        None if tuning.entry_registers == Some(true) => {
+            entry_shape
+                .check(targets)
+                .map_err(|reason| invalid("tuning.entry_registers", reason))?;
+            true
+        }
         None => {
             let call = EntryCall {
                 n,
@@ -1202,6 +1228,20 @@ fn launch<Y: OutputElem>(
             None => entry::default_cluster(stride, max_entries, c.sm_count as usize),
             Some(v) => v as usize,
         };
+        let serves = entry::registers_serve(stride, cluster, n, x.width, max_out);
+        let registers = match tuning.entry_registers {
+            Some(true) => {
+                serves.map_err(|reason| invalid("tuning.entry_registers", reason))?;
+                true
+            }
+            Some(false) => false,
+            None => serves.is_ok() && entry::registers_by_default(n, max_entries),
+        };
+        let kernel = if registers {
+            entry::EntryKernel::Registers
+        } else {
+            entry::EntryKernel::Staged { cluster }
+        };
         return entry::launch_entry(
             c,
             x,
@@ -1210,7 +1250,7 @@ fn launch<Y: OutputElem>(
             targets,
             stride,
             y,
-            cluster,
+            kernel,
             overlap,
         );
     }

@@ -197,7 +197,76 @@ fn smem_plan(stride: usize, n: usize, max_out: usize, cluster: usize, smem_per_s
     }
 }
 
-fn kernel_name(cluster: usize, stride: usize) -> Option<&'static str> {
+/// Widest `in` and target the register kernel serves: a block's K slice and
+/// output slice of at most 512 (`BGE_REG_CHUNKS` and `BGE_REG_GROUPS` pieces
+/// of 32 per warp, 8 warps, clusters of 8).
+pub const ENTRY_REGISTERS_MAX_DIM: usize = 4096;
+
+/// Most rows the register kernel serves (`BGE_REG_MAX_ROWS`: one row index
+/// per thread; more would spill).
+pub const ENTRY_REGISTERS_MAX_ROWS: usize = 256;
+
+/// Rows per table entry (of the largest table) from which [`super::bgmv`]
+/// takes the register kernel by default. It requests each block's weights
+/// before the row indices arrive, so a cluster whose entry no row names
+/// reads its weights for nothing; with this many rows per entry on average
+/// few entries are unused. H200, in a graph, against the staged kernel in
+/// the same call (NOTES.md v33): n = 256 of 32 rank-16 adapters 7.40
+/// against 8.39 µs, n = 128 of 16 5.54 against 6.02, n = 64 of 8 4.72
+/// against 4.95. With its weights requested after a barrier had found a row
+/// naming the entry it lost at every shape (n = 1 5.17 against 4.51, n = 16
+/// 6.16 against 5.72, n = 256 of 64 14.24 against 12.59), so fewer rows per
+/// entry keep the staged kernel.
+pub const ENTRY_REGISTERS_ROWS_PER_ENTRY: usize = 8;
+
+/// Whether the register kernel serves `n` rows over tables of at most
+/// `max_entries` entries by default (the call must also pass `registers_serve`).
+pub(super) fn registers_by_default(n: usize, max_entries: usize) -> bool {
+    n >= ENTRY_REGISTERS_ROWS_PER_ENTRY.saturating_mul(max_entries.max(1))
+}
+
+/// Why the register kernel cannot serve a call of the entry-clustered form,
+/// or `Ok` when it can: rank stride 16, clusters of 8, at most
+/// [`ENTRY_REGISTERS_MAX_ROWS`] rows, `in` and every target at most
+/// [`ENTRY_REGISTERS_MAX_DIM`].
+pub(super) fn registers_serve(
+    stride: usize,
+    cluster: usize,
+    n: usize,
+    in_dim: usize,
+    max_out: usize,
+) -> Result<(), String> {
+    if stride != 16 {
+        return Err(format!("rank stride {stride} (16 only)"));
+    }
+    if cluster != 8 {
+        return Err(format!("clusters of {cluster} (8 only)"));
+    }
+    if n > ENTRY_REGISTERS_MAX_ROWS {
+        return Err(format!("{n} rows (at most {ENTRY_REGISTERS_MAX_ROWS})"));
+    }
+    if in_dim > ENTRY_REGISTERS_MAX_DIM || max_out > ENTRY_REGISTERS_MAX_DIM {
+        return Err(format!(
+            "in {in_dim}, widest target {max_out} (at most {ENTRY_REGISTERS_MAX_DIM} each)"
+        ));
+    }
+    Ok(())
+}
+
+/// Which kernel of the form a launch runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum EntryKernel {
+    /// B and y staged in shared memory where they fit; clusters of 8 or 4.
+    Staged { cluster: usize },
+    /// The register kernel (`registers_serve` must hold): clusters of 8.
+    Registers,
+}
+
+fn kernel_name(kernel: EntryKernel, stride: usize) -> Option<&'static str> {
+    let cluster = match kernel {
+        EntryKernel::Registers => return (stride == 16).then_some("bgmv_entry_c8_r16_reg"),
+        EntryKernel::Staged { cluster } => cluster,
+    };
     Some(match (cluster, stride) {
         (8, 16) => "bgmv_entry_c8_r16",
         (8, 32) => "bgmv_entry_c8_r32",
@@ -209,7 +278,8 @@ fn kernel_name(cluster: usize, stride: usize) -> Option<&'static str> {
     })
 }
 
-/// Launch the form (the caller checked `EntryShape::check`). `cluster`: 8 or 4 blocks per entry.
+/// Launch the form (the caller checked `EntryShape::check`, and
+/// `registers_serve` where `kernel.registers`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch_entry<Y: OutputElem>(
     c: &CudaBackend,
@@ -219,14 +289,20 @@ pub(super) fn launch_entry<Y: OutputElem>(
     targets: &[LoraTarget<'_>],
     stride: usize,
     y: &RowsMut<'_, Y>,
-    cluster: usize,
+    kernel: EntryKernel,
     overlap: bool,
 ) -> Result<(), KernelError> {
-    let name = kernel_name(cluster, stride).ok_or_else(|| invalid("tuning.cluster", format!("{cluster}; 8 or 4")))?;
+    let name = kernel_name(kernel, stride)
+        .ok_or_else(|| invalid("tuning.cluster", format!("{kernel:?} at rank stride {stride}")))?;
     let n = x.n_rows;
     let entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0).max(1);
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
-    let (stage_cols, smem) = smem_plan(stride, n, max_out, cluster, c.smem_per_sm);
+    // The register kernel stages nothing: the push form's base layout in
+    // clusters of 8 (which holds its smaller one, and its fallback's).
+    let (cluster, (stage_cols, smem)) = match kernel {
+        EntryKernel::Registers => (8, (0, base_smem_bytes(stride, n, 8))),
+        EntryKernel::Staged { cluster } => (cluster, smem_plan(stride, n, max_out, cluster, c.smem_per_sm)),
+    };
     let params = BgeParams::new(c, x, idx_addr, target_params, y, overlap, stage_cols)?;
     let shape = Launch {
         grid: (
@@ -292,7 +368,8 @@ mod tests {
             }
             let cl = default_cluster(stride, n, 132);
             prop_assert!(cl == 8 || cl == 4);
-            prop_assert!(kernel_name(cl, stride).is_some());
+            let staged = EntryKernel::Staged { cluster: cl };
+            prop_assert!(kernel_name(staged, stride).is_some());
         }
     }
 
@@ -390,11 +467,35 @@ mod tests {
 
     #[test]
     fn every_served_stride_and_cluster_has_a_kernel() {
+        let staged = |cluster| EntryKernel::Staged { cluster };
         for cl in [8, 4] {
             for s in [16, 32, 64] {
-                assert!(kernel_name(cl, s).is_some());
+                assert!(kernel_name(staged(cl), s).is_some());
             }
         }
-        assert!(kernel_name(2, 16).is_none() && kernel_name(8, 48).is_none());
+        assert!(kernel_name(staged(2), 16).is_none() && kernel_name(staged(8), 48).is_none());
+        // The register kernel: rank stride 16 in clusters of 8 only, as `registers_serve` says.
+        assert_eq!(kernel_name(EntryKernel::Registers, 16), Some("bgmv_entry_c8_r16_reg"));
+        assert!(kernel_name(EntryKernel::Registers, 32).is_none());
+        for (cl, s) in [(4, 16), (8, 32), (8, 64)] {
+            assert!(registers_serve(s, cl, 256, 4096, 4096).is_err());
+        }
+        assert_eq!(registers_serve(16, 8, 256, 4096, 4096), Ok(()));
+        assert!(
+            registers_serve(16, 8, 257, 4096, 4096)
+                .unwrap_err()
+                .contains("257 rows")
+        );
+        assert!(registers_serve(16, 8, 256, 4104, 4096).unwrap_err().contains("in 4104"));
+        assert!(registers_serve(16, 8, 256, 4096, 14336).unwrap_err().contains("14336"));
+    }
+
+    #[test]
+    fn the_register_kernel_by_default_from_eight_rows_per_entry() {
+        assert!(registers_by_default(256, 32));
+        assert!(!registers_by_default(255, 32));
+        assert!(!registers_by_default(256, 64));
+        assert!(registers_by_default(8, 0));
+        assert!(!registers_by_default(1, 1));
     }
 }
