@@ -592,7 +592,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     BGE_STAMP(11, 0u);
 }
 
-// The register form (bgmv/entry.rs `registers`): rank stride 16, clusters
+// The register form (bgmv/entry.rs `EntryKernel::Registers`): rank stride 16, clusters
 // of 8, a block's K slice and output slice at most BGE_REG_CHUNKS and
 // BGE_REG_GROUPS pieces of 32 per warp (512 columns and 512 outputs: `in`
 // and every target up to 4096). The block's A slice and B rows are loaded
@@ -682,27 +682,24 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     // rows (group u, tile j: ranks 4c .. 4c + 3 of output base + 8 (g / 2)
     // + 2 j + g % 2), for every pass; nothing of a bad entry.
     uint4 a0[NCH], a1[NCH];
+#pragma unroll
+    for (int u = 0; u < NCH; ++u) {
+        const int col = k0 + (warp + u * BGE_WARPS) * 32 + c * 8;
+        const bool ok = col < k1;  // k1 - k0 is a multiple of 8
+        a0[u] = ok && g < rank ? ldg16(A + (u64)g * in + col) : zero;
+        a1[u] = ok && g + 8 < rank ? ldg16(A + (u64)(g + 8) * in + col) : zero;
+    }
     uint2 bw[NG][4];
-    auto load_weights = [&]() {
 #pragma unroll
-        for (int u = 0; u < NCH; ++u) {
-            const int col = k0 + (warp + u * BGE_WARPS) * 32 + c * 8;
-            const bool ok = col < k1;  // k1 - k0 is a multiple of 8
-            a0[u] = ok && g < rank ? ldg16(A + (u64)g * in + col) : zero;
-            a1[u] = ok && g + 8 < rank ? ldg16(A + (u64)(g + 8) * in + col) : zero;
+    for (int u = 0; u < NG; ++u) {
+        const int base = o0 + (warp + u * BGE_WARPS) * 32;
+        const bool b_ok = rank > 0 && base + 8 * (g >> 1) + 8 <= o1;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int bo = base + 8 * (g >> 1) + 2 * j + (g & 1);
+            bw[u][j] = b_ok ? __ldg((const uint2*)(B + (u64)bo * 16 + 4 * c)) : make_uint2(0u, 0u);
         }
-#pragma unroll
-        for (int u = 0; u < NG; ++u) {
-            const int base = o0 + (warp + u * BGE_WARPS) * 32;
-            const bool b_ok = rank > 0 && base + 8 * (g >> 1) + 8 <= o1;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int bo = base + 8 * (g >> 1) + 2 * j + (g & 1);
-                bw[u][j] = b_ok ? __ldg((const uint2*)(B + (u64)bo * 16 + 4 * c)) : make_uint2(0u, 0u);
-            }
-        }
-    };
-    load_weights();
+    }
 
     // 3. The rows naming e, in row order.
     const int n_found = bge_list_round(raw == e, tid, 0, s_wcount, s_rows);

@@ -55,7 +55,10 @@ pub use buffer::{DeviceBuffer, DeviceElem, PinnedHostBuffer};
 pub use device::{Device, DeviceKind, compile_all_kernels};
 pub use error::{FaultFlags, KernelError};
 pub use graph::{DeviceEvent, DeviceGraph};
-pub use ops::bgmv::{BGMV_MAX_RANK, BgmvTuning, ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_tuned};
+pub use ops::bgmv::{
+    BGMV_MAX_RANK, BgmvTuning, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS,
+    ENTRY_REGISTERS_ROWS_PER_ENTRY, ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_tuned,
+};
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};
 pub use ops::overlay::{embed_overlay, lm_head_overlay, row_diff};
 pub use ops::repack::{RepackDtype, RepackRegion, repack};

@@ -689,7 +689,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 variants.push((format!("overlap entry c{cl}"), overlap));
             }
             // The entry form's kernel with B and y staged in shared memory,
-            // against its register kernel (the default where it serves).
+            // against its register kernel (the default from 8 rows per entry).
             let staged = BgmvTuning {
                 entry_clusters: Some(true),
                 cluster: Some(8),

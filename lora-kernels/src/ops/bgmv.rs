@@ -1167,10 +1167,10 @@ fn launch<Y: OutputElem>(
     };
     let rows_wanted = match tuning.row_registers {
         Some(true) => {
-            if tuning.entry_clusters == Some(true) {
+            if tuning.entry_clusters == Some(true) || tuning.entry_registers == Some(true) {
                 return Err(invalid(
                     "tuning.row_registers",
-                    "with entry_clusters: one form per call",
+                    "with entry_clusters or entry_registers: one form per call",
                 ));
             }
             rows_shape

@@ -279,7 +279,7 @@ fn kernel_name(kernel: EntryKernel, stride: usize) -> Option<&'static str> {
 }
 
 /// Launch the form (the caller checked `EntryShape::check`, and
-/// `registers_serve` where `kernel.registers`).
+/// `registers_serve` for `EntryKernel::Registers`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch_entry<Y: OutputElem>(
     c: &CudaBackend,
