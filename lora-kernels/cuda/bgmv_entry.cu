@@ -69,7 +69,13 @@ struct BgeParams {
     int in_dim;
     int x_stride;
     int y_stride;
-    int overlap;  // a programmatic dependent: idx, the tables and the adapters read before griddepcontrol.wait
+    // A programmatic dependent of the stream's previous kernel: 1, idx, the
+    // tables and the adapters read before griddepcontrol.wait (the opt-in
+    // overlap); 2, the wait before any read (plain stream order, the blocks
+    // resident early: BGE_WAIT_FIRST), the next kernel let in once the
+    // block's work is out; 3, the same, the next kernel let in at once; 0, a
+    // plain launch (bgmv/entry.rs `Chain`).
+    int overlap;
     int stage_cols;  // outputs per block staged in shared memory (B rows and y values), 0: none
     LoraTarget targets[MAX_TARGETS];
 };
@@ -117,6 +123,19 @@ __device__ __forceinline__ void stsm_x4_trans(bf16_t* row, const u32* r) {
                  : "memory");
 }
 #endif
+
+// p.overlap 2 or 3 (BGE_WAIT_FIRST): wait for the previous kernel before
+// any read, as a plain launch would; the point is that the blocks are
+// resident, their launch done, when that kernel ends. At 3 the next launch
+// is let in at once (its own wait keeps it behind this kernel), at 2 (as
+// at 1) once the block's work is out.
+#define BGE_WAIT_FIRST 2
+__device__ __forceinline__ void bge_wait_first(const BgeParams& p) {
+    if (p.overlap >= BGE_WAIT_FIRST) {
+        grid_dependency_wait();
+        if (p.overlap == 3) grid_launch_dependents();
+    }
+}
 
 // One round of the row listing (every thread of the block, one row each):
 // row j, which names the entry when `m`, goes to s_rows after the
@@ -214,6 +233,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
 
     BGE_TRACE_BEGIN(p);
     BGE_STAMP(0, 0u);
+    bge_wait_first(p);
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -288,7 +308,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     // once instead of one output group after another. Uniform per block.
     const bool staged = p.stage_cols >= o1 - o0 && aligned16(B);
 
-    if (p.overlap) grid_dependency_wait();
+    if (p.overlap == 1) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
     bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
 
@@ -587,7 +607,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
         BGE_STAMP(10, 0u);
         __syncthreads();  // s_t and s_red are rewritten by the next pass
     }
-    if (p.overlap) grid_launch_dependents();
+    if (p.overlap == 1 || p.overlap == 2) grid_launch_dependents();
     if (pending) cluster_wait();  // keep our partials alive until every peer read them
     BGE_STAMP(11, 0u);
 }
@@ -655,6 +675,7 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     const int q = (int)(blockIdx.x % C);
     const int e = (int)blockIdx.y;
     const LoraTarget tg = p.targets[blockIdx.z];
+    bge_wait_first(p);
 
     // 1. The row index of this thread's row, and the entry.
     const int raw = tid < p.n_rows ? ((const int*)p.idx)[tid] : -1;
@@ -716,7 +737,7 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     }
     cluster_arrive_relaxed();  // waited for before the first push
 
-    if (p.overlap) grid_dependency_wait();
+    if (p.overlap == 1) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
     bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
     int passes = 0;
@@ -796,7 +817,7 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
                                        pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
         }
     }
-    if (p.overlap) grid_launch_dependents();
+    if (p.overlap == 1 || p.overlap == 2) grid_launch_dependents();
 }
 
 #if __CUDA_ARCH__ >= 900

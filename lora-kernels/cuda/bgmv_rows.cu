@@ -262,7 +262,7 @@ __device__ __forceinline__ void bgr_apply_general(const BgeParams& p, const Lora
         b[2 * i] = i < live ? load8_any(B + (u64)(o + i) * R, b_vec) : zero;
         b[2 * i + 1] = i < live ? load8_any(B + (u64)(o + i) * R + 8, b_vec) : zero;
     }
-    if (p.overlap != 0) grid_dependency_wait();
+    if (p.overlap == 1) grid_dependency_wait();
     const bf16_t* xrow = (const bf16_t*)p.x + (u64)row * p.x_stride;
     const uint4 xv = col_live ? load8_any(xrow + col, aligned16(xrow)) : zero;
     Y* yp = (Y*)p.y + (u64)row * p.y_stride + tg.y_col_off + o;
@@ -305,7 +305,8 @@ __device__ __forceinline__ void bgr_body(const BgeParams& p) {
     const int q = (int)(blockIdx.x % C);
     const int row = (int)blockIdx.y;
     const LoraTarget tg = p.targets[blockIdx.z];
-    if (p.overlap != 0) grid_launch_dependents();
+    bge_wait_first(p);
+    if (p.overlap == 1) grid_launch_dependents();
 
     // 1. The row's entry. A small table is copied whole into shared memory
     // while the index arrives, so the entry is no second round trip.
@@ -339,6 +340,7 @@ __device__ __forceinline__ void bgr_body(const BgeParams& p) {
         bgr_apply_full<Y>(p, tg, en, row, q, sh);
     else
         bgr_apply_general<Y>(p, tg, en, row, q, sh);
+    if (p.overlap == 2) grid_launch_dependents();  // waited first: the next launch once this block's work is out
 }
 
 #if __CUDA_ARCH__ >= 900

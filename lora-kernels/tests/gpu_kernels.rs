@@ -332,6 +332,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     expand_b_registers: None,
     row_registers: Some(false),
     entry_registers: None,
+    wait_first: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -956,6 +957,61 @@ fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
             (rows, width, 16, slots),
             &[FUSED_SCALAR_SCAN, overlap, overlap, FUSED_SCALAR_SCAN, overlap, overlap],
         );
+    }
+}
+
+/// `wait_first` (the default of the entry-clustered and row-register
+/// forms: a programmatic dependent whose blocks wait for the previous
+/// kernel before any read, and let the next one launch early): chained
+/// applies, each reading as x what the one before wrote as y, in every
+/// kernel that takes it (the staged and register entry kernels, the
+/// row-register one, straight-line and general), mixed with plain launches,
+/// the fused kernel (which does not wait first) and the overlap.
+#[test]
+fn gpu_bgmv_wait_first_keeps_the_stream_order() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_wait_first_keeps_the_stream_order") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_wait_first_keeps_the_stream_order");
+    let plain = |t: BgmvTuning| BgmvTuning {
+        wait_first: Some(false),
+        ..t
+    };
+    let overlap = |t: BgmvTuning| BgmvTuning {
+        overlap_previous: Some(true),
+        ..t
+    };
+    let (reg, staged, c4) = (ENTRY_REGISTERS, ENTRY_STAGED, ENTRY_C4);
+    // (n, width, stride, slots): 8 rows an entry at 4096 (the register
+    // kernel's default), few rows an entry, rank 64 in clusters of 4.
+    let chains: [((usize, usize, usize, usize), Vec<BgmvTuning>); 5] = [
+        (
+            (256, 4096, 16, 32),
+            vec![reg, reg, staged, reg, plain(reg), reg, FUSED_SCALAR_SCAN, reg],
+        ),
+        (
+            (64, 1000, 16, 9),
+            vec![staged, staged, plain(staged), overlap(staged), staged, reg, reg],
+        ),
+        ((48, 2056, 64, 5), vec![c4, c4, FUSED_TC_SCAN, c4, plain(c4), c4]),
+        (
+            (64, 4096, 16, 64),
+            vec![
+                ROW_REGISTERS,
+                ROW_REGISTERS,
+                plain(ROW_REGISTERS),
+                ROW_REGISTERS,
+                reg,
+                ROW_REGISTERS,
+            ],
+        ),
+        (
+            (7, 1024, 16, 3),
+            vec![ROW_REGISTERS, ROW_REGISTERS, overlap(ROW_REGISTERS), ROW_REGISTERS],
+        ),
+    ];
+    for (shape, chain) in chains {
+        check_overlap_chain(&gpu, &mut rng, shape, &chain);
     }
 }
 

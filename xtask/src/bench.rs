@@ -697,6 +697,13 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("entry c8 staged".to_string(), staged));
+            // The default with its entry-clustered or row-register launch a
+            // plain one, not a programmatic dependent waiting first.
+            let plain = BgmvTuning {
+                wait_first: Some(false),
+                ..Default::default()
+            };
+            variants.push(("plain launch".to_string(), plain));
             for (label, t) in [("2p scan", scan), ("2p scan stc", scan_tc)] {
                 variants.push((label.to_string(), t));
                 let overlap = BgmvTuning {

@@ -38,7 +38,7 @@ pub(super) struct BgeParams {
     pub(super) in_dim: i32,
     pub(super) x_stride: i32,
     pub(super) y_stride: i32,
-    /// 1: a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
+    /// How the launch follows the stream's previous kernel (`Chain as i32`).
     pub(super) overlap: i32,
     /// Outputs per block whose B rows and y values are staged in shared memory (0: none).
     pub(super) stage_cols: i32,
@@ -56,7 +56,7 @@ impl BgeParams {
         idx_addr: u64,
         target_params: &[TargetParams; MAX_TARGETS],
         y: &RowsMut<'_, Y>,
-        overlap: bool,
+        chain: Chain,
         stage_cols: usize,
     ) -> Result<BgeParams, KernelError> {
         Ok(BgeParams {
@@ -68,11 +68,63 @@ impl BgeParams {
             in_dim: to_i32("x.width", x.width)?,
             x_stride: to_i32("x.stride", x.stride)?,
             y_stride: to_i32("y.stride", y.stride)?,
-            overlap: i32::from(overlap),
+            overlap: chain as i32,
             stage_cols: to_i32("stage_cols", stage_cols)?,
             targets: *target_params,
         })
     }
+}
+
+/// How a launch of this form or of the row-register form follows the
+/// stream's previous kernel (`overlap` in the kernels' parameter block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Chain {
+    /// A plain launch.
+    Plain = 0,
+    /// `BgmvTuning::overlap_previous`: a programmatic dependent that reads
+    /// idx, the tables and the adapters before it waits for that kernel.
+    EarlyReads = 1,
+    /// `BgmvTuning::wait_first`: a programmatic dependent whose blocks wait
+    /// for that kernel before they read anything (a plain launch's order),
+    /// and let the next kernel launch once their work is out.
+    WaitFirst = 2,
+    /// The same, letting the next kernel launch as soon as they waited
+    /// (`early_next`).
+    WaitFirstEarlyNext = 3,
+}
+
+impl Chain {
+    /// The chain of a call: the overlap where asked for, else waiting first
+    /// where asked for (the next kernel let in early or late).
+    pub(super) fn of(overlap: bool, wait_first: bool, early_next: bool) -> Chain {
+        match (overlap, wait_first, early_next) {
+            (true, _, _) => Chain::EarlyReads,
+            (false, true, true) => Chain::WaitFirstEarlyNext,
+            (false, true, false) => Chain::WaitFirst,
+            (false, false, _) => Chain::Plain,
+        }
+    }
+
+    /// Whether the launch is a programmatic dependent.
+    pub(super) fn dependent(self) -> bool {
+        self != Chain::Plain
+    }
+}
+
+/// Whether a launch of this form that waits first lets the next kernel
+/// launch as soon as its blocks waited, rather than once their work is out:
+/// where its blocks (`cluster` per entry and target) fit one to a
+/// multiprocessor at rank strides up to 32. The next kernel's blocks then
+/// take the idle multiprocessors; where this launch fills them (or at rank
+/// 64, clusters of 4, one block a multiprocessor of two it could hold),
+/// early ones land where the kernel's own placement would not put them.
+/// H200, in a graph of back-to-back applies (NOTES.md v34), early against
+/// late: n = 1 4.15 against 4.35 µs, n = 16 of 16 5.34 against 5.52, n =
+/// 128 of 16 rank-32 adapters 8.89 against 9.44; but n = 256 of 32 (256
+/// blocks) 7.39 against 7.12, n = 64 of 24 (192) 6.51 against 6.03, n =
+/// 256 of 32 rank-64 adapters (128 blocks in clusters of 4) 19.49 against 18.66.
+pub(super) fn early_next(stride: usize, cluster: usize, entries: usize, n_targets: usize, sms: usize) -> bool {
+    stride <= 32 && cluster.saturating_mul(entries.max(1)).saturating_mul(n_targets.max(1)) <= sms
 }
 
 /// What of a call the form's eligibility depends on.
@@ -290,7 +342,7 @@ pub(super) fn launch_entry<Y: OutputElem>(
     stride: usize,
     y: &RowsMut<'_, Y>,
     kernel: EntryKernel,
-    overlap: bool,
+    chain: Chain,
 ) -> Result<(), KernelError> {
     let name = kernel_name(kernel, stride)
         .ok_or_else(|| invalid("tuning.cluster", format!("{kernel:?} at rank stride {stride}")))?;
@@ -303,7 +355,7 @@ pub(super) fn launch_entry<Y: OutputElem>(
         EntryKernel::Registers => (8, (0, base_smem_bytes(stride, n, 8))),
         EntryKernel::Staged { cluster } => (cluster, smem_plan(stride, n, max_out, cluster, c.smem_per_sm)),
     };
-    let params = BgeParams::new(c, x, idx_addr, target_params, y, overlap, stage_cols)?;
+    let params = BgeParams::new(c, x, idx_addr, target_params, y, chain, stage_cols)?;
     let shape = Launch {
         grid: (
             to_u32("grid", cluster)?,
@@ -323,7 +375,8 @@ pub(super) fn launch_entry<Y: OutputElem>(
     // against `n_entries` and each entry's rank against the stride before it
     // reads A and B through table addresses, which the table's owner keeps
     // pointing at live `[stride, in]` / `[out, stride]` pairs. As a dependent
-    // launch (`overlap`) it reads x and y only after `griddepcontrol.wait`.
+    // launch it reads x and y only after `griddepcontrol.wait` (and, waiting
+    // first, nothing before it).
     unsafe {
         c.launch_chained(
             Kernel {
@@ -332,7 +385,7 @@ pub(super) fn launch_entry<Y: OutputElem>(
             },
             shape,
             &params,
-            overlap,
+            chain.dependent(),
         )
     }
 }
@@ -488,6 +541,23 @@ mod tests {
         );
         assert!(registers_serve(16, 8, 256, 4104, 4096).unwrap_err().contains("in 4104"));
         assert!(registers_serve(16, 8, 256, 4096, 14336).unwrap_err().contains("14336"));
+    }
+
+    #[test]
+    fn the_next_kernel_is_let_in_early_only_by_launches_of_a_block_a_multiprocessor() {
+        assert!(early_next(16, 8, 1, 1, 132));
+        assert!(early_next(16, 8, 16, 1, 132));
+        assert!(early_next(32, 8, 16, 1, 132));
+        assert!(!early_next(16, 8, 24, 1, 132));
+        assert!(!early_next(16, 8, 32, 1, 132));
+        assert!(!early_next(64, 4, 32, 1, 132));
+        assert!(!early_next(16, 8, 8, 3, 16));
+        assert!(!early_next(16, usize::MAX, 2, 2, 132));
+        assert_eq!(Chain::of(true, true, true), Chain::EarlyReads);
+        assert_eq!(Chain::of(false, true, true), Chain::WaitFirstEarlyNext);
+        assert_eq!(Chain::of(false, true, false), Chain::WaitFirst);
+        assert_eq!(Chain::of(false, false, true), Chain::Plain);
+        assert!(!Chain::Plain.dependent() && Chain::WaitFirst.dependent());
     }
 
     #[test]

@@ -16,7 +16,7 @@
 
 use half::bf16;
 
-use super::entry::BgeParams;
+use super::entry::{BgeParams, Chain};
 use super::{Rows, RowsMut, piece8};
 use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
 use crate::error::KernelError;
@@ -112,10 +112,10 @@ pub(super) fn launch_rows<Y: OutputElem>(
     target_params: &[TargetParams; MAX_TARGETS],
     targets: &[LoraTarget<'_>],
     y: &RowsMut<'_, Y>,
-    overlap: bool,
+    chain: Chain,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
-    let params = BgeParams::new(c, x, idx_addr, target_params, y, overlap, 0)?;
+    let params = BgeParams::new(c, x, idx_addr, target_params, y, chain, 0)?;
     let shape = Launch {
         grid: (
             to_u32("grid", CLUSTER)?,
@@ -125,7 +125,7 @@ pub(super) fn launch_rows<Y: OutputElem>(
         block: THREADS,
         smem: 0,
     };
-    let full = full_form(x, y, targets, overlap);
+    let full = full_form(x, y, targets, chain == Chain::EarlyReads);
     let name = match (Y::NAME, full) {
         ("bf16", false) => "bgmv_rows_bf16",
         ("bf16", true) => "bgmv_rows_full_bf16",
@@ -146,8 +146,8 @@ pub(super) fn launch_rows<Y: OutputElem>(
     // entry's rank against the stride before it reads A and B through table
     // addresses, which the table's owner keeps pointing at live `[stride, in]`
     // / `[out, stride]` pairs, and reads A rows and B columns below the rank
-    // only. As a dependent launch (`overlap`) it reads x and y only after
-    // `griddepcontrol.wait`.
+    // only. As a dependent launch it reads x and y only after
+    // `griddepcontrol.wait` (and, waiting first, nothing before it).
     unsafe {
         c.launch_chained(
             Kernel {
@@ -156,7 +156,7 @@ pub(super) fn launch_rows<Y: OutputElem>(
             },
             shape,
             &params,
-            overlap,
+            chain.dependent(),
         )
     }
 }
