@@ -69,13 +69,7 @@ struct BgeParams {
     int in_dim;
     int x_stride;
     int y_stride;
-    // A programmatic dependent of the stream's previous kernel: 1, idx, the
-    // tables and the adapters read before griddepcontrol.wait (the opt-in
-    // overlap); 2, the wait before any read (plain stream order, the blocks
-    // resident early: BGE_WAIT_FIRST), the next kernel let in once the
-    // block's work is out; 3, the same, the next kernel let in at once; 0, a
-    // plain launch (bgmv/entry.rs `Chain`).
-    int overlap;
+    int overlap;  // how the launch follows the stream's previous kernel: BGE_PLAIN .. BGE_WAIT_FIRST_EARLY_NEXT
     int stage_cols;  // outputs per block staged in shared memory (B rows and y values), 0: none
     LoraTarget targets[MAX_TARGETS];
 };
@@ -124,17 +118,29 @@ __device__ __forceinline__ void stsm_x4_trans(bf16_t* row, const u32* r) {
 }
 #endif
 
-// p.overlap 2 or 3 (BGE_WAIT_FIRST): wait for the previous kernel before
-// any read, as a plain launch would; the point is that the blocks are
-// resident, their launch done, when that kernel ends. At 3 the next launch
-// is let in at once (its own wait keeps it behind this kernel), at 2 (as
-// at 1) once the block's work is out.
+// p.overlap, mirroring bgmv/entry.rs `Chain`: a plain launch; a
+// programmatic dependent of the stream's previous kernel that reads idx,
+// the tables and the adapters before griddepcontrol.wait (the opt-in
+// overlap); or one whose blocks wait before any read, as a plain launch
+// would (so they are resident, their launch done, when that kernel ends),
+// letting the next launch in once their work is out or at once (its own
+// wait keeps it behind this kernel).
+#define BGE_PLAIN 0
+#define BGE_EARLY_READS 1
 #define BGE_WAIT_FIRST 2
+#define BGE_WAIT_FIRST_EARLY_NEXT 3
+
+// Waiting first: the wait, and the early next launch, before anything is read.
 __device__ __forceinline__ void bge_wait_first(const BgeParams& p) {
-    if (p.overlap >= BGE_WAIT_FIRST) {
+    if (p.overlap >= BGE_WAIT_FIRST) {  // BGE_WAIT_FIRST or BGE_WAIT_FIRST_EARLY_NEXT
         grid_dependency_wait();
-        if (p.overlap == 3) grid_launch_dependents();
+        if (p.overlap == BGE_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
     }
+}
+
+// The entry bodies' end of a block's work: the next launch let in, unless that was done at once.
+__device__ __forceinline__ void bge_next_after_work(const BgeParams& p) {
+    if (p.overlap == BGE_EARLY_READS || p.overlap == BGE_WAIT_FIRST) grid_launch_dependents();
 }
 
 // One round of the row listing (every thread of the block, one row each):
@@ -308,7 +314,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     // once instead of one output group after another. Uniform per block.
     const bool staged = p.stage_cols >= o1 - o0 && aligned16(B);
 
-    if (p.overlap == 1) grid_dependency_wait();
+    if (p.overlap == BGE_EARLY_READS) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
     bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
 
@@ -607,7 +613,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
         BGE_STAMP(10, 0u);
         __syncthreads();  // s_t and s_red are rewritten by the next pass
     }
-    if (p.overlap == 1 || p.overlap == 2) grid_launch_dependents();
+    bge_next_after_work(p);
     if (pending) cluster_wait();  // keep our partials alive until every peer read them
     BGE_STAMP(11, 0u);
 }
@@ -737,7 +743,7 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     }
     cluster_arrive_relaxed();  // waited for before the first push
 
-    if (p.overlap == 1) grid_dependency_wait();
+    if (p.overlap == BGE_EARLY_READS) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
     bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
     int passes = 0;
@@ -817,7 +823,7 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
                                        pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
         }
     }
-    if (p.overlap == 1 || p.overlap == 2) grid_launch_dependents();
+    bge_next_after_work(p);
 }
 
 #if __CUDA_ARCH__ >= 900
