@@ -143,6 +143,46 @@ __device__ __forceinline__ void bge_next_after_work(const BgeParams& p) {
     if (p.overlap == BGE_EARLY_READS || p.overlap == BGE_WAIT_FIRST) grid_launch_dependents();
 }
 
+#if __CUDA_ARCH__ >= 900
+// Asks `bytes` (a multiple of 16) from p (16-byte aligned) into L2; nothing comes to the block.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+#else
+__device__ __forceinline__ void prefetch_l2_bulk(const void*, u32) {}
+#endif
+
+// The prefetching kernels (`_pf`, bgmv/entry.rs `prefetch_by_default`),
+// before a waiting-first block's wait: its slice of its entry's A rows (its
+// 1/C of the columns) and B rows (its 1/C of the outputs, rank stride S)
+// asked into L2, a bulk prefetch a row of A and one for B, so DRAM streams
+// them while the previous kernel ends. The entry is read before that
+// kernel completed and may be stale; a prefetch returns nothing to the
+// block, so at worst it warms L2 with bytes the block then does not read
+// (the H200 took prefetches of null, unmapped and freed addresses without
+// a fault: probes/entry_prefetch.cu). A separate kernel, not a flag: the
+// flag's branch alone moved a B load of the register kernel past its first
+// barrier (0.2-1 us at n = 256, NOTES.md v35).
+template <int C, int S>
+__device__ __forceinline__ void bge_prefetch_weights(const BgeParams& p) {
+    const int tid = threadIdx.x;
+    const int e = (int)blockIdx.y;
+    const LoraTarget& tg = p.targets[blockIdx.z];
+    if (e >= tg.n_entries || tid > S) return;
+    int k0, k1, o0, o1;
+    split8(p.in_dim, C, (int)(blockIdx.x % C), k0, k1);
+    split8(tg.out_dim, C, (int)(blockIdx.x % C), o0, o1);
+    const PairEntry en = ((const PairEntry*)tg.table)[e];
+    const int rank = (int)min(en.rank, (u32)S);
+    if (tid < rank) {
+        const bf16_t* a = (const bf16_t*)en.a + (u64)tid * p.in_dim + k0;
+        if (aligned16(a) && k1 > k0 && (p.in_dim & 7) == 0) prefetch_l2_bulk(a, (u32)(k1 - k0) * 2u);
+    } else if (tid == S && rank > 0) {
+        const bf16_t* b = (const bf16_t*)en.b + (u64)o0 * S;
+        if (aligned16(b) && o1 > o0) prefetch_l2_bulk(b, (u32)(o1 - o0) * S * 2u);
+    }
+}
+
 // One round of the row listing (every thread of the block, one row each):
 // row j, which names the entry when `m`, goes to s_rows after the
 // `listed` rows of earlier rounds and the lower rows of this one (a ballot
@@ -204,7 +244,7 @@ __device__ __forceinline__ const float* bge_push_partials(const float* red, floa
     return buf;
 }
 
-template <int C, int KS>
+template <int C, int KS, bool PF = false>
 __device__ __forceinline__ void bge_body(const BgeParams& p) {
     static_assert(C > 1, "a cluster of blocks per entry");
     constexpr int S = 16 * KS;  // rank stride
@@ -239,6 +279,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
 
     BGE_TRACE_BEGIN(p);
     BGE_STAMP(0, 0u);
+    if (PF) bge_prefetch_weights<C, S>(p);
     bge_wait_first(p);
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -650,7 +691,7 @@ __device__ __noinline__ void bge_reg_fallback(const BgeParams p) {
 // host takes this kernel by default only for batches of several rows per
 // entry). Requested after a barrier had found a row naming the entry, the
 // kernel lost to the staged one at every shape the bench has (NOTES.md v33).
-template <int C>
+template <int C, bool PF = false>
 __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     constexpr int NCH = BGE_REG_CHUNKS, NG = BGE_REG_GROUPS;
     // One row index a thread: at most BGE_REG_MAX_ROWS rows (more would
@@ -681,6 +722,7 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     const int q = (int)(blockIdx.x % C);
     const int e = (int)blockIdx.y;
     const LoraTarget tg = p.targets[blockIdx.z];
+    if (PF) bge_prefetch_weights<C, 16>(p);
     bge_wait_first(p);
 
     // 1. The row index of this thread's row, and the entry.
@@ -829,18 +871,24 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
 #if __CUDA_ARCH__ >= 900
 // Rank 16 in at most 80 registers: three blocks per multiprocessor, so 8-block
 // clusters of 32 entries are all resident at once (`blocks_per_sm` in bgmv/entry.rs).
-#define BGE_KERNEL(NAME, C, KS, BLOCKS)                                                                  \
+#define BGE_KERNEL(NAME, C, KS, BLOCKS, PF)                                                              \
     extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGE_THREADS, BLOCKS) NAME(const BgeParams p) { \
-        bge_body<C, KS>(p);                                                                              \
+        bge_body<C, KS, PF>(p);                                                                          \
     }
-BGE_KERNEL(bgmv_entry_c8_r16, 8, 1, 3)
-BGE_KERNEL(bgmv_entry_c8_r32, 8, 2, 2)
-BGE_KERNEL(bgmv_entry_c8_r64, 8, 4, 2)
-BGE_KERNEL(bgmv_entry_c4_r16, 4, 1, 3)
-BGE_KERNEL(bgmv_entry_c4_r32, 4, 2, 2)
-BGE_KERNEL(bgmv_entry_c4_r64, 4, 4, 2)
+BGE_KERNEL(bgmv_entry_c8_r16, 8, 1, 3, false)
+BGE_KERNEL(bgmv_entry_c8_r32, 8, 2, 2, false)
+BGE_KERNEL(bgmv_entry_c8_r64, 8, 4, 2, false)
+BGE_KERNEL(bgmv_entry_c4_r16, 4, 1, 3, false)
+BGE_KERNEL(bgmv_entry_c4_r32, 4, 2, 2, false)
+BGE_KERNEL(bgmv_entry_c4_r64, 4, 4, 2, false)
+// Rank 16, asking the weights into L2 before the wait.
+BGE_KERNEL(bgmv_entry_c8_r16_pf, 8, 1, 3, true)
+BGE_KERNEL(bgmv_entry_c4_r16_pf, 4, 1, 3, true)
 // The register form: rank 16 in at most 80 registers, as bgmv_entry_c8_r16.
 extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg(const BgeParams p) {
     bge_reg_body<8>(p);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg_pf(const BgeParams p) {
+    bge_reg_body<8, true>(p);
 }
 #endif

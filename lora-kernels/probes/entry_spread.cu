@@ -39,6 +39,8 @@
 #define BGS_PART 128  // 16 ranks x 8 rows, f32
 // A block's inbox: [2 passes][BGS_MAX_SPREAD senders][BGS_PART] u64 words (tag << 32 | value).
 #define BGS_INBOX_WORDS (2 * BGS_MAX_SPREAD * BGS_PART)
+// Or'd into a waiting-first code (p.overlap): the weights asked into L2 before the wait.
+#define BGS_PREFETCH 4
 
 struct BgsParams {
     BgeParams base;
@@ -84,6 +86,27 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
     const int e = (int)blockIdx.y;
     const u64 first_block = ((u64)blockIdx.z * gridDim.y + blockIdx.y) * (u64)Q;
     const LoraTarget tg = p.targets[blockIdx.z];
+    // Waiting first (run 337): the weights asked into L2 before the wait
+    // (BGS_PREFETCH), the next launch let in at once or once the work is out.
+    const int chain = p.overlap & 3;
+    if (chain >= BGE_WAIT_FIRST) {
+        if ((p.overlap & BGS_PREFETCH) && e < tg.n_entries && tid <= 16) {
+            int pk0, pk1, po0, po1;
+            split8(p.in_dim, Q, q, pk0, pk1);
+            split8(tg.out_dim, Q, q, po0, po1);
+            const PairEntry pe = ((const PairEntry*)tg.table)[e];
+            const int pr = (int)min(pe.rank, 16u);
+            if (tid < pr) {
+                const bf16_t* a = (const bf16_t*)pe.a + (u64)tid * p.in_dim + pk0;
+                if (aligned16(a) && pk1 > pk0) prefetch_l2_bulk(a, (u32)(pk1 - pk0) * 2u);
+            } else if (tid == 16 && pr > 0) {
+                const bf16_t* b = (const bf16_t*)pe.b + (u64)po0 * 16;
+                if (aligned16(b) && po1 > po0) prefetch_l2_bulk(b, (u32)(po1 - po0) * 32u);
+            }
+        }
+        grid_dependency_wait();
+        if (chain == BGE_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
+    }
 
     const int raw = tid < p.n_rows ? ((const int*)p.idx)[tid] : -1;
     if (e == 0 && q == 0) checked_index(raw, tg.n_entries, p.fault, true);
@@ -150,7 +173,7 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
         return;
     }
 
-    if (p.overlap) grid_dependency_wait();
+    if (chain == BGE_EARLY_READS) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
     bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
     u64* inbox = (u64*)sp.inbox;
@@ -264,7 +287,7 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
                                        pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
         }
     }
-    if (p.overlap) grid_launch_dependents();
+    if (chain == BGE_EARLY_READS || chain == BGE_WAIT_FIRST) grid_launch_dependents();
     // Every word sent to this block was read above and no peer sends more:
     // zero them for the next launch.
     if (tid < PART) {
@@ -294,6 +317,7 @@ struct SpreadForm {
     int q;       // blocks an entry
     int smem;    // dynamic shared memory (past half a multiprocessor's: one block each)
     bool coop;   // a cooperative launch
+    int chain;   // p.overlap: a launch-chain code, BGS_PREFETCH or'd in (not cooperative: programmatic)
 };
 
 int main() {
@@ -310,9 +334,12 @@ int main() {
     CK(cudaMemset(inbox, 0, inbox_bytes));
     const int small = (4 * (8 * 128 + 8 * 20 + N_ROWS) + 15) / 16 * 16;
     const std::vector<SpreadForm> forms = {
-        {"spread 4, coop, 1/SM", 4, 120 * 1024, true},
-        {"spread 4, 1/SM", 4, 120 * 1024, false},
-        {"spread 4, coop, small smem", 4, small, true},
+        {"spread 4, 1/SM", 4, 120 * 1024, false, BGE_PLAIN},
+        {"  wait first, next late", 4, 120 * 1024, false, BGE_WAIT_FIRST},
+        {"  wait first, next early", 4, 120 * 1024, false, BGE_WAIT_FIRST_EARLY_NEXT},
+        {"  + prefetch", 4, 120 * 1024, false, BGE_WAIT_FIRST_EARLY_NEXT | BGS_PREFETCH},
+        {"  prefetch, next late", 4, 120 * 1024, false, BGE_WAIT_FIRST | BGS_PREFETCH},
+        {"spread 4, small smem, early + pf", 4, small, false, BGE_WAIT_FIRST_EARLY_NEXT | BGS_PREFETCH},
     };
     CK(cudaFuncSetAttribute(bgmv_entry_spread_r16, cudaFuncAttributeMaxDynamicSharedMemorySize, 120 * 1024));
     {
@@ -328,6 +355,7 @@ int main() {
     auto spread_launch = [&](const SpreadForm& f, const ProbeCopy& c) {
         BgsParams sp;
         sp.base = probe_library_params(c, N_ROWS, IN, OUT, ENTRIES, (u64)fault, 0);
+        sp.base.overlap = f.chain;
         sp.inbox = (u64)inbox;
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(f.q, ENTRIES, 1);
@@ -335,10 +363,15 @@ int main() {
         cfg.dynamicSmemBytes = f.smem;
         cfg.stream = st;
         cudaLaunchAttribute at;
-        at.id = cudaLaunchAttributeCooperative;
-        at.val.cooperative = 1;
+        if (f.coop) {
+            at.id = cudaLaunchAttributeCooperative;
+            at.val.cooperative = 1;
+        } else {
+            at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            at.val.programmaticStreamSerializationAllowed = 1;
+        }
         cfg.attrs = &at;
-        cfg.numAttrs = f.coop ? 1 : 0;
+        cfg.numAttrs = f.coop || f.chain != BGE_PLAIN ? 1 : 0;
         CK(cudaLaunchKernelEx(&cfg, bgmv_entry_spread_r16, sp));
     };
     auto lib_reg = [&](const ProbeCopy& c) {
@@ -363,7 +396,8 @@ int main() {
         cfg.numAttrs = 1;
         CK(cudaLaunchKernelEx(&cfg, bgmv_entry_c8_r16_reg, b));
     };
-    auto lib_wait_first = [&](const ProbeCopy& c) { pdl_launch(BGE_WAIT_FIRST_EARLY_NEXT, c); };
+    // The library's default at this shape: waiting first, the next launch let in once the work is out.
+    auto lib_wait_first = [&](const ProbeCopy& c) { pdl_launch(BGE_WAIT_FIRST, c); };
     auto lib_overlap = [&](const ProbeCopy& c) { pdl_launch(BGE_EARLY_READS, c); };
 
     // Two passes: rows r name entry r % 16 (16 rows each), entries 16..31 unnamed.

@@ -333,6 +333,8 @@ const FUSED: BgmvTuning = BgmvTuning {
     row_registers: Some(false),
     entry_registers: None,
     wait_first: None,
+    prefetch_weights: None,
+    early_next: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -583,7 +585,10 @@ fn gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel() {
 }
 
 /// One chain of [`overlap_chain`] on random data against the CPU.
-fn check_overlap_chain(gpu: &Device, rng: &mut Rng, shape: (usize, usize, usize, usize), chain: &[BgmvTuning]) {
+/// (n, width, rank stride, slots) of a chain's applies.
+type ApplyShape = (usize, usize, usize, usize);
+
+fn check_overlap_chain(gpu: &Device, rng: &mut Rng, shape: ApplyShape, chain: &[BgmvTuning]) {
     let (n, width, stride, slots) = shape;
     let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 7 % stride) as u32).collect();
     let p = Problem::new(rng, n, width, &[width], stride, &ranks, true);
@@ -981,13 +986,38 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
         overlap_previous: Some(true),
         ..t
     };
+    // The weights asked into L2 before the wait with the next kernel let in
+    // late, and not asked for with it let in early (neither the default here).
+    let prefetch_late = |t: BgmvTuning| BgmvTuning {
+        prefetch_weights: Some(true),
+        early_next: Some(false),
+        ..t
+    };
+    let no_prefetch_early = |t: BgmvTuning| BgmvTuning {
+        prefetch_weights: Some(false),
+        early_next: Some(true),
+        ..t
+    };
     let (reg, staged, c4) = (ENTRY_REGISTERS, ENTRY_STAGED, ENTRY_C4);
     // (n, width, stride, slots): 8 rows an entry at 4096 (the register
     // kernel's default), few rows an entry, rank 64 in clusters of 4.
-    let chains: [((usize, usize, usize, usize), Vec<BgmvTuning>); 5] = [
+    let chains: [(ApplyShape, Vec<BgmvTuning>); 5] = [
         (
             (256, 4096, 16, 32),
-            vec![reg, reg, staged, reg, plain(reg), reg, FUSED_SCALAR_SCAN, reg],
+            vec![
+                reg,
+                reg,
+                staged,
+                reg,
+                plain(reg),
+                reg,
+                FUSED_SCALAR_SCAN,
+                reg,
+                prefetch_late(staged),
+                prefetch_late(reg),
+                no_prefetch_early(reg),
+                reg,
+            ],
         ),
         (
             (64, 1000, 16, 9),
@@ -1012,6 +1042,120 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
     ];
     for (shape, chain) in chains {
         check_overlap_chain(&gpu, &mut rng, shape, &chain);
+    }
+}
+
+/// The entry form waiting first asks its entries' weights into L2 before
+/// its wait (`prefetch_weights`, the default): here the previous kernel is
+/// still writing those weights. A first apply adds its deltas to the
+/// second apply's weights buffer, seen as rows of `width` (A rows, B rows
+/// and padding alike), and the second apply follows it in the stream with
+/// nothing between; it must read the written weights, in the register and
+/// staged kernels and in clusters of 4, with the next kernel let in early
+/// and late, as the CPU reference does.
+#[test]
+fn gpu_bgmv_entry_weights_written_by_the_previous_kernel() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_weights_written_by_the_previous_kernel") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_entry_weights_written_by_the_previous_kernel");
+    let late = |t: BgmvTuning| BgmvTuning {
+        early_next: Some(false),
+        ..t
+    };
+    let early = |t: BgmvTuning| BgmvTuning {
+        early_next: Some(true),
+        ..t
+    };
+    // (n, width, stride, slots) of the second apply, and its tunings.
+    let cases = [
+        (
+            (256, 4096, 16, 32),
+            vec![ENTRY_REGISTERS, early(ENTRY_REGISTERS), late(ENTRY_STAGED)],
+        ),
+        (
+            (64, 1000, 16, 9),
+            vec![early(ENTRY_STAGED), late(ENTRY_STAGED), ENTRY_REGISTERS],
+        ),
+        ((48, 2056, 64, 5), vec![ENTRY_C4, early(ENTRY_C4)]),
+    ];
+    for ((n, width, stride, slots), tunings) in cases {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 7 % stride) as u32).collect();
+        let pairs = RandomPairs::new(&mut rng, width, width, stride, &ranks);
+        // The weights as rows of `width`: every slot is stride * (width + width) elements.
+        let w_rows = pairs.data.len() / width;
+        let writer = Problem::new(&mut rng, w_rows, width, &[width], 16, &[16, 5, 9], true);
+        let writer_idx = random_idx(&mut rng, w_rows, 3, 7);
+        let x = rng.bf16_vec(n * width, 1.0);
+        let y = rng.bf16_vec(n * width, 1.0);
+        let idx = random_idx(&mut rng, n, slots, 5);
+        let run = |dev: &Device, tuning: BgmvTuning| -> Vec<f32> {
+            let on = OnDevice::new(dev, &writer);
+            let w_idx = dev.upload(&writer_idx).unwrap();
+            let mut w = dev.upload(&pairs.data).unwrap();
+            // Uploaded before the first apply, so nothing sits between the two.
+            let table = dev.upload(&pairs.entries(w.device_addr())).unwrap();
+            let (x, mut y, idx) = (
+                dev.upload(&x).unwrap(),
+                dev.upload(&y).unwrap(),
+                dev.upload(&idx).unwrap(),
+            );
+            let writer_rows = Rows {
+                buf: &on.x,
+                offset: 0,
+                n_rows: w_rows,
+                width,
+                stride: writer.x_stride,
+            };
+            let weights_as_rows = RowsMut {
+                buf: &mut w,
+                offset: 0,
+                n_rows: w_rows,
+                width,
+                stride: width,
+            };
+            bgmv_tuned(
+                dev,
+                writer_rows,
+                &w_idx,
+                &on.targets(&writer),
+                16,
+                weights_as_rows,
+                BgmvTuning::default(),
+            )
+            .unwrap();
+            let targets = [LoraTarget {
+                table: &table,
+                table_offset: 0,
+                n_entries: slots,
+                out_dim: width,
+                y_col_offset: 0,
+            }];
+            let rows = Rows {
+                buf: &x,
+                offset: 0,
+                n_rows: n,
+                width,
+                stride: width,
+            };
+            let out = RowsMut {
+                buf: &mut y,
+                offset: 0,
+                n_rows: n,
+                width,
+                stride: width,
+            };
+            bgmv_tuned(dev, rows, &idx, &targets, stride, out, tuning).unwrap();
+            dev.check_faults().unwrap();
+            widen(&y.download().unwrap())
+        };
+        let cpu = run(&Device::cpu(), BgmvTuning::default());
+        for t in tunings {
+            let g = run(&gpu, t);
+            assert!(g.iter().all(|v| v.is_finite()), "n={n} {t:?}: non-finite output");
+            let err = rel_error(&g, &cpu);
+            assert!(err < TOL, "n={n} width={width} {t:?}: ‖gpu − cpu‖/‖cpu‖ = {err:e}");
+        }
     }
 }
 

@@ -704,6 +704,32 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("plain launch".to_string(), plain));
+            // The entry-clustered form waiting first without asking its
+            // weights into L2 before the wait, asking for them whatever the
+            // shape, and with the next kernel let in early or late whatever
+            // the shape.
+            let t = BgmvTuning {
+                prefetch_weights: Some(false),
+                ..Default::default()
+            };
+            variants.push(("no prefetch".to_string(), t));
+            let t = BgmvTuning {
+                prefetch_weights: Some(true),
+                ..Default::default()
+            };
+            variants.push(("prefetch".to_string(), t));
+            let t = BgmvTuning {
+                early_next: Some(false),
+                ..t
+            };
+            variants.push(("prefetch, next late".to_string(), t));
+            for (label, early) in [("next early", true), ("next late", false)] {
+                let t = BgmvTuning {
+                    early_next: Some(early),
+                    ..Default::default()
+                };
+                variants.push((label.to_string(), t));
+            }
             for (label, t) in [("2p scan", scan), ("2p scan stc", scan_tc)] {
                 variants.push((label.to_string(), t));
                 let overlap = BgmvTuning {

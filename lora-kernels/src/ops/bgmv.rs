@@ -609,6 +609,24 @@ pub struct BgmvTuning {
     /// 4.15 against 4.54 µs, n = 64 of 64 rank-16 adapters 7.53 against
     /// 7.90, n = 256 of 32 7.12 against 7.41; NOTES.md v34).
     pub wait_first: Option<bool>,
+    /// Where the entry-clustered form waits first (`wait_first`): each block
+    /// asks L2 for its slice of its entry's A and B before it waits
+    /// (`cp.async.bulk.prefetch.L2`), so DRAM streams them while the
+    /// previous kernel ends. Read before that kernel completed, the entry may
+    /// be stale; a prefetch returns nothing to the block, so at worst it warms
+    /// L2 with bytes the block then does not read. `None`: at rank stride
+    /// 16, in the register kernel or where the launch's blocks are at most
+    /// one a multiprocessor, letting the next kernel in early with it (H200,
+    /// in a graph: n = 256 of 32 adapters 7.47 against 8.08 µs, n = 16 of 16
+    /// 4.87 against 5.41; where the staged kernel's blocks share
+    /// multiprocessors it lost: n = 64 of 24 6.40 against 6.12; NOTES.md v35).
+    pub prefetch_weights: Option<bool>,
+    /// Where the entry-clustered form waits first: whether it lets the next
+    /// kernel launch as soon as its blocks waited (`Some(true)`) or once
+    /// their work is out (`Some(false)`). `None`: early where its blocks are
+    /// at most one a multiprocessor at rank strides up to 32, or where they
+    /// prefetch their weights; else late.
+    pub early_next: Option<bool>,
 }
 
 /// Batch sizes for which the fused kernel reads a first launch's item list
@@ -788,6 +806,8 @@ fn row_registers_by_default(n: usize, max_entries: usize, tuning: BgmvTuning) ->
         row_registers: None,
         overlap_previous: None,
         wait_first: None,
+        prefetch_weights: None,
+        early_next: None,
         ..tuning
     } == BgmvTuning::default();
     others_unset
@@ -1264,7 +1284,15 @@ fn launch<Y: OutputElem>(
         } else {
             entry::EntryKernel::Staged { cluster }
         };
-        let early_next = entry::early_next(stride, cluster, max_entries, n_targets, c.sm_count as usize);
+        let early_by_shape = entry::early_next(stride, cluster, max_entries, n_targets, c.sm_count as usize);
+        let prefetch = wait_first
+            && !overlap
+            && tuning
+                .prefetch_weights
+                .unwrap_or_else(|| entry::prefetch_by_default(stride, early_by_shape));
+        // Asking its weights early pays where the next kernel's blocks also
+        // come early to ask for theirs (NOTES.md v35).
+        let early_next = tuning.early_next.unwrap_or(early_by_shape || prefetch);
         let chain = entry::Chain::of(overlap, wait_first, early_next);
         return entry::launch_entry(
             c,
@@ -1276,6 +1304,7 @@ fn launch<Y: OutputElem>(
             y,
             kernel,
             chain,
+            prefetch,
         );
     }
     let limits = DeviceLimits {

@@ -110,6 +110,11 @@ impl Chain {
     pub(super) fn dependent(self) -> bool {
         self != Chain::Plain
     }
+
+    /// Whether the blocks wait for the previous kernel before they read anything.
+    pub(super) fn waits_first(self) -> bool {
+        matches!(self, Chain::WaitFirst | Chain::WaitFirstEarlyNext)
+    }
 }
 
 /// Whether a launch of this form that waits first lets the next kernel
@@ -126,6 +131,15 @@ impl Chain {
 /// 256 of 32 rank-64 adapters (128 blocks in clusters of 4) 19.49 against 18.66.
 pub(super) fn early_next(stride: usize, cluster: usize, entries: usize, n_targets: usize, sms: usize) -> bool {
     stride <= 32 && cluster.saturating_mul(entries.max(1)).saturating_mul(n_targets.max(1)) <= sms
+}
+
+/// Whether a launch of this form that waits first asks its weights into L2
+/// before the wait by default (`BgmvTuning::prefetch_weights`): at rank
+/// stride 16 where it also lets the next kernel in early (`early`, from
+/// [`early_next`]), so the next launch's blocks come early to ask for
+/// theirs. Measured in NOTES.md v35.
+pub(super) fn prefetch_by_default(stride: usize, early: bool) -> bool {
+    stride == 16 && early
 }
 
 /// What of a call the form's eligibility depends on.
@@ -315,11 +329,21 @@ pub(super) enum EntryKernel {
     Registers,
 }
 
-fn kernel_name(kernel: EntryKernel, stride: usize) -> Option<&'static str> {
+/// The kernel of a launch; `prefetch`: the one that asks its weights into L2
+/// before it waits (rank stride 16 only).
+fn kernel_name(kernel: EntryKernel, stride: usize, prefetch: bool) -> Option<&'static str> {
     let cluster = match kernel {
+        EntryKernel::Registers if prefetch => return (stride == 16).then_some("bgmv_entry_c8_r16_reg_pf"),
         EntryKernel::Registers => return (stride == 16).then_some("bgmv_entry_c8_r16_reg"),
         EntryKernel::Staged { cluster } => cluster,
     };
+    if prefetch {
+        return match (cluster, stride) {
+            (8, 16) => Some("bgmv_entry_c8_r16_pf"),
+            (4, 16) => Some("bgmv_entry_c4_r16_pf"),
+            _ => None,
+        };
+    }
     Some(match (cluster, stride) {
         (8, 16) => "bgmv_entry_c8_r16",
         (8, 32) => "bgmv_entry_c8_r32",
@@ -344,8 +368,11 @@ pub(super) fn launch_entry<Y: OutputElem>(
     y: &RowsMut<'_, Y>,
     kernel: EntryKernel,
     chain: Chain,
+    prefetch_weights: bool,
 ) -> Result<(), KernelError> {
-    let name = kernel_name(kernel, stride)
+    // Prefetching kernels exist for waiting-first launches at rank stride 16.
+    let prefetch = prefetch_weights && chain.waits_first() && stride == 16;
+    let name = kernel_name(kernel, stride, prefetch)
         .ok_or_else(|| invalid("tuning.cluster", format!("{kernel:?} at rank stride {stride}")))?;
     let n = x.n_rows;
     let entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0).max(1);
@@ -423,7 +450,7 @@ mod tests {
             let cl = default_cluster(stride, n, 132);
             prop_assert!(cl == 8 || cl == 4);
             let staged = EntryKernel::Staged { cluster: cl };
-            prop_assert!(kernel_name(staged, stride).is_some());
+            prop_assert!(kernel_name(staged, stride, false).is_some());
         }
     }
 
@@ -524,13 +551,22 @@ mod tests {
         let staged = |cluster| EntryKernel::Staged { cluster };
         for cl in [8, 4] {
             for s in [16, 32, 64] {
-                assert!(kernel_name(staged(cl), s).is_some());
+                assert!(kernel_name(staged(cl), s, false).is_some());
+                assert_eq!(kernel_name(staged(cl), s, true).is_some(), s == 16);
             }
         }
-        assert!(kernel_name(staged(2), 16).is_none() && kernel_name(staged(8), 48).is_none());
+        assert!(kernel_name(staged(2), 16, false).is_none() && kernel_name(staged(8), 48, false).is_none());
         // The register kernel: rank stride 16 in clusters of 8 only, as `registers_serve` says.
-        assert_eq!(kernel_name(EntryKernel::Registers, 16), Some("bgmv_entry_c8_r16_reg"));
-        assert!(kernel_name(EntryKernel::Registers, 32).is_none());
+        assert_eq!(
+            kernel_name(EntryKernel::Registers, 16, false),
+            Some("bgmv_entry_c8_r16_reg")
+        );
+        assert_eq!(
+            kernel_name(EntryKernel::Registers, 16, true),
+            Some("bgmv_entry_c8_r16_reg_pf")
+        );
+        assert!(kernel_name(EntryKernel::Registers, 32, false).is_none());
+        assert!(kernel_name(EntryKernel::Registers, 32, true).is_none());
         for (cl, s) in [(4, 16), (8, 32), (8, 64)] {
             assert!(registers_serve(s, cl, 256, 4096, 4096).is_err());
         }
@@ -554,11 +590,16 @@ mod tests {
         assert!(!early_next(64, 4, 32, 1, 132));
         assert!(!early_next(16, 8, 8, 3, 16));
         assert!(!early_next(16, usize::MAX, 2, 2, 132));
+        assert!(prefetch_by_default(16, true));
+        assert!(!prefetch_by_default(16, false));
+        assert!(!prefetch_by_default(32, true));
         assert_eq!(Chain::of(true, true, true), Chain::EarlyReads);
         assert_eq!(Chain::of(false, true, true), Chain::WaitFirstEarlyNext);
         assert_eq!(Chain::of(false, true, false), Chain::WaitFirst);
         assert_eq!(Chain::of(false, false, true), Chain::Plain);
         assert!(!Chain::Plain.dependent() && Chain::WaitFirst.dependent());
+        assert!(Chain::WaitFirst.waits_first() && Chain::WaitFirstEarlyNext.waits_first());
+        assert!(!Chain::Plain.waits_first() && !Chain::EarlyReads.waits_first());
     }
 
     #[test]
