@@ -892,3 +892,308 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREA
     bge_reg_body<8, true>(p);
 }
 #endif
+
+// The spread form (bgmv/entry.rs `EntryKernel::Spread`): rank stride 16,
+// Q = gridDim.x blocks per (entry, target) group and no cluster, about one
+// block a multiprocessor (its registers), every block of the launch resident
+// at once (the host launches at most a block a multiprocessor, and
+// cooperatively where it does not wait first), so 32 entries take 128
+// multiprocessors evenly instead of clusters of 8 leaving 16 of them three
+// blocks (NOTES.md v34, v35). A block's K slice and output slice are at
+// most BGS_CHUNKS and BGS_GROUPS pieces of 32 per warp (1024 each: `in`
+// and every target up to 1024 Q). Weights, x and y are requested into
+// registers as in the register form; the group's partials are exchanged
+// through global memory: each block writes its partial, word by word
+// tagged with the pass, into every peer's inbox, and waits for its peers'
+// words in its own. Tags are the pass count within the launch (1, 2, ...),
+// so each block zeroes the inbox words it was sent before it exits, and
+// every inbox is zero between launches (the host allocates it zeroed).
+// Waiting first (BGE_WAIT_FIRST, BGE_WAIT_FIRST_EARLY_NEXT in p.overlap),
+// a block asks its weights into L2 before the wait where BGS_PREFETCH is
+// or'd in: the same rule as `bge_prefetch_weights`.
+#define BGS_CHUNKS 4
+#define BGS_GROUPS 4
+#define BGS_MAX_SPREAD 8
+#define BGS_PART 128  // 16 ranks x 8 rows, f32
+// A block's inbox: [2 passes][BGS_MAX_SPREAD senders][BGS_PART] u64 words (tag << 32 | value).
+#define BGS_INBOX_WORDS (2 * BGS_MAX_SPREAD * BGS_PART)
+// Or'd into a waiting-first code (p.overlap): the weights asked into L2 before the wait.
+#define BGS_PREFETCH 4
+
+struct BgsParams {
+    BgeParams base;
+    u64 inbox;  // [blocks of the launch][BGS_INBOX_WORDS] u64, zero
+};
+static_assert(sizeof(BgsParams) == 160, "mirrors bgmv/entry.rs SpreadParams");
+
+__device__ __forceinline__ void st_relaxed_u64(u64* p, u64 v) {
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __noinline__ void bgs_unaligned(const BgsParams sp);
+
+// ALIGNED: 16-byte A and 8-byte B loads (the entry's weights are checked
+// first and sent to the element-load body otherwise).
+template <bool ALIGNED>
+__device__ __forceinline__ void bgs_body(const BgsParams& sp) {
+    const BgeParams& p = sp.base;
+    constexpr int NCH = BGS_CHUNKS, NG = BGS_GROUPS;
+    constexpr int PR = 8;  // rows per pass
+    constexpr int PART = BGS_PART;
+    constexpr int TP = 16 + 4;
+    extern __shared__ __align__(16) unsigned char bge_smem[];
+    // Dynamic shared memory: red [warps][16][8] f32, t [8][20] f32, rows [n_rows].
+    float* s_red = (float*)bge_smem;
+    float* s_t = s_red + BGE_WARPS * PART;
+    int* s_rows = (int*)(s_t + PR * TP);
+    __shared__ int s_wcount[BGE_WARPS];
+    __shared__ int s_live;  // the rank, read after each pass's loads (the scheduling fence)
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+    const int Q = (int)gridDim.x;
+    const int q = (int)blockIdx.x;
+    const int e = (int)blockIdx.y;
+    const u64 first_block = ((u64)blockIdx.z * gridDim.y + blockIdx.y) * (u64)Q;
+    const LoraTarget tg = p.targets[blockIdx.z];
+    // This block's inbox into L2 (its peers in this launch write it; the
+    // launch before zeroed it): its first poll then hits L2 instead of
+    // waiting a DRAM round trip after an L2 flush.
+    if (tid == 32) prefetch_l2_bulk((const u64*)sp.inbox + (first_block + q) * BGS_INBOX_WORDS, BGS_INBOX_WORDS * 8u);
+    // Waiting first: the weights asked into L2 before the wait (BGS_PREFETCH),
+    // the next launch let in at once or once the work is out.
+    const int chain = p.overlap & 3;
+    if (chain >= BGE_WAIT_FIRST) {
+        if ((p.overlap & BGS_PREFETCH) && e < tg.n_entries && tid <= 16) {
+            int pk0, pk1, po0, po1;
+            split8(p.in_dim, Q, q, pk0, pk1);
+            split8(tg.out_dim, Q, q, po0, po1);
+            const PairEntry pe = ((const PairEntry*)tg.table)[e];
+            const int pr = (int)min(pe.rank, 16u);
+            if (tid < pr) {
+                const bf16_t* a = (const bf16_t*)pe.a + (u64)tid * p.in_dim + pk0;
+                if (aligned16(a) && pk1 > pk0) prefetch_l2_bulk(a, (u32)(pk1 - pk0) * 2u);
+            } else if (tid == 16 && pr > 0) {
+                const bf16_t* b = (const bf16_t*)pe.b + (u64)po0 * 16;
+                if (aligned16(b) && po1 > po0) prefetch_l2_bulk(b, (u32)(po1 - po0) * 32u);
+            }
+        }
+        grid_dependency_wait();
+        if (chain == BGE_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
+    }
+
+    const int raw = tid < p.n_rows ? ((const int*)p.idx)[tid] : -1;
+    if (e == 0 && q == 0) checked_index(raw, tg.n_entries, p.fault, true);
+    if (e >= tg.n_entries) return;
+    const PairEntry en = ((const PairEntry*)tg.table)[e];
+    // Weights not 16- and 8-byte aligned: element loads (uniform over the group).
+    if (ALIGNED && (!aligned16((const void*)en.a) || (en.b & 7ull) != 0)) {
+        bgs_unaligned(sp);
+        return;
+    }
+    const bool valid = !bad_entry(en, 16) && en.rank > 0;
+    const int rank = valid ? (int)en.rank : 0;
+    if (tid == 0) s_live = rank;
+    const bf16_t* A = (const bf16_t*)en.a;
+    const bf16_t* B = (const bf16_t*)en.b;
+    const int in = p.in_dim;
+    int k0, k1, o0, o1;
+    split8(in, Q, q, k0, k1);
+    split8(tg.out_dim, Q, q, o0, o1);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+    // A: loads from clamped addresses, unpredicated, masked after the
+    // fence: a predicated 16-byte load lands in a scratch register whose
+    // moves into the mma's interleaved operands then wait for it before the
+    // next load may reuse it (ptxas did that with eight loads a lane).
+    // Nothing is read of a bad entry (uniform over the group; it exits
+    // before the passes). `in` >= 8, so k1 - 8 >= 0 even in an empty slice.
+    uint4 a0[NCH], a1[NCH];
+    if (valid) {
+        const bf16_t* ra = A + (u64)min(g, rank - 1) * in;
+        const bf16_t* rb = A + (u64)min(g + 8, rank - 1) * in;
+#pragma unroll
+        for (int u = 0; u < NCH; ++u) {
+            const int col = min(k0 + (warp + u * BGE_WARPS) * 32 + c * 8, k1 - 8);
+            a0[u] = load8_any(ra + col, ALIGNED);
+            a1[u] = load8_any(rb + col, ALIGNED);
+        }
+    }
+    uint2 bw[NG][4];
+#pragma unroll
+    for (int u = 0; u < NG; ++u) {
+        const int base = o0 + (warp + u * BGE_WARPS) * 32;
+        const bool b_ok = rank > 0 && base + 8 * (g >> 1) + 8 <= o1;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int bo = base + 8 * (g >> 1) + 2 * j + (g & 1);
+            const bf16_t* br = B + (u64)bo * 16 + 4 * c;
+            if (!b_ok) {
+                bw[u][j] = make_uint2(0u, 0u);
+            } else if (ALIGNED) {
+                bw[u][j] = __ldg((const uint2*)br);
+            } else {
+                bw[u][j] = make_uint2((u32)__ldg(br) | ((u32)__ldg(br + 1) << 16),
+                                      (u32)__ldg(br + 2) | ((u32)__ldg(br + 3) << 16));
+            }
+        }
+    }
+
+    const int n_found = bge_list_round(raw == e, tid, 0, s_wcount, s_rows);
+    __syncthreads();
+    if (n_found == 0) return;  // uniform over the group
+    if (!valid) {
+        if (q == 0 && tid == 0 && en.rank > 0) raise_fault(p.fault, FAULT_BAD_RANK);
+        return;
+    }
+
+    if (chain == BGE_EARLY_READS) grid_dependency_wait();
+    const bf16_t* x = (const bf16_t*)p.x;
+    bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
+    u64* inbox = (u64*)sp.inbox;
+    int passes = 0;
+#pragma unroll 1
+    for (int r0 = 0; r0 < n_found; r0 += PR) {
+        const int row = g < n_found - r0 ? s_rows[r0 + g] : -1;
+        uint4 xr[NCH], yr[NG];
+#pragma unroll
+        for (int u = 0; u < NCH; ++u) {
+            const int col = k0 + (warp + u * BGE_WARPS) * 32 + c * 8;
+            xr[u] = col < k1 && row >= 0 ? ldg16(x + (u64)row * p.x_stride + col) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < NG; ++u) {
+            const int base = o0 + (warp + u * BGE_WARPS) * 32;
+            const bool y_ok = base + 8 * c + 8 <= o1 && row >= 0;
+            yr[u] = y_ok ? *(const uint4*)(y + (u64)row * p.y_stride + base + 8 * c) : zero;
+        }
+        __syncthreads();  // the scheduling fence (as the register form); s_t and s_red free again
+        // The rank as ptxas cannot know it: A's masks (and the moves into the
+        // mma's operands they make) stay below the fence, not hoisted out of the loop.
+        const int live = *(volatile int*)&s_live;
+
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (live) {
+#pragma unroll
+            for (int u = 0; u < NCH; ++u) {
+                const bool col_ok = k0 + (warp + u * BGE_WARPS) * 32 + c * 8 < k1;
+                const uint4 fa = col_ok && g < live ? a0[u] : zero;
+                const uint4 fb = col_ok && g + 8 < live ? a1[u] : zero;
+                mma_k16(acc, fa.x, fb.x, fa.y, fb.y, xr[u].x, xr[u].y);
+                mma_k16(acc, fa.z, fb.z, fa.w, fb.w, xr[u].z, xr[u].w);
+            }
+        }
+        {
+            float* r = s_red + (warp * 16 + g) * PR + 2 * c;
+            *(float2*)r = make_float2(acc[0], acc[1]);
+            *(float2*)(r + 8 * PR) = make_float2(acc[2], acc[3]);
+        }
+        __syncthreads();
+        // The exchange: word tid of this block's partial to every peer, then the peers' words tid.
+        if (tid < PART) {
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < BGE_WARPS; ++w) v += s_red[w * PART + tid];
+            ++passes;
+            const u32 tag = (u32)passes;
+            const int b = passes & 1;
+            const u64 word = ((u64)tag << 32) | (u64)__float_as_uint(v);
+#pragma unroll
+            for (int r = 0; r < BGS_MAX_SPREAD; ++r)
+                if (r < Q && r != q)
+                    st_relaxed_u64(inbox + ((first_block + r) * 2 + b) * (BGS_MAX_SPREAD * PART) + q * PART + tid, word);
+            const u64* mine = inbox + ((first_block + q) * 2 + b) * (BGS_MAX_SPREAD * PART) + tid;
+            float got[BGS_MAX_SPREAD];
+            u32 waiting = 0;
+#pragma unroll
+            for (int r = 0; r < BGS_MAX_SPREAD; ++r) {
+                got[r] = v;
+                if (r < Q && r != q) waiting |= 1u << r;
+            }
+            while (waiting) {
+                u64 w8[BGS_MAX_SPREAD];
+#pragma unroll
+                for (int r = 0; r < BGS_MAX_SPREAD; ++r)
+                    if (waiting & (1u << r)) w8[r] = ld_relaxed_u64(mine + r * PART);
+#pragma unroll
+                for (int r = 0; r < BGS_MAX_SPREAD; ++r)
+                    if ((waiting & (1u << r)) && (u32)(w8[r] >> 32) == tag) {
+                        got[r] = __uint_as_float((u32)w8[r]);
+                        waiting &= ~(1u << r);
+                    }
+            }
+            float sum = 0.f;
+#pragma unroll
+            for (int r = 0; r < BGS_MAX_SPREAD; ++r)
+                if (r < Q) sum += got[r];
+            s_t[(tid % PR) * TP + tid / PR] = sum * en.scale;
+        } else {
+            ++passes;
+        }
+        __syncthreads();
+
+        // The register kernel's expand, written out again rather than shared:
+        // through a common inline helper ptxas scheduled the register kernel
+        // differently (2156 of its 6088 SASS lines changed, nvcc 13.0).
+        const u32 bm0 = rank_mask(4 * c, rank), bm1 = rank_mask(4 * c + 2, rank);
+        u32 th[2], tl[2];
+        {
+            const float* ta = s_t + g * TP + 4 * c;
+            split_pair(ta[0], ta[1], th[0], tl[0]);
+            split_pair(ta[2], ta[3], th[1], tl[1]);
+        }
+#pragma unroll
+        for (int u = 0; u < NG; ++u) {
+            const int base = o0 + (warp + u * BGE_WARPS) * 32;
+            const bool y_ok = base + 8 * c + 8 <= o1 && row >= 0;
+            const u32 wa[4] = {yr[u].x, yr[u].y, yr[u].z, yr[u].w};
+            float d[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                d[j][0] = bf_lo(wa[j]);
+                d[j][1] = bf_hi(wa[j]);
+                d[j][2] = 0.f;
+                d[j][3] = 0.f;
+                const u32 b0 = bw[u][j].x & bm0, b1 = bw[u][j].y & bm1;
+                mma_k16(d[j], th[0], 0u, th[1], 0u, b0, b1);
+                mma_k16(d[j], tl[0], 0u, tl[1], 0u, b0, b1);
+            }
+            if (y_ok)
+                st_global16(y + (u64)row * p.y_stride + base + 8 * c,
+                            make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
+                                       pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
+        }
+    }
+    if (chain == BGE_EARLY_READS || chain == BGE_WAIT_FIRST) grid_launch_dependents();
+    // Every word sent to this block was read above and no peer sends more:
+    // zero them for the next launch.
+    if (tid < PART) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            if (b == 0 && passes < 2) continue;
+            u64* mine = inbox + ((first_block + q) * 2 + b) * (BGS_MAX_SPREAD * PART) + tid;
+#pragma unroll
+            for (int r = 0; r < BGS_MAX_SPREAD; ++r)
+                if (r < Q && r != q) mine[r * PART] = 0ull;
+        }
+    }
+}
+
+// Not inlined: its registers stay out of the aligned body's allocation.
+__device__ __noinline__ void bgs_unaligned(const BgsParams sp) {
+    bgs_body<false>(sp);
+}
+
+#if __CUDA_ARCH__ >= 900
+extern "C" __global__ void __launch_bounds__(BGE_THREADS, 1) bgmv_entry_spread_r16(const BgsParams sp) {
+    bgs_body<true>(sp);
+}
+#endif

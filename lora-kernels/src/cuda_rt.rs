@@ -139,7 +139,14 @@ pub(crate) struct CudaBackend {
     /// Scratch of multi-launch ops (the two-phase decode); locked for the
     /// whole sequence of launches that shares it.
     scratch: Box<Mutex<CudaSlice<u8>>>,
+    /// The spread form's inboxes ([`SPREAD_INBOX_WORDS`] a block, a block a
+    /// multiprocessor), allocated zeroed; each launch leaves them zero.
+    spread_inbox: Box<Mutex<CudaSlice<u64>>>,
 }
+
+/// 64-bit words of one block's inbox in the spread form (`BGS_INBOX_WORDS`:
+/// 2 passes x 8 senders x 128 words).
+pub(crate) const SPREAD_INBOX_WORDS: usize = 2 * 8 * 128;
 
 /// Bytes of the backend's launch scratch ([`CudaBackend::with_scratch`]).
 pub(crate) const SCRATCH_BYTES: usize = 8 << 20;
@@ -189,19 +196,24 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
     let scratch = stream
         .alloc_zeros::<u8>(SCRATCH_BYTES)
         .map_err(driver_err("cuMemAlloc"))?;
+    let sms = u32::try_from(sm_count).unwrap_or(1).max(1);
+    let spread_inbox = stream
+        .alloc_zeros::<u64>(sms as usize * SPREAD_INBOX_WORDS)
+        .map_err(driver_err("cuMemAlloc"))?;
     Ok(CudaBackend {
         ctx,
         stream,
         name,
         compute_capability,
         wgmma: arch_specific(compute_capability),
-        sm_count: u32::try_from(sm_count).unwrap_or(1).max(1),
+        sm_count: sms,
         l2_bytes: usize::try_from(l2).unwrap_or(0),
         smem_optin: usize::try_from(optin).unwrap_or(48 * 1024),
         smem_per_sm: usize::try_from(per_sm).unwrap_or(64 * 1024),
         modules: module_cache(ordinal),
         fault: Mutex::new(fault),
         scratch: Box::new(Mutex::new(scratch)),
+        spread_inbox: Box::new(Mutex::new(spread_inbox)),
     })
 }
 
@@ -386,18 +398,57 @@ impl CudaBackend {
         params: &P,
         dependent: bool,
     ) -> Result<(), KernelError> {
-        use cudarc::driver::sys;
         if !dependent || self.compute_capability.0 < 9 {
             // SAFETY: the caller's guarantees are those of `launch`.
             return unsafe { self.launch(kernel, launch, params) };
         }
+        // SAFETY: the caller's guarantees are those of this function.
+        unsafe { self.launch_with_attributes(kernel, launch, params, dependent, false) }
+    }
+
+    /// [`Self::launch_chained`], or where not `dependent`, a cooperative
+    /// launch when `cooperative`: every block of the grid resident at once,
+    /// or the launch fails (kernels whose blocks wait for one another).
+    ///
+    /// # Safety
+    /// As [`Self::launch_chained`].
+    pub(crate) unsafe fn launch_resident<P>(
+        &self,
+        kernel: Kernel,
+        launch: Launch,
+        params: &P,
+        dependent: bool,
+    ) -> Result<(), KernelError> {
+        let dependent = dependent && self.compute_capability.0 >= 9;
+        // SAFETY: the caller's guarantees are those of this function.
+        unsafe { self.launch_with_attributes(kernel, launch, params, dependent, !dependent) }
+    }
+
+    /// `cuLaunchKernelEx` with the programmatic-dependent or cooperative attribute.
+    ///
+    /// # Safety
+    /// As [`Self::launch_chained`].
+    unsafe fn launch_with_attributes<P>(
+        &self,
+        kernel: Kernel,
+        launch: Launch,
+        params: &P,
+        dependent: bool,
+        cooperative: bool,
+    ) -> Result<(), KernelError> {
+        use cudarc::driver::sys;
         let f = self.function(kernel)?;
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         let mut args = [params as *const P as *mut c_void];
         // SAFETY: a zeroed attribute is a valid bit pattern (an id and a plain-data union).
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        if dependent {
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+        } else if cooperative {
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attr.value.cooperative = 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: launch.grid.0,
             gridDimY: launch.grid.1,
@@ -408,7 +459,7 @@ impl CudaBackend {
             sharedMemBytes: launch.smem,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: 1,
+            numAttrs: u32::from(dependent || cooperative),
         };
         // SAFETY: the caller guarantees the parameter layout, addresses and the
         // kernel's wait; `config`, `attr` and `args` outlive the call, which copies them.
@@ -432,6 +483,15 @@ impl CudaBackend {
         use cudarc::driver::DevicePtr;
         let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let (ptr, _sync) = scratch.device_ptr(&self.stream);
+        f(ptr)
+    }
+
+    /// Run `f` with the device address of the spread form's inboxes
+    /// (`sm_count` blocks of [`SPREAD_INBOX_WORDS`]), held across the launch.
+    pub(crate) fn with_spread_inbox<R>(&self, f: impl FnOnce(u64) -> R) -> R {
+        use cudarc::driver::DevicePtr;
+        let inbox = self.spread_inbox.lock().unwrap_or_else(|p| p.into_inner());
+        let (ptr, _sync) = inbox.device_ptr(&self.stream);
         f(ptr)
     }
 

@@ -335,6 +335,7 @@ const FUSED: BgmvTuning = BgmvTuning {
     wait_first: None,
     prefetch_weights: None,
     early_next: None,
+    entry_spread: None,
 };
 
 /// The fused kernel on its scalar path and on tensor cores.
@@ -411,6 +412,12 @@ const ENTRY_STAGED: BgmvTuning = BgmvTuning {
 /// The entry form's register kernel wherever it serves the call.
 const ENTRY_REGISTERS: BgmvTuning = BgmvTuning {
     entry_registers: Some(true),
+    ..ENTRY
+};
+/// The entry form's spread kernel wherever it serves the call (rank stride
+/// 16, at most 256 rows, 4 blocks per entry all resident at once).
+const ENTRY_SPREAD: BgmvTuning = BgmvTuning {
+    entry_spread: Some(true),
     ..ENTRY
 };
 
@@ -969,9 +976,13 @@ fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
 /// forms: a programmatic dependent whose blocks wait for the previous
 /// kernel before any read, and let the next one launch early): chained
 /// applies, each reading as x what the one before wrote as y, in every
-/// kernel that takes it (the staged and register entry kernels, the
-/// row-register one, straight-line and general), mixed with plain launches,
-/// the fused kernel (which does not wait first) and the overlap.
+/// kernel that takes it (the staged, register and spread entry kernels, the
+/// row-register one, straight-line and general), with and without the
+/// weights asked into L2 before the wait, mixed with plain launches (the
+/// spread kernel's cooperative), the fused kernel (which does not wait
+/// first) and the overlap. Back-to-back spread launches also show that each
+/// leaves its inboxes zero: a stale word tagged as a later launch's pass
+/// would be summed.
 #[test]
 fn gpu_bgmv_wait_first_keeps_the_stream_order() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_wait_first_keeps_the_stream_order") else {
@@ -1017,6 +1028,14 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
                 prefetch_late(reg),
                 no_prefetch_early(reg),
                 reg,
+                ENTRY_SPREAD,
+                ENTRY_SPREAD,
+                plain(ENTRY_SPREAD),
+                ENTRY_SPREAD,
+                overlap(ENTRY_SPREAD),
+                no_prefetch_early(ENTRY_SPREAD),
+                reg,
+                ENTRY_SPREAD,
             ],
         ),
         (
@@ -1050,9 +1069,9 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
 /// still writing those weights. A first apply adds its deltas to the
 /// second apply's weights buffer, seen as rows of `width` (A rows, B rows
 /// and padding alike), and the second apply follows it in the stream with
-/// nothing between; it must read the written weights, in the register and
-/// staged kernels and in clusters of 4, with the next kernel let in early
-/// and late, as the CPU reference does.
+/// nothing between; it must read the written weights, in the register,
+/// staged and spread kernels and in clusters of 4, with the next kernel let
+/// in early and late, as the CPU reference does.
 #[test]
 fn gpu_bgmv_entry_weights_written_by_the_previous_kernel() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_weights_written_by_the_previous_kernel") else {
@@ -1071,11 +1090,16 @@ fn gpu_bgmv_entry_weights_written_by_the_previous_kernel() {
     let cases = [
         (
             (256, 4096, 16, 32),
-            vec![ENTRY_REGISTERS, early(ENTRY_REGISTERS), late(ENTRY_STAGED)],
+            vec![
+                ENTRY_REGISTERS,
+                early(ENTRY_REGISTERS),
+                late(ENTRY_STAGED),
+                ENTRY_SPREAD,
+            ],
         ),
         (
             (64, 1000, 16, 9),
-            vec![early(ENTRY_STAGED), late(ENTRY_STAGED), ENTRY_REGISTERS],
+            vec![early(ENTRY_STAGED), late(ENTRY_STAGED), ENTRY_REGISTERS, ENTRY_SPREAD],
         ),
         ((48, 2056, 64, 5), vec![ENTRY_C4, early(ENTRY_C4)]),
     ];
@@ -2146,7 +2170,7 @@ fn gpu_bgmv_entry_clusters_match_cpu() {
         // (2 rows per entry; no row anywhere: every cluster reads its weights
         // for nothing).
         let tunings: &[BgmvTuning] = if stride == 16 {
-            &[ENTRY, ENTRY_STAGED, ENTRY_C4, ENTRY_REGISTERS]
+            &[ENTRY, ENTRY_STAGED, ENTRY_C4, ENTRY_REGISTERS, ENTRY_SPREAD]
         } else {
             &[ENTRY, ENTRY_STAGED, ENTRY_C4]
         };
@@ -2188,7 +2212,7 @@ fn gpu_bgmv_entry_clusters_faults_and_overlap() {
         &p.y_bf16,
         BgmvTuning::default(),
     );
-    for t in [ENTRY, ENTRY_STAGED, ENTRY_C4, ENTRY_REGISTERS] {
+    for t in [ENTRY, ENTRY_STAGED, ENTRY_C4, ENTRY_REGISTERS, ENTRY_SPREAD] {
         let mut y = gpu.upload(&p.y_bf16).unwrap();
         let yv = RowsMut::dense(&mut y, n, p.y_width);
         bgmv_tuned(&gpu, on.x_rows(&p), &idx, &target, stride, yv, t).unwrap();

@@ -723,6 +723,14 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..t
             };
             variants.push(("prefetch, next late".to_string(), t));
+            // The entry form's spread kernel where it serves, and the default without it.
+            for (label, spread) in [("spread", true), ("no spread", false)] {
+                let t = BgmvTuning {
+                    entry_spread: Some(spread),
+                    ..Default::default()
+                };
+                variants.push((label.to_string(), t));
+            }
             for (label, early) in [("next early", true), ("next late", false)] {
                 let t = BgmvTuning {
                     early_next: Some(early),

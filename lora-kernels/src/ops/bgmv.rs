@@ -627,6 +627,20 @@ pub struct BgmvTuning {
     /// at most one a multiprocessor at rank strides up to 32, or where they
     /// prefetch their weights; else late.
     pub early_next: Option<bool>,
+    /// The entry-clustered form's spread kernel (rank stride 16, at most 256
+    /// rows, `in` and outputs up to 4096, 4 blocks per table entry and target
+    /// all resident at once, one a multiprocessor): no clusters, each
+    /// entry's 4 blocks exchanging their partial rank vectors through
+    /// global memory, so a batch of 32 entries takes 128 multiprocessors
+    /// evenly where the register kernel's clusters of 8 leave 16 of them
+    /// three blocks. Launched waiting first (on sm_90) with the next kernel
+    /// let in at once and the weights asked into L2 before the wait, or
+    /// cooperatively. `Some(true)` where it cannot serve is an error. `None`:
+    /// where the other kernels' clusters of 8 would be more than one block a
+    /// multiprocessor, waiting first (H200, in a graph: n = 256 of 32
+    /// rank-16 adapters 6.89 against 7.24 µs, n = 64 of 24 5.63 against
+    /// 6.07; NOTES.md v35).
+    pub entry_spread: Option<bool>,
 }
 
 /// Batch sizes for which the fused kernel reads a first launch's item list
@@ -808,6 +822,7 @@ fn row_registers_by_default(n: usize, max_entries: usize, tuning: BgmvTuning) ->
         wait_first: None,
         prefetch_weights: None,
         early_next: None,
+        entry_spread: None,
         ..tuning
     } == BgmvTuning::default();
     others_unset
@@ -1238,6 +1253,20 @@ fn launch<Y: OutputElem>(
             "with entry_clusters off: the register kernel is the entry-clustered form's",
         ));
     }
+    if tuning.entry_spread == Some(true) {
+        if tuning.entry_clusters == Some(false) {
+            return Err(invalid(
+                "tuning.entry_spread",
+                "with entry_clusters off: the spread kernel is the entry-clustered form's",
+            ));
+        }
+        if tuning.entry_registers == Some(true) {
+            return Err(invalid(
+                "tuning.entry_spread",
+                "with entry_registers: one kernel per call",
+            ));
+        }
+    }
     let entry_wanted = match tuning.entry_clusters {
         Some(true) => {
             entry_shape
@@ -1250,6 +1279,12 @@ fn launch<Y: OutputElem>(
             entry_shape
                 .check(targets)
                 .map_err(|reason| invalid("tuning.entry_registers", reason))?;
+            true
+        }
+        None if tuning.entry_spread == Some(true) => {
+            entry_shape
+                .check(targets)
+                .map_err(|reason| invalid("tuning.entry_spread", reason))?;
             true
         }
         None => {
@@ -1279,20 +1314,39 @@ fn launch<Y: OutputElem>(
             Some(false) => false,
             None => serves.is_ok() && entry::registers_by_default(n, max_entries),
         };
-        let kernel = if registers {
+        let sms = c.sm_count as usize;
+        let early_by_shape = entry::early_next(stride, cluster, max_entries, n_targets, sms);
+        let spread_serves = entry::spread_serves(stride, n, x.width, max_out, max_entries, n_targets, sms);
+        let spread = match tuning.entry_spread {
+            Some(true) => {
+                spread_serves.map_err(|reason| invalid("tuning.entry_spread", reason))?;
+                true
+            }
+            Some(false) => false,
+            None => {
+                tuning.entry_registers.is_none()
+                    && tuning.cluster.is_none()
+                    && spread_serves.is_ok()
+                    && entry::spread_by_default(early_by_shape, wait_first && !overlap)
+            }
+        };
+        let kernel = if spread {
+            entry::EntryKernel::Spread
+        } else if registers {
             entry::EntryKernel::Registers
         } else {
             entry::EntryKernel::Staged { cluster }
         };
-        let early_by_shape = entry::early_next(stride, cluster, max_entries, n_targets, c.sm_count as usize);
+        // The spread form's blocks are one a multiprocessor: the next kernel
+        // comes early, and its own weights are asked for before its wait.
         let prefetch = wait_first
             && !overlap
             && tuning
                 .prefetch_weights
-                .unwrap_or_else(|| entry::prefetch_by_default(stride, early_by_shape));
+                .unwrap_or_else(|| spread || entry::prefetch_by_default(stride, early_by_shape));
         // Asking its weights early pays where the next kernel's blocks also
         // come early to ask for theirs (NOTES.md v35).
-        let early_next = tuning.early_next.unwrap_or(early_by_shape || prefetch);
+        let early_next = tuning.early_next.unwrap_or(spread || early_by_shape || prefetch);
         let chain = entry::Chain::of(overlap, wait_first, early_next);
         return entry::launch_entry(
             c,

@@ -2,7 +2,11 @@
 //! blocks per (table entry, target) serving every row that names the entry,
 //! shrink and expand on tensor cores with fragments loaded straight from
 //! global memory (`cuda/bgmv_entry.cu`). An entry's A and B are read once
-//! for all of its rows, and no item list or window scan runs first.
+//! for all of its rows, and no item list or window scan runs first. Its
+//! spread kernel serves the same calls without clusters: 4 blocks an entry
+//! exchanging partials through zeroed inboxes in global memory, every block
+//! of the launch resident at once (it must never be launched with more
+//! blocks than multiprocessors: its blocks wait for one another).
 //!
 //! It serves BF16 y, rank strides 16, 32 and 64, and 16-byte aligned rows
 //! (`EntryShape::check`); it never guesses: a batch it cannot serve is
@@ -320,6 +324,78 @@ pub(super) fn registers_serve(
     Ok(())
 }
 
+/// Blocks per (entry, target) group of the spread form (its grid's x).
+const SPREAD_BLOCKS: usize = 4;
+
+/// Widest `in` and target the spread form serves: a block's K slice and
+/// output slice of at most 1024 (`BGS_CHUNKS` and `BGS_GROUPS` pieces of 32
+/// per warp, 8 warps, [`SPREAD_BLOCKS`] blocks a group).
+pub const ENTRY_SPREAD_MAX_DIM: usize = 4096;
+
+/// Or'd into the spread form's launch-chain code (`BGS_PREFETCH`): waiting
+/// first, its blocks ask their weights into L2 before the wait.
+const SPREAD_PREFETCH: i32 = 4;
+
+/// Mirror of `struct BgsParams` in `cuda/bgmv_entry.cu`: the form's
+/// parameter block and the inboxes (`CudaBackend::with_spread_inbox`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct SpreadParams {
+    base: BgeParams,
+    inbox: u64,
+}
+const _: () = assert!(size_of::<SpreadParams>() == 160);
+
+/// Why the spread form cannot serve a call of the entry-clustered form, or
+/// `Ok` when it can: rank stride 16, at most [`ENTRY_REGISTERS_MAX_ROWS`]
+/// rows (one row index a thread), `in` and every target at most
+/// [`ENTRY_SPREAD_MAX_DIM`], and every block of the launch resident at once,
+/// one a multiprocessor ([`SPREAD_BLOCKS`] per entry and target): its blocks
+/// wait for one another's partials.
+pub(super) fn spread_serves(
+    stride: usize,
+    n: usize,
+    in_dim: usize,
+    max_out: usize,
+    entries: usize,
+    n_targets: usize,
+    sms: usize,
+) -> Result<(), String> {
+    if stride != 16 {
+        return Err(format!("rank stride {stride} (16 only)"));
+    }
+    if n > ENTRY_REGISTERS_MAX_ROWS {
+        return Err(format!("{n} rows (at most {ENTRY_REGISTERS_MAX_ROWS})"));
+    }
+    if in_dim > ENTRY_SPREAD_MAX_DIM || max_out > ENTRY_SPREAD_MAX_DIM {
+        return Err(format!(
+            "in {in_dim}, widest target {max_out} (at most {ENTRY_SPREAD_MAX_DIM} each)"
+        ));
+    }
+    let blocks = SPREAD_BLOCKS
+        .saturating_mul(entries.max(1))
+        .saturating_mul(n_targets.max(1));
+    if blocks > sms {
+        return Err(format!(
+            "{blocks} blocks ({SPREAD_BLOCKS} per entry and target) on {sms} multiprocessors"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether the spread form serves a call by default (that it serves),
+/// waiting first: where the clusters of 8 of the other kernels would be
+/// more than one block a multiprocessor (`early` false, from
+/// [`early_next`]), so some multiprocessors would hold three of them while
+/// others idle. H200, in a graph of back-to-back applies (NOTES.md v35),
+/// against the default without it: n = 256 of 32 rank-16 adapters (the
+/// register kernel) 6.89 against 7.24 µs, n = 64 of 24 (staged) 5.63
+/// against 6.07; where the clusters are one a multiprocessor it lost (n =
+/// 128 of 16 5.57 against 5.19, n = 64 of 8 4.94 against 4.11).
+pub(super) fn spread_by_default(early: bool, wait_first: bool) -> bool {
+    !early && wait_first
+}
+
 /// Which kernel of the form a launch runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum EntryKernel {
@@ -327,12 +403,18 @@ pub(super) enum EntryKernel {
     Staged { cluster: usize },
     /// The register kernel (`registers_serve` must hold): clusters of 8.
     Registers,
+    /// The spread form (`spread_serves` must hold): no clusters,
+    /// [`SPREAD_BLOCKS`] blocks an entry and target exchanging partials
+    /// through global memory, one block a multiprocessor.
+    Spread,
 }
 
 /// The kernel of a launch; `prefetch`: the one that asks its weights into L2
 /// before it waits (rank stride 16 only).
 fn kernel_name(kernel: EntryKernel, stride: usize, prefetch: bool) -> Option<&'static str> {
     let cluster = match kernel {
+        // One kernel: its prefetch is a flag of the parameter block.
+        EntryKernel::Spread => return (stride == 16).then_some("bgmv_entry_spread_r16"),
         EntryKernel::Registers if prefetch => return (stride == 16).then_some("bgmv_entry_c8_r16_reg_pf"),
         EntryKernel::Registers => return (stride == 16).then_some("bgmv_entry_c8_r16_reg"),
         EntryKernel::Staged { cluster } => cluster,
@@ -377,11 +459,26 @@ pub(super) fn launch_entry<Y: OutputElem>(
     let n = x.n_rows;
     let entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0).max(1);
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+    if kernel == EntryKernel::Spread {
+        return launch_spread(
+            c,
+            x,
+            idx_addr,
+            target_params,
+            targets.len(),
+            entries,
+            y,
+            chain,
+            prefetch,
+            name,
+        );
+    }
     // The register kernel stages nothing: the push form's base layout in
     // clusters of 8 (which holds its smaller one, and its fallback's).
     let (cluster, (stage_cols, smem)) = match kernel {
         EntryKernel::Registers => (8, (0, base_smem_bytes(stride, n, 8))),
         EntryKernel::Staged { cluster } => (cluster, smem_plan(stride, n, max_out, cluster, c.smem_per_sm)),
+        EntryKernel::Spread => unreachable!("launched above"),
     };
     let params = BgeParams::new(c, x, idx_addr, target_params, y, chain, stage_cols)?;
     let shape = Launch {
@@ -416,6 +513,68 @@ pub(super) fn launch_entry<Y: OutputElem>(
             chain.dependent(),
         )
     }
+}
+
+/// Dynamic shared memory of a spread launch: the kernel's partials, t and
+/// row list (`bgs_body`). Its registers (`__launch_bounds__(256, 1)`) keep
+/// it to about one block a multiprocessor; asking for more than half a
+/// multiprocessor's shared memory as well changed nothing (NOTES.md v35).
+/// Residency needs only the grid's bound (`spread_serves`).
+fn spread_smem_bytes(n: usize) -> usize {
+    (4 * ((WARPS + 1) * 128 + 8 * 20 + n)).next_multiple_of(16)
+}
+
+/// Launch the spread form (the caller checked `EntryShape::check` and
+/// `spread_serves`): waiting first, the next kernel let in at once (its
+/// blocks are one a multiprocessor), or a plain launch made cooperative.
+#[allow(clippy::too_many_arguments)]
+fn launch_spread<Y: OutputElem>(
+    c: &CudaBackend,
+    x: &Rows<'_, bf16>,
+    idx_addr: u64,
+    target_params: &[TargetParams; MAX_TARGETS],
+    n_targets: usize,
+    entries: usize,
+    y: &RowsMut<'_, Y>,
+    chain: Chain,
+    prefetch: bool,
+    name: &'static str,
+) -> Result<(), KernelError> {
+    let mut base = BgeParams::new(c, x, idx_addr, target_params, y, chain, 0)?;
+    if prefetch {
+        base.overlap |= SPREAD_PREFETCH;
+    }
+    let shape = Launch {
+        grid: (
+            to_u32("grid", SPREAD_BLOCKS)?,
+            to_u32("grid", entries)?,
+            to_u32("grid", n_targets)?,
+        ),
+        block: THREADS,
+        smem: to_u32("smem", spread_smem_bytes(x.n_rows))?,
+    };
+    c.with_spread_inbox(|inbox| {
+        let params = SpreadParams { base, inbox };
+        // SAFETY: `SpreadParams` mirrors the kernel's struct (sizes asserted on
+        // both sides); what `launch_entry` says of `BgeParams` holds of its
+        // base. The inboxes hold `sm_count` blocks' words, zero between
+        // launches, and `spread_serves` kept the grid to `sm_count` blocks, one
+        // a multiprocessor and all resident at once: waiting first, the next
+        // kernel of the stream launches only once every block let it in
+        // (after its wait, so resident); a plain launch is cooperative. The
+        // one stream orders launches, so no two share the inboxes at once.
+        unsafe {
+            c.launch_resident(
+                Kernel {
+                    family: Family::Bgmv,
+                    name,
+                },
+                shape,
+                &params,
+                chain.dependent(),
+            )
+        }
+    })
 }
 
 #[cfg(test)]
@@ -544,6 +703,59 @@ mod tests {
         }
         let err = ok.check(&[target(4096, 0), target(100, 4096)]).unwrap_err();
         assert!(err.contains("100 outputs"), "{err}");
+    }
+
+    #[test]
+    fn the_spread_form_serves_one_resident_block_a_multiprocessor() {
+        assert_eq!(spread_serves(16, 256, 4096, 4096, 32, 1, 132), Ok(()));
+        assert_eq!(spread_serves(16, 1, 8, 8, 33, 1, 132), Ok(()));
+        assert!(
+            spread_serves(16, 256, 4096, 4096, 34, 1, 132)
+                .unwrap_err()
+                .contains("136 blocks")
+        );
+        assert!(
+            spread_serves(16, 256, 4096, 4096, 16, 3, 132)
+                .unwrap_err()
+                .contains("192 blocks")
+        );
+        assert!(
+            spread_serves(32, 256, 4096, 4096, 8, 1, 132)
+                .unwrap_err()
+                .contains("stride 32")
+        );
+        assert!(
+            spread_serves(16, 257, 4096, 4096, 8, 1, 132)
+                .unwrap_err()
+                .contains("257 rows")
+        );
+        assert!(
+            spread_serves(16, 64, 4104, 4096, 8, 1, 132)
+                .unwrap_err()
+                .contains("in 4104")
+        );
+        assert!(
+            spread_serves(16, 64, 4096, 14336, 8, 1, 132)
+                .unwrap_err()
+                .contains("14336")
+        );
+        assert!(spread_serves(16, 64, 64, 64, usize::MAX, 2, 132).is_err());
+        // By default where clusters of 8 would be more than one block a
+        // multiprocessor, waiting first.
+        assert!(spread_by_default(false, true));
+        assert!(!spread_by_default(true, true));
+        assert!(!spread_by_default(false, false));
+        assert_eq!(
+            kernel_name(EntryKernel::Spread, 16, true),
+            Some("bgmv_entry_spread_r16")
+        );
+        assert!(kernel_name(EntryKernel::Spread, 32, false).is_none());
+        // The partials (9 x 128 floats), t (8 x 20) and the row list.
+        assert_eq!(spread_smem_bytes(256), 4 * (1152 + 160 + 256));
+        assert_eq!(
+            spread_smem_bytes(1),
+            (4 * (1152 + 160 + 1) as usize).next_multiple_of(16)
+        );
     }
 
     #[test]
