@@ -639,7 +639,10 @@ pub struct BgmvTuning {
     /// where the other kernels' clusters of 8 would be more than one block a
     /// multiprocessor, waiting first (H200, in a graph: n = 256 of 32
     /// rank-16 adapters 6.89 against 7.24 µs, n = 64 of 24 5.63 against
-    /// 6.07; NOTES.md v35).
+    /// 6.07; NOTES.md v35). Its blocks wait for one another: waiting first,
+    /// its launch is not cooperative, so a kernel of another stream that
+    /// holds multiprocessors while it spins on this stream's results could
+    /// keep some of its blocks from starting; turn it off beside such kernels.
     pub entry_spread: Option<bool>,
 }
 
