@@ -406,9 +406,10 @@ impl CudaBackend {
         unsafe { self.launch_with_attributes(kernel, launch, params, dependent, false) }
     }
 
-    /// [`Self::launch_chained`], or where not `dependent`, a cooperative
-    /// launch when `cooperative`: every block of the grid resident at once,
-    /// or the launch fails (kernels whose blocks wait for one another).
+    /// A programmatic dependent launch where `dependent` (sm_90 and newer),
+    /// else a cooperative one: every block of the grid resident at once, or
+    /// the launch fails (kernels whose blocks wait for one another; a
+    /// dependent one must keep its grid within what is resident at once).
     ///
     /// # Safety
     /// As [`Self::launch_chained`].

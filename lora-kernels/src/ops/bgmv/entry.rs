@@ -583,6 +583,29 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
+        /// Whatever the call, a spread launch the host accepts is at most
+        /// one block a multiprocessor, so all of it is resident and every
+        /// block's inbox lies inside the backend's (`sm_count` of them).
+        #[test]
+        fn a_served_spread_launch_fits_the_multiprocessors_and_the_inboxes(
+            n in 1usize..400,
+            in_dim in 1usize..6000,
+            out in 1usize..6000,
+            entries in 0usize..80,
+            n_targets in 1usize..=MAX_TARGETS,
+            sms in 1usize..200,
+        ) {
+            if spread_serves(16, n, in_dim, out, entries, n_targets, sms).is_ok() {
+                let blocks = SPREAD_BLOCKS * entries.max(1) * n_targets;
+                prop_assert!(blocks <= sms);
+                // The last block's inbox: (target, entry, rank) in grid order.
+                let last = ((n_targets - 1) * entries.max(1) + entries.max(1) - 1) * SPREAD_BLOCKS + SPREAD_BLOCKS - 1;
+                prop_assert!(last < sms);
+                prop_assert!(n <= ENTRY_REGISTERS_MAX_ROWS && in_dim <= ENTRY_SPREAD_MAX_DIM && out <= ENTRY_SPREAD_MAX_DIM);
+            }
+            prop_assert!(spread_serves(32, n, in_dim, out, entries, n_targets, sms).is_err());
+        }
+
         /// Whatever the call, the plan keeps the kernel's blocks per
         /// multiprocessor, stages every block's whole output slice or
         /// nothing, and holds the row list of every row.
