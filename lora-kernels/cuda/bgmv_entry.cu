@@ -972,6 +972,9 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
     // the next launch let in at once or once the work is out.
     const int chain = p.overlap & 3;
     if (chain >= BGE_WAIT_FIRST) {
+        // `bge_prefetch_weights` with the piece q of Q, written out: through
+        // the shared helper ptxas reordered this kernel's and the _pf kernels'
+        // prologues, a build the device has not measured.
         if ((p.overlap & BGS_PREFETCH) && e < tg.n_entries && tid <= 16) {
             int pk0, pk1, po0, po1;
             split8(p.in_dim, Q, q, pk0, pk1);

@@ -614,12 +614,12 @@ pub struct BgmvTuning {
     /// (`cp.async.bulk.prefetch.L2`), so DRAM streams them while the
     /// previous kernel ends. Read before that kernel completed, the entry may
     /// be stale; a prefetch returns nothing to the block, so at worst it warms
-    /// L2 with bytes the block then does not read. `None`: at rank stride
-    /// 16, in the register kernel or where the launch's blocks are at most
-    /// one a multiprocessor, letting the next kernel in early with it (H200,
-    /// in a graph: n = 256 of 32 adapters 7.47 against 8.08 µs, n = 16 of 16
-    /// 4.87 against 5.41; where the staged kernel's blocks share
-    /// multiprocessors it lost: n = 64 of 24 6.40 against 6.12; NOTES.md v35).
+    /// L2 with bytes the block then does not read. Rank stride 16 only.
+    /// `None`: where the launch's blocks are at most one a multiprocessor
+    /// (and in the spread kernel), letting the next kernel in early with it
+    /// (H200, in a graph: n = 16 of 16 4.88 against 5.41 µs, n = 64 of 8
+    /// 4.12 against 4.41; where blocks share multiprocessors it lost: n = 256
+    /// of 32 7.45 against 7.21, n = 64 of 24 6.40 against 6.03; NOTES.md v35).
     pub prefetch_weights: Option<bool>,
     /// Where the entry-clustered form waits first: whether it lets the next
     /// kernel launch as soon as its blocks waited (`Some(true)`) or once
@@ -1341,12 +1341,11 @@ fn launch<Y: OutputElem>(
             entry::EntryKernel::Staged { cluster }
         };
         // The spread form's blocks are one a multiprocessor: the next kernel
-        // comes early, and its own weights are asked for before its wait.
-        let prefetch = wait_first
-            && !overlap
-            && tuning
-                .prefetch_weights
-                .unwrap_or_else(|| spread || entry::prefetch_by_default(stride, early_by_shape));
+        // comes early, and its own weights are asked for before its wait
+        // (`launch_entry` asks only where the launch waits first).
+        let prefetch = tuning
+            .prefetch_weights
+            .unwrap_or_else(|| spread || entry::prefetch_by_default(stride, early_by_shape));
         // Asking its weights early pays where the next kernel's blocks also
         // come early to ask for theirs (NOTES.md v35).
         let early_next = tuning.early_next.unwrap_or(spread || early_by_shape || prefetch);

@@ -459,26 +459,21 @@ pub(super) fn launch_entry<Y: OutputElem>(
     let n = x.n_rows;
     let entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0).max(1);
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
-    if kernel == EntryKernel::Spread {
-        return launch_spread(
-            c,
-            x,
-            idx_addr,
-            target_params,
-            targets.len(),
-            entries,
-            y,
-            chain,
-            prefetch,
-            name,
-        );
-    }
     // The register kernel stages nothing: the push form's base layout in
     // clusters of 8 (which holds its smaller one, and its fallback's).
     let (cluster, (stage_cols, smem)) = match kernel {
         EntryKernel::Registers => (8, (0, base_smem_bytes(stride, n, 8))),
         EntryKernel::Staged { cluster } => (cluster, smem_plan(stride, n, max_out, cluster, c.smem_per_sm)),
-        EntryKernel::Spread => unreachable!("launched above"),
+        EntryKernel::Spread => {
+            let spread = SpreadLaunch {
+                n_targets: targets.len(),
+                entries,
+                chain,
+                prefetch,
+                name,
+            };
+            return launch_spread(c, x, idx_addr, target_params, y, spread);
+        }
     };
     let params = BgeParams::new(c, x, idx_addr, target_params, y, chain, stage_cols)?;
     let shape = Launch {
@@ -524,22 +519,35 @@ fn spread_smem_bytes(n: usize) -> usize {
     (4 * ((WARPS + 1) * 128 + 8 * 20 + n)).next_multiple_of(16)
 }
 
+/// What `launch_entry` settled for a spread launch.
+struct SpreadLaunch {
+    n_targets: usize,
+    /// Entries of the largest table (the grid's y).
+    entries: usize,
+    chain: Chain,
+    /// Whether the blocks ask their weights into L2 before they wait.
+    prefetch: bool,
+    name: &'static str,
+}
+
 /// Launch the spread form (the caller checked `EntryShape::check` and
 /// `spread_serves`): waiting first, the next kernel let in at once (its
 /// blocks are one a multiprocessor), or a plain launch made cooperative.
-#[allow(clippy::too_many_arguments)]
 fn launch_spread<Y: OutputElem>(
     c: &CudaBackend,
     x: &Rows<'_, bf16>,
     idx_addr: u64,
     target_params: &[TargetParams; MAX_TARGETS],
-    n_targets: usize,
-    entries: usize,
     y: &RowsMut<'_, Y>,
-    chain: Chain,
-    prefetch: bool,
-    name: &'static str,
+    spread: SpreadLaunch,
 ) -> Result<(), KernelError> {
+    let SpreadLaunch {
+        n_targets,
+        entries,
+        chain,
+        prefetch,
+        name,
+    } = spread;
     let mut base = BgeParams::new(c, x, idx_addr, target_params, y, chain, 0)?;
     if prefetch {
         base.overlap |= SPREAD_PREFETCH;
