@@ -134,6 +134,8 @@ pub(crate) struct CudaBackend {
     pub(crate) smem_optin: usize,
     /// Shared memory of one multiprocessor.
     pub(crate) smem_per_sm: usize,
+    /// `cuDriverGetVersion` (e.g. 13000 for CUDA 13.0): which driver calls exist.
+    pub(crate) driver_version: i32,
     modules: Arc<ModuleCache>,
     fault: Mutex<CudaSlice<u32>>,
     /// Scratch of multi-launch ops (the two-phase decode); locked for the
@@ -147,6 +149,26 @@ pub(crate) struct CudaBackend {
 /// 64-bit words of one block's inbox in the spread form (`BGS_INBOX_WORDS`:
 /// 2 passes x 8 senders x 128 words).
 pub(crate) const SPREAD_INBOX_WORDS: usize = 2 * 8 * 128;
+
+/// What a launch issued now on the backend's stream would follow, as far as
+/// the driver can tell ([`CudaBackend::predecessor`]). A programmatic
+/// dependent launch overlaps only a kernel it follows in the same stream or
+/// graph; a graph's root node follows nothing (a graph launch waits for the
+/// stream's previous work whole).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Predecessor {
+    /// Not capturing, or a driver too old to say (before CUDA 12.3): a kernel
+    /// issued earlier may still be running.
+    Unknown,
+    /// Captured after kernel nodes only.
+    Kernels,
+    /// Captured as a root node, or after a node that is not a kernel (a copy,
+    /// a memset, an event): no kernel runs while this launch starts.
+    NoKernel,
+}
+
+/// First driver with `cuStreamGetCaptureInfo_v3` (CUDA 12.3).
+pub(crate) const CAPTURE_INFO_V3_DRIVER: i32 = 12030;
 
 /// Bytes of the backend's launch scratch ([`CudaBackend::with_scratch`]).
 pub(crate) const SCRATCH_BYTES: usize = 8 << 20;
@@ -197,6 +219,9 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         .alloc_zeros::<u8>(SCRATCH_BYTES)
         .map_err(driver_err("cuMemAlloc"))?;
     let sms = u32::try_from(sm_count).unwrap_or(1).max(1);
+    let mut driver_version = 0;
+    // SAFETY: the driver writes one int; on failure it stays 0 ("too old").
+    let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) };
     let spread_inbox = stream
         .alloc_zeros::<u64>(sms as usize * SPREAD_INBOX_WORDS)
         .map_err(driver_err("cuMemAlloc"))?;
@@ -210,6 +235,7 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         l2_bytes: usize::try_from(l2).unwrap_or(0),
         smem_optin: usize::try_from(optin).unwrap_or(48 * 1024),
         smem_per_sm: usize::try_from(per_sm).unwrap_or(64 * 1024),
+        driver_version,
         modules: module_cache(ordinal),
         fault: Mutex::new(fault),
         scratch: Box::new(Mutex::new(scratch)),
@@ -467,6 +493,58 @@ impl CudaBackend {
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .map_err(driver_err("cuLaunchKernelEx"))
+    }
+
+    /// What a launch issued now would follow ([`Predecessor`]). A snapshot:
+    /// another thread capturing on this stream meanwhile may change it, so it
+    /// may steer only choices that are correct either way (how a launch is
+    /// chained, never what it computes).
+    pub(crate) fn predecessor(&self) -> Predecessor {
+        use cudarc::driver::sys;
+        if self.driver_version < CAPTURE_INFO_V3_DRIVER {
+            return Predecessor::Unknown;
+        }
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut deps: *const sys::CUgraphNode = std::ptr::null();
+        // Non-default edges (a programmatic one) make a query without edge data fail.
+        let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
+        let mut n_deps = 0usize;
+        if self.ctx.bind_to_thread().is_err() {
+            return Predecessor::Unknown;
+        }
+        // SAFETY: the stream is this backend's and alive; the id and graph
+        // outputs are optional (null); the rest are valid locals.
+        let got = unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                self.stream.cu_stream(),
+                &mut status,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut deps,
+                &mut edges,
+                &mut n_deps,
+            )
+        };
+        if got != sys::CUresult::CUDA_SUCCESS || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+            return Predecessor::Unknown;
+        }
+        if n_deps == 0 || deps.is_null() {
+            return Predecessor::NoKernel;
+        }
+        // SAFETY: the driver returned `n_deps` nodes at `deps`, valid until
+        // the stream's next capture call (none is made while this borrows them).
+        let nodes = unsafe { std::slice::from_raw_parts(deps, n_deps) };
+        let all_kernels = nodes.iter().all(|&node| {
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` is a node of the graph being captured; `kind` a valid local.
+            let got = unsafe { sys::cuGraphNodeGetType(node, &mut kind) };
+            got == sys::CUresult::CUDA_SUCCESS && kind == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL
+        });
+        if all_kernels {
+            Predecessor::Kernels
+        } else {
+            Predecessor::NoKernel
+        }
     }
 
     /// Device address of the fault word.

@@ -704,6 +704,13 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 ..Default::default()
             };
             variants.push(("plain launch".to_string(), plain));
+            // Waiting first even as a graph's root node (where the default
+            // launches plain: no kernel before it to overlap).
+            let wait = BgmvTuning {
+                wait_first: Some(true),
+                ..Default::default()
+            };
+            variants.push(("wait first".to_string(), wait));
             // The entry-clustered form waiting first without asking its
             // weights into L2 before the wait, asking for them whatever the
             // shape, and with the next kernel let in early or late whatever

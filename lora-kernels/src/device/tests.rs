@@ -95,3 +95,65 @@ fn a_cpu_memory_limit_refuses_allocations_past_it_and_frees_on_drop() {
     drop(b);
     d.alloc_zeros::<u8>(1000).unwrap();
 }
+
+/// What a launch would follow, from the driver's capture state: unknown
+/// outside a capture; no kernel at a graph's root and after a memset;
+/// kernels after a plain launch and after a programmatic dependent one
+/// (whose edge is not a default one).
+#[test]
+fn gpu_the_predecessor_follows_the_capture() {
+    use crate::cuda_rt::{Family, Kernel, Launch, Predecessor};
+    use crate::ops::launch_floor::empty_launch;
+    let Some(gpu) = crate::testing::cuda_or_skip("gpu_the_predecessor_follows_the_capture") else {
+        return;
+    };
+    let Backend::Cuda(c) = gpu.backend() else {
+        panic!("cuda_or_skip returned a CPU device");
+    };
+    let dependent_empty = || {
+        let unused: u64 = 0;
+        let kernel = Kernel {
+            family: Family::Bgmv,
+            name: "lora_empty",
+        };
+        let launch = Launch {
+            grid: (1, 1, 1),
+            block: 1,
+            smem: 0,
+        };
+        // SAFETY: `lora_empty` takes one u64 by value and touches no memory,
+        // so it needs no wait for the kernel before it.
+        unsafe { c.launch_chained(kernel, launch, &unused, true) }
+    };
+    gpu.preload_kernels().unwrap();
+    assert_eq!(c.predecessor(), Predecessor::Unknown);
+    let mut buf = gpu.alloc_zeros::<u32>(64).unwrap();
+    let mut seen = Vec::new();
+    let graph = gpu
+        .capture_graph(|| {
+            seen.push(c.predecessor());
+            empty_launch(&gpu)?;
+            seen.push(c.predecessor());
+            buf.zero_range(0, 64)?;
+            seen.push(c.predecessor());
+            empty_launch(&gpu)?;
+            dependent_empty()?;
+            seen.push(c.predecessor());
+            Ok(())
+        })
+        .unwrap();
+    graph.replay().unwrap();
+    gpu.synchronize().unwrap();
+    assert_eq!(c.predecessor(), Predecessor::Unknown);
+    let expected = if c.driver_version >= crate::cuda_rt::CAPTURE_INFO_V3_DRIVER {
+        [
+            Predecessor::NoKernel,
+            Predecessor::Kernels,
+            Predecessor::NoKernel,
+            Predecessor::Kernels,
+        ]
+    } else {
+        [Predecessor::Unknown; 4]
+    };
+    assert_eq!(seen, expected, "driver {}", c.driver_version);
+}

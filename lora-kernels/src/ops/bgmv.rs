@@ -15,7 +15,7 @@ use super::pairs::reference_apply;
 use super::{LoraTarget, MAX_TARGETS, OutputElem, Rows, RowsMut, TargetParams, check_targets, to_i32, to_u32};
 use crate::buffer::{DeviceBuffer, check_range};
 use crate::cpu_mem::CpuMemory;
-use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch, SCRATCH_BYTES};
+use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch, Predecessor, SCRATCH_BYTES};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
 
@@ -607,7 +607,11 @@ pub struct BgmvTuning {
     /// kernel writes; that knob, when on, takes its place. `None`: on (H200,
     /// in a graph of back-to-back applies, against plain launches: n = 1
     /// 4.15 against 4.54 µs, n = 64 of 64 rank-16 adapters 7.53 against
-    /// 7.90, n = 256 of 32 7.12 against 7.41; NOTES.md v34).
+    /// 7.90, n = 256 of 32 7.12 against 7.41; NOTES.md v34), except where
+    /// the call is captured with no kernel before it in the graph (its root
+    /// node, or after a copy or memset, as the driver's capture state says):
+    /// nothing overlaps its start there, and the weight prefetch and spread
+    /// kernel that waiting first brings by default only cost time (NOTES.md v36).
     pub wait_first: Option<bool>,
     /// Where the entry-clustered form waits first (`wait_first`): each block
     /// asks L2 for its slice of its entry's A and B before it waits
@@ -1186,6 +1190,15 @@ fn kernel_name(cluster: u32, y: &'static str, tensor_cores: bool, list: bool) ->
     })
 }
 
+/// `BgmvTuning::wait_first`'s default: on unless the launch is captured
+/// where no kernel precedes it (a graph's root node, or after a copy or
+/// memset). There nothing overlaps its start, and the prefetch and the
+/// spread kernel that waiting first brings by default cost time instead
+/// (H200, one apply a graph after an L2 flush: NOTES.md v35-v36).
+fn wait_first_by_default(predecessor: Predecessor) -> bool {
+    predecessor != Predecessor::NoKernel
+}
+
 #[allow(clippy::too_many_arguments)]
 fn launch<Y: OutputElem>(
     c: &CudaBackend,
@@ -1203,7 +1216,10 @@ fn launch<Y: OutputElem>(
     let max_entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0);
     let hopper = c.compute_capability.0 >= 9;
     let overlap = tuning.overlap_previous.unwrap_or(false);
-    let wait_first = hopper && tuning.wait_first.unwrap_or(true);
+    let wait_first = hopper
+        && tuning
+            .wait_first
+            .unwrap_or_else(|| wait_first_by_default(c.predecessor()));
     let entry_shape = entry::EntryShape {
         hopper,
         n,

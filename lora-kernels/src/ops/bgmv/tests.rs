@@ -1115,3 +1115,10 @@ fn row_registers_by_default_for_rows_of_few_rows_an_adapter() {
         assert!(row_registers_by_default(64, 64, tuning), "{tuning:?}");
     }
 }
+
+#[test]
+fn waiting_first_is_the_default_unless_no_kernel_precedes_the_capture() {
+    assert!(wait_first_by_default(Predecessor::Unknown));
+    assert!(wait_first_by_default(Predecessor::Kernels));
+    assert!(!wait_first_by_default(Predecessor::NoKernel));
+}
