@@ -1418,8 +1418,12 @@ extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 // that share them by halving exchanges (butterfly8 in the shrink, two halving
 // steps in the expand): the reductions were what kept a warp from its next
 // loads. The expand is by default the shrink's programmatic dependent, and
-// with p.overlap the shrink is the previous kernel's (idx and the tables read
-// before its wait; x and the scratch after it).
+// under the overlap (CHAIN_EARLY_READS) the shrink is the previous kernel's
+// (idx and the tables read before its wait; x and the scratch after it).
+// Waiting first, the shrink is the previous kernel's dependent too but
+// waits before any read and only then lets the expand in, so the expand
+// reads y before its own wait as after a plain shrink, and lets the next
+// apply in at its start or before its last stores.
 //
 // Row form (the _rows kernels, p.row_ks > 0 K slices, the default): every
 // row is an item of its own, so the shrink scans no window and writes no
@@ -1458,7 +1462,7 @@ struct Bgmv2Params {
     int ks_max;
     int expand_cols;
     int pow2_slices;
-    int overlap;  // the shrink is a programmatic dependent: idx and tables read before griddepcontrol.wait
+    int overlap;  // how the shrink follows the stream's previous kernel: a CHAIN_* code (common.cuh)
     int row_ks;   // > 0: each row its own item, in this many K slices (the _rows kernels)
     int pad;      // keeps targets 8-byte aligned
     LoraTarget targets[MAX_TARGETS];
@@ -1680,6 +1684,9 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     const LoraTarget tg = p.targets[t];
     const int nwin = p.n_rows;
     const bool lead_block = blockIdx.x == 0;
+    // Waiting first: before anything is read, and before the expand is let
+    // in (the row form's expand reads y before its own wait).
+    if (p.overlap >= CHAIN_WAIT_FIRST) grid_dependency_wait();
     // Row form: every row is an item of its own, so nothing is scanned and
     // no descriptor written (the expand finds each row's entry itself).
     const int idx_first = ROWS ? -1 : first_index((const int*)p.idx, 0, nwin);
@@ -1697,7 +1704,7 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     // Overlap: the previous kernel (a previous apply's expand, say) may still
     // read the scratch and write x: both only after this wait, which every
     // block passes once (the lead block before its header).
-    bool waited = p.overlap == 0;
+    bool waited = p.overlap != CHAIN_EARLY_READS;
     auto wait_previous_then_header = [&]() {
         if (!waited) grid_dependency_wait();
         waited = true;
@@ -1890,8 +1897,9 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     float* sAcc = (float*)dyn;
     Y* sY = (Y*)(dyn + GR * cols * 4);
     float* sT = (float*)(dyn + GR * cols * (4 + (int)sizeof(Y)));
-    // Overlap: the next apply may get resident now; it waits for this grid.
-    if (p.overlap) grid_launch_dependents();
+    // The next apply may get resident now (under the overlap, or waiting
+    // first with the next launch early); it waits for this grid.
+    if (p.overlap == CHAIN_EARLY_READS || p.overlap == CHAIN_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
     // Under a dependent launch this block may start before the shrink ends:
     // wait for it (and its writes) before reading the scratch (the row form
     // further down). A no-op otherwise.
@@ -1928,7 +1936,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         const int lc = min(cols, tg.out_dim - o0);
         const PairEntry en = row_entry(row);
         if (en.rank > 0) {
-            if (!p.overlap && vec_y_of(o0, lc)) {
+            if (p.overlap != CHAIN_EARLY_READS && vec_y_of(o0, lc)) {
                 const unsigned char* src = (const unsigned char*)(Yp + (u64)row * ys + coff + o0);
 #pragma unroll 1
                 for (int c = tid; c < lc * (int)sizeof(Y) / 16; c += BGMV_THREADS)
@@ -1982,7 +1990,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
                            aligned16(Yp) && (lc % 8 == 0);
         const bool y_requested = ROWS && y_early && u == (int)blockIdx.x;
         // Under the overlap the kernel before the shrink may still write y.
-        if (!waited && p.overlap) {
+        if (!waited && p.overlap == CHAIN_EARLY_READS) {
             grid_dependency_wait();
             waited = true;
         }
@@ -2130,6 +2138,9 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         }
         cp_async_wait<0>();
         __syncthreads();
+        // Waiting first with the next launch late: let it in once this
+        // block's last unit has only its stores left.
+        if (p.overlap == CHAIN_WAIT_FIRST && u + (int)gridDim.x >= units) grid_launch_dependents();
 
         // y += delta, rounded once; 16-byte pieces when aligned.
         if (vec_y) {

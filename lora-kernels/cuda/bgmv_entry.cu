@@ -69,7 +69,7 @@ struct BgeParams {
     int in_dim;
     int x_stride;
     int y_stride;
-    int overlap;  // how the launch follows the stream's previous kernel: BGE_PLAIN .. BGE_WAIT_FIRST_EARLY_NEXT
+    int overlap;  // how the launch follows the stream's previous kernel: CHAIN_PLAIN .. CHAIN_WAIT_FIRST_EARLY_NEXT
     int stage_cols;  // outputs per block staged in shared memory (B rows and y values), 0: none
     LoraTarget targets[MAX_TARGETS];
 };
@@ -118,29 +118,17 @@ __device__ __forceinline__ void stsm_x4_trans(bf16_t* row, const u32* r) {
 }
 #endif
 
-// p.overlap, mirroring bgmv/entry.rs `Chain`: a plain launch; a
-// programmatic dependent of the stream's previous kernel that reads idx,
-// the tables and the adapters before griddepcontrol.wait (the opt-in
-// overlap); or one whose blocks wait before any read, as a plain launch
-// would (so they are resident, their launch done, when that kernel ends),
-// letting the next launch in once their work is out or at once (its own
-// wait keeps it behind this kernel).
-#define BGE_PLAIN 0
-#define BGE_EARLY_READS 1
-#define BGE_WAIT_FIRST 2
-#define BGE_WAIT_FIRST_EARLY_NEXT 3
-
-// Waiting first: the wait, and the early next launch, before anything is read.
+// Waiting first (p.overlap, a CHAIN_* code of common.cuh): the wait, and the early next launch, before anything is read.
 __device__ __forceinline__ void bge_wait_first(const BgeParams& p) {
-    if (p.overlap >= BGE_WAIT_FIRST) {  // BGE_WAIT_FIRST or BGE_WAIT_FIRST_EARLY_NEXT
+    if (p.overlap >= CHAIN_WAIT_FIRST) {  // CHAIN_WAIT_FIRST or CHAIN_WAIT_FIRST_EARLY_NEXT
         grid_dependency_wait();
-        if (p.overlap == BGE_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
+        if (p.overlap == CHAIN_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
     }
 }
 
 // The entry bodies' end of a block's work: the next launch let in, unless that was done at once.
 __device__ __forceinline__ void bge_next_after_work(const BgeParams& p) {
-    if (p.overlap == BGE_EARLY_READS || p.overlap == BGE_WAIT_FIRST) grid_launch_dependents();
+    if (p.overlap == CHAIN_EARLY_READS || p.overlap == CHAIN_WAIT_FIRST) grid_launch_dependents();
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -355,7 +343,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     // once instead of one output group after another. Uniform per block.
     const bool staged = p.stage_cols >= o1 - o0 && aligned16(B);
 
-    if (p.overlap == BGE_EARLY_READS) grid_dependency_wait();
+    if (p.overlap == CHAIN_EARLY_READS) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
     bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
 
@@ -785,7 +773,7 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     }
     cluster_arrive_relaxed();  // waited for before the first push
 
-    if (p.overlap == BGE_EARLY_READS) grid_dependency_wait();
+    if (p.overlap == CHAIN_EARLY_READS) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
     bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
     int passes = 0;
@@ -908,7 +896,7 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREA
 // words in its own. Tags are the pass count within the launch (1, 2, ...),
 // so each block zeroes the inbox words it was sent before it exits, and
 // every inbox is zero between launches (the host allocates it zeroed).
-// Waiting first (BGE_WAIT_FIRST, BGE_WAIT_FIRST_EARLY_NEXT in p.overlap),
+// Waiting first (CHAIN_WAIT_FIRST, CHAIN_WAIT_FIRST_EARLY_NEXT in p.overlap),
 // a block asks its weights into L2 before the wait where BGS_PREFETCH is
 // or'd in: the same rule as `bge_prefetch_weights`.
 #define BGS_CHUNKS 4
@@ -971,7 +959,7 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
     // Waiting first: the weights asked into L2 before the wait (BGS_PREFETCH),
     // the next launch let in at once or once the work is out.
     const int chain = p.overlap & 3;
-    if (chain >= BGE_WAIT_FIRST) {
+    if (chain >= CHAIN_WAIT_FIRST) {
         // `bge_prefetch_weights` with the piece q of Q, written out: through
         // the shared helper ptxas reordered this kernel's and the _pf kernels'
         // prologues, a build the device has not measured.
@@ -990,7 +978,7 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
             }
         }
         grid_dependency_wait();
-        if (chain == BGE_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
+        if (chain == CHAIN_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
     }
 
     const int raw = tid < p.n_rows ? ((const int*)p.idx)[tid] : -1;
@@ -1058,7 +1046,7 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
         return;
     }
 
-    if (chain == BGE_EARLY_READS) grid_dependency_wait();
+    if (chain == CHAIN_EARLY_READS) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
     bf16_t* y = (bf16_t*)p.y + tg.y_col_off;
     u64* inbox = (u64*)sp.inbox;
@@ -1175,7 +1163,7 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
                                        pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
         }
     }
-    if (chain == BGE_EARLY_READS || chain == BGE_WAIT_FIRST) grid_launch_dependents();
+    if (chain == CHAIN_EARLY_READS || chain == CHAIN_WAIT_FIRST) grid_launch_dependents();
     // Every word sent to this block was read above and no peer sends more:
     // zero them for the next launch.
     if (tid < PART) {

@@ -262,7 +262,7 @@ __device__ __forceinline__ void bgr_apply_general(const BgeParams& p, const Lora
         b[2 * i] = i < live ? load8_any(B + (u64)(o + i) * R, b_vec) : zero;
         b[2 * i + 1] = i < live ? load8_any(B + (u64)(o + i) * R + 8, b_vec) : zero;
     }
-    if (p.overlap == BGE_EARLY_READS) grid_dependency_wait();
+    if (p.overlap == CHAIN_EARLY_READS) grid_dependency_wait();
     const bf16_t* xrow = (const bf16_t*)p.x + (u64)row * p.x_stride;
     const uint4 xv = col_live ? load8_any(xrow + col, aligned16(xrow)) : zero;
     Y* yp = (Y*)p.y + (u64)row * p.y_stride + tg.y_col_off + o;
@@ -306,7 +306,7 @@ __device__ __forceinline__ void bgr_body(const BgeParams& p) {
     const int row = (int)blockIdx.y;
     const LoraTarget tg = p.targets[blockIdx.z];
     bge_wait_first(p);
-    if (p.overlap == BGE_EARLY_READS) grid_launch_dependents();
+    if (p.overlap == CHAIN_EARLY_READS) grid_launch_dependents();
 
     // 1. The row's entry. A small table is copied whole into shared memory
     // while the index arrives, so the entry is no second round trip.
@@ -340,7 +340,7 @@ __device__ __forceinline__ void bgr_body(const BgeParams& p) {
         bgr_apply_full<Y>(p, tg, en, row, q, sh);
     else
         bgr_apply_general<Y>(p, tg, en, row, q, sh);
-    if (p.overlap == BGE_WAIT_FIRST) grid_launch_dependents();  // the next launch once this block's work is out
+    if (p.overlap == CHAIN_WAIT_FIRST) grid_launch_dependents();  // the next launch once this block's work is out
 }
 
 #if __CUDA_ARCH__ >= 900

@@ -131,6 +131,19 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
 // previous one waits here until that kernel completed and its writes are
 // visible; a kernel lets its dependents get resident early by calling
 // grid_launch_dependents. Both are no-ops without a dependent launch.
+// How a launch follows the stream's previous kernel (`overlap` in the
+// decode kernels' parameter blocks, mirroring bgmv/entry.rs `Chain`): a
+// plain launch; a programmatic dependent that reads idx, the tables and the
+// adapters before griddepcontrol.wait (the opt-in overlap); or one whose
+// blocks wait before any read, as a plain launch would (so they are
+// resident, their launch done, when that kernel ends), letting the next
+// launch in once their work is out or at once (its own wait keeps it
+// behind this kernel).
+#define CHAIN_PLAIN 0
+#define CHAIN_EARLY_READS 1
+#define CHAIN_WAIT_FIRST 2
+#define CHAIN_WAIT_FIRST_EARLY_NEXT 3
+
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

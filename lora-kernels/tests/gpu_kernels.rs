@@ -972,15 +972,17 @@ fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
     }
 }
 
-/// `wait_first` (the default of the entry-clustered and row-register
-/// forms: a programmatic dependent whose blocks wait for the previous
-/// kernel before any read, and let the next one launch early): chained
-/// applies, each reading as x what the one before wrote as y, in every
-/// kernel that takes it (the staged, register and spread entry kernels, the
-/// row-register one, straight-line and general), with and without the
-/// weights asked into L2 before the wait, mixed with plain launches (the
-/// spread kernel's cooperative), the fused kernel (which does not wait
-/// first) and the overlap. Back-to-back spread launches also show that each
+/// `wait_first` (the default of the entry-clustered, row-register and
+/// two-phase forms: a programmatic dependent whose blocks wait for the
+/// previous kernel before any read, and let the next one launch early):
+/// chained applies, each reading as x what the one before wrote as y, in
+/// every kernel that takes it (the staged, register and spread entry
+/// kernels, the row-register one, straight-line and general, the two-phase
+/// shrinks with their expands letting the next apply in at their start or
+/// before their last stores, the row form's expand reading y before its
+/// wait), with and without the weights asked into L2 before the wait, mixed
+/// with plain launches (the spread kernel's cooperative), the fused kernel
+/// (which does not wait first) and the overlap. Back-to-back spread launches also show that each
 /// leaves its inboxes zero: a stale word tagged as a later launch's pass
 /// would be summed.
 #[test]
@@ -1010,9 +1012,17 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
         ..t
     };
     let (reg, staged, c4) = (ENTRY_REGISTERS, ENTRY_STAGED, ENTRY_C4);
+    let early = |t: BgmvTuning| BgmvTuning {
+        early_next: Some(true),
+        ..t
+    };
+    let late = |t: BgmvTuning| BgmvTuning {
+        early_next: Some(false),
+        ..t
+    };
     // (n, width, stride, slots): 8 rows an entry at 4096 (the register
     // kernel's default), few rows an entry, rank 64 in clusters of 4.
-    let chains: [(ApplyShape, Vec<BgmvTuning>); 5] = [
+    let chains: [(ApplyShape, Vec<BgmvTuning>); 7] = [
         (
             (256, 4096, 16, 32),
             vec![
@@ -1057,6 +1067,41 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
         (
             (7, 1024, 16, 3),
             vec![ROW_REGISTERS, ROW_REGISTERS, overlap(ROW_REGISTERS), ROW_REGISTERS],
+        ),
+        (
+            (64, 2048, 64, 9),
+            vec![
+                TWO_PHASE_ROWS,
+                TWO_PHASE_ROWS,
+                early(TWO_PHASE_ROWS),
+                early(TWO_PHASE_ROWS),
+                TWO_PHASE_ROWS,
+                plain(TWO_PHASE_ROWS),
+                early(TWO_PHASE_ROWS_TC),
+                c4,
+                late(TWO_PHASE),
+                early(TWO_PHASE_TC_POW2_DEPENDENT),
+                overlap(TWO_PHASE_ROWS),
+                TWO_PHASE_ROWS_PLAIN,
+                early(TWO_PHASE_ROWS_PLAIN),
+                FUSED_TC_SCAN,
+                early(TWO_PHASE_ROWS),
+                c4,
+                TWO_PHASE_ROWS,
+            ],
+        ),
+        (
+            (96, 4096, 16, 32),
+            vec![
+                early(TWO_PHASE_ROWS),
+                TWO_PHASE_ROWS,
+                reg,
+                late(TWO_PHASE_ROWS),
+                ROW_REGISTERS,
+                early(TWO_PHASE_ROWS),
+                ENTRY_SPREAD,
+                TWO_PHASE_ROWS,
+            ],
         ),
     ];
     for (shape, chain) in chains {

@@ -594,20 +594,23 @@ pub struct BgmvTuning {
     /// adapters: 7.40 against 8.39 µs, NOTES.md v33).
     pub entry_registers: Option<bool>,
     /// The entry-clustered and row-register forms (`entry_clusters`,
-    /// `row_registers`) on sm_90 and newer: launched as a programmatic
-    /// dependent of the stream's previous kernel whose blocks wait for it
-    /// before they read anything, so they run in a plain launch's order but
-    /// are resident, their launch done, when that kernel ends; each then
-    /// lets the next kernel launch early the same way
-    /// (`griddepcontrol.launch_dependents`: a kernel launched so must wait
-    /// before it reads what this one writes, as every such kernel does): as
-    /// soon as its blocks waited where they are at most one a
-    /// multiprocessor (the row-register form always), else once their work
-    /// is out. Unlike `overlap_previous`, correct whatever the previous
-    /// kernel writes; that knob, when on, takes its place. `None`: on (H200,
-    /// in a graph of back-to-back applies, against plain launches: n = 1
-    /// 4.15 against 4.54 µs, n = 64 of 64 rank-16 adapters 7.53 against
-    /// 7.90, n = 256 of 32 7.12 against 7.41; NOTES.md v34), except where
+    /// `row_registers`) and the two-phase shrink (`two_phase`) on sm_90 and
+    /// newer: launched as a programmatic dependent of the stream's previous
+    /// kernel whose blocks wait for it before they read anything, so they
+    /// run in a plain launch's order but are resident, their launch done,
+    /// when that kernel ends; each then lets the next kernel launch early
+    /// the same way (`griddepcontrol.launch_dependents`: a kernel launched
+    /// so must wait before it reads what this one writes, as every such
+    /// kernel does): as soon as its blocks waited where they are at most one
+    /// a multiprocessor (the row-register form always), else once their
+    /// work is out (the two-phase expand: before its blocks' last stores).
+    /// Unlike `overlap_previous`, correct whatever the previous kernel
+    /// writes; that knob, when on, takes its place. `None`: on (H200, in a
+    /// graph of back-to-back applies, against plain launches: n = 1 4.15
+    /// against 4.54 µs, n = 64 of 64 rank-16 adapters 7.53 against 7.90, n
+    /// = 256 of 32 7.12 against 7.41, NOTES.md v34; two-phase, n = 64 of 64:
+    /// 14336 outputs 16.98 against 17.30, rank 64 21.86 against 22.23,
+    /// NOTES.md v36), except where
     /// the call is captured with no kernel before it in the graph (its root
     /// node, or after a copy or memset, as the driver's capture state says):
     /// nothing overlaps its start there, and the weight prefetch and spread
@@ -625,11 +628,15 @@ pub struct BgmvTuning {
     /// 4.12 against 4.41; where blocks share multiprocessors it lost: n = 256
     /// of 32 7.45 against 7.21, n = 64 of 24 6.40 against 6.03; NOTES.md v35).
     pub prefetch_weights: Option<bool>,
-    /// Where the entry-clustered form waits first: whether it lets the next
-    /// kernel launch as soon as its blocks waited (`Some(true)`) or once
-    /// their work is out (`Some(false)`). `None`: early where its blocks are
-    /// at most one a multiprocessor at rank strides up to 32, or where they
-    /// prefetch their weights; else late.
+    /// Where the entry-clustered form or the two-phase launches wait first:
+    /// whether the launch lets the next kernel in as soon as its blocks
+    /// waited (the two-phase expand: at its start; `Some(true)`) or once
+    /// their work is out (`Some(false)`). `None`: in the entry-clustered
+    /// form early where its blocks are at most one a multiprocessor at rank
+    /// strides up to 32, or where they prefetch their weights, else late;
+    /// in the two-phase launches late (H200, in a graph, n = 64 of 64:
+    /// 14336 outputs 16.99 against 17.02 µs early, rank 64 21.89 against
+    /// 21.98; NOTES.md v36).
     pub early_next: Option<bool>,
     /// The entry-clustered form's spread kernel (rank stride 16, at most 256
     /// rows, `in` and outputs up to 4096, 4 blocks per table entry and target
@@ -1432,7 +1439,7 @@ fn launch<Y: OutputElem>(
             shrink_tensor_cores: tuning.shrink_tensor_cores.unwrap_or(false),
             dependent: tuning.dependent_launch.unwrap_or(true),
             pow2_slices: tuning.pow2_slices.unwrap_or(true),
-            overlap,
+            chain: entry::Chain::of(overlap, wait_first, tuning.early_next.unwrap_or(false)),
             row_items: tuning.two_phase_row_items.unwrap_or(true),
         };
         let plan = TwoPhasePlan::new(
@@ -1569,8 +1576,10 @@ struct TwoPhaseForms {
     dependent: bool,
     /// K slices rounded down to a power of two.
     pow2_slices: bool,
-    /// The shrink a programmatic dependent of the stream's previous kernel.
-    overlap: bool,
+    /// How the shrink follows the stream's previous kernel: plain, under
+    /// the overlap, or waiting first (the expand then letting the next
+    /// kernel in at its start or before its last stores).
+    chain: entry::Chain,
     /// Every row its own item (no window scan, no descriptors): the `_rows` kernels.
     row_items: bool,
 }
@@ -1632,7 +1641,7 @@ fn launch_two_phase<Y: OutputElem>(
             ks_max: to_i32("k_splits", plan.ks_max)?,
             expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
             pow2_slices: i32::from(forms.pow2_slices),
-            overlap: i32::from(forms.overlap),
+            overlap: forms.chain as i32,
             row_ks: to_i32("k_splits", row_ks)?,
             pad: 0,
             targets: *target_params,
@@ -1643,13 +1652,16 @@ fn launch_two_phase<Y: OutputElem>(
         // inside the scratch (`scratch_bytes <= SCRATCH_BYTES`, n <= 512 rows),
         // which `with_scratch` holds for both launches; the kernels check each
         // index and each entry's rank before reading A and B through table addresses.
-        // As a dependent launch (`overlap`) the shrink reads x and touches the
-        // scratch only after its wait; idx and the tables before it, which the
-        // caller promised the previous kernel does not write. The row form's
-        // expand checks each row's index and entry itself and reads idx, the
-        // tables and B before its wait (the shrink writes none of them), and y
-        // only when the shrink is a plain launch (every earlier kernel then
-        // completed before the shrink, and so before the expand, started).
+        // Under the overlap (`Chain::EarlyReads`) the shrink reads x and touches
+        // the scratch only after its wait; idx and the tables before it, which
+        // the caller promised the previous kernel does not write. Waiting first
+        // its blocks wait before any read and let the expand in only after
+        // that wait. The row form's expand checks each row's index and entry
+        // itself and reads idx, the tables and B before its wait (the shrink
+        // writes none of them), and y only where the shrink is not under the
+        // overlap (every earlier kernel then completed before the shrink's
+        // blocks let the expand in); a next kernel it lets in early waits for
+        // it (the contract of `launch_chained`).
         unsafe {
             c.launch_chained(
                 Kernel {
@@ -1667,7 +1679,7 @@ fn launch_two_phase<Y: OutputElem>(
                     smem: 0,
                 },
                 &params,
-                forms.overlap,
+                forms.chain.dependent(),
             )?;
             let kernel = Kernel {
                 family: Family::Bgmv,

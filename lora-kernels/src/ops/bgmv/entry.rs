@@ -81,7 +81,7 @@ impl BgeParams {
 
 /// How a launch of this form or of the row-register form follows the
 /// stream's previous kernel (`overlap` in the kernels' parameter block; the
-/// values are `BGE_PLAIN` .. `BGE_WAIT_FIRST_EARLY_NEXT` in `bgmv_entry.cu`).
+/// values are `CHAIN_PLAIN` .. `CHAIN_WAIT_FIRST_EARLY_NEXT` in `common.cuh`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Chain {
     /// A plain launch.
