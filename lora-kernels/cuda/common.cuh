@@ -127,10 +127,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
 #endif
 }
 
-// Programmatic dependent launch: a kernel launched as a dependent of the
-// previous one waits here until that kernel completed and its writes are
-// visible; a kernel lets its dependents get resident early by calling
-// grid_launch_dependents. Both are no-ops without a dependent launch.
 // How a launch follows the stream's previous kernel (`overlap` in the
 // decode kernels' parameter blocks, mirroring bgmv/entry.rs `Chain`): a
 // plain launch; a programmatic dependent that reads idx, the tables and the
@@ -144,6 +140,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
 #define CHAIN_WAIT_FIRST 2
 #define CHAIN_WAIT_FIRST_EARLY_NEXT 3
 
+// Programmatic dependent launch: a kernel launched as a dependent of the
+// previous one waits here until that kernel completed and its writes are
+// visible; a kernel lets its dependents get resident early by calling
+// grid_launch_dependents. Both are no-ops without a dependent launch.
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -102,28 +102,13 @@ fn a_cpu_memory_limit_refuses_allocations_past_it_and_frees_on_drop() {
 /// (whose edge is not a default one).
 #[test]
 fn gpu_the_predecessor_follows_the_capture() {
-    use crate::cuda_rt::{Family, Kernel, Launch, Predecessor};
-    use crate::ops::launch_floor::empty_launch;
+    use crate::cuda_rt::Predecessor;
+    use crate::ops::launch_floor::{empty_launch, empty_launch_on};
     let Some(gpu) = crate::testing::cuda_or_skip("gpu_the_predecessor_follows_the_capture") else {
         return;
     };
     let Backend::Cuda(c) = gpu.backend() else {
         panic!("cuda_or_skip returned a CPU device");
-    };
-    let dependent_empty = || {
-        let unused: u64 = 0;
-        let kernel = Kernel {
-            family: Family::Bgmv,
-            name: "lora_empty",
-        };
-        let launch = Launch {
-            grid: (1, 1, 1),
-            block: 1,
-            smem: 0,
-        };
-        // SAFETY: `lora_empty` takes one u64 by value and touches no memory,
-        // so it needs no wait for the kernel before it.
-        unsafe { c.launch_chained(kernel, launch, &unused, true) }
     };
     gpu.preload_kernels().unwrap();
     assert_eq!(c.predecessor(), Predecessor::Unknown);
@@ -137,7 +122,7 @@ fn gpu_the_predecessor_follows_the_capture() {
             buf.zero_range(0, 64)?;
             seen.push(c.predecessor());
             empty_launch(&gpu)?;
-            dependent_empty()?;
+            empty_launch_on(c, true)?;
             seen.push(c.predecessor());
             Ok(())
         })

@@ -1223,7 +1223,9 @@ fn launch<Y: OutputElem>(
     let max_entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0);
     let hopper = c.compute_capability.0 >= 9;
     let overlap = tuning.overlap_previous.unwrap_or(false);
+    // Under the overlap no launch waits first, so the driver is not asked.
     let wait_first = hopper
+        && !overlap
         && tuning
             .wait_first
             .unwrap_or_else(|| wait_first_by_default(c.predecessor()));
@@ -1353,7 +1355,7 @@ fn launch<Y: OutputElem>(
                 tuning.entry_registers.is_none()
                     && tuning.cluster.is_none()
                     && spread_serves.is_ok()
-                    && entry::spread_by_default(early_by_shape, wait_first && !overlap)
+                    && entry::spread_by_default(early_by_shape, wait_first)
             }
         };
         let kernel = if spread {

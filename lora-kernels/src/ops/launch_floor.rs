@@ -3,7 +3,7 @@
 //! every op, so the share of a small batch's time that is launch and cold
 //! start, not kernel work, is visible beside it. It reads and writes nothing.
 
-use crate::cuda_rt::{Family, Kernel, Launch};
+use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
 use crate::device::{Backend, Device};
 use crate::error::KernelError;
 
@@ -12,25 +12,25 @@ use crate::error::KernelError;
 pub fn empty_launch(device: &Device) -> Result<(), KernelError> {
     match device.backend() {
         Backend::Cpu(_) => Ok(()),
-        Backend::Cuda(c) => {
-            let unused: u64 = 0;
-            // SAFETY: `lora_empty` takes one u64 by value and touches no memory.
-            unsafe {
-                c.launch(
-                    Kernel {
-                        family: Family::Bgmv,
-                        name: "lora_empty",
-                    },
-                    Launch {
-                        grid: (1, 1, 1),
-                        block: 1,
-                        smem: 0,
-                    },
-                    &unused,
-                )
-            }
-        }
+        Backend::Cuda(c) => empty_launch_on(c, false),
     }
+}
+
+/// [`empty_launch`] on `c`, as a programmatic dependent where `dependent`.
+pub(crate) fn empty_launch_on(c: &CudaBackend, dependent: bool) -> Result<(), KernelError> {
+    let unused: u64 = 0;
+    let kernel = Kernel {
+        family: Family::Bgmv,
+        name: "lora_empty",
+    };
+    let launch = Launch {
+        grid: (1, 1, 1),
+        block: 1,
+        smem: 0,
+    };
+    // SAFETY: `lora_empty` takes one u64 by value and touches no memory, so
+    // as a dependent it needs no wait for the kernel before it.
+    unsafe { c.launch_chained(kernel, launch, &unused, dependent) }
 }
 
 #[cfg(test)]

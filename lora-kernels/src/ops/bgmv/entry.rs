@@ -79,8 +79,8 @@ impl BgeParams {
     }
 }
 
-/// How a launch of this form or of the row-register form follows the
-/// stream's previous kernel (`overlap` in the kernels' parameter block; the
+/// How a launch of this form, the row-register form or the two-phase
+/// shrink follows the stream's previous kernel (`overlap` in the kernels' parameter block; the
 /// values are `CHAIN_PLAIN` .. `CHAIN_WAIT_FIRST_EARLY_NEXT` in `common.cuh`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Chain {
