@@ -7,13 +7,15 @@ use std::path::Path;
 
 use lora_layout::{ExpertProj, ExpertSite, ModelConfig, expert_router_bytes, pool_slot_bytes};
 
+use rayon::prelude::*;
+
 use crate::error::{AuditError, Refusal, RejectCode};
 use crate::key::{AdapterAb, LoraTarget, classify_key};
 use crate::options::LoraOptions;
 use crate::overlay::{OverlayModule, OverlayTensors, classify_overlay_key, id_in_vocab, reject_pending_overlay};
-use crate::peft_config::{PeftAdapterConfig, TargetModules, TrainableTokenIndices};
+use crate::peft_config::{MAX_ADAPTER_CONFIG_BYTES, PeftAdapterConfig, TargetModules, TrainableTokenIndices};
 use crate::report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
-use crate::tensors::{MappedSafetensors, TensorInfo};
+use crate::tensors::{MappedSafetensors, TensorInfo, first_non_finite_raw};
 
 /// The adapter's config file name.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -62,29 +64,83 @@ struct Halves {
 /// Audit the adapter in `dir` against the model and the pool limits. An
 /// error only when the input is unreadable or corrupt; every refusal and
 /// skip lives in the report.
+///
+/// Unlike [`audit_header`], it reads the values of every tensor the report
+/// serves ([`AuditReport::served_tensors`]) from the memory-mapped file, as
+/// served (converted to BF16), and refuses any NaN or infinity naming the
+/// tensor (`REJECT[non-finite]`).
 pub fn audit_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Result<AuditReport, AuditError> {
-    audit_with_config(dir, cfg, opts).map(|(_, report)| report)
+    let (_, mut report, mapped) = audit_with_config(dir, cfg, opts)?;
+    if let Some(mapped) = &mapped {
+        refuse_non_finite(&mut report, mapped)?;
+    }
+    Ok(report)
 }
 
-/// [`audit_adapter`], also returning the parsed config.
+/// Check the values of every served tensor of `report` in `mapped`.
+fn refuse_non_finite(report: &mut AuditReport, mapped: &MappedSafetensors) -> Result<(), AuditError> {
+    let names: Vec<String> = report.served_tensors().into_iter().collect();
+    let found = names
+        .par_iter()
+        .map(|name| {
+            let (dtype, _, bytes) = mapped.tensor(name)?;
+            Ok(first_non_finite_raw(dtype, bytes).map(|(index, stored)| Refusal::non_finite(name, index, stored)))
+        })
+        .collect::<Result<Vec<Option<Refusal>>, AuditError>>()?;
+    for refusal in found.into_iter().flatten() {
+        report.refuse(refusal);
+    }
+    Ok(())
+}
+
+/// Read `adapter_config.json`, refusing one over [`MAX_ADAPTER_CONFIG_BYTES`]
+/// without reading it all.
+fn read_config(path: &Path) -> Result<String, AuditError> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| AuditError::io(path, e))?;
+    let len = file.metadata().map_err(|e| AuditError::io(path, e))?.len();
+    let too_large = |bytes: u64| AuditError::ConfigTooLarge {
+        bytes,
+        limit: MAX_ADAPTER_CONFIG_BYTES,
+    };
+    if len > MAX_ADAPTER_CONFIG_BYTES as u64 {
+        return Err(too_large(len));
+    }
+    let mut text = String::new();
+    // One byte past the limit tells a file that grew since its metadata.
+    file.take(MAX_ADAPTER_CONFIG_BYTES as u64 + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| AuditError::io(path, e))?;
+    if text.len() > MAX_ADAPTER_CONFIG_BYTES {
+        return Err(too_large(text.len() as u64));
+    }
+    Ok(text)
+}
+
+/// The header-only audit of the adapter in `dir`: the parsed config, the
+/// report, and the mapped weights (`None` for a pickle or another method's
+/// adapter, whose tensors are never read).
 pub(crate) fn audit_with_config(
     dir: &Path,
     cfg: &ModelConfig,
     opts: &LoraOptions,
-) -> Result<(PeftAdapterConfig, AuditReport), AuditError> {
-    let config_path = dir.join(ADAPTER_CONFIG);
-    let text = std::fs::read_to_string(&config_path).map_err(|e| AuditError::io(&config_path, e))?;
+) -> Result<(PeftAdapterConfig, AuditReport, Option<MappedSafetensors>), AuditError> {
+    let text = read_config(&dir.join(ADAPTER_CONFIG))?;
     let config = PeftAdapterConfig::from_json(&text)?;
     let weights = dir.join(ADAPTER_WEIGHTS);
+    let mut mapped = None;
     let header = || {
         if !weights.exists() && dir.join(ADAPTER_PICKLE).exists() {
             Ok(None)
         } else {
-            MappedSafetensors::open(&weights)?.infos().map(Some)
+            let m = MappedSafetensors::open(&weights)?;
+            let infos = m.infos()?;
+            mapped = Some(m);
+            Ok(Some(infos))
         }
     };
     let report = audit_parsed(&dir.display().to_string(), &config, header, cfg, opts)?;
-    Ok((config, report))
+    Ok((config, report, mapped))
 }
 
 /// Audit an adapter from its `adapter_config.json` text and its safetensors
@@ -92,6 +148,15 @@ pub(crate) fn audit_with_config(
 /// weight peer's manifest carries, which the engine audits itself. The same
 /// checks as [`audit_adapter`], which reads both from a directory; `name`
 /// becomes the report's `adapter`. The order of `tensors` does not matter.
+///
+/// It sees no values, so it cannot refuse NaN or infinite weights
+/// (`REJECT[non-finite]`) as [`audit_adapter`] and
+/// [`prepare_adapter`](crate::prepare_adapter) do: a path that serves the
+/// tensor bytes after it (the pool's disk swap, a peer landing) must check
+/// every tensor of [`AuditReport::served_tensors`] itself, with
+/// [`first_non_finite_raw`](crate::first_non_finite_raw) on the raw bytes or
+/// [`first_non_finite`](crate::first_non_finite) on BF16, and refuse with
+/// [`Refusal::non_finite`] ([`AuditReport::refuse`]).
 pub fn audit_header(
     name: &str,
     config_text: &str,
@@ -142,6 +207,8 @@ struct Audit<'a> {
     overlay: OverlayTensors,
     shapes: BTreeMap<String, Vec<usize>>,
     has_expert_deltas: bool,
+    /// Alpha sources already refused for a non-finite scale.
+    scale_refused: BTreeSet<(&'static str, Option<String>)>,
 }
 
 impl<'a> Audit<'a> {
@@ -156,6 +223,7 @@ impl<'a> Audit<'a> {
             overlay: OverlayTensors::default(),
             shapes: BTreeMap::new(),
             has_expert_deltas: false,
+            scale_refused: BTreeSet::new(),
         }
     }
 
@@ -167,6 +235,17 @@ impl<'a> Audit<'a> {
     fn tensors(&mut self, infos: Vec<TensorInfo>) {
         let mut groups: BTreeMap<(usize, LoraTarget), Halves> = BTreeMap::new();
         for info in infos {
+            if !info.name.bytes().all(|b| b.is_ascii_graphic()) {
+                // Module paths are Python attribute names joined by dots. The
+                // pattern lookup is exact for these only: on other text
+                // Python's and Rust's `\w`, `\d`, `\s` classes differ.
+                self.refuse(
+                    RejectCode::UnknownKey,
+                    &info.name,
+                    "a tensor name outside printable ASCII (no spaces or control characters)",
+                );
+                continue;
+            }
             if !info.dtype.is_float_weight() {
                 self.refuse(
                     RejectCode::Dtype,
@@ -350,7 +429,35 @@ impl<'a> Audit<'a> {
             self.refuse(code, subject, format!("rank {rank} exceeds the pool's {what} {limit}"));
             return None;
         }
-        Some((rank, self.config.scale_for(pattern_path, rank)))
+        let scale = self.config.scale_for(pattern_path, rank);
+        if !scale.is_finite() {
+            self.refuse_scale(subject, pattern_path, rank, scale);
+            return None;
+        }
+        Some((rank, scale))
+    }
+
+    /// A pair whose scale is not finite as served (f32): refused once per
+    /// alpha source, naming the field and, for `alpha_pattern`, the key
+    /// (`lora_alpha = 1e40` passes JSON's f64 but is infinite in f32).
+    fn refuse_scale(&mut self, tensor: &str, pattern_path: &str, rank: usize, scale: f32) {
+        let (field, key, alpha) = match self.config.alpha_pattern.lookup(pattern_path) {
+            Some((key, alpha)) => ("alpha_pattern", Some(key.to_string()), alpha),
+            None => ("lora_alpha", None, self.config.lora_alpha),
+        };
+        if !self.scale_refused.insert((field, key.clone())) {
+            return;
+        }
+        let divisor = if self.config.use_rslora { "sqrt(r)" } else { "r" };
+        let source = key.map_or(String::new(), |k| format!("key `{k}`: "));
+        self.refuse(
+            RejectCode::NonFiniteScale,
+            field,
+            format!(
+                "{source}alpha {alpha} / {divisor} (r={rank}) is {scale} as served (f32), first for `{tensor}`; \
+                 the scale must be finite"
+            ),
+        );
     }
 
     /// The router's pattern path: PEFT matched a router targeted through

@@ -50,9 +50,18 @@ pub enum RejectCode {
     TokenOutOfVocab,
     /// An overlay the tied lm_head cannot serve as PEFT merges it.
     TiedHead,
-    /// A `rank_pattern` / `alpha_pattern` key the Rust `regex` crate cannot
-    /// express with Python's exact meaning.
+    /// A `rank_pattern` / `alpha_pattern` key outside the subset of Python's
+    /// `re` syntax this crate translates exactly (see [`peft_pattern_regex`]):
+    /// one Python cannot compile (PEFT would never apply it), or one whose
+    /// meaning the Rust `regex` crate cannot reproduce.
+    ///
+    /// [`peft_pattern_regex`]: crate::peft_pattern_regex
     PatternRegex,
+    /// A pair's scale is not finite as served (`f32`): its alpha, from
+    /// `lora_alpha` or an `alpha_pattern` key (the subject names the field,
+    /// the reason the key), divided by r or sqrt(r), overflows `f32` (e.g.
+    /// `lora_alpha = 1e40`, which JSON's `f64` holds).
+    NonFiniteScale,
     /// The rank the config gives a module differs from its tensor shapes.
     RankMismatch,
     /// A dense pair's rank exceeds the pool's `max_rank`.
@@ -78,13 +87,16 @@ pub enum RejectCode {
     DuplicateTensor,
     /// A tensor dtype other than F32, F16, BF16.
     Dtype,
+    /// A served tensor holds a NaN or an infinity as served (BF16, after
+    /// conversion: a finite F32 above the BF16 range rounds to infinity).
+    NonFinite,
     /// Nothing in the adapter can be served.
     Empty,
 }
 
 impl RejectCode {
     /// Every code, in declaration order.
-    pub const ALL: [RejectCode; 31] = [
+    pub const ALL: [RejectCode; 33] = [
         RejectCode::PeftType,
         RejectCode::Pickle,
         RejectCode::Dora,
@@ -103,6 +115,7 @@ impl RejectCode {
         RejectCode::TokenOutOfVocab,
         RejectCode::TiedHead,
         RejectCode::PatternRegex,
+        RejectCode::NonFiniteScale,
         RejectCode::RankMismatch,
         RejectCode::RankExceedsMax,
         RejectCode::ExpertRank,
@@ -115,6 +128,7 @@ impl RejectCode {
         RejectCode::Unpaired,
         RejectCode::DuplicateTensor,
         RejectCode::Dtype,
+        RejectCode::NonFinite,
         RejectCode::Empty,
     ];
 
@@ -139,6 +153,7 @@ impl RejectCode {
             RejectCode::TokenOutOfVocab => "REJECT[token-out-of-vocab]",
             RejectCode::TiedHead => "REJECT[tied-head]",
             RejectCode::PatternRegex => "REJECT[pattern-regex]",
+            RejectCode::NonFiniteScale => "REJECT[non-finite-scale]",
             RejectCode::RankMismatch => "REJECT[rank-mismatch]",
             RejectCode::RankExceedsMax => "REJECT[rank-exceeds-max]",
             RejectCode::ExpertRank => "REJECT[expert-rank]",
@@ -151,6 +166,7 @@ impl RejectCode {
             RejectCode::Unpaired => "REJECT[unpaired]",
             RejectCode::DuplicateTensor => "REJECT[duplicate-tensor]",
             RejectCode::Dtype => "REJECT[dtype]",
+            RejectCode::NonFinite => "REJECT[non-finite]",
             RejectCode::Empty => "REJECT[empty]",
         }
     }
@@ -201,6 +217,28 @@ impl Refusal {
             subject: subject.into(),
             reason: reason.into(),
         }
+    }
+}
+
+impl Refusal {
+    /// The refusal of a served tensor holding a non-finite value
+    /// (`REJECT[non-finite]`), naming the tensor: element `index` (row-major)
+    /// is `stored` as stored in the file (exactly, as `f32`), which is NaN or
+    /// an infinity once served as BF16. Use it with
+    /// [`first_non_finite`](crate::first_non_finite) or
+    /// [`first_non_finite_raw`](crate::first_non_finite_raw) on every path
+    /// that serves tensor data the audit did not read itself.
+    pub fn non_finite(tensor: impl Into<String>, index: usize, stored: f32) -> Refusal {
+        let reason = if stored.is_finite() {
+            let served = if stored > 0.0 { "+inf" } else { "-inf" };
+            format!(
+                "element {index} is {stored:e}, which rounds to {served} in BF16, the served type; \
+                 every served value must be finite"
+            )
+        } else {
+            format!("element {index} is {stored}; every served value must be finite")
+        };
+        Refusal::new(RejectCode::NonFinite, tensor, reason)
     }
 }
 
@@ -264,6 +302,49 @@ pub enum AuditError {
     /// The adapter was audited and is not servable.
     #[error("adapter refused: {}", join_refusals(&.0.refused))]
     Refused(Box<AuditReport>),
+    /// `adapter_config.json` is larger than
+    /// [`MAX_ADAPTER_CONFIG_BYTES`](crate::MAX_ADAPTER_CONFIG_BYTES): it is
+    /// not parsed.
+    #[error("adapter_config.json is {bytes} bytes, over the limit of {limit} (MAX_ADAPTER_CONFIG_BYTES)")]
+    ConfigTooLarge {
+        /// Its size (at least; reading stops past the limit).
+        bytes: u64,
+        /// The limit.
+        limit: usize,
+    },
+    /// `rank_pattern` or `alpha_pattern` has more keys than
+    /// [`MAX_PATTERN_KEYS`](crate::MAX_PATTERN_KEYS): none is compiled.
+    #[error("adapter_config.json field `{field}` has {keys} keys, over the limit of {limit} (MAX_PATTERN_KEYS)")]
+    PatternLimit {
+        /// `rank_pattern` or `alpha_pattern`.
+        field: &'static str,
+        /// How many distinct keys it has.
+        keys: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// A probe would produce more output than
+    /// [`MAX_PROBE_OUTPUT_BYTES`](crate::MAX_PROBE_OUTPUT_BYTES) (for the
+    /// whole run), or an output the host cannot allocate: the geometry
+    /// named by `field` is too large for the rows asked.
+    #[error(
+        "probe `{name}`: {rows} rows x {width} outputs ({field}) of f32 are {bytes} bytes, \
+         over the {limit} bytes left of the probe output limit (MAX_PROBE_OUTPUT_BYTES) or the host's memory"
+    )]
+    ProbeTooLarge {
+        /// The probe tensor.
+        name: String,
+        /// The model-config field(s) the output width comes from.
+        field: &'static str,
+        /// Rows asked (for a fused experts probe: experts x rows).
+        rows: usize,
+        /// Output width.
+        width: usize,
+        /// The bytes the output needs (saturating).
+        bytes: u128,
+        /// The bytes the run had left.
+        limit: usize,
+    },
     /// A probe input cannot be answered.
     #[error("probe `{name}`: {reason}")]
     Probe {

@@ -22,6 +22,23 @@
 //!   formats normalised to per-(expert, Gate | Up | Down) pairs) and the
 //!   [`HostOverlay`].
 //! - [`load_adapter_safetensors`]: memory-mapped, F32/F16 → BF16 with rayon.
+//!   [`MappedSafetensors`] (the `safetensors` crate) and [`SafetensorsFile`]
+//!   (the swap path's own fast parser) accept and refuse exactly the same
+//!   files, by the `safetensors` crate's rules (a tensor named twice keeps
+//!   its last entry).
+//! - Served values: [`audit_adapter`] and [`prepare_adapter`] refuse any NaN
+//!   or infinity in a served tensor (A, B, experts, router, token rows and
+//!   tables) as served, i.e. after the BF16 conversion (`REJECT[non-finite]`).
+//!   [`audit_header`] reads no data and cannot: a path that serves tensor
+//!   bytes after a header-only audit checks each of
+//!   [`AuditReport::served_tensors`] with [`first_non_finite_raw`] (raw
+//!   F32/F16/BF16 bytes) or [`first_non_finite`] (BF16), and refuses with
+//!   [`Refusal::non_finite`] through [`AuditReport::refuse`].
+//! - Bounds on untrusted configs: [`MAX_ADAPTER_CONFIG_BYTES`],
+//!   [`MAX_PATTERN_KEYS`], [`MAX_REGEX_PATTERN_KEYS`],
+//!   [`MAX_PATTERN_KEY_BYTES`] ([`AuditError::ConfigTooLarge`],
+//!   [`AuditError::PatternLimit`], `REJECT[pattern-regex]`); on probe
+//!   outputs, [`MAX_PROBE_OUTPUT_BYTES`] ([`AuditError::ProbeTooLarge`]).
 //! - The token-overlay host math ([`build_override_set`],
 //!   [`override_source`], [`row_diff_bf16`], [`ROWDIFF_THRESH`], ...) shared
 //!   with `lora-overlay`, and the pure probe path ([`probe_adapter`]) behind
@@ -53,7 +70,8 @@
 //! | `REJECT[duplicate-token-id]` | a repeated trainable id | |
 //! | `REJECT[token-out-of-vocab]` | a trainable id past the served vocabulary | yes |
 //! | `REJECT[tied-head]` | an overlay a tied head cannot serve as PEFT merges it | |
-//! | `REJECT[pattern-regex]` | a pattern key Rust's `regex` cannot run with Python's meaning | |
+//! | `REJECT[pattern-regex]` | a pattern key Python's `re` rejects, or outside the subset run exactly ([`peft_pattern_regex`]) | |
+//! | `REJECT[non-finite-scale]` | a scale (from `lora_alpha` or an `alpha_pattern` key) not finite as served (f32) | |
 //! | `REJECT[rank-mismatch]` | config rank differs from the tensor shapes | |
 //! | `REJECT[rank-exceeds-max]` | a dense rank above `max_rank` | |
 //! | `REJECT[expert-rank]` | an expert/router rank above `expert_rank` | |
@@ -61,11 +79,12 @@
 //! | `REJECT[gdn-target]` | a gated-delta-net input projection | yes |
 //! | `REJECT[unsupported-target]` | a LoRA target the engine does not apply | yes |
 //! | `REJECT[model-mismatch]` | a layer, expert or module the model lacks | |
-//! | `REJECT[unknown-key]` | a tensor name of no known PEFT form | |
+//! | `REJECT[unknown-key]` | a tensor name of no known PEFT form (or outside printable ASCII) | |
 //! | `REJECT[shape]` | a tensor shape that does not fit | |
 //! | `REJECT[unpaired]` | `lora_A` without `lora_B` or the reverse | |
 //! | `REJECT[duplicate-tensor]` | two tensors for one place | |
 //! | `REJECT[dtype]` | a dtype other than F32 / F16 / BF16 | |
+//! | `REJECT[non-finite]` | a served tensor holds NaN or ±inf as served (BF16; F32 past its range included) | |
 //! | `REJECT[empty]` | nothing left to serve | |
 //!
 //! ```
@@ -108,18 +127,22 @@ pub use overlay::{
     OverlayTensors, ROWDIFF_THRESH, TableOverlay, TableTensors, build_override_set, clamp_trainable_to_vocab,
     classify_overlay_key, id_in_vocab, override_source, reject_pending_overlay, row_diff_bf16,
 };
-pub use pattern::{PatternEntry, PatternTable, peft_pattern_regex};
+pub use pattern::{
+    MAX_PATTERN_KEY_BYTES, MAX_PATTERN_KEYS, MAX_REGEX_PATTERN_KEYS, MAX_REPEAT, PatternEntry, PatternTable,
+    peft_pattern_regex,
+};
 pub use peft_config::{
-    InitLoraWeights, PeftAdapterConfig, TargetModules, TrainableTokenIndices, parse_peft_adapter_config,
+    InitLoraWeights, MAX_ADAPTER_CONFIG_BYTES, PeftAdapterConfig, TargetModules, TrainableTokenIndices,
+    parse_peft_adapter_config,
 };
 pub use prepare::{HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
 pub use probe::{
-    BaseTables, FusedParam, Oracle, PROBE_IN, PROBE_OUT, PairShape, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX,
-    ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables, read_oracle,
-    read_probe_inputs, write_probe_outputs,
+    BaseTables, FusedParam, MAX_PROBE_OUTPUT_BYTES, Oracle, PROBE_IN, PROBE_OUT, PairShape, ProbeInputs, ProbeOutputs,
+    ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables,
+    read_oracle, read_probe_inputs, write_probe_outputs,
 };
 pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
 pub use tensors::{
     AdapterTensors, HostTensor, MappedSafetensors, SafetensorsFile, TensorDtype, TensorInfo, UnparsedSafetensors,
-    load_adapter_safetensors, load_bf16,
+    first_non_finite, first_non_finite_raw, load_adapter_safetensors, load_bf16,
 };

@@ -5,13 +5,22 @@
 //! their keys in dict order, which is the file's), by a small
 //! order-preserving visitor: `serde_json`'s own maps are sorted.
 
+use std::collections::HashMap;
 use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 
 use crate::error::{AuditError, Refusal, RejectCode};
-use crate::pattern::PatternTable;
+use crate::pattern::{MAX_PATTERN_KEYS, PatternTable};
+
+/// The largest `adapter_config.json` read, in bytes (8 MiB). A PEFT config
+/// is a few kilobytes; the largest real ones carry one `rank_pattern` and
+/// one `alpha_pattern` entry per module, about 2.5 MB each for a
+/// transformers 4.x per-expert adapter of DeepSeek-V3 (45k modules). Past
+/// it, the text is not parsed: [`AuditError::ConfigTooLarge`]. This bounds
+/// the work and memory of the audit of any config, a peer's included.
+pub const MAX_ADAPTER_CONFIG_BYTES: usize = 8 << 20;
 
 /// `target_modules` as PEFT reads it. Selection only: the tensors present
 /// are the truth, so the audit never evaluates it against the model.
@@ -118,8 +127,32 @@ pub fn parse_peft_adapter_config(json: &str) -> Result<PeftAdapterConfig, AuditE
 impl PeftAdapterConfig {
     /// Parse the JSON text; an error only for text that is not a JSON object
     /// or a field of the wrong type. Refusals are [`refusals`](Self::refusals).
+    ///
+    /// Bounds: the text is at most [`MAX_ADAPTER_CONFIG_BYTES`]
+    /// ([`AuditError::ConfigTooLarge`]); `rank_pattern` and `alpha_pattern`
+    /// have at most [`MAX_PATTERN_KEYS`] distinct keys each
+    /// ([`AuditError::PatternLimit`]). Parsing and compiling are linear in
+    /// the text's size.
     pub fn from_json(json: &str) -> Result<PeftAdapterConfig, AuditError> {
+        if json.len() > MAX_ADAPTER_CONFIG_BYTES {
+            return Err(AuditError::ConfigTooLarge {
+                bytes: json.len() as u64,
+                limit: MAX_ADAPTER_CONFIG_BYTES,
+            });
+        }
         let top = OrderedConfig::parse(json)?;
+        for (field, keys) in [
+            ("rank_pattern", top.rank_pattern.len()),
+            ("alpha_pattern", top.alpha_pattern.len()),
+        ] {
+            if keys > MAX_PATTERN_KEYS {
+                return Err(AuditError::PatternLimit {
+                    field,
+                    keys,
+                    limit: MAX_PATTERN_KEYS,
+                });
+            }
+        }
         let f = Fields(&top);
         let other_variants = OTHER_VARIANT_FIELDS
             .into_iter()
@@ -290,7 +323,9 @@ impl PeftAdapterConfig {
     }
 
     /// PEFT's scaling for a pair of rank `rank` (from its shapes) at
-    /// `pattern_path`: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA.
+    /// `pattern_path`: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA, as
+    /// served (f32: an infinity when the quotient overflows it, which the
+    /// audit refuses as `REJECT[non-finite-scale]`).
     pub fn scale_for(&self, pattern_path: &str, rank: usize) -> f32 {
         let alpha = self.alpha_for(pattern_path);
         let r = rank as f64;
@@ -371,7 +406,7 @@ impl<'de> Visitor<'de> for TopVisitor {
 
 /// A JSON object (or null) as `(key, value)` pairs in file order. A repeated
 /// key keeps its first position and takes the last value, as a Python dict
-/// built by `json.load` does.
+/// built by `json.load` does. Linear: repeats are found through a hash map.
 struct OrderedObject;
 
 impl<'de> DeserializeSeed<'de> for OrderedObject {
@@ -394,11 +429,15 @@ impl<'de> Visitor<'de> for OrderedObject {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut out: Vec<(String, Value)> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
         while let Some(key) = map.next_key::<String>()? {
             let v: Value = map.next_value()?;
-            match out.iter_mut().find(|(k, _)| *k == key) {
-                Some(slot) => slot.1 = v,
-                None => out.push((key, v)),
+            match index.get(&key) {
+                Some(&i) => out[i].1 = v,
+                None => {
+                    index.insert(key.clone(), out.len());
+                    out.push((key, v));
+                }
             }
         }
         Ok(out)

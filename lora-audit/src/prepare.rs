@@ -6,19 +6,20 @@
 //! pair (rows `inter..2·inter`) that share expert `e`'s A rows; expert `e`'s
 //! B columns are the interleaved `k·E + e`.
 
-use std::collections::BTreeSet;
 use std::path::Path;
 
 use half::bf16;
 use lora_layout::{ExpertSite, LoraModule, ModelConfig};
 
 use crate::audit::{ADAPTER_WEIGHTS, audit_with_config};
-use crate::error::AuditError;
+use rayon::prelude::*;
+
+use crate::error::{AuditError, Refusal};
 use crate::options::LoraOptions;
 use crate::overlay::{HostOverlay, LmHeadOverlay, OverlayModule, TableOverlay, id_in_vocab};
 use crate::peft_config::PeftAdapterConfig;
 use crate::report::{AuditReport, ExpertSlice, LmHeadMode};
-use crate::tensors::{AdapterTensors, HostTensor, MappedSafetensors, load_bf16};
+use crate::tensors::{AdapterTensors, HostTensor, MappedSafetensors, first_non_finite, load_bf16, stored_value};
 
 /// A dense pair on the host: `y += scale · B (A x)`.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,15 +89,34 @@ impl PreparedAdapter {
 }
 
 /// Audit, load and convert the adapter in `dir`.
-/// `Err(AuditError::Refused(report))` when it is not servable.
+/// `Err(AuditError::Refused(report))` when it is not servable, including
+/// when a served tensor holds a NaN or an infinity as served in BF16
+/// (`REJECT[non-finite]`, the report then is [`audit_adapter`]'s).
+///
+/// [`audit_adapter`]: crate::audit_adapter
 pub fn prepare_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Result<PreparedAdapter, AuditError> {
-    let (config, report) = audit_with_config(dir, cfg, opts)?;
+    let (config, mut report, mapped) = audit_with_config(dir, cfg, opts)?;
     if !report.is_servable() {
         return Err(AuditError::Refused(Box::new(report)));
     }
-    let needed = needed_tensors(&report);
-    let mapped = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))?;
+    let needed = report.served_tensors();
+    let mapped = match mapped {
+        Some(m) => m,
+        None => MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))?,
+    };
     let tensors = load_bf16(&mapped, |name| needed.contains(name))?;
+    // The values as served: what `audit_adapter` checks on the raw bytes,
+    // checked here on the converted tensors (one pass, same verdicts).
+    let non_finite: Vec<(&String, usize)> = tensors
+        .par_iter()
+        .filter_map(|(name, t)| first_non_finite(&t.data).map(|i| (name, i)))
+        .collect();
+    if !non_finite.is_empty() {
+        for (name, index) in non_finite {
+            report.refuse(Refusal::non_finite(name, index, stored_value(&mapped, name, index)?));
+        }
+        return Err(AuditError::Refused(Box::new(report)));
+    }
     let dense = report
         .placed
         .iter()
@@ -154,17 +174,6 @@ pub fn prepare_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Res
         experts,
         overlay,
     })
-}
-
-fn needed_tensors(report: &AuditReport) -> BTreeSet<String> {
-    let pairs = report.placed.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
-    let experts = report.experts.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
-    let t = &report.overlay.tensors;
-    let overlay = [&t.embed, &t.lm_head]
-        .into_iter()
-        .flat_map(|table| [table.delta.clone(), table.base_table().map(str::to_string)])
-        .flatten();
-    pairs.chain(experts).chain(overlay).collect()
 }
 
 fn tensor<'t>(tensors: &'t AdapterTensors, name: &str) -> Result<&'t HostTensor, AuditError> {

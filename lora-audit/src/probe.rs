@@ -210,16 +210,102 @@ pub struct ProbeOutputs {
     pub unserved: Vec<String>,
 }
 
-/// Answer every probe from the prepared adapter.
+/// The most bytes of output (f32) one probe run produces, over all its
+/// output tensors: 1 GiB. A probe's output is `rows x width` per weight,
+/// where the width comes from the model config (up to 2^24 per dimension),
+/// so even a small probe file can ask for more than any host holds; past
+/// this bound the run stops with [`AuditError::ProbeTooLarge`] naming the
+/// probe and the config field, before allocating. Split larger probes
+/// into several runs.
+pub const MAX_PROBE_OUTPUT_BYTES: usize = 1 << 30;
+
+/// What is left of [`MAX_PROBE_OUTPUT_BYTES`] in one run; every output
+/// buffer is allocated through it, fallibly.
+struct OutputBudget {
+    left: usize,
+}
+
+impl OutputBudget {
+    /// `rows x width` zeros, charged to the budget; an error naming the
+    /// probe and `field` past the budget or when the host cannot allocate.
+    fn zeros(&mut self, name: &str, field: &'static str, rows: usize, width: usize) -> Result<Vec<f32>, AuditError> {
+        let bytes = (rows as u128) * (width as u128) * 4;
+        let too_large = || AuditError::ProbeTooLarge {
+            name: name.to_string(),
+            field,
+            rows,
+            width,
+            bytes,
+            limit: self.left,
+        };
+        let len = rows
+            .checked_mul(width)
+            .filter(|_| bytes <= self.left as u128)
+            .ok_or_else(too_large)?;
+        let mut v = Vec::new();
+        v.try_reserve_exact(len).map_err(|_| too_large())?;
+        v.resize(len, 0.0);
+        self.left -= len * 4;
+        Ok(v)
+    }
+
+    /// Give back a temporary buffer's share.
+    fn release(&mut self, v: Vec<f32>) {
+        self.left += v.len() * 4;
+    }
+}
+
+/// The model-config field(s) a probed weight's output width comes from.
+fn width_field(weight: &WeightRef) -> &'static str {
+    match weight {
+        WeightRef::Dense { module, .. } => match module {
+            LoraModule::QProj => "num_attention_heads x head_dim",
+            LoraModule::KProj | LoraModule::VProj => "num_key_value_heads x head_dim",
+            LoraModule::GateProj | LoraModule::UpProj => "intermediate_size",
+            LoraModule::SharedGateProj | LoraModule::SharedUpProj => "shared_expert_intermediate_size",
+            LoraModule::QAProj | LoraModule::QBProj | LoraModule::KvAProjWithMqa | LoraModule::KvBProj => {
+                "the MLA head dimensions"
+            }
+            LoraModule::SharedExpertGate => "1",
+            _ => "hidden_size",
+        },
+        WeightRef::Expert { proj, .. } => match proj {
+            ExpertProj::Gate | ExpertProj::Up => "moe_intermediate_size",
+            ExpertProj::Down => "hidden_size",
+        },
+        WeightRef::Fused { param, .. } => match param {
+            FusedParam::GateUp => "num_experts x 2 x moe_intermediate_size",
+            FusedParam::Down => "num_experts x hidden_size",
+        },
+        WeightRef::Router { .. } => "num_experts",
+        WeightRef::Table(_) => "hidden_size",
+        WeightRef::Unserved => "none",
+    }
+}
+
+/// Answer every probe from the prepared adapter. Outputs total at most
+/// [`MAX_PROBE_OUTPUT_BYTES`]; past it, [`AuditError::ProbeTooLarge`].
 pub fn probe_adapter(
     adapter: &PreparedAdapter,
     cfg: &ModelConfig,
     inputs: &ProbeInputs,
     base: Option<&BaseTables>,
 ) -> Result<ProbeOutputs, AuditError> {
+    probe_within(adapter, cfg, inputs, base, MAX_PROBE_OUTPUT_BYTES)
+}
+
+/// [`probe_adapter`] with `limit` bytes of output.
+fn probe_within(
+    adapter: &PreparedAdapter,
+    cfg: &ModelConfig,
+    inputs: &ProbeInputs,
+    base: Option<&BaseTables>,
+    limit: usize,
+) -> Result<ProbeOutputs, AuditError> {
     let mut out = ProbeOutputs::default();
+    let mut budget = OutputBudget { left: limit };
     for (weight, x) in &inputs.inputs {
-        match probe_weight(adapter, cfg, weight, x)? {
+        match probe_weight(adapter, cfg, weight, x, &mut budget)? {
             Some(t) => {
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
@@ -238,7 +324,7 @@ pub fn probe_adapter(
                     });
                 }
             };
-            let rows = served.rows(module, table, ids)?;
+            let rows = served.rows(module, table, ids, &mut budget)?;
             out.tensors.insert(format!("{ROWS_MERGED}{table}"), rows);
         }
     }
@@ -251,9 +337,11 @@ fn probe_weight(
     cfg: &ModelConfig,
     weight: &str,
     x: &ProbeTensor,
+    budget: &mut OutputBudget,
 ) -> Result<Option<ProbeTensor>, AuditError> {
+    let name = format!("{PROBE_IN}{weight}");
     let bad = |reason: String| AuditError::Probe {
-        name: format!("{PROBE_IN}{weight}"),
+        name: name.clone(),
         reason,
     };
     let [n, width] = x.shape[..] else {
@@ -269,14 +357,19 @@ fn probe_weight(
             Err(bad(format!("width {width}, but the weight's input width is {inp}")))
         }
     };
-    let pair_out = |pair: Option<(&[bf16], &[bf16], usize, f32)>, (out, inp): (usize, usize)| {
-        let too_big = || bad(format!("{n} rows x {out} outputs do not fit in memory"));
-        match pair {
-            Some((a, b, rank, scale)) => apply_pair(&x.data, a, b, PairShape { n, rank, inp, out }, scale)
-                .ok_or_else(|| bad("the pair's factors do not have their shapes' lengths".into())),
-            None => Ok(vec![0.0; n.checked_mul(out).ok_or_else(too_big)?]),
-        }
-    };
+    let weight_ref = parse_weight_name(weight, cfg)?;
+    let field = width_field(&weight_ref);
+    // `y [n, out]`: zeros, plus the pair's delta when the weight has one.
+    let pair_out =
+        |budget: &mut OutputBudget, pair: Option<(&[bf16], &[bf16], usize, f32)>, (out, inp): (usize, usize)| {
+            let mut y = budget.zeros(&name, field, n, out)?;
+            if let Some((a, b, rank, scale)) = pair
+                && !apply_pair_into(&x.data, a, b, PairShape { n, rank, inp, out }, scale, &mut y)
+            {
+                return Err(bad("the pair's factors do not have their shapes' lengths".into()));
+            }
+            Ok(y)
+        };
     let dense = |layer, module: LoraModule| {
         adapter
             .dense_pair(layer, module)
@@ -288,7 +381,7 @@ fn probe_weight(
             .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale))
     };
     let no_site = || bad("the model has no such site".into());
-    Ok(Some(match parse_weight_name(weight, cfg)? {
+    Ok(Some(match weight_ref {
         WeightRef::Unserved => return Ok(None),
         WeightRef::Table(_) => return Err(bad("token tables are probed with rows_idx::".into())),
         WeightRef::Dense { layer, module } => {
@@ -296,7 +389,7 @@ fn probe_weight(
             check_width(inp)?;
             ProbeTensor {
                 shape: vec![n, out],
-                data: pair_out(dense(layer, module), (out, inp))?,
+                data: pair_out(budget, dense(layer, module), (out, inp))?,
             }
         }
         WeightRef::Expert { layer, expert: e, proj } => {
@@ -305,7 +398,7 @@ fn probe_weight(
             check_width(dims.1)?;
             ProbeTensor {
                 shape: vec![n, dims.0],
-                data: pair_out(expert(layer, site), dims)?,
+                data: pair_out(budget, expert(layer, site), dims)?,
             }
         }
         WeightRef::Router { layer } => {
@@ -313,7 +406,7 @@ fn probe_weight(
             check_width(dims.1)?;
             ProbeTensor {
                 shape: vec![n, dims.0],
-                data: pair_out(expert(layer, ExpertSite::Router), dims)?,
+                data: pair_out(budget, expert(layer, ExpertSite::Router), dims)?,
             }
         }
         WeightRef::Fused { layer, param } => {
@@ -326,18 +419,22 @@ fn probe_weight(
                 .iter()
                 .map(|p| p.dims(cfg).ok_or_else(no_site))
                 .collect::<Result<_, _>>()?;
-            check_width(dims[0].1)?;
+            let Some(&(_, inp)) = dims.first() else {
+                return Err(no_site());
+            };
+            check_width(inp)?;
             let out_total: usize = dims.iter().map(|d| d.0).sum();
-            let total = moe.num_experts.checked_mul(n).and_then(|v| v.checked_mul(out_total));
-            let mut data = vec![0.0f32; total.ok_or_else(|| bad("the probe output does not fit in memory".into()))?];
+            let rows = moe.num_experts.saturating_mul(n);
+            let mut data = budget.zeros(&name, field, rows, out_total)?;
             for e in 0..moe.num_experts {
                 let mut col = 0;
                 for (proj, &d) in projs.iter().zip(&dims) {
-                    let y = pair_out(expert(layer, ExpertSite::Expert { expert: e, proj: *proj }), d)?;
+                    let y = pair_out(budget, expert(layer, ExpertSite::Expert { expert: e, proj: *proj }), d)?;
                     for row in 0..n {
                         let dst = (e * n + row) * out_total + col;
                         data[dst..dst + d.0].copy_from_slice(&y[row * d.0..(row + 1) * d.0]);
                     }
+                    budget.release(y);
                     col += d.0;
                 }
             }
@@ -367,12 +464,18 @@ pub struct PairShape {
 /// `[out, rank]` in BF16 and FP32 accumulation. `None` when a slice does
 /// not have the length its shape says.
 pub fn apply_pair(x: &[f32], a: &[bf16], b: &[bf16], shape: PairShape, scale: f32) -> Option<Vec<f32>> {
+    let mut y = vec![0.0f32; shape.n.checked_mul(shape.out)?];
+    apply_pair_into(x, a, b, shape, scale, &mut y).then_some(y)
+}
+
+/// [`apply_pair`] into `y` (`n x out`, overwritten); `false` when a slice
+/// does not have the length its shape says.
+fn apply_pair_into(x: &[f32], a: &[bf16], b: &[bf16], shape: PairShape, scale: f32, y: &mut [f32]) -> bool {
     let PairShape { n, rank, inp, out } = shape;
     let fits = |len: usize, rows: usize, cols: usize| rows.checked_mul(cols) == Some(len);
-    if !(fits(x.len(), n, inp) && fits(a.len(), rank, inp) && fits(b.len(), out, rank)) {
-        return None;
+    if !(fits(x.len(), n, inp) && fits(a.len(), rank, inp) && fits(b.len(), out, rank) && fits(y.len(), n, out)) {
+        return false;
     }
-    let mut y = vec![0.0f32; n.checked_mul(out)?];
     let mut t = vec![0.0f32; rank];
     for row in 0..n {
         let xr = &x[row * inp..(row + 1) * inp];
@@ -385,7 +488,7 @@ pub fn apply_pair(x: &[f32], a: &[bf16], b: &[bf16], shape: PairShape, scale: f3
             *yo = scale * t.iter().zip(bo).map(|(tk, bk)| tk * bk.to_f32()).sum::<f32>();
         }
     }
-    Some(y)
+    true
 }
 
 /// The served token tables of one adapter: base tables plus its compiled
@@ -437,7 +540,13 @@ impl<'a> ServedTables<'a> {
         })
     }
 
-    fn rows(&self, module: OverlayModule, table: &str, ids: &[i64]) -> Result<ProbeTensor, AuditError> {
+    fn rows(
+        &self,
+        module: OverlayModule,
+        table: &str,
+        ids: &[i64],
+        budget: &mut OutputBudget,
+    ) -> Result<ProbeTensor, AuditError> {
         let (base, overlay) = match module {
             OverlayModule::Embed => (self.embed_base, &self.embed),
             OverlayModule::LmHead => (self.head_base, &self.head),
@@ -447,7 +556,7 @@ impl<'a> ServedTables<'a> {
             reason,
         };
         let base = base.ok_or_else(|| bad(format!("--base has no {} table", module.name())))?;
-        if base.len() != self.vocab * self.hidden {
+        if Some(base.len()) != self.vocab.checked_mul(self.hidden) {
             return Err(bad(format!(
                 "the base table has {} elements, expected {} x {}",
                 base.len(),
@@ -455,8 +564,9 @@ impl<'a> ServedTables<'a> {
                 self.hidden
             )));
         }
-        let mut data = Vec::with_capacity(ids.len() * self.hidden);
-        for &id in ids {
+        let name = format!("{ROWS_IDX}{table}");
+        let mut data = budget.zeros(&name, "hidden_size", ids.len(), self.hidden)?;
+        for (k, &id) in ids.iter().enumerate() {
             let i = usize::try_from(id)
                 .ok()
                 .filter(|&i| i < self.vocab)
@@ -466,7 +576,9 @@ impl<'a> ServedTables<'a> {
                 None => base.get(i * self.hidden..(i + 1) * self.hidden),
             }
             .ok_or_else(|| bad(format!("no row for id {id}")))?;
-            data.extend(row.iter().map(|v| v.to_f32()));
+            for (dst, v) in data[k * self.hidden..(k + 1) * self.hidden].iter_mut().zip(row) {
+                *dst = v.to_f32();
+            }
         }
         Ok(ProbeTensor {
             shape: vec![ids.len(), self.hidden],
@@ -475,19 +587,24 @@ impl<'a> ServedTables<'a> {
     }
 }
 
-/// Write probe outputs as F32 tensors.
+/// Write probe outputs as F32 tensors (each tensor's bytes allocated
+/// fallibly: an error, never an abort, when the host lacks the memory).
 pub fn write_probe_outputs(path: &Path, outputs: &ProbeOutputs) -> Result<(), AuditError> {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = outputs
         .tensors
         .iter()
         .map(|(k, t)| {
-            (
-                k.clone(),
-                t.shape.clone(),
-                t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            )
+            let no_memory = || AuditError::Tensor {
+                name: k.clone(),
+                reason: format!("{} values do not fit in the host's memory", t.data.len()),
+            };
+            let mut b = Vec::new();
+            b.try_reserve_exact(t.data.len().checked_mul(4).ok_or_else(no_memory)?)
+                .map_err(|_| no_memory())?;
+            b.extend(t.data.iter().flat_map(|v| v.to_le_bytes()));
+            Ok((k.clone(), t.shape.clone(), b))
         })
-        .collect();
+        .collect::<Result<_, AuditError>>()?;
     let views = bytes
         .iter()
         .map(|(k, shape, data)| {

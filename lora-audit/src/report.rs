@@ -146,6 +146,34 @@ impl AuditReport {
     pub fn refused_codes(&self) -> BTreeSet<RejectCode> {
         self.refused.iter().map(|r| r.code).collect()
     }
+
+    /// Every tensor this report serves: both factors of each placed dense
+    /// and expert / router pair, the trainable-token deltas and the full
+    /// `modules_to_save` tables. These are the tensors whose values must be
+    /// checked (see [`first_non_finite`](crate::first_non_finite)) on any
+    /// path that serves them without [`prepare_adapter`](crate::prepare_adapter).
+    pub fn served_tensors(&self) -> BTreeSet<String> {
+        let pairs = self.placed.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
+        let experts = self.experts.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
+        let t = &self.overlay.tensors;
+        let overlay = [&t.embed, &t.lm_head]
+            .into_iter()
+            .flat_map(|table| [table.delta.clone(), table.base_table().map(str::to_string)])
+            .flatten();
+        pairs.chain(experts).chain(overlay).collect()
+    }
+
+    /// Add a refusal (the adapter is then not servable), keeping `refused`
+    /// sorted by (code, subject) as the audit leaves it. For paths that
+    /// find a problem after the audit, e.g. a non-finite value in landed
+    /// tensor bytes ([`Refusal::non_finite`]); return the report as
+    /// [`AuditError::Refused`](crate::AuditError::Refused).
+    pub fn refuse(&mut self, refusal: Refusal) {
+        let at = self
+            .refused
+            .partition_point(|r| (r.code, &r.subject) <= (refusal.code, &refusal.subject));
+        self.refused.insert(at, refusal);
+    }
 }
 
 impl AuditReport {

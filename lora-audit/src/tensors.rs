@@ -390,8 +390,9 @@ fn infos_of(header: &Metadata) -> Vec<TensorInfo> {
 
 /// Read an adapter's weights (`adapter_model.safetensors`, or the file named)
 /// into BF16 host tensors: F32 and F16 are rounded to nearest even, BF16 is
-/// copied. A `.bin` path is refused (a pickle is never unpickled); any other
-/// element type is an error naming the tensor.
+/// copied (values are not judged; see [`first_non_finite`]). A `.bin` path
+/// is refused (a pickle is never unpickled); any other element type is an
+/// error naming the tensor.
 pub fn load_adapter_safetensors(path: &Path) -> Result<AdapterTensors, AuditError> {
     let path = if path.is_dir() {
         path.join("adapter_model.safetensors")
@@ -409,6 +410,9 @@ pub fn load_adapter_safetensors(path: &Path) -> Result<AdapterTensors, AuditErro
 }
 
 /// Convert the tensors of `mapped` selected by `keep` to BF16, in parallel.
+/// Values are converted, not judged: a caller that serves them checks them
+/// with [`first_non_finite`] ([`prepare_adapter`](crate::prepare_adapter)
+/// does).
 pub fn load_bf16(mapped: &MappedSafetensors, keep: impl Fn(&str) -> bool + Sync) -> Result<AdapterTensors, AuditError> {
     let view = mapped.view()?;
     let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> =
@@ -430,16 +434,12 @@ pub fn load_bf16(mapped: &MappedSafetensors, keep: impl Fn(&str) -> bool + Sync)
 
 /// Read one float tensor (F32, F16 or BF16) as F32, exactly.
 pub fn load_f32(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, Vec<f32>), AuditError> {
-    let view = mapped.view()?;
-    let t = named_tensor(&view, name)?;
-    let dtype = TensorDtype::of(t.dtype());
+    // The kept header: no re-parse per tensor.
+    let (dtype, shape, bytes) = mapped.tensor(name)?;
     let data = match dtype {
-        TensorDtype::F32 => t
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        TensorDtype::F32 | TensorDtype::F16 | TensorDtype::BF16 => (0..bytes.len() / element_bytes(dtype))
+            .filter_map(|i| stored_f32(dtype, bytes, i))
             .collect(),
-        TensorDtype::F16 | TensorDtype::BF16 => to_bf16_or_f16_f32(dtype, t.data()),
         other => {
             return Err(AuditError::Tensor {
                 name: name.to_string(),
@@ -447,21 +447,18 @@ pub fn load_f32(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, V
             });
         }
     };
-    Ok((t.shape().to_vec(), data))
+    Ok((shape.to_vec(), data))
 }
 
 /// Read an integer tensor (I64 or I32) as `i64`.
 pub fn load_i64(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, Vec<i64>), AuditError> {
-    let view = mapped.view()?;
-    let t = named_tensor(&view, name)?;
-    let data = match TensorDtype::of(t.dtype()) {
-        TensorDtype::I64 => t
-            .data()
+    let (dtype, shape, bytes) = mapped.tensor(name)?;
+    let data = match dtype {
+        TensorDtype::I64 => bytes
             .chunks_exact(8)
             .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
             .collect(),
-        TensorDtype::I32 => t
-            .data()
+        TensorDtype::I32 => bytes
             .chunks_exact(4)
             .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
             .collect(),
@@ -472,52 +469,110 @@ pub fn load_i64(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, V
             });
         }
     };
-    Ok((t.shape().to_vec(), data))
+    Ok((shape.to_vec(), data))
 }
 
-fn named_tensor<'a>(view: &SafeTensors<'a>, name: &str) -> Result<safetensors::tensor::TensorView<'a>, AuditError> {
-    view.tensor(name).map_err(|e| AuditError::Tensor {
-        name: name.to_string(),
-        reason: e.to_string(),
-    })
+/// Bytes per element of a float weight dtype (1 for the others, which no
+/// float path reads).
+fn element_bytes(dtype: TensorDtype) -> usize {
+    match dtype {
+        TensorDtype::F32 => 4,
+        TensorDtype::F16 | TensorDtype::BF16 => 2,
+        _ => 1,
+    }
 }
 
-fn to_bf16_or_f16_f32(dtype: TensorDtype, bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(2)
-        .map(|b| {
+/// Element `index` of raw little-endian float bytes, exactly as stored
+/// (widened to `f32`); `None` past the end or for a non-float dtype.
+fn stored_f32(dtype: TensorDtype, bytes: &[u8], index: usize) -> Option<f32> {
+    let at = index.checked_mul(element_bytes(dtype))?;
+    match dtype {
+        TensorDtype::F32 => {
+            let b = bytes.get(at..at.checked_add(4)?)?;
+            Some(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        }
+        TensorDtype::F16 | TensorDtype::BF16 => {
+            let b = bytes.get(at..at.checked_add(2)?)?;
             let bits = u16::from_le_bytes([b[0], b[1]]);
-            if dtype == TensorDtype::F16 {
+            Some(if dtype == TensorDtype::F16 {
                 f16::from_bits(bits).to_f32()
             } else {
                 bf16::from_bits(bits).to_f32()
-            }
-        })
-        .collect()
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The one conversion to the served type: F32 and F16 round to nearest
+/// even (a finite F32 above the BF16 range becomes an infinity), BF16 is
+/// copied. Shared by the loaders and the value checks so that both see the
+/// same served values.
+fn served_bf16(dtype: TensorDtype, chunk: &[u8]) -> bf16 {
+    match (dtype, chunk) {
+        (TensorDtype::F32, &[a, b, c, d]) => bf16::from_f32(f32::from_le_bytes([a, b, c, d])),
+        (TensorDtype::F16, &[a, b]) => bf16::from_f32(f16::from_bits(u16::from_le_bytes([a, b])).to_f32()),
+        (_, &[a, b]) => bf16::from_bits(u16::from_le_bytes([a, b])),
+        // Unreachable: callers pass whole elements of a float dtype.
+        _ => bf16::NAN,
+    }
+}
+
+/// The index of the first value that is not finite (NaN, +inf, -inf), or
+/// `None` when every value is finite. For BF16 data already converted to
+/// the served type ([`HostTensor::data`], a pool's host staging buffer).
+pub fn first_non_finite(values: &[bf16]) -> Option<usize> {
+    values.iter().position(|v| !v.is_finite())
+}
+
+/// The first element of raw little-endian F32 / F16 / BF16 tensor bytes
+/// (as safetensors stores them) that is not finite AS SERVED, i.e. after the
+/// same BF16 conversion the loaders apply (a finite F32 above about
+/// 3.39e38 rounds to an infinity): its index and its stored value, exactly
+/// as `f32`, for [`Refusal::non_finite`](crate::Refusal::non_finite).
+/// `None` when every element is finite, and for other dtypes (which are
+/// refused as `REJECT[dtype]` before their values matter).
+pub fn first_non_finite_raw(dtype: TensorDtype, bytes: &[u8]) -> Option<(usize, f32)> {
+    if !dtype.is_float_weight() {
+        return None;
+    }
+    let size = element_bytes(dtype);
+    // Chunks in parallel for large tensors; the first hit in order wins.
+    const CHUNK: usize = 1 << 20;
+    let index = bytes
+        .par_chunks(CHUNK * size)
+        .enumerate()
+        .find_map_first(|(c, chunk)| {
+            chunk
+                .chunks_exact(size)
+                .position(|e| !served_bf16(dtype, e).is_finite())
+                .map(|i| c * CHUNK + i)
+        })?;
+    Some((index, stored_f32(dtype, bytes, index).unwrap_or(f32::NAN)))
+}
+
+/// The stored value of element `index` of tensor `name` in `mapped`, for a
+/// refusal message.
+pub(crate) fn stored_value(mapped: &MappedSafetensors, name: &str, index: usize) -> Result<f32, AuditError> {
+    let (dtype, _, bytes) = mapped.tensor(name)?;
+    stored_f32(dtype, bytes, index).ok_or_else(|| AuditError::Tensor {
+        name: name.to_string(),
+        reason: format!("no float element {index}"),
+    })
 }
 
 /// Convert raw little-endian bytes of a float tensor to BF16.
 fn to_bf16(name: &str, dtype: TensorDtype, bytes: &[u8]) -> Result<Vec<bf16>, AuditError> {
-    Ok(match dtype {
-        TensorDtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
-            .collect(),
-        TensorDtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_f32(f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()))
-            .collect(),
-        TensorDtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
-            .collect(),
-        other => {
-            return Err(AuditError::Tensor {
-                name: name.to_string(),
-                reason: format!("dtype {other}; adapter weights must be F32, F16 or BF16"),
-            });
-        }
-    })
+    if !dtype.is_float_weight() {
+        return Err(AuditError::Tensor {
+            name: name.to_string(),
+            reason: format!("dtype {dtype}; adapter weights must be F32, F16 or BF16"),
+        });
+    }
+    Ok(bytes
+        .chunks_exact(element_bytes(dtype))
+        .map(|e| served_bf16(dtype, e))
+        .collect())
 }
 
 #[cfg(test)]

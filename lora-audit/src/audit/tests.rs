@@ -502,3 +502,218 @@ fn the_header_audit_ignores_tensor_order_and_reads_no_data() {
     );
     assert!(audit_header("a", "{not json", vec![], &cfg, &opts).is_err());
 }
+
+/// A 2-D tensor of 0.5s with `value` at element `at`, in `dtype`.
+fn with_value(name: &str, shape: &[usize], dtype: safetensors::Dtype, at: usize, value: f32) -> RawTensor {
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n).map(|i| if i == at { value } else { 0.5 }).collect();
+    let bytes: Vec<u8> = match dtype {
+        safetensors::Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        safetensors::Dtype::F16 => values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        _ => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+    };
+    (name.to_string(), dtype, shape.to_vec(), bytes)
+}
+
+/// The non-finite refusals of a report: `(tensor, reason)`.
+fn non_finite(report: &AuditReport) -> Vec<(&str, &str)> {
+    report
+        .refused
+        .iter()
+        .filter(|r| r.code == RejectCode::NonFinite)
+        .map(|r| (r.subject.as_str(), r.reason.as_str()))
+        .collect()
+}
+
+#[test]
+fn non_finite_values_are_refused_as_served_naming_the_tensor() {
+    use safetensors::Dtype;
+    let cfg = test_support::llama(false);
+    let a = |m: &str| format!("base_model.model.model.layers.0.self_attn.{m}.lora_A.weight");
+    let b = |m: &str| format!("base_model.model.model.layers.0.self_attn.{m}.lora_B.weight");
+    let t = vec![
+        with_value(&a("q_proj"), &[4, 64], Dtype::F32, 5, f32::NAN),
+        zeros(&b("q_proj"), &[64, 4]),
+        zeros(&a("k_proj"), &[4, 64]),
+        // Finite in F32, +inf once rounded to BF16.
+        with_value(&b("k_proj"), &[32, 4], Dtype::F32, 7, 3.4e38),
+        zeros(&a("v_proj"), &[4, 64]),
+        with_value(&b("v_proj"), &[32, 4], Dtype::BF16, 0, f32::NEG_INFINITY),
+        zeros(&a("o_proj"), &[4, 64]),
+        // The largest F32 that still rounds to a finite BF16: served.
+        with_value(&b("o_proj"), &[64, 4], Dtype::F32, 1, f32::from_bits(0x7F7F_7FFF)),
+    ];
+    let dir = write_adapter(r#"{"r": 4}"#, &t);
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::NonFinite]);
+    let found = non_finite(&report);
+    let subjects: Vec<&str> = found.iter().map(|f| f.0).collect();
+    assert_eq!(subjects, [b("k_proj"), a("q_proj"), b("v_proj")]);
+    assert!(
+        found[0].1.contains("element 7") && found[0].1.contains("+inf"),
+        "{}",
+        found[0].1
+    );
+    assert!(
+        found[1].1.contains("element 5") && found[1].1.contains("NaN"),
+        "{}",
+        found[1].1
+    );
+    // The header-only audit cannot see values.
+    let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap();
+    let infos = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
+        .unwrap()
+        .infos()
+        .unwrap();
+    assert!(
+        audit_header("h", &text, infos, &cfg, &LoraOptions::default())
+            .unwrap()
+            .is_servable()
+    );
+    // prepare_adapter refuses with the same report.
+    match crate::prepare_adapter(&dir.0, &cfg, &LoraOptions::default()) {
+        Err(AuditError::Refused(r)) => assert_eq!(r.refused, report.refused),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn non_finite_experts_routers_and_token_rows_are_refused() {
+    use safetensors::Dtype;
+    let moe = test_support::qwen3_moe();
+    let mut t = Vec::new();
+    t.extend(pair("model.layers.1.mlp.experts.2.down_proj", 8, 32, 16));
+    t[1] = with_value(&t[1].0.clone(), &[32, 8], Dtype::F16, 3, f32::INFINITY);
+    t.extend(pair("model.layers.1.mlp.gate", 8, 4, 32));
+    t[2] = with_value(&t[2].0.clone(), &[8, 32], Dtype::F32, 0, f32::NAN);
+    t.push(zeros("model.layers.1.mlp.experts.base_layer.lora_A.weight", &[16, 32]));
+    t.push(with_value(
+        "model.layers.1.mlp.experts.base_layer.lora_B.weight",
+        &[32, 16],
+        Dtype::BF16,
+        31,
+        f32::NAN,
+    ));
+    let dir = write_adapter(r#"{"r": 8, "rank_pattern": {"gate_up_proj": 4}}"#, &t);
+    let report = audit_adapter(&dir.0, &moe, &experts_on()).unwrap();
+    let subjects: Vec<&str> = non_finite(&report).iter().map(|f| f.0).collect();
+    assert_eq!(
+        subjects,
+        [
+            "base_model.model.model.layers.1.mlp.experts.2.down_proj.lora_B.weight",
+            "base_model.model.model.layers.1.mlp.gate.lora_A.weight",
+            "model.layers.1.mlp.experts.base_layer.lora_B.weight",
+        ],
+        "{:?}",
+        report.refused
+    );
+
+    let cfg = test_support::llama(false);
+    let rows = tokens(
+        r#"{"trainable_token_indices": [3, 9]}"#,
+        &[with_value(EMBED_DELTA, &[2, 64], Dtype::F32, 70, f32::NAN)],
+        &cfg,
+        &LoraOptions::default(),
+    );
+    assert_eq!(non_finite(&rows).iter().map(|f| f.0).collect::<Vec<_>>(), [EMBED_DELTA]);
+    let table = tokens(
+        r#"{"modules_to_save": ["lm_head"]}"#,
+        &[with_value(
+            "base_model.model.lm_head.weight",
+            &[256, 64],
+            Dtype::BF16,
+            100,
+            f32::INFINITY,
+        )],
+        &cfg,
+        &LoraOptions::default(),
+    );
+    assert_eq!(
+        non_finite(&table).iter().map(|f| f.0).collect::<Vec<_>>(),
+        ["base_model.model.lm_head.weight"]
+    );
+}
+
+#[test]
+fn an_alpha_that_overflows_f32_is_refused_naming_the_field() {
+    let cfg = test_support::llama(false);
+    let mut t = pair("model.layers.0.self_attn.q_proj", 8, 64, 64).to_vec();
+    t.extend(pair("model.layers.1.self_attn.q_proj", 8, 64, 64));
+    t.extend(pair("model.layers.0.self_attn.k_proj", 8, 32, 64));
+    for (config, subject, key) in [
+        (r#"{"r": 8, "lora_alpha": 1e40}"#, "lora_alpha", None),
+        (r#"{"r": 8, "lora_alpha": -1e308}"#, "lora_alpha", None),
+        (
+            r#"{"r": 8, "use_rslora": true, "lora_alpha": 1e39}"#,
+            "lora_alpha",
+            None,
+        ),
+        // The scale of a pattern entry, checked as served too.
+        (
+            r#"{"r": 8, "alpha_pattern": {"q_proj": 1e40}}"#,
+            "alpha_pattern",
+            Some("`q_proj`"),
+        ),
+        (
+            r#"{"r": 8, "alpha_pattern": {"k_proj": -3e40, "q_proj": 2}}"#,
+            "alpha_pattern",
+            Some("`k_proj`"),
+        ),
+    ] {
+        let report = audit_adapter(&write_adapter(config, &t).0, &cfg, &LoraOptions::default()).unwrap();
+        assert_eq!(codes(&report), [RejectCode::NonFiniteScale], "{config}");
+        // One refusal per alpha source, not one per pair.
+        assert_eq!(report.refused.len(), 1, "{config}: {:?}", report.refused);
+        assert_eq!(report.refused[0].subject, subject, "{config}");
+        assert!(
+            key.is_none_or(|k| report.refused[0].reason.contains(k)),
+            "{:?}",
+            report.refused[0]
+        );
+        assert!(report.placed.iter().all(|p| p.scale.is_finite()), "{config}");
+    }
+    // Served scales that are finite in f32 are served, even when alpha is not.
+    for ok in [
+        r#"{"r": 8, "lora_alpha": 2.7e39}"#,
+        r#"{"r": 8, "alpha_pattern": {"down_proj": 1e39}}"#,
+    ] {
+        let report = audit_adapter(&write_adapter(ok, &t).0, &cfg, &LoraOptions::default()).unwrap();
+        assert!(report.is_servable(), "{ok}: {:?}", report.refused);
+        assert!(report.placed.iter().all(|p| p.scale.is_finite()));
+    }
+}
+
+#[test]
+fn pattern_keys_python_cannot_compile_are_refused_not_applied() {
+    // Issue 42: `{"(?i)Q_PROJ": 1000}` gave q_proj a scale of 353.55.
+    let cfg = test_support::llama(false);
+    let t = pair("model.layers.0.self_attn.q_proj", 8, 64, 64);
+    for key in [r"(?i)Q_PROJ", r"(?s)q.proj", r"\x{71}_proj", r"q_proj\z"] {
+        let config = serde_json::json!({"r": 8, "lora_alpha": 8, "alpha_pattern": {key: 1000}}).to_string();
+        let report = audit_adapter(&write_adapter(&config, &t).0, &cfg, &LoraOptions::default()).unwrap();
+        assert_eq!(codes(&report), [RejectCode::PatternRegex], "{key}");
+        assert!(
+            report.refused[0].reason.contains(key),
+            "names the key: {}",
+            report.refused[0].reason
+        );
+    }
+}
+
+#[test]
+fn tensor_names_outside_printable_ascii_are_unknown_keys() {
+    let cfg = test_support::llama(false);
+    let mut t = Vec::new();
+    t.extend(pair("model.layers.0.self_attn.q_proj", 8, 64, 64));
+    t.extend(pair("modèle.layers.1.self_attn.q_proj", 8, 64, 64));
+    let report = audit_adapter(&write_adapter(r#"{"r": 8}"#, &t).0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::UnknownKey]);
+    assert_eq!(report.refused.len(), 2, "both halves");
+    assert_eq!(report.placed.len(), 1);
+}

@@ -261,3 +261,70 @@ fn json_value() -> impl proptest::strategy::Strategy<Value = serde_json::Value> 
         ]
     })
 }
+
+/// A config whose two pattern tables have `n` distinct full-path keys each
+/// (plus one repeat of every 100th), as a 4.x per-expert adapter's would.
+fn many_keys(n: usize) -> String {
+    let keys: Vec<String> = (0..n)
+        .map(|i| format!("model.layers.{}.mlp.experts.{}.down_proj", i / 512, i % 512))
+        .collect();
+    let table = |v: usize| {
+        let mut parts: Vec<String> = keys.iter().map(|k| format!("\"{k}\": {v}")).collect();
+        parts.extend(keys.iter().step_by(100).map(|k| format!("\"{k}\": {}", v + 1)));
+        parts.join(",")
+    };
+    format!(
+        r#"{{"r": 4, "rank_pattern": {{{}}}, "alpha_pattern": {{{}}}}}"#,
+        table(4),
+        table(8)
+    )
+}
+
+#[test]
+fn the_largest_pattern_tables_parse_in_linear_time() {
+    // Issue 42: 80k keys took 15.6 s (the repeats were found by a scan per
+    // key). No time is asserted: it must simply finish in a test run.
+    let json = many_keys(MAX_PATTERN_KEYS);
+    assert!(json.len() <= MAX_ADAPTER_CONFIG_BYTES, "{} bytes", json.len());
+    let c = parse(&json);
+    assert_eq!(c.rank_pattern.entries().len(), MAX_PATTERN_KEYS);
+    assert!(c.refusals().is_empty());
+    // A repeat keeps its first place and takes the last value.
+    let e = &c.alpha_pattern.entries()[100];
+    assert_eq!(
+        (e.key.as_str(), e.value),
+        ("model.layers.0.mlp.experts.100.down_proj", 9.0)
+    );
+    assert_eq!(c.rank_for("model.layers.127.mlp.experts.511.down_proj"), 4);
+    assert_eq!(c.alpha_for("model.layers.1.mlp.experts.88.down_proj"), 9.0);
+    assert_eq!(c.rank_for("model.layers.1.mlp.experts.88.up_proj"), 4, "r, from no key");
+}
+
+#[test]
+fn pattern_tables_and_configs_past_their_bounds_are_refused_typed() {
+    match PeftAdapterConfig::from_json(&many_keys(MAX_PATTERN_KEYS + 1)) {
+        Err(AuditError::PatternLimit { field, keys, limit }) => {
+            assert_eq!(
+                (field, keys, limit),
+                ("rank_pattern", MAX_PATTERN_KEYS + 1, MAX_PATTERN_KEYS)
+            );
+        }
+        other => panic!("expected a pattern limit, got {other:?}"),
+    }
+    let padded = format!(
+        r#"{{"r": 4, "base_model_name_or_path": "{}"}}"#,
+        "x".repeat(MAX_ADAPTER_CONFIG_BYTES)
+    );
+    match PeftAdapterConfig::from_json(&padded) {
+        Err(e @ AuditError::ConfigTooLarge { .. }) => assert!(e.to_string().contains("MAX_ADAPTER_CONFIG_BYTES")),
+        other => panic!("expected a size refusal, got {other:?}"),
+    }
+    // The directory audit refuses the file before reading it all.
+    let dir = crate::test_support::ScratchDir::new("big-config");
+    std::fs::write(dir.join("adapter_config.json"), &padded).unwrap();
+    let cfg = crate::test_support::llama(false);
+    assert!(matches!(
+        crate::audit_adapter(&dir.0, &cfg, &crate::LoraOptions::default()),
+        Err(AuditError::ConfigTooLarge { .. })
+    ));
+}

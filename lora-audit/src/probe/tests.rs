@@ -133,3 +133,133 @@ fn an_oracle_pairs_every_input_with_peft_s_answer() {
         oracle.inputs.inputs.len() + oracle.inputs.rows.len()
     );
 }
+
+/// A Llama of hidden 64 whose MLP is `intermediate_size` wide, and a
+/// servable attention-only adapter for it.
+fn wide_mlp_model(intermediate_size: usize) -> (ModelConfig, crate::test_support::ScratchDir) {
+    let cfg = ModelConfig::from_hf_config(&format!(
+        r#"{{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": {intermediate_size}, "vocab_size": 256}}"#
+    ))
+    .unwrap();
+    let dir = crate::test_support::ScratchDir::new("probe-wide");
+    let pair = [
+        crate::test_support::f32_tensor(
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+            &[4, 64],
+            &[0.5; 256],
+        ),
+        crate::test_support::f32_tensor(
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+            &[64, 4],
+            &[0.25; 256],
+        ),
+    ];
+    std::fs::write(dir.join(crate::ADAPTER_CONFIG), r#"{"r": 4}"#).unwrap();
+    std::fs::write(
+        dir.join(crate::ADAPTER_WEIGHTS),
+        crate::test_support::safetensors_bytes(&pair),
+    )
+    .unwrap();
+    (cfg, dir)
+}
+
+fn probe_rows(weight: &str, rows: usize) -> ProbeInputs {
+    let mut inputs = ProbeInputs::default();
+    inputs.inputs.insert(
+        weight.to_string(),
+        ProbeTensor {
+            shape: vec![rows, 64],
+            data: vec![1.0; rows * 64],
+        },
+    );
+    inputs
+}
+
+#[test]
+fn a_probe_past_the_output_bound_is_refused_naming_the_field_not_aborted() {
+    // Issue 42: intermediate_size 2^24 (the largest a config may give) and a
+    // probe of 1000 rows asked for 67108864000 bytes and aborted the process.
+    let (cfg, dir) = wide_mlp_model(1 << 24);
+    let adapter = crate::prepare_adapter(&dir.0, &cfg, &crate::LoraOptions::default()).unwrap();
+    let inputs = probe_rows("model.layers.0.mlp.gate_proj.weight", 1000);
+    match probe_adapter(&adapter, &cfg, &inputs, None) {
+        Err(e @ AuditError::ProbeTooLarge { .. }) => {
+            let AuditError::ProbeTooLarge {
+                field,
+                rows,
+                width,
+                bytes,
+                ..
+            } = &e
+            else {
+                unreachable!()
+            };
+            assert_eq!((*field, *rows, *width), ("intermediate_size", 1000, 1 << 24));
+            assert_eq!(*bytes, 67_108_864_000);
+            let msg = e.to_string();
+            assert!(
+                msg.contains("gate_proj") && msg.contains("MAX_PROBE_OUTPUT_BYTES"),
+                "{msg}"
+            );
+        }
+        other => panic!("expected a bounded refusal, got {other:?}"),
+    }
+    // A probe within the bound is answered: x = 1, A = 0.5, B = 0.25,
+    // r = 4, scale 8 / 4: each output is 2 * 4 * (64 * 0.5) * 0.25 = 64.
+    let ok = probe_adapter(
+        &adapter,
+        &cfg,
+        &probe_rows("model.layers.0.self_attn.q_proj.weight", 3),
+        None,
+    )
+    .unwrap();
+    let out = &ok.tensors["probe_out::model.layers.0.self_attn.q_proj.weight"];
+    assert_eq!(out.shape, [3, 64]);
+    assert!(out.data.iter().all(|&v| v == 64.0), "{:?}", &out.data[..4]);
+}
+
+#[test]
+fn the_probe_output_bound_is_over_the_whole_run() {
+    let (cfg, dir) = wide_mlp_model(1024);
+    let adapter = crate::prepare_adapter(&dir.0, &cfg, &crate::LoraOptions::default()).unwrap();
+    // 10 rows x 1024 outputs x 4 bytes = 40960 bytes each: one fits, two do not.
+    let mut two = probe_rows("model.layers.0.mlp.gate_proj.weight", 10);
+    assert!(probe_within(&adapter, &cfg, &two, None, 60_000).is_ok());
+    two.inputs
+        .extend(probe_rows("model.layers.0.mlp.up_proj.weight", 10).inputs);
+    match probe_within(&adapter, &cfg, &two, None, 60_000) {
+        Err(AuditError::ProbeTooLarge { field, limit, .. }) => {
+            assert_eq!((field, limit), ("intermediate_size", 60_000 - 40_960), "what was left");
+        }
+        other => panic!("expected the run's bound, got {other:?}"),
+    }
+    assert!(probe_within(&adapter, &cfg, &two, None, 81_920).is_ok());
+}
+
+#[test]
+fn row_probes_are_bounded_too() {
+    let (cfg, dir) = wide_mlp_model(128);
+    let adapter = crate::prepare_adapter(&dir.0, &cfg, &crate::LoraOptions::default()).unwrap();
+    let table = vec![bf16::ONE; 256 * 64];
+    let base = BaseTables {
+        embed: Some(table),
+        lm_head: None,
+    };
+    let mut inputs = ProbeInputs::default();
+    inputs.rows.insert("model.embed_tokens.weight".into(), vec![0; 11]);
+    assert!(matches!(
+        probe_within(&adapter, &cfg, &inputs, Some(&base), 10 * 64 * 4),
+        Err(AuditError::ProbeTooLarge {
+            field: "hidden_size",
+            rows: 11,
+            ..
+        })
+    ));
+    inputs.rows.insert("model.embed_tokens.weight".into(), vec![5, 7]);
+    let ok = probe_adapter(&adapter, &cfg, &inputs, Some(&base)).unwrap();
+    assert_eq!(
+        ok.tensors["rows_merged::model.embed_tokens.weight"].data,
+        vec![1.0; 128]
+    );
+}

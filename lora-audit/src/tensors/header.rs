@@ -3,16 +3,28 @@
 //! The hot swap path reads a header of several hundred tensors on every
 //! swap. Parsing it through the `safetensors` crate buffers every entry as a
 //! generic JSON value first (its metadata key is flattened), then hashes
-//! names twice; this parser visits the JSON map once into typed entries and
-//! validates them as `safetensors` does: offsets contiguous from zero in
-//! offset order, each tensor's byte length equal to its shape times its
-//! dtype's size (checked arithmetic), and no name twice. `__metadata__` is
-//! skipped, not read: a malformed metadata map is accepted here.
+//! names twice; this parser visits the JSON map once into typed entries.
+//!
+//! Its rules are the `safetensors` crate's (0.6), read from its source, so
+//! that [`SafetensorsFile`](super::SafetensorsFile) and
+//! [`MappedSafetensors`](super::MappedSafetensors) (which uses the crate
+//! itself) accept and refuse the same files; a property test holds them to
+//! it:
+//! - the header bytes are UTF-8 and one JSON object (whitespace around it);
+//! - `__metadata__` is null or an object of strings, at most once;
+//! - every other key is a tensor: `{dtype, shape, data_offsets}` (each at
+//!   most once, other fields ignored but fully parsed, as the crate buffers
+//!   them) or the same three as a 3-element array;
+//! - a name given twice keeps its LAST entry (the crate collects the tensors
+//!   into a map), though every entry must parse;
+//! - then, in offset order, offsets contiguous from zero and each tensor's
+//!   byte length its shape times its dtype's size (checked arithmetic).
 
+use std::collections::HashMap;
 use std::fmt;
 
 use safetensors::Dtype;
-use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
 
 /// One tensor of a header.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,11 +44,125 @@ pub(crate) struct Header {
     data_len: usize,
 }
 
-#[derive(serde::Deserialize)]
+/// A tensor entry's three fields.
 struct RawEntry {
     dtype: Dtype,
     shape: Vec<usize>,
     data_offsets: (usize, usize),
+}
+
+const ENTRY_FIELDS: &[&str] = &["dtype", "shape", "data_offsets"];
+
+/// Deserializes a tensor entry as serde's derive does for the crate's
+/// `TensorInfo`: a map (fields once each, unknown ones parsed and dropped) or
+/// a 3-element sequence.
+struct EntrySeed;
+
+impl<'de> DeserializeSeed<'de> for EntrySeed {
+    type Value = RawEntry;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawEntry, D::Error> {
+        d.deserialize_struct("TensorInfo", ENTRY_FIELDS, EntryVisitor)
+    }
+}
+
+struct EntryVisitor;
+
+impl<'de> Visitor<'de> for EntryVisitor {
+    type Value = RawEntry;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("struct TensorInfo")
+    }
+
+    fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<RawEntry, M::Error> {
+        let (mut dtype, mut shape, mut offsets) = (None, None, None);
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "dtype" if dtype.is_some() => return Err(M::Error::duplicate_field("dtype")),
+                "dtype" => dtype = Some(map.next_value::<Dtype>()?),
+                "shape" if shape.is_some() => return Err(M::Error::duplicate_field("shape")),
+                "shape" => shape = Some(map.next_value::<Vec<usize>>()?),
+                "data_offsets" if offsets.is_some() => return Err(M::Error::duplicate_field("data_offsets")),
+                "data_offsets" => offsets = Some(map.next_value::<(usize, usize)>()?),
+                _ => map.next_value_seed(StrictIgnore)?,
+            }
+        }
+        Ok(RawEntry {
+            dtype: dtype.ok_or_else(|| M::Error::missing_field("dtype"))?,
+            shape: shape.ok_or_else(|| M::Error::missing_field("shape"))?,
+            data_offsets: offsets.ok_or_else(|| M::Error::missing_field("data_offsets"))?,
+        })
+    }
+
+    fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<RawEntry, S::Error> {
+        let dtype = seq
+            .next_element::<Dtype>()?
+            .ok_or_else(|| S::Error::invalid_length(0, &self))?;
+        let shape = seq
+            .next_element::<Vec<usize>>()?
+            .ok_or_else(|| S::Error::invalid_length(1, &self))?;
+        let data_offsets = seq
+            .next_element::<(usize, usize)>()?
+            .ok_or_else(|| S::Error::invalid_length(2, &self))?;
+        Ok(RawEntry {
+            dtype,
+            shape,
+            data_offsets,
+        })
+    }
+}
+
+/// Parses any JSON value completely and drops it: what serde's buffering
+/// of an ignored field does (numbers range-checked, string escapes decoded),
+/// unlike `IgnoredAny`, which `serde_json` skips without those checks.
+struct StrictIgnore;
+
+impl<'de> DeserializeSeed<'de> for StrictIgnore {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for StrictIgnore {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_none<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<(), S::Error> {
+        while seq.next_element_seed(StrictIgnore)?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<(), M::Error> {
+        while map.next_key::<String>()?.is_some() {
+            map.next_value_seed(StrictIgnore)?;
+        }
+        Ok(())
+    }
 }
 
 struct EntriesVisitor;
@@ -49,21 +175,36 @@ impl<'de> Visitor<'de> for EntriesVisitor {
     }
 
     fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Self::Value, M::Error> {
-        let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        let mut entries: Vec<HeaderEntry> = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        // Name -> index in `entries`: a repeated name takes the later entry's
+        // place, as the crate's map insert does.
+        let mut seen: HashMap<String, usize> = HashMap::new();
+        let mut metadata_seen = false;
         while let Some(name) = map.next_key::<String>()? {
             if name == "__metadata__" {
-                // Free-form strings; the swap path has no use for them.
-                map.next_value::<IgnoredAny>()?;
+                if metadata_seen {
+                    return Err(M::Error::duplicate_field("__metadata__"));
+                }
+                metadata_seen = true;
+                // Strings only, as the crate's `Option<HashMap<String, String>>`.
+                map.next_value::<Option<HashMap<String, String>>>()?;
                 continue;
             }
-            let raw: RawEntry = map.next_value()?;
-            entries.push(HeaderEntry {
+            let raw = map.next_value_seed(EntrySeed)?;
+            let entry = HeaderEntry {
                 name,
                 dtype: raw.dtype,
                 shape: raw.shape,
                 start: raw.data_offsets.0,
                 end: raw.data_offsets.1,
-            });
+            };
+            match seen.get(&entry.name) {
+                Some(&i) => entries[i] = entry,
+                None => {
+                    seen.insert(entry.name.clone(), entries.len());
+                    entries.push(entry);
+                }
+            }
         }
         Ok(entries)
     }
@@ -72,7 +213,9 @@ impl<'de> Visitor<'de> for EntriesVisitor {
 impl Header {
     /// Parse and validate the JSON header `text`.
     pub(crate) fn parse(text: &[u8]) -> Result<Header, String> {
-        let mut de = serde_json::Deserializer::from_slice(text);
+        // The crate checks the whole header is UTF-8 before parsing it.
+        let text = std::str::from_utf8(text).map_err(|e| format!("header is not UTF-8: {e}"))?;
+        let mut de = serde_json::Deserializer::from_str(text);
         let mut entries = de
             .deserialize_map(EntriesVisitor)
             .map_err(|e| format!("invalid header: {e}"))?;
@@ -106,10 +249,8 @@ impl Header {
             }
             next = e.end;
         }
+        // Names are unique (a repeated one kept its last entry).
         entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-        if let Some(w) = entries.windows(2).find(|w| w[0].name == w[1].name) {
-            return Err(format!("tensor `{}` is named twice", w[0].name));
-        }
         Ok(Header {
             entries,
             data_len: next,
@@ -172,12 +313,67 @@ mod tests {
             r#"{"a":{"dtype":"F32","shape":[2]}}"#,
             r#"[1,2]"#,
             r#"{} x"#,
-            // The same name twice.
+            // The same name twice: the last entry, which counts, leaves a gap.
             r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+            // The same name twice: the overwritten entry must still parse.
+            r#"{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            // Metadata: not strings, not a map, twice.
+            r#"{"__metadata__":{"x":1},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            r#"{"__metadata__":[],"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            r#"{"__metadata__":null,"__metadata__":null}"#,
+            // An ignored field the crate still parses: out of range, a lone surrogate.
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1e999}}"#,
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":"\ud800"}}"#,
+            r#"{"__metadata__":{"x":"\ud800"}}"#,
+            // A field twice; an array entry of the wrong length; a null entry; -0.
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"dtype":"F32"}}"#,
+            r#"{"a":["F32",[1],[0,4],5]}"#,
+            r#"{"a":["F32",[1]]}"#,
+            r#"{"a":null}"#,
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[-0,4]}}"#,
         ] {
             assert!(parse(bad).is_err(), "{bad}");
             assert!(safetensors_refuses(bad), "safetensors accepts {bad}");
         }
+    }
+
+    #[test]
+    fn accepts_what_safetensors_accepts() {
+        let e = r#""dtype":"F32","shape":[1],"data_offsets":[0,4]"#;
+        for (good, names) in [
+            // A tensor repeated verbatim, and one whose last entry is the valid one.
+            (format!(r#"{{"a":{{{e}}},"a":{{{e}}}}}"#), 1),
+            (
+                format!(r#"{{"a":{{"dtype":"F32","shape":[1],"data_offsets":[4,8]}},"a":{{{e}}}}}"#),
+                1,
+            ),
+            // Null metadata, a repeated metadata key, ignored fields, an array entry.
+            (format!(r#"{{"__metadata__":null,"a":{{{e}}}}}"#), 1),
+            (format!(r#"{{"__metadata__":{{"x":"y","x":"z"}},"a":{{{e}}}}}"#), 1),
+            (
+                format!(r#"{{"a":{{{e},"x":{{"k":[1,2.5,null],"k":18446744073709551616}}}}}}"#),
+                1,
+            ),
+            (r#"{"a":["F32",[1],[0,4]]}"#.to_string(), 1),
+            ("  {}  ".to_string(), 0),
+        ] {
+            let h = parse(&good).unwrap_or_else(|e| panic!("{good}: {e}"));
+            assert_eq!(h.entries().len(), names, "{good}");
+            assert!(!safetensors_refuses(&good), "safetensors refuses {good}");
+        }
+        let last = parse(&format!(
+            r#"{{"a":{{"dtype":"F32","shape":[1],"data_offsets":[4,8]}},"a":{{{e}}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            last.get("a").map(|e| (e.start, e.end)),
+            Some((0, 4)),
+            "the last entry counts"
+        );
+        assert!(
+            Header::parse(b"{\"__metadata__\":{\"x\":\"\xff\"}}").is_err(),
+            "not UTF-8"
+        );
     }
 
     /// What the `safetensors` crate says of the same header.

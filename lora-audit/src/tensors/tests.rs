@@ -181,3 +181,224 @@ proptest! {
         let _ = std::fs::remove_file(&dst);
     }
 }
+
+#[test]
+fn non_finite_values_are_found_as_served_in_bf16() {
+    let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    // The largest F32 that rounds to a finite BF16, and the smallest that
+    // rounds (half to even) to +inf.
+    let (last_finite, first_inf) = (f32::from_bits(0x7F7F_7FFF), f32::from_bits(0x7F7F_8000));
+    assert!(bf16::from_f32(last_finite).is_finite() && !bf16::from_f32(first_inf).is_finite());
+    assert_eq!(
+        first_non_finite_raw(TensorDtype::F32, &f32_bytes(&[1.0, last_finite, -last_finite])),
+        None
+    );
+    assert_eq!(
+        first_non_finite_raw(TensorDtype::F32, &f32_bytes(&[1.0, -first_inf, f32::NAN])),
+        Some((1, -first_inf))
+    );
+    let nan = first_non_finite_raw(TensorDtype::F32, &f32_bytes(&[0.0, 0.0, f32::NAN]));
+    assert!(matches!(nan, Some((2, v)) if v.is_nan()));
+    let h: Vec<u8> = [1.0f32, 65504.0, f32::INFINITY]
+        .iter()
+        .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+        .collect();
+    assert_eq!(first_non_finite_raw(TensorDtype::F16, &h), Some((2, f32::INFINITY)));
+    let b: Vec<u8> = [bf16::MAX, bf16::NEG_INFINITY]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    assert_eq!(
+        first_non_finite_raw(TensorDtype::BF16, &b),
+        Some((1, f32::NEG_INFINITY))
+    );
+    assert_eq!(
+        first_non_finite_raw(TensorDtype::I32, &[0xFF; 8]),
+        None,
+        "not a float weight"
+    );
+    assert_eq!(first_non_finite(&[bf16::ONE, bf16::MIN, bf16::NAN]), Some(2));
+    assert_eq!(first_non_finite(&[bf16::ONE, bf16::MAX]), None);
+    // Past the first parallel chunk, the first hit in order wins.
+    let mut big = vec![0.5f32; (1 << 20) + 10];
+    big[(1 << 20) + 3] = f32::INFINITY;
+    big[(1 << 20) + 7] = f32::NAN;
+    assert_eq!(
+        first_non_finite_raw(TensorDtype::F32, &f32_bytes(&big)),
+        Some(((1 << 20) + 3, f32::INFINITY))
+    );
+    // The loaders' conversion is the one the check sees.
+    let dir = ScratchDir::new("served");
+    let bytes = safetensors_bytes(&[f32_tensor("t", &[3], &[1.0, first_inf, last_finite])]);
+    let path = write(&dir, "x.safetensors", &bytes);
+    let loaded = load_adapter_safetensors(&path).unwrap();
+    assert_eq!(first_non_finite(&loaded["t"].data), Some(1));
+}
+
+/// A safetensors file from a header text and a data section of `data_len` bytes.
+fn file_bytes(header: &[u8], data_len: usize) -> Vec<u8> {
+    let mut buf = (header.len() as u64).to_le_bytes().to_vec();
+    buf.extend_from_slice(header);
+    buf.resize(buf.len() + data_len, 0);
+    buf
+}
+
+/// Both parsers on the same file: `(mapped, opened)` verdicts, and when
+/// both accept, whether they read the same tensors at the same places.
+fn both_verdicts(dir: &ScratchDir, bytes: &[u8]) -> (bool, bool, bool) {
+    let path = write(dir, "h.safetensors", bytes);
+    let mapped = MappedSafetensors::open(&path);
+    let opened = SafetensorsFile::open(&path);
+    let same = match (&mapped, &opened) {
+        (Ok(m), Ok(f)) => {
+            let infos = m.infos().unwrap();
+            infos == f.infos()
+                && infos.iter().all(|i| {
+                    let (_, _, m_bytes) = m.tensor(&i.name).unwrap();
+                    let (_, _, offset, len) = f.tensor(&i.name).unwrap();
+                    let m_offset = m_bytes.as_ptr() as usize - bytes_start(m);
+                    (m_offset as u64, m_bytes.len()) == (offset, len)
+                })
+        }
+        _ => true,
+    };
+    (mapped.is_ok(), opened.is_ok(), same)
+}
+
+/// Where the mapped file's bytes start, to turn a tensor slice into an offset.
+fn bytes_start(m: &MappedSafetensors) -> usize {
+    m.bytes().as_ptr() as usize
+}
+
+/// One header entry, written out with knobs that hit the crate's rules.
+#[derive(Debug, Clone)]
+struct EntrySpec {
+    name: u8,
+    dtype: &'static str,
+    shape: Vec<usize>,
+    offsets: (usize, usize),
+    as_array: bool,
+    extra: Option<&'static str>,
+}
+
+fn entry_spec() -> impl Strategy<Value = EntrySpec> {
+    (
+        0u8..4,
+        prop::sample::select(vec!["F32", "BF16", "I8", "F4", "Q4"]),
+        prop::collection::vec(0usize..4, 0..3),
+        (0usize..40, 0usize..40),
+        any::<bool>(),
+        prop::option::of(prop::sample::select(vec![
+            "1",
+            "-0",
+            "1e999",
+            "18446744073709551616",
+            "\"\\ud800\"",
+            "\"ok\"",
+            "[1,{\"k\":2,\"k\":3}]",
+            "null",
+        ])),
+    )
+        .prop_map(|(name, dtype, shape, offsets, as_array, extra)| EntrySpec {
+            name,
+            dtype,
+            shape,
+            offsets,
+            as_array,
+            extra,
+        })
+}
+
+/// A header from entries: each given consistent offsets (laid end to end)
+/// unless `raw_offsets`, with an optional metadata value.
+fn header_text(entries: &[EntrySpec], raw_offsets: bool, metadata: Option<&str>) -> (String, usize) {
+    let mut parts = Vec::new();
+    if let Some(m) = metadata {
+        parts.push(format!("\"__metadata__\":{m}"));
+    }
+    let mut next = 0usize;
+    for e in entries {
+        let bytes = match e.dtype {
+            "F32" => 4,
+            "BF16" => 2,
+            _ => 1,
+        } * e.shape.iter().product::<usize>();
+        let (start, end) = if raw_offsets { e.offsets } else { (next, next + bytes) };
+        next = next.max(end);
+        let shape = format!("{:?}", e.shape);
+        let body = if e.as_array {
+            format!("[\"{}\",{shape},[{start},{end}]]", e.dtype)
+        } else {
+            let extra = e.extra.map_or(String::new(), |x| format!(",\"x\":{x}"));
+            format!(
+                "{{\"dtype\":\"{}\",\"shape\":{shape},\"data_offsets\":[{start},{end}]{extra}}}",
+                e.dtype
+            )
+        };
+        parts.push(format!("\"t{}\":{body}", e.name));
+    }
+    (format!("{{{}}}", parts.join(",")), next)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// Issue 42 item 6: one set of rules for every path. The mapped file
+    /// (the `safetensors` crate) and the opened file (the swap path's own
+    /// parser) accept and refuse the same headers — names repeated, metadata
+    /// of every shape, entries as arrays, odd ignored fields, bad dtypes and
+    /// offsets, byte flips, truncations — and read the same tensors.
+    #[test]
+    fn mapped_and_opened_files_agree_on_arbitrary_headers(
+        entries in prop::collection::vec(entry_spec(), 0..5),
+        raw_offsets in any::<bool>(),
+        metadata in prop::option::of(prop::sample::select(vec![
+            "null", "{}", "{\"a\":\"b\",\"a\":\"c\"}", "{\"a\":1}", "[]", "\"x\"", "{\"a\":\"\\ud800\"}",
+        ])),
+        twice_metadata in any::<bool>(),
+        data_delta in -2i64..3,
+        flips in prop::collection::vec((0usize..400, any::<u8>()), 0..3),
+        cut in prop::option::of(0usize..400),
+    ) {
+        let (mut text, data_len) = header_text(&entries, raw_offsets, metadata);
+        if twice_metadata {
+            text = text.replacen('{', "{\"__metadata__\":null,", 1);
+        }
+        let mut header = text.into_bytes();
+        for (at, byte) in flips {
+            if !header.is_empty() {
+                let i = at % header.len();
+                header[i] = byte;
+            }
+        }
+        if let Some(cut) = cut {
+            header.truncate(cut);
+        }
+        let data_len = usize::try_from(data_len as i64 + data_delta).unwrap_or(0);
+        let dir = ScratchDir::new("agree");
+        let (mapped, opened, same) = both_verdicts(&dir, &file_bytes(&header, data_len));
+        prop_assert_eq!(mapped, opened, "header {:?}", String::from_utf8_lossy(&header));
+        prop_assert!(same, "both accept but read differently: {:?}", String::from_utf8_lossy(&header));
+    }
+}
+
+#[test]
+fn a_tensor_repeated_verbatim_is_read_alike_by_both_paths() {
+    let e = r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#;
+    let dir = ScratchDir::new("verbatim");
+    for header in [
+        format!(r#"{{"a":{e},"a":{e}}}"#),
+        format!(r#"{{"a":{{"dtype":"F32","shape":[1],"data_offsets":[4,8]}},"a":{e}}}"#),
+    ] {
+        assert_eq!(
+            both_verdicts(&dir, &file_bytes(header.as_bytes(), 4)),
+            (true, true, true),
+            "{header}"
+        );
+    }
+    // The crate's rule: the last entry counts, so this one leaves a gap.
+    let gap = format!(r#"{{"a":{e},"a":{{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}}}"#);
+    assert_eq!(
+        both_verdicts(&dir, &file_bytes(gap.as_bytes(), 4)),
+        (false, false, true)
+    );
+}
