@@ -215,6 +215,7 @@ impl<T: DeviceElem> DeviceBuffer<T> {
         }
         match (&mut self.storage, self.device.backend()) {
             (Storage::Cpu(a), _) => {
+                self.device.before_write("write")?;
                 a.with_bytes_mut(|b| {
                     let size = std::mem::size_of::<T>();
                     b[offset * size..(offset + data.len()) * size].copy_from_slice(bytemuck::cast_slice(data));
@@ -247,6 +248,7 @@ impl<T: DeviceElem> DeviceBuffer<T> {
         }
         match (&mut self.storage, &src.storage, self.device.backend()) {
             (Storage::Cpu(dst), Storage::Cpu(s), _) => {
+                self.device.before_write("copy")?;
                 let size = std::mem::size_of::<T>();
                 let bytes = s.with_bytes(|b| b[src_offset * size..(src_offset + len) * size].to_vec());
                 dst.with_bytes_mut(|b| b[dst_offset * size..(dst_offset + len) * size].copy_from_slice(&bytes));
@@ -269,6 +271,7 @@ impl<T: DeviceElem> DeviceBuffer<T> {
         }
         match (&mut self.storage, self.device.backend()) {
             (Storage::Cpu(a), _) => {
+                self.device.before_write("zero")?;
                 let size = std::mem::size_of::<T>();
                 a.with_bytes_mut(|b| b[offset * size..(offset + len) * size].fill(0));
                 Ok(())

@@ -10,6 +10,7 @@
 //! of this is safe code.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use bytemuck::Pod;
@@ -27,6 +28,19 @@ const GUARD_GAP: u64 = 4096;
 #[derive(Debug)]
 pub(crate) struct CpuMemory {
     registry: Mutex<Registry>,
+    faults: WriteFaults,
+}
+
+/// The test-and-debug fault injector of device writes (see
+/// [`crate::Device::inject_write_fault_after`]).
+#[derive(Debug, Default)]
+struct WriteFaults {
+    /// Device writes issued so far (faulted ones included).
+    writes: AtomicU64,
+    /// Whether a fault is armed: the only thing a write reads when none is.
+    armed: AtomicBool,
+    /// Writes that still succeed before the armed fault fires.
+    left: Mutex<Option<usize>>,
 }
 
 #[derive(Debug)]
@@ -83,7 +97,51 @@ impl CpuMemory {
                 in_use: 0,
                 limit,
             }),
+            faults: WriteFaults::default(),
         })
+    }
+
+    /// Arm a one-shot fault: the next `n` device writes succeed, the one
+    /// after fails. Replaces a fault still armed.
+    pub(crate) fn inject_write_fault_after(&self, n: usize) {
+        let mut left = lock(&self.faults.left);
+        *left = Some(n);
+        self.faults.armed.store(true, Ordering::Release);
+    }
+
+    /// Disarm the fault; whether one was still armed (had not fired).
+    pub(crate) fn clear_write_fault(&self) -> bool {
+        let mut left = lock(&self.faults.left);
+        self.faults.armed.store(false, Ordering::Release);
+        left.take().is_some()
+    }
+
+    /// Device writes issued so far, faulted ones included.
+    pub(crate) fn write_count(&self) -> u64 {
+        self.faults.writes.load(Ordering::Relaxed)
+    }
+
+    /// Count one device write (`op` names it) and fail it when it is the
+    /// armed one. Called once per write, after its arguments were checked
+    /// and before any byte is written.
+    pub(crate) fn before_write(&self, op: &'static str) -> Result<(), KernelError> {
+        let write = self.faults.writes.fetch_add(1, Ordering::Relaxed);
+        if !self.faults.armed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut left = lock(&self.faults.left);
+        match *left {
+            Some(0) => {
+                *left = None;
+                self.faults.armed.store(false, Ordering::Release);
+                Err(KernelError::InjectedFault { op, write })
+            }
+            Some(n) => {
+                *left = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
+        }
     }
 
     /// `(free, limit)` bytes under the limit, or `None` without one.

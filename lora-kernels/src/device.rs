@@ -172,6 +172,70 @@ impl Device {
         }
     }
 
+    /// Test and debug aid (CPU backend only): let the next `n` device writes
+    /// on this device succeed and make the one after fail with
+    /// [`KernelError::InjectedFault`], writing nothing. One-shot: the fault
+    /// disarms itself when it fires; arming again replaces a fault not yet
+    /// fired. Clones of the device share it.
+    ///
+    /// A device write is one call of [`DeviceBuffer::write`],
+    /// [`DeviceBuffer::upload_pinned`], [`DeviceBuffer::copy_from`],
+    /// [`DeviceBuffer::zero_range`] or [`crate::repack`] that writes at
+    /// least one element (a call refused for its arguments, or with nothing
+    /// to write, is not one). Kernel outputs and allocations are not.
+    /// [`Device::write_count`] counts them, so a test can run an operation
+    /// once, count its writes, and then fail each in turn.
+    ///
+    /// When no fault is armed a CPU write pays one relaxed counter increment
+    /// and one flag load. On a CUDA device this call refuses with
+    /// [`KernelError::Unsupported`] and arms nothing; CUDA writes are never
+    /// counted or faulted.
+    ///
+    /// [`DeviceBuffer::write`]: crate::DeviceBuffer::write
+    /// [`DeviceBuffer::upload_pinned`]: crate::DeviceBuffer::upload_pinned
+    /// [`DeviceBuffer::copy_from`]: crate::DeviceBuffer::copy_from
+    /// [`DeviceBuffer::zero_range`]: crate::DeviceBuffer::zero_range
+    pub fn inject_write_fault_after(&self, n: usize) -> Result<(), KernelError> {
+        match &*self.inner {
+            Backend::Cpu(cpu) => {
+                cpu.memory.inject_write_fault_after(n);
+                Ok(())
+            }
+            Backend::Cuda(_) => Err(KernelError::Unsupported {
+                what: "device write fault injection",
+                device: self.name(),
+            }),
+        }
+    }
+
+    /// Disarm the fault of [`Device::inject_write_fault_after`]; whether one
+    /// was still armed (had not fired). Always `false` on CUDA.
+    pub fn clear_write_fault(&self) -> bool {
+        match &*self.inner {
+            Backend::Cpu(cpu) => cpu.memory.clear_write_fault(),
+            Backend::Cuda(_) => false,
+        }
+    }
+
+    /// Device writes (as [`Device::inject_write_fault_after`] counts them,
+    /// faulted ones included) issued on this CPU device so far; `None` on
+    /// CUDA, which does not count them.
+    pub fn write_count(&self) -> Option<u64> {
+        match &*self.inner {
+            Backend::Cpu(cpu) => Some(cpu.memory.write_count()),
+            Backend::Cuda(_) => None,
+        }
+    }
+
+    /// Count one device write on the CPU backend and fail it when it is the
+    /// injected fault; nothing on CUDA.
+    pub(crate) fn before_write(&self, op: &'static str) -> Result<(), KernelError> {
+        match &*self.inner {
+            Backend::Cpu(cpu) => cpu.memory.before_write(op),
+            Backend::Cuda(_) => Ok(()),
+        }
+    }
+
     /// Whether two handles are the same device.
     pub fn same_as(&self, other: &Device) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)

@@ -122,6 +122,16 @@ pub enum KernelError {
         /// Its B address.
         b: u64,
     },
+    /// A device write failed on purpose: the fault armed by
+    /// [`crate::Device::inject_write_fault_after`] (CPU backend, tests).
+    /// Nothing of the write reached the device.
+    #[error("injected device fault on {op} (device write #{write})")]
+    InjectedFault {
+        /// The write that failed (`"write"`, `"copy"`, `"zero"`, `"repack"`).
+        op: &'static str,
+        /// The device's write count before it ([`crate::Device::write_count`]).
+        write: u64,
+    },
     /// A kernel found bad data on the device and skipped it (see [`FaultFlags`]).
     #[error("kernels reported faults: {0}")]
     KernelFault(FaultFlags),

@@ -80,3 +80,129 @@ fn table_entries_round_trip() {
     let t = d.upload(&[e, PairEntry::default()]).unwrap();
     assert_eq!(t.download().unwrap(), [e, PairEntry::default()]);
 }
+
+/// The op an injected fault names, or a panic naming what came instead.
+fn injected_op<T: std::fmt::Debug>(r: Result<T, KernelError>) -> &'static str {
+    match r {
+        Err(KernelError::InjectedFault { op, .. }) => op,
+        other => panic!("expected an injected fault, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_injected_fault_fails_one_write_of_each_kind_and_writes_nothing() {
+    use crate::ops::repack::{RepackDtype, RepackRegion, repack};
+    let d = Device::cpu();
+    let src = d.upload(&[half::bf16::ONE; 8]).unwrap();
+    let mut dst = d.upload(&[half::bf16::from_f32(3.0); 8]).unwrap();
+    let before = dst.download().unwrap();
+    let mut pinned = d.alloc_pinned::<half::bf16>(4).unwrap();
+    pinned.as_mut_slice().unwrap().fill(half::bf16::from_f32(2.0));
+    let region = RepackRegion {
+        src_byte: 0,
+        dst_elem: 2,
+        rows: 1,
+        src_cols: 2,
+        dst_rows: 1,
+        dst_cols: 4,
+        dtype: RepackDtype::Bf16 as u32,
+        pad: 0,
+    };
+    type Op<'a> = Box<dyn Fn(&mut DeviceBuffer<half::bf16>) -> Result<(), KernelError> + 'a>;
+    let ops: [(&str, Op<'_>); 5] = [
+        ("write", Box::new(|b| b.write(1, &[half::bf16::ZERO; 3]))),
+        ("write", Box::new(|b| b.upload_pinned(4, &pinned))),
+        ("copy", Box::new(|b| b.copy_from(0, &src, 0, 8))),
+        ("zero", Box::new(|b| b.zero_range(2, 5))),
+        (
+            "repack",
+            Box::new(|b| {
+                let mut scratch = d.alloc_zeros::<RepackRegion>(1)?;
+                repack(&d, &src, 16, &[region], &mut scratch, b)
+            }),
+        ),
+    ];
+    for (name, op) in &ops {
+        d.inject_write_fault_after(0).unwrap();
+        let count = d.write_count().unwrap();
+        assert_eq!(injected_op(op(&mut dst)), *name);
+        assert_eq!(d.write_count(), Some(count + 1), "{name}: the faulted write is counted");
+        assert_eq!(
+            dst.download().unwrap(),
+            before,
+            "{name}: a faulted write writes nothing"
+        );
+        assert!(!d.clear_write_fault(), "{name}: the fault fired and disarmed itself");
+        // One-shot: the same write now goes through.
+        op(&mut dst).unwrap();
+        assert_ne!(dst.download().unwrap(), before, "{name}: the clean write wrote");
+        dst.write(0, &before).unwrap();
+    }
+}
+
+#[test]
+fn an_injected_fault_fires_after_n_writes_and_only_real_writes_count() {
+    let d = Device::cpu();
+    let mut a = d.alloc_zeros::<u32>(4).unwrap();
+    let start = d.write_count().unwrap();
+    d.inject_write_fault_after(2).unwrap();
+    // Refused and empty calls are no writes: they neither count nor fire.
+    assert!(matches!(a.write(3, &[1, 2]), Err(KernelError::OutOfBounds { .. })));
+    a.write(0, &[]).unwrap();
+    a.zero_range(1, 0).unwrap();
+    assert_eq!(d.write_count(), Some(start));
+    a.write(0, &[1]).unwrap();
+    a.write(1, &[2]).unwrap();
+    match a.write(2, &[3]) {
+        Err(KernelError::InjectedFault { op, write }) => {
+            assert_eq!((op, write), ("write", start + 2));
+        }
+        other => panic!("expected the third write to fault, got {other:?}"),
+    }
+    a.write(3, &[4]).unwrap();
+    assert_eq!(a.download().unwrap(), [1, 2, 0, 4]);
+    assert_eq!(d.write_count(), Some(start + 4));
+    a.write(0, &[9]).unwrap(); // one-shot: nothing is armed any more
+}
+
+#[test]
+fn a_write_fault_can_be_cleared_rearmed_and_is_shared_by_clones_only() {
+    let d = Device::cpu();
+    let other = Device::cpu();
+    let mut a = d.alloc_zeros::<u8>(4).unwrap();
+    let mut b = other.alloc_zeros::<u8>(4).unwrap();
+    assert!(!d.clear_write_fault(), "nothing armed yet");
+    d.inject_write_fault_after(0).unwrap();
+    assert!(d.clear_write_fault(), "armed and not fired");
+    a.write(0, &[1]).unwrap();
+    d.inject_write_fault_after(5).unwrap();
+    d.clone().inject_write_fault_after(0).unwrap();
+    b.write(0, &[1]).unwrap();
+    assert_eq!(
+        injected_op(a.write(0, &[2])),
+        "write",
+        "the clone's arming replaced the first"
+    );
+    a.write(0, &[3]).unwrap();
+    assert_eq!(a.download().unwrap(), [3, 0, 0, 0]);
+    assert_eq!(b.download().unwrap(), [1, 0, 0, 0]);
+    d.inject_write_fault_after(0).unwrap();
+    let text = a.zero_range(0, 4).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(text.contains("injected device fault on zero"), "{text}");
+}
+
+#[test]
+fn write_fault_injection_is_refused_on_cuda() {
+    let Some(gpu) = crate::testing::cuda_or_skip("write_fault_injection_is_refused_on_cuda") else {
+        return;
+    };
+    assert!(matches!(
+        gpu.inject_write_fault_after(0),
+        Err(KernelError::Unsupported { .. })
+    ));
+    assert!(!gpu.clear_write_fault());
+    assert_eq!(gpu.write_count(), None);
+    let mut a = gpu.alloc_zeros::<u32>(4).unwrap();
+    a.write(0, &[1, 2, 3, 4]).unwrap();
+    assert_eq!(a.download().unwrap(), [1, 2, 3, 4]);
+}

@@ -155,6 +155,7 @@ pub fn repack(
     match device.backend() {
         Backend::Cpu(_) => {
             let src_alloc = src.cpu_alloc().ok_or_else(|| invalid("src", "not a CPU buffer"))?;
+            device.before_write("repack")?;
             let dst_len = dst.len();
             dst.cpu_modify(0, dst_len, |out| {
                 src_alloc.with_bytes(|bytes| {
