@@ -4,6 +4,7 @@
 use lora_audit::AuditError;
 use lora_kernels::KernelError;
 use lora_layout::{RouteRefused, SeqLensError};
+use lora_pool::PoolError;
 
 /// An MoE LoRA call that could not be done.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +42,9 @@ pub enum MoeError {
         /// The slot it names.
         slot: usize,
     },
+    /// The pool refused the step (stale, another pool's) or its rows.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
     /// A malformed `cu_seqlens`.
     #[error(transparent)]
     SeqLens(#[from] SeqLensError),

@@ -18,7 +18,7 @@ use half::bf16;
 use lora_kernels::{
     DeviceBuffer, LoraTarget, MoeRouting, OutputElem, Rows, RowsMut, bgmv, moe_decode_index, moe_sorted_index,
 };
-use lora_pool::{LoraPool, SlotCompanion};
+use lora_pool::{DecodeStep, LoraPool, PoolError, SlotCompanion, Step};
 
 use crate::error::MoeError;
 use crate::layer::{ExpertRows, MoeLora};
@@ -54,10 +54,22 @@ impl MoeLora {
         }
     }
 
-    fn batch_tokens(&self, call: &'static str) -> Result<usize, MoeError> {
+    /// Tokens of the batch set from `step`, after checking that `step` is
+    /// both the pool's current step and the one this scratch was set from.
+    fn batch_tokens<C: SlotCompanion, S: Step>(
+        &self,
+        pool: &LoraPool<C>,
+        step: &S,
+        call: &'static str,
+    ) -> Result<usize, MoeError> {
+        self.check_pool(pool)?;
+        pool.check_step(step)?;
+        if self.step.is_some() && self.step != Some(step.id()) {
+            return Err(PoolError::StaleStep { kind: step.kind() }.into());
+        }
         self.n_tokens.ok_or_else(|| MoeError::NotRouted {
             call,
-            reason: "no batch is set (set_decode_batch / set_prefill_batch)".into(),
+            reason: "no batch is set (set_decode_step / set_prefill_step)".into(),
         })
     }
 
@@ -68,10 +80,10 @@ impl MoeLora {
     pub fn index_decode_rows<C: SlotCompanion>(
         &mut self,
         pool: &LoraPool<C>,
+        step: &DecodeStep,
         topk_ids: &DeviceBuffer<i32>,
     ) -> Result<(), MoeError> {
-        self.check_pool(pool)?;
-        let n_tokens = self.batch_tokens("index_decode_rows")?;
+        let n_tokens = self.batch_tokens(pool, step, "index_decode_rows")?;
         let routing = self.routing();
         moe_decode_index(
             &self.device,
@@ -89,13 +101,13 @@ impl MoeLora {
     /// `i` gets `expert(i) * max_loras + row_adapter[sorted_token[i] /
     /// top_k]`, with `expert(i)` from `expert_offsets`; -1 for padding rows
     /// and tokens that fold nothing. Graph-capturable.
-    pub fn index_sorted_rows<C: SlotCompanion>(
+    pub fn index_sorted_rows<C: SlotCompanion, S: Step>(
         &mut self,
         pool: &LoraPool<C>,
+        step: &S,
         rows: SortedRows<'_>,
     ) -> Result<(), MoeError> {
-        self.check_pool(pool)?;
-        let n_tokens = self.batch_tokens("index_sorted_rows")?;
+        let n_tokens = self.batch_tokens(pool, step, "index_sorted_rows")?;
         if rows.n_sorted > self.capacity.max_sorted_rows {
             return Err(MoeError::BatchTooLarge {
                 what: "sorted rows",
@@ -122,16 +134,16 @@ impl MoeLora {
     /// (`[n_tokens, hidden]`), before top-k. One launch; the kernel walks the
     /// rows in blocks, grouping each block's rows by adapter so every
     /// adapter's router pair is read once per block. Graph-capturable.
-    pub fn apply_router_lora<C: SlotCompanion, Y: OutputElem>(
+    pub fn apply_router_lora<C: SlotCompanion, S: Step, Y: OutputElem>(
         &self,
         pool: &LoraPool<C>,
+        step: &S,
         layer: usize,
         router_in: Rows<'_, bf16>,
         gate_logits: RowsMut<'_, Y>,
     ) -> Result<(), MoeError> {
-        self.check_pool(pool)?;
+        let n_tokens = self.batch_tokens(pool, step, "apply_router_lora")?;
         self.check_moe_layer(pool, layer)?;
-        let n_tokens = self.batch_tokens("apply_router_lora")?;
         let cfg = pool.config();
         let num_experts = self.geometry.num_experts;
         if router_in.n_rows != n_tokens {
@@ -188,15 +200,16 @@ impl MoeLora {
     /// in]` (row `token * top_k + k` holds the input of the token's `k`-th
     /// expert), `y` the projection's output rows, updated in place.
     /// Graph-capturable.
-    pub fn apply_expert_lora_decode<C: SlotCompanion, Y: OutputElem>(
+    pub fn apply_expert_lora_decode<C: SlotCompanion, S: Step, Y: OutputElem>(
         &self,
         pool: &LoraPool<C>,
+        step: &S,
         layer: usize,
         targets: &[ExpertTarget],
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), MoeError> {
-        self.fold_experts(pool, layer, targets, IndexedRows::Expanded, x, y)
+        self.fold_experts(pool, step, layer, targets, IndexedRows::Expanded, x, y)
     }
 
     /// Fold the expert deltas of `targets` onto the expert-sorted
@@ -204,20 +217,24 @@ impl MoeLora {
     /// the sorted input `[n_sorted, in]`, `y` the sorted output
     /// `[n_sorted, out]`, updated in place; each expert's row block takes its
     /// own delta, each row from its own adapter. Graph-capturable.
-    pub fn apply_expert_lora_sorted<C: SlotCompanion, Y: OutputElem>(
+    pub fn apply_expert_lora_sorted<C: SlotCompanion, S: Step, Y: OutputElem>(
         &self,
         pool: &LoraPool<C>,
+        step: &S,
         layer: usize,
         targets: &[ExpertTarget],
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), MoeError> {
-        self.fold_experts(pool, layer, targets, IndexedRows::Sorted, x, y)
+        self.fold_experts(pool, step, layer, targets, IndexedRows::Sorted, x, y)
     }
 
-    fn fold_experts<C: SlotCompanion, Y: OutputElem>(
+    // The two public folds' arguments plus which index they expect.
+    #[allow(clippy::too_many_arguments)]
+    fn fold_experts<C: SlotCompanion, S: Step, Y: OutputElem>(
         &self,
         pool: &LoraPool<C>,
+        step: &S,
         layer: usize,
         targets: &[ExpertTarget],
         kind: IndexedRows,
@@ -237,7 +254,7 @@ impl MoeLora {
                 });
             }
         };
-        self.check_pool(pool)?;
+        self.batch_tokens(pool, step, "fold_experts")?;
         self.check_moe_layer(pool, layer)?;
         if x.n_rows != rows {
             return Err(MoeError::shape(

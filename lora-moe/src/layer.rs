@@ -2,19 +2,19 @@
 //! per-token adapter map and the per-row expert entry index) and the batch
 //! state that fills it.
 //!
-//! Setting a batch resolves every request's route and refuses the batch
-//! before writing anything when one is `Refuse`; it is the only call that
-//! copies from the host. The index builders and the folds (`fold.rs`) then
+//! A batch is set from a pool step, whose routes the pool resolved when it
+//! built the step (a step with a `Refuse` route is never built); setting it
+//! is the only call that copies from the host, and it records the step,
+//! which every index and fold call must then pass. The index builders and the folds (`fold.rs`) then
 //! only launch kernels on buffers whose addresses never change, so one
 //! layer's `index → gate_up fold → down fold` (and the router fold) can be
 //! captured in a CUDA graph and replayed with new batch contents.
 
 use lora_kernels::{Device, DeviceBuffer};
 use lora_layout::{MoeLoraRoute, build_moe_row_adapter_decode, build_moe_row_adapter_host, ensure_batch_servable};
-use lora_pool::{LoraPool, SlotCompanion};
+use lora_pool::{DecodeStep, LoraPool, PrefillStep, SlotCompanion, Step, StepId};
 
 use crate::error::MoeError;
-use crate::route::{MoeRequest, resolve_routes};
 
 /// The largest batch an [`MoeLora`] serves; its scratch is sized from this
 /// once, up front.
@@ -80,8 +80,9 @@ pub(crate) enum ExpertRows {
 /// The MoE LoRA apply layer: persistent scratch plus the current batch,
 /// over a [`LoraPool`] and its expert pool.
 ///
-/// Per batch: [`set_decode_batch`](MoeLora::set_decode_batch) or
-/// [`set_prefill_batch`](MoeLora::set_prefill_batch). Per MoE layer: the
+/// Per batch: [`set_decode_step`](MoeLora::set_decode_step) or
+/// [`set_prefill_step`](MoeLora::set_prefill_step), from the pool's step.
+/// Per MoE layer: the
 /// router fold before top-k, then, after the engine routes and sorts,
 /// the index of the expert rows and the gate_up and down folds.
 pub struct MoeLora {
@@ -92,6 +93,9 @@ pub struct MoeLora {
     pub(crate) row_adapter: DeviceBuffer<i32>,
     /// Tokens of the current batch; `None` before the first one.
     pub(crate) n_tokens: Option<usize>,
+    /// The step the batch was set from; every index and fold call must
+    /// pass that same step.
+    pub(crate) step: Option<StepId>,
     /// `i32[max(max_tokens * top_k, max_sorted_rows)]`: each expert row's
     /// entry `expert * max_loras + slot`, or -1.
     pub(crate) expert_idx: DeviceBuffer<i32>,
@@ -122,6 +126,7 @@ impl MoeLora {
             geometry,
             capacity,
             n_tokens: None,
+            step: None,
             expert_rows: ExpertRows::Unset,
         })
     }
@@ -169,48 +174,41 @@ impl MoeLora {
         Ok(())
     }
 
-    /// Set a decode batch: one token per request, `padded_tokens` rows in
-    /// all (rows past the requests are padding, -1). Resolves every route
-    /// and refuses the batch, writing nothing, when one is `Refuse`.
-    pub fn set_decode_batch<C: SlotCompanion>(
+    /// Set a decode batch from the pool's current decode `step`: one token
+    /// per request, the step's padded rows in all (padding rows fold
+    /// nothing). The routes are the step's own (a step with a `Refuse`
+    /// route is never built); returns them.
+    pub fn set_decode_step<C: SlotCompanion>(
         &mut self,
         pool: &LoraPool<C>,
-        requests: &[MoeRequest<'_>],
-        padded_tokens: usize,
+        step: &DecodeStep,
     ) -> Result<Vec<MoeLoraRoute>, MoeError> {
         self.check_pool(pool)?;
-        if requests.len() > padded_tokens {
-            return Err(MoeError::shape(
-                "padded_tokens",
-                format!("{padded_tokens} is below the {} requests", requests.len()),
-            ));
-        }
-        self.check_tokens(padded_tokens)?;
-        let routes = resolve_routes(pool, requests)?;
+        pool.check_step(step)?;
+        self.check_tokens(step.padded_rows())?;
+        let routes = step.moe_routes().to_vec();
         ensure_batch_servable(&routes)?;
-        let rows = build_moe_row_adapter_decode(&routes, padded_tokens);
-        self.publish_rows(&rows)?;
+        let rows = build_moe_row_adapter_decode(&routes, step.padded_rows());
+        self.publish_rows(&rows, step.id())?;
         Ok(routes)
     }
 
-    /// Set a packed prefill batch: sequence `b` is rows
-    /// `cu_seqlens[b] .. cu_seqlens[b + 1]` and runs `requests[b]`.
-    /// Resolves every route and refuses the batch, writing nothing, when one
-    /// is `Refuse`.
-    pub fn set_prefill_batch<C: SlotCompanion>(
+    /// Set a packed prefill batch from the pool's current prefill `step`:
+    /// sequence `b` is rows `cu_seqlens[b] .. cu_seqlens[b + 1]` and runs
+    /// the step's route `b`; returns the routes.
+    pub fn set_prefill_step<C: SlotCompanion>(
         &mut self,
         pool: &LoraPool<C>,
-        cu_seqlens: &[usize],
-        requests: &[MoeRequest<'_>],
+        step: &PrefillStep,
     ) -> Result<Vec<MoeLoraRoute>, MoeError> {
         self.check_pool(pool)?;
-        let routes = resolve_routes(pool, requests)?;
+        pool.check_step(step)?;
+        let routes = step.moe_routes().to_vec();
         ensure_batch_servable(&routes)?;
         let slots: Vec<i32> = build_moe_row_adapter_decode(&routes, routes.len());
-        // The prefix sum is checked before its total is trusted.
-        let rows = build_moe_row_adapter_host(cu_seqlens, &slots)?;
+        let rows = build_moe_row_adapter_host(step.cu_seqlens(), &slots)?;
         self.check_tokens(rows.len())?;
-        self.publish_rows(&rows)?;
+        self.publish_rows(&rows, step.id())?;
         Ok(routes)
     }
 
@@ -225,9 +223,12 @@ impl MoeLora {
         Ok(())
     }
 
-    fn publish_rows(&mut self, rows: &[i32]) -> Result<(), MoeError> {
+    fn publish_rows(&mut self, rows: &[i32], step: StepId) -> Result<(), MoeError> {
+        self.n_tokens = None;
+        self.step = None;
         self.row_adapter.write(0, rows)?;
         self.n_tokens = Some(rows.len());
+        self.step = Some(step);
         self.expert_rows = ExpertRows::Unset;
         Ok(())
     }

@@ -10,9 +10,13 @@
 //! - [`resolve_routes`]: each request's [`MoeLoraRoute`] (Fold, Skip,
 //!   Refuse) from the pool's slot state and its `experts` option.
 //! - [`MoeLora`]: persistent, fixed-address scratch sized up front
-//!   ([`MoeCapacity`]) and the current batch. [`MoeLora::set_decode_batch`]
-//!   and [`MoeLora::set_prefill_batch`] write the per-token adapter map and
-//!   refuse a batch with a `Refuse` row before anything is written.
+//!   ([`MoeCapacity`]) and the current batch. [`MoeLora::set_decode_step`]
+//!   and [`MoeLora::set_prefill_step`] write the per-token adapter map from
+//!   the pool's current [`DecodeStep`](lora_pool::DecodeStep) or
+//!   [`PrefillStep`](lora_pool::PrefillStep), whose routes the pool resolved
+//!   when it built the step (a request whose route is `Refuse` never makes
+//!   one). Every index and fold call takes that same step: another one is
+//!   refused before launch with `MoeError::Pool(PoolError::StaleStep)`.
 //! - Per MoE layer: [`MoeLora::apply_router_lora`] (router delta onto the
 //!   gate logits, f32 or bf16, before top-k); [`MoeLora::index_decode_rows`]
 //!   / [`MoeLora::index_sorted_rows`] (each expert row's table entry from
@@ -36,8 +40,8 @@
 //! ```
 //! use lora_kernels::{Device, Rows, RowsMut};
 //! use lora_layout::{ModelConfig, MoeLoraRoute};
-//! use lora_moe::{MoeCapacity, MoeLora, MoeRequest};
-//! use lora_pool::{BatchCapacity, LoraOptions, LoraPool};
+//! use lora_moe::{MoeCapacity, MoeError, MoeLora};
+//! use lora_pool::{BatchCapacity, LoraOptions, LoraPool, PoolError, StepRow};
 //!
 //! let cfg = ModelConfig::from_hf_config(r#"{
 //!     "model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 1,
@@ -47,16 +51,21 @@
 //! let opts = LoraOptions { experts: true, ..LoraOptions::default() };
 //! let device = Device::cpu();
 //! let capacity = BatchCapacity { max_rows: 16, max_segments: 4 };
-//! let pool = LoraPool::new(&device, cfg, opts, capacity)?;
+//! let mut pool = LoraPool::new(&device, cfg, opts, capacity)?;
 //! let mut moe = MoeLora::new(&pool, MoeCapacity::for_tokens(8, 2))?;
 //! // Two base-model requests, padded to four rows: nothing to fold.
-//! let routes = moe.set_decode_batch(&pool, &[MoeRequest::Base, MoeRequest::Base], 4)?;
+//! let step = pool.decode_step(&[StepRow::Base, StepRow::Base], 4)?;
+//! let routes = moe.set_decode_step(&pool, &step)?;
 //! assert_eq!(routes, [MoeLoraRoute::Skip, MoeLoraRoute::Skip]);
-//! // A request naming an adapter that is not resident is refused up front.
-//! assert!(moe.set_decode_batch(&pool, &[MoeRequest::Adapter("absent")], 4).is_err());
+//! // An adapter that is not resident gets no lease, so it never joins a step.
+//! assert!(matches!(pool.acquire("absent"), Err(PoolError::NotResident(_))));
 //! let x = device.alloc_zeros(4 * 32)?;
 //! let mut logits = device.alloc_zeros::<f32>(4 * 4)?;
-//! moe.apply_router_lora(&pool, 0, Rows::dense(&x, 4, 32), RowsMut::dense(&mut logits, 4, 4))?;
+//! moe.apply_router_lora(&pool, &step, 0, Rows::dense(&x, 4, 32), RowsMut::dense(&mut logits, 4, 4))?;
+//! // The folds take the step the batch was set from, and no other.
+//! let next = pool.decode_step(&[StepRow::Base], 4)?;
+//! let err = moe.apply_router_lora(&pool, &next, 0, Rows::dense(&x, 4, 32), RowsMut::dense(&mut logits, 4, 4));
+//! assert!(matches!(err, Err(MoeError::Pool(PoolError::StaleStep { .. }))));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 

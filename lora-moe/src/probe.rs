@@ -24,12 +24,11 @@ use half::bf16;
 use lora_audit::{FusedParam, PROBE_IN, PROBE_OUT, ProbeInputs, ProbeTensor, WeightRef, parse_weight_name};
 use lora_kernels::{Rows, RowsMut};
 use lora_layout::{ExpertProj, ModelConfig};
-use lora_pool::{LoraPool, SlotCompanion};
+use lora_pool::{LoraPool, PrefillSeq, PrefillStep, SlotCompanion, SlotLease, StepRow};
 
 use crate::error::MoeError;
 use crate::fold::SortedRows;
 use crate::layer::{MoeCapacity, MoeLora};
-use crate::route::MoeRequest;
 use crate::target::ExpertTarget;
 
 /// What [`probe_expert_lora`] answered.
@@ -43,22 +42,23 @@ pub struct ExpertProbeOutputs {
 }
 
 /// Answer every routed-expert and router probe of `inputs` for the adapter
-/// in `slot` through the pool's expert tables and the MoE folds. An adapter
+/// `lease` holds, through the pool's expert tables and the MoE folds. An adapter
 /// without expert deltas answers zeros (that is what is served); a slot
 /// whose route is refused is an error.
 pub fn probe_expert_lora<C: SlotCompanion>(
-    pool: &LoraPool<C>,
-    slot: usize,
+    pool: &mut LoraPool<C>,
+    lease: &SlotLease,
     inputs: &ProbeInputs,
 ) -> Result<ExpertProbeOutputs, MoeError> {
-    let cfg = pool.config();
+    let cfg = pool.config().clone();
+    let cfg = &cfg;
     let mut out = ExpertProbeOutputs::default();
     for (weight, x) in &inputs.inputs {
         let probe = Probe::new(weight, x)?;
         let tensor = match parse_weight_name(weight, cfg)? {
-            WeightRef::Router { layer } => probe.router(pool, slot, layer)?,
-            WeightRef::Expert { layer, expert, proj } => probe.expert(pool, slot, layer, expert, proj)?,
-            WeightRef::Fused { layer, param } => probe.fused(pool, slot, layer, param)?,
+            WeightRef::Router { layer } => probe.router(pool, lease, layer)?,
+            WeightRef::Expert { layer, expert, proj } => probe.expert(pool, lease, layer, expert, proj)?,
+            WeightRef::Fused { layer, param } => probe.fused(pool, lease, layer, param)?,
             WeightRef::Dense { .. } | WeightRef::Table(_) | WeightRef::Unserved => {
                 out.not_expert.push(weight.clone());
                 continue;
@@ -140,13 +140,14 @@ impl<'a> Probe<'a> {
         }
     }
 
-    /// A scratch and a one-sequence prefill batch of `slot`.
+    /// A scratch set from a one-sequence prefill step of `lease`'s adapter,
+    /// and the step (held while the probe folds).
     fn batch<C: SlotCompanion>(
         &self,
-        pool: &LoraPool<C>,
-        slot: usize,
+        pool: &mut LoraPool<C>,
+        lease: &SlotLease,
         sorted_rows: usize,
-    ) -> Result<MoeLora, MoeError> {
+    ) -> Result<(MoeLora, PrefillStep), MoeError> {
         let mut moe = MoeLora::new(
             pool,
             MoeCapacity {
@@ -154,21 +155,32 @@ impl<'a> Probe<'a> {
                 max_sorted_rows: sorted_rows,
             },
         )?;
-        moe.set_prefill_batch(pool, &[0, self.tokens()], &[MoeRequest::Slot(slot)])?;
-        Ok(moe)
+        let step = pool.prefill_step(&[PrefillSeq {
+            row: StepRow::Adapter(lease),
+            len: self.tokens(),
+        }])?;
+        moe.set_prefill_step(pool, &step)?;
+        Ok((moe, step))
     }
 
-    fn router<C: SlotCompanion>(&self, pool: &LoraPool<C>, slot: usize, layer: usize) -> Result<ProbeTensor, MoeError> {
+    fn router<C: SlotCompanion>(
+        &self,
+        pool: &mut LoraPool<C>,
+        lease: &SlotLease,
+        layer: usize,
+    ) -> Result<ProbeTensor, MoeError> {
         let cfg = pool.config();
         self.check_width(cfg.hidden_size)?;
         let num_experts = num_experts(cfg)?;
-        let moe = self.batch(pool, slot, 0)?;
+        let (moe, step) = self.batch(pool, lease, 0)?;
+        let pool = &*pool;
         let device = pool.device();
         let tokens = self.tokens();
         let x = device.upload(&self.x_split)?;
         let mut logits = device.alloc_zeros::<f32>(tokens * num_experts)?;
         moe.apply_router_lora(
             pool,
+            &step,
             layer,
             Rows::dense(&x, tokens, self.width),
             RowsMut::dense(&mut logits, tokens, num_experts),
@@ -182,18 +194,19 @@ impl<'a> Probe<'a> {
 
     fn expert<C: SlotCompanion>(
         &self,
-        pool: &LoraPool<C>,
-        slot: usize,
+        pool: &mut LoraPool<C>,
+        lease: &SlotLease,
         layer: usize,
         expert: usize,
         proj: ExpertProj,
     ) -> Result<ProbeTensor, MoeError> {
-        let cfg = pool.config();
+        let cfg = pool.config().clone();
+        let cfg = &cfg;
         if expert >= num_experts(cfg)? {
             return Err(self.error(format!("the model has no expert {expert}")));
         }
         let group = ProjGroup::of(proj);
-        let (y, width) = self.fold_sorted(pool, slot, layer, &[expert], group)?;
+        let (y, width) = self.fold_sorted(pool, lease, layer, &[expert], group)?;
         let (col, out) = group.columns(cfg, proj)?;
         let data = y
             .chunks_exact(width)
@@ -207,8 +220,8 @@ impl<'a> Probe<'a> {
 
     fn fused<C: SlotCompanion>(
         &self,
-        pool: &LoraPool<C>,
-        slot: usize,
+        pool: &mut LoraPool<C>,
+        lease: &SlotLease,
         layer: usize,
         param: FusedParam,
     ) -> Result<ProbeTensor, MoeError> {
@@ -219,7 +232,7 @@ impl<'a> Probe<'a> {
         };
         let all: Vec<usize> = (0..num_experts).collect();
         // Sorted rows are expert major, so the output already is [E, n, out].
-        let (data, width) = self.fold_sorted(pool, slot, layer, &all, group)?;
+        let (data, width) = self.fold_sorted(pool, lease, layer, &all, group)?;
         Ok(ProbeTensor {
             shape: vec![num_experts, self.n, width],
             data,
@@ -231,8 +244,8 @@ impl<'a> Probe<'a> {
     /// `[experts, n, width]` and its width.
     fn fold_sorted<C: SlotCompanion>(
         &self,
-        pool: &LoraPool<C>,
-        slot: usize,
+        pool: &mut LoraPool<C>,
+        lease: &SlotLease,
         layer: usize,
         experts: &[usize],
         group: ProjGroup,
@@ -266,7 +279,8 @@ impl<'a> Probe<'a> {
             offsets.push(i32::try_from(total).map_err(|_| too_big())?);
         }
         let x_sorted: Vec<bf16> = experts.iter().flat_map(|_| self.x_split.iter().copied()).collect();
-        let mut moe = self.batch(pool, slot, n_sorted)?;
+        let (mut moe, step) = self.batch(pool, lease, n_sorted)?;
+        let pool = &*pool;
         let device = pool.device();
         let sorted_token = device.upload(&sorted_token)?;
         let expert_offsets = device.upload(&offsets)?;
@@ -274,6 +288,7 @@ impl<'a> Probe<'a> {
         let mut y = device.alloc_zeros::<f32>(n_sorted.checked_mul(width).ok_or_else(too_big)?)?;
         moe.index_sorted_rows(
             pool,
+            &step,
             SortedRows {
                 sorted_token: &sorted_token,
                 n_sorted,
@@ -282,6 +297,7 @@ impl<'a> Probe<'a> {
         )?;
         moe.apply_expert_lora_sorted(
             pool,
+            &step,
             layer,
             &targets,
             Rows::dense(&x, n_sorted, in_dim),

@@ -8,7 +8,7 @@
 //! into an error before anything is written or launched.
 
 use lora_layout::{MoeAdapterState, MoeLoraRoute, resolve_moe_lora_route};
-use lora_pool::{LoraPool, SlotCompanion};
+use lora_pool::{LoraPool, SlotCompanion, SlotId};
 
 use crate::error::MoeError;
 
@@ -18,7 +18,7 @@ pub enum MoeRequest<'a> {
     /// The base model: nothing to fold.
     Base,
     /// A resident adapter's slot (the request's `SlotLease::slot`).
-    Slot(usize),
+    Slot(SlotId),
     /// An adapter by name. A name no slot holds resolves to
     /// `Refuse(NotResident)`: its expert deltas, if it has any, are not
     /// resident, and the request must not run as the base model.
@@ -56,10 +56,17 @@ pub fn resolve_request_route<C: SlotCompanion>(
         },
     };
     let max_loras = pool.options().max_loras;
-    if slot >= max_loras {
-        return Err(MoeError::NoSuchSlot { row, slot, max_loras });
+    if slot.index() >= max_loras {
+        return Err(MoeError::NoSuchSlot {
+            row,
+            slot: slot.index(),
+            max_loras,
+        });
     }
-    let state = pool.moe_state(slot).ok_or(MoeError::EmptySlot { row, slot })?;
+    let state = pool.moe_state(slot).ok_or(MoeError::EmptySlot {
+        row,
+        slot: slot.index(),
+    })?;
     Ok(resolve_moe_lora_route(Some(state), enabled))
 }
 

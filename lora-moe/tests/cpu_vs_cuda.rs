@@ -16,8 +16,8 @@ use lora_audit::{PreparedAdapter, prepare_adapter};
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, DeviceBuffer, Rows, RowsMut};
 use lora_layout::{ExpertSite, ModelConfig};
-use lora_moe::{ExpertTarget, MoeCapacity, MoeLora, MoeRequest, SortedRouting, SortedRows};
-use lora_pool::LoraPool;
+use lora_moe::{ExpertTarget, MoeCapacity, MoeLora, SortedRouting, SortedRows};
+use lora_pool::{LoraPool, PrefillSeq, SlotLease, StepRow};
 
 /// The f64 reference: `scale · B (A x)` of each adapter's audited pair.
 struct Reference {
@@ -77,14 +77,23 @@ fn distinct(rng: &mut Rng, n: usize, num_experts: usize) -> Vec<usize> {
     out
 }
 
-fn random_request<'a>(rng: &mut Rng, names: &[&'a str]) -> (MoeRequest<'a>, Option<usize>) {
-    match rng.below(2 * names.len() + 1) {
-        0 => (MoeRequest::Base, None),
-        i if i <= names.len() => (MoeRequest::Slot(i - 1), Some(i - 1)),
-        i => (
-            MoeRequest::Adapter(names[i - names.len() - 1]),
-            Some(i - names.len() - 1),
-        ),
+/// Two leases per adapter, each taken by name: `k` and `n + k` hold
+/// adapter `k` (in slot `k`), so a step often holds several leases of one
+/// slot.
+fn leases(pool: &LoraPool, names: &[&str]) -> Vec<SlotLease> {
+    let leases: Vec<SlotLease> = names.iter().chain(names).map(|n| pool.acquire(n).unwrap()).collect();
+    for (i, lease) in leases.iter().enumerate() {
+        assert_eq!(lease.slot().index(), i % names.len(), "{}", names[i % names.len()]);
+    }
+    leases
+}
+
+/// A random request: the base model, or one of `leases` (of adapter
+/// `i % (leases.len() / 2)`).
+fn random_request<'l>(rng: &mut Rng, leases: &'l [SlotLease]) -> (StepRow<'l>, Option<usize>) {
+    match rng.below(leases.len() + 1) {
+        0 => (StepRow::Base, None),
+        i => (StepRow::Adapter(&leases[i - 1]), Some((i - 1) % (leases.len() / 2))),
     }
 }
 
@@ -160,8 +169,9 @@ fn gate_up(cfg: &ModelConfig) -> Vec<ExpertTarget> {
 }
 
 fn body(device: &Device, seed: u64) -> Outputs {
-    let (pool, names, dirs, _tmp) = synthetic::load(device, "random");
+    let (mut pool, names, dirs, _tmp) = synthetic::load(device, "random");
     let reference = Reference::new(&pool, &dirs);
+    let leases = leases(&pool, &names);
     let cfg = pool.config().clone();
     let moe_dims = cfg.moe.clone().unwrap();
     let (top_k, num_experts, hidden) = (moe_dims.top_k, moe_dims.num_experts, cfg.hidden_size);
@@ -175,14 +185,15 @@ fn body(device: &Device, seed: u64) -> Outputs {
 
     // Decode: 37 requests padded to 40.
     let (n, padded) = (37, 40);
-    let (requests, slots): (Vec<MoeRequest<'_>>, Vec<Option<usize>>) =
-        (0..n).map(|_| random_request(&mut rng, &names)).unzip();
+    let (requests, slots): (Vec<StepRow<'_>>, Vec<Option<usize>>) =
+        (0..n).map(|_| random_request(&mut rng, &leases)).unzip();
     let experts: Vec<Vec<usize>> = (0..padded).map(|_| distinct(&mut rng, top_k, num_experts)).collect();
     let topk: Vec<i32> = experts.iter().flatten().map(|&e| e as i32).collect();
     let topk_ids = device.upload(&topk).unwrap();
     let token_of = |t: usize| slots.get(t).copied().flatten();
     for layer in 0..cfg.num_hidden_layers {
-        moe.set_decode_batch(&pool, &requests, padded).unwrap();
+        let step = pool.decode_step(&requests, padded).unwrap();
+        moe.set_decode_step(&pool, &step).unwrap();
         // Router on f32 logits.
         let (xb, xf) = random_rows(&mut rng, padded, hidden);
         let y0: Vec<f32> = (0..padded * num_experts).map(|_| rng.uniform()).collect();
@@ -204,6 +215,7 @@ fn body(device: &Device, seed: u64) -> Outputs {
         let mut y = device.upload(&y0).unwrap();
         moe.apply_router_lora(
             &pool,
+            &step,
             layer,
             Rows::dense(&x, padded, hidden),
             RowsMut::dense(&mut y, padded, num_experts),
@@ -220,12 +232,13 @@ fn body(device: &Device, seed: u64) -> Outputs {
             &mut out,
         );
 
-        moe.index_decode_rows(&pool, &topk_ids).unwrap();
+        moe.index_decode_rows(&pool, &step, &topk_ids).unwrap();
         let row_of = |r: usize| Some((token_of(r / top_k), experts[r / top_k][r % top_k]));
         for (name, targets) in [("gate_up", gate_up(&cfg)), ("down", ExpertTarget::down().to_vec())] {
             let what = format!("decode layer {layer} {name}");
             let apply = |x: Rows<'_, bf16>, y: RowsMut<'_, f32>| {
-                moe.apply_expert_lora_decode(&pool, layer, &targets, x, y).unwrap()
+                moe.apply_expert_lora_decode(&pool, &step, layer, &targets, x, y)
+                    .unwrap()
             };
             let rows = padded * top_k;
             fold_and_check(
@@ -241,8 +254,13 @@ fn body(device: &Device, seed: u64) -> Outputs {
         cu.push(cu.last().unwrap() + l);
     }
     let n_tokens = *cu.last().unwrap();
-    let (seq_requests, seq_slots): (Vec<MoeRequest<'_>>, Vec<Option<usize>>) =
-        lens.iter().map(|_| random_request(&mut rng, &names)).unzip();
+    let (seq_requests, seq_slots): (Vec<StepRow<'_>>, Vec<Option<usize>>) =
+        lens.iter().map(|_| random_request(&mut rng, &leases)).unzip();
+    let seqs: Vec<PrefillSeq<'_>> = seq_requests
+        .iter()
+        .zip(lens)
+        .map(|(&row, len)| PrefillSeq { row, len })
+        .collect();
     let slot_of_token = |t: usize| seq_slots[cu.iter().rposition(|&c| c <= t).unwrap().min(lens.len() - 1)];
     let experts: Vec<Vec<usize>> = (0..n_tokens).map(|_| distinct(&mut rng, top_k, num_experts)).collect();
     let topk: Vec<i32> = experts.iter().flatten().map(|&e| e as i32).collect();
@@ -266,17 +284,20 @@ fn body(device: &Device, seed: u64) -> Outputs {
         Some((slot_of_token(src / top_k), expert_of_row(i)))
     };
     for layer in 0..cfg.num_hidden_layers {
-        moe.set_prefill_batch(&pool, &cu, &seq_requests).unwrap();
+        let step = pool.prefill_step(&seqs).unwrap();
+        assert_eq!(step.cu_seqlens(), cu);
+        moe.set_prefill_step(&pool, &step).unwrap();
         let rows = SortedRows {
             sorted_token: &st,
             n_sorted,
             expert_offsets: &off,
         };
-        moe.index_sorted_rows(&pool, rows).unwrap();
+        moe.index_sorted_rows(&pool, &step, rows).unwrap();
         for (name, targets) in [("gate_up", gate_up(&cfg)), ("down", ExpertTarget::down().to_vec())] {
             let what = format!("sorted layer {layer} {name}");
             let apply = |x: Rows<'_, bf16>, y: RowsMut<'_, f32>| {
-                moe.apply_expert_lora_sorted(&pool, layer, &targets, x, y).unwrap()
+                moe.apply_expert_lora_sorted(&pool, &step, layer, &targets, x, y)
+                    .unwrap()
             };
             fold_and_check(
                 &what, &mut rng, &pool, &reference, layer, &targets, n_sorted, &row_of, &apply, &mut out,
@@ -315,7 +336,8 @@ fn a_captured_decode_layer_replays_new_batches_on_cuda() {
     let Some(device) = cuda_or_skip("a_captured_decode_layer_replays_new_batches_on_cuda") else {
         return;
     };
-    let (pool, names, _, _tmp) = synthetic::load(&device, "graph");
+    let (mut pool, names, _, _tmp) = synthetic::load(&device, "graph");
+    let leases = leases(&pool, &names);
     let cfg = pool.config().clone();
     let moe_dims = cfg.moe.clone().unwrap();
     let (top_k, num_experts, hidden, inter) = (
@@ -346,7 +368,7 @@ fn a_captured_decode_layer_replays_new_batches_on_cuda() {
             device.upload(&rng.bf16_vec(rows * inter, 1.0)).unwrap(),
         )
     };
-    let batch = |rng: &mut Rng| -> Vec<MoeRequest<'_>> { (0..padded).map(|_| random_request(rng, &names).0).collect() };
+    let batch = |rng: &mut Rng| -> Vec<StepRow<'_>> { (0..padded).map(|_| random_request(rng, &leases).0).collect() };
     let (topk_ids, router_in, x_gu, x_dn) = bufs(&mut rng);
     let (mut logits, mut y_gu, mut y_dn) = (
         zeros(padded * num_experts),
@@ -356,21 +378,23 @@ fn a_captured_decode_layer_replays_new_batches_on_cuda() {
     let layer = 1;
     let (gu, dn) = (gate_up(&cfg), ExpertTarget::down());
     device.preload_kernels().unwrap();
-    let first = batch(&mut rng);
-    moe.set_decode_batch(&pool, &first, padded).unwrap();
+    let first = pool.decode_step(&batch(&mut rng), padded).unwrap();
+    moe.set_decode_step(&pool, &first).unwrap();
     let mut failure = None;
     let graph = device
         .capture_graph(|| {
             let mut step = || -> Result<(), lora_moe::MoeError> {
                 moe.apply_router_lora(
                     &pool,
+                    &first,
                     layer,
                     Rows::dense(&router_in, padded, hidden),
                     RowsMut::dense(&mut logits, padded, num_experts),
                 )?;
-                moe.index_decode_rows(&pool, &topk_ids)?;
+                moe.index_decode_rows(&pool, &first, &topk_ids)?;
                 moe.apply_expert_lora_decode(
                     &pool,
+                    &first,
                     layer,
                     &gu,
                     Rows::dense(&x_gu, rows, hidden),
@@ -378,6 +402,7 @@ fn a_captured_decode_layer_replays_new_batches_on_cuda() {
                 )?;
                 moe.apply_expert_lora_decode(
                     &pool,
+                    &first,
                     layer,
                     &dn,
                     Rows::dense(&x_dn, rows, inter),
@@ -389,9 +414,9 @@ fn a_captured_decode_layer_replays_new_batches_on_cuda() {
         })
         .unwrap();
     assert!(failure.is_none(), "capture: {failure:?}");
-    // A new batch in the same buffers.
-    let second = batch(&mut rng);
-    moe.set_decode_batch(&pool, &second, padded).unwrap();
+    // A new batch in the same buffers, from the pool's next step.
+    let second = pool.decode_step(&batch(&mut rng), padded).unwrap();
+    moe.set_decode_step(&pool, &second).unwrap();
     let (t2, r2, g2, d2) = bufs(&mut rng);
     let (mut topk_ids, mut router_in, mut x_gu, mut x_dn) = (topk_ids, router_in, x_gu, x_dn);
     for (dst, src) in [(&mut router_in, &r2), (&mut x_gu, &g2), (&mut x_dn, &d2)] {
@@ -417,14 +442,16 @@ fn a_captured_decode_layer_replays_new_batches_on_cuda() {
     );
     moe.apply_router_lora(
         &pool,
+        &second,
         layer,
         Rows::dense(&r2, padded, hidden),
         RowsMut::dense(&mut l2, padded, num_experts),
     )
     .unwrap();
-    moe.index_decode_rows(&pool, &t2).unwrap();
+    moe.index_decode_rows(&pool, &second, &t2).unwrap();
     moe.apply_expert_lora_decode(
         &pool,
+        &second,
         layer,
         &gu,
         Rows::dense(&g2, rows, hidden),
@@ -433,6 +460,7 @@ fn a_captured_decode_layer_replays_new_batches_on_cuda() {
     .unwrap();
     moe.apply_expert_lora_decode(
         &pool,
+        &second,
         layer,
         &dn,
         Rows::dense(&d2, rows, inter),

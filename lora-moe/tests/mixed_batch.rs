@@ -6,12 +6,16 @@
 //! The batch runs the decode path (expanded rows, padding rows with expert
 //! ids no layer has) and the sorted prefill path (expert blocks with
 //! padding rows) for every MoE layer and projection, and the router fold on
-//! f32 and bf16 logits. For each adapter and oracle tensor,
+//! f32 and bf16 logits. Every token's adapter reaches the folds only
+//! through the pool's step: each adapter is leased by name, and every batch
+//! is set from the step its rows were built into. For each adapter and
+//! oracle tensor,
 //! ‖out − ref‖/‖ref‖ over all its elements must be below 1e-2 (the oracle's
 //! own measure: single rows of a BF16 adapter stray further, even on the
-//! pure host path); every other row must be left exactly as it was. A batch
-//! with a refused request is an error before anything is written or
-//! launched.
+//! pure host path); every other row must be left exactly as it was. A
+//! request for an adapter that is not resident never gets a lease, and a
+//! batch set from a step the pool has moved past is an error before
+//! anything is written or launched.
 //!
 //! Each probe row is served as two tokens of the same adapter and experts,
 //! `hi = bf16(x)` and `lo = bf16(x - hi)`, whose deltas are summed: the
@@ -29,9 +33,9 @@ use common::{MOE_MODELS, Oracle, ProbeRows, load_model, moe_layers, rel_error, t
 use half::bf16;
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, Rows, RowsMut};
-use lora_layout::{ExpertProj, ModelConfig, MoeLoraRoute, RefuseReason};
-use lora_moe::{ExpertTarget, MoeCapacity, MoeError, MoeLora, MoeRequest, RouteRefused, SortedRouting, SortedRows};
-use lora_pool::LoraPool;
+use lora_layout::{ExpertProj, ModelConfig, MoeLoraRoute};
+use lora_moe::{ExpertTarget, MoeCapacity, MoeError, MoeLora, SortedRouting, SortedRows};
+use lora_pool::{LoraPool, PoolError, PrefillSeq, SlotId, SlotLease, StepKind, StepRow};
 
 /// Base-model tokens in each batch.
 const BASE_TOKENS: usize = 3;
@@ -92,14 +96,13 @@ fn tokens(rng: &mut Rng, adapters: usize, probe_rows: usize, num_experts: usize,
     out
 }
 
-fn requests<'a>(tokens: &[Token], names: &'a [String]) -> Vec<MoeRequest<'a>> {
+/// Each token's step row: the lease of its adapter, or the base model.
+fn rows<'l>(tokens: &[Token], leases: &'l [SlotLease]) -> Vec<StepRow<'l>> {
     tokens
         .iter()
         .map(|t| match t.slot {
-            // Name half the adapters, give the others by slot.
-            Some(s) if s % 2 == 0 => MoeRequest::Adapter(&names[s]),
-            Some(s) => MoeRequest::Slot(s),
-            None => MoeRequest::Base,
+            Some(s) => StepRow::Adapter(&leases[s]),
+            None => StepRow::Base,
         })
         .collect()
 }
@@ -298,17 +301,21 @@ fn tally_pairs(
 
 struct Model<'a> {
     name: &'a str,
-    pool: &'a LoraPool,
-    names: &'a [String],
     oracles: &'a [Oracle],
     tokens: &'a [Token],
+    /// Adapter `k`'s lease, taken by name (it is in slot `k`).
+    leases: &'a [SlotLease],
 }
 
 fn run(device: &Device) {
     let mut rng = Rng::fresh("mixed_batch");
     for model in MOE_MODELS {
-        let (pool, names, oracles) = load_model(device, model);
+        let (mut pool, names, oracles) = load_model(device, model);
         let cfg = pool.config().clone();
+        let leases: Vec<SlotLease> = names.iter().map(|n| pool.acquire(n).unwrap()).collect();
+        for (k, lease) in leases.iter().enumerate() {
+            assert_eq!(lease.slot(), SlotId::new(k), "{model}: {}", names[k]);
+        }
         let moe_dims = cfg.moe.clone().unwrap();
         let toks = tokens(&mut rng, names.len(), 4, moe_dims.num_experts, moe_dims.top_k);
         let padded = toks.len() + PADDING;
@@ -320,32 +327,38 @@ fn run(device: &Device) {
         let mut moe = MoeLora::new(&pool, capacity).unwrap();
         let m = Model {
             name: model,
-            pool: &pool,
-            names: &names,
             oracles: &oracles,
             tokens: &toks,
+            leases: &leases,
         };
         let mut tally = Tally::default();
         for layer in moe_layers(&cfg) {
-            router(&mut rng, &m, &mut moe, layer, &mut tally);
+            router(&mut rng, &mut pool, &m, &mut moe, layer, &mut tally);
             for proj in ExpertProj::ALL {
-                decode(&mut rng, &m, &mut moe, layer, proj, &mut tally);
-                sorted(&mut rng, &m, &mut moe, layer, proj, &mut tally);
+                decode(&mut rng, &mut pool, &m, &mut moe, layer, proj, &mut tally);
+                sorted(&mut rng, &mut pool, &m, &mut moe, layer, proj, &mut tally);
             }
         }
         tally.check(model, &names);
-        refused_batch_is_an_error_before_launch(&m, &mut moe);
+        refused_batch_is_an_error_before_launch(&mut pool, &m, &mut moe);
     }
 }
 
-fn decode(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, proj: ExpertProj, tally: &mut Tally) {
-    let (pool, cfg) = (m.pool, m.pool.config());
-    let device = pool.device();
+fn decode(
+    rng: &mut Rng,
+    pool: &mut LoraPool,
+    m: &Model<'_>,
+    moe: &mut MoeLora,
+    layer: usize,
+    proj: ExpertProj,
+    tally: &mut Tally,
+) {
     let top_k = moe.top_k();
     let padded = m.tokens.len() + PADDING;
-    let routes = moe
-        .set_decode_batch(pool, &requests(m.tokens, m.names), padded)
-        .unwrap();
+    let step = pool.decode_step(&rows(m.tokens, m.leases), padded).unwrap();
+    let (pool, cfg) = (&*pool, pool.config());
+    let device = pool.device();
+    let routes = moe.set_decode_step(pool, &step).unwrap();
     for (t, route) in m.tokens.iter().zip(&routes) {
         match t.slot {
             Some(s) => assert_eq!(*route, MoeLoraRoute::Fold { slot: s }),
@@ -366,9 +379,10 @@ fn decode(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, proj: E
     let topk_ids = device.upload(&topk).unwrap();
     let x = device.upload(&to_bf16(&case.x)).unwrap();
     let mut y = device.upload(&y0).unwrap();
-    moe.index_decode_rows(pool, &topk_ids).unwrap();
+    moe.index_decode_rows(pool, &step, &topk_ids).unwrap();
     moe.apply_expert_lora_decode(
         pool,
+        &step,
         layer,
         &targets,
         Rows::dense(&x, rows, case.in_dim),
@@ -383,25 +397,40 @@ fn decode(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, proj: E
     });
 }
 
-fn sorted(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, proj: ExpertProj, tally: &mut Tally) {
-    let (pool, cfg) = (m.pool, m.pool.config());
-    let device = pool.device();
+fn sorted(
+    rng: &mut Rng,
+    pool: &mut LoraPool,
+    m: &Model<'_>,
+    moe: &mut MoeLora,
+    layer: usize,
+    proj: ExpertProj,
+    tally: &mut Tally,
+) {
     let top_k = moe.top_k();
-    let num_experts = cfg.moe.as_ref().unwrap().num_experts;
     // One sequence per run of tokens of one adapter (and of the base model).
-    let all = requests(m.tokens, m.names);
+    let all = rows(m.tokens, m.leases);
     let mut cu = vec![0usize];
-    let mut seq_requests = Vec::new();
+    let mut seq_rows = Vec::new();
     for (i, t) in m.tokens.iter().enumerate() {
         if i > 0 && m.tokens[i - 1].slot != t.slot {
             cu.push(i);
         }
         if i == 0 || m.tokens[i - 1].slot != t.slot {
-            seq_requests.push(all[i]);
+            seq_rows.push(all[i]);
         }
     }
     cu.push(m.tokens.len());
-    moe.set_prefill_batch(pool, &cu, &seq_requests).unwrap();
+    let seqs: Vec<PrefillSeq<'_>> = seq_rows
+        .iter()
+        .zip(cu.windows(2))
+        .map(|(&row, w)| PrefillSeq { row, len: w[1] - w[0] })
+        .collect();
+    let step = pool.prefill_step(&seqs).unwrap();
+    assert_eq!(step.cu_seqlens(), cu, "{}", m.name);
+    let (pool, cfg) = (&*pool, pool.config());
+    let device = pool.device();
+    let num_experts = cfg.moe.as_ref().unwrap().num_experts;
+    moe.set_prefill_step(pool, &step).unwrap();
     let topk: Vec<i32> = m
         .tokens
         .iter()
@@ -440,6 +469,7 @@ fn sorted(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, proj: E
     let mut y = device.upload(&y0).unwrap();
     moe.index_sorted_rows(
         pool,
+        &step,
         SortedRows {
             sorted_token: &st,
             n_sorted,
@@ -449,6 +479,7 @@ fn sorted(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, proj: E
     .unwrap();
     moe.apply_expert_lora_sorted(
         pool,
+        &step,
         layer,
         &targets,
         Rows::dense(&xb, n_sorted, case.in_dim),
@@ -472,20 +503,21 @@ fn sorted(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, proj: E
     });
 }
 
-fn router(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, tally: &mut Tally) {
-    let (pool, cfg) = (m.pool, m.pool.config());
-    let device = pool.device();
+fn router(rng: &mut Rng, pool: &mut LoraPool, m: &Model<'_>, moe: &mut MoeLora, layer: usize, tally: &mut Tally) {
     let padded = m.tokens.len() + PADDING;
+    let step = pool.decode_step(&rows(m.tokens, m.leases), padded).unwrap();
+    let (pool, cfg) = (&*pool, pool.config());
+    let device = pool.device();
     let case = router_case(rng, cfg, m.oracles, m.tokens, padded, layer);
     let (hidden, num_experts) = (case.in_dim, case.out_dim);
-    moe.set_decode_batch(pool, &requests(m.tokens, m.names), padded)
-        .unwrap();
+    moe.set_decode_step(pool, &step).unwrap();
     let xb = device.upload(&to_bf16(&case.x)).unwrap();
     // f32 logits over random values, then bf16 logits from zero.
     let y0: Vec<f32> = (0..padded * num_experts).map(|_| rng.uniform()).collect();
     let mut y = device.upload(&y0).unwrap();
     moe.apply_router_lora(
         pool,
+        &step,
         layer,
         Rows::dense(&xb, padded, hidden),
         RowsMut::dense(&mut y, padded, num_experts),
@@ -494,6 +526,7 @@ fn router(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, tally: 
     let mut y16 = device.alloc_zeros::<bf16>(padded * num_experts).unwrap();
     moe.apply_router_lora(
         pool,
+        &step,
         layer,
         Rows::dense(&xb, padded, hidden),
         RowsMut::dense(&mut y16, padded, num_experts),
@@ -512,33 +545,46 @@ fn router(rng: &mut Rng, m: &Model<'_>, moe: &mut MoeLora, layer: usize, tally: 
     });
 }
 
-fn refused_batch_is_an_error_before_launch(m: &Model<'_>, moe: &mut MoeLora) {
-    let (pool, model) = (m.pool, m.name);
-    let mut reqs = requests(m.tokens, m.names);
-    let good = reqs.len();
-    moe.set_decode_batch(pool, &reqs, good).unwrap();
+fn refused_batch_is_an_error_before_launch(pool: &mut LoraPool, m: &Model<'_>, moe: &mut MoeLora) {
+    let model = m.name;
+    let mut rows = rows(m.tokens, m.leases);
+    let good = rows.len();
+    let step = pool.decode_step(&rows, good).unwrap();
+    moe.set_decode_step(pool, &step).unwrap();
     let map_before = moe.row_adapter().download().unwrap();
-    reqs.insert(1, MoeRequest::Adapter("never-loaded"));
-    let err = moe.set_decode_batch(pool, &reqs, reqs.len()).unwrap_err();
+    // An adapter that was never loaded gets no lease: it cannot join a step.
+    let err = pool.acquire("never-loaded").unwrap_err();
+    assert!(
+        matches!(&err, PoolError::NotResident(name) if name == "never-loaded"),
+        "{model}: {err}"
+    );
+    // A batch set from a step the pool has moved past is refused, of
+    // either kind, however its rows look.
+    rows.insert(1, StepRow::Base);
+    let stale = pool.decode_step(&rows, rows.len()).unwrap();
+    let _current = pool.decode_step(&rows[..1], 1).unwrap();
+    let err = moe.set_decode_step(pool, &stale).unwrap_err();
+    assert!(
+        matches!(err, MoeError::Pool(PoolError::StaleStep { kind: StepKind::Decode })),
+        "{model}: {err}"
+    );
+    let seqs = [
+        PrefillSeq {
+            row: StepRow::Base,
+            len: 2,
+        },
+        PrefillSeq { row: rows[0], len: 3 },
+    ];
+    let stale = pool.prefill_step(&seqs).unwrap();
+    let _current = pool.prefill_step(&seqs[..1]).unwrap();
+    let err = moe.set_prefill_step(pool, &stale).unwrap_err();
     assert!(
         matches!(
             err,
-            MoeError::Refused(RouteRefused {
-                row: 1,
-                reason: RefuseReason::NotResident
+            MoeError::Pool(PoolError::StaleStep {
+                kind: StepKind::Prefill
             })
         ),
-        "{model}: {err}"
-    );
-    let err = moe
-        .set_prefill_batch(
-            pool,
-            &[0, 2, 5],
-            &[MoeRequest::Base, MoeRequest::Adapter("never-loaded")],
-        )
-        .unwrap_err();
-    assert!(
-        matches!(err, MoeError::Refused(RouteRefused { row: 1, .. })),
         "{model}: {err}"
     );
     // Nothing was written: the batch in force is the last good one.

@@ -16,7 +16,7 @@ use lora_audit::{ProbeInputs, ProbeTensor, WeightRef, parse_weight_name};
 use lora_kernels::testing::cuda_or_skip;
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_moe::probe_expert_lora;
-use lora_pool::{LoraPool, ModuleTarget};
+use lora_pool::{FusedTargets, LoraPool, SlotLease, StepRow};
 
 /// The probe inputs of adapter `own`'s oracle, and those of every other
 /// weight any other adapter of the model changes, by weight name.
@@ -36,11 +36,11 @@ fn probe_inputs(own: &Oracle, oracles: &[Oracle]) -> ProbeInputs {
     }
 }
 
-/// The dense delta of `slot` on `x` through the pool's decode apply, each
+/// The dense delta of `lease`'s adapter on `x` through the pool's decode apply, each
 /// f32 probe row served as two BF16 rows `hi` and `lo` whose deltas are
 /// summed, as `probe_expert_lora` does (see its module docs): BF16 probe
 /// rows alone would measure the input format, not the pairs.
-fn dense_delta(pool: &mut LoraPool, slot: usize, weight: &str, x: &ProbeTensor) -> Vec<f32> {
+fn dense_delta(pool: &mut LoraPool, lease: &SlotLease, weight: &str, x: &ProbeTensor) -> Vec<f32> {
     let cfg = pool.config().clone();
     let WeightRef::Dense { layer, module } = parse_weight_name(weight, &cfg).unwrap() else {
         panic!("{weight}: not a dense weight");
@@ -54,13 +54,11 @@ fn dense_delta(pool: &mut LoraPool, slot: usize, weight: &str, x: &ProbeTensor) 
     let device = pool.device().clone();
     let xb = device.upload(&split).unwrap();
     let mut y = device.alloc_zeros::<f32>(2 * n * out_dim).unwrap();
-    pool.set_decode_rows(&vec![slot as i32; 2 * n], 2 * n).unwrap();
+    let step = pool.decode_step(&vec![StepRow::Adapter(lease); 2 * n], 2 * n).unwrap();
     pool.apply_decode(
+        &step,
         layer,
-        &[ModuleTarget {
-            module,
-            y_col_offset: 0,
-        }],
+        &FusedTargets::single(&cfg, module),
         Rows::dense(&xb, 2 * n, in_dim),
         RowsMut::dense(&mut y, 2 * n, out_dim),
     )
@@ -78,7 +76,9 @@ fn run(device: &Device) {
         let mut model_expert_probes = 0;
         for (slot, (name, oracle)) in names.iter().zip(&oracles).enumerate() {
             let inputs = probe_inputs(oracle, &oracles);
-            let answered = probe_expert_lora(&pool, slot, &inputs).unwrap();
+            let lease = pool.acquire(name).unwrap();
+            assert_eq!(lease.slot().index(), slot, "{model}/{name}");
+            let answered = probe_expert_lora(&mut pool, &lease, &inputs).unwrap();
             let not_expert: BTreeSet<&String> = answered.not_expert.iter().collect();
             let mut expert_probes = 0;
             for (weight, x) in &inputs.inputs {
@@ -87,7 +87,7 @@ fn run(device: &Device) {
                     Some(t) => (t.clone(), true),
                     None => {
                         assert!(not_expert.contains(weight), "{model}/{name}: {weight} was not answered");
-                        let data = dense_delta(&mut pool, slot, weight, x);
+                        let data = dense_delta(&mut pool, &lease, weight, x);
                         let out_dim = data.len() / x.shape[0];
                         (
                             ProbeTensor {

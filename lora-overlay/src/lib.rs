@@ -18,8 +18,11 @@
 //!   is the embedding's (a tied head with trainable tokens) points at the
 //!   embedding rows.
 //! - Apply calls, graph-capturable: [`TokenOverlays::embed`] (embedding
-//!   lookup of a batch with per-row slots) and [`TokenOverlays::lm_head`]
-//!   (the overridden ids' logits). Two fixed-address `[max_loras]` entry
+//!   lookup of a step's rows, each with its slot) and
+//!   [`TokenOverlays::lm_head`] (the overridden ids' logits), both over the
+//!   row map of the pool's current step
+//!   ([`LoraPool::step_slots`](lora_pool::LoraPool::step_slots)), one row
+//!   per kernel row of the step. Two fixed-address `[max_loras]` entry
 //!   tables feed the kernels; swaps change their contents, never their
 //!   addresses.
 //! - [`probe_token_rows`]: `rows_idx::<table>` probes answered through the

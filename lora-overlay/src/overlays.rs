@@ -8,7 +8,7 @@ use lora_kernels::{
     Device, DeviceBuffer, EmbedOverlayEntry, LmHeadOverlayEntry, OutputElem, Rows, RowsMut, embed_overlay,
     lm_head_overlay,
 };
-use lora_pool::{PoolError, SlotCompanion};
+use lora_pool::{PoolError, SlotCompanion, StepSlots};
 
 use crate::compile::{SlotOverlay, build_overlay};
 use crate::error::{COMPANION_NAME, OverlayError};
@@ -125,12 +125,27 @@ impl TokenOverlays {
         Ok(())
     }
 
-    /// Embedding lookup for a batch: `out[i] = ` the overlay row of
-    /// `ids[i]` in slot `row_slot[i]` when that slot overrides it, else the
-    /// base row (`row_slot` `None` or -1: base). `row_slot` is typically the
-    /// pool's [`seq_slot`](lora_pool::LoraPool::seq_slot). Allocates
-    /// nothing and does not synchronise: graph-capturable.
+    /// Embedding lookup for the pool's current step: `out[i] = ` the overlay
+    /// row of `ids[i]` in row `i`'s slot when that slot overrides it, else
+    /// the base row (`rows` `None`, or a base row: base). `rows` comes from
+    /// [`LoraPool::step_slots`](lora_pool::LoraPool::step_slots), so it is
+    /// the step's own row map, held by the step; `ids` has one id per kernel
+    /// row of the step. Allocates nothing and does not synchronise:
+    /// graph-capturable.
     pub fn embed(
+        &self,
+        ids: &DeviceBuffer<u32>,
+        rows: Option<StepSlots<'_>>,
+        out: RowsMut<'_, bf16>,
+    ) -> Result<(), OverlayError> {
+        if let Some(rows) = rows {
+            check_rows("ids", out.n_rows, rows)?;
+        }
+        self.embed_rows(ids, rows.map(|r| r.buffer()), out)
+    }
+
+    /// [`TokenOverlays::embed`] over a raw per-row slot map (the probes).
+    pub(crate) fn embed_rows(
         &self,
         ids: &DeviceBuffer<u32>,
         row_slot: Option<&DeviceBuffer<i32>>,
@@ -144,9 +159,22 @@ impl TokenOverlays {
     /// lm_head overlay on the base logits `[n, >= vocab]` (bf16 or f32): for
     /// each row whose slot overlays the head, the logits of the overridden
     /// ids become `dot(hidden[row], overlay row)`; other logits are
-    /// untouched. Allocates nothing and does not synchronise:
-    /// graph-capturable.
+    /// untouched. `rows` is the current step's row map from
+    /// [`LoraPool::step_slots`](lora_pool::LoraPool::step_slots): one hidden
+    /// row per kernel row of the step. Allocates nothing and does not
+    /// synchronise: graph-capturable.
     pub fn lm_head<Y: OutputElem>(
+        &self,
+        hidden: Rows<'_, bf16>,
+        rows: StepSlots<'_>,
+        logits: RowsMut<'_, Y>,
+    ) -> Result<(), OverlayError> {
+        check_rows("hidden", hidden.n_rows, rows)?;
+        self.lm_head_rows(hidden, rows.buffer(), logits)
+    }
+
+    /// [`TokenOverlays::lm_head`] over a raw per-row slot map (the probes).
+    pub(crate) fn lm_head_rows<Y: OutputElem>(
         &self,
         hidden: Rows<'_, bf16>,
         row_slot: &DeviceBuffer<i32>,
@@ -174,6 +202,18 @@ impl TokenOverlays {
         }
         lm_head_overlay(&self.device, hidden, row_slot, &self.head_entries, logits)?;
         Ok(())
+    }
+}
+
+/// Refuse an overlay call whose rows are not the step's kernel rows.
+fn check_rows(arg: &'static str, n_rows: usize, rows: StepSlots<'_>) -> Result<(), OverlayError> {
+    if n_rows == rows.rows() {
+        Ok(())
+    } else {
+        Err(OverlayError::Argument {
+            arg,
+            reason: format!("{n_rows} rows; the step has {} kernel rows", rows.rows()),
+        })
     }
 }
 

@@ -73,7 +73,7 @@ impl TokenOverlays {
         let ids_dev = device.upload(ids)?;
         let slots = device.upload(&vec![row_slot; n])?;
         let mut out = device.alloc_zeros::<bf16>(rows_len(n, hidden)?)?;
-        self.embed(&ids_dev, Some(&slots), RowsMut::dense(&mut out, n, hidden))?;
+        self.embed_rows(&ids_dev, Some(&slots), RowsMut::dense(&mut out, n, hidden))?;
         Ok(out.download()?)
     }
 
@@ -105,7 +105,7 @@ impl TokenOverlays {
             }
             one_hot.write(0, &e)?;
             logits.write(0, &base_logits)?;
-            self.lm_head(
+            self.lm_head_rows(
                 Rows::dense(&one_hot, c, hidden),
                 &slots,
                 RowsMut::dense(&mut logits, c, vocab),

@@ -1,10 +1,12 @@
 //! A mixed batch through a real `LoraPool<TokenOverlays>`: rows of several
 //! overlay adapters (trainable tokens, modules_to_save tables), of an
 //! adapter without overlays and of the base model, one launch each for the
-//! embedding lookup and the lm_head overlay (f32 and bf16 logits), with the
-//! pool's `seq_slot` as the per-row slot buffer. Every row equals PEFT's
-//! merged table for the ids its adapter changed and the base exactly for
-//! the rest. CPU here; the same body on CUDA.
+//! embedding lookup and the lm_head overlay (f32 and bf16 logits), over the
+//! row map of the pool's decode step (each adapter row holding its lease).
+//! Every row equals PEFT's merged table for the ids its adapter changed and
+//! the base exactly for the rest; calls whose rows are not the step's, and
+//! a step the pool has moved past, are refused. CPU here; the same body on
+//! CUDA.
 
 #![allow(clippy::unwrap_used)]
 
@@ -17,7 +19,8 @@ use half::bf16;
 use lora_audit::{Oracle, OverlayModule};
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, OutputElem, Rows, RowsMut};
-use lora_overlay::TokenOverlays;
+use lora_overlay::{OverlayError, TokenOverlays};
+use lora_pool::{PoolError, SlotLease, StepKind, StepRow, StepSlots};
 
 const MODEL: &str = "llama";
 const ADAPTERS: [(&str, &str); 4] = [
@@ -38,7 +41,7 @@ fn merged_row(oracle: Option<&Oracle>, module: OverlayModule, id: usize, hidden:
 fn check_logits<Y: OutputElem + Into<f32> + PartialEq>(
     device: &Device,
     overlays: &TokenOverlays,
-    row_slot: &lora_kernels::DeviceBuffer<i32>,
+    row_slot: StepSlots<'_>,
     batch: &[(u32, i32)],
     oracles: &[Oracle],
     to_y: impl Fn(f32) -> Y,
@@ -112,13 +115,24 @@ fn mixed_batch(device: &Device) {
         .collect();
     let n = batch.len();
     let (token_ids, row_slots): (Vec<u32>, Vec<i32>) = batch.iter().copied().unzip();
-    pool.set_decode_rows(&row_slots, n).unwrap();
+    // Adapter `s` is in slot `s`; each of its rows holds its lease.
+    let leases: Vec<SlotLease> = ADAPTERS.iter().map(|(name, _)| pool.acquire(name).unwrap()).collect();
+    for (s, lease) in leases.iter().enumerate() {
+        assert_eq!(lease.slot().index(), s, "{}", ADAPTERS[s].0);
+    }
+    let rows: Vec<StepRow<'_>> = row_slots
+        .iter()
+        .map(|&s| usize::try_from(s).map_or(StepRow::Base, |s| StepRow::Adapter(&leases[s])))
+        .collect();
+    let step = pool.decode_step(&rows, n).unwrap();
     let overlays = pool.companion();
+    let step_slots = pool.step_slots(&step).unwrap();
+    assert_eq!(step_slots.rows(), n);
 
     let ids_dev = device.upload(&token_ids).unwrap();
     let mut out = device.alloc_zeros::<bf16>(n * hidden).unwrap();
     overlays
-        .embed(&ids_dev, Some(pool.seq_slot()), RowsMut::dense(&mut out, n, hidden))
+        .embed(&ids_dev, Some(step_slots), RowsMut::dense(&mut out, n, hidden))
         .unwrap();
     device.check_faults().unwrap();
     let out = widen(&out.download().unwrap());
@@ -142,16 +156,40 @@ fn mixed_batch(device: &Device) {
     }
     assert!(vocab > 255);
 
-    check_logits(device, overlays, pool.seq_slot(), &batch, &oracles, |v| v, 0.0);
+    check_logits(device, overlays, step_slots, &batch, &oracles, |v| v, 0.0);
     check_logits(
         device,
         overlays,
-        pool.seq_slot(),
+        step_slots,
         &batch,
         &oracles,
         bf16::from_f32,
         2f64.powi(-8),
     );
+
+    // The calls serve the step's rows, all of them: other row counts are
+    // refused before launch, writing nothing.
+    let short = n - 1;
+    let mut out = device.upload(&vec![bf16::ONE; short * hidden]).unwrap();
+    let r = overlays.embed(&ids_dev, Some(step_slots), RowsMut::dense(&mut out, short, hidden));
+    assert!(matches!(r, Err(OverlayError::Argument { arg: "ids", .. })), "{r:?}");
+    assert!(out.download().unwrap().iter().all(|v| *v == bf16::ONE));
+    let hidden_dev = device.upload(&vec![bf16::ONE; short * hidden]).unwrap();
+    let mut logits = device.upload(&vec![0.5f32; short * vocab]).unwrap();
+    let r = overlays.lm_head(
+        Rows::dense(&hidden_dev, short, hidden),
+        step_slots,
+        RowsMut::dense(&mut logits, short, vocab),
+    );
+    assert!(matches!(r, Err(OverlayError::Argument { arg: "hidden", .. })), "{r:?}");
+    assert!(logits.download().unwrap().iter().all(|v| *v == 0.5));
+    // A step the pool has moved past has no row map to hand out.
+    let next = pool.decode_step(&[StepRow::Base], 1).unwrap();
+    assert!(matches!(
+        pool.step_slots(&step),
+        Err(PoolError::StaleStep { kind: StepKind::Decode })
+    ));
+    assert_eq!(pool.step_slots(&next).unwrap().rows(), 1);
 }
 
 #[test]

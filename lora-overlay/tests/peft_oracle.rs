@@ -20,6 +20,7 @@ use lora_audit::{OverlayModule, ProbeInputs, ROWS_MERGED, prepare_adapter, probe
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_overlay::probe_token_rows;
+use lora_pool::{SlotId, StepRow};
 
 const FIXTURES: [(&str, &str); 6] = [
     ("llama", "trainable_tokens_untied_dict"),
@@ -38,10 +39,21 @@ fn check_fixture(device: &Device, model: &str, adapter: &str) {
     let cfg = model_config(model);
     let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
     let mut pool = pool(device, model, 2, &[]);
-    pool.swap_from_disk(1, "a", &fixtures().join(model).join(adapter))
+    pool.swap_from_disk(SlotId::new(1), "a", &fixtures().join(model).join(adapter))
         .unwrap();
-    let n = 6;
-    pool.set_decode_rows(&[1, -1, 1, 1, -1, 1], n).unwrap();
+    let lease = pool.acquire("a").unwrap();
+    assert_eq!(lease.slot(), SlotId::new(1));
+    // The decode rows: slot 1's adapter, or the base model (-1).
+    let row_slots = [1, -1, 1, 1, -1, 1];
+    let n = row_slots.len();
+    let rows = row_slots.map(|s| {
+        if s == 1 {
+            StepRow::Adapter(&lease)
+        } else {
+            StepRow::Base
+        }
+    });
+    let step = pool.decode_step(&rows, n).unwrap();
     let overlays = pool.companion();
     let slot = overlays.slot(1).unwrap();
     let peft = oracle(model, adapter);
@@ -117,7 +129,7 @@ fn check_fixture(device: &Device, model: &str, adapter: &str) {
     overlays
         .lm_head(
             Rows::dense(&hidden_dev, n, hidden),
-            pool.seq_slot(),
+            pool.step_slots(&step).unwrap(),
             RowsMut::dense(&mut logits_dev, n, vocab),
         )
         .unwrap();
@@ -125,7 +137,7 @@ fn check_fixture(device: &Device, model: &str, adapter: &str) {
     let got = logits_dev.download().unwrap();
     let (changed, merged) = oracle_rows(&peft, OverlayModule::LmHead);
     let mut overridden = OverriddenLogits::default();
-    for (i, slot) in [1, -1, 1, 1, -1, 1].into_iter().enumerate() {
+    for (i, slot) in row_slots.into_iter().enumerate() {
         let h = &hidden_rows[i * hidden..(i + 1) * hidden];
         for v in 0..vocab {
             let (g, b) = (got[i * vocab + v], base_logits[i * vocab + v]);

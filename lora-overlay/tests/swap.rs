@@ -1,9 +1,10 @@
 //! Overlays follow the pool through swaps: a swap rebuilds the slot's
 //! overlay (and one without overlays empties it) while other slots keep
-//! theirs; a failed swap — a refused adapter, or running out of device
-//! memory at any allocation of the overlay's staging — leaves every entry
-//! table and every served row as it was; the entry tables never move, so a
-//! CUDA graph captured before a swap serves the new overlay after it.
+//! theirs; a failed swap — a refused adapter, a slot a step still holds, or
+//! running out of device memory at any allocation of the overlay's staging
+//! — leaves every entry table and every served row as it was; the entry
+//! tables and the step row map never move, so a CUDA graph captured before
+//! a swap serves the new overlay after it, from the next step on.
 
 #![allow(clippy::unwrap_used)]
 
@@ -18,7 +19,7 @@ use lora_audit::OverlayModule;
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, EmbedOverlayEntry, KernelError, LmHeadOverlayEntry, Rows, RowsMut};
 use lora_overlay::TokenOverlays;
-use lora_pool::{AdapterSlot, AdapterSource, LoraPool, PoolError};
+use lora_pool::{AdapterSlot, AdapterSource, LoraPool, PoolError, SlotId, StepRow};
 
 const MODEL: &str = "llama";
 
@@ -97,7 +98,7 @@ fn swaps_rebuild_overlays_and_failures_change_nothing(device: &Device) {
 
     // Into an adapter without overlays' slot: the overlay appears, slot 0 is untouched.
     let dir = |a: &str| fixtures().join(MODEL).join(a);
-    pool.swap_from_disk(1, "saved", &dir("modules_to_save_embed_lm_head"))
+    pool.swap_from_disk(SlotId::new(1), "saved", &dir("modules_to_save_embed_lm_head"))
         .unwrap();
     assert_serves(&pool, 1, Some("modules_to_save_embed_lm_head"));
     let after = snapshot(&pool);
@@ -106,11 +107,11 @@ fn swaps_rebuild_overlays_and_failures_change_nothing(device: &Device) {
     assert_ne!(after.embed_entries[1], before.embed_entries[1]);
 
     // Overlay over overlay, then no overlay: rebuilt, then emptied.
-    pool.swap_from_disk(0, "list", &dir("trainable_tokens_untied_list"))
+    pool.swap_from_disk(SlotId::new(0), "list", &dir("trainable_tokens_untied_list"))
         .unwrap();
     assert_serves(&pool, 0, Some("trainable_tokens_untied_list"));
     assert_serves(&pool, 1, Some("modules_to_save_embed_lm_head"));
-    pool.swap_from_disk(0, "rslora", &dir("rslora")).unwrap();
+    pool.swap_from_disk(SlotId::new(0), "rslora", &dir("rslora")).unwrap();
     assert_serves(&pool, 0, None);
     assert_eq!(
         pool.companion().embed_entries().download().unwrap()[0],
@@ -120,13 +121,13 @@ fn swaps_rebuild_overlays_and_failures_change_nothing(device: &Device) {
         pool.companion().lm_head_entries().download().unwrap()[0],
         LmHeadOverlayEntry::default()
     );
-    pool.swap_from_disk(2, "dict", &dir("trainable_tokens_untied_dict"))
+    pool.swap_from_disk(SlotId::new(2), "dict", &dir("trainable_tokens_untied_dict"))
         .unwrap();
 
     // Refused adapters change nothing.
     let before = snapshot(&pool);
     for (adapter, code) in [("embedding_lora", "REJECT[embedding-lora]"), ("dora", "REJECT[dora]")] {
-        for slot in 0..3 {
+        for slot in (0..3).map(SlotId::new) {
             let err = pool.swap_from_disk(slot, "new", &dir(adapter)).unwrap_err();
             assert!(err.refusal_codes().contains(&code), "{adapter}: {err}");
             assert_eq!(
@@ -136,8 +137,32 @@ fn swaps_rebuild_overlays_and_failures_change_nothing(device: &Device) {
             );
         }
     }
+    // A slot a step holds is refused to swaps and evictions alike, changing
+    // nothing, even once the request's own lease is gone.
+    let lease = pool.acquire("dict").unwrap();
+    let held = lease.slot();
+    assert_eq!(held, SlotId::new(2));
+    let step = pool.decode_step(&[StepRow::Adapter(&lease), StepRow::Base], 2).unwrap();
+    drop(lease);
+    let refused = [
+        pool.swap_from_disk(held, "new", &dir("trainable_tokens_untied_list"))
+            .unwrap_err(),
+        pool.evict(held).unwrap_err(),
+    ];
+    for err in refused {
+        assert!(
+            matches!(err, PoolError::SlotInUse { slot, leases: 1 } if slot == held),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        snapshot(&pool),
+        before,
+        "a refused swap into a held slot changed something"
+    );
+    drop(step);
     // Evicting empties the slot's overlay.
-    pool.evict(2).unwrap();
+    pool.evict(SlotId::new(2)).unwrap();
     assert_serves(&pool, 2, None);
     assert!(pool.companion().any_active());
     assert_eq!(
@@ -178,7 +203,7 @@ fn swap_with_growing_headroom(
     for headroom in (0..1 << 20).step_by(step) {
         let (free, _) = device.memory_info().unwrap();
         let ballast = device.alloc_zeros::<u8>(free - headroom).unwrap();
-        let result = pool.swap_from_disk(1, "new", &dir);
+        let result = pool.swap_from_disk(SlotId::new(1), "new", &dir);
         drop(ballast);
         match result {
             Ok(_) => return failures,
@@ -218,7 +243,10 @@ fn running_out_of_memory_while_staging_changes_nothing() {
 }
 
 /// A CUDA graph of both overlay calls, captured before a swap, serves the
-/// swapped-in overlay after it: the entry tables keep their addresses.
+/// swapped-in overlay after it: the entry tables and the step row map keep
+/// their addresses. The swap waits for the step that names the slot; a
+/// replay between the swap and the next step serves the base model, never
+/// the slot's new adapter under the old step.
 #[test]
 fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
     let Some(device) = cuda_or_skip("gpu_a_graph_captured_before_a_swap_serves_the_new_overlay") else {
@@ -233,7 +261,9 @@ fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
     let ids: Vec<u32> = (0..vocab as u32).collect();
     let n = ids.len();
     // Every id in slot 1, which holds an adapter without overlays.
-    pool.set_decode_rows(&vec![1; n], n).unwrap();
+    let lease = pool.acquire("plain").unwrap();
+    assert_eq!(lease.slot(), SlotId::new(1));
+    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); n], n).unwrap();
     let ids_dev = device.upload(&ids).unwrap();
     let mut rows = device.alloc_zeros::<bf16>(n * hidden).unwrap();
     let tables = base_tables(MODEL);
@@ -249,8 +279,10 @@ fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
     let hidden_dev = device.upload(&hidden_rows).unwrap();
     let mut logits_dev = device.alloc_zeros::<f32>(n * vocab).unwrap();
     device.preload_kernels().unwrap();
+    let row_map = pool.step_slots(&step).unwrap().buffer().device_addr();
     let graph = {
         let (pool, rows, logits_dev) = (&pool, &mut rows, &mut logits_dev);
+        let slots = pool.step_slots(&step).unwrap();
         let as_kernel_error = |e: lora_overlay::OverlayError| KernelError::InvalidArgument {
             arg: "overlays",
             reason: e.to_string(),
@@ -259,12 +291,12 @@ fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
             .capture_graph(|| {
                 let overlays = pool.companion();
                 overlays
-                    .embed(&ids_dev, Some(pool.seq_slot()), RowsMut::dense(rows, n, hidden))
+                    .embed(&ids_dev, Some(slots), RowsMut::dense(rows, n, hidden))
                     .map_err(as_kernel_error)?;
                 overlays
                     .lm_head(
                         Rows::dense(&hidden_dev, n, hidden),
-                        pool.seq_slot(),
+                        slots,
                         RowsMut::dense(logits_dev, n, vocab),
                     )
                     .map_err(as_kernel_error)
@@ -286,8 +318,32 @@ fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
     );
 
     let adapter = "modules_to_save_embed_lm_head";
-    pool.swap_from_disk(1, "saved", &fixtures().join(MODEL).join(adapter))
-        .unwrap();
+    let dir = fixtures().join(MODEL).join(adapter);
+    // The step still holds slot 1: the swap must wait for it.
+    let err = pool.swap_from_disk(SlotId::new(1), "saved", &dir).unwrap_err();
+    assert!(matches!(err, PoolError::SlotInUse { .. }), "{err}");
+    drop((step, lease));
+    pool.swap_from_disk(SlotId::new(1), "saved", &dir).unwrap();
+    // Replayed before the next step, the graph reads a row map reset to the
+    // base model: the dropped step's rows never serve the slot's new adapter.
+    rows.zero_range(0, rows.len()).unwrap();
+    logits_dev.write(0, &base_logits).unwrap();
+    graph.replay().unwrap();
+    device.check_faults().unwrap();
+    assert_eq!(
+        widen(&rows.download().unwrap()),
+        embed,
+        "no step names slot 1: base rows"
+    );
+    assert_eq!(
+        logits_dev.download().unwrap(),
+        base_logits,
+        "no step names slot 1: base logits"
+    );
+    // The next step names the new adapter: the same graph serves its overlay.
+    let lease = pool.acquire("saved").unwrap();
+    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); n], n).unwrap();
+    assert_eq!(pool.step_slots(&step).unwrap().buffer().device_addr(), row_map);
     logits_dev.write(0, &base_logits).unwrap();
     graph.replay().unwrap();
     device.check_faults().unwrap();

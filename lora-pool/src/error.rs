@@ -3,9 +3,11 @@
 
 use lora_audit::AuditError;
 use lora_kernels::KernelError;
-use lora_layout::{LayoutError, VictimError};
+use lora_layout::{LayoutError, RefuseReason, VictimError};
 
 use crate::image::ImageError;
+use crate::slot::SlotId;
+use crate::step::StepKind;
 
 /// A pool operation that could not be done.
 #[derive(Debug, thiserror::Error)]
@@ -64,11 +66,11 @@ pub enum PoolError {
         /// Slots in the pool.
         max_loras: usize,
     },
-    /// A slot still serves requests.
-    #[error("slot {slot} is held by {leases} running request(s)")]
+    /// A slot still serves requests (a lease, or a step naming it).
+    #[error("slot {slot} is held by {leases} lease(s) of running requests or steps")]
     SlotInUse {
         /// The slot.
-        slot: usize,
+        slot: SlotId,
         /// Live leases.
         leases: u32,
     },
@@ -87,13 +89,54 @@ pub enum PoolError {
     /// No slot holds the adapter.
     #[error("adapter `{0}` is not resident")]
     NotResident(String),
-    /// A batch row names a slot that holds no adapter.
-    #[error("row {row} names slot {slot}, which holds no adapter")]
+    /// A step row names a slot that holds no adapter, or whose last write
+    /// failed part way.
+    #[error("row {row} names slot {slot}, which holds no servable adapter")]
     EmptySlot {
         /// The row.
         row: usize,
         /// The slot.
-        slot: i32,
+        slot: SlotId,
+    },
+    /// A step row's lease is from another pool.
+    #[error("row {row}: the lease was taken from another pool")]
+    ForeignLease {
+        /// The row.
+        row: usize,
+    },
+    /// A lease names an adapter identity its slot no longer has.
+    #[error("row {row}: the lease on slot {slot} names an adapter the slot no longer serves")]
+    StaleLease {
+        /// The row.
+        row: usize,
+        /// The slot.
+        slot: SlotId,
+    },
+    /// A step row's MoE deltas cannot be applied.
+    #[error("row {row}: its adapter's MoE deltas cannot be served ({reason:?})")]
+    RouteRefused {
+        /// The row.
+        row: usize,
+        /// Why.
+        reason: RefuseReason,
+    },
+    /// An apply call was given a step that is not the pool's latest of its
+    /// kind (or is another pool's).
+    #[error("the {kind} step is not this pool's current {kind} step")]
+    StaleStep {
+        /// Decode or prefill.
+        kind: StepKind,
+    },
+    /// A one-adapter apply was given a step that mixes adapters.
+    #[error("the prefill step mixes adapters: a one-adapter apply needs every sequence on one slot")]
+    NotOneAdapter,
+    /// More targets than one launch serves.
+    #[error("{got} targets in one apply call: from 1 to {max} are served")]
+    TooManyTargets {
+        /// Targets given.
+        got: usize,
+        /// The most one launch serves.
+        max: usize,
     },
     /// Runtime swaps are switched off.
     #[error("runtime swaps are disabled: set LoraOptions::rotatable (LORA_ROTATE=1 or LORA_PEER)")]

@@ -262,6 +262,18 @@ pub enum ImageError {
         /// Elements the shape needs.
         expected: usize,
     },
+    /// A served value that is not finite after the BF16 conversion.
+    #[error("{key} {part:?}: element {index} is {value} as served (BF16); every served value must be finite")]
+    NonFinite {
+        /// The pair.
+        key: PairKey,
+        /// A or B.
+        part: PairPart,
+        /// The element's index in the tensor (`[r, in]` or `[out, r]`).
+        index: usize,
+        /// Its served value.
+        value: f32,
+    },
     /// The same pair is given twice.
     #[error("{key} is given twice")]
     Duplicate {
@@ -355,6 +367,14 @@ fn fill_place(
         .enumerate()
         .try_for_each(|(i, block)| src.a.write(i * a_rows * place.in_dim, block))
         .map_err(read_err(PairPart::A))?;
+    if let Some(index) = a_used.par_iter().position_first(|v| !v.is_finite()) {
+        return Err(ImageError::NonFinite {
+            key: src.meta.key,
+            part: PairPart::A,
+            index,
+            value: a_used[index].to_f32(),
+        });
+    }
     a_pad.fill(bf16::ZERO);
     let b_rows = (PIECE_ELEMS / stride.max(1)).max(1);
     b_region
@@ -376,7 +396,23 @@ fn fill_place(
             }
             Ok(())
         })
-        .map_err(read_err(PairPart::B))
+        .map_err(read_err(PairPart::B))?;
+    let non_finite = b_region
+        .par_chunks(stride.max(1))
+        .enumerate()
+        .find_map_first(|(row, values)| {
+            let col = values[..r.min(values.len())].iter().position(|v| !v.is_finite())?;
+            Some((row * r + col, values[col].to_f32()))
+        });
+    match non_finite {
+        Some((index, value)) => Err(ImageError::NonFinite {
+            key: src.meta.key,
+            part: PairPart::B,
+            index,
+            value,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The places `range` of `layout`, each with its mutable region of `data`
@@ -398,6 +434,33 @@ fn place_regions<'d>(
             (place, head)
         })
         .collect()
+}
+
+/// The first pair of `elems` (a whole image of `layout`) holding a value
+/// that is not finite: `ImageError::NonFinite` with the element's index in
+/// its padded factor (`[stride, in]` or `[out, stride]`). For images built
+/// elsewhere (a peer's landing), which no packer here converted.
+pub fn check_finite(layout: &(impl PairLayout + Sync), elems: &[bf16]) -> Result<(), ImageError> {
+    let found = (0..layout.len()).into_par_iter().find_map_first(|i| {
+        let place = layout.place(i)?;
+        let stride = layout.stride();
+        [
+            (PairPart::A, place.a_offset / 2, stride * place.in_dim),
+            (PairPart::B, place.b_offset / 2, place.out_dim * stride),
+        ]
+        .into_iter()
+        .find_map(|(part, start, len)| {
+            let values = elems.get(start..start.checked_add(len)?)?;
+            let index = values.iter().position(|v| !v.is_finite())?;
+            Some(ImageError::NonFinite {
+                key: place.key,
+                part,
+                index,
+                value: values[index].to_f32(),
+            })
+        })
+    });
+    found.map_or(Ok(()), Err)
 }
 
 /// Pairs checked against a layout and indexed by place: what a packer needs

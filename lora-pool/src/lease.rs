@@ -8,6 +8,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use crate::slot::SlotId;
+
 /// Use counts and recency of every slot.
 #[derive(Debug)]
 pub struct SlotUse {
@@ -49,17 +51,17 @@ impl SlotUse {
 #[derive(Debug)]
 pub struct SlotLease {
     uses: Arc<SlotUse>,
-    slot: usize,
+    slot: SlotId,
     adapter_id: u64,
 }
 
 impl SlotLease {
     /// Take a lease on `slot` (the caller checked it is in range and filled).
-    pub(crate) fn take(uses: &Arc<SlotUse>, slot: usize, adapter_id: u64) -> SlotLease {
-        if let Some(c) = uses.ref_counts.get(slot) {
+    pub(crate) fn take(uses: &Arc<SlotUse>, slot: SlotId, adapter_id: u64) -> SlotLease {
+        if let Some(c) = uses.ref_counts.get(slot.index()) {
             c.fetch_add(1, Ordering::AcqRel);
         }
-        uses.touch(slot);
+        uses.touch(slot.index());
         SlotLease {
             uses: Arc::clone(uses),
             slot,
@@ -67,9 +69,14 @@ impl SlotLease {
         }
     }
 
-    /// The slot the request runs with (its `seq_slot` value).
-    pub fn slot(&self) -> usize {
+    /// The slot the request runs with.
+    pub fn slot(&self) -> SlotId {
         self.slot
+    }
+
+    /// Whether the lease was taken from the pool whose counters are `uses`.
+    pub(crate) fn is_of(&self, uses: &Arc<SlotUse>) -> bool {
+        Arc::ptr_eq(&self.uses, uses)
     }
 
     /// The adapter's identity hash at the time of the lease, for prefix and
@@ -87,7 +94,7 @@ impl Clone for SlotLease {
 
 impl Drop for SlotLease {
     fn drop(&mut self) {
-        if let Some(c) = self.uses.ref_counts.get(self.slot) {
+        if let Some(c) = self.uses.ref_counts.get(self.slot.index()) {
             c.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -100,10 +107,10 @@ mod tests {
     #[test]
     fn leases_count_and_release() {
         let uses = SlotUse::new(3);
-        let a = SlotLease::take(&uses, 1, 42);
+        let a = SlotLease::take(&uses, SlotId::new(1), 42);
         let b = a.clone();
         assert_eq!(uses.ref_count(1), 2);
-        assert_eq!((b.slot(), b.adapter_id()), (1, 42));
+        assert_eq!((b.slot(), b.adapter_id()), (SlotId::new(1), 42));
         drop(a);
         assert_eq!(uses.ref_count(1), 1);
         drop(b);
@@ -115,7 +122,7 @@ mod tests {
     fn recency_grows_with_each_use() {
         let uses = SlotUse::new(2);
         uses.touch(0);
-        let _l = SlotLease::take(&uses, 1, 1);
+        let _l = SlotLease::take(&uses, SlotId::new(1), 1);
         assert!(uses.last_used(1) > uses.last_used(0));
         assert!(uses.last_used(0) > 0);
     }
@@ -123,7 +130,7 @@ mod tests {
     #[test]
     fn leases_release_from_other_threads() {
         let uses = SlotUse::new(1);
-        let leases: Vec<_> = (0..8).map(|_| SlotLease::take(&uses, 0, 7)).collect();
+        let leases: Vec<_> = (0..8).map(|_| SlotLease::take(&uses, SlotId::new(0), 7)).collect();
         std::thread::scope(|s| {
             for l in leases {
                 s.spawn(move || drop(l));

@@ -4,30 +4,33 @@
 //! two-phase load and swap that keep every failure away from live slots.
 
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use half::bf16;
 use lora_audit::{
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, AuditReport, HostOverlay, LoraOptions, PreparedAdapter,
-    UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, AuditReport, HostOverlay, LoraOptions, PreparedAdapter, Refusal,
+    SafetensorsFile, UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
     Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion, Rows, RowsMut, Segments,
     WorkspaceSpec, bgmv, one_adapter, repack, sgmv,
 };
 use lora_layout::{
-    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, PairKey, SlotLayout, build_seq_slot_host,
+    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
     select_victim_slot,
 };
 
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
 use crate::expert::ExpertPool;
-use crate::image::{PackPlan, PairMeta, SlotImage, dense_sources, expert_sources, file_sources};
+use crate::image::{ImageError, PackPlan, PairMeta, PairPart, SlotImage, dense_sources, expert_sources, file_sources};
 use crate::lease::{SlotLease, SlotUse};
 use crate::registry::{AdapterSlot, SlotRegistry};
+use crate::slot::{RowSlot, SlotId};
 use crate::staging::{Staging, StagingTuning};
+use crate::step::{DecodeStep, PrefillSeq, PrefillStep, Step, StepKind, StepRow, StepRows, StepSlots, sealed::Sealed};
+use crate::target::FusedTargets;
 
 /// The largest batch the pool's routing buffers and scratch serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +63,7 @@ pub struct AdapterSource<'a> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct SwapReport {
     /// The slot written.
-    pub slot: usize,
+    pub slot: SlotId,
     /// The adapter now in it.
     pub name: String,
     /// Its new generation.
@@ -101,15 +104,6 @@ pub enum SwapRoute {
     Landed,
 }
 
-/// One module of an apply call and where its outputs start in y.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ModuleTarget {
-    /// The module.
-    pub module: LoraModule,
-    /// First column of y it writes.
-    pub y_col_offset: usize,
-}
-
 /// An adapter staged off to the side: everything a publish writes, checked.
 struct Staged<S> {
     name: String,
@@ -146,15 +140,34 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     uses: Arc<SlotUse>,
     companion: C,
     capacity: BatchCapacity,
+    /// This pool's identity, so a step or lease of another pool is refused.
+    id: u64,
+    next_step: u64,
+    /// The decode step the row buffer holds, and the slots it names.
+    decode_current: Option<CurrentStep>,
+    /// The prefill step the segment buffers hold, and the slots it names.
+    prefill_current: Option<CurrentStep>,
     seq_slot: DeviceBuffer<i32>,
-    decode_rows: usize,
     cu_seqlens: DeviceBuffer<i32>,
     seg_slot: DeviceBuffer<i32>,
-    segments: usize,
-    prefill_rows: usize,
-    workspace: LoraWorkspace,
+    /// Per prefill token: its sequence's slot (for companion kernels).
+    prefill_row_slot: DeviceBuffer<i32>,
+    /// Scratch of the prefill applies; behind a lock so that every apply
+    /// takes `&self`.
+    workspace: Mutex<LoraWorkspace>,
     staging: Staging,
 }
+
+/// The step a row buffer currently holds.
+#[derive(Debug, Clone)]
+struct CurrentStep {
+    id: u64,
+    slots: Vec<SlotId>,
+    kernel_rows: usize,
+}
+
+/// Source of pool identities.
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
 fn audit_err(adapter: &str) -> impl FnOnce(lora_audit::AuditError) -> PoolError + '_ {
     move |e| PoolError::Audit {
@@ -213,10 +226,17 @@ impl<C: SlotCompanion> LoraPool<C> {
         companion: C,
         expert_slot_bytes: usize,
     ) -> Result<LoraPool<C>, PoolError> {
-        if opts.max_loras == 0 {
+        if opts.max_loras == 0 || i32::try_from(opts.max_loras).is_err() {
             return Err(PoolError::TooManyAdapters {
                 adapters: 0,
-                max_loras: 0,
+                max_loras: opts.max_loras,
+            });
+        }
+        if i32::try_from(capacity.max_rows).is_err() {
+            return Err(PoolError::BatchTooLarge {
+                what: "capacity rows",
+                got: capacity.max_rows,
+                capacity: i32::MAX as usize,
             });
         }
         let layout = SlotLayout::new(&cfg, opts.max_rank)?;
@@ -246,7 +266,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             } else {
                 0
             },
-            (2 * capacity.max_rows + 2 * capacity.max_segments + 1) * 4,
+            (3 * capacity.max_rows + 2 * capacity.max_segments + 1) * 4,
             // Workspace: targets x k-splits x rows x padded rank, f32.
             lora_kernels::MAX_TARGETS * 4 * capacity.max_rows * opts.max_rank.div_ceil(16) * 16 * 4,
         ]
@@ -280,13 +300,15 @@ impl<C: SlotCompanion> LoraPool<C> {
             experts,
             companion,
             capacity,
+            id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+            next_step: 1,
+            decode_current: None,
+            prefill_current: None,
             seq_slot: device.upload(&vec![-1i32; capacity.max_rows.max(1)])?,
-            decode_rows: 0,
             cu_seqlens: device.alloc_zeros(capacity.max_segments + 1)?,
-            seg_slot: device.alloc_zeros(capacity.max_segments.max(1))?,
-            segments: 0,
-            prefill_rows: 0,
-            workspace: LoraWorkspace::new(device, ws_spec)?,
+            seg_slot: device.upload(&vec![-1i32; capacity.max_segments.max(1)])?,
+            prefill_row_slot: device.upload(&vec![-1i32; capacity.max_rows.max(1)])?,
+            workspace: Mutex::new(LoraWorkspace::new(device, ws_spec)?),
             staging: Staging::new(device, &layout, StagingTuning::default())?,
             layout,
             cfg,
@@ -325,7 +347,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         let mut pool = LoraPool::with_companion(device, cfg, opts, capacity, companion, expert_bytes)?;
         for (slot, src) in adapters.iter().enumerate() {
             let (staged, _) = pool.stage_from_dir(src.name, src.dir)?;
-            pool.publish(slot, staged)?;
+            pool.publish(SlotId::new(slot), staged)?;
         }
         Ok(pool)
     }
@@ -356,8 +378,13 @@ impl<C: SlotCompanion> LoraPool<C> {
     }
 
     /// The slot holding `name`.
-    pub fn slot_of(&self, name: &str) -> Option<usize> {
-        self.registry.slot_of(name)
+    pub fn slot_of(&self, name: &str) -> Option<SlotId> {
+        self.registry.slot_of(name).map(SlotId::new)
+    }
+
+    /// Every slot of the pool, in order.
+    pub fn slot_ids(&self) -> impl Iterator<Item = SlotId> + use<C> {
+        (0..self.opts.max_loras).map(SlotId::new)
     }
 
     /// The expert/router pool, when the pool serves experts.
@@ -392,38 +419,29 @@ impl<C: SlotCompanion> LoraPool<C> {
     }
 
     /// The table entry of (layer, module) in `slot`, as last published.
-    pub fn entry(&self, layer: usize, module: LoraModule, slot: usize) -> Option<PairEntry> {
-        if slot >= self.opts.max_loras {
+    pub fn entry(&self, layer: usize, module: LoraModule, slot: SlotId) -> Option<PairEntry> {
+        if slot.index() >= self.opts.max_loras {
             return None;
         }
-        self.host_table.get(self.table_offset(layer, module)? + slot).copied()
+        self.host_table
+            .get(self.table_offset(layer, module)? + slot.index())
+            .copied()
     }
 
     /// The bytes of slot `slot`, read back from the device.
-    pub fn slot_contents(&self, slot: usize) -> Result<Vec<bf16>, PoolError> {
+    pub fn slot_contents(&self, slot: SlotId) -> Result<Vec<bf16>, PoolError> {
         self.check_slot(slot)?;
         let elems = self.layout.slot_bytes() / 2;
-        Ok(self.weights.download_range(slot * elems, elems)?)
-    }
-
-    /// The per-row slot buffer of the current decode batch (`i32`, `-1` =
-    /// no delta); its address never changes.
-    pub fn seq_slot(&self) -> &DeviceBuffer<i32> {
-        &self.seq_slot
-    }
-
-    /// Rows of the current decode batch.
-    pub fn decode_rows(&self) -> usize {
-        self.decode_rows
+        Ok(self.weights.download_range(slot.index() * elems, elems)?)
     }
 
     /// The MoE state of the adapter in `slot`, for
     /// `lora_layout::resolve_moe_lora_route`.
-    pub fn moe_state(&self, slot: usize) -> Option<MoeAdapterState> {
-        let s = self.registry.get(slot).filter(|s| s.is_filled())?;
+    pub fn moe_state(&self, slot: SlotId) -> Option<MoeAdapterState> {
+        let s = self.registry.get(slot.index()).filter(|s| s.is_servable())?;
         Some(MoeAdapterState {
             has_expert_deltas: s.has_expert_deltas(),
-            expert_slot: (s.has_expert_deltas() && self.experts.is_some()).then_some(slot),
+            expert_slot: (s.has_expert_deltas() && self.experts.is_some()).then_some(slot.index()),
         })
     }
 
@@ -435,27 +453,27 @@ impl<C: SlotCompanion> LoraPool<C> {
             .slot_of(name)
             .ok_or_else(|| PoolError::NotResident(name.to_string()))?;
         let id = self.registry.get(slot).map_or(0, AdapterSlot::adapter_id);
-        Ok(SlotLease::take(&self.uses, slot, id))
+        Ok(SlotLease::take(&self.uses, SlotId::new(slot), id))
     }
 
-    /// Live leases on `slot`.
-    pub fn ref_count(&self, slot: usize) -> u32 {
-        self.uses.ref_count(slot)
+    /// Live leases on `slot` (a step holds one on every slot it names).
+    pub fn ref_count(&self, slot: SlotId) -> u32 {
+        self.uses.ref_count(slot.index())
     }
 
-    fn check_slot(&self, slot: usize) -> Result<(), PoolError> {
-        if slot >= self.opts.max_loras {
+    fn check_slot(&self, slot: SlotId) -> Result<(), PoolError> {
+        if slot.index() >= self.opts.max_loras {
             return Err(PoolError::NoSuchSlot {
-                slot,
+                slot: slot.index(),
                 max_loras: self.opts.max_loras,
             });
         }
         Ok(())
     }
 
-    fn check_idle(&self, slot: usize) -> Result<(), PoolError> {
+    fn check_idle(&self, slot: SlotId) -> Result<(), PoolError> {
         self.check_slot(slot)?;
-        match self.uses.ref_count(slot) {
+        match self.uses.ref_count(slot.index()) {
             0 => Ok(()),
             leases => Err(PoolError::SlotInUse { slot, leases }),
         }
@@ -466,7 +484,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// table entries, and bump its generation. Any failure — unreadable
     /// files, a refused adapter, a rank over `max_rank`, no memory, a slot in
     /// use — leaves every slot serving what it served, bit for bit.
-    pub fn swap_from_disk(&mut self, slot: usize, name: &str, dir: &Path) -> Result<SwapReport, PoolError> {
+    pub fn swap_from_disk(&mut self, slot: SlotId, name: &str, dir: &Path) -> Result<SwapReport, PoolError> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
@@ -500,7 +518,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// [`LoraPool::swap_from_disk`] for an adapter already prepared.
     pub fn swap_prepared(
         &mut self,
-        slot: usize,
+        slot: SlotId,
         name: &str,
         adapter: &PreparedAdapter,
     ) -> Result<SwapReport, PoolError> {
@@ -530,29 +548,58 @@ impl<C: SlotCompanion> LoraPool<C> {
     }
 
     /// The promotion victim for `name`, by `select_victim_slot`.
-    pub fn pick_victim(&self, name: &str) -> Result<usize, PoolError> {
+    pub fn pick_victim(&self, name: &str) -> Result<SlotId, PoolError> {
         let views = self.registry.cache_slot_views(&self.uses);
-        select_victim_slot(&views).map_err(|source| PoolError::PoolFull {
-            adapter: name.to_string(),
-            source,
-        })
+        select_victim_slot(&views)
+            .map(SlotId::new)
+            .map_err(|source| PoolError::PoolFull {
+                adapter: name.to_string(),
+                source,
+            })
     }
 
     /// Empty `slot`: zero its bytes and tables and bump its generation.
-    pub fn evict(&mut self, slot: usize) -> Result<(), PoolError> {
+    /// Refused while a lease or a step holds the slot. A device failure
+    /// part way leaves the slot empty and unservable until a later swap
+    /// into it succeeds.
+    pub fn evict(&mut self, slot: SlotId) -> Result<(), PoolError> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
         self.check_idle(slot)?;
+        self.release_dropped_rows(slot)?;
+        let s = slot.index();
+        self.registry.mark_unservable(s);
         let elems = self.layout.slot_bytes() / 2;
-        self.weights.zero_range(slot * elems, elems)?;
-        self.clear_table_entries(slot);
+        self.weights.zero_range(s * elems, elems)?;
+        self.clear_table_entries(s);
         self.table.write(0, &self.host_table)?;
         if let Some(experts) = &mut self.experts {
-            experts.clear(slot)?;
+            experts.clear(s)?;
         }
-        self.companion.clear(slot)?;
-        self.registry.clear(slot);
+        self.companion.clear(s)?;
+        self.registry.clear(s);
+        Ok(())
+    }
+
+    /// Before `slot` is written: a step that named it has been dropped (the
+    /// slot is idle), but its rows may still sit in a device row buffer
+    /// that a captured graph reads. Reset that buffer to base rows, so a
+    /// replay without a new step never serves the slot's next adapter.
+    /// The step is forgotten only once its reset is written, so a write
+    /// that fails leaves the reset to the next write into the slot.
+    fn release_dropped_rows(&mut self, slot: SlotId) -> Result<(), PoolError> {
+        let names = |c: &Option<CurrentStep>| c.as_ref().filter(|c| c.slots.contains(&slot)).map(|c| c.kernel_rows);
+        if let Some(rows) = names(&self.decode_current) {
+            self.seq_slot.write(0, &vec![-1i32; rows])?;
+            self.decode_current = None;
+        }
+        if let Some(rows) = names(&self.prefill_current) {
+            self.seg_slot
+                .write(0, &vec![-1i32; self.capacity.max_segments.max(1)])?;
+            self.prefill_row_slot.write(0, &vec![-1i32; rows])?;
+            self.prefill_current = None;
+        }
         Ok(())
     }
 
@@ -561,7 +608,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// landed byte; nothing is read from a peer here.
     pub fn publish_landed(
         &mut self,
-        slot: usize,
+        slot: SlotId,
         name: &str,
         dense: SlotImage,
         experts: Option<(ExpertLayout, SlotImage)>,
@@ -587,6 +634,12 @@ impl<C: SlotCompanion> LoraPool<C> {
                 .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
             pool.check_fits(name, layout)?;
         }
+        // The peer's bytes were never converted here: every served value
+        // must be finite before anything is written.
+        crate::image::check_finite(&self.layout, dense.as_elems()).map_err(image_err(name))?;
+        if let Some((layout, image)) = &experts {
+            crate::image::check_finite(layout, image.as_elems()).map_err(image_err(name))?;
+        }
         let staged = Staged {
             name: name.to_string(),
             route: SwapRoute::Landed,
@@ -599,12 +652,12 @@ impl<C: SlotCompanion> LoraPool<C> {
         self.publish(slot, staged)
     }
 
-    fn check_name_free(&self, name: &str, slot: Option<usize>) -> Result<(), PoolError> {
+    fn check_name_free(&self, name: &str, slot: Option<SlotId>) -> Result<(), PoolError> {
         if name.is_empty() {
             return Err(PoolError::EmptyName);
         }
         match self.registry.slot_of(name) {
-            Some(s) if Some(s) != slot => Err(PoolError::DuplicateName(name.to_string())),
+            Some(s) if Some(SlotId::new(s)) != slot => Err(PoolError::DuplicateName(name.to_string())),
             _ => Ok(()),
         }
     }
@@ -666,11 +719,19 @@ impl<C: SlotCompanion> LoraPool<C> {
         } else {
             (audit(), Ok(()))
         };
-        let (file, report, audit_us) = audited.map_err(audit_err(name))?;
+        let (file, mut report, audit_us) = audited.map_err(audit_err(name))?;
         if !dense_only(&report) {
             return Ok((self.stage_prepared(name, dir, report)?, audit_us));
         }
         read?;
+        if raw {
+            // The bytes went as they are: check every served value here (the
+            // host-pack route checks each pair as it converts it).
+            self.refuse_non_finite_raw(&file, &mut report).map_err(|e| match e {
+                Some(e) => e,
+                None => audit_err(name)(AuditError::Refused(Box::new(report.clone()))),
+            })?;
+        }
         let sources = file_sources(&report.placed, &file).map_err(audit_err(name))?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
@@ -688,7 +749,38 @@ impl<C: SlotCompanion> LoraPool<C> {
                 SwapRoute::DeviceRepack,
             ),
             None => {
-                self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
+                match self.staging.pack_and_upload(&self.layout, &plan, image_err(name)) {
+                    Err(PoolError::Image {
+                        source:
+                            ImageError::NonFinite {
+                                key,
+                                part,
+                                index,
+                                value,
+                            },
+                        ..
+                    }) => {
+                        let tensor = report
+                            .placed
+                            .iter()
+                            .find(|p| {
+                                PairKey::Dense {
+                                    layer: p.layer,
+                                    module: p.module,
+                                } == key
+                            })
+                            .map_or_else(
+                                || key.to_string(),
+                                |p| match part {
+                                    PairPart::A => p.a_key.clone(),
+                                    PairPart::B => p.b_key.clone(),
+                                },
+                            );
+                        report.refuse(Refusal::non_finite(tensor, index, value));
+                        return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
+                    }
+                    other => other?,
+                }
                 (DenseSource::Staging, SwapRoute::HostPack)
             }
         };
@@ -702,6 +794,27 @@ impl<C: SlotCompanion> LoraPool<C> {
             has_overlay: false,
         };
         Ok((staged, audit_us))
+    }
+
+    /// Refuse (into `report`, then `Err(None)`) the first served tensor of
+    /// the raw staged data section holding a value that is not finite as
+    /// served; `Err(Some(_))` for a failure to read the chunks.
+    fn refuse_non_finite_raw(&self, file: &SafetensorsFile, report: &mut AuditReport) -> Result<(), Option<PoolError>> {
+        for tensor in report.served_tensors() {
+            let Ok((dtype, _, offset, len)) = file.tensor(&tensor) else {
+                continue;
+            };
+            let start = usize::try_from(offset.saturating_sub(file.data_start())).unwrap_or(usize::MAX);
+            let found = self
+                .staging
+                .first_non_finite_raw(start..start.saturating_add(len), dtype)
+                .map_err(Some)?;
+            if let Some((index, value)) = found {
+                report.refuse(Refusal::non_finite(tensor, index, value));
+                return Err(None);
+            }
+        }
+        Ok(())
     }
 
     /// An audited adapter that is not dense-only: refused, or prepared in
@@ -751,32 +864,38 @@ impl<C: SlotCompanion> LoraPool<C> {
     }
 
     /// Phase two: write the staged adapter into `slot` and make it live.
-    /// Only device failures can stop it now.
-    fn publish(&mut self, slot: usize, mut staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
+    /// Only device failures can stop it now. What can fail without writing
+    /// is done first; from the first device write on, a failure leaves the
+    /// slot empty and unservable (no lease, step or route can name it)
+    /// until a later swap into it succeeds.
+    fn publish(&mut self, slot: SlotId, mut staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
         let started = std::time::Instant::now();
         self.check_idle(slot)?;
+        let s = slot.index();
         let elems = self.layout.slot_bytes() / 2;
-        let base = slot * elems;
-        match &mut staged.dense {
-            DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
-            DenseSource::Raw { regions, bytes } => {
-                // The plan places regions in a slot of its own; this slot starts at `base`.
-                for r in regions.iter_mut() {
-                    r.dst_elem += base as u64;
-                }
-                repack(
-                    &self.device,
-                    &self.staging.device,
-                    *bytes,
-                    regions,
-                    &mut self.staging.regions,
-                    &mut self.weights,
-                )?;
+        let base = s * elems;
+        let base_addr = self.weights.addr_at(base)?;
+        if let DenseSource::Raw { regions, .. } = &mut staged.dense {
+            // The plan places regions in a slot of its own; this slot starts at `base`.
+            for r in regions.iter_mut() {
+                r.dst_elem += base as u64;
             }
+        }
+        self.release_dropped_rows(slot)?;
+        self.registry.mark_unservable(s);
+        match &staged.dense {
+            DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
+            DenseSource::Raw { regions, bytes } => repack(
+                &self.device,
+                &self.staging.device,
+                *bytes,
+                regions,
+                &mut self.staging.regions,
+                &mut self.weights,
+            )?,
             DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
         }
-        self.clear_table_entries(slot);
-        let base_addr = self.weights.addr_at(base)?;
+        self.clear_table_entries(s);
         for meta in &staged.dense_pairs {
             let PairKey::Dense { layer, module } = meta.key else {
                 continue;
@@ -785,7 +904,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             else {
                 continue;
             };
-            self.host_table[offset + slot] = PairEntry {
+            self.host_table[offset + s] = PairEntry {
                 a: base_addr + place.a_offset as u64,
                 b: base_addr + place.b_offset as u64,
                 scale: meta.scale,
@@ -797,15 +916,15 @@ impl<C: SlotCompanion> LoraPool<C> {
         if let Some(pool) = &mut self.experts {
             match &staged.experts {
                 Some((layout, image)) => {
-                    pool.publish(slot, layout, image.as_elems(), image.pairs())?;
+                    pool.publish(s, layout, image.as_elems(), image.pairs())?;
                     expert_pairs = image.pairs().to_vec();
                 }
-                None => pool.clear(slot)?,
+                None => pool.clear(s)?,
             }
         }
         match staged.companion {
-            Some(c) => self.companion.commit(slot, c)?,
-            None => self.companion.clear(slot)?,
+            Some(c) => self.companion.commit(s, c)?,
+            None => self.companion.clear(s)?,
         }
         let next = AdapterSlot {
             name: staged.name.clone(),
@@ -813,17 +932,18 @@ impl<C: SlotCompanion> LoraPool<C> {
             pairs: staged.dense_pairs.clone(),
             expert_pairs,
             has_overlay: staged.has_overlay,
+            unservable: false,
         };
-        let generation = self.registry.publish(slot, next).unwrap_or(0);
-        self.uses.touch(slot);
-        let s = &self.registry.slots()[slot];
+        let generation = self.registry.publish(s, next).unwrap_or(0);
+        self.uses.touch(s);
+        let published = &self.registry.slots()[s];
         Ok(SwapReport {
             slot,
             name: staged.name,
             generation,
-            adapter_id: s.adapter_id(),
-            dense_pairs: s.pairs.len(),
-            expert_pairs: s.expert_pairs.len(),
+            adapter_id: published.adapter_id(),
+            dense_pairs: published.pairs.len(),
+            expert_pairs: published.expert_pairs.len(),
             stage_us: 0.0,
             audit_us: 0.0,
             route: staged.route,
@@ -838,83 +958,183 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
     }
 
-    /// Set the rows of the next decode batch: one slot per row, `-1` for a
-    /// row served by the base model; rows past `slots.len()` up to
-    /// `padded_rows` are padding (`-1`). Every named slot must hold an
-    /// adapter: a request never runs without its adapter silently.
-    pub fn set_decode_rows(&mut self, slots: &[i32], padded_rows: usize) -> Result<(), PoolError> {
-        if padded_rows > self.capacity.max_rows || slots.len() > padded_rows {
+    /// Resolve a step's rows: each lease must be this pool's and name a
+    /// servable slot, and no MoE route may be `Refuse`. Holds one lease per
+    /// distinct slot.
+    fn resolve_rows(&self, rows: &[StepRow<'_>]) -> Result<StepRows, PoolError> {
+        let experts = self.opts.experts && self.experts.is_some();
+        let mut resolved = StepRows {
+            pool: self.id,
+            id: 0,
+            rows: Vec::with_capacity(rows.len()),
+            adapter_ids: Vec::with_capacity(rows.len()),
+            routes: Vec::with_capacity(rows.len()),
+            leases: Vec::new(),
+        };
+        for (row, step_row) in rows.iter().enumerate() {
+            let (slot, id, state) = match step_row {
+                StepRow::Base => (RowSlot::Base, 0, None),
+                StepRow::Adapter(lease) => {
+                    if !lease.is_of(&self.uses) {
+                        return Err(PoolError::ForeignLease { row });
+                    }
+                    let slot = lease.slot();
+                    let servable = self.registry.get(slot.index()).filter(|s| s.is_servable());
+                    let Some(current) = servable else {
+                        return Err(PoolError::EmptySlot { row, slot });
+                    };
+                    if current.adapter_id() != lease.adapter_id() {
+                        return Err(PoolError::StaleLease { row, slot });
+                    }
+                    if !resolved.leases.iter().any(|l| l.slot() == slot) {
+                        resolved.leases.push((*lease).clone());
+                    }
+                    (RowSlot::Slot(slot), lease.adapter_id(), self.moe_state(slot))
+                }
+            };
+            let route = resolve_moe_lora_route(state, experts);
+            if let MoeLoraRoute::Refuse { reason } = route {
+                return Err(PoolError::RouteRefused { row, reason });
+            }
+            resolved.rows.push(slot);
+            resolved.adapter_ids.push(id);
+            resolved.routes.push(route);
+        }
+        Ok(resolved)
+    }
+
+    fn next_step_id(&mut self) -> u64 {
+        let id = self.next_step;
+        self.next_step += 1;
+        id
+    }
+
+    /// Build the next decode step: one row per request (its lease, or
+    /// [`StepRow::Base`]), padded with base rows to `padded_rows` (the
+    /// kernels' row count, e.g. a captured graph's batch size). Writes the
+    /// device row map, which the step's apply calls then read; the previous
+    /// decode step is stale from here on. Refused, writing nothing, for a
+    /// lease of another pool, a slot that cannot serve, or a `Refuse` MoE
+    /// route.
+    pub fn decode_step(&mut self, rows: &[StepRow<'_>], padded_rows: usize) -> Result<DecodeStep, PoolError> {
+        if padded_rows > self.capacity.max_rows || rows.len() > padded_rows {
             return Err(PoolError::BatchTooLarge {
                 what: "decode rows",
-                got: padded_rows.max(slots.len()),
+                got: padded_rows.max(rows.len()),
                 capacity: self.capacity.max_rows,
             });
         }
-        for (row, &slot) in slots.iter().enumerate() {
-            self.check_row_slot(row, slot)?;
-        }
-        let rows = build_seq_slot_host(slots, padded_rows, -1);
-        self.seq_slot.write(0, &rows)?;
-        self.decode_rows = padded_rows;
-        Ok(())
+        let mut resolved = self.resolve_rows(rows)?;
+        let kernel: Vec<i32> = (0..padded_rows)
+            .map(|i| resolved.rows.get(i).map_or(-1, |r| r.kernel_value()))
+            .collect();
+        self.decode_current = None;
+        self.seq_slot.write(0, &kernel)?;
+        resolved.id = self.next_step_id();
+        self.decode_current = Some(CurrentStep {
+            id: resolved.id,
+            slots: resolved.slots().collect(),
+            kernel_rows: padded_rows,
+        });
+        Ok(DecodeStep {
+            rows: resolved,
+            padded_rows,
+        })
     }
 
-    fn check_row_slot(&self, row: usize, slot: i32) -> Result<(), PoolError> {
-        if slot < -1 {
-            return Err(PoolError::Batch(format!(
-                "row {row}: slot {slot} (use -1 for the base model)"
-            )));
-        }
-        if slot >= 0 {
-            let filled = self.registry.get(slot as usize).is_some_and(AdapterSlot::is_filled);
-            if !filled {
-                return Err(PoolError::EmptySlot { row, slot });
-            }
-        }
-        Ok(())
-    }
-
-    /// Set the segments of the next prefill batch: `cu_seqlens` is the
-    /// `[n + 1]` prefix sum of the sequence lengths, `slots[i]` the slot of
-    /// sequence `i` (`-1`: base model).
-    pub fn set_prefill_segments(&mut self, cu_seqlens: &[usize], slots: &[i32]) -> Result<(), PoolError> {
-        if slots.len() > self.capacity.max_segments {
+    /// Build the next prefill step: one segment per sequence (its lease or
+    /// [`StepRow::Base`], and its token count), packed in order. Writes the
+    /// device segment buffers; the previous prefill step is stale from here
+    /// on. Refused, writing nothing, as [`LoraPool::decode_step`], and for
+    /// an empty sequence.
+    pub fn prefill_step(&mut self, seqs: &[PrefillSeq<'_>]) -> Result<PrefillStep, PoolError> {
+        if seqs.len() > self.capacity.max_segments {
             return Err(PoolError::BatchTooLarge {
                 what: "prefill segments",
-                got: slots.len(),
+                got: seqs.len(),
                 capacity: self.capacity.max_segments,
             });
         }
-        if cu_seqlens.len() != slots.len() + 1 || cu_seqlens.first() != Some(&0) {
-            return Err(PoolError::Batch(format!(
-                "cu_seqlens must be a prefix sum from 0 with {} entries",
-                slots.len() + 1
-            )));
+        let mut cu_seqlens = Vec::with_capacity(seqs.len() + 1);
+        cu_seqlens.push(0usize);
+        for (seq, s) in seqs.iter().enumerate() {
+            if s.len == 0 {
+                return Err(PoolError::Batch(format!("prefill sequence {seq} has no tokens")));
+            }
+            let total = cu_seqlens[seq].saturating_add(s.len);
+            if total > self.capacity.max_rows {
+                return Err(PoolError::BatchTooLarge {
+                    what: "prefill rows",
+                    got: total,
+                    capacity: self.capacity.max_rows,
+                });
+            }
+            cu_seqlens.push(total);
         }
-        if cu_seqlens.windows(2).any(|w| w[1] < w[0]) {
-            return Err(PoolError::Batch("cu_seqlens decreases".into()));
+        let rows: Vec<StepRow<'_>> = seqs.iter().map(|s| s.row).collect();
+        let mut resolved = self.resolve_rows(&rows)?;
+        let total = cu_seqlens[seqs.len()];
+        let seg: Vec<i32> = resolved.rows.iter().map(|r| r.kernel_value()).collect();
+        let mut per_row = Vec::with_capacity(total);
+        for (i, r) in resolved.rows.iter().enumerate() {
+            per_row.extend(std::iter::repeat_n(r.kernel_value(), cu_seqlens[i + 1] - cu_seqlens[i]));
         }
-        let total = cu_seqlens[slots.len()];
-        if total > self.capacity.max_rows {
-            return Err(PoolError::BatchTooLarge {
-                what: "prefill rows",
-                got: total,
-                capacity: self.capacity.max_rows,
-            });
-        }
-        for (seq, &slot) in slots.iter().enumerate() {
-            self.check_row_slot(seq, slot)?;
-        }
+        // Fits i32: the capacity was checked when the pool was made.
         let cu: Vec<i32> = cu_seqlens.iter().map(|&c| c as i32).collect();
+        self.prefill_current = None;
         self.cu_seqlens.write(0, &cu)?;
-        self.seg_slot.write(0, slots)?;
-        self.segments = slots.len();
-        self.prefill_rows = total;
+        self.seg_slot.write(0, &seg)?;
+        self.prefill_row_slot.write(0, &per_row)?;
+        resolved.id = self.next_step_id();
+        self.prefill_current = Some(CurrentStep {
+            id: resolved.id,
+            slots: resolved.slots().collect(),
+            kernel_rows: total,
+        });
+        Ok(PrefillStep {
+            rows: resolved,
+            cu_seqlens,
+        })
+    }
+
+    /// An error unless `step` is this pool's latest step of its kind (the
+    /// one the device row buffers hold).
+    pub fn check_step<S: Step>(&self, step: &S) -> Result<(), PoolError> {
+        let rows = Sealed::step_rows(step);
+        let current = match step.kind() {
+            StepKind::Decode => &self.decode_current,
+            StepKind::Prefill => &self.prefill_current,
+        };
+        if rows.pool != self.id || current.as_ref().map(|c| c.id) != Some(rows.id) {
+            return Err(PoolError::StaleStep { kind: step.kind() });
+        }
         Ok(())
     }
 
-    fn check_inputs(&self, layer: usize, modules: &[ModuleTarget], x_width: usize) -> Result<(), PoolError> {
-        for m in modules {
+    /// The device row map of `step` (one `i32` per kernel row), for
+    /// companion kernels such as token overlays. Refused for a stale step.
+    pub fn step_slots<S: Step>(&self, step: &S) -> Result<StepSlots<'_>, PoolError> {
+        self.check_step(step)?;
+        let buffer = match step.kind() {
+            StepKind::Decode => &self.seq_slot,
+            StepKind::Prefill => &self.prefill_row_slot,
+        };
+        Ok(StepSlots {
+            buffer,
+            rows: step.kernel_rows(),
+        })
+    }
+
+    fn check_inputs<S: Step>(
+        &self,
+        step: &S,
+        layer: usize,
+        targets: &FusedTargets,
+        x_width: usize,
+        x_rows: usize,
+    ) -> Result<(), PoolError> {
+        self.check_step(step)?;
+        for m in targets.targets() {
             let entry = self.layout.entry(layer, m.module).ok_or(PoolError::NoSuchModule {
                 layer,
                 module: m.module,
@@ -926,53 +1146,50 @@ impl<C: SlotCompanion> LoraPool<C> {
                 )));
             }
         }
+        if x_rows != step.kernel_rows() {
+            return Err(PoolError::Batch(format!(
+                "x has {x_rows} rows, the {} step {}",
+                step.kind(),
+                step.kernel_rows()
+            )));
+        }
         Ok(())
     }
 
     /// Decode apply: `y[row, cols of module] += scale · B (A x[row])` for
-    /// each row's slot (set by [`LoraPool::set_decode_rows`]) and each module
-    /// (which share the input x), in one launch. Graph-capturable.
+    /// each row's slot in `step` and each of `targets` (which share the
+    /// input x), in one launch. Graph-capturable.
     pub fn apply_decode<Y: OutputElem>(
         &self,
+        step: &DecodeStep,
         layer: usize,
-        modules: &[ModuleTarget],
+        targets: &FusedTargets,
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), PoolError> {
-        self.check_inputs(layer, modules, x.width)?;
-        if x.n_rows != self.decode_rows {
-            return Err(PoolError::Batch(format!(
-                "x has {} rows, the decode batch {}",
-                x.n_rows, self.decode_rows
-            )));
-        }
-        let targets = targets(&self.table, &self.layout, self.opts.max_loras, layer, modules)?;
+        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
+        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
         bgmv(&self.device, x, &self.seq_slot, &targets, self.opts.max_rank, y)?;
         Ok(())
     }
 
-    /// Prefill apply over the segments set by
-    /// [`LoraPool::set_prefill_segments`]. Graph-capturable.
+    /// Prefill apply over `step`'s segments. Graph-capturable.
     pub fn apply_prefill<Y: OutputElem>(
-        &mut self,
+        &self,
+        step: &PrefillStep,
         layer: usize,
-        modules: &[ModuleTarget],
+        targets: &FusedTargets,
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), PoolError> {
-        self.check_inputs(layer, modules, x.width)?;
-        if x.n_rows != self.prefill_rows {
-            return Err(PoolError::Batch(format!(
-                "x has {} rows, the prefill batch {}",
-                x.n_rows, self.prefill_rows
-            )));
-        }
+        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
         let segments = Segments {
             cu_seqlens: &self.cu_seqlens,
             seg_slot: &self.seg_slot,
-            n_segments: self.segments,
+            n_segments: step.rows.rows.len(),
         };
-        let targets = targets(&self.table, &self.layout, self.opts.max_loras, layer, modules)?;
+        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
         sgmv(
             &self.device,
             x,
@@ -980,47 +1197,54 @@ impl<C: SlotCompanion> LoraPool<C> {
             &targets,
             self.opts.max_rank,
             y,
-            &mut self.workspace,
+            &mut workspace,
         )?;
         Ok(())
     }
 
-    /// One-adapter prefill: every row of x takes `slot`'s pair.
+    /// One-adapter prefill: every row of `step` runs the same adapter
+    /// ([`PrefillStep::one_adapter`]), applied as one GEMM pair. A step of
+    /// base rows only adds nothing; a step mixing adapters is refused (use
+    /// [`LoraPool::apply_prefill`]).
     pub fn apply_one_adapter<Y: OutputElem>(
-        &mut self,
-        slot: usize,
+        &self,
+        step: &PrefillStep,
         layer: usize,
-        modules: &[ModuleTarget],
+        targets: &FusedTargets,
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), PoolError> {
-        self.check_inputs(layer, modules, x.width)?;
-        self.check_row_slot(0, i32::try_from(slot).unwrap_or(i32::MAX))?;
-        self.check_slot(slot)?;
-        let targets = targets(&self.table, &self.layout, self.opts.max_loras, layer, modules)?;
+        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
+        if step.rows.rows.iter().all(|r| *r == RowSlot::Base) {
+            return Ok(());
+        }
+        let slot = step.one_adapter().ok_or(PoolError::NotOneAdapter)?;
+        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
         one_adapter(
             &self.device,
             x,
-            slot,
+            slot.index(),
             &targets,
             self.opts.max_rank,
             y,
-            &mut self.workspace,
+            &mut workspace,
         )?;
         Ok(())
     }
 }
 
-/// The kernel targets of `modules` at `layer`: each module's `[max_loras]`
+/// The kernel targets of `targets` at `layer`: each module's `[max_loras]`
 /// range of the pool's table.
-fn targets<'t>(
+fn kernel_targets<'t>(
     table: &'t DeviceBuffer<PairEntry>,
     layout: &SlotLayout,
     max_loras: usize,
     layer: usize,
-    modules: &[ModuleTarget],
+    targets: &FusedTargets,
 ) -> Result<Vec<LoraTarget<'t>>, PoolError> {
-    modules
+    targets
+        .targets()
         .iter()
         .map(|m| {
             let entry = layout.entry(layer, m.module).ok_or(PoolError::NoSuchModule {
@@ -1054,4 +1278,74 @@ fn check_unique_names(adapters: &[AdapterSource<'_>]) -> Result<(), PoolError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod fault_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A swap whose reset of a dropped step's rows faults still resets them
+    /// when it is retried: a graph replayed without a new step must never
+    /// run those rows with the slot's next adapter.
+    #[test]
+    fn a_faulted_row_reset_is_redone_by_the_retry() {
+        let llama = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+        let cfg = ModelConfig::from_file(&llama.join("config.json")).unwrap();
+        let opts = LoraOptions {
+            max_loras: 2,
+            max_rank: 16,
+            rotatable: true,
+            ..LoraOptions::default()
+        };
+        let capacity = BatchCapacity {
+            max_rows: 8,
+            max_segments: 2,
+        };
+        let (a, b) = (llama.join("demo_r4_plain"), llama.join("demo_r8_rslora"));
+        let sources = [AdapterSource { name: "a", dir: &a }];
+        let with_dropped_steps = || {
+            let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts.clone(), capacity, &sources).unwrap();
+            let lease = pool.acquire("a").unwrap();
+            let row = StepRow::Adapter(&lease);
+            drop(pool.decode_step(&[row, StepRow::Base], 4).unwrap());
+            drop(pool.prefill_step(&[PrefillSeq { row, len: 3 }]).unwrap());
+            drop(lease);
+            pool
+        };
+        let mut pool = with_dropped_steps();
+        let before = pool.device().write_count().unwrap();
+        pool.swap_from_disk(SlotId::new(0), "b", &b).unwrap();
+        let writes = pool.device().write_count().unwrap() - before;
+        // Each write of the swap in turn, the three resets among them.
+        for n in 0..writes as usize {
+            let mut pool = with_dropped_steps();
+            pool.device().inject_write_fault_after(n).unwrap();
+            let err = pool.swap_from_disk(SlotId::new(0), "b", &b).err();
+            assert!(
+                matches!(
+                    err,
+                    Some(PoolError::Kernel(lora_kernels::KernelError::InjectedFault { .. }))
+                ),
+                "fault {n}: {err:?}"
+            );
+            pool.swap_from_disk(SlotId::new(0), "b", &b).unwrap();
+            assert_eq!(
+                pool.seq_slot.download_range(0, 4).unwrap(),
+                [-1; 4],
+                "fault {n}: decode rows"
+            );
+            assert_eq!(
+                pool.seg_slot.download_range(0, 1).unwrap(),
+                [-1],
+                "fault {n}: prefill segments"
+            );
+            assert_eq!(
+                pool.prefill_row_slot.download_range(0, 3).unwrap(),
+                [-1; 3],
+                "fault {n}: prefill rows"
+            );
+        }
+    }
 }

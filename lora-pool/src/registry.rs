@@ -21,12 +21,21 @@ pub struct AdapterSlot {
     pub expert_pairs: Vec<PairMeta>,
     /// The adapter has token overlays (trainable tokens, saved tables).
     pub has_overlay: bool,
+    /// A write into the slot failed part way: it holds no adapter and
+    /// nothing may name it until a later swap into it succeeds.
+    pub unservable: bool,
 }
 
 impl AdapterSlot {
     /// Whether the slot holds an adapter.
     pub fn is_filled(&self) -> bool {
         !self.name.is_empty()
+    }
+
+    /// Whether rows may run with the slot: it holds an adapter and its
+    /// last write completed.
+    pub fn is_servable(&self) -> bool {
+        self.is_filled() && !self.unservable
     }
 
     /// The adapter's cache identity ([`adapter_id_hash`] of its name and
@@ -109,6 +118,22 @@ impl SlotRegistry {
         Some(current.generation)
     }
 
+    /// Mark slot `slot` as being written: it names no adapter from here on
+    /// (its identity is the placeholder's 0, so no cached identity or lease
+    /// matches it) and stays unservable until [`SlotRegistry::publish`] or
+    /// [`SlotRegistry::clear`] completes the write, which bumps the
+    /// generation once for the write.
+    pub(crate) fn mark_unservable(&mut self, slot: usize) {
+        if let Some(current) = self.slots.get_mut(slot) {
+            let generation = current.generation;
+            *current = AdapterSlot {
+                generation,
+                unservable: true,
+                ..AdapterSlot::default()
+            };
+        }
+    }
+
     /// Empty slot `slot` (its bytes and tables are already cleared), bumping
     /// its generation so any cached identity of the old adapter dies.
     pub(crate) fn clear(&mut self, slot: usize) -> Option<u64> {
@@ -163,6 +188,25 @@ mod tests {
     }
 
     #[test]
+    fn a_write_in_progress_serves_nothing_and_bumps_the_generation_once() {
+        let mut reg = SlotRegistry::new(2, 0);
+        reg.publish(0, named("a"));
+        reg.mark_unservable(0);
+        let marked = reg.get(0).unwrap();
+        assert!(!marked.is_servable() && !marked.is_filled());
+        assert_eq!(marked.adapter_id(), 0, "a slot being written has no identity");
+        assert_eq!(reg.slot_of("a"), None);
+        assert_eq!(reg.publish(0, named("a")), Some(2), "one write, one bump");
+        assert!(reg.get(0).unwrap().is_servable());
+        reg.mark_unservable(0);
+        assert_eq!(reg.clear(0), Some(3));
+        assert!(
+            !reg.get(0).unwrap().unservable,
+            "the write is complete: an empty slot, no longer mid-write"
+        );
+    }
+
+    #[test]
     fn cache_views_skip_pinned_slots_and_feed_victim_selection() {
         let mut reg = SlotRegistry::new(4, 2);
         for (i, n) in ["p0", "p1", "c2", "c3"].iter().enumerate() {
@@ -174,7 +218,7 @@ mod tests {
         let views = reg.cache_slot_views(&uses);
         assert_eq!(views.iter().map(|(i, _)| *i).collect::<Vec<_>>(), [2, 3]);
         assert_eq!(select_victim_slot(&views), Ok(3), "slot 3 was used longest ago");
-        let _hold = crate::lease::SlotLease::take(&uses, 3, 1);
+        let _hold = crate::lease::SlotLease::take(&uses, crate::SlotId::new(3), 1);
         assert_eq!(select_victim_slot(&reg.cache_slot_views(&uses)), Ok(2));
     }
 

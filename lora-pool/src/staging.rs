@@ -22,7 +22,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
-use lora_audit::{AuditError, UnparsedSafetensors};
+use lora_audit::{AuditError, TensorDtype, UnparsedSafetensors, first_non_finite_raw};
 use lora_kernels::{Device, DeviceBuffer, PinnedHostBuffer, RepackRegion};
 use lora_layout::{PairLayout, SlotLayout};
 use rayon::prelude::*;
@@ -228,6 +228,31 @@ impl Staging {
                         source: e,
                     }),
                 })
+        })
+    }
+
+    /// The first element of `dtype` values at data-section bytes `range`
+    /// (as [`Staging::read_raw`] left them in the host chunks) that is not
+    /// finite as served: its index and stored value. The chunks tile the
+    /// staging slot in order, so a range is one slice, or two or more
+    /// pieces copied together when it spans chunks.
+    pub(crate) fn first_non_finite_raw(
+        &self,
+        range: Range<usize>,
+        dtype: TensorDtype,
+    ) -> Result<Option<(usize, f32)>, PoolError> {
+        let mut pieces: Vec<&[u8]> = Vec::new();
+        for chunk in &self.chunks {
+            let at = 2 * chunk.elem_offset;
+            let host: &[u8] = bytemuck::cast_slice(chunk.host.as_slice()?);
+            let (lo, hi) = (range.start.max(at), range.end.min(at + host.len()));
+            if lo < hi {
+                pieces.push(&host[lo - at..hi - at]);
+            }
+        }
+        Ok(match pieces.as_slice() {
+            [one] => first_non_finite_raw(dtype, one),
+            many => first_non_finite_raw(dtype, &many.concat()),
         })
     }
 

@@ -15,7 +15,9 @@ use lora_audit::{WeightRef, parse_weight_name};
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::ModelConfig;
-use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool, ModuleTarget};
+use lora_pool::{
+    AdapterSource, BatchCapacity, FusedTargets, LoraOptions, LoraPool, PrefillSeq, RowSlot, SlotLease, Step, StepRow,
+};
 
 const MODEL: &str = "llama";
 const ADAPTERS: [&str; 4] = [
@@ -66,21 +68,25 @@ fn weights(cfg: &ModelConfig, oracles: &[Oracle]) -> Vec<(String, usize, lora_la
         .collect()
 }
 
+/// A row's expected delta (`None`: exactly zero).
+type Expected = Option<Vec<f32>>;
+
 /// One batch for weight `w`: for each adapter, its 4 probe rows (or 4 random
 /// rows when it leaves `w` alone: their delta must be exactly 0), then 3
-/// random rows of the base model. Returns x, per-row slot, the expected
-/// delta rows (`None`: exactly zero).
+/// random rows of the base model. Returns x, per-row adapter (its index in
+/// `oracles`; `None`: the base model), the expected delta rows (`None`:
+/// exactly zero).
 fn batch(
     rng: &mut Rng,
     w: &str,
     in_dim: usize,
     out_dim: usize,
     oracles: &[Oracle],
-) -> (Vec<f32>, Vec<i32>, Vec<Option<Vec<f32>>>) {
+) -> (Vec<f32>, Vec<Option<usize>>, Vec<Expected>) {
     let mut x = Vec::new();
-    let mut slots = Vec::new();
+    let mut adapters = Vec::new();
     let mut expected = Vec::new();
-    for (slot, o) in oracles.iter().enumerate() {
+    for (k, o) in oracles.iter().enumerate() {
         match (o.inputs.inputs.get(w), o.expected.get(&format!("probe_out::{w}"))) {
             (Some(pin), Some(pout)) => {
                 assert_eq!(pin.shape, [4, in_dim]);
@@ -95,26 +101,26 @@ fn batch(
                 expected.extend(std::iter::repeat_n(None, 4));
             }
         }
-        slots.extend([slot as i32; 4]);
+        adapters.extend([Some(k); 4]);
     }
     x.extend((0..3 * in_dim).map(|_| rng.uniform() * 2.0 - 1.0));
-    slots.extend([-1; 3]);
+    adapters.extend([None; 3]);
     expected.extend(std::iter::repeat_n(None, 3));
-    (x, slots, expected)
+    (x, adapters, expected)
 }
 
-fn check_rows(w: &str, y: &[f32], y0: &[f32], out_dim: usize, expected: &[Option<Vec<f32>>], slots: &[i32]) {
+fn check_rows(w: &str, y: &[f32], y0: &[f32], out_dim: usize, expected: &[Expected], rows: &[RowSlot]) {
     for (r, want) in expected.iter().enumerate() {
         let delta: Vec<f32> = (0..out_dim).map(|c| y[r * out_dim + c] - y0[r * out_dim + c]).collect();
         match want {
             Some(reference) => {
                 let err = rel_error(&delta, reference);
-                assert!(err < 1e-2, "{w} row {r} (slot {}): relative error {err}", slots[r]);
+                assert!(err < 1e-2, "{w} row {r} ({:?}): relative error {err}", rows[r]);
             }
             None => assert!(
                 delta.iter().all(|d| *d == 0.0),
-                "{w} row {r} (slot {}) must be untouched",
-                slots[r]
+                "{w} row {r} ({:?}) must be untouched",
+                rows[r]
             ),
         }
     }
@@ -125,25 +131,38 @@ enum Mode {
     Prefill,
 }
 
+/// The step row of each batch row: its adapter's lease, or the base model.
+fn step_rows<'l>(adapters: &[Option<usize>], leases: &'l [SlotLease]) -> Vec<StepRow<'l>> {
+    adapters
+        .iter()
+        .map(|a| a.map_or(StepRow::Base, |k| StepRow::Adapter(&leases[k])))
+        .collect()
+}
+
 fn run(device: &Device, mode: Mode) {
     let (mut pool, oracles) = load(device);
     let cfg = pool.config().clone();
+    let leases: Vec<SlotLease> = ADAPTERS.iter().map(|a| pool.acquire(a).unwrap()).collect();
     let mut rng = Rng::fresh("serve_fixtures");
     for (w, layer, module) in weights(&cfg, &oracles) {
         let (out_dim, in_dim) = module.dims(&cfg);
-        let (x, slots, expected) = batch(&mut rng, &w, in_dim, out_dim, &oracles);
-        let n = slots.len();
+        let (x, adapters, expected) = batch(&mut rng, &w, in_dim, out_dim, &oracles);
+        let n = adapters.len();
         let y0: Vec<f32> = (0..n * out_dim).map(|_| rng.uniform() - 0.5).collect();
         let xb = device.upload(&to_bf16(&x)).unwrap();
         let mut yb = device.upload(&y0).unwrap();
-        let target = [ModuleTarget {
-            module,
-            y_col_offset: 0,
-        }];
+        let target = FusedTargets::single(&cfg, module);
+        let rows = step_rows(&adapters, &leases);
+        let want: Vec<RowSlot> = adapters
+            .iter()
+            .map(|a| a.map_or(RowSlot::Base, |k| RowSlot::Slot(leases[k].slot())))
+            .collect();
         match mode {
             Mode::Decode => {
-                pool.set_decode_rows(&slots, n).unwrap();
+                let step = pool.decode_step(&rows, n).unwrap();
+                assert_eq!(step.requests(), want.as_slice());
                 pool.apply_decode(
+                    &step,
                     layer,
                     &target,
                     Rows::dense(&xb, n, in_dim),
@@ -153,13 +172,19 @@ fn run(device: &Device, mode: Mode) {
             }
             Mode::Prefill => {
                 // One segment per adapter (4 rows) and one of the base model.
-                let seg_slots: Vec<i32> = slots.chunks(4).map(|c| c[0]).collect();
-                let mut cu = vec![0usize];
-                for c in slots.chunks(4) {
-                    cu.push(cu.last().unwrap() + c.len());
-                }
-                pool.set_prefill_segments(&cu, &seg_slots).unwrap();
+                let seqs: Vec<PrefillSeq<'_>> = rows
+                    .chunks(4)
+                    .map(|c| PrefillSeq {
+                        row: c[0],
+                        len: c.len(),
+                    })
+                    .collect();
+                let step = pool.prefill_step(&seqs).unwrap();
+                let seg_want: Vec<RowSlot> = want.chunks(4).map(|c| c[0]).collect();
+                assert_eq!(step.requests(), seg_want.as_slice());
+                assert_eq!(step.kernel_rows(), n);
                 pool.apply_prefill(
+                    &step,
                     layer,
                     &target,
                     Rows::dense(&xb, n, in_dim),
@@ -170,7 +195,7 @@ fn run(device: &Device, mode: Mode) {
         }
         device.check_faults().unwrap();
         let y = yb.download().unwrap();
-        check_rows(&w, &y, &y0, out_dim, &expected, &slots);
+        check_rows(&w, &y, &y0, out_dim, &expected, &want);
     }
 }
 

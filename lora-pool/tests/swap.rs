@@ -8,72 +8,12 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{fixtures, model_config};
-use lora_kernels::{Device, PairEntry};
-use lora_layout::LoraModule;
+use common::{dir, model_config, options, pool_with, slot, snapshot};
+use lora_kernels::Device;
 use lora_pool::{
-    AdapterSlot, AdapterSource, BatchCapacity, LoraOptions, LoraPool, PoolError, StagingTuning, SwapRoute,
+    AdapterSource, BatchCapacity, LoraOptions, LoraPool, PoolError, PrefillSeq, RowSlot, StagingTuning, Step, StepRow,
+    SwapRoute,
 };
-
-fn dir(adapter: &str) -> PathBuf {
-    fixtures().join("llama").join(adapter)
-}
-
-fn options(max_loras: usize, pinned: usize) -> LoraOptions {
-    LoraOptions {
-        max_loras,
-        max_rank: 16,
-        pinned,
-        rotatable: true,
-        ..LoraOptions::default()
-    }
-}
-
-fn pool_with(opts: LoraOptions, adapters: &[(&str, &str)]) -> LoraPool {
-    let dirs: Vec<PathBuf> = adapters.iter().map(|(_, a)| dir(a)).collect();
-    let sources: Vec<AdapterSource<'_>> = adapters
-        .iter()
-        .zip(&dirs)
-        .map(|((name, _), dir)| AdapterSource { name, dir })
-        .collect();
-    LoraPool::load(
-        &Device::cpu(),
-        model_config("llama"),
-        opts,
-        BatchCapacity::default(),
-        &sources,
-    )
-    .unwrap()
-}
-
-/// Everything a swap may change: every slot's bytes, every table entry, the
-/// slot registry.
-#[derive(Debug, PartialEq)]
-struct Snapshot {
-    bytes: Vec<Vec<half::bf16>>,
-    entries: Vec<PairEntry>,
-    slots: Vec<AdapterSlot>,
-}
-
-fn snapshot(pool: &LoraPool) -> Snapshot {
-    let n = pool.slots().len();
-    let cfg = pool.config();
-    let mut entries = Vec::new();
-    for layer in 0..cfg.num_hidden_layers {
-        for module in LoraModule::ALL {
-            for slot in 0..n {
-                if let Some(e) = pool.entry(layer, module, slot) {
-                    entries.push(e);
-                }
-            }
-        }
-    }
-    Snapshot {
-        bytes: (0..n).map(|s| pool.slot_contents(s).unwrap()).collect(),
-        entries,
-        slots: pool.slots().to_vec(),
-    }
-}
 
 /// A temp folder removed when dropped.
 struct TempDir(PathBuf);
@@ -103,8 +43,10 @@ fn a_swap_writes_only_its_slot_while_others_serve() {
     let lease_a = pool.acquire("a").unwrap();
     let lease_b = pool.acquire("b").unwrap();
     let before = snapshot(&pool);
-    let report = pool.swap_from_disk(2, "c", &dir("demo_r16_alpha_pattern")).unwrap();
-    assert_eq!((report.slot, report.generation), (2, 1));
+    let report = pool
+        .swap_from_disk(slot(2), "c", &dir("demo_r16_alpha_pattern"))
+        .unwrap();
+    assert_eq!((report.slot, report.generation), (slot(2), 1));
     let after = snapshot(&pool);
     assert_eq!(before.bytes[0], after.bytes[0]);
     assert_eq!(before.bytes[1], after.bytes[1]);
@@ -112,11 +54,14 @@ fn a_swap_writes_only_its_slot_while_others_serve() {
     assert_eq!(before.bytes[3], after.bytes[3]);
     assert_eq!(&after.slots[..2], &before.slots[..2]);
     // A slot in use cannot be overwritten.
-    let err = pool.swap_from_disk(0, "d", &dir("rslora")).unwrap_err();
-    assert!(matches!(err, PoolError::SlotInUse { slot: 0, leases: 1 }), "{err}");
+    let err = pool.swap_from_disk(slot(0), "d", &dir("rslora")).unwrap_err();
+    assert!(
+        matches!(err, PoolError::SlotInUse { slot: s, leases: 1 } if s == slot(0)),
+        "{err}"
+    );
     drop((lease_a, lease_b));
-    pool.swap_from_disk(0, "d", &dir("rslora")).unwrap();
-    assert_eq!(pool.slot_of("d"), Some(0));
+    pool.swap_from_disk(slot(0), "d", &dir("rslora")).unwrap();
+    assert_eq!(pool.slot_of("d"), Some(slot(0)));
     assert_eq!(pool.slot_of("a"), None);
 }
 
@@ -152,8 +97,8 @@ fn failed_swaps_leave_the_pool_bit_for_bit() {
         ),
     ];
     for (what, path, codes) in cases {
-        for slot in [1, 2] {
-            let err = pool.swap_from_disk(slot, "new", path).unwrap_err();
+        for s in [1, 2] {
+            let err = pool.swap_from_disk(slot(s), "new", path).unwrap_err();
             assert!(matches!(err, PoolError::Audit { .. }), "{what}: {err}");
             for code in codes {
                 assert!(
@@ -167,15 +112,15 @@ fn failed_swaps_leave_the_pool_bit_for_bit() {
     }
     // Names must stay unique and non-empty.
     assert!(matches!(
-        pool.swap_from_disk(2, "a", &dir("rslora")),
+        pool.swap_from_disk(slot(2), "a", &dir("rslora")),
         Err(PoolError::DuplicateName(_))
     ));
     assert!(matches!(
-        pool.swap_from_disk(2, "", &dir("rslora")),
+        pool.swap_from_disk(slot(2), "", &dir("rslora")),
         Err(PoolError::EmptyName)
     ));
     assert!(matches!(
-        pool.swap_from_disk(9, "z", &dir("rslora")),
+        pool.swap_from_disk(slot(9), "z", &dir("rslora")),
         Err(PoolError::NoSuchSlot { slot: 9, .. })
     ));
     assert_eq!(snapshot(&pool), before);
@@ -186,13 +131,13 @@ fn every_write_bumps_the_generation_and_the_identity() {
     let mut pool = pool_with(options(2, 0), &[("a", "demo_r4_plain")]);
     let first = pool.slots()[0].adapter_id();
     assert_eq!(pool.slots()[0].generation, 1);
-    let report = pool.swap_from_disk(0, "a", &dir("demo_r4_plain")).unwrap();
+    let report = pool.swap_from_disk(slot(0), "a", &dir("demo_r4_plain")).unwrap();
     assert_eq!(report.generation, 2);
     assert_ne!(report.adapter_id, first, "same name, new generation: a new identity");
     assert_eq!(pool.acquire("a").unwrap().adapter_id(), report.adapter_id);
-    pool.evict(0).unwrap();
+    pool.evict(slot(0)).unwrap();
     assert_eq!(pool.slots()[0].adapter_id(), 0);
-    assert!(pool.slot_contents(0).unwrap().iter().all(|v| v.to_f32() == 0.0));
+    assert!(pool.slot_contents(slot(0)).unwrap().iter().all(|v| v.to_f32() == 0.0));
     assert!(matches!(pool.acquire("a"), Err(PoolError::NotResident(_))));
 }
 
@@ -200,27 +145,27 @@ fn every_write_bumps_the_generation_and_the_identity() {
 fn promotion_picks_empty_then_lru_skips_pinned_and_fails_when_all_in_use() {
     let mut pool = pool_with(options(3, 1), &[("pinned", "demo_r4_plain")]);
     let b = pool.promote("b", &dir("demo_r8_rslora")).unwrap();
-    assert_eq!(b.slot(), 1, "first empty promotion slot");
+    assert_eq!(b.slot(), slot(1), "first empty promotion slot");
     let c = pool.promote("c", &dir("rslora")).unwrap();
-    assert_eq!(c.slot(), 2);
+    assert_eq!(c.slot(), slot(2));
     drop((b, c));
     // Use c again: b is now the least recently used; the pinned slot, older
     // still, is never a candidate.
     drop(pool.acquire("c").unwrap());
     let d = pool.promote("d", &dir("layer_subset")).unwrap();
-    assert_eq!(d.slot(), 1);
+    assert_eq!(d.slot(), slot(1));
     assert_eq!(pool.slot_of("b"), None);
-    assert_eq!(pool.slot_of("pinned"), Some(0));
+    assert_eq!(pool.slot_of("pinned"), Some(slot(0)));
     // Promoting a resident adapter just leases it.
     let c = pool.promote("c", &dir("rslora")).unwrap();
-    assert_eq!(c.slot(), 2);
+    assert_eq!(c.slot(), slot(2));
     // Both promotion slots are held: nothing can be evicted.
     let err = pool.promote("e", &dir("regex_targets")).unwrap_err();
     assert!(matches!(err, PoolError::PoolFull { .. }), "{err}");
     drop((c, d));
     assert_eq!(
         pool.promote("e", &dir("regex_targets")).unwrap().slot(),
-        1,
+        slot(1),
         "d was used before c"
     );
 }
@@ -235,7 +180,7 @@ fn swaps_need_a_rotatable_pool() {
         &[("a", "demo_r4_plain")],
     );
     assert!(matches!(
-        pool.swap_from_disk(1, "b", &dir("rslora")),
+        pool.swap_from_disk(slot(1), "b", &dir("rslora")),
         Err(PoolError::NotRotatable)
     ));
     assert!(matches!(
@@ -244,21 +189,65 @@ fn swaps_need_a_rotatable_pool() {
     ));
 }
 
+/// Rows name adapters only through leases, so a row naming an empty slot,
+/// or a slot that is not one (`-2`), can no longer be written; what is left
+/// to refuse, each with its typed error: a lease on a name that is not
+/// resident, emptying a slot a step names, a lease of another pool, and a
+/// prefill sequence of no tokens.
 #[test]
 fn batch_rows_must_name_resident_adapters() {
     let mut pool = pool_with(options(3, 0), &[("a", "demo_r4_plain")]);
-    pool.set_decode_rows(&[0, -1, 0], 4).unwrap();
+    let a = pool.acquire("a").unwrap();
+    let step = pool
+        .decode_step(&[StepRow::Adapter(&a), StepRow::Base, StepRow::Adapter(&a)], 4)
+        .unwrap();
+    assert_eq!(
+        step.requests(),
+        &[RowSlot::Slot(slot(0)), RowSlot::Base, RowSlot::Slot(slot(0))]
+    );
+    assert_eq!(step.kernel_rows(), 4);
+    // Slots 1 and 2 hold nothing: no lease, so no row, can name them.
+    assert!(matches!(pool.acquire("b"), Err(PoolError::NotResident(n)) if n == "b"));
+    assert!(matches!(pool.acquire(""), Err(PoolError::NotResident(_))));
+    // Nor can the slot a row names be emptied under it.
+    drop(a);
     assert!(matches!(
-        pool.set_decode_rows(&[0, 1], 2),
-        Err(PoolError::EmptySlot { row: 1, slot: 1 })
+        pool.evict(slot(0)),
+        Err(PoolError::SlotInUse { slot: s, leases: 1 }) if s == slot(0)
     ));
-    assert!(matches!(pool.set_decode_rows(&[-2], 1), Err(PoolError::Batch(_))));
+    assert_eq!(pool.slot_of("a"), Some(slot(0)));
+    drop(step);
+    let a = pool.acquire("a").unwrap();
+    let other = pool_with(options(3, 0), &[("a", "demo_r4_plain")]);
+    let foreign = other.acquire("a").unwrap();
     assert!(matches!(
-        pool.set_prefill_segments(&[0, 3, 5], &[0, 2]),
-        Err(PoolError::EmptySlot { row: 1, slot: 2 })
+        pool.decode_step(&[StepRow::Adapter(&a), StepRow::Adapter(&foreign)], 2),
+        Err(PoolError::ForeignLease { row: 1 })
     ));
     assert!(matches!(
-        pool.set_prefill_segments(&[0, 3], &[0, 0]),
+        pool.prefill_step(&[
+            PrefillSeq {
+                row: StepRow::Base,
+                len: 3
+            },
+            PrefillSeq {
+                row: StepRow::Adapter(&foreign),
+                len: 2
+            },
+        ]),
+        Err(PoolError::ForeignLease { row: 1 })
+    ));
+    assert!(matches!(
+        pool.prefill_step(&[
+            PrefillSeq {
+                row: StepRow::Adapter(&a),
+                len: 3
+            },
+            PrefillSeq {
+                row: StepRow::Base,
+                len: 0
+            },
+        ]),
         Err(PoolError::Batch(_))
     ));
 }
@@ -339,14 +328,14 @@ fn every_route_from_a_file_writes_the_bytes_of_the_converted_adapter() {
         ] {
             let mut pool = pool_with(opts.clone(), &[]);
             pool.tune_staging(tuning).unwrap();
-            let report = pool.swap_from_disk(0, "direct", &dir(adapter)).unwrap();
+            let report = pool.swap_from_disk(slot(0), "direct", &dir(adapter)).unwrap();
             assert_eq!(report.route, route, "{adapter} {tuning:?}");
             let prepared = lora_audit::prepare_adapter(&dir(adapter), &cfg, pool.options()).unwrap();
-            let report = pool.swap_prepared(1, "converted", &prepared).unwrap();
+            let report = pool.swap_prepared(slot(1), "converted", &prepared).unwrap();
             assert_eq!(report.route, SwapRoute::Prepared);
             assert_eq!(
-                pool.slot_contents(0).unwrap(),
-                pool.slot_contents(1).unwrap(),
+                pool.slot_contents(slot(0)).unwrap(),
+                pool.slot_contents(slot(1)).unwrap(),
                 "{adapter} {tuning:?}"
             );
             assert_eq!(pool.slots()[0].pairs, pool.slots()[1].pairs, "{adapter}");
@@ -369,6 +358,8 @@ fn a_data_section_larger_than_the_staging_slot_is_packed_on_the_host() {
         "{data} data bytes fit a {}-byte slot",
         pool.layout().slot_bytes()
     );
-    let report = pool.swap_from_disk(0, "f32", &dir("dense_all_linear_f32")).unwrap();
+    let report = pool
+        .swap_from_disk(slot(0), "f32", &dir("dense_all_linear_f32"))
+        .unwrap();
     assert_eq!(report.route, SwapRoute::HostPack);
 }

@@ -15,9 +15,9 @@ use std::net::{TcpListener, TcpStream};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use common::{PeerProcess, Snapshot, assert_fresh, disk_pool, snapshot};
+use common::{PeerProcess, Snapshot, assert_fresh, disk_pool, packed_from_disk, snapshot};
 use lora_layout::{LoraModule, PairKey};
-use lora_pool::{LoraOptions, LoraPool};
+use lora_pool::{LoraOptions, LoraPool, PoolError, StepRow};
 use lora_rdma::land::{HostLanding, LandError};
 use lora_rdma::manifest::{Location, Manifest, ManifestEntry, ManifestError, WireKey};
 use lora_rdma::protocol::{RefusalCode, Request, Response, data_frame_lens};
@@ -80,18 +80,46 @@ fn a_clean_promotion_from_the_peer_writes_only_the_victim() {
     let after = snapshot(&pool);
     let victim = pool.slot_of(LANDED).unwrap();
     assert_eq!(lease.slot(), victim);
-    for slot in 0..3 {
+    assert_eq!(pool.slot_ids().count(), 3);
+    for slot in pool.slot_ids() {
+        let s = slot.index();
         if slot == victim {
-            assert_ne!(after.bytes[slot], before.bytes[slot]);
+            assert_ne!(after.bytes[s], before.bytes[s]);
         } else {
-            assert_eq!(after.bytes[slot], before.bytes[slot], "slot {slot}");
-            assert_eq!(after.slots[slot], before.slots[slot], "slot {slot}");
+            assert_eq!(after.bytes[s], before.bytes[s], "slot {slot}");
+            assert_eq!(after.slots[s], before.slots[s], "slot {slot}");
         }
     }
     // Resident now: a second promotion leases it without touching the peer.
     drop(peer);
     let again = promote_from_peer(&mut pool, &mut t, LANDED).unwrap();
     assert_eq!(again.slot(), victim);
+}
+
+/// Landed, checked images are still not published into a slot a running
+/// step holds: the publish is refused and changes nothing until the step
+/// drops.
+#[test]
+fn a_publish_into_a_slot_a_step_holds_is_refused_and_changes_nothing() {
+    let mut pool = bystander_pool();
+    let lease = pool.acquire("a").unwrap();
+    let held = lease.slot();
+    let step = pool.decode_step(&[StepRow::Adapter(&lease), StepRow::Base], 2).unwrap();
+    // The request is done; its step still holds the slot.
+    drop(lease);
+    let before = snapshot(&pool);
+    let (dense, _) = packed_from_disk(MODEL, LANDED, &options());
+    let err = pool.publish_landed(held, LANDED, dense, None).unwrap_err();
+    assert!(
+        matches!(err, PoolError::SlotInUse { slot, leases: 1 } if slot == held),
+        "{err}"
+    );
+    assert_eq!(snapshot(&pool), before, "a refused publish changed the pool");
+    drop(step);
+    let (dense, _) = packed_from_disk(MODEL, LANDED, &options());
+    let report = pool.publish_landed(held, LANDED, dense, None).unwrap();
+    assert_eq!((report.slot, pool.slot_of(LANDED)), (held, Some(held)));
+    assert_eq!(pool.slot_of("a"), None);
 }
 
 #[test]

@@ -16,7 +16,7 @@ use lora_audit::{Oracle, WeightRef, parse_weight_name, read_oracle};
 use lora_kernels::testing::{Rng, rel_error};
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
-use lora_pool::{BatchCapacity, LoraOptions, LoraPool, ModuleTarget};
+use lora_pool::{BatchCapacity, FusedTargets, LoraOptions, LoraPool, SlotLease, StepRow};
 use lora_rdma::land::{HostLanding, Lander};
 use lora_rdma::swap::promote_from_peer;
 use lora_rdma::tcp::{TcpOptions, TcpTransport};
@@ -68,7 +68,11 @@ fn three_adapters_land_from_a_peer_process_as_from_disk_and_serve_the_same_delta
             disk.slot_contents(d).unwrap(),
             "{adapter}: slot bytes"
         );
-        assert_eq!(landed.slots()[l].pairs, disk.slots()[d].pairs, "{adapter}: pairs");
+        assert_eq!(
+            landed.slots()[l.index()].pairs,
+            disk.slots()[d.index()].pairs,
+            "{adapter}: pairs"
+        );
         for layer in 0..cfg.num_hidden_layers {
             for module in LoraModule::ALL {
                 let (a, b) = (landed.entry(layer, module, l), disk.entry(layer, module, d));
@@ -95,8 +99,8 @@ fn weights(cfg: &ModelConfig, oracles: &[Oracle]) -> Vec<(String, usize, LoraMod
         .collect()
 }
 
-/// One decode apply of `layer`'s `module` on `pool`: row `r` takes the slot
-/// of adapter `rows_of[r]` (or none). Returns y.
+/// One decode apply of `layer`'s `module` on `pool`: row `r` holds a lease
+/// on adapter `rows_of[r]` (or runs the base model). Returns y.
 #[allow(clippy::too_many_arguments)]
 fn decode(
     pool: &mut LoraPool,
@@ -109,20 +113,19 @@ fn decode(
 ) -> Vec<f32> {
     let device = pool.device().clone();
     let n = rows_of.len();
-    let slots: Vec<i32> = rows_of
+    let leases: Vec<SlotLease> = ADAPTERS.iter().map(|a| pool.acquire(a).unwrap()).collect();
+    let rows: Vec<StepRow<'_>> = rows_of
         .iter()
-        .map(|r| r.map_or(-1, |i| pool.slot_of(ADAPTERS[i]).unwrap() as i32))
+        .map(|r| r.map_or(StepRow::Base, |i| StepRow::Adapter(&leases[i])))
         .collect();
-    pool.set_decode_rows(&slots, n).unwrap();
+    let step = pool.decode_step(&rows, n).unwrap();
     let xb = device
         .upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>())
         .unwrap();
     let mut yb = device.upload(y0).unwrap();
-    let target = [ModuleTarget {
-        module,
-        y_col_offset: 0,
-    }];
+    let target = FusedTargets::single(pool.config(), module);
     pool.apply_decode(
+        &step,
         layer,
         &target,
         Rows::dense(&xb, n, in_dim),
@@ -201,6 +204,7 @@ fn an_expert_adapter_promoted_from_the_peer_matches_the_disk_load() {
     let (l, d) = (lease.slot(), disk.slot_of(ADAPTER).unwrap());
     assert_eq!(pool.slot_contents(l).unwrap(), disk.slot_contents(d).unwrap());
     let (pe, de) = (pool.experts().unwrap(), disk.experts().unwrap());
+    let (l, d) = (l.index(), d.index());
     assert_eq!(pe.slot_contents(l).unwrap(), de.slot_contents(d).unwrap());
     assert_eq!(pool.slots()[l].expert_pairs, disk.slots()[d].expert_pairs);
     assert!(!pool.slots()[l].expert_pairs.is_empty());

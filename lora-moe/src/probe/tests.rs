@@ -1,5 +1,5 @@
 use lora_kernels::Device;
-use lora_pool::{AdapterSource, BatchCapacity, LoraOptions};
+use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, PoolError};
 
 use super::*;
 use crate::test_support::{config, fixtures};
@@ -44,7 +44,8 @@ fn inputs(probes: &[(&str, Vec<usize>)]) -> ProbeInputs {
 
 #[test]
 fn answers_expert_and_router_probes_and_leaves_the_rest() {
-    let pool = pool();
+    let mut pool = pool();
+    let lease = pool.acquire("experts").unwrap();
     let probes = inputs(&[
         ("model.layers.1.mlp.experts.2.up_proj.weight", vec![3, 32]),
         ("model.layers.1.mlp.experts.1.down_proj.weight", vec![3, 16]),
@@ -52,7 +53,9 @@ fn answers_expert_and_router_probes_and_leaves_the_rest() {
         ("model.layers.1.mlp.experts.gate_up_proj", vec![3, 32]),
         ("model.layers.0.self_attn.q_proj.weight", vec![3, 32]),
     ]);
-    let out = probe_expert_lora(&pool, 0, &probes).unwrap();
+    let out = probe_expert_lora(&mut pool, &lease, &probes).unwrap();
+    // The probe's steps are gone with it: only the caller's lease holds the slot.
+    assert_eq!(pool.ref_count(lease.slot()), 1);
     assert_eq!(out.not_expert, ["model.layers.0.self_attn.q_proj.weight"]);
     let shape = |k: &str| out.tensors[&format!("{PROBE_OUT}{k}")].shape.clone();
     assert_eq!(shape("model.layers.1.mlp.experts.2.up_proj.weight"), [3, 16]);
@@ -78,14 +81,15 @@ fn answers_expert_and_router_probes_and_leaves_the_rest() {
 
 #[test]
 fn malformed_probes_are_errors() {
-    let pool = pool();
+    let mut pool = pool();
+    let lease = pool.acquire("experts").unwrap();
     for (name, shape) in [
         ("model.layers.1.mlp.gate.weight", vec![3, 31]),
         ("model.layers.1.mlp.experts.0.down_proj.weight", vec![3, 32]),
         ("model.layers.1.mlp.experts.9.down_proj.weight", vec![3, 16]),
         ("model.layers.1.mlp.gate.weight", vec![2, 3, 32]),
     ] {
-        let err = probe_expert_lora(&pool, 0, &inputs(&[(name, shape.clone())])).unwrap_err();
+        let err = probe_expert_lora(&mut pool, &lease, &inputs(&[(name, shape.clone())])).unwrap_err();
         assert!(
             matches!(err, MoeError::Probe { .. } | MoeError::Audit(_)),
             "{name} {shape:?}: {err}"
@@ -96,13 +100,17 @@ fn malformed_probes_are_errors() {
         t.data.pop();
     }
     assert!(matches!(
-        probe_expert_lora(&pool, 0, &bad_len),
+        probe_expert_lora(&mut pool, &lease, &bad_len),
         Err(MoeError::Probe { .. })
     ));
-    // An empty slot cannot be probed.
+    // An empty slot cannot be probed: no lease names it (only a resident
+    // adapter is leased), and a lease of another pool is refused.
+    assert!(matches!(pool.acquire("absent"), Err(PoolError::NotResident(_))));
+    let other = self::pool();
+    let foreign = other.acquire("experts").unwrap();
     let probes = inputs(&[("model.layers.1.mlp.gate.weight", vec![3, 32])]);
     assert!(matches!(
-        probe_expert_lora(&pool, 1, &probes),
-        Err(MoeError::EmptySlot { slot: 1, .. })
+        probe_expert_lora(&mut pool, &foreign, &probes),
+        Err(MoeError::Pool(PoolError::ForeignLease { row: 0 }))
     ));
 }

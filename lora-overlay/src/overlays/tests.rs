@@ -120,14 +120,16 @@ fn embed_and_lm_head_apply_each_rows_slot() {
         let staged = s.overlays.stage_overlay(&host).unwrap();
         s.overlays.install(slot, staged).unwrap();
     }
-    // Every (id, slot) pair, slot 2 empty and -1 the base model.
+    // Every (id, slot) pair, slot 2 empty and -1 the base model, through the
+    // raw row map (a pool step never names an empty slot; the public calls,
+    // over a step's map, are checked with a real pool in tests/mixed_batch.rs).
     let (ids, slots): (Vec<u32>, Vec<i32>) = (0..VOCAB as u32).flat_map(|id| [-1, 0, 1, 2].map(|s| (id, s))).unzip();
     let n = ids.len();
     let ids_dev = s.dev.upload(&ids).unwrap();
     let slots_dev = s.dev.upload(&slots).unwrap();
     let mut out = s.dev.alloc_zeros::<bf16>(n * HIDDEN).unwrap();
     s.overlays
-        .embed(&ids_dev, Some(&slots_dev), RowsMut::dense(&mut out, n, HIDDEN))
+        .embed_rows(&ids_dev, Some(&slots_dev), RowsMut::dense(&mut out, n, HIDDEN))
         .unwrap();
     let out = out.download().unwrap();
     let hidden = rng.bf16_vec(n * HIDDEN, 1.0);
@@ -135,7 +137,7 @@ fn embed_and_lm_head_apply_each_rows_slot() {
     let hidden_dev = s.dev.upload(&hidden).unwrap();
     let mut logits = s.dev.upload(&base_logits).unwrap();
     s.overlays
-        .lm_head(
+        .lm_head_rows(
             Rows::dense(&hidden_dev, n, HIDDEN),
             &slots_dev,
             RowsMut::dense(&mut logits, n, VOCAB),
@@ -169,7 +171,7 @@ fn embed_and_lm_head_apply_each_rows_slot() {
     }
     // Arguments that do not fit are errors.
     let mut narrow = s.dev.alloc_zeros::<f32>(n * (VOCAB - 1)).unwrap();
-    let r = s.overlays.lm_head(
+    let r = s.overlays.lm_head_rows(
         Rows::dense(&hidden_dev, n, HIDDEN),
         &slots_dev,
         RowsMut::dense(&mut narrow, n, VOCAB - 1),

@@ -1,5 +1,6 @@
 //! Fixture access shared by the pool's integration tests: the PEFT fixtures
-//! under `fixtures/` and their oracles (PEFT's own merged weights).
+//! under `fixtures/` and their oracles (PEFT's own merged weights), and
+//! CPU pools loaded from the llama fixtures.
 
 #![allow(dead_code, clippy::unwrap_used)]
 
@@ -7,7 +8,9 @@ use std::path::PathBuf;
 
 use half::bf16;
 use lora_audit::Oracle;
-use lora_layout::ModelConfig;
+use lora_kernels::{Device, PairEntry};
+use lora_layout::{LoraModule, ModelConfig};
+use lora_pool::{AdapterSlot, AdapterSource, BatchCapacity, LoraOptions, LoraPool, SlotId};
 
 /// `fixtures/` at the workspace root.
 /// (`LORA_FIXTURES_DIR` when set: the GPU bundle carries them elsewhere.)
@@ -34,4 +37,71 @@ pub fn to_bf16(v: &[f32]) -> Vec<bf16> {
 /// ‖out − ref‖ / ‖ref‖, infinite on NaN or length mismatch.
 pub fn rel_error(out: &[f32], reference: &[f32]) -> f64 {
     lora_kernels::testing::rel_error(out, reference)
+}
+
+/// The llama fixture adapter `adapter`'s directory.
+pub fn dir(adapter: &str) -> PathBuf {
+    fixtures().join("llama").join(adapter)
+}
+
+/// A rotatable pool's options: `max_loras` slots of rank 16, the first
+/// `pinned` of them pinned.
+pub fn options(max_loras: usize, pinned: usize) -> LoraOptions {
+    LoraOptions {
+        max_loras,
+        max_rank: 16,
+        pinned,
+        rotatable: true,
+        ..LoraOptions::default()
+    }
+}
+
+/// A CPU pool on the llama fixture model holding `adapters` (name, fixture
+/// adapter) in slots `0..`.
+pub fn pool_with(opts: LoraOptions, adapters: &[(&str, &str)]) -> LoraPool {
+    pool_with_capacity(opts, BatchCapacity::default(), adapters)
+}
+
+/// [`pool_with`] with routing buffers of `capacity`.
+pub fn pool_with_capacity(opts: LoraOptions, capacity: BatchCapacity, adapters: &[(&str, &str)]) -> LoraPool {
+    let dirs: Vec<PathBuf> = adapters.iter().map(|(_, a)| dir(a)).collect();
+    let sources: Vec<AdapterSource<'_>> = adapters
+        .iter()
+        .zip(&dirs)
+        .map(|((name, _), dir)| AdapterSource { name, dir })
+        .collect();
+    LoraPool::load(&Device::cpu(), model_config("llama"), opts, capacity, &sources).unwrap()
+}
+
+/// Everything a swap or eviction may change: every slot's bytes, every
+/// table entry, the slot registry.
+#[derive(Debug, PartialEq)]
+pub struct Snapshot {
+    pub bytes: Vec<Vec<bf16>>,
+    pub entries: Vec<PairEntry>,
+    pub slots: Vec<AdapterSlot>,
+}
+
+pub fn snapshot(pool: &LoraPool) -> Snapshot {
+    let cfg = pool.config();
+    let mut entries = Vec::new();
+    for layer in 0..cfg.num_hidden_layers {
+        for module in LoraModule::ALL {
+            for slot in pool.slot_ids() {
+                if let Some(e) = pool.entry(layer, module, slot) {
+                    entries.push(e);
+                }
+            }
+        }
+    }
+    Snapshot {
+        bytes: pool.slot_ids().map(|s| pool.slot_contents(s).unwrap()).collect(),
+        entries,
+        slots: pool.slots().to_vec(),
+    }
+}
+
+/// Slot `i`.
+pub fn slot(i: usize) -> SlotId {
+    SlotId::new(i)
 }

@@ -170,12 +170,12 @@ pub struct Snapshot {
 }
 
 pub fn snapshot(pool: &LoraPool) -> Snapshot {
-    let n = pool.slots().len();
+    assert_eq!(pool.slot_ids().count(), pool.slots().len());
     let cfg = pool.config();
     let mut entries = Vec::new();
     for layer in 0..cfg.num_hidden_layers {
         for module in LoraModule::ALL {
-            for slot in 0..n {
+            for slot in pool.slot_ids() {
                 if let Some(e) = pool.entry(layer, module, slot) {
                     entries.push(e);
                 }
@@ -183,7 +183,7 @@ pub fn snapshot(pool: &LoraPool) -> Snapshot {
         }
     }
     Snapshot {
-        bytes: (0..n).map(|s| pool.slot_contents(s).unwrap()).collect(),
+        bytes: pool.slot_ids().map(|s| pool.slot_contents(s).unwrap()).collect(),
         entries,
         slots: pool.slots().to_vec(),
     }

@@ -1,0 +1,151 @@
+//! A served value that is not finite (NaN, ±Inf, or a finite F32 that
+//! rounds to an infinity in BF16) is refused with `REJECT[non-finite]`
+//! naming the tensor, on every disk route into the pool — startup load,
+//! device-repack swap, host-pack swap — and a refused swap changes nothing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{dir, model_config, options, pool_with, slot, snapshot};
+use lora_audit::{AuditError, RejectCode, SafetensorsFile, TensorDtype};
+use lora_kernels::Device;
+use lora_pool::{AdapterSource, BatchCapacity, LoraPool, PoolError, StagingTuning};
+
+/// A copy of fixture adapter `adapter` whose served tensor `tensor` (the
+/// first `lora_B` when `None`) has `value` at element 3.
+fn poisoned(adapter: &str, value: f32, tag: &str) -> (PathBuf, String) {
+    let src = dir(adapter);
+    let dst = std::env::temp_dir().join(format!("lora-pool-non-finite-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dst).expect("temp dir");
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("copy");
+    }
+    let weights = dst.join("adapter_model.safetensors");
+    let file = SafetensorsFile::open(&weights).expect("header");
+    let bytes = std::fs::read(&weights).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut names: Vec<String> = st
+        .names()
+        .into_iter()
+        .filter(|n| n.contains("lora_B"))
+        .map(str::to_string)
+        .collect();
+    names.sort();
+    let tensor = names.first().expect("a lora_B tensor").clone();
+    let (dtype, _, offset, _) = file.tensor(&tensor).expect("tensor");
+    let at = offset as usize;
+    let mut bytes = bytes.clone();
+    match dtype {
+        TensorDtype::F32 => bytes[at + 12..at + 16].copy_from_slice(&value.to_le_bytes()),
+        TensorDtype::BF16 => bytes[at + 6..at + 8].copy_from_slice(&half::bf16::from_f32(value).to_le_bytes()),
+        TensorDtype::F16 => bytes[at + 6..at + 8].copy_from_slice(&half::f16::from_f32(value).to_le_bytes()),
+        other => panic!("{tensor}: unexpected dtype {other:?}"),
+    }
+    std::fs::write(&weights, bytes).expect("write");
+    (dst, tensor)
+}
+
+fn assert_non_finite(err: PoolError, tensor: &str) {
+    let PoolError::Audit { source, .. } = &err else {
+        panic!("expected an audit refusal, got {err}");
+    };
+    let AuditError::Refused(report) = source.as_ref() else {
+        panic!("expected a refused report, got {source}");
+    };
+    let hit = report.refused.iter().find(|r| r.code == RejectCode::NonFinite);
+    let hit = hit.unwrap_or_else(|| panic!("no REJECT[non-finite] in {:?}", report.refused));
+    assert_eq!(hit.subject, tensor, "the refusal names the tensor");
+}
+
+fn swap_is_refused(device_repack: bool, value: f32, tag: &str) {
+    let (bad, tensor) = poisoned("demo_r4_plain", value, tag);
+    let mut pool = pool_with(options(2, 0), &[("plain", "demo_r4_plain")]);
+    pool.tune_staging(StagingTuning {
+        device_repack,
+        ..StagingTuning::default()
+    })
+    .expect("tuning");
+    let before = snapshot(&pool);
+    let err = pool.swap_from_disk(slot(1), "bad", &bad).expect_err("refused");
+    assert_non_finite(err, &tensor);
+    assert_eq!(snapshot(&pool), before, "a refused swap changes nothing");
+    let err = pool.swap_from_disk(slot(0), "bad", &bad).expect_err("refused");
+    assert_non_finite(err, &tensor);
+    assert_eq!(
+        snapshot(&pool),
+        before,
+        "a refused swap onto a filled slot changes nothing"
+    );
+    std::fs::remove_dir_all(&bad).ok();
+}
+
+#[test]
+fn nan_is_refused_on_the_device_repack_route() {
+    swap_is_refused(true, f32::NAN, "repack-nan");
+}
+
+#[test]
+fn infinity_is_refused_on_the_host_pack_route() {
+    swap_is_refused(false, f32::NEG_INFINITY, "hostpack-inf");
+}
+
+#[test]
+fn a_finite_value_that_rounds_to_infinity_is_refused() {
+    // Finite in F32, an infinity in BF16 (the fixture is F32; in a BF16 or
+    // F16 file it is already an infinity).
+    swap_is_refused(true, f32::MAX, "repack-max");
+    swap_is_refused(false, f32::MAX, "hostpack-max");
+}
+
+#[test]
+fn a_startup_load_refuses_it_too() {
+    let (bad, tensor) = poisoned("demo_r4_plain", f32::NAN, "load");
+    let sources = [AdapterSource {
+        name: "bad",
+        dir: Path::new(&bad),
+    }];
+    let Err(err) = LoraPool::load(
+        &Device::cpu(),
+        model_config("llama"),
+        options(2, 0),
+        BatchCapacity::default(),
+        &sources,
+    ) else {
+        panic!("a non-finite adapter loaded");
+    };
+    assert_non_finite(err, &tensor);
+    std::fs::remove_dir_all(&bad).ok();
+}
+
+/// A peer's landed image is the peer's bytes: a NaN in it is refused before
+/// anything is written.
+#[test]
+fn a_landed_image_with_a_nan_is_refused() {
+    use lora_layout::{LoraModule, PairKey};
+    use lora_pool::image::{PairMeta, PairPart, SlotImage};
+    let mut pool = pool_with(options(2, 0), &[("plain", "demo_r4_plain")]);
+    let mut image = SlotImage::zeroed(pool.layout());
+    let key = PairKey::Dense {
+        layer: 0,
+        module: LoraModule::QProj,
+    };
+    image
+        .declare(
+            pool.layout(),
+            PairMeta {
+                key,
+                rank: 2,
+                scale: 1.0,
+            },
+        )
+        .expect("declared");
+    let b = image.region_mut(pool.layout(), key, PairPart::B).expect("region");
+    b[..2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
+    let before = snapshot(&pool);
+    let err = pool
+        .publish_landed(slot(1), "landed", image, None)
+        .expect_err("refused");
+    assert!(err.to_string().contains("must be finite"), "{err}");
+    assert_eq!(snapshot(&pool), before, "a refused landing changes nothing");
+}
