@@ -1,14 +1,18 @@
-//! The CUDA backend: context, stream, NVRTC module cache, launches, events
-//! and graphs. Every cudarc call of the crate goes through here or through
-//! the CUDA arm of [`crate::buffer`], so the cudarc boundary is one place.
+//! The CUDA backend: context, stream, NVRTC module cache, launches, events,
+//! graphs and the cuBLAS handle. Every cudarc call of the crate goes through
+//! here or through the CUDA arm of [`crate::buffer`], so the cudarc boundary
+//! is one place.
 //!
-//! cudarc panics when `libcuda` / `libnvrtc` are missing, so [`open`] asks
+//! cudarc panics when `libcuda` / `libnvrtc` / `libcublas` are missing, so
+//! [`open`] (and the first cuBLAS call, [`CudaBackend::sgemm_nt`]) asks
 //! `is_culib_present` first and returns a typed error instead.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::result::CublasError;
 use cudarc::driver::sys::{
     CUdevice_attribute, CUevent_flags, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
@@ -103,6 +107,13 @@ pub(crate) fn driver_err(call: &'static str) -> impl Fn(DriverError) -> KernelEr
     }
 }
 
+fn cublas_err(call: &'static str) -> impl Fn(CublasError) -> KernelError {
+    move |e| KernelError::Cublas {
+        call,
+        detail: format!("{e:?}"),
+    }
+}
+
 /// Modules and functions loaded into one device's primary context.
 #[derive(Default)]
 struct ModuleCache {
@@ -144,6 +155,10 @@ pub(crate) struct CudaBackend {
     /// The spread form's inboxes ([`SPREAD_INBOX_WORDS`] a block, a block a
     /// multiprocessor), allocated zeroed; each launch leaves them zero.
     spread_inbox: Box<Mutex<CudaSlice<u64>>>,
+    /// The cuBLAS handle, created at first use and bound to `stream`
+    /// ([`CudaBackend::sgemm_nt`]); locked for each call, since one handle
+    /// must not be used by two threads at once.
+    blas: Mutex<Option<CudaBlas>>,
 }
 
 /// 64-bit words of one block's inbox in the spread form (`BGS_INBOX_WORDS`:
@@ -240,6 +255,7 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         fault: Mutex::new(fault),
         scratch: Box::new(Mutex::new(scratch)),
         spread_inbox: Box::new(Mutex::new(spread_inbox)),
+        blas: Mutex::new(None),
     })
 }
 
@@ -572,6 +588,66 @@ impl CudaBackend {
         let inbox = self.spread_inbox.lock().unwrap_or_else(|p| p.into_inner());
         let (ptr, _sync) = inbox.device_ptr(&self.stream);
         f(ptr)
+    }
+
+    /// `y[n, m] = x[n, k] · w[m, k]^T`, row-major f32, by one cuBLAS SGEMM
+    /// on the backend's stream (asynchronous, no synchronisation). The first
+    /// call creates the device's cuBLAS handle, bound to that stream; a
+    /// missing `libcublas` is [`KernelError::CublasMissing`].
+    ///
+    /// Row-major `y` is column-major `y^T [m, n]`, so the call computes
+    /// `y^T = w · x^T` in cuBLAS's terms: `w`'s row-major `[m, k]` read as
+    /// column-major `[k, m]` and transposed (`lda = k`), `x`'s row-major
+    /// `[n, k]` as column-major `[k, n]` (`ldb = k`), `ldc = m`.
+    ///
+    /// # Safety
+    /// `x`, `w` and `y` must be addresses of live allocations of this
+    /// device holding at least `n * k`, `m * k` and `n * m` f32s, `y` must
+    /// overlap neither `x` nor `w`, and `n`, `k`, `m` must be positive.
+    pub(crate) unsafe fn sgemm_nt(&self, x: u64, w: u64, y: u64, n: i32, k: i32, m: i32) -> Result<(), KernelError> {
+        use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        let mut blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = match &*blas {
+            Some(b) => *b.handle(),
+            None => {
+                // SAFETY: as in `libraries_present`: a `dlopen` attempt on the
+                // library's candidate names, nothing else.
+                if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+                    return Err(KernelError::CublasMissing);
+                }
+                let created = CudaBlas::new(self.stream.clone()).map_err(cublas_err("cublasCreate"))?;
+                let handle = *created.handle();
+                *blas = Some(created);
+                handle
+            }
+        };
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the handle is this backend's (held locked for the call) and
+        // issues on its stream; `alpha` and `beta` are host scalars alive for
+        // the call (the handle's default host pointer mode); the caller
+        // guarantees the three allocations, their sizes for these leading
+        // dimensions (k >= 1 for `w` and `x`, m >= 1 for `y`) and that `y`
+        // aliases neither input.
+        unsafe {
+            cudarc::cublas::result::sgemm(
+                handle,
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                &alpha,
+                w as *const f32,
+                k,
+                x as *const f32,
+                k,
+                &beta,
+                y as *mut f32,
+                m,
+            )
+        }
+        .map_err(cublas_err("cublasSgemm"))
     }
 
     /// Read and clear the fault word (synchronises the stream).

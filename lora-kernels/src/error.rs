@@ -12,6 +12,9 @@ pub enum KernelError {
     /// `libnvrtc` could not be loaded (no CUDA runtime compiler on this machine).
     #[error("NVRTC library (libnvrtc) not found; set LD_LIBRARY_PATH to the CUDA lib64 folder")]
     NvrtcMissing,
+    /// `libcublas` could not be loaded (the f32 linear layers on CUDA need it).
+    #[error("cuBLAS library (libcublas) not found; set LD_LIBRARY_PATH to the CUDA lib64 folder")]
+    CublasMissing,
     /// The driver is there but reports no device with this ordinal.
     #[error("no CUDA device with ordinal {ordinal} ({count} present)")]
     NoSuchDevice {
@@ -26,6 +29,14 @@ pub enum KernelError {
         /// The driver operation.
         call: &'static str,
         /// The driver's error code, as text.
+        detail: String,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS call {call} failed: {detail}")]
+    Cublas {
+        /// The cuBLAS operation.
+        call: &'static str,
+        /// cuBLAS's status, as text.
         detail: String,
     },
     /// NVRTC rejected a kernel family's source.

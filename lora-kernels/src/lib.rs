@@ -15,12 +15,13 @@
 //!   own architecture, `sm_90a` on compute capability 9.0 with a CUDA 12+
 //!   NVRTC, cached per context)
 //!   and a CPU reference with the same
-//!   signature and math.
+//!   signature and math; and [`linear_f32`], the f32 `x · w^T` of a base
+//!   projection (cuBLAS SGEMM on CUDA, a reference loop on the CPU).
 //! - [`DeviceGraph`]: CUDA-graph capture and replay of apply calls.
 //! - [`testing`]: GPU test gating (`LORA_REQUIRE_GPU`), seeded random pools.
 //!
 //! What it must never do: need a CUDA toolkit to build (cudarc loads
-//! `libcuda` / `libnvrtc` at run time, and their absence is a typed error,
+//! `libcuda` / `libnvrtc` / `libcublas` at run time, and their absence is a typed error,
 //! never a panic); allocate or synchronise inside an apply call; let another
 //! crate name a cudarc type. On the CPU, a table address that does not
 //! resolve to a live allocation is an error, never undefined behaviour.
@@ -59,6 +60,7 @@ pub use ops::bgmv::{
     BGMV_MAX_RANK, BgmvTuning, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS,
     ENTRY_REGISTERS_ROWS_PER_ENTRY, ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_tuned,
 };
+pub use ops::linear::linear_f32;
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};
 pub use ops::overlay::{embed_overlay, lm_head_overlay, row_diff};
 pub use ops::repack::{RepackDtype, RepackRegion, repack};

@@ -7,6 +7,8 @@
 //! - [`moe_index`]: routed-expert entry-index builders.
 //! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
 //! - [`launch_floor`]: an empty launch, the floor a benchmark's timing method sets.
+//! - [`linear`]: f32 linear layers `x · w^T` (cuBLAS SGEMM on CUDA), the
+//!   base projections of a model; not an apply call (see its docs).
 //! - [`repack`]: a slot image written on the device from raw adapter-file bytes.
 //!
 //! Apply calls allocate nothing, never synchronise and keep every address
@@ -17,6 +19,7 @@
 
 pub mod bgmv;
 pub mod launch_floor;
+pub mod linear;
 pub mod moe_index;
 pub mod overlay;
 mod pairs;
