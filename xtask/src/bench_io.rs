@@ -8,7 +8,7 @@ use std::time::Instant;
 use half::bf16;
 use lora_kernels::Device;
 use lora_layout::ModelConfig;
-use lora_pool::{BatchCapacity, LoraOptions, LoraPool, StagingTuning};
+use lora_pool::{BatchCapacity, LoraOptions, LoraPool, SlotId, StagingTuning};
 use rayon::prelude::*;
 
 /// One measured operation beside its baseline.
@@ -84,7 +84,8 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
     let mut route = String::new();
     // Warm both paths once, then interleave them so drift hits both alike.
     dst.upload_pinned(0, &pinned).map_err(|e| e.to_string())?;
-    pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
+    pool.swap_from_disk(SlotId::new(0), "bench", &dir)
+        .map_err(|e| e.to_string())?;
     sync(device)?;
     for _ in 0..reps {
         let t = Instant::now();
@@ -92,7 +93,9 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
         sync(device)?;
         copy_us.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
-        let report = pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
+        let report = pool
+            .swap_from_disk(SlotId::new(0), "bench", &dir)
+            .map_err(|e| e.to_string())?;
         sync(device)?;
         swap_us.push(t.elapsed().as_secs_f64() * 1e6);
         stage_us.push(report.stage_us);
@@ -123,7 +126,9 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
             let (mut us, mut stage) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
             for _ in 0..reps {
                 let t = Instant::now();
-                let report = pool.swap_from_disk(0, "bench", &dir).map_err(|e| e.to_string())?;
+                let report = pool
+                    .swap_from_disk(SlotId::new(0), "bench", &dir)
+                    .map_err(|e| e.to_string())?;
                 sync(device)?;
                 us.push(t.elapsed().as_secs_f64() * 1e6);
                 stage.push(report.stage_us);

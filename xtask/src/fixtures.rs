@@ -5,7 +5,9 @@
 //! most fixtures, and with `$LORA_FIXTURE_PYTHON4` (transformers 4.x) for the
 //! per-expert MoE fixtures (`*_v4`). Each run writes only its own
 //! generation's fixtures. Extra arguments pass through to the script
-//! (`--only <model>/<adapter>`, `--list`).
+//! (`--only <model>/<adapter>`, `--list`). Without arguments it then runs
+//! `fixtures/make_engine_fixtures.py` with `$LORA_FIXTURE_PYTHON`: the
+//! reference engine's mixed batches and PEFT's answers (`fixtures/engine/`).
 
 use std::process::Command;
 
@@ -20,6 +22,12 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let python5 = std::env::var("LORA_FIXTURE_PYTHON").unwrap_or_else(|_| "python3".to_string());
     check_python("LORA_FIXTURE_PYTHON", &python5, 5)?;
     util::run(Command::new(&python5).arg(&script).args(args))?;
+    if args.is_empty() {
+        let engine = util::workspace_root().join("fixtures").join("make_engine_fixtures.py");
+        util::run(Command::new(&python5).arg(&engine))?;
+    } else {
+        eprintln!("xtask fixtures: arguments given, so fixtures/engine/ was not regenerated");
+    }
     match std::env::var("LORA_FIXTURE_PYTHON4") {
         Ok(python4) if !python4.is_empty() => {
             check_python("LORA_FIXTURE_PYTHON4", &python4, 4)?;

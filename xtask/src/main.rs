@@ -8,6 +8,7 @@
 //!   gather them into `.gpu-bundle/`; run them where cargo and a GPU meet.
 //! - `bench`: kernel, swap and peer-landing benchmarks.
 //! - `probe`: an adapter's deltas computed through the serving path.
+//! - `serve`: a request file served by the reference engine (`lora-engine`).
 //!
 //! xtask sits above every library crate; it may depend on all of them.
 
@@ -16,6 +17,7 @@ use std::process::ExitCode;
 mod bench;
 mod bench_io;
 mod demo;
+mod engine;
 mod fixtures;
 mod gpu;
 mod probe;
@@ -48,8 +50,21 @@ fn main() -> ExitCode {
                 }
             };
         }
+        "serve" => {
+            return match engine::run(rest) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(engine::ServeFailure::Refused(e)) => {
+                    eprintln!("xtask serve: {e}");
+                    ExitCode::from(1)
+                }
+                Err(engine::ServeFailure::Input(e)) => {
+                    eprintln!("xtask serve: {e}");
+                    ExitCode::from(2)
+                }
+            };
+        }
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo|probe|fixtures|gpu-bundle|gpu-test|bench> [args]");
+            eprintln!("usage: cargo xtask <ci|demo|probe|serve|fixtures|gpu-bundle|gpu-test|bench> [args]");
             return ExitCode::from(2);
         }
     };

@@ -19,7 +19,10 @@ use lora_audit::{
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
 use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
-use lora_pool::{AdapterSource, BatchCapacity, LoraPool, ModuleTarget, NoCompanion, PoolError, SlotCompanion};
+use lora_pool::{
+    AdapterSource, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError, SlotCompanion, SlotId, SlotLease,
+    StepRow,
+};
 
 /// Why the probe stopped: bad usage or input (exit 2), or a refused adapter
 /// (exit 1, with the audit's table).
@@ -183,10 +186,11 @@ pub fn served_tables(device: &Device, cfg: &ModelConfig, path: &std::path::Path)
 }
 
 /// Dense probes through the pool's decode path and expert/router probes
-/// through the MoE folds, all for slot 0.
+/// through the MoE folds, all for the adapter in slot 0 (under one lease).
 fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) -> Result<ProbeOutputs, ProbeFailure> {
     let usage = |e: String| ProbeFailure::Usage(e);
-    let experts = lora_moe::probe_expert_lora(pool, 0, inputs).map_err(|e| usage(e.to_string()))?;
+    let lease = slot_lease(pool, SlotId::new(0)).map_err(usage)?;
+    let experts = lora_moe::probe_expert_lora(pool, &lease, inputs).map_err(|e| usage(e.to_string()))?;
     let mut out = ProbeOutputs {
         tensors: experts.tensors,
         unserved: Vec::new(),
@@ -195,7 +199,7 @@ fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) 
         let x = &inputs.inputs[&weight];
         match parse_weight_name(&weight, pool.config()).map_err(|e| usage(e.to_string()))? {
             WeightRef::Dense { layer, module } => {
-                let t = dense_probe(pool, layer, module, x).map_err(usage)?;
+                let t = dense_probe(pool, &lease, layer, module, x).map_err(usage)?;
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
             WeightRef::Unserved => out.unserved.push(weight),
@@ -205,12 +209,24 @@ fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) 
     Ok(out)
 }
 
+/// A lease on the adapter in `slot`, found by its name.
+pub fn slot_lease<C: SlotCompanion>(pool: &LoraPool<C>, slot: SlotId) -> Result<SlotLease, String> {
+    let name = pool
+        .slots()
+        .get(slot.index())
+        .filter(|s| s.is_filled())
+        .map(|s| s.name.clone())
+        .ok_or_else(|| format!("slot {slot} holds no adapter"))?;
+    pool.acquire(&name).map_err(|e| e.to_string())
+}
+
 /// One dense probe through the decode kernels. Each f32 probe row goes in
 /// as two BF16 rows, `hi = bf16(x)` and `lo = bf16(x - hi)`, whose deltas
 /// add up (the apply is linear in x): the probe then measures the served
 /// pairs, not the rounding of its own input to BF16.
 fn dense_probe<C: SlotCompanion>(
     pool: &mut LoraPool<C>,
+    lease: &SlotLease,
     layer: usize,
     module: LoraModule,
     x: &ProbeTensor,
@@ -233,14 +249,13 @@ fn dense_probe<C: SlotCompanion>(
     let err = |e: lora_kernels::KernelError| e.to_string();
     let xb = device.upload(&[hi, lo].concat()).map_err(err)?;
     let mut y = device.alloc_zeros::<f32>(2 * n * out_dim).map_err(err)?;
-    pool.set_decode_rows(&vec![0; 2 * n], 2 * n)
+    let step = pool
+        .decode_step(&vec![StepRow::Adapter(lease); 2 * n], 2 * n)
         .map_err(|e| e.to_string())?;
     pool.apply_decode(
+        &step,
         layer,
-        &[ModuleTarget {
-            module,
-            y_col_offset: 0,
-        }],
+        &FusedTargets::single(pool.config(), module),
         Rows::dense(&xb, 2 * n, in_dim),
         RowsMut::dense(&mut y, 2 * n, out_dim),
     )

@@ -9,7 +9,9 @@ use lora_kernels::testing::{Rng, rel_error};
 use lora_kernels::{Rows, RowsMut};
 use lora_layout::LoraModule;
 use lora_overlay::TokenOverlays;
-use lora_pool::{LoraPool, ModuleTarget, SlotCompanion};
+use lora_pool::{FusedTargets, LoraPool, PrefillSeq, SlotCompanion, SlotId, SlotLease, StepRow};
+
+use crate::probe::slot_lease;
 
 /// How a batch reaches the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +25,7 @@ pub enum Mode {
 /// Dense probe weights of `oracles`, with their (layer, module).
 fn dense_weights<C: SlotCompanion>(
     pool: &LoraPool<C>,
-    oracles: &[(usize, &Oracle)],
+    oracles: &[(SlotId, &Oracle)],
 ) -> Result<Vec<(String, usize, LoraModule)>, String> {
     let names: BTreeSet<&String> = oracles.iter().flat_map(|(_, o)| o.inputs.inputs.keys()).collect();
     let mut out = Vec::new();
@@ -72,21 +74,22 @@ struct LogicalRow<'a> {
 /// by more than 1 %.
 pub fn mixed_dense_errors<C: SlotCompanion>(
     pool: &mut LoraPool<C>,
-    oracles: &[(usize, &Oracle)],
+    oracles: &[(SlotId, &Oracle)],
     base_rows: usize,
     mode: Mode,
     rng: &mut Rng,
 ) -> Result<(Vec<f64>, usize), String> {
     let err = |e: lora_pool::PoolError| e.to_string();
     let device = pool.device().clone();
+    let leases = leases(pool, oracles)?;
     let mut worst = vec![0.0f64; oracles.len()];
     let mut served = 0;
     for (w, layer, module) in dense_weights(pool, oracles)? {
         let (out_dim, in_dim) = module.dims(pool.config());
         let mut x: Vec<bf16> = Vec::new();
-        let mut row_slot = Vec::new();
+        let mut row_slot: Vec<StepRow<'_>> = Vec::new();
         let mut expected: Vec<LogicalRow<'_>> = Vec::new();
-        let mut segments = vec![0usize];
+        let mut segments: Vec<PrefillSeq<'_>> = Vec::new();
         let random_rows = |x: &mut Vec<bf16>, expected: &mut Vec<_>, who: Option<usize>, n: usize, rng: &mut Rng| {
             for _ in 0..n {
                 expected.push(LogicalRow {
@@ -97,7 +100,7 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
                 x.extend((0..in_dim).map(|_| bf16::from_f32(rng.uniform() * 2.0 - 1.0)));
             }
         };
-        for (k, (slot, oracle)) in oracles.iter().enumerate() {
+        for (k, ((_, oracle), lease)) in oracles.iter().zip(&leases).enumerate() {
             let first = x.len() / in_dim;
             let probe_out = oracle.expected.get(&format!("{}{w}", lora_audit::PROBE_OUT));
             match (oracle.inputs.inputs.get(&w), probe_out) {
@@ -118,34 +121,34 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
                 _ => random_rows(&mut x, &mut expected, Some(k), 4, rng),
             }
             let rows = x.len() / in_dim - first;
-            row_slot.extend(std::iter::repeat_n(*slot as i32, rows));
-            segments.push(segments[segments.len() - 1] + rows);
+            row_slot.extend(std::iter::repeat_n(StepRow::Adapter(lease), rows));
+            segments.push(PrefillSeq {
+                row: StepRow::Adapter(lease),
+                len: rows,
+            });
         }
         random_rows(&mut x, &mut expected, None, base_rows, rng);
-        row_slot.extend(std::iter::repeat_n(-1, base_rows));
-        segments.push(segments[segments.len() - 1] + base_rows);
+        row_slot.extend(std::iter::repeat_n(StepRow::Base, base_rows));
+        segments.push(PrefillSeq {
+            row: StepRow::Base,
+            len: base_rows,
+        });
+        // An empty segment serves no rows; a step has none.
+        segments.retain(|seq| seq.len > 0);
         let n = row_slot.len();
         let y0: Vec<f32> = (0..n * out_dim).map(|_| rng.uniform() - 0.5).collect();
         let xb = device.upload(&x).map_err(|e| e.to_string())?;
         let mut yb = device.upload(&y0).map_err(|e| e.to_string())?;
-        let target = [ModuleTarget {
-            module,
-            y_col_offset: 0,
-        }];
+        let target = FusedTargets::single(pool.config(), module);
         let (xr, yr) = (Rows::dense(&xb, n, in_dim), RowsMut::dense(&mut yb, n, out_dim));
         match mode {
             Mode::Decode => {
-                pool.set_decode_rows(&row_slot, n).map_err(err)?;
-                pool.apply_decode(layer, &target, xr, yr).map_err(err)?;
+                let step = pool.decode_step(&row_slot, n).map_err(err)?;
+                pool.apply_decode(&step, layer, &target, xr, yr).map_err(err)?;
             }
             Mode::Prefill => {
-                let seg_slots: Vec<i32> = oracles
-                    .iter()
-                    .map(|(s, _)| *s as i32)
-                    .chain(std::iter::once(-1))
-                    .collect();
-                pool.set_prefill_segments(&segments, &seg_slots).map_err(err)?;
-                pool.apply_prefill(layer, &target, xr, yr).map_err(err)?;
+                let step = pool.prefill_step(&segments).map_err(err)?;
+                pool.apply_prefill(&step, layer, &target, xr, yr).map_err(err)?;
             }
         }
         device.check_faults().map_err(|e| e.to_string())?;
@@ -175,6 +178,11 @@ pub fn mixed_dense_errors<C: SlotCompanion>(
     Ok((worst, served))
 }
 
+/// A lease on each oracle's slot, in order.
+fn leases<C: SlotCompanion>(pool: &LoraPool<C>, oracles: &[(SlotId, &Oracle)]) -> Result<Vec<SlotLease>, String> {
+    oracles.iter().map(|(slot, _)| slot_lease(pool, *slot)).collect()
+}
+
 fn check_shapes(
     w: &str,
     input: &ProbeTensor,
@@ -201,7 +209,7 @@ fn check_shapes(
 /// not).
 pub fn mixed_token_errors(
     pool: &mut LoraPool<TokenOverlays>,
-    oracles: &[(usize, &Oracle)],
+    oracles: &[(SlotId, &Oracle)],
     base_rows: usize,
     rng: &mut Rng,
 ) -> Result<Vec<f64>, String> {
@@ -209,15 +217,16 @@ pub fn mixed_token_errors(
     let device = pool.device().clone();
     let (vocab, hidden) = (pool.companion().tables().vocab(), pool.companion().tables().hidden());
     let base = pool.companion().tables().embed().download().map_err(|e| s(&e))?;
+    let leases = leases(pool, oracles)?;
     let mut ids: Vec<u32> = Vec::new();
-    let mut row_slot: Vec<i32> = Vec::new();
+    let mut row_slot: Vec<StepRow<'_>> = Vec::new();
     let mut expected: Vec<(Option<usize>, Option<Vec<f32>>)> = Vec::new();
     let table = oracles
         .iter()
         .flat_map(|(_, o)| o.inputs.rows.keys())
         .find(|t| t.ends_with("embed_tokens.weight"))
         .cloned();
-    for (k, (slot, oracle)) in oracles.iter().enumerate() {
+    for (k, ((_, oracle), lease)) in oracles.iter().zip(&leases).enumerate() {
         let changed: Vec<i64> = table
             .as_ref()
             .and_then(|t| oracle.inputs.rows.get(t))
@@ -241,19 +250,20 @@ pub fn mixed_token_errors(
             ids.push(id as u32);
             expected.push((Some(k), None));
         }
-        row_slot.extend(std::iter::repeat_n(*slot as i32, changed.len() + 4));
+        row_slot.extend(std::iter::repeat_n(StepRow::Adapter(lease), changed.len() + 4));
     }
     for _ in 0..base_rows {
         ids.push(rng.below(vocab) as u32);
         expected.push((None, None));
     }
-    row_slot.extend(std::iter::repeat_n(-1, base_rows));
+    row_slot.extend(std::iter::repeat_n(StepRow::Base, base_rows));
     let n = ids.len();
-    pool.set_decode_rows(&row_slot, n).map_err(|e| s(&e))?;
+    let step = pool.decode_step(&row_slot, n).map_err(|e| s(&e))?;
+    let rows = pool.step_slots(&step).map_err(|e| s(&e))?;
     let ids_dev = device.upload(&ids).map_err(|e| s(&e))?;
     let mut out = device.alloc_zeros::<bf16>(n * hidden).map_err(|e| s(&e))?;
     pool.companion()
-        .embed(&ids_dev, Some(pool.seq_slot()), RowsMut::dense(&mut out, n, hidden))
+        .embed(&ids_dev, Some(rows), RowsMut::dense(&mut out, n, hidden))
         .map_err(|e| s(&e))?;
     device.check_faults().map_err(|e| s(&e))?;
     let out = out.download().map_err(|e| s(&e))?;

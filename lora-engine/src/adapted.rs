@@ -1,0 +1,378 @@
+//! The deltas of one step, applied through the public API: a [`DeltaHooks`]
+//! over a [`LoraPool`] (with its [`TokenOverlays`]) and an [`MoeLora`],
+//! bound to the pool step that holds the step's adapters.
+//!
+//! Every hook uploads the projection's input and base output, runs the
+//! pool's apply call for the step (decode rows: BGMV; prefill segments:
+//! SGMV, or the one-adapter GEMM pair when every sequence runs one
+//! adapter), and reads the output back. Served activations are BF16 while
+//! the base here is f32: each input row `x` is served as two BF16 rows,
+//! `hi = bf16(x)` and `lo = bf16(x - hi)`, applied one after the other onto
+//! the same output (every delta is linear in x), so the input keeps about
+//! 16 bits and the comparison with PEFT measures the served pairs, not the
+//! input format. This module must never compute a delta itself: every
+//! number added to the base comes from the library's kernels.
+
+use half::bf16;
+use lora_kernels::{Device, DeviceBuffer, Rows, RowsMut};
+use lora_layout::{LoraModule, ModelConfig};
+use lora_moe::{ExpertTarget, MoeLora, SortedRows};
+use lora_overlay::TokenOverlays;
+use lora_pool::{DecodeStep, FusedTargets, LoraPool, PrefillStep, RowSlot, Step, StepSlots};
+
+use crate::error::{BoxError, EngineError};
+use crate::hooks::DeltaHooks;
+
+/// The fused targets of the four dense sites, from the model config.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DenseTargets {
+    qkv: FusedTargets,
+    o: FusedTargets,
+    gate_up: FusedTargets,
+    down: FusedTargets,
+}
+
+impl DenseTargets {
+    pub(crate) fn of(cfg: &ModelConfig) -> DenseTargets {
+        DenseTargets {
+            qkv: FusedTargets::qkv(cfg),
+            o: FusedTargets::single(cfg, LoraModule::OProj),
+            gate_up: FusedTargets::gate_up(cfg),
+            down: FusedTargets::single(cfg, LoraModule::DownProj),
+        }
+    }
+}
+
+/// The pool step a forward runs under.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum StepRef<'s> {
+    Decode(&'s DecodeStep),
+    Prefill(&'s PrefillStep),
+}
+
+impl StepRef<'_> {
+    fn requests(&self) -> &[RowSlot] {
+        match self {
+            StepRef::Decode(s) => s.requests(),
+            StepRef::Prefill(s) => s.requests(),
+        }
+    }
+
+    /// The slot of each kernel row.
+    fn row_slots(&self) -> Vec<RowSlot> {
+        match self {
+            StepRef::Decode(s) => s.requests().to_vec(),
+            StepRef::Prefill(s) => {
+                let cu = s.cu_seqlens();
+                s.requests()
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, r)| std::iter::repeat_n(*r, cu[i + 1] - cu[i]))
+                    .collect()
+            }
+        }
+    }
+}
+
+/// The hooks of one forward under one step.
+pub(crate) struct StepHooks<'a> {
+    pub(crate) pool: &'a LoraPool<TokenOverlays>,
+    pub(crate) step: StepRef<'a>,
+    pub(crate) moe: Option<&'a mut MoeLora>,
+    pub(crate) targets: DenseTargets,
+}
+
+fn hook_err(hook: &'static str) -> impl FnOnce(BoxError) -> EngineError {
+    move |source| EngineError::Hook { hook, source }
+}
+
+/// `x` as two BF16 row sets whose sum keeps about 16 bits of it.
+fn split(x: &[f32]) -> (Vec<bf16>, Vec<bf16>) {
+    let hi: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let lo = x
+        .iter()
+        .zip(&hi)
+        .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
+        .collect();
+    (hi, lo)
+}
+
+/// Upload `x` (split) and `y`; run `apply` once per half onto the same
+/// output; read `y` back.
+fn apply_split(
+    device: &Device,
+    x: &[f32],
+    width: usize,
+    y: &mut [f32],
+    mut apply: impl FnMut(Rows<'_, bf16>, &mut DeviceBuffer<f32>) -> Result<(), BoxError>,
+) -> Result<(), BoxError> {
+    if width == 0 || x.is_empty() {
+        return Ok(());
+    }
+    let n = x.len() / width;
+    let (hi, lo) = split(x);
+    let mut y_dev = device.upload(y)?;
+    let mut x_dev = device.upload(&hi)?;
+    apply(Rows::dense(&x_dev, n, width), &mut y_dev)?;
+    x_dev.write(0, &lo)?;
+    apply(Rows::dense(&x_dev, n, width), &mut y_dev)?;
+    y.copy_from_slice(&y_dev.download()?);
+    Ok(())
+}
+
+impl StepHooks<'_> {
+    fn dense(&self, layer: usize, targets: &FusedTargets, x: &[f32], y: &mut [f32]) -> Result<(), BoxError> {
+        let pool = self.pool;
+        if y.is_empty() {
+            return Ok(());
+        }
+        let n = y.len() / targets.width();
+        let width = x.len() / n.max(1);
+        apply_split(pool.device(), x, width, y, |xr, y_dev| {
+            let yr = RowsMut::dense(y_dev, n, targets.width());
+            match self.step {
+                StepRef::Decode(s) => pool.apply_decode(s, layer, targets, xr, yr)?,
+                StepRef::Prefill(s) if s.one_adapter().is_some() => {
+                    pool.apply_one_adapter(s, layer, targets, xr, yr)?
+                }
+                StepRef::Prefill(s) => pool.apply_prefill(s, layer, targets, xr, yr)?,
+            }
+            Ok(())
+        })
+    }
+
+    fn step_slots(&self) -> Result<StepSlots<'_>, BoxError> {
+        Ok(match self.step {
+            StepRef::Decode(s) => self.pool.step_slots(s)?,
+            StepRef::Prefill(s) => self.pool.step_slots(s)?,
+        })
+    }
+
+    fn embed_rows(&self, ids: &[u32], rows: &mut [f32]) -> Result<(), BoxError> {
+        let overlays = self.pool.companion();
+        let any = self.step.requests().iter().any(|r| {
+            r.slot()
+                .and_then(|s| overlays.slot(s.index()))
+                .is_some_and(|o| o.embed().is_some())
+        });
+        if !any || ids.is_empty() {
+            return Ok(());
+        }
+        let device = self.pool.device();
+        let hidden = rows.len() / ids.len();
+        let ids_dev = device.upload(ids)?;
+        let mut out = device.alloc_zeros::<bf16>(rows.len())?;
+        overlays.embed(
+            &ids_dev,
+            Some(self.step_slots()?),
+            RowsMut::dense(&mut out, ids.len(), hidden),
+        )?;
+        let out = out.download()?;
+        // Only the rows the row's slot overrides take the served row; the
+        // others keep the f32 base row (the kernel's copy of it is BF16).
+        for (r, slot) in self.step.row_slots().into_iter().enumerate() {
+            let Some(overlay) = slot
+                .slot()
+                .and_then(|s| overlays.slot(s.index()))
+                .and_then(|o| o.embed())
+            else {
+                continue;
+            };
+            if overlay.overrides().ids().contains(&ids[r]) {
+                for (dst, src) in rows[r * hidden..(r + 1) * hidden].iter_mut().zip(&out[r * hidden..]) {
+                    *dst = src.to_f32();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn head(&self, hidden: &[f32], logits: &mut [f32]) -> Result<(), BoxError> {
+        let overlays = self.pool.companion();
+        let any = self.step.requests().iter().any(|r| {
+            r.slot()
+                .and_then(|s| overlays.slot(s.index()))
+                .is_some_and(|o| !o.head_ids().is_empty())
+        });
+        if !any || logits.is_empty() {
+            return Ok(());
+        }
+        let device = self.pool.device();
+        let n = self.step.row_slots().len();
+        let (width, vocab) = (hidden.len() / n, logits.len() / n);
+        let slots = self.step_slots()?;
+        let (hi, lo) = split(hidden);
+        // The overlay writes dot(hidden, row) into the overridden logits:
+        // once with `hi` over the base logits, once with `lo` over zeros,
+        // summed (the other logits stay base + 0).
+        let hi_dev = device.upload(&hi)?;
+        let mut with_hi = device.upload(logits)?;
+        overlays.lm_head(
+            Rows::dense(&hi_dev, n, width),
+            slots,
+            RowsMut::dense(&mut with_hi, n, vocab),
+        )?;
+        let lo_dev = device.upload(&lo)?;
+        let mut with_lo = device.alloc_zeros::<f32>(logits.len())?;
+        overlays.lm_head(
+            Rows::dense(&lo_dev, n, width),
+            slots,
+            RowsMut::dense(&mut with_lo, n, vocab),
+        )?;
+        for ((dst, a), b) in logits.iter_mut().zip(with_hi.download()?).zip(with_lo.download()?) {
+            *dst = a + b;
+        }
+        Ok(())
+    }
+
+    fn router(&mut self, layer: usize, x: &[f32], logits: &mut [f32]) -> Result<(), BoxError> {
+        let (pool, step) = (self.pool, self.step);
+        // No MoE scratch: the pool serves no expert deltas.
+        let Some(moe) = self.moe.as_deref() else {
+            return Ok(());
+        };
+        let n = match step {
+            StepRef::Decode(s) => s.kernel_rows(),
+            StepRef::Prefill(s) => s.kernel_rows(),
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let (width, experts) = (x.len() / n, logits.len() / n);
+        apply_split(pool.device(), x, width, logits, |xr, y_dev| {
+            let yr = RowsMut::dense(y_dev, n, experts);
+            match step {
+                StepRef::Decode(s) => moe.apply_router_lora(pool, s, layer, xr, yr)?,
+                StepRef::Prefill(s) => moe.apply_router_lora(pool, s, layer, xr, yr)?,
+            }
+            Ok(())
+        })
+    }
+
+    /// One routed-expert fold. `x` holds one row per token (`expand`:
+    /// each token's row serves its `k` expanded rows) or one per expanded
+    /// row; `y` one per expanded row. Decode runs the expanded form;
+    /// prefill sorts the expanded rows by expert, as a grouped GEMM does,
+    /// and runs the sorted form.
+    fn experts(
+        &mut self,
+        layer: usize,
+        targets: &[ExpertTarget],
+        x: &[f32],
+        expand: bool,
+        topk: &[u32],
+        y: &mut [f32],
+    ) -> Result<(), BoxError> {
+        let (pool, step) = (self.pool, self.step);
+        let device = pool.device().clone();
+        let Some(moe) = self.moe.as_deref_mut() else {
+            return Ok(());
+        };
+        let rows = topk.len();
+        if rows == 0 {
+            return Ok(());
+        }
+        let k = moe.top_k();
+        let (out_w, in_w) = (
+            y.len() / rows,
+            if expand { x.len() / (rows / k) } else { x.len() / rows },
+        );
+        let x_row = |r: usize| if expand { r / k } else { r };
+        match step {
+            StepRef::Decode(s) => {
+                let x_exp: Vec<f32> = (0..rows)
+                    .flat_map(|r| x[x_row(r) * in_w..(x_row(r) + 1) * in_w].iter().copied())
+                    .collect();
+                let ids: Vec<i32> = topk.iter().map(|&e| e as i32).collect();
+                moe.index_decode_rows(pool, s, &device.upload(&ids)?)?;
+                apply_split(&device, &x_exp, in_w, y, |xr, y_dev| {
+                    moe.apply_expert_lora_decode(pool, s, layer, targets, xr, RowsMut::dense(y_dev, rows, out_w))?;
+                    Ok(())
+                })
+            }
+            StepRef::Prefill(s) => {
+                let n_experts = topk.iter().map(|&e| e as usize + 1).max().unwrap_or(0);
+                let mut order: Vec<usize> = (0..rows).collect();
+                order.sort_by_key(|&r| (topk[r], r));
+                let mut offsets = vec![0i32; pool.config().moe.as_ref().map_or(n_experts, |m| m.num_experts) + 1];
+                for &e in topk {
+                    offsets[e as usize + 1] += 1;
+                }
+                for e in 1..offsets.len() {
+                    offsets[e] += offsets[e - 1];
+                }
+                let sorted_token: Vec<i32> = order.iter().map(|&r| r as i32).collect();
+                let x_sorted: Vec<f32> = order
+                    .iter()
+                    .flat_map(|&r| x[x_row(r) * in_w..(x_row(r) + 1) * in_w].iter().copied())
+                    .collect();
+                let mut y_sorted: Vec<f32> = order
+                    .iter()
+                    .flat_map(|&r| y[r * out_w..(r + 1) * out_w].iter().copied())
+                    .collect();
+                let sorted_dev = device.upload(&sorted_token)?;
+                let offsets_dev = device.upload(&offsets)?;
+                moe.index_sorted_rows(
+                    pool,
+                    s,
+                    SortedRows {
+                        sorted_token: &sorted_dev,
+                        n_sorted: rows,
+                        expert_offsets: &offsets_dev,
+                    },
+                )?;
+                apply_split(&device, &x_sorted, in_w, &mut y_sorted, |xr, y_dev| {
+                    moe.apply_expert_lora_sorted(pool, s, layer, targets, xr, RowsMut::dense(y_dev, rows, out_w))?;
+                    Ok(())
+                })?;
+                for (i, &r) in order.iter().enumerate() {
+                    y[r * out_w..(r + 1) * out_w].copy_from_slice(&y_sorted[i * out_w..(i + 1) * out_w]);
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl DeltaHooks for StepHooks<'_> {
+    fn embed(&mut self, ids: &[u32], rows: &mut [f32]) -> Result<(), EngineError> {
+        self.embed_rows(ids, rows).map_err(hook_err("embed"))
+    }
+    fn qkv(&mut self, layer: usize, x: &[f32], y: &mut [f32]) -> Result<(), EngineError> {
+        let t = self.targets.qkv;
+        self.dense(layer, &t, x, y).map_err(hook_err("qkv"))
+    }
+    fn o(&mut self, layer: usize, x: &[f32], y: &mut [f32]) -> Result<(), EngineError> {
+        let t = self.targets.o;
+        self.dense(layer, &t, x, y).map_err(hook_err("o"))
+    }
+    fn gate_up(&mut self, layer: usize, x: &[f32], y: &mut [f32]) -> Result<(), EngineError> {
+        let t = self.targets.gate_up;
+        self.dense(layer, &t, x, y).map_err(hook_err("gate_up"))
+    }
+    fn down(&mut self, layer: usize, x: &[f32], y: &mut [f32]) -> Result<(), EngineError> {
+        let t = self.targets.down;
+        self.dense(layer, &t, x, y).map_err(hook_err("down"))
+    }
+    fn router(&mut self, layer: usize, x: &[f32], logits: &mut [f32]) -> Result<(), EngineError> {
+        StepHooks::router(self, layer, x, logits).map_err(hook_err("router"))
+    }
+    fn expert_gate_up(&mut self, layer: usize, x: &[f32], topk: &[u32], y: &mut [f32]) -> Result<(), EngineError> {
+        let inter = self
+            .pool
+            .config()
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.expert_intermediate_size);
+        let targets = ExpertTarget::gate_up(inter);
+        self.experts(layer, &targets, x, true, topk, y)
+            .map_err(hook_err("expert_gate_up"))
+    }
+    fn expert_down(&mut self, layer: usize, x: &[f32], topk: &[u32], y: &mut [f32]) -> Result<(), EngineError> {
+        self.experts(layer, &ExpertTarget::down(), x, false, topk, y)
+            .map_err(hook_err("expert_down"))
+    }
+    fn lm_head(&mut self, hidden: &[f32], logits: &mut [f32]) -> Result<(), EngineError> {
+        self.head(hidden, logits).map_err(hook_err("lm_head"))
+    }
+}
