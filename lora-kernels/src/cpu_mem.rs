@@ -67,6 +67,10 @@ impl Registry {
     }
 }
 
+/// Allocations from this size on are checked against the host's available
+/// memory (a `/proc/meminfo` read; smaller ones are not worth it).
+const LARGE_ALLOC: usize = 64 << 20;
+
 /// One CPU allocation: `bytes` bytes at synthetic address `base`.
 #[derive(Debug)]
 pub(crate) struct CpuAlloc {
@@ -153,6 +157,14 @@ impl CpuMemory {
     pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Arc<CpuAlloc>, KernelError> {
         // Checked before the host memory is taken, and again under the lock below.
         lock(&self.registry).check_limit(bytes)?;
+        // Without a limit, a large allocation must fit the host's available
+        // memory: zeroing more would get the process killed, not refused.
+        if bytes >= LARGE_ALLOC
+            && let Some((free, _)) = crate::device::host_memory_info()
+            && bytes > free
+        {
+            return Err(KernelError::OutOfMemory { requested: bytes, free });
+        }
         let words = bytes.div_ceil(16);
         let mut data = Vec::new();
         data.try_reserve_exact(words)

@@ -269,7 +269,7 @@ impl fmt::Debug for Device {
     }
 }
 
-fn host_memory_info() -> Option<(usize, usize)> {
+pub(crate) fn host_memory_info() -> Option<(usize, usize)> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let field = |name: &str| -> Option<usize> {
         let line = text.lines().find(|l| l.starts_with(name))?;

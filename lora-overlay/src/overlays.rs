@@ -47,11 +47,20 @@ impl TokenOverlays {
                 expected: device.name(),
             });
         }
+        let embed_entries = device.alloc_zeros(max_loras)?;
+        let head_entries = device.alloc_zeros(max_loras)?;
+        // A refusal, not an abort, when the host cannot hold the slot list.
+        let mut slots = Vec::new();
+        slots.try_reserve_exact(max_loras).map_err(|e| OverlayError::Argument {
+            arg: "max_loras",
+            reason: format!("{max_loras} slots: {e}"),
+        })?;
+        slots.resize_with(max_loras, || None);
         Ok(TokenOverlays {
             device: device.clone(),
-            slots: (0..max_loras).map(|_| None).collect(),
-            embed_entries: device.alloc_zeros(max_loras)?,
-            head_entries: device.alloc_zeros(max_loras)?,
+            slots,
+            embed_entries,
+            head_entries,
             tables,
         })
     }

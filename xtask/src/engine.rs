@@ -8,7 +8,8 @@
 //! `OUT.safetensors` holds, for request `i`: `logits_prompt::i` F32
 //! `[prompt_len, vocab]`, `tokens::i` I64 `[K]`, `logits_step::i` F32
 //! `[K, vocab]`. Exit 0: served; 1: an adapter is refused (named, with the
-//! audit's reasons) or serving failed; 2: unreadable or invalid input.
+//! audit's reasons) or serving failed; 2: unreadable or invalid input
+//! (model, adapters, requests, options such as an absurd `--max-loras`).
 
 use std::path::PathBuf;
 
@@ -96,19 +97,12 @@ fn device(choice: Option<&str>) -> Result<Device, String> {
     }
 }
 
-/// Errors that come from what was given (exit 2) rather than from serving it.
-fn is_input_error(e: &EngineError) -> bool {
-    !matches!(
-        e,
-        EngineError::AdapterRefused { .. } | EngineError::Pool(_) | EngineError::Moe(_) | EngineError::Overlay(_)
-    )
-}
-
-fn classify(e: EngineError) -> ServeFailure {
-    if is_input_error(&e) {
-        ServeFailure::Input(e.to_string())
-    } else {
-        ServeFailure::Refused(e.to_string())
+/// Loading: a refused adapter is exit 1; anything else about the model,
+/// the adapters or the options (unreadable, malformed, too large) exit 2.
+fn load_failure(e: EngineError) -> ServeFailure {
+    match e {
+        EngineError::AdapterRefused { .. } => ServeFailure::Refused(e.to_string()),
+        other => ServeFailure::Input(other.to_string()),
     }
 }
 
@@ -126,7 +120,7 @@ pub fn run(args: &[String]) -> Result<(), ServeFailure> {
         args.lora,
         EngineOptions::default(),
     )
-    .map_err(classify)?;
+    .map_err(load_failure)?;
     let vocab = engine.model().config().vocab;
     let total: usize = requests
         .iter()
@@ -139,9 +133,11 @@ pub fn run(args: &[String]) -> Result<(), ServeFailure> {
         )));
     }
     for r in &requests {
-        engine.submit(r.clone()).map_err(classify)?;
+        engine
+            .submit(r.clone())
+            .map_err(|e| ServeFailure::Input(e.to_string()))?;
     }
-    engine.run().map_err(classify)?;
+    engine.run().map_err(|e| ServeFailure::Refused(e.to_string()))?;
     let outputs: Vec<&RequestOutput> = (0..requests.len())
         .map(|i| {
             engine

@@ -206,3 +206,16 @@ fn write_fault_injection_is_refused_on_cuda() {
     a.write(0, &[1, 2, 3, 4]).unwrap();
     assert_eq!(a.download().unwrap(), [1, 2, 3, 4]);
 }
+
+/// An allocation larger than the host can hold is a typed refusal, not an
+/// abort or the OOM killer (the check runs before any byte is zeroed).
+#[test]
+fn a_cpu_allocation_past_host_memory_is_refused() {
+    let device = Device::cpu();
+    let huge = 1usize << 50; // 1 PiB of f32
+    match device.alloc_zeros::<f32>(huge) {
+        Err(KernelError::OutOfMemory { requested, .. }) => assert_eq!(requested, huge * 4),
+        Err(e) => panic!("expected OutOfMemory, got {e}"),
+        Ok(_) => panic!("a 4 PiB allocation succeeded"),
+    }
+}
