@@ -10,6 +10,14 @@ does when the shape carries "in_graph": {"sets", "ops"}: the op captured
 `ops` times in one graph over `sets` copies of its inputs (a pass streams at
 least 4x L2, so every op starts cold), replayed back to back, the median of
 replay time / ops. Writes {name: {"median_us": ..., "in_graph_us": ...}}.
+
+Shapes of kind "base_step" (the Rust bench's `step` section) are the base
+projections of one whole decode step: for every layer and site (qkv, o,
+gate_up, down), `x[n, in] @ W.T` with W `[out, in]` in bf16 as a checkpoint
+stores it (what nn.Linear runs; cuBLAS through torch.matmul), every layer
+its own weights, each site a fixed input and output buffer; the whole step
+captured in one graph and timed like the isolated ops (L2 flushed before
+each replay). Their weights are made once and shared by every n.
 """
 import argparse
 import json
@@ -101,6 +109,54 @@ def prefill_op(s, dev):
     return fn
 
 
+def base_step_weights(s, dev):
+    """Every layer's weights of a base step, [out, in] bf16, uniform in
+    +-1/sqrt(in) (random: zeros run faster)."""
+    return [
+        [torch.empty(site["out"], site["in"], device=dev, dtype=torch.bfloat16).uniform_(-1, 1).mul_(site["in"] ** -0.5)
+         for site in s["sites"]]
+        for _ in range(s["layers"])
+    ]
+
+
+def base_step_op(s, dev, weights):
+    """The base projections of one decode step of n rows over `weights`."""
+    n = s["n"]
+    xs = [(torch.rand(n, site["in"], device=dev) * 2 - 1).to(torch.bfloat16) for site in s["sites"]]
+    ys = [torch.empty(n, site["out"], device=dev, dtype=torch.bfloat16) for site in s["sites"]]
+
+    def fn():
+        for layer in weights:
+            for w, x, y in zip(layer, xs, ys):
+                torch.matmul(x, w.t(), out=y)
+
+    return fn
+
+
+def base_steps(shapes, reps, flush_buf, dev, results):
+    """Time every base_step shape; a failure leaves its entry out (the Rust
+    side then reports its ratio as not measured)."""
+    weights, key = None, None
+    for s in shapes:
+        try:
+            geometry = (s["layers"], tuple((site["in"], site["out"]) for site in s["sites"]))
+            if geometry != key:
+                weights, key = None, None
+                torch.cuda.empty_cache()
+                weights, key = base_step_weights(s, dev), geometry
+            fn = base_step_op(s, dev, weights)
+            us = time_graph(fn, reps, flush_buf)
+            results[s["name"]] = {"median_us": us}
+            gb = sum(site["in"] * site["out"] for site in s["sites"]) * s["layers"] * 2 / 1e9
+            print(f"torch base step {s['name']}: {us:.1f} us ({gb:.2f} GB of weights, "
+                  f"{gb * 1e6 / us:.0f} GB/s)", flush=True)
+            del fn
+        except (RuntimeError, KeyError, ValueError) as e:
+            print(f"torch base step {s.get('name')}: not measured: {e}", flush=True)
+    del weights
+    torch.cuda.empty_cache()
+
+
 def matrix_rate(dev):
     """The bf16 matrix rate of this card, TFLOP/s: an 8192^3 product on
     random data (zeros run faster), median of 20 after warm-up."""
@@ -132,7 +188,10 @@ def main():
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 60 << 20)
     flush_buf = torch.empty(4 * l2 // 4, dtype=torch.float32, device=dev).uniform_()
     results = {}
-    for s in json.loads(args.shapes):
+    shapes = json.loads(args.shapes)
+    for s in shapes:
+        if s["kind"] == "base_step":
+            continue
         make = decode_op if s["kind"] == "decode" else prefill_op
         fn = make(s, dev)
         us = time_graph(fn, args.reps, flush_buf)
@@ -148,6 +207,7 @@ def main():
             del fns
         print(line, flush=True)
         torch.cuda.empty_cache()
+    base_steps([s for s in shapes if s["kind"] == "base_step"], args.reps, flush_buf, dev, results)
     results["__matrix_rate__"] = {"tflops": matrix_rate(dev)}
     print(f"torch bf16 8192^3 matmul: {results['__matrix_rate__']['tflops']:.0f} TFLOP/s", flush=True)
     with open(args.out, "w") as f:

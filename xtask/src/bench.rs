@@ -22,7 +22,9 @@
 //! the graph's own launch (the empty-kernel row measures that). PyTorch is
 //! timed both ways, over the same rotation.
 //!
-//! Sections: `kernels` (device-event timings above), and the I/O sections
+//! Sections: `kernels` (device-event timings above), `step` (the LoRA work
+//! of one whole Llama-3.1-8B decode step in one graph, against its floor and
+//! the same step's base projections: [`step`]), and the I/O sections
 //! `swap` (a disk swap into a slot against a pinned host-to-device copy) and
 //! `landing` (a peer landing over TCP loopback against a memcpy), timed on
 //! the host clock in `bench_io`. A new device section is one function of the
@@ -48,11 +50,14 @@ use serde_json::{Value, json};
 
 use crate::bench_io::{self, IoRow};
 
+#[path = "bench_step.rs"]
+mod step;
+
 /// One bench section: runs its cases and appends rows to the report.
 type Section = fn(&mut Ctx<'_>) -> Result<(), String>;
 
 /// Sections in run order.
-const SECTIONS: &[(&str, Section)] = &[("kernels", kernels_section)];
+const SECTIONS: &[(&str, Section)] = &[("kernels", kernels_section), ("step", step::section)];
 
 struct Options {
     out: PathBuf,
@@ -199,6 +204,8 @@ struct Ctx<'a> {
     /// The bf16 matrix rate measured by the baseline script, TFLOP/s.
     matrix_tflops: Option<f64>,
     rows: Vec<Row>,
+    /// The `step` section's timings.
+    steps: Vec<step::StepTiming>,
 }
 
 /// Streams 2 x 2 L2 worth of bytes through the row-diff kernel.
@@ -360,6 +367,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         copy_gbps,
         matrix_tflops: None,
         rows: Vec::new(),
+        steps: Vec::new(),
     };
     for (name, section) in SECTIONS {
         if opts.wants(name) {
@@ -372,6 +380,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         eprintln!("bench: PyTorch baseline not measured: {e}");
     }
     print_table(&ctx);
+    step::print_table(&ctx);
     let io = io_sections(&device, &opts)?;
     write_json(&ctx, &device, &io)
 }
@@ -1156,6 +1165,7 @@ fn torch_baseline(script: &PathBuf, ctx: &mut Ctx<'_>) -> Result<(), String> {
         s["name"] = json!(row.name);
         shapes.push(s);
     }
+    shapes.extend(step::torch_shapes(ctx));
     let out = std::env::temp_dir().join(format!("lora-torch-bench-{}.json", std::process::id()));
     let status = Command::new("python3")
         .arg(script)
@@ -1182,6 +1192,7 @@ fn torch_baseline(script: &PathBuf, ctx: &mut Ctx<'_>) -> Result<(), String> {
         row.torch_in_graph_us = results[&row.name]["in_graph_us"].as_f64();
     }
     ctx.matrix_tflops = results["__matrix_rate__"]["tflops"].as_f64();
+    step::read_torch(ctx, &results);
     Ok(())
 }
 
@@ -1294,6 +1305,7 @@ fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String
         "method": "CUDA graph replay, L2 flushed before each replay, device events, median",
         "method_in_graph": "the op captured `ops` times in one graph over `sets` rotating input copies (one pass >= 4x L2), replayed back to back, device events, median of replay time / ops",
         "rows": rows,
+        "steps": step::to_json(ctx),
         "io": io.iter().map(|r| json!({
             "name": r.name,
             "bytes": r.bytes,
