@@ -15,7 +15,7 @@ use crate::options::LoraOptions;
 use crate::overlay::{OverlayModule, OverlayTensors, classify_overlay_key, id_in_vocab, reject_pending_overlay};
 use crate::peft_config::{MAX_ADAPTER_CONFIG_BYTES, PeftAdapterConfig, TargetModules, TrainableTokenIndices};
 use crate::report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
-use crate::tensors::{MappedSafetensors, TensorInfo, first_non_finite_raw};
+use crate::tensors::{LoadedSafetensors, TensorInfo, first_non_finite_raw};
 
 /// The adapter's config file name.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -66,7 +66,7 @@ struct Halves {
 /// skip lives in the report.
 ///
 /// Unlike [`audit_header`], it reads the values of every tensor the report
-/// serves ([`AuditReport::served_tensors`]) from the memory-mapped file, as
+/// serves ([`AuditReport::served_tensors`]) from the read file, as
 /// served (converted to BF16), and refuses any NaN or infinity naming the
 /// tensor (`REJECT[non-finite]`).
 pub fn audit_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Result<AuditReport, AuditError> {
@@ -78,7 +78,7 @@ pub fn audit_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Resul
 }
 
 /// Check the values of every served tensor of `report` in `mapped`.
-fn refuse_non_finite(report: &mut AuditReport, mapped: &MappedSafetensors) -> Result<(), AuditError> {
+fn refuse_non_finite(report: &mut AuditReport, mapped: &LoadedSafetensors) -> Result<(), AuditError> {
     let names: Vec<String> = report.served_tensors().into_iter().collect();
     let found = names
         .par_iter()
@@ -118,13 +118,13 @@ fn read_config(path: &Path) -> Result<String, AuditError> {
 }
 
 /// The header-only audit of the adapter in `dir`: the parsed config, the
-/// report, and the mapped weights (`None` for a pickle or another method's
+/// report, and the read weights (`None` for a pickle or another method's
 /// adapter, whose tensors are never read).
 pub(crate) fn audit_with_config(
     dir: &Path,
     cfg: &ModelConfig,
     opts: &LoraOptions,
-) -> Result<(PeftAdapterConfig, AuditReport, Option<MappedSafetensors>), AuditError> {
+) -> Result<(PeftAdapterConfig, AuditReport, Option<LoadedSafetensors>), AuditError> {
     let text = read_config(&dir.join(ADAPTER_CONFIG))?;
     let config = PeftAdapterConfig::from_json(&text)?;
     let weights = dir.join(ADAPTER_WEIGHTS);
@@ -133,7 +133,7 @@ pub(crate) fn audit_with_config(
         if !weights.exists() && dir.join(ADAPTER_PICKLE).exists() {
             Ok(None)
         } else {
-            let m = MappedSafetensors::open(&weights)?;
+            let m = LoadedSafetensors::open(&weights)?;
             let infos = m.infos()?;
             mapped = Some(m);
             Ok(Some(infos))

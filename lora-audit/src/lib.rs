@@ -21,8 +21,8 @@
 //! - [`prepare_adapter`] → [`PreparedAdapter`]: host BF16 pairs (both expert
 //!   formats normalised to per-(expert, Gate | Up | Down) pairs) and the
 //!   [`HostOverlay`].
-//! - [`load_adapter_safetensors`]: memory-mapped, F32/F16 → BF16 with rayon.
-//!   [`MappedSafetensors`] (the `safetensors` crate) and [`SafetensorsFile`]
+//! - [`load_adapter_safetensors`]: read whole (never mapped), F32/F16 → BF16 with rayon.
+//!   [`LoadedSafetensors`] (the `safetensors` crate) and [`SafetensorsFile`]
 //!   (the swap path's own fast parser) accept and refuse exactly the same
 //!   files, by the `safetensors` crate's rules (a tensor named twice keeps
 //!   its last entry).
@@ -143,6 +143,6 @@ pub use probe::{
 };
 pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
 pub use tensors::{
-    AdapterTensors, HostTensor, MappedSafetensors, SafetensorsFile, TensorDtype, TensorInfo, UnparsedSafetensors,
+    AdapterTensors, HostTensor, LoadedSafetensors, SafetensorsFile, TensorDtype, TensorInfo, UnparsedSafetensors,
     first_non_finite, first_non_finite_raw, load_adapter_safetensors, load_bf16,
 };

@@ -19,7 +19,7 @@ use crate::options::LoraOptions;
 use crate::overlay::{HostOverlay, LmHeadOverlay, OverlayModule, TableOverlay, id_in_vocab};
 use crate::peft_config::PeftAdapterConfig;
 use crate::report::{AuditReport, ExpertSlice, LmHeadMode};
-use crate::tensors::{AdapterTensors, HostTensor, MappedSafetensors, first_non_finite, load_bf16, stored_value};
+use crate::tensors::{AdapterTensors, HostTensor, LoadedSafetensors, first_non_finite, load_bf16, stored_value};
 
 /// A dense pair on the host: `y += scale · B (A x)`.
 #[derive(Debug, Clone, PartialEq)]
@@ -102,7 +102,7 @@ pub fn prepare_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Res
     let needed = report.served_tensors();
     let mapped = match mapped {
         Some(m) => m,
-        None => MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))?,
+        None => LoadedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))?,
     };
     let tensors = load_bf16(&mapped, |name| needed.contains(name))?;
     // The values as served: what `audit_adapter` checks on the raw bytes,

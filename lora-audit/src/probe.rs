@@ -21,7 +21,7 @@ use crate::error::{AuditError, RejectCode};
 use crate::key::{LayerModule, resolve_layer_module, split_layer_path};
 use crate::overlay::{CompiledOverlay, OverlayModule};
 use crate::prepare::PreparedAdapter;
-use crate::tensors::{MappedSafetensors, load_f32, load_i64};
+use crate::tensors::{LoadedSafetensors, load_f32, load_i64};
 
 /// Prefix of a probe input.
 pub const PROBE_IN: &str = "probe_in::";
@@ -136,7 +136,7 @@ pub struct ProbeInputs {
 
 /// Read a probe file; keys with other prefixes are ignored.
 pub fn read_probe_inputs(path: &Path) -> Result<ProbeInputs, AuditError> {
-    let mapped = MappedSafetensors::open(path)?;
+    let mapped = LoadedSafetensors::open(path)?;
     let mut out = ProbeInputs::default();
     for info in mapped.infos()? {
         if let Some(weight) = info.name.strip_prefix(PROBE_IN) {
@@ -163,7 +163,7 @@ pub struct Oracle {
 /// Read an oracle file.
 pub fn read_oracle(path: &Path) -> Result<Oracle, AuditError> {
     let inputs = read_probe_inputs(path)?;
-    let mapped = MappedSafetensors::open(path)?;
+    let mapped = LoadedSafetensors::open(path)?;
     let mut expected = BTreeMap::new();
     for info in mapped.infos()? {
         if info.name.starts_with(PROBE_OUT) || info.name.starts_with(ROWS_MERGED) {
@@ -186,7 +186,7 @@ pub struct BaseTables {
 /// Read `--base`: the tensors whose names end in `embed_tokens.weight` and
 /// `lm_head.weight`.
 pub fn read_base_tables(path: &Path) -> Result<BaseTables, AuditError> {
-    let mapped = MappedSafetensors::open(path)?;
+    let mapped = LoadedSafetensors::open(path)?;
     let tensors = crate::tensors::load_bf16(&mapped, |n| {
         n.ends_with("embed_tokens.weight") || n == "lm_head.weight" || n.ends_with(".lm_head.weight")
     })?;

@@ -1,4 +1,5 @@
-//! Reading safetensors files: memory-mapped, validated before use, F32 and
+//! Reading safetensors files: read whole (never mapped, so a file changed
+//! underneath is an error, not a SIGBUS), validated before use, F32 and
 //! F16 converted to BF16 on the host with rayon across tensors.
 //!
 //! Truncated or corrupt files are errors, never panics: the header and every
@@ -10,7 +11,6 @@ use std::fs::File;
 use std::path::Path;
 
 use half::{bf16, f16};
-use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::tensor::Metadata;
 use safetensors::{Dtype, SafeTensors};
@@ -99,53 +99,44 @@ pub struct HostTensor {
 /// An adapter's tensors by name, as BF16.
 pub type AdapterTensors = BTreeMap<String, HostTensor>;
 
-/// A memory-mapped, validated safetensors file. The header is parsed once,
-/// at open; tensor lookups read the kept header.
-pub struct MappedSafetensors {
+/// A validated safetensors file read whole into memory. The header is
+/// parsed once, at open; tensor lookups read the kept header. The file is
+/// read, never memory-mapped: a file that someone truncates or rewrites
+/// while it is open gives a short or inconsistent buffer, which validation
+/// refuses, never a SIGBUS.
+pub struct LoadedSafetensors {
     path: String,
-    map: Option<Mmap>,
+    bytes: Vec<u8>,
     /// Bytes before the data section (the length prefix and the header).
     data_start: usize,
     header: Metadata,
 }
 
-impl MappedSafetensors {
-    /// Map `path` and validate its header against its length.
-    pub fn open(path: &Path) -> Result<MappedSafetensors, AuditError> {
-        let file = File::open(path).map_err(|e| AuditError::io(path, e))?;
-        let len = file.metadata().map_err(|e| AuditError::io(path, e))?.len();
-        let map = if len == 0 {
-            None
-        } else {
-            // SAFETY: the map is read-only and lives as long as `self`. Another
-            // process truncating or rewriting the file while it is mapped would
-            // break the borrow rules (or raise SIGBUS); adapter files are
-            // written once and only read here, which is the contract callers
-            // accept by passing the path.
-            Some(unsafe { Mmap::map(&file) }.map_err(|e| AuditError::io(path, e))?)
-        };
+impl LoadedSafetensors {
+    /// Read `path` and validate its header against its length.
+    pub fn open(path: &Path) -> Result<LoadedSafetensors, AuditError> {
+        let bytes = std::fs::read(path).map_err(|e| AuditError::io(path, e))?;
         let path = path.display().to_string();
-        let (header_len, header) =
-            SafeTensors::read_metadata(map.as_deref().unwrap_or(&[])).map_err(|e| AuditError::Safetensors {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
-        Ok(MappedSafetensors {
+        let (header_len, header) = SafeTensors::read_metadata(&bytes).map_err(|e| AuditError::Safetensors {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(LoadedSafetensors {
             path,
-            map,
+            bytes,
             data_start: 8 + header_len,
             header,
         })
     }
 
     /// One tensor: its type, shape and raw little-endian bytes (a view into
-    /// the mapped file; the offsets were validated at open).
+    /// the read file; the offsets were validated at open).
     pub fn tensor(&self, name: &str) -> Result<(TensorDtype, &[usize], &[u8]), AuditError> {
         tensor_of(&self.header, self.bytes(), self.data_start, &self.path, name)
     }
 
     fn bytes(&self) -> &[u8] {
-        self.map.as_deref().unwrap_or(&[])
+        &self.bytes
     }
 
     /// The parsed view (header validated against the whole buffer).
@@ -405,7 +396,7 @@ pub fn load_adapter_safetensors(path: &Path) -> Result<AdapterTensors, AuditErro
             reason: "a pickle (.bin) adapter is never loaded; save it with safe_serialization=True".into(),
         });
     }
-    let mapped = MappedSafetensors::open(&path)?;
+    let mapped = LoadedSafetensors::open(&path)?;
     load_bf16(&mapped, |_| true)
 }
 
@@ -413,7 +404,7 @@ pub fn load_adapter_safetensors(path: &Path) -> Result<AdapterTensors, AuditErro
 /// Values are converted, not judged: a caller that serves them checks them
 /// with [`first_non_finite`] ([`prepare_adapter`](crate::prepare_adapter)
 /// does).
-pub fn load_bf16(mapped: &MappedSafetensors, keep: impl Fn(&str) -> bool + Sync) -> Result<AdapterTensors, AuditError> {
+pub fn load_bf16(mapped: &LoadedSafetensors, keep: impl Fn(&str) -> bool + Sync) -> Result<AdapterTensors, AuditError> {
     let view = mapped.view()?;
     let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> =
         view.tensors().into_iter().filter(|(n, _)| keep(n)).collect();
@@ -433,7 +424,7 @@ pub fn load_bf16(mapped: &MappedSafetensors, keep: impl Fn(&str) -> bool + Sync)
 }
 
 /// Read one float tensor (F32, F16 or BF16) as F32, exactly.
-pub fn load_f32(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, Vec<f32>), AuditError> {
+pub fn load_f32(mapped: &LoadedSafetensors, name: &str) -> Result<(Vec<usize>, Vec<f32>), AuditError> {
     // The kept header: no re-parse per tensor.
     let (dtype, shape, bytes) = mapped.tensor(name)?;
     let data = match dtype {
@@ -451,7 +442,7 @@ pub fn load_f32(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, V
 }
 
 /// Read an integer tensor (I64 or I32) as `i64`.
-pub fn load_i64(mapped: &MappedSafetensors, name: &str) -> Result<(Vec<usize>, Vec<i64>), AuditError> {
+pub fn load_i64(mapped: &LoadedSafetensors, name: &str) -> Result<(Vec<usize>, Vec<i64>), AuditError> {
     let (dtype, shape, bytes) = mapped.tensor(name)?;
     let data = match dtype {
         TensorDtype::I64 => bytes
@@ -553,7 +544,7 @@ pub fn first_non_finite_raw(dtype: TensorDtype, bytes: &[u8]) -> Option<(usize, 
 
 /// The stored value of element `index` of tensor `name` in `mapped`, for a
 /// refusal message.
-pub(crate) fn stored_value(mapped: &MappedSafetensors, name: &str, index: usize) -> Result<f32, AuditError> {
+pub(crate) fn stored_value(mapped: &LoadedSafetensors, name: &str, index: usize) -> Result<f32, AuditError> {
     let (dtype, _, bytes) = mapped.tensor(name)?;
     stored_f32(dtype, bytes, index).ok_or_else(|| AuditError::Tensor {
         name: name.to_string(),

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use lora_audit::{
-    AuditReport, LmHeadMode, LoraOptions, MappedSafetensors, PROBE_IN, PROBE_OUT, ProbeInputs, ROWS_IDX, ROWS_MERGED,
+    AuditReport, LmHeadMode, LoadedSafetensors, LoraOptions, PROBE_IN, PROBE_OUT, ProbeInputs, ROWS_IDX, ROWS_MERGED,
     RejectCode, WeightRef, audit_adapter, parse_weight_name, prepare_adapter, probe_adapter, read_base_tables,
     read_probe_inputs,
 };
@@ -215,7 +215,7 @@ fn placed_sites(report: &AuditReport) -> Sites {
 
 /// Oracle tensors: (key, shape, values) for the outputs.
 fn oracle_outputs(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let mapped = MappedSafetensors::open(path).unwrap();
+    let mapped = LoadedSafetensors::open(path).unwrap();
     let meta = mapped.metadata().unwrap();
     assert!(
         meta.contains_key("peft") && meta.contains_key("transformers"),

@@ -46,7 +46,7 @@ impl PairMeta {
 }
 
 /// Tensor elements to pack, as they are found: converted BF16 values, or
-/// the raw little-endian bytes of a memory-mapped file (converted to BF16
+/// the raw little-endian bytes of a read file (converted to BF16
 /// while packing, with the same rounding as lora-audit's loader).
 #[derive(Debug, Clone, Copy)]
 pub enum Elems<'a> {

@@ -456,7 +456,7 @@ fn the_header_audit_is_the_directory_audit_for_every_fixture() {
         for opts in [LoraOptions::default(), partial.clone()] {
             let from_dir = audit_adapter(dir, cfg, &opts);
             let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap();
-            let infos = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
+            let infos = LoadedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
                 .unwrap()
                 .infos()
                 .unwrap();
@@ -477,7 +477,7 @@ fn the_header_audit_ignores_tensor_order_and_reads_no_data() {
         .find(|(_, d)| d.ends_with("llama/rank_alpha_pattern"))
         .unwrap();
     let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap();
-    let infos = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
+    let infos = LoadedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
         .unwrap()
         .infos()
         .unwrap();
@@ -489,7 +489,7 @@ fn the_header_audit_ignores_tensor_order_and_reads_no_data() {
     assert_eq!(audit_header("a", &text, reversed, &cfg, &opts).unwrap(), sorted);
     // A header naming a tensor twice (impossible in a file, possible on the
     // wire) is refused, not trusted.
-    let mut twice = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
+    let mut twice = LoadedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
         .unwrap()
         .infos()
         .unwrap();
@@ -567,7 +567,7 @@ fn non_finite_values_are_refused_as_served_naming_the_tensor() {
     );
     // The header-only audit cannot see values.
     let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap();
-    let infos = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
+    let infos = LoadedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))
         .unwrap()
         .infos()
         .unwrap();

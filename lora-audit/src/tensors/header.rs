@@ -7,7 +7,7 @@
 //!
 //! Its rules are the `safetensors` crate's (0.6), read from its source, so
 //! that [`SafetensorsFile`](super::SafetensorsFile) and
-//! [`MappedSafetensors`](super::MappedSafetensors) (which uses the crate
+//! [`LoadedSafetensors`](super::LoadedSafetensors) (which uses the crate
 //! itself) accept and refuse the same files; a property test holds them to
 //! it:
 //! - the header bytes are UTF-8 and one JSON object (whitespace around it);

@@ -47,7 +47,7 @@ fn floats_become_bf16_rounded_to_nearest() {
 fn header_infos_are_sorted_by_name() {
     let dir = ScratchDir::new("infos");
     let path = write(&dir, "x.safetensors", &sample_bytes());
-    let infos = MappedSafetensors::open(&path).unwrap().infos().unwrap();
+    let infos = LoadedSafetensors::open(&path).unwrap().infos().unwrap();
     let names: Vec<&str> = infos.iter().map(|i| i.name.as_str()).collect();
     assert_eq!(names, ["a", "b", "h"]);
     assert_eq!(infos[2].dtype, TensorDtype::F16);
@@ -120,7 +120,7 @@ proptest! {
         }
         let path = write(&dir, "f.safetensors", &bytes);
         let _ = load_adapter_safetensors(&path);
-        if let Ok(m) = MappedSafetensors::open(&path) {
+        if let Ok(m) = LoadedSafetensors::open(&path) {
             let _ = m.infos();
             let _ = m.metadata();
         }
@@ -131,7 +131,7 @@ proptest! {
 fn an_opened_file_locates_the_same_tensors_as_a_mapped_one() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../fixtures/llama/dense_all_linear_bf16/adapter_model.safetensors");
-    let mapped = MappedSafetensors::open(&path).unwrap();
+    let mapped = LoadedSafetensors::open(&path).unwrap();
     let file = SafetensorsFile::open(&path).unwrap();
     assert_eq!(file.infos(), mapped.infos().unwrap());
     for info in file.infos() {
@@ -247,7 +247,7 @@ fn file_bytes(header: &[u8], data_len: usize) -> Vec<u8> {
 /// both accept, whether they read the same tensors at the same places.
 fn both_verdicts(dir: &ScratchDir, bytes: &[u8]) -> (bool, bool, bool) {
     let path = write(dir, "h.safetensors", bytes);
-    let mapped = MappedSafetensors::open(&path);
+    let mapped = LoadedSafetensors::open(&path);
     let opened = SafetensorsFile::open(&path);
     let same = match (&mapped, &opened) {
         (Ok(m), Ok(f)) => {
@@ -266,7 +266,7 @@ fn both_verdicts(dir: &ScratchDir, bytes: &[u8]) -> (bool, bool, bool) {
 }
 
 /// Where the mapped file's bytes start, to turn a tensor slice into an offset.
-fn bytes_start(m: &MappedSafetensors) -> usize {
+fn bytes_start(m: &LoadedSafetensors) -> usize {
     m.bytes().as_ptr() as usize
 }
 
@@ -401,4 +401,29 @@ fn a_tensor_repeated_verbatim_is_read_alike_by_both_paths() {
         both_verdicts(&dir, &file_bytes(gap.as_bytes(), 4)),
         (false, false, true)
     );
+}
+
+/// A file rewritten or truncated by someone else after it was opened
+/// changes nothing already read (the file is read, never mapped: no
+/// SIGBUS), and reopening the truncated file is an error.
+#[test]
+fn a_file_truncated_after_open_neither_crashes_nor_changes_what_was_read() {
+    let dir = ScratchDir::new("truncated-after-open");
+    let path = write(&dir, "a.safetensors", &sample_bytes());
+    let opened = LoadedSafetensors::open(&path).expect("valid");
+    let before: Vec<Vec<u8>> = opened
+        .infos()
+        .expect("infos")
+        .iter()
+        .map(|i| opened.tensor(&i.name).expect("tensor").2.to_vec())
+        .collect();
+    std::fs::write(&path, &sample_bytes()[..12]).expect("truncate");
+    let after: Vec<Vec<u8>> = opened
+        .infos()
+        .expect("infos")
+        .iter()
+        .map(|i| opened.tensor(&i.name).expect("tensor").2.to_vec())
+        .collect();
+    assert_eq!(before, after);
+    assert!(LoadedSafetensors::open(&path).is_err());
 }

@@ -1,4 +1,4 @@
-use lora_audit::{LoraOptions, MappedSafetensors};
+use lora_audit::{LoadedSafetensors, LoraOptions};
 use lora_layout::LoraModule;
 
 use super::*;
@@ -317,7 +317,7 @@ fn rank_and_scale_come_from_the_engines_audit_not_the_peer() {
 #[test]
 fn adapters_with_token_overlays_are_refused() {
     let dir = fixture("llama/trainable_tokens_untied_list");
-    let mapped = MappedSafetensors::open(&dir.join(lora_audit::ADAPTER_WEIGHTS)).unwrap();
+    let mapped = LoadedSafetensors::open(&dir.join(lora_audit::ADAPTER_WEIGHTS)).unwrap();
     let m = Manifest {
         adapter: "tokens".into(),
         model: crate::fingerprint::model_fingerprint(&config("llama")),

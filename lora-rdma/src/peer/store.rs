@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, LoraOptions, MappedSafetensors, TensorInfo};
+use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, LoadedSafetensors, LoraOptions, TensorInfo};
 use lora_audit::{audit_adapter, prepare_adapter};
 use lora_layout::ModelConfig;
 
@@ -135,7 +135,7 @@ fn read_header(dir: &Path) -> Result<(String, Vec<TensorInfo>), AuditError> {
         path: path.display().to_string(),
         source,
     })?;
-    let infos = MappedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))?.infos()?;
+    let infos = LoadedSafetensors::open(&dir.join(ADAPTER_WEIGHTS))?.infos()?;
     Ok((text, infos))
 }
 
