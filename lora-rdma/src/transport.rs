@@ -62,6 +62,14 @@ pub enum TransportError {
     /// The peer went silent for longer than the timeout.
     #[error("peer did not answer within {0:?}")]
     Timeout(Duration),
+    /// The call did not finish within its overall deadline (the peer is
+    /// slower than the transport's minimum rate).
+    #[error("the peer did not finish within the call's deadline of {0:?}")]
+    Deadline(Duration),
+    /// The connection fell out of protocol sync earlier (a malformed or
+    /// extra frame, a timeout mid-frame): reconnect.
+    #[error("the peer connection is out of protocol sync: {0}")]
+    Broken(String),
     /// The peer closed or reset the connection (it died or gave up).
     #[error("peer connection lost: {0}")]
     Disconnected(io::Error),

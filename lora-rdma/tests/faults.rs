@@ -48,6 +48,7 @@ fn transport(addr: &str, io_timeout: Duration) -> Result<TcpTransport, Transport
     let tcp = TcpOptions {
         connect_timeout: Duration::from_secs(5),
         io_timeout,
+        ..TcpOptions::default()
     };
     TcpTransport::connect(addr, tcp)
 }

@@ -23,6 +23,7 @@ fn options(io_timeout_ms: u64) -> TcpOptions {
     TcpOptions {
         connect_timeout: Duration::from_secs(2),
         io_timeout: Duration::from_millis(io_timeout_ms),
+        ..TcpOptions::default()
     }
 }
 
@@ -276,5 +277,64 @@ fn many_ranges_travel_in_few_requests() {
     let mut t = TcpTransport::connect(&addr, options(5000)).unwrap();
     t.read(&ops, &mut sink).unwrap();
     assert!(sink.0.iter().enumerate().all(|(i, b)| b[0] == i as u8));
+    server.join().unwrap();
+}
+
+/// A peer that trickles bytes just inside the per-read timeout is cut off
+/// at the call's overall deadline, and the connection is then refused.
+#[test]
+fn a_trickling_peer_hits_the_overall_deadline() {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (addr, server) = serve(move |mut s| {
+        skip_request(&mut s);
+        let mut frame = Vec::new();
+        write_frame(&mut frame, FrameKind::Data, &[7; 64]).unwrap();
+        for b in frame {
+            if rx.try_recv().is_ok() || s.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let opts = TcpOptions {
+        connect_timeout: Duration::from_secs(2),
+        // Each byte comes well within the per-read timeout...
+        io_timeout: Duration::from_millis(200),
+        // ...but the call is due within 2 x 0.2 s + 64 B / 1 KiB/s = 0.46 s
+        // in all, while the trickle takes 76 x 50 ms = 3.8 s.
+        min_rate: 1024,
+    };
+    let mut t = TcpTransport::connect(&addr, opts).unwrap();
+    let started = Instant::now();
+    let err = t.read(&[tcp_op(0, 64)], &mut VecSink(vec![vec![0; 64]])).unwrap_err();
+    assert!(matches!(err, TransportError::Deadline(_)), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    let again = t.fetch_manifest("a", 16, 16).unwrap_err();
+    assert!(matches!(again, TransportError::Broken(_)), "{again}");
+    tx.send(()).ok();
+    server.join().unwrap();
+}
+
+/// A data frame after the last one a read asked for ends the read with a
+/// typed error, and the connection is not used again.
+#[test]
+fn an_extra_data_frame_is_out_of_protocol_order() {
+    let (addr, server) = serve(|mut s| {
+        skip_request(&mut s);
+        write_frame(&mut s, FrameKind::Data, &[1, 2, 3, 4]).unwrap();
+        write_frame(&mut s, FrameKind::Data, &[5, 6]).unwrap();
+        s.flush().unwrap();
+        // Keep the connection open until the engine is done.
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    });
+    let mut t = TcpTransport::connect(&addr, options(5000)).unwrap();
+    // Give the extra frame time to arrive with the data.
+    std::thread::sleep(Duration::from_millis(100));
+    let err = t.read(&[tcp_op(0, 4)], &mut VecSink(vec![vec![0; 4]])).unwrap_err();
+    assert!(matches!(err, TransportError::Protocol(_)), "{err}");
+    let again = t.read(&[tcp_op(0, 4)], &mut VecSink(vec![vec![0; 4]])).unwrap_err();
+    assert!(matches!(again, TransportError::Broken(_)), "{again}");
+    drop(t);
     server.join().unwrap();
 }

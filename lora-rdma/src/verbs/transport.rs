@@ -79,6 +79,7 @@ impl VerbsTransport {
             vec![0u8; options.staging_bytes.max(1)].into_boxed_slice(),
             access_for(MemoryRole::EngineLanding),
         )?;
+        control.begin(0)?;
         control.send(&Request::Connect {
             endpoint: qp.endpoint()?,
         })?;
