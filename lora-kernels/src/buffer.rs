@@ -5,9 +5,9 @@
 //! range is [`KernelError::OutOfBounds`].
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
 
 use crate::cpu_mem::CpuAlloc;
 use crate::cuda_rt::driver_err;
@@ -141,6 +141,7 @@ impl Device {
             device: self.clone(),
             len,
             inner,
+            last_copy: Mutex::new(None),
         })
     }
 }
@@ -285,7 +286,10 @@ impl<T: DeviceElem> DeviceBuffer<T> {
     }
 
     /// Copy the whole pinned buffer `src` into `self[dst_offset..]`
-    /// (asynchronous on CUDA: `src` is not written again before the copy is done).
+    /// (asynchronous on CUDA: an event recorded after the copy makes `src`'s
+    /// next [`PinnedHostBuffer::as_mut_slice`] / `as_slice` wait for it, so
+    /// `src` is never rewritten while the copy is still queued). Not for
+    /// graph capture.
     pub fn upload_pinned(&mut self, dst_offset: usize, src: &PinnedHostBuffer<T>) -> Result<(), KernelError> {
         self.device.expect_same("src", &src.device)?;
         check_range("upload range", dst_offset, src.len, self.len)?;
@@ -300,7 +304,13 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             (Storage::Cuda(s), Pinned::Cuda(p), Backend::Cuda(c)) => {
                 let mut view = s.slice_mut(dst_offset..dst_offset + src.len);
                 if p.len() == src.len {
-                    c.stream.memcpy_htod(p, &mut view).map_err(driver_err("cuMemcpyHtoD"))
+                    c.stream.memcpy_htod(p, &mut view).map_err(driver_err("cuMemcpyHtoD"))?;
+                    // cudarc's own completion event is off (event tracking is
+                    // disabled): record this crate's, replacing the previous
+                    // copy's (stream order: this one completes after it).
+                    let event = c.record_event()?;
+                    *src.last_copy.lock().unwrap_or_else(|p| p.into_inner()) = Some(event);
+                    Ok(())
                 } else {
                     // Zero-length pinned buffers allocate one element; nothing to copy then.
                     Ok(())
@@ -354,6 +364,8 @@ pub struct PinnedHostBuffer<T: DeviceElem> {
     device: Device,
     len: usize,
     inner: Pinned<T>,
+    /// The completion event of the last queued copy from this buffer (CUDA).
+    last_copy: Mutex<Option<CudaEvent>>,
 }
 
 enum Pinned<T: DeviceElem> {
@@ -372,8 +384,18 @@ impl<T: DeviceElem> PinnedHostBuffer<T> {
         self.len == 0
     }
 
+    /// Wait for the last queued copy from this buffer, if any.
+    fn wait_last_copy(&self) -> Result<(), KernelError> {
+        let pending = self.last_copy.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match pending {
+            Some(event) => event.synchronize().map_err(driver_err("cuEventSynchronize")),
+            None => Ok(()),
+        }
+    }
+
     /// The elements (waits for a pending upload from this buffer to finish).
     pub fn as_slice(&self) -> Result<&[T], KernelError> {
+        self.wait_last_copy()?;
         match &self.inner {
             Pinned::Host(v) => Ok(v),
             Pinned::Cuda(p) => Ok(&p.as_slice().map_err(driver_err("cuEventSynchronize"))?[..self.len]),
@@ -382,6 +404,7 @@ impl<T: DeviceElem> PinnedHostBuffer<T> {
 
     /// The elements, mutably (waits for a pending upload from this buffer to finish).
     pub fn as_mut_slice(&mut self) -> Result<&mut [T], KernelError> {
+        self.wait_last_copy()?;
         let len = self.len;
         match &mut self.inner {
             Pinned::Host(v) => Ok(v),

@@ -211,8 +211,12 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
     }
     let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
     // SAFETY: this backend issues everything on its one stream (below), so the
-    // stream orders every use of every buffer; cudarc's cross-stream event
-    // tracking is not needed, and its events must not land in captured graphs.
+    // stream orders every device-side use of every buffer; cudarc's
+    // cross-stream event tracking is not needed, and its events must not land
+    // in captured graphs. The one host-side hazard that tracking also covered
+    // — rewriting a pinned host buffer while a copy from it is still queued —
+    // is handled by `PinnedHostBuffer`, which records its own event after
+    // every `upload_pinned` and waits for it before handing out its memory.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
     let name = ctx.name().map_err(driver_err("cuDeviceGetName"))?;
