@@ -281,12 +281,27 @@ fn swaps_and_evictions_mid_run() {
         ));
         assert_eq!(engine.pool().slot_contents(slot).expect("contents"), before);
     }
-    if let Some(idle) = engine.pool().slot_ids().find(|&s| engine.pool().ref_count(s) == 0) {
-        let before = engine.pool().slot_contents(idle).expect("contents");
-        assert!(engine.pool_mut().swap_from_disk(idle, "dora", &refused).is_err());
-        assert_eq!(engine.pool().slot_contents(idle).expect("contents"), before);
-        engine.pool_mut().evict(idle).expect("an idle slot evicts");
-    }
+    // Requests 0-3 run rslora_all_linear, the base and tokens_dict_untied:
+    // modules_to_save_tables' slot is idle.
+    let idle = engine
+        .pool()
+        .slot_ids()
+        .find(|&s| engine.pool().ref_count(s) == 0)
+        .expect("an idle slot after two steps");
+    let name = engine.pool().slots()[idle.index()].name.clone();
+    let dir = adapters(family)
+        .into_iter()
+        .find(|a| a.name == name)
+        .expect("the idle slot holds a library adapter")
+        .dir;
+    let before = engine.pool().slot_contents(idle).expect("contents");
+    assert!(engine.pool_mut().swap_from_disk(idle, "dora", &refused).is_err());
+    assert_eq!(engine.pool().slot_contents(idle).expect("contents"), before);
+    engine.pool_mut().evict(idle).expect("an idle slot evicts");
+    // Swapped back in between steps: the later requests for it serve these bytes.
+    let swapped = engine.pool_mut().swap_from_disk(idle, &name, &dir).expect("swap");
+    assert_eq!(engine.pool().slot_contents(idle).expect("contents"), before);
+    assert!(swapped.generation > 0);
     engine.run().expect("run");
     for i in 0..reqs.len() {
         check(family, &oracle, i, engine.output(i).expect("finished"), vocab);
