@@ -533,13 +533,36 @@ pub fn first_non_finite_raw(dtype: TensorDtype, bytes: &[u8]) -> Option<(usize, 
     let index = bytes
         .par_chunks(CHUNK * size)
         .enumerate()
-        .find_map_first(|(c, chunk)| {
-            chunk
-                .chunks_exact(size)
-                .position(|e| !served_bf16(dtype, e).is_finite())
-                .map(|i| c * CHUNK + i)
-        })?;
+        .find_map_first(|(c, chunk)| non_finite_position(dtype, chunk).map(|i| c * CHUNK + i))?;
     Some((index, stored_f32(dtype, bytes, index).unwrap_or(f32::NAN)))
+}
+
+/// The first element of `bytes` not finite as served, by its bits alone
+/// (no conversion): BF16 and F16 with an all-ones exponent; F32 whose
+/// magnitude is an infinity, a NaN or at least `0x7F7F_8000`, the smallest
+/// that rounds (to nearest even) to a BF16 infinity. Blocks of 64 elements
+/// are tested branch-free first, so the scan runs at memory speed.
+fn non_finite_position(dtype: TensorDtype, bytes: &[u8]) -> Option<usize> {
+    fn scan<const N: usize>(bytes: &[u8], bad: impl Fn([u8; N]) -> bool) -> Option<usize> {
+        const BLOCK: usize = 64;
+        bytes.chunks(BLOCK * N).enumerate().find_map(|(b, block)| {
+            let elems = block.chunks_exact(N).map(|e| {
+                let mut a = [0u8; N];
+                a.copy_from_slice(e);
+                a
+            });
+            if !elems.clone().fold(false, |any, e| any | bad(e)) {
+                return None;
+            }
+            elems.clone().position(&bad).map(|i| b * BLOCK + i)
+        })
+    }
+    match dtype {
+        TensorDtype::BF16 => scan::<2>(bytes, |e| u16::from_le_bytes(e) & 0x7FFF >= 0x7F80),
+        TensorDtype::F16 => scan::<2>(bytes, |e| u16::from_le_bytes(e) & 0x7C00 == 0x7C00),
+        TensorDtype::F32 => scan::<4>(bytes, |e| u32::from_le_bytes(e) & 0x7FFF_FFFF >= 0x7F7F_8000),
+        _ => None,
+    }
 }
 
 /// The stored value of element `index` of tensor `name` in `mapped`, for a
@@ -568,3 +591,54 @@ fn to_bf16(name: &str, dtype: TensorDtype, bytes: &[u8]) -> Result<Vec<bf16>, Au
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod non_finite_bits {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The bit test agrees with converting to BF16 and asking, for every
+        /// F32, F16 and BF16 bit pattern tried.
+        #[test]
+        fn the_bit_test_is_the_conversion(bits in any::<u32>()) {
+            let f32_bytes = bits.to_le_bytes();
+            prop_assert_eq!(
+                non_finite_position(TensorDtype::F32, &f32_bytes).is_some(),
+                !served_bf16(TensorDtype::F32, &f32_bytes).is_finite()
+            );
+            let half = (bits as u16).to_le_bytes();
+            for dtype in [TensorDtype::F16, TensorDtype::BF16] {
+                prop_assert_eq!(
+                    non_finite_position(dtype, &half).is_some(),
+                    !served_bf16(dtype, &half).is_finite()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_rounding_edge_of_f32() {
+        for (bits, bad) in [
+            (0x7F7F_7FFFu32, false),
+            (0x7F7F_8000, true),
+            (0xFF7F_8000, true),
+            (0x7F80_0001, true),
+        ] {
+            assert_eq!(
+                non_finite_position(TensorDtype::F32, &bits.to_le_bytes()).is_some(),
+                bad,
+                "{bits:#x}"
+            );
+            assert_eq!(
+                !served_bf16(TensorDtype::F32, &bits.to_le_bytes()).is_finite(),
+                bad,
+                "{bits:#x}"
+            );
+        }
+        // Position past the first block.
+        let mut v = vec![0u8; 2 * 200];
+        v[2 * 150..2 * 151].copy_from_slice(&0x7FC0u16.to_le_bytes());
+        assert_eq!(non_finite_position(TensorDtype::BF16, &v), Some(150));
+    }
+}

@@ -800,19 +800,19 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// the raw staged data section holding a value that is not finite as
     /// served; `Err(Some(_))` for a failure to read the chunks.
     fn refuse_non_finite_raw(&self, file: &SafetensorsFile, report: &mut AuditReport) -> Result<(), Option<PoolError>> {
+        let mut names = Vec::new();
+        let mut ranges = Vec::new();
         for tensor in report.served_tensors() {
             let Ok((dtype, _, offset, len)) = file.tensor(&tensor) else {
                 continue;
             };
             let start = usize::try_from(offset.saturating_sub(file.data_start())).unwrap_or(usize::MAX);
-            let found = self
-                .staging
-                .first_non_finite_raw(start..start.saturating_add(len), dtype)
-                .map_err(Some)?;
-            if let Some((index, value)) = found {
-                report.refuse(Refusal::non_finite(tensor, index, value));
-                return Err(None);
-            }
+            ranges.push((start..start.saturating_add(len), dtype));
+            names.push(tensor);
+        }
+        if let Some((t, index, value)) = self.staging.first_non_finite_raw(&ranges).map_err(Some)? {
+            report.refuse(Refusal::non_finite(names[t].clone(), index, value));
+            return Err(None);
         }
         Ok(())
     }

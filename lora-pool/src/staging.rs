@@ -231,29 +231,37 @@ impl Staging {
         })
     }
 
-    /// The first element of `dtype` values at data-section bytes `range`
-    /// (as [`Staging::read_raw`] left them in the host chunks) that is not
-    /// finite as served: its index and stored value. The chunks tile the
-    /// staging slot in order, so a range is one slice, or two or more
-    /// pieces copied together when it spans chunks.
+    /// The first of `tensors` (data-section byte range and dtype, as
+    /// [`Staging::read_raw`] left them in the host chunks) holding an
+    /// element that is not finite as served: the tensor's index, the
+    /// element's index and its stored value. Tensors are scanned in
+    /// parallel on the staging threads; one that spans chunks is copied
+    /// together first.
     pub(crate) fn first_non_finite_raw(
         &self,
-        range: Range<usize>,
-        dtype: TensorDtype,
-    ) -> Result<Option<(usize, f32)>, PoolError> {
-        let mut pieces: Vec<&[u8]> = Vec::new();
+        tensors: &[(Range<usize>, TensorDtype)],
+    ) -> Result<Option<(usize, usize, f32)>, PoolError> {
+        let mut hosts: Vec<(usize, &[u8])> = Vec::with_capacity(self.chunks.len());
         for chunk in &self.chunks {
-            let at = 2 * chunk.elem_offset;
-            let host: &[u8] = bytemuck::cast_slice(chunk.host.as_slice()?);
-            let (lo, hi) = (range.start.max(at), range.end.min(at + host.len()));
-            if lo < hi {
-                pieces.push(&host[lo - at..hi - at]);
-            }
+            hosts.push((2 * chunk.elem_offset, bytemuck::cast_slice(chunk.host.as_slice()?)));
         }
-        Ok(match pieces.as_slice() {
-            [one] => first_non_finite_raw(dtype, one),
-            many => first_non_finite_raw(dtype, &many.concat()),
-        })
+        let found = self.threads.install(|| {
+            tensors.par_iter().enumerate().find_map_first(|(t, (range, dtype))| {
+                let pieces: Vec<&[u8]> = hosts
+                    .iter()
+                    .filter_map(|&(at, host)| {
+                        let (lo, hi) = (range.start.max(at), range.end.min(at + host.len()));
+                        (lo < hi).then(|| &host[lo - at..hi - at])
+                    })
+                    .collect();
+                let hit = match pieces.as_slice() {
+                    [one] => first_non_finite_raw(*dtype, one),
+                    many => first_non_finite_raw(*dtype, &many.concat()),
+                };
+                hit.map(|(index, value)| (t, index, value))
+            })
+        });
+        Ok(found)
     }
 
     /// Fill the first `count` chunks with `fill` and copy each to the
