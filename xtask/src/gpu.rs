@@ -20,9 +20,10 @@ const BUNDLE_DIR: &str = ".gpu-bundle";
 /// Test executables left out of the bundle: they spawn workspace binaries
 /// (`lora-audit`, `lora-peer`) by the path cargo compiled into them, which
 /// does not exist on the GPU host, and they touch no GPU (CI runs them).
-const HOST_ONLY_TESTS: [&str; 4] = [
+const HOST_ONLY_TESTS: [&str; 5] = [
     "lora_audit-bounds",
     "lora_audit-fixtures",
+    "lora_audit-mutants",
     "lora_rdma-faults",
     "lora_rdma-peer_process",
 ];

@@ -427,3 +427,155 @@ fn a_file_truncated_after_open_neither_crashes_nor_changes_what_was_read() {
     assert_eq!(before, after);
     assert!(LoadedSafetensors::open(&path).is_err());
 }
+
+/// Both parsers on `bytes`, each through every entry point (open, the
+/// unparsed header then its parse, the header accessors): never a panic,
+/// every failure a typed corrupt-file error with a message, the same
+/// verdict from both, and when both accept, the same tensors at the same
+/// places.
+fn both_parsers_on(bytes: &[u8]) -> Result<(), TestCaseError> {
+    let dir = ScratchDir::new("arbitrary");
+    let (mapped, opened, same) = both_verdicts(&dir, bytes);
+    prop_assert_eq!(mapped, opened, "the parsers disagree on {:?}", bytes);
+    prop_assert!(same, "both accept but read differently: {:?}", bytes);
+    let path = dir.join("h.safetensors");
+    let typed = |e: &AuditError| matches!(e, AuditError::Safetensors { reason, .. } if !reason.trim().is_empty());
+    match LoadedSafetensors::open(&path) {
+        Ok(m) => {
+            let infos = m.infos().expect("infos of an accepted file");
+            let _ = m.metadata();
+            for i in &infos {
+                let (_, shape, data) = m.tensor(&i.name).expect("a listed tensor");
+                prop_assert_eq!(shape, i.shape.as_slice());
+                let _ = first_non_finite_raw(i.dtype, data);
+                let _ = load_f32(&m, &i.name);
+                let _ = load_i64(&m, &i.name);
+            }
+            let _ = load_bf16(&m, |_| true);
+        }
+        Err(e) => prop_assert!(typed(&e), "untyped error {:?} for {:?}", e, bytes),
+    }
+    match UnparsedSafetensors::open(&path) {
+        Ok(u) => {
+            // The data section can be read before the header is trusted;
+            // reads past it are errors, never panics.
+            let mut buf = vec![0u8; u.data_len().min(64) as usize];
+            prop_assert!(u.read_data_at(&mut buf, 0).is_ok());
+            prop_assert!(u.read_data_at(&mut [0u8; 1], u64::MAX).is_err());
+            prop_assert!(u.read_data_at(&mut [0u8; 1], u.data_len()).is_err());
+            match u.parse() {
+                Ok(f) => {
+                    prop_assert!(opened);
+                    for i in f.infos() {
+                        let (_, _, offset, len) = f.tensor(&i.name).expect("a listed tensor");
+                        let mut buf = vec![0u8; len];
+                        prop_assert!(f.read_at(&mut buf, offset).is_ok());
+                    }
+                }
+                Err(e) => prop_assert!(!opened && typed(&e), "{:?} for {:?}", e, bytes),
+            }
+        }
+        Err(e) => prop_assert!(!opened && typed(&e), "{:?} for {:?}", e, bytes),
+    }
+    Ok(())
+}
+
+/// Bytes that reach the JSON parser: a length prefix that fits (or almost
+/// fits) the rest, then JSON-ish tokens and raw bytes.
+fn json_soup() -> impl Strategy<Value = Vec<u8>> {
+    let token = prop_oneof![
+        prop::sample::select(vec![
+            "{",
+            "}",
+            "[",
+            "]",
+            ":",
+            ",",
+            "\"",
+            "\"dtype\"",
+            "\"shape\"",
+            "\"data_offsets\"",
+            "\"__metadata__\"",
+            "\"F32\"",
+            "\"BF16\"",
+            "\"I64\"",
+            "\"t\"",
+            "0",
+            "4",
+            "8",
+            "-1",
+            "1e400",
+            "18446744073709551616",
+            "null",
+            "true",
+            " ",
+            "\\u0000",
+            "\\ud800",
+            "\"\\uDFFF\"",
+        ])
+        .prop_map(|s| s.as_bytes().to_vec()),
+        prop::collection::vec(any::<u8>(), 1..4),
+    ];
+    (
+        prop::collection::vec(token, 0..40),
+        -2i64..3,
+        prop::collection::vec(any::<u8>(), 0..48),
+    )
+        .prop_map(|(tokens, delta, data)| {
+            let header: Vec<u8> = tokens.concat();
+            let declared = (header.len() as i64 + delta).max(0) as u64;
+            let mut out = declared.to_le_bytes().to_vec();
+            out.extend_from_slice(&header);
+            out.extend_from_slice(&data);
+            out
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// Arbitrary bytes: mostly refused at the length prefix.
+    #[test]
+    fn both_parsers_survive_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        both_parsers_on(&bytes)?;
+    }
+
+    /// Arbitrary bytes behind a length prefix that fits them: the JSON
+    /// header parser gets arbitrary input.
+    #[test]
+    fn both_parsers_survive_an_arbitrary_header(
+        header in prop::collection::vec(any::<u8>(), 0..256),
+        data in prop::collection::vec(any::<u8>(), 0..64),
+    ) {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&header);
+        bytes.extend_from_slice(&data);
+        both_parsers_on(&bytes)?;
+    }
+
+    /// JSON-ish token soup behind a near-fitting length prefix.
+    #[test]
+    fn both_parsers_survive_json_soup(bytes in json_soup()) {
+        both_parsers_on(&bytes)?;
+    }
+}
+
+/// A header length past what the file holds, up to `u64::MAX`, is refused
+/// before anything of that size is allocated (the rest of the file is 19
+/// bytes).
+#[test]
+fn a_declared_header_length_past_the_file_is_refused_before_allocating() {
+    let dir = ScratchDir::new("declared");
+    for declared in [20u64, 1 << 20, 99_999_999, 100_000_001, 1 << 40, u64::MAX] {
+        let mut bytes = declared.to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{\"a\":1}   \0\0\0\0\0\0\0\0\0");
+        let path = write(&dir, "big.safetensors", &bytes);
+        assert!(
+            matches!(UnparsedSafetensors::open(&path), Err(AuditError::Safetensors { .. })),
+            "{declared}"
+        );
+        assert!(
+            matches!(LoadedSafetensors::open(&path), Err(AuditError::Safetensors { .. })),
+            "{declared}"
+        );
+    }
+}

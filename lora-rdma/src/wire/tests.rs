@@ -103,3 +103,230 @@ proptest! {
         let _ = recv_json::<serde_json::Value>(&mut bytes.as_slice(), FrameKind::Response);
     }
 }
+
+/// A reader that records the largest buffer it was asked to fill: the
+/// decoder's allocation for a frame (it reads a payload into a buffer of
+/// exactly the announced length).
+struct Tracking<'a> {
+    bytes: &'a [u8],
+    largest: usize,
+}
+
+impl Read for Tracking<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.largest = self.largest.max(buf.len());
+        self.bytes.read(buf)
+    }
+}
+
+/// What [`read_frame`] must make of `bytes` when it expects `expected`,
+/// decided from the format alone.
+fn oracle(bytes: &[u8], expected: FrameKind) -> Result<Vec<u8>, &'static str> {
+    if bytes.len() < HEADER_BYTES {
+        return Err("eof");
+    }
+    if bytes[..4] != MAGIC {
+        return Err("magic");
+    }
+    if u16::from_le_bytes([bytes[4], bytes[5]]) != PROTOCOL_VERSION {
+        return Err("version");
+    }
+    let kind = match u16::from_le_bytes([bytes[6], bytes[7]]) {
+        1 => FrameKind::Request,
+        2 => FrameKind::Response,
+        3 => FrameKind::Data,
+        _ => return Err("kind"),
+    };
+    let len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+    if len > kind.limit() {
+        return Err("oversized");
+    }
+    if kind != expected {
+        return Err("unexpected");
+    }
+    bytes
+        .get(HEADER_BYTES..HEADER_BYTES + len as usize)
+        .map(<[u8]>::to_vec)
+        .ok_or("eof")
+}
+
+fn class(e: &WireError) -> &'static str {
+    match e {
+        WireError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => "eof",
+        WireError::Io(_) => "io",
+        WireError::BadMagic(_) => "magic",
+        WireError::Version { .. } => "version",
+        WireError::UnknownKind(_) => "kind",
+        WireError::Oversized { .. } => "oversized",
+        WireError::UnexpectedKind { .. } => "unexpected",
+        WireError::Malformed { .. } => "malformed",
+    }
+}
+
+/// Frame-shaped bytes: the magic and version mostly right, a kind code
+/// among the known ones and a few others, a length around the payload or
+/// around a kind's limit, and an arbitrary payload.
+fn framey() -> impl Strategy<Value = Vec<u8>> {
+    (
+        prop_oneof![4 => Just(MAGIC), 1 => any::<[u8; 4]>()],
+        prop_oneof![4 => Just(PROTOCOL_VERSION), 1 => any::<u16>()],
+        prop_oneof![Just(1u16), Just(2), Just(3), Just(0), Just(4), any::<u16>()],
+        prop_oneof![Just(None), (-3i64..4).prop_map(Some),],
+        prop_oneof![
+            Just(0u32),
+            Just(MAX_CONTROL_BYTES),
+            Just(MAX_CONTROL_BYTES + 1),
+            Just(MAX_DATA_BYTES),
+            Just(MAX_DATA_BYTES + 1),
+            Just(MAX_RESPONSE_BYTES),
+            Just(MAX_RESPONSE_BYTES + 1),
+            Just(u32::MAX),
+            any::<u32>(),
+        ],
+        prop::collection::vec(any::<u8>(), 0..200),
+        0usize..12,
+    )
+        .prop_map(|(magic, version, kind, near_payload, far, payload, cut)| {
+            let len = match near_payload {
+                Some(d) => (payload.len() as i64 + d).max(0) as u32,
+                None => far,
+            };
+            let mut out = magic.to_vec();
+            out.extend_from_slice(&version.to_le_bytes());
+            out.extend_from_slice(&kind.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+            out.extend_from_slice(&payload);
+            // Now and then a header cut short.
+            if cut < 2 {
+                out.truncate(cut * 7);
+            }
+            out
+        })
+}
+
+/// A JSON payload of a control message, mangled.
+fn json_payload() -> impl Strategy<Value = Vec<u8>> {
+    let good = vec![
+        br#"{"Manifest":{"adapter":"a","max_rank":16,"expert_rank":16,"transport":"Tcp"}}"#.to_vec(),
+        br#"{"Refused":{"code":"NotFound","message":"x"}}"#.to_vec(),
+        br#"{"Read":{"ranges":[[0,18446744073709551615]]}}"#.to_vec(),
+        b"null".to_vec(),
+        b"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[".to_vec(),
+    ];
+    (
+        prop::sample::select(good),
+        prop::collection::vec((0usize..400, any::<u8>()), 0..4),
+        prop::option::of(0usize..400),
+    )
+        .prop_map(|(mut p, flips, cut)| {
+            for (at, b) in flips {
+                if !p.is_empty() {
+                    let i = at % p.len();
+                    p[i] = b;
+                }
+            }
+            if let Some(c) = cut {
+                p.truncate(c);
+            }
+            p
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    /// Any bytes: the decoder's answer is exactly what the format says
+    /// (the payload, or the one typed error that applies), and it never
+    /// asks for a buffer larger than the frame header or the announced
+    /// length, which is at most the kind's limit.
+    #[test]
+    fn the_decoder_answers_any_bytes_by_the_format(
+        bytes in prop_oneof![framey(), prop::collection::vec(any::<u8>(), 0..64)],
+    ) {
+        for expected in [FrameKind::Request, FrameKind::Response, FrameKind::Data] {
+            let mut r = Tracking { bytes: &bytes, largest: 0 };
+            let got = read_frame(&mut r, expected);
+            let want = oracle(&bytes, expected);
+            match (&got, &want) {
+                (Ok(p), Ok(w)) => prop_assert_eq!(p, w),
+                (Err(e), Err(w)) => prop_assert_eq!(class(e), *w, "{}", e),
+                _ => prop_assert!(false, "read_frame {:?}, the format says {:?}", got.map(|p| p.len()), want),
+            }
+            if let Err(e) = &got {
+                prop_assert!(!e.to_string().is_empty());
+            }
+            let announced = if bytes.len() >= HEADER_BYTES && want != Err("oversized") {
+                u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize
+            } else {
+                0
+            };
+            prop_assert!(r.largest <= HEADER_BYTES.max(announced), "asked for {} bytes", r.largest);
+            prop_assert!(r.largest <= HEADER_BYTES.max(expected.limit() as usize));
+
+            // The header alone, and a data frame into a buffer of any size.
+            let mut r = Tracking { bytes: &bytes, largest: 0 };
+            if let Ok((kind, len)) = read_header(&mut r) {
+                prop_assert!(len <= kind.limit() as usize);
+            }
+            prop_assert!(r.largest <= HEADER_BYTES);
+            let mut dst = vec![0u8; bytes.len() % 97];
+            let mut r = Tracking { bytes: &bytes, largest: 0 };
+            match read_data_into(&mut r, &mut dst) {
+                Ok(()) => prop_assert_eq!(oracle(&bytes, FrameKind::Data).map(|p| p.len()), Ok(dst.len())),
+                Err(e) => prop_assert!(!e.to_string().is_empty()),
+            }
+            prop_assert!(r.largest <= HEADER_BYTES.max(dst.len()));
+
+            // And decoding, as every message type the two ends exchange.
+            let _ = recv_json::<crate::protocol::Request>(&mut bytes.as_slice(), expected);
+            let _ = recv_json::<crate::protocol::Response>(&mut bytes.as_slice(), expected);
+        }
+    }
+
+    /// Control frames of mangled JSON decode to the message or to
+    /// `Malformed`, never anything else, as both message types.
+    #[test]
+    fn mangled_control_payloads_are_malformed_not_panics(payload in json_payload()) {
+        for kind in [FrameKind::Request, FrameKind::Response] {
+            let buf = frame(kind, &payload);
+            for res in [
+                recv_json::<crate::protocol::Request>(&mut buf.as_slice(), kind).map(|_| ()),
+                recv_json::<crate::protocol::Response>(&mut buf.as_slice(), kind).map(|_| ()),
+                recv_json::<serde_json::Value>(&mut buf.as_slice(), kind).map(|_| ()),
+            ] {
+                if let Err(e) = res {
+                    prop_assert!(
+                        matches!(&e, WireError::Malformed { kind: k, reason } if *k == kind && !reason.is_empty()),
+                        "{}", e
+                    );
+                }
+            }
+        }
+    }
+
+    /// A stream of frames read until the first error: every successful
+    /// read consumes a header, so the loop ends, and the frames read are
+    /// the stream's.
+    #[test]
+    fn a_stream_of_frames_is_read_to_its_first_error(
+        frames in prop::collection::vec((0u16..4, prop::collection::vec(any::<u8>(), 0..40)), 0..6),
+        tail in prop::collection::vec(any::<u8>(), 0..20),
+    ) {
+        let mut stream = Vec::new();
+        for (kind, payload) in &frames {
+            let kind = FrameKind::from_code(*kind).unwrap_or(FrameKind::Data);
+            stream.extend_from_slice(&frame(kind, payload));
+        }
+        stream.extend_from_slice(&tail);
+        let mut r = stream.as_slice();
+        let mut read = 0;
+        while let Ok((_, len)) = read_header(&mut r) {
+            let mut payload = vec![0u8; len];
+            if r.read_exact(&mut payload).is_err() {
+                break;
+            }
+            read += 1;
+            prop_assert!(read <= frames.len() + tail.len() / HEADER_BYTES);
+        }
+        prop_assert!(read >= frames.len());
+    }
+}
