@@ -23,6 +23,13 @@ use crate::wire::MAX_DATA_BYTES;
 /// [`crate::wire::MAX_CONTROL_BYTES`] frame.
 pub const MAX_READ_RANGES: usize = 1 << 15;
 
+/// The most bytes one [`Request::Read`] may ask for, summed over its
+/// ranges. A peer also refuses a read asking for more bytes than the
+/// regions it names hold (a correct engine reads each staged byte once), so
+/// a small request cannot make it stream the same region over and over; and
+/// it refuses to stage anything larger, so one landing always fits.
+pub const MAX_READ_BYTES: u64 = 16 << 30;
+
 /// The largest rank (dense `max_rank` or `expert_rank`) a peer stages for.
 pub const MAX_STAGED_RANK: u32 = 4096;
 
@@ -160,9 +167,13 @@ pub enum RefusalCode {
     BadRead,
     /// A read carries more than [`MAX_READ_RANGES`] ranges.
     TooManyRanges,
+    /// A read asks for more than [`MAX_READ_BYTES`] bytes, or for more
+    /// bytes than the regions it names hold.
+    TooManyBytes,
     /// The peer has no RDMA device, or the connection has no queue pair.
     NoRdma,
-    /// The peer is at its connection limit.
+    /// The peer is at its connection limit (overall or for this client),
+    /// or its staging memory is held by active landings; try again later.
     Busy,
     /// The request could not be decoded.
     Malformed,

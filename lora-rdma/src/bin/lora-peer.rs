@@ -6,7 +6,10 @@
 //! ```
 //!
 //! It binds loopback unless `--listen` names another address. Adapters the
-//! audit refuses are reported and not served. On startup it prints one
+//! audit refuses are reported and not served; a served adapter whose files
+//! change is audited again before it is staged. Connection limits, the
+//! per-request deadlines and the staging cache's memory budget are options
+//! (`--help`). On startup it prints one
 //! `listening on ADDR` line on stdout (tests read the port from it).
 
 use std::io::Write;
@@ -49,18 +52,34 @@ struct ServeArgs {
     /// Refuse adapters with routed-expert or router deltas.
     #[arg(long)]
     no_experts: bool,
-    /// Connections served at once.
+    /// Connections served at once (past it, the longest-idle one is closed
+    /// for a new one, or the new one is refused busy).
     #[arg(long, default_value_t = 32)]
     max_connections: usize,
+    /// Connections served at once from one client address.
+    #[arg(long, default_value_t = 16)]
+    max_per_client: usize,
     /// Seconds an idle connection is kept.
     #[arg(long, default_value_t = 300)]
     idle_timeout: u64,
+    /// Seconds any single read or write may wait, and a whole request may
+    /// take to arrive.
+    #[arg(long, default_value_t = 30)]
+    io_timeout: u64,
+    /// The slowest a client may take a reply, in MiB/s (a reply of N bytes
+    /// has 2 x io-timeout + N / rate).
+    #[arg(long, default_value_t = 16)]
+    min_rate_mib: u64,
     /// Stagings kept in memory at once.
     #[arg(long, default_value_t = 16)]
     max_staged: usize,
     /// Largest single staging, in MiB.
     #[arg(long, default_value_t = 8192)]
     max_stage_mib: usize,
+    /// Memory budget of all stagings kept, in MiB (least recently used
+    /// stagings no landing pins are dropped past it).
+    #[arg(long, default_value_t = 16384)]
+    cache_mib: usize,
     /// Serve RDMA READ from this device (needs the `ibverbs` feature).
     #[arg(long)]
     rdma_device: Option<String>,
@@ -89,6 +108,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         experts: !args.no_experts,
         max_staged: args.max_staged,
         max_stage_bytes: args.max_stage_mib.saturating_mul(1 << 20),
+        max_cache_bytes: args.cache_mib.saturating_mul(1 << 20),
         corrupt_staged_byte: false,
     };
     let mut fault = None;
@@ -117,7 +137,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     }
     let options = PeerOptions {
         max_connections: args.max_connections,
+        max_per_client: args.max_per_client,
         idle_timeout: Duration::from_secs(args.idle_timeout),
+        io_timeout: Duration::from_secs(args.io_timeout),
+        min_rate: args.min_rate_mib.saturating_mul(1 << 20),
         fault,
     };
     let peer =

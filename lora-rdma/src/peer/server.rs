@@ -1,15 +1,31 @@
 //! The peer's TCP server: one thread per connection, a bounded number of
-//! connections, request/reply exchanges of the peer protocol.
+//! connections (overall and per client address), request/reply exchanges
+//! of the peer protocol, each under a deadline.
+//!
+//! - A connection waits for its next request at most `idle_timeout`; when
+//!   the peer (or the client's address) is at its limit, the connection
+//!   idle the longest is closed to admit a new one, and when none is idle
+//!   the new one is refused [`RefusalCode::Busy`] at once.
+//! - A request, from its first byte, must arrive whole within `io_timeout`.
+//! - A reply of `n` data bytes must be taken within
+//!   `2 * io_timeout + n / min_rate`, and every read or write waits at most
+//!   `io_timeout`: the engine's own rule ([`crate::tcp::TcpOptions`]).
+//!
+//! A connection past a deadline is closed, so an idle, trickling or
+//! non-reading client holds a slot for a bounded time only, and the accept
+//! loop never waits on a client.
 
-use std::io::{self, BufReader, BufWriter, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::collections::HashMap;
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::peer::store::PeerStore;
+use crate::peer::store::{PeerStore, RegionPin};
 use crate::protocol::{MAX_READ_RANGES, PeerRefusal, ReadRange, RefusalCode, Request, Response, data_frame_lens};
+use crate::tcp::DEFAULT_MIN_RATE;
 use crate::wire::{FrameKind, WireError, recv_json, send_json, write_frame};
 
 /// A deliberate fault, for tests of the engine's error paths.
@@ -24,11 +40,21 @@ pub enum PeerFault {
 /// Server limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerOptions {
-    /// Connections served at once; more are refused with
-    /// [`RefusalCode::Busy`].
+    /// Connections served at once. Past it a new connection closes the
+    /// connection idle the longest, or is refused with
+    /// [`RefusalCode::Busy`] when every connection is mid-request.
     pub max_connections: usize,
-    /// A connection silent for longer is closed.
+    /// Connections served at once from one client address; the same rule.
+    pub max_per_client: usize,
+    /// A connection waiting longer for its next request is closed.
     pub idle_timeout: Duration,
+    /// Limit on any single read or write, and on receiving a whole request.
+    /// A connection that pinned a staging for its landing and then sends
+    /// nothing for this long drops the pin (it is not landing any more).
+    pub io_timeout: Duration,
+    /// The slowest a client may take a reply, bytes per second: a reply of
+    /// `n` bytes has `2 * io_timeout + n / min_rate`.
+    pub min_rate: u64,
     /// Test only: a deliberate fault.
     pub fault: Option<PeerFault>,
 }
@@ -37,10 +63,98 @@ impl Default for PeerOptions {
     fn default() -> PeerOptions {
         PeerOptions {
             max_connections: 32,
+            max_per_client: 16,
             idle_timeout: Duration::from_secs(300),
+            io_timeout: Duration::from_secs(30),
+            min_rate: DEFAULT_MIN_RATE,
             fault: None,
         }
     }
+}
+
+/// An open connection, as the limits see it.
+struct Open {
+    client: IpAddr,
+    /// Since when it waits for a request; `None` while it serves one.
+    idle_since: Option<Instant>,
+    /// A handle to close it by.
+    stream: TcpStream,
+}
+
+/// The open connections.
+#[derive(Default)]
+struct Registry {
+    next_id: u64,
+    open: HashMap<u64, Open>,
+}
+
+impl Registry {
+    /// Admit a connection from `client`: past a limit, close the
+    /// connection idle the longest in its scope (this client's, then all),
+    /// or say why it is refused.
+    fn admit(&mut self, stream: &TcpStream, client: IpAddr, options: &PeerOptions) -> Result<u64, String> {
+        if !self.make_room(options.max_per_client, |o| o.client == client) {
+            return Err(format!(
+                "{client} is at its limit of {} connections, all mid-request",
+                options.max_per_client
+            ));
+        }
+        if !self.make_room(options.max_connections, |_| true) {
+            return Err(format!(
+                "the peer is at its limit of {} connections, all mid-request",
+                options.max_connections
+            ));
+        }
+        let stream = stream.try_clone().map_err(|e| e.to_string())?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.open.insert(
+            id,
+            Open {
+                client,
+                idle_since: Some(Instant::now()),
+                stream,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Room for one more connection in the scope: under `limit`, or after
+    /// closing its longest-idle connection.
+    fn make_room(&mut self, limit: usize, in_scope: impl Fn(&Open) -> bool) -> bool {
+        if self.open.values().filter(|o| in_scope(o)).count() < limit.max(1) {
+            return true;
+        }
+        let victim = self
+            .open
+            .iter()
+            .filter(|(_, o)| in_scope(o))
+            .filter_map(|(&id, o)| Some((o.idle_since?, id)))
+            .min();
+        let Some((_, id)) = victim else { return false };
+        if let Some(o) = self.open.remove(&id) {
+            // Its thread sees the end of the stream and exits.
+            let _ = o.stream.shutdown(Shutdown::Both);
+        }
+        true
+    }
+
+    /// Mark a connection idle or serving; `false` when it was closed for
+    /// room meanwhile.
+    fn set_idle(&mut self, id: u64, idle: bool) -> bool {
+        match self.open.get_mut(&id) {
+            Some(o) => {
+                o.idle_since = idle.then(Instant::now);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+fn lock(registry: &Mutex<Registry>) -> MutexGuard<'_, Registry> {
+    // Every registry update is one map operation: nothing half-written.
+    registry.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A weight peer: a [`PeerStore`] behind a listening socket.
@@ -48,17 +162,20 @@ pub struct Peer {
     store: Arc<PeerStore>,
     listener: TcpListener,
     options: PeerOptions,
-    active: Arc<AtomicUsize>,
+    registry: Arc<Mutex<Registry>>,
     stop: Arc<AtomicBool>,
 }
 
-/// Decrements the connection count when a connection thread ends, however
-/// it ends.
-struct ConnectionSlot(Arc<AtomicUsize>);
+/// Takes a connection off the registry when its thread ends, however it
+/// ends.
+struct ConnectionSlot {
+    registry: Arc<Mutex<Registry>>,
+    id: u64,
+}
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        lock(&self.registry).open.remove(&self.id);
     }
 }
 
@@ -70,7 +187,7 @@ impl Peer {
             store: Arc::new(store),
             listener: TcpListener::bind(addr)?,
             options,
-            active: Arc::new(AtomicUsize::new(0)),
+            registry: Arc::default(),
             stop: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -94,24 +211,30 @@ impl Peer {
             // A failed accept (the client reset first, fd pressure) costs
             // that connection only.
             let Ok(stream) = stream else { continue };
-            if self.active.fetch_add(1, Ordering::AcqRel) >= self.options.max_connections {
-                drop(ConnectionSlot(Arc::clone(&self.active)));
-                refuse_busy(stream);
+            let Ok(client) = stream.peer_addr().map(|a| a.ip()) else {
                 continue;
-            }
-            let slot = ConnectionSlot(Arc::clone(&self.active));
+            };
+            let admitted = lock(&self.registry).admit(&stream, client, &self.options);
+            let id = match admitted {
+                Ok(id) => id,
+                Err(why) => {
+                    refuse_busy(stream, why);
+                    continue;
+                }
+            };
+            let slot = ConnectionSlot {
+                registry: Arc::clone(&self.registry),
+                id,
+            };
             let store = Arc::clone(&self.store);
             let options = self.options.clone();
-            let spawned = std::thread::Builder::new()
+            // A failed spawn drops the closure, and with it the slot.
+            let _ = std::thread::Builder::new()
                 .name("lora-peer-conn".into())
                 .spawn(move || {
-                    let _slot = slot;
                     // A connection's failure is the engine's to report.
-                    let _ = Connection::new(&store, stream, &options).and_then(|mut c| c.run());
+                    let _ = Connection::new(&store, stream, &options, &slot).and_then(|mut c| c.run());
                 });
-            if spawned.is_err() {
-                continue;
-            }
         }
         Ok(())
     }
@@ -131,13 +254,12 @@ impl Peer {
     }
 }
 
-fn refuse_busy(stream: TcpStream) {
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+/// Refuse a connection: a small frame into a fresh socket's empty send
+/// buffer, which does not block the accept loop.
+fn refuse_busy(stream: TcpStream, why: String) {
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
     let mut w = BufWriter::new(stream);
-    let busy = Response::Refused(PeerRefusal::new(
-        RefusalCode::Busy,
-        "the peer is at its connection limit",
-    ));
+    let busy = Response::Refused(PeerRefusal::new(RefusalCode::Busy, why));
     let _ = send_json(&mut w, FrameKind::Response, &busy).map(|_| w.flush());
 }
 
@@ -155,7 +277,7 @@ impl PeerHandle {
     }
 
     /// Stop accepting and wait for the accept loop to end (open connections
-    /// end when their engine disconnects).
+    /// end when their engine disconnects or a deadline passes).
     pub fn shutdown(&mut self) {
         self.stop.store(true, Ordering::Release);
         // Wake the blocking accept.
@@ -172,48 +294,152 @@ impl Drop for PeerHandle {
     }
 }
 
+/// One socket end under a deadline: every read or write waits at most the
+/// time left, and at most `step`.
+struct Paced {
+    stream: TcpStream,
+    deadline: Instant,
+    step: Duration,
+}
+
+impl Paced {
+    fn new(stream: TcpStream) -> Paced {
+        Paced {
+            stream,
+            deadline: Instant::now(),
+            step: Duration::from_secs(1),
+        }
+    }
+
+    /// Give the next exchange `total`, each read or write at most `step`.
+    fn pace(&mut self, total: Duration, step: Duration) {
+        // Far enough to mean "no deadline", near enough not to overflow.
+        const FAR: Duration = Duration::from_secs(365 * 24 * 3600);
+        self.deadline = Instant::now() + total.min(FAR);
+        self.step = step.max(Duration::from_millis(1));
+    }
+
+    fn wait(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline passed"));
+        }
+        Ok(left.min(self.step))
+    }
+}
+
+impl Read for Paced {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let wait = self.wait()?;
+        self.stream.set_read_timeout(Some(wait))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Paced {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let wait = self.wait()?;
+        self.stream.set_write_timeout(Some(wait))?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+/// The time a reply of `bytes` data bytes is given.
+fn reply_time(options: &PeerOptions, bytes: u64) -> Duration {
+    let for_bytes = Duration::try_from_secs_f64(bytes as f64 / options.min_rate.max(1) as f64).unwrap_or(Duration::MAX);
+    options.io_timeout.saturating_mul(2).saturating_add(for_bytes)
+}
+
+/// The landing a connection serves: the staging its last manifest pinned,
+/// and how many of its bytes the connection has sent.
+struct Landing<'a> {
+    pin: RegionPin<'a>,
+    sent: u64,
+}
+
 /// One engine connection.
 struct Connection<'a> {
     store: &'a PeerStore,
-    reader: BufReader<TcpStream>,
-    writer: BufWriter<TcpStream>,
-    fault: Option<PeerFault>,
+    slot: &'a ConnectionSlot,
+    options: &'a PeerOptions,
+    reader: BufReader<Paced>,
+    writer: BufWriter<Paced>,
     sent: u64,
+    landing: Option<Landing<'a>>,
     #[cfg(feature = "ibverbs")]
     queue_pair: Option<crate::verbs::PeerQueuePair>,
 }
 
+fn timed_out(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+}
+
 impl<'a> Connection<'a> {
-    fn new(store: &'a PeerStore, stream: TcpStream, options: &PeerOptions) -> io::Result<Connection<'a>> {
-        stream.set_read_timeout(Some(options.idle_timeout))?;
-        stream.set_write_timeout(Some(options.idle_timeout))?;
+    fn new(
+        store: &'a PeerStore,
+        stream: TcpStream,
+        options: &'a PeerOptions,
+        slot: &'a ConnectionSlot,
+    ) -> io::Result<Connection<'a>> {
         stream.set_nodelay(true)?;
         Ok(Connection {
             store,
-            reader: BufReader::new(stream.try_clone()?),
-            writer: BufWriter::with_capacity(1 << 16, stream),
-            fault: options.fault,
+            slot,
+            options,
+            reader: BufReader::new(Paced::new(stream.try_clone()?)),
+            writer: BufWriter::with_capacity(1 << 16, Paced::new(stream)),
             sent: 0,
+            landing: None,
             #[cfg(feature = "ibverbs")]
             queue_pair: None,
         })
     }
 
+    fn set_idle(&self, idle: bool) -> bool {
+        lock(&self.slot.registry).set_idle(self.slot.id, idle)
+    }
+
+    /// Wait for the first byte of the next request: `false` when the client
+    /// closed, stayed idle past `idle_timeout`, or the connection was
+    /// closed for room. A landing's pin is dropped after `io_timeout` idle.
+    fn wait_for_request(&mut self) -> bool {
+        let (idle, io) = (self.options.idle_timeout, self.options.io_timeout);
+        let since = Instant::now();
+        if self.landing.is_some() {
+            self.reader.get_mut().pace(idle.min(io), io);
+            match self.reader.fill_buf() {
+                Ok(got) => return !got.is_empty(),
+                Err(e) if timed_out(&e) => self.landing = None,
+                Err(_) => return false,
+            }
+        }
+        self.reader.get_mut().pace(idle.saturating_sub(since.elapsed()), idle);
+        matches!(self.reader.fill_buf(), Ok(got) if !got.is_empty())
+    }
+
     fn reply(&mut self, response: &Response) -> io::Result<()> {
+        self.writer
+            .get_mut()
+            .pace(reply_time(self.options, 0), self.options.io_timeout);
         send_json(&mut self.writer, FrameKind::Response, response).map_err(into_io)?;
         self.writer.flush()
     }
 
     fn run(&mut self) -> io::Result<()> {
-        loop {
+        while self.wait_for_request() {
+            if !self.set_idle(false) {
+                return Ok(());
+            }
+            let io = self.options.io_timeout;
+            self.reader.get_mut().pace(io, io);
             let request = match recv_json::<Request>(&mut self.reader, FrameKind::Request) {
                 Ok(r) => r,
-                Err(WireError::Io(e)) => {
-                    return match e.kind() {
-                        io::ErrorKind::UnexpectedEof => Ok(()),
-                        _ => Err(e),
-                    };
-                }
+                // Past the deadline, or mid-frame: close.
+                Err(WireError::Io(e)) => return Err(e),
                 Err(e) => {
                     // A malformed frame leaves the stream unsynchronised: refuse and close.
                     let refusal = PeerRefusal::new(RefusalCode::Malformed, e.to_string());
@@ -227,8 +453,13 @@ impl<'a> Connection<'a> {
                     expert_rank,
                     transport,
                 } => {
-                    let response = match self.store.manifest(&adapter, max_rank, expert_rank, transport) {
-                        Ok(m) => Response::Manifest(Box::new(m)),
+                    // A new manifest ends the connection's last landing.
+                    self.landing = None;
+                    let response = match self.store.pinned_manifest(&adapter, max_rank, expert_rank, transport) {
+                        Ok((m, pin)) => {
+                            self.landing = Some(Landing { pin, sent: 0 });
+                            Response::Manifest(Box::new(m))
+                        }
                         Err(r) => Response::Refused(r),
                     };
                     self.reply(&response)?;
@@ -239,11 +470,16 @@ impl<'a> Connection<'a> {
                     self.reply(&response)?;
                 }
             }
+            if !self.set_idle(true) {
+                return Ok(());
+            }
         }
+        Ok(())
     }
 
     /// Answer a read: every range checked first, then the data frames; or
-    /// one refusal and no data.
+    /// one refusal and no data. Once the connection has sent every byte of
+    /// its landing's staging, the landing is done and its pin dropped.
     fn read(&mut self, ranges: &[ReadRange]) -> io::Result<()> {
         if ranges.len() > MAX_READ_RANGES {
             let refusal = PeerRefusal::new(
@@ -256,6 +492,18 @@ impl<'a> Connection<'a> {
             Ok(r) => r,
             Err(refusal) => return self.reply(&Response::Refused(refusal)),
         };
+        let bytes = resolved.iter().map(|(_, r)| r.len() as u64).sum();
+        let landed: u64 = match &self.landing {
+            Some(l) => resolved
+                .iter()
+                .filter(|(staged, _)| staged.region == l.pin.region())
+                .map(|(_, r)| r.len() as u64)
+                .sum(),
+            None => 0,
+        };
+        self.writer
+            .get_mut()
+            .pace(reply_time(self.options, bytes), self.options.io_timeout);
         for (staged, range) in resolved {
             let mut bytes = &staged.memory.bytes()[range];
             for len in data_frame_lens(bytes.len()) {
@@ -266,12 +514,19 @@ impl<'a> Connection<'a> {
                 bytes = rest;
             }
         }
-        self.writer.flush()
+        self.writer.flush()?;
+        if let Some(l) = &mut self.landing {
+            l.sent = l.sent.saturating_add(landed);
+            if l.sent >= l.pin.len() as u64 {
+                self.landing = None;
+            }
+        }
+        Ok(())
     }
 
     /// The test fault: once the data budget is spent, say so and hang.
     fn stall_if_due(&mut self) -> io::Result<()> {
-        let Some(PeerFault::StallAfterBytes(limit)) = self.fault else {
+        let Some(PeerFault::StallAfterBytes(limit)) = self.options.fault else {
             return Ok(());
         };
         if self.sent < limit {

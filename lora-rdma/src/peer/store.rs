@@ -1,17 +1,27 @@
-//! The peer's adapters: audited once at startup, staged lazily per
-//! requested geometry, and served only from what was staged.
+//! The peer's adapters: audited at startup and again whenever their files
+//! change, staged lazily per geometry into a cache with a memory budget,
+//! and served only from what was staged.
+//!
+//! A staging is keyed by what changes its bytes only: the dense stride
+//! (`max_rank`) when the adapter has dense pairs, the expert stride
+//! (`expert_packed_stride(expert_rank)`) when it has expert or router
+//! pairs, and the version of its files. Past the budget (bytes, and a
+//! count), the least recently used staging is dropped, except one an active
+//! landing has pinned: when pinned stagings leave no room, the request is
+//! refused [`RefusalCode::Busy`] rather than the budget exceeded.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::SystemTime;
 
 use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, LoadedSafetensors, LoraOptions, TensorInfo};
 use lora_audit::{audit_adapter, prepare_adapter};
-use lora_layout::ModelConfig;
+use lora_layout::{ModelConfig, expert_packed_stride};
 
 use crate::fingerprint::model_fingerprint;
 use crate::manifest::{Location, Manifest, ManifestEntry, WireKey, WireTensor};
-use crate::protocol::{MAX_STAGED_RANK, PeerRefusal, ReadRange, RefusalCode, TransportKind};
+use crate::protocol::{MAX_READ_BYTES, MAX_STAGED_RANK, PeerRefusal, ReadRange, RefusalCode, TransportKind};
 use crate::stage::{StagedPart, stage_adapter};
 
 /// Limits and switches of a peer.
@@ -21,10 +31,16 @@ pub struct StoreOptions {
     pub allow_partial: bool,
     /// Stage routed-expert and router pairs (off: such adapters are refused).
     pub experts: bool,
-    /// Stagings kept at once; the oldest is dropped past it.
+    /// Stagings kept at once; past it the least recently used one that no
+    /// landing pins is dropped.
     pub max_staged: usize,
-    /// Largest single staging, in bytes.
+    /// Largest single staging, in bytes (never more than `max_cache_bytes`
+    /// or [`MAX_READ_BYTES`]).
     pub max_stage_bytes: usize,
+    /// The memory budget of all stagings kept, in bytes: least recently
+    /// used stagings no landing pins are dropped to fit a new one. (A
+    /// staging in progress, at most one per connection, counts once kept.)
+    pub max_cache_bytes: usize,
     /// Test only: flip one staged byte after its checksum is computed.
     pub corrupt_staged_byte: bool,
 }
@@ -36,19 +52,69 @@ impl Default for StoreOptions {
             experts: true,
             max_staged: 16,
             max_stage_bytes: 8 << 30,
+            max_cache_bytes: 16 << 30,
             corrupt_staged_byte: false,
         }
     }
 }
 
-/// An adapter the peer serves.
+/// One file's identity and version: any rewrite, truncation or
+/// replacement changes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    len: u64,
+    modified: Option<SystemTime>,
+    /// Inode and status-change time (which no one can set back), on Unix.
+    inode: u64,
+    changed: (i64, i64),
+}
+
+/// The version of an adapter's two files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp([FileStamp; 2]);
+
+impl Stamp {
+    fn of(dir: &Path) -> Result<Stamp, String> {
+        let file = |name: &str| {
+            let path = dir.join(name);
+            let meta = std::fs::metadata(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            #[cfg(unix)]
+            let (inode, changed) = {
+                use std::os::unix::fs::MetadataExt;
+                (meta.ino(), (meta.ctime(), meta.ctime_nsec()))
+            };
+            #[cfg(not(unix))]
+            let (inode, changed) = (0, (0, 0));
+            Ok::<_, String>(FileStamp {
+                len: meta.len(),
+                modified: meta.modified().ok(),
+                inode,
+                changed,
+            })
+        };
+        Ok(Stamp([file(ADAPTER_CONFIG)?, file(ADAPTER_WEIGHTS)?]))
+    }
+}
+
+/// The largest ranks of a servable adapter (0: no such pairs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ranks {
+    dense: usize,
+    expert: usize,
+}
+
+/// An adapter the peer serves: the audit's verdict on one version of its
+/// files.
 #[derive(Debug, Clone)]
 struct Served {
     dir: PathBuf,
-    /// Largest dense rank (0: none).
-    dense_rank: usize,
-    /// Largest expert/router rank (0: none).
-    expert_rank: usize,
+    /// The version the verdict is for.
+    stamp: Stamp,
+    /// Bumped at every re-audit: stagings of an older version are never
+    /// served again.
+    generation: u64,
+    /// Servable with these ranks, or refused with why.
+    verdict: Result<Ranks, String>,
 }
 
 /// An adapter the startup audit refused, with why.
@@ -100,20 +166,139 @@ impl std::fmt::Debug for Staged {
     }
 }
 
-type StageKey = (String, u32, u32);
+/// What a staging's bytes depend on.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct StageKey {
+    adapter: String,
+    /// The [`Served::generation`] staged.
+    generation: u64,
+    /// The dense B stride (`max_rank`); 0 for an adapter without dense pairs.
+    dense_stride: usize,
+    /// The expert and router B stride; 0 for an adapter without them.
+    expert_stride: usize,
+}
 
 /// A checked read range: the staging and the byte range in it.
 pub(crate) type ResolvedRange = (Arc<Staged>, std::ops::Range<usize>);
 
-/// One geometry's staging, set once by the request that stages it.
-type StageCell = OnceLock<Result<Arc<Staged>, PeerRefusal>>;
+/// A staging in progress: requests for the same key wait for its outcome.
+type InFlight = OnceLock<Result<(), PeerRefusal>>;
+
+/// A kept staging.
+struct Entry {
+    key: StageKey,
+    staged: Arc<Staged>,
+    /// Active landings using it: never dropped while any.
+    pins: usize,
+    /// When it was last handed out (the cache's clock).
+    used: u64,
+}
 
 #[derive(Default)]
 struct StageCache {
     next_region: u32,
-    by_key: HashMap<StageKey, Arc<StageCell>>,
-    by_region: HashMap<u32, Arc<Staged>>,
-    order: VecDeque<StageKey>,
+    clock: u64,
+    /// Bytes of every kept staging.
+    bytes: usize,
+    regions: HashMap<u32, Entry>,
+    by_key: HashMap<StageKey, u32>,
+    in_flight: HashMap<StageKey, Arc<InFlight>>,
+}
+
+impl StageCache {
+    /// Pin the staging of `key`, if kept.
+    fn pin(&mut self, key: &StageKey) -> Option<(u32, Arc<Staged>)> {
+        let region = *self.by_key.get(key)?;
+        let entry = self.regions.get_mut(&region)?;
+        self.clock += 1;
+        entry.pins += 1;
+        entry.used = self.clock;
+        Some((region, Arc::clone(&entry.staged)))
+    }
+
+    /// Keep `staged` under `key`, pinned, dropping least recently used
+    /// unpinned stagings until it fits the budget; refused when pinned
+    /// stagings leave no room.
+    fn insert(
+        &mut self,
+        key: StageKey,
+        mut staged: Staged,
+        options: &StoreOptions,
+    ) -> Result<(u32, Arc<Staged>), PeerRefusal> {
+        let len = staged.memory.bytes().len();
+        while self.regions.len() >= options.max_staged.max(1)
+            || self.bytes.saturating_add(len) > options.max_cache_bytes
+        {
+            let victim = self
+                .regions
+                .iter()
+                .filter(|(_, e)| e.pins == 0)
+                .min_by_key(|(_, e)| e.used)
+                .map(|(&region, _)| region);
+            let Some(region) = victim else {
+                return Err(refuse(
+                    RefusalCode::Busy,
+                    format!(
+                        "active landings pin every staging ({} of {} bytes); a staging of {len} bytes does not fit",
+                        self.bytes, options.max_cache_bytes
+                    ),
+                ));
+            };
+            if let Some(old) = self.regions.remove(&region) {
+                self.bytes -= old.staged.memory.bytes().len();
+                self.by_key.remove(&old.key);
+            }
+        }
+        let mut region = self.next_region;
+        // After a wrap, skip the (at most `max_staged`) ids still kept.
+        while self.regions.contains_key(&region) {
+            region = region.wrapping_add(1);
+        }
+        self.next_region = region.wrapping_add(1);
+        staged.region = region;
+        let staged = Arc::new(staged);
+        self.clock += 1;
+        self.bytes += len;
+        self.by_key.insert(key.clone(), region);
+        self.regions.insert(
+            region,
+            Entry {
+                key,
+                staged: Arc::clone(&staged),
+                pins: 1,
+                used: self.clock,
+            },
+        );
+        Ok((region, staged))
+    }
+}
+
+/// A staging an active landing uses: it stays in the cache (its region
+/// readable) until the pin is dropped.
+pub(crate) struct RegionPin<'a> {
+    store: &'a PeerStore,
+    region: u32,
+    len: usize,
+}
+
+impl RegionPin<'_> {
+    /// The pinned region.
+    pub(crate) fn region(&self) -> u32 {
+        self.region
+    }
+
+    /// Its bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for RegionPin<'_> {
+    fn drop(&mut self) {
+        if let Some(entry) = self.store.lock().regions.get_mut(&self.region) {
+            entry.pins = entry.pins.saturating_sub(1);
+        }
+    }
 }
 
 /// The adapters a peer serves, and their stagings.
@@ -121,7 +306,8 @@ pub struct PeerStore {
     cfg: ModelConfig,
     model: u64,
     options: StoreOptions,
-    served: BTreeMap<String, Served>,
+    /// One lock per adapter: a re-audit holds it, other adapters go on.
+    served: BTreeMap<String, Mutex<Served>>,
     refused: Vec<RefusedAdapter>,
     cache: Mutex<StageCache>,
     #[cfg(feature = "ibverbs")]
@@ -187,27 +373,43 @@ impl PeerStore {
         }
     }
 
-    /// Audit the adapter in `dir` under `name` (at the widest ranks the peer
-    /// stages for). A refused adapter is recorded and never served; the
-    /// returned error says why.
-    pub fn add_adapter(&mut self, name: &str, dir: &Path) -> Result<(), RefusedAdapter> {
+    /// The startup audit's verdict on the adapter in `dir` (at the widest
+    /// ranks the peer stages for).
+    fn verdict(&self, dir: &Path) -> Result<Ranks, String> {
         let wide = MAX_STAGED_RANK as usize;
-        let verdict = match audit_adapter(dir, &self.cfg, &self.audit_options(wide, wide)) {
+        match audit_adapter(dir, &self.cfg, &self.audit_options(wide, wide)) {
             Err(e) => Err(e.to_string()),
             Ok(report) if !report.is_servable() => Err(format!("refused by the audit: {:?}", report.refused_codes())),
             Ok(report) if !report.overlay.is_empty() => {
                 Err("has token overlays, which the peer protocol does not carry".to_string())
             }
-            Ok(_) if self.served.contains_key(name) => Err(format!("a second adapter named `{name}`")),
-            Ok(report) => Ok(Served {
-                dir: dir.to_path_buf(),
-                dense_rank: report.placed.iter().map(|p| p.rank).max().unwrap_or(0),
-                expert_rank: report.experts.iter().map(|p| p.rank).max().unwrap_or(0),
+            Ok(report) => Ok(Ranks {
+                dense: report.placed.iter().map(|p| p.rank).max().unwrap_or(0),
+                expert: report.experts.iter().map(|p| p.rank).max().unwrap_or(0),
             }),
+        }
+    }
+
+    /// Audit the adapter in `dir` under `name` (at the widest ranks the peer
+    /// stages for). A refused adapter is recorded and never served; the
+    /// returned error says why. A served adapter is audited again whenever
+    /// its files change.
+    pub fn add_adapter(&mut self, name: &str, dir: &Path) -> Result<(), RefusedAdapter> {
+        let served = if self.served.contains_key(name) {
+            Err(format!("a second adapter named `{name}`"))
+        } else {
+            Stamp::of(dir).and_then(|stamp| {
+                Ok(Served {
+                    dir: dir.to_path_buf(),
+                    stamp,
+                    generation: 0,
+                    verdict: Ok(self.verdict(dir)?),
+                })
+            })
         };
-        match verdict {
+        match served {
             Ok(served) => {
-                self.served.insert(name.to_string(), served);
+                self.served.insert(name.to_string(), Mutex::new(served));
                 Ok(())
             }
             Err(reason) => {
@@ -231,10 +433,37 @@ impl PeerStore {
         &self.refused
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, StageCache> {
+    fn lock(&self) -> MutexGuard<'_, StageCache> {
         // A panic while holding the lock cannot leave the cache half-written
         // in a way that matters: entries are inserted whole.
         self.cache.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `adapter` as its files are now: audited again first when they
+    /// changed since the last audit (the stamp is taken before the audit,
+    /// so a change during it is audited again next time, and a staging
+    /// checks the stamp after reading the files).
+    fn current(&self, adapter: &str) -> Result<(Served, Ranks), PeerRefusal> {
+        let unknown = || refuse(RefusalCode::UnknownAdapter, format!("no adapter `{adapter}` is served"));
+        let mut served = self
+            .served
+            .get(adapter)
+            .ok_or_else(unknown)?
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let stamp = Stamp::of(&served.dir).map_err(|e| refuse(RefusalCode::Staging, format!("`{adapter}`: {e}")))?;
+        if stamp != served.stamp {
+            served.verdict = self.verdict(&served.dir);
+            served.stamp = stamp;
+            served.generation += 1;
+        }
+        match served.verdict.clone() {
+            Ok(ranks) => Ok((served.clone(), ranks)),
+            Err(reason) => Err(refuse(
+                RefusalCode::UnknownAdapter,
+                format!("`{adapter}` changed on disk and its audit refuses it now: {reason}"),
+            )),
+        }
     }
 
     /// Stage `adapter` for this geometry (once; later requests reuse it) and
@@ -246,13 +475,23 @@ impl PeerStore {
         expert_rank: u32,
         transport: TransportKind,
     ) -> Result<Manifest, PeerRefusal> {
-        let served = self
-            .served
-            .get(adapter)
-            .ok_or_else(|| refuse(RefusalCode::UnknownAdapter, format!("no adapter `{adapter}` is served")))?;
+        self.pinned_manifest(adapter, max_rank, expert_rank, transport)
+            .map(|(manifest, _)| manifest)
+    }
+
+    /// [`PeerStore::manifest`], with its staging pinned until the pin is
+    /// dropped.
+    pub(crate) fn pinned_manifest(
+        &self,
+        adapter: &str,
+        max_rank: u32,
+        expert_rank: u32,
+        transport: TransportKind,
+    ) -> Result<(Manifest, RegionPin<'_>), PeerRefusal> {
+        let (served, ranks) = self.current(adapter)?;
         for (what, asked, needed) in [
-            ("max_rank", max_rank, served.dense_rank),
-            ("expert_rank", expert_rank, served.expert_rank),
+            ("max_rank", max_rank, ranks.dense),
+            ("expert_rank", expert_rank, ranks.expert),
         ] {
             if asked == 0 || asked > MAX_STAGED_RANK || (asked as usize) < needed {
                 return Err(refuse(
@@ -261,7 +500,17 @@ impl PeerStore {
                 ));
             }
         }
-        let staged = self.staged(adapter, served, max_rank, expert_rank)?;
+        let expert_stride = match ranks.expert {
+            0 => 0,
+            _ => expert_packed_stride(expert_rank as usize).map_err(|e| refuse(RefusalCode::Rank, e.to_string()))?,
+        };
+        let key = StageKey {
+            adapter: adapter.to_string(),
+            generation: served.generation,
+            dense_stride: if ranks.dense == 0 { 0 } else { max_rank as usize },
+            expert_stride,
+        };
+        let (pin, staged) = self.pinned(key, &served, max_rank as usize, expert_rank as usize)?;
         let entries = staged
             .parts
             .iter()
@@ -276,7 +525,7 @@ impl PeerStore {
             })
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| refuse(RefusalCode::NoRdma, "this peer serves no RDMA device"))?;
-        Ok(Manifest {
+        let manifest = Manifest {
             adapter: adapter.to_string(),
             model: self.model,
             max_rank,
@@ -284,7 +533,8 @@ impl PeerStore {
             adapter_config: staged.adapter_config.clone(),
             tensors: staged.tensors.clone(),
             entries,
-        })
+        };
+        Ok((manifest, pin))
     }
 
     /// Where the engine reads a staged part: a region offset for TCP, the
@@ -308,75 +558,97 @@ impl PeerStore {
         }
     }
 
-    /// The staging of (adapter, max_rank, expert_rank), staging it now if
-    /// needed. Staging runs outside the cache lock, so reads of other
-    /// stagings go on meanwhile; concurrent requests for the same geometry
-    /// wait for the one staging. A failed staging is forgotten (the next
-    /// request tries again).
-    fn staged(
+    /// The staging of `key`, pinned, staging it now if needed. Staging runs
+    /// outside the cache lock, so reads of other stagings go on meanwhile;
+    /// concurrent requests for the same key wait for the one staging. A
+    /// failed staging is forgotten (the next request tries again).
+    fn pinned(
         &self,
-        adapter: &str,
+        key: StageKey,
         served: &Served,
-        max_rank: u32,
-        expert_rank: u32,
-    ) -> Result<Arc<Staged>, PeerRefusal> {
-        let key = (adapter.to_string(), max_rank, expert_rank);
-        let (cell, region) = {
-            let mut cache = self.lock();
-            match cache.by_key.get(&key) {
-                Some(cell) => (Arc::clone(cell), None),
-                None => {
-                    let cell = Arc::new(StageCell::new());
-                    cache.by_key.insert(key.clone(), Arc::clone(&cell));
-                    let region = cache.next_region;
-                    cache.next_region = region.wrapping_add(1);
-                    (cell, Some(region))
+        max_rank: usize,
+        expert_rank: usize,
+    ) -> Result<(RegionPin<'_>, Arc<Staged>), PeerRefusal> {
+        let pin = |(region, staged): (u32, Arc<Staged>)| {
+            let len = staged.memory.bytes().len();
+            (
+                RegionPin {
+                    store: self,
+                    region,
+                    len,
+                },
+                staged,
+            )
+        };
+        // A staging waited for can be dropped again before this request
+        // pins it (other stagings need the room); a few rounds settle it.
+        for _ in 0..4 {
+            let waiting = {
+                let mut cache = self.lock();
+                if let Some(kept) = cache.pin(&key) {
+                    return Ok(pin(kept));
                 }
-            }
-        };
-        let Some(region) = region else {
-            return cell.wait().clone();
-        };
-        let result = self
-            .stage(region, served, max_rank as usize, expert_rank as usize)
-            .map(Arc::new);
-        let mut cache = self.lock();
-        match &result {
-            Ok(staged) => {
-                while cache.order.len() >= self.options.max_staged.max(1) {
-                    let Some(old) = cache.order.pop_front() else { break };
-                    if let Some(Ok(s)) = cache.by_key.remove(&old).as_deref().and_then(StageCell::get) {
-                        cache.by_region.remove(&s.region);
+                match cache.in_flight.get(&key) {
+                    Some(in_flight) => Some(Arc::clone(in_flight)),
+                    None => {
+                        cache.in_flight.insert(key.clone(), Arc::new(InFlight::new()));
+                        None
                     }
                 }
-                cache.by_region.insert(region, Arc::clone(staged));
-                cache.order.push_back(key);
+            };
+            if let Some(in_flight) = waiting {
+                in_flight.wait().clone()?;
+                continue;
             }
-            Err(_) => {
-                cache.by_key.remove(&key);
+            let staged = self.stage(&key, served, max_rank, expert_rank);
+            let mut cache = self.lock();
+            let in_flight = cache.in_flight.remove(&key);
+            let result = staged.and_then(|s| cache.insert(key.clone(), s, &self.options));
+            if let Some(in_flight) = in_flight {
+                // Set under the lock: a waiter never looks before the
+                // staging is kept.
+                let _ = in_flight.set(result.as_ref().map(|_| ()).map_err(Clone::clone));
             }
+            return result.map(pin);
         }
-        // Set while holding the lock: a waiter never sees a result whose
-        // region is not yet readable.
-        let _ = cell.set(result.clone());
-        result
+        Err(refuse(
+            RefusalCode::Busy,
+            "the staging was dropped for others before this request could use it",
+        ))
     }
 
-    fn stage(&self, region: u32, served: &Served, max_rank: usize, expert_rank: usize) -> Result<Staged, PeerRefusal> {
+    fn stage(
+        &self,
+        key: &StageKey,
+        served: &Served,
+        max_rank: usize,
+        expert_rank: usize,
+    ) -> Result<Staged, PeerRefusal> {
         let staging_err = |e: &dyn std::fmt::Display| refuse(RefusalCode::Staging, e.to_string());
         let (text, infos) = read_header(&served.dir).map_err(|e| staging_err(&e))?;
         let prepared = prepare_adapter(&served.dir, &self.cfg, &self.audit_options(max_rank, expert_rank))
             .map_err(|e| staging_err(&e))?;
-        // The manifest's config and header must describe the staged bytes.
+        // The manifest's config and header must describe the staged bytes,
+        // the bytes must be of the audited version, and the key must hold
+        // every stride the bytes use.
         let (text_after, infos_after) = read_header(&served.dir).map_err(|e| staging_err(&e))?;
-        if text_after != text || infos_after != infos {
+        if text_after != text
+            || infos_after != infos
+            || Stamp::of(&served.dir).as_ref() != Ok(&served.stamp)
+            || prepared.dense.is_empty() != (key.dense_stride == 0)
+            || prepared.experts.is_empty() != (key.expert_stride == 0)
+        {
             return Err(refuse(
                 RefusalCode::Staging,
                 "the adapter changed on disk while it was staged",
             ));
         }
-        let mut staging = stage_adapter(&prepared, max_rank, expert_rank, self.options.max_stage_bytes)
-            .map_err(|e| staging_err(&e))?;
+        let budget = self
+            .options
+            .max_stage_bytes
+            .min(self.options.max_cache_bytes)
+            .min(usize::try_from(MAX_READ_BYTES).unwrap_or(usize::MAX));
+        let mut staging = stage_adapter(&prepared, max_rank, expert_rank, budget).map_err(|e| staging_err(&e))?;
         if self.options.corrupt_staged_byte
             && let Some(byte) = staging.bytes.get_mut(staging.bytes.len() / 2)
         {
@@ -394,7 +666,8 @@ impl PeerStore {
         #[cfg(not(feature = "ibverbs"))]
         let memory = StagedMemory::Plain(staging.bytes);
         Ok(Staged {
-            region,
+            // Set when the staging is kept.
+            region: 0,
             memory,
             parts: staging.parts,
             adapter_config: text,
@@ -410,19 +683,24 @@ impl PeerStore {
     }
 
     /// Resolve every range of a read request to its staged bytes, or refuse
-    /// the whole request: an unknown region, or a range leaving its region.
+    /// the whole request: an unknown region, a range leaving its region, or
+    /// more bytes than [`MAX_READ_BYTES`] or than the regions named hold.
     pub(crate) fn resolve(&self, ranges: &[ReadRange]) -> Result<Vec<ResolvedRange>, PeerRefusal> {
         let cache = self.lock();
-        ranges
+        let resolved = ranges
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let staged = cache.by_region.get(&r.region).ok_or_else(|| {
-                    refuse(
-                        RefusalCode::BadRead,
-                        format!("range {i}: region {} is not staged", r.region),
-                    )
-                })?;
+                let staged = &cache
+                    .regions
+                    .get(&r.region)
+                    .ok_or_else(|| {
+                        refuse(
+                            RefusalCode::BadRead,
+                            format!("range {i}: region {} is not staged", r.region),
+                        )
+                    })?
+                    .staged;
                 let bytes = r.within(staged.memory.bytes().len()).ok_or_else(|| {
                     refuse(
                         RefusalCode::BadRead,
@@ -437,7 +715,33 @@ impl PeerStore {
                 })?;
                 Ok((Arc::clone(staged), bytes))
             })
-            .collect()
+            .collect::<Result<Vec<_>, PeerRefusal>>()?;
+        let asked = ranges.iter().fold(0u64, |sum, r| sum.saturating_add(r.len));
+        let mut named = HashSet::new();
+        let held = resolved
+            .iter()
+            .filter(|(staged, _)| named.insert(staged.region))
+            .fold(0u64, |sum, (staged, _)| {
+                sum.saturating_add(staged.memory.bytes().len() as u64)
+            });
+        if asked > held.min(MAX_READ_BYTES) {
+            return Err(refuse(
+                RefusalCode::TooManyBytes,
+                format!(
+                    "the read asks for {asked} bytes; the regions it names hold {held} \
+                     (and a read may ask for at most {MAX_READ_BYTES})"
+                ),
+            ));
+        }
+        Ok(resolved)
+    }
+
+    /// Stagings kept, their bytes and how many are pinned.
+    #[cfg(test)]
+    pub(crate) fn cache_usage(&self) -> (usize, usize, usize) {
+        let cache = self.lock();
+        let pinned = cache.regions.values().filter(|e| e.pins > 0).count();
+        (cache.regions.len(), cache.bytes, pinned)
     }
 }
 

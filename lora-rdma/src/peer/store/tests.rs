@@ -159,3 +159,191 @@ fn concurrent_requests_for_one_geometry_stage_it_once() {
     });
     assert!(regions.iter().all(|&r| r == regions[0]), "{regions:?}");
 }
+
+/// `(stagings, bytes, pinned)` of the store's cache.
+fn usage(store: &PeerStore) -> (usize, usize, usize) {
+    store.cache_usage()
+}
+
+#[test]
+fn geometries_that_do_not_change_the_staged_bytes_share_one_staging() {
+    // No expert pairs: expert_rank changes nothing staged.
+    let store = llama_store(StoreOptions::default());
+    let regions: Vec<u32> = (1..=40)
+        .map(|expert_rank| region_of(&store.manifest("r4", 8, expert_rank, TransportKind::Tcp).unwrap()))
+        .collect();
+    assert!(regions.iter().all(|&r| r == regions[0]), "{regions:?}");
+    assert_eq!(usage(&store).0, 1);
+    // The manifest still names the geometry asked for.
+    assert_eq!(store.manifest("r4", 8, 33, TransportKind::Tcp).unwrap().expert_rank, 33);
+    // max_rank is the dense stride: it does change the bytes.
+    let wider = region_of(&store.manifest("r4", 16, 1, TransportKind::Tcp).unwrap());
+    assert_ne!(wider, regions[0]);
+    assert_eq!(usage(&store).0, 2);
+
+    // With expert pairs, expert ranks of one packed stride share a staging.
+    let cfg = ModelConfig::from_file(&fixture("qwen3_moe/config.json")).unwrap();
+    let mut moe = PeerStore::new(cfg, StoreOptions::default());
+    moe.add_adapter("e", &fixture("qwen3_moe/experts_fused_router"))
+        .unwrap();
+    let strided: Vec<u32> = (4..=8)
+        .map(|expert_rank| region_of(&moe.manifest("e", 8, expert_rank, TransportKind::Tcp).unwrap()))
+        .collect();
+    assert!(strided.iter().all(|&r| r == strided[0]), "{strided:?}");
+    let wide = moe.manifest("e", 8, 9, TransportKind::Tcp).unwrap();
+    assert_ne!(region_of(&wide), strided[0]);
+    assert_eq!(usage(&moe).0, 2);
+}
+
+#[test]
+fn the_cache_stays_within_its_memory_budget_dropping_the_least_recently_used() {
+    let bytes_at = |max_rank| {
+        let m = llama_store(StoreOptions::default())
+            .manifest("r4", max_rank, 16, TransportKind::Tcp)
+            .unwrap();
+        m.entries.iter().map(|e| e.len as usize).sum::<usize>()
+    };
+    // Room for the two largest stagings below, not three.
+    let budget = bytes_at(64) + bytes_at(60);
+    let store = llama_store(StoreOptions {
+        max_cache_bytes: budget,
+        ..StoreOptions::default()
+    });
+    let mut asked = 0;
+    for max_rank in (8..=64).step_by(4) {
+        store.manifest("r4", max_rank, 16, TransportKind::Tcp).unwrap();
+        asked += bytes_at(max_rank);
+        let (_, bytes, pinned) = usage(&store);
+        assert!(bytes <= budget, "{bytes} bytes kept, budget {budget}");
+        assert_eq!(pinned, 0);
+    }
+    assert!(asked > 4 * budget, "the test must stage well past the budget");
+    // Least recently used, not oldest: a staging asked for again stays.
+    let a = region_of(&store.manifest("r4", 40, 16, TransportKind::Tcp).unwrap());
+    let b = region_of(&store.manifest("r4", 44, 16, TransportKind::Tcp).unwrap());
+    assert_eq!(region_of(&store.manifest("r4", 40, 16, TransportKind::Tcp).unwrap()), a);
+    store.manifest("r4", 48, 16, TransportKind::Tcp).unwrap();
+    let read = |region| ReadRange {
+        region,
+        offset: 0,
+        len: 1,
+    };
+    assert!(store.resolve(&[read(a)]).is_ok());
+    assert_eq!(store.resolve(&[read(b)]).unwrap_err().code, RefusalCode::BadRead);
+    // A staging larger than the whole budget is refused outright.
+    let small = llama_store(StoreOptions {
+        max_cache_bytes: bytes_at(8) - 1,
+        ..StoreOptions::default()
+    });
+    let err = small.manifest("r4", 8, 16, TransportKind::Tcp).unwrap_err();
+    assert_eq!(err.code, RefusalCode::Staging, "{err}");
+}
+
+#[test]
+fn a_pinned_staging_is_never_dropped_and_a_full_pinned_cache_refuses_busy() {
+    let store = llama_store(StoreOptions {
+        max_staged: 1,
+        ..StoreOptions::default()
+    });
+    let (m, pin) = store.pinned_manifest("r8", 8, 16, TransportKind::Tcp).unwrap();
+    let region = region_of(&m);
+    assert_eq!(pin.region(), region);
+    let err = store.manifest("r4", 8, 16, TransportKind::Tcp).unwrap_err();
+    assert_eq!(err.code, RefusalCode::Busy, "{err}");
+    // The pinned staging is still served, to its own landing and to others.
+    let whole = ReadRange {
+        region,
+        offset: 0,
+        len: pin.len() as u64,
+    };
+    assert!(store.resolve(&[whole]).is_ok());
+    assert_eq!(
+        region_of(&store.manifest("r8", 8, 16, TransportKind::Tcp).unwrap()),
+        region
+    );
+    assert_eq!(usage(&store), (1, pin.len(), 1));
+    drop(pin);
+    let other = region_of(&store.manifest("r4", 8, 16, TransportKind::Tcp).unwrap());
+    assert_ne!(other, region);
+    assert_eq!(store.resolve(&[whole]).unwrap_err().code, RefusalCode::BadRead);
+}
+
+#[test]
+fn a_read_asking_for_more_bytes_than_its_regions_hold_is_refused() {
+    let store = llama_store(StoreOptions::default());
+    let m = store.manifest("r4", 8, 16, TransportKind::Tcp).unwrap();
+    let region = region_of(&m);
+    let total: u64 = m.entries.iter().map(|e| e.len).sum();
+    let whole = ReadRange {
+        region,
+        offset: 0,
+        len: total,
+    };
+    assert!(store.resolve(&[whole]).is_ok());
+    // The same bytes twice, or a small request asking for the whole region
+    // over and over: refused, whole.
+    let err = store.resolve(&[whole, whole]).unwrap_err();
+    assert_eq!(err.code, RefusalCode::TooManyBytes, "{err}");
+    let flood = vec![whole; crate::protocol::MAX_READ_RANGES];
+    assert_eq!(store.resolve(&flood).unwrap_err().code, RefusalCode::TooManyBytes);
+    // Two regions named: each may be read once.
+    let other = store.manifest("r8", 8, 16, TransportKind::Tcp).unwrap();
+    let other_whole = ReadRange {
+        region: region_of(&other),
+        offset: 0,
+        len: other.entries.iter().map(|e| e.len).sum(),
+    };
+    assert!(store.resolve(&[whole, other_whole]).is_ok());
+}
+
+/// A copy of fixture adapter `from` in a fresh directory.
+fn scratch_adapter(tag: &str, from: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("lora-peer-store-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    overwrite_adapter(&dir, from);
+    dir
+}
+
+fn overwrite_adapter(dir: &Path, from: &str) {
+    for file in [ADAPTER_CONFIG, ADAPTER_WEIGHTS] {
+        std::fs::copy(fixture(from).join(file), dir.join(file)).unwrap();
+    }
+}
+
+#[test]
+fn a_served_adapter_whose_files_change_is_audited_again() {
+    let dir = scratch_adapter("reaudit", "llama/demo_r4_plain");
+    let cfg = ModelConfig::from_file(&fixture("llama/config.json")).unwrap();
+    let mut store = PeerStore::new(cfg, StoreOptions::default());
+    store.add_adapter("a", &dir).unwrap();
+    let first = store.manifest("a", 8, 16, TransportKind::Tcp).unwrap();
+
+    // Rewritten in place with what the startup audit refuses: refused now.
+    overwrite_adapter(&dir, "llama/trainable_tokens_untied_list");
+    let err = store.manifest("a", 8, 16, TransportKind::Tcp).unwrap_err();
+    assert_eq!(err.code, RefusalCode::UnknownAdapter, "{err}");
+    assert!(err.message.contains("overlays"), "{err}");
+
+    // Rewritten with another servable adapter: audited, staged afresh from
+    // the new files, never from the old staging.
+    overwrite_adapter(&dir, "llama/demo_r8_rslora");
+    let err = store.manifest("a", 4, 16, TransportKind::Tcp).unwrap_err();
+    assert_eq!(err.code, RefusalCode::Rank, "the new adapter's rank 8 applies: {err}");
+    let second = store.manifest("a", 8, 16, TransportKind::Tcp).unwrap();
+    assert_ne!(region_of(&second), region_of(&first));
+    assert_ne!(second.adapter_config, first.adapter_config);
+    let fresh = llama_store(StoreOptions::default())
+        .manifest("r8", 8, 16, TransportKind::Tcp)
+        .unwrap();
+    let checksums = |m: &Manifest| m.entries.iter().map(|e| e.checksum).collect::<Vec<_>>();
+    assert_eq!(checksums(&second), checksums(&fresh));
+
+    // Gone: refused with the reason, not served from memory.
+    std::fs::remove_file(dir.join(ADAPTER_WEIGHTS)).unwrap();
+    assert_eq!(
+        store.manifest("a", 8, 16, TransportKind::Tcp).unwrap_err().code,
+        RefusalCode::Staging
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
