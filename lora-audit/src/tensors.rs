@@ -38,6 +38,12 @@ pub enum TensorDtype {
 }
 
 impl TensorDtype {
+    /// Bytes per element of a float weight dtype (1 for the others, whose
+    /// values no float path reads).
+    pub fn element_bytes(self) -> usize {
+        element_bytes(self)
+    }
+
     fn of(dtype: Dtype) -> TensorDtype {
         match dtype {
             Dtype::F32 => TensorDtype::F32,

@@ -3,6 +3,7 @@
 //! tables the kernels read, an optional expert/router pool, and the
 //! two-phase load and swap that keep every failure away from live slots.
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use half::bf16;
 use lora_audit::{
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, AuditReport, HostOverlay, LoraOptions, PreparedAdapter, Refusal,
-    SafetensorsFile, UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
+    TensorDtype, UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
     Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion, Rows, RowsMut, Segments,
@@ -700,6 +701,26 @@ impl<C: SlotCompanion> LoraPool<C> {
             let report = audit_header(&shown, &text, file.infos(), cfg, opts)?;
             Ok::<_, AuditError>((file, report, since(started)))
         };
+        // Every float tensor of the file, by start: the raw read checks their
+        // values piece by piece (which of them are served is the audit's).
+        let scan: Vec<(String, Range<usize>, TensorDtype)> = match raw.then(|| unparsed.parse()) {
+            Some(Ok(f)) => {
+                let mut v: Vec<_> = f
+                    .infos()
+                    .into_iter()
+                    .filter_map(|info| {
+                        let (dtype, _, offset, len) = f.tensor(&info.name).ok()?;
+                        let start = usize::try_from(offset.checked_sub(f.data_start())?).ok()?;
+                        Some((info.name, start..start.checked_add(len)?, dtype))
+                    })
+                    .collect();
+                v.sort_by_key(|(_, r, _)| r.start);
+                v
+            }
+            // Not raw, or a header the audit refuses anyway.
+            _ => Vec::new(),
+        };
+        let ranges: Vec<(Range<usize>, TensorDtype)> = scan.iter().map(|(_, r, d)| (r.clone(), *d)).collect();
         let (audited, read) = if raw {
             let stop = AtomicBool::new(false);
             std::thread::scope(|scope| {
@@ -710,27 +731,32 @@ impl<C: SlotCompanion> LoraPool<C> {
                     }
                     audited
                 });
-                let read = self.staging.read_raw(&unparsed, raw_len, &stop, name);
+                let read = self.staging.read_raw(&unparsed, raw_len, &ranges, &stop, name);
                 match auditor.join() {
                     Ok(audited) => (audited, read),
                     Err(panic) => std::panic::resume_unwind(panic),
                 }
             })
         } else {
-            (audit(), Ok(()))
+            (audit(), Ok(Vec::new()))
         };
         let (file, mut report, audit_us) = audited.map_err(audit_err(name))?;
         if !dense_only(&report) {
             return Ok((self.stage_prepared(name, dir, report)?, audit_us));
         }
-        read?;
-        if raw {
-            // The bytes went as they are: check every served value here (the
-            // host-pack route checks each pair as it converts it).
-            self.refuse_non_finite_raw(&file, &mut report).map_err(|e| match e {
-                Some(e) => e,
-                None => audit_err(name)(AuditError::Refused(Box::new(report.clone()))),
-            })?;
+        let hits = read?;
+        // The bytes went as they are: a served tensor with a value that is not
+        // finite is refused (the host-pack route checks each pair as it
+        // converts it).
+        for tensor in report.served_tensors() {
+            let hit = scan
+                .iter()
+                .position(|(n, _, _)| *n == tensor)
+                .and_then(|t| hits.get(t).copied().flatten());
+            if let Some((index, value)) = hit {
+                report.refuse(Refusal::non_finite(tensor, index, value));
+                return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
+            }
         }
         let sources = file_sources(&report.placed, &file).map_err(audit_err(name))?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
@@ -794,27 +820,6 @@ impl<C: SlotCompanion> LoraPool<C> {
             has_overlay: false,
         };
         Ok((staged, audit_us))
-    }
-
-    /// Refuse (into `report`, then `Err(None)`) the first served tensor of
-    /// the raw staged data section holding a value that is not finite as
-    /// served; `Err(Some(_))` for a failure to read the chunks.
-    fn refuse_non_finite_raw(&self, file: &SafetensorsFile, report: &mut AuditReport) -> Result<(), Option<PoolError>> {
-        let mut names = Vec::new();
-        let mut ranges = Vec::new();
-        for tensor in report.served_tensors() {
-            let Ok((dtype, _, offset, len)) = file.tensor(&tensor) else {
-                continue;
-            };
-            let start = usize::try_from(offset.saturating_sub(file.data_start())).unwrap_or(usize::MAX);
-            ranges.push((start..start.saturating_add(len), dtype));
-            names.push(tensor);
-        }
-        if let Some((t, index, value)) = self.staging.first_non_finite_raw(&ranges).map_err(Some)? {
-            report.refuse(Refusal::non_finite(names[t].clone(), index, value));
-            return Err(None);
-        }
-        Ok(())
     }
 
     /// An audited adapter that is not dense-only: refused, or prepared in
