@@ -563,10 +563,32 @@ fn non_finite_position(dtype: TensorDtype, bytes: &[u8]) -> Option<usize> {
             elems.clone().position(&bad).map(|i| b * BLOCK + i)
         })
     }
+    /// The aligned fast path: whole words, blocks folded branch-free.
+    fn scan_words<W: bytemuck::Pod + Copy>(words: &[W], bad: impl Fn(W) -> bool) -> Option<usize> {
+        const BLOCK: usize = 256;
+        words.chunks(BLOCK).enumerate().find_map(|(b, block)| {
+            if !block.iter().fold(false, |any, &w| any | bad(w)) {
+                return None;
+            }
+            block.iter().position(|&w| bad(w)).map(|i| b * BLOCK + i)
+        })
+    }
+    let bf16_bad = |b: u16| u16::from_le(b) & 0x7FFF >= 0x7F80;
+    let f16_bad = |b: u16| u16::from_le(b) & 0x7C00 == 0x7C00;
+    let f32_bad = |b: u32| u32::from_le(b) & 0x7FFF_FFFF >= 0x7F7F_8000;
     match dtype {
-        TensorDtype::BF16 => scan::<2>(bytes, |e| u16::from_le_bytes(e) & 0x7FFF >= 0x7F80),
-        TensorDtype::F16 => scan::<2>(bytes, |e| u16::from_le_bytes(e) & 0x7C00 == 0x7C00),
-        TensorDtype::F32 => scan::<4>(bytes, |e| u32::from_le_bytes(e) & 0x7FFF_FFFF >= 0x7F7F_8000),
+        TensorDtype::BF16 => match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+            Ok(words) => scan_words(words, bf16_bad),
+            Err(_) => scan::<2>(bytes, |e| bf16_bad(u16::from_ne_bytes(e))),
+        },
+        TensorDtype::F16 => match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+            Ok(words) => scan_words(words, f16_bad),
+            Err(_) => scan::<2>(bytes, |e| f16_bad(u16::from_ne_bytes(e))),
+        },
+        TensorDtype::F32 => match bytemuck::try_cast_slice::<u8, u32>(bytes) {
+            Ok(words) => scan_words(words, f32_bad),
+            Err(_) => scan::<4>(bytes, |e| f32_bad(u32::from_ne_bytes(e))),
+        },
         _ => None,
     }
 }
@@ -642,9 +664,12 @@ mod non_finite_bits {
                 "{bits:#x}"
             );
         }
-        // Position past the first block.
-        let mut v = vec![0u8; 2 * 200];
-        v[2 * 150..2 * 151].copy_from_slice(&0x7FC0u16.to_le_bytes());
-        assert_eq!(non_finite_position(TensorDtype::BF16, &v), Some(150));
+        // Position past the first block, on the aligned and the unaligned path.
+        let mut v = vec![0u8; 2 * 600 + 1];
+        v[2 * 450..2 * 451].copy_from_slice(&0x7FC0u16.to_le_bytes());
+        assert_eq!(non_finite_position(TensorDtype::BF16, &v[..1200]), Some(450));
+        let mut w = vec![0u8; 1];
+        w.extend_from_slice(&v[..1200]);
+        assert_eq!(non_finite_position(TensorDtype::BF16, &w[1..]), Some(450));
     }
 }
