@@ -17,12 +17,12 @@ use crate::peer::{Peer, PeerOptions, PeerStore, StoreOptions};
 use crate::stage::bf16_bytes;
 use crate::tcp::{TcpOptions, TcpTransport};
 
-/// The model geometry of the benchmark.
-const LLAMA_8B: &str = include_str!("../../lora-layout/testdata/llama-3.1-8b.json");
+/// The model geometry of the benchmarks: Llama-3.1-8B's `config.json`.
+pub const LLAMA_8B: &str = include_str!("../../lora-layout/testdata/llama-3.1-8b.json");
 /// Rank of the benchmark adapter (and the pool's `max_rank`).
 const RANK: usize = 16;
 /// The projections an `all-linear` Llama adapter adapts.
-const MODULES: [LoraModule; 7] = [
+pub const MODULES: [LoraModule; 7] = [
     LoraModule::QProj,
     LoraModule::KProj,
     LoraModule::VProj,

@@ -9,6 +9,7 @@ use half::bf16;
 use lora_kernels::Device;
 use lora_layout::ModelConfig;
 use lora_pool::{BatchCapacity, LoraOptions, LoraPool, SlotId, StagingTuning};
+use lora_rdma::bench::LLAMA_8B;
 use rayon::prelude::*;
 
 /// One measured operation beside its baseline.
@@ -40,8 +41,6 @@ fn quantiles(mut us: Vec<f64>) -> (f64, String) {
     };
     (at(0.5), format!("p10 {:.0} us, p90 {:.0} us", at(0.1), at(0.9)))
 }
-
-const LLAMA_8B: &str = include_str!("../../lora-layout/testdata/llama-3.1-8b.json");
 
 /// Swap a synthetic rank-16 all-linear Llama-3.1-8B adapter (about 84 MB
 /// BF16) from a file in the page cache into a slot, `reps` times, against a

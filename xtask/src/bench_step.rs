@@ -30,9 +30,8 @@ use lora_pool::{BatchCapacity, DecodeStep, FusedTargets, LoraOptions, LoraPool, 
 use serde_json::{Value, json};
 
 use super::{Ctx, Stats, err};
+use lora_rdma::bench::{LLAMA_8B, MODULES};
 
-/// The geometry (the same file the swap section reads).
-const LLAMA_8B: &str = include_str!("../../lora-layout/testdata/llama-3.1-8b.json");
 /// Rank of every adapter, and the pool's rank stride.
 const RANK: usize = 16;
 /// Adapters in the pool (one slot each).
@@ -44,16 +43,6 @@ const TARGET_ROWS: usize = 64;
 const FLOOR_RATIO_TARGET: f64 = 1.5;
 /// Every adapter's scale (`lora_alpha` 32 over rank 16).
 const SCALE: f32 = 2.0;
-/// The modules every adapter targets, at every layer.
-const MODULES: [LoraModule; 7] = [
-    LoraModule::QProj,
-    LoraModule::KProj,
-    LoraModule::VProj,
-    LoraModule::OProj,
-    LoraModule::GateProj,
-    LoraModule::UpProj,
-    LoraModule::DownProj,
-];
 
 /// One timed step.
 #[derive(Debug, Clone)]
