@@ -321,16 +321,17 @@ fn a_trickling_peer_hits_the_overall_deadline() {
 fn an_extra_data_frame_is_out_of_protocol_order() {
     let (addr, server) = serve(|mut s| {
         skip_request(&mut s);
-        write_frame(&mut s, FrameKind::Data, &[1, 2, 3, 4]).unwrap();
-        write_frame(&mut s, FrameKind::Data, &[5, 6]).unwrap();
+        // Both frames in one write, so they arrive together.
+        let mut frames = Vec::new();
+        write_frame(&mut frames, FrameKind::Data, &[1, 2, 3, 4]).unwrap();
+        write_frame(&mut frames, FrameKind::Data, &[5, 6]).unwrap();
+        s.write_all(&frames).unwrap();
         s.flush().unwrap();
         // Keep the connection open until the engine is done.
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
     });
     let mut t = TcpTransport::connect(&addr, options(5000)).unwrap();
-    // Give the extra frame time to arrive with the data.
-    std::thread::sleep(Duration::from_millis(100));
     let err = t.read(&[tcp_op(0, 4)], &mut VecSink(vec![vec![0; 4]])).unwrap_err();
     assert!(matches!(err, TransportError::Protocol(_)), "{err}");
     let again = t.read(&[tcp_op(0, 4)], &mut VecSink(vec![vec![0; 4]])).unwrap_err();
