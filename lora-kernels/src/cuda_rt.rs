@@ -170,8 +170,8 @@ pub(crate) const SPREAD_INBOX_WORDS: usize = 2 * 8 * 128;
 /// dependent launch overlaps only a kernel it follows in the same stream or
 /// graph; a graph's root node follows nothing (a graph launch waits for the
 /// stream's previous work whole).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Predecessor {
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Predecessor {
     /// Not capturing, or a driver too old to say (before CUDA 12.3): a kernel
     /// issued earlier may still be running.
     Unknown,

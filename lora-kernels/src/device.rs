@@ -95,6 +95,15 @@ impl Device {
         }
     }
 
+    /// What the launch planners read of a CUDA device (`None` on the CPU,
+    /// which runs the reference and plans nothing).
+    pub fn limits(&self) -> Option<crate::ops::limits::DeviceLimits> {
+        match &*self.inner {
+            Backend::Cpu(_) => None,
+            Backend::Cuda(c) => Some(crate::ops::limits::DeviceLimits::of(c)),
+        }
+    }
+
     /// Compute capability of a CUDA device.
     pub fn compute_capability(&self) -> Option<(i32, i32)> {
         match &*self.inner {

@@ -60,6 +60,7 @@ pub use ops::bgmv::{
     BGMV_MAX_RANK, BgmvTuning, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS,
     ENTRY_REGISTERS_ROWS_PER_ENTRY, ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_tuned,
 };
+pub use ops::limits::{Choice, DeviceLimits};
 pub use ops::linear::linear_f32;
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};
 pub use ops::overlay::{embed_overlay, lm_head_overlay, row_diff};

@@ -18,8 +18,11 @@ use crate::cpu_mem::CpuMemory;
 use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch, Predecessor, SCRATCH_BYTES};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
+use crate::ops::limits::DeviceLimits;
+use plan::{CallTarget, Chain, DecodeCall, DecodeContext, DecodeForm, DecodePlan, FusedForm, ItemList, TwoPhaseForm};
 
 mod entry;
+pub mod plan;
 mod rows;
 pub use entry::{ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS, ENTRY_REGISTERS_ROWS_PER_ENTRY};
 pub use rows::{ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE};
@@ -213,15 +216,6 @@ const REG_BLOCKS_PER_SM: usize = 3;
 /// The same for the tensor-core cluster kernels (`__launch_bounds__(256, 4)`).
 const TC_BLOCKS_PER_SM: usize = 4;
 
-/// What of the device the launch choice depends on.
-#[derive(Debug, Clone, Copy)]
-struct DeviceLimits {
-    hopper: bool,
-    sms: usize,
-    smem_optin: usize,
-    smem_per_sm: usize,
-}
-
 /// What of the call the launch choice depends on (besides the targets).
 #[derive(Debug, Clone, Copy)]
 struct RowShape {
@@ -264,6 +258,8 @@ struct LaunchChoice {
     plan: SmemPlan,
     /// The cluster sum pushes partials (st.async) instead of a barrier and peer loads.
     push: bool,
+    /// B in registers was asked for (`PlanShape::b_registers`; `plan.b_registers` says whether it fits).
+    requested_b_registers: bool,
 }
 
 impl LaunchChoice {
@@ -273,17 +269,15 @@ impl LaunchChoice {
     /// split re-reads A). Decode is latency-bound: a round costs the chain
     /// idx -> table entry -> weights, whatever its bytes.
     fn pick(
-        limits: DeviceLimits,
+        limits: &DeviceLimits,
         rows: RowShape,
-        targets: &[LoraTarget<'_>],
+        targets: &[CallTarget],
         tuning: BgmvTuning,
     ) -> Result<LaunchChoice, KernelError> {
-        let DeviceLimits {
-            hopper,
-            sms,
-            smem_optin,
-            smem_per_sm,
-        } = limits;
+        let hopper = limits.hopper();
+        let sms = limits.multiprocessors;
+        let smem_optin = limits.smem_optin;
+        let smem_per_sm = limits.smem_per_sm;
         let RowShape {
             in_dim,
             stride,
@@ -404,6 +398,7 @@ impl LaunchChoice {
                             rounds,
                             plan,
                             push,
+                            requested_b_registers: shape.b_registers,
                         },
                     ));
                 }
@@ -1141,7 +1136,23 @@ pub fn bgmv_tuned<Y: OutputElem>(
     }
     match device.backend() {
         Backend::Cpu(cpu) => reference(&cpu.memory, &x, idx, targets, rank_stride, y),
-        Backend::Cuda(c) => launch(c, &x, idx, &target_params, targets, rank_stride, &y, tuning),
+        Backend::Cuda(c) => {
+            let call = DecodeCall::of(&x, targets, rank_stride, &y)?;
+            let limits = DeviceLimits::of(c);
+            let overlap_previous = tuning.overlap_previous.unwrap_or(false);
+            // The driver is asked only where a launch may wait first.
+            let predecessor = if limits.hopper() && !overlap_previous {
+                c.predecessor()
+            } else {
+                Predecessor::Unknown
+            };
+            let ctx = DecodeContext {
+                overlap_previous,
+                predecessor,
+            };
+            let plan = plan::legacy(&call, &limits, ctx, tuning)?;
+            launch(c, &x, idx, &target_params, targets, rank_stride, &y, &plan)
+        }
     }
 }
 
@@ -1206,6 +1217,8 @@ fn wait_first_by_default(predecessor: Predecessor) -> bool {
     predecessor != Predecessor::NoKernel
 }
 
+/// Run what `plan` says: a `match` over the forms, no decision of its own
+/// (the launch shapes are arithmetic of the plan and the call).
 #[allow(clippy::too_many_arguments)]
 fn launch<Y: OutputElem>(
     c: &CudaBackend,
@@ -1215,167 +1228,14 @@ fn launch<Y: OutputElem>(
     targets: &[LoraTarget<'_>],
     stride: usize,
     y: &RowsMut<'_, Y>,
-    tuning: BgmvTuning,
+    plan: &DecodePlan,
 ) -> Result<(), KernelError> {
-    let n = x.n_rows;
-    let n_targets = targets.len();
-    let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
-    let max_entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0);
-    let hopper = c.compute_capability.0 >= 9;
-    let overlap = tuning.overlap_previous.unwrap_or(false);
-    // Under the overlap no launch waits first, so the driver is not asked.
-    let wait_first = hopper
-        && !overlap
-        && tuning
-            .wait_first
-            .unwrap_or_else(|| wait_first_by_default(c.predecessor()));
-    let entry_shape = entry::EntryShape {
-        hopper,
-        n,
-        in_dim: x.width,
-        stride,
-        x_stride: x.stride,
-        x_addr: x.addr(),
-        y_stride: y.stride,
-        y_addr: y.addr(),
-        y_name: Y::NAME,
-    };
-    let rows_shape = rows::RowsShape {
-        hopper,
-        n,
-        in_dim: x.width,
-        stride,
-    };
-    let rows_wanted = match tuning.row_registers {
-        Some(true) => {
-            if tuning.entry_clusters == Some(true) || tuning.entry_registers == Some(true) {
-                return Err(invalid(
-                    "tuning.row_registers",
-                    "with entry_clusters or entry_registers: one form per call",
-                ));
-            }
-            rows_shape
-                .check(targets)
-                .map_err(|reason| invalid("tuning.row_registers", reason))?;
-            true
+    let chain = plan.chain;
+    match plan.form {
+        DecodeForm::RowRegisters { straight_line } => {
+            rows::launch_rows(c, x, idx.device_addr(), target_params, targets, y, chain, straight_line)
         }
-        Some(false) => false,
-        // By default only where the straight-line kernels serve: the general
-        // one alone measured slower than the row-mapped form (NOTES.md v29).
-        None => {
-            row_registers_by_default(n, max_entries, tuning)
-                && rows_shape.check(targets).is_ok()
-                && rows::full_form(x, y, targets, overlap)
-        }
-    };
-    if rows_wanted {
-        // The row-register form lets the next kernel in early: measured
-        // faster at every shape it takes (n = 64 of 64 7.53 against 7.60 µs,
-        // n = 32 of 32 5.92 against 6.06, NOTES.md v34).
-        let chain = entry::Chain::of(overlap, wait_first, true);
-        return rows::launch_rows(c, x, idx.device_addr(), target_params, targets, y, chain);
-    }
-    if tuning.entry_registers == Some(true) && tuning.entry_clusters == Some(false) {
-        return Err(invalid(
-            "tuning.entry_registers",
-            "with entry_clusters off: the register kernel is the entry-clustered form's",
-        ));
-    }
-    if tuning.entry_spread == Some(true) {
-        if tuning.entry_clusters == Some(false) {
-            return Err(invalid(
-                "tuning.entry_spread",
-                "with entry_clusters off: the spread kernel is the entry-clustered form's",
-            ));
-        }
-        if tuning.entry_registers == Some(true) {
-            return Err(invalid(
-                "tuning.entry_spread",
-                "with entry_registers: one kernel per call",
-            ));
-        }
-    }
-    let entry_wanted = match tuning.entry_clusters {
-        Some(true) => {
-            entry_shape
-                .check(targets)
-                .map_err(|reason| invalid("tuning.entry_clusters", reason))?;
-            true
-        }
-        Some(false) => false,
-        None if tuning.entry_registers == Some(true) => {
-            entry_shape
-                .check(targets)
-                .map_err(|reason| invalid("tuning.entry_registers", reason))?;
-            true
-        }
-        None if tuning.entry_spread == Some(true) => {
-            entry_shape
-                .check(targets)
-                .map_err(|reason| invalid("tuning.entry_spread", reason))?;
-            true
-        }
-        None => {
-            let call = EntryCall {
-                n,
-                max_entries,
-                n_targets,
-                stride,
-                max_out,
-                sms: c.sm_count as usize,
-                overlap,
-            };
-            entry_by_default(call, tuning) && entry_shape.check(targets).is_ok()
-        }
-    };
-    if entry_wanted {
-        let cluster = match tuning.cluster {
-            None => entry::default_cluster(stride, max_entries, c.sm_count as usize),
-            Some(v) => v as usize,
-        };
-        let serves = entry::registers_serve(stride, cluster, n, x.width, max_out);
-        let registers = match tuning.entry_registers {
-            Some(true) => {
-                serves.map_err(|reason| invalid("tuning.entry_registers", reason))?;
-                true
-            }
-            Some(false) => false,
-            None => serves.is_ok() && entry::registers_by_default(n, max_entries),
-        };
-        let sms = c.sm_count as usize;
-        let early_by_shape = entry::early_next(stride, cluster, max_entries, n_targets, sms);
-        let spread_serves = entry::spread_serves(stride, n, x.width, max_out, max_entries, n_targets, sms);
-        let spread = match tuning.entry_spread {
-            Some(true) => {
-                spread_serves.map_err(|reason| invalid("tuning.entry_spread", reason))?;
-                true
-            }
-            Some(false) => false,
-            None => {
-                tuning.entry_registers.is_none()
-                    && tuning.cluster.is_none()
-                    && spread_serves.is_ok()
-                    && entry::spread_by_default(early_by_shape, wait_first)
-            }
-        };
-        let kernel = if spread {
-            entry::EntryKernel::Spread
-        } else if registers {
-            entry::EntryKernel::Registers
-        } else {
-            entry::EntryKernel::Staged { cluster }
-        };
-        // The spread form's blocks are one a multiprocessor: the next kernel
-        // comes early, and its own weights are asked for before its wait
-        // (`launch_entry` asks only where the launch waits first).
-        let prefetch = tuning
-            .prefetch_weights
-            .unwrap_or_else(|| spread || entry::prefetch_by_default(stride, early_by_shape));
-        // Asking its weights early pays where the next kernel's blocks also
-        // come early to ask for theirs (NOTES.md v35).
-        let early_next = tuning.early_next.unwrap_or(spread || early_by_shape || prefetch);
-        let chain = entry::Chain::of(overlap, wait_first, early_next);
-        return entry::launch_entry(
+        DecodeForm::Entry { kernel, prefetch } => entry::launch_entry(
             c,
             x,
             idx.device_addr(),
@@ -1386,99 +1246,67 @@ fn launch<Y: OutputElem>(
             kernel,
             chain,
             prefetch,
-        );
+        ),
+        DecodeForm::TwoPhase(form) => {
+            let n_targets = targets.len();
+            let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+            let two = TwoPhasePlan::new(
+                x.n_rows,
+                x.width,
+                stride,
+                n_targets,
+                max_out,
+                std::mem::size_of::<Y>(),
+                Some(form.expand_cols as u32),
+                SCRATCH_BYTES,
+                form.row_items
+                    .then_some(row_form_expand_slots(c.sm_count as usize, n_targets)),
+            )
+            .ok_or_else(|| invalid("plan", "the two-phase scratch does not hold the call"))?;
+            launch_two_phase(c, x, idx, target_params, targets, stride, y, two, form, chain)
+        }
+        DecodeForm::Fused(form) => launch_fused(c, x, idx, target_params, targets, stride, y, form, chain),
     }
-    let limits = DeviceLimits {
-        hopper,
-        sms: c.sm_count as usize,
-        smem_optin: c.smem_optin,
-        smem_per_sm: c.smem_per_sm,
-    };
-    // The row-mapped form (one window of n rows, scalar, scanning) where it
-    // is the default and its launch fits one round; its choice then serves.
-    let mapped = row_mapped_tuning(n, n_targets, limits.sms, limits.hopper, tuning).and_then(|mapped| {
-        let rows = RowShape {
-            in_dim: x.width,
-            stride,
-            y_size: std::mem::size_of::<Y>(),
-            window: n,
-            n_windows: 1,
-            tensor_cores: false,
-            list: false,
-        };
-        let choice = LaunchChoice::pick(limits, rows, targets, mapped).ok()?;
-        (choice.rounds == 1).then_some((mapped, choice))
-    });
-    // (The row-mapped tuning keeps the caller's `overlap_previous`: `overlap` stands.)
-    let tuning = mapped.map_or(tuning, |(mapped, _)| mapped);
-    let list_wanted = tuning
-        .item_list_pass
-        .unwrap_or_else(|| item_list_by_default(n, max_entries, overlap))
-        && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
-    let (window, n_windows) = row_windows(n, list_wanted, n_targets);
-    let tensor_cores = tuning.tensor_cores.unwrap_or_else(|| many_rows(n, max_entries));
-    let list = list_wanted && item_list_fits(window, n_windows, n_targets);
-    let rows = RowShape {
+}
+
+/// The fused kernel (after `bgmv_list` where its items are listed).
+#[allow(clippy::too_many_arguments)]
+fn launch_fused<Y: OutputElem>(
+    c: &CudaBackend,
+    x: &Rows<'_, bf16>,
+    idx: &DeviceBuffer<i32>,
+    target_params: &[TargetParams; MAX_TARGETS],
+    targets: &[LoraTarget<'_>],
+    stride: usize,
+    y: &RowsMut<'_, Y>,
+    form: FusedForm,
+    chain: Chain,
+) -> Result<(), KernelError> {
+    let n = x.n_rows;
+    let n_targets = targets.len();
+    let overlap = chain == Chain::EarlyReads;
+    let list = form.items != ItemList::Scan;
+    let (window, n_windows) = row_windows(n, list, n_targets);
+    let (cl, splits, cpw, tensor_cores) = (
+        form.cluster,
+        form.out_splits,
+        form.clusters_per_window,
+        form.tensor_cores,
+    );
+    let shape = PlanShape {
         in_dim: x.width,
+        max_out: targets.iter().map(|t| t.out_dim).max().unwrap_or(0),
         stride,
         y_size: std::mem::size_of::<Y>(),
-        window,
-        n_windows,
+        cluster: cl,
+        push: form.push_sum,
         tensor_cores,
-        list,
+        b_registers: form.b_registers,
     };
-    // The fused launch's choice decides the default between the forms, and serves if it wins.
-    let fused = match mapped {
-        Some((_, choice)) => Ok(choice),
-        None => LaunchChoice::pick(limits, rows, targets, tuning),
-    };
-    let fused_rounds = fused.as_ref().ok().map(|f| f.rounds);
-    if tuning
-        .two_phase
-        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, max_entries, fused_rounds))
-    {
-        let forms = TwoPhaseForms {
-            shrink_tensor_cores: tuning.shrink_tensor_cores.unwrap_or(false),
-            dependent: tuning.dependent_launch.unwrap_or(true),
-            pow2_slices: tuning.pow2_slices.unwrap_or(true),
-            chain: entry::Chain::of(overlap, wait_first, tuning.early_next.unwrap_or(false)),
-            row_items: tuning.two_phase_row_items.unwrap_or(true),
-        };
-        let plan = TwoPhasePlan::new(
-            n,
-            x.width,
-            stride,
-            n_targets,
-            max_out,
-            std::mem::size_of::<Y>(),
-            tuning.expand_cols,
-            SCRATCH_BYTES,
-            forms.row_items.then_some(row_form_expand_slots(limits.sms, n_targets)),
-        );
-        match plan {
-            Some(plan) if plan.expand_smem <= c.smem_optin => {
-                return launch_two_phase(c, x, idx, target_params, targets, stride, y, plan, forms);
-            }
-            _ if tuning.two_phase == Some(true) => {
-                return Err(invalid(
-                    "tuning.two_phase",
-                    format!("{n} rows of rank stride {stride} do not fit the two-phase scratch"),
-                ));
-            }
-            _ => {}
-        }
-    }
-    let config = fused?;
-    let (cl, splits, cpw, plan) = (config.cluster, config.plan.splits, config.cpw, config.plan);
+    let plan = SmemPlan::choose(shape, splits, true);
     let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
-        .ok_or_else(|| invalid("tuning.cluster", format!("{cl}; 1, 2, 4 or 8")))?;
+        .ok_or_else(|| invalid("plan", format!("clusters of {cl}; 1, 2, 4 or 8")))?;
     let grid_y = n_windows * cpw;
-    if grid_y > 65_535 {
-        return Err(invalid(
-            "x",
-            format!("{n} rows need {grid_y} cluster rows; at most 65535"),
-        ));
-    }
     let mut params = BgmvParams {
         x: x.addr(),
         y: y.addr(),
@@ -1490,8 +1318,8 @@ fn launch<Y: OutputElem>(
         y_stride: to_i32("y.stride", y.stride)?,
         rank_stride: to_i32("rank_stride", stride)?,
         n_targets: to_i32("targets", n_targets)?,
-        out_splits: to_i32("tuning.out_splits", splits)?,
-        clusters_per_window: to_i32("tuning.clusters_per_window", cpw)?,
+        out_splits: to_i32("plan.out_splits", splits)?,
+        clusters_per_window: to_i32("plan.clusters_per_window", cpw)?,
         window: to_i32("window", window)?,
         n_windows: to_i32("windows", n_windows)?,
         k_chunk: to_i32("k_chunk", plan.k_chunk)?,
@@ -1502,9 +1330,9 @@ fn launch<Y: OutputElem>(
         off_x: to_i32("smem", plan.off_x)?,
         list: 0,
         list_stride: to_i32("window", item_list_stride(window).unwrap_or(usize::MAX))?,
-        list_flag: i32::from(tuning.list_ready_flag.unwrap_or(false)),
+        list_flag: i32::from(form.items == ItemList::ListedFlag),
         off_r: to_i32("smem", plan.off_r)?,
-        push: i32::from(config.push),
+        push: i32::from(form.push_sum),
         overlap: i32::from(overlap),
         b_pitch: to_i32("rank_stride", plan.b_pitch)?,
         b_registers: i32::from(plan.b_registers),
@@ -1539,9 +1367,9 @@ fn launch<Y: OutputElem>(
     }
     c.with_scratch(|scratch| {
         params.list = scratch;
-        // SAFETY: as for the scanning form above; in addition `item_list_fits`
-        // keeps every (window, target) list `bgmv_list` writes and the fused
-        // kernel reads inside the scratch, which `with_scratch` holds for both
+        // SAFETY: as for the scanning form above; in addition the plan was
+        // checked to keep every (window, target) list `bgmv_list` writes and the fused
+        // kernel reads inside the scratch (`item_list_fits`), which `with_scratch` holds for both
         // launches; every table has at most `ITEM_LIST_MAX_ENTRIES` entries, so
         // `bgmv_list`'s per-entry counters stay inside its shared array. It
         // checks indices and entries as the scanning kernel does (the fused
@@ -1569,23 +1397,6 @@ fn launch<Y: OutputElem>(
     })
 }
 
-/// The two-phase launches' forms (`BgmvTuning`'s knobs, resolved).
-#[derive(Debug, Clone, Copy)]
-struct TwoPhaseForms {
-    /// The shrink on tensor cores (`bgmv2_shrink_tc`).
-    shrink_tensor_cores: bool,
-    /// The expand a programmatic dependent of the shrink.
-    dependent: bool,
-    /// K slices rounded down to a power of two.
-    pow2_slices: bool,
-    /// How the shrink follows the stream's previous kernel: plain, under
-    /// the overlap, or waiting first (the expand then letting the next
-    /// kernel in at its start or before its last stores).
-    chain: entry::Chain,
-    /// Every row its own item (no window scan, no descriptors): the `_rows` kernels.
-    row_items: bool,
-}
-
 /// K slices of the two-phase shrink: enough that its units fill the grid
 /// once, at most `ks_max`, rounded down to a power of two under
 /// `pow2_slices` (the kernel's own rule for the scanning form, whose item
@@ -1607,7 +1418,8 @@ fn launch_two_phase<Y: OutputElem>(
     stride: usize,
     y: &RowsMut<'_, Y>,
     plan: TwoPhasePlan,
-    forms: TwoPhaseForms,
+    forms: TwoPhaseForm,
+    chain: Chain,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
@@ -1641,9 +1453,9 @@ fn launch_two_phase<Y: OutputElem>(
             rank_stride: to_i32("rank_stride", stride)?,
             n_targets: to_i32("targets", n_targets)?,
             ks_max: to_i32("k_splits", plan.ks_max)?,
-            expand_cols: to_i32("tuning.expand_cols", plan.cols)?,
+            expand_cols: to_i32("plan.expand_cols", plan.cols)?,
             pow2_slices: i32::from(forms.pow2_slices),
-            overlap: forms.chain as i32,
+            overlap: chain as i32,
             row_ks: to_i32("k_splits", row_ks)?,
             pad: 0,
             targets: *target_params,
@@ -1681,7 +1493,7 @@ fn launch_two_phase<Y: OutputElem>(
                     smem: 0,
                 },
                 &params,
-                forms.chain.dependent(),
+                chain.dependent(),
             )?;
             let kernel = Kernel {
                 family: Family::Bgmv,
@@ -1693,7 +1505,7 @@ fn launch_two_phase<Y: OutputElem>(
                 smem: to_u32("smem", plan.expand_smem)?,
             };
             // The expand runs `griddepcontrol.wait` before it reads the scratch.
-            c.launch_chained(kernel, shape, &params, forms.dependent)
+            c.launch_chained(kernel, shape, &params, forms.dependent_expand)
         }
     })
 }

@@ -6,6 +6,8 @@
 //! - [`sgmv`]: segment-grouped LoRA apply (prefill) and the one-adapter case.
 //! - [`moe_index`]: routed-expert entry-index builders.
 //! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
+//! - [`limits`]: what the launch planners read of a device ([`limits::DeviceLimits`])
+//!   and how a caller picks a plan ([`limits::Choice`]).
 //! - [`launch_floor`]: an empty launch, the floor a benchmark's timing method sets.
 //! - [`linear`]: f32 linear layers `x · w^T` (cuBLAS SGEMM on CUDA), the
 //!   base projections of a model; not an apply call (see its docs).
@@ -18,7 +20,10 @@
 //! ([`crate::Device::check_faults`]); after a fault the output is unspecified.
 
 pub mod bgmv;
+#[cfg(test)]
+mod golden;
 pub mod launch_floor;
+pub mod limits;
 pub mod linear;
 pub mod moe_index;
 pub mod overlay;

@@ -14,6 +14,7 @@
 
 use half::bf16;
 
+use super::plan::{CallTarget, Chain, EntryKernel};
 use super::{Rows, RowsMut};
 use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
 use crate::error::{KernelError, invalid};
@@ -79,48 +80,6 @@ impl BgeParams {
     }
 }
 
-/// How a launch of this form, the row-register form or the two-phase
-/// shrink follows the stream's previous kernel (`overlap` in the kernels' parameter block; the
-/// values are `CHAIN_PLAIN` .. `CHAIN_WAIT_FIRST_EARLY_NEXT` in `common.cuh`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Chain {
-    /// A plain launch.
-    Plain = 0,
-    /// `BgmvTuning::overlap_previous`: a programmatic dependent that reads
-    /// idx, the tables and the adapters before it waits for that kernel.
-    EarlyReads = 1,
-    /// `BgmvTuning::wait_first`: a programmatic dependent whose blocks wait
-    /// for that kernel before they read anything (a plain launch's order),
-    /// and let the next kernel launch once their work is out.
-    WaitFirst = 2,
-    /// The same, letting the next kernel launch as soon as they waited
-    /// (`early_next`).
-    WaitFirstEarlyNext = 3,
-}
-
-impl Chain {
-    /// The chain of a call: the overlap where asked for, else waiting first
-    /// where asked for (the next kernel let in early or late).
-    pub(super) fn of(overlap: bool, wait_first: bool, early_next: bool) -> Chain {
-        match (overlap, wait_first, early_next) {
-            (true, _, _) => Chain::EarlyReads,
-            (false, true, true) => Chain::WaitFirstEarlyNext,
-            (false, true, false) => Chain::WaitFirst,
-            (false, false, _) => Chain::Plain,
-        }
-    }
-
-    /// Whether the launch is a programmatic dependent.
-    pub(super) fn dependent(self) -> bool {
-        self != Chain::Plain
-    }
-
-    /// Whether the blocks wait for the previous kernel before they read anything.
-    pub(super) fn waits_first(self) -> bool {
-        matches!(self, Chain::WaitFirst | Chain::WaitFirstEarlyNext)
-    }
-}
-
 /// Whether a launch of this form that waits first lets the next kernel
 /// launch as soon as its blocks waited, rather than once their work is out:
 /// where its blocks (`cluster` per entry and target) fit one to a
@@ -163,7 +122,7 @@ pub(super) struct EntryShape {
 
 impl EntryShape {
     /// Why the form cannot serve this call, or `Ok` when it can.
-    pub(super) fn check(&self, targets: &[LoraTarget<'_>]) -> Result<(), String> {
+    pub(super) fn check(&self, targets: &[CallTarget]) -> Result<(), String> {
         let eight = |v: usize| v.is_multiple_of(8);
         if !self.hopper {
             return Err("clusters need sm_90 or newer".into());
@@ -394,19 +353,6 @@ pub(super) fn spread_serves(
 /// 128 of 16 5.57 against 5.19, n = 64 of 8 4.94 against 4.11).
 pub(super) fn spread_by_default(early: bool, wait_first: bool) -> bool {
     !early && wait_first
-}
-
-/// Which kernel of the form a launch runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum EntryKernel {
-    /// B and y staged in shared memory where they fit; clusters of 8 or 4.
-    Staged { cluster: usize },
-    /// The register kernel (`registers_serve` must hold): clusters of 8.
-    Registers,
-    /// The spread form (`spread_serves` must hold): no clusters,
-    /// [`SPREAD_BLOCKS`] blocks an entry and target exchanging partials
-    /// through global memory, one block a multiprocessor.
-    Spread,
 }
 
 /// The kernel of a launch; `prefetch`: the one that asks its weights into L2
@@ -686,11 +632,7 @@ mod tests {
 
     #[test]
     fn calls_the_form_cannot_serve_are_refused_with_the_reason() {
-        let dev = crate::Device::cpu();
-        let table = dev.upload(&[crate::PairEntry::default(); 4]).unwrap();
-        let target = |out_dim, y_col_offset| LoraTarget {
-            table: &table,
-            table_offset: 0,
+        let target = |out_dim, y_col_offset| CallTarget {
             n_entries: 4,
             out_dim,
             y_col_offset,

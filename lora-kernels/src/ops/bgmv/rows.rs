@@ -16,7 +16,8 @@
 
 use half::bf16;
 
-use super::entry::{BgeParams, Chain};
+use super::entry::BgeParams;
+use super::plan::{CallTarget, Chain};
 use super::{Rows, RowsMut, piece8};
 use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
 use crate::error::KernelError;
@@ -50,7 +51,7 @@ pub(super) struct RowsShape {
 
 impl RowsShape {
     /// Why the form cannot serve this call, or `Ok` when it can.
-    pub(super) fn check(&self, targets: &[LoraTarget<'_>]) -> Result<(), String> {
+    pub(super) fn check(&self, targets: &[CallTarget]) -> Result<(), String> {
         if !self.hopper {
             return Err("clusters need sm_90 or newer".into());
         }
@@ -86,19 +87,24 @@ fn fits_blocks(in_dim: usize, widest_out: usize) -> Result<(), String> {
 /// rows whose entry is of rank 16 with A and B 16-byte aligned, the general
 /// one for the others; measured faster than the general kernel alone
 /// (NOTES.md v29).
-pub(super) fn full_form<Y: OutputElem>(
-    x: &Rows<'_, bf16>,
-    y: &RowsMut<'_, Y>,
-    targets: &[LoraTarget<'_>],
+#[allow(clippy::too_many_arguments)]
+pub(super) fn full_form(
+    in_dim: usize,
+    x_stride: usize,
+    x_align: u64,
+    y_stride: usize,
+    y_align: u64,
+    y_size: usize,
+    targets: &[CallTarget],
     overlap: bool,
 ) -> bool {
-    let y_align = 4 * std::mem::size_of::<Y>() as u64;
+    let y_align_needed = 4 * y_size as u64;
     !overlap
-        && x.width == ROWS_MAX_IN
-        && x.stride.is_multiple_of(8)
-        && x.addr().is_multiple_of(16)
-        && y.stride.is_multiple_of(4)
-        && y.addr().is_multiple_of(y_align)
+        && in_dim == ROWS_MAX_IN
+        && x_stride.is_multiple_of(8)
+        && x_align.is_multiple_of(16)
+        && y_stride.is_multiple_of(4)
+        && y_align.is_multiple_of(y_align_needed)
         && targets
             .iter()
             .all(|t| t.out_dim == ROWS_MAX_OUT && t.y_col_offset.is_multiple_of(4))
@@ -113,6 +119,7 @@ pub(super) fn launch_rows<Y: OutputElem>(
     targets: &[LoraTarget<'_>],
     y: &RowsMut<'_, Y>,
     chain: Chain,
+    straight_line: bool,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let params = BgeParams::new(c, x, idx_addr, target_params, y, chain, 0)?;
@@ -125,8 +132,7 @@ pub(super) fn launch_rows<Y: OutputElem>(
         block: THREADS,
         smem: 0,
     };
-    let full = full_form(x, y, targets, chain == Chain::EarlyReads);
-    let name = match (Y::NAME, full) {
+    let name = match (Y::NAME, straight_line) {
         ("bf16", false) => "bgmv_rows_bf16",
         ("bf16", true) => "bgmv_rows_full_bf16",
         (_, false) => "bgmv_rows_f32",

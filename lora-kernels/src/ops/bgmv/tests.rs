@@ -399,12 +399,19 @@ proptest! {
     }
 }
 
-const H200: DeviceLimits = DeviceLimits {
-    hopper: true,
-    sms: 132,
-    smem_optin: 227 * 1024,
-    smem_per_sm: 228 * 1024,
-};
+const H200: DeviceLimits = DeviceLimits::H200;
+
+/// The planner's view of targets.
+fn call_targets(targets: &[LoraTarget<'_>]) -> Vec<CallTarget> {
+    targets
+        .iter()
+        .map(|t| CallTarget {
+            out_dim: t.out_dim,
+            y_col_offset: t.y_col_offset,
+            n_entries: t.n_entries,
+        })
+        .collect()
+}
 
 /// The launch choice for `n` rows over a table of `n` entries (one-row items possible).
 fn choice(n: usize, in_dim: usize, out: usize, stride: usize) -> LaunchChoice {
@@ -427,7 +434,7 @@ fn pick_one_target(
         out_dim: out,
         y_col_offset: 0,
     }];
-    LaunchChoice::pick(H200, rows, &t, tuning)
+    LaunchChoice::pick(&H200, rows, &call_targets(&t), tuning)
 }
 
 fn choice_y(n: usize, in_dim: usize, out: usize, stride: usize, y_size: usize, entries: usize) -> LaunchChoice {
@@ -518,18 +525,21 @@ fn launch_choices_keep_every_block_resident() {
         tensor_cores: false,
         list: false,
     };
-    let ampere = DeviceLimits { hopper: false, ..H200 };
+    let ampere = DeviceLimits {
+        capability: (8, 0),
+        ..H200
+    };
     assert_eq!(
-        LaunchChoice::pick(ampere, rows, &t, BgmvTuning::default())
+        LaunchChoice::pick(&ampere, rows, &call_targets(&t), BgmvTuning::default())
             .unwrap()
             .cluster,
         1
     );
     assert!(
         LaunchChoice::pick(
-            ampere,
+            &ampere,
             rows,
-            &t,
+            &call_targets(&t),
             BgmvTuning {
                 cluster: Some(8),
                 ..Default::default()
@@ -826,7 +836,7 @@ fn scalar_rows_of_64(stride: usize) -> RowShape {
 /// and only where it is row-mapped with its rank vectors pushed.
 #[test]
 fn row_mapped_plans_hold_b_in_registers_at_rank_stride_16() {
-    let sms = H200.sms;
+    let sms = H200.multiprocessors;
     let plan = |stride: usize, out: usize, tuning: BgmvTuning| {
         let rows = scalar_rows_of_64(stride);
         let mapped = row_mapped_tuning(64, 1, sms, true, tuning).unwrap_or(tuning);
@@ -885,7 +895,7 @@ fn row_mapped_plans_hold_b_in_registers_at_rank_stride_16() {
 #[test]
 fn row_mapped_by_default_where_one_round_of_clusters_of_two_holds_every_row() {
     let t = BgmvTuning::default();
-    let sms = H200.sms;
+    let sms = H200.multiprocessors;
     let mapped = row_mapped_tuning(64, 1, sms, true, t).expect("n = 64 of one target is row-mapped");
     assert_eq!(
         (
