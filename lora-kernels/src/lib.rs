@@ -56,9 +56,10 @@ pub use buffer::{DeviceBuffer, DeviceElem, PinnedHostBuffer};
 pub use device::{Device, DeviceKind, compile_all_kernels};
 pub use error::{FaultFlags, KernelError};
 pub use graph::{DeviceEvent, DeviceGraph};
+pub use ops::bgmv::plan::{Chain, DecodeForm, DecodePlan, EntryKernel, FusedForm, ItemList, TwoPhaseForm};
 pub use ops::bgmv::{
-    BGMV_MAX_RANK, BgmvTuning, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS,
-    ENTRY_REGISTERS_ROWS_PER_ENTRY, ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_tuned,
+    BGMV_MAX_RANK, DecodeOptions, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS, ROWS_MAX_IN,
+    ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_candidates, bgmv_plan, bgmv_with,
 };
 pub use ops::limits::{Choice, DeviceLimits};
 pub use ops::linear::linear_f32;

@@ -80,31 +80,6 @@ impl BgeParams {
     }
 }
 
-/// Whether a launch of this form that waits first lets the next kernel
-/// launch as soon as its blocks waited, rather than once their work is out:
-/// where its blocks (`cluster` per entry and target) fit one to a
-/// multiprocessor at rank strides up to 32. The next kernel's blocks then
-/// take the idle multiprocessors; where this launch fills them (or at rank
-/// 64, clusters of 4, one block a multiprocessor of two it could hold),
-/// early ones land where the kernel's own placement would not put them.
-/// H200, in a graph of back-to-back applies (NOTES.md v34), early against
-/// late: n = 1 4.15 against 4.35 µs, n = 16 of 16 5.34 against 5.52, n =
-/// 128 of 16 rank-32 adapters 8.89 against 9.44; but n = 256 of 32 (256
-/// blocks) 7.39 against 7.12, n = 64 of 24 (192) 6.51 against 6.03, n =
-/// 256 of 32 rank-64 adapters (128 blocks in clusters of 4) 19.49 against 18.66.
-pub(super) fn early_next(stride: usize, cluster: usize, entries: usize, n_targets: usize, sms: usize) -> bool {
-    stride <= 32 && cluster.saturating_mul(entries.max(1)).saturating_mul(n_targets.max(1)) <= sms
-}
-
-/// Whether a launch of this form that waits first asks its weights into L2
-/// before the wait by default (`BgmvTuning::prefetch_weights`): at rank
-/// stride 16 where it also lets the next kernel in early (`early`, from
-/// [`early_next`]), so the next launch's blocks come early to ask for
-/// theirs. Measured in NOTES.md v35.
-pub(super) fn prefetch_by_default(stride: usize, early: bool) -> bool {
-    stride == 16 && early
-}
-
 /// What of a call the form's eligibility depends on.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct EntryShape {
@@ -175,20 +150,6 @@ pub(super) fn cluster_block_slots(stride: usize, sms: usize) -> usize {
     sms * blocks_per_sm(stride) * 7 / 8
 }
 
-/// Blocks per cluster by default: 8, except at rank strides past 16 when
-/// clusters of 8 for every table entry would not all be resident at once
-/// (`cluster_block_slots`), where clusters of 4 take one round. H200, in a graph, n = 256 of
-/// 32 rank-64 adapters: 19.7 µs in clusters of 4 against 24.4 in clusters
-/// of 8. At rank 16 clusters of 8 win even in two rounds (n = 512 of 64
-/// adapters: 15.5 against 20.7; n = 1024 of 64: 19.6 against 25.5).
-pub(super) fn default_cluster(stride: usize, entries: usize, sms: usize) -> usize {
-    if stride <= 16 || entries * 8 <= cluster_block_slots(stride, sms) {
-        8
-    } else {
-        4
-    }
-}
-
 /// Dynamic shared memory of a launch without staging: the warps' partial
 /// tiles, the block's partial (or the push form's receive buffers), t, and
 /// the row list (`bge_body`), rounded to 16 bytes.
@@ -235,25 +196,6 @@ pub const ENTRY_REGISTERS_MAX_DIM: usize = 4096;
 /// Most rows the register kernel serves (`BGE_REG_MAX_ROWS`: one row index
 /// per thread; more would spill).
 pub const ENTRY_REGISTERS_MAX_ROWS: usize = 256;
-
-/// Rows per table entry (of the largest table) from which [`super::bgmv`]
-/// takes the register kernel by default. It requests each block's weights
-/// before the row indices arrive, so a cluster whose entry no row names
-/// reads its weights for nothing; with this many rows per entry on average
-/// few entries are unused. H200, in a graph, against the staged kernel in
-/// the same call (NOTES.md v33): n = 256 of 32 rank-16 adapters 7.40
-/// against 8.39 µs, n = 128 of 16 5.54 against 6.02, n = 64 of 8 4.72
-/// against 4.95. With its weights requested after a barrier had found a row
-/// naming the entry it lost at every shape (n = 1 5.17 against 4.51, n = 16
-/// 6.16 against 5.72, n = 256 of 64 14.24 against 12.59), so fewer rows per
-/// entry keep the staged kernel.
-pub const ENTRY_REGISTERS_ROWS_PER_ENTRY: usize = 8;
-
-/// Whether the register kernel serves `n` rows over tables of at most
-/// `max_entries` entries by default (the call must also pass `registers_serve`).
-pub(super) fn registers_by_default(n: usize, max_entries: usize) -> bool {
-    n >= ENTRY_REGISTERS_ROWS_PER_ENTRY.saturating_mul(max_entries.max(1))
-}
 
 /// Why the register kernel cannot serve a call of the entry-clustered form,
 /// or `Ok` when it can: rank stride 16, clusters of 8, at most
@@ -340,19 +282,6 @@ pub(super) fn spread_serves(
         ));
     }
     Ok(())
-}
-
-/// Whether the spread form serves a call by default (that it serves),
-/// waiting first: where the clusters of 8 of the other kernels would be
-/// more than one block a multiprocessor (`early` false, from
-/// [`early_next`]), so some multiprocessors would hold three of them while
-/// others idle. H200, in a graph of back-to-back applies (NOTES.md v35),
-/// against the default without it: n = 256 of 32 rank-16 adapters (the
-/// register kernel) 6.89 against 7.24 µs, n = 64 of 24 (staged) 5.63
-/// against 6.07; where the clusters are one a multiprocessor it lost (n =
-/// 128 of 16 5.57 against 5.19, n = 64 of 8 4.94 against 4.11).
-pub(super) fn spread_by_default(early: bool, wait_first: bool) -> bool {
-    !early && wait_first
 }
 
 /// The kernel of a launch; `prefetch`: the one that asks its weights into L2
@@ -583,7 +512,7 @@ mod tests {
                 prop_assert!(cols * cluster >= out && cols % 8 == 0);
                 prop_assert_eq!(smem, base + stage_bytes(stride, cols));
             }
-            let cl = default_cluster(stride, n, 132);
+            let cl = super::super::plan::entry_cluster(stride, n, 132);
             prop_assert!(cl == 8 || cl == 4);
             let staged = EntryKernel::Staged { cluster: cl };
             prop_assert!(kernel_name(staged, stride, false).is_some());
@@ -619,15 +548,6 @@ mod tests {
             );
             assert!(cols == 0 || cols * cl >= out);
         }
-    }
-
-    #[test]
-    fn clusters_of_four_where_eights_would_take_two_rounds_past_rank_16() {
-        assert_eq!(default_cluster(16, 64, 132), 8);
-        assert_eq!(default_cluster(64, 32, 132), 4);
-        assert_eq!(default_cluster(32, 28, 132), 8);
-        assert_eq!(default_cluster(64, 29, 132), 4);
-        assert_eq!(default_cluster(64, 8, 132), 8);
     }
 
     #[test]
@@ -713,11 +633,6 @@ mod tests {
                 .contains("14336")
         );
         assert!(spread_serves(16, 64, 64, 64, usize::MAX, 2, 132).is_err());
-        // By default where clusters of 8 would be more than one block a
-        // multiprocessor, waiting first.
-        assert!(spread_by_default(false, true));
-        assert!(!spread_by_default(true, true));
-        assert!(!spread_by_default(false, false));
         assert_eq!(
             kernel_name(EntryKernel::Spread, 16, true),
             Some("bgmv_entry_spread_r16")
@@ -763,36 +678,5 @@ mod tests {
         );
         assert!(registers_serve(16, 8, 256, 4104, 4096).unwrap_err().contains("in 4104"));
         assert!(registers_serve(16, 8, 256, 4096, 14336).unwrap_err().contains("14336"));
-    }
-
-    #[test]
-    fn the_next_kernel_is_let_in_early_only_by_launches_of_a_block_a_multiprocessor() {
-        assert!(early_next(16, 8, 1, 1, 132));
-        assert!(early_next(16, 8, 16, 1, 132));
-        assert!(early_next(32, 8, 16, 1, 132));
-        assert!(!early_next(16, 8, 24, 1, 132));
-        assert!(!early_next(16, 8, 32, 1, 132));
-        assert!(!early_next(64, 4, 32, 1, 132));
-        assert!(!early_next(16, 8, 8, 3, 16));
-        assert!(!early_next(16, usize::MAX, 2, 2, 132));
-        assert!(prefetch_by_default(16, true));
-        assert!(!prefetch_by_default(16, false));
-        assert!(!prefetch_by_default(32, true));
-        assert_eq!(Chain::of(true, true, true), Chain::EarlyReads);
-        assert_eq!(Chain::of(false, true, true), Chain::WaitFirstEarlyNext);
-        assert_eq!(Chain::of(false, true, false), Chain::WaitFirst);
-        assert_eq!(Chain::of(false, false, true), Chain::Plain);
-        assert!(!Chain::Plain.dependent() && Chain::WaitFirst.dependent());
-        assert!(Chain::WaitFirst.waits_first() && Chain::WaitFirstEarlyNext.waits_first());
-        assert!(!Chain::Plain.waits_first() && !Chain::EarlyReads.waits_first());
-    }
-
-    #[test]
-    fn the_register_kernel_by_default_from_eight_rows_per_entry() {
-        assert!(registers_by_default(256, 32));
-        assert!(!registers_by_default(255, 32));
-        assert!(!registers_by_default(256, 64));
-        assert!(registers_by_default(8, 0));
-        assert!(!registers_by_default(1, 1));
     }
 }

@@ -24,8 +24,8 @@ use std::fmt;
 use super::entry::{self, EntryShape};
 use super::rows::{self, RowsShape};
 use super::{
-    ITEM_LIST_MAX_ENTRIES, LaunchChoice, MULTI_ROW_ITEMS, PUSH_SUM_MAX_STRIDE, RowShape, TENSOR_CORE_MIN_ROWS,
-    TWO_PHASE_ROWS, TWO_PHASE_WIDE_OUT, TwoPhasePlan, WINDOW_MAX, item_list_fits, row_form_expand_slots, row_windows,
+    ITEM_LIST_MAX_ENTRIES, ITEM_ROWS, LIST_STATIC_SMEM, PlanShape, STATIC_SMEM, SmemPlan, THREADS, TWO_PHASE_WIDE_OUT,
+    TwoPhasePlan, WINDOW_LARGE, WINDOW_MAX, fused_threads, item_list_fits, piece8, row_form_expand_slots, row_windows,
 };
 use crate::cuda_rt::SCRATCH_BYTES;
 use crate::error::{KernelError, invalid};
@@ -469,272 +469,893 @@ impl fmt::Display for DecodePlan {
     }
 }
 
-/// Today's decisions, knob by knob (recorded into `plan.golden` before the rule table replaces it).
-pub(super) fn legacy(
+/// The plan a call runs: the rule table's ([`Choice::Auto`]) or the given
+/// one, checked against the call, the device and the caller's promises.
+pub fn plan(
     call: &DecodeCall,
     limits: &DeviceLimits,
     ctx: DecodeContext,
-    tuning: super::BgmvTuning,
+    choice: Choice<DecodePlan>,
 ) -> Result<DecodePlan, KernelError> {
-    use super::{
-        EntryCall, entry_by_default, item_list_by_default, many_rows, row_mapped_tuning, row_registers_by_default,
-        two_phase_by_default, wait_first_by_default,
+    match choice {
+        Choice::Auto => auto(&Facts::of(call, limits, ctx)),
+        Choice::Exact(plan) => check(&Facts::of(call, limits, ctx), plan),
+    }
+}
+
+/// What the rules read, computed once per call.
+struct Facts<'a> {
+    call: &'a DecodeCall,
+    limits: &'a DeviceLimits,
+    n: usize,
+    stride: usize,
+    n_targets: usize,
+    max_out: usize,
+    max_entries: usize,
+    sms: usize,
+    hopper: bool,
+    overlap: bool,
+    /// The launch waits first by default (`wait_first_by_default`).
+    wait_first: bool,
+}
+
+impl<'a> Facts<'a> {
+    fn of(call: &'a DecodeCall, limits: &'a DeviceLimits, ctx: DecodeContext) -> Facts<'a> {
+        let hopper = limits.hopper();
+        let overlap = ctx.overlap_previous;
+        Facts {
+            call,
+            limits,
+            n: call.rows,
+            stride: call.rank_stride,
+            n_targets: call.n_targets,
+            max_out: call.max_out(),
+            max_entries: call.max_entries(),
+            sms: limits.multiprocessors,
+            hopper,
+            overlap,
+            wait_first: hopper && !overlap && wait_first_by_default(ctx.predecessor),
+        }
+    }
+
+    fn targets(&self) -> &[CallTarget] {
+        self.call.targets()
+    }
+
+    fn y_size(&self) -> usize {
+        self.call.y.size()
+    }
+
+    /// The chain of a form whose first launch may wait first.
+    fn chain(&self, early_next: bool) -> Chain {
+        Chain::of(self.overlap, self.wait_first, early_next)
+    }
+
+    /// The fused kernel's only chains: the overlap where promised, else plain.
+    fn fused_chain(&self) -> Chain {
+        if self.overlap { Chain::EarlyReads } else { Chain::Plain }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The rule table. The rules run in this order; the first that takes the
+// call decides. Measurements behind each threshold: NOTES.md (current-state
+// table and the versions it cites).
+// ---------------------------------------------------------------------------
+
+/// 1. Row registers: [`ROW_REGISTER_ROWS`] rows of at most
+///    [`ROW_REGISTER_ROWS_PER_ENTRY`] a table entry (mostly distinct
+///    adapters), in calls the straight-line kernels serve (4096 x 4096,
+///    aligned rows), not under the overlap. The general kernel alone
+///    measured slower than the row-mapped form, so other shapes keep theirs.
+/// 2. Entry clusters: [`ENTRY_MIN_ROWS`] rows or more with at least
+///    [`ENTRY_MIN_ROWS_PER_ENTRY`] per entry (each adapter's bytes read once
+///    for its rows), or, not under the overlap, rank stride 16 and at most
+///    [`ENTRY_ONE_ROUND_MAX_OUT`] outputs with every entry's cluster of 8
+///    resident at once.
+/// 3. Row-mapped fused: sm_90, [`ROW_MAPPED_MIN_ROWS`] rows or more whose
+///    scalar clusters of 2 (one per row and target) fit one round, not under
+///    the overlap.
+/// 4. Two launches: [`TWO_PHASE_ROWS`] rows, except few adapters (more
+///    than [`MULTI_ROW_ITEMS`] rows an entry), small adapters of up to 64
+///    rows (rank stride 16, at most 8192 outputs) and batches the fused
+///    launch serves in one round.
+/// 5. Fused: tensor cores and the item list for [`TENSOR_CORE_MIN_ROWS`]
+///    rows or more (or few adapters in the two-launch range; the list not
+///    under the overlap up to 256 rows), clusters and splits by the cost
+///    model ([`LaunchChoice::pick`]).
+fn auto(f: &Facts<'_>) -> Result<DecodePlan, KernelError> {
+    if let Some(plan) = row_registers_rule(f) {
+        return Ok(plan);
+    }
+    if let Some(plan) = entry_rule(f) {
+        return Ok(plan);
+    }
+    if let Some(plan) = row_mapped_rule(f) {
+        return Ok(plan);
+    }
+    let fused = fused_default(f);
+    if let Some(plan) = two_phase_rule(f, fused.as_ref().ok().map(|(_, rounds)| *rounds)) {
+        return Ok(plan);
+    }
+    fused.map(|(plan, _)| plan)
+}
+
+/// Batches rule 1 serves (sm_90, rank stride 16).
+pub(super) const ROW_REGISTER_ROWS: std::ops::RangeInclusive<usize> = 32..=64;
+/// Most rows per table entry rule 1 takes: rows of one adapter each read its weights.
+pub(super) const ROW_REGISTER_ROWS_PER_ENTRY: usize = 2;
+
+fn row_registers_rule(f: &Facts<'_>) -> Option<DecodePlan> {
+    let takes = !f.overlap
+        && ROW_REGISTER_ROWS.contains(&f.n)
+        && f.n <= ROW_REGISTER_ROWS_PER_ENTRY.saturating_mul(f.max_entries)
+        && f.call.rows_shape(f.hopper).check(f.targets()).is_ok()
+        && f.call.rows_full(false);
+    // The form lets the next kernel in early wherever it waits first.
+    takes.then(|| DecodePlan {
+        form: DecodeForm::RowRegisters { straight_line: true },
+        chain: f.chain(true),
+    })
+}
+
+/// Rows per entry from which rule 2 serves a batch of [`ENTRY_MIN_ROWS`] rows or more.
+pub(super) const ENTRY_MIN_ROWS_PER_ENTRY: usize = 2;
+/// Widest output rule 2 serves with one row per entry (the one-round case).
+pub(super) const ENTRY_ONE_ROUND_MAX_OUT: usize = 8192;
+/// Batch sizes from which rule 2 serves batches of several rows per entry.
+pub(super) const ENTRY_MIN_ROWS: usize = 32;
+/// Rows per entry from which the entry form runs its register kernel.
+pub(super) const ENTRY_REGISTERS_ROWS_PER_ENTRY: usize = 8;
+
+fn entry_rule(f: &Facts<'_>) -> Option<DecodePlan> {
+    let entries = f.max_entries.max(1);
+    let several_rows = f.n >= ENTRY_MIN_ROWS && f.n >= ENTRY_MIN_ROWS_PER_ENTRY * entries;
+    let one_round = !f.overlap
+        && f.stride <= 16
+        && f.max_out <= ENTRY_ONE_ROUND_MAX_OUT
+        && entries * 8 * f.n_targets.max(1) <= entry::cluster_block_slots(16, f.sms);
+    if !(several_rows || one_round) || f.call.entry_shape(f.hopper).check(f.targets()).is_err() {
+        return None;
+    }
+    let cluster = entry_cluster(f.stride, f.max_entries, f.sms);
+    let registers = entry::registers_serve(f.stride, cluster, f.n, f.call.in_dim, f.max_out).is_ok()
+        && entry_registers_by_default(f.n, f.max_entries);
+    let one_a_multiprocessor = lets_next_in_early(f.stride, cluster, f.max_entries, f.n_targets, f.sms);
+    // Where clusters of 8 would be more than one block a multiprocessor and
+    // the launch waits first, the spread kernel spreads them evenly.
+    let spread = !one_a_multiprocessor
+        && f.wait_first
+        && entry::spread_serves(
+            f.stride,
+            f.n,
+            f.call.in_dim,
+            f.max_out,
+            f.max_entries,
+            f.n_targets,
+            f.sms,
+        )
+        .is_ok();
+    let kernel = if spread {
+        EntryKernel::Spread
+    } else if registers {
+        EntryKernel::Registers
+    } else {
+        EntryKernel::Staged { cluster }
     };
-    let n = call.rows;
-    let targets = call.targets();
-    let n_targets = targets.len();
-    let max_out = call.max_out();
-    let max_entries = call.max_entries();
-    let hopper = limits.hopper();
-    let stride = call.rank_stride;
-    let overlap = tuning.overlap_previous.unwrap_or(false);
-    let wait_first = hopper
-        && !overlap
-        && tuning
-            .wait_first
-            .unwrap_or_else(|| wait_first_by_default(ctx.predecessor));
-    let entry_shape = call.entry_shape(hopper);
-    let rows_shape = call.rows_shape(hopper);
-    let rows_wanted = match tuning.row_registers {
-        Some(true) => {
-            if tuning.entry_clusters == Some(true) || tuning.entry_registers == Some(true) {
-                return Err(invalid(
-                    "tuning.row_registers",
-                    "with entry_clusters or entry_registers: one form per call",
-                ));
-            }
-            rows_shape
-                .check(targets)
-                .map_err(|reason| invalid("tuning.row_registers", reason))?;
-            true
-        }
-        Some(false) => false,
-        None => {
-            row_registers_by_default(n, max_entries, tuning)
-                && rows_shape.check(targets).is_ok()
-                && call.rows_full(overlap)
-        }
-    };
-    if rows_wanted {
-        let chain = Chain::of(overlap, wait_first, true);
-        return Ok(DecodePlan {
-            form: DecodeForm::RowRegisters {
-                straight_line: call.rows_full(chain == Chain::EarlyReads),
-            },
-            chain,
-        });
+    // Weights asked into L2 before the wait at rank 16 where the next
+    // kernel also comes early to ask for its own.
+    let prefetch = spread || (f.stride == 16 && one_a_multiprocessor);
+    let chain = f.chain(spread || one_a_multiprocessor || prefetch);
+    Some(DecodePlan {
+        form: DecodeForm::Entry {
+            kernel,
+            prefetch: prefetch && chain.waits_first() && f.stride == 16,
+        },
+        chain,
+    })
+}
+
+/// Rule 2's blocks per cluster: 8, except past rank stride 16 where
+/// clusters of 8 for every entry would not all be resident at once
+/// (`entry::cluster_block_slots`): clusters of 4 then take one round.
+pub(super) fn entry_cluster(stride: usize, entries: usize, sms: usize) -> usize {
+    if stride <= 16 || entries.saturating_mul(8) <= entry::cluster_block_slots(stride, sms) {
+        8
+    } else {
+        4
     }
-    if tuning.entry_registers == Some(true) && tuning.entry_clusters == Some(false) {
-        return Err(invalid(
-            "tuning.entry_registers",
-            "with entry_clusters off: the register kernel is the entry-clustered form's",
-        ));
+}
+
+/// Rule 2's register kernel requests each block's weights before the row
+/// indices arrive: worth it where few entries go unused, with
+/// [`ENTRY_REGISTERS_ROWS_PER_ENTRY`] rows per entry of the largest table.
+pub(super) fn entry_registers_by_default(n: usize, max_entries: usize) -> bool {
+    n >= ENTRY_REGISTERS_ROWS_PER_ENTRY.saturating_mul(max_entries.max(1))
+}
+
+/// Whether an entry-form launch that waits first lets the next kernel in as
+/// soon as its blocks waited: where they (`cluster` per entry and target)
+/// are at most one a multiprocessor at rank strides up to 32, so the next
+/// kernel's blocks take the idle ones (and, at rank 16, its weights are
+/// asked into L2 before the wait).
+pub(super) fn lets_next_in_early(stride: usize, cluster: usize, entries: usize, n_targets: usize, sms: usize) -> bool {
+    stride <= 32 && cluster.saturating_mul(entries.max(1)).saturating_mul(n_targets.max(1)) <= sms
+}
+
+/// Rows from which rule 3 maps a cluster to each row.
+pub(super) const ROW_MAPPED_MIN_ROWS: usize = 48;
+
+fn row_mapped_rule(f: &Facts<'_>) -> Option<DecodePlan> {
+    let one_round = f.n.checked_mul(2 * f.n_targets).is_some_and(|blocks| blocks <= f.sms);
+    if !(f.hopper && !f.overlap && f.n >= ROW_MAPPED_MIN_ROWS && one_round) {
+        return None;
     }
-    if tuning.entry_spread == Some(true) {
-        if tuning.entry_clusters == Some(false) {
-            return Err(invalid(
-                "tuning.entry_spread",
-                "with entry_clusters off: the spread kernel is the entry-clustered form's",
-            ));
-        }
-        if tuning.entry_registers == Some(true) {
-            return Err(invalid(
-                "tuning.entry_spread",
-                "with entry_registers: one kernel per call",
-            ));
-        }
-    }
-    let sms = limits.multiprocessors;
-    let entry_wanted = match tuning.entry_clusters {
-        Some(true) => {
-            entry_shape
-                .check(targets)
-                .map_err(|reason| invalid("tuning.entry_clusters", reason))?;
-            true
-        }
-        Some(false) => false,
-        None if tuning.entry_registers == Some(true) => {
-            entry_shape
-                .check(targets)
-                .map_err(|reason| invalid("tuning.entry_registers", reason))?;
-            true
-        }
-        None if tuning.entry_spread == Some(true) => {
-            entry_shape
-                .check(targets)
-                .map_err(|reason| invalid("tuning.entry_spread", reason))?;
-            true
-        }
-        None => {
-            let ec = EntryCall {
-                n,
-                max_entries,
-                n_targets,
-                stride,
-                max_out,
-                sms,
-                overlap,
-            };
-            entry_by_default(ec, tuning) && entry_shape.check(targets).is_ok()
-        }
-    };
-    if entry_wanted {
-        let cluster = match tuning.cluster {
-            None => entry::default_cluster(stride, max_entries, sms),
-            Some(v) => v as usize,
-        };
-        let serves = entry::registers_serve(stride, cluster, n, call.in_dim, max_out);
-        let registers = match tuning.entry_registers {
-            Some(true) => {
-                serves.map_err(|reason| invalid("tuning.entry_registers", reason))?;
-                true
-            }
-            Some(false) => false,
-            None => serves.is_ok() && entry::registers_by_default(n, max_entries),
-        };
-        let early_by_shape = entry::early_next(stride, cluster, max_entries, n_targets, sms);
-        let spread_serves = entry::spread_serves(stride, n, call.in_dim, max_out, max_entries, n_targets, sms);
-        let spread = match tuning.entry_spread {
-            Some(true) => {
-                spread_serves.map_err(|reason| invalid("tuning.entry_spread", reason))?;
-                true
-            }
-            Some(false) => false,
-            None => {
-                tuning.entry_registers.is_none()
-                    && tuning.cluster.is_none()
-                    && spread_serves.is_ok()
-                    && entry::spread_by_default(early_by_shape, wait_first)
-            }
-        };
-        let kernel = if spread {
-            EntryKernel::Spread
-        } else if registers {
-            EntryKernel::Registers
-        } else {
-            EntryKernel::Staged { cluster }
-        };
-        let prefetch = tuning
-            .prefetch_weights
-            .unwrap_or_else(|| spread || entry::prefetch_by_default(stride, early_by_shape));
-        let early_next = tuning.early_next.unwrap_or(spread || early_by_shape || prefetch);
-        let chain = Chain::of(overlap, wait_first, early_next);
-        let prefetch = prefetch && chain.waits_first() && stride == 16;
-        if let EntryKernel::Staged { cluster: c } = kernel
-            && !matches!(c, 4 | 8)
-        {
-            return Err(invalid("tuning.cluster", format!("{kernel:?} at rank stride {stride}")));
-        }
-        return Ok(DecodePlan {
-            form: DecodeForm::Entry { kernel, prefetch },
-            chain,
-        });
-    }
-    let mapped = row_mapped_tuning(n, n_targets, sms, hopper, tuning).and_then(|mapped| {
-        let rows = RowShape {
-            in_dim: call.in_dim,
-            stride,
-            y_size: call.y.size(),
-            window: n,
-            n_windows: 1,
-            tensor_cores: false,
-            list: false,
-        };
-        let choice = LaunchChoice::pick(limits, rows, targets, mapped).ok()?;
-        (choice.rounds == 1).then_some((mapped, choice))
-    });
-    let tuning = mapped.map_or(tuning, |(mapped, _)| mapped);
-    let list_wanted = tuning
-        .item_list_pass
-        .unwrap_or_else(|| item_list_by_default(n, max_entries, overlap))
-        && targets.iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
-    let (window, n_windows) = row_windows(n, list_wanted, n_targets);
-    let tensor_cores = tuning.tensor_cores.unwrap_or_else(|| many_rows(n, max_entries));
-    let list = list_wanted && item_list_fits(window, n_windows, n_targets);
     let rows = RowShape {
-        in_dim: call.in_dim,
-        stride,
-        y_size: call.y.size(),
+        in_dim: f.call.in_dim,
+        stride: f.stride,
+        y_size: f.y_size(),
+        window: f.n,
+        n_windows: 1,
+        tensor_cores: false,
+        list: false,
+    };
+    let fixed = Fixed {
+        cluster: Some(2),
+        out_splits: Some(1),
+        clusters_per_window: Some(f.n),
+        ..Fixed::default()
+    };
+    let choice = LaunchChoice::pick(f.limits, rows, f.targets(), fixed).ok()?;
+    (choice.rounds == 1).then(|| fused_plan(&choice, false, ItemList::Scan, f.fused_chain()))
+}
+
+/// Batch sizes rule 4 may serve in two launches.
+pub(super) const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
+/// Rows per table entry past which a batch of [`TWO_PHASE_ROWS`] rows is
+/// served like a large one (tensor cores and the item list, rule 5).
+pub(super) const MULTI_ROW_ITEMS: usize = 2;
+
+fn two_phase_rule(f: &Facts<'_>, fused_rounds: Option<usize>) -> Option<DecodePlan> {
+    if !two_phase_by_default(f.n, f.stride, f.max_out, f.max_entries, fused_rounds) {
+        return None;
+    }
+    let form = TwoPhaseForm {
+        row_items: true,
+        shrink_tensor_cores: false,
+        pow2_slices: true,
+        dependent_expand: true,
+        expand_cols: 0,
+    };
+    let two = two_phase_layout(f, form, None)?;
+    Some(DecodePlan {
+        form: DecodeForm::TwoPhase(TwoPhaseForm {
+            expand_cols: two.cols,
+            ..form
+        }),
+        chain: f.chain(false),
+    })
+}
+
+/// Rule 4's condition: [`TWO_PHASE_ROWS`] rows, not few adapters, not up
+/// to 64 rows of small adapters (rank stride 16, at most 8192 outputs),
+/// and not a batch the fused launch serves in one round (`fused_rounds`).
+pub(super) fn two_phase_by_default(
+    n: usize,
+    stride: usize,
+    max_out: usize,
+    max_entries: usize,
+    fused_rounds: Option<usize>,
+) -> bool {
+    TWO_PHASE_ROWS.contains(&n)
+        && !few_adapters(n, max_entries)
+        && !(n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
+        && fused_rounds != Some(1)
+}
+
+/// The two launches' layout where the scratch and shared memory hold it.
+fn two_phase_layout(f: &Facts<'_>, form: TwoPhaseForm, cols: Option<u32>) -> Option<TwoPhasePlan> {
+    TwoPhasePlan::new(
+        f.n,
+        f.call.in_dim,
+        f.stride,
+        f.n_targets,
+        f.max_out,
+        f.y_size(),
+        cols,
+        SCRATCH_BYTES,
+        form.row_items.then_some(row_form_expand_slots(f.sms, f.n_targets)),
+    )
+    .filter(|two| two.expand_smem <= f.limits.smem_optin)
+}
+
+/// The fused kernel uses tensor cores (and the item list) from this many
+/// rows on; below, its scalar path, whose smaller code suits a cold
+/// instruction cache.
+pub(super) const TENSOR_CORE_MIN_ROWS: usize = 129;
+
+/// Items of several rows are likely: [`TENSOR_CORE_MIN_ROWS`] rows, or few
+/// adapters for [`TWO_PHASE_ROWS`] rows.
+fn many_rows(n: usize, max_entries: usize) -> bool {
+    n >= TENSOR_CORE_MIN_ROWS || few_adapters(n, max_entries)
+}
+
+/// A batch of [`TWO_PHASE_ROWS`] rows of more than [`MULTI_ROW_ITEMS`] rows an entry.
+fn few_adapters(n: usize, max_entries: usize) -> bool {
+    TWO_PHASE_ROWS.contains(&n) && n > MULTI_ROW_ITEMS.saturating_mul(max_entries)
+}
+
+/// Rule 5's item list: where items hold several rows, except under the
+/// overlap for one window of up to [`WINDOW_LARGE`] rows (every block's scan
+/// then overlaps the previous kernel, where the list's launch would wait).
+fn item_list_by_default(n: usize, max_entries: usize, overlap: bool) -> bool {
+    many_rows(n, max_entries) && !(overlap && n <= WINDOW_LARGE)
+}
+
+/// Rule 5, and the rounds rule 4 compares with.
+fn fused_default(f: &Facts<'_>) -> Result<(DecodePlan, usize), KernelError> {
+    let listed = item_list_by_default(f.n, f.max_entries, f.overlap)
+        && f.targets().iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
+    let (window, n_windows) = row_windows(f.n, listed, f.n_targets);
+    let tensor_cores = many_rows(f.n, f.max_entries);
+    let list = listed && item_list_fits(window, n_windows, f.n_targets);
+    let rows = RowShape {
+        in_dim: f.call.in_dim,
+        stride: f.stride,
+        y_size: f.y_size(),
         window,
         n_windows,
         tensor_cores,
         list,
     };
-    let fused = match mapped {
-        Some((_, choice)) => Ok(choice),
-        None => LaunchChoice::pick(limits, rows, targets, tuning),
-    };
-    let fused_rounds = fused.as_ref().ok().map(|f| f.rounds);
-    if tuning
-        .two_phase
-        .unwrap_or_else(|| two_phase_by_default(n, stride, max_out, max_entries, fused_rounds))
-    {
-        let row_items = tuning.two_phase_row_items.unwrap_or(true);
-        let form = TwoPhaseForm {
-            row_items,
-            shrink_tensor_cores: tuning.shrink_tensor_cores.unwrap_or(false),
-            pow2_slices: tuning.pow2_slices.unwrap_or(true),
-            dependent_expand: tuning.dependent_launch.unwrap_or(true),
-            expand_cols: 0,
-        };
-        let tp = TwoPhasePlan::new(
-            n,
-            call.in_dim,
-            stride,
-            n_targets,
-            max_out,
-            call.y.size(),
-            tuning.expand_cols,
-            SCRATCH_BYTES,
-            row_items.then_some(row_form_expand_slots(sms, n_targets)),
-        );
-        match tp {
-            Some(tp) if tp.expand_smem <= limits.smem_optin => {
-                return Ok(DecodePlan {
-                    form: DecodeForm::TwoPhase(TwoPhaseForm {
-                        expand_cols: tp.cols,
-                        ..form
-                    }),
-                    chain: Chain::of(overlap, wait_first, tuning.early_next.unwrap_or(false)),
-                });
-            }
-            _ if tuning.two_phase == Some(true) => {
-                return Err(invalid(
-                    "tuning.two_phase",
-                    format!("{n} rows of rank stride {stride} do not fit the two-phase scratch"),
-                ));
-            }
-            _ => {}
-        }
+    let choice = LaunchChoice::pick(f.limits, rows, f.targets(), Fixed::default())?;
+    let items = if list { ItemList::Listed } else { ItemList::Scan };
+    let plan = fused_plan(&choice, tensor_cores, items, f.fused_chain());
+    check_fused_grid(f, n_windows, choice.cpw)?;
+    Ok((plan, choice.rounds))
+}
+
+fn fused_plan(choice: &LaunchChoice, tensor_cores: bool, items: ItemList, chain: Chain) -> DecodePlan {
+    DecodePlan {
+        form: DecodeForm::Fused(FusedForm {
+            cluster: choice.cluster,
+            out_splits: choice.plan.splits,
+            clusters_per_window: choice.cpw,
+            tensor_cores,
+            items,
+            push_sum: choice.push,
+            b_registers: choice.requested_b_registers,
+        }),
+        chain,
     }
-    let config = fused?;
-    if !matches!(config.cluster, 1 | 2 | 4 | 8) {
-        return Err(invalid("tuning.cluster", format!("{}; 1, 2, 4 or 8", config.cluster)));
-    }
-    let grid_y = n_windows * config.cpw;
+}
+
+fn check_fused_grid(f: &Facts<'_>, n_windows: usize, cpw: usize) -> Result<(), KernelError> {
+    let grid_y = n_windows.saturating_mul(cpw);
     if grid_y > 65_535 {
         return Err(invalid(
             "x",
-            format!("{n} rows need {grid_y} cluster rows; at most 65535"),
+            format!("{} rows need {grid_y} cluster rows; at most 65535", f.n),
         ));
     }
-    let items = match (list, tuning.list_ready_flag.unwrap_or(false)) {
-        (false, _) => ItemList::Scan,
-        (true, false) => ItemList::Listed,
-        (true, true) => ItemList::ListedFlag,
+    Ok(())
+}
+
+/// Waiting first is the default unless the launch is captured where no
+/// kernel precedes it (a graph's root node, or after a copy or memset):
+/// nothing overlaps its start there, and the prefetch and spread kernel
+/// that waiting first brings only cost time.
+fn wait_first_by_default(predecessor: Predecessor) -> bool {
+    predecessor != Predecessor::NoKernel
+}
+
+// ---------------------------------------------------------------------------
+// Exact plans: what each form serves.
+// ---------------------------------------------------------------------------
+
+/// `plan` where it serves the call on the device under the caller's
+/// promises, else a typed refusal naming the plan field.
+fn check(f: &Facts<'_>, plan: DecodePlan) -> Result<DecodePlan, KernelError> {
+    let refuse = |field: &'static str, reason: String| Err(invalid(field, reason));
+    let refused =
+        |field: &'static str, what: &'static str| move |reason: String| invalid(field, format!("{what}: {reason}"));
+    match plan.chain {
+        Chain::EarlyReads if !f.overlap => {
+            return refuse(
+                "plan.chain",
+                "early reads need the caller's overlap_previous promise".into(),
+            );
+        }
+        Chain::WaitFirst | Chain::WaitFirstEarlyNext if !f.hopper => {
+            return refuse("plan.chain", "waiting first needs sm_90 or newer".into());
+        }
+        _ => {}
+    }
+    match plan.form {
+        DecodeForm::RowRegisters { straight_line } => {
+            f.call
+                .rows_shape(f.hopper)
+                .check(f.targets())
+                .map_err(refused("plan.form", "row registers"))?;
+            if straight_line && !f.call.rows_full(plan.chain == Chain::EarlyReads) {
+                return refuse(
+                    "plan.straight_line",
+                    "the _full kernels serve 4096 x 4096 calls of aligned rows, not under the overlap".into(),
+                );
+            }
+        }
+        DecodeForm::Entry { kernel, prefetch } => {
+            f.call
+                .entry_shape(f.hopper)
+                .check(f.targets())
+                .map_err(refused("plan.form", "entry clusters"))?;
+            let (n, in_dim) = (f.n, f.call.in_dim);
+            match kernel {
+                EntryKernel::Staged { cluster: 4 | 8 } => {}
+                EntryKernel::Staged { cluster } => {
+                    return refuse("plan.kernel", format!("clusters of {cluster}; 8 or 4"));
+                }
+                EntryKernel::Registers => entry::registers_serve(f.stride, 8, n, in_dim, f.max_out)
+                    .map_err(refused("plan.kernel", "register kernel"))?,
+                EntryKernel::Spread => {
+                    entry::spread_serves(f.stride, n, in_dim, f.max_out, f.max_entries, f.n_targets, f.sms)
+                        .map_err(refused("plan.kernel", "spread kernel"))?
+                }
+            }
+            if prefetch && !(plan.chain.waits_first() && f.stride == 16) {
+                return refuse(
+                    "plan.prefetch",
+                    "weights are prefetched by launches that wait first, at rank stride 16".into(),
+                );
+            }
+        }
+        DecodeForm::TwoPhase(form) => {
+            let most = if form.row_items { 4096 } else { 1024 };
+            if form.expand_cols == 0 || form.expand_cols > most || !form.expand_cols.is_multiple_of(8) {
+                return refuse(
+                    "plan.expand_cols",
+                    format!("{}; a multiple of 8 up to {most}", form.expand_cols),
+                );
+            }
+            let cols = u32::try_from(form.expand_cols).ok();
+            if two_phase_layout(f, form, cols).is_none() {
+                return refuse(
+                    "plan.form",
+                    format!(
+                        "{} rows of rank stride {} do not fit the two-phase scratch",
+                        f.n, f.stride
+                    ),
+                );
+            }
+        }
+        DecodeForm::Fused(form) => check_fused(f, form, plan.chain)?,
+    }
+    Ok(plan)
+}
+
+fn check_fused(f: &Facts<'_>, form: FusedForm, chain: Chain) -> Result<(), KernelError> {
+    let refuse = |field: &'static str, reason: String| Err(invalid(field, reason));
+    if chain.waits_first() {
+        return refuse("plan.chain", "the fused kernel does not wait first".into());
+    }
+    match form.cluster {
+        1 => {}
+        2 | 4 | 8 if f.hopper => {}
+        2 | 4 | 8 => return refuse("plan.cluster", "clusters need sm_90 or newer".into()),
+        c => return refuse("plan.cluster", format!("{c}; 1, 2, 4 or 8")),
+    }
+    if form.push_sum && form.cluster == 1 {
+        return refuse("plan.push_sum", "one block per item has no cluster sum".into());
+    }
+    if !(1..=16).contains(&form.out_splits) {
+        return refuse("plan.out_splits", format!("{}; 1..=16", form.out_splits));
+    }
+    let list = form.items != ItemList::Scan;
+    if list && f.targets().iter().any(|t| t.n_entries > ITEM_LIST_MAX_ENTRIES) {
+        return refuse(
+            "plan.items",
+            format!("the item list serves tables of at most {ITEM_LIST_MAX_ENTRIES} entries"),
+        );
+    }
+    let (window, n_windows) = row_windows(f.n, list, f.n_targets);
+    if list && !item_list_fits(window, n_windows, f.n_targets) {
+        return refuse("plan.items", "the item lists do not fit the launch scratch".into());
+    }
+    if form.clusters_per_window == 0 || form.clusters_per_window > window {
+        return refuse(
+            "plan.clusters_per_window",
+            format!("{}; 1..={window}", form.clusters_per_window),
+        );
+    }
+    if form.b_registers {
+        let row_mapped = form.cluster == 2
+            && !form.tensor_cores
+            && !list
+            && form.clusters_per_window >= window
+            && chain != Chain::EarlyReads;
+        if !(row_mapped && form.push_sum && f.stride == 16) {
+            return refuse(
+                "plan.b_registers",
+                "B in registers serves the row-mapped clusters of 2 at rank stride 16, pushed, not under the overlap"
+                    .into(),
+            );
+        }
+    }
+    let rows = RowShape {
+        in_dim: f.call.in_dim,
+        stride: f.stride,
+        y_size: f.y_size(),
+        window,
+        n_windows,
+        tensor_cores: form.tensor_cores,
+        list,
     };
-    Ok(DecodePlan {
-        form: DecodeForm::Fused(FusedForm {
-            cluster: config.cluster,
-            out_splits: config.plan.splits,
-            clusters_per_window: config.cpw,
-            tensor_cores,
-            items,
-            push_sum: config.push,
-            b_registers: config.requested_b_registers,
-        }),
-        chain: if overlap { Chain::EarlyReads } else { Chain::Plain },
-    })
+    let fixed = Fixed {
+        cluster: Some(form.cluster),
+        out_splits: Some(form.out_splits),
+        clusters_per_window: Some(form.clusters_per_window),
+        push_sum: Some(form.push_sum),
+        b_registers: form.b_registers,
+    };
+    let choice = LaunchChoice::pick(f.limits, rows, f.targets(), fixed)?;
+    if form.b_registers && !choice.plan.b_registers {
+        return refuse(
+            "plan.b_registers",
+            "B in registers needs A and x in one chunk and at most 2048 outputs a block".into(),
+        );
+    }
+    check_fused_grid(f, n_windows, form.clusters_per_window)
+}
+
+// ---------------------------------------------------------------------------
+// Candidates: every form the call can run, for benchmarks and tests.
+// ---------------------------------------------------------------------------
+
+/// Every plan that serves the call on the device, the rule table's first:
+/// each form and kernel, each item source, cluster size and sum of the
+/// fused kernel, each chain the caller's promises allow; the continuous
+/// choices (output splits, clusters per window, expand columns) by the
+/// rules' own cost model. Each is accepted by [`plan`] as
+/// [`Choice::Exact`]. Empty where no form serves the call.
+pub fn candidates(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) -> Vec<DecodePlan> {
+    let f = Facts::of(call, limits, ctx);
+    let mut out: Vec<DecodePlan> = Vec::new();
+    let mut offer = |plan: DecodePlan| {
+        if !out.contains(&plan) && check(&f, plan).is_ok() {
+            out.push(plan);
+        }
+    };
+    if let Ok(plan) = auto(&f) {
+        offer(plan);
+    }
+    let base = f.fused_chain();
+    let waiting: &[Chain] = if f.hopper && !f.overlap {
+        &[Chain::WaitFirst, Chain::WaitFirstEarlyNext]
+    } else {
+        &[]
+    };
+    let chains: Vec<Chain> = std::iter::once(base).chain(waiting.iter().copied()).collect();
+    for &chain in &chains {
+        for straight_line in [true, false] {
+            offer(DecodePlan {
+                form: DecodeForm::RowRegisters { straight_line },
+                chain,
+            });
+        }
+        for kernel in [
+            EntryKernel::Staged { cluster: 8 },
+            EntryKernel::Staged { cluster: 4 },
+            EntryKernel::Registers,
+            EntryKernel::Spread,
+        ] {
+            for prefetch in [false, true] {
+                offer(DecodePlan {
+                    form: DecodeForm::Entry { kernel, prefetch },
+                    chain,
+                });
+            }
+        }
+        for (row_items, shrink_tensor_cores) in [(true, false), (true, true), (false, false), (false, true)] {
+            let form = TwoPhaseForm {
+                row_items,
+                shrink_tensor_cores,
+                pow2_slices: true,
+                dependent_expand: true,
+                expand_cols: 0,
+            };
+            if let Some(two) = two_phase_layout(&f, form, None) {
+                offer(DecodePlan {
+                    form: DecodeForm::TwoPhase(TwoPhaseForm {
+                        expand_cols: two.cols,
+                        ..form
+                    }),
+                    chain,
+                });
+            }
+        }
+    }
+    let clusters: &[usize] = if f.hopper { &[1, 2, 4, 8] } else { &[1] };
+    for &cluster in clusters {
+        for tensor_cores in [false, true] {
+            for items in [ItemList::Scan, ItemList::Listed, ItemList::ListedFlag] {
+                for push_sum in [false, true] {
+                    if let Some(plan) = fused_candidate(&f, cluster, tensor_cores, items, push_sum, None) {
+                        offer(plan);
+                    }
+                }
+            }
+        }
+    }
+    // The row-mapped clusters of 2 (a cluster per row of one window), B in registers or staged.
+    if f.hopper && f.n <= WINDOW_MAX {
+        for (push_sum, b_registers) in [(true, false), (false, false), (true, true)] {
+            let mapped = fused_candidate(&f, 2, false, ItemList::Scan, push_sum, Some(b_registers));
+            if let Some(plan) = mapped {
+                offer(plan);
+            }
+        }
+    }
+    out
+}
+
+/// The fused plan of one discrete choice, its splits and clusters per
+/// window by the cost model; `row_mapped`: a cluster per row (B in registers or not).
+fn fused_candidate(
+    f: &Facts<'_>,
+    cluster: usize,
+    tensor_cores: bool,
+    items: ItemList,
+    push_sum: bool,
+    row_mapped: Option<bool>,
+) -> Option<DecodePlan> {
+    let list = items != ItemList::Scan;
+    let (window, n_windows) = row_windows(f.n, list, f.n_targets);
+    let rows = RowShape {
+        in_dim: f.call.in_dim,
+        stride: f.stride,
+        y_size: f.y_size(),
+        window,
+        n_windows,
+        tensor_cores,
+        list,
+    };
+    let fixed = Fixed {
+        cluster: Some(cluster),
+        push_sum: Some(push_sum),
+        clusters_per_window: row_mapped.map(|_| window),
+        out_splits: row_mapped.map(|_| 1),
+        b_registers: row_mapped.unwrap_or(false),
+    };
+    let choice = LaunchChoice::pick(f.limits, rows, f.targets(), fixed).ok()?;
+    Some(fused_plan(&choice, tensor_cores, items, f.fused_chain()))
+}
+
+// ---------------------------------------------------------------------------
+// The fused kernel's cost model.
+// ---------------------------------------------------------------------------
+
+/// Choices of a fused launch fixed before the cost model picks the rest.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Fixed {
+    pub(super) cluster: Option<usize>,
+    pub(super) out_splits: Option<usize>,
+    pub(super) clusters_per_window: Option<usize>,
+    pub(super) push_sum: Option<bool>,
+    /// B in registers asked for (served where the row-mapped plan fits it).
+    pub(super) b_registers: bool,
+}
+
+/// Rank strides up to which clusters sum by pushing by default: the receive
+/// buffers (`push_recv_bytes`, 8 KB at 16 with clusters of 8) then cost
+/// little shared memory.
+pub(super) const PUSH_SUM_MAX_STRIDE: usize = 32;
+/// Blocks per multiprocessor the kernel's register use allows (`__launch_bounds__(256, 3)`;
+/// the 512-thread scalar clusters of 2, `__launch_bounds__(512, 1)`, one).
+pub(super) const REG_BLOCKS_PER_SM: usize = 3;
+/// The same for the tensor-core cluster kernels (`__launch_bounds__(256, 4)`).
+pub(super) const TC_BLOCKS_PER_SM: usize = 4;
+
+/// What of the call the launch choice depends on (besides the targets).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RowShape {
+    pub(super) in_dim: usize,
+    pub(super) stride: usize,
+    pub(super) y_size: usize,
+    pub(super) window: usize,
+    pub(super) n_windows: usize,
+    /// The tensor-core kernels (more blocks per multiprocessor with clusters).
+    pub(super) tensor_cores: bool,
+    /// The `_list` kernels (items from `bgmv_list`: little static shared memory).
+    pub(super) list: bool,
+}
+
+impl RowShape {
+    /// Static shared memory of the kernel form, bytes.
+    fn static_smem(&self) -> usize {
+        if self.list { LIST_STATIC_SMEM } else { STATIC_SMEM }
+    }
+
+    /// Blocks per multiprocessor the kernel's registers allow.
+    fn reg_blocks(&self, cluster: usize) -> usize {
+        if self.tensor_cores && cluster > 1 {
+            TC_BLOCKS_PER_SM
+        } else if fused_threads(cluster, self.tensor_cores) > THREADS {
+            1
+        } else {
+            REG_BLOCKS_PER_SM
+        }
+    }
+}
+
+/// The launch shape of one call: cluster size, clusters per window and the shared-memory plan.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LaunchChoice {
+    pub(super) cluster: usize,
+    pub(super) cpw: usize,
+    /// Rounds of resident clusters the launch needs for the most items its windows can hold.
+    pub(super) rounds: usize,
+    pub(super) plan: SmemPlan,
+    /// The cluster sum pushes partials (st.async) instead of a barrier and peer loads.
+    pub(super) push: bool,
+    /// B in registers was asked for (`PlanShape::b_registers`; `plan.b_registers` says whether it fits).
+    pub(super) requested_b_registers: bool,
+}
+
+impl LaunchChoice {
+    /// Pick the cluster size and output splits that need the fewest rounds of
+    /// latency: every block resident at once (clusters per window sized to
+    /// the device), few items per cluster, few A chunks, few splits (each
+    /// split re-reads A). Decode is latency-bound: a round costs the chain
+    /// idx -> table entry -> weights, whatever its bytes.
+    pub(super) fn pick(
+        limits: &DeviceLimits,
+        rows: RowShape,
+        targets: &[CallTarget],
+        fixed: Fixed,
+    ) -> Result<LaunchChoice, KernelError> {
+        let hopper = limits.hopper();
+        let sms = limits.multiprocessors;
+        let smem_optin = limits.smem_optin;
+        let smem_per_sm = limits.smem_per_sm;
+        let RowShape {
+            in_dim,
+            stride,
+            y_size,
+            window,
+            n_windows,
+            ..
+        } = rows;
+        let clusters: Vec<usize> = match fixed.cluster {
+            Some(8 | 4 | 2) if !hopper => return Err(invalid("plan.cluster", "clusters need sm_90 or newer")),
+            Some(v) => vec![v],
+            // Clusters of 4 are kept for tuning; on the H200 they never beat 8
+            // (NOTES.md). Clusters of 2 (one block per multiprocessor) win
+            // where items outnumber the resident clusters of 8: each of their
+            // blocks does four times the work, but in fewer rounds. On tensor
+            // cores only where the rows alone make more items than a round
+            // of clusters of 8 holds (below).
+            None if hopper => vec![8, 2],
+            None => vec![1],
+        };
+        // The fewest items the window's rows can make (at most ITEM_ROWS rows
+        // each), whatever the table: the real count is known only on the device.
+        let min_items = window.div_ceil(ITEM_ROWS);
+        let min_out = targets.iter().map(|t| t.out_dim).min().unwrap_or(0);
+        let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
+        let n_targets = targets.len();
+        let items = window_items_bound(window, targets.iter().map(|t| t.n_entries).max().unwrap_or(0));
+        let mut best: Option<(f64, LaunchChoice)> = None;
+        // The push sum where asked for; by default tried first up to
+        // PUSH_SUM_MAX_STRIDE, and kept wherever its receive buffers cost no
+        // resident block (a tie otherwise goes to it), else the pull.
+        let push_options: &[bool] = match fixed.push_sum {
+            Some(true) => &[true],
+            Some(false) => &[false],
+            None if stride <= PUSH_SUM_MAX_STRIDE => &[true, false],
+            None => &[false],
+        };
+        let pairs = clusters.iter().flat_map(|&cl| {
+            // One block per item has no cluster sum.
+            let options: &[bool] = if cl > 1 { push_options } else { &[false] };
+            options.iter().map(move |&push| (cl, push))
+        });
+        for (cl, push) in pairs {
+            // Tensor cores in pairs only where clusters of 8 surely take more
+            // than one round (H200, in a graph: n = 512 of 64 adapters 23.8 ->
+            // 20.9 µs, n = 1024 41.5 -> 36.6). Where one round may do, the
+            // pairs' four times the work per block loses (n = 256 of 32
+            // adapters: 13.8 against 18.4), and their bound on the items
+            // counts every table entry, not the ones the rows name.
+            if cl == 2
+                && rows.tensor_cores
+                && fixed.cluster.is_none()
+                && best.as_ref().is_none_or(|(_, b)| min_items <= b.cpw)
+            {
+                continue;
+            }
+            // The row-mapped form (the kernel's `row_mapped`: 16-warp scanning
+            // clusters of 2 with a cluster for every row of the window) may
+            // hold B in registers where its rank vectors are pushed.
+            let row_mapped =
+                cl == 2 && !rows.tensor_cores && !rows.list && fixed.clusters_per_window.is_some_and(|v| v >= window);
+            let shape = PlanShape {
+                in_dim,
+                max_out,
+                stride,
+                y_size,
+                cluster: cl,
+                push,
+                tensor_cores: rows.tensor_cores,
+                b_registers: row_mapped && push && stride == 16 && fixed.b_registers,
+            };
+            let slice = piece8(in_dim, cl);
+            let split_options: Vec<usize> = match fixed.out_splits {
+                Some(v) => vec![v.max(1)],
+                None => (1..=(min_out / (cl * 64)).clamp(1, 16)).collect(),
+            };
+            for s in split_options {
+                let plan = SmemPlan::choose(shape, s, true);
+                if plan.total > smem_optin {
+                    continue;
+                }
+                let bps = rows
+                    .reg_blocks(cl)
+                    .min(smem_per_sm / (plan.total + rows.static_smem() + 1024));
+                if bps == 0 {
+                    continue;
+                }
+                // Clusters must fit whole in a GPC, so fewer are resident than
+                // blocks allow (ncu on the H200: 45 active clusters of 8 where
+                // 132 x 3 blocks would give 49); a cluster past that waits for a
+                // second wave, so a window gets at most 7/8 of the block count.
+                // Pairs fit every GPC (the occupancy query: 66 clusters of 2 at
+                // one block per multiprocessor).
+                let capacity = if cl > 2 { sms * bps * 7 / 8 } else { sms * bps };
+                let per_cluster_row = cl * s * n_targets * n_windows;
+                let cpw = match fixed.clusters_per_window {
+                    Some(v) => v.clamp(1, window),
+                    None => items.min((capacity / per_cluster_row).max(1)),
+                };
+                let rounds = items.div_ceil(cpw) * (per_cluster_row * cpw).div_ceil(capacity);
+                let chunks = slice.div_ceil(plan.k_chunk.max(1));
+                // Ties go to more resident blocks (latency overlaps), then to one
+                // split, or two for a batch of one or two rows (measured on the H200:
+                // 9.0 against 9.5-9.9 µs at n = 1; one split wins from n = 16 on).
+                let preferred = if window * n_windows <= 2 { 2.0 } else { 1.0 };
+                let cost = rounds as f64 * (3.0 + chunks as f64) - 0.1 * bps as f64
+                    + 0.05 * (s as f64 - preferred).abs()
+                    + if push { 0.0 } else { 0.001 };
+                if best.as_ref().is_none_or(|(b, _)| cost < *b) {
+                    best = Some((
+                        cost,
+                        LaunchChoice {
+                            cluster: cl,
+                            cpw,
+                            rounds,
+                            plan,
+                            push,
+                            requested_b_registers: shape.b_registers,
+                        },
+                    ));
+                }
+            }
+        }
+        best.map(|(_, choice)| choice).ok_or_else(|| {
+            invalid(
+                "rank_stride",
+                format!("{stride} with in {in_dim} does not fit the kernel's shared memory"),
+            )
+        })
+    }
+}
+
+/// The most items a window of `window` rows can hold over a table of
+/// `entries` entries: an entry's `r` rows make `ceil(r / 8)` items, so the
+/// at most `min(entries, window)` entries with rows make at most
+/// `(window + 7 · min(entries, window)) / 8` (and never more than the rows).
+pub(super) fn window_items_bound(window: usize, entries: usize) -> usize {
+    let used = entries.min(window);
+    (window.saturating_add(7 * used) / ITEM_ROWS).clamp(1, window.max(1))
 }
 
 #[cfg(test)]
