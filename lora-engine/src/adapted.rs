@@ -14,7 +14,7 @@
 //! number added to the base comes from the library's kernels.
 
 use half::bf16;
-use lora_kernels::{Device, DeviceBuffer, Rows, RowsMut};
+use lora_kernels::{Choice, DecodeOptions, Device, DeviceBuffer, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
 use lora_moe::{ExpertTarget, MoeLora, SortedRows};
 use lora_overlay::TokenOverlays;
@@ -120,6 +120,12 @@ fn apply_split(
     Ok(())
 }
 
+/// The promise every decode apply of the engine keeps (see `StepHooks::dense`).
+const OVERLAP_PREVIOUS: DecodeOptions = DecodeOptions {
+    choice: Choice::Auto,
+    overlap_previous: true,
+};
+
 impl StepHooks<'_> {
     fn dense(&self, layer: usize, targets: &FusedTargets, x: &[f32], y: &mut [f32]) -> Result<(), BoxError> {
         let pool = self.pool;
@@ -131,7 +137,11 @@ impl StepHooks<'_> {
         apply_split(pool.device(), x, width, y, |xr, y_dev| {
             let yr = RowsMut::dense(y_dev, n, targets.width());
             match self.step {
-                StepRef::Decode(s) => pool.apply_decode(s, layer, targets, xr, yr)?,
+                // The kernel before every decode apply here is the base
+                // projection or the other half's apply, which write y only:
+                // row slots and tables are written by copies at step and swap
+                // time, so the apply may read them under that kernel.
+                StepRef::Decode(s) => pool.apply_decode_with(s, layer, targets, xr, yr, OVERLAP_PREVIOUS)?,
                 StepRef::Prefill(s) if s.one_adapter().is_some() => {
                     pool.apply_one_adapter(s, layer, targets, xr, yr)?
                 }

@@ -14,8 +14,8 @@ use lora_audit::{
     TensorDtype, UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
-    Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion, Rows, RowsMut, Segments,
-    WorkspaceSpec, bgmv, one_adapter, repack, sgmv,
+    DecodeOptions, DecodePlan, Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion,
+    Rows, RowsMut, Segments, WorkspaceSpec, bgmv_plan, bgmv_with, one_adapter, repack, sgmv,
 };
 use lora_layout::{
     ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
@@ -1172,10 +1172,55 @@ impl<C: SlotCompanion> LoraPool<C> {
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), PoolError> {
+        self.apply_decode_with(step, layer, targets, x, y, DecodeOptions::default())
+    }
+
+    /// [`LoraPool::apply_decode`] with the caller's promises: with
+    /// `overlap_previous` the apply's first kernel reads the step's row
+    /// slots, the tables and the adapters while the stream's previous kernel
+    /// finishes (x and y only after it). The promise holds where that kernel
+    /// is the base projection writing y (or any kernel that writes none of
+    /// those): the pool writes row slots and tables by copies at step
+    /// creation and swap time, never from a kernel an apply follows
+    /// directly. `options.choice` may name an exact plan (benchmarks).
+    pub fn apply_decode_with<Y: OutputElem>(
+        &self,
+        step: &DecodeStep,
+        layer: usize,
+        targets: &FusedTargets,
+        x: Rows<'_, bf16>,
+        y: RowsMut<'_, Y>,
+        options: DecodeOptions,
+    ) -> Result<(), PoolError> {
         self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
         let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
-        bgmv(&self.device, x, &self.seq_slot, &targets, self.opts.max_rank, y)?;
+        bgmv_with(
+            &self.device,
+            x,
+            &self.seq_slot,
+            &targets,
+            self.opts.max_rank,
+            y,
+            options,
+        )?;
         Ok(())
+    }
+
+    /// The launch plan [`LoraPool::apply_decode_with`] runs for these
+    /// arguments now (for logs and an engine's graph bookkeeping: a captured
+    /// graph replays the plan it was captured with); `None` on the CPU.
+    pub fn decode_plan<Y: OutputElem>(
+        &self,
+        step: &DecodeStep,
+        layer: usize,
+        targets: &FusedTargets,
+        x: Rows<'_, bf16>,
+        y: &RowsMut<'_, Y>,
+        options: DecodeOptions,
+    ) -> Result<Option<DecodePlan>, PoolError> {
+        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
+        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        Ok(bgmv_plan(&self.device, x, &targets, self.opts.max_rank, y, options)?)
     }
 
     /// Prefill apply over `step`'s segments. Graph-capturable.

@@ -43,8 +43,9 @@ use half::bf16;
 use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{PairPool, RandomPairs, Rng};
 use lora_kernels::{
-    BgmvTuning, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace, PairEntry, Rows, RowsMut,
-    Segments, SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_tuned, row_diff, sgmv_tuned,
+    Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace,
+    PairEntry, Rows, RowsMut, Segments, SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with,
+    row_diff, sgmv_tuned,
 };
 use serde_json::{Value, json};
 
@@ -512,259 +513,9 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         if !ctx.opts.wants_case(&name) {
             continue;
         }
-        let mut variants = vec![("default".to_string(), BgmvTuning::default())];
-        if ctx.opts.sweep {
-            // The fused kernel (its own launch choice, then clusters of 8, 4 or 2
-            // with one or two output splits), scalar and on tensor cores, against
-            // the two-phase kernels by expand width.
-            for (label, tc) in [("", false), (" tc", true)] {
-                let fused = BgmvTuning {
-                    two_phase: Some(false),
-                    tensor_cores: Some(tc),
-                    ..Default::default()
-                };
-                variants.push((format!("fused{label}"), fused));
-                for (cl, sp) in [(8, 1), (8, 2), (4, 1), (4, 2), (2, 1)] {
-                    let t = BgmvTuning {
-                        cluster: Some(cl),
-                        out_splits: Some(sp),
-                        ..fused
-                    };
-                    variants.push((format!("c{cl} s{sp}{label}"), t));
-                }
-                // Every block scanning its window against the item list of a
-                // first launch (v9), read after that launch completes or once
-                // its ready flag is up.
-                let forms = [("scan", false, false), ("list", true, false), ("list flag", true, true)];
-                for (form, list, flag) in forms {
-                    let t = BgmvTuning {
-                        item_list_pass: Some(list),
-                        list_ready_flag: Some(flag),
-                        ..fused
-                    };
-                    variants.push((format!("fused{label} {form}"), t));
-                }
-                // The cluster sum by barrier and peer loads, or by pushes.
-                for (form, push) in [("pull", false), ("push", true)] {
-                    let t = BgmvTuning {
-                        push_sum: Some(push),
-                        ..fused
-                    };
-                    variants.push((format!("fused{label} {form}"), t));
-                }
-            }
-            // Each apply a programmatic dependent of the one before (the
-            // caller's contract holds: the previous apply writes only its y).
-            let t = BgmvTuning {
-                overlap_previous: Some(true),
-                ..Default::default()
-            };
-            variants.push(("overlap".to_string(), t));
-            // The overlap where every block scans its window, and in the
-            // fused kernel where two launches serve by default.
-            let forms = [
-                ("overlap scan", Some(false), None),
-                ("overlap fused", None, Some(false)),
-            ];
-            for (label, item_list_pass, two_phase) in forms {
-                let o = BgmvTuning {
-                    item_list_pass,
-                    two_phase,
-                    ..t
-                };
-                variants.push((label.to_string(), o));
-            }
-            // With two launches, the expand not a dependent of the shrink.
-            let o = BgmvTuning {
-                dependent_launch: Some(false),
-                ..t
-            };
-            variants.push(("overlap nodep".to_string(), o));
-            let o = BgmvTuning {
-                two_phase: Some(true),
-                ..t
-            };
-            variants.push(("overlap 2p".to_string(), o));
-            // Clusters per window as before the 7/8 residency rule (one per
-            // 8 resident blocks), to measure that rule.
-            let t = BgmvTuning {
-                two_phase: Some(false),
-                tensor_cores: Some(true),
-                cluster: Some(8),
-                out_splits: Some(1),
-                clusters_per_window: Some(49),
-                ..Default::default()
-            };
-            variants.push(("tc q49".to_string(), t));
-            // A scalar cluster for every row, the cluster size picked
-            // ("rows") or clusters of 2 ("rows c2": the row-mapped form,
-            // the default from `ROW_MAPPED_MIN_ROWS` rows to one round).
-            let t = BgmvTuning {
-                two_phase: Some(false),
-                tensor_cores: Some(false),
-                item_list_pass: Some(false),
-                clusters_per_window: Some(512),
-                ..Default::default()
-            };
-            variants.push(("rows".to_string(), t));
-            let t = BgmvTuning { cluster: Some(2), ..t };
-            variants.push(("rows c2".to_string(), t));
-            // The row-mapped form with B in registers (rank stride 16).
-            let t = BgmvTuning {
-                expand_b_registers: Some(true),
-                ..Default::default()
-            };
-            variants.push(("b registers".to_string(), t));
-            // The row-register form forced (where its shape limits allow:
-            // rank 16, in and out up to 4096), and the default with it off.
-            let t = BgmvTuning {
-                row_registers: Some(true),
-                ..Default::default()
-            };
-            variants.push(("row registers".to_string(), t));
-            let t = BgmvTuning {
-                row_registers: Some(false),
-                ..Default::default()
-            };
-            variants.push(("no row registers".to_string(), t));
-            // The two-phase kernels: expand widths, the expand not a dependent
-            // of the shrink, power-of-two K slices, and the shrink on tensor
-            // cores, plain and under the overlap.
-            let two_phase = BgmvTuning {
-                two_phase: Some(true),
-                ..Default::default()
-            };
-            for cols in [256, 512, 1024, 2048, 3584] {
-                let t = BgmvTuning {
-                    expand_cols: Some(cols),
-                    ..two_phase
-                };
-                variants.push((format!("2p c{cols}"), t));
-            }
-            let stc = BgmvTuning {
-                shrink_tensor_cores: Some(true),
-                ..two_phase
-            };
-            let forms = [
-                (
-                    "2p nodep",
-                    BgmvTuning {
-                        dependent_launch: Some(false),
-                        ..two_phase
-                    },
-                ),
-                (
-                    "2p pow2",
-                    BgmvTuning {
-                        pow2_slices: Some(true),
-                        ..two_phase
-                    },
-                ),
-                ("2p stc", stc),
-                (
-                    "overlap 2p stc",
-                    BgmvTuning {
-                        overlap_previous: Some(true),
-                        ..stc
-                    },
-                ),
-            ];
-            variants.extend(forms.into_iter().map(|(label, t)| (label.to_string(), t)));
-            // The scanning form (items of up to 8 rows listed by the shrink)
-            // against the row form (the default: every row its own item),
-            // plain and under the overlap.
-            let scan = BgmvTuning {
-                two_phase_row_items: Some(false),
-                ..two_phase
-            };
-            // The scanning form's shrink on tensor cores (items of several rows).
-            let scan_tc = BgmvTuning {
-                shrink_tensor_cores: Some(true),
-                ..scan
-            };
-            // The entry-clustered form (a cluster of 8 or 4 blocks per table
-            // entry, tensor cores, no scan or list), plain and under the overlap.
-            for cl in [8u32, 4] {
-                let t = BgmvTuning {
-                    entry_clusters: Some(true),
-                    cluster: Some(cl),
-                    ..Default::default()
-                };
-                variants.push((format!("entry c{cl}"), t));
-                let overlap = BgmvTuning {
-                    overlap_previous: Some(true),
-                    ..t
-                };
-                variants.push((format!("overlap entry c{cl}"), overlap));
-            }
-            // The entry form's kernel with B and y staged in shared memory,
-            // against its register kernel (the default from 8 rows per entry).
-            let staged = BgmvTuning {
-                entry_clusters: Some(true),
-                cluster: Some(8),
-                entry_registers: Some(false),
-                ..Default::default()
-            };
-            variants.push(("entry c8 staged".to_string(), staged));
-            // The default with its entry-clustered or row-register launch a
-            // plain one, not a programmatic dependent waiting first.
-            let plain = BgmvTuning {
-                wait_first: Some(false),
-                ..Default::default()
-            };
-            variants.push(("plain launch".to_string(), plain));
-            // Waiting first even as a graph's root node (where the default
-            // launches plain: no kernel before it to overlap).
-            let wait = BgmvTuning {
-                wait_first: Some(true),
-                ..Default::default()
-            };
-            variants.push(("wait first".to_string(), wait));
-            // The entry-clustered form waiting first without asking its
-            // weights into L2 before the wait, asking for them whatever the
-            // shape, and with the next kernel let in early or late whatever
-            // the shape.
-            let t = BgmvTuning {
-                prefetch_weights: Some(false),
-                ..Default::default()
-            };
-            variants.push(("no prefetch".to_string(), t));
-            let t = BgmvTuning {
-                prefetch_weights: Some(true),
-                ..Default::default()
-            };
-            variants.push(("prefetch".to_string(), t));
-            let t = BgmvTuning {
-                early_next: Some(false),
-                ..t
-            };
-            variants.push(("prefetch, next late".to_string(), t));
-            // The entry form's spread kernel where it serves, and the default without it.
-            for (label, spread) in [("spread", true), ("no spread", false)] {
-                let t = BgmvTuning {
-                    entry_spread: Some(spread),
-                    ..Default::default()
-                };
-                variants.push((label.to_string(), t));
-            }
-            for (label, early) in [("next early", true), ("next late", false)] {
-                let t = BgmvTuning {
-                    early_next: Some(early),
-                    ..Default::default()
-                };
-                variants.push((label.to_string(), t));
-            }
-            for (label, t) in [("2p scan", scan), ("2p scan stc", scan_tc)] {
-                variants.push((label.to_string(), t));
-                let overlap = BgmvTuning {
-                    overlap_previous: Some(true),
-                    ..t
-                };
-                variants.push((format!("overlap {label}"), overlap));
-            }
-        }
-        ctx.opts.filter_variants(&mut variants);
-        // Target t's table is entries [t * entries, (t + 1) * entries) of one pool.
+        // Pairs, inputs and the variants: the default (the rule table's plan,
+        // named in the row), and under `--sweep` every plan that serves the
+        // call ([`bgmv_candidates`]), plain and under the overlap promise.
         let pairs = RandomPairs::new(&mut rng, in_dim, out, r, &vec![r as u32; entries * targets]);
         let (x_host, y_host) = (rng.bf16_vec(n * in_dim, 1.0), rng.bf16_vec(n * out * targets, 1.0));
         let idx_host: Vec<i32> = (0..n).map(|i| (i % distinct) as i32).collect();
@@ -784,6 +535,7 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             entries,
             targets,
         };
+        let device = ctx.device;
         let case = KernelCase {
             name: name.clone(),
             floor_bytes: floor_bytes(n, in_dim, out, r, distinct, targets),
@@ -792,12 +544,29 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             floor_share_target: (peer.is_some() && n >= 64).then_some(0.5),
             shape: json!({"kind": "decode", "n": n, "in": in_dim, "out": out, "r": r, "distinct": distinct, "targets": targets}),
         };
-        let device = ctx.device;
         // The isolated time uses the first copy; the in-graph one rotates through all.
         let (mut copies, ops) = rotating_copies(device, case.floor_bytes, &upload)?;
         let sets = copies.len();
-        for &(ref variant, tuning) in &variants {
-            let graph = match device.capture_graph(|| copies[0].apply(device, shape, tuning)) {
+        let default_plan = copies[0].plan(device, shape, DecodeOptions::default()).map_err(err)?;
+        let default_label = match default_plan {
+            Some(plan) => format!("default: {plan}"),
+            None => "default".to_string(),
+        };
+        let mut variants = vec![(default_label, DecodeOptions::default())];
+        if ctx.opts.sweep {
+            for overlap_previous in [false, true] {
+                for plan in copies[0].candidates(device, shape, overlap_previous).map_err(err)? {
+                    let options = DecodeOptions {
+                        choice: Choice::Exact(plan),
+                        overlap_previous,
+                    };
+                    variants.push((plan.to_string(), options));
+                }
+            }
+        }
+        ctx.opts.filter_variants(&mut variants);
+        for &(ref variant, options) in &variants {
+            let graph = match device.capture_graph(|| copies[0].apply(device, shape, options)) {
                 Ok(g) => g,
                 Err(e) => {
                     eprintln!("bench: {name} {variant}: {e}");
@@ -807,8 +576,8 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             let stats = ctx.time_graph(&graph)?;
             ctx.rows.push(case.row(variant, stats));
         }
-        for &(ref variant, tuning) in &variants {
-            match ctx.time_in_graph(sets, ops, |i| copies[i % sets].apply(device, shape, tuning)) {
+        for &(ref variant, options) in &variants {
+            match ctx.time_in_graph(sets, ops, |i| copies[i % sets].apply(device, shape, options)) {
                 Ok(t) => attach_in_graph(ctx, &name, variant, t),
                 // As for the isolated time: a launch choice this shape cannot take.
                 Err(e) => eprintln!("bench: {name} {variant} in a graph: {e}"),
@@ -850,35 +619,56 @@ struct DecodeShape {
 }
 
 impl DecodeInputs {
-    /// The decode apply of `shape` on these inputs.
-    fn apply(&mut self, device: &Device, shape: DecodeShape, tuning: BgmvTuning) -> Result<(), KernelError> {
-        let DecodeShape {
-            n,
-            in_dim,
-            out,
-            r,
-            entries,
-            targets,
-        } = shape;
-        let table = &self.pool.table;
-        let targets: Vec<LoraTarget<'_>> = (0..targets)
+    /// Run `f` on the arguments of `shape`'s apply over this copy.
+    fn with_call<R>(
+        &mut self,
+        shape: DecodeShape,
+        f: impl FnOnce(Rows<'_, bf16>, &DeviceBuffer<i32>, &[LoraTarget<'_>], RowsMut<'_, bf16>) -> R,
+    ) -> R {
+        let DecodeInputs { pool, x, y, idx } = self;
+        let targets: Vec<LoraTarget<'_>> = (0..shape.targets)
             .map(|t| LoraTarget {
-                table,
-                table_offset: t * entries,
-                n_entries: entries,
-                out_dim: out,
-                y_col_offset: t * out,
+                table: &pool.table,
+                table_offset: t * shape.entries,
+                n_entries: shape.entries,
+                out_dim: shape.out,
+                y_col_offset: t * shape.out,
             })
             .collect();
-        bgmv_tuned(
-            device,
-            Rows::dense(&self.x, n, in_dim),
-            &self.idx,
-            &targets,
-            r,
-            RowsMut::dense(&mut self.y, n, out * shape.targets),
-            tuning,
-        )
+        let x = Rows::dense(x, shape.n, shape.in_dim);
+        let y = RowsMut::dense(y, shape.n, shape.out * shape.targets);
+        f(x, idx, &targets, y)
+    }
+
+    /// The decode apply of `shape` on these inputs.
+    fn apply(&mut self, device: &Device, shape: DecodeShape, options: DecodeOptions) -> Result<(), KernelError> {
+        self.with_call(shape, |x, idx, targets, y| {
+            bgmv_with(device, x, idx, targets, shape.r, y, options)
+        })
+    }
+
+    /// The plan of `shape`'s apply with `options` (`None` on the CPU).
+    fn plan(
+        &mut self,
+        device: &Device,
+        shape: DecodeShape,
+        options: DecodeOptions,
+    ) -> Result<Option<DecodePlan>, KernelError> {
+        self.with_call(shape, |x, _, targets, y| {
+            bgmv_plan(device, x, targets, shape.r, &y, options)
+        })
+    }
+
+    /// Every plan that serves `shape`'s apply.
+    fn candidates(
+        &mut self,
+        device: &Device,
+        shape: DecodeShape,
+        overlap_previous: bool,
+    ) -> Result<Vec<DecodePlan>, KernelError> {
+        self.with_call(shape, |x, _, targets, y| {
+            bgmv_candidates(device, x, targets, shape.r, &y, overlap_previous)
+        })
     }
 }
 

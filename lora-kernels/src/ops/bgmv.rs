@@ -15,13 +15,15 @@ use super::pairs::reference_apply;
 use super::{LoraTarget, MAX_TARGETS, OutputElem, Rows, RowsMut, TargetParams, check_targets, to_i32, to_u32};
 use crate::buffer::{DeviceBuffer, check_range};
 use crate::cpu_mem::CpuMemory;
-use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch, Predecessor, SCRATCH_BYTES};
+use crate::cuda_rt::{CudaBackend, Launch, Predecessor, SCRATCH_BYTES};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
 use crate::ops::limits::{Choice, DeviceLimits};
-use plan::{Chain, DecodeCall, DecodeContext, DecodeForm, DecodePlan, FusedForm, ItemList, TwoPhaseForm};
+use kernels::DecodeKernel;
+use plan::{Chain, DecodeCall, DecodeContext, DecodeForm, DecodePlan, FusedForm, ItemList, OutputKind, TwoPhaseForm};
 
 mod entry;
+mod kernels;
 pub mod plan;
 mod rows;
 pub use entry::{ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS};
@@ -565,45 +567,6 @@ fn reference<Y: OutputElem>(
     reference_apply(memory, x, &rows, "idx", targets, stride, y)
 }
 
-/// The fused kernel for a cluster size, y type and form (`_list`: reads `bgmv_list`'s item list).
-fn kernel_name(cluster: u32, y: &'static str, tensor_cores: bool, list: bool) -> Option<&'static str> {
-    Some(match (cluster, y, tensor_cores, list) {
-        (1, "bf16", false, false) => "bgmv_c1_bf16",
-        (1, "f32", false, false) => "bgmv_c1_f32",
-        (2, "bf16", false, false) => "bgmv_c2_bf16",
-        (2, "f32", false, false) => "bgmv_c2_f32",
-        (4, "bf16", false, false) => "bgmv_c4_bf16",
-        (4, "f32", false, false) => "bgmv_c4_f32",
-        (8, "bf16", false, false) => "bgmv_c8_bf16",
-        (8, "f32", false, false) => "bgmv_c8_f32",
-        (1, "bf16", true, false) => "bgmv_tc_c1_bf16",
-        (1, "f32", true, false) => "bgmv_tc_c1_f32",
-        (2, "bf16", true, false) => "bgmv_tc_c2_bf16",
-        (2, "f32", true, false) => "bgmv_tc_c2_f32",
-        (4, "bf16", true, false) => "bgmv_tc_c4_bf16",
-        (4, "f32", true, false) => "bgmv_tc_c4_f32",
-        (8, "bf16", true, false) => "bgmv_tc_c8_bf16",
-        (8, "f32", true, false) => "bgmv_tc_c8_f32",
-        (1, "bf16", false, true) => "bgmv_c1_bf16_list",
-        (1, "f32", false, true) => "bgmv_c1_f32_list",
-        (2, "bf16", false, true) => "bgmv_c2_bf16_list",
-        (2, "f32", false, true) => "bgmv_c2_f32_list",
-        (4, "bf16", false, true) => "bgmv_c4_bf16_list",
-        (4, "f32", false, true) => "bgmv_c4_f32_list",
-        (8, "bf16", false, true) => "bgmv_c8_bf16_list",
-        (8, "f32", false, true) => "bgmv_c8_f32_list",
-        (1, "bf16", true, true) => "bgmv_tc_c1_bf16_list",
-        (1, "f32", true, true) => "bgmv_tc_c1_f32_list",
-        (2, "bf16", true, true) => "bgmv_tc_c2_bf16_list",
-        (2, "f32", true, true) => "bgmv_tc_c2_f32_list",
-        (4, "bf16", true, true) => "bgmv_tc_c4_bf16_list",
-        (4, "f32", true, true) => "bgmv_tc_c4_f32_list",
-        (8, "bf16", true, true) => "bgmv_tc_c8_bf16_list",
-        (8, "f32", true, true) => "bgmv_tc_c8_f32_list",
-        _ => return None,
-    })
-}
-
 /// Run what `plan` says: a `match` over the forms, no decision of its own
 /// (the launch shapes are arithmetic of the plan and the call).
 #[allow(clippy::too_many_arguments)]
@@ -691,8 +654,13 @@ fn launch_fused<Y: OutputElem>(
         b_registers: form.b_registers,
     };
     let plan = SmemPlan::choose(shape, splits, true);
-    let name = kernel_name(cl as u32, Y::NAME, tensor_cores, list)
-        .ok_or_else(|| invalid("plan", format!("clusters of {cl}; 1, 2, 4 or 8")))?;
+    let kernel = DecodeKernel::Fused {
+        cluster: cl,
+        tensor_cores,
+        listed: list,
+        y: OutputKind::of::<Y>(),
+    }
+    .kernel()?;
     let grid_y = n_windows * cpw;
     let mut params = BgmvParams {
         x: x.addr(),
@@ -725,10 +693,6 @@ fn launch_fused<Y: OutputElem>(
         b_registers: i32::from(plan.b_registers),
         pad: 0,
         targets: *target_params,
-    };
-    let kernel = Kernel {
-        family: Family::Bgmv,
-        name,
     };
     let shape = Launch {
         grid: (
@@ -767,10 +731,7 @@ fn launch_fused<Y: OutputElem>(
         // and writes the scratch only after it.
         unsafe {
             c.launch_chained(
-                Kernel {
-                    family: Family::Bgmv,
-                    name: "bgmv_list",
-                },
+                DecodeKernel::ItemList.kernel()?,
                 Launch {
                     grid: (to_u32("grid", n_windows)?, 1, to_u32("grid", n_targets)?),
                     block: THREADS,
@@ -815,12 +776,16 @@ fn launch_two_phase<Y: OutputElem>(
     // Every block resident at once; more units than blocks are walked in turn.
     let shrink_blocks = (n * plan.ks_max).min(sms * SHRINK_BLOCKS_PER_SM).max(1);
     let expand_blocks = (n * max_out.div_ceil(plan.cols)).min(sms * EXPAND_BLOCKS_PER_SM).max(1);
-    let expand = match (Y::NAME, forms.row_items) {
-        ("bf16", false) => "bgmv2_expand_bf16",
-        ("bf16", true) => "bgmv2_expand_rows_bf16",
-        (_, false) => "bgmv2_expand_f32",
-        (_, true) => "bgmv2_expand_rows_f32",
-    };
+    let shrink = DecodeKernel::Shrink {
+        tensor_cores: forms.shrink_tensor_cores,
+        row_items: forms.row_items,
+    }
+    .kernel()?;
+    let expand = DecodeKernel::Expand {
+        row_items: forms.row_items,
+        y: OutputKind::of::<Y>(),
+    }
+    .kernel()?;
     let row_ks = if forms.row_items {
         two_phase_slices(shrink_blocks, n, plan.ks_max, forms.pow2_slices)
     } else {
@@ -865,15 +830,7 @@ fn launch_two_phase<Y: OutputElem>(
         // it (the contract of `launch_chained`).
         unsafe {
             c.launch_chained(
-                Kernel {
-                    family: Family::Bgmv,
-                    name: match (forms.shrink_tensor_cores, forms.row_items) {
-                        (false, false) => "bgmv2_shrink",
-                        (true, false) => "bgmv2_shrink_tc",
-                        (false, true) => "bgmv2_shrink_rows",
-                        (true, true) => "bgmv2_shrink_tc_rows",
-                    },
-                },
+                shrink,
                 Launch {
                     grid: (to_u32("grid", shrink_blocks)?, 1, to_u32("grid", n_targets)?),
                     block: THREADS,
@@ -882,17 +839,13 @@ fn launch_two_phase<Y: OutputElem>(
                 &params,
                 chain.dependent(),
             )?;
-            let kernel = Kernel {
-                family: Family::Bgmv,
-                name: expand,
-            };
             let shape = Launch {
                 grid: (to_u32("grid", expand_blocks)?, 1, to_u32("grid", n_targets)?),
                 block: THREADS,
                 smem: to_u32("smem", plan.expand_smem)?,
             };
             // The expand runs `griddepcontrol.wait` before it reads the scratch.
-            c.launch_chained(kernel, shape, &params, forms.dependent_expand)
+            c.launch_chained(expand, shape, &params, forms.dependent_expand)
         }
     })
 }

@@ -287,29 +287,12 @@ pub(super) fn spread_serves(
 /// The kernel of a launch; `prefetch`: the one that asks its weights into L2
 /// before it waits (rank stride 16 only).
 fn kernel_name(kernel: EntryKernel, stride: usize, prefetch: bool) -> Option<&'static str> {
-    let cluster = match kernel {
-        // One kernel: its prefetch is a flag of the parameter block.
-        EntryKernel::Spread => return (stride == 16).then_some("bgmv_entry_spread_r16"),
-        EntryKernel::Registers if prefetch => return (stride == 16).then_some("bgmv_entry_c8_r16_reg_pf"),
-        EntryKernel::Registers => return (stride == 16).then_some("bgmv_entry_c8_r16_reg"),
-        EntryKernel::Staged { cluster } => cluster,
-    };
-    if prefetch {
-        return match (cluster, stride) {
-            (8, 16) => Some("bgmv_entry_c8_r16_pf"),
-            (4, 16) => Some("bgmv_entry_c4_r16_pf"),
-            _ => None,
-        };
+    super::kernels::DecodeKernel::Entry {
+        kernel,
+        stride,
+        prefetch,
     }
-    Some(match (cluster, stride) {
-        (8, 16) => "bgmv_entry_c8_r16",
-        (8, 32) => "bgmv_entry_c8_r32",
-        (8, 64) => "bgmv_entry_c8_r64",
-        (4, 16) => "bgmv_entry_c4_r16",
-        (4, 32) => "bgmv_entry_c4_r32",
-        (4, 64) => "bgmv_entry_c4_r64",
-        _ => return None,
-    })
+    .name()
 }
 
 /// Launch the form (the caller checked `EntryShape::check`, and

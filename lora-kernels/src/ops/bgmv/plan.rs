@@ -52,7 +52,7 @@ impl OutputKind {
         }
     }
 
-    fn of<Y: OutputElem>() -> OutputKind {
+    pub(super) fn of<Y: OutputElem>() -> OutputKind {
         if Y::NAME == "bf16" {
             OutputKind::Bf16
         } else {
@@ -465,7 +465,7 @@ impl fmt::Display for DecodePlan {
                 )?;
             }
         }
-        write!(f, " | {}", self.chain.label())
+        write!(f, " ({})", self.chain.label())
     }
 }
 

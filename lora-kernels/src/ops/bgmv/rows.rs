@@ -19,7 +19,7 @@ use half::bf16;
 use super::entry::BgeParams;
 use super::plan::{CallTarget, Chain};
 use super::{Rows, RowsMut, piece8};
-use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
+use crate::cuda_rt::{CudaBackend, Launch};
 use crate::error::KernelError;
 use crate::ops::{LoraTarget, MAX_TARGETS, OutputElem, TargetParams, to_u32};
 
@@ -111,6 +111,7 @@ pub(super) fn full_form(
 }
 
 /// Launch the form (the caller checked `RowsShape::check`).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn launch_rows<Y: OutputElem>(
     c: &CudaBackend,
     x: &Rows<'_, bf16>,
@@ -132,12 +133,11 @@ pub(super) fn launch_rows<Y: OutputElem>(
         block: THREADS,
         smem: 0,
     };
-    let name = match (Y::NAME, straight_line) {
-        ("bf16", false) => "bgmv_rows_bf16",
-        ("bf16", true) => "bgmv_rows_full_bf16",
-        (_, false) => "bgmv_rows_f32",
-        (_, true) => "bgmv_rows_full_f32",
-    };
+    let kernel = super::kernels::DecodeKernel::Rows {
+        straight_line,
+        y: super::plan::OutputKind::of::<Y>(),
+    }
+    .kernel()?;
     // SAFETY: `BgeParams` mirrors the kernel's struct (sizes asserted on both
     // sides). The host checked that x and y cover `n_rows` rows of their widths
     // and strides, that idx holds `n_rows` values (the grid has one row of
@@ -154,17 +154,7 @@ pub(super) fn launch_rows<Y: OutputElem>(
     // / `[out, stride]` pairs, and reads A rows and B columns below the rank
     // only. As a dependent launch it reads x and y only after
     // `griddepcontrol.wait` (and, waiting first, nothing before it).
-    unsafe {
-        c.launch_chained(
-            Kernel {
-                family: Family::Bgmv,
-                name,
-            },
-            shape,
-            &params,
-            chain.dependent(),
-        )
-    }
+    unsafe { c.launch_chained(kernel, shape, &params, chain.dependent()) }
 }
 
 #[cfg(test)]

@@ -514,16 +514,25 @@ fn item_lists_fit_the_scratch_of_large_batches() {
 
 #[test]
 fn every_fused_kernel_has_a_list_form() {
+    let name = |cluster, y, tensor_cores, listed| {
+        kernels::DecodeKernel::Fused {
+            cluster,
+            tensor_cores,
+            listed,
+            y,
+        }
+        .name()
+    };
     for cluster in [1, 2, 4, 8] {
-        for y in ["bf16", "f32"] {
+        for y in [OutputKind::Bf16, OutputKind::F32] {
             for tc in [false, true] {
-                let scan = kernel_name(cluster, y, tc, false).unwrap();
-                let list = kernel_name(cluster, y, tc, true).unwrap();
+                let scan = name(cluster, y, tc, false).unwrap();
+                let list = name(cluster, y, tc, true).unwrap();
                 assert_eq!(list, format!("{scan}_list"));
             }
         }
     }
-    assert!(kernel_name(3, "bf16", true, true).is_none());
+    assert!(name(3, OutputKind::Bf16, true, true).is_none());
 }
 
 #[test]
