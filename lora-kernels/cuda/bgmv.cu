@@ -42,11 +42,9 @@
 // index, so its A, x, y and B are requested as soon as the entry is known and
 // no window is scanned (rows of one entry read its A and B again, from L2).
 
-#define BGMV_THREADS 256
+// BGMV_THREADS, BGMV_G, BGMV_MAX_RANK and BGMV_WIN_MAX come from the host's
+// prelude (`cuda_rt::PRELUDE`).
 #define BGMV_WARPS (BGMV_THREADS / 32)
-#define BGMV_G 8
-#define BGMV_MAX_RANK 256
-#define BGMV_WIN_MAX 512
 
 struct BgmvParams {
     u64 x;
@@ -83,97 +81,9 @@ struct BgmvParams {
 };
 static_assert(sizeof(BgmvParams) == 232 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 136, "mirrors bgmv.rs");
 
-// Tables of at most this many entries are copied whole into shared memory
-// while the row indices arrive, so an item's entry is no second round trip.
-#define BGMV_TABLE_SMEM 128
 
-// Named barriers (0 is __syncthreads): `count` threads, whole warps, take part.
-__device__ __forceinline__ void named_barrier_sync(u32 id, u32 count) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 count) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
 
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ float ld_dsmem(const float* local, u32 rank) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-// The push form of the cluster sum: every block stores its partial rank
-// vectors into each peer's receive slots with st.async, which counts the
-// bytes on the peer's mbarrier; a block waits on its own mbarrier only. No
-// cluster barrier per item, and so no release fence (MEMBAR.ALL.GPU) in it.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ u32 cluster_addr(const void* local, u32 rank) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
-    return remote;
-}
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-// The inits visible to the cluster's peers before their first st.async (with a cluster barrier after it).
-__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive_expect(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, "
-            "p;\n}"
-            : "=r"(done)
-            : "r"(smem_u32(bar)), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void st_async_f4(u32 remote, float4 v, u32 remote_bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(remote),
-                 "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
-                 "r"(__float_as_uint(v.w)), "r"(remote_bar)
-                 : "memory");
-}
-#else
-__device__ __forceinline__ void cluster_arrive() {}
-__device__ __forceinline__ void cluster_wait() {}
-__device__ __forceinline__ float ld_dsmem(const float* local, u32) { return *local; }
-__device__ __forceinline__ void cluster_arrive_relaxed() {}
-__device__ __forceinline__ u32 cluster_addr(const void* local, u32) { return smem_u32(local); }
-__device__ __forceinline__ void mbar_init(u64*, u32) {}
-__device__ __forceinline__ void fence_mbar_init() {}
-__device__ __forceinline__ void mbar_arrive_expect(u64*, u32) {}
-__device__ __forceinline__ void mbar_wait(u64*, u32) {}
-__device__ __forceinline__ void st_async_f4(u32, float4, u32) {}
-#endif
 
-// Piece i of [0, n) split into `parts` pieces whose starts are multiples of 8.
-__device__ __forceinline__ void split8(int n, int parts, int i, int& b, int& e) {
-    int per = (n + parts - 1) / parts;
-    per = (per + 7) & ~7;
-    b = min(n, i * per);
-    e = min(n, b + per);
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // The item list's ready flag (bgmv_list releases it, the fused _list kernels acquire it).
 __device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
@@ -185,33 +95,6 @@ __device__ __forceinline__ void st_release_u64(u64* p, u64 v) {
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Tensor-core pieces of the TC kernels. ldmatrix: lanes 0-7 (x1) or 0-15
-// (x2) give the 16-byte row addresses of 8x8 bf16 tiles.
-__device__ __forceinline__ void ldsm_x1(u32& r0, const bf16_t* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(r0) : "r"(smem_u32(row)));
-}
-__device__ __forceinline__ void ldsm_x2(u32& r0, u32& r1, const bf16_t* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(smem_u32(row)));
-}
-// d (16x8 f32) += a (16x8 bf16, row-major) * b (8x8 bf16, column-major).
-__device__ __forceinline__ void mma_k8(float* d, u32 a0, u32 a1, u32 b0) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(b0));
-}
-
-// d (16x8 f32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major).
-// Registers as PTX lays them out: a0 (row g, k 2t..2t+1), a1 (row g + 8,
-// same k), a2 (row g, k 2t+8..2t+9), a3 (row g + 8, those k); b0 (k 2t..2t+1,
-// column g), b1 (k 2t+8..2t+9); d0, d1 (row g, columns 2t, 2t+1), d2, d3
-// (row g + 8), for lane = 4 g + t.
-__device__ __forceinline__ void mma_k16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // Copy n bf16 from global to shared and zero the tail up to n_pad (a
 // multiple of 8): 16-byte cp.async when `vec` (both ends 16-byte aligned,
@@ -256,15 +139,6 @@ __device__ __forceinline__ int first_index(const int* idx, int row0, int nwin) {
     return (int)threadIdx.x < nwin ? idx[row0 + (int)threadIdx.x] : -1;
 }
 
-// A window row's entry index as the scans use it: -1 (no delta) for a
-// negative one, or for one past the table, which also raises a fault when `report`.
-__device__ __forceinline__ int checked_index(int e, int n_entries, u64 fault, bool report) {
-    if (e >= n_entries) {
-        if (report) raise_fault(fault, FAULT_BAD_INDEX);
-        e = -1;
-    }
-    return e < 0 ? -1 : e;
-}
 
 // Every thread of the block: read the window's entry indices (an index past
 // the table raises a fault when `report` and counts as no delta), then list
@@ -363,29 +237,6 @@ __device__ __forceinline__ int scan_window(const int* idx, int row0, int nwin, i
     return n_items;
 }
 
-// A table entry the kernels must not read through: a rank past the stride
-// (or the kernels' most), or a missing A or B address. Counted as rank 0.
-__device__ __forceinline__ bool bad_entry(const PairEntry& en, int stride) {
-    return en.rank > (u32)stride || en.rank > BGMV_MAX_RANK || (en.rank > 0 && (en.a == 0 || en.b == 0));
-}
-
-// The entry a row index names, checked: returns the entry index, or -1 (no
-// delta) for a negative index or one past the table (which raises
-// FAULT_BAD_INDEX when `report`); a bad entry raises FAULT_BAD_RANK when
-// `report` and comes back with rank 0. *en is rank 0 whenever -1 is returned.
-__device__ __forceinline__ int checked_entry(int raw, int n_entries, const PairEntry* table, int stride, u64 fault,
-                                             bool report, PairEntry* en) {
-    const int e = checked_index(raw, n_entries, fault, report);
-    *en = {0ull, 0ull, 0.f, 0u};
-    if (e >= 0) {
-        *en = table[e];
-        if (bad_entry(*en, stride)) {
-            if (report) raise_fault(fault, FAULT_BAD_RANK);
-            en->rank = 0;
-        }
-    }
-    return e;
-}
 
 // One warp: the rows (up to G) of the item led by window row `lead`, and
 // its table entry, checked against the stride (a bad entry raises a fault
@@ -1302,7 +1153,7 @@ BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, BGMV_THREADS, 4)
 // this grid's completion (griddepcontrol.wait) or, with list_flag, poll the
 // header, which this block clears before it lets them launch and releases
 // after every item is written.
-#define BGMV_LIST_MAP 4096
+// BGMV_LIST_MAP: from the host's prelude (`cuda_rt::prelude`).
 
 
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvParams p) {
@@ -1438,14 +1289,14 @@ extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 //   [BGMV2_DESC_OFF, +desc)       ItemDesc [MAX_TARGETS][BGMV_WIN_MAX]
 //   [BGMV2_PART_OFF, ...)         f32 partials [targets][ks_max][n_rows][rpad], rpad = stride rounded up to 8
 
-#define BGMV2_DESC_OFF 256
+// BGMV2_DESC_OFF: from the host's prelude (`cuda_rt::prelude`).
 #define BGMV2_PART_OFF (BGMV2_DESC_OFF + MAX_TARGETS * BGMV_WIN_MAX * 64)
 #define BGMV2_UNROLL 4
 #define BGMV2_XROWS 2
 // Tensor-core shrink: 32-column chunks per warp in flight (each lane 2 16-byte A loads per chunk).
 #define BGMV2_TC_UNROLL 4
 // Most K slices of the shrink (`TWO_PHASE_MAX_SPLITS` in bgmv.rs).
-#define BGMV2_MAX_SPLITS 16
+// BGMV2_MAX_SPLITS: from the host's prelude (`cuda_rt::prelude`).
 
 struct Bgmv2Params {
     u64 x;

@@ -53,12 +53,12 @@
 #define BGE_STAMP(k, dep)
 #endif
 
-#define BGE_THREADS 256
+// BGE_THREADS: from the host's prelude (`cuda_rt::prelude`).
 #define BGE_WARPS (BGE_THREADS / 32)
 // Rows per pass (the expand's M).
 #define BGE_ROWS 16
 // Most rows of a launch (row indices held per thread: BGE_MAX_ROWS / BGE_THREADS).
-#define BGE_MAX_ROWS 1024
+// BGE_MAX_ROWS: from the host's prelude (`cuda_rt::prelude`).
 
 struct BgeParams {
     u64 x;
@@ -97,26 +97,6 @@ __device__ __forceinline__ u32 rank_mask(int r0, int rank) {
     return (r0 < rank ? 0x0000ffffu : 0u) | (r0 + 1 < rank ? 0xffff0000u : 0u);
 }
 
-#if __CUDA_ARCH__ >= 900
-// Four 8x8 bf16 tiles; lanes 8m .. 8m + 7 give the 16-byte row addresses of tile m.
-__device__ __forceinline__ void ldsm_x4(u32* r, const bf16_t* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(row)));
-}
-// The same, each tile transposed: lane (g, c) gets tile elements (2c, g) and (2c + 1, g).
-__device__ __forceinline__ void ldsm_x4_trans(u32* r, const bf16_t* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(row)));
-}
-// The inverse of ldsm_x4_trans at the same addresses.
-__device__ __forceinline__ void stsm_x4_trans(bf16_t* row, const u32* r) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};" ::"r"(smem_u32(row)),
-                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
-}
-#endif
 
 // Waiting first (p.overlap, a CHAIN_* code of common.cuh): the wait, and the early next launch, before anything is read.
 __device__ __forceinline__ void bge_wait_first(const BgeParams& p) {
@@ -661,7 +641,7 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
 // branch on a value read after a barrier that follows the loads.
 #define BGE_REG_CHUNKS 2
 #define BGE_REG_GROUPS 2
-#define BGE_REG_MAX_ROWS 256
+// BGE_REG_MAX_ROWS: from the host's prelude (`cuda_rt::prelude`).
 
 // One 16-byte store (the compiler splits `*(uint4*)p = v` of packed halves into four).
 __device__ __forceinline__ void st_global16(void* p, uint4 v) {

@@ -39,11 +39,11 @@
 // target; for the _full kernels also full_form. A, B, x and y of any 2-byte
 // alignment and stride (16-byte loads where aligned, else element loads).
 
-#define BGR_THREADS 512
+// BGR_THREADS: from the host's prelude (`cuda_rt::prelude`).
 // Threads per rank group: the 8-column pieces of a block's half of `in`.
-#define BGR_PIECES 256
+// BGR_PIECES: from the host's prelude (`cuda_rt::prelude`).
 #define BGR_GROUPS (BGR_THREADS / BGR_PIECES)
-#define BGR_RANKS 16
+// BGR_RANKS: from the host's prelude (`cuda_rt::prelude`).
 #define BGR_ROWS_PER_THREAD (BGR_RANKS / BGR_GROUPS)
 // Outputs per thread: a block serves up to BGR_THREADS * BGR_OUT_PER_THREAD.
 #define BGR_OUT_PER_THREAD 4

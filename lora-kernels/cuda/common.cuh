@@ -29,7 +29,7 @@ struct LoraTarget {
     int pad;
 };
 
-#define MAX_TARGETS 4
+// MAX_TARGETS: from the host's prelude (`cuda_rt::prelude`).
 
 static_assert(sizeof(PairEntry) == 24, "PairEntry mirrors lora_kernels::PairEntry");
 static_assert(sizeof(LoraTarget) == 24, "LoraTarget mirrors lora_kernels::ops::TargetParams");

@@ -80,29 +80,7 @@ struct TileInfo {
     int valid;
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
-__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* smem) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(smem)));
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Zeroed accumulators of N 8-column mma tiles.
 template <int N>
@@ -390,14 +368,14 @@ __device__ __forceinline__ void shrink_tile(const SgmvParams& p, const bf16_t* A
 #pragma unroll
         for (int kk = 0; kk < SG_BK; kk += 16) {
             u32 a[4];
-            ldmatrix_x4(a, &s_x[st][warp * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+            ldsm_x4(a, &s_x[st][warp * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
 #pragma unroll
             for (int np = 0; np < AR / 16; ++np) {
                 if (2 * np < NT) {
                     u32 b[4];
-                    ldmatrix_x4(b, &s_a[st][np * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
-                    mma_bf16(acc[2 * np], a, b[0], b[1]);
-                    if (2 * np + 1 < NT) mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+                    ldsm_x4(b, &s_a[st][np * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+                    mma_k16(acc[2 * np], a, b[0], b[1]);
+                    if (2 * np + 1 < NT) mma_k16(acc[2 * np + 1], a, b[2], b[3]);
                 }
             }
         }
@@ -833,11 +811,11 @@ __device__ __forceinline__ void expand_tile_mma(float (&acc)[16][4], const bf16_
 #pragma unroll
         for (int np = 0; np < 8; ++np) {
             u32 b[4];
-            ldmatrix_x4(b, b_lane + np * 16 * bp + kst * 16);
-            mma_bf16(acc[2 * np], a_hi, b[0], b[1]);
-            mma_bf16(acc[2 * np], a_lo, b[0], b[1]);
-            mma_bf16(acc[2 * np + 1], a_hi, b[2], b[3]);
-            mma_bf16(acc[2 * np + 1], a_lo, b[2], b[3]);
+            ldsm_x4(b, b_lane + np * 16 * bp + kst * 16);
+            mma_k16(acc[2 * np], a_hi, b[0], b[1]);
+            mma_k16(acc[2 * np], a_lo, b[0], b[1]);
+            mma_k16(acc[2 * np + 1], a_hi, b[2], b[3]);
+            mma_k16(acc[2 * np + 1], a_lo, b[2], b[3]);
         }
     }
 }

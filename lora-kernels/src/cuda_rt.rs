@@ -6,6 +6,32 @@
 //! cudarc panics when `libcuda` / `libnvrtc` / `libcublas` are missing, so
 //! [`open`] (and the first cuBLAS call, [`CudaBackend::sgemm_nt`]) asks
 //! `is_culib_present` first and returns a typed error instead.
+//!
+//! The kernels: CUDA C sources under `lora-kernels/cuda/`, one translation
+//! unit per family ([`Family`]: `bgmv.cu` with `bgmv_entry.cu` and
+//! `bgmv_rows.cu` compiled after it in the same module, `sgmv.cu`,
+//! `moe_index.cu`, `overlay.cu`, `repack.cu`, each after the shared
+//! `common.cuh`), embedded with `include_str!` and compiled by NVRTC at
+//! first use for the device's own architecture: `sm_90a` on compute
+//! capability 9.0 when the NVRTC found is CUDA 12.0 or newer, so Hopper's
+//! arch-specific `wgmma` is available ([`arch_specific`]; the code never
+//! leaves the device it was built for); with an older NVRTC, or on another
+//! capability, `sm_XY`, where the `mma.sync` forms run. Modules and
+//! functions are cached per process and device (`module_cache`). Every
+//! kernel-parameter struct is mirrored on the host with its size asserted
+//! on both sides. Bad device data (an index past a table, a bad rank) sets
+//! a bit in the device's fault word, which `Device::check_faults` reads
+//! (the output is then unspecified); on the CPU backend the same data is an
+//! error.
+//!
+//! Launches: [`CudaBackend::launch_chained`] (plain, or a programmatic
+//! dependent of the stream's previous kernel: the decode plans' chains,
+//! `ops::bgmv::plan::Chain`), [`CudaBackend::launch_resident`] (every block
+//! resident at once: cooperative when plain); the scratch of multi-launch
+//! ops and the spread kernel's inboxes are held for a sequence of launches
+//! ([`CudaBackend::with_scratch`], [`CudaBackend::with_spread_inbox`]); and
+//! [`CudaBackend::predecessor`] asks the driver's capture state what a launch
+//! issued now would follow ([`Predecessor`]).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -23,11 +49,33 @@ use crate::error::KernelError;
 
 /// The shared header prepended to every family (no `#include` is needed).
 const COMMON: &str = include_str!("../cuda/common.cuh");
+/// PTX wrappers (async copies, matrix loads and MMAs), prepended to every family.
+const PTX: &str = include_str!("../cuda/ptx.cuh");
+/// Cluster, mbarrier and named-barrier helpers of the decode families.
+const CLUSTER: &str = include_str!("../cuda/cluster.cuh");
+/// The decode families' shared entry checks.
+const DECODE: &str = include_str!("../cuda/decode.cuh");
 
-/// A `.cu` file: one kernel family, compiled as one module.
+/// The `#define`s of every translation unit: the constants the kernels and
+/// the host code share, from the host's one definition of each
+/// (`ops::cuda_defines`), so no value is mirrored by hand.
+pub(crate) fn prelude() -> String {
+    crate::ops::cuda_defines()
+        .into_iter()
+        .map(|(name, value)| format!("#define {name} {value}\n"))
+        .collect()
+}
+
+/// A kernel family: one `.cu` file with the headers it includes, compiled
+/// as one module on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Family {
+    /// The fused and two-phase decode kernels, the item list, the empty launch.
     Bgmv,
+    /// The entry-clustered decode kernels.
+    BgmvEntry,
+    /// The row-register decode kernels.
+    BgmvRows,
     Sgmv,
     MoeIndex,
     Overlay,
@@ -35,8 +83,10 @@ pub(crate) enum Family {
 }
 
 impl Family {
-    pub(crate) const ALL: [Family; 5] = [
+    pub(crate) const ALL: [Family; 7] = [
         Family::Bgmv,
+        Family::BgmvEntry,
+        Family::BgmvRows,
         Family::Sgmv,
         Family::MoeIndex,
         Family::Overlay,
@@ -46,6 +96,8 @@ impl Family {
     pub(crate) fn file(self) -> &'static str {
         match self {
             Family::Bgmv => "bgmv.cu",
+            Family::BgmvEntry => "bgmv_entry.cu",
+            Family::BgmvRows => "bgmv_rows.cu",
             Family::Sgmv => "sgmv.cu",
             Family::MoeIndex => "moe_index.cu",
             Family::Overlay => "overlay.cu",
@@ -56,6 +108,8 @@ impl Family {
     fn body(self) -> &'static str {
         match self {
             Family::Bgmv => include_str!("../cuda/bgmv.cu"),
+            Family::BgmvEntry => include_str!("../cuda/bgmv_entry.cu"),
+            Family::BgmvRows => include_str!("../cuda/bgmv_rows.cu"),
             Family::Sgmv => include_str!("../cuda/sgmv.cu"),
             Family::MoeIndex => include_str!("../cuda/moe_index.cu"),
             Family::Overlay => include_str!("../cuda/overlay.cu"),
@@ -63,23 +117,25 @@ impl Family {
         }
     }
 
-    /// Files compiled after the family's own, in the same module (they use its helpers).
-    fn extra(self) -> &'static [(&'static str, &'static str)] {
+    /// The headers compiled before the family's file, after `common.cuh`.
+    fn headers(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Family::Bgmv => &[
-                ("bgmv_entry.cu", include_str!("../cuda/bgmv_entry.cu")),
-                ("bgmv_rows.cu", include_str!("../cuda/bgmv_rows.cu")),
-            ],
+            Family::Bgmv | Family::BgmvEntry | Family::BgmvRows => {
+                &[("ptx.cuh", PTX), ("cluster.cuh", CLUSTER), ("decode.cuh", DECODE)]
+            }
+            Family::Sgmv => &[("ptx.cuh", PTX)],
             _ => &[],
         }
     }
 
     /// The full translation unit NVRTC compiles.
     pub(crate) fn source(self) -> String {
-        let mut src = format!("{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.body());
-        for (file, body) in self.extra() {
-            src.push_str(&format!("\n#line 1 \"{file}\"\n{body}"));
+        let mut src = prelude();
+        src.push_str(&format!("#line 1 \"common.cuh\"\n{COMMON}\n"));
+        for (file, body) in self.headers() {
+            src.push_str(&format!("#line 1 \"{file}\"\n{body}\n"));
         }
+        src.push_str(&format!("#line 1 \"{}\"\n{}", self.file(), self.body()));
         src
     }
 }
@@ -166,7 +222,7 @@ pub(crate) struct CudaBackend {
 pub(crate) const SPREAD_INBOX_WORDS: usize = 2 * 8 * 128;
 
 /// What a launch issued now on the backend's stream would follow, as far as
-/// the driver can tell ([`CudaBackend::predecessor`]). A programmatic
+/// the driver can tell (`CudaBackend::predecessor`). A programmatic
 /// dependent launch overlaps only a kernel it follows in the same stream or
 /// graph; a graph's root node follows nothing (a graph launch waits for the
 /// stream's previous work whole).

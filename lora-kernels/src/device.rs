@@ -297,5 +297,12 @@ pub fn compile_all_kernels(compute_capability: (i32, i32)) -> Result<(), KernelE
     Ok(())
 }
 
+/// The translation units NVRTC compiles, one per kernel family, as
+/// `(file name, source)`: for inspecting the machine code offline (e.g.
+/// compiling them with `nvcc -cubin` and comparing builds function by function).
+pub fn kernel_sources() -> Vec<(&'static str, String)> {
+    cuda_rt::Family::ALL.iter().map(|f| (f.file(), f.source())).collect()
+}
+
 #[cfg(test)]
 mod tests;

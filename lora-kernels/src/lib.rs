@@ -53,7 +53,7 @@ mod table;
 pub mod testing;
 
 pub use buffer::{DeviceBuffer, DeviceElem, PinnedHostBuffer};
-pub use device::{Device, DeviceKind, compile_all_kernels};
+pub use device::{Device, DeviceKind, compile_all_kernels, kernel_sources};
 pub use error::{FaultFlags, KernelError};
 pub use graph::{DeviceEvent, DeviceGraph};
 pub use ops::bgmv::plan::{Chain, DecodeForm, DecodePlan, EntryKernel, FusedForm, ItemList, TwoPhaseForm};
@@ -66,6 +66,7 @@ pub use ops::linear::linear_f32;
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};
 pub use ops::overlay::{embed_overlay, lm_head_overlay, row_diff};
 pub use ops::repack::{RepackDtype, RepackRegion, repack};
-pub use ops::sgmv::{Segments, SgmvPhase, SgmvTuning, one_adapter, sgmv, sgmv_tuned};
+pub use ops::sgmv::plan::{ExpandKernel, PrefillCall, PrefillPlan, ShrinkKernel};
+pub use ops::sgmv::{PrefillOptions, Segments, SgmvPhase, one_adapter, sgmv, sgmv_candidates, sgmv_plan, sgmv_with};
 pub use ops::{LoraTarget, LoraWorkspace, MAX_TARGETS, OutputElem, Rows, RowsMut, WorkspaceSpec};
 pub use table::{EmbedOverlayEntry, LmHeadOverlayEntry, PairEntry};

@@ -44,9 +44,9 @@ use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{PairPool, RandomPairs, Rng};
 use lora_kernels::{
     Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace,
-    PairEntry, Rows, RowsMut, Segments, SgmvPhase, SgmvTuning, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with,
-    row_diff, sgmv_tuned,
+    PairEntry, Rows, RowsMut, Segments, SgmvPhase, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with, row_diff,
 };
+use lora_kernels::{PrefillOptions, PrefillPlan, sgmv_candidates, sgmv_plan, sgmv_with};
 use serde_json::{Value, json};
 
 use crate::bench_io::{self, IoRow};
@@ -548,11 +548,11 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         let (mut copies, ops) = rotating_copies(device, case.floor_bytes, &upload)?;
         let sets = copies.len();
         let default_plan = copies[0].plan(device, shape, DecodeOptions::default()).map_err(err)?;
-        let default_label = match default_plan {
-            Some(plan) => format!("default: {plan}"),
-            None => "default".to_string(),
-        };
-        let mut variants = vec![(default_label, DecodeOptions::default())];
+        // The default row keeps its label; the plan it ran is printed beside it.
+        if let Some(plan) = default_plan {
+            eprintln!("bench: {name}: default plan {plan}");
+        }
+        let mut variants = vec![("default".to_string(), DecodeOptions::default())];
         if ctx.opts.sweep {
             for overlap_previous in [false, true] {
                 for plan in copies[0].candidates(device, shape, overlap_previous).map_err(err)? {
@@ -708,125 +708,6 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
         if !ctx.opts.wants_case(&name) {
             continue;
         }
-        let mut variants = vec![("default".to_string(), SgmvTuning::default())];
-        if ctx.opts.sweep {
-            for k in [2, 3, 4, 5, 6, 7, 8] {
-                variants.push((
-                    format!("ks{k}"),
-                    SgmvTuning {
-                        k_splits: Some(k),
-                        ..Default::default()
-                    },
-                ));
-            }
-            // K splits crossed with when the expand gets resident and its y buffers.
-            for k in [3, 4, 5, 6] {
-                for (when, early) in [("early", true), ("late", false)] {
-                    for y in [1, 2] {
-                        variants.push((
-                            format!("ks{k} {when} y{y}"),
-                            SgmvTuning {
-                                k_splits: Some(k),
-                                early_dependents: Some(early),
-                                y_buffers: Some(y),
-                                ..Default::default()
-                            },
-                        ));
-                    }
-                }
-            }
-            let expand_only = |t: SgmvTuning| SgmvTuning {
-                only_phase: Some(SgmvPhase::Expand),
-                ..t
-            };
-            let shrink_only = |t: SgmvTuning| SgmvTuning {
-                only_phase: Some(SgmvPhase::Shrink),
-                ..t
-            };
-            // The 64-row shrink: paired staging (default) against split staging (v6).
-            let split = SgmvTuning {
-                paired_staging: Some(false),
-                ..Default::default()
-            };
-            let narrow = SgmvTuning {
-                narrow_shrink: Some(true),
-                ..Default::default()
-            };
-            let unbalanced = SgmvTuning {
-                balanced_items: Some(false),
-                ..Default::default()
-            };
-            // The shrink, the expand or both on mma.sync where the default is wgmma.
-            let mma_sync = SgmvTuning {
-                wgmma_shrink: Some(false),
-                ..Default::default()
-            };
-            let mma_sync_expand = SgmvTuning {
-                wgmma_expand: Some(false),
-                ..Default::default()
-            };
-            let mma_sync_both = SgmvTuning {
-                wgmma_expand: Some(false),
-                ..mma_sync
-            };
-            // The wgmma expand's MMAs from y or ahead of it.
-            let mma_before_y = |on| SgmvTuning {
-                mma_before_y: Some(on),
-                ..Default::default()
-            };
-            // When the shrink lets the expand get resident.
-            let early = |on| SgmvTuning {
-                early_dependents: Some(on),
-                ..Default::default()
-            };
-            // The expand's y tiles in one shared-memory buffer or two.
-            let one_y = SgmvTuning {
-                y_buffers: Some(1),
-                ..Default::default()
-            };
-            let two_y = SgmvTuning {
-                y_buffers: Some(2),
-                ..Default::default()
-            };
-            let plain = [
-                ("unbalanced", unbalanced),
-                (
-                    "no pdl",
-                    SgmvTuning {
-                        dependent_expand: Some(false),
-                        ..Default::default()
-                    },
-                ),
-                ("narrow shrink", narrow),
-                (
-                    "split staging",
-                    SgmvTuning {
-                        paired_staging: Some(false),
-                        ..Default::default()
-                    },
-                ),
-                ("mma.sync shrink", mma_sync),
-                ("mma.sync expand", mma_sync_expand),
-                ("mma.sync both", mma_sync_both),
-                ("mma after y", mma_before_y(false)),
-                ("mma before y", mma_before_y(true)),
-                ("early dependents", early(true)),
-                ("late dependents", early(false)),
-                ("shrink only", shrink_only(SgmvTuning::default())),
-                ("mma.sync shrink only", shrink_only(mma_sync)),
-                ("mma.sync expand only", expand_only(mma_sync_expand)),
-                ("split staging shrink only", shrink_only(split)),
-                ("narrow shrink only", shrink_only(narrow)),
-                ("expand only", expand_only(SgmvTuning::default())),
-                ("unbalanced expand only", expand_only(unbalanced)),
-                ("one y buffer", one_y),
-                ("two y buffers", two_y),
-                ("one y buffer expand only", expand_only(one_y)),
-                ("two y buffers expand only", expand_only(two_y)),
-            ];
-            variants.extend(plain.into_iter().map(|(label, t)| (label.to_string(), t)));
-        }
-        ctx.opts.filter_variants(&mut variants);
         let pairs = RandomPairs::new(rng, in_dim, out, r, &vec![r as u32; segs]);
         let (x_host, y_host) = (rng.bf16_vec(rows * in_dim, 1.0), rng.bf16_vec(rows * out, 1.0));
         let cu_host: Vec<i32> = (0..=segs).map(|s| (s * rows / segs) as i32).collect();
@@ -860,22 +741,78 @@ fn prefill_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
             max_targets: 1,
         };
         let mut ws = LoraWorkspace::new(device, spec).map_err(err)?;
-        for &(ref variant, tuning) in &variants {
+        // The default (the rule table's plan) and under `--sweep` every plan
+        // that serves the call, the other K splits and each phase alone.
+        let mut variants = vec![("default".to_string(), PrefillOptions::default())];
+        if ctx.opts.sweep {
+            variants.extend(prefill_sweep(&mut copies[0], device, shape)?);
+        }
+        ctx.opts.filter_variants(&mut variants);
+        for &(ref variant, options) in &variants {
             let graph = device
-                .capture_graph(|| copies[0].apply(device, shape, &mut ws, tuning))
+                .capture_graph(|| copies[0].apply(device, shape, &mut ws, options))
                 .map_err(err)?;
             let stats = ctx.time_graph(&graph)?;
             ctx.rows.push(case.row(variant, stats));
         }
         // In a graph: every whole apply of a sweep (the y written back to
         // DRAM during the next op is a cost the isolated time leaves out).
-        for &(ref variant, tuning) in variants.iter().filter(|(_, t)| t.only_phase.is_none()) {
-            let timed = ctx.time_in_graph(sets, ops, |i| copies[i % sets].apply(device, shape, &mut ws, tuning))?;
+        for &(ref variant, options) in variants.iter().filter(|(_, o)| o.only_phase.is_none()) {
+            let timed = ctx.time_in_graph(sets, ops, |i| copies[i % sets].apply(device, shape, &mut ws, options))?;
             attach_in_graph(ctx, &name, variant, timed);
         }
     }
     Ok(())
 }
+
+/// The `--sweep` variants of a prefill case beside the default, each
+/// labelled by its plan: every plan that serves the call
+/// ([`sgmv_candidates`], the rule table's first), the rule table's plan with
+/// each other K split, and each phase alone: the default's ("shrink only",
+/// "expand only") and each other shrink's and expand's (with its y buffers
+/// and way of dealing items) the candidates have.
+fn prefill_sweep(
+    inputs: &mut PrefillInputs,
+    device: &Device,
+    shape: PrefillShape,
+) -> Result<Vec<(String, PrefillOptions)>, String> {
+    let options = |plan, only_phase| PrefillOptions {
+        choice: Choice::Exact(plan),
+        only_phase,
+    };
+    let Some(auto) = inputs.plan(device, shape, Choice::Auto).map_err(err)? else {
+        return Ok(Vec::new());
+    };
+    let candidates = inputs.candidates(device, shape).map_err(err)?;
+    let mut variants = vec![
+        ("shrink only".to_string(), options(auto, Some(SgmvPhase::Shrink))),
+        ("expand only".to_string(), options(auto, Some(SgmvPhase::Expand))),
+    ];
+    variants.extend(candidates.iter().map(|&plan| (plan.to_string(), options(plan, None))));
+    for k_splits in 1..=8 {
+        let plan = PrefillPlan { k_splits, ..auto };
+        if k_splits != auto.k_splits && inputs.plan(device, shape, Choice::Exact(plan)).is_ok() {
+            variants.push((plan.to_string(), options(plan, None)));
+        }
+    }
+    // The expand alone reads the plan's kernel, y buffers and way of dealing items.
+    let expand_of = |p: &PrefillPlan| (p.expand, p.y_buffers, p.balanced_items);
+    let (mut shrinks, mut expands) = (vec![(auto.shrink, auto.k_splits)], vec![expand_of(&auto)]);
+    for &plan in &candidates {
+        if !shrinks.contains(&(plan.shrink, plan.k_splits)) {
+            shrinks.push((plan.shrink, plan.k_splits));
+            variants.push((format!("shrink only {plan}"), options(plan, Some(SgmvPhase::Shrink))));
+        }
+        if !expands.contains(&expand_of(&plan)) {
+            expands.push(expand_of(&plan));
+            variants.push((format!("expand only {plan}"), options(plan, Some(SgmvPhase::Expand))));
+        }
+    }
+    Ok(variants)
+}
+
+/// A prefill case's (rows, segments, in, out, r).
+type PrefillShape = (usize, usize, usize, usize, usize);
 
 /// One copy of a prefill case's inputs.
 struct PrefillInputs {
@@ -887,30 +824,49 @@ struct PrefillInputs {
 }
 
 impl PrefillInputs {
-    /// The segment apply of `(rows, segments, in, out, r)` on these inputs.
-    fn apply(
+    /// Run `f` on the arguments of `shape`'s segment apply over this copy.
+    fn with_call<R>(
         &mut self,
-        device: &Device,
-        (rows, segs, in_dim, out, r): (usize, usize, usize, usize, usize),
-        ws: &mut LoraWorkspace,
-        tuning: SgmvTuning,
-    ) -> Result<(), KernelError> {
+        (rows, segs, in_dim, out, _): PrefillShape,
+        f: impl FnOnce(Rows<'_, bf16>, &Segments<'_>, &[LoraTarget<'_>], RowsMut<'_, bf16>) -> R,
+    ) -> R {
         let target = whole_table(&self.pool.table, segs, out);
         let segments = Segments {
             cu_seqlens: &self.cu,
             seg_slot: &self.slot,
             n_segments: segs,
         };
-        sgmv_tuned(
-            device,
-            Rows::dense(&self.x, rows, in_dim),
-            &segments,
-            &target,
-            r,
-            RowsMut::dense(&mut self.y, rows, out),
-            ws,
-            tuning,
-        )
+        let x = Rows::dense(&self.x, rows, in_dim);
+        f(x, &segments, &target, RowsMut::dense(&mut self.y, rows, out))
+    }
+
+    /// The segment apply of `shape` on these inputs.
+    fn apply(
+        &mut self,
+        device: &Device,
+        shape: PrefillShape,
+        ws: &mut LoraWorkspace,
+        options: PrefillOptions,
+    ) -> Result<(), KernelError> {
+        let r = shape.4;
+        self.with_call(shape, |x, s, t, y| sgmv_with(device, x, s, t, r, y, ws, options))
+    }
+
+    /// The plan the apply of `shape` runs under `choice` (`None` on the CPU).
+    fn plan(
+        &mut self,
+        device: &Device,
+        shape: PrefillShape,
+        choice: Choice<PrefillPlan>,
+    ) -> Result<Option<PrefillPlan>, KernelError> {
+        let r = shape.4;
+        self.with_call(shape, |x, s, t, y| sgmv_plan(device, x, s, t, r, &y, choice))
+    }
+
+    /// Every plan that serves the apply of `shape`.
+    fn candidates(&mut self, device: &Device, shape: PrefillShape) -> Result<Vec<PrefillPlan>, KernelError> {
+        let r = shape.4;
+        self.with_call(shape, |x, s, t, y| sgmv_candidates(device, x, s, t, r, &y))
     }
 }
 

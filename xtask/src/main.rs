@@ -24,6 +24,21 @@ mod probe;
 mod serve;
 mod util;
 
+/// `cargo xtask cuda-sources DIR`: write every kernel family's translation
+/// unit (what NVRTC compiles) into DIR, to compare the machine code of two
+/// builds offline.
+fn cuda_sources(args: &[String]) -> Result<(), String> {
+    let [dir] = args else {
+        return Err("usage: cargo xtask cuda-sources DIR".into());
+    };
+    std::fs::create_dir_all(dir).map_err(|e| format!("{dir}: {e}"))?;
+    for (file, source) in lora_kernels::kernel_sources() {
+        let path = std::path::Path::new(dir).join(file);
+        std::fs::write(&path, source).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (task, rest) = match args.split_first() {
@@ -37,6 +52,7 @@ fn main() -> ExitCode {
         "gpu-bundle" => gpu::bundle(rest),
         "gpu-test" => gpu::gpu_test(rest),
         "bench" => bench::run(rest),
+        "cuda-sources" => cuda_sources(rest),
         "probe" => {
             return match probe::run(rest) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -64,7 +80,9 @@ fn main() -> ExitCode {
             };
         }
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo|probe|serve|fixtures|gpu-bundle|gpu-test|bench> [args]");
+            eprintln!(
+                "usage: cargo xtask <ci|demo|probe|serve|fixtures|gpu-bundle|gpu-test|bench|cuda-sources> [args]"
+            );
             return ExitCode::from(2);
         }
     };

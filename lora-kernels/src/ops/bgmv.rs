@@ -8,6 +8,145 @@
 //! table. CUDA kernel family: `cuda/bgmv.cu`, the entry-clustered form's
 //! `cuda/bgmv_entry.cu` (module `entry`) and the row-register form's
 //! `cuda/bgmv_rows.cu` (module `rows`), compiled with it.
+//!
+//! Which form a call runs, and every launch choice within it, is the rule
+//! table's ([`plan`]: a pure function of the call, the device and the
+//! caller's promises; its module docs also describe the launch chains);
+//! [`bgmv_with`] runs a [`plan::DecodePlan`] and decides nothing itself. The
+//! row-register form lives in `rows.rs`, the entry-clustered form in
+//! `entry.rs`; this module launches the other two, described below.
+//!
+//! # The fused kernel ([`plan::DecodeForm::Fused`])
+//!
+//! One launch (two with the item list). Rows are grouped by table entry
+//! inside a window of at most 512 rows (`WINDOW_MAX`) into *items* of up
+//! to 8 rows of one entry (`ITEM_ROWS`), so an adapter's A and B are read
+//! once per item. A cluster of [`plan::FusedForm::cluster`] blocks serves
+//! one item: each block shrinks its slice of `in` into shared memory, the
+//! partial rank vectors are summed over the cluster, and each block expands
+//! its share of the outputs. The grid is (cluster x
+//! [`plan::FusedForm::out_splits`], windows x
+//! [`plan::FusedForm::clusters_per_window`], targets); items are dealt
+//! round-robin to a window's clusters, and each output split recomputes the
+//! (small) rank vector rather than pay a second launch. Before sm_90 a
+//! cluster is one block; on sm_90 the cost model (`LaunchChoice::pick` in
+//! [`plan`]) takes clusters of 8, or of 2 (one block a multiprocessor, each
+//! doing four times the work) where items outnumber one round of resident
+//! clusters of 8; clusters of 4 serve exact plans only.
+//!
+//! Finding the items ([`plan::FusedForm::items`]):
+//! - [`plan::ItemList::Scan`]: every block lists its window's items
+//!   itself. Each thread reads its first row index before any other setup,
+//!   and tables of up to 128 entries are copied into shared memory while
+//!   the indices arrive, so an item's entry is no second round trip.
+//!   Windows of up to one row a thread are listed with one `match_any` per
+//!   warp, a count over the lower warps' rows and a ballot per warp, in
+//!   three barriers (one for up to 32 rows); longer windows by a block scan.
+//! - [`plan::ItemList::Listed`]: a small first launch (`bgmv_list`, one
+//!   block a window) lists each window's items (rows and checked entry)
+//!   once into the device's scratch, and the fused kernel (the `_list`
+//!   kernels), launched as its programmatic dependent, reads them after
+//!   `griddepcontrol.wait` instead of scanning. Tables of at most
+//!   [`ITEM_LIST_MAX_ENTRIES`] entries (`bgmv_list` counts each entry's
+//!   rows in shared memory), and lists that fit the scratch. Past one
+//!   window the list lets windows hold 512 rows instead of 256
+//!   (`row_windows`), so each window reads its adapters once for twice the
+//!   rows.
+//! - [`plan::ItemList::ListedFlag`]: the same, the fused blocks polling a
+//!   ready flag `bgmv_list` releases once its list is written, instead of
+//!   waiting for that launch's completion (measured slower, NOTES.md).
+//!
+//! The cluster sum: with [`plan::FusedForm::push_sum`] every block pushes
+//! its partial rank vectors into each peer's receive buffers (`st.async`,
+//! counted on the peer's mbarrier) and waits on its own mbarrier: one
+//! one-way hop per item, no cluster barrier and so no GPU-scope release
+//! fence; it costs receive buffers of `2 · cluster · 8 · stride` f32, so
+//! the cost model takes it up to rank stride 32 where they cost no resident
+//! block. Otherwise a cluster barrier, loads from the peers' shared memory
+//! and a second barrier before the partials are overwritten.
+//!
+//! A scalar block requests its A and x slice before its B rows and y
+//! values, starts the shrink when that slice alone has arrived, and waits
+//! for B and y only before the expand. With
+//! [`plan::FusedForm::tensor_cores`] shrink and expand run on tensor cores
+//! (an item of several rows costs one matrix instruction per 8 columns
+//! instead of a warp reduction per row); the scalar path's smaller code
+//! suits small batches, which run from a cold instruction cache. The scalar
+//! clusters of 2 run blocks of 16 warps (the others 8): for a one-row item
+//! warps 0-7 request A and x and shrink while warps 8-15 request B and y;
+//! for larger items all 16 share each phase (their window scan takes one
+//! row per thread up to 512 rows).
+//!
+//! *Row-mapped*: scalar clusters of 2 with a cluster for every row of the
+//! window (`clusters_per_window` = the window's rows). Cluster q serves row
+//! q alone, an item of one row, requesting its weights as soon as its entry
+//! is known, and the window is never scanned (rows of one adapter are not
+//! grouped: its A and B come again from L2). At rank stride 16, with pushed
+//! sums, A and x in one chunk and at most 2048 outputs a block, the form may
+//! hold B in registers ([`plan::FusedForm::b_registers`], exact plans
+//! only): warps 8-15 load their block's B rows into registers as soon as A
+//! is requested and expand on tensor cores once the rank vector is summed,
+//! and shared memory holds no B (y and x one row each). Slower where every
+//! row names its own adapter, faster where few adapters repeat from L2
+//! (NOTES.md v28).
+//!
+//! Under [`plan::Chain::EarlyReads`] a scanning block reads idx, the table
+//! and its first item's B and A before `griddepcontrol.wait`, and x and y
+//! only after it, so the chain idx -> entry -> weights runs under the
+//! previous kernel's tail; `bgmv_list` reads idx and the tables before its
+//! wait and writes the scratch after it. The fused kernel never waits
+//! first.
+//!
+//! # The two launches ([`plan::DecodeForm::TwoPhase`])
+//!
+//! A shrink (`bgmv2_shrink*`) writes every row's partial rank vectors, per
+//! K slice, into the device's scratch, and an expand (`bgmv2_expand*`) sums
+//! them and adds `B t` to y; the scratch is held for both launches
+//! (`with_scratch`), and a batch is one window (at most 512 rows) whose
+//! partials fit it (`TwoPhasePlan`). Every block of both launches is
+//! resident at once (four a multiprocessor); more units than blocks are
+//! walked in turn.
+//!
+//! With [`plan::TwoPhaseForm::row_items`] (the rule table's form, the
+//! `_rows` kernels) every row is an item of its own: the shrink scans no
+//! window and writes no item descriptors, reading each row's index and
+//! entry itself, and the expand reads each row's entry from the indices and
+//! tables itself (neither depends on the shrink), so before it waits for
+//! the shrink it loads its first B rows into registers and, unless the
+//! shrink runs under the overlap, copies its first unit's y values into
+//! shared memory (an L2 prefetch of the whole B span there measured slower,
+//! NOTES.md). Each row's outputs are cut into equal chunks
+//! ([`plan::TwoPhaseForm::expand_cols`]), as many as give every (row,
+//! target) the same share of the expand's resident blocks (one unit a
+//! block, shared memory for one row). Rows of one adapter each read its A
+//! and B (from L2 after the first). The scanning form (`row_items` off,
+//! exact plans only) groups items of up to 8 rows of one entry in the
+//! shrink, which lists them for the expand; its expand units are 512
+//! outputs, or 1024 past 8192 outputs.
+//!
+//! The shrink takes one-row items 8 rank rows per step, so a lane has 8 A
+//! loads in flight; its K slices fill the grid once, rounded down to a
+//! power of two under [`plan::TwoPhaseForm::pow2_slices`] (whole 256-column
+//! warp passes when `in` is a multiple of 4096). Both kernels sum their
+//! partial dot products by halving exchanges. With
+//! [`plan::TwoPhaseForm::dependent_expand`] the expand is the shrink's
+//! programmatic dependent, its blocks resident while the shrink drains,
+//! and it requests its next B rows before those exchanges. The shrink sums
+//! each rank row over its warps in a fixed order (a warp's column passes in
+//! registers, at most two shared adds per value; the tensor-core shrink's
+//! tiles in warp order), so a repeated apply or a graph replay gives the
+//! same bits. [`plan::TwoPhaseForm::shrink_tensor_cores`] (exact plans
+//! only) shrinks on tensor cores: one matrix instruction per 16 rank rows x
+//! 16 columns x the item's rows, instead of per-lane unpacking,
+//! multiply-adds and warp exchanges for every 2 rows.
+//!
+//! Waiting first ([`plan::Chain::WaitFirst`]) the shrink's blocks execute
+//! `griddepcontrol.wait` and only then let the expand in, so the row
+//! form's expand, which reads y before its own wait, still starts only
+//! after every earlier kernel completed; the expand lets the next kernel
+//! in before its blocks' last stores ([`plan::Chain::WaitFirstEarlyNext`]:
+//! at its start). Under [`plan::Chain::EarlyReads`] the shrink reads idx
+//! and the tables before its wait, x and the scratch after it.
 
 use half::bf16;
 
@@ -33,9 +172,9 @@ pub use rows::{ROWS_MAX_IN, ROWS_MAX_OUT, ROWS_STRIDE};
 pub const BGMV_MAX_RANK: usize = 256;
 /// Rows grouped together at most (one window); larger batches use windows
 /// of this many rows with the item list, else of [`WINDOW_LARGE`] (`row_windows`).
-const WINDOW_MAX: usize = 512;
+pub(crate) const WINDOW_MAX: usize = 512;
 const WINDOW_LARGE: usize = 256;
-const THREADS: u32 = 256;
+pub(crate) const THREADS: u32 = 256;
 
 /// Threads per block of the fused kernel: the scalar clusters of 2 run 16
 /// warps (`BGMV_KERNEL_CL` in `cuda/bgmv.cu`), the others eight.
@@ -48,7 +187,7 @@ fn fused_threads(cluster: usize, tensor_cores: bool) -> u32 {
 }
 
 /// Rows per item (`BGMV_G` in the kernel).
-const ITEM_ROWS: usize = 8;
+pub(crate) const ITEM_ROWS: usize = 8;
 
 /// Length of the largest piece of `[0, n)` cut in `parts`, each piece a multiple of 8 (`split8` in the kernel).
 fn piece8(n: usize, parts: usize) -> usize {
@@ -77,7 +216,7 @@ struct PlanShape {
     push: bool,
     /// The tensor-core shrink's per-warp tiles follow the rank vectors.
     tensor_cores: bool,
-    /// The row-mapped form may hold B in registers (`BgmvTuning::expand_b_registers`):
+    /// The row-mapped form may hold B in registers ([`FusedForm::b_registers`]):
     /// where the plan is one chunk of at most [`B_REGISTERS_MAX_OUTS`] outputs, B is
     /// not staged and every item is one row.
     b_registers: bool,
@@ -247,11 +386,11 @@ fn item_list_fits(window: usize, n_windows: usize, n_targets: usize) -> bool {
 
 /// Byte offsets in the scratch of the two-phase decode (`BGMV2_*` in `cuda/bgmv.cu`):
 /// per-target headers, then item descriptors, then the partial rank vectors.
-const TWO_PHASE_DESC_OFF: usize = 256;
+pub(crate) const TWO_PHASE_DESC_OFF: usize = 256;
 const TWO_PHASE_PART_OFF: usize = TWO_PHASE_DESC_OFF + MAX_TARGETS * WINDOW_MAX * 64;
 /// Most K slices of the two-phase shrink (`BGMV2_MAX_SPLITS` in `cuda/bgmv.cu`),
 /// and the fewest columns per slice.
-const TWO_PHASE_MAX_SPLITS: usize = 16;
+pub(crate) const TWO_PHASE_MAX_SPLITS: usize = 16;
 const TWO_PHASE_MIN_SLICE: usize = 256;
 const TWO_PHASE_COLS: usize = 512;
 /// Outputs wider than this use expand units of `2 * TWO_PHASE_COLS` (31.5 against 33-34.5 µs at 14336).
@@ -350,10 +489,11 @@ struct Bgmv2Params {
     ks_max: i32,
     expand_cols: i32,
     pow2_slices: i32,
-    /// 1: the shrink is a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
+    /// How the shrink follows the stream's previous kernel (`Chain as i32`:
+    /// plain, [`Chain::EarlyReads`] or waiting first).
     overlap: i32,
     /// Above zero: every row its own item, in this many K slices (the
-    /// `_rows` kernels, `BgmvTuning::two_phase_row_items`).
+    /// `_rows` kernels, [`TwoPhaseForm::row_items`]).
     row_ks: i32,
     /// Keeps `targets` 8-byte aligned.
     pad: i32,
@@ -395,12 +535,13 @@ struct BgmvParams {
     list_flag: i32,
     /// Push form: byte offset of the receive buffers in the dynamic shared memory.
     off_r: i32,
-    /// 1: the cluster sum pushes partials (`BgmvTuning::push_sum`).
+    /// 1: the cluster sum pushes partials ([`FusedForm::push_sum`]).
     push: i32,
-    /// 1: a programmatic dependent of the stream's previous kernel (`BgmvTuning::overlap_previous`).
+    /// 1: a programmatic dependent of the stream's previous kernel ([`Chain::EarlyReads`]).
     overlap: i32,
     b_pitch: i32,
-    /// 1: the row-mapped clusters of 2 at rank stride 16 hold B in registers (`BgmvTuning::expand_b_registers`).
+    /// 1: the row-mapped clusters of 2 at rank stride 16 hold B in registers
+    /// ([`FusedForm::b_registers`], where the plan fits it).
     b_registers: i32,
     /// Keeps `targets` 8-byte aligned.
     pad: i32,
@@ -848,6 +989,27 @@ fn launch_two_phase<Y: OutputElem>(
             c.launch_chained(expand, shape, &params, forms.dependent_expand)
         }
     })
+}
+
+/// The constants the decode kernels and this host code share, as the
+/// `#define`s of every translation unit's prelude (`cuda_rt::prelude`):
+/// written once here, never in the CUDA sources.
+pub(crate) fn cuda_defines() -> Vec<(&'static str, usize)> {
+    vec![
+        ("BGMV_THREADS", THREADS as usize),
+        ("BGMV_G", ITEM_ROWS),
+        ("BGMV_MAX_RANK", BGMV_MAX_RANK),
+        ("BGMV_WIN_MAX", WINDOW_MAX),
+        ("BGMV_LIST_MAP", ITEM_LIST_MAX_ENTRIES),
+        ("BGMV2_DESC_OFF", TWO_PHASE_DESC_OFF),
+        ("BGMV2_MAX_SPLITS", TWO_PHASE_MAX_SPLITS),
+        ("BGE_THREADS", entry::THREADS as usize),
+        ("BGE_MAX_ROWS", ENTRY_MAX_ROWS),
+        ("BGE_REG_MAX_ROWS", ENTRY_REGISTERS_MAX_ROWS),
+        ("BGR_THREADS", rows::THREADS as usize),
+        ("BGR_PIECES", rows::PIECES_PER_BLOCK),
+        ("BGR_RANKS", ROWS_STRIDE),
+    ]
 }
 
 #[cfg(test)]

@@ -41,6 +41,14 @@ use crate::device::Device;
 use crate::error::{KernelError, invalid};
 use crate::table::PairEntry;
 
+/// The constants every kernel family and the host share (`#define`s of
+/// each translation unit's prelude, `cuda_rt::prelude`).
+pub(crate) fn cuda_defines() -> Vec<(&'static str, usize)> {
+    let mut all = vec![("MAX_TARGETS", MAX_TARGETS)];
+    all.extend(bgmv::cuda_defines());
+    all
+}
+
 /// Most targets one apply call serves (q/k/v, gate/up, ...).
 pub const MAX_TARGETS: usize = 4;
 

@@ -72,3 +72,27 @@ fn targets_are_checked() {
     assert_eq!(p[0].table, table.device_addr() + 2 * 24);
     assert_eq!((p[0].n_entries, p[0].out_dim, p[0].y_col_off), (4, 8, 3));
 }
+
+/// The shared constants are defined once, by the host: every translation
+/// unit starts with them, and no CUDA source defines one itself.
+#[test]
+fn shared_constants_are_defined_once_by_the_host() {
+    let defines = cuda_defines();
+    let mut names: Vec<&str> = defines.iter().map(|(n, _)| *n).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), defines.len(), "a name defined twice");
+    for (file, source) in crate::kernel_sources() {
+        assert!(source.starts_with(&crate::cuda_rt::prelude()), "{file}");
+        let body = &source[crate::cuda_rt::prelude().len()..];
+        for (name, _) in &defines {
+            let defined = body.lines().any(|l| {
+                l.trim_start()
+                    .strip_prefix("#define")
+                    .is_some_and(|r| r.split_whitespace().next() == Some(*name))
+            });
+            assert!(!defined, "{file} defines {name}, which the host's prelude defines");
+        }
+    }
+    assert!(defines.contains(&("MAX_TARGETS", MAX_TARGETS)));
+}

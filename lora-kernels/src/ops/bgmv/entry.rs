@@ -10,7 +10,82 @@
 //!
 //! It serves BF16 y, rank strides 16, 32 and 64, and 16-byte aligned rows
 //! (`EntryShape::check`); it never guesses: a batch it cannot serve is
-//! refused here, before any launch.
+//! refused here, before any launch. Which kernel, cluster size, prefetch and
+//! chain a call gets is the rule table's (rule 2 of [`super::plan`]); this
+//! module launches [`DecodeForm::Entry`](super::plan::DecodeForm::Entry).
+//!
+//! # The staged kernel ([`EntryKernel::Staged`])
+//!
+//! A cluster of 8 blocks (or 4, past rank stride 16 where clusters of 8 for
+//! every entry would not all be resident at once) per (entry, target). Each
+//! block lists the rows naming its entry by a ballot per warp and serves
+//! them 16 rows a pass: it shrinks and expands on tensor cores with
+//! fragments loaded straight from global memory (the k order of both
+//! operands permuted alike; the expand's output columns permuted so a lane
+//! holds 8 consecutive outputs of a row: one 16-byte load and store of y).
+//! While the shrink runs it copies its B rows and y values into shared
+//! memory, where that costs no resident block (`smem_plan`; else nothing is
+//! staged). At rank stride 64 a staged call expands with the outputs as the
+//! mma's M instead: B's rows through `ldmatrix`, y's staged values
+//! transposed through `ldmatrix.trans` and back through `stmatrix.trans`;
+//! the other expand is then built unstaged at that stride, within its
+//! registers. The cluster sums its partials by pushing them into its peers'
+//! shared memory up to rank stride 32 (`PUSH_MAX_STRIDE`), at rank 64 by a
+//! barrier and peer loads.
+//!
+//! # The register kernel ([`EntryKernel::Registers`])
+//!
+//! `bge_reg_body` (rank stride 16, clusters of 8, at most
+//! [`ENTRY_REGISTERS_MAX_ROWS`] rows, `in` and targets up to
+//! [`ENTRY_REGISTERS_MAX_DIM`]: `registers_serve`): each block requests its
+//! A slice and B rows into registers as soon as its entry is known, before
+//! the row indices arrive (so also where no row names the entry, which is
+//! why the rule table takes it only from 8 rows per entry of the largest
+//! table), keeps them for every pass, and loads each pass's x and y (8 rows)
+//! into registers; nothing is staged in shared memory. Every mma sits
+//! behind a fence (a branch on a value read with a volatile load after a
+//! barrier that follows the block's last load), so ptxas cannot start one,
+//! and wait for its loads, before the block's last load is out. Weights not
+//! 16- and 8-byte aligned go to the staged body.
+//!
+//! # The spread kernel ([`EntryKernel::Spread`])
+//!
+//! For calls where clusters of 8 for every entry would be more than one
+//! block a multiprocessor (so some multiprocessors would hold three of
+//! them while others idle): no clusters, 4 blocks an entry and target
+//! (`SPREAD_BLOCKS`), each loading its quarter of A and B into registers as
+//! the register kernel does (rank stride 16, at most 256 rows, `in` and
+//! targets up to [`ENTRY_SPREAD_MAX_DIM`]). The blocks exchange their
+//! partial rank vectors through per-block inboxes in global memory (the
+//! backend's, `CudaBackend::with_spread_inbox`): each 64-bit word carries
+//! the pass in its upper half, every block zeroes the words it was sent
+//! before it exits, so the inboxes (allocated zeroed) are zero between
+//! launches, and each block asks its own inbox into L2 at its start. A
+//! block spin-waits for its peers' words, so every block must be resident:
+//! `spread_serves` keeps the grid to at most one block a multiprocessor; a
+//! plain launch is cooperative (`launch_resident`), and waiting first the
+//! next kernel is let in only once every block has waited. A kernel of
+//! another stream that holds multiprocessors while it spins on this
+//! stream's results could keep some of its blocks from starting: an exact
+//! plan should not pick it beside such kernels.
+//!
+//! # Weights asked into L2 before the wait (`prefetch`)
+//!
+//! `DecodeForm::Entry { prefetch: true }`, at rank stride 16 in a launch
+//! that waits first ([`Chain::WaitFirstEarlyNext`]): each block reads its
+//! table entry before `griddepcontrol.wait` and asks L2 for its slice of A
+//! and B (`cp.async.bulk.prefetch.L2`), so DRAM streams them while the
+//! previous kernel ends. Read before that kernel completed, the entry may
+//! be stale; a prefetch returns nothing to the block, so what it reads
+//! after the wait is the plain launch's (at worst L2 holds bytes the block
+//! then does not read). The staged and register kernels prefetch in
+//! separate `_pf` kernels, so the others keep their machine code; the spread
+//! kernel's prefetch is a flag of its chain code (`SPREAD_PREFETCH`). The
+//! rule table prefetches where the launch's blocks are at most one a
+//! multiprocessor (it then also lets the next kernel in at once, whose
+//! blocks come early to ask for their own weights) and in the spread
+//! kernel; where blocks share multiprocessors it measured slower (NOTES.md
+//! v35).
 
 use half::bf16;
 
@@ -21,7 +96,7 @@ use crate::error::{KernelError, invalid};
 use crate::ops::{LoraTarget, MAX_TARGETS, OutputElem, TargetParams, to_i32, to_u32};
 
 /// Threads per block (`BGE_THREADS` in the kernel).
-const THREADS: u32 = 256;
+pub(super) const THREADS: u32 = 256;
 /// Warps per block, rows per pass (`BGE_WARPS`, `BGE_ROWS`).
 const WARPS: usize = 8;
 const PASS_ROWS: usize = 16;
@@ -358,7 +433,7 @@ pub(super) fn launch_entry<Y: OutputElem>(
     unsafe {
         c.launch_chained(
             Kernel {
-                family: Family::Bgmv,
+                family: Family::BgmvEntry,
                 name,
             },
             shape,
@@ -432,7 +507,7 @@ fn launch_spread<Y: OutputElem>(
         unsafe {
             c.launch_resident(
                 Kernel {
-                    family: Family::Bgmv,
+                    family: Family::BgmvEntry,
                     name,
                 },
                 shape,

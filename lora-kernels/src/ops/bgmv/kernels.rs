@@ -206,10 +206,12 @@ impl DecodeKernel {
         let name = self
             .name()
             .ok_or_else(|| invalid("plan", format!("no kernel {self:?}")))?;
-        Ok(Kernel {
-            family: Family::Bgmv,
-            name,
-        })
+        let family = match self {
+            Entry { .. } => Family::BgmvEntry,
+            Rows { .. } => Family::BgmvRows,
+            _ => Family::Bgmv,
+        };
+        Ok(Kernel { family, name })
     }
 }
 

@@ -18,6 +18,66 @@
 //!   device's scratch, then an expand; mid-sized batches of large adapters.
 //! - [`DecodeForm::Fused`] (`cuda/bgmv.cu`): one kernel, items of up to 8
 //!   rows of one entry found by a window scan or a first launch's item list.
+//!
+//! How each form works: the module docs of `rows.rs`, `entry.rs` and
+//! [`super`] (the fused kernel and the two launches). The measurements
+//! behind every threshold: NOTES.md (its current-state table and the
+//! versions it cites).
+//!
+//! # Launch chains ([`Chain`])
+//!
+//! How an apply's first launch follows the stream's previous kernel:
+//!
+//! - **Waiting first** ([`Chain::WaitFirst`], [`Chain::WaitFirstEarlyNext`];
+//!   sm_90): the entry-clustered and row-register kernels and the two-phase
+//!   shrink are launched as programmatic dependents of the previous kernel
+//!   whose blocks execute `griddepcontrol.wait` before their first read.
+//!   They run in a plain launch's order, whatever that kernel writes, but
+//!   are resident, their launch done, when it ends. Each lets the next
+//!   kernel launch early the same way (`griddepcontrol.launch_dependents`: a
+//!   kernel launched so waits before it reads what this one writes, as
+//!   every kernel of the crate does): as soon as its blocks waited
+//!   ([`Chain::WaitFirstEarlyNext`]) where they are at most one a
+//!   multiprocessor at rank strides up to 32 (`lets_next_in_early`; the
+//!   row-register form and the spread kernel always), so the next kernel's
+//!   blocks take the idle multiprocessors; else once their work is out
+//!   ([`Chain::WaitFirst`]; the two-phase expand: before its blocks' last
+//!   stores), since early blocks would land where the kernel's own
+//!   placement would not put them. The two-phase shrink lets its expand in
+//!   only after its wait, so the row form's expand, which reads y before
+//!   its own wait, still starts after every earlier kernel completed.
+//!   Measured faster than plain launches, NOTES.md v34-v36. The fused
+//!   kernel and the item list never wait first.
+//! - **The root-node rule** ([`DecodeContext::predecessor`]): captured
+//!   where no kernel precedes the launch ([`Predecessor::NoKernel`]: a
+//!   graph's root node, or after a copy, memset or event, as the driver's
+//!   capture state names the nodes the launch would follow), nothing would
+//!   overlap its start, and the weight prefetch and the spread kernel that
+//!   waiting first brings only cost time: the rules launch plain there,
+//!   without either (`wait_first_by_default`; NOTES.md v36). Outside a
+//!   capture, or with a driver too old to say ([`Predecessor::Unknown`]),
+//!   a kernel may be running: the launch waits first.
+//! - **The overlap promise** ([`DecodeContext::overlap_previous`], from
+//!   `DecodeOptions::overlap_previous`; [`Chain::EarlyReads`]): the caller
+//!   promises that the previous kernel writes neither the row indices, the
+//!   pair tables nor the adapter weights (in an engine the apply follows
+//!   the base projection, which writes y). The first launch is then a
+//!   programmatic dependent that reads before its wait what depends only on
+//!   those: the fused kernel's scanning form idx, the table entries and its
+//!   first item's A and B; `bgmv_list` and the two-phase shrink idx and the
+//!   tables; x, y and the device's scratch are touched only after the
+//!   wait. It takes the place of waiting first. Under it the rules keep
+//!   batches of one window of up to 256 rows on the scan (the list's launch
+//!   would wait for the previous kernel, where every block's scan overlaps
+//!   it), and rules 1 and 3 and rule 2's one-round branch do not apply
+//!   (the `_full` kernels read x before the B rows; for one-row entries the
+//!   fused launch's early reads measured faster, NOTES.md). Off by
+//!   default: only the caller knows what the previous kernel writes.
+//!
+//! The weight prefetch ([`DecodeForm::Entry`]'s `prefetch`) needs a launch
+//! that waits first at rank stride 16; an exact plan asking for it
+//! elsewhere, or for early reads without the promise, or for waiting first
+//! before sm_90, is refused ([`plan`] with [`Choice::Exact`]).
 
 use std::fmt;
 

@@ -1,18 +1,37 @@
-//! The row-register form of [`super::bgmv`]: one launch, a cluster of 2
-//! blocks of 512 threads per (row, target), each block loading its half of
-//! the row's A slice, x, B rows and y values straight into registers as
-//! soon as the row's entry is known, the rank vector summed over the pair
-//! by pushing partials (`cuda/bgmv_rows.cu`). Rows of one adapter each read
-//! its A and B (from L2 after the first), so it suits batches of mostly
-//! distinct adapters: the default for 32 to 64 rows of at most 2 a table
-//! entry in the calls its straight-line kernels serve (`full_form`;
-//! `row_registers_by_default`), an opt-in elsewhere
-//! (`BgmvTuning::row_registers`; NOTES.md v29-v30).
+//! The row-register form of [`super::bgmv`]
+//! ([`DecodeForm::RowRegisters`](super::plan::DecodeForm::RowRegisters),
+//! `cuda/bgmv_rows.cu`): one launch, a cluster of 2 blocks of 512 threads
+//! per (row, target), serving one-row items without shared memory. Each
+//! block loads its half of the row's A slice, x, B rows and y values
+//! straight into registers as soon as the row's entry is known (8 A and 8 B
+//! loads of 16 bytes in flight a thread), pushes its partial rank vector to
+//! its peer (the pair's sum), and expands from the registers. Rows of one
+//! adapter each read its A and B (from L2 after the first), so the form
+//! suits batches of mostly distinct adapters: the rule table's rule 1 takes
+//! it for 32 to 64 rows of at most 2 a table entry, in the calls its
+//! straight-line kernels serve ([`super::plan`]); elsewhere it serves exact
+//! plans.
+//!
+//! The straight-line (`_full`) kernels
+//! (`DecodeForm::RowRegisters { straight_line: true }`) serve 4096 x 4096
+//! calls with x rows 16-byte aligned and y rows aligned to 4 outputs, not
+//! under the overlap (their straight-line form reads x before the B rows;
+//! `full_form`): every thread's piece and outputs lie inside its block's
+//! halves, so the loads need no guards. They take that form for rows whose
+//! entry is of rank 16 with A and B 16-byte aligned, and run the general
+//! body for the others. Each guard or mask of the general kernel costs
+//! time though it adds no load, so the general kernel alone measured slower
+//! than the row-mapped fused form and serves no default (NOTES.md v29-v30).
+//!
+//! Waiting first, the rule table always lets the next kernel in as soon as
+//! the form's blocks waited ([`Chain::WaitFirstEarlyNext`]; measured faster
+//! than letting it in once their work is out at every shape it takes,
+//! NOTES.md v34).
 //!
 //! It serves rank stride 16, `in` a multiple of 8 up to [`ROWS_MAX_IN`] and
 //! outputs up to [`ROWS_MAX_OUT`] per target (`RowsShape::check`), any
-//! alignment of A, B, x and y, bf16 or f32 y; it never guesses: a call it
-//! cannot serve is refused here, before any launch.
+//! alignment of A, B, x and y, bf16 or f32 y, on sm_90 or newer; it never
+//! guesses: a call it cannot serve is refused, before any launch.
 
 use half::bf16;
 
@@ -24,13 +43,13 @@ use crate::error::KernelError;
 use crate::ops::{LoraTarget, MAX_TARGETS, OutputElem, TargetParams, to_u32};
 
 /// Threads per block (`BGR_THREADS`).
-const THREADS: u32 = 512;
+pub(super) const THREADS: u32 = 512;
 /// Blocks per (row, target): the kernel's cluster.
 const CLUSTER: usize = 2;
 /// The one rank stride the kernel serves (`BGR_RANKS`).
 pub const ROWS_STRIDE: usize = 16;
 /// 8-column pieces of `in` a block holds, one a thread of each rank group (`BGR_PIECES`).
-const PIECES_PER_BLOCK: usize = 256;
+pub(super) const PIECES_PER_BLOCK: usize = 256;
 /// Outputs a block serves: 4 a thread (`BGR_OUT_PER_THREAD`).
 const OUTS_PER_BLOCK: usize = 4 * THREADS as usize;
 /// Widest `in` the form serves (`BGR_MAX_IN`): two blocks' pieces.
