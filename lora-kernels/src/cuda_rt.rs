@@ -8,10 +8,11 @@
 //! `is_culib_present` first and returns a typed error instead.
 //!
 //! The kernels: CUDA C sources under `lora-kernels/cuda/`, one translation
-//! unit per family ([`Family`]: `bgmv.cu` with `bgmv_entry.cu` and
-//! `bgmv_rows.cu` compiled after it in the same module, `sgmv.cu`,
-//! `moe_index.cu`, `overlay.cu`, `repack.cu`, each after the shared
-//! `common.cuh`), embedded with `include_str!` and compiled by NVRTC at
+//! unit per family ([`Family`]: `bgmv.cu`, `bgmv_entry.cu`, `bgmv_rows.cu`,
+//! `sgmv.cu`, `moe_index.cu`, `overlay.cu`, `repack.cu`, each compiled on
+//! its own after the host's `#define` prelude ([`prelude`]), the shared
+//! `common.cuh` and the headers it uses: `ptx.cuh`, and for the decode
+//! families `cluster.cuh` and `decode.cuh`), embedded with `include_str!` and compiled by NVRTC at
 //! first use for the device's own architecture: `sm_90a` on compute
 //! capability 9.0 when the NVRTC found is CUDA 12.0 or newer, so Hopper's
 //! arch-specific `wgmma` is available ([`arch_specific`]; the code never

@@ -8,10 +8,12 @@
 use half::bf16;
 use lora_kernels::testing::{RandomPairs, Rng, cuda_or_skip, rel_error, widen};
 use lora_kernels::{
-    BgmvTuning, Device, DeviceBuffer, EmbedOverlayEntry, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting,
-    OutputElem, PairEntry, ROWS_MAX_IN, ROWS_MAX_OUT, Rows, RowsMut, Segments, SgmvTuning, WorkspaceSpec, bgmv_tuned,
-    embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff, sgmv_tuned,
+    Chain, DecodeForm, DecodeOptions, DecodePlan, Device, DeviceBuffer, EmbedOverlayEntry, EntryKernel, FusedForm,
+    ItemList, KernelError, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting, OutputElem, PairEntry,
+    ROWS_MAX_IN, ROWS_MAX_OUT, Rows, RowsMut, Segments, TwoPhaseForm, WorkspaceSpec, bgmv, bgmv_candidates, bgmv_plan,
+    bgmv_with, embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff,
 };
+use lora_kernels::{Choice, PrefillCall, PrefillOptions, PrefillPlan, sgmv, sgmv_plan, sgmv_with};
 
 const TOL: f64 = 1e-2;
 
@@ -181,34 +183,138 @@ fn compare<Y: OutputElem>(label: &str, input: &[Y], cpu: &[Y], gpu: &[Y]) {
     assert!(derr < 5e-2, "{label}: delta error {derr:e}");
 }
 
-fn run_bgmv_on<Y: OutputElem>(dev: &Device, p: &Problem, idx: &[i32], y0: &[Y], tuning: BgmvTuning) -> Vec<Y> {
-    run_bgmv_shifted(dev, p, idx, y0, 0, tuning)
+/// Options that run exactly `plan`, with the overlap promise where its chain
+/// needs it (here the previous kernel is an upload, a copy or an apply, none
+/// of which writes idx, the tables or the weights).
+fn exact(plan: DecodePlan) -> DecodeOptions {
+    DecodeOptions {
+        choice: lora_kernels::Choice::Exact(plan),
+        overlap_previous: plan.chain == Chain::EarlyReads,
+    }
 }
 
-/// [`run_bgmv_on`] with the weights placed by `OnDevice::shifted`.
-fn run_bgmv_shifted<Y: OutputElem>(
-    dev: &Device,
-    p: &Problem,
-    idx: &[i32],
-    y0: &[Y],
-    shift: usize,
-    tuning: BgmvTuning,
-) -> Vec<Y> {
-    let on = OnDevice::shifted(dev, p, shift);
-    let idx = dev.upload(idx).unwrap();
-    let mut y = dev.upload(y0).unwrap();
-    let targets = on.targets(p);
-    let yv = RowsMut::dense(&mut y, p.n, p.y_width);
-    bgmv_tuned(dev, on.x_rows(p), &idx, &targets, p.stride, yv, tuning).unwrap();
-    dev.check_faults().unwrap();
-    y.download().unwrap()
+/// The rule table's plan, with the overlap promise or without.
+fn auto(overlap_previous: bool) -> DecodeOptions {
+    DecodeOptions {
+        choice: lora_kernels::Choice::Auto,
+        overlap_previous,
+    }
 }
 
-fn check_bgmv(gpu: &Device, label: &str, p: &Problem, idx: &[i32], tuning: BgmvTuning) {
-    let cpu = Device::cpu();
-    let c = run_bgmv_on(&cpu, p, idx, &p.y_bf16, BgmvTuning::default());
-    let g = run_bgmv_on(gpu, p, idx, &p.y_bf16, tuning);
-    compare(&format!("{label} (bf16 y)"), &p.y_bf16, &c, &g);
+/// What a run ran, for messages: the plan's label, or the rule table's.
+fn describe(options: DecodeOptions) -> String {
+    match (options.choice, options.overlap_previous) {
+        (lora_kernels::Choice::Exact(plan), _) => plan.to_string(),
+        (lora_kernels::Choice::Auto, false) => "the rule table's plan".into(),
+        (lora_kernels::Choice::Auto, true) => "the rule table's plan under the overlap".into(),
+    }
+}
+
+/// The labels of `plans`, for messages.
+fn labels(plans: &[DecodePlan]) -> String {
+    plans.iter().map(DecodePlan::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// A problem's buffers and row indices on one device, applied again and
+/// again, y uploaded afresh each time.
+struct Applies<'a> {
+    dev: &'a Device,
+    p: &'a Problem,
+    bufs: OnDevice,
+    idx: DeviceBuffer<i32>,
+}
+
+impl<'a> Applies<'a> {
+    fn new(dev: &'a Device, p: &'a Problem, idx: &[i32]) -> Applies<'a> {
+        Applies::shifted(dev, p, idx, 0)
+    }
+
+    /// The buffers with the weights placed by `OnDevice::shifted`.
+    fn shifted(dev: &'a Device, p: &'a Problem, idx: &[i32], shift: usize) -> Applies<'a> {
+        Applies {
+            dev,
+            p,
+            bufs: OnDevice::shifted(dev, p, shift),
+            idx: dev.upload(idx).unwrap(),
+        }
+    }
+
+    /// Every plan that serves the call with y of `Y` on this device, under
+    /// the overlap promise or not (the rule table's first; none on the CPU).
+    fn candidates<Y: OutputElem>(&self, y0: &[Y], overlap_previous: bool) -> Vec<DecodePlan> {
+        let mut y = self.dev.upload(y0).unwrap();
+        let y = RowsMut::dense(&mut y, self.p.n, self.p.y_width);
+        let (x, targets) = (self.bufs.x_rows(self.p), self.bufs.targets(self.p));
+        bgmv_candidates(self.dev, x, &targets, self.p.stride, &y, overlap_previous).unwrap()
+    }
+
+    /// The candidates, the two-phase ones also with the launch choices the
+    /// rule table never takes (`two_phase_variants`); some form serves every
+    /// call of these tests.
+    fn plans<Y: OutputElem>(&self, y0: &[Y], overlap_previous: bool) -> Vec<DecodePlan> {
+        let plans = self.candidates(y0, overlap_previous);
+        assert!(
+            !plans.is_empty(),
+            "n={} in={} outs={:?} stride={}: no plan (overlap {overlap_previous})",
+            self.p.n,
+            self.p.in_dim,
+            self.p.outs,
+            self.p.stride
+        );
+        with_two_phase_variants(&plans)
+    }
+
+    /// Whether the planner takes `plan` for the call.
+    fn serves<Y: OutputElem>(&self, y0: &[Y], plan: DecodePlan) -> bool {
+        let mut y = self.dev.upload(y0).unwrap();
+        let y = RowsMut::dense(&mut y, self.p.n, self.p.y_width);
+        let (x, targets) = (self.bufs.x_rows(self.p), self.bufs.targets(self.p));
+        bgmv_plan(self.dev, x, &targets, self.p.stride, &y, exact(plan)).is_ok()
+    }
+
+    /// One apply adding into `y` (dense rows of the problem's width).
+    fn apply<Y: OutputElem>(&self, y: &mut DeviceBuffer<Y>, options: DecodeOptions) -> Result<(), KernelError> {
+        let y = RowsMut::dense(y, self.p.n, self.p.y_width);
+        let (x, targets) = (self.bufs.x_rows(self.p), self.bufs.targets(self.p));
+        bgmv_with(self.dev, x, &self.idx, &targets, self.p.stride, y, options)
+    }
+
+    /// One apply on y uploaded from `y0`, and the faults it raised.
+    fn run_faulting<Y: OutputElem>(&self, y0: &[Y], options: DecodeOptions) -> (Vec<Y>, lora_kernels::FaultFlags) {
+        let mut y = self.dev.upload(y0).unwrap();
+        self.apply(&mut y, options)
+            .unwrap_or_else(|e| panic!("{}: {e}", describe(options)));
+        let faults = self.dev.take_faults().unwrap();
+        (y.download().unwrap(), faults)
+    }
+
+    /// One apply on y uploaded from `y0`, which raises no fault.
+    fn run<Y: OutputElem>(&self, y0: &[Y], options: DecodeOptions) -> Vec<Y> {
+        let (y, faults) = self.run_faulting(y0, options);
+        assert!(faults.is_empty(), "{}: faults {faults}", describe(options));
+        y
+    }
+}
+
+fn run_bgmv_on<Y: OutputElem>(dev: &Device, p: &Problem, idx: &[i32], y0: &[Y], options: DecodeOptions) -> Vec<Y> {
+    Applies::new(dev, p, idx).run(y0, options)
+}
+
+/// Each of `runs` on the GPU against the CPU reference (computed once), bf16 y.
+fn check_bgmv(gpu: &Device, label: &str, p: &Problem, idx: &[i32], runs: &[DecodeOptions]) {
+    let c = run_bgmv_on(&Device::cpu(), p, idx, &p.y_bf16, DecodeOptions::default());
+    let on = Applies::new(gpu, p, idx);
+    for &options in runs {
+        let g = on.run(&p.y_bf16, options);
+        compare(&format!("{label} {} (bf16 y)", describe(options)), &p.y_bf16, &c, &g);
+    }
+}
+
+/// The rule table's plan under the overlap promise or not, then each of `plans`.
+fn runs_of(overlap_previous: bool, plans: &[DecodePlan]) -> Vec<DecodeOptions> {
+    std::iter::once(auto(overlap_previous))
+        .chain(plans.iter().map(|&plan| exact(plan)))
+        .collect()
 }
 
 fn random_idx(rng: &mut Rng, n: usize, slots: usize, none_every: usize) -> Vec<i32> {
@@ -249,287 +355,461 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 97 % stride) as u32).collect();
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
         let idx = random_idx(&mut rng, n, slots, 7);
-        // The two-phase kernels serve single windows (512 rows) only.
-        let mut tunings = vec![BgmvTuning::default()];
-        tunings.extend(FUSED_FORMS);
-        if n <= 512 {
-            tunings.extend([TWO_PHASE, TWO_PHASE_DEPENDENT, TWO_PHASE_POW2]);
-            tunings.extend([TWO_PHASE_TC, TWO_PHASE_TC_POW2_DEPENDENT]);
-            tunings.extend([TWO_PHASE_ROWS, TWO_PHASE_ROWS_PLAIN, TWO_PHASE_ROWS_TC]);
+        let label = format!("n={n} in={in_dim} outs={outs:?} stride={stride}");
+        let cpu = run_bgmv_on(&Device::cpu(), &p, &idx, &p.y_bf16, DecodeOptions::default());
+        let on = Applies::new(&gpu, &p, &idx);
+        // The rule table's plan and every candidate (each form, kernel,
+        // cluster size, item source and cluster sum that serves the call; the
+        // two-phase kernels serve single windows of 512 rows only), the
+        // two-phase ones also with K slices of any count and a plain expand,
+        // and the scanning fused ones with a cluster for every row (the
+        // row-mapped form in 16-warp clusters of 2 where their stage fits),
+        // without the overlap promise and with it (the previous kernel is an upload).
+        let mut runs = Vec::new();
+        for overlap in [false, true] {
+            let plans = on.plans(&p.y_bf16, overlap);
+            let per_row = cluster_per_row(&on, &p.y_bf16, &plans);
+            if !overlap {
+                // The cluster sum both ways where the push's receive buffers fit.
+                if stride <= 64 {
+                    plans_where(&label, &plans, |t| matches!(t.form, DecodeForm::Fused(f) if f.push_sum));
+                    assert!(
+                        per_row.iter().any(|t| is_row_mapped_any_splits(t, scan_window(n))),
+                        "{label}: no row-mapped plan among {}",
+                        labels(&per_row)
+                    );
+                }
+                // The row-register form where its shape limits allow.
+                if stride == 16
+                    && in_dim.is_multiple_of(8)
+                    && in_dim <= ROWS_MAX_IN
+                    && outs.iter().all(|&o| o <= ROWS_MAX_OUT)
+                {
+                    plans_where(&label, &plans, is_row_registers);
+                }
+                assert_forms(&label, &plans, &FUSED_FORMS);
+            }
+            runs.extend(runs_of(overlap, &plans));
+            runs.extend(per_row.into_iter().map(exact));
         }
-        // The cluster sum both ways, whatever the stride's default (the
-        // push's receive buffers of rank stride 256 do not fit: refused below).
-        let pushed = [
-            BgmvTuning {
-                push_sum: Some(true),
-                ..FUSED_TC_SCAN
-            },
-            BgmvTuning {
-                push_sum: Some(true),
-                ..FUSED_SCALAR_LIST
-            },
-        ];
-        if stride <= 64 {
-            tunings.extend(pushed);
-        }
-        tunings.push(BgmvTuning {
-            push_sum: Some(false),
-            ..FUSED_SCALAR_SCAN
-        });
-        // A cluster for every row (the row-mapped form in 16-warp clusters
-        // of 2, where their stage fits), and the default cluster size.
-        tunings.push(BgmvTuning {
-            cluster: None,
-            ..FUSED_ROW_MAPPED
-        });
-        if stride <= 64 {
-            tunings.push(FUSED_ROW_MAPPED);
-            // B in registers (rank stride 16; elsewhere the staged form serves).
-            tunings.push(BGMV_ROW_MAPPED_B_REGISTERS);
-        }
-        // The row-register form where its shape limits allow.
-        if stride == 16 && in_dim.is_multiple_of(8) && in_dim <= ROWS_MAX_IN && outs.iter().all(|&o| o <= ROWS_MAX_OUT)
-        {
-            tunings.push(ROW_REGISTERS);
-        }
-        for t in tunings {
-            check_bgmv(
-                &gpu,
-                &format!("n={n} in={in_dim} outs={outs:?} stride={stride} {t:?}"),
-                &p,
-                &idx,
-                t,
-            );
+        for options in runs {
+            let g = on.run(&p.y_bf16, options);
+            compare(&format!("{label} {} (bf16 y)", describe(options)), &p.y_bf16, &cpu, &g);
         }
         if stride > 64 {
-            let on = OnDevice::new(&gpu, &p);
-            let idx = gpu.upload(&idx).unwrap();
-            let mut y = gpu.upload(&p.y_bf16).unwrap();
-            let y = RowsMut::dense(&mut y, p.n, p.y_width);
-            let err = bgmv_tuned(&gpu, on.x_rows(&p), &idx, &on.targets(&p), p.stride, y, pushed[0]).unwrap_err();
-            assert!(err.to_string().contains("rank_stride"), "{err}");
+            // The push's receive buffers of rank stride 256 do not fit: no
+            // candidate pushes, and each clustered one is refused with its sum pushed.
+            let plans = on.candidates(&p.y_bf16, false);
+            let clustered = plans_where(
+                &label,
+                &plans,
+                |t| matches!(t.form, DecodeForm::Fused(f) if f.cluster > 1),
+            );
+            for t in clustered {
+                let DecodeForm::Fused(f) = t.form else { unreachable!() };
+                assert!(!f.push_sum, "{label}: {t}");
+                let pushed = DecodePlan {
+                    form: DecodeForm::Fused(FusedForm { push_sum: true, ..f }),
+                    ..t
+                };
+                let mut y = gpu.upload(&p.y_bf16).unwrap();
+                let err = on.apply(&mut y, exact(pushed)).unwrap_err();
+                assert!(err.to_string().contains("rank_stride"), "{pushed}: {err}");
+            }
         }
     }
 }
 
-/// The fused one-launch kernel, whatever the batch.
-const FUSED: BgmvTuning = BgmvTuning {
-    cluster: None,
-    out_splits: None,
-    clusters_per_window: None,
-    two_phase: Some(false),
-    expand_cols: None,
-    dependent_launch: None,
-    shrink_tensor_cores: None,
-    two_phase_row_items: None,
-    pow2_slices: None,
-    tensor_cores: None,
-    item_list_pass: None,
-    list_ready_flag: None,
-    push_sum: None,
-    overlap_previous: None,
-    entry_clusters: None,
-    expand_b_registers: None,
-    row_registers: Some(false),
-    entry_registers: None,
-    wait_first: None,
-    prefetch_weights: None,
-    early_next: None,
-    entry_spread: None,
-};
-
-/// The fused kernel on its scalar path and on tensor cores.
-const FUSED_SCALAR: BgmvTuning = BgmvTuning {
-    tensor_cores: Some(false),
-    ..FUSED
-};
-const FUSED_TC: BgmvTuning = BgmvTuning {
-    tensor_cores: Some(true),
-    ..FUSED
-};
-
-/// The fused kernel reading the item list of a first launch (`bgmv_list`),
-/// scalar and on tensor cores, after that launch completes or once its
-/// ready flag is up.
-const FUSED_SCALAR_LIST: BgmvTuning = BgmvTuning {
-    item_list_pass: Some(true),
-    ..FUSED_SCALAR
-};
-const FUSED_TC_LIST: BgmvTuning = BgmvTuning {
-    item_list_pass: Some(true),
-    ..FUSED_TC
-};
-const FUSED_TC_LIST_FLAG: BgmvTuning = BgmvTuning {
-    list_ready_flag: Some(true),
-    ..FUSED_TC_LIST
-};
-const FUSED_SCALAR_LIST_FLAG: BgmvTuning = BgmvTuning {
-    list_ready_flag: Some(true),
-    ..FUSED_SCALAR_LIST
-};
-/// The fused kernel in the scanning form (every block lists its window's items).
-const FUSED_SCALAR_SCAN: BgmvTuning = BgmvTuning {
-    item_list_pass: Some(false),
-    ..FUSED_SCALAR
-};
-const FUSED_TC_SCAN: BgmvTuning = BgmvTuning {
-    item_list_pass: Some(false),
-    ..FUSED_TC
-};
-/// The scanning scalar kernel in 16-warp clusters of 2 with a cluster for
-/// every row: the row-mapped form (windows of up to 512 rows).
-const FUSED_ROW_MAPPED: BgmvTuning = BgmvTuning {
-    cluster: Some(2),
-    clusters_per_window: Some(512),
-    ..FUSED_SCALAR_SCAN
-};
-/// The row-mapped form with B in registers at rank stride 16 (opt-in).
-const BGMV_ROW_MAPPED_B_REGISTERS: BgmvTuning = BgmvTuning {
-    expand_b_registers: Some(true),
-    ..FUSED_ROW_MAPPED
-};
-/// The row-register form: a cluster of 2 blocks per (row, target), loads into registers.
-const ROW_REGISTERS: BgmvTuning = BgmvTuning {
-    row_registers: Some(true),
-    ..FUSED
-};
-/// The entry-clustered form: a cluster of 8 (or 4) blocks per table entry.
-const ENTRY: BgmvTuning = BgmvTuning {
-    entry_clusters: Some(true),
-    ..FUSED
-};
-const ENTRY_C4: BgmvTuning = BgmvTuning {
-    cluster: Some(4),
-    ..ENTRY
-};
-/// The entry form's staged kernel where the register kernel is the default
-/// (rank stride 16, clusters of 8, at most 256 rows, `in` and outputs up to
-/// 4096, 8 rows per table entry).
-const ENTRY_STAGED: BgmvTuning = BgmvTuning {
-    entry_registers: Some(false),
-    ..ENTRY
-};
-/// The entry form's register kernel wherever it serves the call.
-const ENTRY_REGISTERS: BgmvTuning = BgmvTuning {
-    entry_registers: Some(true),
-    ..ENTRY
-};
-/// The entry form's spread kernel wherever it serves the call (rank stride
-/// 16, at most 256 rows, 4 blocks per entry all resident at once).
-const ENTRY_SPREAD: BgmvTuning = BgmvTuning {
-    entry_spread: Some(true),
-    ..ENTRY
-};
+/// A plan's form and kernel, its launch shape and chain left out (for the
+/// old hand-picked forms, and to pick one plan of each form).
+fn form_name(p: &DecodePlan) -> &'static str {
+    match p.form {
+        DecodeForm::RowRegisters { straight_line: true } => "rows full",
+        DecodeForm::RowRegisters { straight_line: false } => "rows",
+        DecodeForm::Entry {
+            kernel: EntryKernel::Staged { cluster: 8 },
+            ..
+        } => "entry c8",
+        DecodeForm::Entry {
+            kernel: EntryKernel::Staged { .. },
+            ..
+        } => "entry c4",
+        DecodeForm::Entry {
+            kernel: EntryKernel::Registers,
+            ..
+        } => "entry reg",
+        DecodeForm::Entry {
+            kernel: EntryKernel::Spread,
+            ..
+        } => "entry spread",
+        DecodeForm::TwoPhase(t) => match (t.row_items, t.shrink_tensor_cores) {
+            (false, false) => "two-phase",
+            (false, true) => "two-phase tc",
+            (true, false) => "two-phase rows",
+            (true, true) => "two-phase rows tc",
+        },
+        DecodeForm::Fused(f) => match (f.tensor_cores, f.items) {
+            (false, ItemList::Scan) => "fused scalar scan",
+            (true, ItemList::Scan) => "fused tc scan",
+            (false, ItemList::Listed) => "fused scalar list",
+            (true, ItemList::Listed) => "fused tc list",
+            (false, ItemList::ListedFlag) => "fused scalar list flag",
+            (true, ItemList::ListedFlag) => "fused tc list flag",
+        },
+    }
+}
 
 /// Every form of the fused kernel: scalar and tensor-core, each scanning
-/// its window, reading the item list after completion, or after its flag.
-const FUSED_FORMS: [BgmvTuning; 6] = [
-    FUSED_SCALAR_SCAN,
-    FUSED_TC_SCAN,
-    FUSED_SCALAR_LIST,
-    FUSED_TC_LIST,
-    FUSED_SCALAR_LIST_FLAG,
-    FUSED_TC_LIST_FLAG,
+/// its window, reading the item list of a first launch (`bgmv_list`) after
+/// that launch completes, or once its ready flag is up.
+const FUSED_FORMS: [&str; 6] = [
+    "fused scalar scan",
+    "fused tc scan",
+    "fused scalar list",
+    "fused tc list",
+    "fused scalar list flag",
+    "fused tc list flag",
 ];
 
-/// The two-phase kernels (shrink, then expand), whatever the batch, in the
-/// scanning form (items of up to 8 rows of one entry, listed by the shrink),
-/// with as many K slices as fill the grid, the expand a plain launch.
-const TWO_PHASE: BgmvTuning = BgmvTuning {
-    two_phase: Some(true),
-    two_phase_row_items: Some(false),
-    pow2_slices: Some(false),
-    dependent_launch: Some(false),
-    ..FUSED
-};
+/// The two-phase kernels (shrink, then expand): the scanning form (items of
+/// up to 8 rows of one entry, listed by the shrink) and the row form (every
+/// row its own item; the expand reads its first entry, B rows and y before
+/// it waits), each with the shrink scalar and on tensor cores.
+const TWO_PHASE_FORMS: [&str; 4] = ["two-phase", "two-phase tc", "two-phase rows", "two-phase rows tc"];
 
-/// The two-phase kernels with K slices rounded down to a power of two.
-const TWO_PHASE_POW2: BgmvTuning = BgmvTuning {
-    pow2_slices: Some(true),
-    ..TWO_PHASE
-};
+/// Asserts that each of `forms` (`form_name`) is among `plans`: each form
+/// the tests forced before the plans still runs where it served.
+fn assert_forms(label: &str, plans: &[DecodePlan], forms: &[&str]) {
+    for form in forms {
+        assert!(
+            plans.iter().any(|p| form_name(p) == *form),
+            "{label}: no {form} plan among {}",
+            labels(plans)
+        );
+    }
+}
 
-/// The two-phase kernels with the expand as a programmatic dependent launch.
-const TWO_PHASE_DEPENDENT: BgmvTuning = BgmvTuning {
-    dependent_launch: Some(true),
-    ..TWO_PHASE
-};
+/// The plans of `plans` that `form` keeps, asserted to be some (the form
+/// served the call before the plans).
+fn plans_where(label: &str, plans: &[DecodePlan], form: impl Fn(&DecodePlan) -> bool) -> Vec<DecodePlan> {
+    let kept: Vec<DecodePlan> = plans.iter().copied().filter(|p| form(p)).collect();
+    assert!(!kept.is_empty(), "{label}: no such plan among {}", labels(plans));
+    kept
+}
 
-/// The two-phase kernels with the shrink on tensor cores, with each launch
-/// form of the expand.
-const TWO_PHASE_TC: BgmvTuning = BgmvTuning {
-    shrink_tensor_cores: Some(true),
-    ..TWO_PHASE
-};
-const TWO_PHASE_TC_POW2_DEPENDENT: BgmvTuning = BgmvTuning {
-    shrink_tensor_cores: Some(true),
-    pow2_slices: Some(true),
-    ..TWO_PHASE_DEPENDENT
-};
+/// The fused kernel's scanning form (every block lists its window's items).
+fn is_fused_scan(p: &DecodePlan) -> bool {
+    matches!(
+        p.form,
+        DecodeForm::Fused(FusedForm {
+            items: ItemList::Scan,
+            ..
+        })
+    )
+}
 
-/// The two-phase kernels with every row its own item, the expand a
-/// dependent launch (its first unit's entry, first B rows and y read before
-/// it waits); the same as plain launches, and with the shrink on tensor
-/// cores.
-const TWO_PHASE_ROWS: BgmvTuning = BgmvTuning {
-    two_phase_row_items: Some(true),
-    pow2_slices: Some(true),
-    ..TWO_PHASE_DEPENDENT
-};
-const TWO_PHASE_ROWS_PLAIN: BgmvTuning = BgmvTuning {
-    two_phase_row_items: Some(true),
-    ..TWO_PHASE
-};
-const TWO_PHASE_ROWS_TC: BgmvTuning = BgmvTuning {
-    shrink_tensor_cores: Some(true),
-    ..TWO_PHASE_ROWS
-};
+/// The fused kernel reading the item list of a first launch, after that
+/// launch completes or once its ready flag is up.
+fn is_fused_listed(p: &DecodePlan) -> bool {
+    matches!(
+        p.form,
+        DecodeForm::Fused(FusedForm {
+            items: ItemList::Listed | ItemList::ListedFlag,
+            ..
+        })
+    )
+}
+
+/// The row-mapped form: the scanning scalar kernel in 16-warp clusters of 2
+/// with a cluster for every row of its window of `rows` rows, one split.
+fn is_row_mapped(p: &DecodePlan, rows: usize) -> bool {
+    is_row_mapped_any_splits(p, rows) && matches!(p.form, DecodeForm::Fused(f) if f.out_splits == 1)
+}
+
+/// The same with any number of output splits (where one does not fit).
+fn is_row_mapped_any_splits(p: &DecodePlan, rows: usize) -> bool {
+    matches!(
+        p.form,
+        DecodeForm::Fused(FusedForm {
+            cluster: 2,
+            clusters_per_window,
+            tensor_cores: false,
+            items: ItemList::Scan,
+            ..
+        }) if clusters_per_window == rows
+    )
+}
+
+/// The row-mapped form with each block's B rows in registers (rank stride 16, pushed).
+fn is_b_registers(p: &DecodePlan) -> bool {
+    matches!(p.form, DecodeForm::Fused(FusedForm { b_registers: true, .. }))
+}
+
+/// The row-register form: a cluster of 2 blocks per (row, target), loads into registers.
+fn is_row_registers(p: &DecodePlan) -> bool {
+    matches!(p.form, DecodeForm::RowRegisters { .. })
+}
+
+/// The entry-clustered form: a cluster of 8 or 4 blocks (or the spread
+/// kernel's 4 blocks) per table entry.
+fn is_entry(p: &DecodePlan) -> bool {
+    matches!(p.form, DecodeForm::Entry { .. })
+}
+
+/// The entry form waiting first with its entries' weights asked into L2 before the wait.
+fn is_entry_prefetch(p: &DecodePlan) -> bool {
+    matches!(p.form, DecodeForm::Entry { prefetch: true, .. })
+}
+
+/// Any two-phase plan.
+fn is_two_phase(p: &DecodePlan) -> bool {
+    matches!(p.form, DecodeForm::TwoPhase(_))
+}
+
+/// The two-phase plans of `plans` with the launch choices the rule table
+/// never takes (the candidates hold its: K slices rounded down to a power
+/// of two, the expand a dependent launch): as many K slices as fill the
+/// grid, and the expand a plain launch, each way.
+fn two_phase_variants(plans: &[DecodePlan]) -> Vec<DecodePlan> {
+    let mut out: Vec<DecodePlan> = Vec::new();
+    for plan in plans {
+        let DecodeForm::TwoPhase(t) = plan.form else {
+            continue;
+        };
+        for (pow2_slices, dependent_expand) in [(false, false), (false, true), (true, false)] {
+            let variant = DecodePlan {
+                form: DecodeForm::TwoPhase(TwoPhaseForm {
+                    pow2_slices,
+                    dependent_expand,
+                    ..t
+                }),
+                ..*plan
+            };
+            if !plans.contains(&variant) && !out.contains(&variant) {
+                out.push(variant);
+            }
+        }
+    }
+    out
+}
+
+/// `plans`, then their `two_phase_variants`.
+fn with_two_phase_variants(plans: &[DecodePlan]) -> Vec<DecodePlan> {
+    let mut all = plans.to_vec();
+    all.extend(two_phase_variants(plans));
+    all
+}
+
+/// A fused plan with other output splits and clusters per window (launch
+/// shapes the cost model does not pick); `None` for the other forms.
+fn with_launch(plan: DecodePlan, out_splits: usize, clusters_per_window: usize) -> Option<DecodePlan> {
+    match plan.form {
+        DecodeForm::Fused(f) => Some(DecodePlan {
+            form: DecodeForm::Fused(FusedForm {
+                out_splits,
+                clusters_per_window,
+                ..f
+            }),
+            ..plan
+        }),
+        _ => None,
+    }
+}
+
+/// Rows of the scanning fused form's windows for a batch of `n` rows: the
+/// batch up to 512 rows, else 256.
+fn scan_window(n: usize) -> usize {
+    if n <= 512 { n } else { 256 }
+}
+
+/// The scanning fused plans of `plans` with a cluster for every row of their
+/// window (the row-mapped form in 16-warp clusters of 2; most clusters idle
+/// in the others), at the fewest output splits the planner takes, where it
+/// takes one and the candidates do not hold it.
+fn cluster_per_row<Y: OutputElem>(on: &Applies<'_>, y0: &[Y], plans: &[DecodePlan]) -> Vec<DecodePlan> {
+    let window = scan_window(on.p.n);
+    let mut out: Vec<DecodePlan> = Vec::new();
+    for &plan in plans.iter().filter(|p| is_fused_scan(p)) {
+        let served = [1, 2, 4, 8, 16]
+            .into_iter()
+            .filter_map(|splits| with_launch(plan, splits, window))
+            .find(|&v| on.serves(y0, v));
+        if let Some(v) = served
+            && !plans.contains(&v)
+            && !out.contains(&v)
+        {
+            out.push(v);
+        }
+    }
+    out
+}
+
+/// The first plan of each form (`form_name`) among `plans` launched with `chain`.
+fn one_per_form(plans: &[DecodePlan], chain: Chain) -> Vec<DecodePlan> {
+    let mut out: Vec<DecodePlan> = Vec::new();
+    for &p in plans {
+        if p.chain == chain && !out.iter().any(|q| form_name(q) == form_name(&p)) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The plans of `groups` taken in turn, one of each group while it lasts.
+fn interleave(groups: &[Vec<DecodePlan>]) -> Vec<DecodePlan> {
+    let longest = groups.iter().map(Vec::len).max().unwrap_or(0);
+    (0..longest)
+        .flat_map(|i| groups.iter().filter_map(move |g| g.get(i).copied()))
+        .collect()
+}
 
 /// Applies chained in one stream, each reading as x what the one before
-/// wrote as y (`overlap_previous`: launched as a programmatic dependent, it
-/// reads x and y only after the previous kernel completed), against the same
-/// chain on the CPU. Both buffers hold `n` rows of `pitch` columns (x and y
-/// use the first `in_dim == out` of them); apply i reads `bufs[i % 2]` and
-/// adds into `bufs[(i + 1) % 2]`.
-fn overlap_chain(
-    dev: &Device,
-    p: &Problem,
-    start: &[Vec<bf16>; 2],
-    pitch: usize,
-    idx: &[i32],
-    tunings: &[BgmvTuning],
-) -> Vec<f32> {
+/// wrote as y (under the overlap promise: launched as a programmatic
+/// dependent, it reads x and y only after the previous kernel completed),
+/// against the same chain on the CPU. Both buffers hold `n` rows of `pitch`
+/// columns (x and y use the first `in_dim == out` of them); apply i reads
+/// `bufs[i % 2]` and adds into `bufs[(i + 1) % 2]`. Returns what the last
+/// apply wrote, or with `every` what each apply wrote (downloaded after
+/// it: only the CPU reference does that, so on the GPU each launch meets
+/// its predecessor still running).
+fn overlap_chain(dev: &Device, case: &ChainCase, chain: &[DecodeOptions], every: bool) -> Vec<Vec<f32>> {
+    let p = &case.p;
     assert_eq!(p.outs, [p.in_dim], "the chain feeds y back as x");
     let on = OnDevice::new(dev, p);
-    let idx = dev.upload(idx).unwrap();
+    let idx = dev.upload(&case.idx).unwrap();
     let targets = on.targets(p);
-    let mut bufs = [dev.upload(&start[0]).unwrap(), dev.upload(&start[1]).unwrap()];
-    for (i, &t) in tunings.iter().enumerate() {
+    let mut bufs = [dev.upload(&case.start[0]).unwrap(), dev.upload(&case.start[1]).unwrap()];
+    let mut out = Vec::new();
+    for (i, &options) in chain.iter().enumerate() {
         let (lo, hi) = bufs.split_at_mut(1);
         let (x, y) = if i % 2 == 0 {
             (&lo[0], &mut hi[0])
         } else {
             (&hi[0], &mut lo[0])
         };
-        let rows = Rows {
-            buf: x,
-            offset: 0,
-            n_rows: p.n,
-            width: p.in_dim,
-            stride: pitch,
-        };
-        let y = RowsMut {
-            buf: y,
-            offset: 0,
-            n_rows: p.n,
-            width: p.in_dim,
-            stride: pitch,
-        };
-        bgmv_tuned(dev, rows, &idx, &targets, p.stride, y, t).unwrap();
+        let (x, y) = case.views(x, y);
+        bgmv_with(dev, x, &idx, &targets, p.stride, y, options)
+            .unwrap_or_else(|e| panic!("apply {i} {}: {e}", describe(options)));
+        if every {
+            out.push(widen(&bufs[(i + 1) % 2].download().unwrap()));
+        }
     }
     dev.check_faults().unwrap();
-    let last = bufs[tunings.len() % 2].download().unwrap();
-    widen(&last)
+    if !every {
+        out.push(widen(&bufs[chain.len() % 2].download().unwrap()));
+    }
+    out
+}
+
+/// (n, width, rank stride, slots) of a chain's applies.
+type ApplyShape = (usize, usize, usize, usize);
+
+/// Most applies of one chain built from a sequence of plans ([`chains_of`]:
+/// a longer sequence runs as several chains, each from the same start).
+const CHAIN_LEN: usize = 12;
+
+/// One shape of chained applies on random data: the problem (one target as
+/// wide as `in`), the row indices and both buffers' first contents.
+struct ChainCase {
+    p: Problem,
+    idx: Vec<i32>,
+    /// Columns from one row of a buffer to the next.
+    pitch: usize,
+    start: [Vec<bf16>; 2],
+}
+
+impl ChainCase {
+    fn new(rng: &mut Rng, (n, width, stride, slots): ApplyShape) -> ChainCase {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 7 % stride) as u32).collect();
+        let p = Problem::new(rng, n, width, &[width], stride, &ranks, true);
+        // Rows of no adapter among the rest (a single row always has one).
+        let idx = random_idx(rng, n, slots, if n == 1 { 0 } else { 5 });
+        // 16-byte aligned rows (the vector paths) with spare columns past the width.
+        let pitch = width.div_ceil(8) * 8 + 8;
+        let start = [rng.bf16_vec(n * pitch, 1.0), rng.bf16_vec(n * pitch, 1.0)];
+        ChainCase { p, idx, pitch, start }
+    }
+
+    fn label(&self) -> String {
+        format!("n={} width={} stride={}", self.p.n, self.p.in_dim, self.p.stride)
+    }
+
+    /// x and y of one apply: `n` rows of `pitch` columns.
+    fn views<'a>(
+        &self,
+        x: &'a DeviceBuffer<bf16>,
+        y: &'a mut DeviceBuffer<bf16>,
+    ) -> (Rows<'a, bf16>, RowsMut<'a, bf16>) {
+        let (n_rows, width, stride) = (self.p.n, self.p.in_dim, self.pitch);
+        (
+            Rows {
+                buf: x,
+                offset: 0,
+                n_rows,
+                width,
+                stride,
+            },
+            RowsMut {
+                buf: y,
+                offset: 0,
+                n_rows,
+                width,
+                stride,
+            },
+        )
+    }
+
+    /// Every plan that serves the chain's applies on `gpu`, under the overlap promise or not.
+    fn candidates(&self, gpu: &Device, overlap_previous: bool) -> Vec<DecodePlan> {
+        let on = OnDevice::new(gpu, &self.p);
+        let x = gpu.upload(&self.start[0]).unwrap();
+        let mut y = gpu.upload(&self.start[1]).unwrap();
+        let (x, y) = self.views(&x, &mut y);
+        bgmv_candidates(gpu, x, &on.targets(&self.p), self.p.stride, &y, overlap_previous).unwrap()
+    }
+
+    /// Whether the planner takes `plan` for the chain's applies.
+    fn serves(&self, gpu: &Device, plan: DecodePlan) -> bool {
+        let on = OnDevice::new(gpu, &self.p);
+        let x = gpu.upload(&self.start[0]).unwrap();
+        let mut y = gpu.upload(&self.start[1]).unwrap();
+        let (x, y) = self.views(&x, &mut y);
+        bgmv_plan(gpu, x, &on.targets(&self.p), self.p.stride, &y, exact(plan)).is_ok()
+    }
+
+    /// Each chain on `gpu` against the same applies on the CPU (run once,
+    /// as long as the longest chain: every chain starts from the same buffers).
+    fn check(&self, gpu: &Device, chains: &[Vec<DecodeOptions>]) {
+        let longest = chains.iter().map(Vec::len).max().unwrap_or(0);
+        let cpu = overlap_chain(&Device::cpu(), self, &vec![DecodeOptions::default(); longest], true);
+        let label = self.label();
+        for chain in chains {
+            let g = overlap_chain(gpu, self, chain, false).pop().unwrap();
+            let applies = chain.iter().map(|&o| describe(o)).collect::<Vec<_>>().join(", ");
+            assert!(
+                g.iter().all(|v| v.is_finite()),
+                "{label} [{applies}]: non-finite output"
+            );
+            let err = rel_error(&g, &cpu[chain.len() - 1]);
+            assert!(err < TOL, "{label} [{applies}]: ‖gpu − cpu‖/‖cpu‖ = {err:e}");
+        }
+    }
+}
+
+/// `plans` as chains of at most [`CHAIN_LEN`] applies.
+fn chains_of(plans: &[DecodePlan]) -> Vec<Vec<DecodeOptions>> {
+    plans
+        .chunks(CHAIN_LEN)
+        .map(|c| c.iter().map(|&plan| exact(plan)).collect())
+        .collect()
+}
+
+/// `plan` launched plainly.
+fn plain(plan: DecodePlan) -> DecodePlan {
+    DecodePlan {
+        chain: Chain::Plain,
+        ..plan
+    }
 }
 
 #[test]
@@ -538,84 +818,32 @@ fn gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel() {
         return;
     };
     let mut rng = Rng::fresh("gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel");
-    let overlap = BgmvTuning {
-        overlap_previous: Some(true),
-        ..FUSED_SCALAR_SCAN
-    };
-    // (n, width, stride, slots, tuning): the first item's A chunks requested
-    // before the wait (one or two chunks), or everything after it (more
-    // chunks: one block per item), with the cluster sum pushed or pulled.
-    let cases: [(usize, usize, usize, usize, BgmvTuning); 5] = [
-        (1, 4096, 16, 2, overlap),
-        (16, 1024, 16, 5, overlap),
-        (
-            16,
-            1024,
-            16,
-            5,
-            BgmvTuning {
-                push_sum: Some(false),
-                ..overlap
-            },
-        ),
-        (
-            9,
-            2048,
-            64,
-            3,
-            BgmvTuning {
-                cluster: Some(1),
-                ..overlap
-            },
-        ),
-        (
-            40,
-            520,
-            32,
-            6,
-            BgmvTuning {
-                tensor_cores: Some(true),
-                clusters_per_window: Some(2),
-                ..overlap
-            },
-        ),
-    ];
-    for (n, width, stride, slots, t) in cases {
+    // (n, width, stride, slots): the first item's A chunks requested before
+    // the wait (one or two chunks), or everything after it (more chunks: one
+    // block per item). Every scanning fused plan under the overlap: clusters
+    // of 1, 2, 4 and 8, scalar and on tensor cores, the cluster sum pushed
+    // or pulled, and the tensor-core ones also with 2 clusters a window.
+    for shape in [(1, 4096, 16, 2), (16, 1024, 16, 5), (9, 2048, 64, 3), (40, 520, 32, 6)] {
+        let case = ChainCase::new(&mut rng, shape);
+        let mut scans = plans_where(&case.label(), &case.candidates(&gpu, true), is_fused_scan);
+        let two_clusters: Vec<DecodePlan> = scans
+            .iter()
+            .filter(|p| form_name(p) == "fused tc scan")
+            .filter_map(|&p| with_launch(p, 1, 2))
+            .filter(|&p| case.serves(&gpu, p))
+            .collect();
+        for p in two_clusters {
+            if !scans.contains(&p) {
+                scans.push(p);
+            }
+        }
         // A plain apply first (its predecessor is an upload), then dependents.
-        check_overlap_chain(
-            &gpu,
-            &mut rng,
-            (n, width, stride, slots),
-            &[FUSED_SCALAR_SCAN, t, t, t, t, t],
-        );
+        let chains: Vec<Vec<DecodeOptions>> = scans
+            .iter()
+            .map(|&t| std::iter::once(exact(plain(t))).chain([exact(t); 5]).collect())
+            .collect();
+        case.check(&gpu, &chains);
     }
-}
-
-/// One chain of [`overlap_chain`] on random data against the CPU.
-/// (n, width, rank stride, slots) of a chain's applies.
-type ApplyShape = (usize, usize, usize, usize);
-
-fn check_overlap_chain(gpu: &Device, rng: &mut Rng, shape: ApplyShape, chain: &[BgmvTuning]) {
-    let (n, width, stride, slots) = shape;
-    let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 7 % stride) as u32).collect();
-    let p = Problem::new(rng, n, width, &[width], stride, &ranks, true);
-    // Rows of no adapter among the rest (a single row always has one).
-    let idx = random_idx(rng, n, slots, if n == 1 { 0 } else { 5 });
-    // 16-byte aligned rows (the vector paths) with spare columns past the width.
-    let pitch = width.div_ceil(8) * 8 + 8;
-    let start = [rng.bf16_vec(n * pitch, 1.0), rng.bf16_vec(n * pitch, 1.0)];
-    let cpu = overlap_chain(
-        &Device::cpu(),
-        &p,
-        &start,
-        pitch,
-        &idx,
-        &vec![BgmvTuning::default(); chain.len()],
-    );
-    let g = overlap_chain(gpu, &p, &start, pitch, &idx, chain);
-    assert!(g.iter().all(|v| v.is_finite()), "n={n} {chain:?}: non-finite output");
-    let err = rel_error(&g, &cpu);
-    assert!(err < TOL, "n={n} width={width} {chain:?}: ‖gpu − cpu‖/‖cpu‖ = {err:e}");
 }
 
 /// The overlap in the forms of two launches: the item list (`bgmv_list`
@@ -629,20 +857,6 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
         return;
     };
     let mut rng = Rng::fresh("gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms");
-    let with_overlap = |t: BgmvTuning| BgmvTuning {
-        overlap_previous: Some(true),
-        ..t
-    };
-    let list = with_overlap(FUSED_TC_LIST);
-    let list_flag = with_overlap(FUSED_SCALAR_LIST_FLAG);
-    let two_phase = with_overlap(TWO_PHASE_POW2);
-    let two_phase_dependent = BgmvTuning {
-        dependent_launch: Some(true),
-        ..two_phase
-    };
-    let scan = with_overlap(FUSED_SCALAR_SCAN);
-    let two_phase_tc = with_overlap(TWO_PHASE_TC_POW2_DEPENDENT);
-    let two_phase_rows = with_overlap(TWO_PHASE_ROWS);
     // (n, width, stride, slots): one window and several (n > 512 for the list).
     let shapes = [
         (200, 1024, 16, 7),
@@ -650,44 +864,32 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
         (300, 520, 32, 4),
         (700, 264, 16, 11),
     ];
-    for (i, &shape) in shapes.iter().enumerate() {
-        let n = shape.0;
-        // The two-phase kernels serve at most one window.
-        let chain: Vec<BgmvTuning> = if n <= 512 {
-            vec![
-                TWO_PHASE_POW2,
-                list,
-                two_phase,
-                list_flag,
-                two_phase_dependent,
-                two_phase,
-                scan,
-                two_phase_tc,
-                two_phase_tc,
-                two_phase_rows,
-                two_phase,
-                two_phase_rows,
-                list,
-            ]
-        } else {
-            vec![FUSED_TC_LIST, list, list_flag, scan, list, list]
-        };
-        // And each form chained to itself.
-        let own: Vec<BgmvTuning> = vec![[list, two_phase, two_phase_tc, list_flag][i]; 5];
-        check_overlap_chain(&gpu, &mut rng, shape, &chain);
-        check_overlap_chain(&gpu, &mut rng, shape, &own);
-        if n <= 512 {
-            check_overlap_chain(&gpu, &mut rng, shape, &[two_phase_rows; 5]);
+    for shape in shapes {
+        let case = ChainCase::new(&mut rng, shape);
+        let label = case.label();
+        let overlap = case.candidates(&gpu, true);
+        // Every listed plan under the overlap (each cluster size, scalar and
+        // on tensor cores, waiting for the list launch or its flag, pushed
+        // or pulled), every two-phase one (the two-phase kernels serve at
+        // most one window) with K slices of any count and a plain expand too,
+        // and a few scanning ones.
+        let listed = plans_where(&label, &overlap, is_fused_listed);
+        let two_phase = with_two_phase_variants(&overlap.iter().copied().filter(is_two_phase).collect::<Vec<_>>());
+        if shape.0 <= 512 {
+            assert_forms(&label, &two_phase, &TWO_PHASE_FORMS);
         }
+        let scans = plans_where(&label, &overlap, is_fused_scan);
+        let mixed = interleave(&[listed.clone(), two_phase.clone(), scans[..scans.len().min(3)].to_vec()]);
+        // A plain apply first (its predecessor is an upload), then the forms in turn.
+        let mut sequence = vec![plain(mixed[0])];
+        sequence.extend(mixed);
+        let mut chains = chains_of(&sequence);
+        // And each form chained to itself.
+        chains.extend(listed.iter().chain(&two_phase).map(|&t| vec![exact(t); 5]));
         // The defaults under the overlap (up to 256 rows every block scans
         // its window on tensor cores; past that, the list).
-        let defaults = with_overlap(BgmvTuning::default());
-        check_overlap_chain(
-            &gpu,
-            &mut rng,
-            shape,
-            &[BgmvTuning::default(), defaults, defaults, defaults],
-        );
+        chains.push(vec![auto(false), auto(true), auto(true), auto(true)]);
+        case.check(&gpu, &chains);
     }
 }
 
@@ -695,7 +897,9 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
 /// two column groups, each walking its own passes, or the tensor-core tiles
 /// in warp order; the fused kernel's warps and cluster peers in order), so
 /// repeated applies give the same f32 bits: long K slices (several
-/// 256-column passes per warp) and items of several rows.
+/// 256-column passes per warp) and items of several rows, in every
+/// candidate plan (with the two-phase ones' other K slices and expand
+/// launches and the fused ones' cluster for every row).
 #[test]
 fn gpu_decode_applies_are_bit_reproducible() {
     let Some(gpu) = cuda_or_skip("gpu_decode_applies_are_bit_reproducible") else {
@@ -708,17 +912,25 @@ fn gpu_decode_applies_are_bit_reproducible() {
         let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 13 % stride) as u32).collect();
         let p = Problem::new(&mut rng, n, in_dim, &[1024], stride, &ranks, true);
         let idx: Vec<i32> = (0..n).map(|i| (i % slots) as i32).collect();
-        let cpu = run_bgmv_on(&Device::cpu(), &p, &idx, &p.y_f32, BgmvTuning::default());
-        for t in [TWO_PHASE, TWO_PHASE_TC, TWO_PHASE_ROWS, FUSED_ROW_MAPPED]
-            .into_iter()
-            .chain(FUSED_FORMS)
-        {
-            let first = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
-            compare(&format!("n={n} in={in_dim} {t:?}"), &p.y_f32, &cpu, &first);
+        let label = format!("n={n} in={in_dim}");
+        let cpu = run_bgmv_on(&Device::cpu(), &p, &idx, &p.y_f32, DecodeOptions::default());
+        let on = Applies::new(&gpu, &p, &idx);
+        let mut plans = on.plans(&p.y_f32, false);
+        assert_forms(&label, &plans, &FUSED_FORMS);
+        assert_forms(&label, &plans, &TWO_PHASE_FORMS);
+        plans.extend(cluster_per_row(&on, &p.y_f32, &plans));
+        assert!(
+            plans.iter().any(|t| is_row_mapped_any_splits(t, n)),
+            "{label}: {}",
+            labels(&plans)
+        );
+        for t in plans {
+            let first = on.run(&p.y_f32, exact(t));
+            compare(&format!("{label} {t}"), &p.y_f32, &cpu, &first);
             for _ in 0..4 {
-                let again = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
+                let again = on.run(&p.y_f32, exact(t));
                 let same = first.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "n={n} in={in_dim} {t:?}: a repeated apply differs");
+                assert!(same, "{label} {t}: a repeated apply differs");
             }
         }
     }
@@ -735,18 +947,20 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     // Every rank once, then every rank again in another order.
     let mut idx: Vec<i32> = (0..64).collect();
     idx.extend((0..64).map(|i| i * 37 % 64));
-    for t in FUSED_FORMS.into_iter().chain([TWO_PHASE, TWO_PHASE_TC, TWO_PHASE_ROWS]) {
-        check_bgmv(&gpu, &format!("every rank {t:?}"), &p, &idx, t);
-    }
+    // Every candidate: each fused form and each two-phase one.
+    let plans = Applies::new(&gpu, &p, &idx).plans(&p.y_bf16, false);
+    assert_forms("every rank", &plans, &FUSED_FORMS);
+    assert_forms("every rank", &plans, &TWO_PHASE_FORMS);
+    check_bgmv(&gpu, "every rank", &p, &idx, &runs_of(false, &plans));
 }
 
 /// The row-mapped clusters of 2 at rank stride 16 with each block's B rows
-/// in registers (`expand_b_registers`): every rank 1..=16 against a poisoned
-/// padded pool, rows of no adapter, blocks of 2048 outputs (every tile of
-/// every warp) and of a few hundred (warps partly or wholly past the
+/// in registers (`FusedForm::b_registers`): every rank 1..=16 against a
+/// poisoned padded pool, rows of no adapter, blocks of 2048 outputs (every
+/// tile of every warp) and of a few hundred (warps partly or wholly past the
 /// block's outputs), f32 y, and weights 8-byte aligned (one load per lane
 /// and tile) or only 2-byte (four), against the CPU, the default and the
-/// staged form.
+/// staged form (every row-mapped plan, pushed and pulled).
 #[test]
 fn gpu_bgmv_row_mapped_b_in_registers() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_row_mapped_b_in_registers") else {
@@ -760,34 +974,37 @@ fn gpu_bgmv_row_mapped_b_in_registers() {
         (&[1000, 24], false),
     ] {
         // Rows 16-byte aligned: y added and stored 8 outputs at a time; otherwise one by one.
-        let tunings = [BgmvTuning::default(), FUSED_ROW_MAPPED, BGMV_ROW_MAPPED_B_REGISTERS];
-        check_row_form(
+        let (bf16_plans, f32_plans) = check_row_form(
             &gpu,
             &mut rng,
             (64, 1024, outs),
             aligned_rows,
             (3, 40),
-            &tunings,
-            BGMV_ROW_MAPPED_B_REGISTERS,
+            &|t| is_row_mapped(t, 64),
+            true,
         );
+        let label = format!("outs={outs:?} aligned rows {aligned_rows}");
+        plans_where(&label, &bf16_plans, is_b_registers);
+        plans_where(&format!("{label} f32 y"), &f32_plans, is_b_registers);
     }
 }
 
 /// One shape of the row forms' tests: pairs of every rank 1..=16 over a
 /// poisoned padded pool, row i naming entry (i % 17) - 1 (-1: no adapter)
 /// with the rows `swap` exchanged, x and y rows 16-byte aligned or not:
-/// every tuning with the weights shifted by 0, 4 and 1 elements (16-, 8-
-/// and 2-byte aligned) against the CPU with bf16 y, then `f32_tuning` with
-/// f32 y.
+/// every candidate `form` keeps (asserted to be some) and, `with_default`,
+/// the rule table's plan, with the weights shifted by 0, 4 and 1 elements
+/// (16-, 8- and 2-byte aligned) against the CPU with bf16 y, then every
+/// candidate `form` keeps with f32 y. Returns the plans run with bf16 y and with f32 y.
 fn check_row_form(
     gpu: &Device,
     rng: &mut Rng,
     (n, in_dim, outs): (usize, usize, &[usize]),
     aligned_rows: bool,
     swap: (usize, usize),
-    tunings: &[BgmvTuning],
-    f32_tuning: BgmvTuning,
-) {
+    form: &dyn Fn(&DecodePlan) -> bool,
+    with_default: bool,
+) -> (Vec<DecodePlan>, Vec<DecodePlan>) {
     let cpu = Device::cpu();
     let ranks: Vec<u32> = (1..=16).collect();
     let p = Problem::new(rng, n, in_dim, outs, 16, &ranks, true);
@@ -795,25 +1012,42 @@ fn check_row_form(
     let mut idx: Vec<i32> = (0..n).map(|i| (i % 17) as i32 - 1).collect();
     idx.swap(swap.0, swap.1);
     let shape = format!("n={n} in={in_dim} outs={outs:?} aligned rows {aligned_rows}");
-    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
+    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, DecodeOptions::default());
+    let bf16_plans = plans_where(&shape, &Applies::new(gpu, &p, &idx).candidates(&p.y_bf16, false), form);
+    let mut runs: Vec<DecodeOptions> = bf16_plans.iter().map(|&t| exact(t)).collect();
+    if with_default {
+        runs.insert(0, DecodeOptions::default());
+    }
     for shift in [0, 4, 1] {
-        for &t in tunings {
-            let g = run_bgmv_shifted(gpu, &p, &idx, &p.y_bf16, shift, t);
-            compare(&format!("{shape} weights shifted by {shift} {t:?}"), &p.y_bf16, &c, &g);
+        let on = Applies::shifted(gpu, &p, &idx, shift);
+        for &t in &runs {
+            let g = on.run(&p.y_bf16, t);
+            compare(
+                &format!("{shape} weights shifted by {shift} {}", describe(t)),
+                &p.y_bf16,
+                &c,
+                &g,
+            );
         }
     }
-    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    let g = run_bgmv_on(gpu, &p, &idx, &p.y_f32, f32_tuning);
-    compare(&format!("{shape} f32 y {f32_tuning:?}"), &p.y_f32, &c, &g);
+    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, DecodeOptions::default());
+    let on = Applies::new(gpu, &p, &idx);
+    let f32_plans = plans_where(&format!("{shape} f32 y"), &on.candidates(&p.y_f32, false), form);
+    for &t in &f32_plans {
+        let g = on.run(&p.y_f32, exact(t));
+        compare(&format!("{shape} f32 y {t}"), &p.y_f32, &c, &g);
+    }
+    (bf16_plans, f32_plans)
 }
 
-/// The row-register form (`row_registers`): every rank 1..=16 against a
-/// poisoned padded pool, rows of no adapter, blocks of 2048 outputs and
-/// columns (every thread busy) and of a few (threads and the second block
-/// partly or wholly idle), outputs not a multiple of 4 (a thread's last
-/// outputs one by one), several targets, f32 y, rows 16-byte aligned or
-/// not, and weights 16-byte aligned or only 8- or 2-byte (element loads),
-/// against the CPU; at 4096 x 4096 the `_full` kernels, whose straight-line
+/// The row-register form (`DecodeForm::RowRegisters`): every rank 1..=16
+/// against a poisoned padded pool, rows of no adapter, blocks of 2048
+/// outputs and columns (every thread busy) and of a few (threads and the
+/// second block partly or wholly idle), outputs not a multiple of 4 (a
+/// thread's last outputs one by one), several targets, f32 y, rows 16-byte
+/// aligned or not, and weights 16-byte aligned or only 8- or 2-byte (element
+/// loads), against the CPU, in every chain its candidates hold; at 4096 x
+/// 4096 with aligned rows also the `_full` kernels, whose straight-line
 /// form serves the rank-16 entries with aligned weights and the general
 /// form the others; at n = 64 of one target also the default and the
 /// row-mapped fused form.
@@ -832,20 +1066,28 @@ fn gpu_bgmv_row_registers() {
         (3, 8, &[8, 5, 3]),
     ];
     for &(n, in_dim, outs) in shapes {
-        let mut tunings = vec![ROW_REGISTERS];
-        if n == 64 && outs.len() == 1 {
-            tunings.extend([BgmvTuning::default(), FUSED_ROW_MAPPED]);
-        }
+        let also_fused = n == 64 && outs.len() == 1;
+        let form = |t: &DecodePlan| is_row_registers(t) || (also_fused && is_row_mapped(t, n));
         for aligned_rows in [true, false] {
-            check_row_form(
+            let (bf16_plans, f32_plans) = check_row_form(
                 &gpu,
                 &mut rng,
                 (n, in_dim, outs),
                 aligned_rows,
                 (1, n - 1),
-                &tunings,
-                ROW_REGISTERS,
+                &form,
+                also_fused,
             );
+            let label = format!("n={n} in={in_dim} outs={outs:?} aligned rows {aligned_rows}");
+            let mut forms = vec!["rows"];
+            if aligned_rows && in_dim == ROWS_MAX_IN && outs.iter().all(|&o| o == ROWS_MAX_OUT) {
+                forms.push("rows full");
+            }
+            assert_forms(&label, &bf16_plans, &forms);
+            assert_forms(&format!("{label} f32 y"), &f32_plans, &forms);
+            if also_fused {
+                plans_where(&label, &bf16_plans, |t| is_row_mapped(t, n));
+            }
         }
     }
     // Tiny calls of several odd-width targets, again and again on fresh
@@ -857,23 +1099,15 @@ fn gpu_bgmv_row_registers() {
     for round in 0..16 {
         let outs: &[usize] = if round % 2 == 0 { &[8, 5, 3] } else { &[3, 3, 7, 1] };
         let shape = (3 + round % 3, 8, outs);
-        check_row_form(
-            &gpu,
-            &mut rng,
-            shape,
-            round % 4 < 2,
-            (0, 1),
-            &[ROW_REGISTERS],
-            ROW_REGISTERS,
-        );
+        check_row_form(&gpu, &mut rng, shape, round % 4 < 2, (0, 1), &is_row_registers, false);
     }
 }
 
 /// The row-register form's faults (an index past the table, an entry of a
 /// rank past the stride: their rows get no delta, the others theirs), its
-/// refusals (a typed error naming the knob, nothing launched), and the
-/// overlap (x and y read only after the previous kernel) in chains mixed
-/// with the fused form.
+/// refusals (an exact plan it cannot serve: a typed error naming the plan's
+/// field, nothing launched), and the overlap (x and y read only after the
+/// previous kernel) in chains mixed with the fused form.
 #[test]
 fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_row_registers_faults_refusals_and_overlap") else {
@@ -882,35 +1116,34 @@ fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
     let mut rng = Rng::fresh("gpu_bgmv_row_registers_faults_refusals_and_overlap");
     let (n, stride) = (5, 16);
     let p = Problem::new(&mut rng, n, 64, &[32], stride, &[16, 7], false);
-    let on = OnDevice::new(&gpu, &p);
-    let table = table_with_bad_rank(&gpu, &on, stride);
-    let target = whole_table_target(&table, 2, 32);
-    let idx = gpu.upload(&[0i32, 1, 9, -1, 0]).unwrap();
-    let cpu = Device::cpu();
-    let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1, 0], &p.y_bf16, BgmvTuning::default());
-    let mut y = gpu.upload(&p.y_bf16).unwrap();
-    bgmv_tuned(
-        &gpu,
-        on.x_rows(&p),
-        &idx,
-        &target,
-        stride,
-        RowsMut::dense(&mut y, n, p.y_width),
-        ROW_REGISTERS,
-    )
-    .unwrap();
-    let faults = gpu.take_faults().unwrap();
-    assert_eq!(
-        faults.0,
-        lora_kernels::FaultFlags::BAD_RANK | lora_kernels::FaultFlags::BAD_INDEX,
-        "faults: {faults}"
-    );
-    compare(
-        "row registers, bad entry and index",
+    let mut on = Applies::new(&gpu, &p, &[0, 1, 9, -1, 0]);
+    on.bufs.table = table_with_bad_rank(&gpu, &on.bufs, stride);
+    let good_only = run_bgmv_on(
+        &Device::cpu(),
+        &p,
+        &[0, -1, -1, -1, 0],
         &p.y_bf16,
-        &good_only,
-        &y.download().unwrap(),
+        DecodeOptions::default(),
     );
+    let label = "row registers, bad entry and index";
+    for t in plans_where(label, &on.candidates(&p.y_bf16, false), is_row_registers) {
+        let (y, faults) = on.run_faulting(&p.y_bf16, exact(t));
+        assert_eq!(
+            faults.0,
+            lora_kernels::FaultFlags::BAD_RANK | lora_kernels::FaultFlags::BAD_INDEX,
+            "faults: {faults} {t}"
+        );
+        compare(&format!("{label} {t}"), &p.y_bf16, &good_only, &y);
+    }
+    let row_registers = |straight_line| DecodePlan {
+        form: DecodeForm::RowRegisters { straight_line },
+        chain: Chain::Plain,
+    };
+    // The straight-line kernels only at 4096 x 4096.
+    let mut y = gpu.upload(&p.y_bf16).unwrap();
+    let err = on.apply(&mut y, exact(row_registers(true))).unwrap_err();
+    assert!(err.to_string().contains("plan.straight_line"), "{err}");
+    assert_eq!(y.download().unwrap(), p.y_bf16, "nothing launched");
 
     // Refused: another rank stride, in past the limit or not a multiple of 8, a wider target.
     let refused: [(usize, usize, usize); 4] = [
@@ -921,234 +1154,136 @@ fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
     ];
     for (stride, in_dim, out) in refused {
         let p = Problem::new(&mut rng, 2, in_dim, &[out], stride, &[4], false);
-        let on = OnDevice::new(&gpu, &p);
-        let idx = gpu.upload(&[0i32, 0]).unwrap();
-        let before = p.y_bf16.clone();
-        let mut y = gpu.upload(&before).unwrap();
-        let err = bgmv_tuned(
-            &gpu,
-            on.x_rows(&p),
-            &idx,
-            &on.targets(&p),
-            stride,
-            RowsMut::dense(&mut y, 2, p.y_width),
-            ROW_REGISTERS,
-        )
-        .unwrap_err();
-        assert!(
-            err.to_string().contains("row_registers"),
-            "stride {stride} in {in_dim} out {out}: {err}"
-        );
-        assert_eq!(y.download().unwrap(), before, "nothing launched");
+        let on = Applies::new(&gpu, &p, &[0, 0]);
+        for straight_line in [false, true] {
+            let before = p.y_bf16.clone();
+            let mut y = gpu.upload(&before).unwrap();
+            let err = on.apply(&mut y, exact(row_registers(straight_line))).unwrap_err();
+            assert!(
+                err.to_string().contains("plan.form"),
+                "stride {stride} in {in_dim} out {out}: {err}"
+            );
+            assert_eq!(y.download().unwrap(), before, "nothing launched");
+        }
     }
-    let both = BgmvTuning {
-        entry_clusters: Some(true),
-        ..ROW_REGISTERS
-    };
-    let mut y = gpu.upload(&p.y_bf16).unwrap();
-    let err = bgmv_tuned(
-        &gpu,
-        on.x_rows(&p),
-        &idx,
-        &on.targets(&p),
-        stride,
-        RowsMut::dense(&mut y, n, p.y_width),
-        both,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("row_registers"), "{err}");
+    // Row registers together with entry clusters (the old knobs' conflict)
+    // cannot be expressed: a plan has one form.
 
-    let overlap = BgmvTuning {
-        overlap_previous: Some(true),
-        ..ROW_REGISTERS
-    };
+    // Each row-register plan under the overlap, chained with a plain
+    // scanning fused apply.
     for (rows, width, slots) in [(64, 4096, 64), (7, 1024, 3)] {
-        check_overlap_chain(
-            &gpu,
-            &mut rng,
-            (rows, width, 16, slots),
-            &[FUSED_SCALAR_SCAN, overlap, overlap, FUSED_SCALAR_SCAN, overlap, overlap],
-        );
+        let case = ChainCase::new(&mut rng, (rows, width, 16, slots));
+        let label = case.label();
+        let overlap = plans_where(&label, &case.candidates(&gpu, true), is_row_registers);
+        let scan = plans_where(&label, &case.candidates(&gpu, false), |t| {
+            form_name(t) == "fused scalar scan"
+        })[0];
+        let chains: Vec<Vec<DecodeOptions>> = overlap
+            .iter()
+            .map(|&t| [scan, t, t, scan, t, t].map(exact).to_vec())
+            .collect();
+        case.check(&gpu, &chains);
     }
 }
 
-/// `wait_first` (the default of the entry-clustered, row-register and
-/// two-phase forms: a programmatic dependent whose blocks wait for the
-/// previous kernel before any read, and let the next one launch early):
-/// chained applies, each reading as x what the one before wrote as y, in
-/// every kernel that takes it (the staged, register and spread entry
-/// kernels, the row-register one, straight-line and general, the two-phase
-/// shrinks with their expands letting the next apply in at their start or
-/// before their last stores, the row form's expand reading y before its
-/// wait), with and without the weights asked into L2 before the wait, mixed
-/// with plain launches (the spread kernel's cooperative), the fused kernel
-/// (which does not wait first) and the overlap. Back-to-back spread launches also show that each
-/// leaves its inboxes zero: a stale word tagged as a later launch's pass
-/// would be summed.
+/// Waiting first (`Chain::WaitFirst` and `Chain::WaitFirstEarlyNext`, the
+/// default chains of the entry-clustered, row-register and two-phase forms:
+/// a programmatic dependent whose blocks wait for the previous kernel
+/// before any read, and let the next one launch late or early): chained
+/// applies, each reading as x what the one before wrote as y, in every
+/// plan that takes it (the staged, register and spread entry kernels, the
+/// row-register one, straight-line and general, the two-phase shrinks with
+/// their expands letting the next apply in at their start or before their
+/// last stores, the row form's expand reading y before its wait), with and
+/// without the weights asked into L2 before the wait, mixed with plain
+/// launches (the spread kernel's cooperative), the fused kernel (which does
+/// not wait first) and the overlap. Back-to-back spread launches also show
+/// that each leaves its inboxes zero: a stale word tagged as a later
+/// launch's pass would be summed.
 #[test]
 fn gpu_bgmv_wait_first_keeps_the_stream_order() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_wait_first_keeps_the_stream_order") else {
         return;
     };
     let mut rng = Rng::fresh("gpu_bgmv_wait_first_keeps_the_stream_order");
-    let plain = |t: BgmvTuning| BgmvTuning {
-        wait_first: Some(false),
-        ..t
-    };
-    let overlap = |t: BgmvTuning| BgmvTuning {
-        overlap_previous: Some(true),
-        ..t
-    };
-    // The weights asked into L2 before the wait with the next kernel let in
-    // late, and not asked for with it let in early (neither the default here).
-    let prefetch_late = |t: BgmvTuning| BgmvTuning {
-        prefetch_weights: Some(true),
-        early_next: Some(false),
-        ..t
-    };
-    let no_prefetch_early = |t: BgmvTuning| BgmvTuning {
-        prefetch_weights: Some(false),
-        early_next: Some(true),
-        ..t
-    };
-    let (reg, staged, c4) = (ENTRY_REGISTERS, ENTRY_STAGED, ENTRY_C4);
-    let early = |t: BgmvTuning| BgmvTuning {
-        early_next: Some(true),
-        ..t
-    };
-    let late = |t: BgmvTuning| BgmvTuning {
-        early_next: Some(false),
-        ..t
-    };
-    // (n, width, stride, slots): 8 rows an entry at 4096 (the register
-    // kernel's default), few rows an entry, rank 64 in clusters of 4.
-    let chains: [(ApplyShape, Vec<BgmvTuning>); 7] = [
-        (
-            (256, 4096, 16, 32),
-            vec![
-                reg,
-                reg,
-                staged,
-                reg,
-                plain(reg),
-                reg,
-                FUSED_SCALAR_SCAN,
-                reg,
-                prefetch_late(staged),
-                prefetch_late(reg),
-                no_prefetch_early(reg),
-                reg,
-                ENTRY_SPREAD,
-                ENTRY_SPREAD,
-                plain(ENTRY_SPREAD),
-                ENTRY_SPREAD,
-                overlap(ENTRY_SPREAD),
-                no_prefetch_early(ENTRY_SPREAD),
-                reg,
-                ENTRY_SPREAD,
-            ],
-        ),
-        (
-            (64, 1000, 16, 9),
-            vec![staged, staged, plain(staged), overlap(staged), staged, reg, reg],
-        ),
-        ((48, 2056, 64, 5), vec![c4, c4, FUSED_TC_SCAN, c4, plain(c4), c4]),
-        (
-            (64, 4096, 16, 64),
-            vec![
-                ROW_REGISTERS,
-                ROW_REGISTERS,
-                plain(ROW_REGISTERS),
-                ROW_REGISTERS,
-                reg,
-                ROW_REGISTERS,
-            ],
-        ),
-        (
-            (7, 1024, 16, 3),
-            vec![ROW_REGISTERS, ROW_REGISTERS, overlap(ROW_REGISTERS), ROW_REGISTERS],
-        ),
+    // (n, width, stride, slots) and the forms that wait first there: 8 rows
+    // an entry at 4096 (the register kernel's default), few rows an entry,
+    // rank 64 in clusters of 4, the row-register form at 4096 x 4096 and
+    // smaller, the two-phase forms.
+    let shapes: [(ApplyShape, &[&str]); 7] = [
+        ((256, 4096, 16, 32), &["entry reg", "entry c8", "entry spread"]),
+        ((64, 1000, 16, 9), &["entry c8", "entry reg", "entry spread"]),
+        ((48, 2056, 64, 5), &["entry c4"]),
+        ((64, 4096, 16, 64), &["rows full", "entry reg"]),
+        ((7, 1024, 16, 3), &["rows"]),
         (
             (64, 2048, 64, 9),
-            vec![
-                TWO_PHASE_ROWS,
-                TWO_PHASE_ROWS,
-                early(TWO_PHASE_ROWS),
-                early(TWO_PHASE_ROWS),
-                TWO_PHASE_ROWS,
-                plain(TWO_PHASE_ROWS),
-                early(TWO_PHASE_ROWS_TC),
-                c4,
-                late(TWO_PHASE),
-                early(TWO_PHASE_TC_POW2_DEPENDENT),
-                overlap(TWO_PHASE_ROWS),
-                TWO_PHASE_ROWS_PLAIN,
-                early(TWO_PHASE_ROWS_PLAIN),
-                FUSED_TC_SCAN,
-                early(TWO_PHASE_ROWS),
-                c4,
-                TWO_PHASE_ROWS,
+            &[
+                "entry c4",
+                "two-phase",
+                "two-phase tc",
+                "two-phase rows",
+                "two-phase rows tc",
             ],
         ),
         (
             (96, 4096, 16, 32),
-            vec![
-                early(TWO_PHASE_ROWS),
-                TWO_PHASE_ROWS,
-                reg,
-                late(TWO_PHASE_ROWS),
-                ROW_REGISTERS,
-                early(TWO_PHASE_ROWS),
-                ENTRY_SPREAD,
-                TWO_PHASE_ROWS,
-            ],
+            &["two-phase rows", "entry reg", "rows full", "entry spread"],
         ),
     ];
-    for (shape, chain) in chains {
-        check_overlap_chain(&gpu, &mut rng, shape, &chain);
+    for (shape, forms) in shapes {
+        let case = ChainCase::new(&mut rng, shape);
+        let label = case.label();
+        let plans = case.candidates(&gpu, false);
+        // Every plan that waits first, the two-phase ones also with K slices
+        // of any count and a plain expand.
+        let waiting = with_two_phase_variants(&plans_where(&label, &plans, |t| t.chain.waits_first()));
+        assert_forms(&label, &waiting, forms);
+        if shape.2 == 16 {
+            plans_where(&label, &waiting, is_entry_prefetch);
+        }
+        // To mix in: one plan of each form launched plainly, and one under the overlap.
+        let others = interleave(&[
+            one_per_form(&plans, Chain::Plain),
+            one_per_form(&case.candidates(&gpu, true), Chain::EarlyReads),
+        ]);
+        let mut sequence = Vec::new();
+        for (i, &w) in waiting.iter().enumerate() {
+            sequence.push(w);
+            // Back to back with itself (each spread launch, and every third other).
+            if i % 3 == 0 || form_name(&w) == "entry spread" {
+                sequence.push(w);
+            }
+            if i % 2 == 1 {
+                sequence.push(others[i / 2 % others.len()]);
+            }
+        }
+        case.check(&gpu, &chains_of(&sequence));
     }
 }
 
 /// The entry form waiting first asks its entries' weights into L2 before
-/// its wait (`prefetch_weights`, the default): here the previous kernel is
-/// still writing those weights. A first apply adds its deltas to the
-/// second apply's weights buffer, seen as rows of `width` (A rows, B rows
-/// and padding alike), and the second apply follows it in the stream with
-/// nothing between; it must read the written weights, in the register,
-/// staged and spread kernels and in clusters of 4, with the next kernel let
-/// in early and late, as the CPU reference does.
+/// its wait (`prefetch`, the default at rank stride 16): here the previous
+/// kernel is still writing those weights. A first apply adds its deltas to
+/// the second apply's weights buffer, seen as rows of `width` (A rows, B
+/// rows and padding alike), and the second apply follows it in the stream
+/// with nothing between; it must read the written weights, in every entry
+/// plan and every plan that waits first (the register, staged and spread
+/// kernels, clusters of 4, with and without the prefetch, the next kernel
+/// let in early and late), as the CPU reference does.
 #[test]
 fn gpu_bgmv_entry_weights_written_by_the_previous_kernel() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_weights_written_by_the_previous_kernel") else {
         return;
     };
     let mut rng = Rng::fresh("gpu_bgmv_entry_weights_written_by_the_previous_kernel");
-    let late = |t: BgmvTuning| BgmvTuning {
-        early_next: Some(false),
-        ..t
-    };
-    let early = |t: BgmvTuning| BgmvTuning {
-        early_next: Some(true),
-        ..t
-    };
-    // (n, width, stride, slots) of the second apply, and its tunings.
-    let cases = [
-        (
-            (256, 4096, 16, 32),
-            vec![
-                ENTRY_REGISTERS,
-                early(ENTRY_REGISTERS),
-                late(ENTRY_STAGED),
-                ENTRY_SPREAD,
-            ],
-        ),
-        (
-            (64, 1000, 16, 9),
-            vec![early(ENTRY_STAGED), late(ENTRY_STAGED), ENTRY_REGISTERS, ENTRY_SPREAD],
-        ),
-        ((48, 2056, 64, 5), vec![ENTRY_C4, early(ENTRY_C4)]),
+    // (n, width, stride, slots) of the second apply, and the entry kernels it must run.
+    let cases: [(ApplyShape, &[&str]); 3] = [
+        ((256, 4096, 16, 32), &["entry reg", "entry c8", "entry spread"]),
+        ((64, 1000, 16, 9), &["entry c8", "entry reg", "entry spread"]),
+        ((48, 2056, 64, 5), &["entry c4"]),
     ];
-    for ((n, width, stride, slots), tunings) in cases {
+    for ((n, width, stride, slots), forms) in cases {
         let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 7 % stride) as u32).collect();
         let pairs = RandomPairs::new(&mut rng, width, width, stride, &ranks);
         // The weights as rows of `width`: every slot is stride * (width + width) elements.
@@ -1158,7 +1293,7 @@ fn gpu_bgmv_entry_weights_written_by_the_previous_kernel() {
         let x = rng.bf16_vec(n * width, 1.0);
         let y = rng.bf16_vec(n * width, 1.0);
         let idx = random_idx(&mut rng, n, slots, 5);
-        let run = |dev: &Device, tuning: BgmvTuning| -> Vec<f32> {
+        let run = |dev: &Device, options: DecodeOptions| -> Vec<f32> {
             let on = OnDevice::new(dev, &writer);
             let w_idx = dev.upload(&writer_idx).unwrap();
             let mut w = dev.upload(&pairs.data).unwrap();
@@ -1176,58 +1311,43 @@ fn gpu_bgmv_entry_weights_written_by_the_previous_kernel() {
                 width,
                 stride: writer.x_stride,
             };
-            let weights_as_rows = RowsMut {
-                buf: &mut w,
-                offset: 0,
-                n_rows: w_rows,
-                width,
-                stride: width,
-            };
-            bgmv_tuned(
-                dev,
-                writer_rows,
-                &w_idx,
-                &on.targets(&writer),
-                16,
-                weights_as_rows,
-                BgmvTuning::default(),
-            )
-            .unwrap();
-            let targets = [LoraTarget {
-                table: &table,
-                table_offset: 0,
-                n_entries: slots,
-                out_dim: width,
-                y_col_offset: 0,
-            }];
-            let rows = Rows {
-                buf: &x,
-                offset: 0,
-                n_rows: n,
-                width,
-                stride: width,
-            };
-            let out = RowsMut {
-                buf: &mut y,
-                offset: 0,
-                n_rows: n,
-                width,
-                stride: width,
-            };
-            bgmv_tuned(dev, rows, &idx, &targets, stride, out, tuning).unwrap();
+            let weights_as_rows = RowsMut::dense(&mut w, w_rows, width);
+            bgmv(dev, writer_rows, &w_idx, &on.targets(&writer), 16, weights_as_rows).unwrap();
+            let targets = whole_table_target(&table, slots, width);
+            let out = RowsMut::dense(&mut y, n, width);
+            bgmv_with(dev, Rows::dense(&x, n, width), &idx, &targets, stride, out, options)
+                .unwrap_or_else(|e| panic!("{}: {e}", describe(options)));
             dev.check_faults().unwrap();
             widen(&y.download().unwrap())
         };
-        let cpu = run(&Device::cpu(), BgmvTuning::default());
-        for t in tunings {
-            let g = run(&gpu, t);
-            assert!(g.iter().all(|v| v.is_finite()), "n={n} {t:?}: non-finite output");
+        // The second apply's plans: every entry plan, and every other that waits first.
+        let plans = {
+            let w = gpu.upload(&pairs.data).unwrap();
+            let table = gpu.upload(&pairs.entries(w.device_addr())).unwrap();
+            let (x, mut y) = (gpu.upload(&x).unwrap(), gpu.upload(&y).unwrap());
+            let targets = whole_table_target(&table, slots, width);
+            let out = RowsMut::dense(&mut y, n, width);
+            bgmv_candidates(&gpu, Rows::dense(&x, n, width), &targets, stride, &out, false).unwrap()
+        };
+        let label = format!("n={n} width={width} stride={stride}");
+        let plans = plans_where(&label, &plans, |t| is_entry(t) || t.chain.waits_first());
+        assert_forms(&label, &plans, forms);
+        if stride == 16 {
+            plans_where(&label, &plans, is_entry_prefetch);
+        }
+        let cpu = run(&Device::cpu(), DecodeOptions::default());
+        for t in plans {
+            let g = run(&gpu, exact(t));
+            assert!(g.iter().all(|v| v.is_finite()), "{label} {t}: non-finite output");
             let err = rel_error(&g, &cpu);
-            assert!(err < TOL, "n={n} width={width} {t:?}: ‖gpu − cpu‖/‖cpu‖ = {err:e}");
+            assert!(err < TOL, "{label} {t}: ‖gpu − cpu‖/‖cpu‖ = {err:e}");
         }
     }
 }
 
+/// Tables of more entries than the item list serves: no candidate lists
+/// items (every fused one scans its window), an exact listed plan is
+/// refused naming `plan.items`, and every candidate matches the CPU.
 #[test]
 fn gpu_bgmv_tables_past_the_item_list_limit_scan_instead() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_tables_past_the_item_list_limit_scan_instead") else {
@@ -1247,9 +1367,73 @@ fn gpu_bgmv_tables_past_the_item_list_limit_scan_instead() {
             }
         })
         .collect();
-    for t in [FUSED_SCALAR_LIST, FUSED_TC_LIST_FLAG] {
-        check_bgmv(&gpu, &format!("large table {t:?}"), &p, &idx, t);
+    let on = Applies::new(&gpu, &p, &idx);
+    let plans = on.plans(&p.y_bf16, false);
+    assert!(!plans.iter().any(is_fused_listed), "large table: {}", labels(&plans));
+    for t in plans_where("large table", &plans, is_fused_scan) {
+        let DecodeForm::Fused(f) = t.form else { unreachable!() };
+        for items in [ItemList::Listed, ItemList::ListedFlag] {
+            let listed = DecodePlan {
+                form: DecodeForm::Fused(FusedForm { items, ..f }),
+                ..t
+            };
+            let mut y = gpu.upload(&p.y_bf16).unwrap();
+            let err = on.apply(&mut y, exact(listed)).unwrap_err();
+            assert!(err.to_string().contains("plan.items"), "{listed}: {err}");
+        }
     }
+    check_bgmv(&gpu, "large table", &p, &idx, &runs_of(false, &plans));
+}
+
+/// The fused plans of `plans` at other launch shapes, where the planner
+/// takes them and the candidates do not hold them: 3 output splits over 2
+/// clusters a window, 2 over 3, one cluster a window (every item of the
+/// window through it: the one-chunk items' copy groups, the push's receive
+/// buffers and mbarrier phases reused many times) and a cluster for every
+/// row of the `window` (3 splits too).
+fn other_launches<Y: OutputElem>(on: &Applies<'_>, y0: &[Y], plans: &[DecodePlan], window: usize) -> Vec<DecodePlan> {
+    let mut out: Vec<DecodePlan> = Vec::new();
+    for &plan in plans {
+        let DecodeForm::Fused(f) = plan.form else {
+            continue;
+        };
+        for (splits, per_window) in [(3, 2), (2, 3), (f.out_splits, 1), (f.out_splits, window), (3, window)] {
+            let Some(v) = with_launch(plan, splits, per_window) else {
+                continue;
+            };
+            if !plans.contains(&v) && !out.contains(&v) && on.serves(y0, v) {
+                out.push(v);
+            }
+        }
+    }
+    out
+}
+
+/// The two-phase plans of `plans` with other expand units, where the
+/// planner takes them: of 64 and 512 outputs, and in the row form of 1504
+/// (past the scanning form's most) and 4096 (its most).
+fn other_expand_units<Y: OutputElem>(on: &Applies<'_>, y0: &[Y], plans: &[DecodePlan]) -> Vec<DecodePlan> {
+    let mut out: Vec<DecodePlan> = Vec::new();
+    for &plan in plans {
+        let DecodeForm::TwoPhase(t) = plan.form else {
+            continue;
+        };
+        let units: &[usize] = if t.row_items {
+            &[64, 512, 1504, 4096]
+        } else {
+            &[64, 512]
+        };
+        for &expand_cols in units {
+            let v = DecodePlan {
+                form: DecodeForm::TwoPhase(TwoPhaseForm { expand_cols, ..t }),
+                ..plan
+            };
+            if !plans.contains(&v) && !out.contains(&v) && on.serves(y0, v) {
+                out.push(v);
+            }
+        }
+    }
+    out
 }
 
 #[test]
@@ -1278,189 +1462,58 @@ fn gpu_bgmv_row_patterns_and_paths() {
             ),
             ("random", random_idx(&mut rng, n, 5, 4)),
         ];
-        let tunings = [
-            BgmvTuning::default(),
-            BgmvTuning {
-                cluster: Some(1),
-                ..FUSED
-            },
-            BgmvTuning {
-                cluster: Some(8),
-                out_splits: Some(3),
-                clusters_per_window: Some(2),
-                ..FUSED
-            },
-            BgmvTuning {
-                cluster: Some(1),
-                out_splits: Some(1),
-                clusters_per_window: Some(1),
-                ..FUSED
-            },
-            BgmvTuning {
-                cluster: Some(1),
-                ..FUSED_TC
-            },
-            BgmvTuning {
-                cluster: Some(8),
-                out_splits: Some(3),
-                clusters_per_window: Some(2),
-                ..FUSED_TC
-            },
-            BgmvTuning {
-                cluster: Some(4),
-                ..FUSED_SCALAR_SCAN
-            },
-            // Many items per cluster (rank-0 items among them): the push form's
-            // receive buffers and mbarrier phases reused, and the pull form.
-            BgmvTuning {
-                cluster: Some(8),
-                out_splits: Some(3),
-                clusters_per_window: Some(2),
-                push_sum: Some(false),
-                ..FUSED_SCALAR_SCAN
-            },
-            BgmvTuning {
-                cluster: Some(8),
-                clusters_per_window: Some(1),
-                push_sum: Some(true),
-                ..FUSED_SCALAR_SCAN
-            },
-            BgmvTuning {
-                cluster: Some(4),
-                clusters_per_window: Some(1),
-                push_sum: Some(true),
-                ..FUSED_TC_LIST
-            },
-            BgmvTuning {
-                cluster: Some(8),
-                out_splits: Some(2),
-                clusters_per_window: Some(3),
-                push_sum: Some(false),
-                ..FUSED_TC_LIST
-            },
-            FUSED_SCALAR_LIST,
-            FUSED_TC_LIST,
-            FUSED_SCALAR_LIST_FLAG,
-            // Clusters of 2: one block per multiprocessor, B rows unpadded.
-            BgmvTuning {
-                cluster: Some(2),
-                ..FUSED_SCALAR_SCAN
-            },
-            BgmvTuning {
-                cluster: Some(2),
-                out_splits: Some(3),
-                clusters_per_window: Some(2),
-                push_sum: Some(false),
-                ..FUSED_SCALAR_SCAN
-            },
-            BgmvTuning {
-                cluster: Some(2),
-                clusters_per_window: Some(1),
-                push_sum: Some(true),
-                ..FUSED_TC_LIST
-            },
-            BgmvTuning {
-                cluster: Some(2),
-                ..FUSED_SCALAR_LIST
-            },
-            // Tensor cores in clusters of 2 (the default where 8-row items
-            // surely fill more than a round of clusters of 8), listed and scanning.
-            BgmvTuning {
-                cluster: Some(2),
-                ..FUSED_TC_LIST
-            },
-            BgmvTuning {
-                cluster: Some(2),
-                ..FUSED_TC
-            },
-            // A cluster for every row. The 16-warp clusters of 2 take the
-            // row-mapped form there (row q's cluster serves row q alone,
-            // requesting its weights as soon as its entry is known; rows of
-            // one adapter are not grouped), pushed and pulled. The others
-            // scan, most clusters idle.
-            FUSED_ROW_MAPPED,
-            BgmvTuning {
-                push_sum: Some(false),
-                ..FUSED_ROW_MAPPED
-            },
-            BgmvTuning {
-                cluster: Some(8),
-                clusters_per_window: Some(512),
-                ..FUSED_SCALAR_SCAN
-            },
-            BgmvTuning {
-                cluster: Some(8),
-                out_splits: Some(3),
-                clusters_per_window: Some(512),
-                push_sum: Some(false),
-                ..FUSED_SCALAR_SCAN
-            },
-            BgmvTuning {
-                cluster: Some(1),
-                clusters_per_window: Some(512),
-                ..FUSED_SCALAR_SCAN
-            },
-            // Every item of a window through one cluster: the one-chunk items'
-            // copy groups and the push's receive buffers reused many times.
-            BgmvTuning {
-                cluster: Some(2),
-                clusters_per_window: Some(1),
-                ..FUSED_SCALAR_SCAN
-            },
-            BgmvTuning {
-                cluster: Some(1),
-                clusters_per_window: Some(1),
-                ..FUSED_SCALAR_LIST
-            },
-            BgmvTuning {
-                cluster: Some(1),
-                ..FUSED_SCALAR_LIST
-            },
-            BgmvTuning {
-                cluster: Some(4),
-                ..FUSED_SCALAR_LIST
-            },
-            BgmvTuning {
-                cluster: Some(8),
-                out_splits: Some(3),
-                clusters_per_window: Some(2),
-                ..FUSED_TC_LIST
-            },
-            BgmvTuning {
-                cluster: Some(1),
-                out_splits: Some(1),
-                clusters_per_window: Some(1),
-                ..FUSED_TC_LIST_FLAG
-            },
-            BgmvTuning {
-                expand_cols: Some(64),
-                ..TWO_PHASE
-            },
-            BgmvTuning {
-                expand_cols: Some(512),
-                ..TWO_PHASE_DEPENDENT
-            },
-            BgmvTuning {
-                pow2_slices: Some(true),
-                ..TWO_PHASE
-            },
-            TWO_PHASE_TC_POW2_DEPENDENT,
-            // The row form: units of one row, of its default width, of an
-            // odd width past the scanning form's most, and of its most.
-            TWO_PHASE_ROWS,
-            BgmvTuning {
-                expand_cols: Some(1500),
-                ..TWO_PHASE_ROWS
-            },
-            BgmvTuning {
-                expand_cols: Some(4096),
-                ..TWO_PHASE_ROWS_PLAIN
-            },
-        ];
-        for (label, idx) in &patterns {
-            for t in tunings {
-                check_bgmv(&gpu, &format!("n={n} {label} {t:?}"), &p, idx, t);
-            }
+        // The rule table's plan, every candidate (each cluster size, scalar
+        // and on tensor cores, scanning or listed, pushed and pulled; the
+        // two-phase forms also with K slices of any count and a plain
+        // expand), and the other launch shapes: many items per cluster
+        // (rank-0 items among them), several output splits, and a cluster
+        // for every row. The 16-warp clusters of 2 take the row-mapped form
+        // there (row q's cluster serves row q alone, requesting its weights
+        // as soon as its entry is known; rows of one adapter are not
+        // grouped), pushed and pulled; the others scan, most clusters idle.
+        // The two-phase expand in units of 64, 512, and in the row form of
+        // one row's odd width past the scanning form's most, and of its most.
+        let label = format!("n={n}");
+        let on = Applies::new(&gpu, &p, &patterns[0].1);
+        let plans = on.plans(&p.y_bf16, false);
+        let launches = other_launches(&on, &p.y_bf16, &plans, n);
+        let units = other_expand_units(&on, &p.y_bf16, &plans);
+        assert_forms(&label, &plans, &FUSED_FORMS);
+        assert_forms(&label, &plans, &TWO_PHASE_FORMS);
+        let launched = |what: &str, shape: &dyn Fn(&FusedForm) -> bool| {
+            let found = launches
+                .iter()
+                .chain(&plans)
+                .any(|t| matches!(t.form, DecodeForm::Fused(f) if shape(&f)));
+            assert!(found, "{label}: no fused plan with {what} among {}", labels(&launches));
+        };
+        for cluster in [1, 2, 4, 8] {
+            launched(&format!("clusters of {cluster}, one a window"), &|f| {
+                f.cluster == cluster && f.clusters_per_window == 1
+            });
+        }
+        for cluster in [2, 8] {
+            launched(&format!("clusters of {cluster}, 3 splits over 2 a window"), &|f| {
+                f.cluster == cluster && f.out_splits == 3 && f.clusters_per_window == 2
+            });
+        }
+        for cluster in [1, 2, 8] {
+            launched(&format!("clusters of {cluster}, one a row"), &|f| {
+                f.cluster == cluster && f.clusters_per_window == n
+            });
+        }
+        plans_where(&label, &plans, |t| is_row_mapped(t, n));
+        for cols in [64, 512, 4096] {
+            plans_where(
+                &label,
+                &units,
+                |t| matches!(t.form, DecodeForm::TwoPhase(u) if u.expand_cols == cols),
+            );
+        }
+        let all: Vec<DecodePlan> = [plans, launches, units].concat();
+        let runs = runs_of(false, &all);
+        for (what, idx) in &patterns {
+            check_bgmv(&gpu, &format!("n={n} {what}"), &p, idx, &runs);
         }
     }
 }
@@ -1483,17 +1536,22 @@ fn gpu_bgmv_f32_router_logits() {
     );
     let idx = random_idx(&mut rng, 40, 32, 9);
     let cpu = Device::cpu();
-    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, BgmvTuning::default());
-    for t in FUSED_FORMS
-        .into_iter()
-        .chain([TWO_PHASE, TWO_PHASE_ROWS, FUSED_ROW_MAPPED])
-    {
-        let g = run_bgmv_on(&gpu, &p, &idx, &p.y_f32, t);
-        compare(&format!("f32 y {t:?}"), &p.y_f32, &c, &g);
+    let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, DecodeOptions::default());
+    // The rule table's plan and every candidate with f32 y: each fused form,
+    // the two-phase ones (with K slices of any count and a plain expand
+    // too), the row-mapped form.
+    let on = Applies::new(&gpu, &p, &idx);
+    let plans = on.plans(&p.y_f32, false);
+    assert_forms("f32 y", &plans, &FUSED_FORMS);
+    assert_forms("f32 y", &plans, &["two-phase", "two-phase rows"]);
+    plans_where("f32 y", &plans, |t| is_row_mapped(t, 40));
+    for options in runs_of(false, &plans) {
+        let g = on.run(&p.y_f32, options);
+        compare(&format!("f32 y {}", describe(options)), &p.y_f32, &c, &g);
         let dc: Vec<f32> = c.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
         let dg: Vec<f32> = g.iter().zip(&p.y_f32).map(|(a, b)| a - b).collect();
         let err = rel_error(&dg, &dc);
-        assert!(err < 1e-4, "f32 delta error {err:e} {t:?}");
+        assert!(err < 1e-4, "f32 delta error {err:e} {}", describe(options));
     }
 }
 
@@ -1504,31 +1562,28 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
     };
     let mut rng = Rng::fresh("gpu_bgmv_bad_index_raises_a_fault");
     let p = Problem::new(&mut rng, 4, 64, &[32], 8, &[8, 8], false);
-    let on = OnDevice::new(&gpu, &p);
-    let idx = gpu.upload(&[0i32, 9, 1, -1]).unwrap();
-    let mut y = gpu.upload(&p.y_bf16).unwrap();
-    let targets = on.targets(&p);
-    for t in FUSED_FORMS
-        .into_iter()
-        .chain([TWO_PHASE, TWO_PHASE_ROWS, FUSED_ROW_MAPPED])
-    {
-        bgmv_tuned(
-            &gpu,
-            on.x_rows(&p),
-            &idx,
-            &targets,
-            8,
-            RowsMut::dense(&mut y, 4, p.y_width),
-            t,
-        )
-        .unwrap();
-        let faults = gpu.take_faults().unwrap();
+    let on = Applies::new(&gpu, &p, &[0, 9, 1, -1]);
+    for options in runs_of(false, &fault_plans(&on)) {
+        let (_, faults) = on.run_faulting(&p.y_bf16, options);
         assert!(
             faults.0 & lora_kernels::FaultFlags::BAD_INDEX != 0,
-            "faults: {faults} {t:?}"
+            "faults: {faults} {}",
+            describe(options)
         );
         assert!(gpu.take_faults().unwrap().is_empty());
     }
+}
+
+/// The faults' calls: 4 rows of in 64, one target of 32 outputs, rank
+/// stride 8, two table entries; every candidate (the two-phase ones with K
+/// slices of any count and a plain expand too), each fused form, the
+/// two-phase ones and the row-mapped one asserted among them.
+fn fault_plans(on: &Applies<'_>) -> Vec<DecodePlan> {
+    let plans = on.plans(&on.p.y_bf16, false);
+    assert_forms("faults", &plans, &FUSED_FORMS);
+    assert_forms("faults", &plans, &["two-phase", "two-phase rows"]);
+    plans_where("faults", &plans, |t| is_row_mapped(t, on.p.n));
+    plans
 }
 
 /// The problem's table with entry 1 claiming a rank past the stride.
@@ -1557,36 +1612,21 @@ fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
     let mut rng = Rng::fresh("gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows");
     let (n, stride) = (4, 8);
     let p = Problem::new(&mut rng, n, 64, &[32], stride, &[8, 8], false);
-    let on = OnDevice::new(&gpu, &p);
     // Entry 1 claims a rank above the stride: its rows get no delta, the others theirs.
-    let table = table_with_bad_rank(&gpu, &on, stride);
-    let target = whole_table_target(&table, 2, 32);
-    let idx = gpu.upload(&[0i32, 1, 1, -1]).unwrap();
-    let cpu = Device::cpu();
-    let good_only = run_bgmv_on(&cpu, &p, &[0, -1, -1, -1], &p.y_bf16, BgmvTuning::default());
-    for t in FUSED_FORMS
-        .into_iter()
-        .chain([TWO_PHASE, TWO_PHASE_ROWS, FUSED_ROW_MAPPED])
-    {
-        let mut y = gpu.upload(&p.y_bf16).unwrap();
-        bgmv_tuned(
-            &gpu,
-            on.x_rows(&p),
-            &idx,
-            &target,
-            stride,
-            RowsMut::dense(&mut y, n, p.y_width),
-            t,
-        )
-        .unwrap();
-        let faults = gpu.take_faults().unwrap();
-        assert_eq!(faults.0, lora_kernels::FaultFlags::BAD_RANK, "faults: {faults} {t:?}");
-        compare(
-            &format!("bad entry {t:?}"),
-            &p.y_bf16,
-            &good_only,
-            &y.download().unwrap(),
-        );
+    let mut on = Applies::new(&gpu, &p, &[0, 1, 1, -1]);
+    on.bufs.table = table_with_bad_rank(&gpu, &on.bufs, stride);
+    let good_only = run_bgmv_on(
+        &Device::cpu(),
+        &p,
+        &[0, -1, -1, -1],
+        &p.y_bf16,
+        DecodeOptions::default(),
+    );
+    for options in runs_of(false, &fault_plans(&on)) {
+        let (y, faults) = on.run_faulting(&p.y_bf16, options);
+        let label = describe(options);
+        assert_eq!(faults.0, lora_kernels::FaultFlags::BAD_RANK, "faults: {faults} {label}");
+        compare(&format!("bad entry {label}"), &p.y_bf16, &good_only, &y);
     }
 }
 
@@ -1609,7 +1649,7 @@ fn run_sgmv_on<Y: OutputElem>(
     seg: Option<(&[i32], &[i32])>,
     entry: usize,
     y0: &[Y],
-    tuning: SgmvTuning,
+    choice: Choice<PrefillPlan>,
 ) -> Vec<Y> {
     let on = OnDevice::new(dev, p);
     let n_seg = seg.map_or(1, |(_, s)| s.len());
@@ -1633,7 +1673,15 @@ fn run_sgmv_on<Y: OutputElem>(
                 seg_slot: &slot,
                 n_segments: n_seg,
             };
-            sgmv_tuned(dev, on.x_rows(p), &s, &targets, p.stride, yv, &mut ws, tuning).unwrap();
+            if let Choice::Exact(want) = choice {
+                let planned = sgmv_plan(dev, on.x_rows(p), &s, &targets, p.stride, &yv, choice).unwrap();
+                assert!(planned.is_none_or(|got| got == want), "{planned:?} for {want}");
+            }
+            let options = PrefillOptions {
+                choice,
+                only_phase: None,
+            };
+            sgmv_with(dev, on.x_rows(p), &s, &targets, p.stride, yv, &mut ws, options).unwrap();
         }
         None => one_adapter(dev, on.x_rows(p), entry, &targets, p.stride, yv, &mut ws).unwrap(),
     }
@@ -1641,50 +1689,29 @@ fn run_sgmv_on<Y: OutputElem>(
     y.download().unwrap()
 }
 
-/// Launch choices of the segment apply the tests cover: each shrink (the
-/// wgmma ones where the device has them, the narrow one, the 64-row one with
-/// paired and split staging), each expand (wgmma from y or before it,
-/// mma.sync), the
-/// dependent and the plain expand launch, early and late dependents, each
-/// way of dealing items, one and two y buffers.
-fn sgmv_kernels() -> Vec<SgmvTuning> {
-    let pick = |narrow, dependent, balanced, paired| SgmvTuning {
-        narrow_shrink: Some(narrow),
-        dependent_expand: Some(dependent),
-        balanced_items: Some(balanced),
-        paired_staging: Some(paired),
-        ..Default::default()
-    };
-    let y_buffers = |n| SgmvTuning {
-        y_buffers: Some(n),
-        ..Default::default()
-    };
-    let mma_sync = SgmvTuning {
-        wgmma_shrink: Some(false),
-        wgmma_expand: Some(false),
-        ..Default::default()
-    };
-    // The wgmma expand from y past rank stride 32, where the default starts before y.
-    let mma_after_y = SgmvTuning {
-        mma_before_y: Some(false),
-        ..Default::default()
-    };
-    let dependents = |early| SgmvTuning {
-        early_dependents: Some(early),
-        ..Default::default()
-    };
-    vec![
-        SgmvTuning::default(),
-        mma_sync,
-        mma_after_y,
-        dependents(true),
-        dependents(false),
-        pick(true, false, true, true),
-        pick(false, true, false, true),
-        pick(false, true, true, false),
-        y_buffers(1),
-        y_buffers(2),
-    ]
+/// The plans of the segment apply the tests cover for a problem on `gpu`
+/// with y elements `Y`: every candidate (each shrink the device runs, each
+/// expand, dependent early or late and plain launches, each way of dealing
+/// items, one and two y buffers), then K splits 1, 3 and 8 on the first
+/// candidate of each shrink where the call allows them.
+fn sgmv_plans<Y: OutputElem>(gpu: &Device, p: &Problem, n_seg: usize) -> Vec<PrefillPlan> {
+    let call = PrefillCall::segments::<Y>(p.n, p.in_dim, p.stride, n_seg, &p.outs).unwrap();
+    let limits = gpu.limits().unwrap();
+    let mut plans = lora_kernels::ops::sgmv::plan::candidates(&call, &limits);
+    assert!(!plans.is_empty(), "no plan for {call}");
+    let mut shrinks: Vec<_> = plans.iter().map(|c| c.shrink).collect();
+    shrinks.dedup();
+    for shrink in shrinks {
+        let first = *plans.iter().find(|c| c.shrink == shrink).unwrap();
+        for k_splits in [1, 3, 8] {
+            let plan = PrefillPlan { k_splits, ..first };
+            let ok = lora_kernels::ops::sgmv::plan::plan(&call, &limits, Choice::Exact(plan)).is_ok();
+            if ok && !plans.contains(&plan) {
+                plans.push(plan);
+            }
+        }
+    }
+    plans
 }
 
 #[test]
@@ -1707,22 +1734,18 @@ fn gpu_sgmv_matches_cpu() {
         let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 13 % stride) as u32).collect();
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
         let (cu, slot) = segments_for(&mut rng, n, n_seg, slots);
-        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, SgmvTuning::default());
-        for ks in [None, Some(1), Some(3), Some(8)] {
-            for kernels in sgmv_kernels() {
-                let tuning = SgmvTuning {
-                    k_splits: ks,
-                    ..kernels
-                };
-                let label = format!("sgmv n={n} in={in_dim} outs={outs:?} stride={stride} {tuning:?}");
-                let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
-                compare(&label, &p.y_bf16, &c, &g);
-            }
+        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Auto);
+        for plan in sgmv_plans::<bf16>(&gpu, &p, n_seg) {
+            let label = format!("sgmv n={n} in={in_dim} outs={outs:?} stride={stride} {plan}");
+            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Exact(plan));
+            compare(&label, &p.y_bf16, &c, &g);
         }
-        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_f32, SgmvTuning::default());
-        for tuning in sgmv_kernels() {
-            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, tuning);
-            compare(&format!("sgmv f32 y {tuning:?}"), &p.y_f32, &c, &g);
+        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Auto);
+        // An f32 y changes the expand alone: every plan with the rule table's shrink.
+        let f32_plans = sgmv_plans::<f32>(&gpu, &p, n_seg);
+        for &plan in f32_plans.iter().filter(|q| q.shrink == f32_plans[0].shrink) {
+            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Exact(plan));
+            compare(&format!("sgmv f32 y {plan}"), &p.y_f32, &c, &g);
         }
     }
 }
@@ -1739,10 +1762,10 @@ fn gpu_sgmv_every_rank_against_padded_pool() {
     let p = Problem::new(&mut rng, n, 512, &[256], 64, &ranks, true);
     let cu: Vec<i32> = (0..=64).map(|s| s * 20).collect();
     let slot: Vec<i32> = (0..64).collect();
-    let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, SgmvTuning::default());
-    for tuning in sgmv_kernels() {
-        let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, tuning);
-        compare(&format!("sgmv every rank {tuning:?}"), &p.y_bf16, &c, &g);
+    let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Auto);
+    for plan in sgmv_plans::<bf16>(&gpu, &p, slot.len()) {
+        let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Exact(plan));
+        compare(&format!("sgmv every rank {plan}"), &p.y_bf16, &c, &g);
     }
 }
 
@@ -1755,8 +1778,8 @@ fn gpu_one_adapter_matches_cpu() {
     let mut rng = Rng::fresh("gpu_one_adapter_matches_cpu");
     for &(n, in_dim, out, stride, rank) in &[(777, 4096, 1024, 64, 64), (65, 2049, 300, 16, 5), (3, 8, 8, 8, 1)] {
         let p = Problem::new(&mut rng, n, in_dim, &[out], stride, &[stride as u32, rank], true);
-        let c = run_sgmv_on(&cpu, &p, None, 1, &p.y_bf16, SgmvTuning::default());
-        let g = run_sgmv_on(&gpu, &p, None, 1, &p.y_bf16, SgmvTuning::default());
+        let c = run_sgmv_on(&cpu, &p, None, 1, &p.y_bf16, Choice::Auto);
+        let g = run_sgmv_on(&gpu, &p, None, 1, &p.y_bf16, Choice::Auto);
         compare(
             &format!("one adapter n={n} in={in_dim} out={out} rank={rank}"),
             &p.y_bf16,
@@ -1772,23 +1795,33 @@ fn gpu_graph_replay_follows_table_contents() {
         return;
     };
     let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
-    for t in [BgmvTuning::default()].into_iter().chain(FUSED_FORMS).chain([
-        TWO_PHASE_DEPENDENT,
-        TWO_PHASE_ROWS,
-        FUSED_ROW_MAPPED,
-        ROW_REGISTERS,
-    ]) {
-        graph_replay_case(&gpu, &mut rng, t);
+    // The graph's decode call is the same in every case: the rule table's
+    // plan and every candidate of it (the two-phase ones with K slices of
+    // any count and a plain expand too), each fused form, the two-phase
+    // ones, the row-mapped and the row-register form among them.
+    let probe = graph_problem(&mut rng);
+    let plans = Applies::new(&gpu, &probe, &vec![0; probe.n]).plans(&probe.y_bf16, false);
+    assert_forms("graph", &plans, &FUSED_FORMS);
+    assert_forms("graph", &plans, &["two-phase", "two-phase rows", "rows"]);
+    plans_where("graph", &plans, |t| is_row_mapped(t, probe.n));
+    for options in runs_of(false, &plans) {
+        graph_replay_case(&gpu, &mut rng, options);
     }
 }
 
-/// Capture bgmv (with `tuning`) and sgmv into one graph, change every
+/// The problem of [`graph_replay_case`]: 48 rows of 1024 columns, one
+/// target of 512 outputs, rank stride 16, 6 slots.
+fn graph_problem(rng: &mut Rng) -> Problem {
+    Problem::new(rng, 48, 1024, &[512], 16, &[16, 8, 4, 16, 2, 1], false)
+}
+
+/// Capture bgmv (with `options`) and sgmv into one graph, change every
 /// buffer's contents, replay, and compare with the CPU on the new contents.
-fn graph_replay_case(gpu: &Device, rng: &mut Rng, tuning: BgmvTuning) {
+fn graph_replay_case(gpu: &Device, rng: &mut Rng, options: DecodeOptions) {
     let gpu = gpu.clone();
     let cpu = Device::cpu();
     let (n, slots) = (48, 6);
-    let p = Problem::new(rng, n, 1024, &[512], 16, &[16, 8, 4, 16, 2, 1], false);
+    let p = graph_problem(rng);
     let on = OnDevice::new(&gpu, &p);
     let idx0 = random_idx(rng, n, slots, 5);
     let mut idx = gpu.upload(&idx0).unwrap();
@@ -1815,14 +1848,14 @@ fn graph_replay_case(gpu: &Device, rng: &mut Rng, tuning: BgmvTuning) {
         }];
         gpu.capture_graph(|| {
             let yv = RowsMut::dense(&mut y, n, p.y_width);
-            bgmv_tuned(&gpu, on.x_rows(&p), &idx, &target, 16, yv, tuning)?;
+            bgmv_with(&gpu, on.x_rows(&p), &idx, &target, 16, yv, options)?;
             let s = Segments {
                 cu_seqlens: &cu,
                 seg_slot: &seg_slot,
                 n_segments: 4,
             };
             let yv = RowsMut::dense(&mut y, n, p.y_width);
-            sgmv_tuned(&gpu, on.x_rows(&p), &s, &target, 16, yv, &mut ws, SgmvTuning::default())
+            sgmv(&gpu, on.x_rows(&p), &s, &target, 16, yv, &mut ws)
         })
         .unwrap()
     };
@@ -1858,14 +1891,13 @@ fn graph_replay_case(gpu: &Device, rng: &mut Rng, tuning: BgmvTuning) {
     }];
     let mut cy = cpu.upload(&y1).unwrap();
     let cidx = cpu.upload(&idx1).unwrap();
-    bgmv_tuned(
+    bgmv(
         &cpu,
         cpu_on.x_rows(&p),
         &cidx,
         &target,
         16,
         RowsMut::dense(&mut cy, n, p.y_width),
-        BgmvTuning::default(),
     )
     .unwrap();
     let (ccu, cslot) = (cpu.upload(&cu1).unwrap(), cpu.upload(&slot1).unwrap());
@@ -1876,19 +1908,9 @@ fn graph_replay_case(gpu: &Device, rng: &mut Rng, tuning: BgmvTuning) {
     };
     let mut cws = LoraWorkspace::new(&cpu, spec).unwrap();
     let yv = RowsMut::dense(&mut cy, n, p.y_width);
-    sgmv_tuned(
-        &cpu,
-        cpu_on.x_rows(&p),
-        &s,
-        &target,
-        16,
-        yv,
-        &mut cws,
-        SgmvTuning::default(),
-    )
-    .unwrap();
+    sgmv(&cpu, cpu_on.x_rows(&p), &s, &target, 16, yv, &mut cws).unwrap();
     compare(
-        &format!("graph replay after table change {tuning:?}"),
+        &format!("graph replay after table change {}", describe(options)),
         &y1,
         &cy.download().unwrap(),
         &g,
@@ -2145,7 +2167,8 @@ fn gpu_empty_launch_runs_and_captures() {
 /// serves, entries of one row to hundreds (several 16-row passes), slices of
 /// `in` that end inside a 32-column chunk, outputs that end inside a
 /// 32-output group, several targets, rows of no adapter, every rank of the
-/// stride against NaN padding, and weights at every 2-byte alignment.
+/// stride against NaN padding, and weights at every 2-byte alignment, in
+/// every entry plan (each kernel, with and without the prefetch, each chain).
 #[test]
 fn gpu_bgmv_entry_clusters_match_cpu() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_clusters_match_cpu") else {
@@ -2168,26 +2191,24 @@ fn gpu_bgmv_entry_clusters_match_cpu() {
         let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 37 % stride) as u32).collect();
         let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true).with_aligned_rows(&mut rng);
         let idx = random_idx(&mut rng, n, slots, none_every);
-        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
-        for t in [ENTRY, ENTRY_STAGED, ENTRY_C4] {
-            let label = format!("entry n={n} in={in_dim} outs={outs:?} stride={stride} {t:?}");
-            let g = run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t);
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, DecodeOptions::default());
+        let shape = format!("entry n={n} in={in_dim} outs={outs:?} stride={stride}");
+        let on = Applies::new(&gpu, &p, &idx);
+        let plans = plans_where(&shape, &on.candidates(&p.y_bf16, false), is_entry);
+        assert_forms(&shape, &plans, &["entry c8", "entry c4"]);
+        for &t in &plans {
+            let label = format!("{shape} {t}");
+            let g = on.run(&p.y_bf16, exact(t));
             compare(&label, &p.y_bf16, &c, &g);
             // The same sums in the same order: bit-identical when repeated.
-            assert_eq!(
-                g,
-                run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t),
-                "{label}: a repeated apply differs"
-            );
+            assert_eq!(g, on.run(&p.y_bf16, exact(t)), "{label}: a repeated apply differs");
         }
         for shift in [1, 2, 4, 7] {
-            let g = run_bgmv_shifted(&gpu, &p, &idx, &p.y_bf16, shift, ENTRY);
-            compare(
-                &format!("entry n={n} stride={stride} weights shifted by {shift}"),
-                &p.y_bf16,
-                &c,
-                &g,
-            );
+            let on = Applies::shifted(&gpu, &p, &idx, shift);
+            for &t in &plans {
+                let g = on.run(&p.y_bf16, exact(t));
+                compare(&format!("{shape} weights shifted by {shift} {t}"), &p.y_bf16, &c, &g);
+            }
         }
     }
     // Every rank of the stride, each entry `per` times, and the patterns of
@@ -2211,20 +2232,27 @@ fn gpu_bgmv_entry_clusters_match_cpu() {
             ("all rows one adapter", vec![slots - 1; n]),
             ("no adapter anywhere", vec![-1; n]),
         ];
-        // At stride 16 the register kernel also where it is not the default
-        // (2 rows per entry; no row anywhere: every cluster reads its weights
-        // for nothing).
-        let tunings: &[BgmvTuning] = if stride == 16 {
-            &[ENTRY, ENTRY_STAGED, ENTRY_C4, ENTRY_REGISTERS, ENTRY_SPREAD]
+        // Every entry plan; at stride 16 the register kernel also where it
+        // is not the default (2 rows per entry; no row anywhere: every
+        // cluster reads its weights for nothing), and the spread kernel.
+        let label = format!("entry stride={stride} in={in_dim}");
+        let plans = plans_where(
+            &label,
+            &Applies::new(&gpu, &p, &patterns[0].1).candidates(&p.y_bf16, false),
+            is_entry,
+        );
+        if stride == 16 {
+            assert_forms(&label, &plans, &["entry c8", "entry c4", "entry reg", "entry spread"]);
         } else {
-            &[ENTRY, ENTRY_STAGED, ENTRY_C4]
-        };
+            assert_forms(&label, &plans, &["entry c8", "entry c4"]);
+        }
         for (what, idx) in patterns {
-            let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, BgmvTuning::default());
-            for &t in tunings {
-                let g = run_bgmv_on(&gpu, &p, &idx, &p.y_bf16, t);
+            let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, DecodeOptions::default());
+            let on = Applies::new(&gpu, &p, &idx);
+            for &t in &plans {
+                let g = on.run(&p.y_bf16, exact(t));
                 compare(
-                    &format!("entry {what} stride={stride} in={in_dim} {t:?}"),
+                    &format!("entry {what} stride={stride} in={in_dim} {t}"),
                     &p.y_bf16,
                     &c,
                     &g,
@@ -2236,7 +2264,9 @@ fn gpu_bgmv_entry_clusters_match_cpu() {
 
 /// The entry-clustered form reports an index past the table and an entry
 /// of a rank past the stride as the other forms do, and serves the other
-/// rows; under the overlap it reads x and y only after the previous kernel.
+/// rows, in every entry plan; an exact entry plan it cannot serve is
+/// refused naming the plan's field; under the overlap it reads x and y only
+/// after the previous kernel.
 #[test]
 fn gpu_bgmv_entry_clusters_faults_and_overlap() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_clusters_faults_and_overlap") else {
@@ -2245,60 +2275,75 @@ fn gpu_bgmv_entry_clusters_faults_and_overlap() {
     let mut rng = Rng::fresh("gpu_bgmv_entry_clusters_faults_and_overlap");
     let (n, stride) = (6, 16);
     let p = Problem::new(&mut rng, n, 64, &[32], stride, &[8, 16, 4], false).with_aligned_rows(&mut rng);
-    let on = OnDevice::new(&gpu, &p);
-    let table = table_with_bad_rank(&gpu, &on, stride);
-    let target = whole_table_target(&table, 3, 32);
     // Row 1 names entry 1 (bad rank), row 4 an index past the table.
-    let idx = gpu.upload(&[0i32, 1, 2, -1, 3, 0]).unwrap();
+    let mut on = Applies::new(&gpu, &p, &[0, 1, 2, -1, 3, 0]);
+    on.bufs.table = table_with_bad_rank(&gpu, &on.bufs, stride);
     let good_only = run_bgmv_on(
         &Device::cpu(),
         &p,
         &[0, -1, 2, -1, -1, 0],
         &p.y_bf16,
-        BgmvTuning::default(),
+        DecodeOptions::default(),
     );
-    for t in [ENTRY, ENTRY_STAGED, ENTRY_C4, ENTRY_REGISTERS, ENTRY_SPREAD] {
-        let mut y = gpu.upload(&p.y_bf16).unwrap();
-        let yv = RowsMut::dense(&mut y, n, p.y_width);
-        bgmv_tuned(&gpu, on.x_rows(&p), &idx, &target, stride, yv, t).unwrap();
-        let faults = gpu.take_faults().unwrap();
+    let plans = plans_where("entry faults", &on.candidates(&p.y_bf16, false), is_entry);
+    assert_forms(
+        "entry faults",
+        &plans,
+        &["entry c8", "entry c4", "entry reg", "entry spread"],
+    );
+    for t in plans {
+        let (y, faults) = on.run_faulting(&p.y_bf16, exact(t));
         let want = lora_kernels::FaultFlags::BAD_RANK | lora_kernels::FaultFlags::BAD_INDEX;
-        assert_eq!(faults.0, want, "faults: {faults} {t:?}");
-        compare(
-            &format!("entry faults {t:?}"),
-            &p.y_bf16,
-            &good_only,
-            &y.download().unwrap(),
-        );
+        assert_eq!(faults.0, want, "faults: {faults} {t}");
+        compare(&format!("entry faults {t}"), &p.y_bf16, &good_only, &y);
     }
-    // Calls the form cannot serve are refused, not approximated.
-    let unaligned = Problem::new(&mut rng, 8, 64, &[32], stride, &[8], false);
-    let on = OnDevice::new(&gpu, &unaligned);
-    let idx = gpu.upload(&[0i32; 8]).unwrap();
-    let mut y = gpu.upload(&unaligned.y_bf16).unwrap();
-    let yv = RowsMut::dense(&mut y, 8, unaligned.y_width);
-    let err = bgmv_tuned(
-        &gpu,
-        on.x_rows(&unaligned),
-        &idx,
-        &on.targets(&unaligned),
-        stride,
-        yv,
-        ENTRY,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("entry_clusters"), "{err}");
-
-    let overlap = BgmvTuning {
-        overlap_previous: Some(true),
-        ..ENTRY
+    let entry = |kernel, prefetch| DecodePlan {
+        form: DecodeForm::Entry { kernel, prefetch },
+        chain: Chain::Plain,
     };
+    // Exact plans the form cannot serve are refused, not approximated:
+    // clusters of 2, and the prefetch without waiting first.
+    let refused = [
+        (entry(EntryKernel::Staged { cluster: 2 }, false), "plan.kernel"),
+        (entry(EntryKernel::Staged { cluster: 8 }, true), "plan.prefetch"),
+    ];
+    for (t, field) in refused {
+        let mut y = gpu.upload(&p.y_bf16).unwrap();
+        let err = on.apply(&mut y, exact(t)).unwrap_err();
+        assert!(err.to_string().contains(field), "{t}: {err}");
+    }
+    // Calls the form cannot serve (rows not 16-byte aligned) are refused in every kernel.
+    let unaligned = Problem::new(&mut rng, 8, 64, &[32], stride, &[8], false);
+    let on = Applies::new(&gpu, &unaligned, &[0; 8]);
+    assert!(!on.candidates(&unaligned.y_bf16, false).iter().any(is_entry));
+    for kernel in [
+        EntryKernel::Staged { cluster: 8 },
+        EntryKernel::Registers,
+        EntryKernel::Spread,
+    ] {
+        let mut y = gpu.upload(&unaligned.y_bf16).unwrap();
+        let err = on.apply(&mut y, exact(entry(kernel, false))).unwrap_err();
+        assert!(err.to_string().contains("plan.form"), "{kernel:?}: {err}");
+    }
+
+    // Each entry plan under the overlap, chained with a plain scanning fused
+    // apply and a plain two-phase one (K slices of any count, a plain
+    // expand; or, past its rows, another fused one).
     for shape in [(256, 1024, 16, 32), (40, 520, 64, 6)] {
-        check_overlap_chain(
-            &gpu,
-            &mut rng,
-            shape,
-            &[FUSED_SCALAR_SCAN, overlap, overlap, TWO_PHASE, overlap],
-        );
+        let case = ChainCase::new(&mut rng, shape);
+        let label = case.label();
+        let overlap = plans_where(&label, &case.candidates(&gpu, true), is_entry);
+        let plans = case.candidates(&gpu, false);
+        let scan = plans_where(&label, &plans, |t| form_name(t) == "fused scalar scan")[0];
+        let two_phase = plans
+            .iter()
+            .copied()
+            .find(|t| form_name(t) == "two-phase" && t.chain == Chain::Plain)
+            .map_or(scan, |t| two_phase_variants(&[t])[0]);
+        let chains: Vec<Vec<DecodeOptions>> = overlap
+            .iter()
+            .map(|&t| [scan, t, t, two_phase, t].map(exact).to_vec())
+            .collect();
+        case.check(&gpu, &chains);
     }
 }
