@@ -60,56 +60,10 @@
 // Most rows of a launch (row indices held per thread: BGE_MAX_ROWS / BGE_THREADS).
 // BGE_MAX_ROWS: from the host's prelude (`cuda_rt::prelude`).
 
-struct BgeParams {
-    u64 x;
-    u64 y;
-    u64 idx;
-    u64 fault;
-    int n_rows;
-    int in_dim;
-    int x_stride;
-    int y_stride;
-    int overlap;  // how the launch follows the stream's previous kernel: CHAIN_PLAIN .. CHAIN_WAIT_FIRST_EARLY_NEXT
-    int stage_cols;  // outputs per block staged in shared memory (B rows and y values), 0: none
-    LoraTarget targets[MAX_TARGETS];
-};
-static_assert(sizeof(BgeParams) == 152 && sizeof(BgeParams) - sizeof(LoraTarget) * MAX_TARGETS == 56, "mirrors bgmv.rs");
-
-// 8 consecutive bf16 at p (16-byte load when aligned, else element loads).
-__device__ __forceinline__ uint4 load8_any(const bf16_t* p, bool aligned) {
-    if (aligned) return ldg16(p);
-    uint4 r;
-    r.x = (u32)__ldg(p + 0) | ((u32)__ldg(p + 1) << 16);
-    r.y = (u32)__ldg(p + 2) | ((u32)__ldg(p + 3) << 16);
-    r.z = (u32)__ldg(p + 4) | ((u32)__ldg(p + 5) << 16);
-    r.w = (u32)__ldg(p + 6) | ((u32)__ldg(p + 7) << 16);
-    return r;
-}
-
-// The bf16 pair (lo, hi) as one word, and the residual pair: t = hi + lo to about 16 bits.
-__device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
-    hi = pack_bf2_rn(a, b);
-    lo = pack_bf2_rn(a - bf_lo(hi), b - bf_hi(hi));
-}
-
-// Mask of the ranks r0, r0 + 1 of a bf16 pair word that lie below `rank`.
-__device__ __forceinline__ u32 rank_mask(int r0, int rank) {
-    return (r0 < rank ? 0x0000ffffu : 0u) | (r0 + 1 < rank ? 0xffff0000u : 0u);
-}
+// BgeParams, load8_any, split_pair and rank_mask: decode.cuh (the row-register form shares them).
 
 
-// Waiting first (p.overlap, a CHAIN_* code of common.cuh): the wait, and the early next launch, before anything is read.
-__device__ __forceinline__ void bge_wait_first(const BgeParams& p) {
-    if (p.overlap >= CHAIN_WAIT_FIRST) {  // CHAIN_WAIT_FIRST or CHAIN_WAIT_FIRST_EARLY_NEXT
-        grid_dependency_wait();
-        if (p.overlap == CHAIN_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
-    }
-}
-
-// The entry bodies' end of a block's work: the next launch let in, unless that was done at once.
-__device__ __forceinline__ void bge_next_after_work(const BgeParams& p) {
-    if (p.overlap == CHAIN_EARLY_READS || p.overlap == CHAIN_WAIT_FIRST) grid_launch_dependents();
-}
+// bge_wait_first, bge_next_after_work: decode.cuh.
 
 #if __CUDA_ARCH__ >= 900
 // Asks `bytes` (a multiple of 16) from p (16-byte aligned) into L2; nothing comes to the block.
