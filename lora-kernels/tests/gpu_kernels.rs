@@ -374,9 +374,12 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
                 if stride <= 64 {
                     plans_where(&label, &plans, |t| matches!(t.form, DecodeForm::Fused(f) if f.push_sum));
                     assert!(
-                        per_row.iter().any(|t| is_row_mapped_any_splits(t, scan_window(n))),
+                        plans
+                            .iter()
+                            .chain(&per_row)
+                            .any(|t| is_row_mapped_any_splits(t, scan_window(n))),
                         "{label}: no row-mapped plan among {}",
-                        labels(&per_row)
+                        labels(&[plans.as_slice(), &per_row].concat())
                     );
                 }
                 // The row-register form where its shape limits allow.
@@ -1503,14 +1506,14 @@ fn gpu_bgmv_row_patterns_and_paths() {
             });
         }
         plans_where(&label, &plans, |t| is_row_mapped(t, n));
+        let all: Vec<DecodePlan> = [plans, launches, units].concat();
         for cols in [64, 512, 4096] {
             plans_where(
                 &label,
-                &units,
+                &all,
                 |t| matches!(t.form, DecodeForm::TwoPhase(u) if u.expand_cols == cols),
             );
         }
-        let all: Vec<DecodePlan> = [plans, launches, units].concat();
         let runs = runs_of(false, &all);
         for (what, idx) in &patterns {
             check_bgmv(&gpu, &format!("n={n} {what}"), &p, idx, &runs);
