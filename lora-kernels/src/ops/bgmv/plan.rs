@@ -586,6 +586,19 @@ impl<'a> Facts<'a> {
         self.call.y.size()
     }
 
+    /// The fused kernel's view of the call for one choice of windows, tensor cores and item list.
+    fn row_shape(&self, window: usize, n_windows: usize, tensor_cores: bool, list: bool) -> RowShape {
+        RowShape {
+            in_dim: self.call.in_dim,
+            stride: self.stride,
+            y_size: self.y_size(),
+            window,
+            n_windows,
+            tensor_cores,
+            list,
+        }
+    }
+
     /// The chain of a form whose first launch may wait first.
     fn chain(&self, early_next: bool) -> Chain {
         Chain::of(self.overlap, self.wait_first, early_next)
@@ -751,15 +764,7 @@ fn row_mapped_rule(f: &Facts<'_>) -> Option<DecodePlan> {
     if !(f.hopper && !f.overlap && f.n >= ROW_MAPPED_MIN_ROWS && one_round) {
         return None;
     }
-    let rows = RowShape {
-        in_dim: f.call.in_dim,
-        stride: f.stride,
-        y_size: f.y_size(),
-        window: f.n,
-        n_windows: 1,
-        tensor_cores: false,
-        list: false,
-    };
+    let rows = f.row_shape(f.n, 1, false, false);
     let fixed = Fixed {
         cluster: Some(2),
         out_splits: Some(1),
@@ -859,15 +864,7 @@ fn fused_default(f: &Facts<'_>) -> Result<(DecodePlan, usize), KernelError> {
     let (window, n_windows) = row_windows(f.n, listed, f.n_targets);
     let tensor_cores = many_rows(f.n, f.max_entries);
     let list = listed && item_list_fits(window, n_windows, f.n_targets);
-    let rows = RowShape {
-        in_dim: f.call.in_dim,
-        stride: f.stride,
-        y_size: f.y_size(),
-        window,
-        n_windows,
-        tensor_cores,
-        list,
-    };
+    let rows = f.row_shape(window, n_windows, tensor_cores, list);
     let choice = LaunchChoice::pick(f.limits, rows, f.targets(), Fixed::default())?;
     let items = if list { ItemList::Listed } else { ItemList::Scan };
     let plan = fused_plan(&choice, tensor_cores, items, f.fused_chain());
@@ -1041,15 +1038,7 @@ fn check_fused(f: &Facts<'_>, form: FusedForm, chain: Chain) -> Result<(), Kerne
             );
         }
     }
-    let rows = RowShape {
-        in_dim: f.call.in_dim,
-        stride: f.stride,
-        y_size: f.y_size(),
-        window,
-        n_windows,
-        tensor_cores: form.tensor_cores,
-        list,
-    };
+    let rows = f.row_shape(window, n_windows, form.tensor_cores, list);
     let fixed = Fixed {
         cluster: Some(form.cluster),
         out_splits: Some(form.out_splits),
@@ -1170,15 +1159,7 @@ fn fused_candidate(
 ) -> Option<DecodePlan> {
     let list = items != ItemList::Scan;
     let (window, n_windows) = row_windows(f.n, list, f.n_targets);
-    let rows = RowShape {
-        in_dim: f.call.in_dim,
-        stride: f.stride,
-        y_size: f.y_size(),
-        window,
-        n_windows,
-        tensor_cores,
-        list,
-    };
+    let rows = f.row_shape(window, n_windows, tensor_cores, list);
     let fixed = Fixed {
         cluster: Some(cluster),
         push_sum: Some(push_sum),
