@@ -7,14 +7,24 @@ Each directory holds the translation units `cargo xtask cuda-sources DIR`
 writes (one `.cu` per kernel family). Every unit is compiled with
 `nvcc -cubin -arch=ARCH` (default sm_90a) and disassembled with
 `cuobjdump -sass`; each `extern "C"` kernel's SASS is then compared across
-the two builds, whatever unit it lives in. Exit 0 only when every kernel of
-the first build is in the second with identical SASS.
+the two builds, whatever unit it lives in, without the address comments;
+the first lines that differ are printed for up to four changed kernels.
+Exit 0 only when every kernel of the first build is in the second with
+identical SASS.
 """
+import difflib
 import os
 import re
 import subprocess
 import sys
 import tempfile
+
+
+def normalize(line):
+    """One SASS line without its address comment and padding (the encoding
+    words stay: they carry the scheduling control bits)."""
+    line = re.sub(r"/\*[0-9a-fA-F]{4,}\*/", "", line)
+    return " ".join(line.split())
 
 
 def kernels(src_dir, arch, work):
@@ -35,8 +45,8 @@ def kernels(src_dir, arch, work):
                 current = m.group(1)
                 out[current] = []
                 continue
-            if current is not None:
-                out[current].append(line.strip())
+            if current is not None and normalize(line):
+                out[current].append(normalize(line))
     return {k: "\n".join(v) for k, v in out.items()}
 
 
@@ -56,6 +66,10 @@ def main():
     for label, names in [("changed", changed), ("missing", missing), ("new", new)]:
         if names:
             print(f"{label}: {' '.join(sorted(names))}")
+    for name in sorted(changed)[:4]:
+        diff = difflib.unified_diff(before[name].splitlines(), after[name].splitlines(), lineterm="", n=0)
+        print(f"--- {name}")
+        print("\n".join(list(diff)[2:14]))
     return 0 if not changed and not missing else 1
 
 
