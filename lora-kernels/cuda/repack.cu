@@ -80,3 +80,48 @@ extern "C" __global__ void repack_regions(const RepackParams p) {
         d[e] = (row < r.rows && col < r.src_cols) ? repack_load(s, row * r.src_cols + col, r.dtype) : (bf16_t)0;
     }
 }
+
+struct ScanParams {
+    u64 regions;  // const RepackRegion*
+    u64 src;      // const u8*
+    u64 hits;     // u64 per region, all ones before the launch
+};
+
+__device__ __forceinline__ bool bf_not_finite(u32 h) { return (h & 0x7f80u) == 0x7f80u; }
+
+// For each region, the first element of its source block [rows, src_cols]
+// (row-major index) that is not finite once converted to BF16 as
+// repack_regions converts it (a NaN or an infinity, or an F32 value that
+// rounds past BF16's range): atomicMin into hits[region]. Reads only.
+// grid (x: blocks per region, y: region), 256 threads.
+extern "C" __global__ void first_non_finite(const ScanParams p) {
+    const RepackRegion r = ((const RepackRegion*)p.regions)[blockIdx.y];
+    const unsigned char* s = (const unsigned char*)p.src + r.src_byte;
+    const u64 n = (u64)r.rows * r.src_cols;
+    const u64 step = (u64)gridDim.x * blockDim.x;
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    // Each thread's elements come in increasing order, so its first hit is
+    // its least; the least over threads is the region's.
+    u64 found = ~0ull;
+    if (r.dtype == 0u && (((u64)s) & 15ull) == 0ull) {
+        const u64 pieces = n / 8ull;
+        for (u64 v = first; v < pieces && found == ~0ull; v += step) {
+            const uint4 w = ((const uint4*)s)[v];
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                if (found == ~0ull && bf_not_finite(words[k / 2] >> (16 * (k % 2)))) found = 8ull * v + k;
+            }
+        }
+        // The last n % 8 elements, after every whole piece (so a hit there
+        // loses to any hit in the pieces).
+        for (u64 e = 8ull * pieces + first; e < n && found == ~0ull; e += step) {
+            if (bf_not_finite(((const bf16_t*)s)[e])) found = e;
+        }
+    } else {
+        for (u64 e = first; e < n && found == ~0ull; e += step) {
+            if (bf_not_finite(repack_load(s, e, r.dtype))) found = e;
+        }
+    }
+    if (found != ~0ull) atomicMin((unsigned long long*)p.hits + blockIdx.y, (unsigned long long)found);
+}

@@ -307,6 +307,53 @@ impl RepackCase {
         }
     }
 
+    /// Write values that are not finite as served (NaN, ±Inf, and for F32
+    /// a finite value past BF16's range) at `count` random elements of
+    /// random non-empty regions; returns per region the least element
+    /// written, the answer [`crate::first_non_finite`] must give.
+    pub fn poison_values(&mut self, rng: &mut Rng, count: usize) -> Vec<Option<u64>> {
+        use crate::ops::repack::RepackDtype;
+        let mut least: Vec<Option<u64>> = vec![None; self.regions.len()];
+        let filled: Vec<usize> = (0..self.regions.len())
+            .filter(|&i| self.regions[i].rows > 0 && self.regions[i].src_cols > 0)
+            .collect();
+        if filled.is_empty() {
+            return least;
+        }
+        for _ in 0..count {
+            let i = filled[rng.below(filled.len())];
+            let r = self.regions[i];
+            let e = rng.below(r.rows as usize * r.src_cols as usize);
+            let kind = rng.below(4);
+            let (size, bytes): (usize, Vec<u8>) = match r.dtype {
+                0 => (2, [0x7fc0u16, 0x7f80, 0xff80, 0x7f81][kind].to_le_bytes().to_vec()),
+                1 => (2, [0x7e00u16, 0x7c00, 0xfc00, 0x7c01][kind].to_le_bytes().to_vec()),
+                _ => (
+                    4,
+                    [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3.4e38][kind]
+                        .to_le_bytes()
+                        .to_vec(),
+                ),
+            };
+            debug_assert_eq!(
+                size,
+                [RepackDtype::Bf16, RepackDtype::F16, RepackDtype::F32][r.dtype as usize].size()
+            );
+            let at = r.src_byte as usize + e * size;
+            self.src[at..at + size].copy_from_slice(&bytes);
+            least[i] = Some(least[i].map_or(e as u64, |l| l.min(e as u64)));
+        }
+        least
+    }
+
+    /// The first element not finite as served of each region, on `device`.
+    pub fn first_non_finite(&self, device: &Device) -> Result<Vec<Option<u64>>, KernelError> {
+        let src = device.upload(&bf16_carrier(&self.src))?;
+        let mut scratch = device.alloc_zeros(self.regions.len().max(1))?;
+        let mut hits = device.alloc_zeros(self.regions.len().max(1))?;
+        crate::ops::repack::first_non_finite(device, &src, self.src.len(), &self.regions, &mut scratch, &mut hits)
+    }
+
     /// Run the case on `device` over a destination filled with `poison`.
     pub fn run(&self, device: &Device, poison: bf16) -> Result<Vec<bf16>, KernelError> {
         let src = device.upload(&bf16_carrier(&self.src))?;

@@ -84,3 +84,44 @@ fn cuda_repack_of_slot_shaped_bf16_pairs_equals_the_cpu_reference() {
         "every element written"
     );
 }
+
+#[test]
+fn cuda_first_non_finite_equals_the_cpu_reference_at_any_alignment() {
+    let Some(cuda) = cuda_or_skip("cuda_first_non_finite_equals_the_cpu_reference_at_any_alignment") else {
+        return;
+    };
+    let mut rng = Rng::fresh("repack-scan");
+    for (n, side, poisoned) in [(1, 1, 1), (7, 3, 5), (300, 40, 120), (64, 300, 40), (64, 300, 0)] {
+        let mut case = RepackCase::random(&mut rng, n, side);
+        let expected = case.poison_values(&mut rng, poisoned);
+        let cpu = case.first_non_finite(&Device::cpu()).unwrap();
+        let gpu = case.first_non_finite(&cuda).unwrap();
+        assert_eq!(cpu, expected, "CPU, {n} regions of side <= {side}");
+        assert_eq!(gpu, expected, "CUDA, {n} regions of side <= {side}");
+    }
+    // Large 16-byte-aligned BF16 blocks (the vector path), a hit in a
+    // piece and one in the tail of the same region: the piece's wins.
+    let inp = 4096usize;
+    let mut src = vec![0u8; 2 * (16 * inp + 5)];
+    let bf = RepackDtype::Bf16 as u32;
+    let region = RepackRegion {
+        src_byte: 0,
+        dst_elem: 0,
+        rows: 1,
+        src_cols: (16 * inp + 5) as u32,
+        dst_rows: 1,
+        dst_cols: (16 * inp + 5) as u32,
+        dtype: bf,
+        pad: 0,
+    };
+    for (at, bits) in [(16 * inp + 3, 0x7f80u16), (40_001, 0xffc1)] {
+        src[2 * at..2 * at + 2].copy_from_slice(&bits.to_le_bytes());
+    }
+    let case = RepackCase {
+        src,
+        regions: vec![region],
+        dst_len: 16 * inp + 5,
+    };
+    assert_eq!(case.first_non_finite(&cuda).unwrap(), vec![Some(40_001)]);
+    assert_eq!(case.first_non_finite(&Device::cpu()).unwrap(), vec![Some(40_001)]);
+}

@@ -527,6 +527,11 @@ impl<'a> PackPlan<'a> {
 }
 
 impl PackPlan<'_> {
+    /// The pair placed at layout place `place`, if any.
+    pub fn key_at(&self, place: usize) -> Option<PairKey> {
+        self.by_place.get(place)?.as_ref().map(|p| p.meta.key)
+    }
+
     /// The plan as device repack regions over one slot image (element
     /// offsets from the slot's start), reading from a copy of a file's data
     /// section: two regions per place (A, then B; unadapted places as zeros).

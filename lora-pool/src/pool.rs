@@ -3,7 +3,6 @@
 //! tables the kernels read, an optional expert/router pool, and the
 //! two-phase load and swap that keep every failure away from live slots.
 
-use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use half::bf16;
 use lora_audit::{
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, AuditReport, HostOverlay, LoraOptions, PreparedAdapter, Refusal,
-    TensorDtype, UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
+    UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
     DecodeOptions, DecodePlan, Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion,
@@ -701,26 +700,6 @@ impl<C: SlotCompanion> LoraPool<C> {
             let report = audit_header(&shown, &text, file.infos(), cfg, opts)?;
             Ok::<_, AuditError>((file, report, since(started)))
         };
-        // Every float tensor of the file, by start: the raw read checks their
-        // values piece by piece (which of them are served is the audit's).
-        let scan: Vec<(String, Range<usize>, TensorDtype)> = match raw.then(|| unparsed.parse()) {
-            Some(Ok(f)) => {
-                let mut v: Vec<_> = f
-                    .infos()
-                    .into_iter()
-                    .filter_map(|info| {
-                        let (dtype, _, offset, len) = f.tensor(&info.name).ok()?;
-                        let start = usize::try_from(offset.checked_sub(f.data_start())?).ok()?;
-                        Some((info.name, start..start.checked_add(len)?, dtype))
-                    })
-                    .collect();
-                v.sort_by_key(|(_, r, _)| r.start);
-                v
-            }
-            // Not raw, or a header the audit refuses anyway.
-            _ => Vec::new(),
-        };
-        let ranges: Vec<(Range<usize>, TensorDtype)> = scan.iter().map(|(_, r, d)| (r.clone(), *d)).collect();
         let (audited, read) = if raw {
             let stop = AtomicBool::new(false);
             std::thread::scope(|scope| {
@@ -731,33 +710,20 @@ impl<C: SlotCompanion> LoraPool<C> {
                     }
                     audited
                 });
-                let read = self.staging.read_raw(&unparsed, raw_len, &ranges, &stop, name);
+                let read = self.staging.read_raw(&unparsed, raw_len, &stop, name);
                 match auditor.join() {
                     Ok(audited) => (audited, read),
                     Err(panic) => std::panic::resume_unwind(panic),
                 }
             })
         } else {
-            (audit(), Ok(Vec::new()))
+            (audit(), Ok(()))
         };
         let (file, mut report, audit_us) = audited.map_err(audit_err(name))?;
         if !dense_only(&report) {
             return Ok((self.stage_prepared(name, dir, report)?, audit_us));
         }
-        let hits = read?;
-        // The bytes went as they are: a served tensor with a value that is not
-        // finite is refused (the host-pack route checks each pair as it
-        // converts it).
-        for tensor in report.served_tensors() {
-            let hit = scan
-                .iter()
-                .position(|(n, _, _)| *n == tensor)
-                .and_then(|t| hits.get(t).copied().flatten());
-            if let Some((index, value)) = hit {
-                report.refuse(Refusal::non_finite(tensor, index, value));
-                return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
-            }
-        }
+        read?;
         let sources = file_sources(&report.placed, &file).map_err(audit_err(name))?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
@@ -766,14 +732,58 @@ impl<C: SlotCompanion> LoraPool<C> {
         } else {
             None
         };
+        // A served tensor whose value is not finite is refused, naming it:
+        // the device scans the bytes it was given as they are; the host
+        // packer checks each pair as it converts it.
+        let tensor_of = |key: PairKey, part: PairPart| {
+            report
+                .placed
+                .iter()
+                .find(|p| {
+                    PairKey::Dense {
+                        layer: p.layer,
+                        module: p.module,
+                    } == key
+                })
+                .map_or_else(
+                    || key.to_string(),
+                    |p| match part {
+                        PairPart::A => p.a_key.clone(),
+                        PairPart::B => p.b_key.clone(),
+                    },
+                )
+        };
         let (dense, route) = match regions {
-            Some(regions) => (
-                DenseSource::Raw {
-                    regions,
-                    bytes: raw_len,
-                },
-                SwapRoute::DeviceRepack,
-            ),
+            Some(regions) => {
+                let found = lora_kernels::first_non_finite(
+                    &self.device,
+                    &self.staging.device,
+                    raw_len,
+                    &regions,
+                    &mut self.staging.regions,
+                    &mut self.staging.hits,
+                )?;
+                let first = found
+                    .iter()
+                    .enumerate()
+                    .find_map(|(r, hit)| hit.map(|index| (r, index)));
+                if let Some((r, index)) = first {
+                    let part = if r % 2 == 0 { PairPart::A } else { PairPart::B };
+                    let key = plan.key_at(r / 2);
+                    let tensor = key.map_or_else(|| format!("place {}", r / 2), |key| tensor_of(key, part));
+                    let value = stored_value(&unparsed, &regions[r], index);
+                    let index = usize::try_from(index).unwrap_or(usize::MAX);
+                    report.refuse(Refusal::non_finite(tensor, index, value));
+                    return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
+                }
+                (
+                    DenseSource::Raw {
+                        regions,
+                        bytes: raw_len,
+                    },
+                    SwapRoute::DeviceRepack,
+                )
+            }
             None => {
                 match self.staging.pack_and_upload(&self.layout, &plan, image_err(name)) {
                     Err(PoolError::Image {
@@ -786,23 +796,7 @@ impl<C: SlotCompanion> LoraPool<C> {
                             },
                         ..
                     }) => {
-                        let tensor = report
-                            .placed
-                            .iter()
-                            .find(|p| {
-                                PairKey::Dense {
-                                    layer: p.layer,
-                                    module: p.module,
-                                } == key
-                            })
-                            .map_or_else(
-                                || key.to_string(),
-                                |p| match part {
-                                    PairPart::A => p.a_key.clone(),
-                                    PairPart::B => p.b_key.clone(),
-                                },
-                            );
-                        report.refuse(Refusal::non_finite(tensor, index, value));
+                        report.refuse(Refusal::non_finite(tensor_of(key, part), index, value));
                         return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
                     }
                     other => other?,
@@ -1310,6 +1304,27 @@ fn kernel_targets<'t>(
             })
         })
         .collect()
+}
+
+/// The stored value (as f32) of element `index` of `region`'s source in
+/// `file`'s data section, for a refusal's message; NaN where the file can no
+/// longer be read there.
+fn stored_value(file: &UnparsedSafetensors, region: &lora_kernels::RepackRegion, index: u64) -> f32 {
+    let size = if region.dtype == lora_kernels::RepackDtype::F32 as u32 {
+        4
+    } else {
+        2
+    };
+    let mut b = [0u8; 4];
+    let at = index.checked_mul(size).and_then(|o| o.checked_add(region.src_byte));
+    match at.map(|at| file.read_data_at(&mut b[..size as usize], at)) {
+        Some(Ok(())) => match region.dtype {
+            0 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            1 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+            _ => f32::from_le_bytes(b),
+        },
+        _ => f32::NAN,
+    }
 }
 
 /// Whether an audit lets the adapter go straight from its file: servable,

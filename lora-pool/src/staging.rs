@@ -22,7 +22,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
-use lora_audit::{AuditError, TensorDtype, UnparsedSafetensors, first_non_finite_raw};
+use lora_audit::{AuditError, UnparsedSafetensors};
 use lora_kernels::{Device, DeviceBuffer, PinnedHostBuffer, RepackRegion};
 use lora_layout::{PairLayout, SlotLayout};
 use rayon::prelude::*;
@@ -86,68 +86,8 @@ impl Default for StagingTuning {
     }
 }
 
-/// What the per-piece value scan of [`Staging::read_raw`] found: per
-/// tensor its first non-finite element, and the elements that straddle two
-/// pieces (checked once the read is done).
-struct ScanHits {
-    hits: Mutex<Found>,
-}
-
-/// Per tensor its first hit; the (tensor, element) pairs that straddle pieces.
-type Found = (Vec<FirstHit>, Vec<(usize, usize)>);
-
-/// A tensor's first element not finite as served: its index and stored value.
-type FirstHit = Option<(usize, f32)>;
-
-impl ScanHits {
-    fn new(tensors: usize) -> ScanHits {
-        ScanHits {
-            hits: Mutex::new((vec![None; tensors], Vec::new())),
-        }
-    }
-
-    /// Scan the elements of `scan`'s tensors (sorted by start) that lie
-    /// wholly in `piece`, read at data-section byte `offset`.
-    fn scan_piece(&self, scan: &[(Range<usize>, TensorDtype)], offset: usize, piece: &[u8]) {
-        let end = offset + piece.len();
-        let first = scan.partition_point(|(r, _)| r.end <= offset);
-        for (t, (range, dtype)) in scan.iter().enumerate().skip(first) {
-            if range.start >= end {
-                break;
-            }
-            let size = dtype.element_bytes();
-            if size == 0 {
-                continue;
-            }
-            let (lo, hi) = (range.start.max(offset), range.end.min(end));
-            let e0 = (lo - range.start).div_ceil(size);
-            let e1 = (hi - range.start) / size;
-            let mut hit = None;
-            if e1 > e0 {
-                let bytes = &piece[range.start + e0 * size - offset..range.start + e1 * size - offset];
-                hit = first_non_finite_raw(*dtype, bytes).map(|(i, v)| (e0 + i, v));
-            }
-            let straddles = hi < range.end && range.start + e1 * size < hi;
-            if hit.is_some() || straddles {
-                let mut h = self.hits.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some((i, v)) = hit
-                    && h.0[t].is_none_or(|(j, _)| i < j)
-                {
-                    h.0[t] = Some((i, v));
-                }
-                if straddles {
-                    h.1.push((t, e1));
-                }
-            }
-        }
-    }
-
-    fn into_hits(self) -> Found {
-        self.hits.into_inner().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// Host chunks, the device staging slot, and the repack region table of one pool.
+/// Host chunks, the device staging slot, and the repack region table (and
+/// the value scan's answers) of one pool.
 pub(crate) struct Staging {
     chunks: Vec<StagingChunk>,
     tuning: StagingTuning,
@@ -156,6 +96,9 @@ pub(crate) struct Staging {
     threads: rayon::ThreadPool,
     pub(crate) device: DeviceBuffer<bf16>,
     pub(crate) regions: DeviceBuffer<RepackRegion>,
+    /// Per region, the first element the device's value scan found not
+    /// finite ([`lora_kernels::first_non_finite`]).
+    pub(crate) hits: DeviceBuffer<u64>,
 }
 
 struct StagingChunk {
@@ -175,6 +118,7 @@ impl Staging {
             tuning,
             device: device.alloc_zeros(layout.slot_bytes() / 2)?,
             regions: device.alloc_zeros(2 * PairLayout::len(layout).max(1))?,
+            hits: device.alloc_zeros(2 * PairLayout::len(layout).max(1))?,
         })
     }
 
@@ -230,19 +174,17 @@ impl Staging {
     }
 
     /// Copy the first `len` bytes of `file`'s data section into the device
-    /// staging slot, as they are, checking the values of `scan`'s tensors
-    /// as each piece is read (beside the copies): returns, per tensor, its
-    /// first element that is not finite as served. Stops early (returning
+    /// staging slot, as they are (their values are checked on the device
+    /// once the audit has placed them: `first_non_finite`). Stops early (returning
     /// `Ok`) once `stop` is set by someone else; the caller then must not
     /// use the staging slot.
     pub(crate) fn read_raw(
         &mut self,
         file: &UnparsedSafetensors,
         len: usize,
-        scan: &[(Range<usize>, TensorDtype)],
         stop: &AtomicBool,
         adapter: &str,
-    ) -> Result<Vec<FirstHit>, PoolError> {
+    ) -> Result<(), PoolError> {
         if len > self.capacity_bytes() {
             return Err(PoolError::Image {
                 adapter: adapter.to_string(),
@@ -270,7 +212,6 @@ impl Staging {
             count += 1;
         }
         let streaming = self.tuning.streaming_stores;
-        let found = ScanHits::new(scan.len());
         self.pipeline(count, stop, |chunk| {
             let at = 2 * chunk.elem_offset;
             let host = chunk.host.as_mut_slice()?;
@@ -286,7 +227,6 @@ impl Staging {
                     } else {
                         file.read_data_at(piece, offset as u64)?;
                     }
-                    found.scan_piece(scan, offset, piece);
                     Ok(())
                 })
                 .map_err(|e: std::io::Error| PoolError::Audit {
@@ -297,53 +237,7 @@ impl Staging {
                     }),
                 })
         })?;
-        // Elements that straddle two pieces: from the chunks, now whole.
-        let mut hits = found.into_hits();
-        for (t, index) in std::mem::take(&mut hits.1) {
-            let (range, dtype) = &scan[t];
-            let size = dtype.element_bytes();
-            let start = range.start + index * size;
-            if let Some((_, _, value)) = self.first_non_finite_raw(&[(start..start + size, *dtype)])? {
-                let slot = &mut hits.0[t];
-                if slot.is_none_or(|(i, _)| index < i) {
-                    *slot = Some((index, value));
-                }
-            }
-        }
-        Ok(hits.0)
-    }
-
-    /// The first of `tensors` (data-section byte range and dtype, as
-    /// [`Staging::read_raw`] left them in the host chunks) holding an
-    /// element that is not finite as served: the tensor's index, the
-    /// element's index and its stored value. Tensors are scanned in
-    /// parallel on the staging threads; one that spans chunks is copied
-    /// together first.
-    pub(crate) fn first_non_finite_raw(
-        &self,
-        tensors: &[(Range<usize>, TensorDtype)],
-    ) -> Result<Option<(usize, usize, f32)>, PoolError> {
-        let mut hosts: Vec<(usize, &[u8])> = Vec::with_capacity(self.chunks.len());
-        for chunk in &self.chunks {
-            hosts.push((2 * chunk.elem_offset, bytemuck::cast_slice(chunk.host.as_slice()?)));
-        }
-        let found = self.threads.install(|| {
-            tensors.par_iter().enumerate().find_map_first(|(t, (range, dtype))| {
-                let pieces: Vec<&[u8]> = hosts
-                    .iter()
-                    .filter_map(|&(at, host)| {
-                        let (lo, hi) = (range.start.max(at), range.end.min(at + host.len()));
-                        (lo < hi).then(|| &host[lo - at..hi - at])
-                    })
-                    .collect();
-                let hit = match pieces.as_slice() {
-                    [one] => first_non_finite_raw(*dtype, one),
-                    many => first_non_finite_raw(*dtype, &many.concat()),
-                };
-                hit.map(|(index, value)| (t, index, value))
-            })
-        });
-        Ok(found)
+        Ok(())
     }
 
     /// Fill the first `count` chunks with `fill` and copy each to the
@@ -437,27 +331,3 @@ fn chunks(device: &Device, layout: &SlotLayout, chunk_bytes: usize) -> Result<Ve
 
 #[cfg(test)]
 mod tests;
-
-#[cfg(test)]
-mod scan_tests {
-    use super::*;
-
-    /// Elements wholly inside a piece are scanned there; one that straddles
-    /// two pieces is handed back for the whole-buffer check.
-    #[test]
-    fn pieces_scan_their_whole_elements_and_hand_back_straddlers() {
-        // An F32 tensor of 10 elements at data bytes 2..42, read in 16-byte pieces.
-        let mut data = vec![0u8; 48];
-        data[2 + 4 * 3..2 + 4 * 4].copy_from_slice(&f32::NAN.to_le_bytes()); // bytes 14..18
-        data[2 + 4 * 6..2 + 4 * 7].copy_from_slice(&f32::INFINITY.to_le_bytes()); // bytes 26..30
-        let scan = [(2..42, TensorDtype::F32)];
-        let found = ScanHits::new(1);
-        for (i, piece) in data.chunks(16).enumerate() {
-            found.scan_piece(&scan, i * 16, piece);
-        }
-        let (hits, straddlers) = found.into_hits();
-        assert_eq!(hits[0].map(|(i, _)| i), Some(6), "the in-piece infinity");
-        // Element 3 (bytes 14..18) and element 7 (bytes 30..34) straddle.
-        assert_eq!(straddlers, vec![(0, 3), (0, 7)]);
-    }
-}

@@ -15,6 +15,11 @@ use lora_pool::{AdapterSource, BatchCapacity, LoraPool, PoolError, StagingTuning
 /// A copy of fixture adapter `adapter` whose served tensor `tensor` (the
 /// first `lora_B` when `None`) has `value` at element 3.
 fn poisoned(adapter: &str, value: f32, tag: &str) -> (PathBuf, String) {
+    poisoned_in(adapter, "lora_B", value, tag)
+}
+
+/// As [`poisoned`], in the first tensor whose name contains `part`.
+fn poisoned_in(adapter: &str, part: &str, value: f32, tag: &str) -> (PathBuf, String) {
     let src = dir(adapter);
     let dst = std::env::temp_dir().join(format!("lora-pool-non-finite-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dst).expect("temp dir");
@@ -28,11 +33,11 @@ fn poisoned(adapter: &str, value: f32, tag: &str) -> (PathBuf, String) {
     let mut names: Vec<String> = st
         .names()
         .into_iter()
-        .filter(|n| n.contains("lora_B"))
+        .filter(|n| n.contains(part))
         .map(str::to_string)
         .collect();
     names.sort();
-    let tensor = names.first().expect("a lora_B tensor").clone();
+    let tensor = names.first().expect("a tensor of that part").clone();
     let (dtype, _, offset, _) = file.tensor(&tensor).expect("tensor");
     let at = offset as usize;
     let mut bytes = bytes.clone();
@@ -59,7 +64,11 @@ fn assert_non_finite(err: PoolError, tensor: &str) {
 }
 
 fn swap_is_refused(device_repack: bool, value: f32, tag: &str) {
-    let (bad, tensor) = poisoned("demo_r4_plain", value, tag);
+    swap_of_part_is_refused(device_repack, "lora_B", value, tag);
+}
+
+fn swap_of_part_is_refused(device_repack: bool, part: &str, value: f32, tag: &str) {
+    let (bad, tensor) = poisoned_in("demo_r4_plain", part, value, tag);
     let mut pool = pool_with(options(2, 0), &[("plain", "demo_r4_plain")]);
     pool.tune_staging(StagingTuning {
         device_repack,
@@ -83,6 +92,12 @@ fn swap_is_refused(device_repack: bool, value: f32, tag: &str) {
 #[test]
 fn nan_is_refused_on_the_device_repack_route() {
     swap_is_refused(true, f32::NAN, "repack-nan");
+}
+
+#[test]
+fn an_a_matrix_with_an_infinity_is_refused_by_its_own_name_on_both_routes() {
+    swap_of_part_is_refused(true, "lora_A", f32::INFINITY, "repack-a-inf");
+    swap_of_part_is_refused(false, "lora_A", f32::INFINITY, "hostpack-a-inf");
 }
 
 #[test]

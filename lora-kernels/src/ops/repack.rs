@@ -166,36 +166,133 @@ pub fn repack(
             })
         }
         Backend::Cuda(c) => {
-            // Refused before the caller's scratch is touched.
-            if regions.len() > 65_535 {
-                return Err(invalid("regions", format!("{} regions; at most 65535", regions.len())));
-            }
-            scratch.write(0, regions)?;
+            let launch = region_launch(regions, scratch)?;
             let params = RepackParams {
                 regions: scratch.device_addr(),
                 src: src.device_addr(),
                 dst: dst.device_addr(),
             };
-            let launch = Launch {
-                grid: (BLOCKS_PER_REGION, to_u32("regions", regions.len())?, 1),
-                block: 256,
-                smem: 0,
-            };
             // SAFETY: params mirror the kernel's struct; every region was
             // checked to lie inside `src` (first `src_bytes` bytes) and `dst`,
             // and `scratch` holds the checked table the kernel reads.
-            unsafe {
-                c.launch(
-                    Kernel {
-                        family: Family::Repack,
-                        name: "repack_regions",
-                    },
-                    launch,
-                    &params,
-                )
-            }
+            unsafe { c.launch(kernel("repack_regions"), launch, &params) }
         }
     }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ScanParams {
+    regions: u64,
+    src: u64,
+    hits: u64,
+}
+
+/// For each of `regions`, the first element of its source block (the
+/// row-major index in its `rows × src_cols` elements) that is not finite
+/// once converted to BF16 as [`repack`] converts it: a NaN, an infinity, or
+/// an F32 value that rounds past BF16's range. `None` where every element is
+/// finite. Reads `src` only; `scratch` receives the region table and `hits`
+/// (at least `regions.len()` entries each) the device's answers. Returns
+/// once the answers are on the host, so it waits for the work queued before
+/// it on the device (the copies that filled `src`).
+pub fn first_non_finite(
+    device: &Device,
+    src: &DeviceBuffer<bf16>,
+    src_bytes: usize,
+    regions: &[RepackRegion],
+    scratch: &mut DeviceBuffer<RepackRegion>,
+    hits: &mut DeviceBuffer<u64>,
+) -> Result<Vec<Option<u64>>, KernelError> {
+    device.expect_same("src", src.device())?;
+    device.expect_same("scratch", scratch.device())?;
+    device.expect_same("hits", hits.device())?;
+    check_range("src_bytes", 0, src_bytes, 2 * src.len())?;
+    check_range("regions", 0, regions.len(), scratch.len())?;
+    check_range("hits", 0, regions.len(), hits.len())?;
+    let mut work = 0usize;
+    for r in regions {
+        r.dtype()?;
+        // The destination is not read: only the source extent is checked.
+        let source_only = RepackRegion {
+            dst_elem: 0,
+            dst_rows: r.rows,
+            dst_cols: r.src_cols,
+            ..*r
+        };
+        work = work.saturating_add(source_only.check(src_bytes, usize::MAX)?);
+    }
+    if regions.is_empty() || work == 0 {
+        return Ok(vec![None; regions.len()]);
+    }
+    match device.backend() {
+        Backend::Cpu(_) => {
+            let src_alloc = src.cpu_alloc().ok_or_else(|| invalid("src", "not a CPU buffer"))?;
+            Ok(src_alloc.with_bytes(|bytes| regions.iter().map(|r| first_non_finite_reference(r, bytes)).collect()))
+        }
+        Backend::Cuda(c) => {
+            let launch = region_launch(regions, scratch)?;
+            hits.write(0, &vec![u64::MAX; regions.len()])?;
+            let params = ScanParams {
+                regions: scratch.device_addr(),
+                src: src.device_addr(),
+                hits: hits.device_addr(),
+            };
+            // SAFETY: params mirror the kernel's struct; every region's source
+            // block was checked to lie inside the first `src_bytes` bytes of
+            // `src`, `scratch` holds the checked table and `hits` has a word
+            // per region; the kernel writes `hits` only.
+            unsafe { c.launch(kernel("first_non_finite"), launch, &params)? };
+            let found = hits.download_range(0, regions.len())?;
+            Ok(found.into_iter().map(|e| (e != u64::MAX).then_some(e)).collect())
+        }
+    }
+}
+
+/// The CPU reference of [`first_non_finite`] for one checked region.
+fn first_non_finite_reference(r: &RepackRegion, src: &[u8]) -> Option<u64> {
+    let dtype = r.dtype().ok()?;
+    let size = dtype.size();
+    let n = r.rows as usize * r.src_cols as usize;
+    let base = r.src_byte as usize;
+    (0..n)
+        .find(|&i| {
+            let b = &src[base + i * size..base + (i + 1) * size];
+            !source_as_bf16(dtype, b).is_finite()
+        })
+        .map(|i| i as u64)
+}
+
+/// One source element as the repack writes it.
+fn source_as_bf16(dtype: RepackDtype, b: &[u8]) -> bf16 {
+    match dtype {
+        RepackDtype::Bf16 => bf16::from_bits(u16::from_le_bytes([b[0], b[1]])),
+        RepackDtype::F16 => bf16::from_f32(f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
+        RepackDtype::F32 => bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+    }
+}
+
+/// A kernel of the repack family.
+fn kernel(name: &'static str) -> Kernel {
+    Kernel {
+        family: Family::Repack,
+        name,
+    }
+}
+
+/// The grid of a per-region launch over `regions` (x: blocks per region,
+/// y: region), with the table written to `scratch`; more regions than a
+/// grid's y extent are refused before `scratch` is touched.
+fn region_launch(regions: &[RepackRegion], scratch: &mut DeviceBuffer<RepackRegion>) -> Result<Launch, KernelError> {
+    if regions.len() > 65_535 {
+        return Err(invalid("regions", format!("{} regions; at most 65535", regions.len())));
+    }
+    scratch.write(0, regions)?;
+    Ok(Launch {
+        grid: (BLOCKS_PER_REGION, to_u32("regions", regions.len())?, 1),
+        block: 256,
+        smem: 0,
+    })
 }
 
 /// The CPU reference of one region (checked by the caller).
@@ -211,12 +308,7 @@ fn repack_reference(r: &RepackRegion, src: &[u8], dst: &mut [bf16]) {
         for (col, d) in line.iter_mut().enumerate() {
             *d = if row < rows && col < src_cols {
                 let at = base + (row * src_cols + col) * size;
-                let b = &src[at..at + size];
-                match dtype {
-                    RepackDtype::Bf16 => bf16::from_bits(u16::from_le_bytes([b[0], b[1]])),
-                    RepackDtype::F16 => bf16::from_f32(f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
-                    RepackDtype::F32 => bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-                }
+                source_as_bf16(dtype, &src[at..at + size])
             } else {
                 bf16::ZERO
             };

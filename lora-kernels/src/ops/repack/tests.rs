@@ -132,3 +132,52 @@ fn random_cases_run_whatever_their_source_length() {
         case.run(&Device::cpu(), bf16::from_bits(0x7fa1)).unwrap();
     }
 }
+
+#[test]
+fn the_first_non_finite_element_of_each_region_is_found() {
+    let mut rng = Rng::new(7);
+    for (n, side, poisoned) in [(1, 1, 1), (7, 3, 4), (60, 20, 25), (20, 64, 0)] {
+        let mut case = RepackCase::random(&mut rng, n, side);
+        let expected = case.poison_values(&mut rng, poisoned);
+        assert_eq!(
+            case.first_non_finite(&Device::cpu()).unwrap(),
+            expected,
+            "{n} regions of side <= {side}"
+        );
+    }
+}
+
+#[test]
+fn an_f32_value_past_bf16_range_counts_as_not_finite_and_the_largest_finite_does_not() {
+    // 3.3895e38 rounds to BF16's largest finite value; 3.4e38 rounds past it.
+    let mut src = Vec::new();
+    for v in [1.0f32, 3.3895e38, -3.3895e38, 3.4e38] {
+        src.extend_from_slice(&v.to_le_bytes());
+    }
+    let mut r = region(0, 0, 1, 4, 1, 4);
+    r.dtype = RepackDtype::F32 as u32;
+    let case = RepackCase {
+        src,
+        regions: vec![r],
+        dst_len: 4,
+    };
+    assert_eq!(case.first_non_finite(&Device::cpu()).unwrap(), vec![Some(3)]);
+}
+
+#[test]
+fn a_scan_outside_the_source_is_refused() {
+    let device = Device::cpu();
+    let src = device.upload(&bf16_carrier(&[0u8; 16])).unwrap();
+    let mut scratch = device.alloc_zeros(2).unwrap();
+    let mut hits = device.alloc_zeros(2).unwrap();
+    let past = region(8, 0, 1, 8, 1, 8);
+    let err = first_non_finite(&device, &src, 16, &[past], &mut scratch, &mut hits).unwrap_err();
+    assert!(err.to_string().contains("region source"), "{err}");
+    let mut odd = region(0, 0, 1, 1, 1, 1);
+    odd.dtype = 9;
+    assert!(first_non_finite(&device, &src, 16, &[odd], &mut scratch, &mut hits).is_err());
+    let mut short_hits = device.alloc_zeros(1).unwrap();
+    let two = [region(0, 0, 1, 1, 1, 1), region(2, 0, 1, 1, 1, 1)];
+    let err = first_non_finite(&device, &src, 16, &two, &mut scratch, &mut short_hits).unwrap_err();
+    assert!(err.to_string().contains("hits"), "{err}");
+}
