@@ -29,14 +29,15 @@
 // previous kernel, a scanning block reads idx, the table and its first
 // item's B and A before griddepcontrol.wait and x and y only after it, so
 // the chain idx -> entry -> weights runs under that kernel's tail; bgmv_list
-// and bgmv2_shrink (below) read idx and the table before their wait and
+// and bgmv2_shrink_rows (below) read idx and the table before their wait and
 // write the scratch after it. The caller guarantees the previous kernel
 // writes neither idx, the tables nor the adapters.
 //
 // Items: every block of the scanning kernels lists its window's items itself
 // (scan_window, then load_item per item). The _list kernels read them from a
 // list bgmv_list (a first, one-block-per-window launch) wrote into the
-// backend's scratch; they are picked for batches whose items hold many rows.
+// backend's scratch; they run on tensor cores only, and are picked for
+// batches whose items hold many rows.
 // Row-mapped (the 16-warp clusters of 2 with a cluster for every row of the
 // window): cluster q serves row q alone, an item of one row named by row q's
 // index, so its A, x, y and B are requested as soon as the entry is known and
@@ -69,32 +70,15 @@ struct BgmvParams {
     int off_x;
     u64 list;         // the launch's item lists (bgmv_list writes them), or 0: every block scans its window
     int list_stride;  // bytes per (window, target) list: a 64-byte header, then `window` ItemRows
-    int list_flag;    // the fused blocks poll the header's ready flag instead of griddepcontrol.wait
     int off_r;        // push: the cluster sum's receive slots in the dynamic shared memory
     int push;         // clusters sum their partial rank vectors by pushing them (st.async), not by barrier and pull
     int overlap;      // a programmatic dependent: idx, tables and adapters read before griddepcontrol.wait, x and y after
     int b_pitch;      // staged B row pitch, elements: the stride rounded to 8, plus 8 (no bank
                       // conflicts) where shared memory allows
-    int b_registers;  // row-mapped clusters of 2 at rank stride 16: B in registers (expand_b_registers)
     int pad;
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgmvParams) == 232 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 136, "mirrors bgmv.rs");
-
-
-
-
-
-// The item list's ready flag (bgmv_list releases it, the fused _list kernels acquire it).
-__device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
-    u64 v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_release_u64(u64* p, u64 v) {
-    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
+static_assert(sizeof(BgmvParams) == 224 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 128, "mirrors bgmv.rs");
 
 // Copy n bf16 from global to shared and zero the tail up to n_pad (a
 // multiple of 8): 16-byte cp.async when `vec` (both ends 16-byte aligned,
@@ -317,121 +301,12 @@ __device__ __forceinline__ void copy_list_item(const ItemRows* list, int i, Item
 // scanning the window and gathering its item's rows and entry: the block
 // waits for the list, then reads the item count and its first item in one
 // round trip. Faults are raised by bgmv_list then, never here.
-//
-// B in registers (p.b_registers, the row-mapped clusters of 2 at rank
-// stride 16): no sB; its place holds [lo_max] f32 of the expand's sums,
-// and sY and sX one row each.
-
-// 8 bytes of a read-once stream, not kept in L1. Volatile: issued where
-// written, ahead of the barrier the caller then waits on.
-__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-
-// 4 bf16 of B (rank columns 4c .. 4c + 3 of one row) as 8 bytes: one
-// streamed load where B is 8-byte aligned, else four 2-byte loads (the
-// table may hold any 2-byte aligned pointer).
-__device__ __forceinline__ uint2 ldg_b4(const bf16_t* p, bool aligned8) {
-    if (aligned8) return ldg_stream8(p);
-    const unsigned short* h = (const unsigned short*)p;
-    return make_uint2((u32)__ldg(h) | ((u32)__ldg(h + 1) << 16), (u32)__ldg(h + 2) | ((u32)__ldg(h + 3) << 16));
-}
-
-// dst[0..8) = src[0..8) + v[0..8): 16-byte aligned bf16 or 32-byte aligned f32 rows.
-__device__ __forceinline__ void y_add8(bf16_t* dst, const bf16_t* src, const float* v) {
-    float f[8];
-    unpack8(*(const uint4*)src, f);
-    u32 o[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[i] = pack_bf2_rn(f[2 * i] + v[2 * i], f[2 * i + 1] + v[2 * i + 1]);
-    *(uint4*)dst = make_uint4(o[0], o[1], o[2], o[3]);
-}
-__device__ __forceinline__ void y_add8(float* dst, const float* src, const float* v) {
-#pragma unroll
-    for (int h = 0; h < 8; h += 4) {
-        const float4 s = *(const float4*)(src + h);
-        const float4 a = *(const float4*)(v + h);
-        *(float4*)(dst + h) = make_float4(s.x + a.x, s.y + a.y, s.z + a.z, s.w + a.w);
-    }
-}
-
-// The row-mapped clusters of 2 at rank stride 16 (p.b_registers): warps
-// 8-15 hold the block's B slice in registers instead of staging it in
-// shared memory (2048 outputs: 64 KB, 64 registers a lane), loaded right
-// after A and x were requested, and expand on tensor cores once t is summed
-// (named barrier 3, which warps 0-7 reach with t and y in shared memory).
-// Shared memory then carries only A, x and y, and the expand reads no B
-// from it. Warp wb's outputs [256 wb, 256 wb + 256) are 16 tiles of 16
-// outputs (mma m16n8k16: M = outputs, K = the 16 rank columns, N = t's bf16
-// hi and lo parts as columns 0 and 1, the other six zero). Lane (g, c)
-// loads 8 bytes, rank columns 4c .. 4c + 3, of the tile's outputs g and
-// g + 8: mma's k pairs (2c, 2c + 1) and (2c + 8, 2c + 9) under a
-// permutation of k that t's fragment follows, so the sum is unchanged.
-// Lanes c = 0 end with hi + lo of outputs g and g + 8; they pass through
-// `scratch` (shared memory no longer used for B) so that each lane adds and
-// stores 8 consecutive outputs. B's columns past the rank are masked (its
-// padding is not trusted), t's past the rank are zero.
-#define BGMV_REG_B_TILES 16
-#define BGMV_REG_B_OUTS (BGMV_WARPS * 16 * BGMV_REG_B_TILES)
-template <typename Y>
-__device__ __forceinline__ void expand_b_registers(const bf16_t* B, int rank, int lo, int wb, int lane, int nt,
-                                                   const float* t, const Y* ys, Y* yrow, bool vec_y, float* scratch) {
-    const int g = lane >> 2;
-    const int c = lane & 3;
-    const int base = wb * 16 * BGMV_REG_B_TILES;
-    const bool aligned8 = (((u64)B) & 7ull) == 0ull;  // uniform over the block
-    uint2 w[BGMV_REG_B_TILES][2];
-#pragma unroll
-    for (int tile = 0; tile < BGMV_REG_B_TILES; ++tile)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = base + 16 * tile + 8 * h + g;
-            w[tile][h] = r < lo ? ldg_b4(B + (u64)r * 16 + 4 * c, aligned8) : make_uint2(0u, 0u);
-        }
-    named_barrier_sync(3, nt);  // t summed, y staged
-    if (base >= lo) return;
-    const u32 keep0 = (4 * c < rank ? 0xffffu : 0u) | (4 * c + 1 < rank ? 0xffff0000u : 0u);
-    const u32 keep1 = (4 * c + 2 < rank ? 0xffffu : 0u) | (4 * c + 3 < rank ? 0xffff0000u : 0u);
-    u32 b0 = 0u, b1 = 0u;
-    if (g < 2) {
-        float v[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int k = 4 * c + j;
-            const float s = k < rank ? t[k] : 0.f;
-            const float hi = bf2f(f2bf(s));
-            v[j] = g == 0 ? hi : s - hi;
-        }
-        b0 = pack_bf2(v[0], v[1]);
-        b1 = pack_bf2(v[2], v[3]);
-    }
-    scratch += base;
-#pragma unroll
-    for (int tile = 0; tile < BGMV_REG_B_TILES; ++tile) {
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_k16(d, w[tile][0].x & keep0, w[tile][1].x & keep0, w[tile][0].y & keep1, w[tile][1].y & keep1, b0, b1);
-        const int r = 16 * tile + g;
-        if (c == 0 && base + r < lo) scratch[r] = d[0] + d[1];
-        if (c == 0 && base + r + 8 < lo) scratch[r + 8] = d[2] + d[3];
-    }
-    __syncwarp();
-    const int o = base + 8 * lane;
-    const float* v = scratch + 8 * lane;
-    if (vec_y && o + 8 <= lo) {
-        y_add8(yrow + o, ys + o, v);
-    } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-            if (o + j < lo) y_store(yrow + o + j, y_load(ys + o + j) + v[j]);
-    }
-}
 
 template <typename Y, int C, bool TC, bool LIST, int NT>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     constexpr int NW = NT / 32;
     static_assert(NT == BGMV_THREADS || (NT == 2 * BGMV_THREADS && !TC), "512 threads: the scalar kernels only");
+    static_assert(!LIST || TC, "the item list serves the tensor-core kernels only");
     extern __shared__ __align__(16) unsigned char dyn[];
     __shared__ WindowScan<NT> s_win;
     __shared__ ItemRows s_item;
@@ -592,28 +467,17 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 
     int n_items = 0;
     PairEntry row_entry = {0ull, 0ull, 0.f, 0u};  // row-mapped: row q's checked entry
-    // Row-mapped, 16 warps: warps 8-15 hold B in registers (expand_b_registers). Uniform over the block.
-    constexpr bool B_REGISTERS = C == 2 && NT > BGMV_THREADS && !TC && !LIST;
-    bool b_registers = false;
     const ItemRows* list = nullptr;  // LIST: this (window, target)'s items, after the 64-byte header
     if (LIST) {
         list = (const ItemRows*)(p.list + (u64)(win * p.n_targets + (int)blockIdx.z) * p.list_stride) + 1;
         const u64* header = (const u64*)(list - 1);
-        if (!p.list_flag) grid_dependency_wait();  // bgmv_list completed and its writes are visible
+        grid_dependency_wait();  // bgmv_list completed and its writes are visible
         if (warp == 0 && lane < 16) {
-            // Header: item count | ready << 32. L2 loads (.cg / acquire): nothing of a
-            // previous launch's list may come from L1. Under the wait, item q is read
-            // with the count (q < clusters_per_window <= window: inside the list) and
-            // used only when q < count; under the flag, after the acquire that saw it.
-            u64 h;
-            if (p.list_flag) {
-#pragma unroll 1
-                do {
-                    h = ld_acquire_u64(header);
-                } while ((h >> 32) == 0ull);
-            } else {
-                h = __ldcg(header);
-            }
+            // Header: the item count. L2 loads (.cg): nothing of a previous
+            // launch's list may come from L1. Item q is read with the count
+            // (q < clusters_per_window <= window: inside the list) and used
+            // only when q < count.
+            const u64 h = __ldcg(header);
             copy_list_item(list, q, &s_item, lane);
             if (lane == 0) s_nitems = (int)(u32)h;
         }
@@ -633,12 +497,6 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             const int rank = (int)row_entry.rank;
             const bf16_t* A = (const bf16_t*)row_entry.a;
             const bf16_t* B = (const bf16_t*)row_entry.b;
-            // The host sets p.b_registers only for this form with pushed rank
-            // vectors (the split warps' form, below, in which warps 8-15 take
-            // no part in the sum), rank stride 16 and at most BGMV_REG_B_OUTS
-            // outputs a block, and lays out shared memory with no B region:
-            // the staged expand is then no fallback, whatever the entry holds.
-            b_registers = B_REGISTERS && p.b_registers != 0;
             if (warp < BGMV_WARPS) {
                 const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
                 stage_chunk(A, rank, vec_x, 0, 0, rank + 1, warp, BGMV_WARPS);
@@ -647,12 +505,6 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 named_barrier_arrive(1, NT);
             } else {
                 named_barrier_sync(1, NT);  // A, x and y requested
-                if (B_REGISTERS && b_registers) {
-                    // The whole of these warps' part: nothing below involves them.
-                    expand_b_registers<Y>(B + (u64)o0 * 16, rank, lo, warp - BGMV_WARPS, lane, NT, sT, sY,
-                                          Yp + (u64)(row0 + q) * ys + coff + o0, vec_y, (float*)sB);
-                    return;
-                }
                 request_b(B, rank, (stride % 8 == 0) && aligned16(B), tid - BGMV_THREADS, BGMV_THREADS);
                 cp_async_commit();
             }
@@ -977,10 +829,6 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         }
         // B and y (and nothing else) may still be in flight: they arrived during the cluster sum.
         cp_async_wait<0>();
-        if (B_REGISTERS && b_registers) {
-            named_barrier_sync(3, NT);  // t and y are ready for warps 8-15, which expand from their registers
-            continue;
-        }
         __syncthreads();
 
         // ---- expand from shared memory: y[row_g, coff + o] = sY + sum_k sT[g][k] sB[o][k].
@@ -1083,31 +931,27 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     if (C > 1 && pending) cluster_wait();  // keep our shared memory alive until every peer read it
 }
 
-// Each kernel twice: scanning its window (NAME) and reading bgmv_list's list (NAME_list).
-// Register bounds as for the clusters below: the scalar kernels' two-row
-// shrink and expand need more than 64 registers without spilling.
-#define BGMV_KERNEL_C1(NAME, Y, TC, BLOCKS)                                                                       \
-    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME(const BgmvParams p) {                 \
-        bgmv_body<Y, 1, TC, false, BGMV_THREADS>(p);                                                              \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME##_list(const BgmvParams p) {         \
-        bgmv_body<Y, 1, TC, true, BGMV_THREADS>(p);                                                               \
+// Every kernel scans its window (NAME); the tensor-core ones also read
+// bgmv_list's list (NAME_list, LIST). Register bounds as for the clusters
+// below: the scalar kernels' two-row shrink and expand need more than 64
+// registers without spilling.
+#define BGMV_KERNEL_C1(NAME, Y, TC, LIST, BLOCKS)                                                 \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME(const BgmvParams p) { \
+        bgmv_body<Y, 1, TC, LIST, BGMV_THREADS>(p);                                               \
     }
-BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false, 3)
-BGMV_KERNEL_C1(bgmv_c1_f32, float, false, 3)
-BGMV_KERNEL_C1(bgmv_tc_c1_bf16, bf16_t, true, 4)
-BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true, 4)
+BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false, false, 3)
+BGMV_KERNEL_C1(bgmv_c1_f32, float, false, false, 3)
+BGMV_KERNEL_C1(bgmv_tc_c1_bf16, bf16_t, true, false, 4)
+BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true, false, 4)
+BGMV_KERNEL_C1(bgmv_tc_c1_bf16_list, bf16_t, true, true, 4)
+BGMV_KERNEL_C1(bgmv_tc_c1_f32_list, float, true, true, 4)
 
 #if __CUDA_ARCH__ >= 900
 // The TC kernels need fewer registers: four blocks per multiprocessor
 // (`TC_BLOCKS_PER_SM` in bgmv.rs), so more items are served in one round; the scalar ones three.
-#define BGMV_KERNEL_CL(NAME, Y, C, TC, NT, BLOCKS)                                                              \
+#define BGMV_KERNEL_CL(NAME, Y, C, TC, LIST, NT, BLOCKS)                                                        \
     extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, BLOCKS) NAME(const BgmvParams p) { \
-        bgmv_body<Y, C, TC, false, NT>(p);                                                                      \
-    }                                                                                                           \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, BLOCKS)                          \
-        NAME##_list(const BgmvParams p) {                                                                       \
-        bgmv_body<Y, C, TC, true, NT>(p);                                                                       \
+        bgmv_body<Y, C, TC, LIST, NT>(p);                                                                       \
     }
 // Clusters of 2 serve batches whose items outnumber the resident clusters
 // of 8: one block per multiprocessor (a whole half of A and B staged at
@@ -1115,18 +959,24 @@ BGMV_KERNEL_C1(bgmv_tc_c1_f32, float, true, 4)
 // scalar blocks run 16 warps (`fused_threads` in bgmv.rs), so a one-row
 // item's B and y are requested by warps of their own while the others
 // shrink on A (split_warps in bgmv_body).
-BGMV_KERNEL_CL(bgmv_c2_bf16, bf16_t, 2, false, 2 * BGMV_THREADS, 1)
-BGMV_KERNEL_CL(bgmv_c2_f32, float, 2, false, 2 * BGMV_THREADS, 1)
-BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false, BGMV_THREADS, 3)
-BGMV_KERNEL_CL(bgmv_c4_f32, float, 4, false, BGMV_THREADS, 3)
-BGMV_KERNEL_CL(bgmv_c8_bf16, bf16_t, 8, false, BGMV_THREADS, 3)
-BGMV_KERNEL_CL(bgmv_c8_f32, float, 8, false, BGMV_THREADS, 3)
-BGMV_KERNEL_CL(bgmv_tc_c2_bf16, bf16_t, 2, true, BGMV_THREADS, 1)
-BGMV_KERNEL_CL(bgmv_tc_c2_f32, float, 2, true, BGMV_THREADS, 1)
-BGMV_KERNEL_CL(bgmv_tc_c4_bf16, bf16_t, 4, true, BGMV_THREADS, 4)
-BGMV_KERNEL_CL(bgmv_tc_c4_f32, float, 4, true, BGMV_THREADS, 4)
-BGMV_KERNEL_CL(bgmv_tc_c8_bf16, bf16_t, 8, true, BGMV_THREADS, 4)
-BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_c2_bf16, bf16_t, 2, false, false, 2 * BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_c2_f32, float, 2, false, false, 2 * BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_c4_bf16, bf16_t, 4, false, false, BGMV_THREADS, 3)
+BGMV_KERNEL_CL(bgmv_c4_f32, float, 4, false, false, BGMV_THREADS, 3)
+BGMV_KERNEL_CL(bgmv_c8_bf16, bf16_t, 8, false, false, BGMV_THREADS, 3)
+BGMV_KERNEL_CL(bgmv_c8_f32, float, 8, false, false, BGMV_THREADS, 3)
+BGMV_KERNEL_CL(bgmv_tc_c2_bf16, bf16_t, 2, true, false, BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_tc_c2_f32, float, 2, true, false, BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_tc_c4_bf16, bf16_t, 4, true, false, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c4_f32, float, 4, true, false, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c8_bf16, bf16_t, 8, true, false, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, false, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c2_bf16_list, bf16_t, 2, true, true, BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_tc_c2_f32_list, float, 2, true, true, BGMV_THREADS, 1)
+BGMV_KERNEL_CL(bgmv_tc_c4_bf16_list, bf16_t, 4, true, true, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c4_f32_list, float, 4, true, true, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c8_bf16_list, bf16_t, 8, true, true, BGMV_THREADS, 4)
+BGMV_KERNEL_CL(bgmv_tc_c8_f32_list, float, 8, true, true, BGMV_THREADS, 4)
 #endif
 
 // ---- The item list of a launch: bgmv_list, then a fused kernel's _list form ----
@@ -1135,7 +985,7 @@ BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, BGMV_THREADS, 4)
 // every fused block scanning the window, gathering its item's rows and
 // loading its entry (idle clusters included), and writes them into the
 // backend's scratch at list + (window * n_targets + target) * list_stride:
-// a 64-byte header (item count | ready << 32), then the items as ItemRows
+// a 64-byte header (the item count), then the items as ItemRows
 // (absolute rows, checked entry). Faults: a bad index raises FAULT_BAD_INDEX
 // and the row gets no delta, a bad entry FAULT_BAD_RANK and its item rank 0,
 // as in the scanning kernel.
@@ -1149,12 +999,9 @@ BGMV_KERNEL_CL(bgmv_tc_c8_f32, float, 8, true, BGMV_THREADS, 4)
 // not (every row's shrink and expand are its own dot products).
 //
 // The fused kernel is launched as a programmatic dependent: its blocks get
-// resident while this runs (launch_dependents first) and either wait for
-// this grid's completion (griddepcontrol.wait) or, with list_flag, poll the
-// header, which this block clears before it lets them launch and releases
-// after every item is written.
+// resident while this runs (launch_dependents first) and wait for this
+// grid's completion (griddepcontrol.wait) before they read the list.
 // BGMV_LIST_MAP: from the host's prelude (`cuda_rt::prelude`).
-
 
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvParams p) {
     static_assert(BGMV_WIN_MAX <= 2 * BGMV_THREADS && BGMV_WIN_MAX < (1 << 16), "two rows per thread, 16-bit counts");
@@ -1171,18 +1018,7 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvP
     // which may still read the scratch (a previous apply): idx and the table
     // are read before the wait, the scratch written only after it.
     const bool overlap = p.overlap != 0;
-    // Cleared before the dependents may launch: none of them sees a previous launch's flag.
-    auto clear_flag_then_release_dependents = [&]() {
-        if (p.list_flag) {
-            if (tid == 0) {
-                *(volatile u64*)header = 0ull;
-                __threadfence();
-            }
-            __syncthreads();
-        }
-        grid_launch_dependents();
-    };
-    if (!overlap) clear_flag_then_release_dependents();
+    if (!overlap) grid_launch_dependents();
     const PairEntry* table = (const PairEntry*)tg.table;
     // The table is small: pull it towards L2 while idx arrives.
     if (tid == 0) prefetch_l2((const void*)table, (u64)min(tg.n_entries, BGMV_LIST_MAP) * sizeof(PairEntry));
@@ -1198,7 +1034,7 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvP
     }
     if (overlap) {
         grid_dependency_wait();
-        clear_flag_then_release_dependents();
+        grid_launch_dependents();
     }
     __syncthreads();
 #pragma unroll
@@ -1243,9 +1079,7 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvP
             item->entry = en;
         }
     }
-    __threadfence();  // every item write before the header, whoever wrote it
-    __syncthreads();
-    if (tid == 0) st_release_u64(header, 1ull << 32 | (u64)(u32)n_items);
+    if (tid == 0) *header = (u64)(u32)n_items;
 }
 
 // The launch floor of a measurement: one block that does nothing. The
@@ -1259,40 +1093,37 @@ extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
 // dwarf the latency chain. The fused kernel above keeps the whole chain in
 // one block (idx -> entry -> A -> cluster sum -> B -> y), so a block streams
 // A, then waits, then streams B; here every block of each launch only
-// streams. bgmv2_shrink: units (item, K slice), A read straight into
-// registers (16-byte loads, several rows in flight per lane), partial rank
-// vectors into the backend's scratch, plus one descriptor per item
-// (bgmv2_shrink_tc: the same units on tensor cores, for items of many rows).
-// bgmv2_expand: units (item, output chunk), B read with whole warps on
+// streams. Every row is an item of its own (the _rows kernels, in p.row_ks
+// K slices), so the shrink scans no window and the expand finds each row's
+// entry from idx and the table itself. bgmv2_shrink_rows: units (row, K
+// slice), A read straight into registers (16-byte loads, several rows in
+// flight per lane), partial rank vectors into the backend's scratch
+// (bgmv2_shrink_tc_rows: the same units on tensor cores).
+// bgmv2_expand_rows: units (row, output chunk), B read with whole warps on
 // contiguous rows, partials summed and scaled, y staged through shared memory
 // so it moves in 16-byte pieces. Both sum a lane's partial dots over the lanes
 // that share them by halving exchanges (butterfly8 in the shrink, two halving
 // steps in the expand): the reductions were what kept a warp from its next
-// loads. The expand is by default the shrink's programmatic dependent, and
-// under the overlap (CHAIN_EARLY_READS) the shrink is the previous kernel's
-// (idx and the tables read before its wait; x and the scratch after it).
-// Waiting first, the shrink is the previous kernel's dependent too but
-// waits before any read and only then lets the expand in, so the expand
-// reads y before its own wait as after a plain shrink, and lets the next
-// apply in at its start or before its last stores.
-//
-// Row form (the _rows kernels, p.row_ks > 0 K slices, the default): every
-// row is an item of its own, so the shrink scans no window and writes no
-// descriptor, and the expand finds each row's entry from idx and the table
-// itself; neither depends on the shrink, so a block's first unit copies its
-// y values in (not under the overlap) and loads its first B rows before
-// griddepcontrol.wait. Rows of one adapter each read its A and B (from L2
-// after the first).
+// loads. Neither the expand's entries nor its B depend on the shrink, so a
+// block's first unit copies its y values in (not under the overlap) and
+// loads its first B rows before griddepcontrol.wait. Rows of one adapter
+// each read its A and B (from L2 after the first). The expand is the
+// shrink's programmatic dependent, and under the overlap (CHAIN_EARLY_READS)
+// the shrink is the previous kernel's (idx and the tables read before its
+// wait; x and the scratch after it). Waiting first, the shrink is the
+// previous kernel's dependent too but waits before any read and only then
+// lets the expand in, so the expand reads y before its own wait as after a
+// plain shrink, and lets the next apply in at its start or before its last
+// stores.
 //
 // Scratch layout (the host sizes and checks it; `BGMV2_*` mirror bgmv.rs):
-//   [0, 256)                      Bgmv2Header per target
-//   [BGMV2_DESC_OFF, +desc)       ItemDesc [MAX_TARGETS][BGMV_WIN_MAX]
+//   [0, 256)                      Bgmv2Header per target (written by the shrink, read by nothing)
+//   [BGMV2_DESC_OFF, +desc)       unused (the removed scanning form's item descriptors)
 //   [BGMV2_PART_OFF, ...)         f32 partials [targets][ks_max][n_rows][rpad], rpad = stride rounded up to 8
 
 // BGMV2_DESC_OFF: from the host's prelude (`cuda_rt::prelude`).
 #define BGMV2_PART_OFF (BGMV2_DESC_OFF + MAX_TARGETS * BGMV_WIN_MAX * 64)
 #define BGMV2_UNROLL 4
-#define BGMV2_XROWS 2
 // Tensor-core shrink: 32-column chunks per warp in flight (each lane 2 16-byte A loads per chunk).
 #define BGMV2_TC_UNROLL 4
 // Most K slices of the shrink (`TWO_PHASE_MAX_SPLITS` in bgmv.rs).
@@ -1312,10 +1143,9 @@ struct Bgmv2Params {
     int n_targets;
     int ks_max;
     int expand_cols;
-    int pow2_slices;
+    int pad;      // keeps the fields below where the kernels read them, and targets 8-byte aligned
     int overlap;  // how the shrink follows the stream's previous kernel: a CHAIN_* code (common.cuh)
-    int row_ks;   // > 0: each row its own item, in this many K slices (the _rows kernels)
-    int pad;      // keeps targets 8-byte aligned
+    int row_ks;   // K slices of every row (each row its own item)
     LoraTarget targets[MAX_TARGETS];
 };
 static_assert(sizeof(Bgmv2Params) == 184 && sizeof(Bgmv2Params) - sizeof(LoraTarget) * MAX_TARGETS == 88, "mirrors bgmv.rs");
@@ -1325,17 +1155,6 @@ struct Bgmv2Header {
     int k_splits;
     int pad[2];
 };
-
-// What the expand needs of an item, written by the shrink's K slice 0.
-struct ItemDesc {
-    u64 b;
-    float scale;
-    int rank;
-    int nrows;
-    int rows[BGMV_G];
-    int pad[3];
-};
-static_assert(sizeof(ItemDesc) == 64, "descriptor stride");
 
 // Eight bf16 from p, of which the first `valid` are read (the rest zero and
 // never touched): one 16-byte load when `vec` (p 16-byte aligned) and all 8 valid.
@@ -1359,9 +1178,6 @@ __device__ __forceinline__ void y_store8(float* p, const float* v) {
 
 __device__ __forceinline__ Bgmv2Header* bgmv2_header(const Bgmv2Params& p, int t) {
     return (Bgmv2Header*)p.scratch + t;
-}
-__device__ __forceinline__ ItemDesc* bgmv2_desc(const Bgmv2Params& p, int t, int item) {
-    return (ItemDesc*)(p.scratch + BGMV2_DESC_OFF) + t * BGMV_WIN_MAX + item;
 }
 // Partial rank vector of window row `row`, K slice `ks`, target t.
 __device__ __forceinline__ float* bgmv2_part(const Bgmv2Params& p, int t, int ks, int row) {
@@ -1514,16 +1330,13 @@ __device__ __forceinline__ void shrink_scalar_steps(float* sT, const bf16_t* A, 
     }
 }
 
-// How the shrink sums an item: scalar (unpacking, FMAs, butterfly8) or on
-// tensor cores (an mma_k16 takes up to 8 item rows at once, where the scalar
-// path re-reads A for each pair of rows).
+// How the shrink sums a row: scalar (unpacking, FMAs, butterfly8) or on
+// tensor cores (an mma_k16 per 16 rank rows x 16 columns).
 #define SHRINK_SCALAR 0
 #define SHRINK_TC 1
 
-// ROWS: the row form (p.row_ks > 0), its own kernels.
-template <int MODE, bool ROWS>
+template <int MODE>
 __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
-    __shared__ WindowScan<BGMV_THREADS> s_win;
     __shared__ float s_tc[MODE == SHRINK_TC ? BGMV_WARPS * 128 : 1];  // the tensor-core rounds' tiles
     __shared__ ItemRows s_item;
     __shared__ float sT[BGMV_G * BGMV_MAX_RANK];
@@ -1536,22 +1349,18 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
     const int nwin = p.n_rows;
     const bool lead_block = blockIdx.x == 0;
     // Waiting first: before anything is read, and before the expand is let
-    // in (the row form's expand reads y before its own wait).
+    // in (the expand reads y before its own wait).
     if (p.overlap >= CHAIN_WAIT_FIRST) grid_dependency_wait();
-    // Row form: every row is an item of its own, so nothing is scanned and
-    // no descriptor written (the expand finds each row's entry itself).
-    const int idx_first = ROWS ? -1 : first_index((const int*)p.idx, 0, nwin);
-    // The expand may get resident now (a dependent launch); it waits for this grid to complete.
+    // Every row is an item of its own: nothing is scanned (the expand finds
+    // each row's entry itself). The expand may get resident now (a
+    // dependent launch); it waits for this grid to complete.
     grid_launch_dependents();
     if (tid == 0) prefetch_l2((const void*)tg.table, (u64)min(tg.n_entries, 4096) * sizeof(PairEntry));
-    const int n_items = ROWS ? nwin
-                                  : scan_window<BGMV_THREADS>((const int*)p.idx, 0, nwin, tg.n_entries, p.fault,
-                                                              lead_block, &s_win, idx_first, false);
-    // Enough K slices that the units fill the grid once (the same in every
-    // block; the row form's count, the same rule, comes from the host).
-    int ks_n = max(1, min(p.ks_max, (int)gridDim.x / max(n_items, 1)));
-    if (p.pow2_slices) ks_n = 1 << (31 - __clz(ks_n));  // whole 256-column passes when in is a multiple of 4096
-    if (ROWS) ks_n = p.row_ks;
+    const int n_items = nwin;
+    // Enough K slices that the units fill the grid once, rounded down to a
+    // power of two (whole 256-column passes when in is a multiple of 4096):
+    // the host's count (`two_phase_slices` in bgmv.rs).
+    const int ks_n = p.row_ks;
     // Overlap: the previous kernel (a previous apply's expand, say) may still
     // read the scratch and write x: both only after this wait, which every
     // block passes once (the lead block before its header).
@@ -1579,14 +1388,9 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
         const int it = u / ks_n;
         const int ks = u - it * ks_n;
         __syncthreads();  // the previous unit no longer reads s_item / sT
-        // Every item has one K slice 0: its unit reports a bad entry (and,
-        // in the row form, a bad index).
-        if (warp == 0) {
-            if (ROWS)
-                load_row_item((const int*)p.idx, it, tg.n_entries, table, p.rank_stride, p.fault, ks == 0, &s_item);
-            else
-                load_item(s_win.idx, s_win.items[it], nwin, 0, table, p.rank_stride, p.fault, ks == 0, &s_item);
-        }
+        // Every row has one K slice 0: its unit reports a bad index or entry.
+        if (warp == 0)
+            load_row_item((const int*)p.idx, it, tg.n_entries, table, p.rank_stride, p.fault, ks == 0, &s_item);
         __syncthreads();
         const PairEntry en = s_item.entry;
         const int rank = (int)en.rank;
@@ -1595,16 +1399,6 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
         split8(in, ks_n, ks, k0, k1);
         const bf16_t* A = (const bf16_t*)en.a;
         if (!waited) wait_previous_then_header();
-        if (!ROWS && ks == 0 && tid < BGMV_G) {
-            ItemDesc* d = bgmv2_desc(p, t, it);
-            d->rows[tid] = tid < s_item.nrows ? s_item.rows[tid] : 0;
-            if (tid == 0) {
-                d->b = en.b;
-                d->scale = en.scale;
-                d->rank = rank;
-                d->nrows = nr;
-            }
-        }
         if (nr == 0) continue;  // uniform over the block
 #pragma unroll 1
         for (int v = tid; v < nr * rank; v += BGMV_THREADS) sT[(v / rank) * BGMV_MAX_RANK + v % rank] = 0.f;
@@ -1664,17 +1458,13 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
                 __syncthreads();  // s_tc is rewritten by the next round
             }
         } else if (kp < kw) {
-            // One-row items (the row form): 8 rank rows per step and one x
-            // row, so a lane has 8 A loads in flight where steps of 4 x 2
-            // have 4 and leave half their sums empty (H200, in a graph, n =
-            // 64 of rank-64 adapters: 25.72 -> 25.2 µs).
+            // One-row items: 8 rank rows per step and one x row, so a lane
+            // has 8 A loads in flight where steps of 4 x 2 have 4 and leave
+            // half their sums empty (H200, in a graph, n = 64 of rank-64
+            // adapters: 25.72 -> 25.2 µs).
             // (nr is 1 there: an item of rank 0 was skipped above.)
-            if constexpr (ROWS)
-                shrink_scalar_steps<8, 1>(sT, A, X, s_item.rows, p.x_stride, 1, rank, in, k0, k1, nch, kp, kw, cg,
-                                          groups, lane, vec_a, vec_x);
-            else
-                shrink_scalar_steps<BGMV2_UNROLL, BGMV2_XROWS>(sT, A, X, s_item.rows, p.x_stride, nr, rank, in, k0,
-                                                                k1, nch, kp, kw, cg, groups, lane, vec_a, vec_x);
+            shrink_scalar_steps<8, 1>(sT, A, X, s_item.rows, p.x_stride, 1, rank, in, k0, k1, nch, kp, kw, cg, groups,
+                                      lane, vec_a, vec_x);
         }
         __syncthreads();
 #pragma unroll 1
@@ -1692,19 +1482,12 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
 // Four blocks per multiprocessor (`SHRINK_BLOCKS_PER_SM` in bgmv.rs): more
 // A loads in flight and twice the K slices of three (n = 64, rank 64: 35.4
 // against 39.6 µs on the H200).
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink(const Bgmv2Params p) {
-    bgmv2_shrink_body<SHRINK_SCALAR, false>(p);
-}
-// `BgmvTuning::shrink_tensor_cores`.
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_tc(const Bgmv2Params p) {
-    bgmv2_shrink_body<SHRINK_TC, false>(p);
-}
-// The row form of each (`BgmvTuning::two_phase_row_items`).
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_rows(const Bgmv2Params p) {
-    bgmv2_shrink_body<SHRINK_SCALAR, true>(p);
+    bgmv2_shrink_body<SHRINK_SCALAR>(p);
 }
+// `TwoPhaseForm::shrink_tensor_cores`.
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_tc_rows(const Bgmv2Params p) {
-    bgmv2_shrink_body<SHRINK_TC, true>(p);
+    bgmv2_shrink_body<SHRINK_TC>(p);
 }
 
 // The sum over K splits [0, k_splits) of part[ks * split], k_splits <= KS, in split order: all KS
@@ -1731,9 +1514,8 @@ __device__ __forceinline__ int item_row(const int (&rows)[BGMV_G], int g) {
 }
 
 // Dynamic shared memory of the expand: sAcc [GR][cols] f32, sY [GR][cols] Y,
-// sT [GR][rpad] f32, for items of up to GR rows (G; the row form's 1).
-// ROWS: the row form (p.row_ks > 0), its own kernels.
-template <typename Y, bool ROWS>
+// sT [GR][rpad] f32, for items of GR rows (1: every row its own item).
+template <typename Y>
 __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     extern __shared__ __align__(16) unsigned char dyn[];
     const int tid = threadIdx.x;
@@ -1744,26 +1526,20 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     const int cols = p.expand_cols;
     const int stride = p.rank_stride;
     const int rpad = (stride + 7) & ~7;
-    constexpr int GR = ROWS ? 1 : BGMV_G;
+    constexpr int GR = 1;
     float* sAcc = (float*)dyn;
     Y* sY = (Y*)(dyn + GR * cols * 4);
     float* sT = (float*)(dyn + GR * cols * (4 + (int)sizeof(Y)));
     // The next apply may get resident now (under the overlap, or waiting
     // first with the next launch early); it waits for this grid.
     if (p.overlap == CHAIN_EARLY_READS || p.overlap == CHAIN_WAIT_FIRST_EARLY_NEXT) grid_launch_dependents();
-    // Under a dependent launch this block may start before the shrink ends:
-    // wait for it (and its writes) before reading the scratch (the row form
-    // further down). A no-op otherwise.
-    Bgmv2Header h;
-    if constexpr (!ROWS) {
-        grid_dependency_wait();
-        h = *bgmv2_header(p, t);
-    }
+    // As the shrink's dependent this block may start before the shrink ends:
+    // it waits for it (and its writes) before reading the scratch, further down.
     const int chunks = (tg.out_dim + cols - 1) / cols;
     Y* Yp = (Y*)p.y;
     const int ys = p.y_stride;
     const int coff = tg.y_col_off;
-    // Row form: unit u is row u / chunks, whose entry this kernel reads from
+    // Unit u is row u / chunks, whose entry this kernel reads from
     // idx and the table (the shrink raised their faults): neither depends on
     // the shrink, so a block's first unit copies its y values in before the
     // wait (not under the overlap, where the kernel before the shrink may
@@ -1781,7 +1557,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
                (lc % 8 == 0);
     };
     bool y_early = false;  // the first unit's y already requested
-    if (ROWS && (int)blockIdx.x < p.n_rows * chunks) {
+    if ((int)blockIdx.x < p.n_rows * chunks) {
         const int row = (int)blockIdx.x / chunks;
         const int o0 = ((int)blockIdx.x - row * chunks) * cols;
         const int lc = min(cols, tg.out_dim - o0);
@@ -1797,14 +1573,11 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             }
         }
     }
-    // The row form waits for the shrink inside its first unit, after that
+    // The block waits for the shrink inside its first unit, after that
     // unit's first B rows are requested (B is not the shrink's output).
-    bool waited = !ROWS;
-    if constexpr (ROWS) {
-        h.n_items = p.n_rows;
-        h.k_splits = p.row_ks;
-    }
-    const int units = h.n_items * chunks;
+    bool waited = false;
+    const int k_splits = p.row_ks;
+    const int units = p.n_rows * chunks;
 #pragma unroll 1
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         const int it = u / chunks;
@@ -1814,7 +1587,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         const bf16_t* B;
         float scale;
         int rows[BGMV_G];
-        if constexpr (ROWS) {
+        {
             const PairEntry en = row_entry(it);
             rank = (int)en.rank;
             nr = 1;
@@ -1823,23 +1596,13 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             scale = en.scale;
 #pragma unroll
             for (int g = 0; g < BGMV_G; ++g) rows[g] = it;
-        } else {
-            const ItemDesc* dp = bgmv2_desc(p, t, it);
-            rank = dp->rank;
-            nr = dp->nrows;
-            if (rank == 0 || nr == 0) continue;  // uniform over the block
-            B = (const bf16_t*)dp->b;
-            scale = dp->scale;
-#pragma unroll
-            for (int g = 0; g < BGMV_G; ++g) rows[g] = dp->rows[g];
         }
         __syncthreads();  // the previous unit no longer reads shared memory
 
-        // y of this unit's rows, unless requested before the wait.
-        // vec_y_of spelled out: through the lambda the scanning form's machine code changes.
+        // y of this unit's row, unless requested before the wait.
         const bool vec_y = ((int)sizeof(Y) * ys % 16 == 0) && ((int)sizeof(Y) * (coff + o0) % 16 == 0) &&
                            aligned16(Yp) && (lc % 8 == 0);
-        const bool y_requested = ROWS && y_early && u == (int)blockIdx.x;
+        const bool y_requested = y_early && u == (int)blockIdx.x;
         // Under the overlap the kernel before the shrink may still write y.
         if (!waited && p.overlap == CHAIN_EARLY_READS) {
             grid_dependency_wait();
@@ -1858,27 +1621,21 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         }
         cp_async_commit();
         // This unit's B rows past the first few are read after the partials
-        // are summed: ask L2 for its span now (not for the row form's first
-        // unit, above); and for the next unit's.
-        if (tid == 32 && !(ROWS && u == (int)blockIdx.x)) prefetch_l2(B + (u64)o0 * stride, (u64)lc * stride * 2);
+        // are summed: ask L2 for its span now (not for the first unit,
+        // above); and for the next unit's. (Spelled !(==): as != the
+        // compiler orders the instructions otherwise.)
+        if (tid == 32 && !(u == (int)blockIdx.x)) prefetch_l2(B + (u64)o0 * stride, (u64)lc * stride * 2);
         if (tid == 0 && u + (int)gridDim.x < units) {
             const int nit = (u + (int)gridDim.x) / chunks;
             const int no0 = (u + (int)gridDim.x - nit * chunks) * cols;
-            if constexpr (ROWS) {
-                // B and the rank of the next row's entry only (the whole entry costs registers).
-                const int e = ((const int*)p.idx)[nit];
-                if (e >= 0 && e < tg.n_entries) {
-                    const PairEntry* pe = (const PairEntry*)tg.table + e;
-                    const u32 r = pe->rank;
-                    const u64 b = pe->b;
-                    if (r > 0 && r <= (u32)stride && b != 0)
-                        prefetch_l2((const bf16_t*)b + (u64)no0 * stride, (u64)min(cols, tg.out_dim - no0) * stride * 2);
-                }
-            } else {
-                const ItemDesc* nd = bgmv2_desc(p, t, nit);
-                if (nd->rank > 0)
-                    prefetch_l2((const bf16_t*)nd->b + (u64)no0 * stride,
-                                (u64)min(cols, tg.out_dim - no0) * stride * 2);
+            // B and the rank of the next row's entry only (the whole entry costs registers).
+            const int e = ((const int*)p.idx)[nit];
+            if (e >= 0 && e < tg.n_entries) {
+                const PairEntry* pe = (const PairEntry*)tg.table + e;
+                const u32 r = pe->rank;
+                const u64 b = pe->b;
+                if (r > 0 && r <= (u32)stride && b != 0)
+                    prefetch_l2((const bf16_t*)b + (u64)no0 * stride, (u64)min(cols, tg.out_dim - no0) * stride * 2);
             }
         }
 
@@ -1905,8 +1662,8 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         // that consume the current ones, so they are in flight during the
         // halving steps (n = 64 on the H200: rank 64 31.1 -> 30.5 µs,
         // 14336 outputs 28.0 -> 26.8). Its first B rows are requested before
-        // the partials are summed and, in the row form, before the wait for
-        // the shrink (B is not its output), so their round trip overlaps the
+        // the partials are summed and before the wait for the shrink (B is
+        // not its output), so their round trip overlaps the
         // wait and the partials' (H200, in a graph, n = 64: rank 64 24.33 ->
         // 22.23 µs, 14336 outputs 18.91 -> 17.15).
         uint4 b[BGMV2_UNROLL];
@@ -1930,8 +1687,8 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             if (k < rank) {
                 const float* part = bgmv2_part(p, t, 0, r) + k;
                 const u64 split = (u64)p.n_rows * rpad;
-                s = h.k_splits <= 8 ? sum_splits<8>(part, split, h.k_splits)
-                                    : sum_splits<BGMV2_MAX_SPLITS>(part, split, h.k_splits);
+                s = k_splits <= 8 ? sum_splits<8>(part, split, k_splits)
+                                  : sum_splits<BGMV2_MAX_SPLITS>(part, split, k_splits);
             }
             sT[g * rpad + k] = s * scale;
         }
@@ -2024,15 +1781,9 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     if (!waited) grid_dependency_wait();
 }
 
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_bf16(const Bgmv2Params p) {
-    bgmv2_expand_body<bf16_t, false>(p);
-}
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_f32(const Bgmv2Params p) {
-    bgmv2_expand_body<float, false>(p);
-}
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_bf16(const Bgmv2Params p) {
-    bgmv2_expand_body<bf16_t, true>(p);
+    bgmv2_expand_body<bf16_t>(p);
 }
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_f32(const Bgmv2Params p) {
-    bgmv2_expand_body<float, true>(p);
+    bgmv2_expand_body<float>(p);
 }

@@ -248,9 +248,8 @@ impl<'a> Applies<'a> {
         bgmv_candidates(self.dev, x, &targets, self.p.stride, &y, overlap_previous).unwrap()
     }
 
-    /// The candidates, the two-phase ones also with the launch choices the
-    /// rule table never takes (`two_phase_variants`); some form serves every
-    /// call of these tests.
+    /// The candidates, asserted to be some: some form serves every call of
+    /// these tests.
     fn plans<Y: OutputElem>(&self, y0: &[Y], overlap_previous: bool) -> Vec<DecodePlan> {
         let plans = self.candidates(y0, overlap_previous);
         assert!(
@@ -261,7 +260,7 @@ impl<'a> Applies<'a> {
             self.p.outs,
             self.p.stride
         );
-        with_two_phase_variants(&plans)
+        plans
     }
 
     /// Whether the planner takes `plan` for the call.
@@ -344,7 +343,7 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         (256, 4096, &[1024, 256, 256], 16, 32),
         (700, 512, &[96], 32, 5),
         (33, 96, &[4097], 8, 3),
-        // Wide outputs: the row form's expand units past 1024 outputs.
+        // Wide outputs: the two-phase expand units past 1024 outputs.
         (64, 520, &[14336], 16, 64),
         (5, 7, &[9], 3, 2),
         // The largest rank stride: 32 lanes share each B row in the two-phase expand.
@@ -360,9 +359,8 @@ fn gpu_bgmv_matches_cpu_over_shapes() {
         let on = Applies::new(&gpu, &p, &idx);
         // The rule table's plan and every candidate (each form, kernel,
         // cluster size, item source and cluster sum that serves the call; the
-        // two-phase kernels serve single windows of 512 rows only), the
-        // two-phase ones also with K slices of any count and a plain expand,
-        // and the scanning fused ones with a cluster for every row (the
+        // two-phase kernels serve single windows of 512 rows only), and the
+        // scanning fused ones with a cluster for every row (the
         // row-mapped form in 16-warp clusters of 2 where their stage fits),
         // without the overlap promise and with it (the previous kernel is an upload).
         let mut runs = Vec::new();
@@ -445,40 +443,32 @@ fn form_name(p: &DecodePlan) -> &'static str {
             kernel: EntryKernel::Spread,
             ..
         } => "entry spread",
-        DecodeForm::TwoPhase(t) => match (t.row_items, t.shrink_tensor_cores) {
-            (false, false) => "two-phase",
-            (false, true) => "two-phase tc",
-            (true, false) => "two-phase rows",
-            (true, true) => "two-phase rows tc",
-        },
+        DecodeForm::TwoPhase(t) => {
+            if t.shrink_tensor_cores {
+                "two-phase rows tc"
+            } else {
+                "two-phase rows"
+            }
+        }
         DecodeForm::Fused(f) => match (f.tensor_cores, f.items) {
             (false, ItemList::Scan) => "fused scalar scan",
             (true, ItemList::Scan) => "fused tc scan",
+            // Refused by the planner: the item list serves tensor cores only.
             (false, ItemList::Listed) => "fused scalar list",
             (true, ItemList::Listed) => "fused tc list",
-            (false, ItemList::ListedFlag) => "fused scalar list flag",
-            (true, ItemList::ListedFlag) => "fused tc list flag",
         },
     }
 }
 
 /// Every form of the fused kernel: scalar and tensor-core, each scanning
-/// its window, reading the item list of a first launch (`bgmv_list`) after
-/// that launch completes, or once its ready flag is up.
-const FUSED_FORMS: [&str; 6] = [
-    "fused scalar scan",
-    "fused tc scan",
-    "fused scalar list",
-    "fused tc list",
-    "fused scalar list flag",
-    "fused tc list flag",
-];
+/// its window, and on tensor cores also reading the item list of a first
+/// launch (`bgmv_list`) after that launch completes.
+const FUSED_FORMS: [&str; 3] = ["fused scalar scan", "fused tc scan", "fused tc list"];
 
-/// The two-phase kernels (shrink, then expand): the scanning form (items of
-/// up to 8 rows of one entry, listed by the shrink) and the row form (every
-/// row its own item; the expand reads its first entry, B rows and y before
-/// it waits), each with the shrink scalar and on tensor cores.
-const TWO_PHASE_FORMS: [&str; 4] = ["two-phase", "two-phase tc", "two-phase rows", "two-phase rows tc"];
+/// The two-phase kernels (shrink, then expand; every row its own item, the
+/// expand reads its first entry, B rows and y before it waits), with the
+/// shrink scalar and on tensor cores.
+const TWO_PHASE_FORMS: [&str; 2] = ["two-phase rows", "two-phase rows tc"];
 
 /// Asserts that each of `forms` (`form_name`) is among `plans`: each form
 /// the tests forced before the plans still runs where it served.
@@ -512,12 +502,12 @@ fn is_fused_scan(p: &DecodePlan) -> bool {
 }
 
 /// The fused kernel reading the item list of a first launch, after that
-/// launch completes or once its ready flag is up.
+/// launch completes.
 fn is_fused_listed(p: &DecodePlan) -> bool {
     matches!(
         p.form,
         DecodeForm::Fused(FusedForm {
-            items: ItemList::Listed | ItemList::ListedFlag,
+            items: ItemList::Listed,
             ..
         })
     )
@@ -543,11 +533,6 @@ fn is_row_mapped_any_splits(p: &DecodePlan, rows: usize) -> bool {
     )
 }
 
-/// The row-mapped form with each block's B rows in registers (rank stride 16, pushed).
-fn is_b_registers(p: &DecodePlan) -> bool {
-    matches!(p.form, DecodeForm::Fused(FusedForm { b_registers: true, .. }))
-}
-
 /// The row-register form: a cluster of 2 blocks per (row, target), loads into registers.
 fn is_row_registers(p: &DecodePlan) -> bool {
     matches!(p.form, DecodeForm::RowRegisters { .. })
@@ -567,40 +552,6 @@ fn is_entry_prefetch(p: &DecodePlan) -> bool {
 /// Any two-phase plan.
 fn is_two_phase(p: &DecodePlan) -> bool {
     matches!(p.form, DecodeForm::TwoPhase(_))
-}
-
-/// The two-phase plans of `plans` with the launch choices the rule table
-/// never takes (the candidates hold its: K slices rounded down to a power
-/// of two, the expand a dependent launch): as many K slices as fill the
-/// grid, and the expand a plain launch, each way.
-fn two_phase_variants(plans: &[DecodePlan]) -> Vec<DecodePlan> {
-    let mut out: Vec<DecodePlan> = Vec::new();
-    for plan in plans {
-        let DecodeForm::TwoPhase(t) = plan.form else {
-            continue;
-        };
-        for (pow2_slices, dependent_expand) in [(false, false), (false, true), (true, false)] {
-            let variant = DecodePlan {
-                form: DecodeForm::TwoPhase(TwoPhaseForm {
-                    pow2_slices,
-                    dependent_expand,
-                    ..t
-                }),
-                ..*plan
-            };
-            if !plans.contains(&variant) && !out.contains(&variant) {
-                out.push(variant);
-            }
-        }
-    }
-    out
-}
-
-/// `plans`, then their `two_phase_variants`.
-fn with_two_phase_variants(plans: &[DecodePlan]) -> Vec<DecodePlan> {
-    let mut all = plans.to_vec();
-    all.extend(two_phase_variants(plans));
-    all
 }
 
 /// A fused plan with other output splits and clusters per window (launch
@@ -871,13 +822,12 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
         let case = ChainCase::new(&mut rng, shape);
         let label = case.label();
         let overlap = case.candidates(&gpu, true);
-        // Every listed plan under the overlap (each cluster size, scalar and
-        // on tensor cores, waiting for the list launch or its flag, pushed
-        // or pulled), every two-phase one (the two-phase kernels serve at
-        // most one window) with K slices of any count and a plain expand too,
-        // and a few scanning ones.
+        // Every listed plan under the overlap (each cluster size, on tensor
+        // cores, waiting for the list launch, pushed or pulled), every
+        // two-phase one (the two-phase kernels serve at most one window), and
+        // a few scanning ones.
         let listed = plans_where(&label, &overlap, is_fused_listed);
-        let two_phase = with_two_phase_variants(&overlap.iter().copied().filter(is_two_phase).collect::<Vec<_>>());
+        let two_phase: Vec<DecodePlan> = overlap.iter().copied().filter(is_two_phase).collect();
         if shape.0 <= 512 {
             assert_forms(&label, &two_phase, &TWO_PHASE_FORMS);
         }
@@ -957,27 +907,24 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
     check_bgmv(&gpu, "every rank", &p, &idx, &runs_of(false, &plans));
 }
 
-/// The row-mapped clusters of 2 at rank stride 16 with each block's B rows
-/// in registers (`FusedForm::b_registers`): every rank 1..=16 against a
-/// poisoned padded pool, rows of no adapter, blocks of 2048 outputs (every
-/// tile of every warp) and of a few hundred (warps partly or wholly past the
-/// block's outputs), f32 y, and weights 8-byte aligned (one load per lane
-/// and tile) or only 2-byte (four), against the CPU, the default and the
-/// staged form (every row-mapped plan, pushed and pulled).
+/// The row-mapped clusters of 2 at rank stride 16: every rank 1..=16
+/// against a poisoned padded pool, rows of no adapter, blocks of 2048
+/// outputs and of a few hundred, f32 y, and weights 16-, 8- or 2-byte
+/// aligned, against the CPU and the default (every row-mapped plan, pushed
+/// and pulled).
 #[test]
-fn gpu_bgmv_row_mapped_b_in_registers() {
-    let Some(gpu) = cuda_or_skip("gpu_bgmv_row_mapped_b_in_registers") else {
+fn gpu_bgmv_row_mapped_every_rank_to_16() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_row_mapped_every_rank_to_16") else {
         return;
     };
-    let mut rng = Rng::fresh("gpu_bgmv_row_mapped_b_in_registers");
+    let mut rng = Rng::fresh("gpu_bgmv_row_mapped_every_rank_to_16");
     for (outs, aligned_rows) in [
         (&[4096][..], true),
         (&[4096], false),
         (&[1000, 24], true),
         (&[1000, 24], false),
     ] {
-        // Rows 16-byte aligned: y added and stored 8 outputs at a time; otherwise one by one.
-        let (bf16_plans, f32_plans) = check_row_form(
+        check_row_form(
             &gpu,
             &mut rng,
             (64, 1024, outs),
@@ -986,9 +933,6 @@ fn gpu_bgmv_row_mapped_b_in_registers() {
             &|t| is_row_mapped(t, 64),
             true,
         );
-        let label = format!("outs={outs:?} aligned rows {aligned_rows}");
-        plans_where(&label, &bf16_plans, is_b_registers);
-        plans_where(&format!("{label} f32 y"), &f32_plans, is_b_registers);
     }
 }
 
@@ -1197,7 +1141,7 @@ fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
 /// plan that takes it (the staged, register and spread entry kernels, the
 /// row-register one, straight-line and general, the two-phase shrinks with
 /// their expands letting the next apply in at their start or before their
-/// last stores, the row form's expand reading y before its wait), with and
+/// last stores, the expand reading y before its wait), with and
 /// without the weights asked into L2 before the wait, mixed with plain
 /// launches (the spread kernel's cooperative), the fused kernel (which does
 /// not wait first) and the overlap. Back-to-back spread launches also show
@@ -1219,16 +1163,7 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
         ((48, 2056, 64, 5), &["entry c4"]),
         ((64, 4096, 16, 64), &["rows full", "entry reg"]),
         ((7, 1024, 16, 3), &["rows"]),
-        (
-            (64, 2048, 64, 9),
-            &[
-                "entry c4",
-                "two-phase",
-                "two-phase tc",
-                "two-phase rows",
-                "two-phase rows tc",
-            ],
-        ),
+        ((64, 2048, 64, 9), &["entry c4", "two-phase rows", "two-phase rows tc"]),
         (
             (96, 4096, 16, 32),
             &["two-phase rows", "entry reg", "rows full", "entry spread"],
@@ -1238,9 +1173,8 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
         let case = ChainCase::new(&mut rng, shape);
         let label = case.label();
         let plans = case.candidates(&gpu, false);
-        // Every plan that waits first, the two-phase ones also with K slices
-        // of any count and a plain expand.
-        let waiting = with_two_phase_variants(&plans_where(&label, &plans, |t| t.chain.waits_first()));
+        // Every plan that waits first.
+        let waiting = plans_where(&label, &plans, |t| t.chain.waits_first());
         assert_forms(&label, &waiting, forms);
         if shape.2 == 16 {
             plans_where(&label, &waiting, is_entry_prefetch);
@@ -1375,15 +1309,16 @@ fn gpu_bgmv_tables_past_the_item_list_limit_scan_instead() {
     assert!(!plans.iter().any(is_fused_listed), "large table: {}", labels(&plans));
     for t in plans_where("large table", &plans, is_fused_scan) {
         let DecodeForm::Fused(f) = t.form else { unreachable!() };
-        for items in [ItemList::Listed, ItemList::ListedFlag] {
-            let listed = DecodePlan {
-                form: DecodeForm::Fused(FusedForm { items, ..f }),
-                ..t
-            };
-            let mut y = gpu.upload(&p.y_bf16).unwrap();
-            let err = on.apply(&mut y, exact(listed)).unwrap_err();
-            assert!(err.to_string().contains("plan.items"), "{listed}: {err}");
-        }
+        let listed = DecodePlan {
+            form: DecodeForm::Fused(FusedForm {
+                items: ItemList::Listed,
+                ..f
+            }),
+            ..t
+        };
+        let mut y = gpu.upload(&p.y_bf16).unwrap();
+        let err = on.apply(&mut y, exact(listed)).unwrap_err();
+        assert!(err.to_string().contains("plan.items"), "{listed}: {err}");
     }
     check_bgmv(&gpu, "large table", &p, &idx, &runs_of(false, &plans));
 }
@@ -1413,20 +1348,14 @@ fn other_launches<Y: OutputElem>(on: &Applies<'_>, y0: &[Y], plans: &[DecodePlan
 }
 
 /// The two-phase plans of `plans` with other expand units, where the
-/// planner takes them: of 64 and 512 outputs, and in the row form of 1504
-/// (past the scanning form's most) and 4096 (its most).
+/// planner takes them: of 64, 512, 1504 and 4096 (the most) outputs.
 fn other_expand_units<Y: OutputElem>(on: &Applies<'_>, y0: &[Y], plans: &[DecodePlan]) -> Vec<DecodePlan> {
     let mut out: Vec<DecodePlan> = Vec::new();
     for &plan in plans {
         let DecodeForm::TwoPhase(t) = plan.form else {
             continue;
         };
-        let units: &[usize] = if t.row_items {
-            &[64, 512, 1504, 4096]
-        } else {
-            &[64, 512]
-        };
-        for &expand_cols in units {
+        for expand_cols in [64, 512, 1504, 4096] {
             let v = DecodePlan {
                 form: DecodeForm::TwoPhase(TwoPhaseForm { expand_cols, ..t }),
                 ..plan
@@ -1466,16 +1395,15 @@ fn gpu_bgmv_row_patterns_and_paths() {
             ("random", random_idx(&mut rng, n, 5, 4)),
         ];
         // The rule table's plan, every candidate (each cluster size, scalar
-        // and on tensor cores, scanning or listed, pushed and pulled; the
-        // two-phase forms also with K slices of any count and a plain
-        // expand), and the other launch shapes: many items per cluster
+        // and on tensor cores, scanning or (on tensor cores) listed, pushed
+        // and pulled), and the other launch shapes: many items per cluster
         // (rank-0 items among them), several output splits, and a cluster
         // for every row. The 16-warp clusters of 2 take the row-mapped form
         // there (row q's cluster serves row q alone, requesting its weights
         // as soon as its entry is known; rows of one adapter are not
         // grouped), pushed and pulled; the others scan, most clusters idle.
-        // The two-phase expand in units of 64, 512, and in the row form of
-        // one row's odd width past the scanning form's most, and of its most.
+        // The two-phase expand in units of 64, 512, of an odd width and of
+        // its most.
         let label = format!("n={n}");
         let on = Applies::new(&gpu, &p, &patterns[0].1);
         let plans = on.plans(&p.y_bf16, false);
@@ -1541,12 +1469,11 @@ fn gpu_bgmv_f32_router_logits() {
     let cpu = Device::cpu();
     let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, DecodeOptions::default());
     // The rule table's plan and every candidate with f32 y: each fused form,
-    // the two-phase ones (with K slices of any count and a plain expand
-    // too), the row-mapped form.
+    // the two-phase ones, the row-mapped form.
     let on = Applies::new(&gpu, &p, &idx);
     let plans = on.plans(&p.y_f32, false);
     assert_forms("f32 y", &plans, &FUSED_FORMS);
-    assert_forms("f32 y", &plans, &["two-phase", "two-phase rows"]);
+    assert_forms("f32 y", &plans, &["two-phase rows"]);
     plans_where("f32 y", &plans, |t| is_row_mapped(t, 40));
     for options in runs_of(false, &plans) {
         let g = on.run(&p.y_f32, options);
@@ -1578,13 +1505,12 @@ fn gpu_bgmv_bad_index_raises_a_fault() {
 }
 
 /// The faults' calls: 4 rows of in 64, one target of 32 outputs, rank
-/// stride 8, two table entries; every candidate (the two-phase ones with K
-/// slices of any count and a plain expand too), each fused form, the
+/// stride 8, two table entries; every candidate, each fused form, the
 /// two-phase ones and the row-mapped one asserted among them.
 fn fault_plans(on: &Applies<'_>) -> Vec<DecodePlan> {
     let plans = on.plans(&on.p.y_bf16, false);
     assert_forms("faults", &plans, &FUSED_FORMS);
-    assert_forms("faults", &plans, &["two-phase", "two-phase rows"]);
+    assert_forms("faults", &plans, &["two-phase rows"]);
     plans_where("faults", &plans, |t| is_row_mapped(t, on.p.n));
     plans
 }
@@ -1799,13 +1725,12 @@ fn gpu_graph_replay_follows_table_contents() {
     };
     let mut rng = Rng::fresh("gpu_graph_replay_follows_table_contents");
     // The graph's decode call is the same in every case: the rule table's
-    // plan and every candidate of it (the two-phase ones with K slices of
-    // any count and a plain expand too), each fused form, the two-phase
+    // plan and every candidate of it, each fused form, the two-phase
     // ones, the row-mapped and the row-register form among them.
     let probe = graph_problem(&mut rng);
     let plans = Applies::new(&gpu, &probe, &vec![0; probe.n]).plans(&probe.y_bf16, false);
     assert_forms("graph", &plans, &FUSED_FORMS);
-    assert_forms("graph", &plans, &["two-phase", "two-phase rows", "rows"]);
+    assert_forms("graph", &plans, &["two-phase rows", "rows"]);
     plans_where("graph", &plans, |t| is_row_mapped(t, probe.n));
     for options in runs_of(false, &plans) {
         graph_replay_case(&gpu, &mut rng, options);
@@ -2330,8 +2255,8 @@ fn gpu_bgmv_entry_clusters_faults_and_overlap() {
     }
 
     // Each entry plan under the overlap, chained with a plain scanning fused
-    // apply and a plain two-phase one (K slices of any count, a plain
-    // expand; or, past its rows, another fused one).
+    // apply and a plain two-phase one (or, past its rows, another fused
+    // one).
     for shape in [(256, 1024, 16, 32), (40, 520, 64, 6)] {
         let case = ChainCase::new(&mut rng, shape);
         let label = case.label();
@@ -2341,8 +2266,8 @@ fn gpu_bgmv_entry_clusters_faults_and_overlap() {
         let two_phase = plans
             .iter()
             .copied()
-            .find(|t| form_name(t) == "two-phase" && t.chain == Chain::Plain)
-            .map_or(scan, |t| two_phase_variants(&[t])[0]);
+            .find(|t| form_name(t) == "two-phase rows" && t.chain == Chain::Plain)
+            .unwrap_or(scan);
         let chains: Vec<Vec<DecodeOptions>> = overlap
             .iter()
             .map(|&t| [scan, t, t, two_phase, t].map(exact).to_vec())

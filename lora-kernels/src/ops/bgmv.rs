@@ -42,19 +42,16 @@
 //!   Windows of up to one row a thread are listed with one `match_any` per
 //!   warp, a count over the lower warps' rows and a ballot per warp, in
 //!   three barriers (one for up to 32 rows); longer windows by a block scan.
-//! - [`plan::ItemList::Listed`]: a small first launch (`bgmv_list`, one
-//!   block a window) lists each window's items (rows and checked entry)
-//!   once into the device's scratch, and the fused kernel (the `_list`
-//!   kernels), launched as its programmatic dependent, reads them after
-//!   `griddepcontrol.wait` instead of scanning. Tables of at most
+//! - [`plan::ItemList::Listed`] (tensor cores only): a small first launch
+//!   (`bgmv_list`, one block a window) lists each window's items (rows and
+//!   checked entry) once into the device's scratch, and the fused kernel
+//!   (the `_list` kernels), launched as its programmatic dependent, reads
+//!   them after `griddepcontrol.wait` instead of scanning. Tables of at most
 //!   [`ITEM_LIST_MAX_ENTRIES`] entries (`bgmv_list` counts each entry's
 //!   rows in shared memory), and lists that fit the scratch. Past one
 //!   window the list lets windows hold 512 rows instead of 256
 //!   (`row_windows`), so each window reads its adapters once for twice the
 //!   rows.
-//! - [`plan::ItemList::ListedFlag`]: the same, the fused blocks polling a
-//!   ready flag `bgmv_list` releases once its list is written, instead of
-//!   waiting for that launch's completion (measured slower, NOTES.md).
 //!
 //! The cluster sum: with [`plan::FusedForm::push_sum`] every block pushes
 //! its partial rank vectors into each peer's receive buffers (`st.async`,
@@ -81,14 +78,7 @@
 //! window (`clusters_per_window` = the window's rows). Cluster q serves row
 //! q alone, an item of one row, requesting its weights as soon as its entry
 //! is known, and the window is never scanned (rows of one adapter are not
-//! grouped: its A and B come again from L2). At rank stride 16, with pushed
-//! sums, A and x in one chunk and at most 2048 outputs a block, the form may
-//! hold B in registers ([`plan::FusedForm::b_registers`], exact plans
-//! only): warps 8-15 load their block's B rows into registers as soon as A
-//! is requested and expand on tensor cores once the rank vector is summed,
-//! and shared memory holds no B (y and x one row each). Slower where every
-//! row names its own adapter, faster where few adapters repeat from L2
-//! (NOTES.md v28).
+//! grouped: its A and B come again from L2).
 //!
 //! Under [`plan::Chain::EarlyReads`] a scanning block reads idx, the table
 //! and its first item's B and A before `griddepcontrol.wait`, and x and y
@@ -99,54 +89,53 @@
 //!
 //! # The two launches ([`plan::DecodeForm::TwoPhase`])
 //!
-//! A shrink (`bgmv2_shrink*`) writes every row's partial rank vectors, per
-//! K slice, into the device's scratch, and an expand (`bgmv2_expand*`) sums
-//! them and adds `B t` to y; the scratch is held for both launches
-//! (`with_scratch`), and a batch is one window (at most 512 rows) whose
-//! partials fit it (`TwoPhasePlan`). Every block of both launches is
-//! resident at once (four a multiprocessor); more units than blocks are
-//! walked in turn.
+//! A shrink (`bgmv2_shrink*_rows`) writes every row's partial rank vectors,
+//! per K slice, into the device's scratch, and an expand
+//! (`bgmv2_expand_rows_*`) sums them and adds `B t` to y; the scratch is
+//! held for both launches (`with_scratch`), and a batch is one window (at
+//! most 512 rows) whose partials fit it (`TwoPhasePlan`). Every block of
+//! both launches is resident at once (four a multiprocessor); more units
+//! than blocks are walked in turn.
 //!
-//! With [`plan::TwoPhaseForm::row_items`] (the rule table's form, the
-//! `_rows` kernels) every row is an item of its own: the shrink scans no
-//! window and writes no item descriptors, reading each row's index and
-//! entry itself, and the expand reads each row's entry from the indices and
-//! tables itself (neither depends on the shrink), so before it waits for
-//! the shrink it loads its first B rows into registers and, unless the
-//! shrink runs under the overlap, copies its first unit's y values into
-//! shared memory (an L2 prefetch of the whole B span there measured slower,
-//! NOTES.md). Each row's outputs are cut into equal chunks
-//! ([`plan::TwoPhaseForm::expand_cols`]), as many as give every (row,
-//! target) the same share of the expand's resident blocks (one unit a
-//! block, shared memory for one row). Rows of one adapter each read its A
-//! and B (from L2 after the first). The scanning form (`row_items` off,
-//! exact plans only) groups items of up to 8 rows of one entry in the
-//! shrink, which lists them for the expand; its expand units are 512
-//! outputs, or 1024 past 8192 outputs.
+//! Every row is an item of its own: the shrink scans no window, reading
+//! each row's index and entry itself, and the expand reads each row's
+//! entry from the indices and tables itself (neither depends on the
+//! shrink), so before it waits for the shrink it loads its first B rows
+//! into registers and, unless the shrink runs under the overlap, copies its
+//! first unit's y values into shared memory (an L2 prefetch of the whole B
+//! span there measured slower, NOTES.md). Each row's outputs are cut into
+//! equal chunks ([`plan::TwoPhaseForm::expand_cols`]), as many as give
+//! every (row, target) the same share of the expand's resident blocks (one
+//! unit a block, shared memory for one row). Rows of one adapter each read
+//! its A and B (from L2 after the first).
 //!
-//! The shrink takes one-row items 8 rank rows per step, so a lane has 8 A
-//! loads in flight; its K slices fill the grid once, rounded down to a
-//! power of two under [`plan::TwoPhaseForm::pow2_slices`] (whole 256-column
-//! warp passes when `in` is a multiple of 4096). Both kernels sum their
-//! partial dot products by halving exchanges. With
-//! [`plan::TwoPhaseForm::dependent_expand`] the expand is the shrink's
-//! programmatic dependent, its blocks resident while the shrink drains,
-//! and it requests its next B rows before those exchanges. The shrink sums
-//! each rank row over its warps in a fixed order (a warp's column passes in
-//! registers, at most two shared adds per value; the tensor-core shrink's
-//! tiles in warp order), so a repeated apply or a graph replay gives the
-//! same bits. [`plan::TwoPhaseForm::shrink_tensor_cores`] (exact plans
-//! only) shrinks on tensor cores: one matrix instruction per 16 rank rows x
-//! 16 columns x the item's rows, instead of per-lane unpacking,
-//! multiply-adds and warp exchanges for every 2 rows.
+//! The shrink takes its rows 8 rank rows per step, so a lane has 8 A loads
+//! in flight; its K slices fill the grid once, rounded down to a power of
+//! two (whole 256-column warp passes when `in` is a multiple of 4096). Both
+//! kernels sum their partial dot products by halving exchanges. The expand
+//! is the shrink's programmatic dependent, its blocks resident while the
+//! shrink drains, and it requests its next B rows before those exchanges.
+//! The shrink sums each rank row over its warps in a fixed order (a warp's
+//! column passes in registers, at most two shared adds per value; the
+//! tensor-core shrink's tiles in warp order), so a repeated apply or a
+//! graph replay gives the same bits.
+//! [`plan::TwoPhaseForm::shrink_tensor_cores`] (exact plans only) shrinks
+//! on tensor cores: one matrix instruction per 16 rank rows x 16 columns,
+//! instead of per-lane unpacking, multiply-adds and warp exchanges.
 //!
 //! Waiting first ([`plan::Chain::WaitFirst`]) the shrink's blocks execute
-//! `griddepcontrol.wait` and only then let the expand in, so the row
-//! form's expand, which reads y before its own wait, still starts only
-//! after every earlier kernel completed; the expand lets the next kernel
-//! in before its blocks' last stores ([`plan::Chain::WaitFirstEarlyNext`]:
-//! at its start). Under [`plan::Chain::EarlyReads`] the shrink reads idx
+//! `griddepcontrol.wait` and only then let the expand in, so the expand,
+//! which reads y before its own wait, still starts only after every
+//! earlier kernel completed; the expand lets the next kernel in before its
+//! blocks' last stores ([`plan::Chain::WaitFirstEarlyNext`]: at its
+//! start). Under [`plan::Chain::EarlyReads`] the shrink reads idx
 //! and the tables before its wait, x and the scratch after it.
+//!
+//! Five forms that no rule picked and that measured slower than the
+//! defaults at every benchmark shape were removed (the item list's ready
+//! flag, the scalar kernels with the item list, B in registers for the
+//! row-mapped clusters, the two-phase scanning form and its exact-plan
+//! knobs for K slices and a plain expand): lora-kernels/NOTES.md.
 
 use half::bf16;
 
@@ -216,15 +205,7 @@ struct PlanShape {
     push: bool,
     /// The tensor-core shrink's per-warp tiles follow the rank vectors.
     tensor_cores: bool,
-    /// The row-mapped form may hold B in registers ([`FusedForm::b_registers`]):
-    /// where the plan is one chunk of at most [`B_REGISTERS_MAX_OUTS`] outputs, B is
-    /// not staged and every item is one row.
-    b_registers: bool,
 }
-
-/// Most outputs per block of the row-mapped form with B in registers
-/// (`BGMV_REG_B_OUTS` in `cuda/bgmv.cu`: 8 warps of 16 tiles of 16).
-const B_REGISTERS_MAX_OUTS: usize = 2048;
 
 /// The kernel's dynamic shared memory layout for one launch (see `cuda/bgmv.cu`):
 /// B rows and y values of the block's outputs, the rank vectors, one or
@@ -245,9 +226,6 @@ struct SmemPlan {
     off_x: usize,
     off_r: usize,
     total: usize,
-    /// B in registers (`p.b_registers`): the B region holds the expand's
-    /// `lo_max` f32 instead, and y and x one row each.
-    b_registers: bool,
 }
 
 impl SmemPlan {
@@ -269,17 +247,8 @@ impl SmemPlan {
         // conflicts, except in clusters of 2, whose blocks stage half of B
         // (at rank 16 and 4096 outputs the padding would not fit beside A).
         let b_pitch = stride.div_ceil(8) * 8 + if cluster == 2 { 0 } else { 8 };
-        let b_registers = shape.b_registers
-            && stages == 1
-            && k_chunk >= piece8(shape.in_dim, cluster)
-            && lo_max <= B_REGISTERS_MAX_OUTS;
-        let (b_bytes, item_rows) = if b_registers {
-            (lo_max * 4, 1)
-        } else {
-            (lo_max * b_pitch * 2, ITEM_ROWS)
-        };
-        let off_y = round16(b_bytes);
-        let off_t = off_y + round16(item_rows * lo_max * y_size);
+        let off_y = round16(lo_max * b_pitch * 2);
+        let off_t = off_y + round16(ITEM_ROWS * lo_max * y_size);
         // sTp and sT [G][stride8] f32, then (TC) the shrink's per-warp tiles [warps][128] f32.
         let red = if tensor_cores {
             (THREADS as usize / 32) * 128 * 4
@@ -288,7 +257,7 @@ impl SmemPlan {
         };
         let off_a = off_t + 2 * ITEM_ROWS * stride.div_ceil(8) * 8 * 4 + red;
         let off_x = off_a + round16(stages * round16(stride) * stage_pitch(k_chunk) * 2);
-        let off_r = off_x + round16(stages * item_rows * stage_pitch(k_chunk) * 2);
+        let off_r = off_x + round16(stages * ITEM_ROWS * stage_pitch(k_chunk) * 2);
         let total = off_r + if push { push_recv_bytes(cluster, stride) } else { 0 };
         SmemPlan {
             splits,
@@ -301,7 +270,6 @@ impl SmemPlan {
             off_x,
             off_r,
             total,
-            b_registers,
         }
     }
 
@@ -353,8 +321,8 @@ fn push_recv_bytes(cluster: usize, stride: usize) -> usize {
 pub const ITEM_LIST_MAX_ENTRIES: usize = 4096;
 
 /// Bytes of one (window, target) item list in the scratch (`list_stride` in
-/// `cuda/bgmv.cu`): a 64-byte header (item count and ready flag), then up
-/// to one 64-byte `ItemRows` record per window row. `None` on overflow.
+/// `cuda/bgmv.cu`): a 64-byte header (the item count), then up to one
+/// 64-byte `ItemRows` record per window row. `None` on overflow.
 fn item_list_stride(window: usize) -> Option<usize> {
     window.checked_add(1)?.checked_mul(64)
 }
@@ -385,24 +353,26 @@ fn item_list_fits(window: usize, n_windows: usize, n_targets: usize) -> bool {
 }
 
 /// Byte offsets in the scratch of the two-phase decode (`BGMV2_*` in `cuda/bgmv.cu`):
-/// per-target headers, then item descriptors, then the partial rank vectors.
+/// per-target headers, a region the removed scanning form's item
+/// descriptors took (kept, so the partials stay where they were), then the
+/// partial rank vectors.
 pub(crate) const TWO_PHASE_DESC_OFF: usize = 256;
 const TWO_PHASE_PART_OFF: usize = TWO_PHASE_DESC_OFF + MAX_TARGETS * WINDOW_MAX * 64;
 /// Most K slices of the two-phase shrink (`BGMV2_MAX_SPLITS` in `cuda/bgmv.cu`),
 /// and the fewest columns per slice.
 pub(crate) const TWO_PHASE_MAX_SPLITS: usize = 16;
 const TWO_PHASE_MIN_SLICE: usize = 256;
-const TWO_PHASE_COLS: usize = 512;
-/// Outputs wider than this use expand units of `2 * TWO_PHASE_COLS` (31.5 against 33-34.5 µs at 14336).
+/// Widest outputs of the small adapters rule 4 leaves to the fused launch
+/// (`plan::two_phase_by_default`).
 const TWO_PHASE_WIDE_OUT: usize = 8192;
-/// The row form's expand units: one row's outputs in as many equal chunks
+/// The expand units: one row's outputs in as many equal chunks
 /// as give every row the same share of the expand's resident blocks (one
 /// round, no block with a second unit), of this many outputs at most (and
 /// at least the smaller bound, so a unit's B rows stay one long stream).
 const TWO_PHASE_ROW_COLS: std::ops::RangeInclusive<usize> = 256..=4096;
 
-/// The row form's expand blocks per target: the resident blocks, shared
-/// by the targets (a grid layer each), at least one.
+/// The expand's blocks per target: the resident blocks, shared by the
+/// targets (a grid layer each), at least one.
 fn row_form_expand_slots(sms: usize, n_targets: usize) -> usize {
     (sms * EXPAND_BLOCKS_PER_SM / n_targets.max(1)).max(1)
 }
@@ -412,10 +382,8 @@ fn row_form_expand_slots(sms: usize, n_targets: usize) -> usize {
 struct TwoPhasePlan {
     /// Most K slices (the scratch holds this many partial rank vectors per row).
     ks_max: usize,
-    /// Outputs per expand unit, a multiple of 8.
+    /// Outputs per expand unit (of one row), a multiple of 8.
     cols: usize,
-    /// Rows per expand unit: 1 in the row form, else up to [`ITEM_ROWS`].
-    unit_rows: usize,
     /// Bytes of the scratch the launch uses.
     scratch_bytes: usize,
     /// Dynamic shared memory of the expand, for y elements of `y_size` bytes.
@@ -424,8 +392,8 @@ struct TwoPhasePlan {
 
 impl TwoPhasePlan {
     /// `None` when the batch spans several windows or its partials do not fit
-    /// `scratch`. `row_form`: the expand's resident blocks per target, for
-    /// the row form (items of one row), or `None` (the scanning form).
+    /// `scratch`. `slots`: the expand's resident blocks per target
+    /// ([`row_form_expand_slots`]).
     #[allow(clippy::too_many_arguments)]
     fn new(
         n: usize,
@@ -436,7 +404,7 @@ impl TwoPhasePlan {
         y_size: usize,
         cols: Option<u32>,
         scratch: usize,
-        row_form: Option<usize>,
+        slots: usize,
     ) -> Option<TwoPhasePlan> {
         if n == 0 || n > WINDOW_MAX || n_targets == 0 {
             return None;
@@ -450,23 +418,16 @@ impl TwoPhasePlan {
         if ks_max == 0 {
             return None;
         }
-        let (default_cols, max_cols, unit_rows) = match row_form {
-            Some(slots) => {
-                let chunks = (slots / n).max(1);
-                let cols = max_out.div_ceil(chunks).div_ceil(8) * 8;
-                let cols = cols.clamp(*TWO_PHASE_ROW_COLS.start(), *TWO_PHASE_ROW_COLS.end());
-                (cols, *TWO_PHASE_ROW_COLS.end(), 1)
-            }
-            None if max_out > TWO_PHASE_WIDE_OUT => (2 * TWO_PHASE_COLS, 1024, ITEM_ROWS),
-            None => (TWO_PHASE_COLS, 1024, ITEM_ROWS),
-        };
+        let chunks = (slots / n).max(1);
+        let default_cols =
+            (max_out.div_ceil(chunks).div_ceil(8) * 8).clamp(*TWO_PHASE_ROW_COLS.start(), *TWO_PHASE_ROW_COLS.end());
+        let max_cols = *TWO_PHASE_ROW_COLS.end();
         let cols = cols.map_or(default_cols, |c| (c as usize).clamp(8, max_cols).div_ceil(8) * 8);
         Some(TwoPhasePlan {
             ks_max,
             cols,
-            unit_rows,
             scratch_bytes: TWO_PHASE_PART_OFF + ks_max * per_split,
-            expand_smem: unit_rows * (cols * (4 + y_size) + rpad * 4),
+            expand_smem: cols * (4 + y_size) + rpad * 4,
         })
     }
 }
@@ -488,15 +449,13 @@ struct Bgmv2Params {
     n_targets: i32,
     ks_max: i32,
     expand_cols: i32,
-    pow2_slices: i32,
+    /// Keeps the fields below where the kernels read them, and `targets` 8-byte aligned.
+    pad: i32,
     /// How the shrink follows the stream's previous kernel (`Chain as i32`:
     /// plain, [`Chain::EarlyReads`] or waiting first).
     overlap: i32,
-    /// Above zero: every row its own item, in this many K slices (the
-    /// `_rows` kernels, [`TwoPhaseForm::row_items`]).
+    /// K slices of every row (each row its own item).
     row_ks: i32,
-    /// Keeps `targets` 8-byte aligned.
-    pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
 const _: () = assert!(size_of::<Bgmv2Params>() == 184 && std::mem::offset_of!(Bgmv2Params, targets) == 88);
@@ -532,7 +491,6 @@ struct BgmvParams {
     /// Device address of the launch's item lists, or 0 (every block scans its window).
     list: u64,
     list_stride: i32,
-    list_flag: i32,
     /// Push form: byte offset of the receive buffers in the dynamic shared memory.
     off_r: i32,
     /// 1: the cluster sum pushes partials ([`FusedForm::push_sum`]).
@@ -540,14 +498,11 @@ struct BgmvParams {
     /// 1: a programmatic dependent of the stream's previous kernel ([`Chain::EarlyReads`]).
     overlap: i32,
     b_pitch: i32,
-    /// 1: the row-mapped clusters of 2 at rank stride 16 hold B in registers
-    /// ([`FusedForm::b_registers`], where the plan fits it).
-    b_registers: i32,
     /// Keeps `targets` 8-byte aligned.
     pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgmvParams>() == 232 && std::mem::offset_of!(BgmvParams, targets) == 136);
+const _: () = assert!(size_of::<BgmvParams>() == 224 && std::mem::offset_of!(BgmvParams, targets) == 128);
 
 /// How [`bgmv_with`] runs a call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -750,8 +705,7 @@ fn launch<Y: OutputElem>(
                 std::mem::size_of::<Y>(),
                 Some(form.expand_cols as u32),
                 SCRATCH_BYTES,
-                form.row_items
-                    .then_some(row_form_expand_slots(c.sm_count as usize, n_targets)),
+                row_form_expand_slots(c.sm_count as usize, n_targets),
             )
             .ok_or_else(|| invalid("plan", "the two-phase scratch does not hold the call"))?;
             launch_two_phase(c, x, idx, target_params, targets, stride, y, two, form, chain)
@@ -792,7 +746,6 @@ fn launch_fused<Y: OutputElem>(
         cluster: cl,
         push: form.push_sum,
         tensor_cores,
-        b_registers: form.b_registers,
     };
     let plan = SmemPlan::choose(shape, splits, true);
     let kernel = DecodeKernel::Fused {
@@ -826,12 +779,10 @@ fn launch_fused<Y: OutputElem>(
         off_x: to_i32("smem", plan.off_x)?,
         list: 0,
         list_stride: to_i32("window", item_list_stride(window).unwrap_or(usize::MAX))?,
-        list_flag: i32::from(form.items == ItemList::ListedFlag),
         off_r: to_i32("smem", plan.off_r)?,
         push: i32::from(form.push_sum),
         overlap: i32::from(overlap),
         b_pitch: to_i32("rank_stride", plan.b_pitch)?,
-        b_registers: i32::from(plan.b_registers),
         pad: 0,
         targets: *target_params,
     };
@@ -866,8 +817,7 @@ fn launch_fused<Y: OutputElem>(
         // `bgmv_list`'s per-entry counters stay inside its shared array. It
         // checks indices and entries as the scanning kernel does (the fused
         // kernel reads only checked entries), and the fused kernel reads the
-        // list only after `griddepcontrol.wait` or after acquiring the ready
-        // flag `bgmv_list` clears before its dependents may start. As a dependent
+        // list only after `griddepcontrol.wait`. As a dependent
         // launch (`overlap`) `bgmv_list` reads idx and the tables before its wait
         // and writes the scratch only after it.
         unsafe {
@@ -886,17 +836,16 @@ fn launch_fused<Y: OutputElem>(
     })
 }
 
-/// K slices of the two-phase shrink: enough that its units fill the grid
-/// once, at most `ks_max`, rounded down to a power of two under
-/// `pow2_slices` (the kernel's own rule for the scanning form, whose item
-/// count it knows only there; the row form's count is the rows).
-fn two_phase_slices(grid: usize, items: usize, ks_max: usize, pow2_slices: bool) -> usize {
-    let ks = (grid / items.max(1)).clamp(1, ks_max.max(1));
-    if pow2_slices { 1 << ks.ilog2() } else { ks }
+/// K slices of the two-phase shrink: enough that its units (one per row
+/// and slice) fill the grid once, at most `ks_max`, rounded down to a power
+/// of two (whole 256-column warp passes when `in` is a multiple of 4096).
+fn two_phase_slices(grid: usize, rows: usize, ks_max: usize) -> usize {
+    let ks = (grid / rows.max(1)).clamp(1, ks_max.max(1));
+    1 << ks.ilog2()
 }
 
-/// The two-phase decode: `bgmv2_shrink` then `bgmv2_expand_*`, through the
-/// backend's scratch (held for both launches).
+/// The two-phase decode: `bgmv2_shrink*_rows` then `bgmv2_expand_rows_*`,
+/// through the backend's scratch (held for both launches).
 #[allow(clippy::too_many_arguments)]
 fn launch_two_phase<Y: OutputElem>(
     c: &CudaBackend,
@@ -919,19 +868,13 @@ fn launch_two_phase<Y: OutputElem>(
     let expand_blocks = (n * max_out.div_ceil(plan.cols)).min(sms * EXPAND_BLOCKS_PER_SM).max(1);
     let shrink = DecodeKernel::Shrink {
         tensor_cores: forms.shrink_tensor_cores,
-        row_items: forms.row_items,
     }
     .kernel()?;
     let expand = DecodeKernel::Expand {
-        row_items: forms.row_items,
         y: OutputKind::of::<Y>(),
     }
     .kernel()?;
-    let row_ks = if forms.row_items {
-        two_phase_slices(shrink_blocks, n, plan.ks_max, forms.pow2_slices)
-    } else {
-        0
-    };
+    let row_ks = two_phase_slices(shrink_blocks, n, plan.ks_max);
     c.with_scratch(|scratch| {
         let params = Bgmv2Params {
             x: x.addr(),
@@ -947,15 +890,14 @@ fn launch_two_phase<Y: OutputElem>(
             n_targets: to_i32("targets", n_targets)?,
             ks_max: to_i32("k_splits", plan.ks_max)?,
             expand_cols: to_i32("plan.expand_cols", plan.cols)?,
-            pow2_slices: i32::from(forms.pow2_slices),
+            pad: 0,
             overlap: chain as i32,
             row_ks: to_i32("k_splits", row_ks)?,
-            pad: 0,
             targets: *target_params,
         };
         // SAFETY: `Bgmv2Params` mirrors the kernels' struct (sizes asserted on both
         // sides). The host checked x, y, idx and the targets as for the fused
-        // kernel; `plan` keeps every descriptor and partial the kernels address
+        // kernel; `plan` keeps every header and partial the kernels address
         // inside the scratch (`scratch_bytes <= SCRATCH_BYTES`, n <= 512 rows),
         // which `with_scratch` holds for both launches; the kernels check each
         // index and each entry's rank before reading A and B through table addresses.
@@ -963,7 +905,7 @@ fn launch_two_phase<Y: OutputElem>(
         // the scratch only after its wait; idx and the tables before it, which
         // the caller promised the previous kernel does not write. Waiting first
         // its blocks wait before any read and let the expand in only after
-        // that wait. The row form's expand checks each row's index and entry
+        // that wait. The expand checks each row's index and entry
         // itself and reads idx, the tables and B before its wait (the shrink
         // writes none of them), and y only where the shrink is not under the
         // overlap (every earlier kernel then completed before the shrink's
@@ -986,7 +928,7 @@ fn launch_two_phase<Y: OutputElem>(
                 smem: to_u32("smem", plan.expand_smem)?,
             };
             // The expand runs `griddepcontrol.wait` before it reads the scratch.
-            c.launch_chained(expand, shape, &params, forms.dependent_expand)
+            c.launch_chained(expand, shape, &params, true)
         }
     })
 }

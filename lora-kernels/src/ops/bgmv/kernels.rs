@@ -11,7 +11,8 @@ use crate::error::{KernelError, invalid};
 /// A decode kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum DecodeKernel {
-    /// The fused kernel; `listed`: its form reading `bgmv_list`'s items.
+    /// The fused kernel; `listed`: its form reading `bgmv_list`'s items
+    /// (tensor cores only).
     Fused {
         cluster: usize,
         tensor_cores: bool,
@@ -20,10 +21,10 @@ pub(super) enum DecodeKernel {
     },
     /// The item list's first launch.
     ItemList,
-    /// The two-phase shrink.
-    Shrink { tensor_cores: bool, row_items: bool },
-    /// The two-phase expand.
-    Expand { row_items: bool, y: OutputKind },
+    /// The two-phase shrink (every row its own item).
+    Shrink { tensor_cores: bool },
+    /// The two-phase expand (every row its own item).
+    Expand { y: OutputKind },
     /// The entry-clustered form (BF16 y only); the spread kernel's prefetch
     /// is a flag of its parameter block, so it is named without one.
     Entry {
@@ -57,7 +58,7 @@ const fn entry(kernel: EntryKernel, stride: usize, prefetch: bool) -> DecodeKern
 }
 
 /// The table.
-const NAMES: [(DecodeKernel, &str); 56] = [
+const NAMES: [(DecodeKernel, &str); 44] = [
     (fused(1, false, false, Bf16), "bgmv_c1_bf16"),
     (fused(1, false, false, F32), "bgmv_c1_f32"),
     (fused(2, false, false, Bf16), "bgmv_c2_bf16"),
@@ -74,14 +75,6 @@ const NAMES: [(DecodeKernel, &str); 56] = [
     (fused(4, true, false, F32), "bgmv_tc_c4_f32"),
     (fused(8, true, false, Bf16), "bgmv_tc_c8_bf16"),
     (fused(8, true, false, F32), "bgmv_tc_c8_f32"),
-    (fused(1, false, true, Bf16), "bgmv_c1_bf16_list"),
-    (fused(1, false, true, F32), "bgmv_c1_f32_list"),
-    (fused(2, false, true, Bf16), "bgmv_c2_bf16_list"),
-    (fused(2, false, true, F32), "bgmv_c2_f32_list"),
-    (fused(4, false, true, Bf16), "bgmv_c4_bf16_list"),
-    (fused(4, false, true, F32), "bgmv_c4_f32_list"),
-    (fused(8, false, true, Bf16), "bgmv_c8_bf16_list"),
-    (fused(8, false, true, F32), "bgmv_c8_f32_list"),
     (fused(1, true, true, Bf16), "bgmv_tc_c1_bf16_list"),
     (fused(1, true, true, F32), "bgmv_tc_c1_f32_list"),
     (fused(2, true, true, Bf16), "bgmv_tc_c2_bf16_list"),
@@ -91,62 +84,10 @@ const NAMES: [(DecodeKernel, &str); 56] = [
     (fused(8, true, true, Bf16), "bgmv_tc_c8_bf16_list"),
     (fused(8, true, true, F32), "bgmv_tc_c8_f32_list"),
     (ItemList, "bgmv_list"),
-    (
-        Shrink {
-            tensor_cores: false,
-            row_items: false,
-        },
-        "bgmv2_shrink",
-    ),
-    (
-        Shrink {
-            tensor_cores: true,
-            row_items: false,
-        },
-        "bgmv2_shrink_tc",
-    ),
-    (
-        Shrink {
-            tensor_cores: false,
-            row_items: true,
-        },
-        "bgmv2_shrink_rows",
-    ),
-    (
-        Shrink {
-            tensor_cores: true,
-            row_items: true,
-        },
-        "bgmv2_shrink_tc_rows",
-    ),
-    (
-        Expand {
-            row_items: false,
-            y: Bf16,
-        },
-        "bgmv2_expand_bf16",
-    ),
-    (
-        Expand {
-            row_items: false,
-            y: F32,
-        },
-        "bgmv2_expand_f32",
-    ),
-    (
-        Expand {
-            row_items: true,
-            y: Bf16,
-        },
-        "bgmv2_expand_rows_bf16",
-    ),
-    (
-        Expand {
-            row_items: true,
-            y: F32,
-        },
-        "bgmv2_expand_rows_f32",
-    ),
+    (Shrink { tensor_cores: false }, "bgmv2_shrink_rows"),
+    (Shrink { tensor_cores: true }, "bgmv2_shrink_tc_rows"),
+    (Expand { y: Bf16 }, "bgmv2_expand_rows_bf16"),
+    (Expand { y: F32 }, "bgmv2_expand_rows_f32"),
     (entry(Staged { cluster: 8 }, 16, false), "bgmv_entry_c8_r16"),
     (entry(Staged { cluster: 8 }, 32, false), "bgmv_entry_c8_r32"),
     (entry(Staged { cluster: 8 }, 64, false), "bgmv_entry_c8_r64"),
@@ -226,8 +167,7 @@ mod tests {
     ];
 
     /// Every decode entry point the sources define: plain `extern "C"`
-    /// kernels, and the names the kernel macros are invoked with (each
-    /// fused one also defines its `_list` form).
+    /// kernels, and the names the kernel macros are invoked with.
     fn defined() -> Vec<String> {
         let mut names = Vec::new();
         for src in SOURCES {
@@ -242,19 +182,11 @@ mod tests {
                         names.push(name.to_string());
                     }
                 }
-                for (mac, list) in [
-                    ("BGMV_KERNEL_C1(", true),
-                    ("BGMV_KERNEL_CL(", true),
-                    ("BGE_KERNEL(", false),
-                    ("BGR_KERNEL(", false),
-                ] {
+                for mac in ["BGMV_KERNEL_C1(", "BGMV_KERNEL_CL(", "BGE_KERNEL(", "BGR_KERNEL("] {
                     if let Some(args) = line.strip_prefix(mac)
                         && let Some(name) = args.split(',').next().filter(|n| n.starts_with("bgmv"))
                     {
                         names.push(name.to_string());
-                        if list {
-                            names.push(format!("{name}_list"));
-                        }
                     }
                 }
             }
@@ -289,6 +221,11 @@ mod tests {
     #[test]
     fn kernels_outside_the_table_are_typed_errors() {
         assert!(fused(3, false, false, Bf16).kernel().is_err());
+        // The item list serves the tensor-core kernels only.
+        for cluster in [1, 2, 4, 8] {
+            assert!(fused(cluster, false, true, Bf16).kernel().is_err());
+            assert!(fused(cluster, false, true, F32).kernel().is_err());
+        }
         assert!(entry(Staged { cluster: 4 }, 32, true).kernel().is_err());
         assert!(entry(Registers, 32, false).kernel().is_err());
         assert_eq!(entry(Spread, 16, true).name(), Some("bgmv_entry_spread_r16"));

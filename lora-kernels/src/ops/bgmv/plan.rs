@@ -17,7 +17,8 @@
 //! - [`DecodeForm::TwoPhase`] (`cuda/bgmv.cu`, `bgmv2_*`): a shrink into the
 //!   device's scratch, then an expand; mid-sized batches of large adapters.
 //! - [`DecodeForm::Fused`] (`cuda/bgmv.cu`): one kernel, items of up to 8
-//!   rows of one entry found by a window scan or a first launch's item list.
+//!   rows of one entry found by a window scan or (on tensor cores) a first
+//!   launch's item list.
 //!
 //! How each form works: the module docs of `rows.rs`, `entry.rs` and
 //! [`super`] (the fused kernel and the two launches). The measurements
@@ -44,8 +45,8 @@
 //!   ([`Chain::WaitFirst`]; the two-phase expand: before its blocks' last
 //!   stores), since early blocks would land where the kernel's own
 //!   placement would not put them. The two-phase shrink lets its expand in
-//!   only after its wait, so the row form's expand, which reads y before
-//!   its own wait, still starts after every earlier kernel completed.
+//!   only after its wait, so the expand, which reads y before its own
+//!   wait, still starts after every earlier kernel completed.
 //!   Measured faster than plain launches, NOTES.md v34-v36. The fused
 //!   kernel and the item list never wait first.
 //! - **The root-node rule** ([`DecodeContext::predecessor`]): captured
@@ -84,8 +85,9 @@ use std::fmt;
 use super::entry::{self, EntryShape};
 use super::rows::{self, RowsShape};
 use super::{
-    ITEM_LIST_MAX_ENTRIES, ITEM_ROWS, LIST_STATIC_SMEM, PlanShape, STATIC_SMEM, SmemPlan, THREADS, TWO_PHASE_WIDE_OUT,
-    TwoPhasePlan, WINDOW_LARGE, WINDOW_MAX, fused_threads, item_list_fits, piece8, row_form_expand_slots, row_windows,
+    ITEM_LIST_MAX_ENTRIES, ITEM_ROWS, LIST_STATIC_SMEM, PlanShape, STATIC_SMEM, SmemPlan, THREADS, TWO_PHASE_ROW_COLS,
+    TWO_PHASE_WIDE_OUT, TwoPhasePlan, WINDOW_LARGE, WINDOW_MAX, fused_threads, item_list_fits, piece8,
+    row_form_expand_slots, row_windows,
 };
 use crate::cuda_rt::SCRATCH_BYTES;
 use crate::error::{KernelError, invalid};
@@ -402,19 +404,14 @@ pub enum EntryKernel {
     Spread,
 }
 
-/// The two-phase launches' choices.
+/// The two-phase launches' choices (every row its own item: the `_rows`
+/// kernels, K slices rounded down to a power of two, the expand a
+/// programmatic dependent of the shrink).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TwoPhaseForm {
-    /// Every row its own item (`_rows` kernels: no window scan, no
-    /// descriptors), or items of up to 8 rows listed by the shrink.
-    pub row_items: bool,
-    /// The shrink on tensor cores (`bgmv2_shrink_tc*`).
+    /// The shrink on tensor cores (`bgmv2_shrink_tc_rows`).
     pub shrink_tensor_cores: bool,
-    /// K slices rounded down to a power of two.
-    pub pow2_slices: bool,
-    /// The expand a programmatic dependent of the shrink.
-    pub dependent_expand: bool,
-    /// Outputs per expand unit (a multiple of 8; up to 4096 with row items, else 1024).
+    /// Outputs per expand unit (a multiple of 8, up to 4096).
     pub expand_cols: usize,
 }
 
@@ -423,10 +420,9 @@ pub struct TwoPhaseForm {
 pub enum ItemList {
     /// Every block scans its row window.
     Scan,
-    /// A first launch (`bgmv_list`) lists the items; the fused kernel waits for it.
+    /// A first launch (`bgmv_list`) lists the items; the fused kernel (on
+    /// tensor cores) waits for it.
     Listed,
-    /// The same, the fused blocks polling a ready flag instead of waiting.
-    ListedFlag,
 }
 
 /// The fused kernel's launch.
@@ -445,8 +441,6 @@ pub struct FusedForm {
     pub items: ItemList,
     /// The cluster sum pushes partials (`st.async`) instead of peer loads.
     pub push_sum: bool,
-    /// Row-mapped at rank stride 16 with pushed partials: B in registers.
-    pub b_registers: bool,
 }
 
 /// The form of a decode launch.
@@ -499,18 +493,15 @@ impl fmt::Display for DecodePlan {
             DecodeForm::TwoPhase(t) => {
                 write!(
                     f,
-                    "two-phase {} cols{}{}{}{}",
-                    if t.row_items { "rows" } else { "items" },
+                    "two-phase rows cols{}{}",
                     t.expand_cols,
                     if t.shrink_tensor_cores { " tc" } else { "" },
-                    if t.pow2_slices { "" } else { " any-slices" },
-                    if t.dependent_expand { "" } else { " plain-expand" },
                 )?;
             }
             DecodeForm::Fused(u) => {
                 write!(
                     f,
-                    "fused c{} s{} cpw{} {} {} {}{}",
+                    "fused c{} s{} cpw{} {} {} {}",
                     u.cluster,
                     u.out_splits,
                     u.clusters_per_window,
@@ -518,10 +509,8 @@ impl fmt::Display for DecodePlan {
                     match u.items {
                         ItemList::Scan => "scan",
                         ItemList::Listed => "list",
-                        ItemList::ListedFlag => "list-flag",
                     },
                     if u.push_sum { "push" } else { "pull" },
-                    if u.b_registers { " breg" } else { "" },
                 )?;
             }
         }
@@ -785,18 +774,11 @@ fn two_phase_rule(f: &Facts<'_>, fused_rounds: Option<usize>) -> Option<DecodePl
     if !two_phase_by_default(f.n, f.stride, f.max_out, f.max_entries, fused_rounds) {
         return None;
     }
-    let form = TwoPhaseForm {
-        row_items: true,
-        shrink_tensor_cores: false,
-        pow2_slices: true,
-        dependent_expand: true,
-        expand_cols: 0,
-    };
-    let two = two_phase_layout(f, form, None)?;
+    let two = two_phase_layout(f, None)?;
     Some(DecodePlan {
         form: DecodeForm::TwoPhase(TwoPhaseForm {
+            shrink_tensor_cores: false,
             expand_cols: two.cols,
-            ..form
         }),
         chain: f.chain(false),
     })
@@ -819,7 +801,7 @@ pub(super) fn two_phase_by_default(
 }
 
 /// The two launches' layout where the scratch and shared memory hold it.
-fn two_phase_layout(f: &Facts<'_>, form: TwoPhaseForm, cols: Option<u32>) -> Option<TwoPhasePlan> {
+fn two_phase_layout(f: &Facts<'_>, cols: Option<u32>) -> Option<TwoPhasePlan> {
     TwoPhasePlan::new(
         f.n,
         f.call.in_dim,
@@ -829,7 +811,7 @@ fn two_phase_layout(f: &Facts<'_>, form: TwoPhaseForm, cols: Option<u32>) -> Opt
         f.y_size(),
         cols,
         SCRATCH_BYTES,
-        form.row_items.then_some(row_form_expand_slots(f.sms, f.n_targets)),
+        row_form_expand_slots(f.sms, f.n_targets),
     )
     .filter(|two| two.expand_smem <= f.limits.smem_optin)
 }
@@ -881,7 +863,6 @@ fn fused_plan(choice: &LaunchChoice, tensor_cores: bool, items: ItemList, chain:
             tensor_cores,
             items,
             push_sum: choice.push,
-            b_registers: choice.requested_b_registers,
         }),
         chain,
     }
@@ -967,7 +948,7 @@ fn check(f: &Facts<'_>, plan: DecodePlan) -> Result<DecodePlan, KernelError> {
             }
         }
         DecodeForm::TwoPhase(form) => {
-            let most = if form.row_items { 4096 } else { 1024 };
+            let most = *TWO_PHASE_ROW_COLS.end();
             if form.expand_cols == 0 || form.expand_cols > most || !form.expand_cols.is_multiple_of(8) {
                 return refuse(
                     "plan.expand_cols",
@@ -975,7 +956,7 @@ fn check(f: &Facts<'_>, plan: DecodePlan) -> Result<DecodePlan, KernelError> {
                 );
             }
             let cols = u32::try_from(form.expand_cols).ok();
-            if two_phase_layout(f, form, cols).is_none() {
+            if two_phase_layout(f, cols).is_none() {
                 return refuse(
                     "plan.form",
                     format!(
@@ -1008,6 +989,9 @@ fn check_fused(f: &Facts<'_>, form: FusedForm, chain: Chain) -> Result<(), Kerne
         return refuse("plan.out_splits", format!("{}; 1..=16", form.out_splits));
     }
     let list = form.items != ItemList::Scan;
+    if list && !form.tensor_cores {
+        return refuse("plan.items", "the item list serves the tensor-core kernels only".into());
+    }
     if list && f.targets().iter().any(|t| t.n_entries > ITEM_LIST_MAX_ENTRIES) {
         return refuse(
             "plan.items",
@@ -1024,35 +1008,14 @@ fn check_fused(f: &Facts<'_>, form: FusedForm, chain: Chain) -> Result<(), Kerne
             format!("{}; 1..={window}", form.clusters_per_window),
         );
     }
-    if form.b_registers {
-        let row_mapped = form.cluster == 2
-            && !form.tensor_cores
-            && !list
-            && form.clusters_per_window >= window
-            && chain != Chain::EarlyReads;
-        if !(row_mapped && form.push_sum && f.stride == 16) {
-            return refuse(
-                "plan.b_registers",
-                "B in registers serves the row-mapped clusters of 2 at rank stride 16, pushed, not under the overlap"
-                    .into(),
-            );
-        }
-    }
     let rows = f.row_shape(window, n_windows, form.tensor_cores, list);
     let fixed = Fixed {
         cluster: Some(form.cluster),
         out_splits: Some(form.out_splits),
         clusters_per_window: Some(form.clusters_per_window),
         push_sum: Some(form.push_sum),
-        b_registers: form.b_registers,
     };
-    let choice = LaunchChoice::pick(f.limits, rows, f.targets(), fixed)?;
-    if form.b_registers && !choice.plan.b_registers {
-        return refuse(
-            "plan.b_registers",
-            "B in registers needs A and x in one chunk and at most 2048 outputs a block".into(),
-        );
-    }
+    LaunchChoice::pick(f.limits, rows, f.targets(), fixed)?;
     check_fused_grid(f, n_windows, form.clusters_per_window)
 }
 
@@ -1061,10 +1024,10 @@ fn check_fused(f: &Facts<'_>, form: FusedForm, chain: Chain) -> Result<(), Kerne
 // ---------------------------------------------------------------------------
 
 /// Every plan that serves the call on the device, the rule table's first:
-/// each form and kernel, each item source, cluster size and sum of the
-/// fused kernel, each chain the caller's promises allow; the continuous
-/// choices (output splits, clusters per window, expand columns) by the
-/// rules' own cost model. Each is accepted by [`plan`] as
+/// each form and kernel, each item source (the list on tensor cores),
+/// cluster size and sum of the fused kernel, each chain the caller's
+/// promises allow; the continuous choices (output splits, clusters per
+/// window, expand columns) by the rules' own cost model. Each is accepted by [`plan`] as
 /// [`Choice::Exact`]. Empty where no form serves the call.
 pub fn candidates(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) -> Vec<DecodePlan> {
     let f = Facts::of(call, limits, ctx);
@@ -1104,19 +1067,12 @@ pub fn candidates(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) 
                 });
             }
         }
-        for (row_items, shrink_tensor_cores) in [(true, false), (true, true), (false, false), (false, true)] {
-            let form = TwoPhaseForm {
-                row_items,
-                shrink_tensor_cores,
-                pow2_slices: true,
-                dependent_expand: true,
-                expand_cols: 0,
-            };
-            if let Some(two) = two_phase_layout(&f, form, None) {
+        for shrink_tensor_cores in [false, true] {
+            if let Some(two) = two_phase_layout(&f, None) {
                 offer(DecodePlan {
                     form: DecodeForm::TwoPhase(TwoPhaseForm {
+                        shrink_tensor_cores,
                         expand_cols: two.cols,
-                        ..form
                     }),
                     chain,
                 });
@@ -1126,20 +1082,25 @@ pub fn candidates(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) 
     let clusters: &[usize] = if f.hopper { &[1, 2, 4, 8] } else { &[1] };
     for &cluster in clusters {
         for tensor_cores in [false, true] {
-            for items in [ItemList::Scan, ItemList::Listed, ItemList::ListedFlag] {
+            // The item list serves the tensor-core kernels only.
+            let items: &[ItemList] = if tensor_cores {
+                &[ItemList::Scan, ItemList::Listed]
+            } else {
+                &[ItemList::Scan]
+            };
+            for &items in items {
                 for push_sum in [false, true] {
-                    if let Some(plan) = fused_candidate(&f, cluster, tensor_cores, items, push_sum, None) {
+                    if let Some(plan) = fused_candidate(&f, cluster, tensor_cores, items, push_sum, false) {
                         offer(plan);
                     }
                 }
             }
         }
     }
-    // The row-mapped clusters of 2 (a cluster per row of one window), B in registers or staged.
+    // The row-mapped clusters of 2 (a cluster per row of one window).
     if f.hopper && f.n <= WINDOW_MAX {
-        for (push_sum, b_registers) in [(true, false), (false, false), (true, true)] {
-            let mapped = fused_candidate(&f, 2, false, ItemList::Scan, push_sum, Some(b_registers));
-            if let Some(plan) = mapped {
+        for push_sum in [true, false] {
+            if let Some(plan) = fused_candidate(&f, 2, false, ItemList::Scan, push_sum, true) {
                 offer(plan);
             }
         }
@@ -1148,14 +1109,14 @@ pub fn candidates(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) 
 }
 
 /// The fused plan of one discrete choice, its splits and clusters per
-/// window by the cost model; `row_mapped`: a cluster per row (B in registers or not).
+/// window by the cost model; `row_mapped`: a cluster per row, one split.
 fn fused_candidate(
     f: &Facts<'_>,
     cluster: usize,
     tensor_cores: bool,
     items: ItemList,
     push_sum: bool,
-    row_mapped: Option<bool>,
+    row_mapped: bool,
 ) -> Option<DecodePlan> {
     let list = items != ItemList::Scan;
     let (window, n_windows) = row_windows(f.n, list, f.n_targets);
@@ -1163,9 +1124,8 @@ fn fused_candidate(
     let fixed = Fixed {
         cluster: Some(cluster),
         push_sum: Some(push_sum),
-        clusters_per_window: row_mapped.map(|_| window),
-        out_splits: row_mapped.map(|_| 1),
-        b_registers: row_mapped.unwrap_or(false),
+        clusters_per_window: row_mapped.then_some(window),
+        out_splits: row_mapped.then_some(1),
     };
     let choice = LaunchChoice::pick(f.limits, rows, f.targets(), fixed).ok()?;
     Some(fused_plan(&choice, tensor_cores, items, f.fused_chain()))
@@ -1182,8 +1142,6 @@ pub(super) struct Fixed {
     pub(super) out_splits: Option<usize>,
     pub(super) clusters_per_window: Option<usize>,
     pub(super) push_sum: Option<bool>,
-    /// B in registers asked for (served where the row-mapped plan fits it).
-    pub(super) b_registers: bool,
 }
 
 /// Rank strides up to which clusters sum by pushing by default: the receive
@@ -1238,8 +1196,6 @@ pub(super) struct LaunchChoice {
     pub(super) plan: SmemPlan,
     /// The cluster sum pushes partials (st.async) instead of a barrier and peer loads.
     pub(super) push: bool,
-    /// B in registers was asked for (`PlanShape::b_registers`; `plan.b_registers` says whether it fits).
-    pub(super) requested_b_registers: bool,
 }
 
 impl LaunchChoice {
@@ -1314,11 +1270,6 @@ impl LaunchChoice {
             {
                 continue;
             }
-            // The row-mapped form (the kernel's `row_mapped`: 16-warp scanning
-            // clusters of 2 with a cluster for every row of the window) may
-            // hold B in registers where its rank vectors are pushed.
-            let row_mapped =
-                cl == 2 && !rows.tensor_cores && !rows.list && fixed.clusters_per_window.is_some_and(|v| v >= window);
             let shape = PlanShape {
                 in_dim,
                 max_out,
@@ -1327,7 +1278,6 @@ impl LaunchChoice {
                 cluster: cl,
                 push,
                 tensor_cores: rows.tensor_cores,
-                b_registers: row_mapped && push && stride == 16 && fixed.b_registers,
             };
             let slice = piece8(in_dim, cl);
             let split_options: Vec<usize> = match fixed.out_splits {
@@ -1375,7 +1325,6 @@ impl LaunchChoice {
                             rounds,
                             plan,
                             push,
-                            requested_b_registers: shape.b_registers,
                         },
                     ));
                 }

@@ -322,7 +322,6 @@ pub(super) fn shape(in_dim: usize, max_out: usize, stride: usize) -> PlanShape {
         cluster: 8,
         push: stride <= plan::PUSH_SUM_MAX_STRIDE,
         tensor_cores: true,
-        b_registers: false,
     }
 }
 
@@ -335,25 +334,13 @@ fn check_plan(p: &SmemPlan, s: PlanShape, stages: usize) {
     // B rows: whole 16-byte chunks, padded by 8 columns except in clusters of 2.
     let pad = if s.cluster == 2 { 0 } else { 8 };
     assert_eq!(p.b_pitch, s.stride.div_ceil(8) * 8 + pad, "{p:?}");
-    // B in registers: the B region holds lo_max f32, y and x one row each,
-    // and only where asked, in one chunk, for at most 2048 outputs.
-    let (b_bytes, rows) = if p.b_registers {
-        assert!(
-            s.b_registers && stages == 1 && p.lo_max <= B_REGISTERS_MAX_OUTS,
-            "{p:?}"
-        );
-        assert!(p.k_chunk >= piece8(s.in_dim, s.cluster), "{p:?}");
-        (p.lo_max * 4, 1)
-    } else {
-        (p.lo_max * p.b_pitch * 2, ITEM_ROWS)
-    };
-    assert!(p.off_y >= b_bytes);
-    assert!(p.off_t - p.off_y >= rows * p.lo_max * s.y_size);
+    assert!(p.off_y >= p.lo_max * p.b_pitch * 2);
+    assert!(p.off_t - p.off_y >= ITEM_ROWS * p.lo_max * s.y_size);
     let red = if s.tensor_cores { 8 * 128 * 4 } else { 0 };
     assert!(p.off_a - p.off_t >= 2 * ITEM_ROWS * s.stride * 4 + red);
     // A stages hold whole 16-row tiles of padded rows.
     assert!(p.off_x - p.off_a >= stages * s.stride.div_ceil(16) * 16 * (p.k_chunk + 8) * 2);
-    assert!(p.off_r - p.off_x >= stages * rows * (p.k_chunk + 8) * 2);
+    assert!(p.off_r - p.off_x >= stages * ITEM_ROWS * (p.k_chunk + 8) * 2);
     // Push form: two receive buffers of one [G][stride8] f32 slot per cluster rank.
     let recv = if s.push {
         2 * s.cluster * ITEM_ROWS * s.stride.div_ceil(8) * 8 * 4
@@ -388,8 +375,8 @@ fn smem_plans_of_the_bench_shapes_fit_two_or_three_blocks_per_sm() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
-    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>(), push in any::<bool>(), tensor_cores in any::<bool>(), b_registers in any::<bool>(), cluster in prop_oneof![Just(1usize), Just(2), Just(4), Just(8)]) {
-        let s = PlanShape { push, tensor_cores, cluster, b_registers, ..shape(in_dim, out, stride) };
+    fn smem_plans_are_consistent(in_dim in 1usize..20_000, out in 1usize..40_000, stride in 1usize..=256, s0 in 1usize..9, fixed in any::<bool>(), push in any::<bool>(), tensor_cores in any::<bool>(), cluster in prop_oneof![Just(1usize), Just(2), Just(4), Just(8)]) {
+        let s = PlanShape { push, tensor_cores, cluster, ..shape(in_dim, out, stride) };
         let p = SmemPlan::choose(s, s0, fixed);
         let slice = piece8(in_dim, cluster);
         let stages = if p.k_chunk < slice { 2 } else { 1 };
@@ -412,22 +399,21 @@ proptest! {
         y_size in prop_oneof![Just(2usize), Just(4usize)],
         cols in proptest::option::of(0u32..10_000),
     ) {
-        let p = TwoPhasePlan::new(n, in_dim, stride, targets, 4096, y_size, cols, SCRATCH_BYTES, None).unwrap();
+        let slots = row_form_expand_slots(H200.multiprocessors, targets);
+        let p = TwoPhasePlan::new(n, in_dim, stride, targets, 4096, y_size, cols, SCRATCH_BYTES, slots).unwrap();
         prop_assert!(p.scratch_bytes <= SCRATCH_BYTES);
         prop_assert!((1..=TWO_PHASE_MAX_SPLITS).contains(&p.ks_max));
         // Every slice keeps at least one warp-wide pass of columns, unless `in` is below that.
         prop_assert!(p.ks_max == 1 || in_dim / p.ks_max >= TWO_PHASE_MIN_SLICE);
         prop_assert!(p.cols >= 8 && p.cols.is_multiple_of(8));
-        let rpad = stride.div_ceil(8) * 8;
-        prop_assert_eq!(p.expand_smem, ITEM_ROWS * p.cols * (4 + y_size) + ITEM_ROWS * rpad * 4);
         prop_assert!(p.expand_smem <= H200.smem_optin);
     }
 
-    /// The row form's units: one row each, at most 4096 outputs (the
-    /// default in equal chunks of a row, one unit per resident block where
-    /// the rows allow), and shared memory for that one row.
+    /// The expand's units: one row each, at most 4096 outputs (the default
+    /// in equal chunks of a row, one unit per resident block where the rows
+    /// allow), and shared memory for that one row.
     #[test]
-    fn two_phase_row_form_units_fit_one_row(
+    fn two_phase_units_fit_one_row(
         n in 1usize..=WINDOW_MAX,
         stride in 1usize..=BGMV_MAX_RANK,
         max_out in 1usize..60_000,
@@ -435,8 +421,7 @@ proptest! {
         cols in proptest::option::of(0u32..10_000),
         slots in 1usize..2048,
     ) {
-        let p = TwoPhasePlan::new(n, 4096, stride, 1, max_out, y_size, cols, SCRATCH_BYTES, Some(slots)).unwrap();
-        prop_assert_eq!(p.unit_rows, 1);
+        let p = TwoPhasePlan::new(n, 4096, stride, 1, max_out, y_size, cols, SCRATCH_BYTES, slots).unwrap();
         prop_assert!(p.cols >= 8 && p.cols <= 4096 && p.cols.is_multiple_of(8));
         if cols.is_none() {
             prop_assert!(TWO_PHASE_ROW_COLS.contains(&p.cols));
@@ -452,52 +437,39 @@ proptest! {
 
 #[test]
 fn two_phase_serves_single_windows_only() {
-    for row_form in [None, Some(528)] {
-        assert!(TwoPhasePlan::new(WINDOW_MAX + 1, 4096, 16, 1, 4096, 2, None, SCRATCH_BYTES, row_form).is_none());
-        assert!(TwoPhasePlan::new(0, 4096, 16, 1, 4096, 2, None, SCRATCH_BYTES, row_form).is_none());
-        // Partials that cannot fit the scratch even once.
-        assert!(TwoPhasePlan::new(512, 4096, 256, 4, 4096, 2, None, 1 << 20, row_form).is_none());
-    }
-    let p = TwoPhasePlan::new(64, 4096, 64, 1, 4096, 2, None, SCRATCH_BYTES, None).unwrap();
+    assert!(TwoPhasePlan::new(WINDOW_MAX + 1, 4096, 16, 1, 4096, 2, None, SCRATCH_BYTES, 528).is_none());
+    assert!(TwoPhasePlan::new(0, 4096, 16, 1, 4096, 2, None, SCRATCH_BYTES, 528).is_none());
+    // Partials that cannot fit the scratch even once.
+    assert!(TwoPhasePlan::new(512, 4096, 256, 4, 4096, 2, None, 1 << 20, 528).is_none());
+    // On the H200's 528 expand blocks: 64 rows get 8 chunks each.
+    let p = TwoPhasePlan::new(64, 4096, 64, 1, 4096, 2, None, SCRATCH_BYTES, 528).unwrap();
     assert_eq!((p.ks_max, p.cols), (16, 512));
-    // Wide outputs take wider expand units.
-    let p = TwoPhasePlan::new(64, 4096, 16, 1, 14336, 2, None, SCRATCH_BYTES, None).unwrap();
-    assert_eq!(p.cols, 1024);
-    // The row form on the H200's 528 expand blocks: 64 rows get 8 chunks each.
-    let p = TwoPhasePlan::new(64, 4096, 64, 1, 4096, 2, None, SCRATCH_BYTES, Some(528)).unwrap();
-    assert_eq!((p.cols, p.unit_rows), (512, 1));
-    let p = TwoPhasePlan::new(64, 4096, 16, 1, 14336, 2, None, SCRATCH_BYTES, Some(528)).unwrap();
+    let p = TwoPhasePlan::new(64, 4096, 16, 1, 14336, 2, None, SCRATCH_BYTES, 528).unwrap();
     assert_eq!(p.cols, 1792);
     // Three targets (q, k, v) share the blocks: 176 each, 2 chunks of a row.
     assert_eq!(row_form_expand_slots(132, 1), 528);
     assert_eq!(row_form_expand_slots(132, 3), 176);
     assert_eq!(row_form_expand_slots(1, 4), 1);
     let slots = row_form_expand_slots(132, 3);
-    let p = TwoPhasePlan::new(64, 4096, 16, 3, 4096, 2, None, SCRATCH_BYTES, Some(slots)).unwrap();
+    let p = TwoPhasePlan::new(64, 4096, 16, 3, 4096, 2, None, SCRATCH_BYTES, slots).unwrap();
     assert_eq!(p.cols, 2048);
 }
 
 proptest! {
-    /// The row form's K slices (computed here, passed to both kernels) stay
-    /// inside the partials the scratch holds (`ks_max`), fill the shrink's
-    /// grid at most once, and are the kernel's own rule (a power of two under
-    /// `pow2_slices`).
+    /// The K slices (computed here, passed to both kernels) stay inside the
+    /// partials the scratch holds (`ks_max`), fill the shrink's grid at most
+    /// once, and are a power of two, the largest that does.
     #[test]
-    fn two_phase_row_slices_fit_the_scratch_and_the_grid(
+    fn two_phase_slices_fit_the_scratch_and_the_grid(
         n in 1usize..=512,
         ks_max in 1usize..=TWO_PHASE_MAX_SPLITS,
         grid in 1usize..=2048,
-        pow2 in any::<bool>(),
     ) {
-        let ks = two_phase_slices(grid, n, ks_max, pow2);
+        let ks = two_phase_slices(grid, n, ks_max);
         prop_assert!((1..=ks_max).contains(&ks));
         prop_assert!(n * ks <= grid || ks == 1);
-        if pow2 {
-            prop_assert!(ks.is_power_of_two());
-            prop_assert!(2 * ks > (grid / n).clamp(1, ks_max));
-        } else {
-            prop_assert_eq!(ks, (grid / n).clamp(1, ks_max));
-        }
+        prop_assert!(ks.is_power_of_two());
+        prop_assert!(2 * ks > (grid / n).clamp(1, ks_max));
     }
 }
 
@@ -513,7 +485,7 @@ fn item_lists_fit_the_scratch_of_large_batches() {
 }
 
 #[test]
-fn every_fused_kernel_has_a_list_form() {
+fn every_tensor_core_fused_kernel_has_a_list_form() {
     let name = |cluster, y, tensor_cores, listed| {
         kernels::DecodeKernel::Fused {
             cluster,
@@ -525,11 +497,11 @@ fn every_fused_kernel_has_a_list_form() {
     };
     for cluster in [1, 2, 4, 8] {
         for y in [OutputKind::Bf16, OutputKind::F32] {
-            for tc in [false, true] {
-                let scan = name(cluster, y, tc, false).unwrap();
-                let list = name(cluster, y, tc, true).unwrap();
-                assert_eq!(list, format!("{scan}_list"));
-            }
+            let scan = name(cluster, y, true, false).unwrap();
+            let list = name(cluster, y, true, true).unwrap();
+            assert_eq!(list, format!("{scan}_list"));
+            assert!(name(cluster, y, false, false).is_some());
+            assert!(name(cluster, y, false, true).is_none(), "no scalar list kernels");
         }
     }
     assert!(name(3, OutputKind::Bf16, true, true).is_none());

@@ -219,7 +219,6 @@ fn exact_plans_that_cannot_serve_are_refused_by_field() {
         tensor_cores: false,
         items: ItemList::Scan,
         push_sum: true,
-        b_registers: false,
     };
     let as_plan = |form| DecodePlan {
         form: DecodeForm::Fused(form),
@@ -239,18 +238,24 @@ fn exact_plans_that_cannot_serve_are_refused_by_field() {
         ..fused
     };
     assert!(refused(&call, &h200, plain, as_plan(wide)).contains("plan.clusters_per_window"));
-    let breg = FusedForm {
-        b_registers: true,
-        ..fused
-    };
-    assert!(refused(&call, &h200, plain, as_plan(breg)).contains("plan.b_registers"));
     let mapped = FusedForm {
         cluster: 2,
         clusters_per_window: 64,
-        b_registers: true,
         ..fused
     };
     assert!(plan(&call, &h200, plain, Choice::Exact(as_plan(mapped))).is_ok());
+    // The item list serves the tensor-core kernels only.
+    let listed = FusedForm {
+        tensor_cores: true,
+        items: ItemList::Listed,
+        ..fused
+    };
+    assert!(plan(&call, &h200, plain, Choice::Exact(as_plan(listed))).is_ok());
+    let scalar_listed = FusedForm {
+        tensor_cores: false,
+        ..listed
+    };
+    assert!(refused(&call, &h200, plain, as_plan(scalar_listed)).contains("plan.items"));
     let waits = DecodePlan {
         chain: Chain::WaitFirst,
         ..as_plan(fused)
@@ -283,12 +288,9 @@ fn exact_plans_that_cannot_serve_are_refused_by_field() {
         chain: Chain::Plain,
     };
     assert!(refused(&call, &h200, plain, prefetched).contains("plan.prefetch"));
-    // Two launches past the scratch, and expand units off the grid of 8.
+    // Two launches past the scratch, and expand units off the grid of 8 or past 4096 outputs.
     let two = TwoPhaseForm {
-        row_items: true,
         shrink_tensor_cores: false,
-        pow2_slices: true,
-        dependent_expand: true,
         expand_cols: 1024,
     };
     let as_two = |form| DecodePlan {
@@ -296,18 +298,13 @@ fn exact_plans_that_cannot_serve_are_refused_by_field() {
         chain: Chain::Plain,
     };
     assert!(plan(&call, &h200, plain, Choice::Exact(as_two(two))).is_ok());
-    assert!(
-        refused(
-            &call,
-            &h200,
-            plain,
-            as_two(TwoPhaseForm {
-                expand_cols: 1020,
-                ..two
-            })
-        )
-        .contains("expand_cols")
-    );
+    for expand_cols in [1020, 4104] {
+        let off = as_two(TwoPhaseForm { expand_cols, ..two });
+        assert!(
+            refused(&call, &h200, plain, off).contains("expand_cols"),
+            "{expand_cols}"
+        );
+    }
     let many = one_target(513, 4096, 4096, 16, 64);
     assert!(refused(&many, &h200, plain, as_two(two)).contains("two-phase scratch"));
     // Row registers at another rank stride.
@@ -592,68 +589,6 @@ fn scalar_clusters_of_two_run_sixteen_warps_one_block_per_multiprocessor() {
     // The bench's n = 64 of rank-16 adapters: clusters of 2, every item in one round.
     let c = choice(64, 4096, 4096, 16);
     assert_eq!((c.cluster, c.rounds), (2, 1), "{c:?}");
-}
-
-/// One window of 64 rows of 4096 inputs, bf16 y, scalar, scanning.
-fn scalar_rows_of_64(stride: usize) -> RowShape {
-    RowShape {
-        in_dim: 4096,
-        stride,
-        y_size: 2,
-        window: 64,
-        n_windows: 1,
-        tensor_cores: false,
-        list: false,
-    }
-}
-
-/// The row-mapped form holds B in registers at rank stride 16 where asked
-/// (n = 64 of 4096 x 4096: no B staged, y and x one row), not by default,
-/// and only where it is row-mapped with its rank vectors pushed.
-#[test]
-fn row_mapped_plans_hold_b_in_registers_at_rank_stride_16() {
-    let mapped = Fixed {
-        cluster: Some(2),
-        out_splits: Some(1),
-        clusters_per_window: Some(64),
-        ..Fixed::default()
-    };
-    let plan = |stride: usize, out: usize, fixed: Fixed| {
-        pick_one_target(scalar_rows_of_64(stride), out, 64, fixed).unwrap().plan
-    };
-    let t = Fixed {
-        b_registers: true,
-        ..mapped
-    };
-    let p = plan(16, 4096, t);
-    assert!(p.b_registers, "{p:?}");
-    assert_eq!((p.k_chunk, p.lo_max), (2048, 2048), "{p:?}");
-    assert_eq!(p.off_y, 2048 * 4, "{p:?}");
-    let staged = plan(16, 4096, mapped);
-    assert!(!staged.b_registers && staged.off_y == 2048 * 16 * 2, "{staged:?}");
-    assert!(p.total + 100 * 1024 < staged.total, "{p:?} {staged:?}");
-    assert!(!plan(8, 4096, t).b_registers, "rank stride 8");
-    // 4096 outputs per block (8192 in clusters of 2, one split): past the registers' 2048.
-    let wide = PlanShape {
-        cluster: 2,
-        push: true,
-        tensor_cores: false,
-        b_registers: true,
-        ..super::super::tests::shape(4096, 8192, 16)
-    };
-    let wide = SmemPlan::choose(wide, 1, true);
-    assert!(wide.lo_max == 4096 && !wide.b_registers, "{wide:?}");
-    let pulled = Fixed {
-        push_sum: Some(false),
-        ..t
-    };
-    assert!(!plan(16, 4096, pulled).b_registers, "pulled rank vectors");
-    let scanning = Fixed {
-        clusters_per_window: None,
-        out_splits: None,
-        ..t
-    };
-    assert!(!plan(16, 4096, scanning).b_registers, "a scan over the window");
 }
 
 /// Facts of a one-target call on the H200.
