@@ -552,7 +552,19 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         if let Some(plan) = default_plan {
             eprintln!("bench: {name}: default plan {plan}");
         }
-        let mut variants = vec![("default".to_string(), DecodeOptions::default())];
+        // The rule table's plan under the overlap promise (what the engine's
+        // decode applies pass): a row of its own, beside the default.
+        let overlap = DecodeOptions {
+            overlap_previous: true,
+            ..DecodeOptions::default()
+        };
+        if let Some(plan) = copies[0].plan(device, shape, overlap).map_err(err)? {
+            eprintln!("bench: {name}: overlap plan {plan}");
+        }
+        let mut variants = vec![
+            ("default".to_string(), DecodeOptions::default()),
+            ("overlap".to_string(), overlap),
+        ];
         if ctx.opts.sweep {
             for overlap_previous in [false, true] {
                 for plan in copies[0].candidates(device, shape, overlap_previous).map_err(err)? {
