@@ -527,7 +527,7 @@ pub fn plan(
     choice: Choice<DecodePlan>,
 ) -> Result<DecodePlan, KernelError> {
     match choice {
-        Choice::Auto => auto(&Facts::of(call, limits, ctx)),
+        Choice::Auto => auto_under(call, limits, ctx),
         Choice::Exact(plan) => check(&Facts::of(call, limits, ctx), plan),
     }
 }
@@ -626,6 +626,43 @@ impl<'a> Facts<'a> {
 ///    rows or more (or few adapters in the two-launch range; the list not
 ///    under the overlap up to 256 rows), clusters and splits by the cost
 ///    model ([`LaunchChoice::pick`]).
+///
+/// Under the overlap promise the rules run twice: with it, and as if it
+/// were not given; the overlapped plan is taken only where its form was
+/// measured faster than the plain plan (`overlap_wins`), else the plain
+/// one (a promise permits the overlap, it never obliges it).
+fn auto_under(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) -> Result<DecodePlan, KernelError> {
+    if ctx.overlap_previous {
+        let overlapped = auto(&Facts::of(call, limits, ctx))?;
+        // Measured on the H200 only: before sm_90 the overlapped plans stay.
+        if !limits.hopper() || overlap_wins(&overlapped) {
+            return Ok(overlapped);
+        }
+    }
+    let plain = DecodeContext {
+        overlap_previous: false,
+        ..ctx
+    };
+    auto(&Facts::of(call, limits, plain))
+}
+
+/// The overlapped forms that beat the plain rule table's plan at every
+/// bench shape where the rules choose them (H200, in a graph, NOTES.md
+/// v37, run 353): the scalar fused kernel in clusters of 8 (n = 1 2.66
+/// against 3.95 µs, n = 16 3.70 against 4.90, n = 32 of 32 5.58 against
+/// 5.87) and the two launches (rank 64 21.50 against 22.03, 14336 outputs
+/// 16.47 against 16.98). The others lost or tied (e.g. n = 64 of 8
+/// adapters named in a 64-entry table: the fused clusters of 2 overlapped
+/// 15.84 against the row-register form's 5.60).
+fn overlap_wins(plan: &DecodePlan) -> bool {
+    plan.chain == Chain::EarlyReads
+        && match plan.form {
+            DecodeForm::TwoPhase(_) => true,
+            DecodeForm::Fused(u) => u.cluster == 8 && !u.tensor_cores,
+            _ => false,
+        }
+}
+
 fn auto(f: &Facts<'_>) -> Result<DecodePlan, KernelError> {
     if let Some(plan) = row_registers_rule(f) {
         return Ok(plan);
@@ -1037,7 +1074,7 @@ pub fn candidates(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) 
             out.push(plan);
         }
     };
-    if let Ok(plan) = auto(&f) {
+    if let Ok(plan) = auto_under(call, limits, ctx) {
         offer(plan);
     }
     let base = f.fused_chain();
