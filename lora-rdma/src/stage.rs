@@ -102,6 +102,72 @@ pub fn stage_adapter(
     expert_rank: usize,
     budget: usize,
 ) -> Result<Staging, StageError> {
+    Ok(plan_staging(adapter, max_rank, expert_rank, budget)?.fill())
+}
+
+/// Where every part of a staging goes, before any byte is allocated: the
+/// caller learns [`StagingPlan::len`] first (to reserve memory for it),
+/// then [`StagingPlan::fill`]s it.
+pub struct StagingPlan<'a> {
+    sources: Vec<Source<'a>>,
+    parts: Vec<StagedPart>,
+    len: usize,
+}
+
+impl StagingPlan<'_> {
+    /// Bytes the staging will hold.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the staging holds no byte (an adapter with no pair).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Allocate the staging and copy and checksum every part.
+    pub fn fill(self) -> Staging {
+        let StagingPlan {
+            sources,
+            mut parts,
+            len,
+        } = self;
+        let mut bytes = vec![0u8; len].into_boxed_slice();
+        let mut rest: &mut [u8] = &mut bytes;
+        let mut regions = Vec::with_capacity(parts.len());
+        for p in &parts {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(p.len);
+            regions.push(head);
+            rest = tail;
+        }
+        regions
+            .into_par_iter()
+            .zip(parts.par_iter_mut())
+            .enumerate()
+            .for_each(|(i, (region, part))| {
+                let s = &sources[i / 2];
+                match part.part {
+                    PairPart::A => region.copy_from_slice(bf16_bytes(s.a)),
+                    PairPart::B => {
+                        for (dst, src) in region.chunks_exact_mut(2 * s.stride).zip(s.b.chunks_exact(s.rank)) {
+                            dst[..2 * s.rank].copy_from_slice(bf16_bytes(src));
+                        }
+                    }
+                }
+                part.checksum = xxh64(region);
+            });
+        Staging { bytes, parts }
+    }
+}
+
+/// The layout of [`stage_adapter`]'s staging, checked against `budget`,
+/// with nothing allocated but the part list.
+pub fn plan_staging(
+    adapter: &PreparedAdapter,
+    max_rank: usize,
+    expert_rank: usize,
+    budget: usize,
+) -> Result<StagingPlan<'_>, StageError> {
     let expert_stride = if adapter.experts.is_empty() {
         0
     } else {
@@ -166,31 +232,11 @@ pub fn stage_adapter(
     if offset > budget {
         return Err(over(offset));
     }
-    let mut bytes = vec![0u8; offset].into_boxed_slice();
-    let mut rest: &mut [u8] = &mut bytes;
-    let mut regions = Vec::with_capacity(parts.len());
-    for p in &parts {
-        let (head, tail) = std::mem::take(&mut rest).split_at_mut(p.len);
-        regions.push(head);
-        rest = tail;
-    }
-    regions
-        .into_par_iter()
-        .zip(parts.par_iter_mut())
-        .enumerate()
-        .for_each(|(i, (region, part))| {
-            let s = &sources[i / 2];
-            match part.part {
-                PairPart::A => region.copy_from_slice(bf16_bytes(s.a)),
-                PairPart::B => {
-                    for (dst, src) in region.chunks_exact_mut(2 * s.stride).zip(s.b.chunks_exact(s.rank)) {
-                        dst[..2 * s.rank].copy_from_slice(bf16_bytes(src));
-                    }
-                }
-            }
-            part.checksum = xxh64(region);
-        });
-    Ok(Staging { bytes, parts })
+    Ok(StagingPlan {
+        sources,
+        parts,
+        len: offset,
+    })
 }
 
 /// BF16 elements as their little-endian bytes (the host order; see the

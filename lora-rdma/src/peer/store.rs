@@ -8,7 +8,9 @@
 //! pairs, and the version of its files. Past the budget (bytes, and a
 //! count), the least recently used staging is dropped, except one an active
 //! landing has pinned: when pinned stagings leave no room, the request is
-//! refused [`RefusalCode::Busy`] rather than the budget exceeded.
+//! refused [`RefusalCode::Busy`] rather than the budget exceeded. A staging
+//! in progress reserves its bytes in the budget before it allocates them,
+//! so stagings being built on many connections at once count too.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -22,7 +24,7 @@ use lora_layout::{ModelConfig, expert_packed_stride};
 use crate::fingerprint::model_fingerprint;
 use crate::manifest::{Location, Manifest, ManifestEntry, WireKey, WireTensor};
 use crate::protocol::{MAX_READ_BYTES, MAX_STAGED_RANK, PeerRefusal, ReadRange, RefusalCode, TransportKind};
-use crate::stage::{StagedPart, stage_adapter};
+use crate::stage::{StagedPart, plan_staging};
 
 /// Limits and switches of a peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,9 +39,9 @@ pub struct StoreOptions {
     /// Largest single staging, in bytes (never more than `max_cache_bytes`
     /// or [`MAX_READ_BYTES`]).
     pub max_stage_bytes: usize,
-    /// The memory budget of all stagings kept, in bytes: least recently
-    /// used stagings no landing pins are dropped to fit a new one. (A
-    /// staging in progress, at most one per connection, counts once kept.)
+    /// The memory budget of all stagings kept or in progress, in bytes:
+    /// least recently used stagings no landing pins are dropped to fit a
+    /// new one, whose bytes are reserved before they are allocated.
     pub max_cache_bytes: usize,
     /// Test only: flip one staged byte after its checksum is computed.
     pub corrupt_staged_byte: bool,
@@ -200,6 +202,8 @@ struct StageCache {
     clock: u64,
     /// Bytes of every kept staging.
     bytes: usize,
+    /// Bytes reserved by stagings in progress (not yet kept).
+    reserved: usize,
     regions: HashMap<u32, Entry>,
     by_key: HashMap<StageKey, u32>,
     in_flight: HashMap<StageKey, Arc<InFlight>>,
@@ -216,18 +220,13 @@ impl StageCache {
         Some((region, Arc::clone(&entry.staged)))
     }
 
-    /// Keep `staged` under `key`, pinned, dropping least recently used
-    /// unpinned stagings until it fits the budget; refused when pinned
-    /// stagings leave no room.
-    fn insert(
-        &mut self,
-        key: StageKey,
-        mut staged: Staged,
-        options: &StoreOptions,
-    ) -> Result<(u32, Arc<Staged>), PeerRefusal> {
-        let len = staged.memory.bytes().len();
-        while self.regions.len() >= options.max_staged.max(1)
-            || self.bytes.saturating_add(len) > options.max_cache_bytes
+    /// Drop least recently used unpinned stagings until `len` more bytes
+    /// (and, with `entry`, one more staging) fit beside the kept and
+    /// reserved ones; refused [`RefusalCode::Busy`] when pinned stagings
+    /// leave no room.
+    fn make_room(&mut self, len: usize, entry: bool, options: &StoreOptions) -> Result<(), PeerRefusal> {
+        while (entry && self.regions.len() >= options.max_staged.max(1))
+            || self.bytes.saturating_add(self.reserved).saturating_add(len) > options.max_cache_bytes
         {
             let victim = self
                 .regions
@@ -239,8 +238,9 @@ impl StageCache {
                 return Err(refuse(
                     RefusalCode::Busy,
                     format!(
-                        "active landings pin every staging ({} of {} bytes); a staging of {len} bytes does not fit",
-                        self.bytes, options.max_cache_bytes
+                        "active landings pin every staging ({} bytes kept, {} reserved by stagings in progress, \
+                         budget {}); a staging of {len} bytes does not fit",
+                        self.bytes, self.reserved, options.max_cache_bytes
                     ),
                 ));
             };
@@ -249,6 +249,23 @@ impl StageCache {
                 self.by_key.remove(&old.key);
             }
         }
+        Ok(())
+    }
+
+    /// Keep `staged` under `key`, pinned, its bytes moved from `reservation`
+    /// (which reserved them) into the kept ones, dropping least recently
+    /// used unpinned stagings until it fits the budget; refused when pinned
+    /// stagings leave no room.
+    fn insert(
+        &mut self,
+        key: StageKey,
+        mut staged: Staged,
+        reservation: Reservation<'_>,
+        options: &StoreOptions,
+    ) -> Result<(u32, Arc<Staged>), PeerRefusal> {
+        reservation.settle(self);
+        let len = staged.memory.bytes().len();
+        self.make_room(len, true, options)?;
         let mut region = self.next_region;
         // After a wrap, skip the (at most `max_staged`) ids still kept.
         while self.regions.contains_key(&region) {
@@ -270,6 +287,29 @@ impl StageCache {
             },
         );
         Ok((region, staged))
+    }
+}
+
+/// Bytes a staging in progress holds in the budget: released when dropped,
+/// or moved into the kept bytes when the staging is kept.
+pub(crate) struct Reservation<'a> {
+    store: &'a PeerStore,
+    len: usize,
+}
+
+impl Reservation<'_> {
+    /// Release the reserved bytes under the lock the caller holds.
+    fn settle(mut self, cache: &mut StageCache) {
+        cache.reserved -= self.len;
+        self.len = 0;
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            self.store.lock().reserved -= self.len;
+        }
     }
 }
 
@@ -603,7 +643,7 @@ impl PeerStore {
             let staged = self.stage(&key, served, max_rank, expert_rank);
             let mut cache = self.lock();
             let in_flight = cache.in_flight.remove(&key);
-            let result = staged.and_then(|s| cache.insert(key.clone(), s, &self.options));
+            let result = staged.and_then(|(s, r)| cache.insert(key.clone(), s, r, &self.options));
             if let Some(in_flight) = in_flight {
                 // Set under the lock: a waiter never looks before the
                 // staging is kept.
@@ -623,7 +663,7 @@ impl PeerStore {
         served: &Served,
         max_rank: usize,
         expert_rank: usize,
-    ) -> Result<Staged, PeerRefusal> {
+    ) -> Result<(Staged, Reservation<'_>), PeerRefusal> {
         let staging_err = |e: &dyn std::fmt::Display| refuse(RefusalCode::Staging, e.to_string());
         let (text, infos) = read_header(&served.dir).map_err(|e| staging_err(&e))?;
         let prepared = prepare_adapter(&served.dir, &self.cfg, &self.audit_options(max_rank, expert_rank))
@@ -648,7 +688,9 @@ impl PeerStore {
             .max_stage_bytes
             .min(self.options.max_cache_bytes)
             .min(usize::try_from(MAX_READ_BYTES).unwrap_or(usize::MAX));
-        let mut staging = stage_adapter(&prepared, max_rank, expert_rank, budget).map_err(|e| staging_err(&e))?;
+        let plan = plan_staging(&prepared, max_rank, expert_rank, budget).map_err(|e| staging_err(&e))?;
+        let reservation = self.reserve(plan.len())?;
+        let mut staging = plan.fill();
         if self.options.corrupt_staged_byte
             && let Some(byte) = staging.bytes.get_mut(staging.bytes.len() / 2)
         {
@@ -665,7 +707,7 @@ impl PeerStore {
         };
         #[cfg(not(feature = "ibverbs"))]
         let memory = StagedMemory::Plain(staging.bytes);
-        Ok(Staged {
+        let staged = Staged {
             // Set when the staging is kept.
             region: 0,
             memory,
@@ -679,7 +721,8 @@ impl PeerStore {
                     shape: t.shape.into_iter().map(|d| d as u64).collect(),
                 })
                 .collect(),
-        })
+        };
+        Ok((staged, reservation))
     }
 
     /// Resolve every range of a read request to its staged bytes, or refuse
@@ -734,6 +777,23 @@ impl PeerStore {
             ));
         }
         Ok(resolved)
+    }
+
+    /// Reserve `len` bytes of the budget for a staging in progress,
+    /// dropping least recently used unpinned stagings to make room;
+    /// [`RefusalCode::Busy`] when pinned stagings and other reservations
+    /// leave none.
+    pub(crate) fn reserve(&self, len: usize) -> Result<Reservation<'_>, PeerRefusal> {
+        let mut cache = self.lock();
+        cache.make_room(len, false, &self.options)?;
+        cache.reserved += len;
+        Ok(Reservation { store: self, len })
+    }
+
+    /// Bytes reserved by stagings in progress.
+    #[cfg(test)]
+    pub(crate) fn reserved_bytes(&self) -> usize {
+        self.lock().reserved
     }
 
     /// Stagings kept, their bytes and how many are pinned.

@@ -240,6 +240,53 @@ fn the_cache_stays_within_its_memory_budget_dropping_the_least_recently_used() {
 }
 
 #[test]
+fn stagings_in_progress_reserve_their_bytes_in_the_budget() {
+    let bytes_at = |max_rank| {
+        let m = llama_store(StoreOptions::default())
+            .manifest("r4", max_rank, 16, TransportKind::Tcp)
+            .unwrap();
+        m.entries.iter().map(|e| e.len as usize).sum::<usize>()
+    };
+    let (big, small) = (bytes_at(64), bytes_at(8));
+    let budget = big + small;
+    let store = llama_store(StoreOptions {
+        max_cache_bytes: budget,
+        ..StoreOptions::default()
+    });
+    // A staging of `big` bytes in progress elsewhere: a second one does not
+    // fit beside it, a small one does.
+    let held = store.reserve(big).unwrap();
+    assert_eq!(store.reserved_bytes(), big);
+    assert!(bytes_at(60) > small);
+    let err = store.manifest("r4", 60, 16, TransportKind::Tcp).unwrap_err();
+    assert_eq!(err.code, RefusalCode::Busy, "{err}");
+    store.manifest("r4", 8, 16, TransportKind::Tcp).unwrap();
+    assert_eq!(usage(&store), (1, small, 0));
+    // A staging that fails (here: dropped) gives its bytes back.
+    drop(held);
+    assert_eq!(store.reserved_bytes(), 0);
+    store.manifest("r4", 64, 16, TransportKind::Tcp).unwrap();
+    assert_eq!(usage(&store).1, budget);
+    assert_eq!(store.reserved_bytes(), 0, "a kept staging holds no reservation");
+    // A reservation drops unpinned stagings, least recently used first, to
+    // fit: kept and reserved bytes never pass the budget.
+    let held = store.reserve(small).unwrap();
+    let (_, kept, _) = usage(&store);
+    assert!(
+        kept + store.reserved_bytes() <= budget,
+        "{kept} kept + {small} reserved"
+    );
+    assert_eq!(kept, big, "the small staging, used least recently, was dropped");
+    // Pinned stagings are never dropped for a reservation.
+    drop(held);
+    let (_, pin) = store.pinned_manifest("r4", 64, 16, TransportKind::Tcp).unwrap();
+    let err = store.reserve(big).map(|_| ()).unwrap_err();
+    assert_eq!(err.code, RefusalCode::Busy, "{err}");
+    assert_eq!(store.reserved_bytes(), 0);
+    drop(pin);
+}
+
+#[test]
 fn a_pinned_staging_is_never_dropped_and_a_full_pinned_cache_refuses_busy() {
     let store = llama_store(StoreOptions {
         max_staged: 1,
