@@ -20,10 +20,17 @@
 //! layer, cuBLAS through `torch.matmul`) captured in one graph by the
 //! PyTorch baseline script in the same call and timed the same way; without
 //! it the ratio is reported as not measured.
+//!
+//! Each step is timed twice: with plain applies, and with the applies an
+//! engine makes ([`DecodeOptions::overlap_previous`]: each apply's first
+//! reads of indices, tables and weights run under the kernel before it,
+//! which an engine may promise because that kernel is the base projection
+//! and writes only y). Beside each step, its sites one at a time (one graph
+//! of the site's 32 launches, under the promise) against their own floors.
 
 use half::bf16;
 use lora_kernels::testing::Rng;
-use lora_kernels::{Device, DeviceBuffer, KernelError, Rows, RowsMut};
+use lora_kernels::{DecodeOptions, Device, DeviceBuffer, KernelError, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 use lora_pool::image::{Elems, PairMeta, PairSource, SlotImage};
 use lora_pool::{BatchCapacity, DecodeStep, FusedTargets, LoraOptions, LoraPool, PoolError, SlotId, StepRow};
@@ -51,8 +58,12 @@ pub(super) struct StepTiming {
     n: usize,
     distinct: usize,
     layers: usize,
+    /// The applies carry the overlap promise (as the engine's do).
+    overlap: bool,
     /// The step graph's replay time.
     stats: Stats,
+    /// Each site alone (its 32 launches in one graph): name, time, floor bytes.
+    site_times: Vec<(&'static str, Stats, f64)>,
     floor_bytes: f64,
     flops: f64,
     /// The apply sites of one layer: (name, in, out).
@@ -75,6 +86,14 @@ impl StepTiming {
 
 fn case_name(n: usize) -> String {
     format!("llama-8b decode step n={n} r={RANK} d={n}")
+}
+
+/// The options of one timed variant's applies.
+fn decode_options(overlap: bool) -> DecodeOptions {
+    DecodeOptions {
+        overlap_previous: overlap,
+        ..DecodeOptions::default()
+    }
 }
 
 fn adapter_name(a: usize) -> String {
@@ -100,21 +119,23 @@ fn site_in(cfg: &ModelConfig, targets: &FusedTargets) -> usize {
 /// distinct adapter's A and B of every module of the site, x read once, y
 /// (the site's fused width) read and written, BF16.
 fn step_floor_bytes(cfg: &ModelConfig, n: usize, distinct: usize, r: usize) -> f64 {
-    let per_layer: usize = sites(cfg)
+    sites(cfg)
         .iter()
-        .map(|(_, t)| {
-            let weights: usize = t
-                .targets()
-                .iter()
-                .map(|m| {
-                    let (out, inp) = m.module.dims(cfg);
-                    r * (inp + out)
-                })
-                .sum();
-            distinct * weights * 2 + n * (site_in(cfg, t) * 2 + t.width() * 4)
+        .map(|(_, t)| site_floor_bytes(cfg, t, n, distinct, r))
+        .sum()
+}
+
+/// The part of [`step_floor_bytes`] one site moves over all layers.
+fn site_floor_bytes(cfg: &ModelConfig, t: &FusedTargets, n: usize, distinct: usize, r: usize) -> f64 {
+    let weights: usize = t
+        .targets()
+        .iter()
+        .map(|m| {
+            let (out, inp) = m.module.dims(cfg);
+            r * (inp + out)
         })
         .sum();
-    (cfg.num_hidden_layers * per_layer) as f64
+    (cfg.num_hidden_layers * (distinct * weights * 2 + n * (site_in(cfg, t) * 2 + t.width() * 4))) as f64
 }
 
 /// The step's FLOPs: shrink `2·n·in·r` and expand `2·n·r·out` per module and layer.
@@ -241,20 +262,57 @@ fn apply_step(
     n: usize,
     layers: usize,
     bufs: &mut [SiteBuffers],
+    options: DecodeOptions,
 ) -> Result<(), PoolError> {
     for layer in 0..layers {
         for s in bufs.iter_mut() {
-            let width = s.targets.width();
-            pool.apply_decode(
-                step,
-                layer,
-                &s.targets,
-                Rows::dense(&s.x, n, s.in_dim),
-                RowsMut::dense(&mut s.y, n, width),
-            )?;
+            apply_site(pool, step, n, layer, s, options)?;
         }
     }
     Ok(())
+}
+
+fn apply_site(
+    pool: &LoraPool,
+    step: &DecodeStep,
+    n: usize,
+    layer: usize,
+    s: &mut SiteBuffers,
+    options: DecodeOptions,
+) -> Result<(), PoolError> {
+    let width = s.targets.width();
+    pool.apply_decode_with(
+        step,
+        layer,
+        &s.targets,
+        Rows::dense(&s.x, n, s.in_dim),
+        RowsMut::dense(&mut s.y, n, width),
+        options,
+    )
+}
+
+/// Each site's plan (layer 0), for the log.
+fn site_plans(pool: &LoraPool, step: &DecodeStep, n: usize, bufs: &mut [SiteBuffers], overlap: bool) -> String {
+    bufs.iter_mut()
+        .map(|s| {
+            let width = s.targets.width();
+            let y = RowsMut::dense(&mut s.y, n, width);
+            let plan = pool.decode_plan(
+                step,
+                0,
+                &s.targets,
+                Rows::dense(&s.x, n, s.in_dim),
+                &y,
+                decode_options(overlap),
+            );
+            match plan {
+                Ok(Some(p)) => format!("{}: {p}", s.name),
+                Ok(None) => format!("{}: (no plan)", s.name),
+                Err(e) => format!("{}: {e}", s.name),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn kernel_err(e: PoolError) -> KernelError {
@@ -310,31 +368,55 @@ pub(super) fn section(ctx: &mut Ctx<'_>) -> Result<(), String> {
         let rows: Vec<StepRow<'_>> = leases[..n].iter().map(StepRow::Adapter).collect();
         let step = pool.decode_step(&rows, n).map_err(|e| e.to_string())?;
         let mut bufs = site_buffers(device, &cfg, n, &mut rng).map_err(err)?;
-        let graph = {
-            let (pool, step, bufs) = (&pool, &step, &mut bufs);
-            device
-                .capture_graph(|| apply_step(pool, step, n, layers, bufs).map_err(kernel_err))
-                .map_err(err)?
-        };
-        graph.replay().map_err(err)?;
-        device.synchronize().map_err(err)?;
-        device.check_faults().map_err(err)?;
-        check_deltas(&bufs)?;
-        let stats = ctx.time_graph(&graph)?;
-        ctx.steps.push(StepTiming {
-            name: case_name(n),
-            n,
-            distinct: n,
-            layers,
-            stats,
-            floor_bytes: step_floor_bytes(&cfg, n, n, RANK),
-            flops: step_flops(&cfg, n, RANK),
-            sites: sites(&cfg)
-                .iter()
-                .map(|(name, t)| (*name, site_in(&cfg, t), t.width()))
-                .collect(),
-            base_us: None,
-        });
+        for overlap in [false, true] {
+            let options = decode_options(overlap);
+            eprintln!(
+                "bench: step n={n}{}: {}",
+                if overlap { " (overlap)" } else { "" },
+                site_plans(&pool, &step, n, &mut bufs, overlap)
+            );
+            let graph = {
+                let (pool, step, bufs) = (&pool, &step, &mut bufs);
+                device
+                    .capture_graph(|| apply_step(pool, step, n, layers, bufs, options).map_err(kernel_err))
+                    .map_err(err)?
+            };
+            graph.replay().map_err(err)?;
+            device.synchronize().map_err(err)?;
+            device.check_faults().map_err(err)?;
+            check_deltas(&bufs)?;
+            let stats = ctx.time_graph(&graph)?;
+            let mut site_times = Vec::new();
+            for s in bufs.iter_mut() {
+                let graph = {
+                    let (pool, step) = (&pool, &step);
+                    device
+                        .capture_graph(|| {
+                            (0..layers)
+                                .try_for_each(|layer| apply_site(pool, step, n, layer, s, options).map_err(kernel_err))
+                        })
+                        .map_err(err)?
+                };
+                let site_stats = ctx.time_graph(&graph)?;
+                site_times.push((s.name, site_stats, site_floor_bytes(&cfg, &s.targets, n, n, RANK)));
+            }
+            ctx.steps.push(StepTiming {
+                name: case_name(n),
+                n,
+                distinct: n,
+                layers,
+                overlap,
+                stats,
+                site_times,
+                floor_bytes: step_floor_bytes(&cfg, n, n, RANK),
+                flops: step_flops(&cfg, n, RANK),
+                sites: sites(&cfg)
+                    .iter()
+                    .map(|(name, t)| (*name, site_in(&cfg, t), t.width()))
+                    .collect(),
+                base_us: None,
+            });
+        }
     }
     Ok(())
 }
@@ -343,7 +425,7 @@ pub(super) fn section(ctx: &mut Ctx<'_>) -> Result<(), String> {
 
 /// One `base_step` shape per timed step, for the baseline script.
 pub(super) fn torch_shapes(ctx: &Ctx<'_>) -> Vec<Value> {
-    ctx.steps.iter().map(base_shape).collect()
+    ctx.steps.iter().filter(|t| !t.overlap).map(base_shape).collect()
 }
 
 fn base_shape(t: &StepTiming) -> Value {
@@ -389,10 +471,15 @@ fn table(steps: &[StepTiming], copy_gbps: f64, matrix_tflops: Option<f64>) -> St
     for t in steps {
         let floor = t.floor_us(copy_gbps, matrix_tflops);
         let time = t.stats.median_us;
+        let label = if t.overlap {
+            format!("{} overlap", t.name)
+        } else {
+            t.name.clone()
+        };
         let _ = writeln!(
             out,
             "{:<46} {:>9.1} {:>9.1}..{:<9.1} {:>9.1} {:>6.1}% {:>8.2} {:>10} {:>10}  {}",
-            t.name,
+            label,
             time,
             t.stats.p10_us,
             t.stats.p90_us,
@@ -408,6 +495,20 @@ fn table(steps: &[StepTiming], copy_gbps: f64, matrix_tflops: Option<f64>) -> St
                 None => "-".to_string(),
             }
         );
+        for (site, stats, bytes) in &t.site_times {
+            let floor = bytes / (copy_gbps * 1e3);
+            let _ = writeln!(
+                out,
+                "  {:<44} {:>9.1} {:>9.1}..{:<9.1} {:>9.1} {:>6.1}% {:>8.2}",
+                format!("site {site} alone ({} launches)", t.layers),
+                stats.median_us,
+                stats.p10_us,
+                stats.p90_us,
+                floor,
+                floor / stats.median_us * 100.0,
+                stats.median_us / floor
+            );
+        }
     }
     let _ = writeln!(
         out,
@@ -432,6 +533,7 @@ pub(super) fn to_json(ctx: &Ctx<'_>) -> Value {
             let floor = t.floor_us(ctx.copy_gbps, ctx.matrix_tflops);
             json!({
                 "name": t.name,
+                "overlap": t.overlap,
                 "n": t.n,
                 "distinct": t.distinct,
                 "rank": RANK,
@@ -448,6 +550,9 @@ pub(super) fn to_json(ctx: &Ctx<'_>) -> Value {
                 "target_met": t.target_met(floor),
                 "base_us": t.base_us,
                 "lora_over_base": t.base_us.map(|b| t.stats.median_us / b),
+                "site_times": t.site_times.iter().map(|(site, st, bytes)| json!({
+                    "site": site, "median_us": st.median_us, "floor_bytes": bytes,
+                })).collect::<Vec<_>>(),
             })
         })
         .collect();
@@ -495,6 +600,8 @@ mod tests {
             n: 16,
             distinct: 16,
             layers: cfg.num_hidden_layers,
+            overlap: false,
+            site_times: Vec::new(),
             stats: Stats {
                 median_us: 1.0,
                 p10_us: 1.0,
@@ -553,7 +660,7 @@ mod tests {
         let rows: Vec<StepRow<'_>> = leases[..n].iter().map(StepRow::Adapter).collect();
         let step = pool.decode_step(&rows, n).expect("step");
         let mut bufs = site_buffers(&device, &cfg, n, &mut rng).expect("buffers");
-        apply_step(&pool, &step, n, cfg.num_hidden_layers, &mut bufs).expect("apply");
+        apply_step(&pool, &step, n, cfg.num_hidden_layers, &mut bufs, decode_options(true)).expect("apply");
         check_deltas(&bufs).expect("deltas");
         // Every row got its own delta: no two rows of the down output alike.
         let y = bufs[3].y.download().expect("download");
