@@ -14,7 +14,7 @@ use lora_audit::{
 };
 use lora_kernels::{
     DecodeOptions, DecodePlan, Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion,
-    Rows, RowsMut, Segments, WorkspaceSpec, bgmv_plan, bgmv_with, one_adapter, repack, sgmv,
+    Rows, RowsMut, Segments, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with, one_adapter, repack, sgmv,
 };
 use lora_layout::{
     ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
@@ -1215,6 +1215,30 @@ impl<C: SlotCompanion> LoraPool<C> {
         self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
         let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
         Ok(bgmv_plan(&self.device, x, &targets, self.opts.max_rank, y, options)?)
+    }
+
+    /// Every plan that serves these arguments on this device under the
+    /// overlap promise or without it, the rule table's first (for
+    /// benchmarks of each form, run as `Choice::Exact`); empty on the CPU.
+    pub fn decode_candidates<Y: OutputElem>(
+        &self,
+        step: &DecodeStep,
+        layer: usize,
+        targets: &FusedTargets,
+        x: Rows<'_, bf16>,
+        y: &RowsMut<'_, Y>,
+        overlap_previous: bool,
+    ) -> Result<Vec<DecodePlan>, PoolError> {
+        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
+        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        Ok(bgmv_candidates(
+            &self.device,
+            x,
+            &targets,
+            self.opts.max_rank,
+            y,
+            overlap_previous,
+        )?)
     }
 
     /// Prefill apply over `step`'s segments. Graph-capturable.

@@ -30,7 +30,7 @@
 
 use half::bf16;
 use lora_kernels::testing::Rng;
-use lora_kernels::{DecodeOptions, Device, DeviceBuffer, KernelError, Rows, RowsMut};
+use lora_kernels::{Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, KernelError, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 use lora_pool::image::{Elems, PairMeta, PairSource, SlotImage};
 use lora_pool::{BatchCapacity, DecodeStep, FusedTargets, LoraOptions, LoraPool, PoolError, SlotId, StepRow};
@@ -398,7 +398,20 @@ pub(super) fn section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                         .map_err(err)?
                 };
                 let site_stats = ctx.time_graph(&graph)?;
-                site_times.push((s.name, site_stats, site_floor_bytes(&cfg, &s.targets, n, n, RANK)));
+                let floor_bytes = site_floor_bytes(&cfg, &s.targets, n, n, RANK);
+                if ctx.opts.sweep {
+                    sweep_site(
+                        ctx,
+                        &pool,
+                        &step,
+                        n,
+                        layers,
+                        s,
+                        overlap,
+                        (site_stats.median_us, floor_bytes),
+                    )?;
+                }
+                site_times.push((s.name, site_stats, floor_bytes));
             }
             ctx.steps.push(StepTiming {
                 name: case_name(n),
@@ -417,6 +430,52 @@ pub(super) fn section(ctx: &mut Ctx<'_>) -> Result<(), String> {
                 base_us: None,
             });
         }
+    }
+    Ok(())
+}
+
+/// `--sweep`: the site's 32 launches under every candidate plan (as exact
+/// plans), printed fastest first beside the rule table's time.
+#[allow(clippy::too_many_arguments)]
+fn sweep_site(
+    ctx: &mut Ctx<'_>,
+    pool: &LoraPool,
+    step: &DecodeStep,
+    n: usize,
+    layers: usize,
+    s: &mut SiteBuffers,
+    overlap: bool,
+    (default_us, floor_bytes): (f64, f64),
+) -> Result<(), String> {
+    let device = ctx.device;
+    let plans: Vec<DecodePlan> = {
+        let width = s.targets.width();
+        let y = RowsMut::dense(&mut s.y, n, width);
+        pool.decode_candidates(step, 0, &s.targets, Rows::dense(&s.x, n, s.in_dim), &y, overlap)
+            .map_err(|e| e.to_string())?
+    };
+    let floor_us = floor_bytes / (ctx.copy_gbps * 1e3);
+    let mut times = Vec::with_capacity(plans.len());
+    for plan in plans {
+        let options = DecodeOptions {
+            choice: Choice::Exact(plan),
+            overlap_previous: overlap,
+        };
+        let graph = device
+            .capture_graph(|| {
+                (0..layers).try_for_each(|layer| apply_site(pool, step, n, layer, s, options).map_err(kernel_err))
+            })
+            .map_err(err)?;
+        times.push((ctx.time_graph(&graph)?.median_us, plan));
+    }
+    times.sort_by(|a, b| a.0.total_cmp(&b.0));
+    eprintln!(
+        "bench: step sweep n={n} site {}{}: default {default_us:.1} µs, floor {floor_us:.1}",
+        s.name,
+        if overlap { " (overlap)" } else { "" }
+    );
+    for (us, plan) in times.iter().take(8) {
+        eprintln!("    {us:>9.1} µs  {:>5.2}x floor  {plan}", us / floor_us);
     }
     Ok(())
 }

@@ -160,6 +160,14 @@ fn concurrent_requests_for_one_geometry_stage_it_once() {
     assert!(regions.iter().all(|&r| r == regions[0]), "{regions:?}");
 }
 
+/// Bytes of adapter `r4` staged at `max_rank`.
+fn staged_bytes_of_r4(max_rank: u32) -> usize {
+    let m = llama_store(StoreOptions::default())
+        .manifest("r4", max_rank, 16, TransportKind::Tcp)
+        .unwrap();
+    m.entries.iter().map(|e| e.len as usize).sum::<usize>()
+}
+
 /// `(stagings, bytes, pinned)` of the store's cache.
 fn usage(store: &PeerStore) -> (usize, usize, usize) {
     store.cache_usage()
@@ -197,12 +205,7 @@ fn geometries_that_do_not_change_the_staged_bytes_share_one_staging() {
 
 #[test]
 fn the_cache_stays_within_its_memory_budget_dropping_the_least_recently_used() {
-    let bytes_at = |max_rank| {
-        let m = llama_store(StoreOptions::default())
-            .manifest("r4", max_rank, 16, TransportKind::Tcp)
-            .unwrap();
-        m.entries.iter().map(|e| e.len as usize).sum::<usize>()
-    };
+    let bytes_at = staged_bytes_of_r4;
     // Room for the two largest stagings below, not three.
     let budget = bytes_at(64) + bytes_at(60);
     let store = llama_store(StoreOptions {
@@ -241,12 +244,7 @@ fn the_cache_stays_within_its_memory_budget_dropping_the_least_recently_used() {
 
 #[test]
 fn stagings_in_progress_reserve_their_bytes_in_the_budget() {
-    let bytes_at = |max_rank| {
-        let m = llama_store(StoreOptions::default())
-            .manifest("r4", max_rank, 16, TransportKind::Tcp)
-            .unwrap();
-        m.entries.iter().map(|e| e.len as usize).sum::<usize>()
-    };
+    let bytes_at = staged_bytes_of_r4;
     let (big, small) = (bytes_at(64), bytes_at(8));
     let budget = big + small;
     let store = llama_store(StoreOptions {
