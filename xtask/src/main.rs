@@ -39,12 +39,87 @@ fn cuda_sources(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// Every task: its name, its arguments and what it does (`--help`).
+const TASKS: &[(&str, &str, &str)] = &[
+    (
+        "ci",
+        "",
+        "what CI runs: the format check, every test, the doc tests, the demo",
+    ),
+    (
+        "demo",
+        "[--verbose | --audit]",
+        "mixed batches served end to end on the bundled fixtures, checked against PEFT",
+    ),
+    (
+        "probe",
+        "<adapter_dir> --model <config.json> --probes <in.safetensors> [--base <tables.safetensors>] \
+         --out <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N] [--allow-partial] [--experts] [--json]",
+        "an adapter's deltas through the serving path (exit 1: refused, 2: bad usage or input)",
+    ),
+    (
+        "serve",
+        "--model DIR --adapter NAME=DIR [--adapter ...] --requests FILE.json --out OUT.safetensors \
+         [--device cpu|cuda] [--max-loras N] [--max-rank N] [--experts] [--expert-rank N]",
+        "a request file served by the reference engine (exit 1: a refused adapter, 2: unreadable input)",
+    ),
+    (
+        "fixtures",
+        "",
+        "regenerate fixtures/ with real PEFT (needs Python with torch, transformers, peft)",
+    ),
+    (
+        "gpu-bundle",
+        "",
+        "build the GPU test and bench binaries into .gpu-bundle/ (run there: .gpu-bundle/run.sh test|bench|all)",
+    ),
+    (
+        "gpu-test",
+        "[test|bench|all]",
+        "gpu-bundle, then run it here (where cargo and a GPU meet)",
+    ),
+    (
+        "bench",
+        "[--out PATH] [--torch-script PATH] [--reps N] [--sections a,b] [--sweep] [--variant SUBSTRING] \
+         [--without-default] [--quick] [--only SUBSTRING]",
+        "kernel, decode-step, swap and peer-landing benchmarks (sections: kernels, step, swap, landing)",
+    ),
+    (
+        "cuda-sources",
+        "DIR",
+        "write every kernel family's translation unit into DIR",
+    ),
+];
+
+/// `cargo xtask --help`, or one task's usage.
+fn help(task: Option<&str>) -> String {
+    match task.and_then(|t| TASKS.iter().find(|(name, ..)| *name == t)) {
+        Some((name, args, what)) => format!("usage: cargo xtask {name} {args}\n\n{what}\n"),
+        None => {
+            let mut out =
+                String::from("usage: cargo xtask <task> [args]   (cargo xtask <task> --help: its usage)\n\ntasks:\n");
+            for (name, _, what) in TASKS {
+                out.push_str(&format!("  {name:<13} {what}\n"));
+            }
+            out
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (task, rest) = match args.split_first() {
         Some((t, r)) => (t.as_str(), r),
         None => ("", &[][..]),
     };
+    if matches!(task, "--help" | "-h" | "help") {
+        print!("{}", help(rest.first().map(String::as_str)));
+        return ExitCode::SUCCESS;
+    }
+    if rest.iter().any(|a| a == "--help" || a == "-h") && TASKS.iter().any(|(name, ..)| *name == task) {
+        print!("{}", help(Some(task)));
+        return ExitCode::SUCCESS;
+    }
     let result = match task {
         "ci" => ci(),
         "demo" => demo::run(rest),
@@ -80,9 +155,7 @@ fn main() -> ExitCode {
             };
         }
         _ => {
-            eprintln!(
-                "usage: cargo xtask <ci|demo|probe|serve|fixtures|gpu-bundle|gpu-test|bench|cuda-sources> [args]"
-            );
+            eprint!("{}", help(None));
             return ExitCode::from(2);
         }
     };
@@ -120,4 +193,21 @@ fn ci() -> Result<(), String> {
         eprintln!("libibverbs headers are not installed: the `ibverbs` feature of lora-rdma is not built");
     }
     demo::run(&[])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn help_lists_every_task_and_each_task_has_its_usage() {
+        let all = help(None);
+        for (name, args, _) in TASKS {
+            assert!(all.contains(&format!("  {name} ")), "{name} missing from:\n{all}");
+            let one = help(Some(name));
+            assert!(one.starts_with(&format!("usage: cargo xtask {name} {args}")), "{one}");
+        }
+        // An unknown task gets the list.
+        assert_eq!(help(Some("nope")), all);
+    }
 }
