@@ -70,6 +70,7 @@ fn worst_row(got: &[f32], want: &[f32], vocab: usize) -> f64 {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn cuda_base_projections_match_the_host_model() {
     let Some(device) = cuda_or_skip("cuda_base_projections_match_the_host_model") else {
         return;

@@ -196,6 +196,7 @@ fn mixtral_batch_matches_peft() {
 /// Every family on CUDA: the base projections through cuBLAS, the deltas,
 /// overlays and MoE folds through the project's CUDA kernels.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn every_family_matches_peft_on_cuda() {
     let Some(device) = cuda_or_skip("every_family_matches_peft_on_cuda") else {
         return;

@@ -329,6 +329,7 @@ fn random_idx(rng: &mut Rng, n: usize, slots: usize, none_every: usize) -> Vec<i
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_matches_cpu_over_shapes() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_matches_cpu_over_shapes") else {
         return;
@@ -767,6 +768,7 @@ fn plain(plan: DecodePlan) -> DecodePlan {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel") else {
         return;
@@ -806,6 +808,7 @@ fn gpu_bgmv_overlap_previous_reads_x_and_y_after_the_previous_kernel() {
 /// x after it). Chains mix the forms, so each one's first kernel runs under
 /// a previous apply's last kernel that still reads the same scratch.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms") else {
         return;
@@ -854,6 +857,7 @@ fn gpu_bgmv_overlap_previous_in_the_list_and_two_phase_forms() {
 /// candidate plan (with the two-phase ones' other K slices and expand
 /// launches and the fused ones' cluster for every row).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_decode_applies_are_bit_reproducible() {
     let Some(gpu) = cuda_or_skip("gpu_decode_applies_are_bit_reproducible") else {
         return;
@@ -890,6 +894,7 @@ fn gpu_decode_applies_are_bit_reproducible() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_every_rank_against_padded_pool() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_every_rank_against_padded_pool") else {
         return;
@@ -913,6 +918,7 @@ fn gpu_bgmv_every_rank_against_padded_pool() {
 /// aligned, against the CPU and the default (every row-mapped plan, pushed
 /// and pulled).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_row_mapped_every_rank_to_16() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_row_mapped_every_rank_to_16") else {
         return;
@@ -999,6 +1005,7 @@ fn check_row_form(
 /// form the others; at n = 64 of one target also the default and the
 /// row-mapped fused form.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_row_registers() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_row_registers") else {
         return;
@@ -1056,6 +1063,7 @@ fn gpu_bgmv_row_registers() {
 /// field, nothing launched), and the overlap (x and y read only after the
 /// previous kernel) in chains mixed with the fused form.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_row_registers_faults_refusals_and_overlap") else {
         return;
@@ -1148,6 +1156,7 @@ fn gpu_bgmv_row_registers_faults_refusals_and_overlap() {
 /// that each leaves its inboxes zero: a stale word tagged as a later
 /// launch's pass would be summed.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_wait_first_keeps_the_stream_order() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_wait_first_keeps_the_stream_order") else {
         return;
@@ -1209,6 +1218,7 @@ fn gpu_bgmv_wait_first_keeps_the_stream_order() {
 /// kernels, clusters of 4, with and without the prefetch, the next kernel
 /// let in early and late), as the CPU reference does.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_entry_weights_written_by_the_previous_kernel() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_weights_written_by_the_previous_kernel") else {
         return;
@@ -1286,6 +1296,7 @@ fn gpu_bgmv_entry_weights_written_by_the_previous_kernel() {
 /// items (every fused one scans its window), an exact listed plan is
 /// refused naming `plan.items`, and every candidate matches the CPU.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_tables_past_the_item_list_limit_scan_instead() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_tables_past_the_item_list_limit_scan_instead") else {
         return;
@@ -1369,6 +1380,7 @@ fn other_expand_units<Y: OutputElem>(on: &Applies<'_>, y0: &[Y], plans: &[Decode
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_row_patterns_and_paths() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_row_patterns_and_paths") else {
         return;
@@ -1450,6 +1462,7 @@ fn gpu_bgmv_row_patterns_and_paths() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_f32_router_logits() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_f32_router_logits") else {
         return;
@@ -1486,6 +1499,7 @@ fn gpu_bgmv_f32_router_logits() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_bad_index_raises_a_fault() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_bad_index_raises_a_fault") else {
         return;
@@ -1534,6 +1548,7 @@ fn whole_table_target(table: &DeviceBuffer<PairEntry>, n_entries: usize, out_dim
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_bad_entry_raises_a_fault_and_skips_its_rows") else {
         return;
@@ -1644,6 +1659,7 @@ fn sgmv_plans<Y: OutputElem>(gpu: &Device, p: &Problem, n_seg: usize) -> Vec<Pre
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_sgmv_matches_cpu() {
     let Some(gpu) = cuda_or_skip("gpu_sgmv_matches_cpu") else {
         return;
@@ -1680,6 +1696,7 @@ fn gpu_sgmv_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_sgmv_every_rank_against_padded_pool() {
     let Some(gpu) = cuda_or_skip("gpu_sgmv_every_rank_against_padded_pool") else {
         return;
@@ -1699,6 +1716,7 @@ fn gpu_sgmv_every_rank_against_padded_pool() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_one_adapter_matches_cpu() {
     let Some(gpu) = cuda_or_skip("gpu_one_adapter_matches_cpu") else {
         return;
@@ -1719,6 +1737,7 @@ fn gpu_one_adapter_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_graph_replay_follows_table_contents() {
     let Some(gpu) = cuda_or_skip("gpu_graph_replay_follows_table_contents") else {
         return;
@@ -1846,6 +1865,7 @@ fn graph_replay_case(gpu: &Device, rng: &mut Rng, options: DecodeOptions) {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_moe_index_builders_match_cpu() {
     let Some(gpu) = cuda_or_skip("gpu_moe_index_builders_match_cpu") else {
         return;
@@ -1902,6 +1922,7 @@ fn gpu_moe_index_builders_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_overlay_kernels_match_cpu() {
     let Some(gpu) = cuda_or_skip("gpu_overlay_kernels_match_cpu") else {
         return;
@@ -2050,6 +2071,7 @@ fn gpu_overlay_kernels_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_buffers_round_trip() {
     let Some(gpu) = cuda_or_skip("gpu_buffers_round_trip") else {
         return;
@@ -2078,6 +2100,7 @@ fn gpu_buffers_round_trip() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_empty_launch_runs_and_captures() {
     let Some(gpu) = cuda_or_skip("gpu_empty_launch_runs_and_captures") else {
         return;
@@ -2098,6 +2121,7 @@ fn gpu_empty_launch_runs_and_captures() {
 /// stride against NaN padding, and weights at every 2-byte alignment, in
 /// every entry plan (each kernel, with and without the prefetch, each chain).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_entry_clusters_match_cpu() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_clusters_match_cpu") else {
         return;
@@ -2196,6 +2220,7 @@ fn gpu_bgmv_entry_clusters_match_cpu() {
 /// refused naming the plan's field; under the overlap it reads x and y only
 /// after the previous kernel.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_bgmv_entry_clusters_faults_and_overlap() {
     let Some(gpu) = cuda_or_skip("gpu_bgmv_entry_clusters_faults_and_overlap") else {
         return;

@@ -17,6 +17,7 @@ fn run(dev: &Device, x: &[f32], w: &[f32], n: usize, k: usize, m: usize, y_len: 
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn cuda_linear_f32_matches_the_cpu_reference() {
     let Some(cuda) = cuda_or_skip("cuda_linear_f32_matches_the_cpu_reference") else {
         return;
@@ -54,6 +55,7 @@ fn cuda_linear_f32_matches_the_cpu_reference() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn cuda_linear_f32_refuses_bad_arguments() {
     let Some(cuda) = cuda_or_skip("cuda_linear_f32_refuses_bad_arguments") else {
         return;

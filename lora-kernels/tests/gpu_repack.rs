@@ -15,6 +15,7 @@ fn same_bits(cpu: &[bf16], gpu: &[bf16], what: &str) {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn cuda_repack_equals_the_cpu_reference_at_any_alignment() {
     let Some(cuda) = cuda_or_skip("cuda_repack_equals_the_cpu_reference_at_any_alignment") else {
         return;
@@ -30,6 +31,7 @@ fn cuda_repack_equals_the_cpu_reference_at_any_alignment() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn cuda_repack_of_slot_shaped_bf16_pairs_equals_the_cpu_reference() {
     let Some(cuda) = cuda_or_skip("cuda_repack_of_slot_shaped_bf16_pairs_equals_the_cpu_reference") else {
         return;
@@ -86,6 +88,7 @@ fn cuda_repack_of_slot_shaped_bf16_pairs_equals_the_cpu_reference() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn cuda_first_non_finite_equals_the_cpu_reference_at_any_alignment() {
     let Some(cuda) = cuda_or_skip("cuda_first_non_finite_equals_the_cpu_reference_at_any_alignment") else {
         return;

@@ -313,6 +313,7 @@ fn random_batches_match_the_host_reference_on_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn random_batches_match_the_host_reference_and_the_cpu_on_cuda() {
     let Some(device) = cuda_or_skip("random_batches_match_the_host_reference_and_the_cpu_on_cuda") else {
         return;
@@ -332,6 +333,7 @@ fn random_batches_match_the_host_reference_and_the_cpu_on_cuda() {
 /// (new requests, routing, inputs) and replay: the graph must give what the
 /// same calls give eagerly.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn a_captured_decode_layer_replays_new_batches_on_cuda() {
     let Some(device) = cuda_or_skip("a_captured_decode_layer_replays_new_batches_on_cuda") else {
         return;

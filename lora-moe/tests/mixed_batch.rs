@@ -598,6 +598,7 @@ fn mixed_batches_match_the_peft_oracle_on_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn mixed_batches_match_the_peft_oracle_on_cuda() {
     if let Some(device) = cuda_or_skip("mixed_batches_match_the_peft_oracle_on_cuda") {
         run(&device);

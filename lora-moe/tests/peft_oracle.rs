@@ -138,6 +138,7 @@ fn expert_and_router_probes_match_the_peft_oracle_on_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn expert_and_router_probes_match_the_peft_oracle_on_cuda() {
     if let Some(device) = cuda_or_skip("expert_and_router_probes_match_the_peft_oracle_on_cuda") {
         run(&device);

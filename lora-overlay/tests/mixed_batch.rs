@@ -198,6 +198,7 @@ fn a_mixed_batch_serves_each_row_its_adapters_tokens() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_a_mixed_batch_serves_each_row_its_adapters_tokens() {
     let Some(device) = cuda_or_skip("gpu_a_mixed_batch_serves_each_row_its_adapters_tokens") else {
         return;

@@ -158,6 +158,7 @@ fn served_rows_and_logits_equal_pefts_merged_tables() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_served_rows_and_logits_equal_pefts_merged_tables() {
     let Some(device) = cuda_or_skip("gpu_served_rows_and_logits_equal_pefts_merged_tables") else {
         return;

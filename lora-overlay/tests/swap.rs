@@ -181,6 +181,7 @@ fn swaps_rebuild_overlays_and_refused_swaps_change_nothing() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_swaps_rebuild_overlays_and_refused_swaps_change_nothing() {
     let Some(device) = cuda_or_skip("gpu_swaps_rebuild_overlays_and_refused_swaps_change_nothing") else {
         return;
@@ -248,6 +249,7 @@ fn running_out_of_memory_while_staging_changes_nothing() {
 /// replay between the swap and the next step serves the base model, never
 /// the slot's new adapter under the old step.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_a_graph_captured_before_a_swap_serves_the_new_overlay() {
     let Some(device) = cuda_or_skip("gpu_a_graph_captured_before_a_swap_serves_the_new_overlay") else {
         return;

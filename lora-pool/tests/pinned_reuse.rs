@@ -43,6 +43,7 @@ fn queue_busy_work(device: &Device) {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn back_to_back_swaps_behind_a_busy_stream_keep_each_slots_bytes_on_cuda() {
     let Some(device) = cuda_or_skip("back_to_back_swaps_behind_a_busy_stream_keep_each_slots_bytes_on_cuda") else {
         return;

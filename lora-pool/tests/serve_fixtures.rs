@@ -210,6 +210,7 @@ fn mixed_prefill_matches_the_peft_oracle_on_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn mixed_decode_matches_the_peft_oracle_on_cuda() {
     if let Some(device) = cuda_or_skip("mixed_decode_matches_the_peft_oracle_on_cuda") {
         run(&device, Mode::Decode);
@@ -217,6 +218,7 @@ fn mixed_decode_matches_the_peft_oracle_on_cuda() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn mixed_prefill_matches_the_peft_oracle_on_cuda() {
     if let Some(device) = cuda_or_skip("mixed_prefill_matches_the_peft_oracle_on_cuda") {
         run(&device, Mode::Prefill);

@@ -100,6 +100,7 @@ fn every_servable_fixture_matches_peft_through_the_cpu_serving_path() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn every_servable_fixture_matches_peft_through_the_cuda_serving_path() {
     if cuda_or_skip("every_servable_fixture_matches_peft_through_the_cuda_serving_path").is_some() {
         check_all("cuda");

@@ -192,6 +192,7 @@ fn a_write_fault_can_be_cleared_rearmed_and_is_shared_by_clones_only() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn write_fault_injection_is_refused_on_cuda() {
     let Some(gpu) = crate::testing::cuda_or_skip("write_fault_injection_is_refused_on_cuda") else {
         return;
