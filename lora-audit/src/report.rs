@@ -137,6 +137,45 @@ pub struct AuditReport {
 }
 
 impl AuditReport {
+    /// The report as JSON: what `lora-audit check --json` prints and the
+    /// Python package returns (every placed pair, expert pair, overlay,
+    /// skip and refusal, with the pool bytes).
+    pub fn to_json(&self, cfg: &ModelConfig) -> serde_json::Value {
+        use serde_json::json;
+        let refusal = |r: &Refusal| json!({ "code": r.code.as_str(), "subject": r.subject, "reason": r.reason });
+        let site_name = |site: ExpertSite| match site {
+            ExpertSite::Expert { expert, proj } => format!("expert {expert} {proj}"),
+            ExpertSite::Router => "router".to_string(),
+        };
+        let t = &self.overlay.tensors;
+        json!({
+            "adapter": self.adapter,
+            "model_type": cfg.family.model_type(),
+            "servable": self.is_servable(),
+            "placed": self.placed.iter().map(|p| json!({
+                "layer": p.layer, "module": p.module.path(cfg.family), "rank": p.rank, "scale": p.scale,
+            })).collect::<Vec<_>>(),
+            "experts": self.experts.iter().map(|p| json!({
+                "layer": p.layer, "site": site_name(p.site), "rank": p.rank, "scale": p.scale,
+                "format": match p.slice { ExpertSlice::Direct => "direct", ExpertSlice::Fused { .. } => "fused" },
+            })).collect::<Vec<_>>(),
+            "overlay": {
+                "embed_trainable_ids": self.overlay.embed_ids,
+                "embed_table": t.embed.base_table(),
+                "lm_head_trainable_ids": self.overlay.lm_head_ids,
+                "lm_head_table": t.lm_head.base_table(),
+                "lm_head": self.overlay.lm_head.as_str(),
+            },
+            "has_expert_deltas": self.has_expert_deltas,
+            "skipped": self.skipped.iter().map(refusal).collect::<Vec<_>>(),
+            "refused": self.refused.iter().map(refusal).collect::<Vec<_>>(),
+            "max_rank": self.max_rank,
+            "expert_rank": self.expert_rank,
+            "slot_bytes": self.slot_bytes,
+            "expert_bytes": self.expert_bytes,
+        })
+    }
+
     /// Whether the adapter can be served: nothing was refused.
     pub fn is_servable(&self) -> bool {
         self.refused.is_empty()

@@ -44,6 +44,30 @@ impl TensorDtype {
         element_bytes(self)
     }
 
+    /// The dtype a safetensors header (`"BF16"`) or PyTorch (`"torch.bfloat16"`,
+    /// `"bfloat16"`) names; `None` for a name neither uses.
+    pub fn from_name(name: &str) -> Option<TensorDtype> {
+        let bare = name.strip_prefix("torch.").unwrap_or(name);
+        Some(match bare {
+            "F32" | "float32" | "float" => TensorDtype::F32,
+            "F16" | "float16" | "half" => TensorDtype::F16,
+            "BF16" | "bfloat16" => TensorDtype::BF16,
+            "I64" | "int64" | "long" => TensorDtype::I64,
+            "I32" | "int32" | "int" => TensorDtype::I32,
+            "F64" | "float64" | "double" => TensorDtype::Other("F64"),
+            "I8" | "int8" => TensorDtype::Other("I8"),
+            "U8" | "uint8" => TensorDtype::Other("U8"),
+            "I16" | "int16" | "short" => TensorDtype::Other("I16"),
+            "U16" | "uint16" => TensorDtype::Other("U16"),
+            "U32" | "uint32" => TensorDtype::Other("U32"),
+            "U64" | "uint64" => TensorDtype::Other("U64"),
+            "BOOL" | "bool" => TensorDtype::Other("BOOL"),
+            "F8_E4M3" | "float8_e4m3fn" => TensorDtype::Other("F8_E4M3"),
+            "F8_E5M2" | "float8_e5m2" => TensorDtype::Other("F8_E5M2"),
+            _ => return None,
+        })
+    }
+
     fn of(dtype: Dtype) -> TensorDtype {
         match dtype {
             Dtype::F32 => TensorDtype::F32,

@@ -1,6 +1,6 @@
 //! The hostile-input harness of issue 42, pool side: the mutants of
-//! `lora-audit/tests/mutants/generator.rs` (the same ones `lora-audit
-//! check/probe` answer in `lora-audit/tests/mutants.rs`), each swapped from
+//! `lora-audit-cli/tests/mutants/generator.rs` (the same ones `lora-audit
+//! check/probe` answer in `lora-audit-cli/tests/mutants.rs`), each swapped from
 //! disk into CPU pools on both disk routes (device repack and host pack),
 //! into an empty slot or over a filled one. Asserted: no panic; every
 //! failed swap a typed error with a message, the pool bit for bit as before
@@ -15,7 +15,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "../../lora-audit/tests/mutants/generator.rs"]
+#[path = "../../lora-audit-cli/tests/mutants/generator.rs"]
 mod generator;
 
 use std::collections::BTreeMap;

@@ -21,9 +21,9 @@ const BUNDLE_DIR: &str = ".gpu-bundle";
 /// (`lora-audit`, `lora-peer`) by the path cargo compiled into them, which
 /// does not exist on the GPU host, and they touch no GPU (CI runs them).
 const HOST_ONLY_TESTS: [&str; 5] = [
-    "lora_audit-bounds",
-    "lora_audit-fixtures",
-    "lora_audit-mutants",
+    "lora_audit_cli-bounds",
+    "lora_audit_cli-fixtures",
+    "lora_audit_cli-mutants",
     "lora_rdma-faults",
     "lora_rdma-peer_process",
 ];

@@ -1,6 +1,8 @@
 //! `cargo xtask`: the workspace's tasks.
 //!
-//! - `ci`: what CI runs (format check, the test suite, the demo).
+//! - `ci`: what CI runs (format check, the test suite, the Python
+//!   package's tests, the demo).
+//! - `py-test`: the `lora-audit` Python wheel built and tested.
 //! - `demo`: the whole pipeline on the bundled fixtures.
 //! - `fixtures`: regenerate `fixtures/` with real PEFT (needs Python with
 //!   `torch`, `transformers`, `peft`).
@@ -21,6 +23,7 @@ mod engine;
 mod fixtures;
 mod gpu;
 mod probe;
+mod py;
 mod serve;
 mod util;
 
@@ -85,6 +88,11 @@ const TASKS: &[(&str, &str, &str)] = &[
         "kernel, decode-step, swap and peer-landing benchmarks (sections: kernels, step, swap, landing)",
     ),
     (
+        "py-test",
+        "",
+        "build the lora-audit Python wheel (maturin) and run its pytest suite in a fresh virtual environment",
+    ),
+    (
         "cuda-sources",
         "DIR",
         "write every kernel family's translation unit into DIR",
@@ -123,6 +131,7 @@ fn main() -> ExitCode {
     let result = match task {
         "ci" => ci(),
         "demo" => demo::run(rest),
+        "py-test" => py::run(rest),
         "fixtures" => fixtures::run(rest),
         "gpu-bundle" => gpu::bundle(rest),
         "gpu-test" => gpu::gpu_test(rest),
@@ -192,6 +201,7 @@ fn ci() -> Result<(), String> {
     } else {
         eprintln!("libibverbs headers are not installed: the `ibverbs` feature of lora-rdma is not built");
     }
+    py::run(&[])?;
     demo::run(&[])
 }
 

@@ -579,3 +579,19 @@ fn a_declared_header_length_past_the_file_is_refused_before_allocating() {
         );
     }
 }
+
+#[test]
+fn dtype_names_of_safetensors_and_torch_agree() {
+    for (safetensors, torch) in [
+        ("F32", "torch.float32"),
+        ("F16", "torch.float16"),
+        ("BF16", "torch.bfloat16"),
+    ] {
+        let a = TensorDtype::from_name(safetensors).expect("safetensors name");
+        assert_eq!(TensorDtype::from_name(torch), Some(a));
+        assert_eq!(a.to_string(), safetensors);
+        assert!(a.is_float_weight());
+    }
+    assert_eq!(TensorDtype::from_name("torch.float64"), Some(TensorDtype::Other("F64")));
+    assert_eq!(TensorDtype::from_name("complex64"), None);
+}

@@ -1,6 +1,6 @@
 //! The mutant generator of the hostile-input harness (issue 42): a few
 //! hundred seeded mutants of the bundled llama fixtures. One file, used by
-//! `lora-audit/tests/mutants.rs` (the `check` and `probe` processes) and by
+//! `lora-audit-cli/tests/mutants.rs` (the `check` and `probe` processes) and by
 //! `lora-pool/tests/mutants.rs` (the disk swap into a CPU pool) through
 //! `#[path]`, so that both see the same mutants.
 //!

@@ -1,5 +1,6 @@
 //! `lora-audit`: check a PEFT adapter against a base model, or probe its
-//! deltas as they will be served.
+//! deltas as they will be served. The command line over the `lora-audit`
+//! library (which never depends on an argument parser).
 //!
 //! Exit status: 0 servable (probe written), 1 refused, 2 bad usage or
 //! unreadable input.
@@ -9,11 +10,11 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use lora_audit::{
-    AuditError, AuditReport, ExpertSlice, LoraOptions, Refusal, audit_adapter, prepare_adapter, probe_adapter,
-    read_base_tables, read_probe_inputs, write_probe_outputs,
+    AuditError, AuditReport, LoraOptions, audit_adapter, prepare_adapter, probe_adapter, read_base_tables,
+    read_probe_inputs, write_probe_outputs,
 };
-use lora_layout::{ExpertSite, ModelConfig};
-use serde_json::{Value, json};
+use lora_layout::ModelConfig;
+use serde_json::json;
 
 #[derive(Parser)]
 #[command(
@@ -109,7 +110,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let cfg = ModelConfig::from_file(&common.model).map_err(|e| e.to_string())?;
             let report = audit_adapter(&common.adapter_dir, &cfg, &opts).map_err(|e| e.to_string())?;
             if common.json {
-                println!("{:#}", report_json(&report, &cfg));
+                println!("{:#}", report.to_json(&cfg));
             } else {
                 print!("{}", report.to_text(&cfg));
             }
@@ -127,7 +128,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 Ok(a) => a,
                 Err(AuditError::Refused(report)) => {
                     if common.json {
-                        println!("{:#}", report_json(&report, &cfg));
+                        println!("{:#}", report.to_json(&cfg));
                     } else {
                         print!("{}", report.to_text(&cfg));
                     }
@@ -171,45 +172,4 @@ fn verdict(report: &AuditReport) -> ExitCode {
     } else {
         ExitCode::from(1)
     }
-}
-
-fn site_name(site: ExpertSite) -> String {
-    match site {
-        ExpertSite::Expert { expert, proj } => format!("expert {expert} {proj}"),
-        ExpertSite::Router => "router".to_string(),
-    }
-}
-
-fn refusal_json(r: &Refusal) -> Value {
-    json!({ "code": r.code.as_str(), "subject": r.subject, "reason": r.reason })
-}
-
-fn report_json(report: &AuditReport, cfg: &ModelConfig) -> Value {
-    let t = &report.overlay.tensors;
-    json!({
-        "adapter": report.adapter,
-        "model_type": cfg.family.model_type(),
-        "servable": report.is_servable(),
-        "placed": report.placed.iter().map(|p| json!({
-            "layer": p.layer, "module": p.module.path(cfg.family), "rank": p.rank, "scale": p.scale,
-        })).collect::<Vec<_>>(),
-        "experts": report.experts.iter().map(|p| json!({
-            "layer": p.layer, "site": site_name(p.site), "rank": p.rank, "scale": p.scale,
-            "format": match p.slice { ExpertSlice::Direct => "direct", ExpertSlice::Fused { .. } => "fused" },
-        })).collect::<Vec<_>>(),
-        "overlay": {
-            "embed_trainable_ids": report.overlay.embed_ids,
-            "embed_table": t.embed.base_table(),
-            "lm_head_trainable_ids": report.overlay.lm_head_ids,
-            "lm_head_table": t.lm_head.base_table(),
-            "lm_head": report.overlay.lm_head.as_str(),
-        },
-        "has_expert_deltas": report.has_expert_deltas,
-        "skipped": report.skipped.iter().map(refusal_json).collect::<Vec<_>>(),
-        "refused": report.refused.iter().map(refusal_json).collect::<Vec<_>>(),
-        "max_rank": report.max_rank,
-        "expert_rank": report.expert_rank,
-        "slot_bytes": report.slot_bytes,
-        "expert_bytes": report.expert_bytes,
-    })
 }
