@@ -3,7 +3,8 @@
 //! library (which never depends on an argument parser).
 //!
 //! Exit status: 0 servable (probe written), 1 refused, 2 bad usage or
-//! unreadable input.
+//! unreadable input (with `--json`, also `{"error": …, "exit": 2}` on
+//! stdout). Every error names the file or directory it is about.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -20,21 +21,31 @@ use serde_json::json;
 #[command(
     name = "lora-audit",
     version,
-    about = "Audit PEFT LoRA adapters for multi-LoRA serving"
+    about = "Audit PEFT LoRA adapters for multi-LoRA serving",
+    after_help = EXIT_CODES
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
+/// The exit codes, in every `--help`.
+const EXIT_CODES: &str = "Exit status: 0 servable (probe written), 1 refused (the report says why, \
+with a stable REJECT[...] code per tensor or field), 2 bad usage or unreadable input (with --json, \
+also a JSON object {\"error\": ..., \"exit\": 2} on stdout).
+
+Example: lora-audit check out/my-adapter --model base/config.json --max-rank 16 --json";
+
 #[derive(Subcommand)]
 enum Command {
     /// Place every tensor of an adapter or refuse it with reasons.
+    #[command(after_help = EXIT_CODES)]
     Check {
         #[command(flatten)]
         common: Common,
     },
     /// Compute the served deltas for probe inputs (pure host path).
+    #[command(after_help = EXIT_CODES)]
     Probe {
         #[command(flatten)]
         common: Common,
@@ -94,10 +105,16 @@ impl Common {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let json = match &cli.command {
+        Command::Check { common } | Command::Probe { common, .. } => common.json,
+    };
     match run(cli) {
         Ok(code) => code,
         Err(message) => {
             eprintln!("lora-audit: {message}");
+            if json {
+                println!("{:#}", json!({ "error": message, "exit": 2 }));
+            }
             ExitCode::from(2)
         }
     }

@@ -407,6 +407,113 @@ fn check_exit_codes() {
     assert_eq!(bad_model.status.code(), Some(2));
 }
 
+/// Unreadable input: exit 2, an error naming the file or directory, and
+/// with `--json` a JSON error object on stdout.
+#[test]
+fn every_error_names_its_file_and_json_mode_prints_an_error_object() {
+    let ok = fixture("llama/rslora");
+    let config = ok.model.join("config.json");
+    let scratch = std::env::temp_dir().join(format!("lora-audit-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    let run = |args: &[&std::ffi::OsStr]| {
+        let out = lora_audit().args(args).env_remove("LORA_MAX_RANK").output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let os = |s: &str| std::ffi::OsString::from(s);
+    // A missing directory is named as the directory, not as its config.
+    let (code, stdout, stderr) = run(&[
+        &os("check"),
+        &os("/nonexistent/adapter"),
+        &os("--model"),
+        config.as_os_str(),
+        &os("--json"),
+    ]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("/nonexistent/adapter: no such adapter directory"),
+        "{stderr}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(json["exit"], 2);
+    assert!(
+        json["error"].as_str().unwrap().contains("/nonexistent/adapter"),
+        "{json}"
+    );
+    // An adapter config that is not JSON, a model config without model_type.
+    let bad = scratch.join("bad-json");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::write(bad.join("adapter_config.json"), "{not json").unwrap();
+    let (code, _, stderr) = run(&[&os("check"), bad.as_os_str(), &os("--model"), config.as_os_str()]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains(&bad.join("adapter_config.json").display().to_string()),
+        "{stderr}"
+    );
+    let no_type = scratch.join("config.json");
+    std::fs::write(&no_type, r#"{"hidden_size": 64}"#).unwrap();
+    let (code, _, stderr) = run(&[&os("check"), ok.dir.as_os_str(), &os("--model"), no_type.as_os_str()]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains(&no_type.display().to_string()) && stderr.contains("model_type"),
+        "{stderr}"
+    );
+    // A probe file with no probe tensor, and probes of weights the adapter
+    // does not serve: errors, never an empty output file.
+    let out = scratch.join("out.safetensors");
+    let probe = |probes: &Path| {
+        run(&[
+            &os("probe"),
+            ok.dir.as_os_str(),
+            &os("--model"),
+            config.as_os_str(),
+            &os("--probes"),
+            probes.as_os_str(),
+            &os("--out"),
+            out.as_os_str(),
+        ])
+    };
+    let (code, _, stderr) = probe(&ok.model.join("tables.safetensors"));
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("holds no probe_in:: or rows_idx:: tensor"), "{stderr}");
+    let unserved = scratch.join("unserved.safetensors");
+    let values = vec![0u8; 4 * 64 * 4];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 64], &values).unwrap();
+    safetensors::serialize_to_file(
+        [("probe_in::model.layers.0.input_layernorm.weight", view)],
+        None,
+        &unserved,
+    )
+    .unwrap();
+    let (code, _, stderr) = probe(&unserved);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("no probe names a weight this adapter serves"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "no output file is written");
+    // A write that fails is a write error, not a corrupt file.
+    let (code, _, stderr) = run(&[
+        &os("probe"),
+        ok.dir.as_os_str(),
+        &os("--model"),
+        config.as_os_str(),
+        &os("--probes"),
+        ok.oracle().unwrap().as_os_str(),
+        &os("--out"),
+        &os("/nonexistent/dir/out.safetensors"),
+    ]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("cannot write /nonexistent/dir/out.safetensors"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&scratch).ok();
+}
+
 #[test]
 fn probe_command_answers_the_oracle() {
     for name in [

@@ -125,8 +125,15 @@ pub(crate) fn audit_with_config(
     cfg: &ModelConfig,
     opts: &LoraOptions,
 ) -> Result<(PeftAdapterConfig, AuditReport, Option<LoadedSafetensors>), AuditError> {
-    let text = read_config(&dir.join(ADAPTER_CONFIG))?;
-    let config = PeftAdapterConfig::from_json(&text)?;
+    if !dir.is_dir() {
+        return Err(AuditError::io(
+            dir,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such adapter directory"),
+        ));
+    }
+    let config_path = dir.join(ADAPTER_CONFIG);
+    let text = read_config(&config_path)?;
+    let config = PeftAdapterConfig::from_json(&text).map_err(|e| e.in_config_file(&config_path))?;
     let weights = dir.join(ADAPTER_WEIGHTS);
     let mut mapped = None;
     let header = || {

@@ -261,14 +261,18 @@ pub enum AuditError {
         source: std::io::Error,
     },
     /// `adapter_config.json` is not a JSON object.
-    #[error("adapter_config.json is not valid JSON: {reason}")]
+    #[error("{path} is not valid JSON: {reason}")]
     ConfigJson {
+        /// The config file (`adapter_config.json` where only its text was given).
+        path: String,
         /// The parser's message.
         reason: String,
     },
     /// A field of `adapter_config.json` has a type or value that cannot be read.
-    #[error("adapter_config.json field `{field}`: {reason}")]
+    #[error("{path} field `{field}`: {reason}")]
     ConfigField {
+        /// The config file (`adapter_config.json` where only its text was given).
+        path: String,
         /// The field.
         field: String,
         /// What is wrong with it.
@@ -302,6 +306,26 @@ pub enum AuditError {
     /// The adapter was audited and is not servable.
     #[error("adapter refused: {}", join_refusals(&.0.refused))]
     Refused(Box<AuditReport>),
+    /// A probe file holds no `probe_in::` or `rows_idx::` tensor.
+    #[error("{path}: holds no probe_in:: or rows_idx:: tensor, so nothing is probed")]
+    NoProbes {
+        /// The probe file.
+        path: String,
+    },
+    /// No probe names a weight or table the adapter serves: nothing to write.
+    #[error("no probe names a weight this adapter serves (not served: {})", .unserved.join(", "))]
+    NothingProbed {
+        /// The probed weights the adapter does not serve.
+        unserved: Vec<String>,
+    },
+    /// An output file could not be written.
+    #[error("cannot write {path}: {reason}")]
+    Write {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
     /// `adapter_config.json` is larger than
     /// [`MAX_ADAPTER_CONFIG_BYTES`](crate::MAX_ADAPTER_CONFIG_BYTES): it is
     /// not parsed.
@@ -371,8 +395,25 @@ impl AuditError {
     /// A malformed config field.
     pub(crate) fn field(field: impl Into<String>, reason: impl Into<String>) -> AuditError {
         AuditError::ConfigField {
+            path: crate::ADAPTER_CONFIG.to_string(),
             field: field.into(),
             reason: reason.into(),
+        }
+    }
+
+    /// The error with the config file it is about named by its full path.
+    pub(crate) fn in_config_file(self, path: &std::path::Path) -> AuditError {
+        match self {
+            AuditError::ConfigJson { reason, .. } => AuditError::ConfigJson {
+                path: path.display().to_string(),
+                reason,
+            },
+            AuditError::ConfigField { field, reason, .. } => AuditError::ConfigField {
+                path: path.display().to_string(),
+                field,
+                reason,
+            },
+            other => other,
         }
     }
 }

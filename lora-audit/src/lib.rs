@@ -49,6 +49,19 @@
 //! `allow_partial`, for the skippable codes, and are listed); panic on any
 //! input file.
 //!
+//! # The command and the Python package
+//!
+//! The `lora-audit` command (crate `lora-audit-cli`) and the Python package
+//! `lora_audit` (crate `lora-audit-py`) are this library's two faces; this
+//! crate depends on neither an argument parser nor Python.
+//! `lora-audit check DIR --model config.json [--max-rank N] [--experts]
+//! [--allow-partial] [--json]` prints the report ([`AuditReport::to_text`],
+//! or [`AuditReport::to_json`]) and exits **0** servable, **1** refused,
+//! **2** bad usage or unreadable input (with `--json`, also
+//! `{"error": …, "exit": 2}` on stdout); `lora-audit probe` writes the
+//! served deltas ([`probe_adapter`]) with the same codes. Every error names
+//! the file or directory it is about.
+//!
 //! # Refusal codes
 //!
 //! | code | meaning | skippable |

@@ -366,10 +366,14 @@ struct OrderedConfig {
 impl OrderedConfig {
     fn parse(json: &str) -> Result<OrderedConfig, AuditError> {
         let mut de = serde_json::Deserializer::from_str(json);
-        let cfg = TopVisitor
-            .deserialize(&mut de)
-            .map_err(|e| AuditError::ConfigJson { reason: e.to_string() })?;
-        de.end().map_err(|e| AuditError::ConfigJson { reason: e.to_string() })?;
+        let cfg = TopVisitor.deserialize(&mut de).map_err(|e| AuditError::ConfigJson {
+            path: crate::ADAPTER_CONFIG.to_string(),
+            reason: e.to_string(),
+        })?;
+        de.end().map_err(|e| AuditError::ConfigJson {
+            path: crate::ADAPTER_CONFIG.to_string(),
+            reason: e.to_string(),
+        })?;
         Ok(cfg)
     }
 }

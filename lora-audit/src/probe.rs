@@ -134,8 +134,20 @@ pub struct ProbeInputs {
     pub rows: BTreeMap<String, Vec<i64>>,
 }
 
-/// Read a probe file; keys with other prefixes are ignored.
+/// Read a probe file; keys with other prefixes are ignored, and a file with
+/// no probe tensor is [`AuditError::NoProbes`].
 pub fn read_probe_inputs(path: &Path) -> Result<ProbeInputs, AuditError> {
+    let inputs = probe_tensors(path)?;
+    if inputs.inputs.is_empty() && inputs.rows.is_empty() {
+        return Err(AuditError::NoProbes {
+            path: path.display().to_string(),
+        });
+    }
+    Ok(inputs)
+}
+
+/// The `probe_in::` and `rows_idx::` tensors of a file (perhaps none).
+fn probe_tensors(path: &Path) -> Result<ProbeInputs, AuditError> {
     let mapped = LoadedSafetensors::open(path)?;
     let mut out = ProbeInputs::default();
     for info in mapped.infos()? {
@@ -162,7 +174,7 @@ pub struct Oracle {
 
 /// Read an oracle file.
 pub fn read_oracle(path: &Path) -> Result<Oracle, AuditError> {
-    let inputs = read_probe_inputs(path)?;
+    let inputs = probe_tensors(path)?;
     let mapped = LoadedSafetensors::open(path)?;
     let mut expected = BTreeMap::new();
     for info in mapped.infos()? {
@@ -589,7 +601,14 @@ impl<'a> ServedTables<'a> {
 
 /// Write probe outputs as F32 tensors (each tensor's bytes allocated
 /// fallibly: an error, never an abort, when the host lacks the memory).
+/// Outputs with no tensor are [`AuditError::NothingProbed`], never an empty
+/// file.
 pub fn write_probe_outputs(path: &Path, outputs: &ProbeOutputs) -> Result<(), AuditError> {
+    if outputs.tensors.is_empty() {
+        return Err(AuditError::NothingProbed {
+            unserved: outputs.unserved.clone(),
+        });
+    }
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = outputs
         .tensors
         .iter()
@@ -616,7 +635,7 @@ pub fn write_probe_outputs(path: &Path, outputs: &ProbeOutputs) -> Result<(), Au
                 })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| AuditError::Safetensors {
+    safetensors::serialize_to_file(views, None, path).map_err(|e| AuditError::Write {
         path: path.display().to_string(),
         reason: e.to_string(),
     })

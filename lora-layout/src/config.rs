@@ -184,6 +184,14 @@ pub enum ConfigError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A `config.json` file that does not parse: the file, and why.
+    #[error("{path}: {source}")]
+    InFile {
+        /// The file.
+        path: String,
+        /// What is wrong with its text.
+        source: Box<ConfigError>,
+    },
     /// `model_type` is absent.
     #[error("config has no `model_type`")]
     MissingModelType,
@@ -316,7 +324,10 @@ impl ModelConfig {
             path: path.display().to_string(),
             source,
         })?;
-        ModelConfig::from_hf_config(&text)
+        ModelConfig::from_hf_config(&text).map_err(|e| ConfigError::InFile {
+            path: path.display().to_string(),
+            source: Box::new(e),
+        })
     }
 
     /// Parse an already-decoded `config.json` value.

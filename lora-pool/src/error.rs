@@ -91,31 +91,39 @@ pub enum PoolError {
     NotResident(String),
     /// A step row names a slot that holds no adapter, or whose last write
     /// failed part way.
-    #[error("row {row} names slot {slot}, which holds no servable adapter")]
+    #[error("{} {row} names slot {slot}, which holds no servable adapter", kind.entry())]
     EmptySlot {
-        /// The row.
+        /// Decode (rows) or prefill (sequences).
+        kind: StepKind,
+        /// The row or sequence.
         row: usize,
         /// The slot.
         slot: SlotId,
     },
     /// A step row's lease is from another pool.
-    #[error("row {row}: the lease was taken from another pool")]
+    #[error("{} {row}: the lease was taken from another pool", kind.entry())]
     ForeignLease {
-        /// The row.
+        /// Decode (rows) or prefill (sequences).
+        kind: StepKind,
+        /// The row or sequence.
         row: usize,
     },
     /// A lease names an adapter identity its slot no longer has.
-    #[error("row {row}: the lease on slot {slot} names an adapter the slot no longer serves")]
+    #[error("{} {row}: the lease on slot {slot} names an adapter the slot no longer serves", kind.entry())]
     StaleLease {
-        /// The row.
+        /// Decode (rows) or prefill (sequences).
+        kind: StepKind,
+        /// The row or sequence.
         row: usize,
         /// The slot.
         slot: SlotId,
     },
     /// A step row's MoE deltas cannot be applied.
-    #[error("row {row}: its adapter's MoE deltas cannot be served ({reason:?})")]
+    #[error("{} {row}: its adapter's MoE deltas cannot be served ({reason:?})", kind.entry())]
     RouteRefused {
-        /// The row.
+        /// Decode (rows) or prefill (sequences).
+        kind: StepKind,
+        /// The row or sequence.
         row: usize,
         /// Why.
         reason: RefuseReason,

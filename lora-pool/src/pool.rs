@@ -960,7 +960,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// Resolve a step's rows: each lease must be this pool's and name a
     /// servable slot, and no MoE route may be `Refuse`. Holds one lease per
     /// distinct slot.
-    fn resolve_rows(&self, rows: &[StepRow<'_>]) -> Result<StepRows, PoolError> {
+    fn resolve_rows(&self, rows: &[StepRow<'_>], kind: StepKind) -> Result<StepRows, PoolError> {
         let experts = self.opts.experts && self.experts.is_some();
         let mut resolved = StepRows {
             pool: self.id,
@@ -975,15 +975,20 @@ impl<C: SlotCompanion> LoraPool<C> {
                 StepRow::Base => (RowSlot::Base, 0, None),
                 StepRow::Adapter(lease) => {
                     if !lease.is_of(&self.uses) {
-                        return Err(PoolError::ForeignLease { row });
+                        return Err(PoolError::ForeignLease { kind, row });
                     }
                     let slot = lease.slot();
-                    let servable = self.registry.get(slot.index()).filter(|s| s.is_servable());
-                    let Some(current) = servable else {
-                        return Err(PoolError::EmptySlot { row, slot });
+                    let Some(entry) = self.registry.get(slot.index()) else {
+                        return Err(PoolError::NoSuchSlot {
+                            slot: slot.index(),
+                            max_loras: self.opts.max_loras,
+                        });
+                    };
+                    let Some(current) = Some(entry).filter(|s| s.is_servable()) else {
+                        return Err(PoolError::EmptySlot { kind, row, slot });
                     };
                     if current.adapter_id() != lease.adapter_id() {
-                        return Err(PoolError::StaleLease { row, slot });
+                        return Err(PoolError::StaleLease { kind, row, slot });
                     }
                     if !resolved.leases.iter().any(|l| l.slot() == slot) {
                         resolved.leases.push((*lease).clone());
@@ -993,7 +998,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             };
             let route = resolve_moe_lora_route(state, experts);
             if let MoeLoraRoute::Refuse { reason } = route {
-                return Err(PoolError::RouteRefused { row, reason });
+                return Err(PoolError::RouteRefused { kind, row, reason });
             }
             resolved.rows.push(slot);
             resolved.adapter_ids.push(id);
@@ -1016,14 +1021,20 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// lease of another pool, a slot that cannot serve, or a `Refuse` MoE
     /// route.
     pub fn decode_step(&mut self, rows: &[StepRow<'_>], padded_rows: usize) -> Result<DecodeStep, PoolError> {
-        if padded_rows > self.capacity.max_rows || rows.len() > padded_rows {
+        if rows.len() > padded_rows {
+            return Err(PoolError::Batch(format!(
+                "decode step: {} rows do not fit the {padded_rows} padded rows asked",
+                rows.len()
+            )));
+        }
+        if padded_rows > self.capacity.max_rows {
             return Err(PoolError::BatchTooLarge {
-                what: "decode rows",
-                got: padded_rows.max(rows.len()),
+                what: "padded decode rows",
+                got: padded_rows,
                 capacity: self.capacity.max_rows,
             });
         }
-        let mut resolved = self.resolve_rows(rows)?;
+        let mut resolved = self.resolve_rows(rows, StepKind::Decode)?;
         let kernel: Vec<i32> = (0..padded_rows)
             .map(|i| resolved.rows.get(i).map_or(-1, |r| r.kernel_value()))
             .collect();
@@ -1071,7 +1082,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             cu_seqlens.push(total);
         }
         let rows: Vec<StepRow<'_>> = seqs.iter().map(|s| s.row).collect();
-        let mut resolved = self.resolve_rows(&rows)?;
+        let mut resolved = self.resolve_rows(&rows, StepKind::Prefill)?;
         let total = cu_seqlens[seqs.len()];
         let seg: Vec<i32> = resolved.rows.iter().map(|r| r.kernel_value()).collect();
         let mut per_row = Vec::with_capacity(total);

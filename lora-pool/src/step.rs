@@ -51,6 +51,16 @@ pub enum StepKind {
     Prefill,
 }
 
+impl StepKind {
+    /// What one entry of such a step is: a decode row, a prefill sequence.
+    pub fn entry(self) -> &'static str {
+        match self {
+            StepKind::Decode => "row",
+            StepKind::Prefill => "sequence",
+        }
+    }
+}
+
 impl std::fmt::Display for StepKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

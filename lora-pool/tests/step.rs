@@ -301,12 +301,17 @@ fn a_lease_of_another_pool_is_refused_and_the_current_step_stays() {
     let err = pool
         .decode_step(&[StepRow::Adapter(&b), StepRow::Base, StepRow::Adapter(&foreign)], 4)
         .unwrap_err();
-    assert!(matches!(err, PoolError::ForeignLease { row: 2 }), "{err}");
+    assert!(matches!(err, PoolError::ForeignLease { row: 2, .. }), "{err}");
+    assert!(err.to_string().starts_with("row 2:"), "{err}");
     let p_current = pool.prefill_step(&[seq(StepRow::Base, 2)]).unwrap();
     let err = pool
         .prefill_step(&[seq(StepRow::Adapter(&foreign), 2), seq(StepRow::Adapter(&a), 1)])
         .unwrap_err();
-    assert!(matches!(err, PoolError::ForeignLease { row: 0 }), "{err}");
+    assert!(matches!(err, PoolError::ForeignLease { row: 0, .. }), "{err}");
+    assert!(
+        err.to_string().starts_with("sequence 0:"),
+        "a prefill step's entries are sequences: {err}"
+    );
     // A refused step writes nothing and holds nothing.
     pool.check_step(&current).unwrap();
     pool.check_step(&p_current).unwrap();
@@ -373,15 +378,9 @@ fn batches_past_padded_rows_or_the_capacity_are_refused() {
     let a = pool.acquire("a").unwrap();
     let rows = [StepRow::Adapter(&a), StepRow::Base, StepRow::Adapter(&a)];
     let err = pool.decode_step(&rows, 2).unwrap_err();
+    // The limit named is the one passed: the padded rows, not the capacity.
     assert!(
-        matches!(
-            err,
-            PoolError::BatchTooLarge {
-                what: "decode rows",
-                got: 3,
-                capacity: 8
-            }
-        ),
+        matches!(&err, PoolError::Batch(m) if m.contains("3 rows do not fit the 2 padded rows")),
         "more rows than padded rows: {err}"
     );
     let err = pool.decode_step(&rows, capacity.max_rows + 1).unwrap_err();
@@ -389,7 +388,7 @@ fn batches_past_padded_rows_or_the_capacity_are_refused() {
         matches!(
             err,
             PoolError::BatchTooLarge {
-                what: "decode rows",
+                what: "padded decode rows",
                 got: 9,
                 capacity: 8
             }

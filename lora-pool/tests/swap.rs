@@ -222,7 +222,7 @@ fn batch_rows_must_name_resident_adapters() {
     let foreign = other.acquire("a").unwrap();
     assert!(matches!(
         pool.decode_step(&[StepRow::Adapter(&a), StepRow::Adapter(&foreign)], 2),
-        Err(PoolError::ForeignLease { row: 1 })
+        Err(PoolError::ForeignLease { row: 1, .. })
     ));
     assert!(matches!(
         pool.prefill_step(&[
@@ -235,7 +235,7 @@ fn batch_rows_must_name_resident_adapters() {
                 len: 2
             },
         ]),
-        Err(PoolError::ForeignLease { row: 1 })
+        Err(PoolError::ForeignLease { row: 1, .. })
     ));
     assert!(matches!(
         pool.prefill_step(&[

@@ -115,8 +115,9 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         max_rows: 64,
         max_segments: 4,
     };
+    let name = args.adapter.display().to_string();
     let source = [AdapterSource {
-        name: "probed",
+        name: &name,
         dir: &args.adapter,
     }];
     let outputs = match &args.base {

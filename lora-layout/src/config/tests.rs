@@ -361,3 +361,20 @@ mod never_panics {
         }
     }
 }
+
+#[test]
+fn a_config_file_that_does_not_parse_is_named_in_its_error() {
+    let dir = std::env::temp_dir().join(format!("lora-layout-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("config.json");
+    std::fs::write(&path, r#"{"hidden_size": 8}"#).expect("write");
+    let err = ModelConfig::from_file(&path).expect_err("no model_type");
+    assert!(
+        matches!(&err, ConfigError::InFile { source, .. } if matches!(**source, ConfigError::MissingModelType)),
+        "{err}"
+    );
+    assert!(err.to_string().starts_with(&path.display().to_string()), "{err}");
+    let missing = ModelConfig::from_file(&dir.join("absent.json")).expect_err("absent");
+    assert!(missing.to_string().contains("absent.json"), "{missing}");
+    std::fs::remove_dir_all(&dir).ok();
+}

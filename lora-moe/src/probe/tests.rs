@@ -111,6 +111,6 @@ fn malformed_probes_are_errors() {
     let probes = inputs(&[("model.layers.1.mlp.gate.weight", vec![3, 32])]);
     assert!(matches!(
         probe_expert_lora(&mut pool, &foreign, &probes),
-        Err(MoeError::Pool(PoolError::ForeignLease { row: 0 }))
+        Err(MoeError::Pool(PoolError::ForeignLease { row: 0, .. }))
     ));
 }
