@@ -367,7 +367,7 @@ fn fill_place(
         .enumerate()
         .try_for_each(|(i, block)| src.a.write(i * a_rows * place.in_dim, block))
         .map_err(read_err(PairPart::A))?;
-    if let Some(index) = a_used.par_iter().position_first(|v| !v.is_finite()) {
+    if let Some(index) = lora_audit::first_non_finite(a_used) {
         return Err(ImageError::NonFinite {
             key: src.meta.key,
             part: PairPart::A,
@@ -397,13 +397,10 @@ fn fill_place(
             Ok(())
         })
         .map_err(read_err(PairPart::B))?;
-    let non_finite = b_region
-        .par_chunks(stride.max(1))
-        .enumerate()
-        .find_map_first(|(row, values)| {
-            let col = values[..r.min(values.len())].iter().position(|v| !v.is_finite())?;
-            Some((row * r + col, values[col].to_f32()))
-        });
+    // The padding columns hold zeros, so the first non-finite element of
+    // the region is one of B's own: row-major over its `[out, r]` values.
+    let non_finite = lora_audit::first_non_finite(b_region)
+        .map(|i| ((i / stride.max(1)) * r + i % stride.max(1), b_region[i].to_f32()));
     match non_finite {
         Some((index, value)) => Err(ImageError::NonFinite {
             key: src.meta.key,
@@ -451,7 +448,7 @@ pub fn check_finite(layout: &(impl PairLayout + Sync), elems: &[bf16]) -> Result
         .into_iter()
         .find_map(|(part, start, len)| {
             let values = elems.get(start..start.checked_add(len)?)?;
-            let index = values.iter().position(|v| !v.is_finite())?;
+            let index = lora_audit::first_non_finite(values)?;
             Some(ImageError::NonFinite {
                 key: place.key,
                 part,

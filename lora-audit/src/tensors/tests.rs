@@ -595,3 +595,23 @@ fn dtype_names_of_safetensors_and_torch_agree() {
     assert_eq!(TensorDtype::from_name("torch.float64"), Some(TensorDtype::Other("F64")));
     assert_eq!(TensorDtype::from_name("complex64"), None);
 }
+
+#[test]
+fn first_non_finite_of_bf16_finds_the_first_like_a_plain_scan() {
+    let mut values = vec![bf16::from_f32(1.5); 5000];
+    assert_eq!(first_non_finite(&values), None);
+    for (at, bad) in [
+        (4999, f32::INFINITY),
+        (777, f32::NAN),
+        (3, f32::NEG_INFINITY),
+        (0, f32::NAN),
+    ] {
+        values[at] = bf16::from_f32(bad);
+        let plain = values.iter().position(|v| !v.is_finite());
+        assert_eq!(first_non_finite(&values), plain);
+        assert_eq!(plain, Some(at));
+    }
+    // Unaligned starts too.
+    assert_eq!(first_non_finite(&values[1..]), Some(2));
+    assert_eq!(first_non_finite(&[]), None);
+}
