@@ -32,7 +32,7 @@
 //! cluster is one block; on sm_90 the cost model (`LaunchChoice::pick` in
 //! [`plan`]) takes clusters of 8, or of 2 (one block a multiprocessor, each
 //! doing four times the work) where items outnumber one round of resident
-//! clusters of 8; clusters of 4 serve exact plans only.
+//! clusters of 8 (clusters of 4 were removed: slower everywhere, NOTES.md v38).
 //!
 //! Finding the items ([`plan::FusedForm::items`]):
 //! - [`plan::ItemList::Scan`]: every block lists its window's items

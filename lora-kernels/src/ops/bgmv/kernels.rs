@@ -58,29 +58,23 @@ const fn entry(kernel: EntryKernel, stride: usize, prefetch: bool) -> DecodeKern
 }
 
 /// The table.
-const NAMES: [(DecodeKernel, &str); 44] = [
+const NAMES: [(DecodeKernel, &str); 38] = [
     (fused(1, false, false, Bf16), "bgmv_c1_bf16"),
     (fused(1, false, false, F32), "bgmv_c1_f32"),
     (fused(2, false, false, Bf16), "bgmv_c2_bf16"),
     (fused(2, false, false, F32), "bgmv_c2_f32"),
-    (fused(4, false, false, Bf16), "bgmv_c4_bf16"),
-    (fused(4, false, false, F32), "bgmv_c4_f32"),
     (fused(8, false, false, Bf16), "bgmv_c8_bf16"),
     (fused(8, false, false, F32), "bgmv_c8_f32"),
     (fused(1, true, false, Bf16), "bgmv_tc_c1_bf16"),
     (fused(1, true, false, F32), "bgmv_tc_c1_f32"),
     (fused(2, true, false, Bf16), "bgmv_tc_c2_bf16"),
     (fused(2, true, false, F32), "bgmv_tc_c2_f32"),
-    (fused(4, true, false, Bf16), "bgmv_tc_c4_bf16"),
-    (fused(4, true, false, F32), "bgmv_tc_c4_f32"),
     (fused(8, true, false, Bf16), "bgmv_tc_c8_bf16"),
     (fused(8, true, false, F32), "bgmv_tc_c8_f32"),
     (fused(1, true, true, Bf16), "bgmv_tc_c1_bf16_list"),
     (fused(1, true, true, F32), "bgmv_tc_c1_f32_list"),
     (fused(2, true, true, Bf16), "bgmv_tc_c2_bf16_list"),
     (fused(2, true, true, F32), "bgmv_tc_c2_f32_list"),
-    (fused(4, true, true, Bf16), "bgmv_tc_c4_bf16_list"),
-    (fused(4, true, true, F32), "bgmv_tc_c4_f32_list"),
     (fused(8, true, true, Bf16), "bgmv_tc_c8_bf16_list"),
     (fused(8, true, true, F32), "bgmv_tc_c8_f32_list"),
     (ItemList, "bgmv_list"),

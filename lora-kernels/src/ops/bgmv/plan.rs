@@ -605,6 +605,10 @@ impl<'a> Facts<'a> {
 // table and the versions it cites).
 // ---------------------------------------------------------------------------
 
+/// 0. Under the overlap promise, row registers overlapped: up to
+///    [`OVERLAP_ROW_REGISTER_ROWS`] rows of at most
+///    [`ROW_REGISTER_ROWS_PER_ENTRY`] a table entry, where the general
+///    row-register kernel serves the call.
 /// 1. Row registers: [`ROW_REGISTER_ROWS`] rows of at most
 ///    [`ROW_REGISTER_ROWS_PER_ENTRY`] a table entry (mostly distinct
 ///    adapters), in calls the straight-line kernels serve (4096 x 4096,
@@ -620,8 +624,9 @@ impl<'a> Facts<'a> {
 ///    the overlap.
 /// 4. Two launches: [`TWO_PHASE_ROWS`] rows, except few adapters (more
 ///    than [`MULTI_ROW_ITEMS`] rows an entry), small adapters of up to 64
-///    rows (rank stride 16, at most 8192 outputs) and batches the fused
-///    launch serves in one round.
+///    rows (rank stride 16, at most 8192 outputs and, on sm_90, at most
+///    [`TWO_PHASE_SMALL_IN`] inputs) and batches the fused launch serves in
+///    one round.
 /// 5. Fused: tensor cores and the item list for [`TENSOR_CORE_MIN_ROWS`]
 ///    rows or more (or few adapters in the two-launch range; the list not
 ///    under the overlap up to 256 rows), clusters and splits by the cost
@@ -653,17 +658,21 @@ fn auto_under(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) -> R
 /// 5.87) and the two launches (rank 64 21.50 against 22.03, 14336 outputs
 /// 16.47 against 16.98). The others lost or tied (e.g. n = 64 of 8
 /// adapters named in a 64-entry table: the fused clusters of 2 overlapped
-/// 15.84 against the row-register form's 5.60).
+/// 15.84 against the row-register form's 5.60). Rule 0's overlapped
+/// row-register kernel too (NOTES.md v38).
 fn overlap_wins(plan: &DecodePlan) -> bool {
     plan.chain == Chain::EarlyReads
         && match plan.form {
-            DecodeForm::TwoPhase(_) => true,
+            DecodeForm::TwoPhase(_) | DecodeForm::RowRegisters { .. } => true,
             DecodeForm::Fused(u) => u.cluster == 8 && !u.tensor_cores,
             _ => false,
         }
 }
 
 fn auto(f: &Facts<'_>) -> Result<DecodePlan, KernelError> {
+    if let Some(plan) = overlap_row_registers_rule(f) {
+        return Ok(plan);
+    }
     if let Some(plan) = row_registers_rule(f) {
         return Ok(plan);
     }
@@ -678,6 +687,29 @@ fn auto(f: &Facts<'_>) -> Result<DecodePlan, KernelError> {
         return Ok(plan);
     }
     fused.map(|(plan, _)| plan)
+}
+
+/// Batches rule 0 serves under the overlap promise (sm_90, rank stride 16).
+pub(super) const OVERLAP_ROW_REGISTER_ROWS: std::ops::RangeInclusive<usize> = 1..=64;
+
+/// Rule 0, under the overlap promise: the general row-register kernel
+/// reading its weights before the previous kernel completes, for up to 64
+/// rows of at most [`ROW_REGISTER_ROWS_PER_ENTRY`] a table entry wherever
+/// the form serves the call (in up to 4096, targets up to 4096 outputs).
+/// Measured faster than every other plan under the promise (H100, NOTES.md
+/// v38; 32 launches in one graph, n = 64 of 64 adapters: the fused q|k|v
+/// site 559.7 µs against 622.8 for the best fused plan and 753.5 for the
+/// rule table's before, o 263.9 against 292.3; one launch in a graph:
+/// n = 16 2.87 against 4.96 for the plain default, n = 32 3.88 against 6.36).
+fn overlap_row_registers_rule(f: &Facts<'_>) -> Option<DecodePlan> {
+    let takes = f.overlap
+        && OVERLAP_ROW_REGISTER_ROWS.contains(&f.n)
+        && f.n <= ROW_REGISTER_ROWS_PER_ENTRY.saturating_mul(f.max_entries)
+        && f.call.rows_shape(f.hopper).check(f.targets()).is_ok();
+    takes.then_some(DecodePlan {
+        form: DecodeForm::RowRegisters { straight_line: false },
+        chain: Chain::EarlyReads,
+    })
 }
 
 /// Batches rule 1 serves (sm_90, rank stride 16).
@@ -808,7 +840,15 @@ pub(super) const TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 32..=128;
 pub(super) const MULTI_ROW_ITEMS: usize = 2;
 
 fn two_phase_rule(f: &Facts<'_>, fused_rounds: Option<usize>) -> Option<DecodePlan> {
-    if !two_phase_by_default(f.n, f.stride, f.max_out, f.max_entries, fused_rounds) {
+    if !two_phase_by_default(
+        f.n,
+        f.stride,
+        f.call.in_dim,
+        f.max_out,
+        f.max_entries,
+        fused_rounds,
+        f.hopper,
+    ) {
         return None;
     }
     let two = two_phase_layout(f, None)?;
@@ -827,15 +867,25 @@ fn two_phase_rule(f: &Facts<'_>, fused_rounds: Option<usize>) -> Option<DecodePl
 pub(super) fn two_phase_by_default(
     n: usize,
     stride: usize,
+    in_dim: usize,
     max_out: usize,
     max_entries: usize,
     fused_rounds: Option<usize>,
+    hopper: bool,
 ) -> bool {
-    TWO_PHASE_ROWS.contains(&n)
-        && !few_adapters(n, max_entries)
-        && !(n <= 64 && stride <= 16 && max_out <= TWO_PHASE_WIDE_OUT)
-        && fused_rounds != Some(1)
+    // The wide-input exception was measured on sm_90 only.
+    let narrow = in_dim <= TWO_PHASE_SMALL_IN || !hopper;
+    let small = stride <= 16 && narrow && max_out <= TWO_PHASE_WIDE_OUT;
+    TWO_PHASE_ROWS.contains(&n) && !few_adapters(n, max_entries) && !(n <= 64 && small) && fused_rounds != Some(1)
 }
+
+/// Widest input of the small adapters rule 4 leaves to the fused kernel up
+/// to 64 rows (with rank stride 16 and at most [`TWO_PHASE_WIDE_OUT`]
+/// outputs). Past it, two launches measured faster: Llama-3.1-8B's down
+/// projection (in = 14336, out = 4096), n = 64 of 64 adapters, 32 launches
+/// in one graph (H100, NOTES.md v38): 626.9 µs against the fused kernel's
+/// 879.6, under the overlap promise 614.8 against 862.5.
+pub(super) const TWO_PHASE_SMALL_IN: usize = 4096;
 
 /// The two launches' layout where the scratch and shared memory hold it.
 fn two_phase_layout(f: &Facts<'_>, cols: Option<u32>) -> Option<TwoPhasePlan> {
@@ -1015,9 +1065,9 @@ fn check_fused(f: &Facts<'_>, form: FusedForm, chain: Chain) -> Result<(), Kerne
     }
     match form.cluster {
         1 => {}
-        2 | 4 | 8 if f.hopper => {}
-        2 | 4 | 8 => return refuse("plan.cluster", "clusters need sm_90 or newer".into()),
-        c => return refuse("plan.cluster", format!("{c}; 1, 2, 4 or 8")),
+        2 | 8 if f.hopper => {}
+        2 | 8 => return refuse("plan.cluster", "clusters need sm_90 or newer".into()),
+        c => return refuse("plan.cluster", format!("{c}; 1, 2 or 8")),
     }
     if form.push_sum && form.cluster == 1 {
         return refuse("plan.push_sum", "one block per item has no cluster sum".into());
@@ -1116,7 +1166,7 @@ pub fn candidates(call: &DecodeCall, limits: &DeviceLimits, ctx: DecodeContext) 
             }
         }
     }
-    let clusters: &[usize] = if f.hopper { &[1, 2, 4, 8] } else { &[1] };
+    let clusters: &[usize] = if f.hopper { &[1, 2, 8] } else { &[1] };
     for &cluster in clusters {
         for tensor_cores in [false, true] {
             // The item list serves the tensor-core kernels only.
@@ -1260,10 +1310,9 @@ impl LaunchChoice {
             ..
         } = rows;
         let clusters: Vec<usize> = match fixed.cluster {
-            Some(8 | 4 | 2) if !hopper => return Err(invalid("plan.cluster", "clusters need sm_90 or newer")),
+            Some(8 | 2) if !hopper => return Err(invalid("plan.cluster", "clusters need sm_90 or newer")),
             Some(v) => vec![v],
-            // Clusters of 4 are kept for tuning; on the H200 they never beat 8
-            // (NOTES.md). Clusters of 2 (one block per multiprocessor) win
+            // Clusters of 2 (one block per multiprocessor) win
             // where items outnumber the resident clusters of 8: each of their
             // blocks does four times the work, but in fewer rounds. On tensor
             // cores only where the rows alone make more items than a round

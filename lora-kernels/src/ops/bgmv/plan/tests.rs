@@ -466,29 +466,37 @@ fn launch_choices_keep_every_block_resident() {
 fn two_launches_by_default_where_they_measured_faster() {
     // Tables of 64 entries: items of one row are possible up to 128 rows.
     // Few rows: the fused kernel's single launch.
-    assert!(!two_phase_by_default(16, 16, 4096, 64, None));
+    assert!(!two_phase_by_default(16, 16, 4096, 4096, 64, None, true));
     // Larger adapters or more rows: two launches.
-    assert!(two_phase_by_default(64, 64, 4096, 64, None));
-    assert!(two_phase_by_default(64, 16, 14336, 64, None));
-    assert!(two_phase_by_default(128, 16, 4096, 64, None));
+    assert!(two_phase_by_default(64, 64, 4096, 4096, 64, None, true));
+    assert!(two_phase_by_default(64, 16, 4096, 14336, 64, None, true));
+    assert!(two_phase_by_default(128, 16, 4096, 4096, 64, None, true));
     // Many rows: the fused kernel (on tensor cores).
-    assert!(!two_phase_by_default(256, 16, 4096, 64, None));
+    assert!(!two_phase_by_default(256, 16, 4096, 4096, 64, None, true));
     // Rows that must share few adapters (more than 2 per table entry):
     // the fused kernel on tensor cores with the item list, as for many rows.
-    assert!(!two_phase_by_default(128, 16, 4096, 16, None));
-    assert!(!two_phase_by_default(64, 64, 4096, 31, None));
-    assert!(two_phase_by_default(64, 64, 4096, 32, None));
+    assert!(!two_phase_by_default(128, 16, 4096, 4096, 16, None, true));
+    assert!(!two_phase_by_default(64, 64, 4096, 4096, 31, None, true));
+    assert!(two_phase_by_default(64, 64, 4096, 4096, 32, None, true));
     // Up to 64 rows of small adapters: the fused launch, in however many
     // rounds (three targets); past 64 rows, or larger adapters, two launches
     // unless the fused launch takes one round.
-    assert!(!two_phase_by_default(64, 16, 4096, 64, None));
-    assert!(!two_phase_by_default(64, 16, 4096, 64, Some(3)));
-    assert!(!two_phase_by_default(40, 8, 8192, 64, Some(2)));
-    assert!(two_phase_by_default(65, 16, 4096, 64, Some(2)));
-    assert!(two_phase_by_default(64, 32, 4096, 64, Some(2)));
-    assert!(two_phase_by_default(64, 16, 8200, 64, Some(2)));
-    assert!(!two_phase_by_default(96, 16, 4096, 64, Some(1)));
-    assert!(two_phase_by_default(64, 64, 4096, 64, Some(5)));
+    assert!(!two_phase_by_default(64, 16, 4096, 4096, 64, None, true));
+    assert!(!two_phase_by_default(64, 16, 4096, 4096, 64, Some(3), true));
+    assert!(!two_phase_by_default(40, 8, 4096, 8192, 64, Some(2), true));
+    assert!(two_phase_by_default(65, 16, 4096, 4096, 64, Some(2), true));
+    assert!(two_phase_by_default(64, 32, 4096, 4096, 64, Some(2), true));
+    assert!(two_phase_by_default(64, 16, 4096, 8200, 64, Some(2), true));
+    assert!(!two_phase_by_default(96, 16, 4096, 4096, 64, Some(1), true));
+    assert!(two_phase_by_default(64, 64, 4096, 4096, 64, Some(5), true));
+    // Small outputs of a wide input (Llama-3.1-8B's down projection, in =
+    // 14336): two launches from 32 rows (n = 64 of 64, 32 launches in one
+    // graph, H100: 626.9 against the fused kernel's 879.6 µs, NOTES v38).
+    assert!(two_phase_by_default(64, 16, 14336, 4096, 64, None, true));
+    assert!(two_phase_by_default(32, 16, 14336, 4096, 64, Some(3), true));
+    assert!(!two_phase_by_default(16, 16, 14336, 4096, 64, None, true));
+    // Not measured before sm_90: the fused launch stays there.
+    assert!(!two_phase_by_default(64, 16, 14336, 4096, 64, None, false));
 }
 
 #[test]
