@@ -2,7 +2,7 @@
 //!
 //! It reads an adapter directory (`adapter_config.json` +
 //! `adapter_model.safetensors`, as PEFT 0.21 writes them with transformers
-//! 4.x or 5.x) against a base model's [`ModelConfig`] and the pool limits in
+//! 4.x or 5.x) against a base model's [`ModelConfig`](lora_layout::ModelConfig) and the pool limits in
 //! [`LoraOptions`], and either places every tensor exactly or refuses the
 //! adapter with stable codes naming the tensor or field at fault.
 //!

@@ -24,7 +24,9 @@ pub struct LoraOptions {
     /// Bytes of one expert-pool slot, when fixed (`LORA_EXPERT_SLOT_BYTES`);
     /// `None` sizes it from the adapters loaded at startup.
     pub expert_slot_bytes: Option<usize>,
-    /// Run decode without CUDA graphs while an adapter is loaded (`LORA_EAGER`).
+    /// Advice to the engine: run decode without CUDA graphs while an adapter
+    /// is loaded (`LORA_EAGER`). Read here only; no crate of this workspace
+    /// acts on it (the engine decides how it launches).
     pub eager: bool,
     /// Allow runtime rotation and swap of adapters (`LORA_ROTATE`, or set by
     /// `LORA_PEER`).

@@ -1157,8 +1157,12 @@ impl<C: SlotCompanion> LoraPool<C> {
             }
         }
         if x_rows != step.kernel_rows() {
+            let what = match step.kind() {
+                StepKind::Decode => "padded rows",
+                StepKind::Prefill => "tokens over its sequences",
+            };
             return Err(PoolError::Batch(format!(
-                "x has {x_rows} rows, the {} step {}",
+                "x has {x_rows} rows; the {} step has {} {what}",
                 step.kind(),
                 step.kernel_rows()
             )));

@@ -16,7 +16,7 @@
 //!   and the server.
 //! - [`transport`], [`tcp`], [`verbs`]: the engine's transports;
 //!   [`land`]: the landing itself; [`swap`]: promotion of a pool slot from
-//!   a peer; [`bench`]: the landing-rate benchmark.
+//!   a peer; [`bench`](mod@bench): the landing-rate benchmark.
 //!
 //! ```
 //! use std::path::Path;

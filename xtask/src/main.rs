@@ -178,7 +178,8 @@ fn main() -> ExitCode {
 }
 
 /// What CI runs: the format check, every test (nextest when installed), the
-/// doc tests, and the demo.
+/// doc tests, clippy and the rendered docs (warnings are errors), the Python
+/// package's tests, and the demo.
 fn ci() -> Result<(), String> {
     use std::process::Command;
     if util::succeeds(Command::new("cargo").args(["fmt", "--version"])) {
@@ -193,6 +194,14 @@ fn ci() -> Result<(), String> {
         util::run(Command::new("cargo").args(["test", "--workspace", "--no-fail-fast", "--lib", "--bins", "--tests"]))?;
     }
     util::run(Command::new("cargo").args(["test", "--workspace", "--doc"]))?;
+    // Lints and rendered docs, always (the `ibverbs` feature's lints below
+    // only where its headers are).
+    util::run(Command::new("cargo").args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    util::run(
+        Command::new("cargo")
+            .args(["doc", "--workspace", "--no-deps"])
+            .env("RUSTDOCFLAGS", "-D warnings"),
+    )?;
     // The RDMA READ transport builds against the system's libibverbs
     // headers (`.ci/run` installs them); its unit tests need no device.
     if util::succeeds(Command::new("pkg-config").args(["--exists", "libibverbs"])) {
