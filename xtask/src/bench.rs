@@ -51,6 +51,8 @@ use serde_json::{Value, json};
 
 use crate::bench_io::{self, IoRow};
 
+#[path = "bench_plot.rs"]
+pub(crate) mod plot;
 #[path = "bench_step.rs"]
 mod step;
 
@@ -1081,6 +1083,15 @@ fn write_json(ctx: &Ctx<'_>, device: &Device, io: &[IoRow]) -> Result<(), String
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     std::fs::write(&ctx.opts.out, text).map_err(|e| format!("cannot write {}: {e}", ctx.opts.out.display()))?;
     eprintln!("bench: wrote {}", ctx.opts.out.display());
+    let dir = ctx
+        .opts
+        .out
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_default();
+    for path in plot::write_plots(&report, &dir)? {
+        eprintln!("bench: wrote {}", path.display());
+    }
     Ok(())
 }
 

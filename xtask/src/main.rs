@@ -88,6 +88,11 @@ const TASKS: &[(&str, &str, &str)] = &[
         "kernel, decode-step, swap and peer-landing benchmarks (sections: kernels, step, swap, landing)",
     ),
     (
+        "plot",
+        "REPORT.json [DIR]",
+        "redraw a saved bench report's SVG plots (bench writes them beside its JSON)",
+    ),
+    (
         "py-test",
         "",
         "build the lora-audit Python wheel (maturin) and run its pytest suite in a fresh virtual environment",
@@ -132,6 +137,7 @@ fn main() -> ExitCode {
         "ci" => ci(),
         "demo" => demo::run(rest),
         "py-test" => py::run(rest),
+        "plot" => bench::plot::run(rest),
         "fixtures" => fixtures::run(rest),
         "gpu-bundle" => gpu::bundle(rest),
         "gpu-test" => gpu::gpu_test(rest),
