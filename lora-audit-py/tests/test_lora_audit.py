@@ -136,11 +136,13 @@ def test_probe_writes_what_the_command_writes(tmp_path):
                                  tensors={"x": ("complex64", [1])}),
         lambda: lora_audit.check({"peft_type": "LORA", "r": 8}, FIXTURES / "llama" / "config.json",
                                  tensors={"x": ("BF16", [-1])}),
+        lambda: lora_audit.check({"peft_type": "LORA", "r": 8}, FIXTURES / "llama" / "config.json",
+                                 tensors={"x": ("BF16", [2**70])}),
         lambda: lora_audit.check(12, FIXTURES / "llama" / "config.json"),
         lambda: lora_audit.check(FIXTURES / "llama" / "rslora", 3.5),
     ],
     ids=["missing-adapter", "missing-model", "incomplete-model", "rank-0", "dict-without-tensors",
-         "unknown-dtype", "negative-dim", "adapter-type", "model-type"],
+         "unknown-dtype", "negative-dim", "huge-dim", "adapter-type", "model-type"],
 )
 def test_bad_input_raises_input_error(call):
     with pytest.raises(lora_audit.InputError) as caught:
@@ -161,3 +163,34 @@ def test_a_hostile_config_dict_is_refused_not_crashed():
         assert e.codes
     else:
         assert not report.servable and report.codes
+
+
+def test_a_training_scripts_objects_are_accepted():
+    """Sets, enums and torch-like dtypes, as LoraConfig.to_dict() and a model
+    config's to_dict() hold them, and tensors given as objects with a dtype
+    and a shape (a state dict's values)."""
+    import enum
+
+    class TaskType(enum.Enum):
+        CAUSAL_LM = "CAUSAL_LM"
+
+    class Dtype:
+        def __str__(self):
+            return "torch.bfloat16"
+
+    class Tensor:
+        def __init__(self, shape):
+            self.dtype, self.shape = Dtype(), tuple(shape)
+
+    adapter = FIXTURES / "llama" / "rslora"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["target_modules"] = set(config["target_modules"])
+    config["task_type"] = TaskType.CAUSAL_LM
+    model = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    model["torch_dtype"] = Dtype()
+    tensors = {k: Tensor(shape) for k, (_, shape) in header_tensors(adapter / "adapter_model.safetensors").items()}
+    report = lora_audit.check(config, model, tensors=tensors, name="rslora")
+    want = lora_audit.check(adapter, FIXTURES / "llama" / "config.json").to_dict()
+    got = report.to_dict()
+    # The dtypes differ (the fixture's own against bfloat16): compare the placement.
+    assert got["placed"] == want["placed"] and got["servable"] == want["servable"]

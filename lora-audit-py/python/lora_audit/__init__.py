@@ -33,7 +33,7 @@ TensorSpec = Tuple[Any, Sequence[int]]
 
 def _model_args(model: Union[PathLike, Mapping[str, Any]]) -> dict:
     if isinstance(model, Mapping):
-        return {"model_json": json.dumps(dict(model))}
+        return {"model_json": json.dumps(dict(model), default=_json_default)}
     if isinstance(model, (str, os.PathLike)):
         return {"model_path": os.fspath(model)}
     raise InputError(f"model must be a config.json path or a dict, not {type(model).__name__}")
@@ -53,8 +53,8 @@ def _tensor_list(tensors: Mapping[str, Any]) -> list:
             dims = [int(d) for d in shape]
         except (TypeError, ValueError):
             raise InputError(f"tensor {name!r}: shape {shape!r} is not a list of integers") from None
-        if any(d < 0 for d in dims):
-            raise InputError(f"tensor {name!r}: shape {dims} has a negative dimension")
+        if any(d < 0 or d >= 2**63 for d in dims):
+            raise InputError(f"tensor {name!r}: shape {dims} has a negative or impossibly large dimension")
         out.append((str(name), str(dtype), dims))
     return out
 
@@ -118,9 +118,11 @@ def probe(
 
 
 def _json_default(value: Any) -> Any:
-    # LoraConfig.to_dict() holds sets (target_modules) and enums (task_type).
+    # LoraConfig.to_dict() holds sets (target_modules) and enums (task_type);
+    # a model config may hold a torch dtype. Anything else by its text: the
+    # audit checks every field it reads.
     if isinstance(value, (set, frozenset)):
-        return sorted(value)
+        return sorted(value, key=str)
     if hasattr(value, "value"):
         return value.value
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+    return str(value)
