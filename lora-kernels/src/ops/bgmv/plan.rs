@@ -699,8 +699,10 @@ pub(super) const OVERLAP_ROW_REGISTER_ROWS: std::ops::RangeInclusive<usize> = 1.
 /// Measured faster than every other plan under the promise (H100, NOTES.md
 /// v38; 32 launches in one graph, n = 64 of 64 adapters: the fused q|k|v
 /// site 559.7 µs against 622.8 for the best fused plan and 753.5 for the
-/// rule table's before, o 263.9 against 292.3; one launch in a graph:
-/// n = 16 2.87 against 4.96 for the plain default, n = 32 3.88 against 6.36).
+/// rule table's before, o 263.9 against 292.3; one launch in a graph
+/// against the best other plan under the promise, same call: n = 1 2.59
+/// against 2.78, n = 16 2.92 against 3.92, n = 32 3.90 against 5.90,
+/// n = 64 8.37 against 9.72).
 fn overlap_row_registers_rule(f: &Facts<'_>) -> Option<DecodePlan> {
     let takes = f.overlap
         && OVERLAP_ROW_REGISTER_ROWS.contains(&f.n)
