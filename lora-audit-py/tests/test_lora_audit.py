@@ -194,3 +194,18 @@ def test_a_training_scripts_objects_are_accepted():
     got = report.to_dict()
     # The dtypes differ (the fixture's own against bfloat16): compare the placement.
     assert got["placed"] == want["placed"] and got["servable"] == want["servable"]
+
+
+def test_the_type_stubs_name_what_the_module_holds():
+    import ast
+    import importlib.resources
+
+    stub = importlib.resources.files("lora_audit").joinpath("_native.pyi").read_text()
+    named = {n.name for n in ast.parse(stub).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    public = {n for n in dir(lora_audit._native) if not n.startswith("_")}
+    assert named == public
+    assert importlib.resources.files("lora_audit").joinpath("py.typed").is_file()
+    for cls in (lora_audit.Report, lora_audit.Refusal):
+        node = next(n for n in ast.parse(stub).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        members = {m.name for m in node.body if isinstance(m, ast.FunctionDef)}
+        assert members == {m for m in dir(cls) if not m.startswith("_")}, cls.__name__
