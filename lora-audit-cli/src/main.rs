@@ -10,10 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use lora_audit::{
-    AuditError, AuditReport, LoraOptions, audit_adapter, prepare_adapter, probe_adapter, read_base_tables,
-    read_probe_inputs, write_probe_outputs,
-};
+use lora_audit::{AuditArgs, AuditError, AuditReport, LoraOptions, audit_adapter, prepare_adapter, probe_files};
 use lora_layout::ModelConfig;
 use serde_json::json;
 
@@ -87,19 +84,15 @@ struct Common {
 
 impl Common {
     fn options(&self) -> Result<LoraOptions, String> {
-        let mut opts = LoraOptions::from_env().map_err(|e| e.to_string())?;
-        if let Some(r) = self.max_rank {
-            opts.max_rank = r;
-        }
-        if let Some(r) = self.expert_rank {
-            opts.expert_rank = r;
-        }
-        if opts.max_rank == 0 || opts.expert_rank == 0 {
-            return Err("ranks must be at least 1".into());
-        }
-        opts.allow_partial |= self.allow_partial;
-        opts.experts |= self.experts;
-        Ok(opts)
+        let args = AuditArgs {
+            max_rank: self.max_rank,
+            expert_rank: self.expert_rank,
+            allow_partial: self.allow_partial,
+            experts: self.experts,
+        };
+        LoraOptions::from_env()
+            .and_then(|o| o.with_args(args))
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -153,14 +146,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 }
                 Err(e) => return Err(e.to_string()),
             };
-            let inputs = read_probe_inputs(&probes).map_err(|e| e.to_string())?;
-            let base = base
-                .as_deref()
-                .map(read_base_tables)
-                .transpose()
-                .map_err(|e| e.to_string())?;
-            let outputs = probe_adapter(&adapter, &cfg, &inputs, base.as_ref()).map_err(|e| e.to_string())?;
-            write_probe_outputs(&out, &outputs).map_err(|e| e.to_string())?;
+            let outputs = probe_files(&adapter, &cfg, &probes, base.as_deref(), &out).map_err(|e| e.to_string())?;
             if common.json {
                 let summary = json!({
                     "out": out.display().to_string(),

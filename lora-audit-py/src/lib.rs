@@ -12,8 +12,8 @@
 use std::path::Path;
 
 use lora_audit::{
-    AuditReport, LoraOptions, Refusal, TensorDtype, TensorInfo, audit_adapter, audit_header, prepare_adapter,
-    probe_adapter, read_base_tables, read_probe_inputs, write_probe_outputs,
+    AuditArgs, AuditReport, LoraOptions, Refusal, TensorDtype, TensorInfo, audit_adapter, audit_header,
+    prepare_adapter, probe_files,
 };
 use lora_layout::ModelConfig;
 use pyo3::create_exception;
@@ -204,19 +204,15 @@ fn options(
     allow_partial: bool,
     experts: bool,
 ) -> PyResult<LoraOptions> {
-    let mut opts = LoraOptions::from_env().map_err(input_err)?;
-    if let Some(r) = max_rank {
-        opts.max_rank = r;
-    }
-    if let Some(r) = expert_rank {
-        opts.expert_rank = r;
-    }
-    if opts.max_rank == 0 || opts.expert_rank == 0 {
-        return Err(InputError::new_err("ranks must be at least 1"));
-    }
-    opts.allow_partial |= allow_partial;
-    opts.experts |= experts;
-    Ok(opts)
+    let args = AuditArgs {
+        max_rank,
+        expert_rank,
+        allow_partial,
+        experts,
+    };
+    LoraOptions::from_env()
+        .and_then(|o| o.with_args(args))
+        .map_err(input_err)
 }
 
 /// Tensors given as `(name, dtype, shape)`.
@@ -303,14 +299,10 @@ fn probe(
     let adapter = py
         .detach(|| prepare_adapter(Path::new(&adapter_dir), &cfg, &opts))
         .map_err(|e| audit_err(py, e, Some(&cfg)))?;
-    py.detach(|| {
-        let inputs = read_probe_inputs(Path::new(&probes))?;
-        let base = base.as_deref().map(|b| read_base_tables(Path::new(b))).transpose()?;
-        let outputs = probe_adapter(&adapter, &cfg, &inputs, base.as_ref())?;
-        write_probe_outputs(Path::new(&out), &outputs)?;
-        Ok((outputs.tensors.keys().cloned().collect(), outputs.unserved))
-    })
-    .map_err(|e| audit_err(py, e, Some(&cfg)))
+    let base = base.as_deref().map(Path::new);
+    py.detach(|| probe_files(&adapter, &cfg, Path::new(&probes), base, Path::new(&out)))
+        .map(|outputs| (outputs.tensors.keys().cloned().collect(), outputs.unserved))
+        .map_err(|e| audit_err(py, e, Some(&cfg)))
 }
 
 /// The module.

@@ -134,7 +134,7 @@ mod test_support;
 pub use audit::{ADAPTER_CONFIG, ADAPTER_PICKLE, ADAPTER_WEIGHTS, audit_adapter, audit_header, validate_peft_config};
 pub use error::{AuditError, Refusal, RejectCode};
 pub use key::{AdapterAb, FusedWrapper, LoraKey, LoraTarget, classify_key, is_gdn_key, split_layer_path};
-pub use options::{DEFAULT_EXPERT_RANK, DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, LoraOptions, OptionsError};
+pub use options::{AuditArgs, DEFAULT_EXPERT_RANK, DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, LoraOptions, OptionsError};
 pub use overlay::{
     CompiledOverlay, HostOverlay, LmHeadOverlay, OverlayError, OverlayModule, OverlayTensor, OverlayTensorKind,
     OverlayTensors, ROWDIFF_THRESH, TableOverlay, TableTensors, build_override_set, clamp_trainable_to_vocab,
@@ -151,8 +151,8 @@ pub use peft_config::{
 pub use prepare::{HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
 pub use probe::{
     BaseTables, FusedParam, MAX_PROBE_OUTPUT_BYTES, Oracle, PROBE_IN, PROBE_OUT, PairShape, ProbeInputs, ProbeOutputs,
-    ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, read_base_tables,
-    read_oracle, read_probe_inputs, write_probe_outputs,
+    ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, probe_files,
+    read_base_tables, read_oracle, read_probe_inputs, write_probe_outputs,
 };
 pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
 pub use tensors::{

@@ -59,7 +59,22 @@ impl Default for LoraOptions {
     }
 }
 
-/// A `LORA_*` variable whose value cannot be used.
+/// What an audit's caller sets over the `LORA_*` environment: the
+/// `lora-audit` command's flags, the Python package's keywords.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AuditArgs {
+    /// Replaces [`LoraOptions::max_rank`] (at least 1).
+    pub max_rank: Option<usize>,
+    /// Replaces [`LoraOptions::expert_rank`] (at least 1).
+    pub expert_rank: Option<usize>,
+    /// Turns [`LoraOptions::allow_partial`] on.
+    pub allow_partial: bool,
+    /// Turns [`LoraOptions::experts`] on.
+    pub experts: bool,
+}
+
+/// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
+/// cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{variable}={value:?}: {reason}")]
 pub struct OptionsError {
@@ -76,6 +91,25 @@ impl LoraOptions {
     /// at startup; everything else takes the returned value.
     pub fn from_env() -> Result<LoraOptions, OptionsError> {
         LoraOptions::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// These options with `args` over them; a rank of 0 is refused, naming
+    /// the field.
+    pub fn with_args(mut self, args: AuditArgs) -> Result<LoraOptions, OptionsError> {
+        for (field, value) in [("max_rank", args.max_rank), ("expert_rank", args.expert_rank)] {
+            if value == Some(0) {
+                return Err(OptionsError {
+                    variable: field,
+                    value: "0".to_string(),
+                    reason: "must be at least 1",
+                });
+            }
+        }
+        self.max_rank = args.max_rank.unwrap_or(self.max_rank);
+        self.expert_rank = args.expert_rank.unwrap_or(self.expert_rank);
+        self.allow_partial |= args.allow_partial;
+        self.experts |= args.experts;
+        Ok(self)
     }
 
     /// Build the options from a variable lookup (`None`: unset). Booleans are

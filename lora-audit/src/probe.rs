@@ -599,6 +599,23 @@ impl<'a> ServedTables<'a> {
     }
 }
 
+/// The probe path as the `lora-audit probe` command and the Python package
+/// run it: `adapter`'s deltas for the probe file `probes` (with the base
+/// token tables of `base`, for `rows_idx::` probes), written to `out`.
+pub fn probe_files(
+    adapter: &PreparedAdapter,
+    cfg: &ModelConfig,
+    probes: &Path,
+    base: Option<&Path>,
+    out: &Path,
+) -> Result<ProbeOutputs, AuditError> {
+    let inputs = read_probe_inputs(probes)?;
+    let base = base.map(read_base_tables).transpose()?;
+    let outputs = probe_adapter(adapter, cfg, &inputs, base.as_ref())?;
+    write_probe_outputs(out, &outputs)?;
+    Ok(outputs)
+}
+
 /// Write probe outputs as F32 tensors (each tensor's bytes allocated
 /// fallibly: an error, never an abort, when the host lacks the memory).
 /// Outputs with no tensor are [`AuditError::NothingProbed`], never an empty

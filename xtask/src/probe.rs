@@ -13,8 +13,8 @@
 use std::path::PathBuf;
 
 use lora_audit::{
-    AuditError, LoraOptions, PROBE_OUT, ProbeInputs, ProbeOutputs, ProbeTensor, WeightRef, parse_weight_name,
-    read_base_tables, read_probe_inputs, write_probe_outputs,
+    AuditArgs, AuditError, LoraOptions, PROBE_OUT, ProbeInputs, ProbeOutputs, ProbeTensor, WeightRef,
+    parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
@@ -101,13 +101,17 @@ fn device(choice: Option<&str>) -> Result<Device, String> {
 pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
     let args = parse(args).map_err(ProbeFailure::Usage)?;
     let usage = |e: String| ProbeFailure::Usage(e);
-    let mut opts = LoraOptions::from_env().map_err(|e| usage(e.to_string()))?;
+    let overrides = AuditArgs {
+        max_rank: args.max_rank,
+        expert_rank: args.expert_rank,
+        allow_partial: args.allow_partial,
+        experts: args.experts,
+    };
+    let mut opts = LoraOptions::from_env()
+        .and_then(|o| o.with_args(overrides))
+        .map_err(|e| usage(e.to_string()))?;
     opts.max_loras = 1;
     opts.pinned = 0;
-    opts.max_rank = args.max_rank.unwrap_or(opts.max_rank);
-    opts.expert_rank = args.expert_rank.unwrap_or(opts.expert_rank);
-    opts.allow_partial |= args.allow_partial;
-    opts.experts |= args.experts;
     let cfg = ModelConfig::from_file(&args.model).map_err(|e| usage(e.to_string()))?;
     let device = device(args.device.as_deref()).map_err(usage)?;
     let inputs = read_probe_inputs(&args.probes).map_err(|e| usage(e.to_string()))?;

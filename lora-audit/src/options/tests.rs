@@ -85,3 +85,34 @@ fn zero_sizes_and_excess_pins_are_errors() {
     let err = opts(&[("LORA_MAX_LORAS", "2"), ("LORA_PINNED", "3")]).unwrap_err();
     assert_eq!(err.variable, "LORA_PINNED");
 }
+
+#[test]
+fn audit_args_override_the_environment_and_refuse_rank_zero() {
+    let env = opts(&[("LORA_MAX_RANK", "32"), ("LORA_EXPERTS", "1")]).unwrap();
+    let kept = env.clone().with_args(AuditArgs::default()).unwrap();
+    assert_eq!(kept, env);
+    let args = AuditArgs {
+        max_rank: Some(8),
+        expert_rank: Some(4),
+        allow_partial: true,
+        experts: false,
+    };
+    let o = env.clone().with_args(args).unwrap();
+    assert_eq!(
+        (o.max_rank, o.expert_rank, o.allow_partial, o.experts),
+        (8, 4, true, true)
+    );
+    for args in [
+        AuditArgs {
+            max_rank: Some(0),
+            ..AuditArgs::default()
+        },
+        AuditArgs {
+            expert_rank: Some(0),
+            ..AuditArgs::default()
+        },
+    ] {
+        let err = env.clone().with_args(args).unwrap_err();
+        assert!(err.to_string().contains("must be at least 1"), "{err}");
+    }
+}
