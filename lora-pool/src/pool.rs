@@ -978,15 +978,15 @@ impl<C: SlotCompanion> LoraPool<C> {
                         return Err(PoolError::ForeignLease { kind, row });
                     }
                     let slot = lease.slot();
-                    let Some(entry) = self.registry.get(slot.index()) else {
+                    let Some(current) = self.registry.get(slot.index()) else {
                         return Err(PoolError::NoSuchSlot {
                             slot: slot.index(),
                             max_loras: self.opts.max_loras,
                         });
                     };
-                    let Some(current) = Some(entry).filter(|s| s.is_servable()) else {
+                    if !current.is_servable() {
                         return Err(PoolError::EmptySlot { kind, row, slot });
-                    };
+                    }
                     if current.adapter_id() != lease.adapter_id() {
                         return Err(PoolError::StaleLease { kind, row, slot });
                     }
@@ -1135,6 +1135,18 @@ impl<C: SlotCompanion> LoraPool<C> {
         })
     }
 
+    /// [`LoraPool::check_inputs`], then the kernel targets of the call.
+    fn call_targets<S: Step>(
+        &self,
+        step: &S,
+        layer: usize,
+        targets: &FusedTargets,
+        x: &Rows<'_, bf16>,
+    ) -> Result<Vec<LoraTarget<'_>>, PoolError> {
+        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
+        kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)
+    }
+
     fn check_inputs<S: Step>(
         &self,
         step: &S,
@@ -1201,8 +1213,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         y: RowsMut<'_, Y>,
         options: DecodeOptions,
     ) -> Result<(), PoolError> {
-        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
-        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        let targets = self.call_targets(step, layer, targets, &x)?;
         bgmv_with(
             &self.device,
             x,
@@ -1227,8 +1238,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         y: &RowsMut<'_, Y>,
         options: DecodeOptions,
     ) -> Result<Option<DecodePlan>, PoolError> {
-        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
-        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        let targets = self.call_targets(step, layer, targets, &x)?;
         Ok(bgmv_plan(&self.device, x, &targets, self.opts.max_rank, y, options)?)
     }
 
@@ -1244,8 +1254,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         y: &RowsMut<'_, Y>,
         overlap_previous: bool,
     ) -> Result<Vec<DecodePlan>, PoolError> {
-        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
-        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        let targets = self.call_targets(step, layer, targets, &x)?;
         Ok(bgmv_candidates(
             &self.device,
             x,
@@ -1265,13 +1274,12 @@ impl<C: SlotCompanion> LoraPool<C> {
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), PoolError> {
-        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
+        let targets = self.call_targets(step, layer, targets, &x)?;
         let segments = Segments {
             cu_seqlens: &self.cu_seqlens,
             seg_slot: &self.seg_slot,
             n_segments: step.rows.rows.len(),
         };
-        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
         let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
         sgmv(
             &self.device,
