@@ -26,11 +26,11 @@
 //! reads of indices, tables and weights run under the kernel before it,
 //! which an engine may promise because that kernel is the base projection
 //! and writes only y). Beside each step, its sites one at a time (one graph
-//! of the site's 32 launches, under the promise) against their own floors.
+//! of the site's 32 launches, the same applies) against their own floors.
 
 use half::bf16;
 use lora_kernels::testing::Rng;
-use lora_kernels::{Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, KernelError, Rows, RowsMut};
+use lora_kernels::{Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, KernelError, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 use lora_pool::image::{Elems, PairMeta, PairSource, SlotImage};
 use lora_pool::{BatchCapacity, DecodeStep, FusedTargets, LoraOptions, LoraPool, PoolError, SlotId, StepRow};
@@ -74,7 +74,7 @@ pub(super) struct StepTiming {
 
 impl StepTiming {
     fn floor_us(&self, copy_gbps: f64, matrix_tflops: Option<f64>) -> f64 {
-        let bytes_us = self.floor_bytes / (copy_gbps * 1e3);
+        let bytes_us = bytes_floor_us(self.floor_bytes, copy_gbps);
         let flops_us = matrix_tflops.map_or(0.0, |t| self.flops / (t * 1e6));
         bytes_us.max(flops_us)
     }
@@ -82,6 +82,11 @@ impl StepTiming {
     fn target_met(&self, floor_us: f64) -> Option<bool> {
         (self.n == TARGET_ROWS).then_some(self.stats.median_us <= FLOOR_RATIO_TARGET * floor_us)
     }
+}
+
+/// The time `bytes` take at the copy bandwidth, µs.
+fn bytes_floor_us(bytes: f64, copy_gbps: f64) -> f64 {
+    bytes / (copy_gbps * 1e3)
 }
 
 fn case_name(n: usize) -> String {
@@ -388,15 +393,7 @@ pub(super) fn section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             let stats = ctx.time_graph(&graph)?;
             let mut site_times = Vec::new();
             for s in bufs.iter_mut() {
-                let graph = {
-                    let (pool, step) = (&pool, &step);
-                    device
-                        .capture_graph(|| {
-                            (0..layers)
-                                .try_for_each(|layer| apply_site(pool, step, n, layer, s, options).map_err(kernel_err))
-                        })
-                        .map_err(err)?
-                };
+                let graph = site_graph(device, &pool, &step, n, layers, s, options)?;
                 let site_stats = ctx.time_graph(&graph)?;
                 let floor_bytes = site_floor_bytes(&cfg, &s.targets, n, n, RANK);
                 if ctx.opts.sweep {
@@ -434,6 +431,23 @@ pub(super) fn section(ctx: &mut Ctx<'_>) -> Result<(), String> {
     Ok(())
 }
 
+/// One graph of a site's applies at every layer.
+fn site_graph(
+    device: &Device,
+    pool: &LoraPool,
+    step: &DecodeStep,
+    n: usize,
+    layers: usize,
+    s: &mut SiteBuffers,
+    options: DecodeOptions,
+) -> Result<DeviceGraph, String> {
+    device
+        .capture_graph(|| {
+            (0..layers).try_for_each(|layer| apply_site(pool, step, n, layer, s, options).map_err(kernel_err))
+        })
+        .map_err(err)
+}
+
 /// `--sweep`: the site's 32 launches under every candidate plan (as exact
 /// plans), printed fastest first beside the rule table's time.
 #[allow(clippy::too_many_arguments)]
@@ -454,18 +468,14 @@ fn sweep_site(
         pool.decode_candidates(step, 0, &s.targets, Rows::dense(&s.x, n, s.in_dim), &y, overlap)
             .map_err(|e| e.to_string())?
     };
-    let floor_us = floor_bytes / (ctx.copy_gbps * 1e3);
+    let floor_us = bytes_floor_us(floor_bytes, ctx.copy_gbps);
     let mut times = Vec::with_capacity(plans.len());
     for plan in plans {
         let options = DecodeOptions {
             choice: Choice::Exact(plan),
             overlap_previous: overlap,
         };
-        let graph = device
-            .capture_graph(|| {
-                (0..layers).try_for_each(|layer| apply_site(pool, step, n, layer, s, options).map_err(kernel_err))
-            })
-            .map_err(err)?;
+        let graph = site_graph(device, pool, step, n, layers, s, options)?;
         times.push((ctx.time_graph(&graph)?.median_us, plan));
     }
     times.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -555,7 +565,7 @@ fn table(steps: &[StepTiming], copy_gbps: f64, matrix_tflops: Option<f64>) -> St
             }
         );
         for (site, stats, bytes) in &t.site_times {
-            let floor = bytes / (copy_gbps * 1e3);
+            let floor = bytes_floor_us(*bytes, copy_gbps);
             let _ = writeln!(
                 out,
                 "  {:<44} {:>9.1} {:>9.1}..{:<9.1} {:>9.1} {:>6.1}% {:>8.2}",

@@ -74,7 +74,8 @@ const MOE: (&str, &str) = ("qwen3_moe", "experts_fused_router");
 const SWAP_IN: &str = "rank_alpha_pattern";
 const BROKEN: &str = "dora";
 
-const USAGE: &str = "usage: cargo xtask demo [--verbose | --audit]";
+/// The task's arguments (its usage line, `cargo xtask demo --help`).
+pub(crate) const ARGS: &str = "[--verbose | --audit]";
 
 fn fixtures() -> PathBuf {
     workspace_root().join("fixtures")
@@ -90,11 +91,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     for a in args {
         match a.as_str() {
             "--verbose" | "--audit" | "-v" => verbose = true,
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                return Ok(());
-            }
-            other => return Err(format!("unexpected argument {other}\n{USAGE}")),
+            other => return Err(format!("unexpected argument {other}\nusage: cargo xtask demo {ARGS}")),
         }
     }
     let started = Instant::now();

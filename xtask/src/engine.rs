@@ -35,7 +35,8 @@ struct Args {
     lora: LoraOptions,
 }
 
-const USAGE: &str = "usage: cargo xtask serve --model DIR --adapter NAME=DIR [--adapter ...] --requests FILE.json \
+/// The task's arguments (its usage line, `cargo xtask serve --help`).
+pub(crate) const ARGS: &str = "--model DIR --adapter NAME=DIR [--adapter ...] --requests FILE.json \
      --out OUT.safetensors [--device cpu|cuda] [--max-loras N] [--max-rank N] [--experts] [--expert-rank N]";
 
 fn parse(args: &[String]) -> Result<Args, String> {
@@ -71,11 +72,10 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--max-rank" => lora.max_rank = number(value()?)?,
             "--expert-rank" => lora.expert_rank = number(value()?)?,
             "--experts" => lora.experts = true,
-            "--help" | "-h" => return Err(USAGE.to_string()),
-            other => return Err(format!("unexpected argument {other}\n{USAGE}")),
+            other => return Err(format!("unexpected argument {other}\nusage: cargo xtask serve {ARGS}")),
         }
     }
-    let need = |v: Option<PathBuf>, what: &str| v.ok_or(format!("missing {what}\n{USAGE}"));
+    let need = |v: Option<PathBuf>, what: &str| v.ok_or(format!("missing {what}\nusage: cargo xtask serve {ARGS}"));
     if lora.max_loras == 0 {
         return Err("--max-loras must be at least 1".into());
     }

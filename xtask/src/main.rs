@@ -51,7 +51,7 @@ const TASKS: &[(&str, &str, &str)] = &[
     ),
     (
         "demo",
-        "[--verbose | --audit]",
+        demo::ARGS,
         "mixed batches served end to end on the bundled fixtures, checked against PEFT",
     ),
     (
@@ -62,8 +62,7 @@ const TASKS: &[(&str, &str, &str)] = &[
     ),
     (
         "serve",
-        "--model DIR --adapter NAME=DIR [--adapter ...] --requests FILE.json --out OUT.safetensors \
-         [--device cpu|cuda] [--max-loras N] [--max-rank N] [--experts] [--expert-rank N]",
+        engine::ARGS,
         "a request file served by the reference engine (exit 1: a refused adapter, 2: unreadable input)",
     ),
     (
