@@ -21,6 +21,7 @@ struct RepackParams {
     u64 regions;  // const RepackRegion*
     u64 src;      // const u8*
     u64 dst;      // bf16_t*
+    u64 gate;     // const u64*: write nothing unless it holds all ones; 0: no gate
 };
 
 // f16 bits -> f32, exact; NaN keeps its payload with the quiet bit set (as half::f16::to_f32).
@@ -50,6 +51,10 @@ __device__ __forceinline__ bf16_t repack_load(const unsigned char* s, u64 i, u32
 
 // grid (x: blocks per region, y: region), 256 threads.
 extern "C" __global__ void repack_regions(const RepackParams p) {
+    // The gate is the flag of a value scan queued before this launch on the
+    // same stream: a scan that found a value not finite leaves it cleared,
+    // and the destination is then left as it was.
+    if (p.gate != 0ull && *(const volatile u64*)p.gate != ~0ull) return;
     const RepackRegion r = ((const RepackRegion*)p.regions)[blockIdx.y];
     const unsigned char* s = (const unsigned char*)p.src + r.src_byte;
     bf16_t* d = (bf16_t*)p.dst + r.dst_elem;
@@ -85,6 +90,7 @@ struct ScanParams {
     u64 regions;  // const RepackRegion*
     u64 src;      // const u8*
     u64 hits;     // u64 per region, all ones before the launch
+    u64 any;      // u64, all ones before the launch; cleared on any hit
 };
 
 __device__ __forceinline__ bool bf_not_finite(u32 h) { return (h & 0x7f80u) == 0x7f80u; }
@@ -92,7 +98,8 @@ __device__ __forceinline__ bool bf_not_finite(u32 h) { return (h & 0x7f80u) == 0
 // For each region, the first element of its source block [rows, src_cols]
 // (row-major index) that is not finite once converted to BF16 as
 // repack_regions converts it (a NaN or an infinity, or an F32 value that
-// rounds past BF16's range): atomicMin into hits[region]. Reads only.
+// rounds past BF16's range): atomicMin into hits[region], and `any`
+// cleared (the gate of a repack queued after it). Reads the source only.
 // grid (x: blocks per region, y: region), 256 threads.
 extern "C" __global__ void first_non_finite(const ScanParams p) {
     const RepackRegion r = ((const RepackRegion*)p.regions)[blockIdx.y];
@@ -123,5 +130,8 @@ extern "C" __global__ void first_non_finite(const ScanParams p) {
             if (bf_not_finite(repack_load(s, e, r.dtype))) found = e;
         }
     }
-    if (found != ~0ull) atomicMin((unsigned long long*)p.hits + blockIdx.y, (unsigned long long)found);
+    if (found != ~0ull) {
+        atomicMin((unsigned long long*)p.hits + blockIdx.y, (unsigned long long)found);
+        atomicMin((unsigned long long*)p.any, 0ull);
+    }
 }

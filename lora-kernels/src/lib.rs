@@ -65,7 +65,9 @@ pub use ops::limits::{Choice, DeviceLimits};
 pub use ops::linear::linear_f32;
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};
 pub use ops::overlay::{embed_overlay, lm_head_overlay, row_diff};
-pub use ops::repack::{RepackDtype, RepackRegion, first_non_finite, repack};
+pub use ops::repack::{
+    RepackDtype, RepackRegion, ValueScan, first_non_finite, queue_value_scan, repack, repack_if_finite,
+};
 pub use ops::sgmv::plan::{ExpandKernel, PrefillCall, PrefillPlan, ShrinkKernel};
 pub use ops::sgmv::{PrefillOptions, Segments, SgmvPhase, one_adapter, sgmv, sgmv_candidates, sgmv_plan, sgmv_with};
 pub use ops::{LoraTarget, LoraWorkspace, MAX_TARGETS, OutputElem, Rows, RowsMut, WorkspaceSpec};

@@ -350,8 +350,23 @@ impl RepackCase {
     pub fn first_non_finite(&self, device: &Device) -> Result<Vec<Option<u64>>, KernelError> {
         let src = device.upload(&bf16_carrier(&self.src))?;
         let mut scratch = device.alloc_zeros(self.regions.len().max(1))?;
-        let mut hits = device.alloc_zeros(self.regions.len().max(1))?;
+        let mut hits = device.alloc_zeros(self.regions.len() + 1)?;
         crate::ops::repack::first_non_finite(device, &src, self.src.len(), &self.regions, &mut scratch, &mut hits)
+    }
+
+    /// Queue the value scan, then the repack gated on it, over a destination
+    /// filled with `poison`, with nothing waited for in between; returns the
+    /// scan's answers and the destination.
+    pub fn run_if_finite(&self, device: &Device, poison: bf16) -> Result<(Vec<Option<u64>>, Vec<bf16>), KernelError> {
+        use crate::ops::repack::{queue_value_scan, repack_if_finite};
+        let src = device.upload(&bf16_carrier(&self.src))?;
+        let mut dst = device.upload(&vec![poison; self.dst_len])?;
+        let mut scratch = device.alloc_zeros(self.regions.len().max(1))?;
+        let mut hits = device.alloc_zeros(self.regions.len() + 1)?;
+        let bytes = self.src.len();
+        let scan = queue_value_scan(device, &src, bytes, &self.regions, &mut scratch, &mut hits)?;
+        repack_if_finite(device, &scan, &hits, &src, bytes, &self.regions, &mut scratch, &mut dst)?;
+        Ok((scan.read(&hits)?, dst.download()?))
     }
 
     /// Run the case on `device` over a destination filled with `poison`.

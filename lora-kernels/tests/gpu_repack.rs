@@ -128,3 +128,30 @@ fn cuda_first_non_finite_equals_the_cpu_reference_at_any_alignment() {
     assert_eq!(case.first_non_finite(&cuda).unwrap(), vec![Some(40_001)]);
     assert_eq!(case.first_non_finite(&Device::cpu()).unwrap(), vec![Some(40_001)]);
 }
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn cuda_gated_repack_equals_the_cpu_reference_and_skips_every_write_after_a_hit() {
+    let Some(cuda) = cuda_or_skip("cuda_gated_repack_equals_the_cpu_reference_and_skips_every_write_after_a_hit")
+    else {
+        return;
+    };
+    let mut rng = Rng::fresh("repack-gated");
+    let poison = bf16::from_bits(0x7fa1);
+    for (n, side, poisoned) in [(7, 3, 0), (300, 40, 0), (300, 40, 1), (64, 300, 3)] {
+        let mut case = RepackCase::random(&mut rng, n, side);
+        let expected = case.poison_values(&mut rng, poisoned);
+        let (cpu_found, cpu) = case.run_if_finite(&Device::cpu(), poison).unwrap();
+        let (gpu_found, gpu) = case.run_if_finite(&cuda, poison).unwrap();
+        let what = format!("{n} regions of side <= {side}, {poisoned} poisoned");
+        assert_eq!(cpu_found, expected, "CPU answers, {what}");
+        assert_eq!(gpu_found, expected, "CUDA answers, {what}");
+        same_bits(&cpu, &gpu, &what);
+        if expected.iter().any(Option::is_some) {
+            assert!(
+                gpu.iter().all(|v| v.to_bits() == poison.to_bits()),
+                "{what}: the destination is left as it was"
+            );
+        }
+    }
+}

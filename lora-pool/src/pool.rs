@@ -14,7 +14,8 @@ use lora_audit::{
 };
 use lora_kernels::{
     DecodeOptions, DecodePlan, Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion,
-    Rows, RowsMut, Segments, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with, one_adapter, repack, sgmv,
+    Rows, RowsMut, Segments, ValueScan, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with, one_adapter,
+    repack_if_finite, sgmv,
 };
 use lora_layout::{
     ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
@@ -120,10 +121,24 @@ enum DenseSource {
     /// Packed and uploaded into the pool's device staging slot.
     Staging,
     /// A file's data section copied as it is into the device staging slot
-    /// (its first `bytes` bytes), placed by `regions` (offsets within a slot).
-    Raw { regions: Vec<RepackRegion>, bytes: usize },
+    /// (its first `bytes` bytes), placed by `regions` (offsets within a
+    /// slot) once `scan`, queued over the same regions, finds every value
+    /// finite; `refusal` says what to refuse otherwise.
+    Raw {
+        regions: Vec<RepackRegion>,
+        bytes: usize,
+        scan: ValueScan,
+        refusal: Box<ScanRefusal>,
+    },
     /// A landed image.
     Image(SlotImage),
+}
+
+/// What a raw-route swap refuses when its value scan finds a value that is
+/// not finite: the audit's report, and the tensor each region comes from.
+struct ScanRefusal {
+    report: AuditReport,
+    tensors: Vec<String>,
 }
 
 /// The slot pool.
@@ -755,7 +770,9 @@ impl<C: SlotCompanion> LoraPool<C> {
         };
         let (dense, route) = match regions {
             Some(regions) => {
-                let found = lora_kernels::first_non_finite(
+                // Queued behind the copies, not waited for: publish gates
+                // its repack on the answer and reads it once, after.
+                let scan = lora_kernels::queue_value_scan(
                     &self.device,
                     &self.staging.device,
                     raw_len,
@@ -763,23 +780,23 @@ impl<C: SlotCompanion> LoraPool<C> {
                     &mut self.staging.regions,
                     &mut self.staging.hits,
                 )?;
-                let first = found
-                    .iter()
-                    .enumerate()
-                    .find_map(|(r, hit)| hit.map(|index| (r, index)));
-                if let Some((r, index)) = first {
-                    let part = if r % 2 == 0 { PairPart::A } else { PairPart::B };
-                    let key = plan.key_at(r / 2);
-                    let tensor = key.map_or_else(|| format!("place {}", r / 2), |key| tensor_of(key, part));
-                    let value = stored_value(&unparsed, &regions[r], index);
-                    let index = usize::try_from(index).unwrap_or(usize::MAX);
-                    report.refuse(Refusal::non_finite(tensor, index, value));
-                    return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
-                }
+                let tensors = (0..regions.len())
+                    .map(|r| {
+                        let part = if r % 2 == 0 { PairPart::A } else { PairPart::B };
+                        plan.key_at(r / 2)
+                            .map_or_else(|| format!("place {}", r / 2), |key| tensor_of(key, part))
+                    })
+                    .collect();
+                let refusal = Box::new(ScanRefusal {
+                    report: report.clone(),
+                    tensors,
+                });
                 (
                     DenseSource::Raw {
                         regions,
                         bytes: raw_len,
+                        scan,
+                        refusal,
                     },
                     SwapRoute::DeviceRepack,
                 )
@@ -880,18 +897,53 @@ impl<C: SlotCompanion> LoraPool<C> {
                 r.dst_elem += base as u64;
             }
         }
-        self.release_dropped_rows(slot)?;
-        self.registry.mark_unservable(s);
-        match &staged.dense {
-            DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
-            DenseSource::Raw { regions, bytes } => repack(
+        if let DenseSource::Raw {
+            regions,
+            bytes,
+            scan,
+            refusal,
+        } = &staged.dense
+        {
+            // The repack is queued gated on the value scan, and the scan's
+            // answer read after it: one wait, behind the copies, the scan and
+            // the repack. On a value that is not finite the device wrote
+            // nothing, so the slot is restored as it was.
+            let previous = self.registry.slots()[s].clone();
+            self.registry.mark_unservable(s);
+            repack_if_finite(
                 &self.device,
+                scan,
+                &self.staging.hits,
                 &self.staging.device,
                 *bytes,
                 regions,
                 &mut self.staging.regions,
                 &mut self.weights,
-            )?,
+            )?;
+            let found = scan.read(&self.staging.hits)?;
+            if let Some((r, index)) = found
+                .iter()
+                .enumerate()
+                .find_map(|(r, hit)| hit.map(|index| (r, index)))
+            {
+                self.registry.restore(s, previous);
+                let value = staged_value(&self.staging.device, &regions[r], index);
+                let tensor = refusal.tensors.get(r).cloned().unwrap_or_else(|| format!("region {r}"));
+                let mut report = refusal.report.clone();
+                report.refuse(Refusal::non_finite(
+                    tensor,
+                    usize::try_from(index).unwrap_or(usize::MAX),
+                    value,
+                ));
+                return Err(audit_err(&staged.name)(AuditError::Refused(Box::new(report))));
+            }
+        }
+        self.release_dropped_rows(slot)?;
+        self.registry.mark_unservable(s);
+        match &staged.dense {
+            DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
+            // Written above.
+            DenseSource::Raw { .. } => {}
             DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
         }
         self.clear_table_entries(s);
@@ -1353,25 +1405,31 @@ fn kernel_targets<'t>(
         .collect()
 }
 
-/// The stored value (as f32) of element `index` of `region`'s source in
-/// `file`'s data section, for a refusal's message; NaN where the file can no
-/// longer be read there.
-fn stored_value(file: &UnparsedSafetensors, region: &lora_kernels::RepackRegion, index: u64) -> f32 {
-    let size = if region.dtype == lora_kernels::RepackDtype::F32 as u32 {
+/// The stored value of element `index` of `region`'s source block, read
+/// back from the device staging slot that holds the file's bytes (NaN if it
+/// cannot be read).
+fn staged_value(staging: &DeviceBuffer<bf16>, region: &lora_kernels::RepackRegion, index: u64) -> f32 {
+    let size: u64 = if region.dtype == lora_kernels::RepackDtype::F32 as u32 {
         4
     } else {
         2
     };
-    let mut b = [0u8; 4];
-    let at = index.checked_mul(size).and_then(|o| o.checked_add(region.src_byte));
-    match at.map(|at| file.read_data_at(&mut b[..size as usize], at)) {
-        Some(Ok(())) => match region.dtype {
+    let read = || {
+        let at = index.checked_mul(size)?.checked_add(region.src_byte)?;
+        // The BF16 carrier elements that hold bytes `at..at + size`.
+        let first = usize::try_from(at / 2).ok()?;
+        let last = usize::try_from((at + size).div_ceil(2)).ok()?;
+        let elems = staging.download_range(first, last.checked_sub(first)?).ok()?;
+        let bytes: &[u8] = bytemuck::cast_slice(&elems);
+        let skip = usize::try_from(at % 2).ok()?;
+        let b = bytes.get(skip..skip + size as usize)?;
+        Some(match region.dtype {
             0 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
             1 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
-            _ => f32::from_le_bytes(b),
-        },
-        _ => f32::NAN,
-    }
+            _ => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        })
+    };
+    read().unwrap_or(f32::NAN)
 }
 
 /// Whether an audit lets the adapter go straight from its file: servable,

@@ -134,6 +134,14 @@ impl SlotRegistry {
         }
     }
 
+    /// Undo [`SlotRegistry::mark_unservable`] when the write it announced
+    /// wrote nothing: slot `slot` is `previous` again, generation included.
+    pub(crate) fn restore(&mut self, slot: usize, previous: AdapterSlot) {
+        if let Some(current) = self.slots.get_mut(slot) {
+            *current = previous;
+        }
+    }
+
     /// Empty slot `slot` (its bytes and tables are already cleared), bumping
     /// its generation so any cached identity of the old adapter dies.
     pub(crate) fn clear(&mut self, slot: usize) -> Option<u64> {

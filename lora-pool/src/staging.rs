@@ -97,7 +97,8 @@ pub(crate) struct Staging {
     pub(crate) device: DeviceBuffer<bf16>,
     pub(crate) regions: DeviceBuffer<RepackRegion>,
     /// Per region, the first element the device's value scan found not
-    /// finite ([`lora_kernels::first_non_finite`]).
+    /// finite, then the flag word a gated repack reads
+    /// ([`lora_kernels::queue_value_scan`]).
     pub(crate) hits: DeviceBuffer<u64>,
 }
 
@@ -118,7 +119,7 @@ impl Staging {
             tuning,
             device: device.alloc_zeros(layout.slot_bytes() / 2)?,
             regions: device.alloc_zeros(2 * PairLayout::len(layout).max(1))?,
-            hits: device.alloc_zeros(2 * PairLayout::len(layout).max(1))?,
+            hits: device.alloc_zeros(2 * PairLayout::len(layout) + 1)?,
         })
     }
 
@@ -175,7 +176,7 @@ impl Staging {
 
     /// Copy the first `len` bytes of `file`'s data section into the device
     /// staging slot, as they are (their values are checked on the device
-    /// once the audit has placed them: `first_non_finite`). Stops early (returning
+    /// once the audit has placed them: `queue_value_scan`). Stops early (returning
     /// `Ok`) once `stop` is set by someone else; the caller then must not
     /// use the staging slot.
     pub(crate) fn read_raw(

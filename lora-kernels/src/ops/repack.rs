@@ -121,6 +121,8 @@ struct RepackParams {
     regions: u64,
     src: u64,
     dst: u64,
+    /// The flag word of a [`ValueScan`], or 0 (no gate).
+    gate: u64,
 }
 
 /// Blocks per region along x: enough to spread a 14336 x 16 block over the
@@ -140,6 +142,54 @@ pub fn repack(
     scratch: &mut DeviceBuffer<RepackRegion>,
     dst: &mut DeviceBuffer<bf16>,
 ) -> Result<(), KernelError> {
+    repack_gated(device, src, src_bytes, regions, scratch, None, dst)
+}
+
+/// [`repack`], unless `scan` (queued before it on `hits`, over regions of
+/// the same source blocks) found a value that is not finite: then `dst` is
+/// left as it was. Nothing waits for the scan: the device skips the writes
+/// itself, so the scan, the repack and the copies before them stay queued
+/// back to back; [`ValueScan::read`] afterwards says which case it was.
+#[allow(clippy::too_many_arguments)]
+pub fn repack_if_finite(
+    device: &Device,
+    scan: &ValueScan,
+    hits: &DeviceBuffer<u64>,
+    src: &DeviceBuffer<bf16>,
+    src_bytes: usize,
+    regions: &[RepackRegion],
+    scratch: &mut DeviceBuffer<RepackRegion>,
+    dst: &mut DeviceBuffer<bf16>,
+) -> Result<(), KernelError> {
+    if scan.regions != regions.len() {
+        return Err(invalid(
+            "regions",
+            format!("{} regions; the value scan covered {}", regions.len(), scan.regions),
+        ));
+    }
+    device.expect_same("hits", hits.device())?;
+    check_range("hits", 0, scan.regions + 1, hits.len())?;
+    repack_gated(
+        device,
+        src,
+        src_bytes,
+        regions,
+        scratch,
+        Some((hits, scan.regions)),
+        dst,
+    )
+}
+
+/// [`repack`], gated on the flag word at `gate.1` of `gate.0` when given.
+fn repack_gated(
+    device: &Device,
+    src: &DeviceBuffer<bf16>,
+    src_bytes: usize,
+    regions: &[RepackRegion],
+    scratch: &mut DeviceBuffer<RepackRegion>,
+    gate: Option<(&DeviceBuffer<u64>, usize)>,
+    dst: &mut DeviceBuffer<bf16>,
+) -> Result<(), KernelError> {
     device.expect_same("src", src.device())?;
     device.expect_same("dst", dst.device())?;
     device.expect_same("scratch", scratch.device())?;
@@ -154,6 +204,11 @@ pub fn repack(
     }
     match device.backend() {
         Backend::Cpu(_) => {
+            if let Some((hits, at)) = gate
+                && hits.download_range(at, 1)?.first() != Some(&u64::MAX)
+            {
+                return Ok(());
+            }
             let src_alloc = src.cpu_alloc().ok_or_else(|| invalid("src", "not a CPU buffer"))?;
             device.before_write("repack")?;
             let dst_len = dst.len();
@@ -167,14 +222,21 @@ pub fn repack(
         }
         Backend::Cuda(c) => {
             let launch = region_launch(regions, scratch)?;
+            let gate = match gate {
+                Some((hits, at)) => hits.addr_at(at)?,
+                None => 0,
+            };
             let params = RepackParams {
                 regions: scratch.device_addr(),
                 src: src.device_addr(),
                 dst: dst.device_addr(),
+                gate,
             };
             // SAFETY: params mirror the kernel's struct; every region was
             // checked to lie inside `src` (first `src_bytes` bytes) and `dst`,
-            // and `scratch` holds the checked table the kernel reads.
+            // `scratch` holds the checked table the kernel reads, and a gate
+            // is the address of a word inside `hits` (checked by `addr_at`),
+            // which the kernel only reads.
             unsafe { c.launch(kernel("repack_regions"), launch, &params) }
         }
     }
@@ -186,6 +248,30 @@ struct ScanParams {
     regions: u64,
     src: u64,
     hits: u64,
+    any: u64,
+}
+
+/// A value scan queued by [`queue_value_scan`]: its answers are in the
+/// `hits` buffer it was given once the device reaches them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a queued scan is only an answer once it is read"]
+pub struct ValueScan {
+    regions: usize,
+}
+
+impl ValueScan {
+    /// Regions the scan covers.
+    pub fn regions(&self) -> usize {
+        self.regions
+    }
+
+    /// The answers: per region, the first element found not finite. Waits
+    /// for the work queued before it on the device (the copies, the scan,
+    /// and a [`repack_if_finite`] gated on it).
+    pub fn read(&self, hits: &DeviceBuffer<u64>) -> Result<Vec<Option<u64>>, KernelError> {
+        let found = hits.download_range(0, self.regions)?;
+        Ok(found.into_iter().map(|e| (e != u64::MAX).then_some(e)).collect())
+    }
 }
 
 /// For each of `regions`, the first element of its source block (the
@@ -193,9 +279,9 @@ struct ScanParams {
 /// once converted to BF16 as [`repack`] converts it: a NaN, an infinity, or
 /// an F32 value that rounds past BF16's range. `None` where every element is
 /// finite. Reads `src` only; `scratch` receives the region table and `hits`
-/// (at least `regions.len()` entries each) the device's answers. Returns
-/// once the answers are on the host, so it waits for the work queued before
-/// it on the device (the copies that filled `src`).
+/// (at least `regions.len() + 1` words) the device's answers. Returns once
+/// the answers are on the host, so it waits for the work queued before it
+/// on the device (the copies that filled `src`).
 pub fn first_non_finite(
     device: &Device,
     src: &DeviceBuffer<bf16>,
@@ -204,12 +290,27 @@ pub fn first_non_finite(
     scratch: &mut DeviceBuffer<RepackRegion>,
     hits: &mut DeviceBuffer<u64>,
 ) -> Result<Vec<Option<u64>>, KernelError> {
+    queue_value_scan(device, src, src_bytes, regions, scratch, hits)?.read(hits)
+}
+
+/// Queue [`first_non_finite`]'s scan without waiting for it: `hits` (at
+/// least `regions.len() + 1` words) receives per region the first element
+/// not finite (all ones where none is), then a flag word that stays all
+/// ones only if every region is finite — the gate of [`repack_if_finite`].
+pub fn queue_value_scan(
+    device: &Device,
+    src: &DeviceBuffer<bf16>,
+    src_bytes: usize,
+    regions: &[RepackRegion],
+    scratch: &mut DeviceBuffer<RepackRegion>,
+    hits: &mut DeviceBuffer<u64>,
+) -> Result<ValueScan, KernelError> {
     device.expect_same("src", src.device())?;
     device.expect_same("scratch", scratch.device())?;
     device.expect_same("hits", hits.device())?;
     check_range("src_bytes", 0, src_bytes, 2 * src.len())?;
     check_range("regions", 0, regions.len(), scratch.len())?;
-    check_range("hits", 0, regions.len(), hits.len())?;
+    check_range("hits", 0, regions.len() + 1, hits.len())?;
     let mut work = 0usize;
     for r in regions {
         r.dtype()?;
@@ -222,31 +323,45 @@ pub fn first_non_finite(
         };
         work = work.saturating_add(source_only.check(src_bytes, usize::MAX)?);
     }
-    if regions.is_empty() || work == 0 {
-        return Ok(vec![None; regions.len()]);
-    }
+    let scan = ValueScan { regions: regions.len() };
     match device.backend() {
         Backend::Cpu(_) => {
             let src_alloc = src.cpu_alloc().ok_or_else(|| invalid("src", "not a CPU buffer"))?;
-            Ok(src_alloc.with_bytes(|bytes| regions.iter().map(|r| first_non_finite_reference(r, bytes)).collect()))
+            let mut answers: Vec<u64> = src_alloc.with_bytes(|bytes| {
+                regions
+                    .iter()
+                    .map(|r| first_non_finite_reference(r, bytes).unwrap_or(u64::MAX))
+                    .collect()
+            });
+            let any = if answers.iter().all(|&a| a == u64::MAX) {
+                u64::MAX
+            } else {
+                0
+            };
+            answers.push(any);
+            hits.write(0, &answers)?;
         }
         Backend::Cuda(c) => {
+            hits.write(0, &vec![u64::MAX; regions.len() + 1])?;
+            if regions.is_empty() || work == 0 {
+                return Ok(scan);
+            }
             let launch = region_launch(regions, scratch)?;
-            hits.write(0, &vec![u64::MAX; regions.len()])?;
             let params = ScanParams {
                 regions: scratch.device_addr(),
                 src: src.device_addr(),
                 hits: hits.device_addr(),
+                any: hits.addr_at(regions.len())?,
             };
             // SAFETY: params mirror the kernel's struct; every region's source
             // block was checked to lie inside the first `src_bytes` bytes of
             // `src`, `scratch` holds the checked table and `hits` has a word
-            // per region; the kernel writes `hits` only.
+            // per region plus the flag word `any` points at; the kernel writes
+            // `hits` only.
             unsafe { c.launch(kernel("first_non_finite"), launch, &params)? };
-            let found = hits.download_range(0, regions.len())?;
-            Ok(found.into_iter().map(|e| (e != u64::MAX).then_some(e)).collect())
         }
     }
+    Ok(scan)
 }
 
 /// The CPU reference of [`first_non_finite`] for one checked region.

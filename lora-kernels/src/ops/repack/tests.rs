@@ -148,6 +148,44 @@ fn the_first_non_finite_element_of_each_region_is_found() {
 }
 
 #[test]
+fn a_gated_repack_writes_only_when_every_value_is_finite() {
+    let mut rng = Rng::new(11);
+    let poison = bf16::from_bits(0x7fa1);
+    for (n, side) in [(1, 1), (7, 3), (60, 20)] {
+        let mut case = RepackCase::random(&mut rng, n, side);
+        let (found, dst) = case.run_if_finite(&Device::cpu(), poison).unwrap();
+        assert_eq!(found, vec![None; n], "{n} regions: clean");
+        let bits = |v: Vec<bf16>| v.into_iter().map(bf16::to_bits).collect::<Vec<_>>();
+        let plain = case.run(&Device::cpu(), poison).unwrap();
+        assert_eq!(bits(dst), bits(plain), "{n} regions: written as repack writes");
+        let expected = case.poison_values(&mut rng, 2);
+        if expected.iter().all(Option::is_none) {
+            continue;
+        }
+        let (found, dst) = case.run_if_finite(&Device::cpu(), poison).unwrap();
+        assert_eq!(found, expected, "{n} regions: the scan's answers");
+        assert!(
+            dst.iter().all(|v| v.to_bits() == poison.to_bits()),
+            "{n} regions: a value not finite leaves the destination as it was"
+        );
+    }
+}
+
+#[test]
+fn a_gated_repack_over_other_regions_than_the_scan_is_refused() {
+    let device = Device::cpu();
+    let src = device.upload(&bf16_carrier(&[0u8; 16])).unwrap();
+    let mut scratch = device.alloc_zeros(2).unwrap();
+    let mut hits = device.alloc_zeros(3).unwrap();
+    let mut dst = device.alloc_zeros(16).unwrap();
+    let one = [region(0, 0, 1, 1, 1, 1)];
+    let two = [region(0, 0, 1, 1, 1, 1), region(2, 4, 1, 1, 1, 1)];
+    let scan = queue_value_scan(&device, &src, 16, &one, &mut scratch, &mut hits).unwrap();
+    let err = repack_if_finite(&device, &scan, &hits, &src, 16, &two, &mut scratch, &mut dst).unwrap_err();
+    assert!(err.to_string().contains("value scan covered 1"), "{err}");
+}
+
+#[test]
 fn an_f32_value_past_bf16_range_counts_as_not_finite_and_the_largest_finite_does_not() {
     // 3.3895e38 rounds to BF16's largest finite value; 3.4e38 rounds past it.
     let mut src = Vec::new();
