@@ -164,3 +164,46 @@ fn a_landed_image_with_a_nan_is_refused() {
     assert!(err.to_string().contains("must be finite"), "{err}");
     assert_eq!(snapshot(&pool), before, "a refused landing changes nothing");
 }
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn a_refused_device_repack_swap_on_cuda_writes_no_slot_byte_and_the_next_swap_lands() {
+    let Some(device) = lora_kernels::testing::cuda_or_skip(
+        "a_refused_device_repack_swap_on_cuda_writes_no_slot_byte_and_the_next_swap_lands",
+    ) else {
+        return;
+    };
+    let (bad, tensor) = poisoned_in("demo_r4_plain", "lora_B", f32::NAN, "cuda-repack-nan");
+    let (seed, good) = (dir("demo_r8_rslora"), dir("demo_r4_plain"));
+    let load = |device: &Device, second: Option<&Path>| {
+        let mut sources = vec![AdapterSource { name: "x", dir: &seed }];
+        if let Some(d) = second {
+            sources.push(AdapterSource { name: "good", dir: d });
+        }
+        LoraPool::load(device, model_config("llama"), options(2, 0), BatchCapacity::default(), &sources)
+            .expect("load")
+    };
+    let mut pool = load(&device, None);
+    pool.tune_staging(StagingTuning {
+        device_repack: true,
+        ..StagingTuning::default()
+    })
+    .expect("tuning");
+    let before = snapshot(&pool);
+    for s in [1, 0] {
+        let err = pool.swap_from_disk(slot(s), "bad", &bad).expect_err("refused");
+        assert_non_finite(err, &tensor);
+        assert_eq!(snapshot(&pool), before, "a refused swap into slot {s} changes nothing");
+    }
+    let report = pool.swap_from_disk(slot(1), "good", &good).expect("a clean swap");
+    assert_eq!(report.route, lora_pool::SwapRoute::DeviceRepack);
+    let reference = load(&Device::cpu(), Some(&good));
+    for s in [0, 1] {
+        assert_eq!(
+            pool.slot_contents(slot(s)).expect("contents"),
+            reference.slot_contents(slot(s)).expect("contents"),
+            "slot {s} equals a CPU pool loaded with the same adapters"
+        );
+    }
+    std::fs::remove_dir_all(&bad).ok();
+}
