@@ -135,10 +135,44 @@ enum DenseSource {
 }
 
 /// What a raw-route swap refuses when its value scan finds a value that is
-/// not finite: the audit's report, and the tensor each region comes from.
+/// not finite: the audit's report, and the pair each place of the plan
+/// holds (regions `2p` and `2p + 1` are place `p`'s A and B). The tensor
+/// names are looked up only for a refusal.
 struct ScanRefusal {
     report: AuditReport,
-    tensors: Vec<String>,
+    places: Vec<Option<PairKey>>,
+}
+
+impl ScanRefusal {
+    /// The served tensor region `r` comes from.
+    fn tensor(&self, r: usize) -> String {
+        let part = if r.is_multiple_of(2) { PairPart::A } else { PairPart::B };
+        match self.places.get(r / 2).copied().flatten() {
+            Some(key) => served_tensor(&self.report, key, part),
+            None => format!("place {}", r / 2),
+        }
+    }
+}
+
+/// The adapter tensor the audit placed as `part` of pair `key` (the key's
+/// own name where the report holds no such pair).
+fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
+    report
+        .placed
+        .iter()
+        .find(|p| {
+            PairKey::Dense {
+                layer: p.layer,
+                module: p.module,
+            } == key
+        })
+        .map_or_else(
+            || key.to_string(),
+            |p| match part {
+                PairPart::A => p.a_key.clone(),
+                PairPart::B => p.b_key.clone(),
+            },
+        )
 }
 
 /// The slot pool.
@@ -750,24 +784,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         // A served tensor whose value is not finite is refused, naming it:
         // the device scans the bytes it was given as they are; the host
         // packer checks each pair as it converts it.
-        let tensor_of = |key: PairKey, part: PairPart| {
-            report
-                .placed
-                .iter()
-                .find(|p| {
-                    PairKey::Dense {
-                        layer: p.layer,
-                        module: p.module,
-                    } == key
-                })
-                .map_or_else(
-                    || key.to_string(),
-                    |p| match part {
-                        PairPart::A => p.a_key.clone(),
-                        PairPart::B => p.b_key.clone(),
-                    },
-                )
-        };
+        let dense_pairs = plan.metas().to_vec();
         let (dense, route) = match regions {
             Some(regions) => {
                 // Queued behind the copies, not waited for: publish gates
@@ -780,17 +797,8 @@ impl<C: SlotCompanion> LoraPool<C> {
                     &mut self.staging.regions,
                     &mut self.staging.hits,
                 )?;
-                let tensors = (0..regions.len())
-                    .map(|r| {
-                        let part = if r % 2 == 0 { PairPart::A } else { PairPart::B };
-                        plan.key_at(r / 2)
-                            .map_or_else(|| format!("place {}", r / 2), |key| tensor_of(key, part))
-                    })
-                    .collect();
-                let refusal = Box::new(ScanRefusal {
-                    report: report.clone(),
-                    tensors,
-                });
+                let places = (0..regions.len().div_ceil(2)).map(|p| plan.key_at(p)).collect();
+                let refusal = Box::new(ScanRefusal { report, places });
                 (
                     DenseSource::Raw {
                         regions,
@@ -813,7 +821,7 @@ impl<C: SlotCompanion> LoraPool<C> {
                             },
                         ..
                     }) => {
-                        report.refuse(Refusal::non_finite(tensor_of(key, part), index, value));
+                        report.refuse(Refusal::non_finite(served_tensor(&report, key, part), index, value));
                         return Err(audit_err(name)(AuditError::Refused(Box::new(report))));
                     }
                     other => other?,
@@ -825,7 +833,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             name: name.to_string(),
             route,
             dense,
-            dense_pairs: plan.metas().to_vec(),
+            dense_pairs,
             experts: None,
             companion: Some(companion),
             has_overlay: false,
@@ -897,6 +905,9 @@ impl<C: SlotCompanion> LoraPool<C> {
                 r.dst_elem += base as u64;
             }
         }
+        // The slot's new table, built on the host while the device may still
+        // be copying (a raw-route swap waits for the device just below).
+        let table = self.table_with_slot(s, base_addr, &staged.dense_pairs);
         if let DenseSource::Raw {
             regions,
             bytes,
@@ -928,7 +939,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             {
                 self.registry.restore(s, previous);
                 let value = staged_value(&self.staging.device, &regions[r], index);
-                let tensor = refusal.tensors.get(r).cloned().unwrap_or_else(|| format!("region {r}"));
+                let tensor = refusal.tensor(r);
                 let mut report = refusal.report.clone();
                 report.refuse(Refusal::non_finite(
                     tensor,
@@ -946,22 +957,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             DenseSource::Raw { .. } => {}
             DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
         }
-        self.clear_table_entries(s);
-        for meta in &staged.dense_pairs {
-            let PairKey::Dense { layer, module } = meta.key else {
-                continue;
-            };
-            let (Some(place), Some(offset)) = (self.layout.entry(layer, module), self.table_offset(layer, module))
-            else {
-                continue;
-            };
-            self.host_table[offset + s] = PairEntry {
-                a: base_addr + place.a_offset as u64,
-                b: base_addr + place.b_offset as u64,
-                scale: meta.scale,
-                rank: meta.rank as u32,
-            };
-        }
+        self.host_table = table;
         self.table.write(0, &self.host_table)?;
         let mut expert_pairs = Vec::new();
         if let Some(pool) = &mut self.experts {
@@ -1000,6 +996,33 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: staged.route,
             publish_us: started.elapsed().as_secs_f64() * 1e6,
         })
+    }
+
+    /// The host table with slot `slot`'s entries replaced by `pairs`' (at
+    /// slot address `base_addr`), every other entry as it is.
+    fn table_with_slot(&self, slot: usize, base_addr: u64, pairs: &[PairMeta]) -> Vec<PairEntry> {
+        let mut table = self.host_table.clone();
+        for entry in table.iter_mut().skip(slot).step_by(self.opts.max_loras.max(1)) {
+            *entry = PairEntry::default();
+        }
+        for meta in pairs {
+            let PairKey::Dense { layer, module } = meta.key else {
+                continue;
+            };
+            let (Some(place), Some(offset)) = (self.layout.entry(layer, module), self.table_offset(layer, module))
+            else {
+                continue;
+            };
+            if let Some(entry) = table.get_mut(offset + slot) {
+                *entry = PairEntry {
+                    a: base_addr + place.a_offset as u64,
+                    b: base_addr + place.b_offset as u64,
+                    scale: meta.scale,
+                    rank: meta.rank as u32,
+                };
+            }
+        }
+        table
     }
 
     fn clear_table_entries(&mut self, slot: usize) {
