@@ -81,10 +81,12 @@ pub(crate) enum Family {
     MoeIndex,
     Overlay,
     Repack,
+    /// The kernel the cluster occupancy query names (never launched).
+    Occupancy,
 }
 
 impl Family {
-    pub(crate) const ALL: [Family; 7] = [
+    pub(crate) const ALL: [Family; 8] = [
         Family::Bgmv,
         Family::BgmvEntry,
         Family::BgmvRows,
@@ -92,6 +94,7 @@ impl Family {
         Family::MoeIndex,
         Family::Overlay,
         Family::Repack,
+        Family::Occupancy,
     ];
 
     pub(crate) fn file(self) -> &'static str {
@@ -103,6 +106,7 @@ impl Family {
             Family::MoeIndex => "moe_index.cu",
             Family::Overlay => "overlay.cu",
             Family::Repack => "repack.cu",
+            Family::Occupancy => "occupancy.cu",
         }
     }
 
@@ -115,6 +119,7 @@ impl Family {
             Family::MoeIndex => include_str!("../cuda/moe_index.cu"),
             Family::Overlay => include_str!("../cuda/overlay.cu"),
             Family::Repack => include_str!("../cuda/repack.cu"),
+            Family::Occupancy => include_str!("../cuda/occupancy.cu"),
         }
     }
 
@@ -204,6 +209,9 @@ pub(crate) struct CudaBackend {
     pub(crate) smem_per_sm: usize,
     /// `cuDriverGetVersion` (e.g. 13000 for CUDA 13.0): which driver calls exist.
     pub(crate) driver_version: i32,
+    /// Most clusters of 8 resident at once with 1..=4 blocks a
+    /// multiprocessor, as the driver answers (`DeviceLimits::clusters_of_8`).
+    pub(crate) clusters_of_8: [usize; 4],
     modules: Arc<ModuleCache>,
     fault: Mutex<CudaSlice<u32>>,
     /// Scratch of multi-launch ops (the two-phase decode); locked for the
@@ -301,7 +309,7 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
     let spread_inbox = stream
         .alloc_zeros::<u64>(sms as usize * SPREAD_INBOX_WORDS)
         .map_err(driver_err("cuMemAlloc"))?;
-    Ok(CudaBackend {
+    let mut backend = CudaBackend {
         ctx,
         stream,
         name,
@@ -312,13 +320,21 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         smem_optin: usize::try_from(optin).unwrap_or(48 * 1024),
         smem_per_sm: usize::try_from(per_sm).unwrap_or(64 * 1024),
         driver_version,
+        clusters_of_8: [0; 4],
         modules: module_cache(ordinal),
         fault: Mutex::new(fault),
         scratch: Box::new(Mutex::new(scratch)),
         spread_inbox: Box::new(Mutex::new(spread_inbox)),
         blas: Mutex::new(None),
-    })
+    };
+    if compute_capability.0 >= 9 {
+        backend.clusters_of_8 = backend.query_clusters_of_8()?;
+    }
+    Ok(backend)
 }
+
+/// Shared memory the driver reserves for each resident block (sm_80 and newer), bytes.
+const RESERVED_SMEM_PER_BLOCK: usize = 1024;
 
 /// Whether kernels for `compute_capability` are compiled for its
 /// arch-specific target: `sm_90a` (wgmma) on compute capability 9.0, where
@@ -448,6 +464,52 @@ impl CudaBackend {
         let mut functions = self.modules.functions.lock().unwrap_or_else(|p| p.into_inner());
         functions.insert(kernel.name, f.clone());
         Ok(f)
+    }
+
+    /// Most clusters of 8 blocks of 256 threads resident at once when the
+    /// dynamic shared memory lets 1, 2, 3 or 4 blocks share a
+    /// multiprocessor (`cuOccupancyMaxActiveClusters`; sm_90 and newer).
+    fn query_clusters_of_8(&self) -> Result<[usize; 4], KernelError> {
+        use cudarc::driver::sys;
+        let f = self.function(Kernel {
+            family: Family::Occupancy,
+            name: "occupancy_probe",
+        })?;
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut answers = [0usize; 4];
+        for (i, answer) in answers.iter_mut().enumerate() {
+            let blocks = i + 1;
+            let smem = (self.smem_per_sm / blocks)
+                .saturating_sub(RESERVED_SMEM_PER_BLOCK)
+                .min(self.smem_optin);
+            // SAFETY: a zeroed attribute is a valid bit pattern (an id and a plain-data union).
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attr.value.clusterDim.x = 8;
+            attr.value.clusterDim.y = 1;
+            attr.value.clusterDim.z = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: 8,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: 256,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: u32::try_from(smem).unwrap_or(u32::MAX),
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            let mut clusters: std::ffi::c_int = 0;
+            // SAFETY: `f` is a loaded function of this context (bound above);
+            // `config` and `attr` outlive the call, which only reads them and
+            // writes one int through a valid pointer. Nothing is launched.
+            unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
+                .result()
+                .map_err(driver_err("cuOccupancyMaxActiveClusters"))?;
+            *answer = usize::try_from(clusters).unwrap_or(0);
+        }
+        Ok(answers)
     }
 
     /// Compile and load every family now, so no compilation happens later

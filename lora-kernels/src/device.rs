@@ -16,7 +16,7 @@ pub struct Device {
 
 pub(crate) enum Backend {
     Cpu(CpuBackend),
-    Cuda(CudaBackend),
+    Cuda(Box<CudaBackend>),
 }
 
 pub(crate) struct CpuBackend {
@@ -58,7 +58,7 @@ impl Device {
     /// NVRTC or absent device is an error, never a panic.
     pub fn cuda(ordinal: usize) -> Result<Device, KernelError> {
         Ok(Device {
-            inner: Arc::new(Backend::Cuda(cuda_rt::open(ordinal)?)),
+            inner: Arc::new(Backend::Cuda(Box::new(cuda_rt::open(ordinal)?))),
         })
     }
 

@@ -475,6 +475,37 @@ const DECODE_WIDE_TABLE: &[(DecodeCase, usize)] = &[
 /// Decode cases of several targets in one launch (q, k and v: each its own
 /// adapters' pairs, outputs side by side in y), and their target count.
 const DECODE_TARGETS: &[(DecodeCase, usize)] = &[((64, 4096, 4096, 16, 64, None), 3)];
+/// Decode cases timed only under `--sweep` (no peer figure), and their
+/// table sizes: shapes whose H200 plan depends on how many clusters of 8
+/// are resident at once (the entry form's cluster size past rank 16, the
+/// fused launch's cost model), so a change of that count is timed where it
+/// changes a decision.
+const DECODE_SWEEP: &[(DecodeCase, usize)] = &[
+    ((64, 4096, 4096, 64, 29, None), 29),
+    ((64, 4096, 4096, 64, 30, None), 30),
+    ((128, 4096, 4096, 64, 30, None), 30),
+    ((64, 4096, 4096, 32, 30, None), 30),
+    ((16, 4096, 4096, 64, 16, None), 32),
+    ((31, 4096, 4096, 64, 31, None), 32),
+    ((16, 4096, 4096, 64, 16, None), 64),
+    ((31, 4096, 4096, 64, 31, None), 64),
+    ((512, 4096, 4096, 8, 8, None), 8),
+    ((513, 4096, 4096, 8, 8, None), 8),
+    ((1024, 4096, 4096, 8, 8, None), 8),
+    ((2048, 4096, 4096, 8, 8, None), 8),
+    ((256, 4096, 4096, 8, 32, None), 32),
+    ((512, 4096, 4096, 8, 32, None), 32),
+    ((513, 4096, 4096, 8, 32, None), 32),
+    ((1024, 4096, 4096, 8, 32, None), 32),
+    ((129, 4096, 4096, 8, 64, None), 64),
+    ((256, 4096, 4096, 8, 64, None), 64),
+    ((512, 4096, 4096, 8, 64, None), 64),
+    ((513, 4096, 4096, 8, 64, None), 64),
+    ((1024, 4096, 4096, 8, 64, None), 64),
+    ((2048, 4096, 4096, 8, 64, None), 64),
+    ((31, 14336, 4096, 16, 31, None), 64),
+    ((2048, 2048, 2048, 32, 8, None), 8),
+];
 /// Prefill (rows, segments, in, out, r) and the best peer µs.
 const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =
     &[(4096, 8, 4096, 4096, 16, 69.4), (8192, 32, 4096, 4096, 64, 445.9)];
@@ -499,11 +530,18 @@ fn floor_bytes(n: usize, in_dim: usize, out: usize, r: usize, distinct: usize, t
 fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
     let mut rng = Rng::new(0x5eed_0004);
     launch_floor_row(ctx)?;
+    let sweep = ctx.opts.sweep;
     let cases = DECODE
         .iter()
         .map(|&case| (case, case.4, 1))
         .chain(DECODE_WIDE_TABLE.iter().map(|&(case, entries)| (case, entries, 1)))
-        .chain(DECODE_TARGETS.iter().map(|&(case, targets)| (case, case.4, targets)));
+        .chain(DECODE_TARGETS.iter().map(|&(case, targets)| (case, case.4, targets)))
+        .chain(
+            DECODE_SWEEP
+                .iter()
+                .filter(|_| sweep)
+                .map(|&(case, entries)| (case, entries, 1)),
+        );
     for ((n, in_dim, out, r, distinct, peer), entries, targets) in cases {
         let mut name = format!("decode n={n} in={in_dim} out={out} r={r} d={distinct}");
         if entries > distinct {

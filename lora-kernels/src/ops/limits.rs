@@ -22,6 +22,13 @@ pub struct DeviceLimits {
     /// The kernels are built for the arch-specific target (`sm_90a`), so the
     /// warpgroup-MMA (`wgmma`) kernels run.
     pub wgmma: bool,
+    /// Most clusters of 8 blocks resident at once when each multiprocessor
+    /// holds 1, 2, 3 or 4 of their blocks, as the driver answers
+    /// (`cuOccupancyMaxActiveClusters`, asked once when the device opens).
+    /// A cluster must fit whole in one GPC, so fewer fit than the block
+    /// slots divided by 8, by how many depends on the chip's GPCs. Zeros
+    /// without clusters.
+    pub clusters_of_8: [usize; 4],
 }
 
 impl DeviceLimits {
@@ -32,6 +39,9 @@ impl DeviceLimits {
         smem_optin: 232_448,
         smem_per_sm: 233_472,
         wgmma: true,
+        // The driver's answers on an H200 (lora-kernels NOTES.md, runs 40b
+        // and 350) and on an H100 SXM, 132 multiprocessors each (v39).
+        clusters_of_8: [15, 30, 45, 62],
     };
 
     /// An sm_80 device like the A100 (108 multiprocessors, no clusters, no wgmma).
@@ -41,12 +51,29 @@ impl DeviceLimits {
         smem_optin: 166_912,
         smem_per_sm: 167_936,
         wgmma: false,
+        clusters_of_8: [0; 4],
     };
 
     /// Thread-block clusters, `st.async`, programmatic dependent launch and
     /// the other sm_90 features the cluster forms need.
     pub fn hopper(&self) -> bool {
         self.capability.0 >= 9
+    }
+
+    /// Block slots that clusters of `cluster` blocks fill at once when each
+    /// multiprocessor holds `blocks_per_sm` of their blocks: every slot
+    /// for single blocks and pairs (pairs fit every GPC), and for larger
+    /// clusters the slots of the driver's count of clusters of 8 (a lower
+    /// bound for clusters of 4, which pack at least as well).
+    pub fn cluster_block_slots(&self, cluster: usize, blocks_per_sm: usize) -> usize {
+        let slots = self.multiprocessors.saturating_mul(blocks_per_sm);
+        if cluster <= 2 {
+            return slots;
+        }
+        match blocks_per_sm {
+            0 => 0,
+            k => self.clusters_of_8[k.min(4) - 1].saturating_mul(8).min(slots),
+        }
     }
 
     pub(crate) fn of(c: &CudaBackend) -> DeviceLimits {
@@ -56,6 +83,7 @@ impl DeviceLimits {
             smem_optin: c.smem_optin,
             smem_per_sm: c.smem_per_sm,
             wgmma: c.wgmma,
+            clusters_of_8: c.clusters_of_8,
         }
     }
 }

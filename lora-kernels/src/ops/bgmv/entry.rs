@@ -93,6 +93,7 @@ use super::plan::{CallTarget, Chain, EntryKernel};
 use super::{Rows, RowsMut};
 use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
 use crate::error::{KernelError, invalid};
+use crate::ops::limits::DeviceLimits;
 use crate::ops::{LoraTarget, MAX_TARGETS, OutputElem, TargetParams, to_i32, to_u32};
 
 /// Threads per block (`BGE_THREADS` in the kernel).
@@ -217,12 +218,11 @@ fn blocks_per_sm(stride: usize) -> usize {
     if stride <= 16 { 3 } else { 2 }
 }
 
-/// Block slots of the device that clusters can fill at once: clusters must
-/// fit whole in a GPC, so about 7/8 of the blocks per multiprocessor times
-/// the multiprocessors hold them (as `LaunchChoice::pick` counts for the
-/// fused kernel's clusters).
-pub(super) fn cluster_block_slots(stride: usize, sms: usize) -> usize {
-    sms * blocks_per_sm(stride) * 7 / 8
+/// Block slots of the device that the kernels' clusters of 8 fill at once
+/// ([`DeviceLimits::cluster_block_slots`] at the kernels' blocks per
+/// multiprocessor).
+pub(super) fn cluster_block_slots(stride: usize, limits: &DeviceLimits) -> usize {
+    limits.cluster_block_slots(8, blocks_per_sm(stride))
 }
 
 /// Dynamic shared memory of a launch without staging: the warps' partial
@@ -570,7 +570,7 @@ mod tests {
                 prop_assert!(cols * cluster >= out && cols % 8 == 0);
                 prop_assert_eq!(smem, base + stage_bytes(stride, cols));
             }
-            let cl = super::super::plan::entry_cluster(stride, n, 132);
+            let cl = super::super::plan::entry_cluster(stride, n, &DeviceLimits::H200);
             prop_assert!(cl == 8 || cl == 4);
             let staged = EntryKernel::Staged { cluster: cl };
             prop_assert!(kernel_name(staged, stride, false).is_some());

@@ -747,11 +747,11 @@ fn entry_rule(f: &Facts<'_>) -> Option<DecodePlan> {
     let one_round = !f.overlap
         && f.stride <= 16
         && f.max_out <= ENTRY_ONE_ROUND_MAX_OUT
-        && entries * 8 * f.n_targets.max(1) <= entry::cluster_block_slots(16, f.sms);
+        && entries * 8 * f.n_targets.max(1) <= entry::cluster_block_slots(16, f.limits);
     if !(several_rows || one_round) || f.call.entry_shape(f.hopper).check(f.targets()).is_err() {
         return None;
     }
-    let cluster = entry_cluster(f.stride, f.max_entries, f.sms);
+    let cluster = entry_cluster(f.stride, f.max_entries, f.limits);
     let registers = entry::registers_serve(f.stride, cluster, f.n, f.call.in_dim, f.max_out).is_ok()
         && entry_registers_by_default(f.n, f.max_entries);
     let one_a_multiprocessor = lets_next_in_early(f.stride, cluster, f.max_entries, f.n_targets, f.sms);
@@ -792,8 +792,8 @@ fn entry_rule(f: &Facts<'_>) -> Option<DecodePlan> {
 /// Rule 2's blocks per cluster: 8, except past rank stride 16 where
 /// clusters of 8 for every entry would not all be resident at once
 /// (`entry::cluster_block_slots`): clusters of 4 then take one round.
-pub(super) fn entry_cluster(stride: usize, entries: usize, sms: usize) -> usize {
-    if stride <= 16 || entries.saturating_mul(8) <= entry::cluster_block_slots(stride, sms) {
+pub(super) fn entry_cluster(stride: usize, entries: usize, limits: &DeviceLimits) -> usize {
+    if stride <= 16 || entries.saturating_mul(8) <= entry::cluster_block_slots(stride, limits) {
         8
     } else {
         4
@@ -1383,13 +1383,7 @@ impl LaunchChoice {
                 if bps == 0 {
                     continue;
                 }
-                // Clusters must fit whole in a GPC, so fewer are resident than
-                // blocks allow (ncu on the H200: 45 active clusters of 8 where
-                // 132 x 3 blocks would give 49); a cluster past that waits for a
-                // second wave, so a window gets at most 7/8 of the block count.
-                // Pairs fit every GPC (the occupancy query: 66 clusters of 2 at
-                // one block per multiprocessor).
-                let capacity = if cl > 2 { sms * bps * 7 / 8 } else { sms * bps };
+                let capacity = modelled_cluster_slots(sms, cl, bps);
                 let per_cluster_row = cl * s * n_targets * n_windows;
                 let cpw = match fixed.clusters_per_window {
                     Some(v) => v.clamp(1, window),
@@ -1424,6 +1418,26 @@ impl LaunchChoice {
                 format!("{stride} with in {in_dim} does not fit the kernel's shared memory"),
             )
         })
+    }
+}
+
+/// The block slots the fused launch's cost model counts for clusters of
+/// `cluster` at `blocks_per_sm` a multiprocessor: all of them for single
+/// blocks and pairs, 7/8 of them for clusters of 8. Clusters must fit whole
+/// in a GPC, so fewer are resident than the slots allow, and one past that
+/// waits for a second wave. This share is the model's calibration, not the
+/// device's count: the driver's exact count
+/// ([`DeviceLimits::cluster_block_slots`], 15 / 30 / 45 / 62 clusters of 8
+/// at 1-4 a multiprocessor against the model's 14.4 / 28.9 / 43.3 / 57.8 on
+/// a 132-multiprocessor part) made it pick slower plans at 6 of the 20
+/// shapes where it changed a decision, by up to 32 %, and faster ones by at
+/// most 1.3 % (H100, lora-kernels NOTES.md v39).
+fn modelled_cluster_slots(sms: usize, cluster: usize, blocks_per_sm: usize) -> usize {
+    let slots = sms.saturating_mul(blocks_per_sm);
+    if cluster > 2 {
+        slots / 8 * 7 + slots % 8 * 7 / 8
+    } else {
+        slots
     }
 }
 

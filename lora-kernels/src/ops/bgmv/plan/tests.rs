@@ -97,11 +97,22 @@ fn the_decisions_are_the_recorded_ones() {
 
 #[test]
 fn clusters_of_four_where_eights_would_take_two_rounds_past_rank_16() {
-    assert_eq!(entry_cluster(16, 64, 132), 8);
-    assert_eq!(entry_cluster(64, 32, 132), 4);
-    assert_eq!(entry_cluster(32, 28, 132), 8);
-    assert_eq!(entry_cluster(64, 29, 132), 4);
-    assert_eq!(entry_cluster(64, 8, 132), 8);
+    let h200 = &DeviceLimits::H200;
+    assert_eq!(entry_cluster(16, 64, h200), 8);
+    assert_eq!(entry_cluster(64, 8, h200), 8);
+    // Past rank 16 two blocks share a multiprocessor: one round holds the
+    // driver's count of clusters of 8 at 2 a multiprocessor (30 on the H200).
+    let one_round = h200.clusters_of_8[1];
+    assert_eq!(entry_cluster(32, one_round, h200), 8);
+    assert_eq!(entry_cluster(64, one_round, h200), 8);
+    assert_eq!(entry_cluster(64, one_round + 1, h200), 4);
+    assert_eq!(entry_cluster(64, 64, h200), 4);
+    // A chip whose GPCs hold fewer clusters takes clusters of 4 sooner.
+    let fewer = DeviceLimits {
+        clusters_of_8: [12, 24, 36, 48],
+        ..DeviceLimits::H200
+    };
+    assert_eq!(entry_cluster(64, 25, &fewer), 4);
 }
 
 #[test]
@@ -730,14 +741,16 @@ fn the_entry_clusters_serve_several_rows_per_entry_or_small_tables_by_default() 
     for (n, entries) in [(256, 32), (128, 16), (64, 8), (64, 32), (1024, 64), (32, 16)] {
         assert!(takes(n, entries, 64, 14336, 1, false), "n={n} of {entries}");
     }
-    // Rank 16 and one round of clusters of 8: up to 43 entries of one target on 132 SMs.
-    for (n, entries) in [(1, 1), (16, 16), (32, 32), (64, 43)] {
+    // Rank 16 and one round of clusters of 8 (3 blocks a multiprocessor): up
+    // to the driver's count of them, 45 entries of one target on the H200.
+    let one_round = DeviceLimits::H200.clusters_of_8[2];
+    for (n, entries) in [(1, 1), (16, 16), (32, 32), (64, one_round)] {
         assert!(takes(n, entries, 16, 4096, 1, false), "n={n} of {entries}");
     }
     // One row per entry otherwise: a 64-entry table, three targets, wide outputs, larger ranks.
     for (n, entries, stride, out, targets) in [
         (64, 64, 16, 4096, 1),
-        (64, 44, 16, 4096, 1),
+        (64, one_round + 1, 16, 4096, 1),
         (64, 64, 16, 4096, 3),
         (32, 32, 16, 14336, 1),
         (16, 16, 64, 4096, 1),
