@@ -5,7 +5,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::path::Path;
 
-use lora_layout::{ExpertProj, ExpertSite, ModelConfig, expert_router_bytes, pool_slot_bytes};
+use lora_layout::{
+    ExpertProj, ExpertSite, GateUpLayout, ModelConfig, ModelFamily, expert_router_bytes, pool_slot_bytes,
+};
 
 use rayon::prelude::*;
 
@@ -371,7 +373,7 @@ impl<'a> Audit<'a> {
                 if !self.check_dims(&a, &b, dims) {
                     return;
                 }
-                let path = halves.module_path;
+                let path = self.parameter_pattern_path(&halves.module_path);
                 let Some((rank, scale)) = self.rank_and_scale(&a.name, &path, a_rows, false) else {
                     return;
                 };
@@ -389,7 +391,7 @@ impl<'a> Audit<'a> {
                 self.place_direct_expert(layer, site, a, b, halves.module_path);
             }
             LoraTarget::Router => {
-                let path = self.router_pattern_path(&halves.module_path);
+                let path = self.parameter_pattern_path(&halves.module_path);
                 self.place_direct_expert(layer, ExpertSite::Router, a, b, path);
             }
             // Inner and outer wrappers are separate groups; the shapes say which parameter each adapts.
@@ -467,9 +469,12 @@ impl<'a> Audit<'a> {
         );
     }
 
-    /// The router's pattern path: PEFT matched a router targeted through
-    /// `target_parameters` (5.x routers, DeepSeek's) by its parameter path.
-    fn router_pattern_path(&self, module_path: &str) -> String {
+    /// The path PEFT matched `rank_pattern` / `alpha_pattern` against for a
+    /// 2-D pair: the module path, or the parameter path (`….weight`) when the
+    /// module's weight was targeted through `target_parameters` (5.x routers,
+    /// DeepSeek's and GLM-4.5's; dense projections PEFT's 5.x expert
+    /// conversion leaves no other way to target, such as shared experts).
+    fn parameter_pattern_path(&self, module_path: &str) -> String {
         let param = format!("{module_path}.weight");
         let by_parameter = self
             .config
@@ -510,29 +515,71 @@ impl<'a> Audit<'a> {
     /// has A `[E·r, inter]`, B `[hidden, E·r]`. The two `(B rows, A cols)`
     /// pairs, `(2·inter, hidden)` and `(hidden, inter)`, are never equal for
     /// positive widths, so the wrapper's nesting order never has to be guessed.
+    ///
+    /// gpt_oss stores its experts `[E, in, out]` (PEFT reads them so: the
+    /// pairs have the same shapes) with gate and up interleaved along
+    /// `gate_up_proj`'s output ([`GateUpLayout::Interleaved`]), and has two
+    /// more expert parameters, the biases `gate_up_proj_bias` `[E, 2·inter]`
+    /// and `down_proj_bias` `[E, hidden]`, which PEFT wraps as 2-D weights (A
+    /// `[r, 2·inter]` / `[r, hidden]`, B `[E, r]`). A delta on a bias has no
+    /// place in the pool: refused naming the parameter.
     fn place_fused(&mut self, layer: usize, a: TensorInfo, b: TensorInfo, module_path: &str) {
         let (Some(moe), hidden) = (self.cfg.moe.as_ref(), self.cfg.hidden_size) else {
             return;
         };
         let (n_experts, inter) = (moe.num_experts, moe.expert_intermediate_size);
         let (a_rows, a_in, b_out) = (a.shape[0], a.shape[1], b.shape[0]);
-        let param = if (b_out, a_in) == (2 * inter, hidden) {
-            "gate_up_proj"
+        let container = crate::key::strip_base_layers(module_path).0;
+        let weight_param = if (b_out, a_in) == (2 * inter, hidden) {
+            Some("gate_up_proj")
         } else if (b_out, a_in) == (hidden, inter) {
-            "down_proj"
+            Some("down_proj")
         } else {
-            self.refuse(
-                RejectCode::Shape,
-                &a.name,
-                format!(
-                    "fused experts lora_A {:?} / lora_B {:?} fit neither gate_up_proj (in {hidden}, out {}) \
+            None
+        };
+        let bias_param = match (self.cfg.family, (b_out, a_in)) {
+            (ModelFamily::GptOss, shape) if shape == (n_experts, 2 * inter) => Some("gate_up_proj_bias"),
+            (ModelFamily::GptOss, shape) if shape == (n_experts, hidden) => Some("down_proj_bias"),
+            _ => None,
+        };
+        let param = match (weight_param, bias_param) {
+            (Some(weight), Some(bias)) => {
+                self.refuse(
+                    RejectCode::Shape,
+                    &a.name,
+                    format!(
+                        "fused experts lora_A {:?} / lora_B {:?} fit both `{weight}` and `{bias}` of this model; \
+                         which parameter they adapt cannot be told",
+                        a.shape, b.shape
+                    ),
+                );
+                return;
+            }
+            (None, Some(bias)) => {
+                self.refuse(
+                    RejectCode::UnsupportedTarget,
+                    &a.name,
+                    format!(
+                        "a LoRA on the expert bias parameter `{container}.{bias}`; expert biases take no delta here"
+                    ),
+                );
+                return;
+            }
+            (Some(weight), None) => weight,
+            (None, None) => {
+                self.refuse(
+                    RejectCode::Shape,
+                    &a.name,
+                    format!(
+                        "fused experts lora_A {:?} / lora_B {:?} fit neither gate_up_proj (in {hidden}, out {}) \
                      nor down_proj (in {inter}, out {hidden})",
-                    a.shape,
-                    b.shape,
-                    2 * inter
-                ),
-            );
-            return;
+                        a.shape,
+                        b.shape,
+                        2 * inter
+                    ),
+                );
+                return;
+            }
         };
         if a_rows % n_experts != 0 {
             self.refuse(
@@ -543,18 +590,31 @@ impl<'a> Audit<'a> {
             return;
         }
         let rank = a_rows / n_experts;
-        let container = module_path.strip_suffix(".base_layer").unwrap_or(module_path);
         let path = format!("{container}.{param}");
         let Some((rank, scale)) = self.rank_and_scale(&a.name, &path, rank, true) else {
             return;
         };
-        let projs: &[(ExpertProj, Range<usize>)] = if param == "gate_up_proj" {
-            &[(ExpertProj::Gate, 0..inter), (ExpertProj::Up, inter..2 * inter)]
-        } else {
-            &[(ExpertProj::Down, 0..hidden)]
+        let layout = GateUpLayout::of(self.cfg.family);
+        let slices: Vec<(ExpertProj, ExpertSlice)> = match (param, layout) {
+            ("gate_up_proj", GateUpLayout::Halves) => vec![
+                (ExpertProj::Gate, fused_rows(n_experts, 0..inter)),
+                (ExpertProj::Up, fused_rows(n_experts, inter..2 * inter)),
+            ],
+            ("gate_up_proj", GateUpLayout::Interleaved) => [ExpertProj::Gate, ExpertProj::Up]
+                .into_iter()
+                .map(|proj| {
+                    let slice = ExpertSlice::FusedInterleaved {
+                        num_experts: n_experts,
+                        first_row: layout.column(proj, 0, inter),
+                        rows: inter,
+                    };
+                    (proj, slice)
+                })
+                .collect(),
+            _ => vec![(ExpertProj::Down, fused_rows(n_experts, 0..hidden))],
         };
         for expert in 0..n_experts {
-            for (proj, rows) in projs {
+            for (proj, slice) in &slices {
                 self.experts.push(PlacedExpertPair {
                     layer,
                     site: ExpertSite::Expert { expert, proj: *proj },
@@ -562,10 +622,7 @@ impl<'a> Audit<'a> {
                     scale,
                     a_key: a.name.clone(),
                     b_key: b.name.clone(),
-                    slice: ExpertSlice::Fused {
-                        num_experts: n_experts,
-                        out_rows: rows.clone(),
-                    },
+                    slice: slice.clone(),
                 });
             }
         }
@@ -747,6 +804,11 @@ impl<'a> Audit<'a> {
             expert_rank: self.opts.expert_rank,
         })
     }
+}
+
+/// A fused pair's contiguous B rows `out_rows`.
+fn fused_rows(num_experts: usize, out_rows: Range<usize>) -> ExpertSlice {
+    ExpertSlice::Fused { num_experts, out_rows }
 }
 
 /// The configured trainable ids: `(embed, lm_head)`. The list form names

@@ -74,6 +74,10 @@ pub enum RejectCode {
     GdnTarget,
     /// A well-formed LoRA target the engine does not apply (`lm_head`, norms, ...).
     UnsupportedTarget,
+    /// A module of a multimodal wrapper's vision (or other non-text) tower
+    /// or projector (`model.vision_tower.*`, `model.multi_modal_projector.*`):
+    /// only the text decoder takes deltas.
+    VisionTower,
     /// A target the base model does not have (layer, expert or module out of
     /// range): the adapter was made for another model.
     ModelMismatch,
@@ -96,7 +100,7 @@ pub enum RejectCode {
 
 impl RejectCode {
     /// Every code, in declaration order.
-    pub const ALL: [RejectCode; 33] = [
+    pub const ALL: [RejectCode; 34] = [
         RejectCode::PeftType,
         RejectCode::Pickle,
         RejectCode::Dora,
@@ -122,6 +126,7 @@ impl RejectCode {
         RejectCode::ExpertsDisabled,
         RejectCode::GdnTarget,
         RejectCode::UnsupportedTarget,
+        RejectCode::VisionTower,
         RejectCode::ModelMismatch,
         RejectCode::UnknownKey,
         RejectCode::Shape,
@@ -160,6 +165,7 @@ impl RejectCode {
             RejectCode::ExpertsDisabled => "REJECT[experts-disabled]",
             RejectCode::GdnTarget => "REJECT[gdn-target]",
             RejectCode::UnsupportedTarget => "REJECT[unsupported-target]",
+            RejectCode::VisionTower => "REJECT[vision-tower]",
             RejectCode::ModelMismatch => "REJECT[model-mismatch]",
             RejectCode::UnknownKey => "REJECT[unknown-key]",
             RejectCode::Shape => "REJECT[shape]",
@@ -185,6 +191,7 @@ impl RejectCode {
             self,
             RejectCode::GdnTarget
                 | RejectCode::UnsupportedTarget
+                | RejectCode::VisionTower
                 | RejectCode::ExpertsDisabled
                 | RejectCode::TokenOutOfVocab
         )

@@ -4,7 +4,11 @@
 //!
 //! Whatever precedes `layers.{i}.` is ignored, so `model.layers.{i}.*`,
 //! `model.language_model.layers.{i}.*` and keys without the
-//! `base_model.model.` prefix all parse.
+//! `base_model.model.` prefix all parse — unless a component of the path
+//! names another tower of a multimodal wrapper ([`non_text_tower`]): the
+//! Gemma 3 wrapper's vision encoder is `model.vision_tower.encoder.layers.{i}`
+//! with its own `self_attn.q_proj`, which must never be taken for the text
+//! decoder's layer `i` (`REJECT[vision-tower]`).
 
 use lora_layout::{ExpertProj, LayerKind, LoraModule, ModelConfig, ModelFamily};
 
@@ -28,6 +32,14 @@ pub enum FusedWrapper {
     Outer,
     /// `…experts.base_layer.lora_A.weight`.
     Inner,
+    /// `…experts.base_layer.base_layer….lora_A.weight`: a wrapper `depth`
+    /// (2 or 3) `base_layer`s deep, when three or four parameters of
+    /// gpt_oss's experts are targeted (its expert biases too); other
+    /// families' experts have two parameters.
+    Nested {
+        /// The number of `base_layer`s.
+        depth: usize,
+    },
 }
 
 /// The decoded target of one PEFT LoRA tensor.
@@ -102,6 +114,29 @@ pub fn split_layer_path(path: &str) -> Option<(&str, usize, &str)> {
     }
 }
 
+/// Name fragments of the towers of multimodal wrappers other than the text
+/// decoder, as transformers 5.17 names their modules: Gemma 3
+/// `model.vision_tower`, `model.multi_modal_projector`; LLaVA
+/// `vision_tower`; Qwen-VL `visual`; audio / video encoders.
+const NON_TEXT_TOWER_FRAGMENTS: [&str; 7] = [
+    "vision",
+    "visual",
+    "image",
+    "audio",
+    "video",
+    "multi_modal",
+    "mm_projector",
+];
+
+/// The first dot-separated component of a module path that names a tower of
+/// a multimodal wrapper other than its text decoder (`vision_tower`,
+/// `multi_modal_projector`, `visual`, ...), if any. No text-decoder module of
+/// a supported family has such a component.
+pub fn non_text_tower(path: &str) -> Option<&str> {
+    path.split('.')
+        .find(|c| NON_TEXT_TOWER_FRAGMENTS.iter().any(|f| c.contains(f)))
+}
+
 /// Whether `key` names a `linear_attn.*` tensor other than
 /// `linear_attn.out_proj`: the gated-delta-net inputs, which cannot take a
 /// delta (`REJECT[gdn-target]`; skipped under `allow_partial`).
@@ -135,6 +170,8 @@ fn moe_blocks(family: ModelFamily) -> &'static [(&'static str, &'static str)] {
             ("block_sparse_moe.experts", "block_sparse_moe.gate"),
             ("mlp.experts", "mlp.gate"),
         ],
+        // gpt_oss's router is `mlp.router` (weight and bias parameters).
+        ModelFamily::GptOss => &[("mlp.experts", "mlp.router")],
         _ => &[("mlp.experts", "mlp.gate")],
     }
 }
@@ -244,21 +281,34 @@ pub fn classify_key(key: &str, cfg: &ModelConfig) -> Result<LoraKey, Refusal> {
     } else {
         return Err(non_pair_refusal(key, path));
     };
+    if let Some(tower) = non_text_tower(module_path) {
+        return Err(refuse(
+            RejectCode::VisionTower,
+            &format!(
+                "`{module_path}` is in the wrapper's `{tower}`, not its text decoder; only the text decoder takes deltas"
+            ),
+        ));
+    }
     let Some((_, layer, rest)) = split_layer_path(module_path) else {
         return Err(refuse(
             RejectCode::UnsupportedTarget,
             &format!("`{module_path}` is not inside a decoder layer; only layer projections take a LoRA pair"),
         ));
     };
-    // 5.x fused experts: the container, or its nested inner wrapper.
-    let inner = rest
-        .strip_suffix(".base_layer")
-        .filter(|r| is_experts_container(cfg.family, r));
+    // 5.x fused experts: the container, or a wrapper nested in it (one
+    // deep: the experts have two parameters; gpt_oss's have four, its
+    // biases included).
+    let (container, depth) = strip_base_layers(rest);
+    let max_depth = if cfg.family == ModelFamily::GptOss { 3 } else { 1 };
+    let inner = (depth > 0 && depth <= max_depth && is_experts_container(cfg.family, container)).then_some(container);
     let target = match resolve_layer_module(cfg, layer, inner.unwrap_or(rest), key)? {
         LayerModule::Dense(m) if inner.is_none() => LoraTarget::Dense(m),
         LayerModule::Expert { expert, proj } if inner.is_none() => LoraTarget::Expert { expert, proj },
         LayerModule::Router if inner.is_none() => LoraTarget::Router,
-        LayerModule::ExpertsContainer if inner.is_some() => LoraTarget::FusedExperts(FusedWrapper::Inner),
+        LayerModule::ExpertsContainer if inner.is_some() => LoraTarget::FusedExperts(match depth {
+            1 => FusedWrapper::Inner,
+            depth => FusedWrapper::Nested { depth },
+        }),
         LayerModule::ExpertsContainer => LoraTarget::FusedExperts(FusedWrapper::Outer),
         _ => {
             return Err(refuse(
@@ -275,6 +325,16 @@ pub fn classify_key(key: &str, cfg: &ModelConfig) -> Result<LoraKey, Refusal> {
     })
 }
 
+/// `path` without its trailing `.base_layer`s, and how many there were.
+pub(crate) fn strip_base_layers(path: &str) -> (&str, usize) {
+    let (mut path, mut depth) = (path, 0);
+    while let Some(inner) = path.strip_suffix(".base_layer") {
+        path = inner;
+        depth += 1;
+    }
+    (path, depth)
+}
+
 /// The refusal for a tensor that is not a `lora_A/B.weight`.
 fn non_pair_refusal(key: &str, path: &str) -> Refusal {
     let refuse = |code, why: &str| Refusal::new(code, key, why);
@@ -287,7 +347,8 @@ fn non_pair_refusal(key: &str, path: &str) -> Refusal {
         )
     } else if path.ends_with(".lora_embedding_A") || path.ends_with(".lora_embedding_B") {
         refuse(RejectCode::EmbeddingLora, "LoRA on an embedding is not supported yet")
-    } else if path.ends_with(".bias") {
+    } else if path.ends_with(".bias") || path.ends_with("_bias") {
+        // `_bias`: gpt_oss's expert bias parameters (`gate_up_proj_bias`).
         refuse(RejectCode::Bias, "an absolute base bias saved by `bias != \"none\"`")
     } else {
         refuse(RejectCode::UnknownKey, "not a PEFT LoRA tensor name")

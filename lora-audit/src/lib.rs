@@ -10,10 +10,12 @@
 //! - [`parse_peft_adapter_config`] / [`PeftAdapterConfig`]: every field that
 //!   changes the math; `rank_pattern` / `alpha_pattern` kept in file order,
 //!   matched as PEFT does ([`PatternTable`]).
-//! - [`classify_key`], [`classify_overlay_key`], [`is_gdn_key`]: tensor
-//!   names to (layer, target, A | B), for dense projections, transformers
-//!   4.x per-expert modules (incl. Mixtral `w1`/`w3`/`w2`), 5.x fused expert
-//!   parameters (nested `ParamWrapper`s), routers and token tables.
+//! - [`classify_key`], [`classify_overlay_key`], [`is_gdn_key`],
+//!   [`non_text_tower`]: tensor names to (layer, target, A | B), for dense
+//!   projections, transformers 4.x per-expert modules (incl. Mixtral
+//!   `w1`/`w3`/`w2`), 5.x fused expert parameters (nested `ParamWrapper`s),
+//!   routers and token tables; a multimodal wrapper's other towers are
+//!   refused by name, never taken for the text decoder.
 //! - [`audit_adapter`] → [`AuditReport`]: pairs per (layer, module) with rank
 //!   (from the shapes) and scale (`alpha / r` or rsLoRA `alpha / sqrt(r)`,
 //!   alpha from `alpha_pattern`), expert pairs per (layer, expert site),
@@ -43,6 +45,10 @@
 //!   [`override_source`], [`row_diff_bf16`], [`ROWDIFF_THRESH`], ...) shared
 //!   with `lora-overlay`, and the pure probe path ([`probe_adapter`]) behind
 //!   the `lora-audit probe` command.
+//!
+//! - [`families`]: the adapter format of each model family added after the
+//!   first set (Gemma 2 / 3 and the Gemma 3 wrapper, GLM-4.5, Phi-3 /
+//!   Phi-4, gpt-oss), and what the audit does with each.
 //!
 //! What it must never do: touch a GPU or depend on cudarc / ibverbs; unpickle
 //! anything; skip a tensor silently (skips happen only under
@@ -91,6 +97,7 @@
 //! | `REJECT[experts-disabled]` | expert/router tensors with expert LoRA off | yes |
 //! | `REJECT[gdn-target]` | a gated-delta-net input projection | yes |
 //! | `REJECT[unsupported-target]` | a LoRA target the engine does not apply | yes |
+//! | `REJECT[vision-tower]` | a module of a multimodal wrapper's vision (or other non-text) tower or projector | yes |
 //! | `REJECT[model-mismatch]` | a layer, expert or module the model lacks | |
 //! | `REJECT[unknown-key]` | a tensor name of no known PEFT form (or outside printable ASCII) | |
 //! | `REJECT[shape]` | a tensor shape that does not fit | |
@@ -119,6 +126,7 @@
 
 mod audit;
 mod error;
+pub mod families;
 mod key;
 mod options;
 mod overlay;
@@ -133,7 +141,9 @@ mod test_support;
 
 pub use audit::{ADAPTER_CONFIG, ADAPTER_PICKLE, ADAPTER_WEIGHTS, audit_adapter, audit_header, validate_peft_config};
 pub use error::{AuditError, Refusal, RejectCode};
-pub use key::{AdapterAb, FusedWrapper, LoraKey, LoraTarget, classify_key, is_gdn_key, split_layer_path};
+pub use key::{
+    AdapterAb, FusedWrapper, LoraKey, LoraTarget, classify_key, is_gdn_key, non_text_tower, split_layer_path,
+};
 pub use options::{AuditArgs, DEFAULT_EXPERT_RANK, DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, LoraOptions, OptionsError};
 pub use overlay::{
     CompiledOverlay, HostOverlay, LmHeadOverlay, OverlayError, OverlayModule, OverlayTensor, OverlayTensorKind,

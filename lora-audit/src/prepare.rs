@@ -140,19 +140,19 @@ pub fn prepare_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Res
                     tensor(&tensors, &p.a_key)?.data.clone(),
                     tensor(&tensors, &p.b_key)?.data.clone(),
                 ),
-                ExpertSlice::Fused { num_experts, out_rows } => {
+                ExpertSlice::Fused { num_experts, .. } | ExpertSlice::FusedInterleaved { num_experts, .. } => {
                     let ExpertSite::Expert { expert, .. } = p.site else {
                         return Err(AuditError::Tensor {
                             name: p.a_key.clone(),
                             reason: "a fused slice must name an expert".into(),
                         });
                     };
-                    split_fused(
+                    split_fused_rows(
                         tensor(&tensors, &p.a_key)?,
                         tensor(&tensors, &p.b_key)?,
                         *num_experts,
                         expert,
-                        out_rows.clone(),
+                        &p.slice.out_rows(),
                     )?
                 }
             };
@@ -192,6 +192,18 @@ pub fn split_fused(
     expert: usize,
     out_rows: std::ops::Range<usize>,
 ) -> Result<(Vec<bf16>, Vec<bf16>), AuditError> {
+    split_fused_rows(a, b, num_experts, expert, &out_rows.collect::<Vec<_>>())
+}
+
+/// [`split_fused`] for B rows `out_rows` in any order (gpt_oss's
+/// interleaved gate and up rows).
+fn split_fused_rows(
+    a: &HostTensor,
+    b: &HostTensor,
+    num_experts: usize,
+    expert: usize,
+    out_rows: &[usize],
+) -> Result<(Vec<bf16>, Vec<bf16>), AuditError> {
     let bad = |reason: String| AuditError::Tensor {
         name: "fused experts pair".into(),
         reason,
@@ -203,7 +215,7 @@ pub fn split_fused(
         || a_rows % num_experts != 0
         || a_rows != b_cols
         || expert >= num_experts
-        || out_rows.end > b_out
+        || out_rows.iter().any(|&o| o >= b_out)
     {
         return Err(bad(format!(
             "cannot cut expert {expert} of {num_experts}, rows {out_rows:?} from A {:?} / B {:?}",
@@ -222,7 +234,7 @@ pub fn split_fused(
     let r = a_rows / num_experts;
     let a_e = a.data[expert * r * a_in..(expert + 1) * r * a_in].to_vec();
     let mut b_e = Vec::with_capacity(out_rows.len() * r);
-    for o in out_rows {
+    for &o in out_rows {
         let row = &b.data[o * b_cols..(o + 1) * b_cols];
         b_e.extend((0..r).map(|k| row[k * num_experts + expert]));
     }

@@ -13,12 +13,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::bf16;
-use lora_layout::{ExpertProj, ExpertSite, LoraModule, ModelConfig};
+use lora_layout::{ExpertProj, ExpertSite, GateUpLayout, LoraModule, ModelConfig};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
 use crate::error::{AuditError, RejectCode};
-use crate::key::{LayerModule, resolve_layer_module, split_layer_path};
+use crate::key::{LayerModule, non_text_tower, resolve_layer_module, split_layer_path};
 use crate::overlay::{CompiledOverlay, OverlayModule};
 use crate::prepare::PreparedAdapter;
 use crate::tensors::{LoadedSafetensors, load_f32, load_i64};
@@ -35,7 +35,9 @@ pub const ROWS_MERGED: &str = "rows_merged::";
 /// A transformers 5.x fused experts parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FusedParam {
-    /// `gate_up_proj` `[E, 2·inter, hidden]`: Gate rows, then Up rows.
+    /// `gate_up_proj` `[E, 2·inter, hidden]`: Gate rows, then Up rows
+    /// (gpt_oss: `[E, hidden, 2·inter]`, Gate and Up interleaved; a probe
+    /// answers in the parameter's own output order, [`GateUpLayout`]).
     GateUp,
     /// `down_proj` `[E, hidden, inter]`.
     Down,
@@ -93,6 +95,10 @@ pub fn parse_weight_name(name: &str, cfg: &ModelConfig) -> Result<WeightRef, Aud
     if name == "lm_head.weight" || name.ends_with(".lm_head.weight") {
         return Ok(WeightRef::Table(OverlayModule::LmHead));
     }
+    if non_text_tower(name).is_some() {
+        // Another tower of a multimodal wrapper: never served.
+        return Ok(WeightRef::Unserved);
+    }
     let (_, layer, rest) =
         split_layer_path(name).ok_or_else(|| bad("not a weight of a decoder layer or a token table".into()))?;
     let (module_rest, fused) = match rest.strip_suffix(".weight") {
@@ -100,6 +106,8 @@ pub fn parse_weight_name(name: &str, cfg: &ModelConfig) -> Result<WeightRef, Aud
         None => match rest.rsplit_once('.') {
             Some((container, "gate_up_proj")) => (container, Some(FusedParam::GateUp)),
             Some((container, "down_proj")) => (container, Some(FusedParam::Down)),
+            // gpt_oss's expert biases exist but take no delta when served.
+            Some((_, "gate_up_proj_bias" | "down_proj_bias")) => return Ok(WeightRef::Unserved),
             _ => return Err(bad("expected `<module>.weight` or a fused experts parameter".into())),
         },
     };
@@ -279,6 +287,8 @@ fn width_field(weight: &WeightRef) -> &'static str {
                 "the MLA head dimensions"
             }
             LoraModule::SharedExpertGate => "1",
+            LoraModule::QkvProj => "(num_attention_heads + 2 x num_key_value_heads) x head_dim",
+            LoraModule::GateUpProj => "2 x intermediate_size",
             _ => "hidden_size",
         },
         WeightRef::Expert { proj, .. } => match proj {
@@ -438,16 +448,19 @@ fn probe_weight(
             let out_total: usize = dims.iter().map(|d| d.0).sum();
             let rows = moe.num_experts.saturating_mul(n);
             let mut data = budget.zeros(&name, field, rows, out_total)?;
+            // Each projection's outputs where the parameter keeps them.
+            let layout = GateUpLayout::of(cfg.family);
+            let inter = moe.expert_intermediate_size;
             for e in 0..moe.num_experts {
-                let mut col = 0;
                 for (proj, &d) in projs.iter().zip(&dims) {
                     let y = pair_out(budget, expert(layer, ExpertSite::Expert { expert: e, proj: *proj }), d)?;
                     for row in 0..n {
-                        let dst = (e * n + row) * out_total + col;
-                        data[dst..dst + d.0].copy_from_slice(&y[row * d.0..(row + 1) * d.0]);
+                        let dst = (e * n + row) * out_total;
+                        for (j, v) in y[row * d.0..(row + 1) * d.0].iter().enumerate() {
+                            data[dst + layout.column(*proj, j, inter)] = *v;
+                        }
                     }
                     budget.release(y);
-                    col += d.0;
                 }
             }
             ProbeTensor {

@@ -43,6 +43,32 @@ pub enum ExpertSlice {
         /// Rows of B for this projection.
         out_rows: Range<usize>,
     },
+    /// gpt_oss's fused `gate_up_proj` (gate and up interleaved along its
+    /// output, [`GateUpLayout::Interleaved`]): as [`ExpertSlice::Fused`], but
+    /// this projection's B rows are every second row, `first_row`,
+    /// `first_row + 2`, …, `rows` of them (Gate: the even rows, Up: the odd).
+    ///
+    /// [`GateUpLayout::Interleaved`]: lora_layout::GateUpLayout::Interleaved
+    FusedInterleaved {
+        /// Experts in the fused parameter.
+        num_experts: usize,
+        /// The first row of B for this projection.
+        first_row: usize,
+        /// How many rows (the projection's output width).
+        rows: usize,
+    },
+}
+
+impl ExpertSlice {
+    /// The rows of B that belong to the projection, in its output order
+    /// (none for [`ExpertSlice::Direct`], whose B is the projection's own).
+    pub fn out_rows(&self) -> Vec<usize> {
+        match self {
+            ExpertSlice::Direct => Vec::new(),
+            ExpertSlice::Fused { out_rows, .. } => out_rows.clone().collect(),
+            ExpertSlice::FusedInterleaved { first_row, rows, .. } => (0..*rows).map(|k| first_row + 2 * k).collect(),
+        }
+    }
 }
 
 /// An expert or router pair placed in the expert pool.
@@ -157,7 +183,11 @@ impl AuditReport {
             })).collect::<Vec<_>>(),
             "experts": self.experts.iter().map(|p| json!({
                 "layer": p.layer, "site": site_name(p.site), "rank": p.rank, "scale": p.scale,
-                "format": match p.slice { ExpertSlice::Direct => "direct", ExpertSlice::Fused { .. } => "fused" },
+                "format": match p.slice {
+                    ExpertSlice::Direct => "direct",
+                    ExpertSlice::Fused { .. } => "fused",
+                    ExpertSlice::FusedInterleaved { .. } => "fused_interleaved",
+                },
             })).collect::<Vec<_>>(),
             "overlay": {
                 "embed_trainable_ids": self.overlay.embed_ids,

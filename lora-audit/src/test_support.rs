@@ -57,6 +57,25 @@ pub fn deepseek_v3(q_lora_rank: Option<usize>) -> ModelConfig {
     ))
 }
 
+/// Gemma 3 (the text tower of the multimodal wrapper): hidden 32, 2 layers,
+/// 4 heads (2 kv) of 16 (q/k/v/o widths 64/32/32, not hidden), inter 64, tied.
+pub fn gemma3() -> ModelConfig {
+    cfg(r#"{"model_type": "gemma3", "tie_word_embeddings": true,
+            "text_config": {"model_type": "gemma3_text", "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
+            "vocab_size": 128},
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16}}"#)
+}
+
+/// Phi-3: hidden 32, 2 layers, 4 heads (2 kv) of 8: fused qkv_proj (64 wide)
+/// and gate_up_proj (2 x 64).
+pub fn phi3() -> ModelConfig {
+    cfg(
+        r#"{"model_type": "phi3", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 128}"#,
+    )
+}
+
 /// A fresh scratch directory under the system temp dir, removed on drop.
 pub struct ScratchDir(pub std::path::PathBuf);
 
@@ -103,4 +122,14 @@ pub fn safetensors_bytes(tensors: &[RawTensor]) -> Vec<u8> {
         })
         .collect();
     safetensors::serialize(views, None).expect("serialize test tensors")
+}
+
+/// gpt_oss: hidden 32, 2 layers of 4 experts of 16 (gate and up interleaved),
+/// router `mlp.router`; 4 heads (2 kv) of 8.
+pub fn gpt_oss() -> ModelConfig {
+    cfg(
+        r#"{"model_type": "gpt_oss", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 16, "vocab_size": 128,
+            "num_local_experts": 4, "num_experts_per_tok": 2}"#,
+    )
 }

@@ -802,4 +802,41 @@ mod tests {
         assert!(matches!(parse("[1]"), Err(EngineError::ConfigField { .. })));
         assert!(matches!(parse("{"), Err(EngineError::Json { .. })));
     }
+
+    /// Families whose adapters lora-layout and lora-audit place, but whose
+    /// forward this engine does not have: their configs (the PEFT
+    /// fixtures' own, as transformers 5.17 wrote them) are refused with a
+    /// typed error before any weight is read, so `Engine::load`, which
+    /// loads the model first, never serves them.
+    #[test]
+    fn families_without_a_forward_are_refused() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+        for (model, model_type) in [
+            ("qwen3_next", "qwen3_next"),
+            ("deepseek_v3", "deepseek_v3"),
+            ("glm4_moe", "glm4_moe"),
+            ("phi3", "phi3"),
+            ("gpt_oss", "gpt_oss"),
+            ("gemma2", "gemma2"),
+            ("gemma3_text", "gemma3_text"),
+            ("gemma3", "gemma3"),
+        ] {
+            let dir = fixtures.join(model);
+            let path = dir.join("config.json");
+            assert!(
+                lora_layout::ModelConfig::from_file(&path).is_ok(),
+                "{model}: lora-layout reads it"
+            );
+            let err = BaseConfig::from_file(&path).expect_err(model);
+            assert!(
+                matches!(&err, EngineError::UnsupportedFamily { model_type: t, .. } if t == model_type),
+                "{model}: {err}"
+            );
+            let err = crate::Model::load(&dir)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(err.contains("is not supported"), "{model}: {err}");
+        }
+    }
 }

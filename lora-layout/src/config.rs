@@ -2,8 +2,15 @@
 //!
 //! Only the fields that decide which projections exist and how wide they are
 //! are kept. Fields Hugging Face derives when absent (`head_dim`,
-//! `num_key_value_heads`, `layer_types`, ...) are derived the same way here;
-//! every other missing field is an error naming it.
+//! `num_key_value_heads`, `layer_types`, ...) are derived the same way here,
+//! and fields its config class defaults are defaulted the same way (Gemma:
+//! `head_dim` 256, 4 kv heads, tied embeddings; GLM-4.5: 8 kv heads, one
+//! dense first layer, one shared expert; gpt-oss: `head_dim` 64, 8 kv
+//! heads); every other missing field is an error naming it.
+//!
+//! A multimodal wrapper is read through its `text_config` (the text tower's
+//! geometry); the Gemma 3 wrapper (`gemma3`) also ties its head by its own
+//! top-level `tie_word_embeddings`, as transformers does.
 
 use std::path::Path;
 
@@ -32,6 +39,28 @@ pub enum ModelFamily {
     /// `deepseek_v3`: multi-head latent attention, dense first layers, routed
     /// plus shared experts after.
     DeepseekV3,
+    /// `glm4_moe` (GLM-4.5): dense first layers (`first_k_dense_replace`),
+    /// then routed experts (transformers 5.x fused), shared experts
+    /// (`mlp.shared_experts`) and DeepSeek's scored router (sigmoid scores
+    /// plus `e_score_correction_bias`, a buffer that takes no delta).
+    Glm4Moe,
+    /// `phi3` (Phi-3, Phi-4): the attention's q, k and v are one fused
+    /// `qkv_proj` and the MLP's gate and up one fused `gate_up_proj`, each a
+    /// single `nn.Linear` and a single PEFT target.
+    Phi3,
+    /// `gpt_oss`: every layer routes to experts in its own fused format
+    /// (`gate_up_proj` `[E, hidden, 2·inter]` with gate and up interleaved
+    /// along the output, expert biases) through a router with a bias
+    /// (`mlp.router`); attention with biases and sinks.
+    GptOss,
+    /// `gemma2`: llama-like projections with an explicit `head_dim` (q/k/v/o
+    /// widths are `heads · head_dim`, not `hidden_size`); tied embeddings by
+    /// default.
+    Gemma2,
+    /// `gemma3_text`, also the text tower of the Gemma 3 multimodal wrapper
+    /// (`gemma3`, read through its `text_config`): as Gemma 2, plus per-head
+    /// `q_norm` / `k_norm` (which take no delta).
+    Gemma3Text,
 }
 
 impl ModelFamily {
@@ -48,6 +77,13 @@ impl ModelFamily {
             "mixtral" => ModelFamily::Mixtral,
             "qwen3_next" => ModelFamily::Qwen3Next,
             "deepseek_v3" => ModelFamily::DeepseekV3,
+            "glm4_moe" => ModelFamily::Glm4Moe,
+            "phi3" => ModelFamily::Phi3,
+            "gpt_oss" => ModelFamily::GptOss,
+            "gemma2" => ModelFamily::Gemma2,
+            // `gemma3` is the multimodal wrapper: its `text_config` (model_type
+            // `gemma3_text`) is read when present.
+            "gemma3_text" | "gemma3" => ModelFamily::Gemma3Text,
             _ => return None,
         })
     }
@@ -64,6 +100,11 @@ impl ModelFamily {
             ModelFamily::Mixtral => "mixtral",
             ModelFamily::Qwen3Next => "qwen3_next",
             ModelFamily::DeepseekV3 => "deepseek_v3",
+            ModelFamily::Glm4Moe => "glm4_moe",
+            ModelFamily::Phi3 => "phi3",
+            ModelFamily::GptOss => "gpt_oss",
+            ModelFamily::Gemma2 => "gemma2",
+            ModelFamily::Gemma3Text => "gemma3_text",
         }
     }
 
@@ -76,6 +117,8 @@ impl ModelFamily {
                 | ModelFamily::Mixtral
                 | ModelFamily::Qwen3Next
                 | ModelFamily::DeepseekV3
+                | ModelFamily::Glm4Moe
+                | ModelFamily::GptOss
         )
     }
 }
@@ -236,6 +279,11 @@ impl<'a> Fields<'a> {
         self.obj.get(field).filter(|v| !v.is_null())
     }
 
+    /// Whether `field` is absent (not even null).
+    fn absent(&self, field: &'static str) -> bool {
+        !self.obj.contains_key(field)
+    }
+
     fn invalid(&self, field: &'static str, reason: impl Into<String>) -> ConfigError {
         ConfigError::InvalidField {
             model_type: self.model_type,
@@ -335,9 +383,9 @@ impl ModelConfig {
         let top = value
             .as_object()
             .ok_or_else(|| ConfigError::Json("top level is not an object".into()))?;
-        let obj = match top.get("text_config") {
-            Some(Value::Object(text)) => text,
-            _ => top,
+        let (obj, wrapped) = match top.get("text_config") {
+            Some(Value::Object(text)) => (text, true),
+            _ => (top, false),
         };
         let model_type = obj
             .get("model_type")
@@ -350,7 +398,25 @@ impl ModelConfig {
             obj,
             model_type: family.model_type(),
         };
-        parse_family(&f, family)
+        let mut cfg = parse_family(&f, family)?;
+        // The Gemma 3 wrapper ties its head by its own top-level field
+        // (transformers reads `tie_word_embeddings` of the model's config,
+        // the wrapper's), default true; an explicit null is false.
+        if wrapped && top.get("model_type").and_then(Value::as_str) == Some("gemma3") {
+            cfg.tie_word_embeddings = match top.get("tie_word_embeddings") {
+                None => true,
+                Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => {
+                    return Err(ConfigError::InvalidField {
+                        model_type: "gemma3",
+                        field: "tie_word_embeddings",
+                        reason: format!("expected a boolean, got {v}"),
+                    });
+                }
+            };
+        }
+        Ok(cfg)
     }
 
     /// Whether `layer` runs routed experts.
@@ -368,15 +434,69 @@ impl ModelConfig {
     }
 }
 
+/// transformers' class defaults for the fields a family's config may omit,
+/// where they are not derived from other fields. An explicit null always
+/// derives (`head_dim`: `hidden_size / num_attention_heads`,
+/// `num_key_value_heads`: `num_attention_heads`), as transformers does where
+/// it accepts one.
+struct Defaults {
+    /// `head_dim` when absent; `None`: derived.
+    head_dim: Option<usize>,
+    /// `num_key_value_heads` when absent; `None`: derived.
+    num_key_value_heads: Option<usize>,
+    /// `tie_word_embeddings` when absent.
+    tie_word_embeddings: bool,
+}
+
+fn defaults(family: ModelFamily) -> Defaults {
+    match family {
+        // Gemma2Config / Gemma3TextConfig: head_dim 256, 4 kv heads, tied.
+        ModelFamily::Gemma2 | ModelFamily::Gemma3Text => Defaults {
+            head_dim: Some(256),
+            num_key_value_heads: Some(4),
+            tie_word_embeddings: true,
+        },
+        // Glm4MoeConfig: 8 kv heads; `head_dim` is not a field of the class,
+        // and its attention derives it as Llama's does.
+        ModelFamily::Glm4Moe => Defaults {
+            head_dim: None,
+            num_key_value_heads: Some(8),
+            tie_word_embeddings: false,
+        },
+        // GptOssConfig: head_dim 64 and 8 kv heads when absent, derived when
+        // null.
+        ModelFamily::GptOss => Defaults {
+            head_dim: Some(64),
+            num_key_value_heads: Some(8),
+            tie_word_embeddings: false,
+        },
+        _ => Defaults {
+            head_dim: None,
+            num_key_value_heads: None,
+            tie_word_embeddings: false,
+        },
+    }
+}
+
 fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, ConfigError> {
+    let defaults = defaults(family);
     let hidden_size = f.dim("hidden_size")?;
     let num_hidden_layers = f.uint("num_hidden_layers", MAX_LAYERS)?;
     if num_hidden_layers == 0 {
         return Err(f.invalid("num_hidden_layers", "must be positive"));
     }
     let num_attention_heads = f.dim("num_attention_heads")?;
-    let num_key_value_heads = f.opt_dim("num_key_value_heads")?.unwrap_or(num_attention_heads);
-    let head_dim = match f.opt_dim("head_dim")? {
+    let num_key_value_heads = f
+        .opt_dim("num_key_value_heads")?
+        .or(f
+            .absent("num_key_value_heads")
+            .then_some(defaults.num_key_value_heads)
+            .flatten())
+        .unwrap_or(num_attention_heads);
+    let head_dim = match f
+        .opt_dim("head_dim")?
+        .or(f.absent("head_dim").then_some(defaults.head_dim).flatten())
+    {
         Some(d) => d,
         None => {
             if hidden_size % num_attention_heads != 0 {
@@ -389,7 +509,9 @@ fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, Conf
         }
     };
     let vocab_size = f.dim("vocab_size")?;
-    let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
+    let tie_word_embeddings = f
+        .opt_bool("tie_word_embeddings")?
+        .unwrap_or(defaults.tie_word_embeddings);
 
     let layer_types = if family == ModelFamily::Qwen3Next {
         qwen3_next_layer_types(f, num_hidden_layers)?
@@ -398,9 +520,13 @@ fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, Conf
     };
 
     let (intermediate_size, moe) = match family {
-        ModelFamily::Llama | ModelFamily::Mistral | ModelFamily::Qwen2 | ModelFamily::Qwen3 => {
-            (f.dim("intermediate_size")?, None)
-        }
+        ModelFamily::Llama
+        | ModelFamily::Mistral
+        | ModelFamily::Qwen2
+        | ModelFamily::Qwen3
+        | ModelFamily::Phi3
+        | ModelFamily::Gemma2
+        | ModelFamily::Gemma3Text => (f.dim("intermediate_size")?, None),
         ModelFamily::Mixtral => {
             let inter = f.dim("intermediate_size")?;
             let moe = MoeDims {
@@ -462,16 +588,7 @@ fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, Conf
                 .collect::<Vec<_>>();
             let expert_inter = f.dim("moe_intermediate_size")?;
             let n_shared = f.opt_uint("n_shared_experts", MAX_EXPERTS)?.unwrap_or(0);
-            let shared = if n_shared > 0 {
-                Some(
-                    expert_inter
-                        .checked_mul(n_shared)
-                        .filter(|&w| w as u64 <= MAX_DIM)
-                        .ok_or_else(|| f.invalid("n_shared_experts", "shared expert width overflows"))?,
-                )
-            } else {
-                None
-            };
+            let shared = shared_width(f, expert_inter, n_shared)?;
             let moe = MoeDims {
                 num_experts,
                 top_k: f.dim("num_experts_per_tok")?,
@@ -481,6 +598,54 @@ fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, Conf
                 dense_layers,
             };
             (f.dim("intermediate_size")?, Some(moe))
+        }
+        ModelFamily::GptOss => {
+            // GptOssConfig saves `num_local_experts` (`num_experts` is its
+            // alias); every layer is an MoE block of experts of width
+            // `intermediate_size`, without shared experts.
+            let num_experts = match f.raw("num_local_experts") {
+                None if f.raw("num_experts").is_some() => experts_field(f, "num_experts")?,
+                _ => experts_field(f, "num_local_experts")?,
+            };
+            let inter = f.dim("intermediate_size")?;
+            let moe = MoeDims {
+                num_experts,
+                top_k: f.dim("num_experts_per_tok")?,
+                expert_intermediate_size: inter,
+                shared_expert_intermediate_size: None,
+                shared_expert_gate: false,
+                dense_layers: vec![false; num_hidden_layers],
+            };
+            (inter, Some(moe))
+        }
+        ModelFamily::Glm4Moe => {
+            // Glm4MoeConfig saves `n_routed_experts` (`num_local_experts` is
+            // its attribute alias). Layer l is dense when
+            // l < first_k_dense_replace (class default 1); the others are
+            // MoE blocks whose `n_shared_experts` (default 1) shared experts
+            // are one MLP of n_shared · moe_intermediate_size.
+            let num_experts = match f.raw("n_routed_experts") {
+                None if f.raw("num_local_experts").is_some() => experts_field(f, "num_local_experts")?,
+                _ => experts_field(f, "n_routed_experts")?,
+            };
+            let first_dense = f.opt_uint("first_k_dense_replace", MAX_LAYERS)?.unwrap_or(1);
+            let dense_layers = (0..num_hidden_layers).map(|l| l < first_dense).collect::<Vec<_>>();
+            let expert_inter = f.dim("moe_intermediate_size")?;
+            let n_shared = f.opt_uint("n_shared_experts", MAX_EXPERTS)?.unwrap_or(1);
+            let inter = if dense_layers.iter().any(|&d| d) {
+                f.dim("intermediate_size")?
+            } else {
+                f.opt_dim("intermediate_size")?.unwrap_or(0)
+            };
+            let moe = MoeDims {
+                num_experts,
+                top_k: f.dim("num_experts_per_tok")?,
+                expert_intermediate_size: expert_inter,
+                shared_expert_intermediate_size: shared_width(f, expert_inter, n_shared)?,
+                shared_expert_gate: false,
+                dense_layers,
+            };
+            (inter, Some(moe))
         }
     };
 
@@ -522,6 +687,19 @@ fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, Conf
     };
     check_widths(f, &cfg)?;
     Ok(cfg)
+}
+
+/// The width of `n_shared` shared experts of `expert_inter` fused into one
+/// MLP (DeepSeek-V3, GLM-4.5); `None` without shared experts.
+fn shared_width(f: &Fields<'_>, expert_inter: usize, n_shared: usize) -> Result<Option<usize>, ConfigError> {
+    if n_shared == 0 {
+        return Ok(None);
+    }
+    expert_inter
+        .checked_mul(n_shared)
+        .filter(|&w| w as u64 <= MAX_DIM)
+        .map(Some)
+        .ok_or_else(|| f.invalid("n_shared_experts", "shared expert width overflows"))
 }
 
 fn experts_field(f: &Fields<'_>, field: &'static str) -> Result<usize, ConfigError> {

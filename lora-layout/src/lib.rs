@@ -36,7 +36,7 @@ pub use layout::{
     BF16_BYTES, ExpertEntry, ExpertLayout, LayoutError, SlotEntry, SlotLayout, expert_packed_stride,
     expert_router_bytes, module_slot_offsets, pair_bytes, pool_slot_bytes, slot_base_offset,
 };
-pub use module::{ExpertProj, ExpertSite, LoraModule, full_attention_layers, router_dims};
+pub use module::{ExpertProj, ExpertSite, GateUpLayout, LoraModule, full_attention_layers, router_dims};
 pub use moe_route::{
     ExpertWork, MoeAdapterState, MoeLoraRoute, RefuseReason, RouteRefused, SeqLensError, build_moe_row_adapter_decode,
     build_moe_row_adapter_host, ensure_batch_servable, ensure_decode_route_servable, expert_delta_workitems,

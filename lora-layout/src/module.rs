@@ -33,8 +33,8 @@ pub enum LoraModule {
     UpProj,
     /// Dense MLP `mlp.down_proj`
     DownProj,
-    /// Shared-expert `gate_proj` (`mlp.shared_expert.` or DeepSeek's
-    /// `mlp.shared_experts.`).
+    /// Shared-expert `gate_proj` (`mlp.shared_expert.`, or DeepSeek's and
+    /// GLM-4.5's `mlp.shared_experts.`).
     SharedGateProj,
     /// Shared-expert `up_proj`
     SharedUpProj,
@@ -42,11 +42,21 @@ pub enum LoraModule {
     SharedDownProj,
     /// `mlp.shared_expert_gate`, the shared expert's sigmoid gate `[1, hidden]`.
     SharedExpertGate,
+    /// Phi-3's fused `self_attn.qkv_proj`: one projection onto the whole
+    /// `q | k | v` output, `(heads·head_dim + 2·kv_heads·head_dim, hidden)`;
+    /// its pair is one delta over the fused width.
+    QkvProj,
+    /// Phi-3's fused `mlp.gate_up_proj`: `(2·intermediate, hidden)`, gate
+    /// rows then up rows (its `chunk(2)`); one delta over the fused width.
+    GateUpProj,
 }
 
 impl LoraModule {
     /// Every module, in the order the slot layout walks them.
-    pub const ALL: [LoraModule; 16] = [
+    ///
+    /// The fused modules come last, so every other module keeps the index
+    /// it had before them (the peer protocol names modules by index).
+    pub const ALL: [LoraModule; 18] = [
         LoraModule::QProj,
         LoraModule::KProj,
         LoraModule::VProj,
@@ -63,6 +73,8 @@ impl LoraModule {
         LoraModule::SharedUpProj,
         LoraModule::SharedDownProj,
         LoraModule::SharedExpertGate,
+        LoraModule::QkvProj,
+        LoraModule::GateUpProj,
     ];
 
     /// Position in [`LoraModule::ALL`]; dense indices for per-module tables.
@@ -73,7 +85,7 @@ impl LoraModule {
     /// The module's path inside a decoder layer for `family`, e.g.
     /// `self_attn.q_proj` or `mlp.shared_experts.down_proj`.
     pub fn path(self, family: ModelFamily) -> &'static str {
-        let deepseek = family == ModelFamily::DeepseekV3;
+        let plural = matches!(family, ModelFamily::DeepseekV3 | ModelFamily::Glm4Moe);
         match self {
             LoraModule::QProj => "self_attn.q_proj",
             LoraModule::KProj => "self_attn.k_proj",
@@ -87,13 +99,15 @@ impl LoraModule {
             LoraModule::GateProj => "mlp.gate_proj",
             LoraModule::UpProj => "mlp.up_proj",
             LoraModule::DownProj => "mlp.down_proj",
-            LoraModule::SharedGateProj if deepseek => "mlp.shared_experts.gate_proj",
-            LoraModule::SharedUpProj if deepseek => "mlp.shared_experts.up_proj",
-            LoraModule::SharedDownProj if deepseek => "mlp.shared_experts.down_proj",
+            LoraModule::SharedGateProj if plural => "mlp.shared_experts.gate_proj",
+            LoraModule::SharedUpProj if plural => "mlp.shared_experts.up_proj",
+            LoraModule::SharedDownProj if plural => "mlp.shared_experts.down_proj",
             LoraModule::SharedGateProj => "mlp.shared_expert.gate_proj",
             LoraModule::SharedUpProj => "mlp.shared_expert.up_proj",
             LoraModule::SharedDownProj => "mlp.shared_expert.down_proj",
             LoraModule::SharedExpertGate => "mlp.shared_expert_gate",
+            LoraModule::QkvProj => "self_attn.qkv_proj",
+            LoraModule::GateUpProj => "mlp.gate_up_proj",
         }
     }
 
@@ -157,6 +171,8 @@ impl LoraModule {
             LoraModule::SharedGateProj | LoraModule::SharedUpProj => (shared, h),
             LoraModule::SharedDownProj => (h, shared),
             LoraModule::SharedExpertGate => (1, h),
+            LoraModule::QkvProj => (q_width + 2 * kv_width, h),
+            LoraModule::GateUpProj => (2 * cfg.intermediate_size, h),
         }
     }
 
@@ -172,20 +188,54 @@ impl LoraModule {
             .moe
             .as_ref()
             .is_some_and(|m| m.shared_expert_intermediate_size.is_some());
+        let fused = fuses_qkv_and_gate_up(cfg.family);
         match self {
-            LoraModule::QProj => full_attn && mla.is_none_or(|m| m.q_lora_rank.is_none()),
-            LoraModule::KProj | LoraModule::VProj => full_attn && mla.is_none(),
+            LoraModule::QProj => full_attn && !fused && mla.is_none_or(|m| m.q_lora_rank.is_none()),
+            LoraModule::KProj | LoraModule::VProj => full_attn && !fused && mla.is_none(),
             LoraModule::OProj => full_attn,
             LoraModule::QAProj | LoraModule::QBProj => mla.is_some_and(|m| m.q_lora_rank.is_some()),
             LoraModule::KvAProjWithMqa | LoraModule::KvBProj => mla.is_some(),
             LoraModule::LinearAttnOutProj => cfg.linear_attn.is_some() && !full_attn,
-            LoraModule::GateProj | LoraModule::UpProj | LoraModule::DownProj => !moe_layer,
+            LoraModule::GateProj | LoraModule::UpProj => !moe_layer && !fused,
+            LoraModule::DownProj => !moe_layer,
             LoraModule::SharedGateProj | LoraModule::SharedUpProj | LoraModule::SharedDownProj => {
                 moe_layer && has_shared
             }
             LoraModule::SharedExpertGate => moe_layer && cfg.moe.as_ref().is_some_and(|m| m.shared_expert_gate),
+            LoraModule::QkvProj => full_attn && fused,
+            LoraModule::GateUpProj => !moe_layer && fused,
         }
     }
+
+    /// The modules whose deltas make up an attention layer's fused
+    /// `q | k | v` output, in column order: `[QkvProj]` for a family whose
+    /// checkpoint fuses them (Phi-3), else `[QProj, KProj, VProj]`. Every
+    /// apply of the qkv site (the pool's `FusedTargets::qkv`, the engines)
+    /// reads it from here.
+    pub fn qkv(family: ModelFamily) -> &'static [LoraModule] {
+        if fuses_qkv_and_gate_up(family) {
+            &[LoraModule::QkvProj]
+        } else {
+            &[LoraModule::QProj, LoraModule::KProj, LoraModule::VProj]
+        }
+    }
+
+    /// The modules whose deltas make up a dense MLP's fused `gate | up`
+    /// output, in column order: `[GateUpProj]` for Phi-3, else
+    /// `[GateProj, UpProj]`.
+    pub fn gate_up(family: ModelFamily) -> &'static [LoraModule] {
+        if fuses_qkv_and_gate_up(family) {
+            &[LoraModule::GateUpProj]
+        } else {
+            &[LoraModule::GateProj, LoraModule::UpProj]
+        }
+    }
+}
+
+/// Whether the family's checkpoints fuse q/k/v into `qkv_proj` and gate/up
+/// into `gate_up_proj` (Phi-3 / Phi-4).
+fn fuses_qkv_and_gate_up(family: ModelFamily) -> bool {
+    family == ModelFamily::Phi3
 }
 
 impl std::fmt::Display for LoraModule {
@@ -201,7 +251,8 @@ pub fn full_attention_layers(cfg: &ModelConfig) -> Vec<usize> {
         .collect()
 }
 
-/// `(out, in)` of the router (`mlp.gate`, Mixtral `block_sparse_moe.gate`):
+/// `(out, in)` of the router (`mlp.gate`, Mixtral `block_sparse_moe.gate`,
+/// gpt_oss `mlp.router`):
 /// `(num_experts, hidden)`. `None` for a dense model. Its delta is added to
 /// the routing logits before top-k.
 pub fn router_dims(cfg: &ModelConfig) -> Option<(usize, usize)> {
@@ -209,8 +260,9 @@ pub fn router_dims(cfg: &ModelConfig) -> Option<(usize, usize)> {
 }
 
 /// A routed-expert projection. The transformers 5.x fused `gate_up_proj`
-/// parameter is `[Gate; Up]` along its output (gate first, by its
-/// `chunk(2)`); lora-audit splits its deltas into a `Gate` and an `Up` pair.
+/// parameter holds both Gate and Up outputs, in the family's
+/// [`GateUpLayout`]; lora-audit splits its deltas into a `Gate` and an `Up`
+/// pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ExpertProj {
     /// `gate_proj` (Mixtral `w1`): `(expert_inter, hidden)`.
@@ -246,6 +298,40 @@ impl ExpertProj {
             ExpertProj::Gate => "gate_proj",
             ExpertProj::Up => "up_proj",
             ExpertProj::Down => "down_proj",
+        }
+    }
+}
+
+/// How a family's transformers 5.x fused expert `gate_up_proj` parameter
+/// orders the Gate and Up outputs along its output dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GateUpLayout {
+    /// Gate outputs `0..inter`, then Up outputs `inter..2·inter` (the
+    /// forward's `chunk(2)`): every family but gpt_oss.
+    Halves,
+    /// gpt_oss: Gate output `j` at `2j`, Up output `j` at `2j + 1` (the
+    /// forward's `gate_up[..., ::2]` and `gate_up[..., 1::2]`).
+    Interleaved,
+}
+
+impl GateUpLayout {
+    /// The layout of `family`'s fused `gate_up_proj`.
+    pub fn of(family: ModelFamily) -> GateUpLayout {
+        match family {
+            ModelFamily::GptOss => GateUpLayout::Interleaved,
+            _ => GateUpLayout::Halves,
+        }
+    }
+
+    /// The output index within the fused `gate_up_proj` of `proj`'s output
+    /// `j` (`j < inter`). `Down` has a parameter of its own: `j`.
+    pub fn column(self, proj: ExpertProj, j: usize, inter: usize) -> usize {
+        match (self, proj) {
+            (_, ExpertProj::Down) => j,
+            (GateUpLayout::Halves, ExpertProj::Gate) => j,
+            (GateUpLayout::Halves, ExpertProj::Up) => inter + j,
+            (GateUpLayout::Interleaved, ExpertProj::Gate) => 2 * j,
+            (GateUpLayout::Interleaved, ExpertProj::Up) => 2 * j + 1,
         }
     }
 }

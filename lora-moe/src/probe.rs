@@ -8,7 +8,10 @@
 //! projection group the engine would run (gate_up or down) on a zero
 //! output, and reads back the probed columns. Outputs are deltas, shaped as
 //! the oracle's `probe_out::` tensors: `[n, out]`, or `[E, n, out]` for a
-//! transformers 5.x fused parameter (`gate_up_proj`: Gate columns, then Up).
+//! transformers 5.x fused parameter, in the parameter's own output order
+//! (`gate_up_proj`: Gate columns, then Up; gpt_oss: interleaved, so the
+//! fold's `gate | up` columns are put back in that order, as an engine
+//! serving gpt_oss maps its grouped GEMM's columns, see [`ExpertTarget`]).
 //!
 //! Probe rows are f32 and served activations BF16. Rounding a probe row to
 //! BF16 alone moves a small, cancelling output by more than a percent
@@ -23,7 +26,7 @@ use std::collections::BTreeMap;
 use half::bf16;
 use lora_audit::{FusedParam, PROBE_IN, PROBE_OUT, ProbeInputs, ProbeTensor, WeightRef, parse_weight_name};
 use lora_kernels::{Rows, RowsMut};
-use lora_layout::{ExpertProj, ModelConfig};
+use lora_layout::{ExpertProj, GateUpLayout, ModelConfig};
 use lora_pool::{LoraPool, PrefillSeq, PrefillStep, SlotCompanion, SlotLease, StepRow};
 
 use crate::error::MoeError;
@@ -232,7 +235,24 @@ impl<'a> Probe<'a> {
         };
         let all: Vec<usize> = (0..num_experts).collect();
         // Sorted rows are expert major, so the output already is [E, n, out].
-        let (data, width) = self.fold_sorted(pool, lease, layer, &all, group)?;
+        let (folded, width) = self.fold_sorted(pool, lease, layer, &all, group)?;
+        // The fold wrote each projection at its target's columns; the
+        // parameter keeps them in the family's layout.
+        let cfg = pool.config();
+        let layout = GateUpLayout::of(cfg.family);
+        let inter = cfg.moe.as_ref().map_or(0, |m| m.expert_intermediate_size);
+        let mut data = vec![0.0; folded.len()];
+        for t in group.targets(inter) {
+            let (out, _) = t
+                .proj
+                .dims(cfg)
+                .ok_or_else(|| self.error(format!("the model has no expert {}", t.proj)))?;
+            for (src, dst) in folded.chunks_exact(width).zip(data.chunks_exact_mut(width)) {
+                for j in 0..out {
+                    dst[layout.column(t.proj, j, inter)] = src[t.y_col_offset + j];
+                }
+            }
+        }
         Ok(ProbeTensor {
             shape: vec![num_experts, self.n, width],
             data,

@@ -20,7 +20,14 @@ impl ExpertTarget {
     /// A fused `gate_up` output in transformers' order (its `chunk(2)`):
     /// the Gate delta onto columns `0..inter`, the Up delta onto
     /// `inter..2·inter`. A grouped GEMM that orders them otherwise passes its
-    /// own offsets (or permutes its output).
+    /// own offsets (or permutes its output). gpt_oss's `gate_up_proj`
+    /// interleaves them (Gate output `j` at `2j`, Up at `2j + 1`,
+    /// [`GateUpLayout::Interleaved`]), which no pair of column offsets
+    /// describes: an engine serving gpt_oss folds onto a `gate | up` output,
+    /// i.e. de-interleaves its gate_up weights (a fixed column permutation,
+    /// done once at load) before its grouped GEMM.
+    ///
+    /// [`GateUpLayout::Interleaved`]: lora_layout::GateUpLayout::Interleaved
     pub fn gate_up(expert_inter: usize) -> [ExpertTarget; 2] {
         [
             ExpertTarget {

@@ -78,14 +78,17 @@ impl FusedTargets {
         }
     }
 
-    /// q, k and v onto one fused `q | k | v` output.
+    /// q, k and v onto one fused `q | k | v` output ([`LoraModule::qkv`]:
+    /// Phi-3's single fused `qkv_proj` pair, else the three projections).
     pub fn qkv(cfg: &ModelConfig) -> FusedTargets {
-        Self::fixed(cfg, &[LoraModule::QProj, LoraModule::KProj, LoraModule::VProj])
+        Self::fixed(cfg, LoraModule::qkv(cfg.family))
     }
 
-    /// gate and up onto one fused `gate | up` output.
+    /// gate and up onto one fused `gate | up` output
+    /// ([`LoraModule::gate_up`]: Phi-3's single fused `gate_up_proj` pair,
+    /// else the two projections).
     pub fn gate_up(cfg: &ModelConfig) -> FusedTargets {
-        Self::fixed(cfg, &[LoraModule::GateProj, LoraModule::UpProj])
+        Self::fixed(cfg, LoraModule::gate_up(cfg.family))
     }
 
     fn fixed(cfg: &ModelConfig, modules: &[LoraModule]) -> FusedTargets {
@@ -136,6 +139,26 @@ mod tests {
         let gu = FusedTargets::gate_up(&cfg);
         assert_eq!((gu.width(), gu.offset_of(LoraModule::UpProj)), (192, Some(96)));
         assert_eq!(FusedTargets::single(&cfg, LoraModule::DownProj).width(), 64);
+    }
+
+    #[test]
+    fn phi3_fused_projections_are_one_target_each() {
+        let cfg = ModelConfig::from_hf_config(
+            r#"{"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2,
+                "intermediate_size": 96, "vocab_size": 32}"#,
+        )
+        .expect("config");
+        let qkv = FusedTargets::qkv(&cfg);
+        assert_eq!(qkv.targets().len(), 1);
+        // The same q | k | v width the three projections would cover.
+        assert_eq!(
+            (qkv.width(), qkv.offset_of(LoraModule::QkvProj)),
+            (64 + 2 * 32, Some(0))
+        );
+        assert_eq!(qkv.offset_of(LoraModule::KProj), None);
+        let gu = FusedTargets::gate_up(&cfg);
+        assert_eq!((gu.width(), gu.offset_of(LoraModule::GateUpProj)), (192, Some(0)));
     }
 
     #[test]

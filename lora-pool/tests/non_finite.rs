@@ -180,8 +180,14 @@ fn a_refused_device_repack_swap_on_cuda_writes_no_slot_byte_and_the_next_swap_la
         if let Some(d) = second {
             sources.push(AdapterSource { name: "good", dir: d });
         }
-        LoraPool::load(device, model_config("llama"), options(2, 0), BatchCapacity::default(), &sources)
-            .expect("load")
+        LoraPool::load(
+            device,
+            model_config("llama"),
+            options(2, 0),
+            BatchCapacity::default(),
+            &sources,
+        )
+        .expect("load")
     };
     let mut pool = load(&device, None);
     pool.tune_staging(StagingTuning {

@@ -127,7 +127,9 @@ fn fused_experts_rank_is_rows_over_experts_whatever_the_nesting() {
                 };
                 assert_eq!(*out_rows, want);
             }
-            ExpertSlice::Direct => panic!("fused pairs are sliced"),
+            ExpertSlice::Direct | ExpertSlice::FusedInterleaved { .. } => {
+                panic!("Qwen3-MoE's fused pairs are contiguous slices: {:?}", p.slice)
+            }
         }
     }
     assert_eq!(
@@ -716,4 +718,131 @@ fn tensor_names_outside_printable_ascii_are_unknown_keys() {
     assert_eq!(codes(&report), [RejectCode::UnknownKey]);
     assert_eq!(report.refused.len(), 2, "both halves");
     assert_eq!(report.placed.len(), 1);
+}
+
+#[test]
+fn phi3_fused_pairs_are_placed_at_the_fused_width() {
+    let cfg = test_support::phi3();
+    let mut t = Vec::new();
+    t.extend(pair("model.layers.0.self_attn.qkv_proj", 4, 64, 32));
+    t.extend(pair("model.layers.1.mlp.gate_up_proj", 2, 128, 32));
+    let dir = write_adapter(r#"{"r": 4, "lora_alpha": 8, "rank_pattern": {"gate_up_proj": 2}}"#, &t);
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert!(report.is_servable(), "{:?}", report.refused);
+    let placed: Vec<_> = report
+        .placed
+        .iter()
+        .map(|p| (p.layer, p.module, p.rank, p.scale))
+        .collect();
+    assert_eq!(
+        placed,
+        [(0, LoraModule::QkvProj, 4, 2.0), (1, LoraModule::GateUpProj, 2, 4.0)]
+    );
+    // A B of q's width alone does not fit the fused output.
+    let dir = write_adapter(
+        r#"{"r": 4, "lora_alpha": 8}"#,
+        &pair("model.layers.0.self_attn.qkv_proj", 4, 32, 32),
+    );
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Shape]);
+}
+
+#[test]
+fn gemma_projections_use_head_dim_not_hidden() {
+    // q_proj is 4 heads x 16 = 64 wide on hidden 32; o_proj takes 64.
+    let cfg = test_support::gemma3();
+    let mut t = Vec::new();
+    t.extend(pair("model.language_model.layers.0.self_attn.q_proj", 4, 64, 32));
+    t.extend(pair("model.language_model.layers.0.self_attn.o_proj", 4, 32, 64));
+    let dir = write_adapter(r#"{"r": 4, "lora_alpha": 8}"#, &t);
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert!(report.is_servable(), "{:?}", report.refused);
+    let dir = write_adapter(
+        r#"{"r": 4, "lora_alpha": 8}"#,
+        &pair("model.language_model.layers.0.self_attn.q_proj", 4, 32, 32),
+    );
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::Shape]);
+    // The vision tower's q_proj, even of a shape that fits the text
+    // decoder's, is refused by name; under allow_partial it is skipped and
+    // listed, and the text pair is served.
+    let mut t = pair("model.language_model.layers.0.self_attn.q_proj", 4, 64, 32).to_vec();
+    t.extend(pair("model.vision_tower.encoder.layers.0.self_attn.q_proj", 4, 64, 32));
+    let dir = write_adapter(r#"{"r": 4, "lora_alpha": 8}"#, &t);
+    let report = audit_adapter(&dir.0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::VisionTower]);
+    assert_eq!(report.placed.len(), 1);
+    let partial = LoraOptions {
+        allow_partial: true,
+        ..LoraOptions::default()
+    };
+    let report = audit_adapter(&dir.0, &cfg, &partial).unwrap();
+    assert!(report.is_servable());
+    assert_eq!(report.skipped.len(), 2, "{:?}", report.skipped);
+}
+
+#[test]
+fn a_dense_weight_targeted_as_a_parameter_matches_patterns_by_its_parameter_path() {
+    // PEFT matched rank/alpha patterns of a `target_parameters` weight
+    // against `….weight` (GLM-4.5's shared experts have no other way in).
+    let cfg = test_support::deepseek_v3(Some(16));
+    let t = pair("model.layers.1.mlp.shared_experts.down_proj", 2, 32, 16);
+    let config = r#"{"r": 4, "lora_alpha": 8, "target_parameters": ["mlp.shared_experts.down_proj.weight"],
+        "rank_pattern": {"shared_experts.down_proj.weight": 2}}"#;
+    let report = audit_adapter(&write_adapter(config, &t).0, &cfg, &LoraOptions::default()).unwrap();
+    assert!(report.is_servable(), "{:?}", report.refused);
+    assert_eq!((report.placed[0].rank, report.placed[0].scale), (2, 4.0));
+    // Targeted as a module, the same key matches by its module path only.
+    let config = r#"{"r": 4, "lora_alpha": 8, "target_modules": ["down_proj"],
+        "rank_pattern": {"shared_experts.down_proj.weight": 2}}"#;
+    let report = audit_adapter(&write_adapter(config, &t).0, &cfg, &LoraOptions::default()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::RankMismatch]);
+}
+
+#[test]
+fn gpt_oss_gate_up_is_cut_from_interleaved_rows_and_bias_targets_are_refused() {
+    let cfg = test_support::gpt_oss();
+    let (e, r, hidden, inter) = (4, 2, 32, 16);
+    let mut t = Vec::new();
+    // gate_up_proj (inner), down_proj (outer), the router weight.
+    t.extend(pair("model.layers.0.mlp.experts.base_layer", e * r, 2 * inter, hidden));
+    t.extend(pair("model.layers.0.mlp.experts", e * r, hidden, inter));
+    t.extend(pair("model.layers.1.mlp.router", r, e, hidden));
+    let dir = write_adapter(r#"{"r": 2, "lora_alpha": 4}"#, &t);
+    let report = audit_adapter(&dir.0, &cfg, &experts_on()).unwrap();
+    assert!(report.is_servable(), "{:?}", report.refused);
+    assert_eq!(report.experts.len(), e * 3 + 1);
+    for p in &report.experts {
+        match p.site {
+            ExpertSite::Expert { proj, .. } => {
+                let want: Vec<usize> = match proj {
+                    ExpertProj::Gate => (0..inter).map(|j| 2 * j).collect(),
+                    ExpertProj::Up => (0..inter).map(|j| 2 * j + 1).collect(),
+                    ExpertProj::Down => (0..hidden).collect(),
+                };
+                assert_eq!(p.slice.out_rows(), want, "{:?}", p.site);
+            }
+            ExpertSite::Router => assert_eq!((p.layer, &p.slice), (1, &ExpertSlice::Direct)),
+        }
+    }
+    // A third wrapper on `gate_up_proj_bias` ([E, 2·inter] read as a 2-D
+    // weight: A [r, 2·inter], B [E, r]) is refused naming the parameter.
+    let mut t = Vec::new();
+    t.extend(pair(
+        "model.layers.0.mlp.experts.base_layer.base_layer",
+        e * r,
+        2 * inter,
+        hidden,
+    ));
+    t.extend(pair("model.layers.0.mlp.experts.base_layer", r, e, 2 * inter));
+    t.extend(pair("model.layers.0.mlp.experts", e * r, hidden, inter));
+    let dir = write_adapter(r#"{"r": 2, "lora_alpha": 4}"#, &t);
+    let report = audit_adapter(&dir.0, &cfg, &experts_on()).unwrap();
+    assert_eq!(codes(&report), [RejectCode::UnsupportedTarget]);
+    assert!(
+        report.refused[0].reason.contains("mlp.experts.gate_up_proj_bias"),
+        "{}",
+        report.refused[0]
+    );
+    assert_eq!(report.experts.len(), e * 3, "the weights' pairs are still placed");
 }

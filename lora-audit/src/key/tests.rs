@@ -313,3 +313,128 @@ proptest::proptest! {
         proptest::prop_assert_eq!(split_layer_path(&path), split_layer_path_by_search(&path), "{}", path);
     }
 }
+
+#[test]
+fn a_wrappers_vision_tower_is_never_taken_for_the_text_decoder() {
+    let cfg = test_support::gemma3();
+    // transformers 5.17's Gemma3ForConditionalGeneration: the text decoder
+    // under `model.language_model`, q_proj 4 heads x 16 wide.
+    assert_eq!(
+        target(
+            "base_model.model.model.language_model.layers.1.self_attn.q_proj.lora_A.weight",
+            &cfg
+        ),
+        (1, LoraTarget::Dense(LoraModule::QProj), AdapterAb::A)
+    );
+    // Its SigLIP tower has `encoder.layers.{i}.self_attn.q_proj` too; those,
+    // the tower's head and the projector's parameter are refused by name.
+    for key in [
+        "base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.vision_tower.encoder.layers.1.mlp.fc2.lora_B.weight",
+        "base_model.model.model.vision_tower.head.attention.out_proj.lora_A.weight",
+        "base_model.model.model.multi_modal_projector.lora_A.weight",
+        // transformers 4.x wrappers: `vision_tower.vision_model.encoder`.
+        "base_model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_B.weight",
+        "base_model.model.visual.blocks.0.attn.qkv.lora_A.weight",
+    ] {
+        assert_eq!(refused(key, &cfg), RejectCode::VisionTower, "{key}");
+        let r = classify_key(key, &cfg).unwrap_err();
+        assert!(r.reason.contains("not its text decoder"), "{}", r.reason);
+    }
+    assert!(RejectCode::VisionTower.skippable());
+}
+
+#[test]
+fn non_text_tower_names_the_component() {
+    assert_eq!(
+        non_text_tower("model.vision_tower.encoder.layers.0.self_attn.q_proj"),
+        Some("vision_tower")
+    );
+    assert_eq!(
+        non_text_tower("model.multi_modal_projector"),
+        Some("multi_modal_projector")
+    );
+    assert_eq!(non_text_tower("model.visual.blocks.0.attn.qkv"), Some("visual"));
+    for text in [
+        "model.language_model.layers.0.self_attn.q_proj",
+        "model.layers.3.mlp.experts.gate_up_proj",
+        "model.layers.0.linear_attn.in_proj_qkvz",
+        "model.layers.1.self_attn.kv_a_proj_with_mqa",
+        "lm_head",
+    ] {
+        assert_eq!(non_text_tower(text), None, "{text}");
+    }
+}
+
+#[test]
+fn phi3_fused_projections_are_single_targets() {
+    let phi3 = test_support::phi3();
+    assert_eq!(
+        target(
+            "base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight",
+            &phi3
+        ),
+        (1, LoraTarget::Dense(LoraModule::QkvProj), AdapterAb::B)
+    );
+    assert_eq!(
+        target("base_model.model.model.layers.0.mlp.gate_up_proj.lora_A.weight", &phi3),
+        (0, LoraTarget::Dense(LoraModule::GateUpProj), AdapterAb::A)
+    );
+    // Unfused names on Phi-3, and fused names on another family, name
+    // modules the model does not have.
+    for key in [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
+    ] {
+        assert_eq!(refused(key, &phi3), RejectCode::ModelMismatch, "{key}");
+    }
+    let llama = test_support::llama(false);
+    assert_eq!(
+        refused(
+            "base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight",
+            &llama
+        ),
+        RejectCode::ModelMismatch
+    );
+}
+
+#[test]
+fn gpt_oss_router_and_nested_expert_wrappers() {
+    let oss = test_support::gpt_oss();
+    assert_eq!(
+        target("base_model.model.model.layers.0.mlp.router.lora_B.weight", &oss),
+        (0, LoraTarget::Router, AdapterAb::B)
+    );
+    // Its router is not `mlp.gate`.
+    assert_eq!(
+        refused("base_model.model.model.layers.0.mlp.gate.lora_A.weight", &oss),
+        RejectCode::UnsupportedTarget
+    );
+    // Its experts have four parameters (two biases): wrappers nest up to
+    // three deep, each its own group.
+    for (key, wrapper) in [
+        ("mlp.experts.lora_A.weight", FusedWrapper::Outer),
+        ("mlp.experts.base_layer.lora_A.weight", FusedWrapper::Inner),
+        (
+            "mlp.experts.base_layer.base_layer.lora_A.weight",
+            FusedWrapper::Nested { depth: 2 },
+        ),
+    ] {
+        let key = format!("base_model.model.model.layers.1.{key}");
+        assert_eq!(target(&key, &oss), (1, LoraTarget::FusedExperts(wrapper), AdapterAb::A));
+    }
+    assert_eq!(
+        refused(
+            "base_model.model.model.layers.1.mlp.experts.base_layer.base_layer.base_layer.base_layer.lora_A.weight",
+            &oss
+        ),
+        RejectCode::UnsupportedTarget
+    );
+    // Saved expert and router biases (`bias="all"`) are absolute base biases.
+    for key in [
+        "base_model.model.model.layers.0.mlp.experts.gate_up_proj_bias",
+        "base_model.model.model.layers.0.mlp.router.bias",
+    ] {
+        assert_eq!(refused(key, &oss), RejectCode::Bias, "{key}");
+    }
+}

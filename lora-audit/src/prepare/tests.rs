@@ -55,6 +55,31 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// gpt_oss: gate output j is fused row 2j, up output j row 2j + 1; the
+    /// interleaved slices reproduce those rows of PEFT's delta.
+    #[test]
+    fn interleaved_slices_reproduce_peft_fused_deltas(e_count in 1usize..5, r in 1usize..4, inp in 1usize..6, inter in 1usize..4) {
+        let out = 2 * inter;
+        let a = host([e_count * r, inp], |i| (i as f32 * 0.37).sin());
+        let b = host([out, e_count * r], |i| (i as f32 * 0.11).cos());
+        for e in 0..e_count {
+            let full = peft_delta(&a, &b, e_count, e);
+            for first_row in [0, 1] {
+                let slice = ExpertSlice::FusedInterleaved { num_experts: e_count, first_row, rows: inter };
+                let rows = slice.out_rows();
+                let (ae, be) = split_fused_rows(&a, &b, e_count, e, &rows).unwrap();
+                let got = product(&ae, &be, r, inter, inp);
+                for (j, &row) in rows.iter().enumerate() {
+                    prop_assert_eq!(row, 2 * j + first_row);
+                    prop_assert_eq!(&got[j * inp..(j + 1) * inp], &full[row * inp..(row + 1) * inp]);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn split_refuses_impossible_cuts() {
     let a = host([4, 3], |_| 1.0);

@@ -304,6 +304,10 @@ mod never_panics {
                 Just("deepseek_v3"),
                 Just("mixtral"),
                 Just("qwen2_moe"),
+                Just("glm4_moe"),
+                Just("gemma3"),
+                Just("gpt_oss"),
+                Just("phi3"),
                 Just("full_attention"),
                 Just("x")
             ]
@@ -341,6 +345,9 @@ mod never_panics {
             Just("q_lora_rank"),
             Just("kv_lora_rank"),
             Just("text_config"),
+            Just("n_shared_experts"),
+            Just("first_k_dense_replace"),
+            Just("tie_word_embeddings"),
         ]
         .prop_map(String::from)
     }
@@ -377,4 +384,333 @@ fn a_config_file_that_does_not_parse_is_named_in_its_error() {
     let missing = ModelConfig::from_file(&dir.join("absent.json")).expect_err("absent");
     assert!(missing.to_string().contains("absent.json"), "{missing}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn gemma_2_9b() {
+    let cfg = testdata("gemma-2-9b.json");
+    assert_eq!(cfg.family, ModelFamily::Gemma2);
+    assert!(cfg.tie_word_embeddings);
+    // Explicit head_dim: q/k/v/o widths are heads · 256, not hidden_size 3584.
+    assert_eq!(cfg.head_dim, 256);
+    assert_eq!(LoraModule::QProj.dims(&cfg), (16 * 256, 3584));
+    assert_eq!(LoraModule::KProj.dims(&cfg), (8 * 256, 3584));
+    assert_eq!(LoraModule::OProj.dims(&cfg), (3584, 4096));
+    assert!(cfg.moe.is_none());
+    // Sliding and full layers have the same projections.
+    assert!((0..42).all(|l| LoraModule::QProj.applies_to_layer(&cfg, l)));
+    // q 3584+4096, k 3584+2048, v 3584+2048, o 4096+3584 = 26624
+    // gate, up, down 3·(3584+14336) = 53760; 26624 + 53760 = 80384;
+    // 32 · 80384 = 2_572_288 per layer; · 42 layers = 108_036_096.
+    assert_eq!(pool_slot_bytes(&cfg, 16).unwrap(), 108_036_096);
+}
+
+#[test]
+fn gemma_3_27b_wrapper_reads_its_text_config() {
+    let cfg = testdata("gemma-3-27b-it.json");
+    assert_eq!(cfg.family, ModelFamily::Gemma3Text);
+    assert_eq!((cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim), (5376, 62, 128));
+    assert_eq!(LoraModule::QProj.dims(&cfg), (32 * 128, 5376));
+    assert_eq!(LoraModule::VProj.dims(&cfg), (16 * 128, 5376));
+    assert!(cfg.tie_word_embeddings);
+    // q 5376+4096, k 5376+2048, v 5376+2048, o 4096+5376 = 33792
+    // gate, up, down 3·(5376+21504) = 80640; 114432 · 32 = 3_661_824 per
+    // layer; · 62 layers = 227_033_088.
+    assert_eq!(pool_slot_bytes(&cfg, 16).unwrap(), 227_033_088);
+}
+
+fn gemma_json(model_type: &str) -> serde_json::Value {
+    serde_json::json!({
+        "model_type": model_type, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 128
+    })
+}
+
+#[test]
+fn gemma_absent_fields_take_the_config_class_defaults() {
+    for model_type in ["gemma2", "gemma3_text"] {
+        let cfg = ModelConfig::from_hf_value(&gemma_json(model_type)).unwrap();
+        // Gemma2Config / Gemma3TextConfig: head_dim 256 (not 32 / 4),
+        // num_key_value_heads 4, tie_word_embeddings true.
+        assert_eq!(
+            (cfg.head_dim, cfg.num_key_value_heads, cfg.tie_word_embeddings),
+            (256, 4, true),
+            "{model_type}"
+        );
+        assert_eq!(LoraModule::QProj.dims(&cfg), (1024, 32));
+        let mut untied = gemma_json(model_type);
+        untied["tie_word_embeddings"] = false.into();
+        untied["head_dim"] = 8.into();
+        let cfg = ModelConfig::from_hf_value(&untied).unwrap();
+        assert_eq!((cfg.head_dim, cfg.tie_word_embeddings), (8, false));
+        for field in [
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        ] {
+            let mut v = gemma_json(model_type);
+            v.as_object_mut().unwrap().remove(field);
+            assert!(
+                matches!(ModelConfig::from_hf_value(&v), Err(ConfigError::MissingField { field: f, .. }) if f == field),
+                "{model_type} {field}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_gemma_3_wrapper_ties_by_its_own_field() {
+    let wrapper = |top_tie: Option<serde_json::Value>| {
+        let mut text = gemma_json("gemma3_text");
+        text["head_dim"] = 8.into();
+        text["tie_word_embeddings"] = true.into();
+        let mut v = serde_json::json!({
+            "model_type": "gemma3", "text_config": text,
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16}
+        });
+        if let Some(t) = top_tie {
+            v["tie_word_embeddings"] = t;
+        }
+        ModelConfig::from_hf_value(&v)
+    };
+    let tied = wrapper(None).unwrap();
+    assert_eq!(
+        (tied.family, tied.head_dim, tied.tie_word_embeddings),
+        (ModelFamily::Gemma3Text, 8, true)
+    );
+    assert!(!wrapper(Some(false.into())).unwrap().tie_word_embeddings);
+    assert!(!wrapper(Some(serde_json::Value::Null)).unwrap().tie_word_embeddings);
+    assert!(matches!(
+        wrapper(Some("yes".into())),
+        Err(ConfigError::InvalidField {
+            model_type: "gemma3",
+            field: "tie_word_embeddings",
+            ..
+        })
+    ));
+    // A wrapper without its text_config has no geometry: the first missing
+    // field is named.
+    let bare = serde_json::json!({"model_type": "gemma3", "vision_config": {}});
+    assert!(matches!(
+        ModelConfig::from_hf_value(&bare),
+        Err(ConfigError::MissingField {
+            field: "hidden_size",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn glm_4_5_air() {
+    let cfg = testdata("glm-4.5-air.json");
+    assert_eq!(cfg.family, ModelFamily::Glm4Moe);
+    // head_dim 128 is explicit: 96 heads x 128 = 12288, not hidden 4096.
+    assert_eq!(LoraModule::QProj.dims(&cfg), (12288, 4096));
+    assert_eq!(LoraModule::KProj.dims(&cfg), (1024, 4096));
+    assert_eq!(LoraModule::OProj.dims(&cfg), (4096, 12288));
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+        (128, 8, 1408)
+    );
+    assert_eq!(moe.shared_expert_intermediate_size, Some(1408));
+    assert!(!moe.shared_expert_gate);
+    assert!(!cfg.is_moe_layer(0) && (1..46).all(|l| cfg.is_moe_layer(l)));
+    assert!(LoraModule::GateProj.applies_to_layer(&cfg, 0));
+    assert!(!LoraModule::GateProj.applies_to_layer(&cfg, 1));
+    assert!(LoraModule::SharedDownProj.applies_to_layer(&cfg, 1));
+    assert!(!LoraModule::SharedExpertGate.applies_to_layer(&cfg, 1));
+    assert_eq!(LoraModule::SharedUpProj.path(cfg.family), "mlp.shared_experts.up_proj");
+    assert_eq!(router_dims(&cfg), Some((128, 4096)));
+    assert_eq!(crate::ExpertProj::Gate.dims(&cfg), Some((1408, 4096)));
+    // Attention: q 4096+12288, k 4096+1024, v 4096+1024, o 12288+4096 = 43008.
+    // Dense layer 0: + 3·(4096+10944) = 45120 → 88128 · 32 = 2_820_096.
+    // MoE layers 1..46: + shared 3·(4096+1408) = 16512 → 59520 · 32 =
+    //   1_904_640; · 45 = 85_708_800. Total 88_528_896.
+    assert_eq!(pool_slot_bytes(&cfg, 16).unwrap(), 88_528_896);
+}
+
+fn glm_json() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "glm4_moe", "hidden_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "head_dim": 16, "intermediate_size": 64, "vocab_size": 128,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16
+    })
+}
+
+#[test]
+fn glm4_moe_defaults_and_required_fields() {
+    let cfg = ModelConfig::from_hf_value(&glm_json()).unwrap();
+    // Glm4MoeConfig's defaults: 8 kv heads, first_k_dense_replace 1, one
+    // shared expert.
+    assert_eq!(cfg.num_key_value_heads, 8);
+    assert_eq!(
+        (0..3).map(|l| cfg.is_moe_layer(l)).collect::<Vec<_>>(),
+        [false, true, true]
+    );
+    assert_eq!(cfg.moe.as_ref().unwrap().shared_expert_intermediate_size, Some(16));
+    let mut v = glm_json();
+    v["first_k_dense_replace"] = 0.into();
+    v["n_shared_experts"] = 0.into();
+    v.as_object_mut().unwrap().remove("intermediate_size");
+    let cfg = ModelConfig::from_hf_value(&v).unwrap();
+    assert!(
+        (0..3).all(|l| cfg.is_moe_layer(l)),
+        "no dense layer needs no intermediate_size"
+    );
+    assert_eq!(cfg.moe.as_ref().unwrap().shared_expert_intermediate_size, None);
+    assert!(!LoraModule::SharedGateProj.applies_to_layer(&cfg, 1));
+    // The alias `num_local_experts` is read when `n_routed_experts` is absent.
+    let mut v = glm_json();
+    v.as_object_mut().unwrap().remove("n_routed_experts");
+    v["num_local_experts"] = 6.into();
+    assert_eq!(ModelConfig::from_hf_value(&v).unwrap().moe.unwrap().num_experts, 6);
+    for field in [
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "intermediate_size",
+    ] {
+        let mut v = glm_json();
+        v.as_object_mut().unwrap().remove(field);
+        let err = ModelConfig::from_hf_value(&v).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::MissingField { model_type: "glm4_moe", field: f } if *f == field),
+            "{field}: {err}"
+        );
+    }
+    let mut v = glm_json();
+    v["n_routed_experts"] = 0.into();
+    assert!(matches!(
+        ModelConfig::from_hf_value(&v),
+        Err(ConfigError::InvalidField {
+            field: "n_routed_experts",
+            ..
+        })
+    ));
+    let mut v = glm_json();
+    v["n_shared_experts"] = (1u64 << 13).into();
+    v["moe_intermediate_size"] = (1u64 << 20).into();
+    assert!(matches!(
+        ModelConfig::from_hf_value(&v),
+        Err(ConfigError::InvalidField {
+            field: "n_shared_experts",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn phi_4() {
+    let cfg = testdata("phi-4.json");
+    assert_eq!(cfg.family, ModelFamily::Phi3);
+    assert_eq!(
+        (cfg.head_dim, cfg.num_key_value_heads),
+        (128, 10),
+        "head_dim derives 5120 / 40"
+    );
+    // Fused targets: qkv_proj is q | k | v, 5120 + 2·1280 wide; gate_up_proj
+    // is gate | up, 2·17920 wide. The unfused modules do not exist.
+    assert_eq!(LoraModule::QkvProj.dims(&cfg), (7680, 5120));
+    assert_eq!(LoraModule::GateUpProj.dims(&cfg), (35840, 5120));
+    assert_eq!(LoraModule::DownProj.dims(&cfg), (5120, 17920));
+    let present: Vec<_> = LoraModule::ALL
+        .into_iter()
+        .filter(|m| m.applies_to_layer(&cfg, 0))
+        .collect();
+    assert_eq!(
+        present,
+        [
+            LoraModule::OProj,
+            LoraModule::DownProj,
+            LoraModule::QkvProj,
+            LoraModule::GateUpProj
+        ]
+    );
+    // qkv 7680+5120, o 5120+5120, gate_up 35840+5120, down 17920+5120
+    // = 87040; 32 · 87040 = 2_785_280 per layer; · 40 layers = 111_411_200.
+    assert_eq!(pool_slot_bytes(&cfg, 16).unwrap(), 111_411_200);
+}
+
+#[test]
+fn phi3_fields_are_named() {
+    let v = serde_json::json!({
+        "model_type": "phi3", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 128
+    });
+    let cfg = ModelConfig::from_hf_value(&v).unwrap();
+    // Phi3Config: num_key_value_heads None means num_attention_heads.
+    assert_eq!(
+        (cfg.num_key_value_heads, cfg.head_dim, cfg.tie_word_embeddings),
+        (4, 8, false)
+    );
+    for field in ["hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"] {
+        let mut bad = v.clone();
+        bad.as_object_mut().unwrap().remove(field);
+        assert!(
+            matches!(ModelConfig::from_hf_value(&bad), Err(ConfigError::MissingField { model_type: "phi3", field: f }) if f == field),
+            "{field}"
+        );
+    }
+}
+
+#[test]
+fn gpt_oss_20b() {
+    let cfg = testdata("gpt-oss-20b.json");
+    assert_eq!(cfg.family, ModelFamily::GptOss);
+    assert_eq!(LoraModule::QProj.dims(&cfg), (64 * 64, 2880));
+    assert_eq!(LoraModule::KProj.dims(&cfg), (8 * 64, 2880));
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+        (32, 4, 2880)
+    );
+    assert!(moe.shared_expert_intermediate_size.is_none());
+    assert!((0..24).all(|l| cfg.is_moe_layer(l)));
+    assert!(!LoraModule::GateProj.applies_to_layer(&cfg, 0));
+    assert_eq!(router_dims(&cfg), Some((32, 2880)));
+    assert_eq!(crate::ExpertProj::Up.dims(&cfg), Some((2880, 2880)));
+    assert_eq!(crate::GateUpLayout::of(cfg.family), crate::GateUpLayout::Interleaved);
+    // Attention only: q 2880+4096, k 2880+512, v 2880+512, o 4096+2880
+    // = 20736; 32 · 20736 = 663_552 per layer; · 24 layers = 15_925_248.
+    assert_eq!(pool_slot_bytes(&cfg, 16).unwrap(), 15_925_248);
+}
+
+#[test]
+fn gpt_oss_absent_and_null_fields_follow_the_config_class() {
+    let v = serde_json::json!({
+        "model_type": "gpt_oss", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 16, "vocab_size": 128,
+        "num_local_experts": 4, "num_experts_per_tok": 2
+    });
+    // GptOssConfig: head_dim 64 and 8 kv heads when absent ...
+    let cfg = ModelConfig::from_hf_value(&v).unwrap();
+    assert_eq!((cfg.head_dim, cfg.num_key_value_heads), (64, 8));
+    // ... hidden / heads and one kv head per head when null.
+    let mut nulls = v.clone();
+    nulls["head_dim"] = serde_json::Value::Null;
+    nulls["num_key_value_heads"] = serde_json::Value::Null;
+    let cfg = ModelConfig::from_hf_value(&nulls).unwrap();
+    assert_eq!((cfg.head_dim, cfg.num_key_value_heads), (8, 4));
+    // `num_experts` is the alias of `num_local_experts`.
+    let mut alias = v.clone();
+    alias.as_object_mut().unwrap().remove("num_local_experts");
+    alias["num_experts"] = 6.into();
+    assert_eq!(ModelConfig::from_hf_value(&alias).unwrap().moe.unwrap().num_experts, 6);
+    for field in ["num_local_experts", "num_experts_per_tok", "intermediate_size"] {
+        let mut bad = v.clone();
+        bad.as_object_mut().unwrap().remove(field);
+        assert!(
+            matches!(ModelConfig::from_hf_value(&bad), Err(ConfigError::MissingField { model_type: "gpt_oss", field: f }) if f == field),
+            "{field}"
+        );
+    }
+    let mut bad = v.clone();
+    bad["head_dim"] = 0.into();
+    assert!(matches!(
+        ModelConfig::from_hf_value(&bad),
+        Err(ConfigError::InvalidField { field: "head_dim", .. })
+    ));
 }

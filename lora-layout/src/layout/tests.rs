@@ -14,6 +14,11 @@ fn any_config() -> impl Strategy<Value = ModelConfig> {
         Just("mixtral"),
         Just("qwen3_next"),
         Just("deepseek_v3"),
+        Just("glm4_moe"),
+        Just("gemma2"),
+        Just("gemma3_text"),
+        Just("phi3"),
+        Just("gpt_oss"),
     ];
     (
         families,

@@ -25,7 +25,14 @@ fn all_lists_every_module_once_in_index_order() {
 
 #[test]
 fn paths_round_trip_per_family() {
-    for family in [ModelFamily::Llama, ModelFamily::Qwen2Moe, ModelFamily::DeepseekV3] {
+    for family in [
+        ModelFamily::Llama,
+        ModelFamily::Qwen2Moe,
+        ModelFamily::DeepseekV3,
+        ModelFamily::Glm4Moe,
+        ModelFamily::Gemma2,
+        ModelFamily::Phi3,
+    ] {
         for m in LoraModule::ALL {
             assert_eq!(LoraModule::from_path(family, m.path(family)), Some(m));
         }
@@ -82,6 +89,13 @@ fn applicable_modules_have_nonzero_dims() {
                                "full_attention_interval": 2}),
         ),
         tiny(
+            "glm4_moe",
+            serde_json::json!({"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                               "n_shared_experts": 2, "first_k_dense_replace": 1, "head_dim": 16}),
+        ),
+        tiny("gemma2", serde_json::json!({"head_dim": 16})),
+        tiny("phi3", serde_json::json!({})),
+        tiny(
             "deepseek_v3",
             serde_json::json!({"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": null,
@@ -99,7 +113,7 @@ fn applicable_modules_have_nonzero_dims() {
             }
         }
     }
-    let ds = &configs[3];
+    let ds = &configs[6];
     assert_eq!(LoraModule::SharedGateProj.dims(ds), (32, 32), "2 shared experts of 16");
     assert!(!LoraModule::SharedGateProj.applies_to_layer(ds, 0));
     assert!(LoraModule::SharedGateProj.applies_to_layer(ds, 1));
@@ -134,4 +148,48 @@ fn expert_sites_are_bounded_by_expert_count() {
         None
     );
     assert_eq!(ExpertSite::Router.dims(&cfg), Some((4, 32)));
+}
+
+#[test]
+fn phi3_fuses_qkv_and_gate_up_into_single_targets() {
+    let cfg = tiny("phi3", serde_json::json!({}));
+    use LoraModule::*;
+    let present: Vec<_> = LoraModule::ALL
+        .into_iter()
+        .filter(|m| m.applies_to_layer(&cfg, 1))
+        .collect();
+    assert_eq!(present, [OProj, DownProj, QkvProj, GateUpProj]);
+    // 4 heads of 8, 2 kv heads: q 32 | k 16 | v 16.
+    assert_eq!(QkvProj.dims(&cfg), (64, 32));
+    assert_eq!(GateUpProj.dims(&cfg), (96, 32));
+    assert_eq!(QkvProj.path(ModelFamily::Phi3), "self_attn.qkv_proj");
+    assert_eq!(GateUpProj.short_name(), "gate_up_proj");
+    assert_eq!(LoraModule::qkv(ModelFamily::Phi3), [QkvProj]);
+    assert_eq!(LoraModule::gate_up(ModelFamily::Phi3), [GateUpProj]);
+    // Every other family keeps its separate projections, and has no fused one.
+    assert_eq!(LoraModule::qkv(ModelFamily::Llama), [QProj, KProj, VProj]);
+    assert_eq!(LoraModule::gate_up(ModelFamily::Gemma2), [GateProj, UpProj]);
+    let llama = tiny("llama", serde_json::json!({}));
+    assert!(!QkvProj.applies_to_layer(&llama, 0) && !GateUpProj.applies_to_layer(&llama, 0));
+    // The fused modules are last in ALL: the others keep their indices.
+    assert_eq!((QkvProj.index(), GateUpProj.index()), (16, 17));
+    assert_eq!(SharedExpertGate.index(), 15);
+}
+
+#[test]
+fn gate_up_layouts_place_gate_and_up_outputs() {
+    use crate::GateUpLayout;
+    assert_eq!(GateUpLayout::of(ModelFamily::GptOss), GateUpLayout::Interleaved);
+    assert_eq!(GateUpLayout::of(ModelFamily::Qwen3Moe), GateUpLayout::Halves);
+    let halves: Vec<usize> = [ExpertProj::Gate, ExpertProj::Up]
+        .into_iter()
+        .flat_map(|p| (0..3).map(move |j| GateUpLayout::Halves.column(p, j, 3)))
+        .collect();
+    assert_eq!(halves, [0, 1, 2, 3, 4, 5]);
+    let interleaved: Vec<usize> = [ExpertProj::Gate, ExpertProj::Up]
+        .into_iter()
+        .flat_map(|p| (0..3).map(move |j| GateUpLayout::Interleaved.column(p, j, 3)))
+        .collect();
+    assert_eq!(interleaved, [0, 2, 4, 1, 3, 5]);
+    assert_eq!(GateUpLayout::Interleaved.column(ExpertProj::Down, 7, 3), 7);
 }

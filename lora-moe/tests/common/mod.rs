@@ -12,12 +12,12 @@ use std::path::PathBuf;
 use half::bf16;
 use lora_audit::{FusedParam, PROBE_OUT, ProbeTensor, WeightRef, parse_weight_name, read_oracle};
 use lora_kernels::Device;
-use lora_layout::{ExpertProj, ModelConfig};
+use lora_layout::{ExpertProj, GateUpLayout, ModelConfig};
 use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool};
 
 /// The MoE fixture models and the oracle tests' adapters on each (every
 /// servable adapter with an oracle).
-pub const MOE_MODELS: [&str; 8] = [
+pub const MOE_MODELS: [&str; 10] = [
     "qwen3_moe",
     "qwen3_moe_v4",
     "mixtral",
@@ -26,6 +26,8 @@ pub const MOE_MODELS: [&str; 8] = [
     "deepseek_v3_v4",
     "qwen3_next",
     "qwen3_next_v4",
+    "glm4_moe",
+    "gpt_oss",
 ];
 
 /// `fixtures/` at the workspace root, or `LORA_FIXTURES_DIR` (the GPU bundle).
@@ -128,21 +130,22 @@ impl Oracle {
                     });
                 }
                 WeightRef::Fused { layer: l, param } if l == layer => {
-                    let (cols, wanted) = match (param, proj) {
-                        (FusedParam::GateUp, ExpertProj::Gate) => (0..inter, true),
-                        (FusedParam::GateUp, ExpertProj::Up) => (inter..2 * inter, true),
-                        (FusedParam::Down, ExpertProj::Down) => (0..cfg.hidden_size, true),
-                        _ => (0..0, false),
+                    // The projection's columns of the parameter's output, in
+                    // the family's gate_up layout (gpt_oss: interleaved).
+                    let layout = GateUpLayout::of(cfg.family);
+                    let cols: Vec<usize> = match (param, proj) {
+                        (FusedParam::GateUp, ExpertProj::Gate | ExpertProj::Up) => {
+                            (0..inter).map(|j| layout.column(proj, j, inter)).collect()
+                        }
+                        (FusedParam::Down, ExpertProj::Down) => (0..cfg.hidden_size).collect(),
+                        _ => continue,
                     };
-                    if !wanted {
-                        continue;
-                    }
                     // [E, n, out]
                     let (n, width) = (pout.shape[1], pout.shape[2]);
                     let mut out = Vec::with_capacity(n * cols.len());
                     for j in 0..n {
                         let row = &pout.data[(expert * n + j) * width..(expert * n + j + 1) * width];
-                        out.extend_from_slice(&row[cols.clone()]);
+                        out.extend(cols.iter().map(|&c| row[c]));
                     }
                     return Some(ProbeRows {
                         weight: name.clone(),
