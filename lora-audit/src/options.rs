@@ -33,6 +33,11 @@ pub struct LoraOptions {
     pub rotatable: bool,
     /// `host:port` of the peer that stages adapters (`LORA_PEER`).
     pub peer: Option<String>,
+    /// Bytes of pinned host memory the pool may keep audited, packed slot
+    /// images in (`LORA_HOST_TIER_BYTES`, default 0: no host tier). A
+    /// promotion of an adapter held there is one copy, with no read, audit
+    /// or parse.
+    pub host_tier_bytes: usize,
 }
 
 /// Default of [`LoraOptions::max_loras`].
@@ -55,6 +60,7 @@ impl Default for LoraOptions {
             eager: false,
             rotatable: false,
             peer: None,
+            host_tier_bytes: 0,
         }
     }
 }
@@ -167,6 +173,7 @@ impl LoraOptions {
             eager: flag("LORA_EAGER"),
             rotatable: flag("LORA_ROTATE") || peer.is_some(),
             peer,
+            host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
         })
     }
 }

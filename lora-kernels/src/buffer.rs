@@ -122,7 +122,20 @@ impl Device {
 
     /// A zeroed page-locked host buffer for fast uploads to this device (a
     /// plain host vector on the CPU backend).
+    ///
+    /// The host's available memory is checked first: an allocation past it
+    /// is [`KernelError::OutOfHostMemory`], naming both numbers (page-locked
+    /// memory cannot be swapped out, so taking it would starve the host).
     pub fn alloc_pinned<T: DeviceElem>(&self, len: usize) -> Result<PinnedHostBuffer<T>, KernelError> {
+        let requested = len.checked_mul(std::mem::size_of::<T>()).ok_or(KernelError::InvalidArgument {
+            arg: "len",
+            reason: format!("{len} elements overflow"),
+        })?;
+        if let Some((free, _)) = crate::device::host_memory_info()
+            && requested > free
+        {
+            return Err(KernelError::OutOfHostMemory { requested, free });
+        }
         let inner = match self.backend() {
             Backend::Cpu(_) => Pinned::Host(vec![T::zeroed(); len]),
             Backend::Cuda(c) => {
@@ -371,6 +384,16 @@ pub struct PinnedHostBuffer<T: DeviceElem> {
 enum Pinned<T: DeviceElem> {
     Host(Vec<T>),
     Cuda(PinnedHostSlice<T>),
+}
+
+impl<T: DeviceElem> Drop for PinnedHostBuffer<T> {
+    /// A copy from the buffer may still be queued: its memory is freed only
+    /// once that copy ran.
+    fn drop(&mut self) {
+        // Nothing to report to on drop; a failed wait means the context is
+        // gone, and the memory with it.
+        let _ = self.wait_last_copy();
+    }
 }
 
 impl<T: DeviceElem> PinnedHostBuffer<T> {

@@ -56,6 +56,15 @@ pub enum KernelError {
         /// Bytes free when it was asked.
         free: usize,
     },
+    /// A page-locked host allocation does not fit the host's available
+    /// memory (`MemAvailable`), checked before it is taken.
+    #[error("out of host memory: {requested} bytes of pinned memory requested, {free} available")]
+    OutOfHostMemory {
+        /// Bytes the allocation asked for.
+        requested: usize,
+        /// Bytes the host had available when it was asked.
+        free: usize,
+    },
     /// An operation this device kind cannot do (e.g. CUDA graphs on the CPU).
     #[error("{what} is not supported on {device}")]
     Unsupported {

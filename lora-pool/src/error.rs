@@ -199,6 +199,13 @@ pub enum PoolError {
         /// The thread pool's error.
         message: String,
     },
+    /// The host tier cannot hold an image, or the pool has none.
+    #[error(transparent)]
+    HostTier(#[from] crate::host_tier::TierError),
+    /// The prefetch worker is gone (it panicked); the pool still swaps
+    /// from disk.
+    #[error("the prefetch worker has stopped")]
+    PrefetchStopped,
 }
 
 impl PoolError {

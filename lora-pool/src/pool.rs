@@ -24,6 +24,8 @@ use lora_layout::{
 
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
+use crate::host_tier::{HostImage, HostTier};
+use crate::prefetch::{PrefetchEvent, Prefetcher};
 use crate::expert::ExpertPool;
 use crate::image::{ImageError, PackPlan, PairMeta, PairPart, SlotImage, dense_sources, expert_sources, file_sources};
 use crate::lease::{SlotLease, SlotUse};
@@ -103,6 +105,9 @@ pub enum SwapRoute {
     Prepared,
     /// Images landed from a peer.
     Landed,
+    /// A packed image of the host tier, copied as it is: no read, audit or
+    /// parse.
+    HostTier,
 }
 
 /// An adapter staged off to the side: everything a publish writes, checked.
@@ -111,7 +116,7 @@ struct Staged<S> {
     route: SwapRoute,
     dense: DenseSource,
     dense_pairs: Vec<PairMeta>,
-    experts: Option<(ExpertLayout, SlotImage)>,
+    experts: Option<Arc<(ExpertLayout, SlotImage)>>,
     companion: Option<S>,
     has_overlay: bool,
 }
@@ -132,6 +137,9 @@ enum DenseSource {
     },
     /// A landed image.
     Image(SlotImage),
+    /// A host-tier image (held until publish has queued its copy; the
+    /// image's buffer outlives the copy).
+    Host(Arc<HostImage>),
 }
 
 /// What a raw-route swap refuses when its value scan finds a value that is
@@ -205,6 +213,10 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     /// takes `&self`.
     workspace: Mutex<LoraWorkspace>,
     staging: Staging,
+    /// Packed images in pinned host memory (`host_tier_bytes` > 0), shared
+    /// with the prefetch worker that fills it.
+    tier: Option<Arc<Mutex<HostTier>>>,
+    prefetcher: Option<Prefetcher>,
 }
 
 /// The step a row buffer currently holds.
@@ -339,6 +351,13 @@ impl<C: SlotCompanion> LoraPool<C> {
         } else {
             None
         };
+        let (tier, prefetcher) = if opts.host_tier_bytes > 0 {
+            let tier = Arc::new(Mutex::new(HostTier::new(opts.host_tier_bytes)));
+            let prefetcher = Prefetcher::start(device, &cfg, &opts, &layout, Arc::clone(&tier))?;
+            (Some(tier), Some(prefetcher))
+        } else {
+            (None, None)
+        };
         Ok(LoraPool {
             device: device.clone(),
             registry: SlotRegistry::new(opts.max_loras, opts.pinned),
@@ -359,6 +378,8 @@ impl<C: SlotCompanion> LoraPool<C> {
             prefill_row_slot: device.upload(&vec![-1i32; capacity.max_rows.max(1)])?,
             workspace: Mutex::new(LoraWorkspace::new(device, ws_spec)?),
             staging: Staging::new(device, &layout, StagingTuning::default())?,
+            tier,
+            prefetcher,
             layout,
             cfg,
             opts,
@@ -540,12 +561,99 @@ impl<C: SlotCompanion> LoraPool<C> {
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
         let started = std::time::Instant::now();
+        if let Some(image) = self.tier_image(name, dir) {
+            let staged = self.stage_from_tier(name, image)?;
+            let stage_us = started.elapsed().as_secs_f64() * 1e6;
+            let mut report = self.publish(slot, staged)?;
+            report.stage_us = stage_us;
+            return Ok(report);
+        }
         let (staged, audit_us) = self.stage_from_dir(name, dir)?;
         let stage_us = started.elapsed().as_secs_f64() * 1e6;
         let mut report = self.publish(slot, staged)?;
         report.stage_us = stage_us;
         report.audit_us = audit_us;
+        // The host tier fills on the way: the worker packs the adapter there,
+        // off this path (its event comes as a prefetch's would).
+        if let Some(prefetcher) = &self.prefetcher {
+            // A stopped worker only means no tier fill; the swap is done.
+            let _ = prefetcher.request(name, dir);
+        }
         Ok(report)
+    }
+
+    /// Queue `name` from `dir` for the host tier: a worker thread audits,
+    /// prepares and packs it there, so that its later swap or promotion is
+    /// one copy. Returns at once; the outcome comes, once, from
+    /// [`LoraPool::prefetch_events`] (a refused adapter's refusal among
+    /// them). [`TierError::Disabled`](crate::TierError::Disabled) without a
+    /// host tier.
+    pub fn prefetch(&self, name: &str, dir: &Path) -> Result<(), PoolError> {
+        if name.is_empty() {
+            return Err(PoolError::EmptyName);
+        }
+        match &self.prefetcher {
+            Some(p) => p.request(name, dir),
+            None => Err(crate::host_tier::TierError::Disabled.into()),
+        }
+    }
+
+    /// The outcomes of prefetch requests (and of the tier fills disk swaps
+    /// queue) since the last call, oldest first; each is given once.
+    pub fn prefetch_events(&self) -> Vec<PrefetchEvent> {
+        self.prefetcher.as_ref().map(Prefetcher::take_events).unwrap_or_default()
+    }
+
+    /// Block until every prefetch queued so far has its event (for tests
+    /// and benchmarks; an engine polls [`LoraPool::prefetch_events`]).
+    pub fn wait_for_prefetch(&self) {
+        if let Some(p) = &self.prefetcher {
+            p.wait_idle();
+        }
+    }
+
+    /// Keep `name` in the host tier (now, or once it arrives), or let it go
+    /// again. [`TierError::Disabled`](crate::TierError::Disabled) without a
+    /// host tier.
+    pub fn pin_in_host_tier(&self, name: &str, pinned: bool) -> Result<(), PoolError> {
+        let tier = self.tier.as_ref().ok_or(crate::host_tier::TierError::Disabled)?;
+        tier.lock().unwrap_or_else(|p| p.into_inner()).pin(name, pinned);
+        Ok(())
+    }
+
+    /// What the host tier holds now; `None` without one.
+    pub fn host_tier(&self) -> Option<crate::host_tier::HostTierView> {
+        let tier = self.tier.as_ref()?;
+        Some(tier.lock().unwrap_or_else(|p| p.into_inner()).view())
+    }
+
+    /// `name`'s host-tier image, if the tier holds one of `dir` as it is now.
+    fn tier_image(&self, name: &str, dir: &Path) -> Option<Arc<HostImage>> {
+        let mut tier = self.tier.as_ref()?.lock().unwrap_or_else(|p| p.into_inner());
+        tier.get(name).filter(|image| image.is_current(dir))
+    }
+
+    /// Phase one from a host-tier image: the checks that depend on this
+    /// pool (the expert pool's room, the companion's staging); nothing is
+    /// read, audited or packed.
+    fn stage_from_tier(&mut self, name: &str, image: Arc<HostImage>) -> Result<Staged<C::Staged>, PoolError> {
+        if let Some(experts) = &image.experts {
+            let pool = self
+                .experts
+                .as_ref()
+                .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
+            pool.check_fits(name, &experts.0)?;
+        }
+        let companion = self.companion.stage(name, &image.overlay)?;
+        Ok(Staged {
+            name: name.to_string(),
+            route: SwapRoute::HostTier,
+            dense_pairs: image.dense_pairs.clone(),
+            experts: image.experts.clone(),
+            companion: Some(companion),
+            has_overlay: image.has_overlay,
+            dense: DenseSource::Host(image),
+        })
     }
 
     /// Tune the swap path for the host at hand: the host side is cut into
@@ -694,7 +802,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::Landed,
             dense_pairs: dense.pairs().to_vec(),
             dense: DenseSource::Image(dense),
-            experts,
+            experts: experts.map(Arc::new),
             companion: None,
             has_overlay: false,
         };
@@ -881,7 +989,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::Prepared,
             dense: DenseSource::Staging,
             dense_pairs,
-            experts,
+            experts: experts.map(Arc::new),
             companion: Some(companion),
             has_overlay: !adapter.overlay.is_empty(),
         })
@@ -956,12 +1064,13 @@ impl<C: SlotCompanion> LoraPool<C> {
             // Written above.
             DenseSource::Raw { .. } => {}
             DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
+            DenseSource::Host(image) => self.weights.upload_pinned(base, &image.dense)?,
         }
         self.host_table = table;
         self.table.write(0, &self.host_table)?;
         let mut expert_pairs = Vec::new();
         if let Some(pool) = &mut self.experts {
-            match &staged.experts {
+            match staged.experts.as_deref() {
                 Some((layout, image)) => {
                     pool.publish(s, layout, image.as_elems(), image.pairs())?;
                     expert_pairs = image.pairs().to_vec();

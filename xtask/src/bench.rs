@@ -25,9 +25,10 @@
 //! Sections: `kernels` (device-event timings above), `step` (the LoRA work
 //! of one whole Llama-3.1-8B decode step in one graph, against its floor and
 //! the same step's base projections: [`step`]), and the I/O sections
-//! `swap` (a disk swap into a slot against a pinned host-to-device copy) and
-//! `landing` (a peer landing over TCP loopback against a memcpy), timed on
-//! the host clock in `bench_io`. A new device section is one function of the
+//! `swap` (a disk swap into a slot against a pinned host-to-device copy),
+//! `tier` (a promotion from the host tier against the same copy:
+//! [`bench_tier`]) and `landing` (a peer landing over TCP loopback against a
+//! plain socket copy), timed on the host clock in `bench_io`. A new device section is one function of the
 //! [`Section`] signature added to [`SECTIONS`]; it appends rows to the shared
 //! report.
 //!
@@ -55,6 +56,8 @@ use crate::bench_io::{self, IoRow};
 pub(crate) mod plot;
 #[path = "bench_step.rs"]
 mod step;
+#[path = "bench_tier.rs"]
+mod bench_tier;
 
 /// One bench section: runs its cases and appends rows to the report.
 type Section = fn(&mut Ctx<'_>) -> Result<(), String>;
@@ -388,13 +391,16 @@ pub fn run(args: &[String]) -> Result<(), String> {
     write_json(&ctx, &device, &io)
 }
 
-/// The I/O sections (`swap`, `landing`), timed on the host clock around
+/// The I/O sections (`swap`, `tier`, `landing`), timed on the host clock around
 /// whole operations, each beside its baseline from the same run.
 fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
     let reps = opts.reps.clamp(5, 30);
     let mut rows = Vec::new();
     if opts.wants("swap") {
         rows.push(bench_io::swap(device, reps, opts.sweep)?);
+    }
+    if opts.wants("tier") {
+        rows.push(bench_tier::promotion(device, reps)?);
     }
     if opts.wants("landing") {
         rows.push(bench_io::peer_landing(reps.min(10))?);

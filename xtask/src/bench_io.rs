@@ -32,7 +32,7 @@ pub struct IoRow {
 }
 
 /// Median and a `p10 … p90 …` spread of `us`.
-fn quantiles(mut us: Vec<f64>) -> (f64, String) {
+pub(crate) fn quantiles(mut us: Vec<f64>) -> (f64, String) {
     us.sort_by(f64::total_cmp);
     let at = |q: f64| {
         us.get(((us.len() as f64 - 1.0) * q).round() as usize)

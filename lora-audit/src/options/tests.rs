@@ -23,8 +23,10 @@ fn every_variable_is_read() {
         ("LORA_EXPERT_SLOT_BYTES", "4096"),
         ("LORA_EAGER", "True"),
         ("LORA_ROTATE", "0"),
+        ("LORA_HOST_TIER_BYTES", "1073741824"),
     ])
     .unwrap();
+    assert_eq!(o.host_tier_bytes, 1 << 30);
     assert_eq!(o.max_loras, 8);
     assert_eq!(o.max_rank, 64);
     assert_eq!(o.pinned, 2);
@@ -66,6 +68,7 @@ fn a_malformed_number_names_its_variable() {
         "LORA_PINNED",
         "LORA_EXPERT_RANK",
         "LORA_EXPERT_SLOT_BYTES",
+        "LORA_HOST_TIER_BYTES",
     ] {
         let err = opts(&[(var, "12x")]).unwrap_err();
         assert_eq!(err.variable, var);

@@ -220,3 +220,22 @@ fn a_cpu_allocation_past_host_memory_is_refused() {
         Ok(_) => panic!("a 4 PiB allocation succeeded"),
     }
 }
+
+#[test]
+fn a_pinned_allocation_past_the_hosts_available_memory_is_refused_naming_both_numbers() {
+    let Some((free, _)) = crate::device::host_memory_info() else {
+        eprintln!("skipping: no /proc/meminfo to check against");
+        return;
+    };
+    let asked = free + (1 << 30);
+    match Device::cpu().alloc_pinned::<u8>(asked) {
+        Err(KernelError::OutOfHostMemory { requested, free: had }) => {
+            assert_eq!(requested, asked);
+            assert!(had < requested);
+            let text = KernelError::OutOfHostMemory { requested, free: had }.to_string();
+            assert!(text.contains(&requested.to_string()) && text.contains(&had.to_string()), "{text}");
+        }
+        Err(other) => panic!("expected OutOfHostMemory, got {other}"),
+        Ok(_) => panic!("{asked} bytes of pinned memory were taken past {free} available"),
+    }
+}
