@@ -52,12 +52,12 @@ use serde_json::{Value, json};
 
 use crate::bench_io::{self, IoRow};
 
+#[path = "bench_tier.rs"]
+mod bench_tier;
 #[path = "bench_plot.rs"]
 pub(crate) mod plot;
 #[path = "bench_step.rs"]
 mod step;
-#[path = "bench_tier.rs"]
-mod bench_tier;
 
 /// One bench section: runs its cases and appends rows to the report.
 type Section = fn(&mut Ctx<'_>) -> Result<(), String>;

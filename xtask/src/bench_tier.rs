@@ -59,7 +59,10 @@ pub fn promotion(device: &Device, reps: usize) -> Result<IoRow, String> {
     let promote = |pool: &mut LoraPool| -> Result<f64, String> {
         let report = pool.swap_from_disk(SlotId::new(0), "bench", &dir).map_err(err)?;
         if report.route != SwapRoute::HostTier {
-            return Err(format!("the promotion took the {:?} route, not the host tier", report.route));
+            return Err(format!(
+                "the promotion took the {:?} route, not the host tier",
+                report.route
+            ));
         }
         Ok(report.publish_us)
     };
