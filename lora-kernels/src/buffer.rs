@@ -127,10 +127,12 @@ impl Device {
     /// is [`KernelError::OutOfHostMemory`], naming both numbers (page-locked
     /// memory cannot be swapped out, so taking it would starve the host).
     pub fn alloc_pinned<T: DeviceElem>(&self, len: usize) -> Result<PinnedHostBuffer<T>, KernelError> {
-        let requested = len.checked_mul(std::mem::size_of::<T>()).ok_or(KernelError::InvalidArgument {
-            arg: "len",
-            reason: format!("{len} elements overflow"),
-        })?;
+        let requested = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or(KernelError::InvalidArgument {
+                arg: "len",
+                reason: format!("{len} elements overflow"),
+            })?;
         if let Some((free, _)) = crate::device::host_memory_info()
             && requested > free
         {

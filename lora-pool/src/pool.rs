@@ -24,11 +24,11 @@ use lora_layout::{
 
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
-use crate::host_tier::{HostImage, HostTier};
-use crate::prefetch::{PrefetchEvent, Prefetcher};
 use crate::expert::ExpertPool;
+use crate::host_tier::{HostImage, HostTier};
 use crate::image::{ImageError, PackPlan, PairMeta, PairPart, SlotImage, dense_sources, expert_sources, file_sources};
 use crate::lease::{SlotLease, SlotUse};
+use crate::prefetch::{PrefetchEvent, Prefetcher};
 use crate::registry::{AdapterSlot, SlotRegistry};
 use crate::slot::{RowSlot, SlotId};
 use crate::staging::{Staging, StagingTuning};
@@ -601,7 +601,10 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// The outcomes of prefetch requests (and of the tier fills disk swaps
     /// queue) since the last call, oldest first; each is given once.
     pub fn prefetch_events(&self) -> Vec<PrefetchEvent> {
-        self.prefetcher.as_ref().map(Prefetcher::take_events).unwrap_or_default()
+        self.prefetcher
+            .as_ref()
+            .map(Prefetcher::take_events)
+            .unwrap_or_default()
     }
 
     /// Block until every prefetch queued so far has its event (for tests

@@ -28,7 +28,14 @@ fn pool(tier_images: usize) -> LoraPool {
     };
     let seed = dir("demo_r8_rslora");
     let sources = [AdapterSource { name: "x", dir: &seed }];
-    LoraPool::load(&Device::cpu(), model_config("llama"), opts, BatchCapacity::default(), &sources).unwrap()
+    LoraPool::load(
+        &Device::cpu(),
+        model_config("llama"),
+        opts,
+        BatchCapacity::default(),
+        &sources,
+    )
+    .unwrap()
 }
 
 /// The events of every prefetch queued so far, as (name, outcome).
@@ -69,7 +76,11 @@ fn a_prefetched_adapter_is_promoted_by_one_copy_equal_to_a_disk_swap() {
     assert_eq!(report.route, SwapRoute::HostTier);
     assert_eq!(report.audit_us, 0.0, "no audit on the way");
     let reference = disk_swapped(&a);
-    assert_eq!(snapshot(&pool), snapshot(&reference), "bytes, tables and registry as a disk swap leaves them");
+    assert_eq!(
+        snapshot(&pool),
+        snapshot(&reference),
+        "bytes, tables and registry as a disk swap leaves them"
+    );
     // The slot serves it like any other.
     let lease = pool.acquire("a").unwrap();
     drop(pool.decode_step(&[lora_pool::StepRow::Adapter(&lease)], 1).unwrap());
@@ -113,7 +124,10 @@ fn a_disk_swap_fills_the_tier_on_the_way_and_the_next_promotion_is_a_copy() {
     pool.evict(slot(1)).unwrap();
     let again = pool.swap_from_disk(slot(2), "a", &a).unwrap();
     assert_eq!(again.route, SwapRoute::HostTier);
-    assert_eq!(pool.slot_contents(slot(2)).unwrap(), disk_swapped(&a).slot_contents(slot(1)).unwrap());
+    assert_eq!(
+        pool.slot_contents(slot(2)).unwrap(),
+        disk_swapped(&a).slot_contents(slot(1)).unwrap()
+    );
 }
 
 #[test]
@@ -128,7 +142,10 @@ fn an_image_whose_files_changed_is_never_served() {
     }
     let report = pool.swap_from_disk(slot(1), "a", &a).unwrap();
     assert_ne!(report.route, SwapRoute::HostTier, "stale: read from disk again");
-    assert_eq!(pool.slot_contents(slot(1)).unwrap(), disk_swapped(&a).slot_contents(slot(1)).unwrap());
+    assert_eq!(
+        pool.slot_contents(slot(1)).unwrap(),
+        disk_swapped(&a).slot_contents(slot(1)).unwrap()
+    );
     // Nor is an image of another directory.
     let other = copy_of("demo_r4_plain", "other-dir");
     let mut pool = self::pool(4);
@@ -157,7 +174,10 @@ fn the_tier_keeps_within_its_bytes_evicting_the_least_recently_used_and_never_a_
     pool.prefetch("d", &dir("rslora")).unwrap();
     let got = events(&pool);
     let err = got[0].1.as_ref().unwrap_err();
-    assert!(err.contains("pinned") && err.contains(&slot_bytes().to_string()), "{err}");
+    assert!(
+        err.contains("pinned") && err.contains(&slot_bytes().to_string()),
+        "{err}"
+    );
     assert_eq!(pool.host_tier().unwrap().names, ["b", "c"]);
     pool.pin_in_host_tier("b", false).unwrap();
     pool.prefetch("d", &dir("rslora")).unwrap();
@@ -179,7 +199,10 @@ fn without_a_tier_prefetch_and_pins_are_refused() {
         Err(PoolError::HostTier(TierError::Disabled))
     ));
     assert!(pool.prefetch_events().is_empty());
-    assert!(matches!(pool.prefetch("", &dir("demo_r4_plain")), Err(PoolError::EmptyName)));
+    assert!(matches!(
+        pool.prefetch("", &dir("demo_r4_plain")),
+        Err(PoolError::EmptyName)
+    ));
 }
 
 /// Keep the device's stream busy for a while (queued copies of 1 GiB).

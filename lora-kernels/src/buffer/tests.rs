@@ -233,7 +233,10 @@ fn a_pinned_allocation_past_the_hosts_available_memory_is_refused_naming_both_nu
             assert_eq!(requested, asked);
             assert!(had < requested);
             let text = KernelError::OutOfHostMemory { requested, free: had }.to_string();
-            assert!(text.contains(&requested.to_string()) && text.contains(&had.to_string()), "{text}");
+            assert!(
+                text.contains(&requested.to_string()) && text.contains(&had.to_string()),
+                "{text}"
+            );
         }
         Err(other) => panic!("expected OutOfHostMemory, got {other}"),
         Ok(_) => panic!("{asked} bytes of pinned memory were taken past {free} available"),

@@ -47,7 +47,11 @@ fn pinned_images_are_never_evicted_and_what_cannot_fit_is_refused_unchanged() {
     tier.insert("c", image(dir, 25)).unwrap();
     tier.insert("d", image(dir, 50)).unwrap();
     tier.insert("e", image(dir, 50)).unwrap();
-    assert_eq!(names(&tier), ["a", "d", "e"], "b and c, the oldest unpinned, left; a stayed");
+    assert_eq!(
+        names(&tier),
+        ["a", "d", "e"],
+        "b and c, the oldest unpinned, left; a stayed"
+    );
     tier.insert("f", image(dir, 100)).unwrap();
     assert_eq!(names(&tier), ["a", "f"]);
     tier.pin("f", true);
@@ -64,7 +68,17 @@ fn pinned_images_are_never_evicted_and_what_cannot_fit_is_refused_unchanged() {
     );
     assert_eq!(tier.view(), before, "a refused insert changes nothing");
     let err = tier.insert("h", image(dir, 151)).unwrap_err();
-    assert!(matches!(err, TierError::TooLarge { bytes: 302, budget: 300, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            TierError::TooLarge {
+                bytes: 302,
+                budget: 300,
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("302") && err.to_string().contains("300"));
     assert_eq!(tier.view(), before);
     tier.pin("a", false);
