@@ -1,10 +1,22 @@
 //! The TCP landing-rate benchmark: an 84 MB adapter (rank 16 on every
 //! linear projection of Llama-3.1-8B) landed from a loopback peer, against
-//! a plain memcpy of the same bytes in the same run. `cargo xtask bench`
-//! calls [`tcp_landing_rate`] and reports the numbers; nothing here asserts
-//! on time.
+//! two baselines timed in the same run, interleaved with the landings so
+//! drift hits all alike:
+//!
+//! - a plain socket copy of the same number of bytes between the same two
+//!   endpoints (a server thread of this process, as the peer is, writing
+//!   one buffer with one `write_all`; this thread reading it with one
+//!   `read_exact` into a buffer of its own): the line rate of loopback TCP
+//!   on this host, which the landing's target is stated against;
+//! - a memcpy of the same bytes.
+//!
+//! `cargo xtask bench` calls [`tcp_landing_rate`] and reports the numbers;
+//! nothing here asserts on time.
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use half::bf16;
@@ -12,7 +24,7 @@ use lora_audit::LoraOptions;
 use lora_layout::{LoraModule, ModelConfig};
 use safetensors::{Dtype, tensor::TensorView};
 
-use crate::land::{HostLanding, LandError, Lander};
+use crate::land::{HostLanding, LandError, Lander, LandingTuning};
 use crate::peer::{Peer, PeerOptions, PeerStore, StoreOptions};
 use crate::stage::bf16_bytes;
 use crate::tcp::{TcpOptions, TcpTransport};
@@ -48,6 +60,11 @@ pub struct LandingBench {
     pub land_best: Duration,
     /// Median time of one memcpy of `bytes`.
     pub memcpy_median: Duration,
+    /// Median time of one plain socket copy of `bytes` over loopback
+    /// between a server thread and this one ([`SocketCopy`]).
+    pub socket_median: Duration,
+    /// How the landings spent the host's cores (the host's default).
+    pub tuning: LandingTuning,
 }
 
 impl LandingBench {
@@ -59,6 +76,17 @@ impl LandingBench {
     /// Memcpy rate at the median, in GB/s.
     pub fn memcpy_gbps(&self) -> f64 {
         gbps(self.bytes, self.memcpy_median)
+    }
+
+    /// Plain socket copy rate at the median, in GB/s.
+    pub fn socket_gbps(&self) -> f64 {
+        gbps(self.bytes, self.socket_median)
+    }
+
+    /// The landing's rate as a share of the plain socket copy's (1.0: the
+    /// landing moves bytes as fast as a bare socket does).
+    pub fn share_of_socket(&self) -> f64 {
+        self.socket_median.as_secs_f64() / self.land_median.as_secs_f64().max(1e-12)
     }
 }
 
@@ -145,6 +173,77 @@ impl Drop for TempDir {
     }
 }
 
+/// The landing's baseline: a plain socket copy over loopback. A server
+/// thread (the peer's arrangement: the peer serves each connection on a
+/// thread of its own) answers every one-byte request with all of its
+/// buffer in one `write_all`; [`SocketCopy::copy`] sends the request and
+/// reads the answer with one `read_exact` into the caller's buffer. Both
+/// ends keep the operating system's default socket settings, with
+/// `TCP_NODELAY` as the transport sets it.
+pub struct SocketCopy {
+    stream: Option<TcpStream>,
+    server: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl SocketCopy {
+    /// Start the server thread with `src` as the bytes it sends, and
+    /// connect to it.
+    pub fn start(src: Vec<u8>) -> std::io::Result<SocketCopy> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let server = std::thread::Builder::new()
+            .name("socket-copy".into())
+            .spawn(move || -> std::io::Result<()> {
+                let (mut stream, _) = listener.accept()?;
+                stream.set_nodelay(true)?;
+                let mut ask = [0u8; 1];
+                // Until the client closes: one whole buffer per request.
+                while stream.read(&mut ask)? == 1 {
+                    stream.write_all(&src)?;
+                }
+                Ok(())
+            })?;
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        Ok(SocketCopy {
+            stream: Some(stream),
+            server: Some(server),
+        })
+    }
+
+    /// Ask for the server's buffer and read it into `dst`, which must be
+    /// as long as it.
+    pub fn copy(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
+        let stream = self
+            .stream
+            .as_mut()
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotConnected, "the socket copy was closed"))?;
+        stream.write_all(&[1])?;
+        stream.read_exact(dst)
+    }
+
+    /// Close the connection and wait for the server thread; its error, if
+    /// it failed.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        self.close()
+    }
+
+    fn close(&mut self) -> std::io::Result<()> {
+        drop(self.stream.take());
+        match self.server.take().map(JoinHandle::join) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err(std::io::Error::other("the socket copy's server thread panicked")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for SocketCopy {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
 fn median(mut times: Vec<Duration>) -> Duration {
     times.sort_unstable();
     times.get(times.len() / 2).copied().unwrap_or_default()
@@ -152,7 +251,10 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 /// Land the synthetic 84 MB adapter (rank 16, every linear projection of
 /// Llama-3.1-8B) `runs` times from a peer on loopback, after one untimed
-/// landing that stages it, and memcpy the same number of bytes `runs` times.
+/// landing that stages it; between landings, copy the same number of bytes
+/// over a plain loopback socket ([`SocketCopy`]) and with a memcpy, `runs`
+/// times each, after one untimed socket copy (which also touches the
+/// destination both copies write).
 pub fn tcp_landing_rate(runs: usize) -> Result<LandingBench, BenchError> {
     let cfg = ModelConfig::from_hf_config(LLAMA_8B).map_err(setup)?;
     landing_rate(&cfg, RANK, runs)
@@ -181,21 +283,27 @@ pub fn landing_rate(cfg: &ModelConfig, rank: usize, runs: usize) -> Result<Landi
         .map_err(|e| BenchError::Land(e.into()))?;
     let mut target = HostLanding::new(lander.layout());
     let first = lander.land(&mut transport, "bench", &mut target)?;
+    let src = bf16_bytes(&fill(first.bytes / 2, 7)).to_vec();
+    let mut dst = vec![0u8; src.len()];
+    let mut socket = SocketCopy::start(src.clone()).map_err(setup)?;
+    socket.copy(&mut dst).map_err(setup)?;
     let mut land_times = Vec::with_capacity(runs);
+    let mut socket_times = Vec::with_capacity(runs);
+    let mut copy_times = Vec::with_capacity(runs);
     for _ in 0..runs {
         let start = Instant::now();
         lander.land(&mut transport, "bench", &mut target)?;
         land_times.push(start.elapsed());
-    }
-    let src = fill(first.bytes / 2, 7);
-    let mut dst = vec![bf16::ZERO; src.len()];
-    let mut copy_times = Vec::with_capacity(runs);
-    for _ in 0..runs {
+        let start = Instant::now();
+        socket.copy(&mut dst).map_err(setup)?;
+        std::hint::black_box(&mut dst);
+        socket_times.push(start.elapsed());
         let start = Instant::now();
         dst.copy_from_slice(std::hint::black_box(&src));
         std::hint::black_box(&mut dst);
         copy_times.push(start.elapsed());
     }
+    socket.finish().map_err(setup)?;
     let entries = 2 * (first.dense.len() + first.experts.len());
     Ok(LandingBench {
         bytes: first.bytes,
@@ -204,6 +312,8 @@ pub fn landing_rate(cfg: &ModelConfig, rank: usize, runs: usize) -> Result<Landi
         land_best: land_times.iter().min().copied().unwrap_or_default(),
         land_median: median(land_times),
         memcpy_median: median(copy_times),
+        socket_median: median(socket_times),
+        tuning: lander.tuning(),
     })
 }
 
@@ -226,5 +336,38 @@ mod tests {
         assert_eq!(bench.bytes, bytes);
         assert_eq!(bench.runs, 2);
         assert!(bench.land_best <= bench.land_median);
+        assert!(bench.socket_median > Duration::ZERO && bench.memcpy_median > Duration::ZERO);
+    }
+
+    #[test]
+    fn the_socket_copy_moves_every_byte_each_time() {
+        let src: Vec<u8> = (0..1_000_003u32).map(|i| (i % 253) as u8).collect();
+        let mut copy = SocketCopy::start(src.clone()).unwrap();
+        let mut dst = vec![0u8; src.len()];
+        for _ in 0..3 {
+            dst.fill(0);
+            copy.copy(&mut dst).unwrap();
+            assert_eq!(dst, src);
+        }
+        copy.finish().unwrap();
+    }
+
+    #[test]
+    fn rates_and_share_come_from_the_medians() {
+        let b = LandingBench {
+            bytes: 4_000_000_000,
+            entries: 2,
+            runs: 1,
+            land_median: Duration::from_secs(2),
+            land_best: Duration::from_secs(2),
+            memcpy_median: Duration::from_millis(250),
+            socket_median: Duration::from_millis(1500),
+            tuning: LandingTuning::for_cores(2),
+        };
+        assert_eq!(
+            (b.land_gbps(), b.socket_gbps(), b.memcpy_gbps()),
+            (2.0, 4.0 / 1.5, 16.0)
+        );
+        assert_eq!(b.share_of_socket(), 0.75);
     }
 }

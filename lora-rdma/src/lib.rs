@@ -50,9 +50,25 @@
 //!
 //! Device memory: RDMA lands in registered host memory (the image, through a
 //! registered staging buffer), and the pool's publish copies it to the GPU.
-//! Landing straight into GPU memory through dmabuf (`ibv_reg_dmabuf_mr`)
-//! needs a GPU and an RDMA NIC on one host to test; neither exists where
-//! this is built, so this build does not claim it.
+//! A host with an RDMA NIC beside the GPU would register each pool slot's
+//! device memory once as a dmabuf (`ibv_reg_dmabuf_mr` on the fd the CUDA
+//! driver exports for the slot's range) and post every READ straight into
+//! the victim slot's region, with no host bounce: the slot leaves service
+//! before the first READ and a checksum kernel replaces the host check
+//! ([`verbs`] has the whole shape). That needs a GPU and an RDMA NIC on one
+//! host to test; neither exists where this is built, so this build does not
+//! claim it.
+//!
+//! Rate: over TCP the landing runs at about the rate of a plain socket copy
+//! of the same bytes on the same host (`cargo xtask bench`'s `landing`
+//! section measures both in one run). What it took: the landing images are
+//! advised onto transparent huge pages before the first byte lands, and on
+//! a host with cores to spare a helper thread faults them in ahead of the
+//! bytes (first-touch faults otherwise cost as much as the copy); parts are
+//! checked as they land on a host of few cores, in parallel after the read
+//! on others ([`land::LandingTuning`]); the peer sends each large data
+//! frame with its header in one vectored write, and neither side sets a
+//! socket timeout before every read or write.
 
 pub mod bench;
 pub mod checksum;

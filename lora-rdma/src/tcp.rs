@@ -4,7 +4,11 @@
 //! Reads are batched ([`MAX_READ_RANGES`] ranges per request), and every
 //! data frame is read straight into its landing region: the frame lengths
 //! are fixed by the engine's own op lengths ([`data_frame_lens`]), so a
-//! frame of any other length is refused before a byte of it is read.
+//! frame of any other length is refused before a byte of it is read. Once a
+//! range is whole, the sink is told ([`LandingSink::landed`]) so it can
+//! check it while the next range arrives. The socket's read timeout is set
+//! only when the wait changes (near the call's deadline), not before every
+//! read.
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -48,6 +52,10 @@ impl Default for TcpOptions {
 /// the time left (and at most `io_timeout`).
 struct Paced<'a> {
     reader: &'a mut BufReader<TcpStream>,
+    /// The socket's read timeout as last set: a read whose wait is
+    /// unchanged (`io_timeout`, while more than that is left) makes no
+    /// `setsockopt` call.
+    timeout_set: &'a mut Option<Duration>,
     deadline: Instant,
     io_timeout: Duration,
 }
@@ -62,9 +70,11 @@ impl Read for Paced<'_> {
                     "the call's deadline passed",
                 ));
             }
-            self.reader
-                .get_ref()
-                .set_read_timeout(Some(left.min(self.io_timeout)))?;
+            let wait = Some(left.min(self.io_timeout));
+            if *self.timeout_set != wait {
+                self.reader.get_ref().set_read_timeout(wait)?;
+                *self.timeout_set = wait;
+            }
         }
         self.reader.read(buf)
     }
@@ -81,6 +91,8 @@ pub struct TcpTransport {
     broken: Option<String>,
     /// The deadline of the call in progress, and how long it was given.
     deadline: (Instant, Duration),
+    /// The socket's read timeout as last set.
+    read_timeout: Option<Duration>,
 }
 
 impl TcpTransport {
@@ -124,6 +136,7 @@ impl TcpTransport {
             min_rate: DEFAULT_MIN_RATE,
             broken: None,
             deadline: (Instant::now() + io_timeout, io_timeout),
+            read_timeout: Some(io_timeout),
         })
     }
 
@@ -159,6 +172,7 @@ impl TcpTransport {
     fn paced(&mut self) -> Paced<'_> {
         Paced {
             reader: &mut self.reader,
+            timeout_set: &mut self.read_timeout,
             deadline: self.deadline.0,
             io_timeout: self.timeout,
         }
@@ -312,6 +326,7 @@ impl Transport for TcpTransport {
                     }
                     other => self.fail(other),
                 })?;
+                sink.landed(index);
             }
         }
         self.check_no_extra_frame().map_err(|e| self.fail(e))

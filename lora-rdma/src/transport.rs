@@ -28,6 +28,17 @@ pub struct ReadOp {
 pub trait LandingSink {
     /// The landing region of op `index`.
     fn region(&mut self, index: usize) -> Result<&mut [u8], TransportError>;
+
+    /// Op `index`'s region is filled: the transport will not write it again
+    /// unless it asks for it again. A transport that fills a region in one
+    /// piece says so right away, and the sink may check the bytes while
+    /// they are still in cache and the next region's bytes arrive; one that
+    /// does not call it loses nothing but that overlap (the lander checks
+    /// every region it was not told about, and every region handed out
+    /// again after it was told, once the read returns).
+    fn landed(&mut self, index: usize) {
+        let _ = index;
+    }
 }
 
 /// How the engine talks to a weight peer.

@@ -12,10 +12,24 @@
 //!
 //! Device memory: the engine reads into a registered host staging buffer
 //! and copies each piece into its landing image; the pool's publish then
-//! copies the image to the GPU. Landing straight into GPU memory through
-//! dmabuf (`ibv_reg_dmabuf_mr` on a CUDA dmabuf fd) is the step this build
-//! does not take: it needs a GPU and an RDMA NIC on one host to test, and
-//! neither exists where it is built.
+//! copies the image to the GPU, so every byte crosses host memory twice.
+//! What a host with an RDMA NIC beside the GPU would add (not built here:
+//! it needs both on one host to test, and neither exists where this is
+//! built): register every pool slot's device memory once, when the pool is
+//! made (the pool never moves, so the registration holds for its life), as
+//! a dmabuf — the CUDA driver exports the slot's range as a dmabuf fd
+//! (`cuMemGetHandleForAddressRange` with
+//! `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`) and `ibv_reg_dmabuf_mr`
+//! registers it for local write only — and post each READ with the victim
+//! slot's region of the part (computed locally from lora-layout, as now) as
+//! its local address. The NIC then writes the bytes straight into the slot
+//! over PCIe: no staging buffer, no image, no host-to-device copy. Two
+//! rules move with it: the victim slot leaves service before the first
+//! READ (no lease, its table entries cleared) rather than at the publish,
+//! so nothing still lands in a live slot; and the checksums are computed
+//! by a kernel over the landed regions, so the publish only writes the
+//! pair tables once they match. A failed landing leaves that slot out of
+//! service, every other slot unchanged.
 
 use std::io;
 use std::time::Duration;

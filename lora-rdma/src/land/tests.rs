@@ -27,6 +27,12 @@ struct MemTransport<'a> {
     poison: Option<(usize, Poison<'a>)>,
     /// Fails with a lost connection before op `n`.
     fail_before: Option<usize>,
+    /// Tells the sink each op landed (as the TCP transport does), so the
+    /// lander checks it during the read.
+    announce: bool,
+    /// After every op landed (and was announced), asks for op `n`'s region
+    /// again and flips its first byte, without announcing it.
+    rewrite_after: Option<usize>,
 }
 
 impl<'a> MemTransport<'a> {
@@ -36,6 +42,15 @@ impl<'a> MemTransport<'a> {
             tamper: None,
             poison: None,
             fail_before: None,
+            announce: false,
+            rewrite_after: None,
+        }
+    }
+
+    fn announcing(store: &'a PeerStore) -> MemTransport<'a> {
+        MemTransport {
+            announce: true,
+            ..MemTransport::new(store)
         }
     }
 }
@@ -78,10 +93,23 @@ impl Transport for MemTransport<'_> {
             {
                 f(dst);
             }
+            if self.announce {
+                sink.landed(i);
+            }
+        }
+        if let Some(n) = self.rewrite_after {
+            sink.region(n)?[0] ^= 0x5a;
         }
         Ok(())
     }
 }
+
+/// Each part checked on the receiving thread as it lands, whatever the
+/// host's cores.
+const CHECK_AS_LANDED: LandingTuning = LandingTuning {
+    populate_ahead: false,
+    check_as_landed: true,
+};
 
 /// The disk path's dense and expert images.
 fn packed(model: &str, adapter: &str, o: &LoraOptions) -> (SlotImage, SlotImage) {
@@ -354,4 +382,253 @@ fn dtype_names_round_trip_through_the_wire() {
         assert_eq!(dtype_from_name(&d.to_string()), d);
     }
     assert_eq!(dtype_from_name("F8_E4M3"), TensorDtype::Other("an unsupported dtype"));
+}
+
+#[test]
+fn parts_checked_as_they_land_give_the_same_images() {
+    let adapters = ["demo_r4_plain", "demo_r16_alpha_pattern"];
+    let dense_store = store("llama", &adapters, StoreOptions::default());
+    let o = opts(32, 16);
+    let lander = Lander::new(config("llama"), o.clone())
+        .unwrap()
+        .with_tuning(CHECK_AS_LANDED);
+    for adapter in adapters {
+        let mut target = HostLanding::new(lander.layout());
+        let landed = lander
+            .land(&mut MemTransport::announcing(&dense_store), adapter, &mut target)
+            .unwrap();
+        let (dense, _) = packed("llama", adapter, &o);
+        assert_eq!(target.dense().as_bytes(), dense.as_bytes(), "{adapter}");
+        assert_eq!(landed.dense, dense.pairs());
+    }
+    let (model, adapter) = ("qwen3_moe", "experts_fused_router");
+    let moe = store(model, &[adapter], StoreOptions::default());
+    let o = opts(16, 16);
+    let lander = Lander::new(config(model), o.clone())
+        .unwrap()
+        .with_tuning(CHECK_AS_LANDED);
+    let mut target = HostLanding::new(lander.layout());
+    lander
+        .land(&mut MemTransport::announcing(&moe), adapter, &mut target)
+        .unwrap();
+    let (_, experts) = packed(model, adapter, &o);
+    assert_eq!(target.experts().as_bytes(), experts.as_bytes());
+}
+
+#[test]
+fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
+    // A corrupted byte.
+    let options = StoreOptions {
+        corrupt_staged_byte: true,
+        ..StoreOptions::default()
+    };
+    let corrupt = store("llama", &["demo_r8_rslora"], options);
+    let lander = Lander::new(config("llama"), opts(16, 16))
+        .unwrap()
+        .with_tuning(CHECK_AS_LANDED);
+    let mut target = HostLanding::new(lander.layout());
+    let err = lander
+        .land(&mut MemTransport::announcing(&corrupt), "demo_r8_rslora", &mut target)
+        .unwrap_err();
+    assert!(matches!(err, LandError::Checksum { .. }), "{err}");
+    assert_fresh(&target);
+
+    // Non-zero B padding under a matching checksum.
+    let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
+    let manifest = store.manifest("demo_r4_plain", 16, 16, TransportKind::Tcp).unwrap();
+    let (index, entry) = manifest
+        .entries
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.part == crate::manifest::WirePart::B)
+        .unwrap();
+    let Location::Tcp { region, offset } = entry.location else {
+        panic!()
+    };
+    let range = ReadRange {
+        region,
+        offset,
+        len: entry.len,
+    };
+    let resolved = store.resolve(&[range]).unwrap();
+    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
+    let poison = |b: &mut [u8]| b[2 * 16 - 1] = 0x3f;
+    poison(&mut bytes);
+    let checksum = xxh64(&bytes);
+    let mut transport = MemTransport::announcing(&store);
+    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
+    transport.poison = Some((index, Box::new(poison)));
+    let mut target = HostLanding::new(lander.layout());
+    let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
+    assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
+    assert_fresh(&target);
+}
+
+/// A part checked when it landed and then handed out again is checked
+/// again: what is published is what was checked last.
+#[test]
+fn a_part_handed_out_again_after_it_landed_is_checked_again() {
+    let store = store("llama", &["demo_r8_rslora"], StoreOptions::default());
+    let lander = Lander::new(config("llama"), opts(16, 16))
+        .unwrap()
+        .with_tuning(CHECK_AS_LANDED);
+    for n in [0, 3] {
+        let mut transport = MemTransport::announcing(&store);
+        transport.rewrite_after = Some(n);
+        let mut target = HostLanding::new(lander.layout());
+        let err = lander.land(&mut transport, "demo_r8_rslora", &mut target).unwrap_err();
+        assert!(matches!(err, LandError::Checksum { .. }), "op {n}: {err}");
+        assert_fresh(&target);
+    }
+}
+
+/// The sink's part states: only a part handed out and then said landed is
+/// checked during the read, and only while its bytes match.
+#[test]
+fn the_sink_checks_only_parts_handed_out_and_landed() {
+    let store = store("llama", &["demo_r8_rslora"], StoreOptions::default());
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    let plan = lander
+        .check("demo_r8_rslora", &manifest(&store, "demo_r8_rslora"))
+        .unwrap();
+    let mut dense = SlotImage::zeroed(lander.layout());
+    let mut experts = SlotImage::zeroed(&plan.expert_layout);
+    for meta in &plan.dense {
+        dense.declare(lander.layout(), *meta).unwrap();
+    }
+    let mut sink = ImageSink {
+        layout: lander.layout(),
+        expert_layout: &plan.expert_layout,
+        dense: &mut dense,
+        experts: &mut experts,
+        parts: &plan.parts,
+        states: vec![PartState::Waiting; plan.parts.len()],
+        check_as_landed: true,
+    };
+    let staged = |i: usize| {
+        let Location::Tcp { region, offset } = plan.parts[i].location else {
+            panic!()
+        };
+        let range = ReadRange {
+            region,
+            offset,
+            len: plan.parts[i].range.len() as u64,
+        };
+        let resolved = store.resolve(&[range]).unwrap();
+        resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec()
+    };
+    // Said landed before it was handed out: not checked.
+    sink.landed(0);
+    assert_eq!(sink.states[0], PartState::Waiting);
+    // Handed out, filled, said landed: checked.
+    sink.region(0).unwrap().copy_from_slice(&staged(0));
+    sink.landed(0);
+    assert_eq!(sink.states[0], PartState::Checked);
+    // Handed out again: no longer checked, whatever it holds.
+    sink.region(0).unwrap();
+    assert_eq!(sink.states[0], PartState::Handed);
+    // Said landed with bytes that do not match: left for the check after
+    // the read, which reports it.
+    sink.region(1).unwrap();
+    sink.landed(1);
+    assert_eq!(sink.states[1], PartState::Handed);
+    // An op that does not exist changes nothing.
+    sink.landed(plan.parts.len());
+    assert!(matches!(
+        sink.region(plan.parts.len()),
+        Err(TransportError::NoSuchOp(_))
+    ));
+    let states = std::mem::take(&mut sink.states);
+    drop(sink);
+    let err = verify(&plan.parts, &states, dense.as_bytes(), experts.as_bytes()).unwrap_err();
+    assert!(matches!(err, LandError::Checksum { .. }), "{err}");
+}
+
+#[test]
+fn the_tuning_follows_the_cores() {
+    for (cores, spare) in [
+        (0, false),
+        (1, false),
+        (2, false),
+        (3, false),
+        (4, true),
+        (16, true),
+        (256, true),
+    ] {
+        assert_eq!(
+            LandingTuning::for_cores(cores),
+            LandingTuning {
+                populate_ahead: spare,
+                check_as_landed: !spare,
+            },
+            "{cores} cores"
+        );
+    }
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    assert_eq!(lander.tuning(), LandingTuning::for_host());
+    assert_eq!(lander.with_tuning(CHECK_AS_LANDED).tuning(), CHECK_AS_LANDED);
+}
+
+/// A Llama of 8 layers whose slot image (5.6 MB at rank 16) is large enough
+/// for huge pages and the populating helper.
+const MID_LLAMA: &str = r#"{
+    "model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+    "num_hidden_layers": 8, "vocab_size": 1000, "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": false
+}"#;
+
+/// Over TCP from a peer, an adapter whose image is large enough for huge
+/// pages lands byte for byte as the disk pack under every tuning, and a
+/// corrupted byte is refused under every tuning.
+#[test]
+fn every_tuning_lands_a_large_adapter_over_tcp_as_the_disk_pack() {
+    use crate::peer::{Peer, PeerOptions};
+    use crate::tcp::{TcpOptions, TcpTransport};
+
+    let cfg = ModelConfig::from_hf_config(MID_LLAMA).unwrap();
+    let dir = std::env::temp_dir().join(format!("lora-rdma-tuning-{}", std::process::id()));
+    crate::bench::write_adapter(&dir, &cfg, 16).unwrap();
+    let o = opts(16, 16);
+    let prepared = lora_audit::prepare_adapter(&dir, &cfg, &o).unwrap();
+    let layout = SlotLayout::new(&cfg, 16).unwrap();
+    let packed = SlotImage::pack(&layout, &lora_pool::image::dense_sources(&prepared)).unwrap();
+    assert!(packed.as_bytes().len() >= pages::MIN_ADVISED_BYTES);
+    let serve = |options: StoreOptions| {
+        let mut store = PeerStore::new(cfg.clone(), options);
+        store.add_adapter("mid", &dir).unwrap();
+        Peer::bind(store, "127.0.0.1:0", PeerOptions::default())
+            .unwrap()
+            .spawn()
+            .unwrap()
+    };
+    let good = serve(StoreOptions::default());
+    let corrupt = serve(StoreOptions {
+        corrupt_staged_byte: true,
+        ..StoreOptions::default()
+    });
+    for populate_ahead in [false, true] {
+        for check_as_landed in [false, true] {
+            let tuning = LandingTuning {
+                populate_ahead,
+                check_as_landed,
+            };
+            let lander = Lander::new(cfg.clone(), o.clone()).unwrap().with_tuning(tuning);
+            let mut target = HostLanding::new(lander.layout());
+            let mut t = TcpTransport::connect(&good.addr().to_string(), TcpOptions::default()).unwrap();
+            // Twice: the second lands over the first's images.
+            for _ in 0..2 {
+                let landed = lander.land(&mut t, "mid", &mut target).unwrap();
+                assert_eq!(target.dense().as_bytes(), packed.as_bytes(), "{tuning:?}");
+                assert_eq!(landed.dense, packed.pairs(), "{tuning:?}");
+            }
+            let mut t = TcpTransport::connect(&corrupt.addr().to_string(), TcpOptions::default()).unwrap();
+            let mut target = HostLanding::new(lander.layout());
+            let err = lander.land(&mut t, "mid", &mut target).unwrap_err();
+            assert!(matches!(err, LandError::Checksum { .. }), "{tuning:?}: {err}");
+            assert_fresh(&target);
+        }
+    }
+    drop((good, corrupt));
+    let _ = std::fs::remove_dir_all(&dir);
 }

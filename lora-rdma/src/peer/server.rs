@@ -14,6 +14,10 @@
 //! A connection past a deadline is closed, so an idle, trickling or
 //! non-reading client holds a slot for a bounded time only, and the accept
 //! loop never waits on a client.
+//!
+//! Data frames go out straight from the staging: a frame larger than the
+//! write buffer leaves with its header in one vectored write, smaller ones
+//! gather in the buffer.
 
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
@@ -26,7 +30,7 @@ use std::time::{Duration, Instant};
 use crate::peer::store::{PeerStore, RegionPin};
 use crate::protocol::{MAX_READ_RANGES, PeerRefusal, ReadRange, RefusalCode, Request, Response, data_frame_lens};
 use crate::tcp::DEFAULT_MIN_RATE;
-use crate::wire::{FrameKind, WireError, recv_json, send_json, write_frame};
+use crate::wire::{FrameKind, HEADER_BYTES, WireError, recv_json, send_json, write_frame, write_frame_vectored};
 
 /// A deliberate fault, for tests of the engine's error paths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -300,6 +304,11 @@ struct Paced {
     stream: TcpStream,
     deadline: Instant,
     step: Duration,
+    /// The socket's read and write timeouts as this end last set them: a
+    /// call whose wait is unchanged (the usual case: `step`, while more
+    /// than `step` is left) makes no `setsockopt` call. Each end sets only
+    /// its own direction's timeout.
+    timeouts: (Option<Duration>, Option<Duration>),
 }
 
 impl Paced {
@@ -308,6 +317,7 @@ impl Paced {
             stream,
             deadline: Instant::now(),
             step: Duration::from_secs(1),
+            timeouts: (None, None),
         }
     }
 
@@ -330,17 +340,35 @@ impl Paced {
 
 impl Read for Paced {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let wait = self.wait()?;
-        self.stream.set_read_timeout(Some(wait))?;
+        let wait = Some(self.wait()?);
+        if self.timeouts.0 != wait {
+            self.stream.set_read_timeout(wait)?;
+            self.timeouts.0 = wait;
+        }
         self.stream.read(buf)
+    }
+}
+
+impl Paced {
+    fn before_write(&mut self) -> io::Result<()> {
+        let wait = Some(self.wait()?);
+        if self.timeouts.1 != wait {
+            self.stream.set_write_timeout(wait)?;
+            self.timeouts.1 = wait;
+        }
+        Ok(())
     }
 }
 
 impl Write for Paced {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let wait = self.wait()?;
-        self.stream.set_write_timeout(Some(wait))?;
+        self.before_write()?;
         self.stream.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.before_write()?;
+        self.stream.write_vectored(bufs)
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -509,7 +537,7 @@ impl<'a> Connection<'a> {
             for len in data_frame_lens(bytes.len()) {
                 let (frame, rest) = bytes.split_at(len);
                 self.stall_if_due()?;
-                write_frame(&mut self.writer, FrameKind::Data, frame).map_err(into_io)?;
+                self.write_data(frame)?;
                 self.sent += len as u64;
                 bytes = rest;
             }
@@ -522,6 +550,18 @@ impl<'a> Connection<'a> {
             }
         }
         Ok(())
+    }
+
+    /// One data frame: small ones gather in the write buffer; one that does
+    /// not fit goes out straight from the staging, its header with it in
+    /// one vectored write.
+    fn write_data(&mut self, payload: &[u8]) -> io::Result<()> {
+        let room = self.writer.capacity() - self.writer.buffer().len();
+        if HEADER_BYTES + payload.len() <= room {
+            return write_frame(&mut self.writer, FrameKind::Data, payload).map_err(into_io);
+        }
+        self.writer.flush()?;
+        write_frame_vectored(self.writer.get_mut(), FrameKind::Data, payload).map_err(into_io)
     }
 
     /// The test fault: once the data budget is spent, say so and hang.

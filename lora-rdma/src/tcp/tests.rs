@@ -339,3 +339,61 @@ fn an_extra_data_frame_is_out_of_protocol_order() {
     drop(t);
     server.join().unwrap();
 }
+
+/// A sink that records each `landed` call with the region's bytes at that
+/// moment.
+struct Recording {
+    regions: Vec<Vec<u8>>,
+    landed: Vec<(usize, Vec<u8>)>,
+}
+
+impl LandingSink for Recording {
+    fn region(&mut self, index: usize) -> Result<&mut [u8], TransportError> {
+        self.regions
+            .get_mut(index)
+            .map(Vec::as_mut_slice)
+            .ok_or(TransportError::NoSuchOp(index))
+    }
+
+    fn landed(&mut self, index: usize) {
+        self.landed.push((index, self.regions[index].clone()));
+    }
+}
+
+/// The transport says each region landed once it is whole (a range of
+/// several frames included), in op order, and says nothing of a range it
+/// did not finish.
+#[test]
+fn each_region_is_said_landed_once_it_is_whole() {
+    let big = crate::wire::MAX_DATA_BYTES as usize + 3;
+    let (addr, server) = serve(move |mut s| {
+        skip_request(&mut s);
+        write_frame(&mut s, FrameKind::Data, &[1, 2]).unwrap();
+        let payload: Vec<u8> = (0..big).map(|i| (i % 7) as u8).collect();
+        let mut at = 0;
+        for len in data_frame_lens(big) {
+            write_frame(&mut s, FrameKind::Data, &payload[at..at + len]).unwrap();
+            at += len;
+        }
+        write_frame(&mut s, FrameKind::Data, &[9; 3]).unwrap();
+        // The fourth range gets a frame of the wrong length.
+        write_frame(&mut s, FrameKind::Data, &[5; 4]).unwrap();
+    });
+    let mut t = TcpTransport::connect(&addr, options(5000)).unwrap();
+    let mut sink = Recording {
+        regions: vec![vec![0; 2], vec![0; big], vec![0; 3], vec![0; 8]],
+        landed: Vec::new(),
+    };
+    let ops = [tcp_op(0, 2), tcp_op(10, big), tcp_op(0, 3), tcp_op(0, 8)];
+    let err = t.read(&ops, &mut sink).unwrap_err();
+    assert!(
+        matches!(err, TransportError::Wire(WireError::Malformed { .. })),
+        "{err}"
+    );
+    let said: Vec<usize> = sink.landed.iter().map(|(i, _)| *i).collect();
+    assert_eq!(said, [0, 1, 2]);
+    assert_eq!(sink.landed[0].1, [1, 2]);
+    assert!(sink.landed[1].1.iter().enumerate().all(|(i, &b)| b == (i % 7) as u8));
+    assert_eq!(sink.landed[2].1, [9; 3]);
+    server.join().unwrap();
+}

@@ -330,3 +330,92 @@ proptest! {
         prop_assert!(read >= frames.len());
     }
 }
+
+/// A writer that takes at most `step` bytes per call (cycling through the
+/// steps), vectored or not, as a socket under pressure does.
+struct Trickle {
+    out: Vec<u8>,
+    steps: Vec<usize>,
+    calls: usize,
+}
+
+impl Write for Trickle {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let step = self.steps[self.calls % self.steps.len()];
+        self.calls += 1;
+        let n = buf.len().min(step);
+        self.out.extend_from_slice(&buf[..n]);
+        Ok(n)
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let mut left = self.steps[self.calls % self.steps.len()];
+        self.calls += 1;
+        let mut n = 0;
+        for b in bufs {
+            let take = b.len().min(left);
+            self.out.extend_from_slice(&b[..take]);
+            n += take;
+            left -= take;
+            if left == 0 {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The vectored writer puts the same bytes on the wire as the plain
+    /// one, however the writer cuts its calls, and the decoder reads the
+    /// frame back.
+    #[test]
+    fn a_vectored_frame_is_the_same_frame(
+        code in 1u16..4,
+        payload in prop::collection::vec(any::<u8>(), 0..300),
+        steps in prop::collection::vec(1usize..40, 1..5),
+    ) {
+        let kind = FrameKind::from_code(code).unwrap_or(FrameKind::Data);
+        let mut w = Trickle { out: Vec::new(), steps, calls: 0 };
+        write_frame_vectored(&mut w, kind, &payload).unwrap();
+        prop_assert_eq!(&w.out, &frame(kind, &payload));
+        let mut r = w.out.as_slice();
+        prop_assert_eq!(read_header(&mut r).unwrap(), (kind, payload.len()));
+        prop_assert_eq!(r, payload.as_slice());
+    }
+}
+
+#[test]
+fn a_vectored_frame_over_its_limit_writes_nothing() {
+    let big = vec![0u8; MAX_CONTROL_BYTES as usize + 1];
+    let mut out = Vec::new();
+    assert!(matches!(
+        write_frame_vectored(&mut out, FrameKind::Request, &big),
+        Err(WireError::Oversized { .. })
+    ));
+    assert!(out.is_empty());
+}
+
+#[test]
+fn a_writer_that_takes_nothing_is_an_error_not_a_loop() {
+    struct Full;
+    impl Write for Full {
+        fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+            Ok(0)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+    let err = write_frame_vectored(&mut Full, FrameKind::Data, &[1, 2, 3]).unwrap_err();
+    assert!(
+        matches!(err, WireError::Io(ref e) if e.kind() == io::ErrorKind::WriteZero),
+        "{err}"
+    );
+}
