@@ -373,7 +373,7 @@ impl<'a> Audit<'a> {
                 if !self.check_dims(&a, &b, dims) {
                     return;
                 }
-                let path = self.parameter_pattern_path(&halves.module_path);
+                let path = self.parameter_pattern_path(halves.module_path);
                 let Some((rank, scale)) = self.rank_and_scale(&a.name, &path, a_rows, false) else {
                     return;
                 };
@@ -391,7 +391,7 @@ impl<'a> Audit<'a> {
                 self.place_direct_expert(layer, site, a, b, halves.module_path);
             }
             LoraTarget::Router => {
-                let path = self.parameter_pattern_path(&halves.module_path);
+                let path = self.parameter_pattern_path(halves.module_path);
                 self.place_direct_expert(layer, ExpertSite::Router, a, b, path);
             }
             // Inner and outer wrappers are separate groups; the shapes say which parameter each adapts.
@@ -474,14 +474,17 @@ impl<'a> Audit<'a> {
     /// module's weight was targeted through `target_parameters` (5.x routers,
     /// DeepSeek's and GLM-4.5's; dense projections PEFT's 5.x expert
     /// conversion leaves no other way to target, such as shared experts).
-    fn parameter_pattern_path(&self, module_path: &str) -> String {
+    fn parameter_pattern_path(&self, module_path: String) -> String {
+        if self.config.target_parameters.is_empty() {
+            return module_path;
+        }
         let param = format!("{module_path}.weight");
         let by_parameter = self
             .config
             .target_parameters
             .iter()
             .any(|t| param == *t || param.ends_with(&format!(".{t}")));
-        if by_parameter { param } else { module_path.to_string() }
+        if by_parameter { param } else { module_path }
     }
 
     fn place_direct_expert(&mut self, layer: usize, site: ExpertSite, a: TensorInfo, b: TensorInfo, path: String) {

@@ -281,7 +281,11 @@ pub fn classify_key(key: &str, cfg: &ModelConfig) -> Result<LoraKey, Refusal> {
     } else {
         return Err(non_pair_refusal(key, path));
     };
-    if let Some(tower) = non_text_tower(module_path) {
+    let layered = split_layer_path(module_path);
+    // A tower is named before its layer list (the whole path where it has
+    // none): only that part is searched, once per tensor of every swap.
+    let outside_layers = layered.map_or(module_path, |(prefix, _, _)| prefix);
+    if let Some(tower) = non_text_tower(outside_layers) {
         return Err(refuse(
             RejectCode::VisionTower,
             &format!(
@@ -289,7 +293,7 @@ pub fn classify_key(key: &str, cfg: &ModelConfig) -> Result<LoraKey, Refusal> {
             ),
         ));
     }
-    let Some((_, layer, rest)) = split_layer_path(module_path) else {
+    let Some((_, layer, rest)) = layered else {
         return Err(refuse(
             RejectCode::UnsupportedTarget,
             &format!("`{module_path}` is not inside a decoder layer; only layer projections take a LoRA pair"),
