@@ -10,6 +10,7 @@
 //! once per request.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -54,6 +55,8 @@ struct Packer {
 struct Outbox {
     events: Mutex<(Vec<PrefetchEvent>, usize)>,
     done: Condvar,
+    /// Set when the pool drops: the requests still queued are skipped.
+    closing: AtomicBool,
 }
 
 /// The pool's prefetch worker and the events it left.
@@ -137,8 +140,10 @@ impl Outbox {
 }
 
 impl Drop for Prefetcher {
-    /// Close the queue and wait for the worker to finish the requests in it.
+    /// Close the queue and wait for the worker to finish the request in
+    /// hand; the ones still queued are dropped unserved.
     fn drop(&mut self) {
+        self.outbox.closing.store(true, Ordering::Relaxed);
         drop(self.jobs.take());
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
@@ -149,6 +154,9 @@ impl Drop for Prefetcher {
 impl Packer {
     fn run(self, queue: &Receiver<Job>, outbox: &Outbox) {
         for job in queue {
+            if outbox.closing.load(Ordering::Relaxed) {
+                break;
+            }
             let outcome = self.serve(&job.name, &job.dir);
             let mut state = outbox.lock();
             state.0.push(PrefetchEvent {
@@ -222,5 +230,29 @@ impl Packer {
             has_overlay: !adapter.overlay.is_empty(),
             overlay: adapter.overlay,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_dropped_worker_skips_the_requests_still_queued() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+        let cfg = ModelConfig::from_file(&fixtures.join("config.json")).unwrap();
+        let opts = LoraOptions::default();
+        let layout = SlotLayout::new(&cfg, opts.max_rank).unwrap();
+        let tier = Arc::new(Mutex::new(HostTier::new(usize::MAX)));
+        let prefetcher = Prefetcher::start(&Device::cpu(), &cfg, &opts, &layout, Arc::clone(&tier)).unwrap();
+        let adapter = fixtures.join("demo_r4_plain");
+        for i in 0..200 {
+            prefetcher.request(&format!("p{i}"), &adapter).unwrap();
+        }
+        drop(prefetcher);
+        let served = tier.lock().unwrap().view().names.len();
+        assert!(served < 200, "the drop waited for all {served} requests");
     }
 }
