@@ -5,7 +5,9 @@
 //! (addresses of each slot's A and B, the pair's own scale and rank) and,
 //! for MoE models, an [`ExpertPool`]. It loads adapters at startup, swaps
 //! them from disk at runtime, promotes on-demand adapters through an LRU
-//! cache with pinned slots, publishes peer-landed images, and gives the
+//! cache with pinned slots, keeps a host tier of packed images in pinned
+//! host memory that a prefetch worker fills (a promotion from it is one
+//! copy: [`LoraPool::prefetch`]), publishes peer-landed images, and gives the
 //! engine one apply call per (layer, modules) for decode, mixed prefill and
 //! one-adapter prefill, each taking the step whose rows it runs.
 //!
