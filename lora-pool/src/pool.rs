@@ -237,6 +237,23 @@ fn audit_err(adapter: &str) -> impl FnOnce(lora_audit::AuditError) -> PoolError 
     }
 }
 
+/// The expert slot image of `adapter`'s expert and router pairs, in the
+/// expert layout of the sites it adapts (`None` without any).
+pub(crate) fn pack_experts(
+    cfg: &ModelConfig,
+    expert_rank: usize,
+    name: &str,
+    adapter: &PreparedAdapter,
+) -> Result<Option<(ExpertLayout, SlotImage)>, PoolError> {
+    if adapter.experts.is_empty() {
+        return Ok(None);
+    }
+    let sites = adapter.experts.iter().map(|p| (p.layer, p.site));
+    let layout = ExpertLayout::new(cfg, expert_rank, sites)?;
+    let image = SlotImage::pack(&layout, &expert_sources(adapter)).map_err(image_err(name))?;
+    Ok(Some((layout, image)))
+}
+
 fn image_err(adapter: &str) -> impl Fn(crate::image::ImageError) -> PoolError + Copy + Sync + '_ {
     move |e| PoolError::Image {
         adapter: adapter.to_string(),
@@ -732,7 +749,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         self.registry.mark_unservable(s);
         let elems = self.layout.slot_bytes() / 2;
         self.weights.zero_range(s * elems, elems)?;
-        self.clear_table_entries(s);
+        self.host_table = self.table_with_slot(s, 0, &[]);
         self.table.write(0, &self.host_table)?;
         if let Some(experts) = &mut self.experts {
             experts.clear(s)?;
@@ -968,20 +985,14 @@ impl<C: SlotCompanion> LoraPool<C> {
         if name.is_empty() {
             return Err(PoolError::EmptyName);
         }
-        let experts = if adapter.experts.is_empty() {
-            None
-        } else {
+        let experts = pack_experts(&self.cfg, self.opts.expert_rank, name, adapter)?;
+        if let Some((layout, _)) = &experts {
             let pool = self
                 .experts
                 .as_ref()
                 .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
-            let sites = adapter.experts.iter().map(|p| (p.layer, p.site));
-            let layout = ExpertLayout::new(&self.cfg, self.opts.expert_rank, sites)?;
-            pool.check_fits(name, &layout)?;
-            let sources = expert_sources(adapter);
-            let image = SlotImage::pack(&layout, &sources).map_err(image_err(name))?;
-            Some((layout, image))
-        };
+            pool.check_fits(name, layout)?;
+        }
         let sources = dense_sources(adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &adapter.overlay)?;
@@ -1135,13 +1146,6 @@ impl<C: SlotCompanion> LoraPool<C> {
             }
         }
         table
-    }
-
-    fn clear_table_entries(&mut self, slot: usize) {
-        let n = self.opts.max_loras;
-        for i in (slot..self.host_table.len()).step_by(n) {
-            self.host_table[i] = PairEntry::default();
-        }
     }
 
     /// Resolve a step's rows: each lease must be this pool's and name a

@@ -18,11 +18,12 @@ use std::thread::JoinHandle;
 use half::bf16;
 use lora_audit::{AuditError, LoraOptions, prepare_adapter};
 use lora_kernels::Device;
-use lora_layout::{ExpertLayout, ModelConfig, PairLayout, SlotLayout};
+use lora_layout::{ModelConfig, PairLayout, SlotLayout};
 
 use crate::error::PoolError;
 use crate::host_tier::{FileStamp, HostImage, HostTier};
-use crate::image::{PackPlan, SlotImage, dense_sources, expert_sources};
+use crate::image::{PackPlan, dense_sources};
+use crate::pool::pack_experts;
 
 /// How one prefetch request ended.
 #[derive(Debug)]
@@ -205,17 +206,10 @@ impl Packer {
             })
         })?;
         let adapter = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err)?;
-        let experts = if adapter.experts.is_empty() {
-            None
-        } else {
-            if !self.opts.experts || self.cfg.moe.is_none() {
-                return Err(PoolError::NoExpertPool(name.to_string()));
-            }
-            let sites = adapter.experts.iter().map(|p| (p.layer, p.site));
-            let layout = ExpertLayout::new(&self.cfg, self.opts.expert_rank, sites)?;
-            let image = SlotImage::pack(&layout, &expert_sources(&adapter)).map_err(image_err)?;
-            Some(Arc::new((layout, image)))
-        };
+        if !adapter.experts.is_empty() && (!self.opts.experts || self.cfg.moe.is_none()) {
+            return Err(PoolError::NoExpertPool(name.to_string()));
+        }
+        let experts = pack_experts(&self.cfg, self.opts.expert_rank, name, &adapter)?.map(Arc::new);
         let sources = dense_sources(&adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err)?;
         let mut dense = self.device.alloc_pinned::<bf16>(self.layout.slot_bytes() / 2)?;

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{dir, model_config, options, slot, snapshot};
+use common::{dir, model_config, options, queue_busy_work, slot, snapshot};
 use lora_audit::AuditError;
 use lora_kernels::Device;
 use lora_layout::SlotLayout;
@@ -203,16 +203,6 @@ fn without_a_tier_prefetch_and_pins_are_refused() {
         pool.prefetch("", &dir("demo_r4_plain")),
         Err(PoolError::EmptyName)
     ));
-}
-
-/// Keep the device's stream busy for a while (queued copies of 1 GiB).
-fn queue_busy_work(device: &Device) {
-    let n = 256 << 20;
-    let src = device.alloc_zeros::<f32>(n).unwrap();
-    let mut dst = device.alloc_zeros::<f32>(n).unwrap();
-    for _ in 0..64 {
-        dst.copy_from(0, &src, 0, n).unwrap();
-    }
 }
 
 #[test]

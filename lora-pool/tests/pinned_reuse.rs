@@ -10,7 +10,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{dir, model_config, options, slot};
+use common::{dir, model_config, options, queue_busy_work, slot};
 use lora_kernels::Device;
 use lora_kernels::testing::cuda_or_skip;
 use lora_pool::{AdapterSource, BatchCapacity, LoraPool, StagingTuning};
@@ -29,17 +29,6 @@ fn reference(adapters: &[(&str, PathBuf)]) -> Vec<Vec<half::bf16>> {
     (0..adapters.len())
         .map(|i| pool.slot_contents(slot(i)).unwrap())
         .collect()
-}
-
-/// Keep the device's stream busy for a while (queued copies of 1 GiB).
-fn queue_busy_work(device: &Device) {
-    let n = 256 << 20;
-    let src = device.alloc_zeros::<f32>(n).unwrap();
-    let mut dst = device.alloc_zeros::<f32>(n).unwrap();
-    for _ in 0..64 {
-        dst.copy_from(0, &src, 0, n).unwrap();
-    }
-    // The buffers drop here; their frees are ordered after the copies.
 }
 
 #[test]

@@ -67,14 +67,7 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
     let slot_elems = pool.layout().slot_bytes() / 2;
     let bytes = pool.layout().slot_bytes();
 
-    let mut pinned = device.alloc_pinned::<bf16>(slot_elems).map_err(|e| e.to_string())?;
-    pinned
-        .as_mut_slice()
-        .map_err(|e| e.to_string())?
-        .iter_mut()
-        .enumerate()
-        .for_each(|(i, v)| *v = bf16::from_f32((i % 251) as f32));
-    let mut dst = device.alloc_zeros::<bf16>(slot_elems).map_err(|e| e.to_string())?;
+    let (pinned, mut dst) = copy_baseline(device, slot_elems)?;
     let sync = |d: &Device| d.synchronize().map_err(|e| e.to_string());
     let mut copy_us = Vec::with_capacity(reps);
     let mut swap_us = Vec::with_capacity(reps);
@@ -166,6 +159,24 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
         baseline_us: copy,
         target_ratio: Some(1.5),
     })
+}
+
+/// The baseline copy's buffers: `elems` BF16 values in pinned host memory
+/// (a pattern, so no page is left untouched) and a device buffer of the same
+/// size to copy them into.
+pub(crate) fn copy_baseline(
+    device: &Device,
+    elems: usize,
+) -> Result<(lora_kernels::PinnedHostBuffer<bf16>, lora_kernels::DeviceBuffer<bf16>), String> {
+    let mut pinned = device.alloc_pinned::<bf16>(elems).map_err(|e| e.to_string())?;
+    pinned
+        .as_mut_slice()
+        .map_err(|e| e.to_string())?
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = bf16::from_f32((i % 251) as f32));
+    let dst = device.alloc_zeros::<bf16>(elems).map_err(|e| e.to_string())?;
+    Ok((pinned, dst))
 }
 
 /// The landing's target: at least this share of the plain socket copy's

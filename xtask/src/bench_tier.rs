@@ -5,13 +5,12 @@
 
 use std::time::Instant;
 
-use half::bf16;
 use lora_kernels::Device;
 use lora_layout::ModelConfig;
 use lora_pool::{BatchCapacity, LoraOptions, LoraPool, SlotId, SwapRoute};
 use lora_rdma::bench::LLAMA_8B;
 
-use crate::bench_io::{IoRow, quantiles};
+use crate::bench_io::{IoRow, copy_baseline, quantiles};
 
 /// A promotion's target: at most this many times the pinned copy.
 const PROMOTION_TARGET: f64 = 1.1;
@@ -47,14 +46,7 @@ pub fn promotion(device: &Device, reps: usize) -> Result<IoRow, String> {
         event.outcome.map_err(|e| format!("prefetch of {}: {e}", event.name))?;
     }
     let slot_elems = slot_bytes / 2;
-    let mut pinned = device.alloc_pinned::<bf16>(slot_elems).map_err(|e| e.to_string())?;
-    pinned
-        .as_mut_slice()
-        .map_err(|e| e.to_string())?
-        .iter_mut()
-        .enumerate()
-        .for_each(|(i, v)| *v = bf16::from_f32((i % 251) as f32));
-    let mut dst = device.alloc_zeros::<bf16>(slot_elems).map_err(|e| e.to_string())?;
+    let (pinned, mut dst) = copy_baseline(device, slot_elems)?;
     let sync = |d: &Device| d.synchronize().map_err(|e| e.to_string());
     let promote = |pool: &mut LoraPool| -> Result<f64, String> {
         let report = pool.swap_from_disk(SlotId::new(0), "bench", &dir).map_err(err)?;

@@ -60,19 +60,15 @@ impl DeviceLimits {
         self.capability.0 >= 9
     }
 
-    /// Block slots that clusters of `cluster` blocks fill at once when each
-    /// multiprocessor holds `blocks_per_sm` of their blocks: every slot
-    /// for single blocks and pairs (pairs fit every GPC), and for larger
-    /// clusters the slots of the driver's count of clusters of 8 (a lower
-    /// bound for clusters of 4, which pack at least as well).
-    pub fn cluster_block_slots(&self, cluster: usize, blocks_per_sm: usize) -> usize {
-        let slots = self.multiprocessors.saturating_mul(blocks_per_sm);
-        if cluster <= 2 {
-            return slots;
-        }
+    /// Block slots that clusters of 8 fill at once when each multiprocessor
+    /// holds `blocks_per_sm` of their blocks: the driver's count of resident
+    /// clusters of 8 ([`DeviceLimits::clusters_of_8`]) times 8.
+    pub fn cluster8_block_slots(&self, blocks_per_sm: usize) -> usize {
         match blocks_per_sm {
             0 => 0,
-            k => self.clusters_of_8[k.min(4) - 1].saturating_mul(8).min(slots),
+            k => self.clusters_of_8[k.min(4) - 1]
+                .saturating_mul(8)
+                .min(self.multiprocessors.saturating_mul(k)),
         }
     }
 

@@ -105,3 +105,14 @@ pub fn snapshot(pool: &LoraPool) -> Snapshot {
 pub fn slot(i: usize) -> SlotId {
     SlotId::new(i)
 }
+
+/// Keep the device's stream busy for a while (queued copies of 1 GiB).
+pub fn queue_busy_work(device: &Device) {
+    let n = 256 << 20;
+    let src = device.alloc_zeros::<f32>(n).unwrap();
+    let mut dst = device.alloc_zeros::<f32>(n).unwrap();
+    for _ in 0..64 {
+        dst.copy_from(0, &src, 0, n).unwrap();
+    }
+    // The buffers drop here; their frees are ordered after the copies.
+}

@@ -219,10 +219,10 @@ fn blocks_per_sm(stride: usize) -> usize {
 }
 
 /// Block slots of the device that the kernels' clusters of 8 fill at once
-/// ([`DeviceLimits::cluster_block_slots`] at the kernels' blocks per
+/// ([`DeviceLimits::cluster8_block_slots`] at the kernels' blocks per
 /// multiprocessor).
 pub(super) fn cluster_block_slots(stride: usize, limits: &DeviceLimits) -> usize {
-    limits.cluster_block_slots(8, blocks_per_sm(stride))
+    limits.cluster8_block_slots(blocks_per_sm(stride))
 }
 
 /// Dynamic shared memory of a launch without staging: the warps' partial

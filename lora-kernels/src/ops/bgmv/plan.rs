@@ -1427,7 +1427,7 @@ impl LaunchChoice {
 /// in a GPC, so fewer are resident than the slots allow, and one past that
 /// waits for a second wave. This share is the model's calibration, not the
 /// device's count: the driver's exact count
-/// ([`DeviceLimits::cluster_block_slots`], 15 / 30 / 45 / 62 clusters of 8
+/// ([`DeviceLimits::cluster8_block_slots`], 15 / 30 / 45 / 62 clusters of 8
 /// at 1-4 a multiprocessor against the model's 14.4 / 28.9 / 43.3 / 57.8 on
 /// a 132-multiprocessor part) made it pick slower plans at 6 of the 20
 /// shapes where it changed a decision, by up to 32 %, and faster ones by at
