@@ -527,10 +527,20 @@ fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, Conf
         | ModelFamily::Phi3
         | ModelFamily::Gemma2
         | ModelFamily::Gemma3Text => (f.dim("intermediate_size")?, None),
-        ModelFamily::Mixtral => {
+        ModelFamily::Mixtral | ModelFamily::GptOss => {
+            // Every layer an MoE block of experts of width
+            // `intermediate_size`, without shared experts. Mixtral saves
+            // `num_local_experts`; GptOssConfig too, or its alias
+            // `num_experts`.
+            let num_experts = match f.raw("num_local_experts") {
+                None if family == ModelFamily::GptOss && f.raw("num_experts").is_some() => {
+                    experts_field(f, "num_experts")?
+                }
+                _ => experts_field(f, "num_local_experts")?,
+            };
             let inter = f.dim("intermediate_size")?;
             let moe = MoeDims {
-                num_experts: experts_field(f, "num_local_experts")?,
+                num_experts,
                 top_k: f.dim("num_experts_per_tok")?,
                 expert_intermediate_size: inter,
                 shared_expert_intermediate_size: None,
@@ -598,25 +608,6 @@ fn parse_family(f: &Fields<'_>, family: ModelFamily) -> Result<ModelConfig, Conf
                 dense_layers,
             };
             (f.dim("intermediate_size")?, Some(moe))
-        }
-        ModelFamily::GptOss => {
-            // GptOssConfig saves `num_local_experts` (`num_experts` is its
-            // alias); every layer is an MoE block of experts of width
-            // `intermediate_size`, without shared experts.
-            let num_experts = match f.raw("num_local_experts") {
-                None if f.raw("num_experts").is_some() => experts_field(f, "num_experts")?,
-                _ => experts_field(f, "num_local_experts")?,
-            };
-            let inter = f.dim("intermediate_size")?;
-            let moe = MoeDims {
-                num_experts,
-                top_k: f.dim("num_experts_per_tok")?,
-                expert_intermediate_size: inter,
-                shared_expert_intermediate_size: None,
-                shared_expert_gate: false,
-                dense_layers: vec![false; num_hidden_layers],
-            };
-            (inter, Some(moe))
         }
         ModelFamily::Glm4Moe => {
             // Glm4MoeConfig saves `n_routed_experts` (`num_local_experts` is
