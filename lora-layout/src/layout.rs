@@ -9,6 +9,7 @@
 
 use crate::config::ModelConfig;
 use crate::module::{ExpertSite, LoraModule};
+use crate::placement::{ModuleShard, Placement, PlacementError};
 
 /// Bytes of one BF16 element.
 pub const BF16_BYTES: usize = 2;
@@ -44,6 +45,9 @@ pub enum LayoutError {
         /// The site.
         site: ExpertSite,
     },
+    /// The tensor-parallel placement cannot split the model's geometry.
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
 }
 
 fn overflow(what: &'static str) -> LayoutError {
@@ -66,9 +70,10 @@ pub struct SlotEntry {
     pub layer: usize,
     /// The module.
     pub module: LoraModule,
-    /// Output width of the projection.
+    /// Output width the slot holds: the projection's, or the rank's rows
+    /// of it under a tensor-parallel placement ([`ModuleShard::dims`]).
     pub out_dim: usize,
-    /// Input width of the projection.
+    /// Input width the slot holds (the rank's columns for a row cut).
     pub in_dim: usize,
     /// Byte offset of A (`[max_rank, in]`) from the slot base.
     pub a_offset: usize,
@@ -83,20 +88,33 @@ impl SlotEntry {
     }
 }
 
-/// The layout of one pool slot for a model and a `max_rank`: every
-/// (layer, module) pair in walk order with its offsets.
+/// The layout of one pool slot for a model, a `max_rank` and a
+/// tensor-parallel [`Placement`]: every (layer, module) pair in walk order
+/// with its offsets, each sized to the rank's shard.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotLayout {
     max_rank: usize,
+    placement: Placement,
     entries: Vec<SlotEntry>,
+    /// `shards[i]`: the rank's part of `entries[i]`.
+    shards: Vec<ModuleShard>,
     slot_bytes: usize,
     /// `index[layer * ALL.len() + module.index()]` = entry index, or `u32::MAX`.
     index: Vec<u32>,
 }
 
 impl SlotLayout {
-    /// Walk the layout of `cfg` at `max_rank`.
+    /// Walk the layout of `cfg` at `max_rank`, every pair whole
+    /// ([`Placement::SINGLE`]).
     pub fn new(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::with_placement(cfg, max_rank, Placement::SINGLE)
+    }
+
+    /// Walk the layout of `cfg` at `max_rank` for one tensor-parallel rank:
+    /// the same pairs in the same order as [`SlotLayout::new`], each sized
+    /// to the rank's [`ModuleShard`]. A module whose cut does not divide is
+    /// [`LayoutError::Placement`] naming the dimension.
+    pub fn with_placement(cfg: &ModelConfig, max_rank: usize, placement: Placement) -> Result<SlotLayout, LayoutError> {
         if max_rank == 0 {
             return Err(LayoutError::ZeroRank { what: "max_rank" });
         }
@@ -107,13 +125,15 @@ impl SlotLayout {
             .ok_or(overflow("layout index"))?;
         let mut index = vec![u32::MAX; index_len];
         let mut entries = Vec::new();
+        let mut shards = Vec::new();
         let mut off = 0usize;
         for layer in 0..cfg.num_hidden_layers {
             for module in LoraModule::ALL {
                 if !module.applies_to_layer(cfg, layer) {
                     continue;
                 }
-                let (out_dim, in_dim) = module.dims(cfg);
+                let shard = ModuleShard::of(module, cfg, placement)?;
+                let (out_dim, in_dim) = shard.dims();
                 let a_bytes = max_rank
                     .checked_mul(in_dim)
                     .and_then(|e| e.checked_mul(BF16_BYTES))
@@ -135,11 +155,14 @@ impl SlotLayout {
                     a_offset,
                     b_offset,
                 });
+                shards.push(shard);
             }
         }
         Ok(SlotLayout {
             max_rank,
+            placement,
             entries,
+            shards,
             slot_bytes: off,
             index,
         })
@@ -153,6 +176,16 @@ impl SlotLayout {
     /// Bytes of one slot.
     pub fn slot_bytes(&self) -> usize {
         self.slot_bytes
+    }
+
+    /// The tensor-parallel rank this layout is for.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// The rank's part of the `i`-th pair in walk order.
+    pub fn shard(&self, i: usize) -> Option<&ModuleShard> {
+        self.shards.get(i)
     }
 
     /// Every pair in walk order.

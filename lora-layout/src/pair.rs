@@ -3,6 +3,7 @@
 
 use crate::layout::{ExpertLayout, SlotLayout};
 use crate::module::{ExpertSite, LoraModule};
+use crate::placement::{ModuleShard, ShardKind};
 
 /// Where a pair acts: a dense module of the slot pool, or an expert/router
 /// site of the expert pool.
@@ -62,6 +63,9 @@ pub struct PairPlace {
     pub a_offset: usize,
     /// Byte offset of B (`[out, stride]`).
     pub b_offset: usize,
+    /// Which part of the source pair the place holds (`out_dim`, `in_dim`
+    /// are its dims; the source tensors have `shard.full_dims`).
+    pub shard: ModuleShard,
 }
 
 /// A slot layout seen as a list of pair places: [`SlotLayout`] (stride
@@ -94,7 +98,8 @@ impl PairLayout for SlotLayout {
         self.entries().len()
     }
     fn place(&self, i: usize) -> Option<PairPlace> {
-        self.entries().get(i).map(|e| PairPlace {
+        let e = self.entries().get(i)?;
+        Some(PairPlace {
             key: PairKey::Dense {
                 layer: e.layer,
                 module: e.module,
@@ -103,6 +108,7 @@ impl PairLayout for SlotLayout {
             in_dim: e.in_dim,
             a_offset: e.a_offset,
             b_offset: e.b_offset,
+            shard: *self.shard(i)?,
         })
     }
     fn position(&self, key: PairKey) -> Option<usize> {
@@ -133,6 +139,7 @@ impl PairLayout for ExpertLayout {
             in_dim: e.in_dim,
             a_offset: e.a_offset,
             b_offset: e.b_offset,
+            shard: ModuleShard::whole(ShardKind::Replicated, e.out_dim, e.in_dim),
         })
     }
     fn position(&self, key: PairKey) -> Option<usize> {
