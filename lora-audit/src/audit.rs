@@ -5,9 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::path::Path;
 
-use lora_layout::{
-    ExpertProj, ExpertSite, GateUpLayout, ModelConfig, ModelFamily, expert_router_bytes, pool_slot_bytes,
-};
+use lora_layout::{ExpertProj, ExpertSite, GateUpLayout, ModelConfig, ModelFamily, SlotLayout, expert_router_bytes};
 
 use rayon::prelude::*;
 
@@ -783,7 +781,9 @@ impl<'a> Audit<'a> {
         skipped.sort_by(|x, y| (x.code, &x.subject).cmp(&(y.code, &y.subject)));
         refused.sort_by(|x, y| (x.code, &x.subject).cmp(&(y.code, &y.subject)));
         self.placed.sort_by_key(|p| (p.layer, p.module));
-        let slot_bytes = pool_slot_bytes(self.cfg, self.opts.max_rank)?;
+        // The rank's slot: a placement whose cut does not divide the
+        // model's geometry is an error naming the dimension.
+        let slot_bytes = SlotLayout::with_placement(self.cfg, self.opts.max_rank, self.opts.placement)?.slot_bytes();
         let expert_bytes = if self.experts.is_empty() {
             0
         } else {

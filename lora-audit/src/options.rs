@@ -1,6 +1,8 @@
 //! `LoraOptions`: the serving switches, with `from_env`, the one place that
 //! reads the `LORA_*` environment variables.
 
+use lora_layout::{Placement, PlacementError};
+
 /// How adapters are served: pool sizes and policy switches.
 ///
 /// Passed explicitly to every crate that needs it; [`LoraOptions::from_env`]
@@ -38,6 +40,10 @@ pub struct LoraOptions {
     /// promotion of an adapter held there is one copy, with no read, audit
     /// or parse.
     pub host_tier_bytes: usize,
+    /// The tensor-parallel rank this process serves (`LORA_TP_RANK`,
+    /// default 0, of `LORA_TP_WORLD`, default 1): its pool holds only the
+    /// rank's shard of each pair ([`lora_layout::ModuleShard`]).
+    pub placement: Placement,
 }
 
 /// Default of [`LoraOptions::max_loras`].
@@ -61,6 +67,7 @@ impl Default for LoraOptions {
             rotatable: false,
             peer: None,
             host_tier_bytes: 0,
+            placement: Placement::SINGLE,
         }
     }
 }
@@ -162,6 +169,20 @@ impl LoraOptions {
                 reason: "exceeds LORA_MAX_LORAS",
             });
         }
+        let tp_world = number("LORA_TP_WORLD", 1, 1)?;
+        let tp_rank = number("LORA_TP_RANK", 0, 0)?;
+        let placement = Placement::new(tp_rank, tp_world).map_err(|e| match e {
+            PlacementError::ZeroWorld => OptionsError {
+                variable: "LORA_TP_WORLD",
+                value: tp_world.to_string(),
+                reason: "must be at least 1",
+            },
+            _ => OptionsError {
+                variable: "LORA_TP_RANK",
+                value: tp_rank.to_string(),
+                reason: "must be below LORA_TP_WORLD",
+            },
+        })?;
         Ok(LoraOptions {
             max_loras,
             max_rank: number("LORA_MAX_RANK", defaults.max_rank, 1)?,
@@ -174,6 +195,7 @@ impl LoraOptions {
             rotatable: flag("LORA_ROTATE") || peer.is_some(),
             peer,
             host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
+            placement,
         })
     }
 }

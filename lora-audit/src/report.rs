@@ -150,8 +150,8 @@ pub struct AuditReport {
     /// Whether the adapter has routed-expert or router tensors at all
     /// (placed or skipped): a request for it must fold them or be refused.
     pub has_expert_deltas: bool,
-    /// Bytes of one slot of the dense pool at `max_rank`
-    /// (`lora_layout::pool_slot_bytes`).
+    /// Bytes of one slot of the dense pool at `max_rank`, for the options'
+    /// tensor-parallel rank (`lora_layout::SlotLayout::with_placement`).
     pub slot_bytes: usize,
     /// Bytes the placed expert and router pairs take in the expert pool at
     /// `expert_rank` (`lora_layout::expert_router_bytes`).

@@ -30,9 +30,18 @@ pub enum PoolError {
         #[source]
         source: ImageError,
     },
-    /// A layout size could not be computed.
+    /// A layout size could not be computed, or the tensor-parallel
+    /// placement does not divide the model's geometry.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// Routed-expert and router deltas with a tensor-parallel placement:
+    /// the expert pool holds whole pairs only (expert sharding is not
+    /// built), so a rank would fold deltas onto outputs it does not have.
+    #[error("LORA_EXPERTS with LORA_TP_WORLD={tp_world}: the expert pool is not sharded across tensor-parallel ranks")]
+    ExpertsUnderTensorParallel {
+        /// The world size.
+        tp_world: usize,
+    },
     /// The device failed.
     #[error(transparent)]
     Kernel(#[from] KernelError),

@@ -317,7 +317,8 @@ impl<C: SlotCompanion> LoraPool<C> {
                 capacity: i32::MAX as usize,
             });
         }
-        let layout = SlotLayout::new(&cfg, opts.max_rank)?;
+        // The rank's shard of every pair (the whole pair at world 1).
+        let layout = SlotLayout::with_placement(&cfg, opts.max_rank, opts.placement)?;
         let slot_elems = layout.slot_bytes() / 2;
         let pool_elems = mul(slot_elems, opts.max_loras, "pool")?;
         let table_len = mul(
@@ -327,6 +328,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         )?;
         let expert_bytes = opts.expert_slot_bytes.unwrap_or(expert_slot_bytes);
         let serve_experts = opts.experts && cfg.moe.is_some();
+        if serve_experts && opts.placement.tp_world() > 1 {
+            return Err(PoolError::ExpertsUnderTensorParallel {
+                tp_world: opts.placement.tp_world(),
+            });
+        }
         let ws_spec = WorkspaceSpec {
             max_rows: capacity.max_rows,
             max_rank: opts.max_rank,
@@ -869,7 +875,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             })
         })?;
         let raw_len = usize::try_from(unparsed.data_len()).unwrap_or(usize::MAX);
-        let raw = self.staging.takes_raw(raw_len);
+        // A tensor-parallel rank's shard is cut on the host (`PackPlan`):
+        // the device repack copies whole tensors only.
+        let raw = self.layout.placement().tp_world() == 1 && self.staging.takes_raw(raw_len);
         let shown = dir.display().to_string();
         let (cfg, opts) = (&self.cfg, &self.opts);
         let audit = || {

@@ -1,6 +1,6 @@
 use super::*;
 use crate::test_support::{self, RawTensor, ScratchDir, f32_tensor, safetensors_bytes};
-use lora_layout::LoraModule;
+use lora_layout::{LoraModule, pool_slot_bytes};
 
 fn write_adapter(config: &str, tensors: &[RawTensor]) -> ScratchDir {
     let dir = ScratchDir::new("audit");
@@ -845,4 +845,44 @@ fn gpt_oss_gate_up_is_cut_from_interleaved_rows_and_bias_targets_are_refused() {
         report.refused[0]
     );
     assert_eq!(report.experts.len(), e * 3, "the weights' pairs are still placed");
+}
+
+#[test]
+fn a_tensor_parallel_rank_sizes_its_slot_and_a_cut_that_does_not_divide_is_named() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+    let cfg = ModelConfig::from_file(&fixtures.join("config.json")).unwrap();
+    let dir = fixtures.join("rslora");
+    for world in [1, 2, 4] {
+        for placement in lora_layout::Placement::new(0, world).unwrap().ranks() {
+            let opts = LoraOptions {
+                placement,
+                ..LoraOptions::default()
+            };
+            let report = audit_adapter(&dir, &cfg, &opts).unwrap();
+            assert!(report.is_servable());
+            let layout = SlotLayout::with_placement(&cfg, opts.max_rank, placement).unwrap();
+            assert_eq!(report.slot_bytes, layout.slot_bytes());
+        }
+    }
+    // The llama fixture has 4 attention heads: 8 ranks cannot cut them.
+    let opts = LoraOptions {
+        placement: lora_layout::Placement::new(5, 8).unwrap(),
+        ..LoraOptions::default()
+    };
+    let err = audit_adapter(&dir, &cfg, &opts).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            AuditError::Layout(lora_layout::LayoutError::Placement(
+                lora_layout::PlacementError::Indivisible {
+                    dimension: "num_attention_heads",
+                    size: 4,
+                    tp_world: 8,
+                    ..
+                }
+            ))
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("num_attention_heads"), "{err}");
 }

@@ -119,3 +119,16 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         assert!(err.to_string().contains("must be at least 1"), "{err}");
     }
 }
+
+#[test]
+fn the_tensor_parallel_placement_is_read_and_checked() {
+    let o = opts(&[("LORA_TP_RANK", "3"), ("LORA_TP_WORLD", "4")]).unwrap();
+    assert_eq!(o.placement, lora_layout::Placement::new(3, 4).unwrap());
+    assert_eq!(opts(&[]).unwrap().placement, lora_layout::Placement::SINGLE);
+    let err = opts(&[("LORA_TP_RANK", "4"), ("LORA_TP_WORLD", "4")]).unwrap_err();
+    assert_eq!((err.variable, err.value.as_str()), ("LORA_TP_RANK", "4"));
+    let err = opts(&[("LORA_TP_WORLD", "0")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_TP_WORLD");
+    let err = opts(&[("LORA_TP_RANK", "1")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_TP_RANK");
+}
