@@ -1,6 +1,9 @@
 //! `lora-audit`: check a PEFT adapter against a base model, or probe its
 //! deltas as they will be served. The command line over the `lora-audit`
-//! library (which never depends on an argument parser).
+//! library (which never depends on an argument parser). With `--tp-rank R
+//! --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`) the report sizes the
+//! rank's slot and `probe` writes the rank's part of each dense delta
+//! (`lora_audit::probe_adapter_at`).
 //!
 //! Exit status: 0 servable (probe written), 1 refused, 2 bad usage or
 //! unreadable input (with `--json`, also `{"error": …, "exit": 2}` on
@@ -10,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use lora_audit::{AuditArgs, AuditError, AuditReport, LoraOptions, audit_adapter, prepare_adapter, probe_files};
-use lora_layout::ModelConfig;
+use lora_audit::{AuditArgs, AuditError, AuditReport, LoraOptions, audit_adapter, prepare_adapter, probe_files_at};
+use lora_layout::{ModelConfig, Placement};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -77,6 +80,13 @@ struct Common {
     /// Serve routed-expert and router deltas.
     #[arg(long)]
     experts: bool,
+    /// Tensor-parallel rank (default: LORA_TP_RANK, else 0): the slot, and
+    /// each probe's output, are the rank's part.
+    #[arg(long)]
+    tp_rank: Option<usize>,
+    /// Tensor-parallel world size (default: LORA_TP_WORLD, else 1).
+    #[arg(long)]
+    tp_world: Option<usize>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -90,9 +100,16 @@ impl Common {
             allow_partial: self.allow_partial,
             experts: self.experts,
         };
-        LoraOptions::from_env()
+        let mut opts = LoraOptions::from_env()
             .and_then(|o| o.with_args(args))
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        if self.tp_rank.is_some() || self.tp_world.is_some() {
+            let rank = self.tp_rank.unwrap_or(opts.placement.tp_rank());
+            let world = self.tp_world.unwrap_or(opts.placement.tp_world());
+            opts.placement =
+                Placement::new(rank, world).map_err(|e| format!("--tp-rank {rank} --tp-world {world}: {e}"))?;
+        }
+        Ok(opts)
     }
 }
 
@@ -146,7 +163,8 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 }
                 Err(e) => return Err(e.to_string()),
             };
-            let outputs = probe_files(&adapter, &cfg, &probes, base.as_deref(), &out).map_err(|e| e.to_string())?;
+            let outputs = probe_files_at(&adapter, &cfg, &probes, base.as_deref(), &out, opts.placement)
+                .map_err(|e| e.to_string())?;
             if common.json {
                 let summary = json!({
                     "out": out.display().to_string(),

@@ -13,7 +13,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::bf16;
-use lora_layout::{ExpertProj, ExpertSite, GateUpLayout, LoraModule, ModelConfig};
+use lora_layout::{
+    ExpertProj, ExpertSite, GateUpLayout, LayoutError, LoraModule, ModelConfig, ModuleShard, Placement, ShardKind,
+};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
@@ -313,21 +315,54 @@ pub fn probe_adapter(
     inputs: &ProbeInputs,
     base: Option<&BaseTables>,
 ) -> Result<ProbeOutputs, AuditError> {
-    probe_within(adapter, cfg, inputs, base, MAX_PROBE_OUTPUT_BYTES)
+    probe_within(adapter, cfg, inputs, base, Placement::SINGLE, MAX_PROBE_OUTPUT_BYTES)
 }
 
-/// [`probe_adapter`] with `limit` bytes of output.
+/// [`probe_adapter`] for one tensor-parallel rank: each dense probe's
+/// output is the rank's part of the served delta
+/// ([`lora_layout::ModuleShard`]). A column-parallel module answers its
+/// output columns `[n, out_r]` (the rank's block; for a fused module the
+/// rank's block of each fused part, in fused order; a replicated key/value
+/// head's columns on every rank holding it); a row-parallel module answers
+/// the partial delta `[n, out]` from the rank's columns of the probe input
+/// and of A, which the ranks' sum (the base model's all-reduce) makes
+/// whole; a replicated module answers the whole delta. Expert, router and
+/// token-table probes have no placement: [`AuditError::Probe`] under a
+/// world size above 1.
+pub fn probe_adapter_at(
+    adapter: &PreparedAdapter,
+    cfg: &ModelConfig,
+    inputs: &ProbeInputs,
+    base: Option<&BaseTables>,
+    placement: Placement,
+) -> Result<ProbeOutputs, AuditError> {
+    probe_within(adapter, cfg, inputs, base, placement, MAX_PROBE_OUTPUT_BYTES)
+}
+
+/// [`probe_adapter_at`] with `limit` bytes of output.
 fn probe_within(
     adapter: &PreparedAdapter,
     cfg: &ModelConfig,
     inputs: &ProbeInputs,
     base: Option<&BaseTables>,
+    placement: Placement,
     limit: usize,
 ) -> Result<ProbeOutputs, AuditError> {
     let mut out = ProbeOutputs::default();
     let mut budget = OutputBudget { left: limit };
+    if placement.tp_world() > 1
+        && let Some(table) = inputs.rows.keys().next()
+    {
+        return Err(AuditError::Probe {
+            name: format!("{ROWS_IDX}{table}"),
+            reason: format!(
+                "token-table probes have no tensor-parallel placement (tp_world {})",
+                placement.tp_world()
+            ),
+        });
+    }
     for (weight, x) in &inputs.inputs {
-        match probe_weight(adapter, cfg, weight, x, &mut budget)? {
+        match probe_weight(adapter, cfg, weight, x, placement, &mut budget)? {
             Some(t) => {
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
@@ -359,6 +394,7 @@ fn probe_weight(
     cfg: &ModelConfig,
     weight: &str,
     x: &ProbeTensor,
+    placement: Placement,
     budget: &mut OutputBudget,
 ) -> Result<Option<ProbeTensor>, AuditError> {
     let name = format!("{PROBE_IN}{weight}");
@@ -403,9 +439,65 @@ fn probe_weight(
             .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale))
     };
     let no_site = || bad("the model has no such site".into());
+    if placement.tp_world() > 1 && !matches!(weight_ref, WeightRef::Dense { .. } | WeightRef::Unserved) {
+        return Err(bad(format!(
+            "expert, router and token-table probes have no tensor-parallel placement (tp_world {})",
+            placement.tp_world()
+        )));
+    }
     Ok(Some(match weight_ref {
         WeightRef::Unserved => return Ok(None),
         WeightRef::Table(_) => return Err(bad("token tables are probed with rows_idx::".into())),
+        WeightRef::Dense { layer, module } if placement.tp_world() > 1 => {
+            let (out, inp) = module.dims(cfg);
+            check_width(inp)?;
+            let shard =
+                ModuleShard::of(module, cfg, placement).map_err(|e| AuditError::Layout(LayoutError::from(e)))?;
+            let (out_r, in_r) = shard.dims();
+            if shard.kind == ShardKind::Row {
+                // The partial delta of the rank's input columns.
+                let cols = shard.in_start..shard.in_start + in_r;
+                let take = |row: &[f32]| row[cols.clone()].to_vec();
+                let x_r: Vec<f32> = x.data.chunks_exact(inp.max(1)).flat_map(take).collect();
+                let mut y = budget.zeros(&name, field, n, out)?;
+                if let Some((a, b, rank, scale)) = dense(layer, module) {
+                    let a_r: Vec<bf16> = a
+                        .chunks_exact(inp.max(1))
+                        .flat_map(|row| row[cols.clone()].to_vec())
+                        .collect();
+                    let shape = PairShape {
+                        n,
+                        rank,
+                        inp: in_r,
+                        out,
+                    };
+                    if a_r.len() != rank * in_r || !apply_pair_into(&x_r, &a_r, b, shape, scale, &mut y) {
+                        return Err(bad("the pair's factors do not have their shapes' lengths".into()));
+                    }
+                }
+                ProbeTensor {
+                    shape: vec![n, out],
+                    data: y,
+                }
+            } else {
+                // The rank's output columns of the whole delta.
+                let y = pair_out(budget, dense(layer, module), (out, inp))?;
+                let mut y_r = budget.zeros(&name, field, n, out_r)?;
+                for j in 0..out_r {
+                    let col = shard
+                        .src_row(j)
+                        .ok_or_else(|| bad(format!("no source column for the rank's column {j}")))?;
+                    for t in 0..n {
+                        y_r[t * out_r + j] = y[t * out + col];
+                    }
+                }
+                budget.release(y);
+                ProbeTensor {
+                    shape: vec![n, out_r],
+                    data: y_r,
+                }
+            }
+        }
         WeightRef::Dense { layer, module } => {
             let (out, inp) = module.dims(cfg);
             check_width(inp)?;
@@ -622,9 +714,21 @@ pub fn probe_files(
     base: Option<&Path>,
     out: &Path,
 ) -> Result<ProbeOutputs, AuditError> {
+    probe_files_at(adapter, cfg, probes, base, out, Placement::SINGLE)
+}
+
+/// [`probe_files`] for one tensor-parallel rank ([`probe_adapter_at`]).
+pub fn probe_files_at(
+    adapter: &PreparedAdapter,
+    cfg: &ModelConfig,
+    probes: &Path,
+    base: Option<&Path>,
+    out: &Path,
+    placement: Placement,
+) -> Result<ProbeOutputs, AuditError> {
     let inputs = read_probe_inputs(probes)?;
     let base = base.map(read_base_tables).transpose()?;
-    let outputs = probe_adapter(adapter, cfg, &inputs, base.as_ref())?;
+    let outputs = probe_adapter_at(adapter, cfg, &inputs, base.as_ref(), placement)?;
     write_probe_outputs(out, &outputs)?;
     Ok(outputs)
 }

@@ -6,7 +6,15 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--json]`
+//! [--allow-partial] [--experts] [--tp-rank R --tp-world W] [--json]`
+//!
+//! With `--tp-rank R --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`)
+//! the pool is rank R's (its shard of every pair) and each dense probe
+//! output is the rank's part of the served delta, as `lora-audit probe`
+//! writes it (`lora_audit::probe_adapter_at`): a column-parallel module
+//! its output columns `[n, out_r]`, a row-parallel module the partial
+//! delta `[n, out]` of its slice of the probe input, a replicated module
+//! the whole delta.
 //!
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
@@ -17,7 +25,7 @@ use lora_audit::{
     parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_kernels::{Device, Rows, RowsMut};
-use lora_layout::{LoraModule, ModelConfig};
+use lora_layout::{LoraModule, ModelConfig, ModuleShard, Placement};
 use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
 use lora_pool::{
     AdapterSource, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError, SlotCompanion, SlotId, SlotLease,
@@ -44,6 +52,8 @@ struct Args {
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    tp_rank: Option<usize>,
+    tp_world: Option<usize>,
     json: bool,
 }
 
@@ -51,6 +61,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut adapter = None;
     let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
     let (mut max_rank, mut expert_rank) = (None, None);
+    let (mut tp_rank, mut tp_world) = (None, None);
     let (mut allow_partial, mut experts, mut json) = (false, false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -64,6 +75,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--device" => device = Some(value()?),
             "--max-rank" => max_rank = Some(number(value()?)?),
             "--expert-rank" => expert_rank = Some(number(value()?)?),
+            "--tp-rank" => tp_rank = Some(number(value()?)?),
+            "--tp-world" => tp_world = Some(number(value()?)?),
             "--allow-partial" => allow_partial = true,
             "--experts" => experts = true,
             "--json" => json = true,
@@ -84,6 +97,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
         expert_rank,
         allow_partial,
         experts,
+        tp_rank,
+        tp_world,
         json,
     })
 }
@@ -112,6 +127,12 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         .map_err(|e| usage(e.to_string()))?;
     opts.max_loras = 1;
     opts.pinned = 0;
+    if args.tp_rank.is_some() || args.tp_world.is_some() {
+        let rank = args.tp_rank.unwrap_or(opts.placement.tp_rank());
+        let world = args.tp_world.unwrap_or(opts.placement.tp_world());
+        opts.placement =
+            Placement::new(rank, world).map_err(|e| usage(format!("--tp-rank {rank} --tp-world {world}: {e}")))?;
+    }
     let cfg = ModelConfig::from_file(&args.model).map_err(|e| usage(e.to_string()))?;
     let device = device(args.device.as_deref()).map_err(usage)?;
     let inputs = read_probe_inputs(&args.probes).map_err(|e| usage(e.to_string()))?;
@@ -236,20 +257,30 @@ fn dense_probe<C: SlotCompanion>(
     module: LoraModule,
     x: &ProbeTensor,
 ) -> Result<ProbeTensor, String> {
-    let (out_dim, in_dim) = module.dims(pool.config());
+    let (_, full_in) = module.dims(pool.config());
     let [n, width] = x.shape[..] else {
         return Err(format!("probe shape {:?}; expected [rows, in]", x.shape));
     };
-    if width != in_dim || x.data.len() != n * width {
-        return Err(format!("probe of width {width}; the weight takes {in_dim}"));
+    if width != full_in || x.data.len() != n * width {
+        return Err(format!("probe of width {width}; the weight takes {full_in}"));
     }
+    // The pool's rank: its output columns and, for a row-parallel module,
+    // its slice of the probe input (the whole of both at world 1).
+    let placement = pool.layout().placement();
+    let shard = ModuleShard::of(module, pool.config(), placement).map_err(|e| e.to_string())?;
+    let (out_dim, in_dim) = shard.dims();
     if pool.layout().entry(layer, module).is_none() {
         return Ok(ProbeTensor {
             shape: vec![n, out_dim],
             data: vec![0.0; n * out_dim],
         });
     }
-    let (hi, lo) = crate::serve::split_hi_lo(&x.data);
+    let x_rank: Vec<f32> = x
+        .data
+        .chunks_exact(full_in.max(1))
+        .flat_map(|row| row[shard.in_start..shard.in_start + in_dim].to_vec())
+        .collect();
+    let (hi, lo) = crate::serve::split_hi_lo(&x_rank);
     let device = pool.device().clone();
     let err = |e: lora_kernels::KernelError| e.to_string();
     let xb = device.upload(&[hi, lo].concat()).map_err(err)?;
@@ -260,7 +291,7 @@ fn dense_probe<C: SlotCompanion>(
     pool.apply_decode(
         &step,
         layer,
-        &FusedTargets::single(pool.config(), module),
+        &FusedTargets::single_at(pool.config(), placement, module).map_err(|e| e.to_string())?,
         Rows::dense(&xb, 2 * n, in_dim),
         RowsMut::dense(&mut y, 2 * n, out_dim),
     )
