@@ -1355,6 +1355,17 @@ impl<C: SlotCompanion> LoraPool<C> {
         x_rows: usize,
     ) -> Result<(), PoolError> {
         self.check_step(step)?;
+        // Column offsets counted for another rank would put a module's
+        // delta on another module's columns.
+        if targets.placement() != self.layout.placement() {
+            return Err(PoolError::Batch(format!(
+                "targets built for tensor-parallel rank {} of {}, the pool is rank {} of {} (use FusedTargets::*_at)",
+                targets.placement().tp_rank(),
+                targets.placement().tp_world(),
+                self.layout.placement().tp_rank(),
+                self.layout.placement().tp_world()
+            )));
+        }
         for m in targets.targets() {
             let entry = self.layout.entry(layer, m.module).ok_or(PoolError::NoSuchModule {
                 layer,

@@ -28,6 +28,9 @@ pub struct FusedTargets {
     targets: [ModuleTarget; FusedTargets::MAX],
     len: usize,
     width: usize,
+    /// The tensor-parallel rank whose columns the offsets count: a pool of
+    /// another placement refuses these targets.
+    placement: Placement,
 }
 
 impl FusedTargets {
@@ -76,6 +79,7 @@ impl FusedTargets {
             targets,
             len: modules.len(),
             width,
+            placement,
         })
     }
 
@@ -89,6 +93,7 @@ impl FusedTargets {
             }; FusedTargets::MAX],
             len: 1,
             width,
+            placement: Placement::SINGLE,
         }
     }
 
@@ -135,6 +140,12 @@ impl FusedTargets {
     /// Columns of one fused output row (the sum of the modules' widths).
     pub fn width(&self) -> usize {
         self.width
+    }
+
+    /// The tensor-parallel rank the targets were built for
+    /// ([`Placement::SINGLE`] for the constructors without `_at`).
+    pub fn placement(&self) -> Placement {
+        self.placement
     }
 
     /// The first column of `module`, if it is one of the targets.

@@ -348,6 +348,53 @@ fn every_ranks_shard_reassembles_the_peft_oracle_across_world_sizes() {
 }
 
 #[test]
+fn targets_of_another_rank_are_refused_before_launch() {
+    let cfg = model_config("llama");
+    let root = fixtures().join("llama");
+    let dir = root.join("rslora");
+    let sources = [AdapterSource {
+        name: "rslora",
+        dir: dir.as_path(),
+    }];
+    let rank = Placement::new(1, 2).unwrap();
+    let mut pool = LoraPool::load(
+        &Device::cpu(),
+        cfg.clone(),
+        options(1, rank),
+        BatchCapacity::default(),
+        &sources,
+    )
+    .unwrap();
+    let lease = pool.acquire("rslora").unwrap();
+    let step = pool.decode_step(&[StepRow::Adapter(&lease)], 1).unwrap();
+    let device = pool.device().clone();
+    let x = device.upload(&vec![bf16::ZERO; cfg.hidden_size]).unwrap();
+    // The unsharded q | k | v offsets on a rank's pool.
+    let whole = FusedTargets::qkv(&cfg);
+    let mut y = device.alloc_zeros::<f32>(whole.width()).unwrap();
+    let err = pool
+        .apply_decode(
+            &step,
+            0,
+            &whole,
+            Rows::dense(&x, 1, cfg.hidden_size),
+            RowsMut::dense(&mut y, 1, whole.width()),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("FusedTargets::*_at"), "{err}");
+    let own = FusedTargets::qkv_at(&cfg, rank).unwrap();
+    let mut y = device.alloc_zeros::<f32>(own.width()).unwrap();
+    pool.apply_decode(
+        &step,
+        0,
+        &own,
+        Rows::dense(&x, 1, cfg.hidden_size),
+        RowsMut::dense(&mut y, 1, own.width()),
+    )
+    .unwrap();
+}
+
+#[test]
 fn expert_deltas_under_tensor_parallelism_are_refused_by_type() {
     let cfg = model_config("qwen3_moe");
     let opts = LoraOptions {
