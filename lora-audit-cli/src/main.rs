@@ -3,7 +3,9 @@
 //! library (which never depends on an argument parser). With `--tp-rank R
 //! --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`) the report sizes the
 //! rank's slot and `probe` writes the rank's part of each dense delta
-//! (`lora_audit::probe_adapter_at`).
+//! (`lora_audit::probe_adapter_at`); with `--ep-rank R --ep-world W` (or
+//! `LORA_EP_RANK` / `LORA_EP_WORLD`) the report places the rank's experts
+//! and the router, and expert probes of other ranks' experts are zeros.
 //!
 //! Exit status: 0 servable (probe written), 1 refused, 2 bad usage or
 //! unreadable input (with `--json`, also `{"error": …, "exit": 2}` on
@@ -14,7 +16,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use lora_audit::{AuditArgs, AuditError, AuditReport, LoraOptions, audit_adapter, prepare_adapter, probe_files_at};
-use lora_layout::{ModelConfig, Placement};
+use lora_layout::ModelConfig;
 use serde_json::json;
 
 #[derive(Parser)]
@@ -87,6 +89,14 @@ struct Common {
     /// Tensor-parallel world size (default: LORA_TP_WORLD, else 1).
     #[arg(long)]
     tp_world: Option<usize>,
+    /// Expert-parallel rank (default: LORA_EP_RANK, else 0): the expert
+    /// slot holds the rank's block of experts; probes of other experts
+    /// answer zeros.
+    #[arg(long)]
+    ep_rank: Option<usize>,
+    /// Expert-parallel world size (default: LORA_EP_WORLD, else 1).
+    #[arg(long)]
+    ep_world: Option<usize>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -99,17 +109,14 @@ impl Common {
             expert_rank: self.expert_rank,
             allow_partial: self.allow_partial,
             experts: self.experts,
+            tp_rank: self.tp_rank,
+            tp_world: self.tp_world,
+            ep_rank: self.ep_rank,
+            ep_world: self.ep_world,
         };
-        let mut opts = LoraOptions::from_env()
+        LoraOptions::from_env()
             .and_then(|o| o.with_args(args))
-            .map_err(|e| e.to_string())?;
-        if self.tp_rank.is_some() || self.tp_world.is_some() {
-            let rank = self.tp_rank.unwrap_or(opts.placement.tp_rank());
-            let world = self.tp_world.unwrap_or(opts.placement.tp_world());
-            opts.placement =
-                Placement::new(rank, world).map_err(|e| format!("--tp-rank {rank} --tp-world {world}: {e}"))?;
-        }
-        Ok(opts)
+            .map_err(|e| e.to_string())
     }
 }
 

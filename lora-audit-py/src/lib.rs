@@ -209,6 +209,7 @@ fn options(
         expert_rank,
         allow_partial,
         experts,
+        ..AuditArgs::default()
     };
     LoraOptions::from_env()
         .and_then(|o| o.with_args(args))

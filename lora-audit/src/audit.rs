@@ -784,6 +784,18 @@ impl<'a> Audit<'a> {
         // The rank's slot: a placement whose cut does not divide the
         // model's geometry is an error naming the dimension.
         let slot_bytes = SlotLayout::with_placement(self.cfg, self.opts.max_rank, self.opts.placement)?.slot_bytes();
+        // An expert-parallel rank places its own experts and the
+        // (replicated) router; the others are audited, never loaded.
+        if let Some(moe) = self.cfg.moe.as_ref() {
+            let placement = self.opts.placement;
+            let range = placement
+                .expert_range(moe.num_experts)
+                .map_err(lora_layout::LayoutError::from)?;
+            self.experts.retain(|p| match p.site {
+                ExpertSite::Router => true,
+                ExpertSite::Expert { expert, .. } => range.contains(&expert),
+            });
+        }
         let expert_bytes = if self.experts.is_empty() {
             0
         } else {

@@ -42,7 +42,10 @@ pub struct LoraOptions {
     pub host_tier_bytes: usize,
     /// The tensor-parallel rank this process serves (`LORA_TP_RANK`,
     /// default 0, of `LORA_TP_WORLD`, default 1): its pool holds only the
-    /// rank's shard of each pair ([`lora_layout::ModuleShard`]).
+    /// rank's shard of each pair ([`lora_layout::ModuleShard`]); and its
+    /// expert-parallel rank (`LORA_EP_RANK`, default 0, of `LORA_EP_WORLD`,
+    /// default 1): its expert pool holds only the rank's block of experts
+    /// and the replicated router ([`lora_layout::Placement::expert_range`]).
     pub placement: Placement,
 }
 
@@ -84,6 +87,14 @@ pub struct AuditArgs {
     pub allow_partial: bool,
     /// Turns [`LoraOptions::experts`] on.
     pub experts: bool,
+    /// Replaces the tensor-parallel rank of [`LoraOptions::placement`].
+    pub tp_rank: Option<usize>,
+    /// Replaces the tensor-parallel world size (at least 1).
+    pub tp_world: Option<usize>,
+    /// Replaces the expert-parallel rank.
+    pub ep_rank: Option<usize>,
+    /// Replaces the expert-parallel world size (at least 1).
+    pub ep_world: Option<usize>,
 }
 
 /// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
@@ -122,6 +133,7 @@ impl LoraOptions {
         self.expert_rank = args.expert_rank.unwrap_or(self.expert_rank);
         self.allow_partial |= args.allow_partial;
         self.experts |= args.experts;
+        self.placement = placement_over(self.placement, args)?;
         Ok(self)
     }
 
@@ -183,6 +195,20 @@ impl LoraOptions {
                 reason: "must be below LORA_TP_WORLD",
             },
         })?;
+        let ep_world = number("LORA_EP_WORLD", 1, 1)?;
+        let ep_rank = number("LORA_EP_RANK", 0, 0)?;
+        let placement = placement.with_experts(ep_rank, ep_world).map_err(|e| match e {
+            PlacementError::ZeroExpertWorld => OptionsError {
+                variable: "LORA_EP_WORLD",
+                value: ep_world.to_string(),
+                reason: "must be at least 1",
+            },
+            _ => OptionsError {
+                variable: "LORA_EP_RANK",
+                value: ep_rank.to_string(),
+                reason: "must be below LORA_EP_WORLD",
+            },
+        })?;
         Ok(LoraOptions {
             max_loras,
             max_rank: number("LORA_MAX_RANK", defaults.max_rank, 1)?,
@@ -198,6 +224,29 @@ impl LoraOptions {
             placement,
         })
     }
+}
+
+/// `placement` with the ranks and world sizes `args` sets replaced.
+fn placement_over(placement: Placement, args: AuditArgs) -> Result<Placement, OptionsError> {
+    let tp_rank = args.tp_rank.unwrap_or(placement.tp_rank());
+    let tp_world = args.tp_world.unwrap_or(placement.tp_world());
+    let ep_rank = args.ep_rank.unwrap_or(placement.ep_rank());
+    let ep_world = args.ep_world.unwrap_or(placement.ep_world());
+    let refuse = |variable: &'static str, value: usize, reason: &'static str| OptionsError {
+        variable,
+        value: value.to_string(),
+        reason,
+    };
+    Placement::new(tp_rank, tp_world)
+        .map_err(|e| match e {
+            PlacementError::ZeroWorld => refuse("tp_world", tp_world, "must be at least 1"),
+            _ => refuse("tp_rank", tp_rank, "must be below tp_world"),
+        })?
+        .with_experts(ep_rank, ep_world)
+        .map_err(|e| match e {
+            PlacementError::ZeroExpertWorld => refuse("ep_world", ep_world, "must be at least 1"),
+            _ => refuse("ep_rank", ep_rank, "must be below ep_world"),
+        })
 }
 
 #[cfg(test)]

@@ -326,9 +326,18 @@ pub fn probe_adapter(
 /// head's columns on every rank holding it); a row-parallel module answers
 /// the partial delta `[n, out]` from the rank's columns of the probe input
 /// and of A, which the ranks' sum (the base model's all-reduce) makes
-/// whole; a replicated module answers the whole delta. Expert, router and
-/// token-table probes have no placement: [`AuditError::Probe`] under a
-/// world size above 1.
+/// whole; a replicated module answers the whole delta.
+///
+/// Under expert parallelism (`ep_world > 1`) an expert probe of an expert
+/// the rank holds ([`Placement::expert_range`]) answers its whole delta,
+/// one of an expert it does not hold answers zeros of the same shape (a
+/// fused-experts probe `[E, n, out]` has zeros in the other ranks'
+/// experts), so the expert-parallel ranks' outputs sum to the unsharded
+/// ones; a router probe answers the whole (replicated) delta on every
+/// rank. A model whose `num_experts` does not divide by `ep_world` is
+/// [`AuditError::Layout`] naming it. Token-table probes, and expert and
+/// router probes under `tp_world > 1` without expert parallelism, have no
+/// placement: [`AuditError::Probe`].
 pub fn probe_adapter_at(
     adapter: &PreparedAdapter,
     cfg: &ModelConfig,
@@ -433,15 +442,34 @@ fn probe_weight(
             .dense_pair(layer, module)
             .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale))
     };
+    // An expert-parallel rank answers its own experts and the router;
+    // an expert it does not hold answers zeros (tokens routed to it are
+    // dispatched to the rank that holds it).
+    let num_experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    let held = placement
+        .expert_range(num_experts)
+        .map_err(|e| AuditError::Layout(LayoutError::from(e)))?;
     let expert = |layer, site| {
+        if let ExpertSite::Expert { expert, .. } = site
+            && !held.contains(&expert)
+        {
+            return None;
+        }
         adapter
             .expert_pair(layer, site)
             .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale))
     };
     let no_site = || bad("the model has no such site".into());
-    if placement.tp_world() > 1 && !matches!(weight_ref, WeightRef::Dense { .. } | WeightRef::Unserved) {
+    // Experts and the router are placed by expert parallelism only: under
+    // tensor parallelism without it they have no placement.
+    let unplaced = match weight_ref {
+        WeightRef::Dense { .. } | WeightRef::Unserved => false,
+        WeightRef::Table(_) => true,
+        WeightRef::Expert { .. } | WeightRef::Router { .. } | WeightRef::Fused { .. } => placement.ep_world() == 1,
+    };
+    if placement.tp_world() > 1 && unplaced {
         return Err(bad(format!(
-            "expert, router and token-table probes have no tensor-parallel placement (tp_world {})",
+            "token-table probes, and expert and router probes without expert parallelism, have no tensor-parallel placement (tp_world {})",
             placement.tp_world()
         )));
     }

@@ -38,11 +38,23 @@
 //! `r / (tp_world / num_key_value_heads)`; each head is held by
 //! `tp_world / num_key_value_heads` ranks ([`OutSegment::replicas`]).
 //!
-//! Routed experts and the router are not placed here (expert parallelism is
-//! another placement); the expert pool stays unsharded.
+//! Expert parallelism is the placement's second axis (`ep_rank <
+//! ep_world`, independent of the tensor-parallel one): routed experts are
+//! never cut by tensor parallelism here; an expert-parallel rank holds
+//! whole experts, a contiguous block of them, as vLLM's expert map assigns
+//! them without a placement strategy: rank `r` holds experts `r·E/W ..
+//! (r+1)·E/W` of `E = num_experts` ([`Placement::expert_range`]); `E` must
+//! be a multiple of `ep_world`, or the placement is refused naming
+//! `num_experts` ([`PlacementError::IndivisibleExperts`]). The router (gate)
+//! is replicated: every rank holds its whole pair
+//! ([`Placement::holds_expert_site`]). Routed experts with `tp_world > 1`
+//! and `ep_world == 1` (experts cut by their intermediate width) are not
+//! built: the pool refuses them.
+
+use std::ops::Range;
 
 use crate::config::{ModelConfig, ModelFamily};
-use crate::module::LoraModule;
+use crate::module::{ExpertSite, LoraModule};
 
 /// How a module's pair is split across tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -93,6 +105,26 @@ pub enum PlacementError {
         /// The world size.
         tp_world: usize,
     },
+    /// `ep_world` is 0.
+    #[error("ep_world must be at least 1")]
+    ZeroExpertWorld,
+    /// `ep_rank` is not below `ep_world`.
+    #[error("ep_rank {ep_rank} is not below ep_world {ep_world}")]
+    ExpertRankOutOfRange {
+        /// The rank.
+        ep_rank: usize,
+        /// The world size.
+        ep_world: usize,
+    },
+    /// The routed experts do not split into equal blocks over the
+    /// expert-parallel ranks.
+    #[error("num_experts = {num_experts} is not a multiple of ep_world = {ep_world}")]
+    IndivisibleExperts {
+        /// The model's routed experts per layer.
+        num_experts: usize,
+        /// The expert-parallel world size.
+        ep_world: usize,
+    },
     /// A dimension the placement cuts does not split over the ranks.
     #[error("{module}: {dimension} = {size} {rule} tp_world = {tp_world}")]
     Indivisible {
@@ -110,11 +142,13 @@ pub enum PlacementError {
     },
 }
 
-/// One rank of a tensor-parallel group.
+/// One rank of a tensor-parallel group, and of an expert-parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Placement {
     tp_rank: usize,
     tp_world: usize,
+    ep_rank: usize,
+    ep_world: usize,
 }
 
 impl Default for Placement {
@@ -124,13 +158,15 @@ impl Default for Placement {
 }
 
 impl Placement {
-    /// No tensor parallelism: rank 0 of 1, every pair whole.
+    /// No tensor or expert parallelism: rank 0 of 1, every pair whole.
     pub const SINGLE: Placement = Placement {
         tp_rank: 0,
         tp_world: 1,
+        ep_rank: 0,
+        ep_world: 1,
     };
 
-    /// Rank `tp_rank` of `tp_world`.
+    /// Tensor-parallel rank `tp_rank` of `tp_world`, every expert held.
     pub fn new(tp_rank: usize, tp_world: usize) -> Result<Placement, PlacementError> {
         if tp_world == 0 {
             return Err(PlacementError::ZeroWorld);
@@ -138,7 +174,67 @@ impl Placement {
         if tp_rank >= tp_world {
             return Err(PlacementError::RankOutOfRange { tp_rank, tp_world });
         }
-        Ok(Placement { tp_rank, tp_world })
+        Ok(Placement {
+            tp_rank,
+            tp_world,
+            ..Placement::SINGLE
+        })
+    }
+
+    /// This placement as expert-parallel rank `ep_rank` of `ep_world`.
+    pub fn with_experts(self, ep_rank: usize, ep_world: usize) -> Result<Placement, PlacementError> {
+        if ep_world == 0 {
+            return Err(PlacementError::ZeroExpertWorld);
+        }
+        if ep_rank >= ep_world {
+            return Err(PlacementError::ExpertRankOutOfRange { ep_rank, ep_world });
+        }
+        Ok(Placement {
+            ep_rank,
+            ep_world,
+            ..self
+        })
+    }
+
+    /// The expert-parallel rank.
+    pub fn ep_rank(self) -> usize {
+        self.ep_rank
+    }
+
+    /// The expert-parallel world size.
+    pub fn ep_world(self) -> usize {
+        self.ep_world
+    }
+
+    /// The routed experts this rank holds of `num_experts`: the contiguous
+    /// block `ep_rank·E/ep_world .. (ep_rank+1)·E/ep_world`, or
+    /// [`PlacementError::IndivisibleExperts`] naming `num_experts`.
+    pub fn expert_range(self, num_experts: usize) -> Result<Range<usize>, PlacementError> {
+        if !num_experts.is_multiple_of(self.ep_world) {
+            return Err(PlacementError::IndivisibleExperts {
+                num_experts,
+                ep_world: self.ep_world,
+            });
+        }
+        let per = num_experts / self.ep_world;
+        Ok(self.ep_rank * per..(self.ep_rank + 1) * per)
+    }
+
+    /// Whether this rank's expert pool holds `site` of a model with
+    /// `num_experts` routed experts: the router always (replicated), an
+    /// expert when it is in [`Placement::expert_range`].
+    pub fn holds_expert_site(self, site: ExpertSite, num_experts: usize) -> Result<bool, PlacementError> {
+        let range = self.expert_range(num_experts)?;
+        Ok(match site {
+            ExpertSite::Router => true,
+            ExpertSite::Expert { expert, .. } => range.contains(&expert),
+        })
+    }
+
+    /// Every expert-parallel rank of this placement's group (same
+    /// tensor-parallel rank), in rank order.
+    pub fn expert_ranks(self) -> impl Iterator<Item = Placement> {
+        (0..self.ep_world).map(move |ep_rank| Placement { ep_rank, ..self })
     }
 
     /// The rank.
@@ -151,10 +247,10 @@ impl Placement {
         self.tp_world
     }
 
-    /// Every rank of this placement's group, in rank order.
+    /// Every tensor-parallel rank of this placement's group (same
+    /// expert-parallel rank), in rank order.
     pub fn ranks(self) -> impl Iterator<Item = Placement> {
-        let tp_world = self.tp_world;
-        (0..tp_world).map(move |tp_rank| Placement { tp_rank, tp_world })
+        (0..self.tp_world).map(move |tp_rank| Placement { tp_rank, ..self })
     }
 }
 

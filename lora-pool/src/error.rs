@@ -34,10 +34,13 @@ pub enum PoolError {
     /// placement does not divide the model's geometry.
     #[error(transparent)]
     Layout(#[from] LayoutError),
-    /// Routed-expert and router deltas with a tensor-parallel placement:
-    /// the expert pool holds whole pairs only (expert sharding is not
-    /// built), so a rank would fold deltas onto outputs it does not have.
-    #[error("LORA_EXPERTS with LORA_TP_WORLD={tp_world}: the expert pool is not sharded across tensor-parallel ranks")]
+    /// Routed-expert and router deltas with a tensor-parallel placement and
+    /// no expert parallelism: the expert pool holds whole experts only
+    /// (experts cut by tensor parallelism are not built), so a rank would
+    /// fold deltas onto outputs it does not have.
+    #[error(
+        "LORA_EXPERTS with LORA_TP_WORLD={tp_world} and LORA_EP_WORLD=1: experts are placed by expert parallelism only, never cut across tensor-parallel ranks"
+    )]
     ExpertsUnderTensorParallel {
         /// The world size.
         tp_world: usize,

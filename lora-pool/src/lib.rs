@@ -17,8 +17,12 @@
 //! tensors it is given, its slots shrink accordingly, and an apply takes the
 //! rank's input (its input columns, for a row-parallel module) and writes
 //! the rank's output ([`FusedTargets::single_at`], [`FusedTargets::qkv_at`],
-//! [`FusedTargets::gate_up_at`]). Such a pool serves no routed-expert or
-//! router deltas ([`PoolError::ExpertsUnderTensorParallel`]).
+//! [`FusedTargets::gate_up_at`]). Routed experts are placed by expert
+//! parallelism (`LORA_EP_RANK` / `LORA_EP_WORLD`): the audit keeps the
+//! rank's block of experts and the replicated router, so its expert slots
+//! hold only those; without it, a tensor-parallel pool serves no
+//! routed-expert or router deltas
+//! ([`PoolError::ExpertsUnderTensorParallel`]).
 //!
 //! What it must never do: move (the pool, tables and routing buffers keep
 //! their device addresses for the pool's life, so captured CUDA graphs stay

@@ -328,10 +328,17 @@ impl<C: SlotCompanion> LoraPool<C> {
         )?;
         let expert_bytes = opts.expert_slot_bytes.unwrap_or(expert_slot_bytes);
         let serve_experts = opts.experts && cfg.moe.is_some();
-        if serve_experts && opts.placement.tp_world() > 1 {
+        // Experts are placed by expert parallelism (whole experts, a block
+        // per rank); cut by tensor parallelism they are not built.
+        if serve_experts && opts.placement.tp_world() > 1 && opts.placement.ep_world() == 1 {
             return Err(PoolError::ExpertsUnderTensorParallel {
                 tp_world: opts.placement.tp_world(),
             });
+        }
+        if let Some(moe) = cfg.moe.as_ref().filter(|_| serve_experts) {
+            opts.placement
+                .expert_range(moe.num_experts)
+                .map_err(lora_layout::LayoutError::from)?;
         }
         let ws_spec = WorkspaceSpec {
             max_rows: capacity.max_rows,
@@ -1357,7 +1364,8 @@ impl<C: SlotCompanion> LoraPool<C> {
         self.check_step(step)?;
         // Column offsets counted for another rank would put a module's
         // delta on another module's columns.
-        if targets.placement() != self.layout.placement() {
+        let (t, p) = (targets.placement(), self.layout.placement());
+        if (t.tp_rank(), t.tp_world()) != (p.tp_rank(), p.tp_world()) {
             return Err(PoolError::Batch(format!(
                 "targets built for tensor-parallel rank {} of {}, the pool is rank {} of {} (use FusedTargets::*_at)",
                 targets.placement().tp_rank(),

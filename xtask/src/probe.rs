@@ -6,7 +6,8 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--tp-rank R --tp-world W] [--json]`
+//! [--allow-partial] [--experts] [--tp-rank R --tp-world W]
+//! [--ep-rank R --ep-world W] [--json]`
 //!
 //! With `--tp-rank R --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`)
 //! the pool is rank R's (its shard of every pair) and each dense probe
@@ -14,7 +15,11 @@
 //! writes it (`lora_audit::probe_adapter_at`): a column-parallel module
 //! its output columns `[n, out_r]`, a row-parallel module the partial
 //! delta `[n, out]` of its slice of the probe input, a replicated module
-//! the whole delta.
+//! the whole delta. With `--ep-rank R --ep-world W` (or `LORA_EP_RANK` /
+//! `LORA_EP_WORLD`) the expert pool holds rank R's block of experts and the
+//! router: an expert probe answers the served delta of an expert the rank
+//! holds and zeros for any other (so the ranks' outputs sum to the
+//! unsharded ones), a router probe the whole delta on every rank.
 //!
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
@@ -25,7 +30,7 @@ use lora_audit::{
     parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_kernels::{Device, Rows, RowsMut};
-use lora_layout::{LoraModule, ModelConfig, ModuleShard, Placement};
+use lora_layout::{LoraModule, ModelConfig, ModuleShard};
 use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
 use lora_pool::{
     AdapterSource, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError, SlotCompanion, SlotId, SlotLease,
@@ -54,6 +59,8 @@ struct Args {
     experts: bool,
     tp_rank: Option<usize>,
     tp_world: Option<usize>,
+    ep_rank: Option<usize>,
+    ep_world: Option<usize>,
     json: bool,
 }
 
@@ -61,7 +68,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut adapter = None;
     let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
     let (mut max_rank, mut expert_rank) = (None, None);
-    let (mut tp_rank, mut tp_world) = (None, None);
+    let (mut tp_rank, mut tp_world, mut ep_rank, mut ep_world) = (None, None, None, None);
     let (mut allow_partial, mut experts, mut json) = (false, false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -77,6 +84,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--expert-rank" => expert_rank = Some(number(value()?)?),
             "--tp-rank" => tp_rank = Some(number(value()?)?),
             "--tp-world" => tp_world = Some(number(value()?)?),
+            "--ep-rank" => ep_rank = Some(number(value()?)?),
+            "--ep-world" => ep_world = Some(number(value()?)?),
             "--allow-partial" => allow_partial = true,
             "--experts" => experts = true,
             "--json" => json = true,
@@ -99,6 +108,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
         experts,
         tp_rank,
         tp_world,
+        ep_rank,
+        ep_world,
         json,
     })
 }
@@ -121,18 +132,16 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         expert_rank: args.expert_rank,
         allow_partial: args.allow_partial,
         experts: args.experts,
+        tp_rank: args.tp_rank,
+        tp_world: args.tp_world,
+        ep_rank: args.ep_rank,
+        ep_world: args.ep_world,
     };
     let mut opts = LoraOptions::from_env()
         .and_then(|o| o.with_args(overrides))
         .map_err(|e| usage(e.to_string()))?;
     opts.max_loras = 1;
     opts.pinned = 0;
-    if args.tp_rank.is_some() || args.tp_world.is_some() {
-        let rank = args.tp_rank.unwrap_or(opts.placement.tp_rank());
-        let world = args.tp_world.unwrap_or(opts.placement.tp_world());
-        opts.placement =
-            Placement::new(rank, world).map_err(|e| usage(format!("--tp-rank {rank} --tp-world {world}: {e}")))?;
-    }
     let cfg = ModelConfig::from_file(&args.model).map_err(|e| usage(e.to_string()))?;
     let device = device(args.device.as_deref()).map_err(usage)?;
     let inputs = read_probe_inputs(&args.probes).map_err(|e| usage(e.to_string()))?;

@@ -227,3 +227,124 @@ fn each_tensor_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path
     assert!(String::from_utf8_lossy(&run.stderr).contains("num_attention_heads"));
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// `cargo xtask probe --ep-rank R --ep-world W` on every servable MoE
+/// fixture: each rank's file equals the pure path's answer for that rank
+/// (`lora_audit::probe_adapter_at`); an expert the rank does not hold
+/// answers zeros, the router and the dense weights answer the same on
+/// every rank, and the ranks' expert answers summed reassemble PEFT's
+/// oracle. An expert-parallel world the 4 experts do not divide is exit 2
+/// naming `num_experts`.
+#[test]
+fn each_expert_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path() {
+    use lora_audit::{LoraOptions, PROBE_OUT, WeightRef, parse_weight_name, prepare_adapter, probe_adapter_at};
+    use lora_layout::{ModelConfig, Placement};
+    let tmp = std::env::temp_dir().join(format!("xtask-probe-ep-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut expert_keys = 0;
+    let moe: Vec<_> = servable()
+        .into_iter()
+        .filter(|(model, _)| {
+            ModelConfig::from_file(&model.join("config.json"))
+                .unwrap()
+                .moe
+                .is_some()
+        })
+        .collect();
+    assert!(moe.len() >= 10, "the MoE fixture set shrank: {}", moe.len());
+    for (i, (model, adapter)) in moe.iter().enumerate() {
+        let name = adapter.strip_prefix(fixtures()).unwrap().display().to_string();
+        let cfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
+        let num_experts = cfg.moe.as_ref().unwrap().num_experts;
+        let oracle = read_oracle(&adapter.join("oracle.safetensors")).unwrap();
+        for world in [2usize, 4] {
+            let mut sum: std::collections::BTreeMap<String, Vec<f32>> = std::collections::BTreeMap::new();
+            for placement in Placement::SINGLE.with_experts(0, world).unwrap().expert_ranks() {
+                let rank = placement.ep_rank();
+                let out = tmp.join(format!("{i}-{world}-{rank}.safetensors"));
+                let mut cmd = xtask();
+                cmd.arg("probe")
+                    .arg(adapter)
+                    .arg("--model")
+                    .arg(model.join("config.json"))
+                    .arg("--probes")
+                    .arg(adapter.join("oracle.safetensors"))
+                    .arg("--out")
+                    .arg(&out)
+                    .args(["--device", "cpu", "--max-rank", "16", "--experts"])
+                    .args(["--ep-rank", &rank.to_string(), "--ep-world", &world.to_string()]);
+                let run = cmd.output().unwrap();
+                assert!(run.status.success(), "{name}: {}", String::from_utf8_lossy(&run.stderr));
+                let served = outputs(&out);
+                let opts = LoraOptions {
+                    placement,
+                    experts: true,
+                    max_rank: 16,
+                    ..LoraOptions::default()
+                };
+                let prepared = prepare_adapter(adapter, &cfg, &opts).unwrap();
+                let pure = probe_adapter_at(&prepared, &cfg, &oracle.inputs, None, placement).unwrap();
+                let held = placement.expert_range(num_experts).unwrap();
+                for (key, want) in &oracle.expected {
+                    let what = format!("{name} x{world} rank {rank} {key}");
+                    let part = &served[key];
+                    assert_eq!(part.shape, want.shape, "{what}");
+                    let err = rel_error(&part.data, &pure.tensors[key].data);
+                    assert!(
+                        err < 1e-3 || part.data == pure.tensors[key].data,
+                        "{what}: {err} against the pure path"
+                    );
+                    let weight = key.strip_prefix(PROBE_OUT).unwrap();
+                    let summed = match parse_weight_name(weight, &cfg).unwrap() {
+                        WeightRef::Expert { expert, .. } => {
+                            if !held.contains(&expert) {
+                                assert!(part.data.iter().all(|v| *v == 0.0), "{what}: another rank's expert");
+                            }
+                            true
+                        }
+                        WeightRef::Fused { .. } => {
+                            let per = part.data.len() / num_experts;
+                            for e in (0..num_experts).filter(|e| !held.contains(e)) {
+                                let block = &part.data[e * per..(e + 1) * per];
+                                assert!(block.iter().all(|v| *v == 0.0), "{what}: expert {e} is another rank's");
+                            }
+                            true
+                        }
+                        _ => false,
+                    };
+                    match sum.get_mut(key) {
+                        Some(s) if summed => s.iter_mut().zip(&part.data).for_each(|(a, b)| *a += b),
+                        Some(s) => assert_eq!(s, &part.data, "{what}: the same on every rank"),
+                        None => {
+                            sum.insert(key.clone(), part.data.clone());
+                        }
+                    }
+                    expert_keys += usize::from(summed);
+                }
+            }
+            for (key, got) in &sum {
+                let err = rel_error(got, &oracle.expected[key].data);
+                assert!(err < 1e-2, "{name} x{world} {key}: {err} against PEFT");
+            }
+        }
+    }
+    assert!(expert_keys > 0, "no expert probe was reassembled");
+    let model = fixtures().join("qwen3_moe");
+    let adapter = model.join("experts_fused_router");
+    let run = xtask()
+        .arg("probe")
+        .arg(&adapter)
+        .arg("--model")
+        .arg(model.join("config.json"))
+        .arg("--probes")
+        .arg(adapter.join("oracle.safetensors"))
+        .arg("--out")
+        .arg(tmp.join("never.safetensors"))
+        .args(["--device", "cpu", "--experts", "--ep-rank", "0", "--ep-world", "8"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("num_experts"));
+    assert!(!tmp.join("never.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&tmp);
+}

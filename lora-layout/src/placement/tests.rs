@@ -302,3 +302,68 @@ fn each_family_cuts_by_its_own_units() {
         }]
     );
 }
+
+proptest! {
+    /// Every expert is held by exactly one expert-parallel rank, in
+    /// contiguous blocks in rank order; the router by every rank; a count
+    /// that does not divide is refused naming `num_experts` on every rank.
+    #[test]
+    fn expert_parallel_ranks_cover_every_expert_exactly_once(
+        num_experts in 1usize..65,
+        ep_world in 1usize..9,
+        tp_world in 1usize..3,
+    ) {
+        let tp = Placement::new(0, tp_world).expect("placement");
+        let group = tp.with_experts(0, ep_world).expect("placement");
+        let mut holders = vec![0usize; num_experts];
+        let mut next = 0;
+        for rank in group.expert_ranks() {
+            prop_assert_eq!(rank.tp_world(), tp_world);
+            match rank.expert_range(num_experts) {
+                Ok(range) => {
+                    prop_assert!(num_experts.is_multiple_of(ep_world));
+                    prop_assert_eq!(range.start, next);
+                    prop_assert_eq!(range.len(), num_experts / ep_world);
+                    next = range.end;
+                    for (e, count) in holders.iter_mut().enumerate() {
+                        let site = ExpertSite::Expert { expert: e, proj: crate::ExpertProj::Down };
+                        let held = rank.holds_expert_site(site, num_experts).expect("divides");
+                        prop_assert_eq!(held, range.contains(&e));
+                        *count += usize::from(held);
+                    }
+                    prop_assert!(rank.holds_expert_site(ExpertSite::Router, num_experts).expect("divides"));
+                }
+                Err(e) => {
+                    prop_assert!(!num_experts.is_multiple_of(ep_world));
+                    prop_assert_eq!(e.clone(), PlacementError::IndivisibleExperts { num_experts, ep_world });
+                    prop_assert!(e.to_string().contains("num_experts"));
+                }
+            }
+        }
+        if num_experts.is_multiple_of(ep_world) {
+            prop_assert!(holders.iter().all(|&h| h == 1), "{:?}", holders);
+        }
+    }
+}
+
+#[test]
+fn an_expert_placement_needs_a_rank_below_a_positive_world() {
+    let tp = Placement::new(1, 2).expect("placement");
+    assert_eq!(tp.with_experts(0, 0), Err(PlacementError::ZeroExpertWorld));
+    assert_eq!(
+        tp.with_experts(4, 4),
+        Err(PlacementError::ExpertRankOutOfRange {
+            ep_rank: 4,
+            ep_world: 4
+        })
+    );
+    let p = tp.with_experts(3, 4).expect("placement");
+    assert_eq!((p.tp_rank(), p.tp_world(), p.ep_rank(), p.ep_world()), (1, 2, 3, 4));
+    assert_eq!(p.expert_range(8), Ok(6..8));
+    // The expert axis changes no dense shard.
+    let cfg = llama(4, 2, 32);
+    for m in LoraModule::ALL.into_iter().filter(|m| m.applies_to_layer(&cfg, 0)) {
+        assert_eq!(ModuleShard::of(m, &cfg, p), ModuleShard::of(m, &cfg, tp));
+    }
+    assert_eq!(Placement::SINGLE.expert_range(5), Ok(0..5));
+}
