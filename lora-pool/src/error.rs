@@ -45,6 +45,19 @@ pub enum PoolError {
         /// The world size.
         tp_world: usize,
     },
+    /// Peer landing into a tensor- or expert-parallel rank's pool: a peer
+    /// stages and a manifest lists whole pairs of every expert; per-rank
+    /// manifests are not built, so a rank's pool takes adapters from disk
+    /// (ranged reads of its own bytes) or its host tier only.
+    #[error(
+        "peer landing into a placed pool (tp_world {tp_world}, ep_world {ep_world}): peer manifests carry whole pairs, not a rank's shard"
+    )]
+    PlacedPeerLanding {
+        /// The tensor-parallel world size.
+        tp_world: usize,
+        /// The expert-parallel world size.
+        ep_world: usize,
+    },
     /// The device failed.
     #[error(transparent)]
     Kernel(#[from] KernelError),

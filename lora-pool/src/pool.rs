@@ -164,7 +164,7 @@ impl ScanRefusal {
 
 /// The adapter tensor the audit placed as `part` of pair `key` (the key's
 /// own name where the report holds no such pair).
-fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
+pub(crate) fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
     report
         .placed
         .iter()
@@ -805,6 +805,13 @@ impl<C: SlotCompanion> LoraPool<C> {
     ) -> Result<SwapReport, PoolError> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
+        }
+        let placement = self.opts.placement;
+        if placement != lora_layout::Placement::SINGLE {
+            return Err(PoolError::PlacedPeerLanding {
+                tp_world: placement.tp_world(),
+                ep_world: placement.ep_world(),
+            });
         }
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
@@ -1600,7 +1607,7 @@ fn staged_value(staging: &DeviceBuffer<bf16>, region: &lora_kernels::RepackRegio
 
 /// Whether an audit lets the adapter go straight from its file: servable,
 /// and dense pairs only.
-fn dense_only(report: &AuditReport) -> bool {
+pub(crate) fn dense_only(report: &AuditReport) -> bool {
     report.is_servable() && report.experts.is_empty() && report.overlay.is_empty()
 }
 

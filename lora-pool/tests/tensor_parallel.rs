@@ -407,3 +407,91 @@ fn expert_deltas_under_tensor_parallelism_are_refused_by_type() {
         "{err:?}"
     );
 }
+
+/// A copy of llama's `demo_r4_plain` whose layer-0 `q_proj` B has a NaN in
+/// output row 0: rank 0 of 2 holds that row, rank 1 does not.
+fn poisoned_in_rank_zeros_rows(tag: &str) -> (std::path::PathBuf, String) {
+    use lora_audit::{SafetensorsFile, TensorDtype};
+    let src = fixtures().join("llama").join("demo_r4_plain");
+    let dst = std::env::temp_dir().join(format!("lora-pool-tp-poison-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+    let weights = dst.join("adapter_model.safetensors");
+    let file = SafetensorsFile::open(&weights).unwrap();
+    let tensor = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight".to_string();
+    let (dtype, shape, offset, _) = file.tensor(&tensor).unwrap();
+    assert_eq!(shape[1], 4, "rank 4: element 3 is in row 0");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let at = offset as usize;
+    match dtype {
+        TensorDtype::F32 => bytes[at + 12..at + 16].copy_from_slice(&f32::NAN.to_le_bytes()),
+        TensorDtype::BF16 => bytes[at + 6..at + 8].copy_from_slice(&bf16::NAN.to_le_bytes()),
+        TensorDtype::F16 => bytes[at + 6..at + 8].copy_from_slice(&half::f16::NAN.to_le_bytes()),
+        other => panic!("{tensor}: unexpected dtype {other:?}"),
+    }
+    std::fs::write(&weights, bytes).unwrap();
+    (dst, tensor)
+}
+
+/// Disk swap and the host tier read only the rank's bytes (positioned
+/// reads of its shard, the header audited): a NaN in rows of a
+/// column-parallel B that only rank 0 holds is refused by rank 0, naming
+/// the tensor, and never seen by rank 1, which serves the adapter. Peer
+/// landing into a placed pool is refused by type.
+#[test]
+fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
+    use lora_pool::SlotId;
+    let cfg = model_config("llama");
+    let (bad, tensor) = poisoned_in_rank_zeros_rows("swap");
+    let clean = fixtures().join("llama").join("rslora");
+    let sources = [AdapterSource {
+        name: "clean",
+        dir: clean.as_path(),
+    }];
+    for p in Placement::new(0, 2).unwrap().ranks() {
+        let opts = LoraOptions {
+            rotatable: true,
+            host_tier_bytes: 1 << 24,
+            ..options(2, p)
+        };
+        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts, BatchCapacity::default(), &sources).unwrap();
+        let slot = SlotId::new(1);
+        let swapped = pool.swap_from_disk(slot, "bad", &bad);
+        pool.prefetch("bad-tier", &bad).unwrap();
+        pool.wait_for_prefetch();
+        let events = pool.prefetch_events();
+        let tiered = events.iter().find(|e| e.name == "bad-tier").map(|e| &e.outcome);
+        if p.tp_rank() == 0 {
+            for err in [
+                swapped.err().map(|e| e.to_string()),
+                tiered.and_then(|o| o.as_ref().err()).map(|e| e.to_string()),
+            ] {
+                let err = err.expect("rank 0 holds the NaN row: refused");
+                assert!(err.contains("non-finite") && err.contains(&tensor), "{err}");
+            }
+        } else {
+            swapped.expect("rank 1 never reads row 0");
+            assert!(matches!(tiered, Some(Ok(_))), "{tiered:?}");
+            assert!(pool.acquire("bad").is_ok());
+        }
+        let landed = pool.publish_landed(
+            SlotId::new(0),
+            "peer",
+            lora_pool::image::SlotImage::zeroed(pool.layout()),
+            None,
+        );
+        assert!(
+            matches!(
+                landed,
+                Err(PoolError::PlacedPeerLanding {
+                    tp_world: 2,
+                    ep_world: 1
+                })
+            ),
+            "{landed:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&bad);
+}
