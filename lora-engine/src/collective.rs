@@ -2,7 +2,8 @@
 //! rank's forward calls where the base model's row-parallel projections
 //! (o_proj, down_proj) leave partial sums, and [`HostCollective`], the
 //! host implementation for ranks run as threads of one process (the CPU
-//! backend's tensor-parallel runs and their tests).
+//! backend's tensor-parallel runs and their tests), and [`NcclCollective`],
+//! the same collectives through NCCL on each rank's GPU.
 //!
 //! A rank adds its LoRA deltas to its partial base output before the
 //! all-reduce (row-parallel deltas are partial sums too), so the deltas
@@ -12,6 +13,8 @@
 //! forward: the forward calls it; and it must never compute a delta.
 
 use std::sync::{Arc, Barrier, Mutex, PoisonError};
+
+use lora_kernels::{Device, NcclComm};
 
 use crate::error::EngineError;
 
@@ -131,6 +134,72 @@ impl Collective for HostCollective {
                 dst.copy_from_slice(p);
             }
         })
+    }
+}
+
+/// The collectives through an NCCL communicator on the rank's CUDA
+/// device: the host values go up, NCCL reduces or gathers them on the
+/// device's stream, the result comes back (the reference engine keeps its
+/// activations on the host).
+#[derive(Debug)]
+pub struct NcclCollective {
+    comm: Mutex<NcclComm>,
+    device: Device,
+}
+
+impl NcclCollective {
+    /// The collectives of `comm`, a communicator on `device`.
+    pub fn new(comm: NcclComm, device: &Device) -> NcclCollective {
+        NcclCollective {
+            comm: Mutex::new(comm),
+            device: device.clone(),
+        }
+    }
+}
+
+fn nccl_failed(e: lora_kernels::KernelError) -> EngineError {
+    EngineError::Collective(e.to_string())
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner).rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner).world()
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), EngineError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let mut dev = self.device.upload(buf).map_err(nccl_failed)?;
+        let mut comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        comm.all_reduce_sum(&mut dev, buf.len()).map_err(nccl_failed)?;
+        buf.copy_from_slice(&dev.download().map_err(nccl_failed)?);
+        Ok(())
+    }
+
+    fn all_gather(&self, part: &[f32], out: &mut [f32]) -> Result<(), EngineError> {
+        let mut comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        if out.len() != part.len() * comm.world() {
+            return Err(EngineError::Collective(format!(
+                "all_gather of {} values into {} for {} ranks",
+                part.len(),
+                out.len(),
+                comm.world()
+            )));
+        }
+        if part.is_empty() {
+            return Ok(());
+        }
+        let dev_part = self.device.upload(part).map_err(nccl_failed)?;
+        let mut dev_out = self.device.alloc_zeros::<f32>(out.len()).map_err(nccl_failed)?;
+        comm.all_gather(&dev_part, part.len(), &mut dev_out)
+            .map_err(nccl_failed)?;
+        out.copy_from_slice(&dev_out.download().map_err(nccl_failed)?);
+        Ok(())
     }
 }
 

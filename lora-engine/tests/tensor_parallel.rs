@@ -178,3 +178,47 @@ fn a_tensor_parallel_engine_needs_its_collective_and_a_dense_model() {
     let err = Engine::load_rank(&moe, &[], &Device::cpu(), options(1, p), EngineOptions::default(), c).unwrap_err();
     assert!(matches!(err, EngineError::NotTensorParallel { .. }), "{err}");
 }
+
+/// The engine as rank 0 of a one-rank NCCL group on one GPU: every
+/// all-reduce goes through NCCL, and the outputs equal `Engine::load`'s on
+/// the same device.
+#[test]
+#[ignore = "needs a GPU with libnccl: run with --include-ignored where CUDA is usable"]
+fn a_one_rank_nccl_group_serves_as_the_engine_does_on_one_gpu() {
+    use lora_engine::NcclCollective;
+    use lora_kernels::{KernelError, NcclComm};
+    let Some(device) =
+        lora_kernels::testing::cuda_or_skip("a_one_rank_nccl_group_serves_as_the_engine_does_on_one_gpu")
+    else {
+        return;
+    };
+    let comm = match NcclComm::one_rank(&device) {
+        Err(KernelError::NcclMissing) if std::env::var_os("LORA_REQUIRE_GPU").is_none() => {
+            eprintln!("SKIPPED: libnccl is not present");
+            return;
+        }
+        other => other.expect("one-rank communicator"),
+    };
+    let family = "llama";
+    let dir = family_dir(family).join("model");
+    let adapters = adapters(family);
+    let reqs = requests(family);
+    let max_loras = adapters.len();
+    let lora = || options(max_loras, Placement::SINGLE);
+    let one = serve(
+        Engine::load(&dir, &adapters, &device, lora(), EngineOptions::default()),
+        &reqs,
+        family,
+    );
+    let c: Arc<dyn Collective> = Arc::new(NcclCollective::new(comm, &device));
+    let nccl = serve(
+        Engine::load_rank(&dir, &adapters, &device, lora(), EngineOptions::default(), c),
+        &reqs,
+        "nccl",
+    );
+    for (i, (got, want)) in nccl.iter().zip(&one).enumerate() {
+        assert_eq!(got.tokens, want.tokens, "request {i}");
+        let err = rel_error(&got.logits_prompt, &want.logits_prompt);
+        assert!(err < TP_TOL, "request {i}: {err}");
+    }
+}

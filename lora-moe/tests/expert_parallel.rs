@@ -46,7 +46,7 @@ fn ranks(world: usize) -> Vec<Placement> {
         .collect()
 }
 
-fn load(model: &str, names: &[String], placement: Placement) -> Result<LoraPool, PoolError> {
+fn load(device: &Device, model: &str, names: &[String], placement: Placement) -> Result<LoraPool, PoolError> {
     let dirs: Vec<_> = names.iter().map(|a| fixtures().join(model).join(a)).collect();
     let sources: Vec<AdapterSource<'_>> = names
         .iter()
@@ -54,7 +54,7 @@ fn load(model: &str, names: &[String], placement: Placement) -> Result<LoraPool,
         .map(|(name, dir)| AdapterSource { name, dir })
         .collect();
     LoraPool::load(
-        &Device::cpu(),
+        device,
         model_config(model),
         options(names.len(), placement),
         BatchCapacity::default(),
@@ -98,6 +98,22 @@ fn zero_outside(cfg: &ModelConfig, weight: &str, t: &ProbeTensor, held: &std::op
 
 #[test]
 fn expert_parallel_ranks_cover_every_expert_once_and_reassemble_the_peft_oracle() {
+    ranks_reassemble_the_peft_oracle(&Device::cpu());
+}
+
+/// The same checks with every rank's pool on one GPU, through the CUDA
+/// MoE kernels.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn expert_parallel_ranks_reassemble_the_peft_oracle_on_one_gpu() {
+    if let Some(device) =
+        lora_kernels::testing::cuda_or_skip("expert_parallel_ranks_reassemble_the_peft_oracle_on_one_gpu")
+    {
+        ranks_reassemble_the_peft_oracle(&device);
+    }
+}
+
+fn ranks_reassemble_the_peft_oracle(device: &Device) {
     let mut checked = BTreeMap::new();
     for model in MOE_MODELS {
         let cfg = model_config(model);
@@ -109,7 +125,7 @@ fn expert_parallel_ranks_cover_every_expert_once_and_reassemble_the_peft_oracle(
         for world in WORLDS {
             if !num_experts.is_multiple_of(world) {
                 for p in ranks(world) {
-                    let err = load(model, &names, p)
+                    let err = load(device, model, &names, p)
                         .err()
                         .expect("a pool for experts that do not divide");
                     assert!(err.to_string().contains("num_experts"), "{model} x{world}: {err}");
@@ -122,7 +138,7 @@ fn expert_parallel_ranks_cover_every_expert_once_and_reassemble_the_peft_oracle(
             }
             let mut pools: Vec<LoraPool> = ranks(world)
                 .into_iter()
-                .map(|p| load(model, &names, p).unwrap())
+                .map(|p| load(device, model, &names, p).unwrap())
                 .collect();
             for (name, oracle) in names.iter().zip(&oracles) {
                 let what = format!("{model}/{name} x{world}");
@@ -248,7 +264,10 @@ fn the_per_token_adapter_map_lands_on_the_receiving_rank() {
     use lora_pool::StepRow;
     let model = "qwen3_moe";
     let names = servable_adapters(model);
-    let mut pools: Vec<LoraPool> = ranks(2).into_iter().map(|p| load(model, &names, p).unwrap()).collect();
+    let mut pools: Vec<LoraPool> = ranks(2)
+        .into_iter()
+        .map(|p| load(&Device::cpu(), model, &names, p).unwrap())
+        .collect();
     let top_k = pools[0].config().moe.as_ref().unwrap().top_k;
     let mut moes: Vec<MoeLora> = pools
         .iter()

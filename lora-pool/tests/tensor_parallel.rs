@@ -221,7 +221,13 @@ fn reassembled(
     full
 }
 
-fn load_ranks(cfg: &ModelConfig, family: &str, adapters: &[String], world: usize) -> Result<Vec<LoraPool>, PoolError> {
+fn load_ranks(
+    device: &Device,
+    cfg: &ModelConfig,
+    family: &str,
+    adapters: &[String],
+    world: usize,
+) -> Result<Vec<LoraPool>, PoolError> {
     let root = fixtures().join(family);
     let dirs: Vec<_> = adapters.iter().map(|a| root.join(a)).collect();
     let sources: Vec<_> = adapters
@@ -237,7 +243,7 @@ fn load_ranks(cfg: &ModelConfig, family: &str, adapters: &[String], world: usize
         .ranks()
         .map(|p| {
             LoraPool::load(
-                &Device::cpu(),
+                device,
                 cfg.clone(),
                 options(adapters.len(), p),
                 BatchCapacity::default(),
@@ -249,6 +255,22 @@ fn load_ranks(cfg: &ModelConfig, family: &str, adapters: &[String], world: usize
 
 #[test]
 fn every_ranks_shard_reassembles_the_peft_oracle_across_world_sizes() {
+    ranks_reassemble_the_peft_oracle(&Device::cpu());
+}
+
+/// The same checks with every rank's pool on one GPU (`world` pools on one
+/// device as `world` ranks), through the CUDA kernels.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn every_ranks_shard_reassembles_the_peft_oracle_on_one_gpu() {
+    if let Some(device) =
+        lora_kernels::testing::cuda_or_skip("every_ranks_shard_reassembles_the_peft_oracle_on_one_gpu")
+    {
+        ranks_reassemble_the_peft_oracle(&device);
+    }
+}
+
+fn ranks_reassemble_the_peft_oracle(device: &Device) {
     let mut served = BTreeMap::new();
     for family in families() {
         let cfg = model_config(&family);
@@ -269,7 +291,7 @@ fn every_ranks_shard_reassembles_the_peft_oracle_across_world_sizes() {
                     matches!(expected, LayoutError::Placement(PlacementError::Indivisible { .. })),
                     "{family} x{world}: {expected}"
                 );
-                let Err(err) = load_ranks(&cfg, &family, &adapters, world) else {
+                let Err(err) = load_ranks(device, &cfg, &family, &adapters, world) else {
                     panic!("{family} x{world}: a pool was built for a cut that does not divide");
                 };
                 // Startup load audits first, and the audit sizes the rank's
@@ -289,7 +311,7 @@ fn every_ranks_shard_reassembles_the_peft_oracle_across_world_sizes() {
                     .push(format!("x{world} refused: {err}"));
                 continue;
             }
-            let mut pools = load_ranks(&cfg, &family, &adapters, world).unwrap();
+            let mut pools = load_ranks(device, &cfg, &family, &adapters, world).unwrap();
             // Slot bytes add up (see the crate doc).
             let unsharded = SlotLayout::new(&cfg, MAX_RANK).unwrap();
             let expected_bytes: usize = unsharded
