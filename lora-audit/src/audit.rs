@@ -786,6 +786,7 @@ impl<'a> Audit<'a> {
         let slot_bytes = SlotLayout::with_placement(self.cfg, self.opts.max_rank, self.opts.placement)?.slot_bytes();
         // An expert-parallel rank places its own experts and the
         // (replicated) router; the others are audited, never loaded.
+        let group_expert_pairs = self.experts.len();
         if let Some(moe) = self.cfg.moe.as_ref() {
             let placement = self.opts.placement;
             let range = placement
@@ -813,6 +814,7 @@ impl<'a> Audit<'a> {
             skipped,
             refused,
             has_expert_deltas: self.has_expert_deltas,
+            group_expert_pairs,
             slot_bytes,
             expert_bytes,
             max_rank: self.opts.max_rank,

@@ -150,6 +150,12 @@ pub struct AuditReport {
     /// Whether the adapter has routed-expert or router tensors at all
     /// (placed or skipped): a request for it must fold them or be refused.
     pub has_expert_deltas: bool,
+    /// Expert and router pairs placed across the whole expert-parallel
+    /// group: `experts.len()` at `ep_world` 1; under expert parallelism
+    /// also the other ranks' experts, which `experts` leaves out. Above 0,
+    /// a token of this adapter carries its slot in the per-token map on
+    /// every rank, whichever rank folds it.
+    pub group_expert_pairs: usize,
     /// Bytes of one slot of the dense pool at `max_rank`, for the options'
     /// tensor-parallel rank (`lora_layout::SlotLayout::with_placement`).
     pub slot_bytes: usize,

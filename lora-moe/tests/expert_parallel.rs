@@ -298,3 +298,54 @@ fn the_per_token_adapter_map_lands_on_the_receiving_rank() {
     assert!(moes[1].receive_dispatch_map(pool1, &step1, 9).is_err());
     assert!(moes[1].receive_dispatch_map(pool1, &step, 1).is_err());
 }
+
+/// An adapter whose experts all sit in rank 0's block, without a router
+/// delta: ranks 1..3 hold none of its pairs, yet their steps fold it
+/// (route `Fold`) and their per-token map names its slot, so the tokens
+/// they dispatch to rank 0 carry it there.
+#[test]
+fn a_rank_without_the_adapters_experts_still_maps_its_tokens_to_the_slot() {
+    use common::synthetic::{CONFIG, Spec, TempDir, write_adapter};
+    use lora_layout::{ExpertProj, MoeLoraRoute};
+    use lora_moe::{MoeCapacity, MoeLora};
+    use lora_pool::{Step, StepRow};
+    let cfg = ModelConfig::from_hf_config(CONFIG).unwrap();
+    let tmp = TempDir::new("ep-block");
+    let spec = Spec {
+        name: "first-block-down",
+        rank: 8,
+        alpha: 16.0,
+        sites: (0..4).map(|e| (e, ExpertProj::Down)).collect(),
+        router: false,
+    };
+    let dir = write_adapter(&tmp.0, &cfg, &spec, 7);
+    for p in ranks(4) {
+        let opts = options(1, p);
+        let report = audit_adapter(&dir, &cfg, &opts).unwrap();
+        assert_eq!(
+            report.group_expert_pairs,
+            4 * moe_layer_count(&cfg),
+            "rank {}",
+            p.ep_rank()
+        );
+        assert_eq!(report.experts.is_empty(), p.ep_rank() != 0, "rank {}", p.ep_rank());
+        let sources = [AdapterSource {
+            name: spec.name,
+            dir: dir.as_path(),
+        }];
+        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts, BatchCapacity::default(), &sources).unwrap();
+        let lease = pool.acquire(spec.name).unwrap();
+        let slot = lease.slot().index();
+        let step = pool.decode_step(&[StepRow::Adapter(&lease), StepRow::Base], 2).unwrap();
+        assert_eq!(step.moe_routes(), [MoeLoraRoute::Fold { slot }, MoeLoraRoute::Skip]);
+        let top_k = cfg.moe.as_ref().unwrap().top_k;
+        let mut moe = MoeLora::new(&pool, MoeCapacity::for_tokens(4, top_k)).unwrap();
+        moe.set_decode_step(&pool, &step).unwrap();
+        let (map, n) = moe.dispatch_map().unwrap();
+        assert_eq!(map.download().unwrap()[..n], [slot as i32, -1], "rank {}", p.ep_rank());
+    }
+}
+
+fn moe_layer_count(cfg: &ModelConfig) -> usize {
+    (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).count()
+}

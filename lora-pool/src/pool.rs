@@ -117,6 +117,9 @@ struct Staged<S> {
     dense: DenseSource,
     dense_pairs: Vec<PairMeta>,
     experts: Option<Arc<(ExpertLayout, SlotImage)>>,
+    /// Expert or router pairs on some rank of the expert-parallel group
+    /// (`AdapterSlot::group_expert_deltas`).
+    group_expert_deltas: bool,
     companion: Option<S>,
     has_overlay: bool,
 }
@@ -683,6 +686,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::HostTier,
             dense_pairs: image.dense_pairs.clone(),
             experts: image.experts.clone(),
+            group_expert_deltas: image.group_expert_deltas,
             companion: Some(companion),
             has_overlay: image.has_overlay,
             dense: DenseSource::Host(image),
@@ -842,6 +846,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::Landed,
             dense_pairs: dense.pairs().to_vec(),
             dense: DenseSource::Image(dense),
+            group_expert_deltas: experts.is_some(),
             experts: experts.map(Arc::new),
             companion: None,
             has_overlay: false,
@@ -935,6 +940,9 @@ impl<C: SlotCompanion> LoraPool<C> {
         // the device scans the bytes it was given as they are; the host
         // packer checks each pair as it converts it.
         let dense_pairs = plan.metas().to_vec();
+        // An expert-parallel rank may hold none of the adapter's experts:
+        // its tokens still carry the slot to the ranks that do.
+        let group_expert_deltas = report.group_expert_pairs > 0;
         let (dense, route) = match regions {
             Some(regions) => {
                 // Queued behind the copies, not waited for: publish gates
@@ -985,6 +993,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             dense,
             dense_pairs,
             experts: None,
+            group_expert_deltas,
             companion: Some(companion),
             has_overlay: false,
         };
@@ -1025,6 +1034,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::Prepared,
             dense: DenseSource::Staging,
             dense_pairs,
+            group_expert_deltas: experts.is_some() || adapter.report.group_expert_pairs > 0,
             experts: experts.map(Arc::new),
             companion: Some(companion),
             has_overlay: !adapter.overlay.is_empty(),
@@ -1123,6 +1133,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             generation: 0,
             pairs: staged.dense_pairs.clone(),
             expert_pairs,
+            group_expert_deltas: staged.group_expert_deltas && self.experts.is_some(),
             has_overlay: staged.has_overlay,
             unservable: false,
         };

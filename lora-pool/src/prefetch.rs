@@ -230,6 +230,7 @@ impl Packer {
             stamp,
             dense,
             dense_pairs: plan.metas().to_vec(),
+            group_expert_deltas: experts.is_some() || adapter.report.group_expert_pairs > 0,
             experts,
             has_overlay: !adapter.overlay.is_empty(),
             overlay: adapter.overlay,
@@ -298,6 +299,7 @@ impl Packer {
             dense,
             dense_pairs: plan.metas().to_vec(),
             experts: None,
+            group_expert_deltas: report.group_expert_pairs > 0,
             has_overlay: false,
             overlay: HostOverlay::none(self.cfg.hidden_size),
         }))
