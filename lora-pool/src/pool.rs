@@ -435,12 +435,13 @@ impl<C: SlotCompanion> LoraPool<C> {
             });
         }
         check_unique_names(adapters)?;
-        // The audit alone sizes the expert pool; the tensors are read once,
-        // when each adapter is staged.
+        // The audit of each header alone sizes the expert pool; the tensors
+        // are read once, when each adapter is staged (a rank's pool: only
+        // its shard's bytes of a dense-only adapter).
         let expert_bytes = adapters
             .iter()
             .map(|a| {
-                let report = audit_adapter(a.dir, &cfg, &opts).map_err(audit_err(a.name))?;
+                let report = header_report(a.dir, &cfg, &opts).map_err(audit_err(a.name))?;
                 Ok(if report.is_servable() { report.expert_bytes } else { 0 })
             })
             .collect::<Result<Vec<usize>, PoolError>>()?
@@ -1618,6 +1619,23 @@ fn staged_value(staging: &DeviceBuffer<bf16>, region: &lora_kernels::RepackRegio
 
 /// Whether an audit lets the adapter go straight from its file: servable,
 /// and dense pairs only.
+/// The audit of the adapter in `dir` from its safetensors header and
+/// config alone (no tensor value read), or the full audit when it has no
+/// safetensors file (a pickle is refused there).
+fn header_report(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Result<AuditReport, AuditError> {
+    let weights = dir.join(ADAPTER_WEIGHTS);
+    if !weights.is_file() {
+        return audit_adapter(dir, cfg, opts);
+    }
+    let config_path = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&config_path).map_err(|e| AuditError::Io {
+        path: config_path.display().to_string(),
+        source: e,
+    })?;
+    let file = UnparsedSafetensors::open(&weights)?.parse()?;
+    audit_header(&dir.display().to_string(), &text, file.infos(), cfg, opts)
+}
+
 pub(crate) fn dense_only(report: &AuditReport) -> bool {
     report.is_servable() && report.experts.is_empty() && report.overlay.is_empty()
 }

@@ -457,8 +457,8 @@ fn poisoned_in_rank_zeros_rows(tag: &str) -> (std::path::PathBuf, String) {
     (dst, tensor)
 }
 
-/// Disk swap and the host tier read only the rank's bytes (positioned
-/// reads of its shard, the header audited): a NaN in rows of a
+/// Startup load, disk swap and the host tier read only the rank's bytes
+/// (positioned reads of its shard, the header audited): a NaN in rows of a
 /// column-parallel B that only rank 0 holds is refused by rank 0, naming
 /// the tensor, and never seen by rank 1, which serves the adapter. Peer
 /// landing into a placed pool is refused by type.
@@ -497,6 +497,24 @@ fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
             swapped.expect("rank 1 never reads row 0");
             assert!(matches!(tiered, Some(Ok(_))), "{tiered:?}");
             assert!(pool.acquire("bad").is_ok());
+        }
+        // Startup load: the header audit sizes the pool, the rank's bytes
+        // are read once, when staged.
+        let poisoned = [AdapterSource {
+            name: "bad",
+            dir: bad.as_path(),
+        }];
+        let loaded = LoraPool::load(
+            &Device::cpu(),
+            cfg.clone(),
+            options(1, p),
+            BatchCapacity::default(),
+            &poisoned,
+        );
+        match (p.tp_rank(), loaded) {
+            (0, Err(err)) => assert!(err.to_string().contains(&tensor), "{err}"),
+            (0, Ok(_)) => panic!("rank 0 loaded a NaN it holds"),
+            (_, loaded) => assert!(loaded.is_ok(), "rank 1 never reads row 0: {:?}", loaded.err()),
         }
         let landed = pool.publish_landed(
             SlotId::new(0),
