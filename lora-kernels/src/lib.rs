@@ -53,7 +53,7 @@ mod table;
 pub mod testing;
 
 pub use buffer::{DeviceBuffer, DeviceElem, PinnedHostBuffer};
-pub use device::{Device, DeviceKind, compile_all_kernels, kernel_sources};
+pub use device::{Device, DeviceKind, Lane, compile_all_kernels, kernel_sources};
 pub use error::{FaultFlags, KernelError};
 pub use graph::{DeviceEvent, DeviceGraph};
 pub use ops::bgmv::plan::{Chain, DecodeForm, DecodePlan, EntryKernel, FusedForm, ItemList, TwoPhaseForm};

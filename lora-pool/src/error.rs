@@ -74,6 +74,17 @@ pub enum PoolError {
         /// Live leases.
         leases: u32,
     },
+    /// A swap begun with [`crate::LoraPool::begin_swap`] is still landing:
+    /// finish it ([`crate::LoraPool::finish_swap`]) before the next swap,
+    /// eviction or landing.
+    #[error("a swap into slot {slot} is still landing; finish it first")]
+    SwapPending {
+        /// The slot the pending swap writes.
+        slot: SlotId,
+    },
+    /// [`crate::LoraPool::finish_swap`] with no swap begun.
+    #[error("no swap is pending")]
+    NoPendingSwap,
     /// A slot is pinned and promotion may not evict it.
     #[error("slot {0} is pinned")]
     Pinned(usize),

@@ -13,9 +13,9 @@ use lora_audit::{
     UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
-    DecodeOptions, DecodePlan, Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion,
-    Rows, RowsMut, Segments, ValueScan, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with, one_adapter,
-    repack_if_finite, sgmv,
+    DecodeOptions, DecodePlan, Device, DeviceBuffer, Lane, LoraTarget, LoraWorkspace, OutputElem, PairEntry,
+    RepackRegion, Rows, RowsMut, Segments, ValueScan, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with,
+    one_adapter, repack_if_finite, sgmv,
 };
 use lora_layout::{
     ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
@@ -217,6 +217,37 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     /// with the prefetch worker that fills it.
     tier: Option<Arc<Mutex<HostTier>>>,
     prefetcher: Option<Prefetcher>,
+    /// A swap whose slot bytes are queued on the copy lane, not yet
+    /// published ([`LoraPool::begin_swap`]).
+    pending: Option<Pending<C::Staged>>,
+}
+
+/// A swap between its two halves: the slot's bytes queued on the copy lane,
+/// its tables, companion and registry entry not yet written.
+struct Pending<S> {
+    slot: SlotId,
+    staged: Staged<S>,
+    /// The slot's new pair table, built while the device copied.
+    table: Vec<PairEntry>,
+    /// The slot's registry entry before the swap (restored on a value-scan
+    /// refusal: the gated repack wrote no slot byte).
+    previous: AdapterSlot,
+    /// Recorded on the copy lane after the slot's last write.
+    landed: lora_kernels::DeviceEvent,
+    started: std::time::Instant,
+    stage_us: f64,
+    audit_us: f64,
+}
+
+impl<C: SlotCompanion> Drop for LoraPool<C> {
+    fn drop(&mut self) {
+        // A begun swap's copies may still write the slot pool and read the
+        // staging buffers: let them finish before the buffers are freed. A
+        // failed wait means the context is gone, and the memory with it.
+        if self.pending.is_some() {
+            let _ = self.device.synchronize();
+        }
+    }
 }
 
 /// The step a row buffer currently holds.
@@ -397,6 +428,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             staging: Staging::new(device, &layout, StagingTuning::default())?,
             tier,
             prefetcher,
+            pending: None,
             layout,
             cfg,
             opts,
@@ -572,31 +604,63 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// files, a refused adapter, a rank over `max_rank`, no memory, a slot in
     /// use — leaves every slot serving what it served, bit for bit.
     pub fn swap_from_disk(&mut self, slot: SlotId, name: &str, dir: &Path) -> Result<SwapReport, PoolError> {
+        self.begin_swap(slot, name, dir)?;
+        self.finish_swap()
+    }
+
+    /// The first half of [`LoraPool::swap_from_disk`]: stage `name` (from
+    /// the host tier, or read and audited from `dir`) and queue its slot
+    /// bytes on the device's copy lane, behind the work already queued on
+    /// the compute lane, then return without waiting for them. Decode
+    /// graphs and steps over the other slots go on meanwhile; `slot` is
+    /// unservable until [`LoraPool::finish_swap`] publishes it, and any
+    /// other swap, eviction or landing is refused (`SwapPending`) until
+    /// then. Refusals are as `swap_from_disk`'s, and leave every slot as it
+    /// was (a value the device scan finds not finite is reported by
+    /// `finish_swap`, which then restores the slot). Returns the route.
+    pub fn begin_swap(&mut self, slot: SlotId, name: &str, dir: &Path) -> Result<SwapRoute, PoolError> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
         let started = std::time::Instant::now();
         if let Some(image) = self.tier_image(name, dir) {
             let staged = self.stage_from_tier(name, image)?;
             let stage_us = started.elapsed().as_secs_f64() * 1e6;
-            let mut report = self.publish(slot, staged)?;
-            report.stage_us = stage_us;
-            return Ok(report);
+            self.begin_publish(slot, staged, stage_us, 0.0)?;
+            return Ok(SwapRoute::HostTier);
         }
         let (staged, audit_us) = self.stage_from_dir(name, dir)?;
         let stage_us = started.elapsed().as_secs_f64() * 1e6;
-        let mut report = self.publish(slot, staged)?;
-        report.stage_us = stage_us;
-        report.audit_us = audit_us;
+        let route = staged.route;
+        self.begin_publish(slot, staged, stage_us, audit_us)?;
         // The host tier fills on the way: the worker packs the adapter there,
         // off this path (its event comes as a prefetch's would).
         if let Some(prefetcher) = &self.prefetcher {
-            // A stopped worker only means no tier fill; the swap is done.
+            // A stopped worker only means no tier fill; the swap goes on.
             let _ = prefetcher.request(name, dir);
         }
-        Ok(report)
+        Ok(route)
+    }
+
+    /// Whether the begun swap's slot bytes have landed on the device, so
+    /// that [`LoraPool::finish_swap`] will not make the compute lane wait
+    /// (never waits; `None` when no swap is pending).
+    pub fn swap_landed(&self) -> Result<Option<bool>, PoolError> {
+        match &self.pending {
+            Some(p) => Ok(Some(p.landed.is_done()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The second half of a begun swap: publish it (tables, expert pool,
+    /// companion and registry, on the compute lane, which waits on the
+    /// device for the slot's bytes; the host waits only for a device-repack
+    /// route's value scan). `NoPendingSwap` when none was begun.
+    pub fn finish_swap(&mut self) -> Result<SwapReport, PoolError> {
+        self.finish_publish()
     }
 
     /// Queue `name` from `dir` for the host tier: a worker thread audits,
@@ -683,6 +747,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// staging slot may go there as it is and be placed by a device repack.
     /// What ends up in a slot is the same on every setting.
     pub fn tune_staging(&mut self, tuning: StagingTuning) -> Result<(), PoolError> {
+        self.check_no_pending()?;
         self.device.synchronize()?;
         self.staging.retune(&self.device, &self.layout, tuning)
     }
@@ -702,6 +767,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
         let staged = self.stage(name, adapter)?;
@@ -743,6 +809,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         self.release_dropped_rows(slot)?;
         let s = slot.index();
@@ -793,6 +860,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
         if name.is_empty() {
@@ -919,6 +987,7 @@ impl<C: SlotCompanion> LoraPool<C> {
                 // its repack on the answer and reads it once, after.
                 let scan = lora_kernels::queue_value_scan(
                     &self.device,
+                    Lane::Copy,
                     &self.staging.device,
                     raw_len,
                     &regions,
@@ -1009,13 +1078,29 @@ impl<C: SlotCompanion> LoraPool<C> {
         })
     }
 
-    /// Phase two: write the staged adapter into `slot` and make it live.
-    /// Only device failures can stop it now. What can fail without writing
-    /// is done first; from the first device write on, a failure leaves the
-    /// slot empty and unservable (no lease, step or route can name it)
-    /// until a later swap into it succeeds.
-    fn publish(&mut self, slot: SlotId, mut staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
+    /// Phase two: write the staged adapter into `slot` and make it live
+    /// ([`Self::begin_publish`], then [`Self::finish_publish`]).
+    fn publish(&mut self, slot: SlotId, staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
+        self.begin_publish(slot, staged, 0.0, 0.0)?;
+        self.finish_publish()
+    }
+
+    /// Phase two, first half: queue the slot's bytes on the copy lane,
+    /// behind everything the compute lane was given before (a kernel still
+    /// reading the slot's old bytes for a step already dropped), and keep
+    /// the rest for [`Self::finish_publish`]. What can fail without writing
+    /// is done first; from the first device write on, the slot is
+    /// unservable (no lease, step or route can name it) until a publish
+    /// into it finishes.
+    fn begin_publish(
+        &mut self,
+        slot: SlotId,
+        mut staged: Staged<C::Staged>,
+        stage_us: f64,
+        audit_us: f64,
+    ) -> Result<(), PoolError> {
         let started = std::time::Instant::now();
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         let s = slot.index();
         let elems = self.layout.slot_bytes() / 2;
@@ -1028,22 +1113,24 @@ impl<C: SlotCompanion> LoraPool<C> {
             }
         }
         // The slot's new table, built on the host while the device may still
-        // be copying (a raw-route swap waits for the device just below).
+        // be copying.
         let table = self.table_with_slot(s, base_addr, &staged.dense_pairs);
-        if let DenseSource::Raw {
-            regions,
-            bytes,
-            scan,
-            refusal,
-        } = &staged.dense
-        {
-            // The repack is queued gated on the value scan, and the scan's
-            // answer read after it: one wait, behind the copies, the scan and
-            // the repack. On a value that is not finite the device wrote
-            // nothing, so the slot is restored as it was.
-            let previous = self.registry.slots()[s].clone();
-            self.registry.mark_unservable(s);
-            repack_if_finite(
+        let previous = self.registry.slots()[s].clone();
+        // A replay of a dropped step's graph must not read the slot while
+        // the copy lane rewrites it: its rows go back to base rows first.
+        self.release_dropped_rows(slot)?;
+        self.registry.mark_unservable(s);
+        let ready = self.device.record_event_on(Lane::Compute)?;
+        self.device.wait_event(Lane::Copy, &ready)?;
+        match &staged.dense {
+            DenseSource::Staging => self
+                .weights
+                .copy_from_on(Lane::Copy, base, &self.staging.device, 0, elems)?,
+            // Gated on the value scan on the device: on a value that is not
+            // finite it writes nothing, and finish restores the slot.
+            DenseSource::Raw {
+                regions, bytes, scan, ..
+            } => repack_if_finite(
                 &self.device,
                 scan,
                 &self.staging.hits,
@@ -1052,7 +1139,48 @@ impl<C: SlotCompanion> LoraPool<C> {
                 regions,
                 &mut self.staging.regions,
                 &mut self.weights,
-            )?;
+            )?,
+            DenseSource::Image(image) => self.weights.write_on(Lane::Copy, base, image.as_elems())?,
+            DenseSource::Host(image) => self.weights.upload_pinned_on(Lane::Copy, base, &image.dense)?,
+        }
+        let landed = self.device.record_event_on(Lane::Copy)?;
+        self.pending = Some(Pending {
+            slot,
+            staged,
+            table,
+            previous,
+            landed,
+            started,
+            stage_us,
+            audit_us,
+        });
+        Ok(())
+    }
+
+    /// Phase two, second half: once the slot's bytes are queued (the
+    /// compute lane waits for them on the device, the host only for a
+    /// value scan's answer), write the tables, the expert pool and the
+    /// companion on the compute lane and make the slot live.
+    fn finish_publish(&mut self) -> Result<SwapReport, PoolError> {
+        let Some(Pending {
+            slot,
+            staged,
+            table,
+            previous,
+            landed,
+            started,
+            stage_us,
+            audit_us,
+        }) = self.pending.take()
+        else {
+            return Err(PoolError::NoPendingSwap);
+        };
+        let s = slot.index();
+        if let DenseSource::Raw {
+            regions, scan, refusal, ..
+        } = &staged.dense
+        {
+            // Waits for the copies, the scan and the gated repack.
             let found = scan.read(&self.staging.hits)?;
             if let Some((r, index)) = found
                 .iter()
@@ -1071,15 +1199,7 @@ impl<C: SlotCompanion> LoraPool<C> {
                 return Err(audit_err(&staged.name)(AuditError::Refused(Box::new(report))));
             }
         }
-        self.release_dropped_rows(slot)?;
-        self.registry.mark_unservable(s);
-        match &staged.dense {
-            DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
-            // Written above.
-            DenseSource::Raw { .. } => {}
-            DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
-            DenseSource::Host(image) => self.weights.upload_pinned(base, &image.dense)?,
-        }
+        self.device.wait_event(Lane::Compute, &landed)?;
         self.host_table = table;
         self.table.write(0, &self.host_table)?;
         let mut expert_pairs = Vec::new();
@@ -1114,11 +1234,19 @@ impl<C: SlotCompanion> LoraPool<C> {
             adapter_id: published.adapter_id(),
             dense_pairs: published.pairs.len(),
             expert_pairs: published.expert_pairs.len(),
-            stage_us: 0.0,
-            audit_us: 0.0,
+            stage_us,
+            audit_us,
             route: staged.route,
             publish_us: started.elapsed().as_secs_f64() * 1e6,
         })
+    }
+
+    /// `SwapPending` while a begun swap has not finished.
+    fn check_no_pending(&self) -> Result<(), PoolError> {
+        match &self.pending {
+            Some(p) => Err(PoolError::SwapPending { slot: p.slot }),
+            None => Ok(()),
+        }
     }
 
     /// The host table with slot `slot`'s entries replaced by `pairs`' (at

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
 use lora_audit::{AuditError, UnparsedSafetensors};
-use lora_kernels::{Device, DeviceBuffer, PinnedHostBuffer, RepackRegion};
+use lora_kernels::{Device, DeviceBuffer, Lane, PinnedHostBuffer, RepackRegion};
 use lora_layout::{PairLayout, SlotLayout};
 use rayon::prelude::*;
 
@@ -273,7 +273,7 @@ impl Staging {
                 let Some(chunk) = next else { break };
                 let done = fill(&mut *chunk).and_then(|()| {
                     let mut device = device.lock().unwrap_or_else(|p| p.into_inner());
-                    Ok(device.upload_pinned(chunk.elem_offset, &chunk.host)?)
+                    Ok(device.upload_pinned_on(Lane::Copy, chunk.elem_offset, &chunk.host)?)
                 });
                 if let Err(e) = done {
                     failed.store(true, Ordering::Relaxed);
