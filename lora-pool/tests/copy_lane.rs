@@ -136,9 +136,16 @@ fn the_copy_lane_waits_for_a_dropped_steps_kernel_still_reading_the_slot_on_cuda
     else {
         return;
     };
-    let reference = pool_of(&Device::cpu(), 2, &[("c", "demo_r16_alpha_pattern")]);
-    let want_c = reference.slot_contents(slot(0)).unwrap();
-    for (tier_bytes, want_route) in [(0, SwapRoute::DeviceRepack), (1 << 30, SwapRoute::HostTier)] {
+    // Each route into the slot: the host pack (F32 data), the device repack
+    // (BF16 data that fits the staging slot) and the host tier.
+    for (new, tier_bytes, want_route) in [
+        ("demo_r16_alpha_pattern", 0, SwapRoute::HostPack),
+        ("dense_all_linear_bf16", 0, SwapRoute::DeviceRepack),
+        ("demo_r16_alpha_pattern", 1 << 30, SwapRoute::HostTier),
+    ] {
+        let want_c = pool_of(&Device::cpu(), 2, &[("c", new)])
+            .slot_contents(slot(0))
+            .unwrap();
         let mut pool = pool_with_tier(
             &device,
             2,
@@ -146,7 +153,7 @@ fn the_copy_lane_waits_for_a_dropped_steps_kernel_still_reading_the_slot_on_cuda
             &[("a", "demo_r4_plain"), ("b", "demo_r8_rslora")],
         );
         if tier_bytes > 0 {
-            pool.prefetch("c", &dir("demo_r16_alpha_pattern")).unwrap();
+            pool.prefetch("c", &dir(new)).unwrap();
             pool.wait_for_prefetch();
         }
         let (out_dim, in_dim) = LoraModule::QProj.dims(pool.config());
@@ -167,7 +174,7 @@ fn the_copy_lane_waits_for_a_dropped_steps_kernel_still_reading_the_slot_on_cuda
         )
         .unwrap();
         drop((step, lease));
-        let route = pool.begin_swap(slot(0), "c", &dir("demo_r16_alpha_pattern")).unwrap();
+        let route = pool.begin_swap(slot(0), "c", &dir(new)).unwrap();
         assert_eq!(route, want_route);
         pool.finish_swap().unwrap();
         device.check_faults().unwrap();
