@@ -82,6 +82,17 @@ pub enum PoolError {
         /// The slot the pending swap writes.
         slot: SlotId,
     },
+    /// The swap path cut a staging chunk into parts that do not tile it
+    /// (an internal error: nothing was read or copied).
+    #[error("staging chunk {chunk}: part {start}..{end} is outside the chunk or overlaps another")]
+    StagingParts {
+        /// The chunk.
+        chunk: usize,
+        /// The part's first byte.
+        start: usize,
+        /// The part's end.
+        end: usize,
+    },
     /// [`crate::LoraPool::finish_swap`] with no swap begun.
     #[error("no swap is pending")]
     NoPendingSwap,

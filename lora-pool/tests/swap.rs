@@ -306,7 +306,6 @@ fn every_route_from_a_file_writes_the_bytes_of_the_converted_adapter() {
     };
     let tiny_chunks = StagingTuning {
         chunk_bytes: 1,
-        in_flight: 3,
         ..StagingTuning::default()
     };
     let streaming = StagingTuning {
