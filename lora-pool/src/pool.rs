@@ -901,7 +901,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             return Ok((self.stage_prepared(name, dir, report)?, audit_us));
         }
         read?;
-        let sources = file_sources(&report.placed, &file).map_err(audit_err(name))?;
+        let sources = file_sources(&report, &file).map_err(audit_err(name))?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
         let regions = if raw {
