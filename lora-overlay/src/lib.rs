@@ -72,5 +72,5 @@ mod test_support;
 pub use compile::{EmbedOverlay, HeadRows, OverrideRows, SlotOverlay, build_overlay};
 pub use error::{COMPANION_NAME, OverlayError};
 pub use overlays::TokenOverlays;
-pub use probe::probe_token_rows;
+pub use probe::{probe_served_rows, probe_token_rows};
 pub use served::{ServedHead, ServedTables};

@@ -456,6 +456,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         &self.cfg
     }
 
+    /// The batch capacity the row buffers were sized for.
+    pub fn capacity(&self) -> BatchCapacity {
+        self.capacity
+    }
+
     /// The options the pool was built with.
     pub fn options(&self) -> &LoraOptions {
         &self.opts
