@@ -5,9 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::path::Path;
 
-use lora_layout::{
-    ExpertProj, ExpertSite, GateUpLayout, ModelConfig, ModelFamily, expert_router_bytes,
-};
+use lora_layout::{ExpertProj, ExpertSite, GateUpLayout, ModelConfig, ModelFamily, expert_router_bytes};
 
 use rayon::prelude::*;
 
@@ -709,7 +707,9 @@ impl<'a> Audit<'a> {
             self.refuse(
                 RejectCode::Shape,
                 &b,
-                format!("lora_embedding_A is {a_shape:?} and lora_embedding_B {b_shape:?}: not [r, vocab] / [hidden, r]"),
+                format!(
+                    "lora_embedding_A is {a_shape:?} and lora_embedding_B {b_shape:?}: not [r, vocab] / [hidden, r]"
+                ),
             );
             return;
         }

@@ -75,7 +75,7 @@ impl HostEmbeddingPair {
     /// token past A's columns.
     pub fn row_delta(&self, t: usize) -> Option<Vec<f32>> {
         let r = self.rank;
-        if r == 0 || self.a.len() % r != 0 {
+        if r == 0 || !self.a.len().is_multiple_of(r) {
             return None;
         }
         let vocab = self.a.len() / r;

@@ -10,7 +10,8 @@
 //! - [`PairEntry`]: the pair-table contract with the pools (addresses of A and
 //!   B, scale, rank); [`EmbedOverlayEntry`] and [`LmHeadOverlayEntry`] for overlays.
 //! - [`ops`]: the kernels — row-indexed apply ([`bgmv`]), segment apply
-//!   ([`sgmv`], [`one_adapter`]), MoE index builders, overlay kernels — each a
+//!   ([`sgmv`], [`one_adapter`]), MoE index builders, overlay kernels, the
+//!   embedding LoRA ([`embed_lora`]) — each a
 //!   CUDA kernel (`cuda/*.cu`, compiled by NVRTC at first use for the device's
 //!   own architecture, `sm_90a` on compute capability 9.0 with a CUDA 12+
 //!   NVRTC, cached per context)

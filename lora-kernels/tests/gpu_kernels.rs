@@ -8,10 +8,10 @@
 use half::bf16;
 use lora_kernels::testing::{RandomPairs, Rng, cuda_or_skip, rel_error, widen};
 use lora_kernels::{
-    Chain, DecodeForm, DecodeOptions, DecodePlan, Device, DeviceBuffer, EmbedOverlayEntry, EntryKernel, FusedForm,
-    ItemList, KernelError, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting, OutputElem, PairEntry,
+    Chain, DecodeForm, DecodeOptions, DecodePlan, Device, DeviceBuffer, EmbedOverlayEntry, EmbeddingPairs, EntryKernel,
+    FusedForm, ItemList, KernelError, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting, OutputElem, PairEntry,
     ROWS_MAX_IN, ROWS_MAX_OUT, Rows, RowsMut, Segments, TwoPhaseForm, WorkspaceSpec, bgmv, bgmv_candidates, bgmv_plan,
-    EmbeddingPairs, bgmv_with, embed_lora, embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff,
+    bgmv_with, embed_lora, embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff,
 };
 use lora_kernels::{Choice, PrefillCall, PrefillOptions, PrefillPlan, sgmv, sgmv_plan, sgmv_with};
 
@@ -2319,7 +2319,14 @@ fn run_embed_lora<Y: OutputElem>(
         stride: pairs.stride,
         vocab: pairs.in_dim,
     };
-    embed_lora(dev, &ids_d, &rs_d, table, RowsMut::dense(&mut y, ids.len(), pairs.out_dim)).unwrap();
+    embed_lora(
+        dev,
+        &ids_d,
+        &rs_d,
+        table,
+        RowsMut::dense(&mut y, ids.len(), pairs.out_dim),
+    )
+    .unwrap();
     let faults = dev.take_faults().unwrap();
     (y.download().unwrap(), faults)
 }
@@ -2367,7 +2374,11 @@ fn gpu_embed_lora_matches_cpu() {
         assert!(err < 1e-5, "{label}: f32 output, relative error {err:.3e}");
         for (i, &s) in row_slot.iter().enumerate() {
             if s < 0 {
-                assert_eq!(&got[i * h..(i + 1) * h], &y_f32[i * h..(i + 1) * h], "{label}: base row {i} changed");
+                assert_eq!(
+                    &got[i * h..(i + 1) * h],
+                    &y_f32[i * h..(i + 1) * h],
+                    "{label}: base row {i} changed"
+                );
             }
         }
         let (want_b, _) = run_embed_lora(&cpu, &pairs, &ids, &row_slot, &y_bf16);
@@ -2389,6 +2400,12 @@ fn gpu_embed_lora_matches_cpu() {
         "faults: {faults}"
     );
     assert_eq!(&got[24..72], &y0[24..72], "faulting rows are left as they were");
-    let (want, _) = run_embed_lora(&Device::cpu(), &pairs, &[3, 9], &[0, 1], &[&y0[..24], &y0[72..]].concat());
+    let (want, _) = run_embed_lora(
+        &Device::cpu(),
+        &pairs,
+        &[3, 9],
+        &[0, 1],
+        &[&y0[..24], &y0[72..]].concat(),
+    );
     assert!(rel_error(&[&got[..24], &got[72..]].concat(), &want) < 1e-5);
 }

@@ -186,7 +186,10 @@ pub fn probe_served_rows(
     let chunk = pool.capacity().max_rows.max(1);
     let device = pool.device().clone();
     for (table, ids) in rows {
-        if !matches!(parse_weight_name(table, &cfg), Ok(WeightRef::Table(OverlayModule::Embed))) {
+        if !matches!(
+            parse_weight_name(table, &cfg),
+            Ok(WeightRef::Table(OverlayModule::Embed))
+        ) {
             continue;
         }
         let Some(served) = out.get_mut(&format!("{ROWS_MERGED}{table}")) else {

@@ -55,7 +55,12 @@ fn pool(device: &Device) -> LoraPool<TokenOverlays> {
 fn peft_row(k: Option<usize>, id: usize, hidden: usize) -> Vec<f32> {
     let tables = base_tables(MODEL);
     let base = base_table(&tables, OverlayModule::Embed);
-    let base_row = || base[id * hidden..(id + 1) * hidden].iter().map(|v| v.to_f32()).collect();
+    let base_row = || {
+        base[id * hidden..(id + 1) * hidden]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect()
+    };
     let Some(k) = k else {
         return base_row();
     };
@@ -80,7 +85,13 @@ fn mixed_batch(device: &Device) {
     // Every adapter and the base model; ids include the trainable ones.
     let adapters: Vec<Option<usize>> = (0..n).map(|i| [Some(0), None, Some(1), Some(2)][i % 4]).collect();
     let ids: Vec<u32> = (0..n)
-        .map(|i| if i % 5 == 3 { [9u32, 2, 77][i % 3] } else { rng.below(vocab) as u32 })
+        .map(|i| {
+            if i % 5 == 3 {
+                [9u32, 2, 77][i % 3]
+            } else {
+                rng.below(vocab) as u32
+            }
+        })
         .collect();
     let rows: Vec<StepRow<'_>> = adapters
         .iter()
@@ -111,11 +122,17 @@ fn mixed_batch(device: &Device) {
             assert_eq!(row, &rows_f32[i * hidden..(i + 1) * hidden], "row {i} ({k:?}) changed");
         }
         let err = rel_error(row, &want);
-        assert!(err < 1e-2, "row {i} (adapter {k:?}, id {id}): relative error {err} against PEFT");
+        assert!(
+            err < 1e-2,
+            "row {i} (adapter {k:?}, id {id}): relative error {err} against PEFT"
+        );
     }
     // A stale step is refused.
     let _newer = pool.decode_step(&rows, n).unwrap();
-    assert!(pool.apply_embedding(&step, &ids_dev, RowsMut::dense(&mut out, n, hidden)).is_err());
+    assert!(
+        pool.apply_embedding(&step, &ids_dev, RowsMut::dense(&mut out, n, hidden))
+            .is_err()
+    );
 }
 
 fn probes(device: &Device) {
@@ -163,7 +180,11 @@ fn a_pool_without_the_embedding_place_refuses_embedding_lora() {
     let mut pool = LoraPool::with_companion(&device, model_config(MODEL), opts, CAPACITY, overlays, 0).unwrap();
     assert!(pool.embedding_table_offset().is_none());
     let err = pool
-        .swap_from_disk(lora_pool::SlotId::new(0), "e", &fixtures().join(MODEL).join("embedding_lora"))
+        .swap_from_disk(
+            lora_pool::SlotId::new(0),
+            "e",
+            &fixtures().join(MODEL).join("embedding_lora"),
+        )
         .unwrap_err();
     assert!(err.to_string().contains("REJECT[embedding-lora-disabled]"), "{err}");
     assert!(!pool.slots()[0].is_filled(), "nothing published");

@@ -90,10 +90,19 @@ fn embedding_lora_tensors_take_their_roles() {
     ] {
         t.insert(key, classify_overlay_key(key).unwrap()).unwrap();
     }
-    assert_eq!(t.embed.lora_a.as_deref(), Some("base_model.model.model.embed_tokens.lora_embedding_A"));
-    assert_eq!(t.embed.lora_b.as_deref(), Some("base_model.model.model.embed_tokens.lora_embedding_B"));
+    assert_eq!(
+        t.embed.lora_a.as_deref(),
+        Some("base_model.model.model.embed_tokens.lora_embedding_A")
+    );
+    assert_eq!(
+        t.embed.lora_b.as_deref(),
+        Some("base_model.model.model.embed_tokens.lora_embedding_B")
+    );
     // The saved base copy is the table's full copy, like a modules_to_save table.
-    assert_eq!(t.embed.base_table(), Some("base_model.model.model.embed_tokens.base_layer.weight"));
+    assert_eq!(
+        t.embed.base_table(),
+        Some("base_model.model.model.embed_tokens.base_layer.weight")
+    );
     let table = "base_model.model.model.embed_tokens.weight";
     let dup = t.insert(table, classify_overlay_key(table).unwrap()).unwrap_err();
     assert_eq!(dup.code, RejectCode::DuplicateTensor);

@@ -75,7 +75,10 @@ fn each_row_gains_its_slots_column_delta() {
                     .sum();
                 base[i * h + o] + (f64::from(*scale) * dot) as f32
             };
-            assert!((got[i * h + o] - want).abs() <= 1e-5 * want.abs().max(1.0), "row {i} col {o}");
+            assert!(
+                (got[i * h + o] - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "row {i} col {o}"
+            );
         }
     }
     let _ = &p.weights;
@@ -103,14 +106,26 @@ fn bad_ids_slots_and_entries_are_errors_and_write_nothing() {
     };
     assert!(matches!(
         run(&[1, 11], &[0, 1], stride),
-        Err(KernelError::BadIndex { arg: "ids", position: 1, index: 11, .. })
+        Err(KernelError::BadIndex {
+            arg: "ids",
+            position: 1,
+            index: 11,
+            ..
+        })
     ));
     assert!(matches!(
         run(&[1, 2], &[0, 2], stride),
-        Err(KernelError::BadIndex { arg: "row_slot", position: 1, .. })
+        Err(KernelError::BadIndex {
+            arg: "row_slot",
+            position: 1,
+            ..
+        })
     ));
     // An entry whose rank exceeds the call's stride.
-    assert!(matches!(run(&[1], &[0], 2), Err(KernelError::BadEntry { entry: 0, .. })));
+    assert!(matches!(
+        run(&[1], &[0], 2),
+        Err(KernelError::BadEntry { entry: 0, .. })
+    ));
     // A base row never reads its (out-of-range) id.
     assert!(run(&[99], &[-1], stride).is_ok());
 }
