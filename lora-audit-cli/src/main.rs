@@ -77,6 +77,9 @@ struct Common {
     /// Serve routed-expert and router deltas.
     #[arg(long)]
     experts: bool,
+    /// Give slots a place for a LoRA on the input embedding.
+    #[arg(long)]
+    embedding_lora: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -89,6 +92,7 @@ impl Common {
             expert_rank: self.expert_rank,
             allow_partial: self.allow_partial,
             experts: self.experts,
+            embedding_lora: self.embedding_lora,
         };
         LoraOptions::from_env()
             .and_then(|o| o.with_args(args))

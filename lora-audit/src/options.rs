@@ -1,6 +1,8 @@
 //! `LoraOptions`: the serving switches, with `from_env`, the one place that
 //! reads the `LORA_*` environment variables.
 
+use lora_layout::{LayoutError, ModelConfig, SlotLayout};
+
 /// How adapters are served: pool sizes and policy switches.
 ///
 /// Passed explicitly to every crate that needs it; [`LoraOptions::from_env`]
@@ -38,6 +40,11 @@ pub struct LoraOptions {
     /// promotion of an adapter held there is one copy, with no read, audit
     /// or parse.
     pub host_tier_bytes: usize,
+    /// Give every slot a place for a LoRA on the input embedding
+    /// (`LORA_EMBEDDING_LORA`): `max_rank * (vocab + hidden)` BF16 elements
+    /// more per slot. Off, an adapter with `lora_embedding_A/B` is refused
+    /// (`REJECT[embedding-lora-disabled]`).
+    pub embedding_lora: bool,
 }
 
 /// Default of [`LoraOptions::max_loras`].
@@ -61,6 +68,7 @@ impl Default for LoraOptions {
             rotatable: false,
             peer: None,
             host_tier_bytes: 0,
+            embedding_lora: false,
         }
     }
 }
@@ -77,6 +85,8 @@ pub struct AuditArgs {
     pub allow_partial: bool,
     /// Turns [`LoraOptions::experts`] on.
     pub experts: bool,
+    /// Turns [`LoraOptions::embedding_lora`] on.
+    pub embedding_lora: bool,
 }
 
 /// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
@@ -115,7 +125,16 @@ impl LoraOptions {
         self.expert_rank = args.expert_rank.unwrap_or(self.expert_rank);
         self.allow_partial |= args.allow_partial;
         self.experts |= args.experts;
+        self.embedding_lora |= args.embedding_lora;
         Ok(self)
+    }
+
+    /// The slot layout of a pool built with these options for `cfg`: the
+    /// dense pairs at `max_rank`, and the embedding pair's place when
+    /// [`LoraOptions::embedding_lora`] is on. Every pool, packer and lander
+    /// takes its layout from here.
+    pub fn slot_layout(&self, cfg: &ModelConfig) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, self.max_rank, self.embedding_lora)
     }
 
     /// Build the options from a variable lookup (`None`: unset). Booleans are
@@ -174,6 +193,7 @@ impl LoraOptions {
             rotatable: flag("LORA_ROTATE") || peer.is_some(),
             peer,
             host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
+            embedding_lora: flag("LORA_EMBEDDING_LORA"),
         })
     }
 }

@@ -3,9 +3,16 @@
 //! There is one layout walk: layers ascending, then [`LoraModule::ALL`]
 //! filtered by [`LoraModule::applies_to_layer`]; for each pair, A
 //! (`max_rank * in` BF16 elements, row-major `[max_rank, in]`) then B
-//! (`out * max_rank`, row-major `[out, max_rank]`). [`SlotLayout`] is that
-//! walk; [`pool_slot_bytes`], [`module_slot_offsets`] and every packer read
-//! it, so they cannot disagree.
+//! (`out * max_rank`, row-major `[out, max_rank]`); then, in a layout made
+//! [`SlotLayout::with_embedding`], the input embedding's pair last: A
+//! `[max_rank, vocab]` then B `[hidden, max_rank]` (PEFT's
+//! `lora_embedding_A` / `lora_embedding_B`, a pair whose input is the
+//! one-hot token). [`SlotLayout`] is that walk; [`pool_slot_bytes`],
+//! [`module_slot_offsets`] and every packer read it, so they cannot disagree.
+//!
+//! *Why the embedding place is opt-in:* it costs `max_rank * (vocab +
+//! hidden)` elements in every slot (for a 128k vocabulary at rank 16, 4 MiB
+//! a slot), which a pool that never serves embedding LoRA should not pay.
 
 use crate::config::ModelConfig;
 use crate::module::{ExpertSite, LoraModule};
@@ -83,20 +90,48 @@ impl SlotEntry {
     }
 }
 
+/// The input embedding's pair place in a slot: A `[max_rank, vocab]`, B
+/// `[hidden, max_rank]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmbeddingEntry {
+    /// Rows of the embedding table (`vocab_size`): A's width.
+    pub vocab: usize,
+    /// Width of an embedding row (`hidden_size`): B's height.
+    pub hidden: usize,
+    /// Byte offset of A (`[max_rank, vocab]`) from the slot base.
+    pub a_offset: usize,
+    /// Byte offset of B (`[hidden, max_rank]`) from the slot base.
+    pub b_offset: usize,
+}
+
 /// The layout of one pool slot for a model and a `max_rank`: every
-/// (layer, module) pair in walk order with its offsets.
+/// (layer, module) pair in walk order with its offsets, and the embedding
+/// pair's place when the layout has one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotLayout {
     max_rank: usize,
     entries: Vec<SlotEntry>,
+    embedding: Option<EmbeddingEntry>,
     slot_bytes: usize,
     /// `index[layer * ALL.len() + module.index()]` = entry index, or `u32::MAX`.
     index: Vec<u32>,
 }
 
 impl SlotLayout {
-    /// Walk the layout of `cfg` at `max_rank`.
+    /// Walk the layout of `cfg` at `max_rank`: the dense pairs only.
     pub fn new(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, max_rank, false)
+    }
+
+    /// The layout of [`SlotLayout::new`] with the input embedding's pair
+    /// place after the last layer's pairs.
+    pub fn with_embedding(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, max_rank, true)
+    }
+
+    /// The layout of `cfg` at `max_rank`, with the embedding place when
+    /// `embedding` is set.
+    pub fn walk(cfg: &ModelConfig, max_rank: usize, embedding: bool) -> Result<SlotLayout, LayoutError> {
         if max_rank == 0 {
             return Err(LayoutError::ZeroRank { what: "max_rank" });
         }
@@ -137,12 +172,38 @@ impl SlotLayout {
                 });
             }
         }
+        let embedding = if embedding {
+            let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+            let a_bytes = max_rank
+                .checked_mul(vocab)
+                .and_then(|e| e.checked_mul(BF16_BYTES))
+                .ok_or(overflow("embedding A bytes"))?;
+            let a_offset = off;
+            let b_offset = off.checked_add(a_bytes).ok_or(overflow("slot bytes"))?;
+            off = off
+                .checked_add(pair_bytes(hidden, vocab, max_rank)?)
+                .ok_or(overflow("slot bytes"))?;
+            Some(EmbeddingEntry {
+                vocab,
+                hidden,
+                a_offset,
+                b_offset,
+            })
+        } else {
+            None
+        };
         Ok(SlotLayout {
             max_rank,
             entries,
+            embedding,
             slot_bytes: off,
             index,
         })
+    }
+
+    /// The input embedding's pair place, when the layout has one.
+    pub fn embedding(&self) -> Option<&EmbeddingEntry> {
+        self.embedding.as_ref()
     }
 
     /// The rank every pair is padded to.
@@ -155,7 +216,8 @@ impl SlotLayout {
         self.slot_bytes
     }
 
-    /// Every pair in walk order.
+    /// Every (layer, module) pair in walk order (the embedding pair, which
+    /// follows them, is [`SlotLayout::embedding`]).
     pub fn entries(&self) -> &[SlotEntry] {
         &self.entries
     }

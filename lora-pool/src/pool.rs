@@ -165,6 +165,11 @@ impl ScanRefusal {
 /// The adapter tensor the audit placed as `part` of pair `key` (the key's
 /// own name where the report holds no such pair).
 fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
+    let embedding = report
+        .embedding
+        .as_ref()
+        .filter(|_| key == PairKey::Embedding)
+        .map(|e| (&e.a_key, &e.b_key));
     report
         .placed
         .iter()
@@ -174,11 +179,13 @@ fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
                 module: p.module,
             } == key
         })
+        .map(|p| (&p.a_key, &p.b_key))
+        .or(embedding)
         .map_or_else(
             || key.to_string(),
-            |p| match part {
-                PairPart::A => p.a_key.clone(),
-                PairPart::B => p.b_key.clone(),
+            |(a, b)| match part {
+                PairPart::A => a.clone(),
+                PairPart::B => b.clone(),
             },
         )
 }
@@ -348,14 +355,14 @@ impl<C: SlotCompanion> LoraPool<C> {
                 capacity: i32::MAX as usize,
             });
         }
-        let layout = SlotLayout::new(&cfg, opts.max_rank)?;
+        let layout = opts.slot_layout(&cfg)?;
         let slot_elems = layout.slot_bytes() / 2;
         let pool_elems = mul(slot_elems, opts.max_loras, "pool")?;
-        let table_len = mul(
-            mul(cfg.num_hidden_layers, LoraModule::ALL.len(), "tables")?,
-            opts.max_loras,
-            "tables",
-        )?;
+        // One `[max_loras]` table per (layer, module), then the embedding's.
+        let tables = mul(cfg.num_hidden_layers, LoraModule::ALL.len(), "tables")?
+            .checked_add(usize::from(layout.embedding().is_some()))
+            .ok_or(PoolError::Layout(lora_layout::LayoutError::Overflow { what: "tables" }))?;
+        let table_len = mul(tables, opts.max_loras, "tables")?;
         let expert_bytes = opts.expert_slot_bytes.unwrap_or(expert_slot_bytes);
         let serve_experts = opts.experts && cfg.moe.is_some();
         let ws_spec = WorkspaceSpec {
@@ -481,6 +488,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         &self.cfg
     }
 
+    /// The batch capacity the row buffers were sized for.
+    pub fn capacity(&self) -> BatchCapacity {
+        self.capacity
+    }
+
     /// The options the pool was built with.
     pub fn options(&self) -> &LoraOptions {
         &self.opts
@@ -535,6 +547,23 @@ impl<C: SlotCompanion> LoraPool<C> {
     pub fn table_offset(&self, layer: usize, module: LoraModule) -> Option<usize> {
         self.layout.entry(layer, module)?;
         Some((layer * LoraModule::ALL.len() + module.index()) * self.opts.max_loras)
+    }
+
+    /// First entry of the input embedding's `[max_loras]` table (after every
+    /// (layer, module) table), when the pool's slots have an embedding place.
+    pub fn embedding_table_offset(&self) -> Option<usize> {
+        self.layout.embedding()?;
+        Some(self.cfg.num_hidden_layers * LoraModule::ALL.len() * self.opts.max_loras)
+    }
+
+    /// The embedding pair's table entry in `slot`, as last published.
+    pub fn embedding_entry(&self, slot: SlotId) -> Option<PairEntry> {
+        if slot.index() >= self.opts.max_loras {
+            return None;
+        }
+        self.host_table
+            .get(self.embedding_table_offset()? + slot.index())
+            .copied()
     }
 
     /// The table entry of (layer, module) in `slot`, as last published.
@@ -969,7 +998,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             return Ok((self.stage_prepared(name, dir, report)?, audit_us));
         }
         read?;
-        let sources = file_sources(&report.placed, &file).map_err(audit_err(name))?;
+        let sources = file_sources(&report, &file).map_err(audit_err(name))?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
         let regions = if raw {
@@ -1257,17 +1286,26 @@ impl<C: SlotCompanion> LoraPool<C> {
             *entry = PairEntry::default();
         }
         for meta in pairs {
-            let PairKey::Dense { layer, module } = meta.key else {
-                continue;
+            let place = match meta.key {
+                PairKey::Dense { layer, module } => self
+                    .layout
+                    .entry(layer, module)
+                    .map(|p| (p.a_offset, p.b_offset))
+                    .zip(self.table_offset(layer, module)),
+                PairKey::Embedding => self
+                    .layout
+                    .embedding()
+                    .map(|p| (p.a_offset, p.b_offset))
+                    .zip(self.embedding_table_offset()),
+                PairKey::Expert { .. } => None,
             };
-            let (Some(place), Some(offset)) = (self.layout.entry(layer, module), self.table_offset(layer, module))
-            else {
+            let Some(((a_offset, b_offset), offset)) = place else {
                 continue;
             };
             if let Some(entry) = table.get_mut(offset + slot) {
                 *entry = PairEntry {
-                    a: base_addr + place.a_offset as u64,
-                    b: base_addr + place.b_offset as u64,
+                    a: base_addr + a_offset as u64,
+                    b: base_addr + b_offset as u64,
                     scale: meta.scale,
                     rank: meta.rank as u32,
                 };
@@ -1498,6 +1536,44 @@ impl<C: SlotCompanion> LoraPool<C> {
                 step.kernel_rows()
             )));
         }
+        Ok(())
+    }
+
+    /// The LoRA on the input embedding: `out[row, :] += scale · B · A[:,
+    /// ids[row]]` for each kernel row of `step` whose slot's adapter has one
+    /// (`ids` holds the step's token of each row; `out` is `[rows, hidden]`,
+    /// the embedding rows after any token overlay, PEFT's order). Rows of
+    /// the base model, padding and adapters without it are untouched; a
+    /// pool built without the embedding place (no adapter in it can have
+    /// one) launches nothing. Graph-capturable.
+    pub fn apply_embedding<S: Step, Y: OutputElem>(
+        &self,
+        step: &S,
+        ids: &DeviceBuffer<u32>,
+        out: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
+        let slots = self.step_slots(step)?;
+        if out.n_rows != slots.rows() || out.width != self.cfg.hidden_size {
+            return Err(PoolError::Batch(format!(
+                "embedding rows are [{}, {}]; the {} step has {} rows of hidden {}",
+                out.n_rows,
+                out.width,
+                step.kind(),
+                slots.rows(),
+                self.cfg.hidden_size
+            )));
+        }
+        let Some(offset) = self.embedding_table_offset() else {
+            return Ok(());
+        };
+        let pairs = lora_kernels::EmbeddingPairs {
+            table: &self.table,
+            table_offset: offset,
+            n_entries: self.opts.max_loras,
+            stride: self.opts.max_rank,
+            vocab: self.cfg.vocab_size,
+        };
+        lora_kernels::embed_lora(&self.device, ids, slots.buffer(), pairs, out)?;
         Ok(())
     }
 

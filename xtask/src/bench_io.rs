@@ -233,7 +233,7 @@ fn swap_parts(pool: &LoraPool, dir: &std::path::Path, reps: usize) -> Result<Str
         let report = audit_header("bench", &text, file.infos(), pool.config(), pool.options()).map_err(|e| s(&e))?;
         audit_us.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
-        let sources = file_sources(&report.placed, &file).map_err(|e| s(&e))?;
+        let sources = file_sources(&report, &file).map_err(|e| s(&e))?;
         let plan = PackPlan::new(layout, &sources).map_err(|e| s(&e))?;
         plan.fill(layout, 0..PairLayout::len(layout), &mut dst)
             .map_err(|e| s(&e))?;

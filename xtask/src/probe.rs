@@ -6,7 +6,7 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--json]`
+//! [--allow-partial] [--experts] [--embedding-lora] [--json]`
 //!
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
@@ -18,7 +18,7 @@ use lora_audit::{
 };
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
-use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
+use lora_overlay::{ServedTables, TokenOverlays, probe_served_rows};
 use lora_pool::{
     AdapterSource, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError, SlotCompanion, SlotId, SlotLease,
     StepRow,
@@ -44,6 +44,7 @@ struct Args {
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    embedding_lora: bool,
     json: bool,
 }
 
@@ -51,7 +52,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut adapter = None;
     let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
     let (mut max_rank, mut expert_rank) = (None, None);
-    let (mut allow_partial, mut experts, mut json) = (false, false, false);
+    let (mut allow_partial, mut experts, mut embedding_lora, mut json) = (false, false, false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -66,6 +67,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--expert-rank" => expert_rank = Some(number(value()?)?),
             "--allow-partial" => allow_partial = true,
             "--experts" => experts = true,
+            "--embedding-lora" => embedding_lora = true,
             "--json" => json = true,
             flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
             path if adapter.is_none() => adapter = Some(PathBuf::from(path)),
@@ -84,6 +86,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         expert_rank,
         allow_partial,
         experts,
+        embedding_lora,
         json,
     })
 }
@@ -106,6 +109,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         expert_rank: args.expert_rank,
         allow_partial: args.allow_partial,
         experts: args.experts,
+        embedding_lora: args.embedding_lora,
     };
     let mut opts = LoraOptions::from_env()
         .and_then(|o| o.with_args(overrides))
@@ -131,9 +135,11 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
             let mut pool = LoraPool::load_with_companion(&device, cfg.clone(), opts, capacity, &source, overlays)
                 .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
             let mut outputs = serve_probes(&mut pool, &inputs)?;
-            let rows =
-                probe_token_rows(pool.companion(), Some(0), &cfg, &inputs.rows).map_err(|e| usage(e.to_string()))?;
-            outputs.tensors.extend(rows);
+            if !inputs.rows.is_empty() {
+                let lease = slot_lease(&pool, SlotId::new(0)).map_err(usage)?;
+                let rows = probe_served_rows(&mut pool, &lease, &inputs.rows).map_err(|e| usage(e.to_string()))?;
+                outputs.tensors.extend(rows);
+            }
             outputs
         }
         None => {
