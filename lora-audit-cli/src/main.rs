@@ -97,6 +97,9 @@ struct Common {
     /// Expert-parallel world size (default: LORA_EP_WORLD, else 1).
     #[arg(long)]
     ep_world: Option<usize>,
+    /// Give slots a place for a LoRA on the input embedding.
+    #[arg(long)]
+    embedding_lora: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -113,6 +116,7 @@ impl Common {
             tp_world: self.tp_world,
             ep_rank: self.ep_rank,
             ep_world: self.ep_world,
+            embedding_lora: self.embedding_lora,
         };
         LoraOptions::from_env()
             .and_then(|o| o.with_args(args))

@@ -2,7 +2,8 @@
 //! `fixtures/make_fixtures.py`) against its `expected.json` and PEFT's own
 //! merged weights (`oracle.safetensors`).
 //!
-//! Expected outcomes hold for `--max-rank 16 --experts` (expert rank 16).
+//! Expected outcomes hold for `--max-rank 16 --experts --embedding-lora`
+//! (expert rank 16).
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -81,6 +82,7 @@ fn fixture_options() -> LoraOptions {
     LoraOptions {
         max_rank: 16,
         experts: true,
+        embedding_lora: true,
         ..LoraOptions::default()
     }
 }
@@ -250,6 +252,31 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
 }
 
 #[test]
+fn embedding_lora_fixtures_are_refused_without_the_embedding_place() {
+    let mut seen = 0;
+    for f in fixtures().into_iter().filter(|f| f.servable()) {
+        let on = audit_adapter(&f.dir, &f.cfg(), &fixture_options()).unwrap();
+        let off = LoraOptions {
+            embedding_lora: false,
+            ..fixture_options()
+        };
+        let report = audit_adapter(&f.dir, &f.cfg(), &off).unwrap();
+        if on.embedding.is_some() {
+            seen += 1;
+            assert_eq!(
+                report.refused_codes(),
+                BTreeSet::from([RejectCode::EmbeddingLoraDisabled]),
+                "{}",
+                f.name
+            );
+        } else {
+            assert!(report.is_servable(), "{}", f.name);
+        }
+    }
+    assert!(seen >= 2, "{seen} embedding-LoRA fixtures");
+}
+
+#[test]
 fn every_servable_fixture_probes_equal_to_peft() {
     let mut checked = 0;
     let mut failures = Vec::new();
@@ -270,7 +297,7 @@ fn every_servable_fixture_probes_equal_to_peft() {
             ));
         }
         let overlaid = !inputs.rows.is_empty();
-        if overlaid == adapter.overlay.is_empty() {
+        if overlaid != (!adapter.overlay.is_empty() || adapter.embedding.is_some()) {
             failures.push(format!(
                 "{}: PEFT changed token rows: {overlaid}; overlay: {:?}",
                 f.name, adapter.report.overlay.lm_head
@@ -518,6 +545,7 @@ fn every_error_names_its_file_and_json_mode_prints_an_error_object() {
 fn probe_command_answers_the_oracle() {
     for name in [
         "llama/trainable_tokens_untied_dict",
+        "llama/embedding_lora",
         "qwen3_moe/experts_fused_router",
         "mixtral_v4/experts_w1_w2_w3_router",
     ] {
@@ -531,6 +559,7 @@ fn probe_command_answers_the_oracle() {
             .arg("--model")
             .arg(f.model.join("config.json"))
             .arg("--experts")
+            .arg("--embedding-lora")
             .arg("--probes")
             .arg(f.oracle().unwrap())
             .arg("--out")

@@ -203,12 +203,14 @@ fn options(
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    embedding_lora: bool,
 ) -> PyResult<LoraOptions> {
     let args = AuditArgs {
         max_rank,
         expert_rank,
         allow_partial,
         experts,
+        embedding_lora,
         ..AuditArgs::default()
     };
     LoraOptions::from_env()
@@ -235,7 +237,8 @@ fn tensor_infos(tensors: Vec<(String, String, Vec<usize>)>) -> PyResult<Vec<Tens
 /// tensors' `(name, dtype, shape)`, against a base model.
 #[pyfunction]
 #[pyo3(signature = (*, adapter_dir=None, config_json=None, tensors=None, name=None, model_path=None,
-                    model_json=None, max_rank=None, expert_rank=None, allow_partial=false, experts=false))]
+                    model_json=None, max_rank=None, expert_rank=None, allow_partial=false, experts=false,
+                    embedding_lora=false))]
 #[allow(clippy::too_many_arguments)]
 fn check(
     py: Python<'_>,
@@ -249,9 +252,10 @@ fn check(
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    embedding_lora: bool,
 ) -> PyResult<PyReport> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(max_rank, expert_rank, allow_partial, experts)?;
+    let opts = options(max_rank, expert_rank, allow_partial, experts, embedding_lora)?;
     let result = match (adapter_dir, config_json, tensors) {
         (Some(dir), None, None) => py.detach(|| audit_adapter(Path::new(&dir), &cfg, &opts)),
         (None, Some(text), Some(tensors)) => {
@@ -280,7 +284,7 @@ fn check(
 /// `out` and returns `(written tensor names, unserved weights)`.
 #[pyfunction]
 #[pyo3(signature = (*, adapter_dir, model_path=None, model_json=None, probes, out, base=None,
-                    max_rank=None, expert_rank=None, allow_partial=false, experts=false))]
+                    max_rank=None, expert_rank=None, allow_partial=false, experts=false, embedding_lora=false))]
 #[allow(clippy::too_many_arguments)]
 fn probe(
     py: Python<'_>,
@@ -294,9 +298,10 @@ fn probe(
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    embedding_lora: bool,
 ) -> PyResult<(Vec<String>, Vec<String>)> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(max_rank, expert_rank, allow_partial, experts)?;
+    let opts = options(max_rank, expert_rank, allow_partial, experts, embedding_lora)?;
     let adapter = py
         .detach(|| prepare_adapter(Path::new(&adapter_dir), &cfg, &opts))
         .map_err(|e| audit_err(py, e, Some(&cfg)))?;

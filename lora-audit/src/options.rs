@@ -1,7 +1,7 @@
 //! `LoraOptions`: the serving switches, with `from_env`, the one place that
 //! reads the `LORA_*` environment variables.
 
-use lora_layout::{Placement, PlacementError};
+use lora_layout::{LayoutError, ModelConfig, Placement, PlacementError, SlotLayout};
 
 /// How adapters are served: pool sizes and policy switches.
 ///
@@ -47,6 +47,11 @@ pub struct LoraOptions {
     /// default 1): its expert pool holds only the rank's block of experts
     /// and the replicated router ([`lora_layout::Placement::expert_range`]).
     pub placement: Placement,
+    /// Give every slot a place for a LoRA on the input embedding
+    /// (`LORA_EMBEDDING_LORA`): `max_rank * (vocab + hidden)` BF16 elements
+    /// more per slot. Off, an adapter with `lora_embedding_A/B` is refused
+    /// (`REJECT[embedding-lora-disabled]`).
+    pub embedding_lora: bool,
 }
 
 /// Default of [`LoraOptions::max_loras`].
@@ -71,6 +76,7 @@ impl Default for LoraOptions {
             peer: None,
             host_tier_bytes: 0,
             placement: Placement::SINGLE,
+            embedding_lora: false,
         }
     }
 }
@@ -95,6 +101,8 @@ pub struct AuditArgs {
     pub ep_rank: Option<usize>,
     /// Replaces the expert-parallel world size (at least 1).
     pub ep_world: Option<usize>,
+    /// Turns [`LoraOptions::embedding_lora`] on.
+    pub embedding_lora: bool,
 }
 
 /// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
@@ -134,7 +142,18 @@ impl LoraOptions {
         self.allow_partial |= args.allow_partial;
         self.experts |= args.experts;
         self.placement = placement_over(self.placement, args)?;
+        self.embedding_lora |= args.embedding_lora;
         Ok(self)
+    }
+
+    /// The slot layout of a pool built with these options for `cfg`: the
+    /// dense pairs at `max_rank`, and the embedding pair's place when
+    /// [`LoraOptions::embedding_lora`] is on, each sized to the rank's
+    /// shard of [`LoraOptions::placement`] (the embedding pair replicated,
+    /// whole on every rank). Every pool, packer and lander takes its layout
+    /// from here.
+    pub fn slot_layout(&self, cfg: &ModelConfig) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, self.max_rank, self.placement, self.embedding_lora)
     }
 
     /// Build the options from a variable lookup (`None`: unset). Booleans are
@@ -222,6 +241,7 @@ impl LoraOptions {
             peer,
             host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
             placement,
+            embedding_lora: flag("LORA_EMBEDDING_LORA"),
         })
     }
 }

@@ -22,7 +22,7 @@ use safetensors::tensor::TensorView;
 use crate::error::{AuditError, RejectCode};
 use crate::key::{LayerModule, non_text_tower, resolve_layer_module, split_layer_path};
 use crate::overlay::{CompiledOverlay, OverlayModule};
-use crate::prepare::PreparedAdapter;
+use crate::prepare::{HostEmbeddingPair, PreparedAdapter};
 use crate::tensors::{LoadedSafetensors, load_f32, load_i64};
 
 /// Prefix of a probe input.
@@ -645,10 +645,12 @@ struct ServedTables<'a> {
     head_base: Option<&'a [bf16]>,
     embed: Option<CompiledOverlay>,
     head: Option<CompiledOverlay>,
+    /// The LoRA on the input embedding, added onto the served embed rows.
+    embed_lora: Option<&'a HostEmbeddingPair>,
 }
 
 impl<'a> ServedTables<'a> {
-    fn new(adapter: &PreparedAdapter, cfg: &ModelConfig, base: Option<&'a BaseTables>) -> Result<Self, AuditError> {
+    fn new(adapter: &'a PreparedAdapter, cfg: &ModelConfig, base: Option<&'a BaseTables>) -> Result<Self, AuditError> {
         let need = |what: &str| AuditError::Probe {
             name: ROWS_IDX.to_string(),
             reason: format!("rows_idx probes need --base with {what}"),
@@ -682,6 +684,7 @@ impl<'a> ServedTables<'a> {
             head_base,
             embed,
             head,
+            embed_lora: adapter.embedding.as_ref(),
         })
     }
 
@@ -721,8 +724,18 @@ impl<'a> ServedTables<'a> {
                 None => base.get(i * self.hidden..(i + 1) * self.hidden),
             }
             .ok_or_else(|| bad(format!("no row for id {id}")))?;
-            for (dst, v) in data[k * self.hidden..(k + 1) * self.hidden].iter_mut().zip(row) {
-                *dst = v.to_f32();
+            let dst = &mut data[k * self.hidden..(k + 1) * self.hidden];
+            for (d, v) in dst.iter_mut().zip(row) {
+                *d = v.to_f32();
+            }
+            // PEFT's order: the (overlaid) lookup, then the LoRA delta.
+            if let (OverlayModule::Embed, Some(lora)) = (module, self.embed_lora) {
+                let delta = lora
+                    .row_delta(i)
+                    .ok_or_else(|| bad(format!("the embedding LoRA has no column for id {id}")))?;
+                for (d, v) in dst.iter_mut().zip(delta) {
+                    *d += v;
+                }
             }
         }
         Ok(ProbeTensor {

@@ -27,6 +27,20 @@ pub struct PlacedPair {
     pub b_key: String,
 }
 
+/// A LoRA on the input embedding, placed in the slot's embedding place:
+/// the row of token `t` gains `scale · B · A[:, t]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlacedEmbedding {
+    /// Rank, from the tensor shapes.
+    pub rank: usize,
+    /// PEFT's scaling for this pair.
+    pub scale: f32,
+    /// The `lora_embedding_A` tensor, `[r, vocab]`.
+    pub a_key: String,
+    /// The `lora_embedding_B` tensor, `[hidden, r]`.
+    pub b_key: String,
+}
+
 /// Where an expert pair's factors sit in its tensors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExpertSlice {
@@ -141,6 +155,8 @@ pub struct AuditReport {
     pub placed: Vec<PlacedPair>,
     /// Expert and router pairs per (layer, site), sorted.
     pub experts: Vec<PlacedExpertPair>,
+    /// The LoRA on the input embedding, if any.
+    pub embedding: Option<PlacedEmbedding>,
     /// Token overlays.
     pub overlay: AuditedOverlay,
     /// Items left out under `allow_partial`, each with its reason.
@@ -157,7 +173,8 @@ pub struct AuditReport {
     /// every rank, whichever rank folds it.
     pub group_expert_pairs: usize,
     /// Bytes of one slot of the dense pool at `max_rank`, for the options'
-    /// tensor-parallel rank (`lora_layout::SlotLayout::with_placement`).
+    /// tensor-parallel rank, the embedding place included when the options
+    /// give slots one (`LoraOptions::slot_layout`).
     pub slot_bytes: usize,
     /// Bytes the placed expert and router pairs take in the expert pool at
     /// `expert_rank` (`lora_layout::expert_router_bytes`).
@@ -195,6 +212,7 @@ impl AuditReport {
                     ExpertSlice::FusedInterleaved { .. } => "fused_interleaved",
                 },
             })).collect::<Vec<_>>(),
+            "embedding": self.embedding.as_ref().map(|e| json!({ "rank": e.rank, "scale": e.scale })),
             "overlay": {
                 "embed_trainable_ids": self.overlay.embed_ids,
                 "embed_table": t.embed.base_table(),
@@ -228,7 +246,12 @@ impl AuditReport {
     /// checked (see [`first_non_finite`](crate::first_non_finite)) on any
     /// path that serves them without [`prepare_adapter`](crate::prepare_adapter).
     pub fn served_tensors(&self) -> BTreeSet<String> {
-        let pairs = self.placed.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
+        let pairs = self
+            .placed
+            .iter()
+            .map(|p| (&p.a_key, &p.b_key))
+            .chain(self.embedding.as_ref().map(|e| (&e.a_key, &e.b_key)))
+            .flat_map(|(a, b)| [a.clone(), b.clone()]);
         let experts = self.experts.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
         let t = &self.overlay.tensors;
         let overlay = [&t.embed, &t.lm_head]
@@ -297,6 +320,9 @@ impl AuditReport {
                     f32::from_bits(scale)
                 );
             }
+        }
+        if let Some(e) = &self.embedding {
+            let _ = writeln!(s, "embedding LoRA: rank {}  scale {:.6}", e.rank, e.scale);
         }
         let t = &self.overlay.tensors;
         if !self.overlay.is_empty() {

@@ -161,6 +161,12 @@ impl StepHooks<'_> {
     }
 
     fn embed_rows(&self, ids: &[u32], rows: &mut [f32]) -> Result<(), BoxError> {
+        self.embed_overlays(ids, rows)?;
+        self.embed_lora(ids, rows)
+    }
+
+    /// The token overlays of the rows' slots (trainable tokens, saved tables).
+    fn embed_overlays(&self, ids: &[u32], rows: &mut [f32]) -> Result<(), BoxError> {
         let overlays = self.pool.companion();
         let any = self.step.requests().iter().any(|r| {
             r.slot()
@@ -196,6 +202,31 @@ impl StepHooks<'_> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The LoRA on the input embedding of the rows' slots, added in f32 onto
+    /// the (overlaid) rows: PEFT's order, the lookup then the delta.
+    fn embed_lora(&self, ids: &[u32], rows: &mut [f32]) -> Result<(), BoxError> {
+        let pool = self.pool;
+        let any = self.step.requests().iter().any(|r| {
+            r.slot()
+                .and_then(|s| pool.embedding_entry(s))
+                .is_some_and(|e| e.rank > 0)
+        });
+        if !any || ids.is_empty() {
+            return Ok(());
+        }
+        let device = pool.device();
+        let hidden = rows.len() / ids.len();
+        let ids_dev = device.upload(ids)?;
+        let mut out = device.upload(rows)?;
+        let out_rows = RowsMut::dense(&mut out, ids.len(), hidden);
+        match self.step {
+            StepRef::Decode(s) => pool.apply_embedding(s, &ids_dev, out_rows)?,
+            StepRef::Prefill(s) => pool.apply_embedding(s, &ids_dev, out_rows)?,
+        }
+        rows.copy_from_slice(&out.download()?);
         Ok(())
     }
 

@@ -8,7 +8,10 @@
 //! order and the BF16 rounding of the ranks' partial shrink outputs are
 //! all that differ), and the ranks agree with each other exactly.
 //! 4 ranks cut the fixtures' 2 key/value heads by replication, as the
-//! base model replicates them.
+//! base model replicates them. `llama_embed` (embedding-LoRA adapters
+//! beside trainable tokens, `LoraOptions::embedding_lora`) is served the
+//! same way: the embedding pair is replicated, whole on every rank, as the
+//! cut base model keeps the embedding table whole.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -52,11 +55,12 @@ fn requests(family: &str) -> Vec<Request> {
     parse_requests(&text).expect("valid requests")
 }
 
-fn options(max_loras: usize, placement: Placement) -> LoraOptions {
+fn options(family: &str, max_loras: usize, placement: Placement) -> LoraOptions {
     LoraOptions {
         max_loras,
         max_rank: 16,
         placement,
+        embedding_lora: family == "llama_embed",
         ..LoraOptions::default()
     }
 }
@@ -81,7 +85,7 @@ fn serve_ranks(family: &str, world: usize) {
             &dir,
             &adapters,
             &Device::cpu(),
-            options(max_loras, Placement::SINGLE),
+            options(family, max_loras, Placement::SINGLE),
             EngineOptions::default(),
         ),
         &reqs,
@@ -102,7 +106,7 @@ fn serve_ranks(family: &str, world: usize) {
                         dir,
                         adapters,
                         &Device::cpu(),
-                        options(max_loras, p),
+                        options(family, max_loras, p),
                         EngineOptions::default(),
                         c,
                     );
@@ -130,7 +134,7 @@ fn serve_ranks(family: &str, world: usize) {
 
 #[test]
 fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
-    for family in ["llama", "mistral", "qwen2", "qwen3", "qwen3_untied"] {
+    for family in ["llama", "mistral", "qwen2", "qwen3", "qwen3_untied", "llama_embed"] {
         for world in [2, 4] {
             serve_ranks(family, world);
         }
@@ -142,7 +146,14 @@ fn a_tensor_parallel_engine_needs_its_collective_and_a_dense_model() {
     let dir = family_dir("llama").join("model");
     let adapters = adapters("llama");
     let p = Placement::new(1, 2).expect("placement");
-    let err = Engine::load(&dir, &adapters, &Device::cpu(), options(1, p), EngineOptions::default()).unwrap_err();
+    let err = Engine::load(
+        &dir,
+        &adapters,
+        &Device::cpu(),
+        options("llama", 1, p),
+        EngineOptions::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, EngineError::NotTensorParallel { .. }), "{err}");
     // A collective of another rank.
     let group = HostCollective::group(2);
@@ -151,7 +162,7 @@ fn a_tensor_parallel_engine_needs_its_collective_and_a_dense_model() {
         &dir,
         &adapters,
         &Device::cpu(),
-        options(1, p),
+        options("llama", 1, p),
         EngineOptions::default(),
         c,
     )
@@ -165,7 +176,7 @@ fn a_tensor_parallel_engine_needs_its_collective_and_a_dense_model() {
         &dir,
         &adapters,
         &Device::cpu(),
-        options(1, p8),
+        options("llama", 1, p8),
         EngineOptions::default(),
         c,
     )
@@ -175,7 +186,15 @@ fn a_tensor_parallel_engine_needs_its_collective_and_a_dense_model() {
     let moe = family_dir("qwen3_moe").join("model");
     let group = HostCollective::group(2);
     let c: Arc<dyn Collective> = Arc::new(group[1].clone());
-    let err = Engine::load_rank(&moe, &[], &Device::cpu(), options(1, p), EngineOptions::default(), c).unwrap_err();
+    let err = Engine::load_rank(
+        &moe,
+        &[],
+        &Device::cpu(),
+        options("llama", 1, p),
+        EngineOptions::default(),
+        c,
+    )
+    .unwrap_err();
     assert!(matches!(err, EngineError::NotTensorParallel { .. }), "{err}");
 }
 
@@ -204,7 +223,7 @@ fn a_one_rank_nccl_group_serves_as_the_engine_does_on_one_gpu() {
     let adapters = adapters(family);
     let reqs = requests(family);
     let max_loras = adapters.len();
-    let lora = || options(max_loras, Placement::SINGLE);
+    let lora = || options(family, max_loras, Placement::SINGLE);
     let one = serve(
         Engine::load(&dir, &adapters, &device, lora(), EngineOptions::default()),
         &reqs,

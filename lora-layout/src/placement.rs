@@ -22,6 +22,12 @@
 //! - [`ShardKind::Replicated`] (MLA `q_a_proj` and `kv_a_proj_with_mqa`,
 //!   vLLM's `ReplicatedLinear`; `shared_expert_gate`, `[1, hidden]`): every
 //!   rank holds the whole pair and computes the whole delta.
+//! - The input embedding's pair (`PairKey::Embedding`, in a layout made
+//!   with the embedding place) is replicated too: the base model keeps the
+//!   embedding table whole on every rank (no vocab-parallel cut here), so
+//!   every rank holds the whole `lora_embedding_A` / `lora_embedding_B`
+//!   and adds the whole delta to its whole embedding rows
+//!   ([`ModuleShard::embedding`]).
 //!
 //! Units of a cut, per family (the base model's): attention projections are
 //! cut by heads (`num_attention_heads` for q, o and the MLA projections;
@@ -337,6 +343,19 @@ impl ModuleShard {
             rest -= s.len;
         }
         None
+    }
+
+    /// The input embedding pair's shard for `placement` on `cfg`:
+    /// replicated, every rank holds it whole (`(hidden_size, vocab_size)`),
+    /// because the base model keeps the embedding table whole on every rank
+    /// and every rank computes the whole embedding output.
+    pub fn embedding(cfg: &ModelConfig, placement: Placement) -> ModuleShard {
+        ModuleShard::replicated(
+            ShardKind::Replicated,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            placement.tp_world,
+        )
     }
 
     /// The shard of `module` for `placement` on `cfg`.

@@ -99,6 +99,28 @@ pub enum PoolError {
         /// Live leases.
         leases: u32,
     },
+    /// A swap begun with [`crate::LoraPool::begin_swap`] is still landing:
+    /// finish it ([`crate::LoraPool::finish_swap`]) before the next swap,
+    /// eviction or landing.
+    #[error("a swap into slot {slot} is still landing; finish it first")]
+    SwapPending {
+        /// The slot the pending swap writes.
+        slot: SlotId,
+    },
+    /// The swap path cut a staging chunk into parts that do not tile it
+    /// (an internal error: nothing was read or copied).
+    #[error("staging chunk {chunk}: part {start}..{end} is outside the chunk or overlaps another")]
+    StagingParts {
+        /// The chunk.
+        chunk: usize,
+        /// The part's first byte.
+        start: usize,
+        /// The part's end.
+        end: usize,
+    },
+    /// [`crate::LoraPool::finish_swap`] with no swap begun.
+    #[error("no swap is pending")]
+    NoPendingSwap,
     /// A slot is pinned and promotion may not evict it.
     #[error("slot {0} is pinned")]
     Pinned(usize),

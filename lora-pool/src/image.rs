@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use half::bf16;
-use lora_audit::{AuditError, PlacedPair, PreparedAdapter, SafetensorsFile, TensorDtype};
+use lora_audit::{AuditError, AuditReport, PreparedAdapter, SafetensorsFile, TensorDtype};
 use lora_kernels::RepackDtype;
 use lora_layout::{PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
@@ -39,6 +39,15 @@ impl PairMeta {
     pub fn dense(layer: usize, module: lora_layout::LoraModule, rank: usize, scale: f32) -> PairMeta {
         PairMeta {
             key: PairKey::Dense { layer, module },
+            rank,
+            scale,
+        }
+    }
+
+    /// The metadata of the input embedding's pair.
+    pub fn embedding(rank: usize, scale: f32) -> PairMeta {
+        PairMeta {
+            key: PairKey::Embedding,
             rank,
             scale,
         }
@@ -160,6 +169,11 @@ pub struct PairSource<'a> {
 
 /// The dense pairs of a prepared adapter as pack sources.
 pub fn dense_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
+    let embedding = adapter.embedding.as_ref().map(|e| PairSource {
+        meta: PairMeta::embedding(e.rank, e.scale),
+        a: Elems::Bf16(&e.a),
+        b: Elems::Bf16(&e.b),
+    });
     adapter
         .dense
         .iter()
@@ -168,6 +182,7 @@ pub fn dense_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
             a: Elems::Bf16(&p.a),
             b: Elems::Bf16(&p.b),
         })
+        .chain(embedding)
         .collect()
 }
 
@@ -181,10 +196,10 @@ fn repack_dtype(dtype: TensorDtype) -> Option<RepackDtype> {
     }
 }
 
-/// An audit's placed dense pairs as pack sources read on demand from their
-/// opened safetensors file (F32, F16 or BF16; any other type is an error
-/// naming the tensor).
-pub fn file_sources<'a>(placed: &[PlacedPair], file: &'a SafetensorsFile) -> Result<Vec<PairSource<'a>>, AuditError> {
+/// An audit's placed slot pairs (dense, and the embedding's) as pack
+/// sources read on demand from their opened safetensors file (F32, F16 or
+/// BF16; any other type is an error naming the tensor).
+pub fn file_sources<'a>(report: &AuditReport, file: &'a SafetensorsFile) -> Result<Vec<PairSource<'a>>, AuditError> {
     let elems = |key: &str| -> Result<Elems<'a>, AuditError> {
         let (dtype, _, offset, bytes) = file.tensor(key)?;
         let size = repack_dtype(dtype)
@@ -200,13 +215,20 @@ pub fn file_sources<'a>(placed: &[PlacedPair], file: &'a SafetensorsFile) -> Res
             len: bytes / size,
         })
     };
-    placed
+    let embedding = report
+        .embedding
+        .as_ref()
+        .map(|e| (PairMeta::embedding(e.rank, e.scale), &e.a_key, &e.b_key));
+    report
+        .placed
         .iter()
-        .map(|p| {
+        .map(|p| (PairMeta::dense(p.layer, p.module, p.rank, p.scale), &p.a_key, &p.b_key))
+        .chain(embedding)
+        .map(|(meta, a, b)| {
             Ok(PairSource {
-                meta: PairMeta::dense(p.layer, p.module, p.rank, p.scale),
-                a: elems(&p.a_key)?,
-                b: elems(&p.b_key)?,
+                meta,
+                a: elems(a)?,
+                b: elems(b)?,
             })
         })
         .collect()

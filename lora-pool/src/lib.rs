@@ -106,6 +106,14 @@
 //! drop((step, sql));
 //! let swapped = pool.swap_from_disk(slot, "tools", &tools)?;
 //! println!("slot {slot} now serves `tools`, identity {:#x}", swapped.adapter_id);
+//!
+//! // 5. Or land it beside the steps: begin_swap queues the slot's bytes on the
+//! //    device's copy lane and returns; steps over the other slots go on.
+//! pool.evict(slot)?;
+//! pool.begin_swap(slot, "tools", &tools)?;
+//! let _step = pool.decode_step(&[StepRow::Adapter(&chat)], 1)?;
+//! while pool.swap_landed()? == Some(false) {} // an engine steps here instead
+//! pool.finish_swap()?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 

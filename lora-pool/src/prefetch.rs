@@ -269,7 +269,7 @@ impl Packer {
         if !dense_only(&report) {
             return Ok(None);
         }
-        let sources = file_sources(&report.placed, &file).map_err(audit_err)?;
+        let sources = file_sources(&report, &file).map_err(audit_err)?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(|source| PoolError::Image {
             adapter: name.to_string(),
             source,

@@ -535,3 +535,100 @@ fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
     }
     let _ = std::fs::remove_dir_all(&bad);
 }
+
+/// The embedding rows `apply_embedding` adds for `n` tokens `ids`, each
+/// row served by `name`'s slot, onto zero rows.
+fn embedding_rows(pool: &mut LoraPool, name: &str, ids: &[u32]) -> Vec<f32> {
+    let device = pool.device().clone();
+    let hidden = pool.config().hidden_size;
+    let lease = pool.acquire(name).unwrap();
+    let n = ids.len();
+    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); n], n).unwrap();
+    let ids_dev = device.upload(ids).unwrap();
+    let mut out = device.alloc_zeros::<f32>(n * hidden).unwrap();
+    pool.apply_embedding(&step, &ids_dev, RowsMut::dense(&mut out, n, hidden))
+        .unwrap();
+    device.check_faults().unwrap();
+    out.download().unwrap()
+}
+
+/// A pool with a tensor-parallel placement AND the embedding place
+/// (`LoraOptions::embedding_lora`) builds and serves: each rank's slot is
+/// its dense shards then the whole embedding pair (replicated, as the base
+/// model keeps the embedding table whole on every rank); every route into a
+/// slot (startup load, disk swap, the host tier's rank pack, a prepared
+/// adapter) puts the adapter's whole pair there, the same bytes as the
+/// unsharded pool's; and the embedding LoRA every rank adds is the
+/// unsharded pool's, row for row.
+#[test]
+fn a_placed_pool_with_the_embedding_place_holds_and_serves_the_whole_embedding_pair_on_every_rank() {
+    use lora_pool::SlotId;
+    let cfg = model_config("llama");
+    let dir = fixtures().join("llama").join("embedding_lora_no_table");
+    let sources = [AdapterSource {
+        name: "loaded",
+        dir: dir.as_path(),
+    }];
+    let opts = |p| LoraOptions {
+        embedding_lora: true,
+        rotatable: true,
+        host_tier_bytes: 1 << 24,
+        ..options(4, p)
+    };
+    let ids: Vec<u32> = (0..cfg.vocab_size as u32).step_by(7).collect();
+    let names = ["loaded", "disk", "prepared", "tier"];
+    // Every route into one pool of `placement`; its embedding region of
+    // each slot and its embedding rows of each adapter.
+    let serve = |p: Placement| {
+        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts(p), BatchCapacity::default(), &sources)
+            .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+        let layout = pool.layout().clone();
+        let dense = SlotLayout::with_placement(&cfg, MAX_RANK, p).unwrap().slot_bytes();
+        let whole = lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, MAX_RANK).unwrap();
+        assert_eq!(
+            layout.slot_bytes(),
+            dense + whole,
+            "{p:?}: the rank's shards, then the whole pair"
+        );
+        let place = *layout.embedding().expect("the embedding place");
+        let i = layout.entries().len();
+        let shard = layout.shard(i).expect("the embedding pair's shard");
+        assert!(shard.is_whole(), "{p:?}: {shard:?}");
+        assert_eq!(shard.kind, ShardKind::Replicated);
+        pool.swap_from_disk(SlotId::new(1), "disk", &dir).unwrap();
+        let prepared = lora_audit::prepare_adapter(&dir, &cfg, pool.options()).unwrap();
+        pool.swap_prepared(SlotId::new(2), "prepared", &prepared).unwrap();
+        pool.prefetch("tier", &dir).unwrap();
+        pool.wait_for_prefetch();
+        let events = pool.prefetch_events();
+        let tiered = events.iter().find(|e| e.name == "tier").map(|e| &e.outcome);
+        assert!(matches!(tiered, Some(Ok(_))), "{p:?}: {tiered:?}");
+        pool.swap_from_disk(SlotId::new(3), "tier", &dir).unwrap();
+        let region = place.a_offset / 2..layout.slot_bytes() / 2;
+        let held: Vec<Vec<bf16>> = (0..4)
+            .map(|s| pool.slot_contents(SlotId::new(s)).unwrap()[region.clone()].to_vec())
+            .collect();
+        for (s, name) in names.iter().enumerate() {
+            let e = pool.embedding_entry(SlotId::new(s)).unwrap();
+            assert!(e.rank > 0, "{p:?} {name}: embedding pair published");
+            assert_eq!(held[s], held[0], "{p:?} {name}: every route holds the same pair");
+        }
+        let rows: Vec<Vec<f32>> = names.iter().map(|n| embedding_rows(&mut pool, n, &ids)).collect();
+        (held, rows)
+    };
+    let (whole_held, whole_rows) = serve(Placement::SINGLE);
+    assert!(
+        whole_rows[0].iter().any(|&v| v != 0.0),
+        "the adapter's embedding LoRA adds a delta"
+    );
+    for world in [2, 4] {
+        for p in Placement::new(0, world).unwrap().ranks() {
+            let (held, rows) = serve(p);
+            assert_eq!(
+                held, whole_held,
+                "{p:?}: the whole pair, as the unsharded pool holds it"
+            );
+            assert_eq!(rows, whole_rows, "{p:?}: the unsharded pool's embedding rows");
+        }
+    }
+}

@@ -218,7 +218,7 @@ pub struct PlannedPart {
 impl PlannedPart {
     fn image(&self) -> Image {
         match self.key {
-            PairKey::Dense { .. } => Image::Dense,
+            PairKey::Dense { .. } | PairKey::Embedding => Image::Dense,
             PairKey::Expert { .. } => Image::Experts,
         }
     }
@@ -340,7 +340,7 @@ impl Lander {
                 ep_world: placement.ep_world(),
             });
         }
-        let layout = SlotLayout::new(&cfg, opts.max_rank)?;
+        let layout = opts.slot_layout(&cfg)?;
         Ok(Lander {
             model: model_fingerprint(&cfg),
             max_rank: wire_rank(opts.max_rank)?,
@@ -411,6 +411,11 @@ impl Lander {
                     scale: p.scale,
                 }
             })
+            .chain(report.embedding.as_ref().map(|e| PairMeta {
+                key: PairKey::Embedding,
+                rank: e.rank,
+                scale: e.scale,
+            }))
             .collect();
         let experts: Vec<PairMeta> = report
             .experts
@@ -440,7 +445,9 @@ impl Lander {
             .iter()
             .map(|op| {
                 let (place, stride) = match op.key {
-                    PairKey::Dense { .. } => (place_of(&self.layout, op.key), self.layout.stride()),
+                    PairKey::Dense { .. } | PairKey::Embedding => {
+                        (place_of(&self.layout, op.key), self.layout.stride())
+                    }
                     PairKey::Expert { .. } => (place_of(&expert_layout, op.key), expert_layout.stride()),
                 };
                 let place = place.ok_or(LandError::NotInLayout(op.key))?;

@@ -6,8 +6,8 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--tp-rank R --tp-world W]
-//! [--ep-rank R --ep-world W] [--json]`
+//! [--allow-partial] [--experts] [--embedding-lora] [--tp-rank R
+//! --tp-world W] [--ep-rank R --ep-world W] [--json]`
 //!
 //! With `--tp-rank R --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`)
 //! the pool is rank R's (its shard of every pair) and each dense probe
@@ -31,7 +31,7 @@ use lora_audit::{
 };
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig, ModuleShard};
-use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
+use lora_overlay::{ServedTables, TokenOverlays, probe_served_rows};
 use lora_pool::{
     AdapterSource, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError, SlotCompanion, SlotId, SlotLease,
     StepRow,
@@ -61,6 +61,7 @@ struct Args {
     tp_world: Option<usize>,
     ep_rank: Option<usize>,
     ep_world: Option<usize>,
+    embedding_lora: bool,
     json: bool,
 }
 
@@ -69,7 +70,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
     let (mut max_rank, mut expert_rank) = (None, None);
     let (mut tp_rank, mut tp_world, mut ep_rank, mut ep_world) = (None, None, None, None);
-    let (mut allow_partial, mut experts, mut json) = (false, false, false);
+    let (mut allow_partial, mut experts, mut embedding_lora, mut json) = (false, false, false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -88,6 +89,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--ep-world" => ep_world = Some(number(value()?)?),
             "--allow-partial" => allow_partial = true,
             "--experts" => experts = true,
+            "--embedding-lora" => embedding_lora = true,
             "--json" => json = true,
             flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
             path if adapter.is_none() => adapter = Some(PathBuf::from(path)),
@@ -110,6 +112,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         tp_world,
         ep_rank,
         ep_world,
+        embedding_lora,
         json,
     })
 }
@@ -136,6 +139,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         tp_world: args.tp_world,
         ep_rank: args.ep_rank,
         ep_world: args.ep_world,
+        embedding_lora: args.embedding_lora,
     };
     let mut opts = LoraOptions::from_env()
         .and_then(|o| o.with_args(overrides))
@@ -161,9 +165,11 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
             let mut pool = LoraPool::load_with_companion(&device, cfg.clone(), opts, capacity, &source, overlays)
                 .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
             let mut outputs = serve_probes(&mut pool, &inputs)?;
-            let rows =
-                probe_token_rows(pool.companion(), Some(0), &cfg, &inputs.rows).map_err(|e| usage(e.to_string()))?;
-            outputs.tensors.extend(rows);
+            if !inputs.rows.is_empty() {
+                let lease = slot_lease(&pool, SlotId::new(0)).map_err(usage)?;
+                let rows = probe_served_rows(&mut pool, &lease, &inputs.rows).map_err(|e| usage(e.to_string()))?;
+                outputs.tensors.extend(rows);
+            }
             outputs
         }
         None => {

@@ -99,13 +99,16 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         expert_rank: Some(4),
         allow_partial: true,
         experts: false,
+        embedding_lora: true,
         ..AuditArgs::default()
     };
     let o = env.clone().with_args(args).unwrap();
     assert_eq!(
-        (o.max_rank, o.expert_rank, o.allow_partial, o.experts),
-        (8, 4, true, true)
+        (o.max_rank, o.expert_rank, o.allow_partial, o.experts, o.embedding_lora),
+        (8, 4, true, true, true)
     );
+    assert!(!env.embedding_lora);
+    assert!(opts(&[("LORA_EMBEDDING_LORA", "1")]).unwrap().embedding_lora);
     for args in [
         AuditArgs {
             max_rank: Some(0),

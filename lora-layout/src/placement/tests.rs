@@ -367,3 +367,36 @@ fn an_expert_placement_needs_a_rank_below_a_positive_world() {
     }
     assert_eq!(Placement::SINGLE.expert_range(5), Ok(0..5));
 }
+
+#[test]
+fn the_embedding_pair_is_replicated_whole_after_every_ranks_dense_shards() {
+    use crate::pair::{PairKey, PairLayout};
+    let cfg = llama(4, 2, 64);
+    for world in [1, 2, 4] {
+        for p in Placement::new(0, world).unwrap().ranks() {
+            let dense = SlotLayout::with_placement(&cfg, 4, p).unwrap();
+            let with = SlotLayout::walk(&cfg, 4, p, true).unwrap();
+            assert_eq!(with.entries(), dense.entries(), "{p:?}: the dense places are unmoved");
+            let e = with.embedding().unwrap();
+            assert_eq!(
+                (e.vocab, e.hidden, e.a_offset),
+                (cfg.vocab_size, cfg.hidden_size, dense.slot_bytes())
+            );
+            let i = PairLayout::position(&with, PairKey::Embedding).unwrap();
+            let place = with.place(i).unwrap();
+            assert_eq!(place.key, PairKey::Embedding);
+            assert_eq!((place.out_dim, place.in_dim), (cfg.hidden_size, cfg.vocab_size));
+            assert_eq!(place.shard, ModuleShard::embedding(&cfg, p));
+            assert!(place.shard.is_whole() && place.shard.kind == ShardKind::Replicated);
+            assert_eq!(place.shard.in_replicas, world);
+            assert_eq!(place.shard.segments()[0].replicas, world);
+            assert_eq!(
+                with.slot_bytes() - dense.slot_bytes(),
+                SlotLayout::with_embedding(&cfg, 4).unwrap().slot_bytes()
+                    - SlotLayout::new(&cfg, 4).unwrap().slot_bytes(),
+                "{p:?}: every rank pays the whole pair"
+            );
+            assert!(with.place(i + 1).is_none());
+        }
+    }
+}
