@@ -562,6 +562,22 @@ fn embedding_rows(pool: &mut LoraPool, name: &str, ids: &[u32]) -> Vec<f32> {
 /// unsharded pool's, row for row.
 #[test]
 fn a_placed_pool_with_the_embedding_place_holds_and_serves_the_whole_embedding_pair_on_every_rank() {
+    placed_pool_serves_the_whole_embedding_pair(&Device::cpu());
+}
+
+/// The same checks with every rank's pool on one GPU, through the CUDA
+/// embedding kernel.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn a_placed_pool_with_the_embedding_place_serves_the_whole_embedding_pair_on_one_gpu() {
+    if let Some(device) = lora_kernels::testing::cuda_or_skip(
+        "a_placed_pool_with_the_embedding_place_serves_the_whole_embedding_pair_on_one_gpu",
+    ) {
+        placed_pool_serves_the_whole_embedding_pair(&device);
+    }
+}
+
+fn placed_pool_serves_the_whole_embedding_pair(device: &Device) {
     use lora_pool::SlotId;
     let cfg = model_config("llama");
     let dir = fixtures().join("llama").join("embedding_lora_no_table");
@@ -580,7 +596,7 @@ fn a_placed_pool_with_the_embedding_place_holds_and_serves_the_whole_embedding_p
     // Every route into one pool of `placement`; its embedding region of
     // each slot and its embedding rows of each adapter.
     let serve = |p: Placement| {
-        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts(p), BatchCapacity::default(), &sources)
+        let mut pool = LoraPool::load(device, cfg.clone(), opts(p), BatchCapacity::default(), &sources)
             .unwrap_or_else(|e| panic!("{p:?}: {e}"));
         let layout = pool.layout().clone();
         let dense = SlotLayout::with_placement(&cfg, MAX_RANK, p).unwrap().slot_bytes();
