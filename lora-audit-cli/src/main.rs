@@ -46,7 +46,8 @@ enum Command {
     Probe {
         #[command(flatten)]
         common: Common,
-        /// Probe inputs: `probe_in::<weight>` and `rows_idx::<table>` tensors.
+        /// Probe inputs: `probe_in::<weight>` and `rows_idx::<table>` tensors (and, for DoRA
+        /// pairs, `base_weight::<weight>` / `base_bias::<weight>`).
         #[arg(long)]
         probes: PathBuf,
         /// Base token tables (`…embed_tokens.weight`, `lm_head.weight`), for `rows_idx::` probes.
@@ -77,6 +78,10 @@ struct Common {
     /// Serve routed-expert and router deltas.
     #[arg(long)]
     experts: bool,
+    /// Serve DoRA adapters (a pool built with LORA_DORA=1; probes of DoRA
+    /// pairs need `base_weight::<weight>` in the probe file).
+    #[arg(long)]
+    dora: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -89,6 +94,7 @@ impl Common {
             expert_rank: self.expert_rank,
             allow_partial: self.allow_partial,
             experts: self.experts,
+            dora: self.dora,
         };
         LoraOptions::from_env()
             .and_then(|o| o.with_args(args))

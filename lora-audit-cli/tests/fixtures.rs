@@ -81,6 +81,7 @@ fn fixture_options() -> LoraOptions {
     LoraOptions {
         max_rank: 16,
         experts: true,
+        dora: true,
         ..LoraOptions::default()
     }
 }
@@ -589,4 +590,48 @@ fn probing_a_refused_adapter_exits_1() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
+}
+
+/// DoRA fixtures: refused on a pool without DoRA, servable on one built for
+/// it; their module-output probes equal PEFT's forward closely (the bias
+/// outside the rescale included: qwen2's q/k/v have one), and a probe
+/// without the base weight is refused with the code that says so.
+#[test]
+fn dora_fixtures_follow_peft_module_outputs() {
+    let names = ["llama/dora", "llama/dora_rslora_alpha_pattern", "qwen2/dora_bias_qkv"];
+    let mut biased = 0;
+    for name in names {
+        let f = fixture(name);
+        let cfg = f.cfg();
+        let plain = LoraOptions {
+            dora: false,
+            ..fixture_options()
+        };
+        let report = audit_adapter(&f.dir, &cfg, &plain).unwrap();
+        assert_eq!(report.refused_codes(), BTreeSet::from([RejectCode::Dora]), "{name}");
+        let adapter = prepare_adapter(&f.dir, &cfg, &fixture_options()).unwrap();
+        assert!(adapter.report.is_dora(), "{name}");
+        assert!(adapter.dense.iter().all(|p| p.magnitude.is_some()), "{name}");
+        let oracle = f.oracle().unwrap();
+        let inputs = read_probe_inputs(&oracle).unwrap();
+        assert_eq!(inputs.base.len(), inputs.inputs.len(), "{name}: a base weight per probe");
+        biased += inputs.base.values().filter(|b| b.bias.is_some()).count();
+        let outputs = probe_adapter(&adapter, &cfg, &inputs, None).unwrap();
+        for (key, shape, want) in oracle_outputs(&oracle) {
+            let got = &outputs.tensors[&key];
+            let err = relative_error(&got.data, &want);
+            assert!(got.shape == shape && err < 2e-3, "{name}: {key}: relative error {err:.3e}");
+        }
+        let mut no_base = inputs.clone();
+        no_base.base.clear();
+        match probe_adapter(&adapter, &cfg, &no_base, None) {
+            Err(lora_audit::AuditError::Refused(report)) => assert!(
+                report.refused_codes().contains(&RejectCode::DoraNeedsBaseWeights),
+                "{name}: {:?}",
+                report.refused
+            ),
+            other => panic!("{name}: a DoRA probe without base weights gave {other:?}"),
+        }
+    }
+    assert!(biased >= 6, "qwen2's q/k/v biases are in the oracle: {biased}");
 }

@@ -209,6 +209,8 @@ fn options(
         expert_rank,
         allow_partial,
         experts,
+        // DoRA follows LORA_DORA here.
+        dora: false,
     };
     LoraOptions::from_env()
         .and_then(|o| o.with_args(args))

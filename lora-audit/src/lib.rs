@@ -74,7 +74,8 @@
 //! |---|---|---|
 //! | `REJECT[peft-type]` | `peft_type` is not `LORA` | |
 //! | `REJECT[pickle]` | `adapter_model.bin`: a pickle is never read | |
-//! | `REJECT[dora]` | DoRA: needs base-weight norms | |
+//! | `REJECT[dora]` | DoRA on a pool not built for it (`LORA_DORA`), or on an expert / router | |
+//! | `REJECT[dora-needs-base-weights]` | DoRA offered to a pool (or probe) without the base weights | |
 //! | `REJECT[lora-bias]` | `lora_bias` / `lora_B.bias`: no bias space | |
 //! | `REJECT[bias]` | absolute base biases saved by `bias != "none"` | |
 //! | `REJECT[init-mutates-base]` | PiSSA / OLoRA / CorDA / LoftQ / LoRA-GA or unknown init | |
@@ -125,6 +126,7 @@
 //! ```
 
 mod audit;
+pub mod dora;
 mod error;
 pub mod families;
 mod key;

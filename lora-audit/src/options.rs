@@ -38,6 +38,11 @@ pub struct LoraOptions {
     /// promotion of an adapter held there is one copy, with no read, audit
     /// or parse.
     pub host_tier_bytes: usize,
+    /// Serve DoRA adapters (`LORA_DORA`). On, the pool holds a per-slot
+    /// magnitude rescale (`g`, f32 per adapted output row) beside the slots
+    /// and needs the engine's base weights; off, it holds nothing more and
+    /// a DoRA adapter is refused (`REJECT[dora]`).
+    pub dora: bool,
 }
 
 /// Default of [`LoraOptions::max_loras`].
@@ -61,6 +66,7 @@ impl Default for LoraOptions {
             rotatable: false,
             peer: None,
             host_tier_bytes: 0,
+            dora: false,
         }
     }
 }
@@ -77,6 +83,8 @@ pub struct AuditArgs {
     pub allow_partial: bool,
     /// Turns [`LoraOptions::experts`] on.
     pub experts: bool,
+    /// Turns [`LoraOptions::dora`] on.
+    pub dora: bool,
 }
 
 /// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
@@ -115,6 +123,7 @@ impl LoraOptions {
         self.expert_rank = args.expert_rank.unwrap_or(self.expert_rank);
         self.allow_partial |= args.allow_partial;
         self.experts |= args.experts;
+        self.dora |= args.dora;
         Ok(self)
     }
 
@@ -174,6 +183,7 @@ impl LoraOptions {
             rotatable: flag("LORA_ROTATE") || peer.is_some(),
             peer,
             host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
+            dora: flag("LORA_DORA"),
         })
     }
 }

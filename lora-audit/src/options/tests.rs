@@ -24,13 +24,14 @@ fn every_variable_is_read() {
         ("LORA_EAGER", "True"),
         ("LORA_ROTATE", "0"),
         ("LORA_HOST_TIER_BYTES", "1073741824"),
+        ("LORA_DORA", "1"),
     ])
     .unwrap();
     assert_eq!(o.host_tier_bytes, 1 << 30);
     assert_eq!(o.max_loras, 8);
     assert_eq!(o.max_rank, 64);
     assert_eq!(o.pinned, 2);
-    assert!(o.allow_partial && o.experts && o.eager);
+    assert!(o.allow_partial && o.experts && o.eager && o.dora);
     assert_eq!(o.expert_rank, 32);
     assert_eq!(o.expert_slot_bytes, Some(4096));
     assert!(!o.rotatable);
@@ -99,11 +100,12 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         expert_rank: Some(4),
         allow_partial: true,
         experts: false,
+        dora: true,
     };
     let o = env.clone().with_args(args).unwrap();
     assert_eq!(
-        (o.max_rank, o.expert_rank, o.allow_partial, o.experts),
-        (8, 4, true, true)
+        (o.max_rank, o.expert_rank, o.allow_partial, o.experts, o.dora),
+        (8, 4, true, true, true)
     );
     for args in [
         AuditArgs {
