@@ -620,7 +620,8 @@ fn dora_fixtures_follow_peft_module_outputs() {
         for (key, shape, want) in oracle_outputs(&oracle) {
             let got = &outputs.tensors[&key];
             let err = relative_error(&got.data, &want);
-            assert!(got.shape == shape && err < 2e-3, "{name}: {key}: relative error {err:.3e}");
+            // A and B are served in BF16 (2^-9 relative rounding each); PEFT used them in f32.
+            assert!(got.shape == shape && err < 5e-3, "{name}: {key}: relative error {err:.3e}");
         }
         let mut no_base = inputs.clone();
         no_base.base.clear();

@@ -376,7 +376,7 @@ impl<'a> Audit<'a> {
                 return;
             }
         };
-        if (self.config.use_dora || magnitude.is_some()) && !matches!(target, LoraTarget::Dense(_)) {
+        if self.opts.dora && (self.config.use_dora || magnitude.is_some()) && !matches!(target, LoraTarget::Dense(_)) {
             let subject = magnitude.as_ref().map_or(&a.name, |m| &m.name);
             self.refuse(
                 RejectCode::Dora,
@@ -456,6 +456,10 @@ impl<'a> Audit<'a> {
     /// after recording a refusal (a DoRA config without the vector, a
     /// vector without `use_dora`, a wrong shape).
     fn check_magnitude(&mut self, a: &TensorInfo, m: Option<TensorInfo>, out: usize) -> Option<Option<String>> {
+        if !self.opts.dora {
+            // `use_dora` and every magnitude key are refused as `REJECT[dora]` already.
+            return Some(None);
+        }
         match (self.config.use_dora, m) {
             (false, None) => Some(None),
             (true, None) => {
