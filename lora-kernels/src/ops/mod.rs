@@ -4,6 +4,8 @@
 //!
 //! - [`bgmv`]: row-indexed LoRA apply (decode, mixed slots; MoE gather).
 //! - [`sgmv`]: segment-grouped LoRA apply (prefill) and the one-adapter case.
+//! - [`dora`]: the DoRA rescale `y ← g ⊙ (y − b) + b` per row of a DoRA slot,
+//!   one pass after the expand.
 //! - [`moe_index`]: routed-expert entry-index builders.
 //! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
 //! - [`limits`]: what the launch planners read of a device ([`limits::DeviceLimits`])
@@ -20,6 +22,7 @@
 //! ([`crate::Device::check_faults`]); after a fault the output is unspecified.
 
 pub mod bgmv;
+pub mod dora;
 #[cfg(test)]
 mod golden;
 pub mod launch_floor;
