@@ -175,6 +175,28 @@ pub enum PoolError {
     /// A batch description is malformed.
     #[error("batch: {0}")]
     Batch(String),
+    /// Base weights given to a pool not built for DoRA.
+    #[error("this pool is not built for DoRA (LoraOptions::dora, LORA_DORA=1): it takes no base weights")]
+    DoraDisabled,
+    /// A DoRA adapter offered to a route that cannot carry its magnitudes
+    /// (the host tier, a peer landing): it is swapped from disk instead.
+    #[error("adapter `{adapter}` is a DoRA adapter, which the {route} does not carry; swap it from disk")]
+    DoraRoute {
+        /// The adapter.
+        adapter: String,
+        /// The route.
+        route: &'static str,
+    },
+    /// A base projection the engine gave does not fit the model.
+    #[error("base weights of layer {layer} {module}: {reason}")]
+    BaseWeights {
+        /// The layer.
+        layer: usize,
+        /// The module.
+        module: lora_layout::LoraModule,
+        /// What does not fit.
+        reason: String,
+    },
     /// A module asked of a layer that does not have it.
     #[error("layer {layer} has no {module}")]
     NoSuchModule {

@@ -97,6 +97,7 @@
 //! ```
 
 mod companion;
+mod dora;
 mod error;
 mod expert;
 mod host_tier;
@@ -112,7 +113,9 @@ mod streaming;
 mod target;
 
 pub use companion::{NoCompanion, SlotCompanion};
+pub use dora::BaseWeights;
 pub use error::PoolError;
+pub use lora_audit::dora::BaseProjection;
 pub use expert::ExpertPool;
 pub use host_tier::{HostTierView, TierError};
 pub use lease::{SlotLease, SlotUse};

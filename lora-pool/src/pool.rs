@@ -77,6 +77,8 @@ pub struct SwapReport {
     pub dense_pairs: usize,
     /// Expert and router pairs written.
     pub expert_pairs: usize,
+    /// Dense pairs written as DoRA pairs (their rescale with them).
+    pub dora_pairs: usize,
     /// Host time of the stage phase (audit, read, pack, copies issued),
     /// microseconds; 0 for a publish of landed images.
     pub stage_us: f64,
@@ -119,6 +121,8 @@ struct Staged<S> {
     experts: Option<Arc<(ExpertLayout, SlotImage)>>,
     companion: Option<S>,
     has_overlay: bool,
+    /// DoRA pairs' rescales (written at publish; none clears the slot's).
+    dora: Vec<crate::dora::StagedScale>,
 }
 
 /// Where a staged adapter's dense slot image is.
@@ -197,6 +201,8 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     uses: Arc<SlotUse>,
     companion: C,
     capacity: BatchCapacity,
+    /// DoRA rescales and base biases (`opts.dora` only).
+    dora: Option<crate::dora::DoraState>,
     /// This pool's identity, so a step or lease of another pool is refused.
     id: u64,
     next_step: u64,
@@ -347,6 +353,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             (3 * capacity.max_rows + 2 * capacity.max_segments + 1) * 4,
             // Workspace: targets x k-splits x rows x padded rank, f32.
             lora_kernels::MAX_TARGETS * 4 * capacity.max_rows * opts.max_rank.div_ceil(16) * 16 * 4,
+            crate::dora::dora_bytes(&cfg, &layout, &opts).ok_or(PoolError::Layout(
+                lora_layout::LayoutError::Overflow { what: "DoRA state" },
+            ))?,
         ]
         .iter()
         .try_fold(0usize, |acc, b| acc.checked_add(*b))
@@ -368,6 +377,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         } else {
             None
         };
+        let dora = if opts.dora {
+            Some(crate::dora::DoraState::new(device, &cfg, &layout, opts.max_loras)?)
+        } else {
+            None
+        };
         let (tier, prefetcher) = if opts.host_tier_bytes > 0 {
             let tier = Arc::new(Mutex::new(HostTier::new(opts.host_tier_bytes)));
             let prefetcher = Prefetcher::start(device, &cfg, &opts, &layout, Arc::clone(&tier))?;
@@ -385,6 +399,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             experts,
             companion,
             capacity,
+            dora,
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             next_step: 1,
             decode_current: None,
@@ -591,8 +606,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         report.stage_us = stage_us;
         report.audit_us = audit_us;
         // The host tier fills on the way: the worker packs the adapter there,
-        // off this path (its event comes as a prefetch's would).
-        if let Some(prefetcher) = &self.prefetcher {
+        // off this path (its event comes as a prefetch's would). A DoRA
+        // adapter is not kept there (`TierError::Dora`).
+        if report.dora_pairs == 0
+            && let Some(prefetcher) = &self.prefetcher
+        {
             // A stopped worker only means no tier fill; the swap is done.
             let _ = prefetcher.request(name, dir);
         }
@@ -673,6 +691,8 @@ impl<C: SlotCompanion> LoraPool<C> {
             companion: Some(companion),
             has_overlay: image.has_overlay,
             dense: DenseSource::Host(image),
+            // The tier never holds a DoRA adapter (`TierError::Dora`).
+            dora: Vec::new(),
         })
     }
 
@@ -754,6 +774,9 @@ impl<C: SlotCompanion> LoraPool<C> {
         if let Some(experts) = &mut self.experts {
             experts.clear(s)?;
         }
+        if let Some(dora) = &mut self.dora {
+            dora.clear(s)?;
+        }
         self.companion.clear(s)?;
         self.registry.clear(s);
         Ok(())
@@ -825,6 +848,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             experts: experts.map(Arc::new),
             companion: None,
             has_overlay: false,
+            // A peer landing carries no DoRA magnitudes: lora-rdma refuses
+            // a DoRA adapter before it lands.
+            dora: Vec::new(),
         };
         self.publish(slot, staged)
     }
@@ -965,6 +991,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             experts: None,
             companion: Some(companion),
             has_overlay: false,
+            dora: Vec::new(),
         };
         Ok((staged, audit_us))
     }
@@ -993,6 +1020,14 @@ impl<C: SlotCompanion> LoraPool<C> {
                 .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
             pool.check_fits(name, layout)?;
         }
+        let dora = if adapter.report.is_dora() {
+            match &self.dora {
+                Some(state) => state.stage(name, &self.layout, adapter)?,
+                None => return Err(crate::dora::refuse_not_built(name, adapter)),
+            }
+        } else {
+            Vec::new()
+        };
         let sources = dense_sources(adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &adapter.overlay)?;
@@ -1006,6 +1041,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             experts: experts.map(Arc::new),
             companion: Some(companion),
             has_overlay: !adapter.overlay.is_empty(),
+            dora,
         })
     }
 
@@ -1082,6 +1118,9 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
         self.host_table = table;
         self.table.write(0, &self.host_table)?;
+        if let Some(dora) = &mut self.dora {
+            dora.publish(&self.layout, s, &staged.dora)?;
+        }
         let mut expert_pairs = Vec::new();
         if let Some(pool) = &mut self.experts {
             match staged.experts.as_deref() {
@@ -1114,6 +1153,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             adapter_id: published.adapter_id(),
             dense_pairs: published.pairs.len(),
             expert_pairs: published.expert_pairs.len(),
+            dora_pairs: staged.dora.len(),
             stage_us: 0.0,
             audit_us: 0.0,
             route: staged.route,
@@ -1404,17 +1444,54 @@ impl<C: SlotCompanion> LoraPool<C> {
         y: RowsMut<'_, Y>,
         options: DecodeOptions,
     ) -> Result<(), PoolError> {
-        let targets = self.call_targets(step, layer, targets, &x)?;
+        let kernel_targets = self.call_targets(step, layer, targets, &x)?;
+        let mut y = y;
         bgmv_with(
             &self.device,
             x,
             &self.seq_slot,
-            &targets,
+            &kernel_targets,
             self.opts.max_rank,
-            y,
+            reborrow(&mut y),
             options,
         )?;
+        self.rescale_dora(&self.seq_slot, layer, targets, y)
+    }
+
+    /// The DoRA rescale of an apply's rows, after its expand (a pool built
+    /// for DoRA only; one launch over the whole mixed batch, rows of other
+    /// slots untouched): `row_slot` holds each kernel row's slot.
+    fn rescale_dora<Y: OutputElem>(
+        &self,
+        row_slot: &DeviceBuffer<i32>,
+        layer: usize,
+        targets: &FusedTargets,
+        y: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
+        let Some(dora) = &self.dora else {
+            return Ok(());
+        };
+        let dora_targets = dora.targets(&self.layout, layer, targets)?;
+        lora_kernels::dora_rescale(&self.device, row_slot, &dora_targets, y)?;
         Ok(())
+    }
+
+    /// Give the pool the base model's projection weights, which DoRA
+    /// adapters need ([`BaseWeights`](crate::BaseWeights)): every
+    /// projection given is checked against the model and its bias uploaded
+    /// beside the slots; the pool keeps the handle and reads the weights
+    /// only when it stages a DoRA adapter. Call it before loading or
+    /// swapping one: without it a DoRA adapter is refused,
+    /// `REJECT[dora-needs-base-weights]`. [`PoolError::DoraDisabled`] on a
+    /// pool not built for DoRA. On an error nothing changed.
+    pub fn set_base_weights(&mut self, base: Arc<dyn crate::dora::BaseWeights>) -> Result<(), PoolError> {
+        let dora = self.dora.as_mut().ok_or(PoolError::DoraDisabled)?;
+        dora.set_base(&self.layout, base)
+    }
+
+    /// DoRA pairs `slot` serves now (0 on a pool not built for DoRA).
+    pub fn dora_pairs(&self, slot: SlotId) -> usize {
+        self.dora.as_ref().map_or(0, |d| d.pairs(slot.index()))
     }
 
     /// The launch plan [`LoraPool::apply_decode_with`] runs for these
@@ -1465,23 +1542,26 @@ impl<C: SlotCompanion> LoraPool<C> {
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), PoolError> {
-        let targets = self.call_targets(step, layer, targets, &x)?;
+        let kernel_targets = self.call_targets(step, layer, targets, &x)?;
         let segments = Segments {
             cu_seqlens: &self.cu_seqlens,
             seg_slot: &self.seg_slot,
             n_segments: step.rows.rows.len(),
         };
-        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-        sgmv(
-            &self.device,
-            x,
-            &segments,
-            &targets,
-            self.opts.max_rank,
-            y,
-            &mut workspace,
-        )?;
-        Ok(())
+        let mut y = y;
+        {
+            let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+            sgmv(
+                &self.device,
+                x,
+                &segments,
+                &kernel_targets,
+                self.opts.max_rank,
+                reborrow(&mut y),
+                &mut workspace,
+            )?;
+        }
+        self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
     }
 
     /// One-adapter prefill: every row of `step` runs the same adapter
@@ -1501,18 +1581,34 @@ impl<C: SlotCompanion> LoraPool<C> {
             return Ok(());
         }
         let slot = step.one_adapter().ok_or(PoolError::NotOneAdapter)?;
-        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
-        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-        one_adapter(
-            &self.device,
-            x,
-            slot.index(),
-            &targets,
-            self.opts.max_rank,
-            y,
-            &mut workspace,
-        )?;
-        Ok(())
+        let kernel = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        let mut y = y;
+        {
+            let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+            one_adapter(
+                &self.device,
+                x,
+                slot.index(),
+                &kernel,
+                self.opts.max_rank,
+                reborrow(&mut y),
+                &mut workspace,
+            )?;
+        }
+        // The step's per-token map names the one slot (or base) on every row.
+        self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
+    }
+}
+
+/// A shorter-lived view of the same rows, so one `RowsMut` serves the
+/// expand and then the DoRA rescale.
+fn reborrow<'b, Y: OutputElem>(y: &'b mut RowsMut<'_, Y>) -> RowsMut<'b, Y> {
+    RowsMut {
+        buf: y.buf,
+        offset: y.offset,
+        n_rows: y.n_rows,
+        width: y.width,
+        stride: y.stride,
     }
 }
 
@@ -1574,7 +1670,7 @@ fn staged_value(staging: &DeviceBuffer<bf16>, region: &lora_kernels::RepackRegio
 /// Whether an audit lets the adapter go straight from its file: servable,
 /// and dense pairs only.
 fn dense_only(report: &AuditReport) -> bool {
-    report.is_servable() && report.experts.is_empty() && report.overlay.is_empty()
+    report.is_servable() && report.experts.is_empty() && report.overlay.is_empty() && !report.is_dora()
 }
 
 fn check_unique_names(adapters: &[AdapterSource<'_>]) -> Result<(), PoolError> {
