@@ -427,6 +427,21 @@ impl<C: SlotCompanion> LoraPool<C> {
         adapters: &[AdapterSource<'_>],
         companion: C,
     ) -> Result<LoraPool<C>, PoolError> {
+        LoraPool::load_with_base_weights(device, cfg, opts, capacity, adapters, companion, None)
+    }
+
+    /// [`LoraPool::load_with_companion`] on a pool built for DoRA, given the
+    /// engine's base weights first ([`LoraPool::set_base_weights`]) so that
+    /// DoRA adapters load at startup; `None` is `load_with_companion`.
+    pub fn load_with_base_weights(
+        device: &Device,
+        cfg: ModelConfig,
+        opts: LoraOptions,
+        capacity: BatchCapacity,
+        adapters: &[AdapterSource<'_>],
+        companion: C,
+        base: Option<Arc<dyn crate::dora::BaseWeights>>,
+    ) -> Result<LoraPool<C>, PoolError> {
         if adapters.len() > opts.max_loras {
             return Err(PoolError::TooManyAdapters {
                 adapters: adapters.len(),
@@ -447,6 +462,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             .max()
             .unwrap_or(0);
         let mut pool = LoraPool::with_companion(device, cfg, opts, capacity, companion, expert_bytes)?;
+        if let Some(base) = base {
+            pool.set_base_weights(base)?;
+        }
         for (slot, src) in adapters.iter().enumerate() {
             let (staged, _) = pool.stage_from_dir(src.name, src.dir)?;
             pool.publish(SlotId::new(slot), staged)?;
