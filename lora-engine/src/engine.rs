@@ -19,15 +19,17 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use lora_audit::{AuditError, LoraOptions, audit_adapter, read_base_tables};
 use lora_kernels::Device;
 use lora_layout::ModelConfig;
 use lora_moe::{MoeCapacity, MoeLora};
 use lora_overlay::{ServedTables, TokenOverlays};
-use lora_pool::{AdapterSource, BatchCapacity, LoraPool, PoolError, PrefillSeq, SlotLease, Step, StepRow};
+use lora_pool::{AdapterSource, BaseWeights, BatchCapacity, LoraPool, PoolError, PrefillSeq, SlotLease, Step, StepRow};
 
 use crate::adapted::{DenseTargets, StepHooks, StepRef};
+use crate::base_weights::ModelBase;
 use crate::error::EngineError;
 use crate::forward::SeqChunk;
 use crate::kv_cache::KvCache;
@@ -80,7 +82,8 @@ struct Running {
 /// The reference engine: a base model, a slot pool with token overlays and
 /// MoE folds, and a scheduler.
 pub struct Engine {
-    model: Model,
+    /// Shared with the pool's base weights (DoRA) when the pool serves DoRA.
+    model: Arc<Model>,
     pool: LoraPool<TokenOverlays>,
     moe: Option<MoeLora>,
     targets: DenseTargets,
@@ -132,7 +135,7 @@ impl Engine {
         lora: LoraOptions,
         opts: EngineOptions,
     ) -> Result<Engine, EngineError> {
-        let model = Model::load_on(model_dir, device)?;
+        let model = Arc::new(Model::load_on(model_dir, device)?);
         let config_path = model_dir.join("config.json");
         let cfg = ModelConfig::from_file(&config_path).map_err(|source| EngineError::LoraConfig {
             path: config_path.clone(),
@@ -174,7 +177,15 @@ impl Engine {
             max_rows: opts.max_batch_tokens.max(opts.max_running),
             max_segments: opts.admit_per_step,
         };
-        let pool = LoraPool::load_with_companion(device, cfg.clone(), lora, capacity, &sources, overlays)?;
+        // A pool built for DoRA gets the model's projections as its base
+        // weights (read when a DoRA adapter is staged).
+        let base: Option<Arc<dyn BaseWeights>> = lora.dora.then(|| {
+            Arc::new(ModelBase {
+                model: Arc::clone(&model),
+                cfg: cfg.clone(),
+            }) as Arc<dyn BaseWeights>
+        });
+        let pool = LoraPool::load_with_base_weights(device, cfg.clone(), lora, capacity, &sources, overlays, base)?;
         let moe = match (&cfg.moe, pool.experts()) {
             (Some(m), Some(_)) => Some(MoeLora::new(
                 &pool,
@@ -412,6 +423,7 @@ impl Engine {
             step: StepRef::Prefill(&step),
             moe: self.moe.as_mut(),
             targets: self.targets,
+            model: &self.model,
         };
         let logits = self.model.forward(&chunks, &mut self.caches[first..], &mut hooks)?;
         let vocab = self.model.config().vocab;
@@ -481,6 +493,7 @@ impl Engine {
             step: StepRef::Decode(&step),
             moe: self.moe.as_mut(),
             targets: self.targets,
+            model: &self.model,
         };
         let logits = self.model.forward(&chunks, &mut self.caches, &mut hooks)?;
         let vocab = self.model.config().vocab;
