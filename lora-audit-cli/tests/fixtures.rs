@@ -614,14 +614,21 @@ fn dora_fixtures_follow_peft_module_outputs() {
         assert!(adapter.dense.iter().all(|p| p.magnitude.is_some()), "{name}");
         let oracle = f.oracle().unwrap();
         let inputs = read_probe_inputs(&oracle).unwrap();
-        assert_eq!(inputs.base.len(), inputs.inputs.len(), "{name}: a base weight per probe");
+        assert_eq!(
+            inputs.base.len(),
+            inputs.inputs.len(),
+            "{name}: a base weight per probe"
+        );
         biased += inputs.base.values().filter(|b| b.bias.is_some()).count();
         let outputs = probe_adapter(&adapter, &cfg, &inputs, None).unwrap();
         for (key, shape, want) in oracle_outputs(&oracle) {
             let got = &outputs.tensors[&key];
             let err = relative_error(&got.data, &want);
             // A and B are served in BF16 (2^-9 relative rounding each); PEFT used them in f32.
-            assert!(got.shape == shape && err < 5e-3, "{name}: {key}: relative error {err:.3e}");
+            assert!(
+                got.shape == shape && err < 5e-3,
+                "{name}: {key}: relative error {err:.3e}"
+            );
         }
         let mut no_base = inputs.clone();
         no_base.base.clear();

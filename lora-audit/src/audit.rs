@@ -192,9 +192,12 @@ fn audit_parsed(
     let mut audit = Audit::new(cfg, opts, config);
     // On a pool built for DoRA, `use_dora` is served: each pair then needs
     // its magnitude vector (checked where the pair is placed).
-    audit
-        .issues
-        .extend(config.refusals().into_iter().filter(|r| !(opts.dora && r.code == RejectCode::Dora)));
+    audit.issues.extend(
+        config
+            .refusals()
+            .into_iter()
+            .filter(|r| !(opts.dora && r.code == RejectCode::Dora)),
+    );
     audit.issues.extend(validate_peft_config(config, cfg));
     if config.peft_type != "LORA" {
         // Another method's tensors mean nothing to a LoRA audit; the
@@ -285,7 +288,8 @@ impl<'a> Audit<'a> {
                     Ok(key) => {
                         let halves = groups.entry((key.layer, key.target)).or_default();
                         if let Some(previous) = &halves.m {
-                            let reason = format!("a second magnitude vector for this pair (first: `{}`)", previous.name);
+                            let reason =
+                                format!("a second magnitude vector for this pair (first: `{}`)", previous.name);
                             self.refuse(RejectCode::DuplicateTensor, &info.name, reason);
                             continue;
                         }

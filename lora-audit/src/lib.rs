@@ -163,8 +163,8 @@ pub use peft_config::{
 pub use prepare::{HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
 pub use probe::{
     BASE_BIAS, BASE_WEIGHT, BaseTables, FusedParam, MAX_PROBE_OUTPUT_BYTES, Oracle, PROBE_IN, PROBE_OUT, PairShape,
-    ProbeBase, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, probe_files,
-    read_base_tables, read_oracle, read_probe_inputs, write_probe_outputs,
+    ProbeBase, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name,
+    probe_adapter, probe_files, read_base_tables, read_oracle, read_probe_inputs, write_probe_outputs,
 };
 pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
 pub use tensors::{

@@ -196,8 +196,7 @@ fn dora_adapters_need_a_pool_built_for_dora() {
         opts,
         EngineOptions::default(),
     )
-    .err()
-    .expect("a DoRA adapter on a pool without DoRA");
+    .expect_err("a DoRA adapter on a pool without DoRA");
     assert!(err.to_string().contains("REJECT[dora]"), "{err}");
 }
 

@@ -71,7 +71,10 @@ pub(crate) fn dora_bytes(cfg: &ModelConfig, layout: &SlotLayout, opts: &LoraOpti
         return Some(0);
     }
     let total_out = layout.entries().iter().map(|e| e.out_dim).sum::<usize>();
-    let g = total_out.checked_mul(opts.max_loras)?.checked_add(total_out)?.checked_mul(4)?;
+    let g = total_out
+        .checked_mul(opts.max_loras)?
+        .checked_add(total_out)?
+        .checked_mul(4)?;
     let table = cfg
         .num_hidden_layers
         .checked_mul(LoraModule::ALL.len())?
@@ -196,7 +199,12 @@ impl DoraState {
 
     /// Phase two, after the slot was marked unservable: write `slot`'s
     /// rescales and its table entries (0 for every pair not in `scales`).
-    pub(crate) fn publish(&mut self, layout: &SlotLayout, slot: usize, scales: &[StagedScale]) -> Result<(), PoolError> {
+    pub(crate) fn publish(
+        &mut self,
+        layout: &SlotLayout,
+        slot: usize,
+        scales: &[StagedScale],
+    ) -> Result<(), PoolError> {
         let mut table = self.host_table.clone();
         for entry in table.iter_mut().skip(slot).step_by(self.max_loras.max(1)) {
             *entry = 0;
@@ -229,7 +237,13 @@ impl DoraState {
 
     /// Clear `slot`'s table entries (its `g` values are then never read).
     pub(crate) fn clear(&mut self, slot: usize) -> Result<(), PoolError> {
-        if self.host_table.iter().skip(slot).step_by(self.max_loras.max(1)).all(|e| *e == 0) {
+        if self
+            .host_table
+            .iter()
+            .skip(slot)
+            .step_by(self.max_loras.max(1))
+            .all(|e| *e == 0)
+        {
             return Ok(());
         }
         let mut table = self.host_table.clone();

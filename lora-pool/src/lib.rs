@@ -11,6 +11,13 @@
 //! engine one apply call per (layer, modules) for decode, mixed prefill and
 //! one-adapter prefill, each taking the step whose rows it runs.
 //!
+//! A pool built for DoRA ([`LoraOptions::dora`]) takes the engine's
+//! [`BaseWeights`] ([`LoraPool::set_base_weights`]), computes each DoRA
+//! adapter's per-row rescale when it is staged and rescales the rows of
+//! DoRA slots after every apply (one pass over the mixed batch); without
+//! the base weights a DoRA adapter is refused,
+//! `REJECT[dora-needs-base-weights]`.
+//!
 //! What it must never do: move (the pool, tables and routing buffers keep
 //! their device addresses for the pool's life, so captured CUDA graphs stay
 //! valid across swaps); overwrite a slot a request or a step holds
@@ -115,11 +122,11 @@ mod target;
 pub use companion::{NoCompanion, SlotCompanion};
 pub use dora::BaseWeights;
 pub use error::PoolError;
-pub use lora_audit::dora::BaseProjection;
 pub use expert::ExpertPool;
 pub use host_tier::{HostTierView, TierError};
 pub use lease::{SlotLease, SlotUse};
 pub use lora_audit::LoraOptions;
+pub use lora_audit::dora::BaseProjection;
 pub use pool::{AdapterSource, BatchCapacity, LoraPool, SwapReport, SwapRoute};
 pub use prefetch::PrefetchEvent;
 pub use registry::{AdapterSlot, SlotRegistry};

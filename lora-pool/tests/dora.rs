@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use half::bf16;
-use lora_audit::{AuditError, ProbeInputs, RejectCode, WeightRef, parse_weight_name, read_probe_inputs};
+use lora_audit::{AuditError, ProbeBase, ProbeInputs, RejectCode, WeightRef, parse_weight_name, read_probe_inputs};
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
 use lora_pool::{
@@ -26,13 +26,13 @@ use lora_pool::{
 use common::{fixtures, model_config, rel_error};
 
 /// Base projections from a DoRA fixture's oracle.
-struct OracleBase(HashMap<(usize, LoraModule), (Vec<f32>, Option<Vec<f32>>)>);
+struct OracleBase(HashMap<(usize, LoraModule), ProbeBase>);
 
 impl BaseWeights for OracleBase {
     fn projection(&self, layer: usize, module: LoraModule) -> Option<BaseProjection<'_>> {
-        self.0.get(&(layer, module)).map(|(w, b)| BaseProjection {
-            weight: w,
-            bias: b.as_deref(),
+        self.0.get(&(layer, module)).map(|b| BaseProjection {
+            weight: &b.weight.data,
+            bias: b.bias.as_ref().map(|t| t.data.as_slice()),
         })
     }
 }
@@ -60,7 +60,7 @@ fn probes(cfg: &ModelConfig, model: &str, adapter: &str) -> (Vec<Probe>, OracleB
         };
         let pb = &inputs.base[name];
         let b = pb.bias.as_ref().map(|t| t.data.clone());
-        base.insert((layer, module), (pb.weight.data.clone(), b.clone()));
+        base.insert((layer, module), pb.clone());
         out.push(Probe {
             layer,
             module,
@@ -86,6 +86,9 @@ fn base_out(p: &Probe, x: &[f32], out: usize, inp: usize) -> Vec<f32> {
     }
     y
 }
+
+/// One apply call of a pool over uploaded x and y.
+type Apply<'a> = dyn Fn(&LoraPool, Rows<'_, bf16>, RowsMut<'_, f32>) + 'a;
 
 /// Which rows a batch holds: DoRA, plain LoRA, base.
 #[derive(Clone, Copy, PartialEq)]
@@ -186,7 +189,7 @@ fn serve_against_peft(device: &Device, model: &str, adapter: &str, plain: &str) 
             Kind::Plain => StepRow::Adapter(plain_lease),
             Kind::Base => StepRow::Base,
         };
-        let run = |pool: &LoraPool, f: &dyn Fn(&LoraPool, Rows<'_, bf16>, RowsMut<'_, f32>)| {
+        let run = |pool: &LoraPool, f: &Apply<'_>| {
             let xb = device.upload(&x_bf).unwrap();
             let mut yb = device.upload(&y0).unwrap();
             f(
@@ -206,7 +209,13 @@ fn serve_against_peft(device: &Device, model: &str, adapter: &str, plain: &str) 
         });
         let plain_rows: Vec<StepRow<'_>> = kinds
             .iter()
-            .map(|&(k, _)| if k == Kind::Plain { StepRow::Adapter(&p_plain) } else { StepRow::Base })
+            .map(|&(k, _)| {
+                if k == Kind::Plain {
+                    StepRow::Adapter(&p_plain)
+                } else {
+                    StepRow::Base
+                }
+            })
             .collect();
         let plain_step = plain_pool.decode_step(&plain_rows, kinds.len()).unwrap();
         let y_plain = run(&plain_pool, &|pool, x, y| {

@@ -44,9 +44,9 @@ use half::bf16;
 use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{PairPool, RandomPairs, Rng};
 use lora_kernels::{
-    Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, DoraTarget, KernelError, LoraTarget, LoraWorkspace,
-    PairEntry, Rows, RowsMut, Segments, SgmvPhase, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with, dora_rescale,
-    row_diff,
+    Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, DoraTarget, KernelError, LoraTarget,
+    LoraWorkspace, PairEntry, Rows, RowsMut, Segments, SgmvPhase, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with,
+    dora_rescale, row_diff,
 };
 use lora_kernels::{PrefillOptions, PrefillPlan, sgmv_candidates, sgmv_plan, sgmv_with};
 use serde_json::{Value, json};

@@ -20,15 +20,14 @@ use std::path::PathBuf;
 
 use lora_audit::{
     AuditArgs, AuditError, BASE_WEIGHT, LoraOptions, PROBE_OUT, ProbeBase, ProbeInputs, ProbeOutputs, ProbeTensor,
-    WeightRef,
-    parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
+    WeightRef, parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig};
 use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
 use lora_pool::{
-    AdapterSource, BaseProjection, BaseWeights, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError, SlotCompanion, SlotId, SlotLease,
-    StepRow,
+    AdapterSource, BaseProjection, BaseWeights, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError,
+    SlotCompanion, SlotId, SlotLease, StepRow,
 };
 
 /// Why the probe stopped: bad usage or input (exit 2), or a refused adapter
@@ -140,16 +139,9 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         Some(base) => {
             let tables = served_tables(&device, &cfg, base).map_err(usage)?;
             let overlays = TokenOverlays::new(&device, tables, 1).map_err(|e| usage(e.to_string()))?;
-            let mut pool = LoraPool::load_with_base_weights(
-                &device,
-                cfg.clone(),
-                opts,
-                capacity,
-                &source,
-                overlays,
-                base_weights,
-            )
-            .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
+            let mut pool =
+                LoraPool::load_with_base_weights(&device, cfg.clone(), opts, capacity, &source, overlays, base_weights)
+                    .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
             let mut outputs = serve_probes(&mut pool, &inputs)?;
             let rows =
                 probe_token_rows(pool.companion(), Some(0), &cfg, &inputs.rows).map_err(|e| usage(e.to_string()))?;
@@ -210,21 +202,23 @@ fn probe_base_weights(
     let mut map = std::collections::HashMap::new();
     for (weight, b) in &inputs.base {
         let WeightRef::Dense { layer, module } = parse_weight_name(weight, cfg).map_err(|e| e.to_string())? else {
-            return Err(format!("{BASE_WEIGHT}{weight}: only dense projections take base weights"));
+            return Err(format!(
+                "{BASE_WEIGHT}{weight}: only dense projections take base weights"
+            ));
         };
-        map.insert((layer, module), (b.weight.data.clone(), b.bias.as_ref().map(|t| t.data.clone())));
+        map.insert((layer, module), b.clone());
     }
     Ok(Some(std::sync::Arc::new(ProbeBaseWeights(map))))
 }
 
 /// Base projections read from a probe file.
-struct ProbeBaseWeights(std::collections::HashMap<(usize, LoraModule), (Vec<f32>, Option<Vec<f32>>)>);
+struct ProbeBaseWeights(std::collections::HashMap<(usize, LoraModule), ProbeBase>);
 
 impl BaseWeights for ProbeBaseWeights {
     fn projection(&self, layer: usize, module: LoraModule) -> Option<BaseProjection<'_>> {
-        self.0.get(&(layer, module)).map(|(w, b)| BaseProjection {
-            weight: w,
-            bias: b.as_deref(),
+        self.0.get(&(layer, module)).map(|b| BaseProjection {
+            weight: &b.weight.data,
+            bias: b.bias.as_ref().map(|t| t.data.as_slice()),
         })
     }
 }
@@ -334,7 +328,13 @@ fn dense_probe<C: SlotCompanion>(
     )
     .map_err(|e| e.to_string())?;
     device.check_faults().map_err(err)?;
-    let y: Vec<f32> = y.download().map_err(err)?.iter().zip(&y0).map(|(y, y0)| y - y0).collect();
+    let y: Vec<f32> = y
+        .download()
+        .map_err(err)?
+        .iter()
+        .zip(&y0)
+        .map(|(y, y0)| y - y0)
+        .collect();
     let (y_hi, y_lo) = y.split_at(n * out_dim);
     Ok(ProbeTensor {
         shape: vec![n, out_dim],
@@ -360,7 +360,10 @@ fn probe_start(base: Option<&ProbeBase>, x: &[f32], n: usize, out: usize, inp: u
     for r in 0..n {
         for o in 0..out {
             let w = &base.weight.data[o * inp..(o + 1) * inp];
-            let wx = w.iter().zip(&x[r * inp..(r + 1) * inp]).fold(0f32, |acc, (w, x)| acc + w * x);
+            let wx = w
+                .iter()
+                .zip(&x[r * inp..(r + 1) * inp])
+                .fold(0f32, |acc, (w, x)| acc + w * x);
             y0[r * out + o] = wx + bias(o);
             y0[(n + r) * out + o] = bias(o);
         }

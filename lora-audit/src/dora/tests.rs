@@ -11,7 +11,10 @@ fn magnitude_keys_name_their_module() {
         magnitude_module(key),
         Some("base_model.model.model.layers.0.self_attn.q_proj")
     );
-    assert_eq!(magnitude_module("x.q_proj.lora_magnitude_vector.weight"), Some("x.q_proj"));
+    assert_eq!(
+        magnitude_module("x.q_proj.lora_magnitude_vector.weight"),
+        Some("x.q_proj")
+    );
     assert_eq!(magnitude_module("x.q_proj.lora_A.weight"), None);
 }
 
@@ -23,7 +26,19 @@ fn row_scale_is_the_magnitude_over_the_adapted_row_norm() {
     let b = bf(&[2.0, -0.5]);
     let s = 0.75f32;
     let m = [1.5f32, 2.0];
-    let g = row_scale(&m, &w, &a, &b, DoraShape { out: 2, inp: 3, rank: 1 }, s).unwrap();
+    let g = row_scale(
+        &m,
+        &w,
+        &a,
+        &b,
+        DoraShape {
+            out: 2,
+            inp: 3,
+            rank: 1,
+        },
+        s,
+    )
+    .unwrap();
     for o in 0..2 {
         let bo = b[o].to_f32() as f64;
         let norm: f64 = (0..3)
@@ -34,16 +49,33 @@ fn row_scale_is_the_magnitude_over_the_adapted_row_norm() {
             .sum::<f64>()
             .sqrt();
         let want = m[o] as f64 / norm;
-        assert!((g[o] as f64 - want).abs() <= 1e-6 * want.abs(), "{o}: {} vs {want}", g[o]);
+        assert!(
+            (g[o] as f64 - want).abs() <= 1e-6 * want.abs(),
+            "{o}: {} vs {want}",
+            g[o]
+        );
     }
 }
 
 #[test]
 fn bad_lengths_and_zero_norms_are_errors() {
-    let shape = DoraShape { out: 1, inp: 2, rank: 1 };
+    let shape = DoraShape {
+        out: 1,
+        inp: 2,
+        rank: 1,
+    };
     let (a, b) = (bf(&[0.0, 0.0]), bf(&[0.0]));
     let err = row_scale(&[1.0], &[1.0], &a, &b, shape, 1.0).unwrap_err();
-    assert!(matches!(err, DoraError::Length { what: "the base weight", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            DoraError::Length {
+                what: "the base weight",
+                ..
+            }
+        ),
+        "{err}"
+    );
     let err = row_scale(&[1.0], &[0.0, 0.0], &a, &b, shape, 1.0).unwrap_err();
     assert!(matches!(err, DoraError::NonFinite { row: 0, .. }), "{err}");
 }

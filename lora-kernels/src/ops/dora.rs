@@ -75,6 +75,12 @@ struct DoraParams {
 }
 const _: () = assert!(size_of::<DoraParams>() == 40 + 32 * MAX_TARGETS);
 
+/// One target's resolved CPU-reference inputs: its bias and each row's `g`.
+struct Resolved {
+    bias: Vec<f32>,
+    g: Vec<Option<Vec<f32>>>,
+}
+
 /// `y ← g ⊙ (y − b) + b` per row of a DoRA slot (see the module docs):
 /// `row_slot[r]` is row r's slot (-1: base), for `y.n_rows` rows.
 pub fn dora_rescale<Y: OutputElem>(
@@ -124,7 +130,7 @@ pub fn dora_rescale<Y: OutputElem>(
         Backend::Cpu(cpu) => {
             let slots = row_slot.download_range(0, y.n_rows)?;
             // Every address resolved before y is touched: an error leaves y as it was.
-            let mut resolved: Vec<Vec<Option<(Vec<f32>, Vec<f32>)>>> = Vec::with_capacity(targets.len());
+            let mut resolved: Vec<Resolved> = Vec::with_capacity(targets.len());
             for t in targets {
                 let table = t.table.download_range(t.table_offset, t.n_entries)?;
                 let bias = t.bias.download_range(t.bias_offset, t.out_dim)?;
@@ -144,18 +150,16 @@ pub fn dora_rescale<Y: OutputElem>(
                         per_row.push(None);
                         continue;
                     }
-                    let g: Vec<f32> = cpu
-                        .memory
-                        .read(&|| format!("DoRA g of slot {s}"), addr, t.out_dim)?;
-                    per_row.push(Some((g, bias.clone())));
+                    let g: Vec<f32> = cpu.memory.read(&|| format!("DoRA g of slot {s}"), addr, t.out_dim)?;
+                    per_row.push(Some(g));
                 }
-                resolved.push(per_row);
+                resolved.push(Resolved { bias, g: per_row });
             }
             y.cpu_for_each_row(|r, row| {
-                for (t, per_row) in targets.iter().zip(&resolved) {
-                    if let Some((g, bias)) = &per_row[r] {
+                for (t, res) in targets.iter().zip(&resolved) {
+                    if let Some(g) = &res.g[r] {
                         let cols = &mut row[t.y_col_offset..t.y_col_offset + t.out_dim];
-                        for ((v, g), b) in cols.iter_mut().zip(g).zip(bias) {
+                        for ((v, g), b) in cols.iter_mut().zip(g).zip(&res.bias) {
                             *v = Y::from_f32(g * (v.to_f32() - b) + b);
                         }
                     }

@@ -136,7 +136,10 @@ fn the_cpu_rescale_touches_dora_rows_only_and_keeps_the_bias_outside() {
     for _ in 0..20 {
         let case = Case::random(&mut rng);
         assert_eq!(bits(&case.run::<f32>(&device).unwrap()), bits(&case.expected::<f32>()));
-        assert_eq!(bits(&case.run::<bf16>(&device).unwrap()), bits(&case.expected::<bf16>()));
+        assert_eq!(
+            bits(&case.run::<bf16>(&device).unwrap()),
+            bits(&case.expected::<bf16>())
+        );
     }
 }
 
