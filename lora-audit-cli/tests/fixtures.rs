@@ -372,6 +372,7 @@ fn check_exit_codes() {
             .env_remove("LORA_EXPERTS")
             .env_remove("LORA_MAX_RANK")
             .env_remove("LORA_ALLOW_PARTIAL")
+            .env_remove("LORA_DORA")
             .output()
             .unwrap()
     };
@@ -380,6 +381,7 @@ fn check_exit_codes() {
     let out = run(&refused, &[]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("REJECT[dora]"));
+    assert_eq!(run(&refused, &["--dora"]).status.code(), Some(0), "DoRA on a DoRA pool");
     let partial = fixture("qwen3_next/gdn_in_proj");
     assert_eq!(run(&partial, &["--experts"]).status.code(), Some(1));
     let out = run(&partial, &["--experts", "--allow-partial"]);

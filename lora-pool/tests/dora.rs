@@ -289,3 +289,31 @@ fn gpu_dora_adapters_serve_in_mixed_batches_equal_to_peft() {
     serve_against_peft(&gpu, "llama", "dora_rslora_alpha_pattern", "demo_r8_rslora");
     serve_against_peft(&gpu, "qwen2", "dora_bias_qkv", "bias_none_attention");
 }
+
+/// The host tier carries no DoRA rescale: a prefetch of a DoRA adapter is
+/// refused with a typed error, and a disk swap of one queues no tier fill
+/// (the swap itself serves it from disk).
+#[test]
+fn the_host_tier_refuses_dora_adapters() {
+    let cfg = model_config("llama");
+    let (_, base) = probes(&cfg, "llama", "dora");
+    let opts = LoraOptions {
+        host_tier_bytes: 1 << 24,
+        ..opts(true)
+    };
+    let mut pool = LoraPool::new(&Device::cpu(), cfg, opts, BatchCapacity::default()).unwrap();
+    pool.set_base_weights(Arc::new(base)).unwrap();
+    let dir = fixtures().join("llama").join("dora");
+    pool.prefetch("d", &dir).unwrap();
+    pool.wait_for_prefetch();
+    let events = pool.prefetch_events();
+    assert!(
+        matches!(&events[..], [e] if matches!(&e.outcome, Err(PoolError::DoraRoute { route: "host tier", .. }))),
+        "{events:?}"
+    );
+    let report = pool.swap_from_disk(SlotId::new(0), "d", &dir).unwrap();
+    assert!(report.dora_pairs > 0);
+    pool.wait_for_prefetch();
+    assert!(pool.prefetch_events().is_empty(), "a DoRA swap queued a tier fill");
+    assert!(pool.host_tier().unwrap().names.is_empty());
+}
