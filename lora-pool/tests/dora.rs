@@ -317,3 +317,110 @@ fn the_host_tier_refuses_dora_adapters() {
     assert!(pool.prefetch_events().is_empty(), "a DoRA swap queued a tier fill");
     assert!(pool.host_tier().unwrap().names.is_empty());
 }
+
+/// The probe of (layer, module) among a fixture's probes.
+fn probe_of(probes: Vec<Probe>, layer: usize, module: LoraModule) -> Probe {
+    probes
+        .into_iter()
+        .find(|p| (p.layer, p.module) == (layer, module))
+        .unwrap()
+}
+
+/// A CUDA graph captured with a DoRA slot in its batch keeps serving after
+/// swaps (the DoRA table, `g` and biases never move): a DoRA adapter
+/// swapped for another DoRA adapter serves the new one's rescale, one
+/// swapped for a plain adapter serves no rescale, each once a new step has
+/// written its rows (GPU only; skipped without one).
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_a_graph_with_dora_slots_serves_swapped_adapters() {
+    let Some(device) = lora_kernels::testing::cuda_or_skip("gpu_a_graph_with_dora_slots_serves_swapped_adapters")
+    else {
+        return;
+    };
+    let cfg = model_config("llama");
+    let (layer, module) = (1, LoraModule::QProj);
+    let (d_probes, OracleBase(mut base)) = probes(&cfg, "llama", "dora");
+    let (e_probes, OracleBase(e_base)) = probes(&cfg, "llama", "dora_rslora_alpha_pattern");
+    base.extend(e_base);
+    let (d, e) = (probe_of(d_probes, layer, module), probe_of(e_probes, layer, module));
+    let plain = lora_audit::read_oracle(&fixtures().join("llama/demo_r8_rslora/oracle.safetensors")).unwrap();
+    let weight = "model.layers.1.self_attn.q_proj.weight";
+    let (p_x, p_want) = (
+        plain.inputs.inputs[weight].data.clone(),
+        plain.expected[&format!("probe_out::{weight}")].data.clone(),
+    );
+    let dir = |a: &str| fixtures().join("llama").join(a);
+    let mut pool = LoraPool::new(&device, cfg.clone(), opts(true), BatchCapacity::default()).unwrap();
+    pool.set_base_weights(Arc::new(OracleBase(base))).unwrap();
+    pool.swap_from_disk(SlotId::new(0), "d", &dir("dora")).unwrap();
+    pool.swap_from_disk(SlotId::new(1), "p", &dir("demo_r8_rslora"))
+        .unwrap();
+    let (out, inp) = module.dims(&cfg);
+    let n = 8;
+    let to_bf = |v: &[f32]| v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<bf16>>();
+    // Rows 0..4: slot 0 on the DoRA probe's x from its base output; rows 4..8:
+    // slot 1 (plain) from zeros, so they hold its delta.
+    let inputs = |p: &Probe| {
+        let y0 = [base_out(p, &p.x, out, inp), vec![0.0; 4 * out]].concat();
+        ([to_bf(&p.x), to_bf(&p_x)].concat(), y0)
+    };
+    let (x0, y0) = inputs(&d);
+    let mut x = device.upload(&x0).unwrap();
+    let mut y = device.upload(&y0).unwrap();
+    let target = FusedTargets::single(&cfg, module);
+    let (lease_d, lease_p) = (pool.acquire("d").unwrap(), pool.acquire("p").unwrap());
+    let rows = [[StepRow::Adapter(&lease_d); 4], [StepRow::Adapter(&lease_p); 4]].concat();
+    let step = pool.decode_step(&rows, n).unwrap();
+    let graph = {
+        let (pool, step, x, y) = (&pool, &step, &x, &mut y);
+        device
+            .capture_graph(|| {
+                pool.apply_decode(step, layer, &target, Rows::dense(x, n, inp), RowsMut::dense(y, n, out))
+                    .map_err(|e| lora_kernels::KernelError::InvalidArgument {
+                        arg: "pool",
+                        reason: e.to_string(),
+                    })
+            })
+            .unwrap()
+    };
+    let check = |y: &[f32], y0: &[f32], want: &[f32], label: &str| {
+        let got: Vec<f32> = y[..4 * out].iter().zip(&y0[..4 * out]).map(|(a, b)| a - b).collect();
+        let err = rel_error(&got, want);
+        assert!(err < 1e-2, "{label}: slot 0 rows: {err:.3e}");
+        let err = rel_error(&y[4 * out..], &p_want);
+        assert!(err < 1e-2, "{label}: plain rows: {err:.3e}");
+    };
+    graph.replay().unwrap();
+    device.check_faults().unwrap();
+    check(&y.download().unwrap(), &y0, &d.want, "DoRA d");
+    // Another DoRA adapter into slot 0, then a new step.
+    let (pool_addr, table_addr) = (pool.pool_addr(), pool.table().device_addr());
+    drop((step, lease_d));
+    pool.swap_from_disk(SlotId::new(0), "e", &dir("dora_rslora_alpha_pattern"))
+        .unwrap();
+    assert_eq!((pool.pool_addr(), pool.table().device_addr()), (pool_addr, table_addr));
+    let lease_e = pool.acquire("e").unwrap();
+    let rows = [[StepRow::Adapter(&lease_e); 4], [StepRow::Adapter(&lease_p); 4]].concat();
+    let step = pool.decode_step(&rows, n).unwrap();
+    let (x1, y1) = inputs(&e);
+    x.write(0, &x1).unwrap();
+    y.write(0, &y1).unwrap();
+    graph.replay().unwrap();
+    device.check_faults().unwrap();
+    check(&y.download().unwrap(), &y1, &e.want, "DoRA e after the swap");
+    // A plain adapter into slot 0: its rows get no rescale.
+    drop((step, lease_e));
+    pool.swap_from_disk(SlotId::new(0), "p2", &dir("demo_r8_rslora"))
+        .unwrap();
+    assert_eq!(pool.dora_pairs(SlotId::new(0)), 0);
+    let lease_p2 = pool.acquire("p2").unwrap();
+    let rows = [[StepRow::Adapter(&lease_p2); 4], [StepRow::Adapter(&lease_p); 4]].concat();
+    let _step = pool.decode_step(&rows, n).unwrap();
+    x.write(0, &[to_bf(&p_x), to_bf(&p_x)].concat()).unwrap();
+    let zeros = vec![0.0f32; n * out];
+    y.write(0, &zeros).unwrap();
+    graph.replay().unwrap();
+    device.check_faults().unwrap();
+    check(&y.download().unwrap(), &zeros, &p_want, "plain p2 after the swap");
+}
