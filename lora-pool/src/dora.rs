@@ -14,9 +14,12 @@
 //! `[layers · modules · max_loras]` u64 (0: no DoRA pair).
 //!
 //! `g` is computed when an adapter is staged (phase one, fallible: a missing
-//! or misshapen base weight, a zero row norm), on the host from the base
-//! weights the engine gave, and written at publish after the slot was
-//! marked unservable, like the slot's pairs.
+//! or misshapen base weight, a zero row norm), on the pool's device
+//! ([`lora_kernels::dora_row_scale`]) from the pair's A and B as packed in
+//! the staging slot, the base weight (the engine's device copy when it
+//! gives one, else an upload of its host weight) and the magnitude; read
+//! back, checked finite, and written at publish after the slot was marked
+//! unservable, like the slot's pairs.
 //!
 //! What it must never do: read the base weights during an apply (only at
 //! staging), hold a `g` for a slot whose table entries say otherwise after
@@ -24,9 +27,10 @@
 
 use std::sync::Arc;
 
-use lora_audit::dora::{BaseProjection, DoraShape, row_scale};
+use half::bf16;
+use lora_audit::dora::BaseProjection;
 use lora_audit::{AuditError, LoraOptions, PreparedAdapter, Refusal, RejectCode};
-use lora_kernels::{Device, DeviceBuffer, DoraTarget};
+use lora_kernels::{Device, DeviceBuffer, DoraNorm, DoraTarget, PairEntry, dora_row_scale};
 use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 
 use crate::error::PoolError;
@@ -42,6 +46,24 @@ pub trait BaseWeights: Send + Sync {
     /// `layer`; `None` where the engine holds no such projection (a DoRA
     /// pair there is refused, `REJECT[dora-needs-base-weights]`).
     fn projection(&self, layer: usize, module: LoraModule) -> Option<BaseProjection<'_>>;
+
+    /// The same weight where it already lives on the pool's device, if it
+    /// does (an engine whose projections run there); the rescale is then
+    /// computed from it without an upload. `None` (the default): the pool
+    /// uploads [`BaseWeights::projection`]'s weight while staging.
+    fn device_projection(&self, _layer: usize, _module: LoraModule) -> Option<DeviceProjection<'_>> {
+        None
+    }
+}
+
+/// A base weight `[out, in]` (f32, row-major) on the pool's device, from
+/// element `offset` of `weight`.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceProjection<'a> {
+    /// The buffer.
+    pub weight: &'a DeviceBuffer<f32>,
+    /// First element of the projection's weight.
+    pub offset: usize,
 }
 
 /// One DoRA pair's staged rescale.
@@ -143,55 +165,97 @@ impl DoraState {
         Ok(())
     }
 
-    /// Phase one: the rescale of every DoRA pair of `adapter`. Refused
+    /// Phase one, after the adapter was packed into the staging slot
+    /// (`staging`): the rescale of every DoRA pair of `adapter`, computed
+    /// on the device from the packed pairs. Refused
     /// (`REJECT[dora-needs-base-weights]`, naming the magnitude) without the
     /// base weight of a DoRA pair's projection; `REJECT[non-finite]` where
-    /// a row's rescale is not finite.
+    /// a row's rescale is not finite (a zero norm). Writes only buffers it
+    /// allocates here.
     pub(crate) fn stage(
         &self,
         name: &str,
+        device: &Device,
         layout: &SlotLayout,
+        staging: &DeviceBuffer<bf16>,
         adapter: &PreparedAdapter,
     ) -> Result<Vec<StagedScale>, PoolError> {
+        let refuse = |key: String, code, reason: String| {
+            let mut report = adapter.report.clone();
+            report.refuse(Refusal::new(code, key, reason));
+            PoolError::Audit {
+                adapter: name.to_string(),
+                source: Box::new(AuditError::Refused(Box::new(report))),
+            }
+        };
         let mut out = Vec::new();
+        let mut uploads = Vec::new();
         for pair in &adapter.dense {
             let Some(m) = &pair.magnitude else {
                 continue;
             };
             let key = magnitude_key(adapter, pair.layer, pair.module);
-            let refuse = |code, reason: String| {
-                let mut report = adapter.report.clone();
-                report.refuse(Refusal::new(code, key.clone(), reason));
-                PoolError::Audit {
-                    adapter: name.to_string(),
-                    source: Box::new(AuditError::Refused(Box::new(report))),
-                }
-            };
             let entry = layout.entry(pair.layer, pair.module).ok_or(PoolError::NoSuchModule {
                 layer: pair.layer,
                 module: pair.module,
             })?;
-            let projection = self.base.as_ref().and_then(|b| b.projection(pair.layer, pair.module));
-            let Some(projection) = projection else {
-                return Err(refuse(
+            let base = self.base.as_ref();
+            let on_device = base.and_then(|b| b.device_projection(pair.layer, pair.module));
+            let host = base.and_then(|b| b.projection(pair.layer, pair.module));
+            let no_base = || {
+                refuse(
+                    key.clone(),
                     RejectCode::DoraNeedsBaseWeights,
                     format!(
                         "the pool was given no base weight of layer {} {}; DoRA's rescale needs it",
                         pair.layer, pair.module
                     ),
+                )
+            };
+            let uploaded = match (on_device, host) {
+                (Some(_), _) => None,
+                (None, Some(p)) => Some(device.upload(p.weight)?),
+                (None, None) => return Err(no_base()),
+            };
+            let (weight, weight_offset) = match (&uploaded, on_device) {
+                (Some(w), _) => (w, 0),
+                (None, Some(d)) => (d.weight, d.offset),
+                (None, None) => return Err(no_base()),
+            };
+            let magnitude = device.upload(m)?;
+            let mut g = device.alloc_zeros::<f32>(entry.out_dim.max(1))?;
+            let args = DoraNorm {
+                weight,
+                weight_offset,
+                pair: PairEntry {
+                    a: staging.addr_at(entry.a_offset / 2)?,
+                    b: staging.addr_at(entry.b_offset / 2)?,
+                    scale: pair.scale,
+                    rank: pair.rank as u32,
+                },
+                stride: layout.max_rank(),
+                magnitude: &magnitude,
+                magnitude_offset: 0,
+                out_dim: entry.out_dim,
+                in_dim: entry.in_dim,
+            };
+            dora_row_scale(device, &args, &mut g, 0)?;
+            uploads.push((key, pair.layer, pair.module, g, uploaded, magnitude));
+        }
+        for (key, layer, module, g, _weight, _magnitude) in uploads {
+            // The read waits for the kernels; the inputs live until then.
+            let values = g.download()?;
+            if let Some((row, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(refuse(
+                    key,
+                    RejectCode::NonFinite,
+                    format!("DoRA rescale of row {row} is {v}: its row norm ‖W + s·B A‖ is zero or not finite"),
                 ));
-            };
-            let shape = DoraShape {
-                out: entry.out_dim,
-                inp: entry.in_dim,
-                rank: pair.rank,
-            };
-            let g = row_scale(m, projection.weight, &pair.a, &pair.b, shape, pair.scale)
-                .map_err(|e| refuse(RejectCode::NonFinite, format!("DoRA rescale: {e}")))?;
+            }
             out.push(StagedScale {
-                layer: pair.layer,
-                module: pair.module,
-                g,
+                layer,
+                module,
+                g: values,
             });
         }
         Ok(out)

@@ -120,7 +120,7 @@ mod streaming;
 mod target;
 
 pub use companion::{NoCompanion, SlotCompanion};
-pub use dora::BaseWeights;
+pub use dora::{BaseWeights, DeviceProjection};
 pub use error::PoolError;
 pub use expert::ExpertPool;
 pub use host_tier::{HostTierView, TierError};

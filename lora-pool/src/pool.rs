@@ -1038,18 +1038,20 @@ impl<C: SlotCompanion> LoraPool<C> {
                 .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
             pool.check_fits(name, layout)?;
         }
-        let dora = if adapter.report.is_dora() {
-            match &self.dora {
-                Some(state) => state.stage(name, &self.layout, adapter)?,
-                None => return Err(crate::dora::refuse_not_built(name, adapter)),
-            }
-        } else {
-            Vec::new()
-        };
+        if adapter.report.is_dora() && self.dora.is_none() {
+            return Err(crate::dora::refuse_not_built(name, adapter));
+        }
         let sources = dense_sources(adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &adapter.overlay)?;
         self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
+        // DoRA's rescale from the pairs just packed into the staging slot.
+        let dora = match &self.dora {
+            Some(state) if adapter.report.is_dora() => {
+                state.stage(name, &self.device, &self.layout, &self.staging.device, adapter)?
+            }
+            _ => Vec::new(),
+        };
         let dense_pairs = plan.metas().to_vec();
         Ok(Staged {
             name: name.to_string(),

@@ -18,12 +18,22 @@
 //! Allocates nothing, synchronises nothing, keeps its launch shape fixed for
 //! fixed arguments: graph-capturable. A slot past a table is an error on
 //! the CPU and a fault bit on CUDA.
+//!
+//! [`dora_row_scale`] computes a slot's rescale where its factors are, once
+//! per adapter when it is staged (not an apply call): PEFT's
+//! `g = m / ‖W + s·B A‖` per output row, from the base weight (f32), the
+//! pair's A and B as served (BF16, B rows `stride` apart) and the magnitude
+//! (f32). `B A` is summed over the rank in f32 and the squares in f64 on
+//! both backends; the norm is rounded to f32 before the division, as
+//! PEFT's f32 norm is. A zero or non-finite norm leaves a non-finite `g`
+//! for the caller to refuse.
 
 use super::{MAX_TARGETS, OutputElem, RowsMut, to_i32, to_u32};
 use crate::buffer::{DeviceBuffer, check_range};
 use crate::cuda_rt::{Family, Kernel, Launch};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
+use crate::table::PairEntry;
 
 /// One output of a DoRA rescale: a `[n_entries]` range of a table of `g`
 /// addresses (`table[table_offset + slot]`: the slot's `g [out_dim]`, f32,
@@ -74,6 +84,143 @@ struct DoraParams {
     targets: [DoraTargetParams; MAX_TARGETS],
 }
 const _: () = assert!(size_of::<DoraParams>() == 40 + 32 * MAX_TARGETS);
+
+/// One DoRA pair's rescale inputs (see [`dora_row_scale`]).
+#[derive(Debug, Clone, Copy)]
+pub struct DoraNorm<'a> {
+    /// The base weight `[out_dim, in_dim]` (row-major f32), from `weight_offset`.
+    pub weight: &'a DeviceBuffer<f32>,
+    /// First element of the weight.
+    pub weight_offset: usize,
+    /// The pair: addresses of A `[rank, in_dim]` and B `[out_dim, stride]`
+    /// (BF16), its scale and rank.
+    pub pair: PairEntry,
+    /// Elements from one row of B to the next (the pool's `max_rank`).
+    pub stride: usize,
+    /// The magnitude `[out_dim]`, from `magnitude_offset`.
+    pub magnitude: &'a DeviceBuffer<f32>,
+    /// First element of the magnitude.
+    pub magnitude_offset: usize,
+    /// Output rows.
+    pub out_dim: usize,
+    /// Input width.
+    pub in_dim: usize,
+}
+
+/// Mirror of `struct DoraNormParams` (`cuda/dora.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DoraNormParams {
+    w: u64,
+    a: u64,
+    b: u64,
+    m: u64,
+    g: u64,
+    out_dim: i32,
+    in_dim: i32,
+    rank: i32,
+    stride: i32,
+    scale: f32,
+    pad: i32,
+}
+const _: () = assert!(size_of::<DoraNormParams>() == 64);
+
+/// `g[g_offset + o] = m[o] / ‖W[o, :] + scale · (B A)[o, :]‖₂` for every
+/// output row `o` of one DoRA pair (see the module docs).
+pub fn dora_row_scale(
+    device: &Device,
+    args: &DoraNorm<'_>,
+    g: &mut DeviceBuffer<f32>,
+    g_offset: usize,
+) -> Result<(), KernelError> {
+    let (out, inp, rank) = (args.out_dim, args.in_dim, args.pair.rank as usize);
+    device.expect_same("weight", args.weight.device())?;
+    device.expect_same("magnitude", args.magnitude.device())?;
+    device.expect_same("g", g.device())?;
+    let w_len = out
+        .checked_mul(inp)
+        .ok_or_else(|| invalid("weight", "[out, in] overflows"))?;
+    check_range("weight", args.weight_offset, w_len, args.weight.len())?;
+    check_range("magnitude", args.magnitude_offset, out, args.magnitude.len())?;
+    check_range("g", g_offset, out, g.len())?;
+    if rank == 0 || rank > args.stride || args.pair.a == 0 || args.pair.b == 0 {
+        return Err(KernelError::BadEntry {
+            entry: 0,
+            rank: args.pair.rank,
+            stride: args.stride,
+            a: args.pair.a,
+            b: args.pair.b,
+        });
+    }
+    if out == 0 {
+        return Ok(());
+    }
+    match device.backend() {
+        Backend::Cpu(cpu) => {
+            let w = args.weight.download_range(args.weight_offset, w_len)?;
+            let m = args.magnitude.download_range(args.magnitude_offset, out)?;
+            let a: Vec<half::bf16> = cpu.memory.read(&|| "DoRA pair A".into(), args.pair.a, rank * inp)?;
+            let b_len = (out - 1) * args.stride + rank;
+            let b: Vec<half::bf16> = cpu.memory.read(&|| "DoRA pair B".into(), args.pair.b, b_len)?;
+            let a: Vec<f32> = a.iter().map(|v| v.to_f32()).collect();
+            let scale = args.pair.scale;
+            let values: Vec<f32> = (0..out)
+                .map(|o| {
+                    let brow: Vec<f32> = b[o * args.stride..o * args.stride + rank]
+                        .iter()
+                        .map(|v| v.to_f32())
+                        .collect();
+                    let mut sum = 0f64;
+                    for (i, wv) in w[o * inp..(o + 1) * inp].iter().enumerate() {
+                        let lora = brow
+                            .iter()
+                            .enumerate()
+                            .fold(0f32, |acc, (k, bv)| acc + bv * a[k * inp + i]);
+                        let v = f64::from(wv + scale * lora);
+                        sum += v * v;
+                    }
+                    m[o] / (sum.sqrt() as f32)
+                })
+                .collect();
+            g.write(g_offset, &values)
+        }
+        Backend::Cuda(c) => {
+            let p = DoraNormParams {
+                w: args.weight.addr_at(args.weight_offset)?,
+                a: args.pair.a,
+                b: args.pair.b,
+                m: args.magnitude.addr_at(args.magnitude_offset)?,
+                g: g.addr_at(g_offset)?,
+                out_dim: to_i32("out_dim", out)?,
+                in_dim: to_i32("in_dim", inp)?,
+                rank: to_i32("rank", rank)?,
+                stride: to_i32("stride", args.stride)?,
+                scale: args.pair.scale,
+                pad: 0,
+            };
+            let launch = Launch {
+                grid: (to_u32("grid", out.min(65_535))?, 1, 1),
+                block: 256,
+                smem: 0,
+            };
+            // SAFETY: params mirror the kernel's struct (sizes asserted on both
+            // sides); the weight holds out x in values and the magnitude and g
+            // out each from their offsets (checked above); A holds rank rows of
+            // in and B out rows `stride` apart with rank <= stride, at addresses
+            // the caller keeps alive until the launch has run (its staging slot).
+            unsafe {
+                c.launch(
+                    Kernel {
+                        family: Family::Dora,
+                        name: "dora_row_scale",
+                    },
+                    launch,
+                    &p,
+                )
+            }
+        }
+    }
+}
 
 /// One target's resolved CPU-reference inputs: its bias and each row's `g`.
 struct Resolved {
