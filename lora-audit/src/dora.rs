@@ -18,10 +18,15 @@
 //! `y ← g ⊙ (y − b) + b` on the rows of DoRA slots ([`rescale`]). `g` holds
 //! no input: it is computed once per slot, from the served (BF16-rounded)
 //! A and B, the base weight and `m`, with the row norm in f32 over f64
-//! sums (PEFT takes `torch.linalg.norm` of the f32 sum).
+//! sums (PEFT takes `torch.linalg.norm` of the sum in the activations'
+//! dtype: f32 for an f32 model, the oracle here; a BF16 model's PEFT norm is
+//! the same value rounded coarser). PEFT detaches the norm (a training
+//! matter: no gradient flows through it); served, it is a constant per slot.
 //!
-//! Served: DoRA on dense linear projections with `fan_in_fan_out = false`
-//! (the config flag is refused elsewhere for every adapter). Refused: DoRA
+//! Served: DoRA on the dense projections, which are `nn.Linear` in every
+//! family here: PEFT turns a `fan_in_fan_out = true` off for an
+//! `nn.Linear` (it matters for GPT-2's `Conv1D` only), so the weight is
+//! `[out, in]` and the norm is over its rows either way. Refused: DoRA
 //! on routed experts and routers (`REJECT[dora]`), on embeddings
 //! (`REJECT[embedding-lora]`, as any embedding LoRA) and convolutions (no
 //! such projection in a decoder). Never touches a GPU.
