@@ -140,6 +140,10 @@ impl DoraState {
     /// against the layout and upload the biases. On an error nothing
     /// changed.
     pub(crate) fn set_base(&mut self, layout: &SlotLayout, base: Arc<dyn BaseWeights>) -> Result<(), PoolError> {
+        let dora_slots = (0..self.max_loras).filter(|&s| self.pairs(s) > 0).count();
+        if dora_slots > 0 {
+            return Err(PoolError::BaseWeightsInUse { dora_slots });
+        }
         let mut bias = vec![0f32; self.total_out];
         for (e, &row) in layout.entries().iter().zip(&self.row_offsets) {
             let Some(p) = base.projection(e.layer, e.module) else {

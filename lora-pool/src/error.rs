@@ -187,6 +187,13 @@ pub enum PoolError {
         /// The route.
         route: &'static str,
     },
+    /// New base weights while slots serve DoRA rescales computed from the
+    /// old ones: evict or swap those slots first.
+    #[error("{dora_slots} slot(s) serve DoRA rescales computed from the current base weights")]
+    BaseWeightsInUse {
+        /// Slots holding DoRA pairs.
+        dora_slots: usize,
+    },
     /// A base projection the engine gave does not fit the model.
     #[error("base weights of layer {layer} {module}: {reason}")]
     BaseWeights {

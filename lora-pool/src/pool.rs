@@ -1503,7 +1503,9 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// only when it stages a DoRA adapter. Call it before loading or
     /// swapping one: without it a DoRA adapter is refused,
     /// `REJECT[dora-needs-base-weights]`. [`PoolError::DoraDisabled`] on a
-    /// pool not built for DoRA. On an error nothing changed.
+    /// pool not built for DoRA; [`PoolError::BaseWeightsInUse`] while a
+    /// slot serves a rescale computed from the previous ones. On an error
+    /// nothing changed.
     pub fn set_base_weights(&mut self, base: Arc<dyn crate::dora::BaseWeights>) -> Result<(), PoolError> {
         let dora = self.dora.as_mut().ok_or(PoolError::DoraDisabled)?;
         dora.set_base(&self.layout, base)

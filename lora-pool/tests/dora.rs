@@ -166,6 +166,11 @@ fn serve_against_peft(device: &Device, model: &str, adapter: &str, plain: &str) 
     let report = pool.swap_from_disk(SlotId::new(0), "d", &dir).unwrap();
     assert_eq!(report.dora_pairs, probes.len());
     assert_eq!(pool.dora_pairs(SlotId::new(0)), probes.len());
+    // New base weights while a slot serves a rescale from these: refused.
+    assert!(matches!(
+        pool.set_base_weights(Arc::new(OracleBase(HashMap::new()))),
+        Err(PoolError::BaseWeightsInUse { dora_slots: 1 })
+    ));
     pool.swap_from_disk(SlotId::new(1), "p", &plain_dir).unwrap();
     plain_pool.swap_from_disk(SlotId::new(1), "p", &plain_dir).unwrap();
     let (d, p) = (pool.acquire("d").unwrap(), pool.acquire("p").unwrap());
