@@ -162,6 +162,7 @@ fn check_and_probe(fixture: &str, dir: &Path, model: &Path, what: &str) -> Resul
         "--max-rank".as_ref(),
         "16".as_ref(),
         "--experts".as_ref(),
+        "--embedding-lora".as_ref(),
     ];
     let mut args: Vec<&std::ffi::OsStr> = vec!["check".as_ref()];
     args.extend(&common);

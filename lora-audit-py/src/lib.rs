@@ -203,14 +203,16 @@ fn options(
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    embedding_lora: bool,
 ) -> PyResult<LoraOptions> {
     let args = AuditArgs {
         max_rank,
         expert_rank,
         allow_partial,
         experts,
-        // DoRA follows LORA_DORA here.
-        dora: false,
+        embedding_lora,
+        // DoRA follows LORA_DORA here (`dora: false` leaves it as read).
+        ..AuditArgs::default()
     };
     LoraOptions::from_env()
         .and_then(|o| o.with_args(args))
@@ -236,7 +238,8 @@ fn tensor_infos(tensors: Vec<(String, String, Vec<usize>)>) -> PyResult<Vec<Tens
 /// tensors' `(name, dtype, shape)`, against a base model.
 #[pyfunction]
 #[pyo3(signature = (*, adapter_dir=None, config_json=None, tensors=None, name=None, model_path=None,
-                    model_json=None, max_rank=None, expert_rank=None, allow_partial=false, experts=false))]
+                    model_json=None, max_rank=None, expert_rank=None, allow_partial=false, experts=false,
+                    embedding_lora=false))]
 #[allow(clippy::too_many_arguments)]
 fn check(
     py: Python<'_>,
@@ -250,9 +253,10 @@ fn check(
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    embedding_lora: bool,
 ) -> PyResult<PyReport> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(max_rank, expert_rank, allow_partial, experts)?;
+    let opts = options(max_rank, expert_rank, allow_partial, experts, embedding_lora)?;
     let result = match (adapter_dir, config_json, tensors) {
         (Some(dir), None, None) => py.detach(|| audit_adapter(Path::new(&dir), &cfg, &opts)),
         (None, Some(text), Some(tensors)) => {
@@ -281,7 +285,7 @@ fn check(
 /// `out` and returns `(written tensor names, unserved weights)`.
 #[pyfunction]
 #[pyo3(signature = (*, adapter_dir, model_path=None, model_json=None, probes, out, base=None,
-                    max_rank=None, expert_rank=None, allow_partial=false, experts=false))]
+                    max_rank=None, expert_rank=None, allow_partial=false, experts=false, embedding_lora=false))]
 #[allow(clippy::too_many_arguments)]
 fn probe(
     py: Python<'_>,
@@ -295,9 +299,10 @@ fn probe(
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    embedding_lora: bool,
 ) -> PyResult<(Vec<String>, Vec<String>)> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(max_rank, expert_rank, allow_partial, experts)?;
+    let opts = options(max_rank, expert_rank, allow_partial, experts, embedding_lora)?;
     let adapter = py
         .detach(|| prepare_adapter(Path::new(&adapter_dir), &cfg, &opts))
         .map_err(|e| audit_err(py, e, Some(&cfg)))?;

@@ -5,18 +5,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::path::Path;
 
-use lora_layout::{
-    ExpertProj, ExpertSite, GateUpLayout, ModelConfig, ModelFamily, expert_router_bytes, pool_slot_bytes,
-};
+use lora_layout::{ExpertProj, ExpertSite, GateUpLayout, ModelConfig, ModelFamily, expert_router_bytes};
 
 use rayon::prelude::*;
 
 use crate::error::{AuditError, Refusal, RejectCode};
 use crate::key::{AdapterAb, LoraTarget, classify_key};
 use crate::options::LoraOptions;
-use crate::overlay::{OverlayModule, OverlayTensors, classify_overlay_key, id_in_vocab, reject_pending_overlay};
+use crate::overlay::{OverlayModule, OverlayTensors, classify_overlay_key, id_in_vocab};
 use crate::peft_config::{MAX_ADAPTER_CONFIG_BYTES, PeftAdapterConfig, TargetModules, TrainableTokenIndices};
-use crate::report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
+use crate::report::{
+    AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedEmbedding, PlacedExpertPair, PlacedPair,
+};
 use crate::tensors::{LoadedSafetensors, TensorInfo, first_non_finite_raw};
 
 /// The adapter's config file name.
@@ -28,7 +28,7 @@ pub const ADAPTER_PICKLE: &str = "adapter_model.bin";
 
 /// Config-level target checks: `target_modules` names that exist in the
 /// model family but can never take a delta here (gated-delta-net inputs,
-/// `lm_head`, `embed_tokens`). Names the model does not have are ignored
+/// `lm_head`). `embed_tokens` is judged on its tensors (`lora_embedding_A/B`). Names the model does not have are ignored
 /// (PEFT matched the tensors; they are the truth), and so are regex strings.
 /// Ranks are checked on the tensor shapes, per pair, by [`audit_adapter`]:
 /// a `rank_pattern` entry no tensor uses cannot refuse an adapter.
@@ -47,7 +47,6 @@ pub fn validate_peft_config(config: &PeftAdapterConfig, cfg: &ModelConfig) -> Ve
                     "a gated-delta-net input; only linear_attn.out_proj can take a delta",
                 ),
                 "lm_head" => (RejectCode::UnsupportedTarget, "LoRA on the output head is not served"),
-                "embed_tokens" => (RejectCode::EmbeddingLora, "LoRA on the embedding is not supported yet"),
                 _ => return None,
             };
             Some(Refusal::new(code, "target_modules", format!("`{name}`: {why}")))
@@ -222,6 +221,7 @@ struct Audit<'a> {
     issues: Vec<Refusal>,
     placed: Vec<PlacedPair>,
     experts: Vec<PlacedExpertPair>,
+    embedding: Option<PlacedEmbedding>,
     overlay: OverlayTensors,
     shapes: BTreeMap<String, Vec<usize>>,
     has_expert_deltas: bool,
@@ -238,6 +238,7 @@ impl<'a> Audit<'a> {
             issues: Vec::new(),
             placed: Vec::new(),
             experts: Vec::new(),
+            embedding: None,
             overlay: OverlayTensors::default(),
             shapes: BTreeMap::new(),
             has_expert_deltas: false,
@@ -745,11 +746,109 @@ impl<'a> Audit<'a> {
         }
     }
 
+    /// Place the LoRA on the input embedding (`lora_embedding_A` `[r,
+    /// vocab]`, `lora_embedding_B` `[hidden, r]`), or refuse it. PEFT's
+    /// `lora.Embedding` adds `scale · (A^T[ids]) B^T` onto the wrapped
+    /// lookup with the same scaling forms as a linear pair (rsLoRA,
+    /// `rank_pattern` / `alpha_pattern` keyed by the module path); the base
+    /// table's `padding_idx` / `max_norm` do not apply to it (transformers'
+    /// token embeddings set no `max_norm`, and `padding_idx` only masks
+    /// gradients).
+    fn place_embedding(&mut self) {
+        let t = &self.overlay.embed;
+        let (a, b) = match (t.lora_a.clone(), t.lora_b.clone()) {
+            (None, None) => return,
+            (Some(a), Some(b)) => (a, b),
+            (Some(only), None) | (None, Some(only)) => {
+                self.refuse(
+                    RejectCode::Unpaired,
+                    only,
+                    "lora_embedding_A and lora_embedding_B must both be present; the other half is missing",
+                );
+                return;
+            }
+        };
+        if !self.opts.embedding_lora {
+            self.refuse(
+                RejectCode::EmbeddingLoraDisabled,
+                a,
+                "LoRA on the input embedding, and the pool has no embedding place (set LORA_EMBEDDING_LORA=1 or \
+                 --embedding-lora)",
+            );
+            return;
+        }
+        if self.config.use_dora {
+            // PEFT's `DoraEmbeddingLayer` rescales the lookup by
+            // `m / ‖W + s·(A B)^T‖`; the pool's rescale covers the dense
+            // projections only. (Off a DoRA pool `use_dora` is refused
+            // already; on one it must not serve the pair as plain LoRA.)
+            if self.opts.dora {
+                self.refuse(
+                    RejectCode::Dora,
+                    a,
+                    "DoRA on the input embedding: the pool rescales dense projections only",
+                );
+            }
+            return;
+        }
+        if self.cfg.tie_word_embeddings {
+            self.refuse(
+                RejectCode::EmbeddingLora,
+                a,
+                "LoRA on the embedding of a model whose lm_head is tied to it: PEFT's merge writes the delta into \
+                 the shared table (so the head changes too) while its forward leaves the head alone",
+            );
+            return;
+        }
+        if let Some(delta) = t.delta.clone() {
+            self.refuse(
+                RejectCode::EmbeddingLora,
+                delta,
+                "trainable tokens on an embedding that also has a LoRA: PEFT refuses the combination",
+            );
+            return;
+        }
+        let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let shape = |name: &str| self.shapes.get(name).cloned().unwrap_or_default();
+        let (a_shape, b_shape) = (shape(&a), shape(&b));
+        let rank = a_shape.first().copied().unwrap_or(0);
+        if a_shape.len() != 2 || b_shape.len() != 2 || rank == 0 || b_shape[1] != rank {
+            self.refuse(
+                RejectCode::Shape,
+                &b,
+                format!(
+                    "lora_embedding_A is {a_shape:?} and lora_embedding_B {b_shape:?}: not [r, vocab] / [hidden, r]"
+                ),
+            );
+            return;
+        }
+        if a_shape[1] != vocab || b_shape[0] != hidden {
+            self.refuse(
+                RejectCode::Shape,
+                &a,
+                format!(
+                    "lora_embedding_A {a_shape:?} / lora_embedding_B {b_shape:?} do not fit the embedding \
+                     (vocab {vocab}, hidden {hidden})"
+                ),
+            );
+            return;
+        }
+        let path = a.strip_prefix("base_model.model.").unwrap_or(&a);
+        let path = path.strip_suffix(".lora_embedding_A").unwrap_or(path).to_string();
+        let Some((rank, scale)) = self.rank_and_scale(&a, &path, rank, false) else {
+            return;
+        };
+        self.embedding = Some(PlacedEmbedding {
+            rank,
+            scale,
+            a_key: a,
+            b_key: b,
+        });
+    }
+
     /// Check the overlay tensors against the config and the model.
     fn audit_overlay(&mut self) -> AuditedOverlay {
-        if let Err(r) = reject_pending_overlay(&self.overlay) {
-            self.issues.push(r);
-        }
+        self.place_embedding();
         let (embed_ids, lm_head_ids) = config_token_ids(self.config);
         for module in [OverlayModule::Embed, OverlayModule::LmHead] {
             let ids = match module {
@@ -863,7 +962,8 @@ impl<'a> Audit<'a> {
             .issues
             .into_iter()
             .partition(|r| self.opts.allow_partial && r.code.skippable());
-        let nothing_served = self.placed.is_empty() && self.experts.is_empty() && overlay.is_empty();
+        let nothing_served =
+            self.placed.is_empty() && self.experts.is_empty() && self.embedding.is_none() && overlay.is_empty();
         if nothing_served && refused.is_empty() {
             refused.push(Refusal::new(
                 RejectCode::Empty,
@@ -878,7 +978,22 @@ impl<'a> Audit<'a> {
         skipped.sort_by(|x, y| (x.code, &x.subject).cmp(&(y.code, &y.subject)));
         refused.sort_by(|x, y| (x.code, &x.subject).cmp(&(y.code, &y.subject)));
         self.placed.sort_by_key(|p| (p.layer, p.module));
-        let slot_bytes = pool_slot_bytes(self.cfg, self.opts.max_rank)?;
+        // The rank's slot: a placement whose cut does not divide the
+        // model's geometry is an error naming the dimension.
+        let slot_bytes = self.opts.slot_layout(self.cfg)?.slot_bytes();
+        // An expert-parallel rank places its own experts and the
+        // (replicated) router; the others are audited, never loaded.
+        let group_expert_pairs = self.experts.len();
+        if let Some(moe) = self.cfg.moe.as_ref() {
+            let placement = self.opts.placement;
+            let range = placement
+                .expert_range(moe.num_experts)
+                .map_err(lora_layout::LayoutError::from)?;
+            self.experts.retain(|p| match p.site {
+                ExpertSite::Router => true,
+                ExpertSite::Expert { expert, .. } => range.contains(&expert),
+            });
+        }
         let expert_bytes = if self.experts.is_empty() {
             0
         } else {
@@ -892,10 +1007,12 @@ impl<'a> Audit<'a> {
             adapter: name.to_string(),
             placed: self.placed,
             experts: self.experts,
+            embedding: self.embedding,
             overlay,
             skipped,
             refused,
             has_expert_deltas: self.has_expert_deltas,
+            group_expert_pairs,
             slot_bytes,
             expert_bytes,
             max_rank: self.opts.max_rank,

@@ -43,8 +43,15 @@ pub enum RejectCode {
     Bdlora,
     /// Another LoRA variant (VeLoRA, MonteCLoRA, Arrow, KaSA, MiCA).
     LoraVariant,
-    /// LoRA on the embedding (`lora_embedding_A/B`), not supported yet.
+    /// LoRA on an embedding in a form that is not served: on an embedding
+    /// other than the input embedding, on a model whose head is tied to it
+    /// (PEFT's merge writes the delta into the shared table, so the head
+    /// would change too, while its unmerged forward leaves the head alone),
+    /// or beside trainable tokens on the same table (PEFT refuses that).
     EmbeddingLora,
+    /// LoRA on the input embedding while the pool has no place for it
+    /// (`LoraOptions::embedding_lora`, `LORA_EMBEDDING_LORA`).
+    EmbeddingLoraDisabled,
     /// `modules_to_save` names a module other than `embed_tokens` / `lm_head`.
     ModulesToSave,
     /// `trainable_token_indices` or a `trainable_tokens_delta` that cannot be
@@ -106,7 +113,7 @@ pub enum RejectCode {
 
 impl RejectCode {
     /// Every code, in declaration order.
-    pub const ALL: [RejectCode; 35] = [
+    pub const ALL: [RejectCode; 36] = [
         RejectCode::PeftType,
         RejectCode::Pickle,
         RejectCode::Dora,
@@ -120,6 +127,7 @@ impl RejectCode {
         RejectCode::Bdlora,
         RejectCode::LoraVariant,
         RejectCode::EmbeddingLora,
+        RejectCode::EmbeddingLoraDisabled,
         RejectCode::ModulesToSave,
         RejectCode::TrainableTokens,
         RejectCode::DuplicateTokenId,
@@ -160,6 +168,7 @@ impl RejectCode {
             RejectCode::Bdlora => "REJECT[bdlora]",
             RejectCode::LoraVariant => "REJECT[lora-variant]",
             RejectCode::EmbeddingLora => "REJECT[embedding-lora]",
+            RejectCode::EmbeddingLoraDisabled => "REJECT[embedding-lora-disabled]",
             RejectCode::ModulesToSave => "REJECT[modules-to-save]",
             RejectCode::TrainableTokens => "REJECT[trainable-tokens]",
             RejectCode::DuplicateTokenId => "REJECT[duplicate-token-id]",

@@ -350,7 +350,10 @@ fn non_pair_refusal(key: &str, path: &str) -> Refusal {
             "a DoRA magnitude vector; DoRA needs the base weight's norms",
         )
     } else if path.ends_with(".lora_embedding_A") || path.ends_with(".lora_embedding_B") {
-        refuse(RejectCode::EmbeddingLora, "LoRA on an embedding is not supported yet")
+        refuse(
+            RejectCode::EmbeddingLora,
+            "LoRA on an embedding other than the input embedding (embed_tokens)",
+        )
     } else if path.ends_with(".bias") || path.ends_with("_bias") {
         // `_bias`: gpt_oss's expert bias parameters (`gate_up_proj_bias`).
         refuse(RejectCode::Bias, "an absolute base bias saved by `bias != \"none\"`")

@@ -44,7 +44,9 @@
 //! - The token-overlay host math ([`build_override_set`],
 //!   [`override_source`], [`row_diff_bf16`], [`ROWDIFF_THRESH`], ...) shared
 //!   with `lora-overlay`, and the pure probe path ([`probe_adapter`]) behind
-//!   the `lora-audit probe` command.
+//!   the `lora-audit probe` command; [`probe_adapter_at`] answers one
+//!   tensor-parallel rank's part of each dense delta
+//!   ([`LoraOptions::placement`]).
 //!
 //! - [`families`]: the adapter format of each model family added after the
 //!   first set (Gemma 2 / 3 and the Gemma 3 wrapper, GLM-4.5, Phi-3 /
@@ -84,7 +86,8 @@
 //! | `REJECT[qalora]` | QALoRA | |
 //! | `REJECT[bdlora]` | block-diagonal LoRA | |
 //! | `REJECT[lora-variant]` | VeLoRA, MonteCLoRA, Arrow, KaSA, MiCA | |
-//! | `REJECT[embedding-lora]` | `lora_embedding_A/B` (not supported yet) | |
+//! | `REJECT[embedding-lora]` | LoRA on an embedding not served: not the input embedding, a tied head, or beside trainable tokens on it | |
+//! | `REJECT[embedding-lora-disabled]` | `lora_embedding_A/B` while the pool has no embedding place (`LORA_EMBEDDING_LORA`) | |
 //! | `REJECT[modules-to-save]` | a `modules_to_save` module other than embed_tokens / lm_head | |
 //! | `REJECT[trainable-tokens]` | trainable tokens that cannot be served (other module, ids without rows) | |
 //! | `REJECT[duplicate-token-id]` | a repeated trainable id | |
@@ -150,7 +153,7 @@ pub use options::{AuditArgs, DEFAULT_EXPERT_RANK, DEFAULT_MAX_LORAS, DEFAULT_MAX
 pub use overlay::{
     CompiledOverlay, HostOverlay, LmHeadOverlay, OverlayError, OverlayModule, OverlayTensor, OverlayTensorKind,
     OverlayTensors, ROWDIFF_THRESH, TableOverlay, TableTensors, build_override_set, clamp_trainable_to_vocab,
-    classify_overlay_key, id_in_vocab, override_source, reject_pending_overlay, row_diff_bf16,
+    classify_overlay_key, id_in_vocab, override_source, row_diff_bf16,
 };
 pub use pattern::{
     MAX_PATTERN_KEY_BYTES, MAX_PATTERN_KEYS, MAX_REGEX_PATTERN_KEYS, MAX_REPEAT, PatternEntry, PatternTable,
@@ -160,13 +163,14 @@ pub use peft_config::{
     InitLoraWeights, MAX_ADAPTER_CONFIG_BYTES, PeftAdapterConfig, TargetModules, TrainableTokenIndices,
     parse_peft_adapter_config,
 };
-pub use prepare::{HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
+pub use prepare::{HostEmbeddingPair, HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
 pub use probe::{
     BASE_BIAS, BASE_WEIGHT, BaseTables, FusedParam, MAX_PROBE_OUTPUT_BYTES, Oracle, PROBE_IN, PROBE_OUT, PairShape,
     ProbeBase, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name,
-    probe_adapter, probe_files, read_base_tables, read_oracle, read_probe_inputs, write_probe_outputs,
+    probe_adapter, probe_adapter_at, probe_files, probe_files_at, read_base_tables, read_oracle, read_probe_inputs,
+    write_probe_outputs,
 };
-pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedExpertPair, PlacedPair};
+pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedEmbedding, PlacedExpertPair, PlacedPair};
 pub use tensors::{
     AdapterTensors, HostTensor, LoadedSafetensors, SafetensorsFile, TensorDtype, TensorInfo, UnparsedSafetensors,
     first_non_finite, first_non_finite_raw, load_adapter_safetensors, load_bf16,

@@ -1,6 +1,8 @@
 //! `LoraOptions`: the serving switches, with `from_env`, the one place that
 //! reads the `LORA_*` environment variables.
 
+use lora_layout::{LayoutError, ModelConfig, Placement, PlacementError, SlotLayout};
+
 /// How adapters are served: pool sizes and policy switches.
 ///
 /// Passed explicitly to every crate that needs it; [`LoraOptions::from_env`]
@@ -41,8 +43,22 @@ pub struct LoraOptions {
     /// Serve DoRA adapters (`LORA_DORA`). On, the pool holds a per-slot
     /// magnitude rescale (`g`, f32 per adapted output row) beside the slots
     /// and needs the engine's base weights; off, it holds nothing more and
-    /// a DoRA adapter is refused (`REJECT[dora]`).
+    /// a DoRA adapter is refused (`REJECT[dora]`). Served with tensor and
+    /// expert world 1 only: with a placement it is an [`OptionsError`]
+    /// (the rescale's row norm spans every rank's input columns).
     pub dora: bool,
+    /// The tensor-parallel rank this process serves (`LORA_TP_RANK`,
+    /// default 0, of `LORA_TP_WORLD`, default 1): its pool holds only the
+    /// rank's shard of each pair ([`lora_layout::ModuleShard`]); and its
+    /// expert-parallel rank (`LORA_EP_RANK`, default 0, of `LORA_EP_WORLD`,
+    /// default 1): its expert pool holds only the rank's block of experts
+    /// and the replicated router ([`lora_layout::Placement::expert_range`]).
+    pub placement: Placement,
+    /// Give every slot a place for a LoRA on the input embedding
+    /// (`LORA_EMBEDDING_LORA`): `max_rank * (vocab + hidden)` BF16 elements
+    /// more per slot. Off, an adapter with `lora_embedding_A/B` is refused
+    /// (`REJECT[embedding-lora-disabled]`).
+    pub embedding_lora: bool,
 }
 
 /// Default of [`LoraOptions::max_loras`].
@@ -67,6 +83,8 @@ impl Default for LoraOptions {
             peer: None,
             host_tier_bytes: 0,
             dora: false,
+            placement: Placement::SINGLE,
+            embedding_lora: false,
         }
     }
 }
@@ -85,6 +103,16 @@ pub struct AuditArgs {
     pub experts: bool,
     /// Turns [`LoraOptions::dora`] on.
     pub dora: bool,
+    /// Replaces the tensor-parallel rank of [`LoraOptions::placement`].
+    pub tp_rank: Option<usize>,
+    /// Replaces the tensor-parallel world size (at least 1).
+    pub tp_world: Option<usize>,
+    /// Replaces the expert-parallel rank.
+    pub ep_rank: Option<usize>,
+    /// Replaces the expert-parallel world size (at least 1).
+    pub ep_world: Option<usize>,
+    /// Turns [`LoraOptions::embedding_lora`] on.
+    pub embedding_lora: bool,
 }
 
 /// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
@@ -124,7 +152,36 @@ impl LoraOptions {
         self.allow_partial |= args.allow_partial;
         self.experts |= args.experts;
         self.dora |= args.dora;
+        self.placement = placement_over(self.placement, args)?;
+        self.embedding_lora |= args.embedding_lora;
+        self.dora_unplaced("dora")?;
         Ok(self)
+    }
+
+    /// DoRA is served on an unplaced pool only (tensor and expert world 1):
+    /// its rescale divides by the norm of each whole weight row
+    /// `‖W + s·B A‖`, whose input columns a row-parallel rank does not hold,
+    /// and the per-rank rescale is not built. `variable` names the switch
+    /// in the refusal.
+    fn dora_unplaced(&self, variable: &'static str) -> Result<(), OptionsError> {
+        if self.dora && (self.placement.tp_world() > 1 || self.placement.ep_world() > 1) {
+            return Err(OptionsError {
+                variable,
+                value: "1".to_string(),
+                reason: "DoRA is not served under tensor or expert parallelism (tp_world or ep_world above 1)",
+            });
+        }
+        Ok(())
+    }
+
+    /// The slot layout of a pool built with these options for `cfg`: the
+    /// dense pairs at `max_rank`, and the embedding pair's place when
+    /// [`LoraOptions::embedding_lora`] is on, each sized to the rank's
+    /// shard of [`LoraOptions::placement`] (the embedding pair replicated,
+    /// whole on every rank). Every pool, packer and lander takes its layout
+    /// from here.
+    pub fn slot_layout(&self, cfg: &ModelConfig) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, self.max_rank, self.placement, self.embedding_lora)
     }
 
     /// Build the options from a variable lookup (`None`: unset). Booleans are
@@ -171,7 +228,35 @@ impl LoraOptions {
                 reason: "exceeds LORA_MAX_LORAS",
             });
         }
-        Ok(LoraOptions {
+        let tp_world = number("LORA_TP_WORLD", 1, 1)?;
+        let tp_rank = number("LORA_TP_RANK", 0, 0)?;
+        let placement = Placement::new(tp_rank, tp_world).map_err(|e| match e {
+            PlacementError::ZeroWorld => OptionsError {
+                variable: "LORA_TP_WORLD",
+                value: tp_world.to_string(),
+                reason: "must be at least 1",
+            },
+            _ => OptionsError {
+                variable: "LORA_TP_RANK",
+                value: tp_rank.to_string(),
+                reason: "must be below LORA_TP_WORLD",
+            },
+        })?;
+        let ep_world = number("LORA_EP_WORLD", 1, 1)?;
+        let ep_rank = number("LORA_EP_RANK", 0, 0)?;
+        let placement = placement.with_experts(ep_rank, ep_world).map_err(|e| match e {
+            PlacementError::ZeroExpertWorld => OptionsError {
+                variable: "LORA_EP_WORLD",
+                value: ep_world.to_string(),
+                reason: "must be at least 1",
+            },
+            _ => OptionsError {
+                variable: "LORA_EP_RANK",
+                value: ep_rank.to_string(),
+                reason: "must be below LORA_EP_WORLD",
+            },
+        })?;
+        let options = LoraOptions {
             max_loras,
             max_rank: number("LORA_MAX_RANK", defaults.max_rank, 1)?,
             pinned,
@@ -184,8 +269,35 @@ impl LoraOptions {
             peer,
             host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
             dora: flag("LORA_DORA"),
-        })
+            placement,
+            embedding_lora: flag("LORA_EMBEDDING_LORA"),
+        };
+        options.dora_unplaced("LORA_DORA")?;
+        Ok(options)
     }
+}
+
+/// `placement` with the ranks and world sizes `args` sets replaced.
+fn placement_over(placement: Placement, args: AuditArgs) -> Result<Placement, OptionsError> {
+    let tp_rank = args.tp_rank.unwrap_or(placement.tp_rank());
+    let tp_world = args.tp_world.unwrap_or(placement.tp_world());
+    let ep_rank = args.ep_rank.unwrap_or(placement.ep_rank());
+    let ep_world = args.ep_world.unwrap_or(placement.ep_world());
+    let refuse = |variable: &'static str, value: usize, reason: &'static str| OptionsError {
+        variable,
+        value: value.to_string(),
+        reason,
+    };
+    Placement::new(tp_rank, tp_world)
+        .map_err(|e| match e {
+            PlacementError::ZeroWorld => refuse("tp_world", tp_world, "must be at least 1"),
+            _ => refuse("tp_rank", tp_rank, "must be below tp_world"),
+        })?
+        .with_experts(ep_rank, ep_world)
+        .map_err(|e| match e {
+            PlacementError::ZeroExpertWorld => refuse("ep_world", ep_world, "must be at least 1"),
+            _ => refuse("ep_rank", ep_rank, "must be below ep_world"),
+        })
 }
 
 #[cfg(test)]

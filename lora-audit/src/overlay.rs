@@ -46,11 +46,15 @@ pub enum OverlayTensorKind {
     TokenAdapterBase,
     /// `…embed_tokens.weight` / `…lm_head.weight`: a `modules_to_save` table.
     FullTable,
-    /// `…lora_embedding_A`: LoRA on the embedding (refused until supported).
+    /// `…lora_embedding_A` `[r, vocab]`: LoRA on the input embedding.
     LoraEmbeddingA,
-    /// `…lora_embedding_B`.
+    /// `…lora_embedding_B` `[hidden, r]`.
     LoraEmbeddingB,
-    /// `…embed_tokens.base_layer.weight`: the table saved beside an embedding LoRA.
+    /// `…embed_tokens.base_layer.weight`: the table PEFT saves beside an
+    /// embedding LoRA (`save_embedding_layers`) and loads back over the base
+    /// table. Served as the table's full copy: its rows that differ from the
+    /// served base override them, and the LoRA delta adds onto the result
+    /// (PEFT's order: the wrapped layer's base lookup, then the delta).
     EmbeddingBaseCopy,
 }
 
@@ -109,10 +113,13 @@ pub struct TableTensors {
     pub delta: Option<String>,
     /// `token_adapter.base_layer.weight`.
     pub token_base: Option<String>,
-    /// The `modules_to_save` table.
+    /// The `modules_to_save` table, or the base copy saved beside an
+    /// embedding LoRA.
     pub table: Option<String>,
-    /// `lora_embedding_A/B` and the base copy beside them.
-    pub lora_embedding: Vec<String>,
+    /// `lora_embedding_A`.
+    pub lora_a: Option<String>,
+    /// `lora_embedding_B`.
+    pub lora_b: Option<String>,
 }
 
 impl TableTensors {
@@ -123,7 +130,11 @@ impl TableTensors {
     }
 
     fn is_empty(&self) -> bool {
-        self.delta.is_none() && self.token_base.is_none() && self.table.is_none() && self.lora_embedding.is_empty()
+        self.delta.is_none()
+            && self.token_base.is_none()
+            && self.table.is_none()
+            && self.lora_a.is_none()
+            && self.lora_b.is_none()
     }
 }
 
@@ -148,13 +159,9 @@ impl OverlayTensors {
         let slot = match tensor.kind {
             OverlayTensorKind::TrainableDelta => &mut table.delta,
             OverlayTensorKind::TokenAdapterBase => &mut table.token_base,
-            OverlayTensorKind::FullTable => &mut table.table,
-            OverlayTensorKind::LoraEmbeddingA
-            | OverlayTensorKind::LoraEmbeddingB
-            | OverlayTensorKind::EmbeddingBaseCopy => {
-                table.lora_embedding.push(key.to_string());
-                return Ok(());
-            }
+            OverlayTensorKind::FullTable | OverlayTensorKind::EmbeddingBaseCopy => &mut table.table,
+            OverlayTensorKind::LoraEmbeddingA => &mut table.lora_a,
+            OverlayTensorKind::LoraEmbeddingB => &mut table.lora_b,
         };
         if let Some(previous) = slot {
             return Err(Refusal::new(
@@ -192,19 +199,6 @@ impl OverlayTensors {
     /// Whether the adapter has no overlay tensor at all.
     pub fn is_empty(&self) -> bool {
         self.embed.is_empty() && self.lm_head.is_empty()
-    }
-}
-
-/// An error when the adapter has a `lora_embedding_A/B` tensor (or the table
-/// PEFT saves beside one); every other overlay tensor is served.
-pub fn reject_pending_overlay(tensors: &OverlayTensors) -> Result<(), Refusal> {
-    match tensors.embed.lora_embedding.first() {
-        Some(key) => Err(Refusal::new(
-            RejectCode::EmbeddingLora,
-            key.as_str(),
-            "LoRA on the embedding (lora_embedding_A/B) is not supported yet",
-        )),
-        None => Ok(()),
     }
 }
 

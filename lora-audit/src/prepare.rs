@@ -58,6 +58,43 @@ pub struct HostExpertPair {
     pub b: Vec<bf16>,
 }
 
+/// A LoRA on the input embedding on the host: the row of token `t` gains
+/// `scale · B · A[:, t]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostEmbeddingPair {
+    /// Rank.
+    pub rank: usize,
+    /// PEFT's scaling.
+    pub scale: f32,
+    /// A (`lora_embedding_A`), `[rank, vocab]` row-major.
+    pub a: Vec<bf16>,
+    /// B (`lora_embedding_B`), `[hidden, rank]` row-major.
+    pub b: Vec<bf16>,
+}
+
+impl HostEmbeddingPair {
+    /// The delta of token `t`'s row, `scale · B · A[:, t]` (`hidden` values,
+    /// f32 accumulation), as the embedding kernels compute it; `None` for a
+    /// token past A's columns.
+    pub fn row_delta(&self, t: usize) -> Option<Vec<f32>> {
+        let r = self.rank;
+        if r == 0 || !self.a.len().is_multiple_of(r) {
+            return None;
+        }
+        let vocab = self.a.len() / r;
+        if t >= vocab {
+            return None;
+        }
+        let col: Vec<f32> = (0..r).map(|k| self.a[k * vocab + t].to_f32()).collect();
+        Some(
+            self.b
+                .chunks_exact(r)
+                .map(|row| self.scale * row.iter().zip(&col).fold(0f32, |acc, (b, a)| acc + b.to_f32() * a))
+                .collect(),
+        )
+    }
+}
+
 /// An audited adapter converted for packing.
 #[derive(Debug, Clone)]
 pub struct PreparedAdapter {
@@ -69,6 +106,8 @@ pub struct PreparedAdapter {
     pub dense: Vec<HostPair>,
     /// Expert and router pairs, sorted by (layer, site).
     pub experts: Vec<HostExpertPair>,
+    /// The LoRA on the input embedding, if any.
+    pub embedding: Option<HostEmbeddingPair>,
     /// Token overlays.
     pub overlay: HostOverlay,
 }
@@ -174,12 +213,25 @@ pub fn prepare_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Res
             })
         })
         .collect::<Result<Vec<_>, AuditError>>()?;
+    let embedding = report
+        .embedding
+        .as_ref()
+        .map(|e| {
+            Ok::<_, AuditError>(HostEmbeddingPair {
+                rank: e.rank,
+                scale: e.scale,
+                a: tensor(&tensors, &e.a_key)?.data.clone(),
+                b: tensor(&tensors, &e.b_key)?.data.clone(),
+            })
+        })
+        .transpose()?;
     let overlay = host_overlay(&report, &tensors, cfg)?;
     Ok(PreparedAdapter {
         config,
         report,
         dense,
         experts,
+        embedding,
         overlay,
     })
 }

@@ -30,6 +30,20 @@ pub struct PlacedPair {
     pub magnitude_key: Option<String>,
 }
 
+/// A LoRA on the input embedding, placed in the slot's embedding place:
+/// the row of token `t` gains `scale · B · A[:, t]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlacedEmbedding {
+    /// Rank, from the tensor shapes.
+    pub rank: usize,
+    /// PEFT's scaling for this pair.
+    pub scale: f32,
+    /// The `lora_embedding_A` tensor, `[r, vocab]`.
+    pub a_key: String,
+    /// The `lora_embedding_B` tensor, `[hidden, r]`.
+    pub b_key: String,
+}
+
 /// Where an expert pair's factors sit in its tensors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExpertSlice {
@@ -144,6 +158,8 @@ pub struct AuditReport {
     pub placed: Vec<PlacedPair>,
     /// Expert and router pairs per (layer, site), sorted.
     pub experts: Vec<PlacedExpertPair>,
+    /// The LoRA on the input embedding, if any.
+    pub embedding: Option<PlacedEmbedding>,
     /// Token overlays.
     pub overlay: AuditedOverlay,
     /// Items left out under `allow_partial`, each with its reason.
@@ -153,8 +169,15 @@ pub struct AuditReport {
     /// Whether the adapter has routed-expert or router tensors at all
     /// (placed or skipped): a request for it must fold them or be refused.
     pub has_expert_deltas: bool,
-    /// Bytes of one slot of the dense pool at `max_rank`
-    /// (`lora_layout::pool_slot_bytes`).
+    /// Expert and router pairs placed across the whole expert-parallel
+    /// group: `experts.len()` at `ep_world` 1; under expert parallelism
+    /// also the other ranks' experts, which `experts` leaves out. Above 0,
+    /// a token of this adapter carries its slot in the per-token map on
+    /// every rank, whichever rank folds it.
+    pub group_expert_pairs: usize,
+    /// Bytes of one slot of the dense pool at `max_rank`, for the options'
+    /// tensor-parallel rank, the embedding place included when the options
+    /// give slots one (`LoraOptions::slot_layout`).
     pub slot_bytes: usize,
     /// Bytes the placed expert and router pairs take in the expert pool at
     /// `expert_rank` (`lora_layout::expert_router_bytes`).
@@ -193,6 +216,7 @@ impl AuditReport {
                     ExpertSlice::FusedInterleaved { .. } => "fused_interleaved",
                 },
             })).collect::<Vec<_>>(),
+            "embedding": self.embedding.as_ref().map(|e| json!({ "rank": e.rank, "scale": e.scale })),
             "overlay": {
                 "embed_trainable_ids": self.overlay.embed_ids,
                 "embed_table": t.embed.base_table(),
@@ -236,6 +260,11 @@ impl AuditReport {
             .placed
             .iter()
             .flat_map(|p| [Some(p.a_key.clone()), Some(p.b_key.clone()), p.magnitude_key.clone()])
+            .chain(
+                self.embedding
+                    .iter()
+                    .flat_map(|e| [Some(e.a_key.clone()), Some(e.b_key.clone())]),
+            )
             .flatten();
         let experts = self.experts.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
         let t = &self.overlay.tensors;
@@ -306,6 +335,9 @@ impl AuditReport {
                     f32::from_bits(scale)
                 );
             }
+        }
+        if let Some(e) = &self.embedding {
+            let _ = writeln!(s, "embedding LoRA: rank {}  scale {:.6}", e.rank, e.scale);
         }
         let t = &self.overlay.tensors;
         if !self.overlay.is_empty() {

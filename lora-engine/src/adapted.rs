@@ -15,7 +15,7 @@
 
 use half::bf16;
 use lora_kernels::{Choice, DecodeOptions, Device, DeviceBuffer, Rows, RowsMut};
-use lora_layout::{LoraModule, ModelConfig};
+use lora_layout::{LoraModule, ModelConfig, Placement};
 use lora_moe::{ExpertTarget, MoeLora, SortedRows};
 use lora_overlay::TokenOverlays;
 use lora_pool::{DecodeStep, FusedTargets, LoraPool, PrefillStep, RowSlot, Step, StepSlots};
@@ -34,13 +34,15 @@ pub(crate) struct DenseTargets {
 }
 
 impl DenseTargets {
-    pub(crate) fn of(cfg: &ModelConfig) -> DenseTargets {
-        DenseTargets {
-            qkv: FusedTargets::qkv(cfg),
-            o: FusedTargets::single(cfg, LoraModule::OProj),
-            gate_up: FusedTargets::gate_up(cfg),
-            down: FusedTargets::single(cfg, LoraModule::DownProj),
-        }
+    /// The targets of tensor-parallel rank `placement` (the rank's columns
+    /// of each fused output; the whole outputs at world 1).
+    pub(crate) fn at(cfg: &ModelConfig, placement: Placement) -> Result<DenseTargets, lora_pool::PoolError> {
+        Ok(DenseTargets {
+            qkv: FusedTargets::qkv_at(cfg, placement)?,
+            o: FusedTargets::single_at(cfg, placement, LoraModule::OProj)?,
+            gate_up: FusedTargets::gate_up_at(cfg, placement)?,
+            down: FusedTargets::single_at(cfg, placement, LoraModule::DownProj)?,
+        })
     }
 }
 
@@ -216,6 +218,12 @@ impl StepHooks<'_> {
     }
 
     fn embed_rows(&self, ids: &[u32], rows: &mut [f32]) -> Result<(), BoxError> {
+        self.embed_overlays(ids, rows)?;
+        self.embed_lora(ids, rows)
+    }
+
+    /// The token overlays of the rows' slots (trainable tokens, saved tables).
+    fn embed_overlays(&self, ids: &[u32], rows: &mut [f32]) -> Result<(), BoxError> {
         let overlays = self.pool.companion();
         let any = self.step.requests().iter().any(|r| {
             r.slot()
@@ -251,6 +259,31 @@ impl StepHooks<'_> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The LoRA on the input embedding of the rows' slots, added in f32 onto
+    /// the (overlaid) rows: PEFT's order, the lookup then the delta.
+    fn embed_lora(&self, ids: &[u32], rows: &mut [f32]) -> Result<(), BoxError> {
+        let pool = self.pool;
+        let any = self.step.requests().iter().any(|r| {
+            r.slot()
+                .and_then(|s| pool.embedding_entry(s))
+                .is_some_and(|e| e.rank > 0)
+        });
+        if !any || ids.is_empty() {
+            return Ok(());
+        }
+        let device = pool.device();
+        let hidden = rows.len() / ids.len();
+        let ids_dev = device.upload(ids)?;
+        let mut out = device.upload(rows)?;
+        let out_rows = RowsMut::dense(&mut out, ids.len(), hidden);
+        match self.step {
+            StepRef::Decode(s) => pool.apply_embedding(s, &ids_dev, out_rows)?,
+            StepRef::Prefill(s) => pool.apply_embedding(s, &ids_dev, out_rows)?,
+        }
+        rows.copy_from_slice(&out.download()?);
         Ok(())
     }
 

@@ -34,7 +34,8 @@ use crate::error::EngineError;
 /// Per-site delta callbacks of one forward (see the module docs for the contract).
 pub trait DeltaHooks {
     /// `rows` = base embedding rows `[n, hidden]` of `ids`; may overwrite rows
-    /// (token overlays).
+    /// (token overlays) and add to them (a LoRA on the input embedding, after
+    /// the overlays: PEFT's order).
     fn embed(&mut self, ids: &[u32], rows: &mut [f32]) -> Result<(), EngineError>;
 
     /// `x` = the normed layer input `[n, hidden]`; `y` = the fused q|k|v output

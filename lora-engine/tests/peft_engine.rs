@@ -57,6 +57,7 @@ fn options(family: &str, max_loras: usize) -> LoraOptions {
         max_rank: 16,
         experts: matches!(family, "qwen3_moe" | "mixtral"),
         dora: family == "qwen2_dora",
+        embedding_lora: family == "llama_embed",
         ..LoraOptions::default()
     }
 }
@@ -164,6 +165,13 @@ fn llama_batch_matches_peft() {
     serve_family("llama");
 }
 
+/// LoRA on the input embedding beside trainable tokens and base rows, in
+/// fewer slots than adapters.
+#[test]
+fn llama_embedding_lora_batch_matches_peft() {
+    serve_family("llama_embed");
+}
+
 #[test]
 fn mistral_batch_matches_peft() {
     serve_family("mistral");
@@ -230,6 +238,7 @@ fn every_family_matches_peft_on_cuda() {
     };
     for family in [
         "llama",
+        "llama_embed",
         "mistral",
         "qwen2",
         "qwen2_dora",

@@ -1,6 +1,7 @@
 // Token-overlay kernels: the row diff that finds overridden vocab rows, the
 // embedding lookup that takes a slot's overlay row where it has one, and the
-// lm_head overlay that rewrites the logits of a slot's overridden ids.
+// lm_head overlay that rewrites the logits of a slot's overridden ids; and the
+// LoRA on the input embedding (a gather of A's token column, an expand by B).
 
 // Per-slot embedding overlay: slot_map (i32[vocab], row index or -1) and the
 // compacted rows ([n_rows, h] bf16). slot_map == 0: the slot has no overlay.
@@ -187,3 +188,63 @@ __device__ __forceinline__ void lmhead_overlay_body(const LmHeadParams& p) {
 
 extern "C" __global__ void lmhead_overlay_bf16(const LmHeadParams p) { lmhead_overlay_body<bf16_t>(p); }
 extern "C" __global__ void lmhead_overlay_f32(const LmHeadParams p) { lmhead_overlay_body<float>(p); }
+
+struct EmbedLoraParams {
+    u64 ids;       // u32[n]
+    u64 row_slot;  // i32[n], -1: no delta
+    u64 table;     // PairEntry[n_entries]: A [stride, vocab], B [h, stride]
+    u64 out;       // [n, out_stride] (f32 or bf16)
+    u64 fault;
+    int n;
+    int h;
+    int vocab;
+    int n_entries;
+    int stride;
+    int out_stride;
+};
+static_assert(sizeof(EmbedLoraParams) == 64, "mirrors embed_lora.rs");
+
+// LoRA on the input embedding: out[i, :] += scale * B * A[:, ids[i]] for every
+// row i whose slot s = row_slot[i] has a pair (rank > 0) in table[s]. One
+// block per row; each thread expands some columns of B over the rank, reading
+// A's column t (rank values, vocab apart) from L1. A slot past the table, a
+// bad entry or a token id past the vocab raises a fault and leaves the row.
+template <typename Y>
+__device__ __forceinline__ void embed_lora_body(const EmbedLoraParams& p) {
+    const u32* ids = (const u32*)p.ids;
+    const int* rs = (const int*)p.row_slot;
+    const PairEntry* table = (const PairEntry*)p.table;
+    Y* out = (Y*)p.out;
+    for (int i = blockIdx.x; i < p.n; i += gridDim.x) {
+        const int s = rs[i];
+        if (s < 0) continue;
+        if (s >= p.n_entries) {
+            if (threadIdx.x == 0) raise_fault(p.fault, FAULT_BAD_INDEX);
+            continue;
+        }
+        const PairEntry e = table[s];
+        if (e.rank == 0) continue;
+        if ((int)e.rank > p.stride || e.a == 0ull || e.b == 0ull) {
+            if (threadIdx.x == 0) raise_fault(p.fault, FAULT_BAD_RANK);
+            continue;
+        }
+        const u32 t = ids[i];
+        if (t >= (u32)p.vocab) {
+            if (threadIdx.x == 0) raise_fault(p.fault, FAULT_BAD_TOKEN);
+            continue;
+        }
+        const bf16_t* A = (const bf16_t*)e.a;
+        const bf16_t* B = (const bf16_t*)e.b;
+        const int r = (int)e.rank;
+        Y* dst = out + (u64)i * p.out_stride;
+        for (int c = threadIdx.x; c < p.h; c += blockDim.x) {
+            const bf16_t* brow = B + (u64)c * p.stride;
+            float acc = 0.f;
+            for (int k = 0; k < r; ++k) acc = fmaf(bf2f(brow[k]), bf2f(A[(u64)k * p.vocab + t]), acc);
+            y_store(dst + c, y_load(dst + c) + e.scale * acc);
+        }
+    }
+}
+
+extern "C" __global__ void embed_lora_f32(const EmbedLoraParams p) { embed_lora_body<float>(p); }
+extern "C" __global__ void embed_lora_bf16(const EmbedLoraParams p) { embed_lora_body<bf16_t>(p); }

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
 
 use crate::cpu_mem::CpuAlloc;
 use crate::cuda_rt::driver_err;
-use crate::device::{Backend, Device};
+use crate::device::{Backend, Device, Lane};
 use crate::error::KernelError;
 use crate::table::{EmbedOverlayEntry, LmHeadOverlayEntry, PairEntry};
 
@@ -156,7 +156,7 @@ impl Device {
             device: self.clone(),
             len,
             inner,
-            last_copy: Mutex::new(None),
+            last_copy: Mutex::new([None, None]),
         })
     }
 }
@@ -204,6 +204,12 @@ impl<T: DeviceElem> DeviceBuffer<T> {
 
     /// Copy elements `offset..offset + len` to the host.
     pub fn download_range(&self, offset: usize, len: usize) -> Result<Vec<T>, KernelError> {
+        self.download_range_on(Lane::Compute, offset, len)
+    }
+
+    /// [`Self::download_range`] queued on `lane` (it waits for the work
+    /// queued there before it).
+    pub fn download_range_on(&self, lane: Lane, offset: usize, len: usize) -> Result<Vec<T>, KernelError> {
         check_range("download range", offset, len, self.len)?;
         if len == 0 {
             return Ok(Vec::new());
@@ -216,7 +222,7 @@ impl<T: DeviceElem> DeviceBuffer<T> {
                 out
             })),
             (Storage::Cuda(s), Backend::Cuda(c)) => c
-                .stream
+                .lane_stream(lane)
                 .clone_dtoh(&s.slice(offset..offset + len))
                 .map_err(driver_err("cuMemcpyDtoH")),
             (Storage::Cuda(_), Backend::Cpu(_)) => Err(backend_mismatch()),
@@ -225,6 +231,11 @@ impl<T: DeviceElem> DeviceBuffer<T> {
 
     /// Copy `data` into elements `offset..offset + data.len()`.
     pub fn write(&mut self, offset: usize, data: &[T]) -> Result<(), KernelError> {
+        self.write_on(Lane::Compute, offset, data)
+    }
+
+    /// [`Self::write`] queued on `lane`.
+    pub fn write_on(&mut self, lane: Lane, offset: usize, data: &[T]) -> Result<(), KernelError> {
         check_range("write range", offset, data.len(), self.len)?;
         if data.is_empty() {
             return Ok(());
@@ -240,7 +251,7 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             }
             (Storage::Cuda(s), Backend::Cuda(c)) => {
                 let mut view = s.slice_mut(offset..offset + data.len());
-                c.stream
+                c.lane_stream(lane)
                     .memcpy_htod(data, &mut view)
                     .map_err(driver_err("cuMemcpyHtoD"))
             }
@@ -251,6 +262,18 @@ impl<T: DeviceElem> DeviceBuffer<T> {
     /// Device-to-device copy of `len` elements from `src[src_offset..]` into `self[dst_offset..]`.
     pub fn copy_from(
         &mut self,
+        dst_offset: usize,
+        src: &DeviceBuffer<T>,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        self.copy_from_on(Lane::Compute, dst_offset, src, src_offset, len)
+    }
+
+    /// [`Self::copy_from`] queued on `lane`.
+    pub fn copy_from_on(
+        &mut self,
+        lane: Lane,
         dst_offset: usize,
         src: &DeviceBuffer<T>,
         src_offset: usize,
@@ -273,7 +296,9 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             (Storage::Cuda(dst), Storage::Cuda(s), Backend::Cuda(c)) => {
                 let from = s.slice(src_offset..src_offset + len);
                 let mut to = dst.slice_mut(dst_offset..dst_offset + len);
-                c.stream.memcpy_dtod(&from, &mut to).map_err(driver_err("cuMemcpyDtoD"))
+                c.lane_stream(lane)
+                    .memcpy_dtod(&from, &mut to)
+                    .map_err(driver_err("cuMemcpyDtoD"))
             }
             _ => Err(backend_mismatch()),
         }
@@ -306,6 +331,17 @@ impl<T: DeviceElem> DeviceBuffer<T> {
     /// `src` is never rewritten while the copy is still queued). Not for
     /// graph capture.
     pub fn upload_pinned(&mut self, dst_offset: usize, src: &PinnedHostBuffer<T>) -> Result<(), KernelError> {
+        self.upload_pinned_on(Lane::Compute, dst_offset, src)
+    }
+
+    /// [`Self::upload_pinned`] queued on `lane` (`src`'s event is recorded
+    /// there, so its reuse waits for this copy whichever lane ran it).
+    pub fn upload_pinned_on(
+        &mut self,
+        lane: Lane,
+        dst_offset: usize,
+        src: &PinnedHostBuffer<T>,
+    ) -> Result<(), KernelError> {
         self.device.expect_same("src", &src.device)?;
         check_range("upload range", dst_offset, src.len, self.len)?;
         if src.len == 0 {
@@ -319,12 +355,15 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             (Storage::Cuda(s), Pinned::Cuda(p), Backend::Cuda(c)) => {
                 let mut view = s.slice_mut(dst_offset..dst_offset + src.len);
                 if p.len() == src.len {
-                    c.stream.memcpy_htod(p, &mut view).map_err(driver_err("cuMemcpyHtoD"))?;
+                    c.lane_stream(lane)
+                        .memcpy_htod(p, &mut view)
+                        .map_err(driver_err("cuMemcpyHtoD"))?;
                     // cudarc's own completion event is off (event tracking is
                     // disabled): record this crate's, replacing the previous
-                    // copy's (stream order: this one completes after it).
-                    let event = c.record_event()?;
-                    *src.last_copy.lock().unwrap_or_else(|p| p.into_inner()) = Some(event);
+                    // copy's on the same lane (a lane runs in order, so this
+                    // one completes after it).
+                    let event = c.record_event_on(lane)?;
+                    src.last_copy.lock().unwrap_or_else(|p| p.into_inner())[lane as usize] = Some(event);
                     Ok(())
                 } else {
                     // Zero-length pinned buffers allocate one element; nothing to copy then.
@@ -379,8 +418,9 @@ pub struct PinnedHostBuffer<T: DeviceElem> {
     device: Device,
     len: usize,
     inner: Pinned<T>,
-    /// The completion event of the last queued copy from this buffer (CUDA).
-    last_copy: Mutex<Option<CudaEvent>>,
+    /// The completion event of the last queued copy from this buffer on
+    /// each lane (CUDA), indexed by `Lane as usize`.
+    last_copy: Mutex<[Option<CudaEvent>; 2]>,
 }
 
 enum Pinned<T: DeviceElem> {
@@ -411,11 +451,11 @@ impl<T: DeviceElem> PinnedHostBuffer<T> {
 
     /// Wait for the last queued copy from this buffer, if any.
     fn wait_last_copy(&self) -> Result<(), KernelError> {
-        let pending = self.last_copy.lock().unwrap_or_else(|p| p.into_inner()).take();
-        match pending {
-            Some(event) => event.synchronize().map_err(driver_err("cuEventSynchronize")),
-            None => Ok(()),
+        let pending = std::mem::take(&mut *self.last_copy.lock().unwrap_or_else(|p| p.into_inner()));
+        for event in pending.iter().flatten() {
+            event.synchronize().map_err(driver_err("cuEventSynchronize"))?;
         }
+        Ok(())
     }
 
     /// The elements (waits for a pending upload from this buffer to finish).

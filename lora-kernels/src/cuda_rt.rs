@@ -197,10 +197,16 @@ fn module_cache(ordinal: usize) -> Arc<ModuleCache> {
     map.entry(ordinal).or_default().clone()
 }
 
-/// One CUDA device as this crate uses it: a context, one stream, a fault word.
+/// One CUDA device as this crate uses it: a context, the compute stream
+/// (every apply, every graph), the copy stream (swap copies and repacks,
+/// [`crate::Lane::Copy`]), a fault word.
 pub(crate) struct CudaBackend {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
+    /// Where a swap's copies and repack run beside the compute stream; the
+    /// caller orders the two with events ([`crate::Device::record_event_on`],
+    /// [`crate::Device::wait_event`]).
+    pub(crate) copy_stream: Arc<CudaStream>,
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),
     /// Kernels are built for the arch-specific target (`sm_90a`), so the
@@ -280,15 +286,22 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
         return Err(KernelError::NoSuchDevice { ordinal, count });
     }
     let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
-    // SAFETY: this backend issues everything on its one stream (below), so the
-    // stream orders every device-side use of every buffer; cudarc's
-    // cross-stream event tracking is not needed, and its events must not land
-    // in captured graphs. The one host-side hazard that tracking also covered
-    // — rewriting a pinned host buffer while a copy from it is still queued —
-    // is handled by `PinnedHostBuffer`, which records its own event after
-    // every `upload_pinned` and waits for it before handing out its memory.
+    // SAFETY: this backend issues everything on its compute stream (below),
+    // so that stream orders every device-side use of every buffer, except the
+    // operations a caller queues on the copy stream by naming `Lane::Copy`
+    // (uploads, device copies, the repack and its value scan): those touch
+    // only buffers the caller keeps from every compute-stream reader until it
+    // has ordered the two streams with this crate's events
+    // (`Device::record_event_on`, `Device::wait_event`), as the pool's
+    // publish does. So cudarc's cross-stream event tracking is not needed,
+    // and its events must not land in captured graphs. The one host-side
+    // hazard that tracking also covered — rewriting a pinned host buffer
+    // while a copy from it is still queued — is handled by `PinnedHostBuffer`,
+    // which records its own event (on the copy's stream) after every upload
+    // and waits for it before handing out its memory.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+    let copy_stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
     let name = ctx.name().map_err(driver_err("cuDeviceGetName"))?;
     let compute_capability = ctx.compute_capability().map_err(driver_err("cuDeviceGetAttribute"))?;
     let sm_count = ctx
@@ -317,6 +330,7 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
     let mut backend = CudaBackend {
         ctx,
         stream,
+        copy_stream,
         name,
         compute_capability,
         wgmma: arch_specific(compute_capability),
@@ -533,6 +547,30 @@ impl CudaBackend {
     /// struct, and every device address in it must be valid for what the
     /// kernel reads and writes for this launch shape.
     pub(crate) unsafe fn launch<P>(&self, kernel: Kernel, launch: Launch, params: &P) -> Result<(), KernelError> {
+        // SAFETY: the caller's guarantees, forwarded.
+        unsafe { self.launch_on(crate::Lane::Compute, kernel, launch, params) }
+    }
+
+    /// The stream `lane` names.
+    pub(crate) fn lane_stream(&self, lane: crate::Lane) -> &Arc<CudaStream> {
+        match lane {
+            crate::Lane::Compute => &self.stream,
+            crate::Lane::Copy => &self.copy_stream,
+        }
+    }
+
+    /// [`Self::launch`] on `lane`'s stream.
+    ///
+    /// # Safety
+    /// As [`Self::launch`]; on [`crate::Lane::Copy`] the caller also orders
+    /// the kernel against compute-stream work on the same buffers.
+    pub(crate) unsafe fn launch_on<P>(
+        &self,
+        lane: crate::Lane,
+        kernel: Kernel,
+        launch: Launch,
+        params: &P,
+    ) -> Result<(), KernelError> {
         let f = self.function(kernel)?;
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         let mut args = [params as *const P as *mut c_void];
@@ -544,7 +582,7 @@ impl CudaBackend {
                 launch.grid,
                 (launch.block, 1, 1),
                 launch.smem,
-                self.stream.cu_stream(),
+                self.lane_stream(lane).cu_stream(),
                 &mut args,
             )
         }
@@ -790,6 +828,9 @@ impl CudaBackend {
     }
 
     pub(crate) fn synchronize(&self) -> Result<(), KernelError> {
+        self.copy_stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))?;
         self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
     }
 
@@ -797,10 +838,18 @@ impl CudaBackend {
         self.ctx.mem_get_info().map_err(driver_err("cuMemGetInfo"))
     }
 
-    pub(crate) fn record_event(&self) -> Result<CudaEvent, KernelError> {
-        self.stream
+    /// An event recorded at the current end of `lane`'s stream.
+    pub(crate) fn record_event_on(&self, lane: crate::Lane) -> Result<CudaEvent, KernelError> {
+        self.lane_stream(lane)
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(driver_err("cuEventRecord"))
+    }
+
+    /// Make `lane`'s stream wait (on the device) for `event`.
+    pub(crate) fn wait_event(&self, lane: crate::Lane, event: &CudaEvent) -> Result<(), KernelError> {
+        self.lane_stream(lane)
+            .wait(event)
+            .map_err(driver_err("cuStreamWaitEvent"))
     }
 
     /// Capture what `f` issues on the stream into an instantiated graph.

@@ -23,6 +23,22 @@ pub(crate) struct CpuBackend {
     pub(crate) memory: Arc<CpuMemory>,
 }
 
+/// Which of a device's two streams an operation is queued on. Everything
+/// runs on [`Lane::Compute`] unless a call names [`Lane::Copy`]: the swap
+/// path's uploads, device copies, repack and value scan, so an adapter lands
+/// while the compute stream replays decode graphs. Work on the two lanes is
+/// unordered until the caller orders it with events
+/// ([`Device::record_event_on`], [`Device::wait_event`]). The CPU backend
+/// runs every operation at once, so its lanes are one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Lane {
+    /// The device's stream: every apply, graph and buffer operation.
+    #[default]
+    Compute,
+    /// The copy stream, beside it.
+    Copy,
+}
+
 /// Which backend a [`Device`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceKind {
@@ -144,7 +160,7 @@ impl Device {
         }
     }
 
-    /// Wait until everything issued on the device's stream has finished.
+    /// Wait until everything issued on the device (both lanes) has finished.
     pub fn synchronize(&self) -> Result<(), KernelError> {
         match &*self.inner {
             Backend::Cpu(_) => Ok(()),

@@ -6,7 +6,7 @@ use std::time::Instant;
 use cudarc::driver::{CudaEvent, CudaGraph};
 
 use crate::cuda_rt;
-use crate::device::{Backend, Device};
+use crate::device::{Backend, Device, Lane};
 use crate::error::KernelError;
 
 /// An instantiated CUDA graph: the apply calls of one capture, replayed with
@@ -43,12 +43,33 @@ impl Device {
     /// Record a timing event at the current end of the device's stream (on
     /// the CPU, the current host time).
     pub fn record_event(&self) -> Result<DeviceEvent, KernelError> {
+        self.record_event_on(Lane::Compute)
+    }
+
+    /// Record an event at the current end of `lane`'s stream: it completes
+    /// once everything queued there before it has (on the CPU, at once).
+    pub fn record_event_on(&self, lane: Lane) -> Result<DeviceEvent, KernelError> {
         match self.backend() {
             Backend::Cpu(_) => Ok(DeviceEvent {
                 inner: EventInner::Host(Instant::now()),
             }),
             Backend::Cuda(c) => Ok(DeviceEvent {
-                inner: EventInner::Cuda(c.record_event()?),
+                inner: EventInner::Cuda(c.record_event_on(lane)?),
+            }),
+        }
+    }
+
+    /// Make everything queued on `lane` from now on wait, on the device, for
+    /// `event` (the host does not wait). Capturable: inside a graph capture it
+    /// becomes a dependency of the graph. An event of another backend is an
+    /// error.
+    pub fn wait_event(&self, lane: Lane, event: &DeviceEvent) -> Result<(), KernelError> {
+        match (self.backend(), &event.inner) {
+            (Backend::Cpu(_), EventInner::Host(_)) => Ok(()),
+            (Backend::Cuda(c), EventInner::Cuda(e)) => c.wait_event(lane, e),
+            _ => Err(KernelError::InvalidArgument {
+                arg: "event",
+                reason: "an event of another backend".into(),
             }),
         }
     }
@@ -65,6 +86,23 @@ enum EventInner {
 }
 
 impl DeviceEvent {
+    /// Whether the work queued before the event has completed (never waits;
+    /// always true on the CPU).
+    pub fn is_done(&self) -> Result<bool, KernelError> {
+        match &self.inner {
+            EventInner::Host(_) => Ok(true),
+            EventInner::Cuda(e) => e.try_is_complete().map_err(cuda_rt::driver_err("cuEventQuery")),
+        }
+    }
+
+    /// Wait on the host until the event completes.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        match &self.inner {
+            EventInner::Host(_) => Ok(()),
+            EventInner::Cuda(e) => e.synchronize().map_err(cuda_rt::driver_err("cuEventSynchronize")),
+        }
+    }
+
     /// Milliseconds from `self` to `end` (waits for both on CUDA).
     pub fn elapsed_ms(&self, end: &DeviceEvent) -> Result<f32, KernelError> {
         match (&self.inner, &end.inner) {

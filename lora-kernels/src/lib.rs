@@ -10,7 +10,8 @@
 //! - [`PairEntry`]: the pair-table contract with the pools (addresses of A and
 //!   B, scale, rank); [`EmbedOverlayEntry`] and [`LmHeadOverlayEntry`] for overlays.
 //! - [`ops`]: the kernels — row-indexed apply ([`bgmv`]), segment apply
-//!   ([`sgmv`], [`one_adapter`]), MoE index builders, overlay kernels — each a
+//!   ([`sgmv`], [`one_adapter`]), MoE index builders, overlay kernels, the
+//!   embedding LoRA ([`embed_lora`]) — each a
 //!   CUDA kernel (`cuda/*.cu`, compiled by NVRTC at first use for the device's
 //!   own architecture, `sm_90a` on compute capability 9.0 with a CUDA 12+
 //!   NVRTC, cached per context)
@@ -48,20 +49,23 @@ mod cuda_rt;
 mod device;
 mod error;
 mod graph;
+mod nccl;
 pub mod ops;
 mod table;
 pub mod testing;
 
 pub use buffer::{DeviceBuffer, DeviceElem, PinnedHostBuffer};
-pub use device::{Device, DeviceKind, compile_all_kernels, kernel_sources};
+pub use device::{Device, DeviceKind, Lane, compile_all_kernels, kernel_sources};
 pub use error::{FaultFlags, KernelError};
 pub use graph::{DeviceEvent, DeviceGraph};
+pub use nccl::{NcclComm, NcclId};
 pub use ops::bgmv::plan::{Chain, DecodeForm, DecodePlan, EntryKernel, FusedForm, ItemList, TwoPhaseForm};
 pub use ops::bgmv::{
     BGMV_MAX_RANK, DecodeOptions, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS, ROWS_MAX_IN,
     ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_candidates, bgmv_plan, bgmv_with,
 };
 pub use ops::dora::{DoraNorm, DoraTarget, dora_rescale, dora_row_scale};
+pub use ops::embed_lora::{EmbeddingPairs, embed_lora};
 pub use ops::limits::{Choice, DeviceLimits};
 pub use ops::linear::linear_f32;
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};

@@ -355,18 +355,24 @@ impl RepackCase {
     }
 
     /// Queue the value scan, then the repack gated on it, over a destination
-    /// filled with `poison`, with nothing waited for in between; returns the
-    /// scan's answers and the destination.
+    /// filled with `poison`, with nothing waited for in between, on the copy
+    /// lane (ordered after the compute lane's uploads by an event, as the
+    /// pool's swap is); returns the scan's answers and the destination.
     pub fn run_if_finite(&self, device: &Device, poison: bf16) -> Result<(Vec<Option<u64>>, Vec<bf16>), KernelError> {
+        use crate::Lane;
         use crate::ops::repack::{queue_value_scan, repack_if_finite};
         let src = device.upload(&bf16_carrier(&self.src))?;
         let mut dst = device.upload(&vec![poison; self.dst_len])?;
         let mut scratch = device.alloc_zeros(self.regions.len().max(1))?;
         let mut hits = device.alloc_zeros(self.regions.len() + 1)?;
         let bytes = self.src.len();
-        let scan = queue_value_scan(device, &src, bytes, &self.regions, &mut scratch, &mut hits)?;
+        let uploaded = device.record_event_on(Lane::Compute)?;
+        device.wait_event(Lane::Copy, &uploaded)?;
+        let scan = queue_value_scan(device, Lane::Copy, &src, bytes, &self.regions, &mut scratch, &mut hits)?;
         repack_if_finite(device, &scan, &hits, &src, bytes, &self.regions, &mut scratch, &mut dst)?;
-        Ok((scan.read(&hits)?, dst.download()?))
+        // The read waits for the copy lane; the download below is queued after it.
+        let answers = scan.read(&hits)?;
+        Ok((answers, dst.download()?))
     }
 
     /// Run the case on `device` over a destination filled with `poison`.

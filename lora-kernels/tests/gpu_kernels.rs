@@ -8,10 +8,10 @@
 use half::bf16;
 use lora_kernels::testing::{RandomPairs, Rng, cuda_or_skip, rel_error, widen};
 use lora_kernels::{
-    Chain, DecodeForm, DecodeOptions, DecodePlan, Device, DeviceBuffer, EmbedOverlayEntry, EntryKernel, FusedForm,
-    ItemList, KernelError, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting, OutputElem, PairEntry,
+    Chain, DecodeForm, DecodeOptions, DecodePlan, Device, DeviceBuffer, EmbedOverlayEntry, EmbeddingPairs, EntryKernel,
+    FusedForm, ItemList, KernelError, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting, OutputElem, PairEntry,
     ROWS_MAX_IN, ROWS_MAX_OUT, Rows, RowsMut, Segments, TwoPhaseForm, WorkspaceSpec, bgmv, bgmv_candidates, bgmv_plan,
-    bgmv_with, embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff,
+    bgmv_with, embed_lora, embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff,
 };
 use lora_kernels::{Choice, PrefillCall, PrefillOptions, PrefillPlan, sgmv, sgmv_plan, sgmv_with};
 
@@ -2299,4 +2299,113 @@ fn gpu_bgmv_entry_clusters_faults_and_overlap() {
             .collect();
         case.check(&gpu, &chains);
     }
+}
+
+/// One embedding-LoRA call on `dev`: `y0` uploaded, the call, y and faults.
+fn run_embed_lora<Y: OutputElem>(
+    dev: &Device,
+    pairs: &RandomPairs,
+    ids: &[u32],
+    row_slot: &[i32],
+    y0: &[Y],
+) -> (Vec<Y>, lora_kernels::FaultFlags) {
+    let pool = pairs.upload(dev).unwrap();
+    let (ids_d, rs_d) = (dev.upload(ids).unwrap(), dev.upload(row_slot).unwrap());
+    let mut y = dev.upload(y0).unwrap();
+    let table = EmbeddingPairs {
+        table: &pool.table,
+        table_offset: 0,
+        n_entries: pairs.ranks.len(),
+        stride: pairs.stride,
+        vocab: pairs.in_dim,
+    };
+    embed_lora(
+        dev,
+        &ids_d,
+        &rs_d,
+        table,
+        RowsMut::dense(&mut y, ids.len(), pairs.out_dim),
+    )
+    .unwrap();
+    let faults = dev.take_faults().unwrap();
+    (y.download().unwrap(), faults)
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_embed_lora_matches_cpu() {
+    let Some(dev) = cuda_or_skip("gpu_embed_lora_matches_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_embed_lora_matches_cpu");
+    // (vocab, hidden, stride, ranks per slot, rows): odd widths, rank 0
+    // slots, every rank up to the stride, padding poisoned with NaN.
+    for &(vocab, h, stride, ref ranks, n) in &[
+        (97usize, 64usize, 16usize, vec![16u32, 0, 3, 8], 37usize),
+        (1000, 130, 8, vec![1, 2, 5, 7, 8], 300),
+        (33, 4096, 64, vec![64, 17], 9),
+        (5, 3, 4, vec![4, 4], 1),
+    ] {
+        let mut pairs = RandomPairs::new(&mut rng, vocab, h, stride, ranks);
+        pairs.poison_padding();
+        let ids: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
+        // Every slot and the base row (-1).
+        let row_slot: Vec<i32> = (0..n).map(|_| rng.below(ranks.len() + 1) as i32 - 1).collect();
+        let y_f32: Vec<f32> = (0..n * h).map(|_| rng.uniform()).collect();
+        let y_bf16 = rng.bf16_vec(n * h, 1.0);
+        let label = format!("vocab {vocab} h {h} stride {stride} ranks {ranks:?} rows {n}");
+        let (want, cpu_faults) = run_embed_lora(&cpu, &pairs, &ids, &row_slot, &y_f32);
+        let (got, faults) = run_embed_lora(&dev, &pairs, &ids, &row_slot, &y_f32);
+        assert!(faults.is_empty() && cpu_faults.is_empty(), "{label}: faults {faults}");
+        // The CPU reference against an f64 oracle straight from the weights.
+        let mut oracle = y_f32.clone();
+        for (i, (&t, &s)) in ids.iter().zip(&row_slot).enumerate() {
+            if s >= 0 && pairs.ranks[s as usize] > 0 {
+                let mut x = vec![0f32; vocab];
+                x[t as usize] = 1.0;
+                for (o, d) in pairs.delta_f64(s as usize, &x).into_iter().enumerate() {
+                    oracle[i * h + o] = (f64::from(oracle[i * h + o]) + d) as f32;
+                }
+            }
+        }
+        assert!(rel_error(&want, &oracle) < 1e-5, "{label}: cpu vs f64 oracle");
+        let err = rel_error(&got, &want);
+        assert!(err < 1e-5, "{label}: f32 output, relative error {err:.3e}");
+        for (i, &s) in row_slot.iter().enumerate() {
+            if s < 0 {
+                assert_eq!(
+                    &got[i * h..(i + 1) * h],
+                    &y_f32[i * h..(i + 1) * h],
+                    "{label}: base row {i} changed"
+                );
+            }
+        }
+        let (want_b, _) = run_embed_lora(&cpu, &pairs, &ids, &row_slot, &y_bf16);
+        let (got_b, faults) = run_embed_lora(&dev, &pairs, &ids, &row_slot, &y_bf16);
+        assert!(faults.is_empty(), "{label}: faults {faults}");
+        let err = rel_error(&widen(&got_b), &widen(&want_b));
+        assert!(err < TOL, "{label}: bf16 output, relative error {err:.3e}");
+    }
+    // A token id past the vocab and a slot past the table raise faults and
+    // leave their rows; the other rows are served.
+    let pairs = RandomPairs::new(&mut rng, 50, 24, 8, &[8, 3]);
+    let ids = [3u32, 50, 7, 9];
+    let row_slot = [0i32, 1, 2, 1];
+    let y0: Vec<f32> = (0..4 * 24).map(|_| rng.uniform()).collect();
+    let (got, faults) = run_embed_lora(&dev, &pairs, &ids, &row_slot, &y0);
+    assert_eq!(
+        faults.0,
+        lora_kernels::FaultFlags::BAD_TOKEN | lora_kernels::FaultFlags::BAD_INDEX,
+        "faults: {faults}"
+    );
+    assert_eq!(&got[24..72], &y0[24..72], "faulting rows are left as they were");
+    let (want, _) = run_embed_lora(
+        &Device::cpu(),
+        &pairs,
+        &[3, 9],
+        &[0, 1],
+        &[&y0[..24], &y0[72..]].concat(),
+    );
+    assert!(rel_error(&[&got[..24], &got[72..]].concat(), &want) < 1e-5);
 }

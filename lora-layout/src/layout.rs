@@ -3,12 +3,22 @@
 //! There is one layout walk: layers ascending, then [`LoraModule::ALL`]
 //! filtered by [`LoraModule::applies_to_layer`]; for each pair, A
 //! (`max_rank * in` BF16 elements, row-major `[max_rank, in]`) then B
-//! (`out * max_rank`, row-major `[out, max_rank]`). [`SlotLayout`] is that
-//! walk; [`pool_slot_bytes`], [`module_slot_offsets`] and every packer read
-//! it, so they cannot disagree.
+//! (`out * max_rank`, row-major `[out, max_rank]`); then, in a layout made
+//! [`SlotLayout::with_embedding`], the input embedding's pair last: A
+//! `[max_rank, vocab]` then B `[hidden, max_rank]` (PEFT's
+//! `lora_embedding_A` / `lora_embedding_B`, a pair whose input is the
+//! one-hot token). Under a tensor-parallel [`Placement`] each dense pair
+//! is sized to the rank's shard and the embedding pair stays whole
+//! (replicated: [`ModuleShard::embedding`]). [`SlotLayout`] is that walk; [`pool_slot_bytes`],
+//! [`module_slot_offsets`] and every packer read it, so they cannot disagree.
+//!
+//! *Why the embedding place is opt-in:* it costs `max_rank * (vocab +
+//! hidden)` elements in every slot (for a 128k vocabulary at rank 16, 4 MiB
+//! a slot), which a pool that never serves embedding LoRA should not pay.
 
 use crate::config::ModelConfig;
 use crate::module::{ExpertSite, LoraModule};
+use crate::placement::{ModuleShard, Placement, PlacementError};
 
 /// Bytes of one BF16 element.
 pub const BF16_BYTES: usize = 2;
@@ -44,6 +54,9 @@ pub enum LayoutError {
         /// The site.
         site: ExpertSite,
     },
+    /// The tensor-parallel placement cannot split the model's geometry.
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
 }
 
 fn overflow(what: &'static str) -> LayoutError {
@@ -66,9 +79,10 @@ pub struct SlotEntry {
     pub layer: usize,
     /// The module.
     pub module: LoraModule,
-    /// Output width of the projection.
+    /// Output width the slot holds: the projection's, or the rank's rows
+    /// of it under a tensor-parallel placement ([`ModuleShard::dims`]).
     pub out_dim: usize,
-    /// Input width of the projection.
+    /// Input width the slot holds (the rank's columns for a row cut).
     pub in_dim: usize,
     /// Byte offset of A (`[max_rank, in]`) from the slot base.
     pub a_offset: usize,
@@ -83,20 +97,70 @@ impl SlotEntry {
     }
 }
 
-/// The layout of one pool slot for a model and a `max_rank`: every
-/// (layer, module) pair in walk order with its offsets.
+/// The input embedding's pair place in a slot: A `[max_rank, vocab]`, B
+/// `[hidden, max_rank]`. Under tensor parallelism the pair is replicated:
+/// every rank holds it whole ([`ModuleShard::embedding`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmbeddingEntry {
+    /// Rows of the embedding table (`vocab_size`): A's width.
+    pub vocab: usize,
+    /// Width of an embedding row (`hidden_size`): B's height.
+    pub hidden: usize,
+    /// Byte offset of A (`[max_rank, vocab]`) from the slot base.
+    pub a_offset: usize,
+    /// Byte offset of B (`[hidden, max_rank]`) from the slot base.
+    pub b_offset: usize,
+}
+
+/// The layout of one pool slot for a model, a `max_rank` and a
+/// tensor-parallel [`Placement`]: every (layer, module) pair in walk order
+/// with its offsets, each sized to the rank's shard, and the embedding
+/// pair's place when the layout has one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotLayout {
     max_rank: usize,
+    placement: Placement,
     entries: Vec<SlotEntry>,
+    /// `shards[i]`: the rank's part of the `i`-th pair in walk order (the
+    /// embedding pair's, replicated, last when the layout has it).
+    shards: Vec<ModuleShard>,
+    embedding: Option<EmbeddingEntry>,
     slot_bytes: usize,
     /// `index[layer * ALL.len() + module.index()]` = entry index, or `u32::MAX`.
     index: Vec<u32>,
 }
 
 impl SlotLayout {
-    /// Walk the layout of `cfg` at `max_rank`.
+    /// Walk the layout of `cfg` at `max_rank`: the dense pairs only, every
+    /// pair whole ([`Placement::SINGLE`]).
     pub fn new(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, max_rank, Placement::SINGLE, false)
+    }
+
+    /// The layout of [`SlotLayout::new`] with the input embedding's pair
+    /// place after the last layer's pairs.
+    pub fn with_embedding(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, max_rank, Placement::SINGLE, true)
+    }
+
+    /// Walk the layout of `cfg` at `max_rank` for one tensor-parallel rank:
+    /// the same pairs in the same order as [`SlotLayout::new`], each sized
+    /// to the rank's [`ModuleShard`]. A module whose cut does not divide is
+    /// [`LayoutError::Placement`] naming the dimension.
+    pub fn with_placement(cfg: &ModelConfig, max_rank: usize, placement: Placement) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, max_rank, placement, false)
+    }
+
+    /// The layout of `cfg` at `max_rank` for `placement`, with the embedding
+    /// place when `embedding` is set. The embedding pair is replicated on
+    /// every tensor-parallel rank (the base model keeps the embedding table
+    /// whole on every rank), so its place is the same on every rank.
+    pub fn walk(
+        cfg: &ModelConfig,
+        max_rank: usize,
+        placement: Placement,
+        embedding: bool,
+    ) -> Result<SlotLayout, LayoutError> {
         if max_rank == 0 {
             return Err(LayoutError::ZeroRank { what: "max_rank" });
         }
@@ -107,13 +171,15 @@ impl SlotLayout {
             .ok_or(overflow("layout index"))?;
         let mut index = vec![u32::MAX; index_len];
         let mut entries = Vec::new();
+        let mut shards = Vec::new();
         let mut off = 0usize;
         for layer in 0..cfg.num_hidden_layers {
             for module in LoraModule::ALL {
                 if !module.applies_to_layer(cfg, layer) {
                     continue;
                 }
-                let (out_dim, in_dim) = module.dims(cfg);
+                let shard = ModuleShard::of(module, cfg, placement)?;
+                let (out_dim, in_dim) = shard.dims();
                 let a_bytes = max_rank
                     .checked_mul(in_dim)
                     .and_then(|e| e.checked_mul(BF16_BYTES))
@@ -135,14 +201,44 @@ impl SlotLayout {
                     a_offset,
                     b_offset,
                 });
+                shards.push(shard);
             }
         }
+        let embedding = if embedding {
+            let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+            let a_bytes = max_rank
+                .checked_mul(vocab)
+                .and_then(|e| e.checked_mul(BF16_BYTES))
+                .ok_or(overflow("embedding A bytes"))?;
+            let a_offset = off;
+            let b_offset = off.checked_add(a_bytes).ok_or(overflow("slot bytes"))?;
+            off = off
+                .checked_add(pair_bytes(hidden, vocab, max_rank)?)
+                .ok_or(overflow("slot bytes"))?;
+            shards.push(ModuleShard::embedding(cfg, placement));
+            Some(EmbeddingEntry {
+                vocab,
+                hidden,
+                a_offset,
+                b_offset,
+            })
+        } else {
+            None
+        };
         Ok(SlotLayout {
             max_rank,
+            placement,
             entries,
+            shards,
+            embedding,
             slot_bytes: off,
             index,
         })
+    }
+
+    /// The input embedding's pair place, when the layout has one.
+    pub fn embedding(&self) -> Option<&EmbeddingEntry> {
+        self.embedding.as_ref()
     }
 
     /// The rank every pair is padded to.
@@ -155,7 +251,19 @@ impl SlotLayout {
         self.slot_bytes
     }
 
-    /// Every pair in walk order.
+    /// The tensor-parallel rank this layout is for.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// The rank's part of the `i`-th pair in walk order (the embedding
+    /// pair's, whole, at `entries().len()` when the layout has one).
+    pub fn shard(&self, i: usize) -> Option<&ModuleShard> {
+        self.shards.get(i)
+    }
+
+    /// Every (layer, module) pair in walk order (the embedding pair, which
+    /// follows them, is [`SlotLayout::embedding`]).
     pub fn entries(&self) -> &[SlotEntry] {
         &self.entries
     }

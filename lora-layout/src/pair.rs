@@ -3,6 +3,7 @@
 
 use crate::layout::{ExpertLayout, SlotLayout};
 use crate::module::{ExpertSite, LoraModule};
+use crate::placement::{ModuleShard, ShardKind};
 
 /// Where a pair acts: a dense module of the slot pool, or an expert/router
 /// site of the expert pool.
@@ -22,13 +23,18 @@ pub enum PairKey {
         /// The site.
         site: ExpertSite,
     },
+    /// The input embedding (`lora_embedding_A` `[r, vocab]`,
+    /// `lora_embedding_B` `[hidden, r]`), in a slot layout made
+    /// [`SlotLayout::with_embedding`].
+    Embedding,
 }
 
 impl PairKey {
-    /// The pair's layer.
-    pub fn layer(self) -> usize {
+    /// The pair's layer (`None` for the embedding, which precedes them all).
+    pub fn layer(self) -> Option<usize> {
         match self {
-            PairKey::Dense { layer, .. } | PairKey::Expert { layer, .. } => layer,
+            PairKey::Dense { layer, .. } | PairKey::Expert { layer, .. } => Some(layer),
+            PairKey::Embedding => None,
         }
     }
 }
@@ -45,6 +51,7 @@ impl std::fmt::Display for PairKey {
                 layer,
                 site: ExpertSite::Router,
             } => write!(f, "layer {layer} router"),
+            PairKey::Embedding => write!(f, "embedding"),
         }
     }
 }
@@ -62,6 +69,9 @@ pub struct PairPlace {
     pub a_offset: usize,
     /// Byte offset of B (`[out, stride]`).
     pub b_offset: usize,
+    /// Which part of the source pair the place holds (`out_dim`, `in_dim`
+    /// are its dims; the source tensors have `shard.full_dims`).
+    pub shard: ModuleShard,
 }
 
 /// A slot layout seen as a list of pair places: [`SlotLayout`] (stride
@@ -91,23 +101,37 @@ impl PairLayout for SlotLayout {
         self.slot_bytes()
     }
     fn len(&self) -> usize {
-        self.entries().len()
+        self.entries().len() + usize::from(self.embedding().is_some())
     }
     fn place(&self, i: usize) -> Option<PairPlace> {
-        self.entries().get(i).map(|e| PairPlace {
-            key: PairKey::Dense {
-                layer: e.layer,
-                module: e.module,
-            },
-            out_dim: e.out_dim,
-            in_dim: e.in_dim,
+        if let Some(e) = self.entries().get(i) {
+            return Some(PairPlace {
+                key: PairKey::Dense {
+                    layer: e.layer,
+                    module: e.module,
+                },
+                out_dim: e.out_dim,
+                in_dim: e.in_dim,
+                a_offset: e.a_offset,
+                b_offset: e.b_offset,
+                shard: *self.shard(i)?,
+            });
+        }
+        // The embedding's place follows the dense pairs.
+        let e = self.embedding().filter(|_| i == self.entries().len())?;
+        Some(PairPlace {
+            key: PairKey::Embedding,
+            out_dim: e.hidden,
+            in_dim: e.vocab,
             a_offset: e.a_offset,
             b_offset: e.b_offset,
+            shard: *self.shard(i)?,
         })
     }
     fn position(&self, key: PairKey) -> Option<usize> {
         match key {
             PairKey::Dense { layer, module } => SlotLayout::position(self, layer, module),
+            PairKey::Embedding => self.embedding().map(|_| self.entries().len()),
             PairKey::Expert { .. } => None,
         }
     }
@@ -133,12 +157,13 @@ impl PairLayout for ExpertLayout {
             in_dim: e.in_dim,
             a_offset: e.a_offset,
             b_offset: e.b_offset,
+            shard: ModuleShard::whole(ShardKind::Replicated, e.out_dim, e.in_dim),
         })
     }
     fn position(&self, key: PairKey) -> Option<usize> {
         match key {
             PairKey::Expert { layer, site } => ExpertLayout::position(self, layer, site),
-            PairKey::Dense { .. } => None,
+            PairKey::Dense { .. } | PairKey::Embedding => None,
         }
     }
 }

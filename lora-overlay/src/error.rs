@@ -13,6 +13,10 @@ pub enum OverlayError {
     /// The device failed (including running out of memory while staging).
     #[error(transparent)]
     Kernel(#[from] KernelError),
+    /// The pool refused a call the probe made through it (a step, the
+    /// embedding LoRA apply).
+    #[error(transparent)]
+    Pool(Box<PoolError>),
     /// A table does not have `vocab x hidden` elements.
     #[error("{table}: {len} elements, expected {vocab} x {hidden}")]
     TableSize {
@@ -111,6 +115,7 @@ impl From<OverlayError> for PoolError {
     fn from(e: OverlayError) -> PoolError {
         match e {
             OverlayError::Kernel(k) => PoolError::Kernel(k),
+            OverlayError::Pool(p) => *p,
             other => PoolError::Companion {
                 companion: COMPANION_NAME,
                 message: other.to_string(),

@@ -26,10 +26,15 @@
 //!   tables feed the kernels; swaps change their contents, never their
 //!   addresses.
 //! - [`probe_token_rows`]: `rows_idx::<table>` probes answered through the
-//!   kernels, for `cargo xtask probe`.
+//!   overlay kernels; [`probe_served_rows`]: the same through a pool, the
+//!   embedding rows with the pool's LoRA on the input embedding added after
+//!   the overlay (PEFT's order), for `cargo xtask probe`.
+//!
+//! A LoRA on the input embedding is not an overlay: it is a pair of the
+//! pool's slots (`LoraPool::apply_embedding`), applied after the lookup.
 //!
 //! What it must never do: read an adapter file itself (the audit in
-//! `lora-audit` does, and refuses `lora_embedding_A/B`); change a live slot
+//! `lora-audit` does); change a live slot
 //! while staging; allocate or synchronise inside an apply call; serve a row
 //! that differs from PEFT's merged table without overriding it.
 //!
@@ -72,5 +77,5 @@ mod test_support;
 pub use compile::{EmbedOverlay, HeadRows, OverrideRows, SlotOverlay, build_overlay};
 pub use error::{COMPANION_NAME, OverlayError};
 pub use overlays::TokenOverlays;
-pub use probe::probe_token_rows;
+pub use probe::{probe_served_rows, probe_token_rows};
 pub use served::{ServedHead, ServedTables};

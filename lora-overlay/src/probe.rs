@@ -2,7 +2,9 @@
 //! overlay kernels on the pool's device, not the host math.
 //!
 //! - Embedding rows: the embedding lookup kernel on the probed ids, every
-//!   row in the probed slot.
+//!   row in the probed slot; through a pool ([`probe_served_rows`]), then the
+//!   pool's embedding LoRA (`LoraPool::apply_embedding`) onto them on decode
+//!   steps of the adapter's lease (PEFT's order: lookup, then delta).
 //! - lm_head rows: a head row is only ever seen through the logits it
 //!   produces, so the probe recovers it from logits. With one-hot hidden
 //!   vectors `e_j`, the served logit of id `v` is `W[v, j]`: the base part
@@ -18,6 +20,7 @@ use half::bf16;
 use lora_audit::{OverlayModule, ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, parse_weight_name};
 use lora_kernels::{DeviceBuffer, Rows, RowsMut};
 use lora_layout::ModelConfig;
+use lora_pool::{LoraPool, SlotLease, StepRow};
 
 use crate::error::OverlayError;
 use crate::overlays::TokenOverlays;
@@ -162,6 +165,51 @@ pub fn probe_token_rows(
                 data: served.iter().map(|v| v.to_f32()).collect(),
             },
         );
+    }
+    Ok(out)
+}
+
+/// [`probe_token_rows`] for the adapter `lease` holds in `pool`, with the
+/// embedding rows as the pool serves them: the overlay lookup (BF16), then
+/// the adapter's LoRA on the input embedding added in f32 by
+/// [`LoraPool::apply_embedding`], on decode steps of at most the pool's
+/// batch capacity. Synchronises; builds steps (not an apply call).
+pub fn probe_served_rows(
+    pool: &mut LoraPool<TokenOverlays>,
+    lease: &SlotLease,
+    rows: &BTreeMap<String, Vec<i64>>,
+) -> Result<BTreeMap<String, ProbeTensor>, OverlayError> {
+    let cfg = pool.config().clone();
+    let slot = lease.slot().index();
+    let mut out = probe_token_rows(pool.companion(), Some(slot), &cfg, rows)?;
+    let hidden = cfg.hidden_size;
+    let chunk = pool.capacity().max_rows.max(1);
+    let device = pool.device().clone();
+    for (table, ids) in rows {
+        if !matches!(
+            parse_weight_name(table, &cfg),
+            Ok(WeightRef::Table(OverlayModule::Embed))
+        ) {
+            continue;
+        }
+        let Some(served) = out.get_mut(&format!("{ROWS_MERGED}{table}")) else {
+            continue;
+        };
+        // The ids were checked against the vocabulary by the overlay probe.
+        let ids: Vec<u32> = ids.iter().map(|&id| id as u32).collect();
+        for (c, part) in ids.chunks(chunk).enumerate() {
+            let n = part.len();
+            let span = c * chunk * hidden..(c * chunk + n) * hidden;
+            let step = pool
+                .decode_step(&vec![StepRow::Adapter(lease); n], n)
+                .map_err(|e| OverlayError::Pool(Box::new(e)))?;
+            let ids_dev = device.upload(part)?;
+            let mut y = device.upload(&served.data[span.clone()])?;
+            pool.apply_embedding(&step, &ids_dev, RowsMut::dense(&mut y, n, hidden))
+                .map_err(|e| OverlayError::Pool(Box::new(e)))?;
+            device.check_faults()?;
+            served.data[span].copy_from_slice(&y.download()?);
+        }
     }
     Ok(out)
 }

@@ -126,7 +126,10 @@ fn swaps_rebuild_overlays_and_failures_change_nothing(device: &Device) {
 
     // Refused adapters change nothing.
     let before = snapshot(&pool);
-    for (adapter, code) in [("embedding_lora", "REJECT[embedding-lora]"), ("dora", "REJECT[dora]")] {
+    for (adapter, code) in [
+        ("embedding_lora", "REJECT[embedding-lora-disabled]"),
+        ("dora", "REJECT[dora]"),
+    ] {
         for slot in (0..3).map(SlotId::new) {
             let err = pool.swap_from_disk(slot, "new", &dir(adapter)).unwrap_err();
             assert!(err.refusal_codes().contains(&code), "{adapter}: {err}");

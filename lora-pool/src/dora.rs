@@ -19,7 +19,16 @@
 //! the staging slot, the base weight (the engine's device copy when it
 //! gives one, else an upload of its host weight) and the magnitude; read
 //! back, checked finite, and written at publish after the slot was marked
-//! unservable, like the slot's pairs.
+//! unservable, like the slot's pairs. The staging slot is filled on the
+//! device's copy lane and these kernels run on the compute lane: the pool
+//! makes the compute lane wait for the copies before them, and the copy
+//! lane wait for them before any later staging copy (`LoraPool::stage`);
+//! the publish writes (`finish_publish`, on the compute lane) come after
+//! the compute lane waited for the slot's bytes.
+//!
+//! Never built for a placed pool (tensor or expert world above 1,
+//! `PoolError::DoraPlaced`): the norm spans every input column of a row,
+//! which a row-parallel rank does not hold.
 //!
 //! What it must never do: read the base weights during an apply (only at
 //! staging), hold a `g` for a slot whose table entries say otherwise after

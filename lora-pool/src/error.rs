@@ -30,9 +30,47 @@ pub enum PoolError {
         #[source]
         source: ImageError,
     },
-    /// A layout size could not be computed.
+    /// A layout size could not be computed, or the tensor-parallel
+    /// placement does not divide the model's geometry.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// Routed-expert and router deltas with a tensor-parallel placement and
+    /// no expert parallelism: the expert pool holds whole experts only
+    /// (experts cut by tensor parallelism are not built), so a rank would
+    /// fold deltas onto outputs it does not have.
+    #[error(
+        "LORA_EXPERTS with LORA_TP_WORLD={tp_world} and LORA_EP_WORLD=1: experts are placed by expert parallelism only, never cut across tensor-parallel ranks"
+    )]
+    ExpertsUnderTensorParallel {
+        /// The world size.
+        tp_world: usize,
+    },
+    /// Peer landing into a tensor- or expert-parallel rank's pool: a peer
+    /// stages and a manifest lists whole pairs of every expert; per-rank
+    /// manifests are not built, so a rank's pool takes adapters from disk
+    /// (ranged reads of its own bytes) or its host tier only.
+    #[error(
+        "peer landing into a placed pool (tp_world {tp_world}, ep_world {ep_world}): peer manifests carry whole pairs, not a rank's shard"
+    )]
+    PlacedPeerLanding {
+        /// The tensor-parallel world size.
+        tp_world: usize,
+        /// The expert-parallel world size.
+        ep_world: usize,
+    },
+    /// DoRA on a tensor- or expert-parallel rank's pool: the rescale
+    /// divides by the norm of each whole weight row `‖W + s·B A‖`, whose
+    /// input columns a row-parallel rank does not hold, and a per-rank
+    /// rescale is not built; DoRA is served by unplaced pools only.
+    #[error(
+        "LORA_DORA on a placed pool (tp_world {tp_world}, ep_world {ep_world}): DoRA is served only with tensor and expert world 1"
+    )]
+    DoraPlaced {
+        /// The tensor-parallel world size.
+        tp_world: usize,
+        /// The expert-parallel world size.
+        ep_world: usize,
+    },
     /// The device failed.
     #[error(transparent)]
     Kernel(#[from] KernelError),
@@ -74,6 +112,28 @@ pub enum PoolError {
         /// Live leases.
         leases: u32,
     },
+    /// A swap begun with [`crate::LoraPool::begin_swap`] is still landing:
+    /// finish it ([`crate::LoraPool::finish_swap`]) before the next swap,
+    /// eviction or landing.
+    #[error("a swap into slot {slot} is still landing; finish it first")]
+    SwapPending {
+        /// The slot the pending swap writes.
+        slot: SlotId,
+    },
+    /// The swap path cut a staging chunk into parts that do not tile it
+    /// (an internal error: nothing was read or copied).
+    #[error("staging chunk {chunk}: part {start}..{end} is outside the chunk or overlaps another")]
+    StagingParts {
+        /// The chunk.
+        chunk: usize,
+        /// The part's first byte.
+        start: usize,
+        /// The part's end.
+        end: usize,
+    },
+    /// [`crate::LoraPool::finish_swap`] with no swap begun.
+    #[error("no swap is pending")]
+    NoPendingSwap,
     /// A slot is pinned and promotion may not evict it.
     #[error("slot {0} is pinned")]
     Pinned(usize),

@@ -18,6 +18,21 @@
 //! the base weights a DoRA adapter is refused,
 //! `REJECT[dora-needs-base-weights]`.
 //!
+//! Under a tensor-parallel placement (`LoraOptions::placement`,
+//! `LORA_TP_RANK` / `LORA_TP_WORLD`) a pool holds only its rank's shard of
+//! each pair (`lora_layout::ModuleShard`): the packer cuts the whole
+//! tensors it is given, its slots shrink accordingly, and an apply takes the
+//! rank's input (its input columns, for a row-parallel module) and writes
+//! the rank's output ([`FusedTargets::single_at`], [`FusedTargets::qkv_at`],
+//! [`FusedTargets::gate_up_at`]). Routed experts are placed by expert
+//! parallelism (`LORA_EP_RANK` / `LORA_EP_WORLD`): the audit keeps the
+//! rank's block of experts and the replicated router, so its expert slots
+//! hold only those; without it, a tensor-parallel pool serves no
+//! routed-expert or router deltas
+//! ([`PoolError::ExpertsUnderTensorParallel`]). DoRA is not served on a
+//! placed pool ([`PoolError::DoraPlaced`]): its rescale divides by the norm
+//! of each whole weight row, which a row-parallel rank does not hold.
+//!
 //! What it must never do: move (the pool, tables and routing buffers keep
 //! their device addresses for the pool's life, so captured CUDA graphs stay
 //! valid across swaps); overwrite a slot a request or a step holds
@@ -100,6 +115,14 @@
 //! drop((step, sql));
 //! let swapped = pool.swap_from_disk(slot, "tools", &tools)?;
 //! println!("slot {slot} now serves `tools`, identity {:#x}", swapped.adapter_id);
+//!
+//! // 5. Or land it beside the steps: begin_swap queues the slot's bytes on the
+//! //    device's copy lane and returns; steps over the other slots go on.
+//! pool.evict(slot)?;
+//! pool.begin_swap(slot, "tools", &tools)?;
+//! let _step = pool.decode_step(&[StepRow::Adapter(&chat)], 1)?;
+//! while pool.swap_landed()? == Some(false) {} // an engine steps here instead
+//! pool.finish_swap()?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 

@@ -13,9 +13,9 @@ use lora_audit::{
     UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
-    DecodeOptions, DecodePlan, Device, DeviceBuffer, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RepackRegion,
-    Rows, RowsMut, Segments, ValueScan, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with, one_adapter,
-    repack_if_finite, sgmv,
+    DecodeOptions, DecodePlan, Device, DeviceBuffer, Lane, LoraTarget, LoraWorkspace, OutputElem, PairEntry,
+    RepackRegion, Rows, RowsMut, Segments, ValueScan, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with,
+    one_adapter, repack_if_finite, sgmv,
 };
 use lora_layout::{
     ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
@@ -119,6 +119,9 @@ struct Staged<S> {
     dense: DenseSource,
     dense_pairs: Vec<PairMeta>,
     experts: Option<Arc<(ExpertLayout, SlotImage)>>,
+    /// Expert or router pairs on some rank of the expert-parallel group
+    /// (`AdapterSlot::group_expert_deltas`).
+    group_expert_deltas: bool,
     companion: Option<S>,
     has_overlay: bool,
     /// DoRA pairs' rescales (written at publish; none clears the slot's).
@@ -168,7 +171,12 @@ impl ScanRefusal {
 
 /// The adapter tensor the audit placed as `part` of pair `key` (the key's
 /// own name where the report holds no such pair).
-fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
+pub(crate) fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
+    let embedding = report
+        .embedding
+        .as_ref()
+        .filter(|_| key == PairKey::Embedding)
+        .map(|e| (&e.a_key, &e.b_key));
     report
         .placed
         .iter()
@@ -178,11 +186,13 @@ fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
                 module: p.module,
             } == key
         })
+        .map(|p| (&p.a_key, &p.b_key))
+        .or(embedding)
         .map_or_else(
             || key.to_string(),
-            |p| match part {
-                PairPart::A => p.a_key.clone(),
-                PairPart::B => p.b_key.clone(),
+            |(a, b)| match part {
+                PairPart::A => a.clone(),
+                PairPart::B => b.clone(),
             },
         )
 }
@@ -223,6 +233,37 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     /// with the prefetch worker that fills it.
     tier: Option<Arc<Mutex<HostTier>>>,
     prefetcher: Option<Prefetcher>,
+    /// A swap whose slot bytes are queued on the copy lane, not yet
+    /// published ([`LoraPool::begin_swap`]).
+    pending: Option<Pending<C::Staged>>,
+}
+
+/// A swap between its two halves: the slot's bytes queued on the copy lane,
+/// its tables, companion and registry entry not yet written.
+struct Pending<S> {
+    slot: SlotId,
+    staged: Staged<S>,
+    /// The slot's new pair table, built while the device copied.
+    table: Vec<PairEntry>,
+    /// The slot's registry entry before the swap (restored on a value-scan
+    /// refusal: the gated repack wrote no slot byte).
+    previous: AdapterSlot,
+    /// Recorded on the copy lane after the slot's last write.
+    landed: lora_kernels::DeviceEvent,
+    started: std::time::Instant,
+    stage_us: f64,
+    audit_us: f64,
+}
+
+impl<C: SlotCompanion> Drop for LoraPool<C> {
+    fn drop(&mut self) {
+        // A begun swap's copies may still write the slot pool and read the
+        // staging buffers: let them finish before the buffers are freed. A
+        // failed wait means the context is gone, and the memory with it.
+        if self.pending.is_some() {
+            let _ = self.device.synchronize();
+        }
+    }
 }
 
 /// The step a row buffer currently holds.
@@ -323,16 +364,39 @@ impl<C: SlotCompanion> LoraPool<C> {
                 capacity: i32::MAX as usize,
             });
         }
-        let layout = SlotLayout::new(&cfg, opts.max_rank)?;
+        // The rank's shard of every pair (the whole pair at world 1), the
+        // embedding pair's place (replicated) when the options give one.
+        let layout = opts.slot_layout(&cfg)?;
         let slot_elems = layout.slot_bytes() / 2;
         let pool_elems = mul(slot_elems, opts.max_loras, "pool")?;
-        let table_len = mul(
-            mul(cfg.num_hidden_layers, LoraModule::ALL.len(), "tables")?,
-            opts.max_loras,
-            "tables",
-        )?;
+        // One `[max_loras]` table per (layer, module), then the embedding's.
+        let tables = mul(cfg.num_hidden_layers, LoraModule::ALL.len(), "tables")?
+            .checked_add(usize::from(layout.embedding().is_some()))
+            .ok_or(PoolError::Layout(lora_layout::LayoutError::Overflow { what: "tables" }))?;
+        let table_len = mul(tables, opts.max_loras, "tables")?;
         let expert_bytes = opts.expert_slot_bytes.unwrap_or(expert_slot_bytes);
         let serve_experts = opts.experts && cfg.moe.is_some();
+        // Experts are placed by expert parallelism (whole experts, a block
+        // per rank); cut by tensor parallelism they are not built.
+        if serve_experts && opts.placement.tp_world() > 1 && opts.placement.ep_world() == 1 {
+            return Err(PoolError::ExpertsUnderTensorParallel {
+                tp_world: opts.placement.tp_world(),
+            });
+        }
+        // DoRA's rescale divides by the norm of each whole weight row, which
+        // a row-parallel rank does not hold: refused on any placed pool
+        // rather than served wrong.
+        if opts.dora && (opts.placement.tp_world() > 1 || opts.placement.ep_world() > 1) {
+            return Err(PoolError::DoraPlaced {
+                tp_world: opts.placement.tp_world(),
+                ep_world: opts.placement.ep_world(),
+            });
+        }
+        if let Some(moe) = cfg.moe.as_ref().filter(|_| serve_experts) {
+            opts.placement
+                .expert_range(moe.num_experts)
+                .map_err(lora_layout::LayoutError::from)?;
+        }
         let ws_spec = WorkspaceSpec {
             max_rows: capacity.max_rows,
             max_rank: opts.max_rank,
@@ -412,6 +476,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             staging: Staging::new(device, &layout, StagingTuning::default())?,
             tier,
             prefetcher,
+            pending: None,
             layout,
             cfg,
             opts,
@@ -449,12 +514,13 @@ impl<C: SlotCompanion> LoraPool<C> {
             });
         }
         check_unique_names(adapters)?;
-        // The audit alone sizes the expert pool; the tensors are read once,
-        // when each adapter is staged.
+        // The audit of each header alone sizes the expert pool; the tensors
+        // are read once, when each adapter is staged (a rank's pool: only
+        // its shard's bytes of a dense-only adapter).
         let expert_bytes = adapters
             .iter()
             .map(|a| {
-                let report = audit_adapter(a.dir, &cfg, &opts).map_err(audit_err(a.name))?;
+                let report = header_report(a.dir, &cfg, &opts).map_err(audit_err(a.name))?;
                 Ok(if report.is_servable() { report.expert_bytes } else { 0 })
             })
             .collect::<Result<Vec<usize>, PoolError>>()?
@@ -480,6 +546,11 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// The model geometry.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// The batch capacity the row buffers were sized for.
+    pub fn capacity(&self) -> BatchCapacity {
+        self.capacity
     }
 
     /// The options the pool was built with.
@@ -536,6 +607,23 @@ impl<C: SlotCompanion> LoraPool<C> {
     pub fn table_offset(&self, layer: usize, module: LoraModule) -> Option<usize> {
         self.layout.entry(layer, module)?;
         Some((layer * LoraModule::ALL.len() + module.index()) * self.opts.max_loras)
+    }
+
+    /// First entry of the input embedding's `[max_loras]` table (after every
+    /// (layer, module) table), when the pool's slots have an embedding place.
+    pub fn embedding_table_offset(&self) -> Option<usize> {
+        self.layout.embedding()?;
+        Some(self.cfg.num_hidden_layers * LoraModule::ALL.len() * self.opts.max_loras)
+    }
+
+    /// The embedding pair's table entry in `slot`, as last published.
+    pub fn embedding_entry(&self, slot: SlotId) -> Option<PairEntry> {
+        if slot.index() >= self.opts.max_loras {
+            return None;
+        }
+        self.host_table
+            .get(self.embedding_table_offset()? + slot.index())
+            .copied()
     }
 
     /// The table entry of (layer, module) in `slot`, as last published.
@@ -605,34 +693,65 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// files, a refused adapter, a rank over `max_rank`, no memory, a slot in
     /// use — leaves every slot serving what it served, bit for bit.
     pub fn swap_from_disk(&mut self, slot: SlotId, name: &str, dir: &Path) -> Result<SwapReport, PoolError> {
+        self.begin_swap(slot, name, dir)?;
+        self.finish_swap()
+    }
+
+    /// The first half of [`LoraPool::swap_from_disk`]: stage `name` (from
+    /// the host tier, or read and audited from `dir`) and queue its slot
+    /// bytes on the device's copy lane, behind the work already queued on
+    /// the compute lane, then return without waiting for them. Decode
+    /// graphs and steps over the other slots go on meanwhile; `slot` is
+    /// unservable until [`LoraPool::finish_swap`] publishes it, and any
+    /// other swap, eviction or landing is refused (`SwapPending`) until
+    /// then. Refusals are as `swap_from_disk`'s, and leave every slot as it
+    /// was (a value the device scan finds not finite is reported by
+    /// `finish_swap`, which then restores the slot). Returns the route.
+    pub fn begin_swap(&mut self, slot: SlotId, name: &str, dir: &Path) -> Result<SwapRoute, PoolError> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
         let started = std::time::Instant::now();
         if let Some(image) = self.tier_image(name, dir) {
             let staged = self.stage_from_tier(name, image)?;
             let stage_us = started.elapsed().as_secs_f64() * 1e6;
-            let mut report = self.publish(slot, staged)?;
-            report.stage_us = stage_us;
-            return Ok(report);
+            self.begin_publish(slot, staged, stage_us, 0.0)?;
+            return Ok(SwapRoute::HostTier);
         }
         let (staged, audit_us) = self.stage_from_dir(name, dir)?;
         let stage_us = started.elapsed().as_secs_f64() * 1e6;
-        let mut report = self.publish(slot, staged)?;
-        report.stage_us = stage_us;
-        report.audit_us = audit_us;
+        let route = staged.route;
+        let dora = !staged.dora.is_empty();
+        self.begin_publish(slot, staged, stage_us, audit_us)?;
         // The host tier fills on the way: the worker packs the adapter there,
         // off this path (its event comes as a prefetch's would). A DoRA
         // adapter is not kept there (`TierError::Dora`).
-        if report.dora_pairs == 0
-            && let Some(prefetcher) = &self.prefetcher
-        {
-            // A stopped worker only means no tier fill; the swap is done.
+        if !dora && let Some(prefetcher) = &self.prefetcher {
+            // A stopped worker only means no tier fill; the swap goes on.
             let _ = prefetcher.request(name, dir);
         }
-        Ok(report)
+        Ok(route)
+    }
+
+    /// Whether the begun swap's slot bytes have landed on the device, so
+    /// that [`LoraPool::finish_swap`] will not make the compute lane wait
+    /// (never waits; `None` when no swap is pending).
+    pub fn swap_landed(&self) -> Result<Option<bool>, PoolError> {
+        match &self.pending {
+            Some(p) => Ok(Some(p.landed.is_done()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The second half of a begun swap: publish it (tables, expert pool,
+    /// companion and registry, on the compute lane, which waits on the
+    /// device for the slot's bytes; the host waits only for a device-repack
+    /// route's value scan). `NoPendingSwap` when none was begun.
+    pub fn finish_swap(&mut self) -> Result<SwapReport, PoolError> {
+        self.finish_publish()
     }
 
     /// Queue `name` from `dir` for the host tier: a worker thread audits,
@@ -706,6 +825,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::HostTier,
             dense_pairs: image.dense_pairs.clone(),
             experts: image.experts.clone(),
+            group_expert_deltas: image.group_expert_deltas,
             companion: Some(companion),
             has_overlay: image.has_overlay,
             dense: DenseSource::Host(image),
@@ -721,6 +841,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// staging slot may go there as it is and be placed by a device repack.
     /// What ends up in a slot is the same on every setting.
     pub fn tune_staging(&mut self, tuning: StagingTuning) -> Result<(), PoolError> {
+        self.check_no_pending()?;
         self.device.synchronize()?;
         self.staging.retune(&self.device, &self.layout, tuning)
     }
@@ -740,6 +861,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
         let staged = self.stage(name, adapter)?;
@@ -781,6 +903,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         self.release_dropped_rows(slot)?;
         let s = slot.index();
@@ -834,6 +957,14 @@ impl<C: SlotCompanion> LoraPool<C> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        let placement = self.opts.placement;
+        if placement != lora_layout::Placement::SINGLE {
+            return Err(PoolError::PlacedPeerLanding {
+                tp_world: placement.tp_world(),
+                ep_world: placement.ep_world(),
+            });
+        }
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
         if name.is_empty() {
@@ -863,6 +994,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::Landed,
             dense_pairs: dense.pairs().to_vec(),
             dense: DenseSource::Image(dense),
+            group_expert_deltas: experts.is_some(),
             experts: experts.map(Arc::new),
             companion: None,
             has_overlay: false,
@@ -913,7 +1045,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             })
         })?;
         let raw_len = usize::try_from(unparsed.data_len()).unwrap_or(usize::MAX);
-        let raw = self.staging.takes_raw(raw_len);
+        // A tensor-parallel rank's shard is cut on the host (`PackPlan`):
+        // the device repack copies whole tensors only.
+        let raw = self.layout.placement().tp_world() == 1 && self.staging.takes_raw(raw_len);
         let shown = dir.display().to_string();
         let (cfg, opts) = (&self.cfg, &self.opts);
         let audit = || {
@@ -945,7 +1079,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             return Ok((self.stage_prepared(name, dir, report)?, audit_us));
         }
         read?;
-        let sources = file_sources(&report.placed, &file).map_err(audit_err(name))?;
+        let sources = file_sources(&report, &file).map_err(audit_err(name))?;
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &HostOverlay::none(self.cfg.hidden_size))?;
         let regions = if raw {
@@ -957,12 +1091,16 @@ impl<C: SlotCompanion> LoraPool<C> {
         // the device scans the bytes it was given as they are; the host
         // packer checks each pair as it converts it.
         let dense_pairs = plan.metas().to_vec();
+        // An expert-parallel rank may hold none of the adapter's experts:
+        // its tokens still carry the slot to the ranks that do.
+        let group_expert_deltas = report.group_expert_pairs > 0;
         let (dense, route) = match regions {
             Some(regions) => {
                 // Queued behind the copies, not waited for: publish gates
                 // its repack on the answer and reads it once, after.
                 let scan = lora_kernels::queue_value_scan(
                     &self.device,
+                    Lane::Copy,
                     &self.staging.device,
                     raw_len,
                     &regions,
@@ -1007,6 +1145,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             dense,
             dense_pairs,
             experts: None,
+            group_expert_deltas,
             companion: Some(companion),
             has_overlay: false,
             dora: Vec::new(),
@@ -1046,9 +1185,18 @@ impl<C: SlotCompanion> LoraPool<C> {
         let companion = self.companion.stage(name, &adapter.overlay)?;
         self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
         // DoRA's rescale from the pairs just packed into the staging slot.
+        // The staging copies run on the copy lane and the norm kernels on
+        // the compute lane: the compute lane waits for the copies first, and
+        // the copy lane then waits for the kernels (whatever they returned),
+        // so that no later staging copy rewrites the slot they read.
         let dora = match &self.dora {
             Some(state) if adapter.report.is_dora() => {
-                state.stage(name, &self.device, &self.layout, &self.staging.device, adapter)?
+                let packed = self.device.record_event_on(Lane::Copy)?;
+                self.device.wait_event(Lane::Compute, &packed)?;
+                let scales = state.stage(name, &self.device, &self.layout, &self.staging.device, adapter);
+                let read = self.device.record_event_on(Lane::Compute)?;
+                self.device.wait_event(Lane::Copy, &read)?;
+                scales?
             }
             _ => Vec::new(),
         };
@@ -1058,6 +1206,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::Prepared,
             dense: DenseSource::Staging,
             dense_pairs,
+            group_expert_deltas: experts.is_some() || adapter.report.group_expert_pairs > 0,
             experts: experts.map(Arc::new),
             companion: Some(companion),
             has_overlay: !adapter.overlay.is_empty(),
@@ -1065,13 +1214,29 @@ impl<C: SlotCompanion> LoraPool<C> {
         })
     }
 
-    /// Phase two: write the staged adapter into `slot` and make it live.
-    /// Only device failures can stop it now. What can fail without writing
-    /// is done first; from the first device write on, a failure leaves the
-    /// slot empty and unservable (no lease, step or route can name it)
-    /// until a later swap into it succeeds.
-    fn publish(&mut self, slot: SlotId, mut staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
+    /// Phase two: write the staged adapter into `slot` and make it live
+    /// ([`Self::begin_publish`], then [`Self::finish_publish`]).
+    fn publish(&mut self, slot: SlotId, staged: Staged<C::Staged>) -> Result<SwapReport, PoolError> {
+        self.begin_publish(slot, staged, 0.0, 0.0)?;
+        self.finish_publish()
+    }
+
+    /// Phase two, first half: queue the slot's bytes on the copy lane,
+    /// behind everything the compute lane was given before (a kernel still
+    /// reading the slot's old bytes for a step already dropped), and keep
+    /// the rest for [`Self::finish_publish`]. What can fail without writing
+    /// is done first; from the first device write on, the slot is
+    /// unservable (no lease, step or route can name it) until a publish
+    /// into it finishes.
+    fn begin_publish(
+        &mut self,
+        slot: SlotId,
+        mut staged: Staged<C::Staged>,
+        stage_us: f64,
+        audit_us: f64,
+    ) -> Result<(), PoolError> {
         let started = std::time::Instant::now();
+        self.check_no_pending()?;
         self.check_idle(slot)?;
         let s = slot.index();
         let elems = self.layout.slot_bytes() / 2;
@@ -1084,22 +1249,24 @@ impl<C: SlotCompanion> LoraPool<C> {
             }
         }
         // The slot's new table, built on the host while the device may still
-        // be copying (a raw-route swap waits for the device just below).
+        // be copying.
         let table = self.table_with_slot(s, base_addr, &staged.dense_pairs);
-        if let DenseSource::Raw {
-            regions,
-            bytes,
-            scan,
-            refusal,
-        } = &staged.dense
-        {
-            // The repack is queued gated on the value scan, and the scan's
-            // answer read after it: one wait, behind the copies, the scan and
-            // the repack. On a value that is not finite the device wrote
-            // nothing, so the slot is restored as it was.
-            let previous = self.registry.slots()[s].clone();
-            self.registry.mark_unservable(s);
-            repack_if_finite(
+        let previous = self.registry.slots()[s].clone();
+        // A replay of a dropped step's graph must not read the slot while
+        // the copy lane rewrites it: its rows go back to base rows first.
+        self.release_dropped_rows(slot)?;
+        self.registry.mark_unservable(s);
+        let ready = self.device.record_event_on(Lane::Compute)?;
+        self.device.wait_event(Lane::Copy, &ready)?;
+        match &staged.dense {
+            DenseSource::Staging => self
+                .weights
+                .copy_from_on(Lane::Copy, base, &self.staging.device, 0, elems)?,
+            // Gated on the value scan on the device: on a value that is not
+            // finite it writes nothing, and finish restores the slot.
+            DenseSource::Raw {
+                regions, bytes, scan, ..
+            } => repack_if_finite(
                 &self.device,
                 scan,
                 &self.staging.hits,
@@ -1108,7 +1275,48 @@ impl<C: SlotCompanion> LoraPool<C> {
                 regions,
                 &mut self.staging.regions,
                 &mut self.weights,
-            )?;
+            )?,
+            DenseSource::Image(image) => self.weights.write_on(Lane::Copy, base, image.as_elems())?,
+            DenseSource::Host(image) => self.weights.upload_pinned_on(Lane::Copy, base, &image.dense)?,
+        }
+        let landed = self.device.record_event_on(Lane::Copy)?;
+        self.pending = Some(Pending {
+            slot,
+            staged,
+            table,
+            previous,
+            landed,
+            started,
+            stage_us,
+            audit_us,
+        });
+        Ok(())
+    }
+
+    /// Phase two, second half: once the slot's bytes are queued (the
+    /// compute lane waits for them on the device, the host only for a
+    /// value scan's answer), write the tables, the expert pool and the
+    /// companion on the compute lane and make the slot live.
+    fn finish_publish(&mut self) -> Result<SwapReport, PoolError> {
+        let Some(Pending {
+            slot,
+            staged,
+            table,
+            previous,
+            landed,
+            started,
+            stage_us,
+            audit_us,
+        }) = self.pending.take()
+        else {
+            return Err(PoolError::NoPendingSwap);
+        };
+        let s = slot.index();
+        if let DenseSource::Raw {
+            regions, scan, refusal, ..
+        } = &staged.dense
+        {
+            // Waits for the copies, the scan and the gated repack.
             let found = scan.read(&self.staging.hits)?;
             if let Some((r, index)) = found
                 .iter()
@@ -1127,15 +1335,7 @@ impl<C: SlotCompanion> LoraPool<C> {
                 return Err(audit_err(&staged.name)(AuditError::Refused(Box::new(report))));
             }
         }
-        self.release_dropped_rows(slot)?;
-        self.registry.mark_unservable(s);
-        match &staged.dense {
-            DenseSource::Staging => self.weights.copy_from(base, &self.staging.device, 0, elems)?,
-            // Written above.
-            DenseSource::Raw { .. } => {}
-            DenseSource::Image(image) => self.weights.write(base, image.as_elems())?,
-            DenseSource::Host(image) => self.weights.upload_pinned(base, &image.dense)?,
-        }
+        self.device.wait_event(Lane::Compute, &landed)?;
         self.host_table = table;
         self.table.write(0, &self.host_table)?;
         if let Some(dora) = &mut self.dora {
@@ -1160,6 +1360,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             generation: 0,
             pairs: staged.dense_pairs.clone(),
             expert_pairs,
+            group_expert_deltas: staged.group_expert_deltas && self.experts.is_some(),
             has_overlay: staged.has_overlay,
             unservable: false,
         };
@@ -1174,11 +1375,19 @@ impl<C: SlotCompanion> LoraPool<C> {
             dense_pairs: published.pairs.len(),
             expert_pairs: published.expert_pairs.len(),
             dora_pairs: staged.dora.len(),
-            stage_us: 0.0,
-            audit_us: 0.0,
+            stage_us,
+            audit_us,
             route: staged.route,
             publish_us: started.elapsed().as_secs_f64() * 1e6,
         })
+    }
+
+    /// `SwapPending` while a begun swap has not finished.
+    fn check_no_pending(&self) -> Result<(), PoolError> {
+        match &self.pending {
+            Some(p) => Err(PoolError::SwapPending { slot: p.slot }),
+            None => Ok(()),
+        }
     }
 
     /// The host table with slot `slot`'s entries replaced by `pairs`' (at
@@ -1189,17 +1398,26 @@ impl<C: SlotCompanion> LoraPool<C> {
             *entry = PairEntry::default();
         }
         for meta in pairs {
-            let PairKey::Dense { layer, module } = meta.key else {
-                continue;
+            let place = match meta.key {
+                PairKey::Dense { layer, module } => self
+                    .layout
+                    .entry(layer, module)
+                    .map(|p| (p.a_offset, p.b_offset))
+                    .zip(self.table_offset(layer, module)),
+                PairKey::Embedding => self
+                    .layout
+                    .embedding()
+                    .map(|p| (p.a_offset, p.b_offset))
+                    .zip(self.embedding_table_offset()),
+                PairKey::Expert { .. } => None,
             };
-            let (Some(place), Some(offset)) = (self.layout.entry(layer, module), self.table_offset(layer, module))
-            else {
+            let Some(((a_offset, b_offset), offset)) = place else {
                 continue;
             };
             if let Some(entry) = table.get_mut(offset + slot) {
                 *entry = PairEntry {
-                    a: base_addr + place.a_offset as u64,
-                    b: base_addr + place.b_offset as u64,
+                    a: base_addr + a_offset as u64,
+                    b: base_addr + b_offset as u64,
                     scale: meta.scale,
                     rank: meta.rank as u32,
                 };
@@ -1407,6 +1625,18 @@ impl<C: SlotCompanion> LoraPool<C> {
         x_rows: usize,
     ) -> Result<(), PoolError> {
         self.check_step(step)?;
+        // Column offsets counted for another rank would put a module's
+        // delta on another module's columns.
+        let (t, p) = (targets.placement(), self.layout.placement());
+        if (t.tp_rank(), t.tp_world()) != (p.tp_rank(), p.tp_world()) {
+            return Err(PoolError::Batch(format!(
+                "targets built for tensor-parallel rank {} of {}, the pool is rank {} of {} (use FusedTargets::*_at)",
+                targets.placement().tp_rank(),
+                targets.placement().tp_world(),
+                self.layout.placement().tp_rank(),
+                self.layout.placement().tp_world()
+            )));
+        }
         for m in targets.targets() {
             let entry = self.layout.entry(layer, m.module).ok_or(PoolError::NoSuchModule {
                 layer,
@@ -1430,6 +1660,44 @@ impl<C: SlotCompanion> LoraPool<C> {
                 step.kernel_rows()
             )));
         }
+        Ok(())
+    }
+
+    /// The LoRA on the input embedding: `out[row, :] += scale · B · A[:,
+    /// ids[row]]` for each kernel row of `step` whose slot's adapter has one
+    /// (`ids` holds the step's token of each row; `out` is `[rows, hidden]`,
+    /// the embedding rows after any token overlay, PEFT's order). Rows of
+    /// the base model, padding and adapters without it are untouched; a
+    /// pool built without the embedding place (no adapter in it can have
+    /// one) launches nothing. Graph-capturable.
+    pub fn apply_embedding<S: Step, Y: OutputElem>(
+        &self,
+        step: &S,
+        ids: &DeviceBuffer<u32>,
+        out: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
+        let slots = self.step_slots(step)?;
+        if out.n_rows != slots.rows() || out.width != self.cfg.hidden_size {
+            return Err(PoolError::Batch(format!(
+                "embedding rows are [{}, {}]; the {} step has {} rows of hidden {}",
+                out.n_rows,
+                out.width,
+                step.kind(),
+                slots.rows(),
+                self.cfg.hidden_size
+            )));
+        }
+        let Some(offset) = self.embedding_table_offset() else {
+            return Ok(());
+        };
+        let pairs = lora_kernels::EmbeddingPairs {
+            table: &self.table,
+            table_offset: offset,
+            n_entries: self.opts.max_loras,
+            stride: self.opts.max_rank,
+            vocab: self.cfg.vocab_size,
+        };
+        lora_kernels::embed_lora(&self.device, ids, slots.buffer(), pairs, out)?;
         Ok(())
     }
 
@@ -1507,6 +1775,8 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// slot serves a rescale computed from the previous ones. On an error
     /// nothing changed.
     pub fn set_base_weights(&mut self, base: Arc<dyn crate::dora::BaseWeights>) -> Result<(), PoolError> {
+        // A begun swap's rescale was computed from the current weights.
+        self.check_no_pending()?;
         let dora = self.dora.as_mut().ok_or(PoolError::DoraDisabled)?;
         dora.set_base(&self.layout, base)
     }
@@ -1689,9 +1959,27 @@ fn staged_value(staging: &DeviceBuffer<bf16>, region: &lora_kernels::RepackRegio
     read().unwrap_or(f32::NAN)
 }
 
+/// The audit of the adapter in `dir` from its safetensors header and
+/// config alone (no tensor value read), or the full audit when it has no
+/// safetensors file (a pickle is refused there).
+fn header_report(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Result<AuditReport, AuditError> {
+    let weights = dir.join(ADAPTER_WEIGHTS);
+    if !weights.is_file() {
+        return audit_adapter(dir, cfg, opts);
+    }
+    let config_path = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&config_path).map_err(|e| AuditError::Io {
+        path: config_path.display().to_string(),
+        source: e,
+    })?;
+    let file = UnparsedSafetensors::open(&weights)?.parse()?;
+    audit_header(&dir.display().to_string(), &text, file.infos(), cfg, opts)
+}
+
 /// Whether an audit lets the adapter go straight from its file: servable,
-/// and dense pairs only.
-fn dense_only(report: &AuditReport) -> bool {
+/// dense pairs only, and no DoRA magnitudes (a DoRA adapter is prepared in
+/// full, its rescale computed from the packed pairs).
+pub(crate) fn dense_only(report: &AuditReport) -> bool {
     report.is_servable() && report.experts.is_empty() && report.overlay.is_empty() && !report.is_dora()
 }
 

@@ -163,7 +163,16 @@ fn serve_against_peft(device: &Device, model: &str, adapter: &str, plain: &str) 
     assert_eq!(refused_code(&err), vec![RejectCode::DoraNeedsBaseWeights], "{err}");
     assert!(pool.slot_of("d").is_none());
     pool.set_base_weights(Arc::new(base)).unwrap();
-    let report = pool.swap_from_disk(SlotId::new(0), "d", &dir).unwrap();
+    // The swap in two halves (the slot bytes on the copy lane): the rescale
+    // is staged with the adapter and written by the second half; new base
+    // weights are refused in between.
+    pool.begin_swap(SlotId::new(0), "d", &dir).unwrap();
+    assert_eq!(pool.dora_pairs(SlotId::new(0)), 0);
+    assert!(matches!(
+        pool.set_base_weights(Arc::new(OracleBase(HashMap::new()))),
+        Err(PoolError::SwapPending { .. })
+    ));
+    let report = pool.finish_swap().unwrap();
     assert_eq!(report.dora_pairs, probes.len());
     assert_eq!(pool.dora_pairs(SlotId::new(0)), probes.len());
     // New base weights while a slot serves a rescale from these: refused.
@@ -321,6 +330,36 @@ fn the_host_tier_refuses_dora_adapters() {
     pool.wait_for_prefetch();
     assert!(pool.prefetch_events().is_empty(), "a DoRA swap queued a tier fill");
     assert!(pool.host_tier().unwrap().names.is_empty());
+}
+
+/// DoRA on a tensor- or expert-parallel rank's pool is refused by type
+/// (the rescale's row norm spans every input column, which a row-parallel
+/// rank does not hold); the same placement without DoRA, and DoRA beside
+/// the embedding place, build.
+#[test]
+fn dora_is_refused_on_a_placed_pool() {
+    let cfg = model_config("llama");
+    let tp = lora_layout::Placement::new(1, 2).unwrap();
+    let ep = lora_layout::Placement::SINGLE.with_experts(0, 2).unwrap();
+    for (placement, want) in [(tp, (2, 1)), (ep, (1, 2))] {
+        let placed = LoraOptions {
+            placement,
+            ..opts(true)
+        };
+        match LoraPool::new(&Device::cpu(), cfg.clone(), placed.clone(), BatchCapacity::default()) {
+            Err(PoolError::DoraPlaced { tp_world, ep_world }) => assert_eq!((tp_world, ep_world), want),
+            Err(other) => panic!("{placement:?}: {other}"),
+            Ok(_) => panic!("{placement:?}: a placed DoRA pool was built"),
+        }
+        let plain = LoraOptions { dora: false, ..placed };
+        LoraPool::new(&Device::cpu(), cfg.clone(), plain, BatchCapacity::default()).unwrap();
+    }
+    let both = LoraOptions {
+        embedding_lora: true,
+        ..opts(true)
+    };
+    let pool = LoraPool::new(&Device::cpu(), cfg, both, BatchCapacity::default()).unwrap();
+    assert!(pool.layout().embedding().is_some());
 }
 
 /// The probe of (layer, module) among a fixture's probes.

@@ -306,7 +306,6 @@ fn every_route_from_a_file_writes_the_bytes_of_the_converted_adapter() {
     };
     let tiny_chunks = StagingTuning {
         chunk_bytes: 1,
-        in_flight: 3,
         ..StagingTuning::default()
     };
     let streaming = StagingTuning {
@@ -339,6 +338,65 @@ fn every_route_from_a_file_writes_the_bytes_of_the_converted_adapter() {
                 "{adapter} {tuning:?}"
             );
             assert_eq!(pool.slots()[0].pairs, pool.slots()[1].pairs, "{adapter}");
+        }
+    }
+}
+
+#[test]
+fn every_route_places_the_embedding_pair_like_the_prepared_adapter() {
+    let cfg = model_config("llama");
+    let opts = LoraOptions {
+        max_rank: 16,
+        embedding_lora: true,
+        ..options(2, 0)
+    };
+    let host_pack = StagingTuning {
+        device_repack: false,
+        ..StagingTuning::default()
+    };
+    // Saved without its base table: dense pairs only, so the direct routes take it.
+    for adapter in ["embedding_lora_no_table"] {
+        let plain = dir(adapter);
+        for (tuning, route) in [
+            (StagingTuning::default(), SwapRoute::DeviceRepack),
+            (host_pack, SwapRoute::HostPack),
+        ] {
+            let mut pool = pool_with(opts.clone(), &[]);
+            pool.tune_staging(tuning).unwrap();
+            let report = pool.swap_from_disk(slot(0), "direct", &plain).unwrap();
+            assert_eq!(report.route, route, "{adapter} {tuning:?}");
+            let prepared = lora_audit::prepare_adapter(&plain, &cfg, pool.options()).unwrap();
+            let embedding = prepared.embedding.as_ref().unwrap();
+            pool.swap_prepared(slot(1), "converted", &prepared).unwrap();
+            assert_eq!(
+                pool.slot_contents(slot(0)).unwrap(),
+                pool.slot_contents(slot(1)).unwrap(),
+                "{adapter} {tuning:?}"
+            );
+            // The embedding pair's entry: its place in each slot, its rank and scale.
+            let place = *pool.layout().embedding().unwrap();
+            let slot_bytes = pool.layout().slot_bytes() as u64;
+            for s in 0..2 {
+                let e = pool.embedding_entry(slot(s)).unwrap();
+                assert_eq!((e.rank as usize, e.scale), (embedding.rank, embedding.scale));
+                let base = pool.pool_addr() + s as u64 * slot_bytes;
+                assert_eq!((e.a, e.b), (base + place.a_offset as u64, base + place.b_offset as u64));
+            }
+            // The A rows and B columns it holds are the adapter's, padding zero.
+            let bytes = pool.slot_contents(slot(0)).unwrap();
+            let (vocab, hidden, stride) = (cfg.vocab_size, cfg.hidden_size, 16);
+            let a = &bytes[place.a_offset / 2..place.a_offset / 2 + stride * vocab];
+            assert_eq!(&a[..embedding.rank * vocab], &embedding.a[..]);
+            assert!(a[embedding.rank * vocab..].iter().all(|v| v.to_f32() == 0.0));
+            let b = &bytes[place.b_offset / 2..place.b_offset / 2 + hidden * stride];
+            for o in 0..hidden {
+                let row = &b[o * stride..(o + 1) * stride];
+                assert_eq!(
+                    &row[..embedding.rank],
+                    &embedding.b[o * embedding.rank..(o + 1) * embedding.rank]
+                );
+                assert!(row[embedding.rank..].iter().all(|v| v.to_f32() == 0.0));
+            }
         }
     }
 }

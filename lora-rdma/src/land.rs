@@ -156,6 +156,15 @@ pub enum LandError {
     /// its layout overflows.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// The engine's pool is a tensor- or expert-parallel rank's: peer
+    /// manifests carry whole pairs, not a rank's shard.
+    #[error("peer landing for a placed pool (tp_world {tp_world}, ep_world {ep_world}) is not built")]
+    Placed {
+        /// The tensor-parallel world size.
+        tp_world: usize,
+        /// The expert-parallel world size.
+        ep_world: usize,
+    },
     /// A pair the audit placed has no place in the layout.
     #[error("{0}: no place in the engine's layout")]
     NotInLayout(PairKey),
@@ -214,7 +223,7 @@ pub struct PlannedPart {
 impl PlannedPart {
     fn image(&self) -> Image {
         match self.key {
-            PairKey::Dense { .. } => Image::Dense,
+            PairKey::Dense { .. } | PairKey::Embedding => Image::Dense,
             PairKey::Expert { .. } => Image::Experts,
         }
     }
@@ -325,8 +334,18 @@ fn wire_rank(rank: usize) -> Result<u32, LayoutError> {
 impl Lander {
     /// A lander for `cfg` with the pool limits of `opts` (`max_rank`,
     /// `expert_rank`, `experts`, `allow_partial`).
+    ///
+    /// A tensor- or expert-parallel placement is [`LandError::Placed`]:
+    /// manifests carry whole pairs, and per-rank manifests are not built.
     pub fn new(cfg: ModelConfig, opts: LoraOptions) -> Result<Lander, LandError> {
-        let layout = SlotLayout::new(&cfg, opts.max_rank)?;
+        let placement = opts.placement;
+        if placement != lora_layout::Placement::SINGLE {
+            return Err(LandError::Placed {
+                tp_world: placement.tp_world(),
+                ep_world: placement.ep_world(),
+            });
+        }
+        let layout = opts.slot_layout(&cfg)?;
         Ok(Lander {
             model: model_fingerprint(&cfg),
             max_rank: wire_rank(opts.max_rank)?,
@@ -400,6 +419,11 @@ impl Lander {
                     scale: p.scale,
                 }
             })
+            .chain(report.embedding.as_ref().map(|e| PairMeta {
+                key: PairKey::Embedding,
+                rank: e.rank,
+                scale: e.scale,
+            }))
             .collect();
         let experts: Vec<PairMeta> = report
             .experts
@@ -429,7 +453,9 @@ impl Lander {
             .iter()
             .map(|op| {
                 let (place, stride) = match op.key {
-                    PairKey::Dense { .. } => (place_of(&self.layout, op.key), self.layout.stride()),
+                    PairKey::Dense { .. } | PairKey::Embedding => {
+                        (place_of(&self.layout, op.key), self.layout.stride())
+                    }
                     PairKey::Expert { .. } => (place_of(&expert_layout, op.key), expert_layout.stride()),
                 };
                 let place = place.ok_or(LandError::NotInLayout(op.key))?;

@@ -69,6 +69,8 @@ pub enum WireKey {
         /// Layer.
         layer: u32,
     },
+    /// `PairKey::Embedding`.
+    Embedding,
 }
 
 impl WireKey {
@@ -92,6 +94,7 @@ impl WireKey {
                 layer: l,
                 site: ExpertSite::Router,
             } => WireKey::Router { layer: layer(l) },
+            PairKey::Embedding => WireKey::Embedding,
         }
     }
 
@@ -114,6 +117,7 @@ impl WireKey {
                 layer: layer as usize,
                 site: ExpertSite::Router,
             },
+            WireKey::Embedding => PairKey::Embedding,
         })
     }
 }

@@ -193,7 +193,14 @@ pub fn plan_staging(
         a: &p.a,
         b: &p.b,
     });
-    let sources: Vec<Source<'_>> = dense.chain(experts).collect();
+    let embedding = adapter.embedding.iter().map(|e| Source {
+        key: PairKey::Embedding,
+        rank: e.rank,
+        stride: max_rank,
+        a: &e.a,
+        b: &e.b,
+    });
+    let sources: Vec<Source<'_>> = dense.chain(embedding).chain(experts).collect();
     let mut parts = Vec::with_capacity(2 * sources.len());
     let mut offset = 0usize;
     let over = |needed| StageError::Budget { needed, budget };

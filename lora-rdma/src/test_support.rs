@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use lora_audit::{LoraOptions, PreparedAdapter, prepare_adapter};
-use lora_layout::{ExpertLayout, ModelConfig, SlotLayout};
+use lora_layout::{ExpertLayout, ModelConfig};
 use lora_pool::image::{SlotImage, dense_sources, expert_sources};
 
 /// `fixtures/<path>` at the workspace root.
@@ -35,7 +35,7 @@ pub fn disk_images(model: &str, adapter: &str, opts: &LoraOptions) -> (PreparedA
     let p = prepare_adapter(&fixture(model).join(adapter), &cfg, opts).unwrap();
     let dense = dense_sources(&p);
     let experts = expert_sources(&p);
-    let layout = SlotLayout::new(&cfg, opts.max_rank).unwrap();
+    let layout = opts.slot_layout(&cfg).unwrap();
     let expert_layout = ExpertLayout::new(&cfg, opts.expert_rank, p.experts.iter().map(|e| (e.layer, e.site))).unwrap();
     let dense = SlotImage::pack(&layout, &dense).unwrap();
     let experts = SlotImage::pack(&expert_layout, &experts).unwrap();

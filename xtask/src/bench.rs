@@ -27,7 +27,8 @@
 //! the same step's base projections: [`step`]), and the I/O sections
 //! `swap` (a disk swap into a slot against a pinned host-to-device copy),
 //! `tier` (a promotion from the host tier against the same copy:
-//! [`bench_tier`]) and `landing` (a peer landing over TCP loopback against a
+//! [`bench_tier`]), `beside` (decode step graphs replayed while a promotion
+//! lands on the copy lane, against the same steps alone) and `landing` (a peer landing over TCP loopback against a
 //! plain socket copy), timed on the host clock in `bench_io`. A new device section is one function of the
 //! [`Section`] signature added to [`SECTIONS`]; it appends rows to the shared
 //! report.
@@ -402,6 +403,9 @@ fn io_sections(device: &Device, opts: &Options) -> Result<Vec<IoRow>, String> {
     }
     if opts.wants("tier") {
         rows.push(bench_tier::promotion(device, reps)?);
+    }
+    if opts.wants("beside") {
+        rows.push(bench_tier::promotion_beside_decode(device, reps)?);
     }
     if opts.wants("landing") {
         rows.push(bench_io::peer_landing(reps.min(10))?);

@@ -98,18 +98,17 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
     let chunks = pool.staging_chunks();
     let mut swept = String::new();
     if sweep {
-        for (mib, in_flight, read_threads, device_repack, streaming_stores) in [
-            (4usize, 4usize, 16usize, false, false),
-            (4, 4, 16, true, false),
-            (4, 4, 12, true, false),
-            (4, 4, 12, true, true),
-            (4, 4, 14, true, true),
-            (8, 4, 16, true, true),
-            (2, 8, 16, true, true),
+        for (mib, read_threads, device_repack, streaming_stores) in [
+            (4usize, 16usize, false, false),
+            (4, 16, true, false),
+            (4, 16, true, true),
+            (4, 14, true, true),
+            (4, 12, true, true),
+            (8, 16, true, true),
+            (2, 16, true, true),
         ] {
             let tuning = StagingTuning {
                 chunk_bytes: mib << 20,
-                in_flight,
                 device_repack,
                 read_threads,
                 streaming_stores,
@@ -131,7 +130,7 @@ pub fn swap(device: &Device, reps: usize, sweep: bool) -> Result<IoRow, String> 
                 (true, true) => "repack, streaming stores",
             };
             swept += &format!(
-                "; {route} {mib} MiB x {in_flight}, {read_threads} readers: {:.0} us (stage {:.0})",
+                "; {route} {mib} MiB, {read_threads} readers: {:.0} us (stage {:.0})",
                 quantiles(us).0,
                 quantiles(stage).0
             );
@@ -234,7 +233,7 @@ fn swap_parts(pool: &LoraPool, dir: &std::path::Path, reps: usize) -> Result<Str
         let report = audit_header("bench", &text, file.infos(), pool.config(), pool.options()).map_err(|e| s(&e))?;
         audit_us.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
-        let sources = file_sources(&report.placed, &file).map_err(|e| s(&e))?;
+        let sources = file_sources(&report, &file).map_err(|e| s(&e))?;
         let plan = PackPlan::new(layout, &sources).map_err(|e| s(&e))?;
         plan.fill(layout, 0..PairLayout::len(layout), &mut dst)
             .map_err(|e| s(&e))?;

@@ -40,7 +40,7 @@ use super::{Ctx, Stats, err};
 use lora_rdma::bench::{LLAMA_8B, MODULES};
 
 /// Rank of every adapter, and the pool's rank stride.
-const RANK: usize = 16;
+pub(super) const RANK: usize = 16;
 /// Adapters in the pool (one slot each).
 const ADAPTERS: usize = 64;
 /// Rows of the steps timed; row `i` runs adapter `i`.
@@ -94,7 +94,7 @@ fn case_name(n: usize) -> String {
 }
 
 /// The options of one timed variant's applies.
-fn decode_options(overlap: bool) -> DecodeOptions {
+pub(super) fn decode_options(overlap: bool) -> DecodeOptions {
     DecodeOptions {
         overlap_previous: overlap,
         ..DecodeOptions::default()
@@ -158,13 +158,13 @@ fn step_flops(cfg: &ModelConfig, n: usize, r: usize) -> f64 {
 /// Random values the adapters' pairs are cut from: each pair a window at a
 /// random start, so every adapter's values differ without generating 84 MB
 /// of random numbers per adapter.
-struct Banks {
+pub(super) struct Banks {
     a: Vec<bf16>,
     b: Vec<bf16>,
 }
 
 impl Banks {
-    fn new(cfg: &ModelConfig, rng: &mut Rng) -> Banks {
+    pub(super) fn new(cfg: &ModelConfig, rng: &mut Rng) -> Banks {
         let widest = MODULES
             .iter()
             .map(|m| {
@@ -190,7 +190,12 @@ fn window<'b>(bank: &'b [bf16], rng: &mut Rng, len: usize) -> &'b [bf16] {
 }
 
 /// One random adapter's slot image: a rank-16 pair on every module of every layer.
-fn adapter_image(layout: &SlotLayout, cfg: &ModelConfig, banks: &Banks, rng: &mut Rng) -> Result<SlotImage, String> {
+pub(super) fn adapter_image(
+    layout: &SlotLayout,
+    cfg: &ModelConfig,
+    banks: &Banks,
+    rng: &mut Rng,
+) -> Result<SlotImage, String> {
     let mut sources = Vec::with_capacity(cfg.num_hidden_layers * MODULES.len());
     for layer in 0..cfg.num_hidden_layers {
         for module in MODULES.into_iter().filter(|m| m.applies_to_layer(cfg, layer)) {
@@ -236,7 +241,7 @@ fn filled_pool(
 }
 
 /// One apply site's fixed buffers.
-struct SiteBuffers {
+pub(super) struct SiteBuffers {
     name: &'static str,
     targets: FusedTargets,
     in_dim: usize,
@@ -244,7 +249,12 @@ struct SiteBuffers {
     y: DeviceBuffer<bf16>,
 }
 
-fn site_buffers(device: &Device, cfg: &ModelConfig, n: usize, rng: &mut Rng) -> Result<Vec<SiteBuffers>, KernelError> {
+pub(super) fn site_buffers(
+    device: &Device,
+    cfg: &ModelConfig,
+    n: usize,
+    rng: &mut Rng,
+) -> Result<Vec<SiteBuffers>, KernelError> {
     sites(cfg)
         .into_iter()
         .map(|(name, targets)| {
@@ -261,7 +271,7 @@ fn site_buffers(device: &Device, cfg: &ModelConfig, n: usize, rng: &mut Rng) -> 
 }
 
 /// The whole step's LoRA work: every layer's sites, in order.
-fn apply_step(
+pub(super) fn apply_step(
     pool: &LoraPool,
     step: &DecodeStep,
     n: usize,
@@ -320,7 +330,7 @@ fn site_plans(pool: &LoraPool, step: &DecodeStep, n: usize, bufs: &mut [SiteBuff
         .join("; ")
 }
 
-fn kernel_err(e: PoolError) -> KernelError {
+pub(super) fn kernel_err(e: PoolError) -> KernelError {
     match e {
         PoolError::Kernel(k) => k,
         other => KernelError::InvalidArgument {

@@ -9,7 +9,8 @@
 //!    logits, step logits and greedy tokens are compared with PEFT's own
 //!    (`fixtures/engine/<family>/peft.safetensors`); then the promotions,
 //!    prefix hits and refusals are listed.
-//! 2. The same check, one line each, for the other six families.
+//! 2. The same check, one line each, for the other seven families
+//!    (`llama_embed`: LoRA on the input embedding, in slots with its place).
 //! 3. The pool's kernels against the PEFT probe oracles (`fixtures/llama`,
 //!    `fixtures/qwen3_moe`): mixed decode and prefill batches through every
 //!    adapted layer, the token overlays, the MoE experts and router, a disk
@@ -48,8 +49,9 @@ const ENGINE_TOL: f64 = ANSWER_TOLERANCE;
 const CONTROL_MISS: f64 = 5.0 * ENGINE_TOL;
 
 /// The family shown in full, then the others, one line each.
-const FAMILIES: [&str; 7] = [
+const FAMILIES: [&str; 8] = [
     "llama",
+    "llama_embed",
     "mistral",
     "qwen2",
     "qwen3",
@@ -275,6 +277,7 @@ fn engine_options(family: &str, max_loras: usize) -> LoraOptions {
         max_loras,
         max_rank: 16,
         experts: matches!(family, "qwen3_moe" | "mixtral"),
+        embedding_lora: family == "llama_embed",
         ..LoraOptions::default()
     }
 }

@@ -37,7 +37,7 @@ struct Args {
 
 /// The task's arguments (its usage line, `cargo xtask serve --help`).
 pub(crate) const ARGS: &str = "--model DIR --adapter NAME=DIR [--adapter ...] --requests FILE.json \
-     --out OUT.safetensors [--device cpu|cuda] [--max-loras N] [--max-rank N] [--experts] [--expert-rank N]";
+     --out OUT.safetensors [--device cpu|cuda] [--max-loras N] [--max-rank N] [--experts] [--expert-rank N] [--embedding-lora]";
 
 fn parse(args: &[String]) -> Result<Args, String> {
     let (mut model, mut requests, mut out, mut device) = (None, None, None, None);
@@ -72,6 +72,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--max-rank" => lora.max_rank = number(value()?)?,
             "--expert-rank" => lora.expert_rank = number(value()?)?,
             "--experts" => lora.experts = true,
+            "--embedding-lora" => lora.embedding_lora = true,
             other => return Err(format!("unexpected argument {other}\nusage: cargo xtask serve {ARGS}")),
         }
     }

@@ -6,13 +6,27 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--dora] [--json]`
+//! [--allow-partial] [--experts] [--dora] [--embedding-lora] [--tp-rank R
+//! --tp-world W] [--ep-rank R --ep-world W] [--json]`
 //!
 //! DoRA pairs (`--dora`, or `LORA_DORA=1`) are module-output probes: the
 //! probe file gives each DoRA projection's `base_weight::` (and
 //! `base_bias::`), which the pool takes as the engine's base weights; each
 //! probe row's output starts at the base output `W x + b`, and the answer is
-//! the served output minus it (`lora_audit`'s probe docs).
+//! the served output minus it (`lora_audit`'s probe docs). DoRA is served
+//! with tensor and expert world 1 only (refused with a placement).
+//!
+//! With `--tp-rank R --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`)
+//! the pool is rank R's (its shard of every pair) and each dense probe
+//! output is the rank's part of the served delta, as `lora-audit probe`
+//! writes it (`lora_audit::probe_adapter_at`): a column-parallel module
+//! its output columns `[n, out_r]`, a row-parallel module the partial
+//! delta `[n, out]` of its slice of the probe input, a replicated module
+//! the whole delta. With `--ep-rank R --ep-world W` (or `LORA_EP_RANK` /
+//! `LORA_EP_WORLD`) the expert pool holds rank R's block of experts and the
+//! router: an expert probe answers the served delta of an expert the rank
+//! holds and zeros for any other (so the ranks' outputs sum to the
+//! unsharded ones), a router probe the whole delta on every rank.
 //!
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
@@ -23,8 +37,8 @@ use lora_audit::{
     WeightRef, parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_kernels::{Device, Rows, RowsMut};
-use lora_layout::{LoraModule, ModelConfig};
-use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
+use lora_layout::{LoraModule, ModelConfig, ModuleShard};
+use lora_overlay::{ServedTables, TokenOverlays, probe_served_rows};
 use lora_pool::{
     AdapterSource, BaseProjection, BaseWeights, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError,
     SlotCompanion, SlotId, SlotLease, StepRow,
@@ -51,6 +65,11 @@ struct Args {
     allow_partial: bool,
     experts: bool,
     dora: bool,
+    tp_rank: Option<usize>,
+    tp_world: Option<usize>,
+    ep_rank: Option<usize>,
+    ep_world: Option<usize>,
+    embedding_lora: bool,
     json: bool,
 }
 
@@ -58,7 +77,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut adapter = None;
     let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
     let (mut max_rank, mut expert_rank) = (None, None);
-    let (mut allow_partial, mut experts, mut dora, mut json) = (false, false, false, false);
+    let (mut tp_rank, mut tp_world, mut ep_rank, mut ep_world) = (None, None, None, None);
+    let (mut allow_partial, mut experts, mut dora, mut embedding_lora, mut json) = (false, false, false, false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -71,9 +91,14 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--device" => device = Some(value()?),
             "--max-rank" => max_rank = Some(number(value()?)?),
             "--expert-rank" => expert_rank = Some(number(value()?)?),
+            "--tp-rank" => tp_rank = Some(number(value()?)?),
+            "--tp-world" => tp_world = Some(number(value()?)?),
+            "--ep-rank" => ep_rank = Some(number(value()?)?),
+            "--ep-world" => ep_world = Some(number(value()?)?),
             "--allow-partial" => allow_partial = true,
             "--experts" => experts = true,
             "--dora" => dora = true,
+            "--embedding-lora" => embedding_lora = true,
             "--json" => json = true,
             flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
             path if adapter.is_none() => adapter = Some(PathBuf::from(path)),
@@ -93,6 +118,11 @@ fn parse(args: &[String]) -> Result<Args, String> {
         allow_partial,
         experts,
         dora,
+        tp_rank,
+        tp_world,
+        ep_rank,
+        ep_world,
+        embedding_lora,
         json,
     })
 }
@@ -116,6 +146,11 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         allow_partial: args.allow_partial,
         experts: args.experts,
         dora: args.dora,
+        tp_rank: args.tp_rank,
+        tp_world: args.tp_world,
+        ep_rank: args.ep_rank,
+        ep_world: args.ep_world,
+        embedding_lora: args.embedding_lora,
     };
     let mut opts = LoraOptions::from_env()
         .and_then(|o| o.with_args(overrides))
@@ -143,9 +178,11 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
                 LoraPool::load_with_base_weights(&device, cfg.clone(), opts, capacity, &source, overlays, base_weights)
                     .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
             let mut outputs = serve_probes(&mut pool, &inputs)?;
-            let rows =
-                probe_token_rows(pool.companion(), Some(0), &cfg, &inputs.rows).map_err(|e| usage(e.to_string()))?;
-            outputs.tensors.extend(rows);
+            if !inputs.rows.is_empty() {
+                let lease = slot_lease(&pool, SlotId::new(0)).map_err(usage)?;
+                let rows = probe_served_rows(&mut pool, &lease, &inputs.rows).map_err(|e| usage(e.to_string()))?;
+                outputs.tensors.extend(rows);
+            }
             outputs
         }
         None => {
@@ -297,20 +334,30 @@ fn dense_probe<C: SlotCompanion>(
     x: &ProbeTensor,
     base: Option<&ProbeBase>,
 ) -> Result<ProbeTensor, String> {
-    let (out_dim, in_dim) = module.dims(pool.config());
+    let (_, full_in) = module.dims(pool.config());
     let [n, width] = x.shape[..] else {
         return Err(format!("probe shape {:?}; expected [rows, in]", x.shape));
     };
-    if width != in_dim || x.data.len() != n * width {
-        return Err(format!("probe of width {width}; the weight takes {in_dim}"));
+    if width != full_in || x.data.len() != n * width {
+        return Err(format!("probe of width {width}; the weight takes {full_in}"));
     }
+    // The pool's rank: its output columns and, for a row-parallel module,
+    // its slice of the probe input (the whole of both at world 1).
+    let placement = pool.layout().placement();
+    let shard = ModuleShard::of(module, pool.config(), placement).map_err(|e| e.to_string())?;
+    let (out_dim, in_dim) = shard.dims();
     if pool.layout().entry(layer, module).is_none() {
         return Ok(ProbeTensor {
             shape: vec![n, out_dim],
             data: vec![0.0; n * out_dim],
         });
     }
-    let (hi, lo) = crate::serve::split_hi_lo(&x.data);
+    let x_rank: Vec<f32> = x
+        .data
+        .chunks_exact(full_in.max(1))
+        .flat_map(|row| row[shard.in_start..shard.in_start + in_dim].to_vec())
+        .collect();
+    let (hi, lo) = crate::serve::split_hi_lo(&x_rank);
     let device = pool.device().clone();
     let err = |e: lora_kernels::KernelError| e.to_string();
     let xb = device.upload(&[hi, lo].concat()).map_err(err)?;
@@ -322,7 +369,7 @@ fn dense_probe<C: SlotCompanion>(
     pool.apply_decode(
         &step,
         layer,
-        &FusedTargets::single(pool.config(), module),
+        &FusedTargets::single_at(pool.config(), placement, module).map_err(|e| e.to_string())?,
         Rows::dense(&xb, 2 * n, in_dim),
         RowsMut::dense(&mut y, 2 * n, out_dim),
     )

@@ -51,7 +51,7 @@ fn serve(family: &str, adapters: &[String], requests: &Path, out: &Path, max_lor
         .arg(requests)
         .arg("--out")
         .arg(out)
-        .args(["--device", "cpu", "--max-rank", "16", "--experts"])
+        .args(["--device", "cpu", "--max-rank", "16", "--experts", "--embedding-lora"])
         .args(["--max-loras", &max_loras.to_string()])
         .output()
         .unwrap()
@@ -61,6 +61,7 @@ fn serve(family: &str, adapters: &[String], requests: &Path, out: &Path, max_lor
 fn every_family_equals_peft_through_the_command() {
     for family in [
         "llama",
+        "llama_embed",
         "mistral",
         "qwen2",
         "qwen3",

@@ -53,6 +53,7 @@ def check(
     expert_rank: Optional[int] = None,
     allow_partial: bool = False,
     experts: bool = False,
+    embedding_lora: bool = False,
 ) -> Report: ...
 
 def probe(
@@ -67,4 +68,5 @@ def probe(
     expert_rank: Optional[int] = None,
     allow_partial: bool = False,
     experts: bool = False,
+    embedding_lora: bool = False,
 ) -> Tuple[list[str], list[str]]: ...

@@ -1,6 +1,6 @@
 use super::*;
 use crate::test_support::{self, RawTensor, ScratchDir, f32_tensor, safetensors_bytes};
-use lora_layout::LoraModule;
+use lora_layout::{LoraModule, SlotLayout};
 
 fn write_adapter(config: &str, tensors: &[RawTensor]) -> ScratchDir {
     let dir = ScratchDir::new("audit");
@@ -53,7 +53,7 @@ fn dense_pairs_get_rank_from_shapes_and_scale_from_patterns() {
         (v.layer, v.module, v.rank, v.scale),
         (1, LoraModule::VProj, 8, 4.0 / 8.0)
     );
-    assert_eq!(report.slot_bytes, pool_slot_bytes(&cfg, 16).unwrap());
+    assert_eq!(report.slot_bytes, lora_layout::pool_slot_bytes(&cfg, 16).unwrap());
     assert_eq!(report.expert_bytes, 0);
 }
 
@@ -845,4 +845,195 @@ fn gpt_oss_gate_up_is_cut_from_interleaved_rows_and_bias_targets_are_refused() {
         report.refused[0]
     );
     assert_eq!(report.experts.len(), e * 3, "the weights' pairs are still placed");
+}
+
+#[test]
+fn a_tensor_parallel_rank_sizes_its_slot_and_a_cut_that_does_not_divide_is_named() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+    let cfg = ModelConfig::from_file(&fixtures.join("config.json")).unwrap();
+    let dir = fixtures.join("rslora");
+    for world in [1, 2, 4] {
+        for placement in lora_layout::Placement::new(0, world).unwrap().ranks() {
+            let opts = LoraOptions {
+                placement,
+                ..LoraOptions::default()
+            };
+            let report = audit_adapter(&dir, &cfg, &opts).unwrap();
+            assert!(report.is_servable());
+            let layout = SlotLayout::with_placement(&cfg, opts.max_rank, placement).unwrap();
+            assert_eq!(report.slot_bytes, layout.slot_bytes());
+        }
+    }
+    // The llama fixture has 4 attention heads: 8 ranks cannot cut them.
+    let opts = LoraOptions {
+        placement: lora_layout::Placement::new(5, 8).unwrap(),
+        ..LoraOptions::default()
+    };
+    let err = audit_adapter(&dir, &cfg, &opts).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            AuditError::Layout(lora_layout::LayoutError::Placement(
+                lora_layout::PlacementError::Indivisible {
+                    dimension: "num_attention_heads",
+                    size: 4,
+                    tp_world: 8,
+                    ..
+                }
+            ))
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("num_attention_heads"), "{err}");
+}
+
+const EMBED_A: &str = "base_model.model.model.embed_tokens.lora_embedding_A";
+const EMBED_B: &str = "base_model.model.model.embed_tokens.lora_embedding_B";
+const EMBED_COPY: &str = "base_model.model.model.embed_tokens.base_layer.weight";
+
+fn embedding_on() -> LoraOptions {
+    LoraOptions {
+        embedding_lora: true,
+        ..LoraOptions::default()
+    }
+}
+
+#[test]
+fn embedding_lora_is_placed_with_peft_scaling() {
+    let cfg = test_support::llama(false);
+    let tensors = [
+        zeros(EMBED_A, &[4, 256]),
+        zeros(EMBED_B, &[64, 4]),
+        zeros(EMBED_COPY, &[256, 64]),
+    ];
+    let report = tokens(r#"{"r": 4, "lora_alpha": 8}"#, &tensors, &cfg, &embedding_on());
+    assert!(report.is_servable(), "{:?}", report.refused);
+    let e = report.embedding.as_ref().unwrap();
+    assert_eq!(
+        (e.rank, e.scale, e.a_key.as_str(), e.b_key.as_str()),
+        (4, 2.0, EMBED_A, EMBED_B)
+    );
+    assert_eq!(
+        report.overlay.tensors.embed.base_table(),
+        Some(EMBED_COPY),
+        "the saved base copy is a full table"
+    );
+    assert!(report.served_tensors().contains(EMBED_A) && report.served_tensors().contains(EMBED_B));
+    let with_place = embedding_on().slot_layout(&cfg).unwrap().slot_bytes();
+    assert_eq!(report.slot_bytes, with_place);
+    assert!(with_place > lora_layout::pool_slot_bytes(&cfg, 16).unwrap());
+    // rsLoRA, then an alpha_pattern keyed by the module path.
+    let rs = tokens(
+        r#"{"r": 4, "lora_alpha": 8, "use_rslora": true}"#,
+        &tensors,
+        &cfg,
+        &embedding_on(),
+    );
+    assert_eq!(rs.embedding.unwrap().scale, 4.0);
+    let pattern = tokens(
+        r#"{"r": 4, "lora_alpha": 8, "alpha_pattern": {"embed_tokens": 2}}"#,
+        &tensors,
+        &cfg,
+        &embedding_on(),
+    );
+    assert_eq!(pattern.embedding.unwrap().scale, 0.5);
+    let ranked = tokens(
+        r#"{"r": 8, "rank_pattern": {"model.embed_tokens": 4}}"#,
+        &tensors,
+        &cfg,
+        &embedding_on(),
+    );
+    assert!(ranked.is_servable(), "{:?}", ranked.refused);
+}
+
+#[test]
+fn embedding_lora_refusals_name_the_tensor() {
+    let cfg = test_support::llama(false);
+    let pair = [zeros(EMBED_A, &[4, 256]), zeros(EMBED_B, &[64, 4])];
+    let off = tokens(r#"{"r": 4}"#, &pair, &cfg, &LoraOptions::default());
+    assert_eq!(codes(&off), [RejectCode::EmbeddingLoraDisabled]);
+    assert_eq!(off.refused[0].subject, EMBED_A);
+    let tied = tokens(r#"{"r": 4}"#, &pair, &test_support::llama(true), &embedding_on());
+    assert_eq!(codes(&tied), [RejectCode::EmbeddingLora]);
+    let mut with_tokens = pair.to_vec();
+    with_tokens.push(zeros(EMBED_DELTA, &[1, 64]));
+    let both = tokens(
+        r#"{"r": 4, "trainable_token_indices": [3]}"#,
+        &with_tokens,
+        &cfg,
+        &embedding_on(),
+    );
+    assert_eq!(codes(&both), [RejectCode::EmbeddingLora]);
+    let cases: &[(&str, Vec<RawTensor>, RejectCode)] = &[
+        (r#"{"r": 4}"#, vec![zeros(EMBED_A, &[4, 256])], RejectCode::Unpaired),
+        (
+            r#"{"r": 4}"#,
+            vec![zeros(EMBED_A, &[4, 255]), zeros(EMBED_B, &[64, 4])],
+            RejectCode::Shape,
+        ),
+        (
+            r#"{"r": 4}"#,
+            vec![zeros(EMBED_A, &[4, 256]), zeros(EMBED_B, &[64, 3])],
+            RejectCode::Shape,
+        ),
+        (r#"{"r": 8}"#, pair.to_vec(), RejectCode::RankMismatch),
+        (
+            r#"{"r": 32}"#,
+            vec![zeros(EMBED_A, &[32, 256]), zeros(EMBED_B, &[64, 32])],
+            RejectCode::RankExceedsMax,
+        ),
+    ];
+    for (config, tensors, code) in cases {
+        let report = tokens(config, tensors, &cfg, &embedding_on());
+        assert_eq!(codes(&report), [*code], "{config}");
+        assert!(report.embedding.is_none());
+    }
+}
+
+/// DoRA on the input embedding is refused on a pool with both the DoRA
+/// rescale and the embedding place (never served as a plain pair): the
+/// rescale covers dense projections only. The two options are otherwise
+/// independent: a plain embedding pair is placed on a DoRA pool.
+#[test]
+fn dora_on_the_input_embedding_is_refused_with_both_options_on() {
+    let cfg = test_support::llama(false);
+    let both = LoraOptions {
+        dora: true,
+        ..embedding_on()
+    };
+    let magnitude = "base_model.model.model.embed_tokens.lora_magnitude_vector";
+    let pair = [zeros(EMBED_A, &[4, 256]), zeros(EMBED_B, &[64, 4])];
+    let with_m = [pair[0].clone(), pair[1].clone(), zeros(magnitude, &[256])];
+    for tensors in [&pair[..], &with_m[..]] {
+        let report = tokens(r#"{"r": 4, "use_dora": true}"#, tensors, &cfg, &both);
+        assert!(!report.is_servable(), "{} tensors", tensors.len());
+        assert!(report.embedding.is_none());
+        assert!(codes(&report).contains(&RejectCode::Dora), "{:?}", report.refused);
+    }
+    let plain = tokens(r#"{"r": 4}"#, &pair, &cfg, &both);
+    assert!(plain.is_servable(), "{:?}", plain.refused);
+    assert!(plain.embedding.is_some());
+}
+
+#[test]
+fn a_tensor_parallel_rank_places_the_embedding_pair_whole() {
+    let cfg = test_support::llama(false);
+    let tensors = [zeros(EMBED_A, &[4, 256]), zeros(EMBED_B, &[64, 4])];
+    for world in [1, 2, 4] {
+        for placement in lora_layout::Placement::new(0, world).unwrap().ranks() {
+            let opts = LoraOptions {
+                placement,
+                ..embedding_on()
+            };
+            let report = tokens(r#"{"r": 4, "lora_alpha": 8}"#, &tensors, &cfg, &opts);
+            assert!(report.is_servable(), "{:?}", report.refused);
+            let e = report.embedding.as_ref().unwrap();
+            assert_eq!((e.rank, e.scale), (4, 2.0));
+            // The rank's dense shards, then the whole embedding pair.
+            let dense = SlotLayout::with_placement(&cfg, opts.max_rank, placement).unwrap();
+            let whole_pair = lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, opts.max_rank).unwrap();
+            assert_eq!(report.slot_bytes, dense.slot_bytes() + whole_pair);
+            assert_eq!(report.slot_bytes, opts.slot_layout(&cfg).unwrap().slot_bytes());
+        }
+    }
 }

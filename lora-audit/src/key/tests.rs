@@ -231,7 +231,7 @@ fn non_pair_tensors_get_their_own_codes() {
             RejectCode::Bias,
         ),
         (
-            "base_model.model.model.embed_tokens.lora_embedding_A",
+            "base_model.model.model.vision_embed.lora_embedding_A",
             RejectCode::EmbeddingLora,
         ),
         (

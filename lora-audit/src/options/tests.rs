@@ -101,12 +101,23 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         allow_partial: true,
         experts: false,
         dora: true,
+        embedding_lora: true,
+        ..AuditArgs::default()
     };
     let o = env.clone().with_args(args).unwrap();
     assert_eq!(
-        (o.max_rank, o.expert_rank, o.allow_partial, o.experts, o.dora),
-        (8, 4, true, true, true)
+        (
+            o.max_rank,
+            o.expert_rank,
+            o.allow_partial,
+            o.experts,
+            o.dora,
+            o.embedding_lora
+        ),
+        (8, 4, true, true, true, true)
     );
+    assert!(!env.embedding_lora);
+    assert!(opts(&[("LORA_EMBEDDING_LORA", "1")]).unwrap().embedding_lora);
     for args in [
         AuditArgs {
             max_rank: Some(0),
@@ -120,4 +131,92 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         let err = env.clone().with_args(args).unwrap_err();
         assert!(err.to_string().contains("must be at least 1"), "{err}");
     }
+}
+
+#[test]
+fn the_tensor_parallel_placement_is_read_and_checked() {
+    let o = opts(&[("LORA_TP_RANK", "3"), ("LORA_TP_WORLD", "4")]).unwrap();
+    assert_eq!(o.placement, lora_layout::Placement::new(3, 4).unwrap());
+    assert_eq!(opts(&[]).unwrap().placement, lora_layout::Placement::SINGLE);
+    let err = opts(&[("LORA_TP_RANK", "4"), ("LORA_TP_WORLD", "4")]).unwrap_err();
+    assert_eq!((err.variable, err.value.as_str()), ("LORA_TP_RANK", "4"));
+    let err = opts(&[("LORA_TP_WORLD", "0")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_TP_WORLD");
+    let err = opts(&[("LORA_TP_RANK", "1")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_TP_RANK");
+}
+
+#[test]
+fn the_expert_parallel_placement_is_read_and_checked() {
+    let o = opts(&[
+        ("LORA_TP_RANK", "1"),
+        ("LORA_TP_WORLD", "2"),
+        ("LORA_EP_RANK", "2"),
+        ("LORA_EP_WORLD", "4"),
+    ])
+    .unwrap();
+    let want = lora_layout::Placement::new(1, 2).unwrap().with_experts(2, 4).unwrap();
+    assert_eq!(o.placement, want);
+    assert_eq!((o.placement.ep_rank(), o.placement.ep_world()), (2, 4));
+    let err = opts(&[("LORA_EP_RANK", "4"), ("LORA_EP_WORLD", "4")]).unwrap_err();
+    assert_eq!((err.variable, err.value.as_str()), ("LORA_EP_RANK", "4"));
+    let err = opts(&[("LORA_EP_WORLD", "0")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_EP_WORLD");
+    let err = opts(&[("LORA_EP_RANK", "1")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_EP_RANK");
+}
+
+#[test]
+fn audit_args_replace_the_placement() {
+    let env = opts(&[("LORA_TP_RANK", "1"), ("LORA_TP_WORLD", "2")]).unwrap();
+    let args = AuditArgs {
+        ep_rank: Some(3),
+        ep_world: Some(4),
+        ..AuditArgs::default()
+    };
+    let o = env.clone().with_args(args).unwrap();
+    let want = lora_layout::Placement::new(1, 2).unwrap().with_experts(3, 4).unwrap();
+    assert_eq!(o.placement, want);
+    let args = AuditArgs {
+        tp_rank: Some(2),
+        ..AuditArgs::default()
+    };
+    let err = env.clone().with_args(args).unwrap_err();
+    assert_eq!((err.variable, err.value.as_str()), ("tp_rank", "2"));
+    let args = AuditArgs {
+        ep_world: Some(0),
+        ..AuditArgs::default()
+    };
+    assert_eq!(env.with_args(args).unwrap_err().variable, "ep_world");
+}
+
+#[test]
+fn dora_is_refused_on_a_placed_pool() {
+    for (var, world) in [("LORA_TP_WORLD", "2"), ("LORA_EP_WORLD", "4")] {
+        let err = opts(&[("LORA_DORA", "1"), (var, world)]).unwrap_err();
+        assert_eq!(err.variable, "LORA_DORA", "{var}");
+        assert!(err.reason.contains("parallelism"), "{err}");
+    }
+    // Either alone is fine; DoRA and the embedding place together too.
+    assert!(opts(&[("LORA_DORA", "1"), ("LORA_EMBEDDING_LORA", "1")]).unwrap().dora);
+    assert!(opts(&[("LORA_TP_WORLD", "2")]).is_ok());
+    let env = opts(&[("LORA_DORA", "1")]).unwrap();
+    for args in [
+        AuditArgs {
+            tp_world: Some(2),
+            ..AuditArgs::default()
+        },
+        AuditArgs {
+            ep_world: Some(2),
+            ..AuditArgs::default()
+        },
+    ] {
+        assert_eq!(env.clone().with_args(args).unwrap_err().variable, "dora");
+    }
+    let placed = opts(&[("LORA_TP_WORLD", "2")]).unwrap();
+    let args = AuditArgs {
+        dora: true,
+        ..AuditArgs::default()
+    };
+    assert_eq!(placed.with_args(args).unwrap_err().variable, "dora");
 }

@@ -81,13 +81,31 @@ fn each_role_is_set_at_most_once() {
 }
 
 #[test]
-fn embedding_lora_is_the_pending_overlay() {
+fn embedding_lora_tensors_take_their_roles() {
     let mut t = OverlayTensors::default();
-    assert!(reject_pending_overlay(&t).is_ok());
-    let key = "base_model.model.model.embed_tokens.lora_embedding_A";
-    t.insert(key, classify_overlay_key(key).unwrap()).unwrap();
-    let r = reject_pending_overlay(&t).unwrap_err();
-    assert_eq!((r.code, r.subject.as_str()), (RejectCode::EmbeddingLora, key));
+    for key in [
+        "base_model.model.model.embed_tokens.lora_embedding_A",
+        "base_model.model.model.embed_tokens.lora_embedding_B",
+        "base_model.model.model.embed_tokens.base_layer.weight",
+    ] {
+        t.insert(key, classify_overlay_key(key).unwrap()).unwrap();
+    }
+    assert_eq!(
+        t.embed.lora_a.as_deref(),
+        Some("base_model.model.model.embed_tokens.lora_embedding_A")
+    );
+    assert_eq!(
+        t.embed.lora_b.as_deref(),
+        Some("base_model.model.model.embed_tokens.lora_embedding_B")
+    );
+    // The saved base copy is the table's full copy, like a modules_to_save table.
+    assert_eq!(
+        t.embed.base_table(),
+        Some("base_model.model.model.embed_tokens.base_layer.weight")
+    );
+    let table = "base_model.model.model.embed_tokens.weight";
+    let dup = t.insert(table, classify_overlay_key(table).unwrap()).unwrap_err();
+    assert_eq!(dup.code, RejectCode::DuplicateTensor);
 }
 
 #[test]

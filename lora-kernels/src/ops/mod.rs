@@ -8,6 +8,8 @@
 //!   one pass after the expand.
 //! - [`moe_index`]: routed-expert entry-index builders.
 //! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
+//! - [`embed_lora`]: LoRA on the input embedding (a gather of A's token
+//!   column, an expand by B, per row's slot).
 //! - [`limits`]: what the launch planners read of a device ([`limits::DeviceLimits`])
 //!   and how a caller picks a plan ([`limits::Choice`]).
 //! - [`launch_floor`]: an empty launch, the floor a benchmark's timing method sets.
@@ -23,6 +25,7 @@
 
 pub mod bgmv;
 pub mod dora;
+pub mod embed_lora;
 #[cfg(test)]
 mod golden;
 pub mod launch_floor;

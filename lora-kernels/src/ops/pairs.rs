@@ -163,6 +163,16 @@ impl<'a> PairResolver<'a> {
 }
 
 impl HostPair {
+    /// `delta[o] = scale * sum_k B[o, k] * A[k, col]` (A `[rank, in_dim]`):
+    /// the pair applied to the one-hot input `col`, f32 accumulation.
+    pub(crate) fn column_delta(&self, col: usize, in_dim: usize, delta: &mut [f32]) {
+        let a: Vec<f32> = (0..self.rank).map(|k| self.a[k * in_dim + col]).collect();
+        for (o, d) in delta.iter_mut().enumerate() {
+            let brow = &self.b[o * self.rank..(o + 1) * self.rank];
+            *d = self.scale * brow.iter().zip(&a).fold(0f32, |acc, (b, a)| acc + b * a);
+        }
+    }
+
     /// `delta[o] = scale * sum_k B[o, k] * (sum_i A[k, i] * x[i])`, f32 accumulation.
     pub(crate) fn delta(&self, x: &[f32], delta: &mut [f32]) {
         let in_dim = x.len();

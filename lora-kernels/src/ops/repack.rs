@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use crate::buffer::{DeviceBuffer, check_range};
 use crate::cuda_rt::{Family, Kernel, Launch};
-use crate::device::{Backend, Device};
+use crate::device::{Backend, Device, Lane};
 use crate::error::{KernelError, invalid};
 use crate::ops::to_u32;
 
@@ -142,7 +142,7 @@ pub fn repack(
     scratch: &mut DeviceBuffer<RepackRegion>,
     dst: &mut DeviceBuffer<bf16>,
 ) -> Result<(), KernelError> {
-    repack_gated(device, src, src_bytes, regions, scratch, None, dst)
+    repack_gated(device, Lane::Compute, src, src_bytes, regions, scratch, None, dst)
 }
 
 /// [`repack`], unless `scan` (queued before it on `hits`, over regions of
@@ -150,6 +150,7 @@ pub fn repack(
 /// left as it was. Nothing waits for the scan: the device skips the writes
 /// itself, so the scan, the repack and the copies before them stay queued
 /// back to back; [`ValueScan::read`] afterwards says which case it was.
+/// It runs on the scan's lane.
 #[allow(clippy::too_many_arguments)]
 pub fn repack_if_finite(
     device: &Device,
@@ -171,6 +172,7 @@ pub fn repack_if_finite(
     check_range("hits", 0, scan.regions + 1, hits.len())?;
     repack_gated(
         device,
+        scan.lane,
         src,
         src_bytes,
         regions,
@@ -180,9 +182,11 @@ pub fn repack_if_finite(
     )
 }
 
-/// [`repack`], gated on the flag word at `gate.1` of `gate.0` when given.
+/// [`repack`] on `lane`, gated on the flag word at `gate.1` of `gate.0` when given.
+#[allow(clippy::too_many_arguments)]
 fn repack_gated(
     device: &Device,
+    lane: Lane,
     src: &DeviceBuffer<bf16>,
     src_bytes: usize,
     regions: &[RepackRegion],
@@ -221,7 +225,7 @@ fn repack_gated(
             })
         }
         Backend::Cuda(c) => {
-            let launch = region_launch(regions, scratch)?;
+            let launch = region_launch(lane, regions, scratch)?;
             let gate = match gate {
                 Some((hits, at)) => hits.addr_at(at)?,
                 None => 0,
@@ -237,7 +241,9 @@ fn repack_gated(
             // `scratch` holds the checked table the kernel reads, and a gate
             // is the address of a word inside `hits` (checked by `addr_at`),
             // which the kernel only reads.
-            unsafe { c.launch(kernel("repack_regions"), launch, &params) }
+            // On the copy lane the caller has ordered the kernel against
+            // compute-stream users of `dst`.
+            unsafe { c.launch_on(lane, kernel("repack_regions"), launch, &params) }
         }
     }
 }
@@ -257,6 +263,7 @@ struct ScanParams {
 #[must_use = "a queued scan is only an answer once it is read"]
 pub struct ValueScan {
     regions: usize,
+    lane: Lane,
 }
 
 impl ValueScan {
@@ -269,7 +276,7 @@ impl ValueScan {
     /// for the work queued before it on the device (the copies, the scan,
     /// and a [`repack_if_finite`] gated on it).
     pub fn read(&self, hits: &DeviceBuffer<u64>) -> Result<Vec<Option<u64>>, KernelError> {
-        let found = hits.download_range(0, self.regions)?;
+        let found = hits.download_range_on(self.lane, 0, self.regions)?;
         Ok(found.into_iter().map(|e| (e != u64::MAX).then_some(e)).collect())
     }
 }
@@ -290,15 +297,17 @@ pub fn first_non_finite(
     scratch: &mut DeviceBuffer<RepackRegion>,
     hits: &mut DeviceBuffer<u64>,
 ) -> Result<Vec<Option<u64>>, KernelError> {
-    queue_value_scan(device, src, src_bytes, regions, scratch, hits)?.read(hits)
+    queue_value_scan(device, Lane::Compute, src, src_bytes, regions, scratch, hits)?.read(hits)
 }
 
 /// Queue [`first_non_finite`]'s scan without waiting for it: `hits` (at
 /// least `regions.len() + 1` words) receives per region the first element
 /// not finite (all ones where none is), then a flag word that stays all
 /// ones only if every region is finite — the gate of [`repack_if_finite`].
+/// Queued on `lane`, as are the repack gated on it and the answer's read.
 pub fn queue_value_scan(
     device: &Device,
+    lane: Lane,
     src: &DeviceBuffer<bf16>,
     src_bytes: usize,
     regions: &[RepackRegion],
@@ -323,7 +332,10 @@ pub fn queue_value_scan(
         };
         work = work.saturating_add(source_only.check(src_bytes, usize::MAX)?);
     }
-    let scan = ValueScan { regions: regions.len() };
+    let scan = ValueScan {
+        regions: regions.len(),
+        lane,
+    };
     match device.backend() {
         Backend::Cpu(_) => {
             let src_alloc = src.cpu_alloc().ok_or_else(|| invalid("src", "not a CPU buffer"))?;
@@ -339,14 +351,14 @@ pub fn queue_value_scan(
                 0
             };
             answers.push(any);
-            hits.write(0, &answers)?;
+            hits.write_on(lane, 0, &answers)?;
         }
         Backend::Cuda(c) => {
-            hits.write(0, &vec![u64::MAX; regions.len() + 1])?;
+            hits.write_on(lane, 0, &vec![u64::MAX; regions.len() + 1])?;
             if regions.is_empty() || work == 0 {
                 return Ok(scan);
             }
-            let launch = region_launch(regions, scratch)?;
+            let launch = region_launch(lane, regions, scratch)?;
             let params = ScanParams {
                 regions: scratch.device_addr(),
                 src: src.device_addr(),
@@ -358,7 +370,7 @@ pub fn queue_value_scan(
             // `src`, `scratch` holds the checked table and `hits` has a word
             // per region plus the flag word `any` points at; the kernel writes
             // `hits` only.
-            unsafe { c.launch(kernel("first_non_finite"), launch, &params)? };
+            unsafe { c.launch_on(lane, kernel("first_non_finite"), launch, &params)? };
         }
     }
     Ok(scan)
@@ -398,11 +410,15 @@ fn kernel(name: &'static str) -> Kernel {
 /// The grid of a per-region launch over `regions` (x: blocks per region,
 /// y: region), with the table written to `scratch`; more regions than a
 /// grid's y extent are refused before `scratch` is touched.
-fn region_launch(regions: &[RepackRegion], scratch: &mut DeviceBuffer<RepackRegion>) -> Result<Launch, KernelError> {
+fn region_launch(
+    lane: Lane,
+    regions: &[RepackRegion],
+    scratch: &mut DeviceBuffer<RepackRegion>,
+) -> Result<Launch, KernelError> {
     if regions.len() > 65_535 {
         return Err(invalid("regions", format!("{} regions; at most 65535", regions.len())));
     }
-    scratch.write(0, regions)?;
+    scratch.write_on(lane, 0, regions)?;
     Ok(Launch {
         grid: (BLOCKS_PER_REGION, to_u32("regions", regions.len())?, 1),
         block: 256,

@@ -113,6 +113,43 @@ proptest! {
     }
 
     #[test]
+    fn the_embedding_place_follows_every_dense_pair(cfg in any_config(), max_rank in 1usize..70) {
+        use crate::{PairKey, PairLayout};
+        let dense = SlotLayout::new(&cfg, max_rank).unwrap();
+        let layout = SlotLayout::with_embedding(&cfg, max_rank).unwrap();
+        prop_assert_eq!(layout.entries(), dense.entries(), "the dense pairs keep their places");
+        prop_assert!(dense.embedding().is_none());
+        prop_assert_eq!(PairLayout::len(&dense), dense.entries().len());
+        // Independently: the embedding pair starts where the dense pairs end
+        // and is A [max_rank, vocab] then B [hidden, max_rank].
+        let before: usize = independent_offsets(&cfg, max_rank)
+            .last()
+            .map_or(0, |&(_, module, _, b)| b + 2 * max_rank * module.dims(&cfg).0);
+        let e = *layout.embedding().unwrap();
+        prop_assert_eq!(e.a_offset, before);
+        prop_assert_eq!(e.b_offset, before + 2 * max_rank * cfg.vocab_size);
+        prop_assert_eq!(layout.slot_bytes(), e.b_offset + 2 * max_rank * cfg.hidden_size, "tiles the slot");
+        // The pair view lists it last, under its key.
+        let last = PairLayout::len(&layout) - 1;
+        prop_assert_eq!(PairLayout::position(&layout, PairKey::Embedding), Some(last));
+        prop_assert_eq!(PairLayout::position(&dense, PairKey::Embedding), None);
+        let place = layout.place(last).unwrap();
+        prop_assert_eq!(place.key, PairKey::Embedding);
+        prop_assert_eq!((place.out_dim, place.in_dim), (cfg.hidden_size, cfg.vocab_size));
+        prop_assert_eq!((place.a_offset, place.b_offset), (e.a_offset, e.b_offset));
+        prop_assert!(layout.place(last + 1).is_none());
+        // Every place of the pair view tiles the slot, in walk order.
+        let mut cursor = 0usize;
+        for i in 0..PairLayout::len(&layout) {
+            let p = layout.place(i).unwrap();
+            prop_assert_eq!(p.a_offset, cursor);
+            prop_assert_eq!(p.b_offset, cursor + 2 * max_rank * p.in_dim);
+            cursor = p.b_offset + 2 * max_rank * p.out_dim;
+        }
+        prop_assert_eq!(cursor, layout.slot_bytes());
+    }
+
+    #[test]
     fn slot_bases_are_multiples_of_the_slot_size(cfg in any_config(), slot in 0usize..64) {
         let bytes = pool_slot_bytes(&cfg, 16).unwrap();
         prop_assert_eq!(slot_base_offset(slot, &cfg, 16).unwrap(), slot * bytes);

@@ -148,6 +148,37 @@ fn dense_adapters_land_byte_for_byte_as_the_disk_pack() {
 }
 
 #[test]
+fn an_embedding_pair_lands_in_the_slots_embedding_place() {
+    let adapter = "embedding_lora_no_table";
+    let store = store("llama", &[adapter], StoreOptions::default());
+    let o = LoraOptions {
+        embedding_lora: true,
+        ..opts(16, 16)
+    };
+    let lander = Lander::new(config("llama"), o.clone()).unwrap();
+    assert!(lander.layout().embedding().is_some());
+    let mut target = HostLanding::new(lander.layout());
+    let landed = lander
+        .land(&mut MemTransport::new(&store), adapter, &mut target)
+        .unwrap();
+    let (dense, _) = packed("llama", adapter, &o);
+    assert!(landed.dense.iter().any(|m| m.key == PairKey::Embedding));
+    assert_eq!(target.dense().as_bytes(), dense.as_bytes());
+    assert_eq!(target.dense().pairs(), dense.pairs(), "ranks and scales");
+    // An engine whose slots have no embedding place refuses it.
+    let without = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    let mut target = HostLanding::new(without.layout());
+    let err = without
+        .land(&mut MemTransport::new(&store), adapter, &mut target)
+        .unwrap_err();
+    assert!(
+        matches!(&err, LandError::Refused(report)
+            if report.refused_codes().contains(&lora_audit::RejectCode::EmbeddingLoraDisabled)),
+        "{err}"
+    );
+}
+
+#[test]
 fn expert_and_router_pairs_land_in_their_own_image() {
     for (model, adapter) in [
         ("qwen3_moe", "experts_fused_router"),
@@ -652,4 +683,22 @@ fn every_tuning_lands_a_large_adapter_over_tcp_as_the_disk_pack() {
     }
     drop((good, corrupt));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_placed_pool_is_refused_peer_landing_by_type() {
+    for placement in [
+        lora_layout::Placement::new(1, 2).unwrap(),
+        lora_layout::Placement::SINGLE.with_experts(0, 2).unwrap(),
+    ] {
+        let o = LoraOptions {
+            placement,
+            ..opts(16, 16)
+        };
+        let err = Lander::new(config("llama"), o).unwrap_err();
+        assert!(
+            matches!(err, LandError::Placed { tp_world, ep_world } if (tp_world, ep_world) == (placement.tp_world(), placement.ep_world())),
+            "{err}"
+        );
+    }
 }

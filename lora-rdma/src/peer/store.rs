@@ -409,6 +409,9 @@ impl PeerStore {
             expert_rank,
             experts: self.options.experts,
             allow_partial: self.options.allow_partial,
+            // The peer stages an embedding pair whatever its own pool does:
+            // the engine's audit decides whether its slots have the place.
+            embedding_lora: true,
             ..LoraOptions::default()
         }
     }

@@ -180,7 +180,7 @@ fn a_gated_repack_over_other_regions_than_the_scan_is_refused() {
     let mut dst = device.alloc_zeros(16).unwrap();
     let one = [region(0, 0, 1, 1, 1, 1)];
     let two = [region(0, 0, 1, 1, 1, 1), region(2, 4, 1, 1, 1, 1)];
-    let scan = queue_value_scan(&device, &src, 16, &one, &mut scratch, &mut hits).unwrap();
+    let scan = queue_value_scan(&device, crate::Lane::Copy, &src, 16, &one, &mut scratch, &mut hits).unwrap();
     let err = repack_if_finite(&device, &scan, &hits, &src, 16, &two, &mut scratch, &mut dst).unwrap_err();
     assert!(err.to_string().contains("value scan covered 1"), "{err}");
 }
