@@ -51,7 +51,8 @@ enum Command {
     Probe {
         #[command(flatten)]
         common: Common,
-        /// Probe inputs: `probe_in::<weight>` and `rows_idx::<table>` tensors.
+        /// Probe inputs: `probe_in::<weight>` and `rows_idx::<table>` tensors (and, for DoRA
+        /// pairs, `base_weight::<weight>` / `base_bias::<weight>`).
         #[arg(long)]
         probes: PathBuf,
         /// Base token tables (`…embed_tokens.weight`, `lm_head.weight`), for `rows_idx::` probes.
@@ -82,6 +83,10 @@ struct Common {
     /// Serve routed-expert and router deltas.
     #[arg(long)]
     experts: bool,
+    /// Serve DoRA adapters (a pool built with LORA_DORA=1; probes of DoRA
+    /// pairs need `base_weight::<weight>` in the probe file).
+    #[arg(long)]
+    dora: bool,
     /// Tensor-parallel rank (default: LORA_TP_RANK, else 0): the slot, and
     /// each probe's output, are the rank's part.
     #[arg(long)]
@@ -112,6 +117,7 @@ impl Common {
             expert_rank: self.expert_rank,
             allow_partial: self.allow_partial,
             experts: self.experts,
+            dora: self.dora,
             tp_rank: self.tp_rank,
             tp_world: self.tp_world,
             ep_rank: self.ep_rank,

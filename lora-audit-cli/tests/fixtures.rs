@@ -14,8 +14,8 @@ use std::process::Command;
 
 use lora_audit::{
     AuditReport, LmHeadMode, LoadedSafetensors, LoraOptions, PROBE_IN, PROBE_OUT, ProbeInputs, ROWS_IDX, ROWS_MERGED,
-    RejectCode, WeightRef, audit_adapter, parse_weight_name, prepare_adapter, probe_adapter, read_base_tables,
-    read_probe_inputs,
+    RejectCode, WeightRef, audit_adapter, parse_weight_name, prepare_adapter, probe_adapter, probe_adapter_at,
+    read_base_tables, read_probe_inputs,
 };
 use lora_layout::{ExpertProj, ExpertSite, LoraModule, ModelConfig};
 
@@ -82,6 +82,7 @@ fn fixture_options() -> LoraOptions {
     LoraOptions {
         max_rank: 16,
         experts: true,
+        dora: true,
         embedding_lora: true,
         ..LoraOptions::default()
     }
@@ -398,6 +399,7 @@ fn check_exit_codes() {
             .env_remove("LORA_EXPERTS")
             .env_remove("LORA_MAX_RANK")
             .env_remove("LORA_ALLOW_PARTIAL")
+            .env_remove("LORA_DORA")
             .output()
             .unwrap()
     };
@@ -406,6 +408,7 @@ fn check_exit_codes() {
     let out = run(&refused, &[]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("REJECT[dora]"));
+    assert_eq!(run(&refused, &["--dora"]).status.code(), Some(0), "DoRA on a DoRA pool");
     let partial = fixture("qwen3_next/gdn_in_proj");
     assert_eq!(run(&partial, &["--experts"]).status.code(), Some(1));
     let out = run(&partial, &["--experts", "--allow-partial"]);
@@ -618,6 +621,65 @@ fn probing_a_refused_adapter_exits_1() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
+}
+
+/// DoRA fixtures: refused on a pool without DoRA, servable on one built for
+/// it; their module-output probes equal PEFT's forward closely (the bias
+/// outside the rescale included: qwen2's q/k/v have one), and a probe
+/// without the base weight is refused with the code that says so.
+#[test]
+fn dora_fixtures_follow_peft_module_outputs() {
+    let names = ["llama/dora", "llama/dora_rslora_alpha_pattern", "qwen2/dora_bias_qkv"];
+    let mut biased = 0;
+    for name in names {
+        let f = fixture(name);
+        let cfg = f.cfg();
+        let plain = LoraOptions {
+            dora: false,
+            ..fixture_options()
+        };
+        let report = audit_adapter(&f.dir, &cfg, &plain).unwrap();
+        assert_eq!(report.refused_codes(), BTreeSet::from([RejectCode::Dora]), "{name}");
+        let adapter = prepare_adapter(&f.dir, &cfg, &fixture_options()).unwrap();
+        assert!(adapter.report.is_dora(), "{name}");
+        assert!(adapter.dense.iter().all(|p| p.magnitude.is_some()), "{name}");
+        let oracle = f.oracle().unwrap();
+        let inputs = read_probe_inputs(&oracle).unwrap();
+        assert_eq!(
+            inputs.base.len(),
+            inputs.inputs.len(),
+            "{name}: a base weight per probe"
+        );
+        biased += inputs.base.values().filter(|b| b.bias.is_some()).count();
+        let outputs = probe_adapter(&adapter, &cfg, &inputs, None).unwrap();
+        for (key, shape, want) in oracle_outputs(&oracle) {
+            let got = &outputs.tensors[&key];
+            let err = relative_error(&got.data, &want);
+            // A and B are served in BF16 (2^-9 relative rounding each); PEFT used them in f32.
+            assert!(
+                got.shape == shape && err < 5e-3,
+                "{name}: {key}: relative error {err:.3e}"
+            );
+        }
+        // Under tensor parallelism a DoRA probe is refused, naming DoRA:
+        // its row norm spans the input columns a row-parallel rank lacks.
+        let tp = lora_layout::Placement::new(0, 2).unwrap();
+        match probe_adapter_at(&adapter, &cfg, &inputs, None, tp) {
+            Err(lora_audit::AuditError::Probe { reason, .. }) => assert!(reason.contains("DoRA"), "{name}: {reason}"),
+            other => panic!("{name}: a DoRA probe under tensor parallelism gave {other:?}"),
+        }
+        let mut no_base = inputs.clone();
+        no_base.base.clear();
+        match probe_adapter(&adapter, &cfg, &no_base, None) {
+            Err(lora_audit::AuditError::Refused(report)) => assert!(
+                report.refused_codes().contains(&RejectCode::DoraNeedsBaseWeights),
+                "{name}: {:?}",
+                report.refused
+            ),
+            other => panic!("{name}: a DoRA probe without base weights gave {other:?}"),
+        }
+    }
+    assert!(biased >= 6, "qwen2's q/k/v biases are in the oracle: {biased}");
 }
 
 /// `lora-audit probe --tp-rank R --tp-world W` for every rank: each rank's

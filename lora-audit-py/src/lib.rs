@@ -211,6 +211,7 @@ fn options(
         allow_partial,
         experts,
         embedding_lora,
+        // DoRA follows LORA_DORA here (`dora: false` leaves it as read).
         ..AuditArgs::default()
     };
     LoraOptions::from_env()

@@ -59,6 +59,8 @@ pub fn validate_peft_config(config: &PeftAdapterConfig, cfg: &ModelConfig) -> Ve
 struct Halves {
     a: Option<TensorInfo>,
     b: Option<TensorInfo>,
+    /// DoRA's `lora_magnitude_vector`.
+    m: Option<TensorInfo>,
     module_path: String,
 }
 
@@ -187,7 +189,14 @@ fn audit_parsed(
     opts: &LoraOptions,
 ) -> Result<AuditReport, AuditError> {
     let mut audit = Audit::new(cfg, opts, config);
-    audit.issues.extend(config.refusals());
+    // On a pool built for DoRA, `use_dora` is served: each pair then needs
+    // its magnitude vector (checked where the pair is placed).
+    audit.issues.extend(
+        config
+            .refusals()
+            .into_iter()
+            .filter(|r| !(opts.dora && r.code == RejectCode::Dora)),
+    );
     audit.issues.extend(validate_peft_config(config, cfg));
     if config.peft_type != "LORA" {
         // Another method's tensors mean nothing to a LoRA audit; the
@@ -271,6 +280,30 @@ impl<'a> Audit<'a> {
                 self.shapes.insert(info.name, info.shape);
                 continue;
             }
+            if self.opts.dora
+                && let Some(module) = crate::dora::magnitude_module(&info.name)
+            {
+                // The magnitude names its module as the factors do: classify
+                // the module's own lora_A name to find its pair.
+                match classify_key(&format!("{module}.lora_A.weight"), self.cfg) {
+                    Ok(key) => {
+                        let halves = groups.entry((key.layer, key.target)).or_default();
+                        if let Some(previous) = &halves.m {
+                            let reason =
+                                format!("a second magnitude vector for this pair (first: `{}`)", previous.name);
+                            self.refuse(RejectCode::DuplicateTensor, &info.name, reason);
+                            continue;
+                        }
+                        halves.m = Some(info);
+                        halves.module_path = key.module_path;
+                    }
+                    Err(mut refusal) => {
+                        refusal.subject = info.name;
+                        self.issues.push(refusal);
+                    }
+                }
+                continue;
+            }
             match classify_key(&info.name, self.cfg) {
                 Ok(key) => {
                     let halves = groups.entry((key.layer, key.target)).or_default();
@@ -326,8 +359,19 @@ impl<'a> Audit<'a> {
     }
 
     fn place(&mut self, layer: usize, target: LoraTarget, halves: Halves) {
+        let magnitude = halves.m;
         let (a, b) = match (halves.a, halves.b) {
             (Some(a), Some(b)) => (a, b),
+            (None, None) => {
+                if let Some(m) = magnitude {
+                    self.refuse(
+                        RejectCode::Unpaired,
+                        &m.name,
+                        "a DoRA magnitude vector without its lora_A / lora_B pair",
+                    );
+                }
+                return;
+            }
             (Some(only), None) | (None, Some(only)) => {
                 self.refuse(
                     RejectCode::Unpaired,
@@ -336,8 +380,16 @@ impl<'a> Audit<'a> {
                 );
                 return;
             }
-            (None, None) => return,
         };
+        if self.opts.dora && (self.config.use_dora || magnitude.is_some()) && !matches!(target, LoraTarget::Dense(_)) {
+            let subject = magnitude.as_ref().map_or(&a.name, |m| &m.name);
+            self.refuse(
+                RejectCode::Dora,
+                subject,
+                "DoRA on a routed expert or router: the pool rescales dense projections only",
+            );
+            return;
+        }
         if target.is_expert() {
             self.has_expert_deltas = true;
             if !self.opts.experts {
@@ -378,6 +430,9 @@ impl<'a> Audit<'a> {
                 let Some((rank, scale)) = self.rank_and_scale(&a.name, &path, a_rows, false) else {
                     return;
                 };
+                let Some(magnitude_key) = self.check_magnitude(&a, magnitude, dims.0) else {
+                    return;
+                };
                 self.placed.push(PlacedPair {
                     layer,
                     module,
@@ -385,6 +440,7 @@ impl<'a> Audit<'a> {
                     scale,
                     a_key: a.name,
                     b_key: b.name,
+                    magnitude_key,
                 });
             }
             LoraTarget::Expert { expert, proj } => {
@@ -397,6 +453,45 @@ impl<'a> Audit<'a> {
             }
             // Inner and outer wrappers are separate groups; the shapes say which parameter each adapts.
             LoraTarget::FusedExperts(_) => self.place_fused(layer, a, b, &halves.module_path),
+        }
+    }
+
+    /// A dense pair's DoRA magnitude: `Some(None)` for a plain pair,
+    /// `Some(Some(key))` for a DoRA pair whose magnitude is `[out]`; `None`
+    /// after recording a refusal (a DoRA config without the vector, a
+    /// vector without `use_dora`, a wrong shape).
+    fn check_magnitude(&mut self, a: &TensorInfo, m: Option<TensorInfo>, out: usize) -> Option<Option<String>> {
+        if !self.opts.dora {
+            // `use_dora` and every magnitude key are refused as `REJECT[dora]` already.
+            return Some(None);
+        }
+        match (self.config.use_dora, m) {
+            (false, None) => Some(None),
+            (true, None) => {
+                self.refuse(
+                    RejectCode::Unpaired,
+                    &a.name,
+                    "use_dora is set but this pair has no lora_magnitude_vector",
+                );
+                None
+            }
+            (false, Some(m)) => {
+                self.refuse(
+                    RejectCode::Dora,
+                    &m.name,
+                    "a DoRA magnitude vector in an adapter whose config does not set use_dora",
+                );
+                None
+            }
+            (true, Some(m)) if m.shape != [out] => {
+                self.refuse(
+                    RejectCode::Shape,
+                    &m.name,
+                    format!("shape {:?}; a DoRA magnitude is [out] = [{out}]", m.shape),
+                );
+                None
+            }
+            (true, Some(m)) => Some(Some(m.name)),
         }
     }
 
@@ -680,6 +775,20 @@ impl<'a> Audit<'a> {
                 "LoRA on the input embedding, and the pool has no embedding place (set LORA_EMBEDDING_LORA=1 or \
                  --embedding-lora)",
             );
+            return;
+        }
+        if self.config.use_dora {
+            // PEFT's `DoraEmbeddingLayer` rescales the lookup by
+            // `m / ‖W + s·(A B)^T‖`; the pool's rescale covers the dense
+            // projections only. (Off a DoRA pool `use_dora` is refused
+            // already; on one it must not serve the pair as plain LoRA.)
+            if self.opts.dora {
+                self.refuse(
+                    RejectCode::Dora,
+                    a,
+                    "DoRA on the input embedding: the pool rescales dense projections only",
+                );
+            }
             return;
         }
         if self.cfg.tie_word_embeddings {

@@ -18,8 +18,14 @@ pub enum RejectCode {
     PeftType,
     /// The weights are a pickle (`adapter_model.bin`), which is never read.
     Pickle,
-    /// DoRA (`use_dora`, `lora_magnitude_vector`): needs base-weight norms.
+    /// DoRA (`use_dora`, `lora_magnitude_vector`) on a pool not built for
+    /// it ([`LoraOptions::dora`](crate::LoraOptions::dora) off), or on a
+    /// site the pool serves no DoRA for (routed experts, routers).
     Dora,
+    /// A DoRA adapter offered to a pool that was given no base weights: the
+    /// magnitude rescale `m / ‖W + s·B A‖` needs each adapted projection's
+    /// base weight.
+    DoraNeedsBaseWeights,
     /// `lora_bias` / `lora_B.bias`: the pool has no bias space.
     LoraBias,
     /// Absolute base biases saved by `bias != "none"`.
@@ -107,10 +113,11 @@ pub enum RejectCode {
 
 impl RejectCode {
     /// Every code, in declaration order.
-    pub const ALL: [RejectCode; 35] = [
+    pub const ALL: [RejectCode; 36] = [
         RejectCode::PeftType,
         RejectCode::Pickle,
         RejectCode::Dora,
+        RejectCode::DoraNeedsBaseWeights,
         RejectCode::LoraBias,
         RejectCode::Bias,
         RejectCode::InitMutatesBase,
@@ -151,6 +158,7 @@ impl RejectCode {
             RejectCode::PeftType => "REJECT[peft-type]",
             RejectCode::Pickle => "REJECT[pickle]",
             RejectCode::Dora => "REJECT[dora]",
+            RejectCode::DoraNeedsBaseWeights => "REJECT[dora-needs-base-weights]",
             RejectCode::LoraBias => "REJECT[lora-bias]",
             RejectCode::Bias => "REJECT[bias]",
             RejectCode::InitMutatesBase => "REJECT[init-mutates-base]",

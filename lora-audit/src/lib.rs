@@ -76,7 +76,8 @@
 //! |---|---|---|
 //! | `REJECT[peft-type]` | `peft_type` is not `LORA` | |
 //! | `REJECT[pickle]` | `adapter_model.bin`: a pickle is never read | |
-//! | `REJECT[dora]` | DoRA: needs base-weight norms | |
+//! | `REJECT[dora]` | DoRA on a pool not built for it (`LORA_DORA`), or on an expert / router | |
+//! | `REJECT[dora-needs-base-weights]` | DoRA offered to a pool (or probe) without the base weights | |
 //! | `REJECT[lora-bias]` | `lora_bias` / `lora_B.bias`: no bias space | |
 //! | `REJECT[bias]` | absolute base biases saved by `bias != "none"` | |
 //! | `REJECT[init-mutates-base]` | PiSSA / OLoRA / CorDA / LoftQ / LoRA-GA or unknown init | |
@@ -128,6 +129,7 @@
 //! ```
 
 mod audit;
+pub mod dora;
 mod error;
 pub mod families;
 mod key;
@@ -163,9 +165,10 @@ pub use peft_config::{
 };
 pub use prepare::{HostEmbeddingPair, HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
 pub use probe::{
-    BaseTables, FusedParam, MAX_PROBE_OUTPUT_BYTES, Oracle, PROBE_IN, PROBE_OUT, PairShape, ProbeInputs, ProbeOutputs,
-    ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, probe_adapter_at,
-    probe_files, probe_files_at, read_base_tables, read_oracle, read_probe_inputs, write_probe_outputs,
+    BASE_BIAS, BASE_WEIGHT, BaseTables, FusedParam, MAX_PROBE_OUTPUT_BYTES, Oracle, PROBE_IN, PROBE_OUT, PairShape,
+    ProbeBase, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name,
+    probe_adapter, probe_adapter_at, probe_files, probe_files_at, read_base_tables, read_oracle, read_probe_inputs,
+    write_probe_outputs,
 };
 pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedEmbedding, PlacedExpertPair, PlacedPair};
 pub use tensors::{

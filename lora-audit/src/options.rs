@@ -40,6 +40,13 @@ pub struct LoraOptions {
     /// promotion of an adapter held there is one copy, with no read, audit
     /// or parse.
     pub host_tier_bytes: usize,
+    /// Serve DoRA adapters (`LORA_DORA`). On, the pool holds a per-slot
+    /// magnitude rescale (`g`, f32 per adapted output row) beside the slots
+    /// and needs the engine's base weights; off, it holds nothing more and
+    /// a DoRA adapter is refused (`REJECT[dora]`). Served with tensor and
+    /// expert world 1 only: with a placement it is an [`OptionsError`]
+    /// (the rescale's row norm spans every rank's input columns).
+    pub dora: bool,
     /// The tensor-parallel rank this process serves (`LORA_TP_RANK`,
     /// default 0, of `LORA_TP_WORLD`, default 1): its pool holds only the
     /// rank's shard of each pair ([`lora_layout::ModuleShard`]); and its
@@ -75,6 +82,7 @@ impl Default for LoraOptions {
             rotatable: false,
             peer: None,
             host_tier_bytes: 0,
+            dora: false,
             placement: Placement::SINGLE,
             embedding_lora: false,
         }
@@ -93,6 +101,8 @@ pub struct AuditArgs {
     pub allow_partial: bool,
     /// Turns [`LoraOptions::experts`] on.
     pub experts: bool,
+    /// Turns [`LoraOptions::dora`] on.
+    pub dora: bool,
     /// Replaces the tensor-parallel rank of [`LoraOptions::placement`].
     pub tp_rank: Option<usize>,
     /// Replaces the tensor-parallel world size (at least 1).
@@ -141,9 +151,27 @@ impl LoraOptions {
         self.expert_rank = args.expert_rank.unwrap_or(self.expert_rank);
         self.allow_partial |= args.allow_partial;
         self.experts |= args.experts;
+        self.dora |= args.dora;
         self.placement = placement_over(self.placement, args)?;
         self.embedding_lora |= args.embedding_lora;
+        self.dora_unplaced("dora")?;
         Ok(self)
+    }
+
+    /// DoRA is served on an unplaced pool only (tensor and expert world 1):
+    /// its rescale divides by the norm of each whole weight row
+    /// `‖W + s·B A‖`, whose input columns a row-parallel rank does not hold,
+    /// and the per-rank rescale is not built. `variable` names the switch
+    /// in the refusal.
+    fn dora_unplaced(&self, variable: &'static str) -> Result<(), OptionsError> {
+        if self.dora && (self.placement.tp_world() > 1 || self.placement.ep_world() > 1) {
+            return Err(OptionsError {
+                variable,
+                value: "1".to_string(),
+                reason: "DoRA is not served under tensor or expert parallelism (tp_world or ep_world above 1)",
+            });
+        }
+        Ok(())
     }
 
     /// The slot layout of a pool built with these options for `cfg`: the
@@ -228,7 +256,7 @@ impl LoraOptions {
                 reason: "must be below LORA_EP_WORLD",
             },
         })?;
-        Ok(LoraOptions {
+        let options = LoraOptions {
             max_loras,
             max_rank: number("LORA_MAX_RANK", defaults.max_rank, 1)?,
             pinned,
@@ -240,9 +268,12 @@ impl LoraOptions {
             rotatable: flag("LORA_ROTATE") || peer.is_some(),
             peer,
             host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
+            dora: flag("LORA_DORA"),
             placement,
             embedding_lora: flag("LORA_EMBEDDING_LORA"),
-        })
+        };
+        options.dora_unplaced("LORA_DORA")?;
+        Ok(options)
     }
 }
 

@@ -214,7 +214,7 @@ impl PeftAdapterConfig {
             refuse(
                 RejectCode::Dora,
                 "use_dora",
-                "DoRA rescales by the base weight's column norms, which the pool does not hold".into(),
+                "DoRA rescales each output row by the magnitude over the adapted weight's row norm; this pool is not built for it (LoraOptions::dora, LORA_DORA=1, --dora)".into(),
             );
         }
         if self.lora_bias {

@@ -36,6 +36,9 @@ pub struct HostPair {
     pub a: Vec<bf16>,
     /// B, `[out, rank]` row-major.
     pub b: Vec<bf16>,
+    /// DoRA: the magnitude `m [out]` as saved (f32, never rounded to BF16);
+    /// `None` for a plain pair.
+    pub magnitude: Option<Vec<f32>>,
 }
 
 /// An expert or router pair on the host: `y += scale · B (A x)`.
@@ -167,6 +170,11 @@ pub fn prepare_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Res
                 scale: p.scale,
                 a: tensor(&tensors, &p.a_key)?.data.clone(),
                 b: tensor(&tensors, &p.b_key)?.data.clone(),
+                magnitude: p
+                    .magnitude_key
+                    .as_ref()
+                    .map(|key| crate::tensors::load_f32(&mapped, key).map(|(_, data)| data))
+                    .transpose()?,
             })
         })
         .collect::<Result<Vec<_>, AuditError>>()?;

@@ -8,6 +8,14 @@
 //! (`[n, out]`; for a transformers 5.x fused expert parameter `[E, n, out]`)
 //! and `rows_merged::<table>` (`[ids, hidden]`, the served rows). This is how
 //! users check an adapter against PEFT's merged weights, and how the tests do.
+//!
+//! A DoRA pair's probe is a *module-output* probe: its output depends on
+//! `W x`, so the probe file also gives the projection's base weight
+//! (`base_weight::<weight>`, `[out, in]`) and bias (`base_bias::<weight>`,
+//! `[out]`, when it has one), and `probe_out::<weight>` is PEFT's DoRA
+//! module output minus the base module's output,
+//! `g ⊙ (W x + s·B A x) + b − (W x + b)` ([`crate::dora`]). Without the base
+//! weight the adapter is refused, `REJECT[dora-needs-base-weights]`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -33,6 +41,10 @@ pub const PROBE_OUT: &str = "probe_out::";
 pub const ROWS_IDX: &str = "rows_idx::";
 /// Prefix of served table rows.
 pub const ROWS_MERGED: &str = "rows_merged::";
+/// Prefix of a base projection's weight `[out, in]` (DoRA probes).
+pub const BASE_WEIGHT: &str = "base_weight::";
+/// Prefix of a base projection's bias `[out]` (DoRA probes).
+pub const BASE_BIAS: &str = "base_bias::";
 
 /// A transformers 5.x fused experts parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,7 +139,7 @@ pub fn parse_weight_name(name: &str, cfg: &ModelConfig) -> Result<WeightRef, Aud
 }
 
 /// A probe tensor: shape and row-major values.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ProbeTensor {
     /// The shape.
     pub shape: Vec<usize>,
@@ -142,6 +154,18 @@ pub struct ProbeInputs {
     pub inputs: BTreeMap<String, ProbeTensor>,
     /// `rows_idx::<table>` by table name.
     pub rows: BTreeMap<String, Vec<i64>>,
+    /// `base_weight::<weight>` by weight name: what a DoRA pair's probe
+    /// needs (with `base_bias::<weight>` when the projection has a bias).
+    pub base: BTreeMap<String, ProbeBase>,
+}
+
+/// A base projection given with the probes (DoRA).
+#[derive(Debug, Clone, Default)]
+pub struct ProbeBase {
+    /// `base_weight::<weight>`, `[out, in]`.
+    pub weight: ProbeTensor,
+    /// `base_bias::<weight>`, `[out]`.
+    pub bias: Option<ProbeTensor>,
 }
 
 /// Read a probe file; keys with other prefixes are ignored, and a file with
@@ -167,6 +191,12 @@ fn probe_tensors(path: &Path) -> Result<ProbeInputs, AuditError> {
         } else if let Some(table) = info.name.strip_prefix(ROWS_IDX) {
             let (_, ids) = load_i64(&mapped, &info.name)?;
             out.rows.insert(table.to_string(), ids);
+        } else if let Some(weight) = info.name.strip_prefix(BASE_WEIGHT) {
+            let (shape, data) = load_f32(&mapped, &info.name)?;
+            out.base.entry(weight.to_string()).or_default().weight = ProbeTensor { shape, data };
+        } else if let Some(weight) = info.name.strip_prefix(BASE_BIAS) {
+            let (shape, data) = load_f32(&mapped, &info.name)?;
+            out.base.entry(weight.to_string()).or_default().bias = Some(ProbeTensor { shape, data });
         }
     }
     Ok(out)
@@ -371,7 +401,7 @@ fn probe_within(
         });
     }
     for (weight, x) in &inputs.inputs {
-        match probe_weight(adapter, cfg, weight, x, placement, &mut budget)? {
+        match probe_weight(adapter, cfg, weight, x, inputs.base.get(weight), placement, &mut budget)? {
             Some(t) => {
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
@@ -403,6 +433,7 @@ fn probe_weight(
     cfg: &ModelConfig,
     weight: &str,
     x: &ProbeTensor,
+    base: Option<&ProbeBase>,
     placement: Placement,
     budget: &mut OutputBudget,
 ) -> Result<Option<ProbeTensor>, AuditError> {
@@ -479,6 +510,14 @@ fn probe_weight(
         WeightRef::Dense { layer, module } if placement.tp_world() > 1 => {
             let (out, inp) = module.dims(cfg);
             check_width(inp)?;
+            // DoRA's row norm spans every input column, which a row-parallel
+            // rank does not hold: not served under tensor parallelism.
+            if adapter.dense_pair(layer, module).is_some_and(|p| p.magnitude.is_some()) {
+                return Err(bad(format!(
+                    "DoRA has no tensor-parallel placement (tp_world {})",
+                    placement.tp_world()
+                )));
+            }
             let shard =
                 ModuleShard::of(module, cfg, placement).map_err(|e| AuditError::Layout(LayoutError::from(e)))?;
             let (out_r, in_r) = shard.dims();
@@ -529,9 +568,18 @@ fn probe_weight(
         WeightRef::Dense { layer, module } => {
             let (out, inp) = module.dims(cfg);
             check_width(inp)?;
+            let mut data = pair_out(budget, dense(layer, module), (out, inp))?;
+            if let Some(pair) = adapter.dense_pair(layer, module)
+                && let Some(m) = &pair.magnitude
+            {
+                dora_probe(adapter, pair, m, base, &x.data, (out, inp), &mut data).map_err(|e| match e {
+                    DoraProbeError::Bad(reason) => bad(reason),
+                    DoraProbeError::Refused(e) => e,
+                })?;
+            }
             ProbeTensor {
                 shape: vec![n, out],
-                data: pair_out(budget, dense(layer, module), (out, inp))?,
+                data,
             }
         }
         WeightRef::Expert { layer, expert: e, proj } => {
@@ -589,6 +637,81 @@ fn probe_weight(
             }
         }
     }))
+}
+
+/// Why a DoRA probe cannot be answered.
+enum DoraProbeError {
+    /// The probe file's fault (a base tensor of the wrong shape).
+    Bad(String),
+    /// The adapter cannot be served this way (no base weight given).
+    Refused(AuditError),
+}
+
+/// A DoRA pair's probe is a module-output probe: PEFT's DoRA module output
+/// minus the base module's output, `g ⊙ (W x + s·B A x) + b − (W x + b)`.
+/// `y` holds the pair's plain delta `s·B A x` on entry and the probe's
+/// answer on return; computed as served: `base + delta`, rescaled by
+/// [`crate::dora::rescale`], minus `base`.
+fn dora_probe(
+    adapter: &PreparedAdapter,
+    pair: &crate::prepare::HostPair,
+    magnitude: &[f32],
+    base: Option<&ProbeBase>,
+    x: &[f32],
+    (out, inp): (usize, usize),
+    y: &mut [f32],
+) -> Result<(), DoraProbeError> {
+    let Some(base) = base else {
+        let mut report = adapter.report.clone();
+        let key = adapter
+            .report
+            .placed
+            .iter()
+            .find(|p| (p.layer, p.module) == (pair.layer, pair.module))
+            .and_then(|p| p.magnitude_key.clone())
+            .unwrap_or_default();
+        report.refuse(crate::error::Refusal::new(
+            RejectCode::DoraNeedsBaseWeights,
+            key,
+            "a DoRA pair's probe needs the projection's base weight (base_weight::<weight> in the probe file)",
+        ));
+        return Err(DoraProbeError::Refused(AuditError::Refused(Box::new(report))));
+    };
+    if base.weight.shape != [out, inp] {
+        return Err(DoraProbeError::Bad(format!(
+            "{BASE_WEIGHT} has shape {:?}; the projection is [{out}, {inp}]",
+            base.weight.shape
+        )));
+    }
+    if let Some(b) = &base.bias
+        && b.shape != [out]
+    {
+        return Err(DoraProbeError::Bad(format!(
+            "{BASE_BIAS} has shape {:?}; the projection's bias is [{out}]",
+            b.shape
+        )));
+    }
+    let shape = crate::dora::DoraShape {
+        out,
+        inp,
+        rank: pair.rank,
+    };
+    let g = crate::dora::row_scale(magnitude, &base.weight.data, &pair.a, &pair.b, shape, pair.scale)
+        .map_err(|e| DoraProbeError::Bad(format!("DoRA rescale: {e}")))?;
+    let w = &base.weight.data;
+    for (row, yr) in y.chunks_exact_mut(out.max(1)).enumerate() {
+        let xr = &x[row * inp..(row + 1) * inp];
+        for (o, v) in yr.iter_mut().enumerate() {
+            let bias = base.bias.as_ref().map_or(0.0, |b| b.data[o]);
+            let wx = w[o * inp..(o + 1) * inp]
+                .iter()
+                .zip(xr)
+                .fold(0f32, |acc, (w, x)| acc + w * x);
+            let served = wx + bias;
+            *v = crate::dora::rescale(served + *v, g[o], bias) - served;
+        }
+    }
+    Ok(())
 }
 
 /// The shape of one pair application: `n` rows of width `inp` through a

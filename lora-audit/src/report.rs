@@ -25,6 +25,9 @@ pub struct PlacedPair {
     pub a_key: String,
     /// The `lora_B` tensor.
     pub b_key: String,
+    /// DoRA: the `lora_magnitude_vector` tensor (`[out]`), served as the
+    /// per-row rescale `m / ‖W + scale · B A‖` ([`crate::dora`]).
+    pub magnitude_key: Option<String>,
 }
 
 /// A LoRA on the input embedding, placed in the slot's embedding place:
@@ -203,6 +206,7 @@ impl AuditReport {
             "servable": self.is_servable(),
             "placed": self.placed.iter().map(|p| json!({
                 "layer": p.layer, "module": p.module.path(cfg.family), "rank": p.rank, "scale": p.scale,
+                "dora": p.magnitude_key.is_some(),
             })).collect::<Vec<_>>(),
             "experts": self.experts.iter().map(|p| json!({
                 "layer": p.layer, "site": site_name(p.site), "rank": p.rank, "scale": p.scale,
@@ -230,6 +234,12 @@ impl AuditReport {
         })
     }
 
+    /// Whether any placed pair is a DoRA pair (it then needs a pool built
+    /// for DoRA and the engine's base weights).
+    pub fn is_dora(&self) -> bool {
+        self.placed.iter().any(|p| p.magnitude_key.is_some())
+    }
+
     /// Whether the adapter can be served: nothing was refused.
     pub fn is_servable(&self) -> bool {
         self.refused.is_empty()
@@ -242,16 +252,20 @@ impl AuditReport {
 
     /// Every tensor this report serves: both factors of each placed dense
     /// and expert / router pair, the trainable-token deltas and the full
-    /// `modules_to_save` tables. These are the tensors whose values must be
+    /// `modules_to_save` tables, DoRA magnitude vectors. These are the tensors whose values must be
     /// checked (see [`first_non_finite`](crate::first_non_finite)) on any
     /// path that serves them without [`prepare_adapter`](crate::prepare_adapter).
     pub fn served_tensors(&self) -> BTreeSet<String> {
         let pairs = self
             .placed
             .iter()
-            .map(|p| (&p.a_key, &p.b_key))
-            .chain(self.embedding.as_ref().map(|e| (&e.a_key, &e.b_key)))
-            .flat_map(|(a, b)| [a.clone(), b.clone()]);
+            .flat_map(|p| [Some(p.a_key.clone()), Some(p.b_key.clone()), p.magnitude_key.clone()])
+            .chain(
+                self.embedding
+                    .iter()
+                    .flat_map(|e| [Some(e.a_key.clone()), Some(e.b_key.clone())]),
+            )
+            .flatten();
         let experts = self.experts.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
         let t = &self.overlay.tensors;
         let overlay = [&t.embed, &t.lm_head]
@@ -288,11 +302,12 @@ impl AuditReport {
             for p in &self.placed {
                 let _ = writeln!(
                     s,
-                    "  {:>5}  {:<32} {:>4}  {:>10.6}",
+                    "  {:>5}  {:<32} {:>4}  {:>10.6}{}",
                     p.layer,
                     p.module.path(cfg.family),
                     p.rank,
-                    p.scale
+                    p.scale,
+                    if p.magnitude_key.is_some() { "  dora" } else { "" }
                 );
             }
         }

@@ -22,6 +22,7 @@ use lora_pool::{DecodeStep, FusedTargets, LoraPool, PrefillStep, RowSlot, Step, 
 
 use crate::error::{BoxError, EngineError};
 use crate::hooks::DeltaHooks;
+use crate::model::{Mlp, Model};
 
 /// The fused targets of the four dense sites, from the model config.
 #[derive(Debug, Clone, Copy)]
@@ -82,6 +83,8 @@ pub(crate) struct StepHooks<'a> {
     pub(crate) step: StepRef<'a>,
     pub(crate) moe: Option<&'a mut MoeLora>,
     pub(crate) targets: DenseTargets,
+    /// The base model, for each dense site's bias (DoRA's split rows).
+    pub(crate) model: &'a Model,
 }
 
 fn hook_err(hook: &'static str) -> impl FnOnce(BoxError) -> EngineError {
@@ -122,6 +125,39 @@ fn apply_split(
     Ok(())
 }
 
+/// [`apply_split`] for a pool that serves DoRA, whose rescale
+/// `y ← g ⊙ (y − b) + b` is affine in y rather than additive: the `hi` half
+/// runs onto `y` (the base output `W x + b`), the `lo` half onto its own
+/// rows that start at the site's bias `b` (`bias`, one output row, zeros
+/// without one), and `y = y_hi + (y_lo − b)`. For a DoRA row that is
+/// `g ⊙ (W x + d_hi) + b + g ⊙ d_lo = g ⊙ (W x + d) + b`, PEFT's output; for
+/// a plain or base row, `y + d` as before.
+fn apply_split_affine(
+    device: &Device,
+    x: &[f32],
+    width: usize,
+    y: &mut [f32],
+    bias: &[f32],
+    mut apply: impl FnMut(Rows<'_, bf16>, &mut DeviceBuffer<f32>) -> Result<(), BoxError>,
+) -> Result<(), BoxError> {
+    if width == 0 || x.is_empty() || bias.is_empty() {
+        return Ok(());
+    }
+    let n = x.len() / width;
+    let (hi, lo) = split(x);
+    let lo_start: Vec<f32> = bias.repeat(y.len() / bias.len());
+    let mut y_hi = device.upload(y)?;
+    let mut y_lo = device.upload(&lo_start)?;
+    let mut x_dev = device.upload(&hi)?;
+    apply(Rows::dense(&x_dev, n, width), &mut y_hi)?;
+    x_dev.write(0, &lo)?;
+    apply(Rows::dense(&x_dev, n, width), &mut y_lo)?;
+    for (((dst, h), l), b) in y.iter_mut().zip(y_hi.download()?).zip(y_lo.download()?).zip(&lo_start) {
+        *dst = h + (l - b);
+    }
+    Ok(())
+}
+
 /// The promise every decode apply of the engine keeps (see `StepHooks::dense`).
 const OVERLAP_PREVIOUS: DecodeOptions = DecodeOptions {
     choice: Choice::Auto,
@@ -129,14 +165,21 @@ const OVERLAP_PREVIOUS: DecodeOptions = DecodeOptions {
 };
 
 impl StepHooks<'_> {
-    fn dense(&self, layer: usize, targets: &FusedTargets, x: &[f32], y: &mut [f32]) -> Result<(), BoxError> {
+    fn dense(
+        &self,
+        layer: usize,
+        targets: &FusedTargets,
+        bias: Option<&[f32]>,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<(), BoxError> {
         let pool = self.pool;
         if y.is_empty() {
             return Ok(());
         }
         let n = y.len() / targets.width();
         let width = x.len() / n.max(1);
-        apply_split(pool.device(), x, width, y, |xr, y_dev| {
+        let apply = |xr: Rows<'_, bf16>, y_dev: &mut DeviceBuffer<f32>| {
             let yr = RowsMut::dense(y_dev, n, targets.width());
             match self.step {
                 // The kernel before every decode apply here is the base
@@ -150,7 +193,21 @@ impl StepHooks<'_> {
                 StepRef::Prefill(s) => pool.apply_prefill(s, layer, targets, xr, yr)?,
             }
             Ok(())
-        })
+        };
+        if pool.options().dora {
+            let zeros = vec![0f32; targets.width()];
+            apply_split_affine(pool.device(), x, width, y, bias.unwrap_or(&zeros), apply)
+        } else {
+            apply_split(pool.device(), x, width, y, apply)
+        }
+    }
+
+    /// The dense MLP's projections of `layer` (none in a routed-expert layer).
+    fn mlp(&self, layer: usize) -> Option<(&crate::projection::Projection, &crate::projection::Projection)> {
+        match &self.model.layers.get(layer)?.mlp {
+            Mlp::Dense { gate_up, down } => Some((gate_up, down)),
+            Mlp::Moe { .. } => None,
+        }
     }
 
     fn step_slots(&self) -> Result<StepSlots<'_>, BoxError> {
@@ -383,19 +440,23 @@ impl DeltaHooks for StepHooks<'_> {
     }
     fn qkv(&mut self, layer: usize, x: &[f32], y: &mut [f32]) -> Result<(), EngineError> {
         let t = self.targets.qkv;
-        self.dense(layer, &t, x, y).map_err(hook_err("qkv"))
+        let bias = self.model.layers.get(layer).and_then(|l| l.qkv.b.as_deref());
+        self.dense(layer, &t, bias, x, y).map_err(hook_err("qkv"))
     }
     fn o(&mut self, layer: usize, x: &[f32], y: &mut [f32]) -> Result<(), EngineError> {
         let t = self.targets.o;
-        self.dense(layer, &t, x, y).map_err(hook_err("o"))
+        let bias = self.model.layers.get(layer).and_then(|l| l.o.b.as_deref());
+        self.dense(layer, &t, bias, x, y).map_err(hook_err("o"))
     }
     fn gate_up(&mut self, layer: usize, x: &[f32], y: &mut [f32]) -> Result<(), EngineError> {
         let t = self.targets.gate_up;
-        self.dense(layer, &t, x, y).map_err(hook_err("gate_up"))
+        let bias = self.mlp(layer).and_then(|(gate_up, _)| gate_up.b.as_deref());
+        self.dense(layer, &t, bias, x, y).map_err(hook_err("gate_up"))
     }
     fn down(&mut self, layer: usize, x: &[f32], y: &mut [f32]) -> Result<(), EngineError> {
         let t = self.targets.down;
-        self.dense(layer, &t, x, y).map_err(hook_err("down"))
+        let bias = self.mlp(layer).and_then(|(_, down)| down.b.as_deref());
+        self.dense(layer, &t, bias, x, y).map_err(hook_err("down"))
     }
     fn router(&mut self, layer: usize, x: &[f32], logits: &mut [f32]) -> Result<(), EngineError> {
         StepHooks::router(self, layer, x, logits).map_err(hook_err("router"))

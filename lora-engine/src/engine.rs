@@ -26,9 +26,10 @@ use lora_kernels::Device;
 use lora_layout::ModelConfig;
 use lora_moe::{MoeCapacity, MoeLora};
 use lora_overlay::{ServedTables, TokenOverlays};
-use lora_pool::{AdapterSource, BatchCapacity, LoraPool, PoolError, PrefillSeq, SlotLease, Step, StepRow};
+use lora_pool::{AdapterSource, BaseWeights, BatchCapacity, LoraPool, PoolError, PrefillSeq, SlotLease, Step, StepRow};
 
 use crate::adapted::{DenseTargets, StepHooks, StepRef};
+use crate::base_weights::ModelBase;
 use crate::collective::Collective;
 use crate::error::EngineError;
 use crate::forward::SeqChunk;
@@ -82,7 +83,8 @@ struct Running {
 /// The reference engine: a base model, a slot pool with token overlays and
 /// MoE folds, and a scheduler.
 pub struct Engine {
-    model: Model,
+    /// Shared with the pool's base weights (DoRA) when the pool serves DoRA.
+    model: Arc<Model>,
     pool: LoraPool<TokenOverlays>,
     moe: Option<MoeLora>,
     targets: DenseTargets,
@@ -161,8 +163,9 @@ impl Engine {
     ///
     /// Errors: a collective of another rank or world
     /// ([`EngineError::Collective`]), a placement that does not divide the
-    /// model ([`EngineError::Placement`]), an MoE model
-    /// ([`EngineError::NotTensorParallel`]), and [`Engine::load`]'s.
+    /// model ([`EngineError::Placement`]), an MoE model or a pool built for
+    /// DoRA (`lora.dora`; [`EngineError::NotTensorParallel`]), and
+    /// [`Engine::load`]'s.
     pub fn load_rank(
         model_dir: &Path,
         adapters: &[AdapterDir],
@@ -172,6 +175,14 @@ impl Engine {
         collective: Arc<dyn Collective>,
     ) -> Result<Engine, EngineError> {
         let p = lora.placement;
+        // DoRA's rescale divides by the norm of each whole weight row,
+        // which a row-parallel rank's shard does not hold.
+        if lora.dora {
+            return Err(EngineError::NotTensorParallel {
+                what: "DoRA adapters (LoraOptions::dora, LORA_DORA): the rescale needs each whole weight row's norm"
+                    .into(),
+            });
+        }
         if (collective.rank(), collective.world()) != (p.tp_rank(), p.tp_world()) {
             return Err(EngineError::Collective(format!(
                 "a collective of rank {} of {} for tensor-parallel rank {} of {}",
@@ -197,6 +208,7 @@ impl Engine {
         lora: LoraOptions,
         opts: EngineOptions,
     ) -> Result<Engine, EngineError> {
+        let model = Arc::new(model);
         let lora = LoraOptions {
             rotatable: true,
             ..lora
@@ -233,8 +245,16 @@ impl Engine {
             max_rows: opts.max_batch_tokens.max(opts.max_running),
             max_segments: opts.admit_per_step,
         };
+        // A pool built for DoRA gets the model's projections as its base
+        // weights (read when a DoRA adapter is staged).
+        let base: Option<Arc<dyn BaseWeights>> = lora.dora.then(|| {
+            Arc::new(ModelBase {
+                model: Arc::clone(&model),
+                cfg: cfg.clone(),
+            }) as Arc<dyn BaseWeights>
+        });
         let placement = lora.placement;
-        let pool = LoraPool::load_with_companion(device, cfg.clone(), lora, capacity, &sources, overlays)?;
+        let pool = LoraPool::load_with_base_weights(device, cfg.clone(), lora, capacity, &sources, overlays, base)?;
         let moe = match (&cfg.moe, pool.experts()) {
             (Some(m), Some(_)) => Some(MoeLora::new(
                 &pool,
@@ -473,6 +493,7 @@ impl Engine {
             step: StepRef::Prefill(&step),
             moe: self.moe.as_mut(),
             targets: self.targets,
+            model: &self.model,
         };
         let logits = self.model.forward(&chunks, &mut self.caches[first..], &mut hooks)?;
         let vocab = self.model.config().vocab;
@@ -542,6 +563,7 @@ impl Engine {
             step: StepRef::Decode(&step),
             moe: self.moe.as_mut(),
             targets: self.targets,
+            model: &self.model,
         };
         let logits = self.model.forward(&chunks, &mut self.caches, &mut hooks)?;
         let vocab = self.model.config().vocab;

@@ -58,6 +58,7 @@
 
 mod adapted;
 mod answers;
+mod base_weights;
 mod collective;
 mod config;
 mod engine;

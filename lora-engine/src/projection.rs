@@ -107,6 +107,11 @@ impl Projection {
         }
     }
 
+    /// The weight's device copy, when the projection runs on a CUDA device.
+    pub(crate) fn device_weight(&self) -> Option<&DeviceBuffer<f32>> {
+        self.device_w.as_deref()
+    }
+
     /// Run on `device` from now on: a CUDA device gets an f32 copy of the
     /// weight (uploaded here, once); the CPU backend means the host path,
     /// and any device copy is dropped.

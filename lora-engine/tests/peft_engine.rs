@@ -56,6 +56,7 @@ fn options(family: &str, max_loras: usize) -> LoraOptions {
         max_loras,
         max_rank: 16,
         experts: matches!(family, "qwen3_moe" | "mixtral"),
+        dora: family == "qwen2_dora",
         embedding_lora: family == "llama_embed",
         ..LoraOptions::default()
     }
@@ -181,6 +182,32 @@ fn qwen2_batch_matches_peft() {
     serve_family("qwen2");
 }
 
+/// DoRA adapters (every projection, biased q/k/v; rsLoRA with
+/// alpha_pattern) and a plain adapter in one mixed batch with base rows,
+/// on a pool built for DoRA that holds the model's projections.
+#[test]
+fn qwen2_dora_batch_matches_peft() {
+    serve_family("qwen2_dora");
+}
+
+/// An engine whose pool is not built for DoRA refuses a DoRA adapter
+/// before serving anything.
+#[test]
+fn dora_adapters_need_a_pool_built_for_dora() {
+    let family = "qwen2_dora";
+    let mut opts = options(family, 2);
+    opts.dora = false;
+    let err = Engine::load(
+        &family_dir(family).join("model"),
+        &adapters(family),
+        &Device::cpu(),
+        opts,
+        EngineOptions::default(),
+    )
+    .expect_err("a DoRA adapter on a pool without DoRA");
+    assert!(err.to_string().contains("REJECT[dora]"), "{err}");
+}
+
 #[test]
 fn qwen3_tied_batch_matches_peft() {
     serve_family("qwen3");
@@ -214,6 +241,7 @@ fn every_family_matches_peft_on_cuda() {
         "llama_embed",
         "mistral",
         "qwen2",
+        "qwen2_dora",
         "qwen3",
         "qwen3_untied",
         "qwen3_moe",

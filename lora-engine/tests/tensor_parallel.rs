@@ -198,6 +198,28 @@ fn a_tensor_parallel_engine_needs_its_collective_and_a_dense_model() {
     assert!(matches!(err, EngineError::NotTensorParallel { .. }), "{err}");
 }
 
+/// A tensor-parallel rank refuses a pool built for DoRA, naming it: the
+/// rescale divides by the norm of each whole weight row, which a
+/// row-parallel rank's shard does not hold. The one-rank engine serves
+/// the same family (`peft_engine`'s qwen2_dora).
+#[test]
+fn a_tensor_parallel_engine_refuses_dora() {
+    let dir = family_dir("qwen2_dora").join("model");
+    let adapters = adapters("qwen2_dora");
+    let p = Placement::new(0, 2).expect("placement");
+    let group = HostCollective::group(2);
+    let c: Arc<dyn Collective> = Arc::new(group[0].clone());
+    let lora = LoraOptions {
+        dora: true,
+        ..options("qwen2_dora", 2, p)
+    };
+    let err = Engine::load_rank(&dir, &adapters, &Device::cpu(), lora, EngineOptions::default(), c).unwrap_err();
+    assert!(
+        matches!(&err, EngineError::NotTensorParallel { what } if what.contains("DoRA")),
+        "{err}"
+    );
+}
+
 /// The engine as rank 0 of a one-rank NCCL group on one GPU: every
 /// all-reduce goes through NCCL, and the outputs equal `Engine::load`'s on
 /// the same device.

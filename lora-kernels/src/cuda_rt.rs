@@ -9,7 +9,7 @@
 //!
 //! The kernels: CUDA C sources under `lora-kernels/cuda/`, one translation
 //! unit per family ([`Family`]: `bgmv.cu`, `bgmv_entry.cu`, `bgmv_rows.cu`,
-//! `sgmv.cu`, `moe_index.cu`, `overlay.cu`, `repack.cu`, each compiled on
+//! `sgmv.cu`, `moe_index.cu`, `overlay.cu`, `repack.cu`, `dora.cu`, each compiled on
 //! its own after the host's `#define` prelude ([`prelude`]), the shared
 //! `common.cuh` and the headers it uses: `ptx.cuh`, and for the decode
 //! families `cluster.cuh` and `decode.cuh`), embedded with `include_str!` and compiled by NVRTC at
@@ -83,10 +83,12 @@ pub(crate) enum Family {
     Repack,
     /// The kernel the cluster occupancy query names (never launched).
     Occupancy,
+    /// The DoRA rescale.
+    Dora,
 }
 
 impl Family {
-    pub(crate) const ALL: [Family; 8] = [
+    pub(crate) const ALL: [Family; 9] = [
         Family::Bgmv,
         Family::BgmvEntry,
         Family::BgmvRows,
@@ -95,6 +97,7 @@ impl Family {
         Family::Overlay,
         Family::Repack,
         Family::Occupancy,
+        Family::Dora,
     ];
 
     pub(crate) fn file(self) -> &'static str {
@@ -107,6 +110,7 @@ impl Family {
             Family::Overlay => "overlay.cu",
             Family::Repack => "repack.cu",
             Family::Occupancy => "occupancy.cu",
+            Family::Dora => "dora.cu",
         }
     }
 
@@ -120,6 +124,7 @@ impl Family {
             Family::Overlay => include_str!("../cuda/overlay.cu"),
             Family::Repack => include_str!("../cuda/repack.cu"),
             Family::Occupancy => include_str!("../cuda/occupancy.cu"),
+            Family::Dora => include_str!("../cuda/dora.cu"),
         }
     }
 

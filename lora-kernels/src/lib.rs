@@ -64,6 +64,7 @@ pub use ops::bgmv::{
     BGMV_MAX_RANK, DecodeOptions, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS, ROWS_MAX_IN,
     ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_candidates, bgmv_plan, bgmv_with,
 };
+pub use ops::dora::{DoraNorm, DoraTarget, dora_rescale, dora_row_scale};
 pub use ops::embed_lora::{EmbeddingPairs, embed_lora};
 pub use ops::limits::{Choice, DeviceLimits};
 pub use ops::linear::linear_f32;

@@ -78,6 +78,7 @@ fn expert_inputs(cfg: &ModelConfig, oracle: &Oracle) -> ProbeInputs {
     ProbeInputs {
         inputs,
         rows: BTreeMap::new(),
+        base: BTreeMap::new(),
     }
 }
 

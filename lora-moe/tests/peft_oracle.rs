@@ -33,6 +33,7 @@ fn probe_inputs(own: &Oracle, oracles: &[Oracle]) -> ProbeInputs {
     ProbeInputs {
         inputs,
         rows: BTreeMap::new(),
+        ..ProbeInputs::default()
     }
 }
 

@@ -58,6 +58,19 @@ pub enum PoolError {
         /// The expert-parallel world size.
         ep_world: usize,
     },
+    /// DoRA on a tensor- or expert-parallel rank's pool: the rescale
+    /// divides by the norm of each whole weight row `‖W + s·B A‖`, whose
+    /// input columns a row-parallel rank does not hold, and a per-rank
+    /// rescale is not built; DoRA is served by unplaced pools only.
+    #[error(
+        "LORA_DORA on a placed pool (tp_world {tp_world}, ep_world {ep_world}): DoRA is served only with tensor and expert world 1"
+    )]
+    DoraPlaced {
+        /// The tensor-parallel world size.
+        tp_world: usize,
+        /// The expert-parallel world size.
+        ep_world: usize,
+    },
     /// The device failed.
     #[error(transparent)]
     Kernel(#[from] KernelError),
@@ -222,6 +235,35 @@ pub enum PoolError {
     /// A batch description is malformed.
     #[error("batch: {0}")]
     Batch(String),
+    /// Base weights given to a pool not built for DoRA.
+    #[error("this pool is not built for DoRA (LoraOptions::dora, LORA_DORA=1): it takes no base weights")]
+    DoraDisabled,
+    /// A DoRA adapter offered to a route that cannot carry its magnitudes
+    /// (the host tier, a peer landing): it is swapped from disk instead.
+    #[error("adapter `{adapter}` is a DoRA adapter, which the {route} does not carry; swap it from disk")]
+    DoraRoute {
+        /// The adapter.
+        adapter: String,
+        /// The route.
+        route: &'static str,
+    },
+    /// New base weights while slots serve DoRA rescales computed from the
+    /// old ones: evict or swap those slots first.
+    #[error("{dora_slots} slot(s) serve DoRA rescales computed from the current base weights")]
+    BaseWeightsInUse {
+        /// Slots holding DoRA pairs.
+        dora_slots: usize,
+    },
+    /// A base projection the engine gave does not fit the model.
+    #[error("base weights of layer {layer} {module}: {reason}")]
+    BaseWeights {
+        /// The layer.
+        layer: usize,
+        /// The module.
+        module: lora_layout::LoraModule,
+        /// What does not fit.
+        reason: String,
+    },
     /// A module asked of a layer that does not have it.
     #[error("layer {layer} has no {module}")]
     NoSuchModule {

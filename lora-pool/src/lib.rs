@@ -11,6 +11,13 @@
 //! engine one apply call per (layer, modules) for decode, mixed prefill and
 //! one-adapter prefill, each taking the step whose rows it runs.
 //!
+//! A pool built for DoRA ([`LoraOptions::dora`]) takes the engine's
+//! [`BaseWeights`] ([`LoraPool::set_base_weights`]), computes each DoRA
+//! adapter's per-row rescale when it is staged and rescales the rows of
+//! DoRA slots after every apply (one pass over the mixed batch); without
+//! the base weights a DoRA adapter is refused,
+//! `REJECT[dora-needs-base-weights]`.
+//!
 //! Under a tensor-parallel placement (`LoraOptions::placement`,
 //! `LORA_TP_RANK` / `LORA_TP_WORLD`) a pool holds only its rank's shard of
 //! each pair (`lora_layout::ModuleShard`): the packer cuts the whole
@@ -22,7 +29,9 @@
 //! rank's block of experts and the replicated router, so its expert slots
 //! hold only those; without it, a tensor-parallel pool serves no
 //! routed-expert or router deltas
-//! ([`PoolError::ExpertsUnderTensorParallel`]).
+//! ([`PoolError::ExpertsUnderTensorParallel`]). DoRA is not served on a
+//! placed pool ([`PoolError::DoraPlaced`]): its rescale divides by the norm
+//! of each whole weight row, which a row-parallel rank does not hold.
 //!
 //! What it must never do: move (the pool, tables and routing buffers keep
 //! their device addresses for the pool's life, so captured CUDA graphs stay
@@ -118,6 +127,7 @@
 //! ```
 
 mod companion;
+mod dora;
 mod error;
 mod expert;
 mod host_tier;
@@ -133,11 +143,13 @@ mod streaming;
 mod target;
 
 pub use companion::{NoCompanion, SlotCompanion};
+pub use dora::{BaseWeights, DeviceProjection};
 pub use error::PoolError;
 pub use expert::ExpertPool;
 pub use host_tier::{HostTierView, TierError};
 pub use lease::{SlotLease, SlotUse};
 pub use lora_audit::LoraOptions;
+pub use lora_audit::dora::BaseProjection;
 pub use pool::{AdapterSource, BatchCapacity, LoraPool, SwapReport, SwapRoute};
 pub use prefetch::PrefetchEvent;
 pub use registry::{AdapterSlot, SlotRegistry};

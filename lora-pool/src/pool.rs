@@ -77,6 +77,8 @@ pub struct SwapReport {
     pub dense_pairs: usize,
     /// Expert and router pairs written.
     pub expert_pairs: usize,
+    /// Dense pairs written as DoRA pairs (their rescale with them).
+    pub dora_pairs: usize,
     /// Host time of the stage phase (audit, read, pack, copies issued),
     /// microseconds; 0 for a publish of landed images.
     pub stage_us: f64,
@@ -122,6 +124,8 @@ struct Staged<S> {
     group_expert_deltas: bool,
     companion: Option<S>,
     has_overlay: bool,
+    /// DoRA pairs' rescales (written at publish; none clears the slot's).
+    dora: Vec<crate::dora::StagedScale>,
 }
 
 /// Where a staged adapter's dense slot image is.
@@ -207,6 +211,8 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     uses: Arc<SlotUse>,
     companion: C,
     capacity: BatchCapacity,
+    /// DoRA rescales and base biases (`opts.dora` only).
+    dora: Option<crate::dora::DoraState>,
     /// This pool's identity, so a step or lease of another pool is refused.
     id: u64,
     next_step: u64,
@@ -377,6 +383,15 @@ impl<C: SlotCompanion> LoraPool<C> {
                 tp_world: opts.placement.tp_world(),
             });
         }
+        // DoRA's rescale divides by the norm of each whole weight row, which
+        // a row-parallel rank does not hold: refused on any placed pool
+        // rather than served wrong.
+        if opts.dora && (opts.placement.tp_world() > 1 || opts.placement.ep_world() > 1) {
+            return Err(PoolError::DoraPlaced {
+                tp_world: opts.placement.tp_world(),
+                ep_world: opts.placement.ep_world(),
+            });
+        }
         if let Some(moe) = cfg.moe.as_ref().filter(|_| serve_experts) {
             opts.placement
                 .expert_range(moe.num_experts)
@@ -402,6 +417,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             (3 * capacity.max_rows + 2 * capacity.max_segments + 1) * 4,
             // Workspace: targets x k-splits x rows x padded rank, f32.
             lora_kernels::MAX_TARGETS * 4 * capacity.max_rows * opts.max_rank.div_ceil(16) * 16 * 4,
+            crate::dora::dora_bytes(&cfg, &layout, &opts).ok_or(PoolError::Layout(
+                lora_layout::LayoutError::Overflow { what: "DoRA state" },
+            ))?,
         ]
         .iter()
         .try_fold(0usize, |acc, b| acc.checked_add(*b))
@@ -423,6 +441,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         } else {
             None
         };
+        let dora = if opts.dora {
+            Some(crate::dora::DoraState::new(device, &cfg, &layout, opts.max_loras)?)
+        } else {
+            None
+        };
         let (tier, prefetcher) = if opts.host_tier_bytes > 0 {
             let tier = Arc::new(Mutex::new(HostTier::new(opts.host_tier_bytes)));
             let prefetcher = Prefetcher::start(device, &cfg, &opts, &layout, Arc::clone(&tier))?;
@@ -440,6 +463,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             experts,
             companion,
             capacity,
+            dora,
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             next_step: 1,
             decode_current: None,
@@ -468,6 +492,21 @@ impl<C: SlotCompanion> LoraPool<C> {
         adapters: &[AdapterSource<'_>],
         companion: C,
     ) -> Result<LoraPool<C>, PoolError> {
+        LoraPool::load_with_base_weights(device, cfg, opts, capacity, adapters, companion, None)
+    }
+
+    /// [`LoraPool::load_with_companion`] on a pool built for DoRA, given the
+    /// engine's base weights first ([`LoraPool::set_base_weights`]) so that
+    /// DoRA adapters load at startup; `None` is `load_with_companion`.
+    pub fn load_with_base_weights(
+        device: &Device,
+        cfg: ModelConfig,
+        opts: LoraOptions,
+        capacity: BatchCapacity,
+        adapters: &[AdapterSource<'_>],
+        companion: C,
+        base: Option<Arc<dyn crate::dora::BaseWeights>>,
+    ) -> Result<LoraPool<C>, PoolError> {
         if adapters.len() > opts.max_loras {
             return Err(PoolError::TooManyAdapters {
                 adapters: adapters.len(),
@@ -489,6 +528,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             .max()
             .unwrap_or(0);
         let mut pool = LoraPool::with_companion(device, cfg, opts, capacity, companion, expert_bytes)?;
+        if let Some(base) = base {
+            pool.set_base_weights(base)?;
+        }
         for (slot, src) in adapters.iter().enumerate() {
             let (staged, _) = pool.stage_from_dir(src.name, src.dir)?;
             pool.publish(SlotId::new(slot), staged)?;
@@ -682,10 +724,12 @@ impl<C: SlotCompanion> LoraPool<C> {
         let (staged, audit_us) = self.stage_from_dir(name, dir)?;
         let stage_us = started.elapsed().as_secs_f64() * 1e6;
         let route = staged.route;
+        let dora = !staged.dora.is_empty();
         self.begin_publish(slot, staged, stage_us, audit_us)?;
         // The host tier fills on the way: the worker packs the adapter there,
-        // off this path (its event comes as a prefetch's would).
-        if let Some(prefetcher) = &self.prefetcher {
+        // off this path (its event comes as a prefetch's would). A DoRA
+        // adapter is not kept there (`TierError::Dora`).
+        if !dora && let Some(prefetcher) = &self.prefetcher {
             // A stopped worker only means no tier fill; the swap goes on.
             let _ = prefetcher.request(name, dir);
         }
@@ -785,6 +829,8 @@ impl<C: SlotCompanion> LoraPool<C> {
             companion: Some(companion),
             has_overlay: image.has_overlay,
             dense: DenseSource::Host(image),
+            // The tier never holds a DoRA adapter (`TierError::Dora`).
+            dora: Vec::new(),
         })
     }
 
@@ -869,6 +915,9 @@ impl<C: SlotCompanion> LoraPool<C> {
         if let Some(experts) = &mut self.experts {
             experts.clear(s)?;
         }
+        if let Some(dora) = &mut self.dora {
+            dora.clear(s)?;
+        }
         self.companion.clear(s)?;
         self.registry.clear(s);
         Ok(())
@@ -949,6 +998,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             experts: experts.map(Arc::new),
             companion: None,
             has_overlay: false,
+            // A peer landing carries no DoRA magnitudes: lora-rdma refuses
+            // a DoRA adapter before it lands.
+            dora: Vec::new(),
         };
         self.publish(slot, staged)
     }
@@ -1096,6 +1148,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             group_expert_deltas,
             companion: Some(companion),
             has_overlay: false,
+            dora: Vec::new(),
         };
         Ok((staged, audit_us))
     }
@@ -1124,10 +1177,29 @@ impl<C: SlotCompanion> LoraPool<C> {
                 .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
             pool.check_fits(name, layout)?;
         }
+        if adapter.report.is_dora() && self.dora.is_none() {
+            return Err(crate::dora::refuse_not_built(name, adapter));
+        }
         let sources = dense_sources(adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
         let companion = self.companion.stage(name, &adapter.overlay)?;
         self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
+        // DoRA's rescale from the pairs just packed into the staging slot.
+        // The staging copies run on the copy lane and the norm kernels on
+        // the compute lane: the compute lane waits for the copies first, and
+        // the copy lane then waits for the kernels (whatever they returned),
+        // so that no later staging copy rewrites the slot they read.
+        let dora = match &self.dora {
+            Some(state) if adapter.report.is_dora() => {
+                let packed = self.device.record_event_on(Lane::Copy)?;
+                self.device.wait_event(Lane::Compute, &packed)?;
+                let scales = state.stage(name, &self.device, &self.layout, &self.staging.device, adapter);
+                let read = self.device.record_event_on(Lane::Compute)?;
+                self.device.wait_event(Lane::Copy, &read)?;
+                scales?
+            }
+            _ => Vec::new(),
+        };
         let dense_pairs = plan.metas().to_vec();
         Ok(Staged {
             name: name.to_string(),
@@ -1138,6 +1210,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             experts: experts.map(Arc::new),
             companion: Some(companion),
             has_overlay: !adapter.overlay.is_empty(),
+            dora,
         })
     }
 
@@ -1265,6 +1338,9 @@ impl<C: SlotCompanion> LoraPool<C> {
         self.device.wait_event(Lane::Compute, &landed)?;
         self.host_table = table;
         self.table.write(0, &self.host_table)?;
+        if let Some(dora) = &mut self.dora {
+            dora.publish(&self.layout, s, &staged.dora)?;
+        }
         let mut expert_pairs = Vec::new();
         if let Some(pool) = &mut self.experts {
             match staged.experts.as_deref() {
@@ -1298,6 +1374,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             adapter_id: published.adapter_id(),
             dense_pairs: published.pairs.len(),
             expert_pairs: published.expert_pairs.len(),
+            dora_pairs: staged.dora.len(),
             stage_us,
             audit_us,
             route: staged.route,
@@ -1655,17 +1732,58 @@ impl<C: SlotCompanion> LoraPool<C> {
         y: RowsMut<'_, Y>,
         options: DecodeOptions,
     ) -> Result<(), PoolError> {
-        let targets = self.call_targets(step, layer, targets, &x)?;
+        let kernel_targets = self.call_targets(step, layer, targets, &x)?;
+        let mut y = y;
         bgmv_with(
             &self.device,
             x,
             &self.seq_slot,
-            &targets,
+            &kernel_targets,
             self.opts.max_rank,
-            y,
+            reborrow(&mut y),
             options,
         )?;
+        self.rescale_dora(&self.seq_slot, layer, targets, y)
+    }
+
+    /// The DoRA rescale of an apply's rows, after its expand (a pool built
+    /// for DoRA only; one launch over the whole mixed batch, rows of other
+    /// slots untouched): `row_slot` holds each kernel row's slot.
+    fn rescale_dora<Y: OutputElem>(
+        &self,
+        row_slot: &DeviceBuffer<i32>,
+        layer: usize,
+        targets: &FusedTargets,
+        y: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
+        let Some(dora) = &self.dora else {
+            return Ok(());
+        };
+        let dora_targets = dora.targets(&self.layout, layer, targets)?;
+        lora_kernels::dora_rescale(&self.device, row_slot, &dora_targets, y)?;
         Ok(())
+    }
+
+    /// Give the pool the base model's projection weights, which DoRA
+    /// adapters need ([`BaseWeights`](crate::BaseWeights)): every
+    /// projection given is checked against the model and its bias uploaded
+    /// beside the slots; the pool keeps the handle and reads the weights
+    /// only when it stages a DoRA adapter. Call it before loading or
+    /// swapping one: without it a DoRA adapter is refused,
+    /// `REJECT[dora-needs-base-weights]`. [`PoolError::DoraDisabled`] on a
+    /// pool not built for DoRA; [`PoolError::BaseWeightsInUse`] while a
+    /// slot serves a rescale computed from the previous ones. On an error
+    /// nothing changed.
+    pub fn set_base_weights(&mut self, base: Arc<dyn crate::dora::BaseWeights>) -> Result<(), PoolError> {
+        // A begun swap's rescale was computed from the current weights.
+        self.check_no_pending()?;
+        let dora = self.dora.as_mut().ok_or(PoolError::DoraDisabled)?;
+        dora.set_base(&self.layout, base)
+    }
+
+    /// DoRA pairs `slot` serves now (0 on a pool not built for DoRA).
+    pub fn dora_pairs(&self, slot: SlotId) -> usize {
+        self.dora.as_ref().map_or(0, |d| d.pairs(slot.index()))
     }
 
     /// The launch plan [`LoraPool::apply_decode_with`] runs for these
@@ -1716,23 +1834,26 @@ impl<C: SlotCompanion> LoraPool<C> {
         x: Rows<'_, bf16>,
         y: RowsMut<'_, Y>,
     ) -> Result<(), PoolError> {
-        let targets = self.call_targets(step, layer, targets, &x)?;
+        let kernel_targets = self.call_targets(step, layer, targets, &x)?;
         let segments = Segments {
             cu_seqlens: &self.cu_seqlens,
             seg_slot: &self.seg_slot,
             n_segments: step.rows.rows.len(),
         };
-        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-        sgmv(
-            &self.device,
-            x,
-            &segments,
-            &targets,
-            self.opts.max_rank,
-            y,
-            &mut workspace,
-        )?;
-        Ok(())
+        let mut y = y;
+        {
+            let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+            sgmv(
+                &self.device,
+                x,
+                &segments,
+                &kernel_targets,
+                self.opts.max_rank,
+                reborrow(&mut y),
+                &mut workspace,
+            )?;
+        }
+        self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
     }
 
     /// One-adapter prefill: every row of `step` runs the same adapter
@@ -1752,18 +1873,34 @@ impl<C: SlotCompanion> LoraPool<C> {
             return Ok(());
         }
         let slot = step.one_adapter().ok_or(PoolError::NotOneAdapter)?;
-        let targets = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
-        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-        one_adapter(
-            &self.device,
-            x,
-            slot.index(),
-            &targets,
-            self.opts.max_rank,
-            y,
-            &mut workspace,
-        )?;
-        Ok(())
+        let kernel = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        let mut y = y;
+        {
+            let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+            one_adapter(
+                &self.device,
+                x,
+                slot.index(),
+                &kernel,
+                self.opts.max_rank,
+                reborrow(&mut y),
+                &mut workspace,
+            )?;
+        }
+        // The step's per-token map names the one slot (or base) on every row.
+        self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
+    }
+}
+
+/// A shorter-lived view of the same rows, so one `RowsMut` serves the
+/// expand and then the DoRA rescale.
+fn reborrow<'b, Y: OutputElem>(y: &'b mut RowsMut<'_, Y>) -> RowsMut<'b, Y> {
+    RowsMut {
+        buf: y.buf,
+        offset: y.offset,
+        n_rows: y.n_rows,
+        width: y.width,
+        stride: y.stride,
     }
 }
 
@@ -1822,8 +1959,6 @@ fn staged_value(staging: &DeviceBuffer<bf16>, region: &lora_kernels::RepackRegio
     read().unwrap_or(f32::NAN)
 }
 
-/// Whether an audit lets the adapter go straight from its file: servable,
-/// and dense pairs only.
 /// The audit of the adapter in `dir` from its safetensors header and
 /// config alone (no tensor value read), or the full audit when it has no
 /// safetensors file (a pickle is refused there).
@@ -1841,8 +1976,11 @@ fn header_report(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Result<Au
     audit_header(&dir.display().to_string(), &text, file.infos(), cfg, opts)
 }
 
+/// Whether an audit lets the adapter go straight from its file: servable,
+/// dense pairs only, and no DoRA magnitudes (a DoRA adapter is prepared in
+/// full, its rescale computed from the packed pairs).
 pub(crate) fn dense_only(report: &AuditReport) -> bool {
-    report.is_servable() && report.experts.is_empty() && report.overlay.is_empty()
+    report.is_servable() && report.experts.is_empty() && report.overlay.is_empty() && !report.is_dora()
 }
 
 fn check_unique_names(adapters: &[AdapterSource<'_>]) -> Result<(), PoolError> {

@@ -216,6 +216,14 @@ impl Packer {
             return Ok(image);
         }
         let adapter = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err)?;
+        if adapter.report.is_dora() {
+            // A tier image carries no DoRA rescale: such adapters are
+            // staged from disk, where the base weights give their rescale.
+            return Err(PoolError::DoraRoute {
+                adapter: name.to_string(),
+                route: "host tier",
+            });
+        }
         if !adapter.experts.is_empty() && (!self.opts.experts || self.cfg.moe.is_none()) {
             return Err(PoolError::NoExpertPool(name.to_string()));
         }

@@ -144,6 +144,11 @@ pub enum LandError {
     /// The engine's own audit refuses the adapter.
     #[error("the engine's audit refuses `{}`: {:?}", .0.adapter, .0.refused_codes())]
     Refused(Box<AuditReport>),
+    /// The adapter is a DoRA adapter: the peer protocol carries no
+    /// magnitude vectors, so it is swapped from disk (where the pool
+    /// computes its rescale from the engine's base weights).
+    #[error("adapter `{0}` is a DoRA adapter; peer landing carries no magnitude vectors, swap it from disk")]
+    Dora(String),
     /// The adapter has token overlays, which the peer protocol does not carry.
     #[error("adapter `{0}` has token overlays; peer landing carries LoRA pairs only")]
     Overlay(String),
@@ -396,6 +401,9 @@ impl Lander {
         }
         if !report.overlay.is_empty() {
             return Err(LandError::Overlay(adapter.to_string()));
+        }
+        if report.is_dora() {
+            return Err(LandError::Dora(adapter.to_string()));
         }
         let dense: Vec<PairMeta> = report
             .placed

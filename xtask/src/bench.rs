@@ -45,8 +45,9 @@ use half::bf16;
 use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{PairPool, RandomPairs, Rng};
 use lora_kernels::{
-    Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, KernelError, LoraTarget, LoraWorkspace,
-    PairEntry, Rows, RowsMut, Segments, SgmvPhase, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with, row_diff,
+    Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, DoraTarget, KernelError, LoraTarget,
+    LoraWorkspace, PairEntry, Rows, RowsMut, Segments, SgmvPhase, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with,
+    dora_rescale, row_diff,
 };
 use lora_kernels::{PrefillOptions, PrefillPlan, sgmv_candidates, sgmv_plan, sgmv_with};
 use serde_json::{Value, json};
@@ -646,7 +647,76 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
             }
         }
     }
-    prefill_cases(ctx, &mut rng)
+    prefill_cases(ctx, &mut rng)?;
+    dora_cases(ctx, &mut rng)
+}
+
+/// DoRA rescale cases (rows, out, DoRA slots, slots the rows cycle over):
+/// decode and prefill shapes of a 4096-wide projection, half the slots
+/// DoRA. The rescale is one pass after the expand (`lora_kernels::ops::dora`),
+/// so its own time is the whole cost DoRA adds to an apply.
+const DORA: &[(usize, usize, usize, usize)] = &[
+    (1, 4096, 1, 1),
+    (64, 4096, 32, 64),
+    (256, 4096, 16, 32),
+    (4096, 4096, 4, 8),
+    (8192, 4096, 16, 32),
+];
+
+fn dora_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
+    for &(n, out, dora_slots, slots) in DORA {
+        let kind = if n >= 1024 { "prefill" } else { "decode" };
+        let name = format!("dora rescale {kind} n={n} out={out} dora slots {dora_slots} of {slots}");
+        if !ctx.opts.wants_case(&name) {
+            continue;
+        }
+        let device = ctx.device;
+        let g: Vec<f32> = (0..slots * out).map(|_| 1.0 + 0.1 * rng.uniform()).collect();
+        let g = device.upload(&g).map_err(err)?;
+        let table: Vec<u64> = (0..slots)
+            .map(|s| if s < dora_slots { g.addr_at(s * out) } else { Ok(0) })
+            .collect::<Result<_, _>>()
+            .map_err(err)?;
+        let table = device.upload(&table).map_err(err)?;
+        let bias = device.upload(&vec![0.5f32; out]).map_err(err)?;
+        let row_slot: Vec<i32> = (0..n).map(|i| (i % slots) as i32).collect();
+        let row_slot = device.upload(&row_slot).map_err(err)?;
+        let mut y = device.upload(&rng.bf16_vec(n * out, 1.0)).map_err(err)?;
+        let targets = [DoraTarget {
+            table: &table,
+            table_offset: 0,
+            n_entries: slots,
+            bias: &bias,
+            bias_offset: 0,
+            out_dim: out,
+            y_col_offset: 0,
+        }];
+        let dora_rows = n * dora_slots / slots;
+        let case = KernelCase {
+            name: name.clone(),
+            // The DoRA rows of y read and written, the row slots, each DoRA slot's g, the bias.
+            floor_bytes: (dora_rows * out * 2 * 2 + n * 4 + dora_slots * out * 4 + out * 4) as f64,
+            peer_us: None,
+            target_us: None,
+            floor_share_target: None,
+            shape: json!({"kind": "dora", "n": n, "out": out, "dora_slots": dora_slots, "slots": slots}),
+        };
+        let graph = device
+            .capture_graph(|| dora_rescale(device, &row_slot, &targets, RowsMut::dense(&mut y, n, out)))
+            .map_err(err)?;
+        let stats = ctx.time_graph(&graph)?;
+        drop(graph);
+        // Not "default": the PyTorch baseline has no counterpart to time.
+        ctx.rows.push(case.row("rescale", stats));
+        // In a graph of many: one y (L2-resident where it fits), as the
+        // rescale follows the expand that just wrote it.
+        let (sets, ops) = (1, IN_GRAPH_MIN_OPS);
+        let timed = ctx.time_in_graph(sets, ops, |_| {
+            dora_rescale(device, &row_slot, &targets, RowsMut::dense(&mut y, n, out))
+        })?;
+        attach_in_graph(ctx, &name, "rescale", timed);
+    }
+    Ok(())
 }
 
 /// One copy of a decode case's inputs.

@@ -6,8 +6,15 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--embedding-lora] [--tp-rank R
+//! [--allow-partial] [--experts] [--dora] [--embedding-lora] [--tp-rank R
 //! --tp-world W] [--ep-rank R --ep-world W] [--json]`
+//!
+//! DoRA pairs (`--dora`, or `LORA_DORA=1`) are module-output probes: the
+//! probe file gives each DoRA projection's `base_weight::` (and
+//! `base_bias::`), which the pool takes as the engine's base weights; each
+//! probe row's output starts at the base output `W x + b`, and the answer is
+//! the served output minus it (`lora_audit`'s probe docs). DoRA is served
+//! with tensor and expert world 1 only (refused with a placement).
 //!
 //! With `--tp-rank R --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`)
 //! the pool is rank R's (its shard of every pair) and each dense probe
@@ -26,15 +33,15 @@
 use std::path::PathBuf;
 
 use lora_audit::{
-    AuditArgs, AuditError, LoraOptions, PROBE_OUT, ProbeInputs, ProbeOutputs, ProbeTensor, WeightRef,
-    parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
+    AuditArgs, AuditError, BASE_WEIGHT, LoraOptions, PROBE_OUT, ProbeBase, ProbeInputs, ProbeOutputs, ProbeTensor,
+    WeightRef, parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig, ModuleShard};
 use lora_overlay::{ServedTables, TokenOverlays, probe_served_rows};
 use lora_pool::{
-    AdapterSource, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError, SlotCompanion, SlotId, SlotLease,
-    StepRow,
+    AdapterSource, BaseProjection, BaseWeights, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError,
+    SlotCompanion, SlotId, SlotLease, StepRow,
 };
 
 /// Why the probe stopped: bad usage or input (exit 2), or a refused adapter
@@ -57,6 +64,7 @@ struct Args {
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    dora: bool,
     tp_rank: Option<usize>,
     tp_world: Option<usize>,
     ep_rank: Option<usize>,
@@ -70,7 +78,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
     let (mut max_rank, mut expert_rank) = (None, None);
     let (mut tp_rank, mut tp_world, mut ep_rank, mut ep_world) = (None, None, None, None);
-    let (mut allow_partial, mut experts, mut embedding_lora, mut json) = (false, false, false, false);
+    let (mut allow_partial, mut experts, mut dora, mut embedding_lora, mut json) = (false, false, false, false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -89,6 +97,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--ep-world" => ep_world = Some(number(value()?)?),
             "--allow-partial" => allow_partial = true,
             "--experts" => experts = true,
+            "--dora" => dora = true,
             "--embedding-lora" => embedding_lora = true,
             "--json" => json = true,
             flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
@@ -108,6 +117,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         expert_rank,
         allow_partial,
         experts,
+        dora,
         tp_rank,
         tp_world,
         ep_rank,
@@ -135,6 +145,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         expert_rank: args.expert_rank,
         allow_partial: args.allow_partial,
         experts: args.experts,
+        dora: args.dora,
         tp_rank: args.tp_rank,
         tp_world: args.tp_world,
         ep_rank: args.ep_rank,
@@ -153,6 +164,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         max_rows: 64,
         max_segments: 4,
     };
+    let base_weights = probe_base_weights(&cfg, &inputs, opts.dora).map_err(usage)?;
     let name = args.adapter.display().to_string();
     let source = [AdapterSource {
         name: &name,
@@ -162,8 +174,9 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         Some(base) => {
             let tables = served_tables(&device, &cfg, base).map_err(usage)?;
             let overlays = TokenOverlays::new(&device, tables, 1).map_err(|e| usage(e.to_string()))?;
-            let mut pool = LoraPool::load_with_companion(&device, cfg.clone(), opts, capacity, &source, overlays)
-                .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
+            let mut pool =
+                LoraPool::load_with_base_weights(&device, cfg.clone(), opts, capacity, &source, overlays, base_weights)
+                    .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
             let mut outputs = serve_probes(&mut pool, &inputs)?;
             if !inputs.rows.is_empty() {
                 let lease = slot_lease(&pool, SlotId::new(0)).map_err(usage)?;
@@ -176,8 +189,16 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
             if !inputs.rows.is_empty() {
                 return Err(usage("rows_idx:: probes need --base <tables.safetensors>".into()));
             }
-            let mut pool = LoraPool::load_with_companion(&device, cfg.clone(), opts, capacity, &source, NoCompanion)
-                .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
+            let mut pool = LoraPool::load_with_base_weights(
+                &device,
+                cfg.clone(),
+                opts,
+                capacity,
+                &source,
+                NoCompanion,
+                base_weights,
+            )
+            .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
             serve_probes(&mut pool, &inputs)?
         }
     };
@@ -202,6 +223,41 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         }
     }
     Ok(())
+}
+
+/// The probe file's base projections (`base_weight::` / `base_bias::`) as
+/// the pool's base weights, on a pool built for DoRA (`None` otherwise:
+/// a DoRA adapter is then refused as it would be anywhere).
+fn probe_base_weights(
+    cfg: &ModelConfig,
+    inputs: &ProbeInputs,
+    dora: bool,
+) -> Result<Option<std::sync::Arc<dyn BaseWeights>>, String> {
+    if !dora {
+        return Ok(None);
+    }
+    let mut map = std::collections::HashMap::new();
+    for (weight, b) in &inputs.base {
+        let WeightRef::Dense { layer, module } = parse_weight_name(weight, cfg).map_err(|e| e.to_string())? else {
+            return Err(format!(
+                "{BASE_WEIGHT}{weight}: only dense projections take base weights"
+            ));
+        };
+        map.insert((layer, module), b.clone());
+    }
+    Ok(Some(std::sync::Arc::new(ProbeBaseWeights(map))))
+}
+
+/// Base projections read from a probe file.
+struct ProbeBaseWeights(std::collections::HashMap<(usize, LoraModule), ProbeBase>);
+
+impl BaseWeights for ProbeBaseWeights {
+    fn projection(&self, layer: usize, module: LoraModule) -> Option<BaseProjection<'_>> {
+        self.0.get(&(layer, module)).map(|b| BaseProjection {
+            weight: &b.weight.data,
+            bias: b.bias.as_ref().map(|t| t.data.as_slice()),
+        })
+    }
 }
 
 /// A refused adapter prints its audit table (exit 1); anything else is
@@ -240,7 +296,7 @@ fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) 
         let x = &inputs.inputs[&weight];
         match parse_weight_name(&weight, pool.config()).map_err(|e| usage(e.to_string()))? {
             WeightRef::Dense { layer, module } => {
-                let t = dense_probe(pool, &lease, layer, module, x).map_err(usage)?;
+                let t = dense_probe(pool, &lease, layer, module, x, inputs.base.get(&weight)).map_err(usage)?;
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
             WeightRef::Unserved => out.unserved.push(weight),
@@ -264,13 +320,19 @@ pub fn slot_lease<C: SlotCompanion>(pool: &LoraPool<C>, slot: SlotId) -> Result<
 /// One dense probe through the decode kernels. Each f32 probe row goes in
 /// as two BF16 rows, `hi = bf16(x)` and `lo = bf16(x - hi)`, whose deltas
 /// add up (the apply is linear in x): the probe then measures the served
-/// pairs, not the rounding of its own input to BF16.
+/// pairs, not the rounding of its own input to BF16. With the projection's
+/// base weight given (DoRA's module-output probes), the `hi` row starts at
+/// the base output `W x + b` and the `lo` row at `b`: the served rescale
+/// `g ⊙ (y − b) + b` is affine in y, so the two rows' outputs minus their
+/// starts add up to `g ⊙ (W x + s·B A x) − W x`, the module output minus
+/// the base output. Without it both start at zero, as a plain pair needs.
 fn dense_probe<C: SlotCompanion>(
     pool: &mut LoraPool<C>,
     lease: &SlotLease,
     layer: usize,
     module: LoraModule,
     x: &ProbeTensor,
+    base: Option<&ProbeBase>,
 ) -> Result<ProbeTensor, String> {
     let (_, full_in) = module.dims(pool.config());
     let [n, width] = x.shape[..] else {
@@ -299,7 +361,8 @@ fn dense_probe<C: SlotCompanion>(
     let device = pool.device().clone();
     let err = |e: lora_kernels::KernelError| e.to_string();
     let xb = device.upload(&[hi, lo].concat()).map_err(err)?;
-    let mut y = device.alloc_zeros::<f32>(2 * n * out_dim).map_err(err)?;
+    let y0 = probe_start(base, &x.data, n, out_dim, in_dim)?;
+    let mut y = device.upload(&y0).map_err(err)?;
     let step = pool
         .decode_step(&vec![StepRow::Adapter(lease); 2 * n], 2 * n)
         .map_err(|e| e.to_string())?;
@@ -312,10 +375,45 @@ fn dense_probe<C: SlotCompanion>(
     )
     .map_err(|e| e.to_string())?;
     device.check_faults().map_err(err)?;
-    let y = y.download().map_err(err)?;
+    let y: Vec<f32> = y
+        .download()
+        .map_err(err)?
+        .iter()
+        .zip(&y0)
+        .map(|(y, y0)| y - y0)
+        .collect();
     let (y_hi, y_lo) = y.split_at(n * out_dim);
     Ok(ProbeTensor {
         shape: vec![n, out_dim],
         data: y_hi.iter().zip(y_lo).map(|(a, b)| a + b).collect(),
     })
+}
+
+/// The probe rows' starting outputs: `W x + b` for the `n` hi rows, `b` for
+/// the `n` lo rows (zeros without a base weight).
+fn probe_start(base: Option<&ProbeBase>, x: &[f32], n: usize, out: usize, inp: usize) -> Result<Vec<f32>, String> {
+    let mut y0 = vec![0f32; 2 * n * out];
+    let Some(base) = base else {
+        return Ok(y0);
+    };
+    if base.weight.shape != [out, inp] || base.bias.as_ref().is_some_and(|b| b.shape != [out]) {
+        return Err(format!(
+            "base weight {:?} / bias {:?} do not fit the projection [{out}, {inp}]",
+            base.weight.shape,
+            base.bias.as_ref().map(|b| &b.shape)
+        ));
+    }
+    let bias = |o: usize| base.bias.as_ref().map_or(0.0, |b| b.data[o]);
+    for r in 0..n {
+        for o in 0..out {
+            let w = &base.weight.data[o * inp..(o + 1) * inp];
+            let wx = w
+                .iter()
+                .zip(&x[r * inp..(r + 1) * inp])
+                .fold(0f32, |acc, (w, x)| acc + w * x);
+            y0[r * out + o] = wx + bias(o);
+            y0[(n + r) * out + o] = bias(o);
+        }
+    }
+    Ok(y0)
 }

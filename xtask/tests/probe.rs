@@ -47,6 +47,10 @@ fn xtask() -> Command {
 }
 
 fn probe(model: &Path, adapter: &Path, device: &str, out: &Path) -> std::process::Output {
+    probe_with(model, adapter, device, out, &["--dora"])
+}
+
+fn probe_with(model: &Path, adapter: &Path, device: &str, out: &Path, extra: &[&str]) -> std::process::Output {
     let mut cmd = xtask();
     cmd.arg("probe")
         .arg(adapter)
@@ -56,7 +60,9 @@ fn probe(model: &Path, adapter: &Path, device: &str, out: &Path) -> std::process
         .arg(adapter.join("oracle.safetensors"))
         .arg("--out")
         .arg(out)
-        .args(["--device", device, "--max-rank", "16", "--experts", "--embedding-lora"]);
+        .args(["--device", device, "--max-rank", "16", "--experts", "--embedding-lora"])
+        .args(extra)
+        .env_remove("LORA_DORA");
     if model.join("tables.safetensors").is_file() {
         cmd.arg("--base").arg(model.join("tables.safetensors"));
     }
@@ -111,9 +117,43 @@ fn every_servable_fixture_matches_peft_through_the_cuda_serving_path() {
 fn a_refused_adapter_exits_1_and_bad_usage_exits_2() {
     let model = fixtures().join("llama");
     let out = std::env::temp_dir().join(format!("xtask-probe-refused-{}.safetensors", std::process::id()));
-    let run = probe(&model, &model.join("dora"), "cpu", &out);
+    // DoRA on a pool not built for it.
+    let run = probe_with(&model, &model.join("dora"), "cpu", &out, &[]);
     assert_eq!(run.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&run.stdout).contains("REJECT[dora]"));
+    // DoRA without the base weights (a probe file with none).
+    let no_base = fixtures().join("llama/demo_r4_plain/oracle.safetensors");
+    let run = xtask()
+        .arg("probe")
+        .arg(model.join("dora"))
+        .arg("--model")
+        .arg(model.join("config.json"))
+        .arg("--probes")
+        .arg(&no_base)
+        .arg("--out")
+        .arg(&out)
+        .args(["--device", "cpu", "--dora"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&run.stdout).contains("REJECT[dora-needs-base-weights]"));
+    // DoRA on a tensor- or expert-parallel rank's pool: bad usage, named.
+    for placed in [
+        ["--tp-rank", "0", "--tp-world", "2"],
+        ["--ep-rank", "0", "--ep-world", "2"],
+    ] {
+        let run = probe_with(
+            &model,
+            &model.join("dora"),
+            "cpu",
+            &out,
+            &[&["--dora"][..], &placed[..]].concat(),
+        );
+        assert_eq!(run.status.code(), Some(2), "{placed:?}");
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(stderr.contains("dora") && stderr.contains("parallelism"), "{stderr}");
+        assert!(!out.exists());
+    }
     let run = xtask().args(["probe", "--model"]).output().unwrap();
     assert_eq!(run.status.code(), Some(2));
 }

@@ -990,6 +990,31 @@ fn embedding_lora_refusals_name_the_tensor() {
     }
 }
 
+/// DoRA on the input embedding is refused on a pool with both the DoRA
+/// rescale and the embedding place (never served as a plain pair): the
+/// rescale covers dense projections only. The two options are otherwise
+/// independent: a plain embedding pair is placed on a DoRA pool.
+#[test]
+fn dora_on_the_input_embedding_is_refused_with_both_options_on() {
+    let cfg = test_support::llama(false);
+    let both = LoraOptions {
+        dora: true,
+        ..embedding_on()
+    };
+    let magnitude = "base_model.model.model.embed_tokens.lora_magnitude_vector";
+    let pair = [zeros(EMBED_A, &[4, 256]), zeros(EMBED_B, &[64, 4])];
+    let with_m = [pair[0].clone(), pair[1].clone(), zeros(magnitude, &[256])];
+    for tensors in [&pair[..], &with_m[..]] {
+        let report = tokens(r#"{"r": 4, "use_dora": true}"#, tensors, &cfg, &both);
+        assert!(!report.is_servable(), "{} tensors", tensors.len());
+        assert!(report.embedding.is_none());
+        assert!(codes(&report).contains(&RejectCode::Dora), "{:?}", report.refused);
+    }
+    let plain = tokens(r#"{"r": 4}"#, &pair, &cfg, &both);
+    assert!(plain.is_servable(), "{:?}", plain.refused);
+    assert!(plain.embedding.is_some());
+}
+
 #[test]
 fn a_tensor_parallel_rank_places_the_embedding_pair_whole() {
     let cfg = test_support::llama(false);

@@ -24,13 +24,14 @@ fn every_variable_is_read() {
         ("LORA_EAGER", "True"),
         ("LORA_ROTATE", "0"),
         ("LORA_HOST_TIER_BYTES", "1073741824"),
+        ("LORA_DORA", "1"),
     ])
     .unwrap();
     assert_eq!(o.host_tier_bytes, 1 << 30);
     assert_eq!(o.max_loras, 8);
     assert_eq!(o.max_rank, 64);
     assert_eq!(o.pinned, 2);
-    assert!(o.allow_partial && o.experts && o.eager);
+    assert!(o.allow_partial && o.experts && o.eager && o.dora);
     assert_eq!(o.expert_rank, 32);
     assert_eq!(o.expert_slot_bytes, Some(4096));
     assert!(!o.rotatable);
@@ -99,13 +100,21 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         expert_rank: Some(4),
         allow_partial: true,
         experts: false,
+        dora: true,
         embedding_lora: true,
         ..AuditArgs::default()
     };
     let o = env.clone().with_args(args).unwrap();
     assert_eq!(
-        (o.max_rank, o.expert_rank, o.allow_partial, o.experts, o.embedding_lora),
-        (8, 4, true, true, true)
+        (
+            o.max_rank,
+            o.expert_rank,
+            o.allow_partial,
+            o.experts,
+            o.dora,
+            o.embedding_lora
+        ),
+        (8, 4, true, true, true, true)
     );
     assert!(!env.embedding_lora);
     assert!(opts(&[("LORA_EMBEDDING_LORA", "1")]).unwrap().embedding_lora);
@@ -179,4 +188,35 @@ fn audit_args_replace_the_placement() {
         ..AuditArgs::default()
     };
     assert_eq!(env.with_args(args).unwrap_err().variable, "ep_world");
+}
+
+#[test]
+fn dora_is_refused_on_a_placed_pool() {
+    for (var, world) in [("LORA_TP_WORLD", "2"), ("LORA_EP_WORLD", "4")] {
+        let err = opts(&[("LORA_DORA", "1"), (var, world)]).unwrap_err();
+        assert_eq!(err.variable, "LORA_DORA", "{var}");
+        assert!(err.reason.contains("parallelism"), "{err}");
+    }
+    // Either alone is fine; DoRA and the embedding place together too.
+    assert!(opts(&[("LORA_DORA", "1"), ("LORA_EMBEDDING_LORA", "1")]).unwrap().dora);
+    assert!(opts(&[("LORA_TP_WORLD", "2")]).is_ok());
+    let env = opts(&[("LORA_DORA", "1")]).unwrap();
+    for args in [
+        AuditArgs {
+            tp_world: Some(2),
+            ..AuditArgs::default()
+        },
+        AuditArgs {
+            ep_world: Some(2),
+            ..AuditArgs::default()
+        },
+    ] {
+        assert_eq!(env.clone().with_args(args).unwrap_err().variable, "dora");
+    }
+    let placed = opts(&[("LORA_TP_WORLD", "2")]).unwrap();
+    let args = AuditArgs {
+        dora: true,
+        ..AuditArgs::default()
+    };
+    assert_eq!(placed.with_args(args).unwrap_err().variable, "dora");
 }

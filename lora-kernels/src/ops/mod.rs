@@ -4,6 +4,8 @@
 //!
 //! - [`bgmv`]: row-indexed LoRA apply (decode, mixed slots; MoE gather).
 //! - [`sgmv`]: segment-grouped LoRA apply (prefill) and the one-adapter case.
+//! - [`dora`]: the DoRA rescale `y ← g ⊙ (y − b) + b` per row of a DoRA slot,
+//!   one pass after the expand.
 //! - [`moe_index`]: routed-expert entry-index builders.
 //! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
 //! - [`embed_lora`]: LoRA on the input embedding (a gather of A's token
@@ -22,6 +24,7 @@
 //! ([`crate::Device::check_faults`]); after a fault the output is unspecified.
 
 pub mod bgmv;
+pub mod dora;
 pub mod embed_lora;
 #[cfg(test)]
 mod golden;

@@ -373,12 +373,12 @@ fn rank_and_scale_come_from_the_engines_audit_not_the_peer() {
     assert_eq!(plan.dense[0].scale * r.sqrt(), plain.dense[0].scale * r);
 }
 
-#[test]
-fn adapters_with_token_overlays_are_refused() {
-    let dir = fixture("llama/trainable_tokens_untied_list");
+/// A manifest of fixture `name`'s header as a peer would send it.
+fn header_manifest(name: &str, adapter: &str) -> Manifest {
+    let dir = fixture(name);
     let mapped = LoadedSafetensors::open(&dir.join(lora_audit::ADAPTER_WEIGHTS)).unwrap();
-    let m = Manifest {
-        adapter: "tokens".into(),
+    Manifest {
+        adapter: adapter.into(),
         model: crate::fingerprint::model_fingerprint(&config("llama")),
         max_rank: 16,
         expert_rank: 16,
@@ -394,7 +394,28 @@ fn adapters_with_token_overlays_are_refused() {
             })
             .collect(),
         entries: vec![],
+    }
+}
+
+/// A peer landing carries no DoRA magnitudes: an engine built for DoRA
+/// refuses a DoRA manifest before anything lands (one without DoRA
+/// refuses it in its audit).
+#[test]
+fn dora_adapters_are_refused() {
+    let m = header_manifest("llama/dora", "dora");
+    let dora = LoraOptions {
+        dora: true,
+        ..opts(16, 16)
     };
+    let lander = Lander::new(config("llama"), dora).unwrap();
+    assert!(matches!(lander.check("dora", &m), Err(LandError::Dora(_))));
+    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    assert!(matches!(lander.check("dora", &m), Err(LandError::Refused(_))));
+}
+
+#[test]
+fn adapters_with_token_overlays_are_refused() {
+    let m = header_manifest("llama/trainable_tokens_untied_list", "tokens");
     let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
     assert!(matches!(lander.check("tokens", &m), Err(LandError::Overlay(_))));
 }
