@@ -10,9 +10,14 @@
 //! one-hot token). [`SlotLayout`] is that walk; [`pool_slot_bytes`],
 //! [`module_slot_offsets`] and every packer read it, so they cannot disagree.
 //!
-//! *Why the embedding place is opt-in:* it costs `max_rank * (vocab +
-//! hidden)` elements in every slot (for a 128k vocabulary at rank 16, 4 MiB
-//! a slot), which a pool that never serves embedding LoRA should not pay.
+//! Then, in a layout whose [`ModelPlaces`] ask for it, the output head's
+//! pair (`lm_head`): A `[max_rank, hidden]` then B `[vocab, max_rank]`, a
+//! dense pair whose output is the logits.
+//!
+//! *Why the embedding and head places are opt-in:* each costs `max_rank *
+//! (vocab + hidden)` elements in every slot (for a 128k vocabulary at rank
+//! 16, 4 MiB a slot), which a pool that never serves such adapters should
+//! not pay.
 
 use crate::config::ModelConfig;
 use crate::module::{ExpertSite, LoraModule};
@@ -104,14 +109,39 @@ pub struct EmbeddingEntry {
     pub b_offset: usize,
 }
 
+/// The output head's pair place in a slot: A `[max_rank, hidden]`, B
+/// `[vocab, max_rank]` (PEFT's `lm_head.lora_A` / `lora_B`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadEntry {
+    /// Width of a hidden row (`hidden_size`): A's width.
+    pub hidden: usize,
+    /// Rows of the head (`vocab_size`): B's height, the logits' width.
+    pub vocab: usize,
+    /// Byte offset of A (`[max_rank, hidden]`) from the slot base.
+    pub a_offset: usize,
+    /// Byte offset of B (`[vocab, max_rank]`) from the slot base.
+    pub b_offset: usize,
+}
+
+/// The model-level pair places a slot layout has beside the (layer,
+/// module) pairs; both off is [`SlotLayout::new`]'s layout.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelPlaces {
+    /// The input embedding's pair ([`EmbeddingEntry`]).
+    pub embedding: bool,
+    /// The output head's pair ([`HeadEntry`]), after the embedding's.
+    pub lm_head: bool,
+}
+
 /// The layout of one pool slot for a model and a `max_rank`: every
 /// (layer, module) pair in walk order with its offsets, and the embedding
-/// pair's place when the layout has one.
+/// and head pairs' places when the layout has them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotLayout {
     max_rank: usize,
     entries: Vec<SlotEntry>,
     embedding: Option<EmbeddingEntry>,
+    lm_head: Option<HeadEntry>,
     slot_bytes: usize,
     /// `index[layer * ALL.len() + module.index()]` = entry index, or `u32::MAX`.
     index: Vec<u32>,
@@ -120,18 +150,26 @@ pub struct SlotLayout {
 impl SlotLayout {
     /// Walk the layout of `cfg` at `max_rank`: the dense pairs only.
     pub fn new(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
-        SlotLayout::walk(cfg, max_rank, false)
+        SlotLayout::walk(cfg, max_rank, ModelPlaces::default())
     }
 
     /// The layout of [`SlotLayout::new`] with the input embedding's pair
     /// place after the last layer's pairs.
     pub fn with_embedding(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
-        SlotLayout::walk(cfg, max_rank, true)
+        SlotLayout::walk(
+            cfg,
+            max_rank,
+            ModelPlaces {
+                embedding: true,
+                lm_head: false,
+            },
+        )
     }
 
-    /// The layout of `cfg` at `max_rank`, with the embedding place when
-    /// `embedding` is set.
-    pub fn walk(cfg: &ModelConfig, max_rank: usize, embedding: bool) -> Result<SlotLayout, LayoutError> {
+    /// The layout of `cfg` at `max_rank`, with the model-level places
+    /// `places` asks for (the embedding's, then the head's, after the last
+    /// layer's pairs).
+    pub fn walk(cfg: &ModelConfig, max_rank: usize, places: ModelPlaces) -> Result<SlotLayout, LayoutError> {
         if max_rank == 0 {
             return Err(LayoutError::ZeroRank { what: "max_rank" });
         }
@@ -172,7 +210,7 @@ impl SlotLayout {
                 });
             }
         }
-        let embedding = if embedding {
+        let embedding = if places.embedding {
             let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
             let a_bytes = max_rank
                 .checked_mul(vocab)
@@ -192,10 +230,31 @@ impl SlotLayout {
         } else {
             None
         };
+        let lm_head = if places.lm_head {
+            let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+            let a_bytes = max_rank
+                .checked_mul(hidden)
+                .and_then(|e| e.checked_mul(BF16_BYTES))
+                .ok_or(overflow("head A bytes"))?;
+            let a_offset = off;
+            let b_offset = off.checked_add(a_bytes).ok_or(overflow("slot bytes"))?;
+            off = off
+                .checked_add(pair_bytes(vocab, hidden, max_rank)?)
+                .ok_or(overflow("slot bytes"))?;
+            Some(HeadEntry {
+                hidden,
+                vocab,
+                a_offset,
+                b_offset,
+            })
+        } else {
+            None
+        };
         Ok(SlotLayout {
             max_rank,
             entries,
             embedding,
+            lm_head,
             slot_bytes: off,
             index,
         })
@@ -204,6 +263,19 @@ impl SlotLayout {
     /// The input embedding's pair place, when the layout has one.
     pub fn embedding(&self) -> Option<&EmbeddingEntry> {
         self.embedding.as_ref()
+    }
+
+    /// The output head's pair place, when the layout has one.
+    pub fn lm_head(&self) -> Option<&HeadEntry> {
+        self.lm_head.as_ref()
+    }
+
+    /// The model-level places this layout has.
+    pub fn places(&self) -> ModelPlaces {
+        ModelPlaces {
+            embedding: self.embedding.is_some(),
+            lm_head: self.lm_head.is_some(),
+        }
     }
 
     /// The rank every pair is padded to.
@@ -216,8 +288,9 @@ impl SlotLayout {
         self.slot_bytes
     }
 
-    /// Every (layer, module) pair in walk order (the embedding pair, which
-    /// follows them, is [`SlotLayout::embedding`]).
+    /// Every (layer, module) pair in walk order (the embedding and head
+    /// pairs, which follow them, are [`SlotLayout::embedding`] and
+    /// [`SlotLayout::lm_head`]).
     pub fn entries(&self) -> &[SlotEntry] {
         &self.entries
     }
