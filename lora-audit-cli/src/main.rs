@@ -80,6 +80,9 @@ struct Common {
     /// Give slots a place for a LoRA on the input embedding.
     #[arg(long)]
     embedding_lora: bool,
+    /// Give slots a place for a LoRA on the output head.
+    #[arg(long)]
+    lm_head_lora: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -93,6 +96,7 @@ impl Common {
             allow_partial: self.allow_partial,
             experts: self.experts,
             embedding_lora: self.embedding_lora,
+            lm_head_lora: self.lm_head_lora,
         };
         LoraOptions::from_env()
             .and_then(|o| o.with_args(args))

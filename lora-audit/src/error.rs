@@ -46,6 +46,9 @@ pub enum RejectCode {
     /// LoRA on the input embedding while the pool has no place for it
     /// (`LoraOptions::embedding_lora`, `LORA_EMBEDDING_LORA`).
     EmbeddingLoraDisabled,
+    /// LoRA on the output head (`lm_head.lora_A/B`) while the pool has no
+    /// place for it (`LoraOptions::lm_head_lora`, `LORA_LM_HEAD_LORA`).
+    LmHeadLoraDisabled,
     /// `modules_to_save` names a module other than `embed_tokens` / `lm_head`.
     ModulesToSave,
     /// `trainable_token_indices` or a `trainable_tokens_delta` that cannot be
@@ -107,7 +110,7 @@ pub enum RejectCode {
 
 impl RejectCode {
     /// Every code, in declaration order.
-    pub const ALL: [RejectCode; 35] = [
+    pub const ALL: [RejectCode; 36] = [
         RejectCode::PeftType,
         RejectCode::Pickle,
         RejectCode::Dora,
@@ -121,6 +124,7 @@ impl RejectCode {
         RejectCode::LoraVariant,
         RejectCode::EmbeddingLora,
         RejectCode::EmbeddingLoraDisabled,
+        RejectCode::LmHeadLoraDisabled,
         RejectCode::ModulesToSave,
         RejectCode::TrainableTokens,
         RejectCode::DuplicateTokenId,
@@ -161,6 +165,7 @@ impl RejectCode {
             RejectCode::LoraVariant => "REJECT[lora-variant]",
             RejectCode::EmbeddingLora => "REJECT[embedding-lora]",
             RejectCode::EmbeddingLoraDisabled => "REJECT[embedding-lora-disabled]",
+            RejectCode::LmHeadLoraDisabled => "REJECT[lm-head-lora-disabled]",
             RejectCode::ModulesToSave => "REJECT[modules-to-save]",
             RejectCode::TrainableTokens => "REJECT[trainable-tokens]",
             RejectCode::DuplicateTokenId => "REJECT[duplicate-token-id]",

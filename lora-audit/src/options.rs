@@ -1,7 +1,7 @@
 //! `LoraOptions`: the serving switches, with `from_env`, the one place that
 //! reads the `LORA_*` environment variables.
 
-use lora_layout::{LayoutError, ModelConfig, SlotLayout};
+use lora_layout::{LayoutError, ModelConfig, ModelPlaces, SlotLayout};
 
 /// How adapters are served: pool sizes and policy switches.
 ///
@@ -45,6 +45,11 @@ pub struct LoraOptions {
     /// more per slot. Off, an adapter with `lora_embedding_A/B` is refused
     /// (`REJECT[embedding-lora-disabled]`).
     pub embedding_lora: bool,
+    /// Give every slot a place for a LoRA on the output head
+    /// (`LORA_LM_HEAD_LORA`): `max_rank * (hidden + vocab)` BF16 elements
+    /// more per slot. Off, an adapter with `lm_head.lora_A/B` is refused
+    /// (`REJECT[lm-head-lora-disabled]`).
+    pub lm_head_lora: bool,
 }
 
 /// Default of [`LoraOptions::max_loras`].
@@ -69,6 +74,7 @@ impl Default for LoraOptions {
             peer: None,
             host_tier_bytes: 0,
             embedding_lora: false,
+            lm_head_lora: false,
         }
     }
 }
@@ -87,6 +93,8 @@ pub struct AuditArgs {
     pub experts: bool,
     /// Turns [`LoraOptions::embedding_lora`] on.
     pub embedding_lora: bool,
+    /// Turns [`LoraOptions::lm_head_lora`] on.
+    pub lm_head_lora: bool,
 }
 
 /// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
@@ -126,15 +134,21 @@ impl LoraOptions {
         self.allow_partial |= args.allow_partial;
         self.experts |= args.experts;
         self.embedding_lora |= args.embedding_lora;
+        self.lm_head_lora |= args.lm_head_lora;
         Ok(self)
     }
 
     /// The slot layout of a pool built with these options for `cfg`: the
-    /// dense pairs at `max_rank`, and the embedding pair's place when
-    /// [`LoraOptions::embedding_lora`] is on. Every pool, packer and lander
-    /// takes its layout from here.
+    /// dense pairs at `max_rank`, the embedding pair's place when
+    /// [`LoraOptions::embedding_lora`] is on and the head pair's when
+    /// [`LoraOptions::lm_head_lora`] is. Every pool, packer and lander takes
+    /// its layout from here.
     pub fn slot_layout(&self, cfg: &ModelConfig) -> Result<SlotLayout, LayoutError> {
-        SlotLayout::walk(cfg, self.max_rank, self.embedding_lora)
+        let places = ModelPlaces {
+            embedding: self.embedding_lora,
+            lm_head: self.lm_head_lora,
+        };
+        SlotLayout::walk(cfg, self.max_rank, places)
     }
 
     /// Build the options from a variable lookup (`None`: unset). Booleans are
@@ -194,6 +208,7 @@ impl LoraOptions {
             peer,
             host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
             embedding_lora: flag("LORA_EMBEDDING_LORA"),
+            lm_head_lora: flag("LORA_LM_HEAD_LORA"),
         })
     }
 }

@@ -300,7 +300,8 @@ fn width_field(weight: &WeightRef) -> &'static str {
             FusedParam::Down => "num_experts x hidden_size",
         },
         WeightRef::Router { .. } => "num_experts",
-        WeightRef::Table(_) => "hidden_size",
+        WeightRef::Table(OverlayModule::LmHead) => "vocab_size",
+        WeightRef::Table(OverlayModule::Embed) => "hidden_size",
         WeightRef::Unserved => "none",
     }
 }
@@ -346,6 +347,14 @@ fn probe_within(
                     });
                 }
             };
+            if module == OverlayModule::LmHead && adapter.lm_head.is_some() {
+                // The merged head is its table plus a delta in every row:
+                // PEFT's oracle probes that delta as a linear weight.
+                return Err(AuditError::Probe {
+                    name: format!("{ROWS_IDX}{table}"),
+                    reason: "the adapter has a LoRA on lm_head: probe its delta with probe_in::".into(),
+                });
+            }
             let rows = served.rows(module, table, ids, &mut budget)?;
             out.tensors.insert(format!("{ROWS_MERGED}{table}"), rows);
         }
@@ -405,7 +414,25 @@ fn probe_weight(
     let no_site = || bad("the model has no such site".into());
     Ok(Some(match weight_ref {
         WeightRef::Unserved => return Ok(None),
-        WeightRef::Table(_) => return Err(bad("token tables are probed with rows_idx::".into())),
+        // The output head with a LoRA pair: its delta over the whole
+        // vocabulary, probed like a linear weight (in = hidden, out = vocab).
+        WeightRef::Table(OverlayModule::LmHead) if adapter.lm_head.is_some() => {
+            let (out, inp) = (cfg.vocab_size, cfg.hidden_size);
+            check_width(inp)?;
+            let pair = adapter
+                .lm_head
+                .as_ref()
+                .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale));
+            ProbeTensor {
+                shape: vec![n, out],
+                data: pair_out(budget, pair, (out, inp))?,
+            }
+        }
+        WeightRef::Table(_) => {
+            return Err(bad(
+                "token tables are probed with rows_idx:: (probe_in:: only for lm_head with a LoRA pair)".into(),
+            ));
+        }
         WeightRef::Dense { layer, module } => {
             let (out, inp) = module.dims(cfg);
             check_width(inp)?;

@@ -41,6 +41,21 @@ pub struct PlacedEmbedding {
     pub b_key: String,
 }
 
+/// A LoRA on the output head, placed in the slot's head place: the
+/// logits of a hidden row `h` gain `scale · B · (A · h)` over the whole
+/// vocabulary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlacedHead {
+    /// Rank, from the tensor shapes.
+    pub rank: usize,
+    /// PEFT's scaling for this pair.
+    pub scale: f32,
+    /// The `lm_head.lora_A` tensor, `[r, hidden]`.
+    pub a_key: String,
+    /// The `lm_head.lora_B` tensor, `[vocab, r]`.
+    pub b_key: String,
+}
+
 /// Where an expert pair's factors sit in its tensors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExpertSlice {
@@ -157,6 +172,8 @@ pub struct AuditReport {
     pub experts: Vec<PlacedExpertPair>,
     /// The LoRA on the input embedding, if any.
     pub embedding: Option<PlacedEmbedding>,
+    /// The LoRA on the output head, if any.
+    pub lm_head: Option<PlacedHead>,
     /// Token overlays.
     pub overlay: AuditedOverlay,
     /// Items left out under `allow_partial`, each with its reason.
@@ -207,6 +224,7 @@ impl AuditReport {
                 },
             })).collect::<Vec<_>>(),
             "embedding": self.embedding.as_ref().map(|e| json!({ "rank": e.rank, "scale": e.scale })),
+            "lm_head": self.lm_head.as_ref().map(|e| json!({ "rank": e.rank, "scale": e.scale })),
             "overlay": {
                 "embed_trainable_ids": self.overlay.embed_ids,
                 "embed_table": t.embed.base_table(),
@@ -245,6 +263,7 @@ impl AuditReport {
             .iter()
             .map(|p| (&p.a_key, &p.b_key))
             .chain(self.embedding.as_ref().map(|e| (&e.a_key, &e.b_key)))
+            .chain(self.lm_head.as_ref().map(|e| (&e.a_key, &e.b_key)))
             .flat_map(|(a, b)| [a.clone(), b.clone()]);
         let experts = self.experts.iter().flat_map(|p| [p.a_key.clone(), p.b_key.clone()]);
         let t = &self.overlay.tensors;
@@ -317,6 +336,9 @@ impl AuditReport {
         }
         if let Some(e) = &self.embedding {
             let _ = writeln!(s, "embedding LoRA: rank {}  scale {:.6}", e.rank, e.scale);
+        }
+        if let Some(e) = &self.lm_head {
+            let _ = writeln!(s, "lm_head LoRA: rank {}  scale {:.6}", e.rank, e.scale);
         }
         let t = &self.overlay.tensors;
         if !self.overlay.is_empty() {

@@ -100,14 +100,17 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         allow_partial: true,
         experts: false,
         embedding_lora: true,
+        lm_head_lora: true,
     };
     let o = env.clone().with_args(args).unwrap();
     assert_eq!(
-        (o.max_rank, o.expert_rank, o.allow_partial, o.experts, o.embedding_lora),
-        (8, 4, true, true, true)
+        (o.max_rank, o.expert_rank, o.allow_partial, o.experts, o.embedding_lora, o.lm_head_lora),
+        (8, 4, true, true, true, true)
     );
-    assert!(!env.embedding_lora);
+    assert!(!env.embedding_lora && !env.lm_head_lora);
     assert!(opts(&[("LORA_EMBEDDING_LORA", "1")]).unwrap().embedding_lora);
+    let head = opts(&[("LORA_LM_HEAD_LORA", "true")]).unwrap();
+    assert!(head.lm_head_lora && !head.embedding_lora);
     for args in [
         AuditArgs {
             max_rank: Some(0),
