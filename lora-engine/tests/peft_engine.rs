@@ -57,6 +57,7 @@ fn options(family: &str, max_loras: usize) -> LoraOptions {
         max_rank: 16,
         experts: matches!(family, "qwen3_moe" | "mixtral"),
         embedding_lora: family == "llama_embed",
+        lm_head_lora: family == "llama_lm_head",
         ..LoraOptions::default()
     }
 }
@@ -171,6 +172,13 @@ fn llama_embedding_lora_batch_matches_peft() {
     serve_family("llama_embed");
 }
 
+/// LoRA on the output head beside head trainable tokens (in one adapter
+/// and in other slots) and base rows, in fewer slots than adapters.
+#[test]
+fn llama_lm_head_lora_batch_matches_peft() {
+    serve_family("llama_lm_head");
+}
+
 #[test]
 fn mistral_batch_matches_peft() {
     serve_family("mistral");
@@ -212,6 +220,7 @@ fn every_family_matches_peft_on_cuda() {
     for family in [
         "llama",
         "llama_embed",
+        "llama_lm_head",
         "mistral",
         "qwen2",
         "qwen3",

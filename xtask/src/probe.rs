@@ -6,7 +6,7 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--embedding-lora] [--json]`
+//! [--allow-partial] [--experts] [--embedding-lora] [--lm-head-lora] [--json]`
 //!
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
@@ -45,6 +45,7 @@ struct Args {
     allow_partial: bool,
     experts: bool,
     embedding_lora: bool,
+    lm_head_lora: bool,
     json: bool,
 }
 
@@ -53,6 +54,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
     let (mut max_rank, mut expert_rank) = (None, None);
     let (mut allow_partial, mut experts, mut embedding_lora, mut json) = (false, false, false, false);
+    let mut lm_head_lora = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -68,6 +70,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--allow-partial" => allow_partial = true,
             "--experts" => experts = true,
             "--embedding-lora" => embedding_lora = true,
+            "--lm-head-lora" => lm_head_lora = true,
             "--json" => json = true,
             flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
             path if adapter.is_none() => adapter = Some(PathBuf::from(path)),
@@ -87,6 +90,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         allow_partial,
         experts,
         embedding_lora,
+        lm_head_lora,
         json,
     })
 }
@@ -110,6 +114,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         allow_partial: args.allow_partial,
         experts: args.experts,
         embedding_lora: args.embedding_lora,
+        lm_head_lora: args.lm_head_lora,
     };
     let mut opts = LoraOptions::from_env()
         .and_then(|o| o.with_args(overrides))
@@ -213,6 +218,11 @@ fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) 
                 let t = dense_probe(pool, &lease, layer, module, x).map_err(usage)?;
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
+            // The output head's LoRA delta, through the decode rule table's tall expand.
+            WeightRef::Table(lora_audit::OverlayModule::LmHead) if pool.layout().lm_head().is_some() => {
+                let t = head_probe(pool, &lease, x).map_err(usage)?;
+                out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
+            }
             WeightRef::Unserved => out.unserved.push(weight),
             _ => return Err(usage(format!("{weight}: token tables are probed with rows_idx::"))),
         }
@@ -242,18 +252,51 @@ fn dense_probe<C: SlotCompanion>(
     module: LoraModule,
     x: &ProbeTensor,
 ) -> Result<ProbeTensor, String> {
-    let (out_dim, in_dim) = module.dims(pool.config());
+    if pool.layout().entry(layer, module).is_none() {
+        let (out_dim, _) = module.dims(pool.config());
+        let n = x.shape.first().copied().unwrap_or(0);
+        return Ok(ProbeTensor {
+            shape: vec![n, out_dim],
+            data: vec![0.0; n * out_dim],
+        });
+    }
+    let targets = FusedTargets::single(pool.config(), module);
+    decode_probe(pool, lease, x, module.dims(pool.config()), |pool, step, xr, yr| {
+        pool.apply_decode(step, layer, &targets, xr, yr)
+    })
+}
+
+/// The output head's LoRA delta for probe rows (in = hidden, out = vocab),
+/// through the pool's head apply.
+fn head_probe<C: SlotCompanion>(
+    pool: &mut LoraPool<C>,
+    lease: &SlotLease,
+    x: &ProbeTensor,
+) -> Result<ProbeTensor, String> {
+    let dims = (pool.config().vocab_size, pool.config().hidden_size);
+    decode_probe(pool, lease, x, dims, |pool, step, xr, yr| {
+        pool.apply_lm_head_decode(step, xr, yr, lora_kernels::DecodeOptions::default())
+    })
+}
+
+/// One probe through a decode apply of `(out_dim, in_dim)`.
+fn decode_probe<C: SlotCompanion>(
+    pool: &mut LoraPool<C>,
+    lease: &SlotLease,
+    x: &ProbeTensor,
+    (out_dim, in_dim): (usize, usize),
+    apply: impl FnOnce(
+        &LoraPool<C>,
+        &lora_pool::DecodeStep,
+        Rows<'_, half::bf16>,
+        RowsMut<'_, f32>,
+    ) -> Result<(), PoolError>,
+) -> Result<ProbeTensor, String> {
     let [n, width] = x.shape[..] else {
         return Err(format!("probe shape {:?}; expected [rows, in]", x.shape));
     };
     if width != in_dim || x.data.len() != n * width {
         return Err(format!("probe of width {width}; the weight takes {in_dim}"));
-    }
-    if pool.layout().entry(layer, module).is_none() {
-        return Ok(ProbeTensor {
-            shape: vec![n, out_dim],
-            data: vec![0.0; n * out_dim],
-        });
     }
     let (hi, lo) = crate::serve::split_hi_lo(&x.data);
     let device = pool.device().clone();
@@ -263,10 +306,9 @@ fn dense_probe<C: SlotCompanion>(
     let step = pool
         .decode_step(&vec![StepRow::Adapter(lease); 2 * n], 2 * n)
         .map_err(|e| e.to_string())?;
-    pool.apply_decode(
+    apply(
+        pool,
         &step,
-        layer,
-        &FusedTargets::single(pool.config(), module),
         Rows::dense(&xb, 2 * n, in_dim),
         RowsMut::dense(&mut y, 2 * n, out_dim),
     )

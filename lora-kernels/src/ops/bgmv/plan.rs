@@ -709,7 +709,7 @@ pub(super) const MAX_OUT_SPLITS: usize = 16;
 /// splits a wide enough output leaves A and x no shared memory; a
 /// narrowing or square pair never needs more splits than that for its
 /// width, and keeps the rule table's answers as recorded (`plan.golden`).
-pub(super) fn tall(f: &Facts<'_>) -> bool {
+fn tall(f: &Facts<'_>) -> bool {
     f.max_out > f.call.in_dim
 }
 
@@ -761,7 +761,7 @@ fn tall_rule(f: &Facts<'_>) -> Option<DecodePlan> {
 /// [`most_out_splits`]. Each split recomputes the rank vector (A and x
 /// read again, `in` x rank), which for a head costs far less than the B
 /// rows (vocab x rank) it no longer stages in one block.
-pub(super) fn tall_splits(f: &Facts<'_>) -> impl Iterator<Item = usize> {
+fn tall_splits(f: &Facts<'_>) -> impl Iterator<Item = usize> {
     let most = most_out_splits(f);
     std::iter::successors(Some(MAX_OUT_SPLITS * 2), move |&s| (s < most).then(|| (s * 2).min(most)))
         .take_while(move |&s| s <= most)
