@@ -947,12 +947,11 @@ impl<'a> Audit<'a> {
             .issues
             .into_iter()
             .partition(|r| self.opts.allow_partial && r.code.skippable());
-        let nothing_served =
-            self.placed.is_empty()
-                && self.experts.is_empty()
-                && self.embedding.is_none()
-                && self.lm_head.is_none()
-                && overlay.is_empty();
+        let nothing_served = self.placed.is_empty()
+            && self.experts.is_empty()
+            && self.embedding.is_none()
+            && self.lm_head.is_none()
+            && overlay.is_empty();
         if nothing_served && refused.is_empty() {
             refused.push(Refusal::new(
                 RejectCode::Empty,

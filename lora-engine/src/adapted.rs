@@ -243,11 +243,11 @@ impl StepHooks<'_> {
     /// expand).
     fn head_lora(&self, hidden: &[f32], logits: &mut [f32]) -> Result<(), BoxError> {
         let pool = self.pool;
-        let any = self.step.requests().iter().any(|r| {
-            r.slot()
-                .and_then(|s| pool.lm_head_entry(s))
-                .is_some_and(|e| e.rank > 0)
-        });
+        let any = self
+            .step
+            .requests()
+            .iter()
+            .any(|r| r.slot().and_then(|s| pool.lm_head_entry(s)).is_some_and(|e| e.rank > 0));
         if !any || logits.is_empty() {
             return Ok(());
         }

@@ -2461,7 +2461,10 @@ fn gpu_bgmv_tall_heads_match_cpu() {
                 }),
                 chain: Chain::Plain,
             };
-            if let Some(s) = [32, 64, 128, 256, 512, 1024].into_iter().find(|&s| on.serves(&p.y_bf16, fused(s))) {
+            if let Some(s) = [32, 64, 128, 256, 512, 1024]
+                .into_iter()
+                .find(|&s| on.serves(&p.y_bf16, fused(s)))
+            {
                 runs.push(exact(fused(s)));
                 wide += 1;
             }

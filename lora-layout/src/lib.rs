@@ -33,8 +33,8 @@ mod routing;
 
 pub use config::{ConfigError, LayerKind, LinearAttnDims, MlaDims, ModelConfig, ModelFamily, MoeDims};
 pub use layout::{
-    BF16_BYTES, EmbeddingEntry, ExpertEntry, ExpertLayout, HeadEntry, LayoutError, ModelPlaces, SlotEntry, SlotLayout, expert_packed_stride,
-    expert_router_bytes, module_slot_offsets, pair_bytes, pool_slot_bytes, slot_base_offset,
+    BF16_BYTES, EmbeddingEntry, ExpertEntry, ExpertLayout, HeadEntry, LayoutError, ModelPlaces, SlotEntry, SlotLayout,
+    expert_packed_stride, expert_router_bytes, module_slot_offsets, pair_bytes, pool_slot_bytes, slot_base_offset,
 };
 pub use module::{ExpertProj, ExpertSite, GateUpLayout, LoraModule, full_attention_layers, router_dims};
 pub use moe_route::{

@@ -133,7 +133,10 @@ impl PairLayout for SlotLayout {
             a_offset: e.a_offset,
             b_offset: e.b_offset,
         });
-        embedding.into_iter().chain(head).nth(i.checked_sub(self.entries().len())?)
+        embedding
+            .into_iter()
+            .chain(head)
+            .nth(i.checked_sub(self.entries().len())?)
     }
     fn position(&self, key: PairKey) -> Option<usize> {
         match key {

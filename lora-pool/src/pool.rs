@@ -567,7 +567,8 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// embedding's, if any), when the pool's slots have a head place.
     pub fn lm_head_table_offset(&self) -> Option<usize> {
         self.layout.lm_head()?;
-        let tables = self.cfg.num_hidden_layers * LoraModule::ALL.len() + usize::from(self.layout.embedding().is_some());
+        let tables =
+            self.cfg.num_hidden_layers * LoraModule::ALL.len() + usize::from(self.layout.embedding().is_some());
         Some(tables * self.opts.max_loras)
     }
 

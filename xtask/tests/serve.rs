@@ -51,7 +51,15 @@ fn serve(family: &str, adapters: &[String], requests: &Path, out: &Path, max_lor
         .arg(requests)
         .arg("--out")
         .arg(out)
-        .args(["--device", "cpu", "--max-rank", "16", "--experts", "--embedding-lora", "--lm-head-lora"])
+        .args([
+            "--device",
+            "cpu",
+            "--max-rank",
+            "16",
+            "--experts",
+            "--embedding-lora",
+            "--lm-head-lora",
+        ])
         .args(["--max-loras", &max_loras.to_string()])
         .output()
         .unwrap()

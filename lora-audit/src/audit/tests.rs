@@ -975,7 +975,10 @@ fn lm_head_lora_is_placed_with_peft_scaling() {
     let report = tokens(config, &tensors, &cfg, &head_on());
     assert!(report.is_servable(), "{:?}", report.refused);
     let h = report.lm_head.as_ref().unwrap();
-    assert_eq!((h.rank, h.scale, h.a_key.as_str(), h.b_key.as_str()), (4, 2.0, HEAD_A, HEAD_B));
+    assert_eq!(
+        (h.rank, h.scale, h.a_key.as_str(), h.b_key.as_str()),
+        (4, 2.0, HEAD_A, HEAD_B)
+    );
     assert_eq!(report.placed.len(), 1, "the decoder pair beside it");
     assert_eq!(
         report.overlay.tensors.lm_head.base_table(),
@@ -1020,14 +1023,21 @@ fn lm_head_lora_refusals_name_the_tensor() {
     let off = tokens(r#"{"r": 4}"#, &head, &cfg, &LoraOptions::default());
     assert_eq!(codes(&off), [RejectCode::LmHeadLoraDisabled]);
     assert_eq!(off.refused[0].subject, HEAD_A);
-    assert!(off.refused[0].reason.contains("LORA_LM_HEAD_LORA"), "{}", off.refused[0]);
+    assert!(
+        off.refused[0].reason.contains("LORA_LM_HEAD_LORA"),
+        "{}",
+        off.refused[0]
+    );
     // A tied head: PEFT's forward and merge disagree.
     let tied = tokens(r#"{"r": 4}"#, &head, &test_support::llama(true), &head_on());
     assert_eq!(codes(&tied), [RejectCode::TiedHead]);
     assert_eq!(tied.refused[0].subject, HEAD_A);
     // Trainable tokens on the same head: PEFT refuses to build it.
     let mut with_tokens = head.to_vec();
-    with_tokens.push(zeros("base_model.model.lm_head.token_adapter.trainable_tokens_delta", &[1, 64]));
+    with_tokens.push(zeros(
+        "base_model.model.lm_head.token_adapter.trainable_tokens_delta",
+        &[1, 64],
+    ));
     let both = tokens(
         r#"{"r": 4, "trainable_token_indices": {"lm_head": [3]}}"#,
         &with_tokens,

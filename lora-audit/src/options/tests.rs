@@ -104,7 +104,14 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
     };
     let o = env.clone().with_args(args).unwrap();
     assert_eq!(
-        (o.max_rank, o.expert_rank, o.allow_partial, o.experts, o.embedding_lora, o.lm_head_lora),
+        (
+            o.max_rank,
+            o.expert_rank,
+            o.allow_partial,
+            o.experts,
+            o.embedding_lora,
+            o.lm_head_lora
+        ),
         (8, 4, true, true, true, true)
     );
     assert!(!env.embedding_lora && !env.lm_head_lora);

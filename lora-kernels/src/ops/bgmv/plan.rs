@@ -763,8 +763,10 @@ fn tall_rule(f: &Facts<'_>) -> Option<DecodePlan> {
 /// rows (vocab x rank) it no longer stages in one block.
 fn tall_splits(f: &Facts<'_>) -> impl Iterator<Item = usize> {
     let most = most_out_splits(f);
-    std::iter::successors(Some(MAX_OUT_SPLITS * 2), move |&s| (s < most).then(|| (s * 2).min(most)))
-        .take_while(move |&s| s <= most)
+    std::iter::successors(Some(MAX_OUT_SPLITS * 2), move |&s| {
+        (s < most).then(|| (s * 2).min(most))
+    })
+    .take_while(move |&s| s <= most)
 }
 
 /// Batches rule 0 serves under the overlap promise (sm_90, rank stride 16).

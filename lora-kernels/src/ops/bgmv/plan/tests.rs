@@ -831,7 +831,9 @@ fn the_output_head_is_planned_for_every_vocabulary() {
                         for n in [1, 7, 64, 129, 512, 513, 2048] {
                             for y in [OutputKind::Bf16, OutputKind::F32] {
                                 let call = DecodeCall::dense(n, in_dim, stride, y, &targets).expect("a valid call");
-                                let label = format!("{device} {ctx_label} head {in_dim}->{vocab} r{stride} n{n} e{entries} {y:?}");
+                                let label = format!(
+                                    "{device} {ctx_label} head {in_dim}->{vocab} r{stride} n{n} e{entries} {y:?}"
+                                );
                                 match plan(&call, &limits, ctx, Choice::Auto) {
                                     Ok(p) => {
                                         if let Err(e) = plan(&call, &limits, ctx, Choice::Exact(p)) {
@@ -848,7 +850,12 @@ fn the_output_head_is_planned_for_every_vocabulary() {
             }
         }
     }
-    assert!(failures.is_empty(), "{} refused:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} refused:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Rule 6 serves only calls every other rule refused: the recorded grid's
@@ -875,7 +882,10 @@ fn only_widening_pairs_are_tall() {
             let f = Facts::of(&call, &DeviceLimits::SM80, DecodeContext::default());
             assert!(tall(&f), "{in_dim}->{vocab}");
             let splits: Vec<usize> = tall_splits(&f).collect();
-            assert!(!splits.is_empty() && splits[0] > MAX_OUT_SPLITS, "r{stride}: {splits:?}");
+            assert!(
+                !splits.is_empty() && splits[0] > MAX_OUT_SPLITS,
+                "r{stride}: {splits:?}"
+            );
             assert!(splits.windows(2).all(|w| w[0] < w[1]), "{splits:?}");
             assert!(splits.iter().all(|&s| s <= vocab / 64), "{splits:?}");
         }
