@@ -56,7 +56,15 @@ fn probe(model: &Path, adapter: &Path, device: &str, out: &Path) -> std::process
         .arg(adapter.join("oracle.safetensors"))
         .arg("--out")
         .arg(out)
-        .args(["--device", device, "--max-rank", "16", "--experts", "--embedding-lora", "--lm-head-lora"]);
+        .args([
+            "--device",
+            device,
+            "--max-rank",
+            "16",
+            "--experts",
+            "--embedding-lora",
+            "--lm-head-lora",
+        ]);
     if model.join("tables.safetensors").is_file() {
         cmd.arg("--base").arg(model.join("tables.safetensors"));
     }
