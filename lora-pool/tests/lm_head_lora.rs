@@ -228,6 +228,29 @@ fn a_pool_without_the_head_place_adds_nothing_and_refuses_head_lora() {
 }
 
 #[test]
+fn a_head_pair_is_promoted_from_the_host_tier_like_a_disk_swap() {
+    let with_tier = |images: usize| {
+        let opts = head_options();
+        let bytes = opts.slot_layout(&model_config("llama")).unwrap().slot_bytes();
+        LoraOptions {
+            host_tier_bytes: images * bytes,
+            ..opts
+        }
+    };
+    let mut pool = pool_with(with_tier(2), &[]);
+    let a = dir("lm_head_lora_no_table");
+    pool.prefetch("a", &a).unwrap();
+    pool.wait_for_prefetch();
+    assert_eq!(pool.host_tier().unwrap().names, ["a"]);
+    let report = pool.swap_from_disk(slot(1), "a", &a).unwrap();
+    assert_eq!(report.route, lora_pool::SwapRoute::HostTier);
+    let mut reference = pool_with(with_tier(0), &[]);
+    reference.swap_from_disk(slot(1), "a", &a).unwrap();
+    assert!(reference.lm_head_entry(slot(1)).unwrap().rank > 0);
+    assert_eq!(common::snapshot(&pool), common::snapshot(&reference));
+}
+
+#[test]
 #[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_lm_head_lora_equals_the_pair_math_and_peft() {
     let Some(device) = cuda_or_skip("gpu_lm_head_lora_equals_the_pair_math_and_peft") else {
