@@ -1,6 +1,11 @@
 //! `lora-audit`: check a PEFT adapter against a base model, or probe its
 //! deltas as they will be served. The command line over the `lora-audit`
-//! library (which never depends on an argument parser).
+//! library (which never depends on an argument parser). With `--tp-rank R
+//! --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`) the report sizes the
+//! rank's slot and `probe` writes the rank's part of each dense delta
+//! (`lora_audit::probe_adapter_at`); with `--ep-rank R --ep-world W` (or
+//! `LORA_EP_RANK` / `LORA_EP_WORLD`) the report places the rank's experts
+//! and the router, and expert probes of other ranks' experts are zeros.
 //!
 //! Exit status: 0 servable (probe written), 1 refused, 2 bad usage or
 //! unreadable input (with `--json`, also `{"error": …, "exit": 2}` on
@@ -10,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use lora_audit::{AuditArgs, AuditError, AuditReport, LoraOptions, audit_adapter, prepare_adapter, probe_files};
+use lora_audit::{AuditArgs, AuditError, AuditReport, LoraOptions, audit_adapter, prepare_adapter, probe_files_at};
 use lora_layout::ModelConfig;
 use serde_json::json;
 
@@ -77,6 +82,21 @@ struct Common {
     /// Serve routed-expert and router deltas.
     #[arg(long)]
     experts: bool,
+    /// Tensor-parallel rank (default: LORA_TP_RANK, else 0): the slot, and
+    /// each probe's output, are the rank's part.
+    #[arg(long)]
+    tp_rank: Option<usize>,
+    /// Tensor-parallel world size (default: LORA_TP_WORLD, else 1).
+    #[arg(long)]
+    tp_world: Option<usize>,
+    /// Expert-parallel rank (default: LORA_EP_RANK, else 0): the expert
+    /// slot holds the rank's block of experts; probes of other experts
+    /// answer zeros.
+    #[arg(long)]
+    ep_rank: Option<usize>,
+    /// Expert-parallel world size (default: LORA_EP_WORLD, else 1).
+    #[arg(long)]
+    ep_world: Option<usize>,
     /// Give slots a place for a LoRA on the input embedding.
     #[arg(long)]
     embedding_lora: bool,
@@ -95,6 +115,10 @@ impl Common {
             expert_rank: self.expert_rank,
             allow_partial: self.allow_partial,
             experts: self.experts,
+            tp_rank: self.tp_rank,
+            tp_world: self.tp_world,
+            ep_rank: self.ep_rank,
+            ep_world: self.ep_world,
             embedding_lora: self.embedding_lora,
             lm_head_lora: self.lm_head_lora,
         };
@@ -154,7 +178,8 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 }
                 Err(e) => return Err(e.to_string()),
             };
-            let outputs = probe_files(&adapter, &cfg, &probes, base.as_deref(), &out).map_err(|e| e.to_string())?;
+            let outputs = probe_files_at(&adapter, &cfg, &probes, base.as_deref(), &out, opts.placement)
+                .map_err(|e| e.to_string())?;
             if common.json {
                 let summary = json!({
                     "out": out.display().to_string(),

@@ -660,3 +660,156 @@ fn probing_a_refused_adapter_exits_1() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
 }
+
+/// `lora-audit probe --tp-rank R --tp-world W` for every rank: each rank's
+/// file holds its part of every dense delta (column-parallel: its output
+/// columns; row-parallel: the partial delta of its input slice), and the
+/// parts reassemble PEFT's oracle. A world size the model's 4 heads do not
+/// divide, or a rank outside its world, is bad usage (exit 2) naming why.
+#[test]
+fn probe_command_writes_each_tensor_parallel_ranks_part() {
+    use lora_layout::{ModuleShard, Placement, ShardKind};
+    let f = fixture("llama/dense_all_linear_f32");
+    let cfg = ModelConfig::from_file(&f.model.join("config.json")).unwrap();
+    let out_dir = std::env::temp_dir().join(format!("lora-audit-probe-tp-{}", std::process::id()));
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let probe = |extra: &[&str], out: &Path| {
+        lora_audit()
+            .arg("probe")
+            .arg(&f.dir)
+            .arg("--model")
+            .arg(f.model.join("config.json"))
+            .arg("--probes")
+            .arg(f.oracle().unwrap())
+            .arg("--out")
+            .arg(out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let oracle = oracle_outputs(&f.oracle().unwrap());
+    for world in [2usize, 4] {
+        let mut parts = Vec::new();
+        for rank in 0..world {
+            let out = out_dir.join(format!("x{world}-r{rank}.safetensors"));
+            let run = probe(
+                &["--tp-rank", &rank.to_string(), "--tp-world", &world.to_string()],
+                &out,
+            );
+            assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+            let got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =
+                oracle_like(&out).into_iter().map(|(k, s, v)| (k, (s, v))).collect();
+            parts.push((Placement::new(rank, world).unwrap(), got));
+        }
+        for (key, shape, want) in &oracle {
+            let weight = key.strip_prefix(PROBE_OUT).unwrap();
+            let module = LoraModule::ALL
+                .into_iter()
+                .find(|m| weight.ends_with(&format!("{}.weight", m.path(cfg.family))))
+                .unwrap();
+            let (n, out) = (shape[0], shape[1]);
+            let mut full = vec![0.0f32; n * out];
+            for (p, got) in &parts {
+                let shard = ModuleShard::of(module, &cfg, *p).unwrap();
+                let (s, v) = &got[key];
+                if shard.kind == ShardKind::Row {
+                    assert_eq!(s, &[n, out], "{key}");
+                    full.iter_mut().zip(v).for_each(|(f, x)| *f += x);
+                } else {
+                    let (out_r, _) = shard.dims();
+                    assert_eq!(s, &[n, out_r], "{key}");
+                    for j in 0..out_r {
+                        let col = shard.src_row(j).unwrap();
+                        for t in 0..n {
+                            full[t * out + col] = v[t * out_r + j];
+                        }
+                    }
+                }
+            }
+            assert!(relative_error(&full, want) < 1e-2, "x{world} {key}");
+        }
+    }
+    let out = out_dir.join("never.safetensors");
+    let run = probe(&["--tp-rank", "0", "--tp-world", "8"], &out);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("num_attention_heads"));
+    let run = probe(&["--tp-rank", "2", "--tp-world", "2"], &out);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("tp_rank=\"2\": must be below tp_world"));
+    assert!(!out.exists());
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
+
+/// `lora-audit probe --experts --ep-rank R --ep-world W`: an expert the
+/// rank does not hold answers zeros, the router the whole delta on every
+/// rank, and the ranks' answers summed (the router's taken once)
+/// reassemble PEFT's oracle; `check` places the rank's experts only. A
+/// world the model's 4 experts do not divide is exit 2 naming
+/// `num_experts`.
+#[test]
+fn probe_command_writes_each_expert_parallel_ranks_part() {
+    let f = fixture("qwen3_moe/experts_fused_router");
+    let out_dir = std::env::temp_dir().join(format!("lora-audit-probe-ep-{}", std::process::id()));
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let probe = |extra: &[&str], out: &Path| {
+        lora_audit()
+            .arg("probe")
+            .arg(&f.dir)
+            .arg("--model")
+            .arg(f.model.join("config.json"))
+            .arg("--probes")
+            .arg(f.oracle().unwrap())
+            .arg("--out")
+            .arg(out)
+            .args(["--max-rank", "16", "--experts"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let oracle = oracle_outputs(&f.oracle().unwrap());
+    let mut fused = 0;
+    for world in [2usize, 4] {
+        let mut sum: std::collections::BTreeMap<String, Vec<f32>> = std::collections::BTreeMap::new();
+        for rank in 0..world {
+            let out = out_dir.join(format!("x{world}-r{rank}.safetensors"));
+            let run = probe(
+                &["--ep-rank", &rank.to_string(), "--ep-world", &world.to_string()],
+                &out,
+            );
+            assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+            for (key, shape, v) in oracle_like(&out) {
+                if key.contains(".experts.") {
+                    // `[E, n, out]`: the rank's block of experts only.
+                    let per = v.len() / shape[0];
+                    let held = rank * shape[0] / world..(rank + 1) * shape[0] / world;
+                    for e in (0..shape[0]).filter(|e| !held.contains(e)) {
+                        assert!(v[e * per..(e + 1) * per].iter().all(|x| *x == 0.0), "{key} expert {e}");
+                    }
+                    fused += 1;
+                    let s = sum.entry(key).or_insert_with(|| vec![0.0; v.len()]);
+                    s.iter_mut().zip(&v).for_each(|(a, b)| *a += b);
+                } else {
+                    match sum.get(&key) {
+                        Some(s) => assert_eq!(s, &v, "{key}: the same on every rank"),
+                        None => {
+                            sum.insert(key, v);
+                        }
+                    }
+                }
+            }
+        }
+        for (key, _, want) in &oracle {
+            assert!(relative_error(&sum[key], want) < 1e-2, "x{world} {key}");
+        }
+    }
+    assert!(fused > 0, "no fused expert probe");
+    let out = out_dir.join("never.safetensors");
+    let run = probe(&["--ep-rank", "0", "--ep-world", "8"], &out);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("num_experts"));
+    let run = probe(&["--ep-rank", "2", "--ep-world", "2"], &out);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("ep_rank=\"2\": must be below ep_world"));
+    assert!(!out.exists());
+    let _ = std::fs::remove_dir_all(&out_dir);
+}

@@ -213,6 +213,7 @@ fn options(
         experts,
         embedding_lora,
         lm_head_lora,
+        ..AuditArgs::default()
     };
     LoraOptions::from_env()
         .and_then(|o| o.with_args(args))
@@ -257,7 +258,14 @@ fn check(
     lm_head_lora: bool,
 ) -> PyResult<PyReport> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(max_rank, expert_rank, allow_partial, experts, embedding_lora, lm_head_lora)?;
+    let opts = options(
+        max_rank,
+        expert_rank,
+        allow_partial,
+        experts,
+        embedding_lora,
+        lm_head_lora,
+    )?;
     let result = match (adapter_dir, config_json, tensors) {
         (Some(dir), None, None) => py.detach(|| audit_adapter(Path::new(&dir), &cfg, &opts)),
         (None, Some(text), Some(tensors)) => {
@@ -305,7 +313,14 @@ fn probe(
     lm_head_lora: bool,
 ) -> PyResult<(Vec<String>, Vec<String>)> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(max_rank, expert_rank, allow_partial, experts, embedding_lora, lm_head_lora)?;
+    let opts = options(
+        max_rank,
+        expert_rank,
+        allow_partial,
+        experts,
+        embedding_lora,
+        lm_head_lora,
+    )?;
     let adapter = py
         .detach(|| prepare_adapter(Path::new(&adapter_dir), &cfg, &opts))
         .map_err(|e| audit_err(py, e, Some(&cfg)))?;

@@ -966,7 +966,22 @@ impl<'a> Audit<'a> {
         skipped.sort_by(|x, y| (x.code, &x.subject).cmp(&(y.code, &y.subject)));
         refused.sort_by(|x, y| (x.code, &x.subject).cmp(&(y.code, &y.subject)));
         self.placed.sort_by_key(|p| (p.layer, p.module));
+        // The rank's slot: a placement whose cut does not divide the
+        // model's geometry is an error naming the dimension.
         let slot_bytes = self.opts.slot_layout(self.cfg)?.slot_bytes();
+        // An expert-parallel rank places its own experts and the
+        // (replicated) router; the others are audited, never loaded.
+        let group_expert_pairs = self.experts.len();
+        if let Some(moe) = self.cfg.moe.as_ref() {
+            let placement = self.opts.placement;
+            let range = placement
+                .expert_range(moe.num_experts)
+                .map_err(lora_layout::LayoutError::from)?;
+            self.experts.retain(|p| match p.site {
+                ExpertSite::Router => true,
+                ExpertSite::Expert { expert, .. } => range.contains(&expert),
+            });
+        }
         let expert_bytes = if self.experts.is_empty() {
             0
         } else {
@@ -986,6 +1001,7 @@ impl<'a> Audit<'a> {
             skipped,
             refused,
             has_expert_deltas: self.has_expert_deltas,
+            group_expert_pairs,
             slot_bytes,
             expert_bytes,
             max_rank: self.opts.max_rank,

@@ -46,7 +46,9 @@
 //! - The token-overlay host math ([`build_override_set`],
 //!   [`override_source`], [`row_diff_bf16`], [`ROWDIFF_THRESH`], ...) shared
 //!   with `lora-overlay`, and the pure probe path ([`probe_adapter`]) behind
-//!   the `lora-audit probe` command.
+//!   the `lora-audit probe` command; [`probe_adapter_at`] answers one
+//!   tensor-parallel rank's part of each dense delta
+//!   ([`LoraOptions::placement`]).
 //!
 //! - [`families`]: the adapter format of each model family added after the
 //!   first set (Gemma 2 / 3 and the Gemma 3 wrapper, GLM-4.5, Phi-3 /
@@ -167,8 +169,8 @@ pub use prepare::{
 };
 pub use probe::{
     BaseTables, FusedParam, MAX_PROBE_OUTPUT_BYTES, Oracle, PROBE_IN, PROBE_OUT, PairShape, ProbeInputs, ProbeOutputs,
-    ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, probe_files,
-    read_base_tables, read_oracle, read_probe_inputs, write_probe_outputs,
+    ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name, probe_adapter, probe_adapter_at,
+    probe_files, probe_files_at, read_base_tables, read_oracle, read_probe_inputs, write_probe_outputs,
 };
 pub use report::{
     AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedEmbedding, PlacedExpertPair, PlacedHead, PlacedPair,

@@ -1,7 +1,7 @@
 //! `LoraOptions`: the serving switches, with `from_env`, the one place that
 //! reads the `LORA_*` environment variables.
 
-use lora_layout::{LayoutError, ModelConfig, ModelPlaces, SlotLayout};
+use lora_layout::{LayoutError, ModelConfig, ModelPlaces, Placement, PlacementError, SlotLayout};
 
 /// How adapters are served: pool sizes and policy switches.
 ///
@@ -40,6 +40,13 @@ pub struct LoraOptions {
     /// promotion of an adapter held there is one copy, with no read, audit
     /// or parse.
     pub host_tier_bytes: usize,
+    /// The tensor-parallel rank this process serves (`LORA_TP_RANK`,
+    /// default 0, of `LORA_TP_WORLD`, default 1): its pool holds only the
+    /// rank's shard of each pair ([`lora_layout::ModuleShard`]); and its
+    /// expert-parallel rank (`LORA_EP_RANK`, default 0, of `LORA_EP_WORLD`,
+    /// default 1): its expert pool holds only the rank's block of experts
+    /// and the replicated router ([`lora_layout::Placement::expert_range`]).
+    pub placement: Placement,
     /// Give every slot a place for a LoRA on the input embedding
     /// (`LORA_EMBEDDING_LORA`): `max_rank * (vocab + hidden)` BF16 elements
     /// more per slot. Off, an adapter with `lora_embedding_A/B` is refused
@@ -73,6 +80,7 @@ impl Default for LoraOptions {
             rotatable: false,
             peer: None,
             host_tier_bytes: 0,
+            placement: Placement::SINGLE,
             embedding_lora: false,
             lm_head_lora: false,
         }
@@ -91,6 +99,14 @@ pub struct AuditArgs {
     pub allow_partial: bool,
     /// Turns [`LoraOptions::experts`] on.
     pub experts: bool,
+    /// Replaces the tensor-parallel rank of [`LoraOptions::placement`].
+    pub tp_rank: Option<usize>,
+    /// Replaces the tensor-parallel world size (at least 1).
+    pub tp_world: Option<usize>,
+    /// Replaces the expert-parallel rank.
+    pub ep_rank: Option<usize>,
+    /// Replaces the expert-parallel world size (at least 1).
+    pub ep_world: Option<usize>,
     /// Turns [`LoraOptions::embedding_lora`] on.
     pub embedding_lora: bool,
     /// Turns [`LoraOptions::lm_head_lora`] on.
@@ -133,6 +149,7 @@ impl LoraOptions {
         self.expert_rank = args.expert_rank.unwrap_or(self.expert_rank);
         self.allow_partial |= args.allow_partial;
         self.experts |= args.experts;
+        self.placement = placement_over(self.placement, args)?;
         self.embedding_lora |= args.embedding_lora;
         self.lm_head_lora |= args.lm_head_lora;
         Ok(self)
@@ -141,14 +158,16 @@ impl LoraOptions {
     /// The slot layout of a pool built with these options for `cfg`: the
     /// dense pairs at `max_rank`, the embedding pair's place when
     /// [`LoraOptions::embedding_lora`] is on and the head pair's when
-    /// [`LoraOptions::lm_head_lora`] is. Every pool, packer and lander takes
-    /// its layout from here.
+    /// [`LoraOptions::lm_head_lora`] is, each sized to the rank's shard of
+    /// [`LoraOptions::placement`] (the embedding and head pairs replicated,
+    /// whole on every rank). Every pool, packer and lander takes its layout
+    /// from here.
     pub fn slot_layout(&self, cfg: &ModelConfig) -> Result<SlotLayout, LayoutError> {
         let places = ModelPlaces {
             embedding: self.embedding_lora,
             lm_head: self.lm_head_lora,
         };
-        SlotLayout::walk(cfg, self.max_rank, places)
+        SlotLayout::walk(cfg, self.max_rank, self.placement, places)
     }
 
     /// Build the options from a variable lookup (`None`: unset). Booleans are
@@ -195,6 +214,34 @@ impl LoraOptions {
                 reason: "exceeds LORA_MAX_LORAS",
             });
         }
+        let tp_world = number("LORA_TP_WORLD", 1, 1)?;
+        let tp_rank = number("LORA_TP_RANK", 0, 0)?;
+        let placement = Placement::new(tp_rank, tp_world).map_err(|e| match e {
+            PlacementError::ZeroWorld => OptionsError {
+                variable: "LORA_TP_WORLD",
+                value: tp_world.to_string(),
+                reason: "must be at least 1",
+            },
+            _ => OptionsError {
+                variable: "LORA_TP_RANK",
+                value: tp_rank.to_string(),
+                reason: "must be below LORA_TP_WORLD",
+            },
+        })?;
+        let ep_world = number("LORA_EP_WORLD", 1, 1)?;
+        let ep_rank = number("LORA_EP_RANK", 0, 0)?;
+        let placement = placement.with_experts(ep_rank, ep_world).map_err(|e| match e {
+            PlacementError::ZeroExpertWorld => OptionsError {
+                variable: "LORA_EP_WORLD",
+                value: ep_world.to_string(),
+                reason: "must be at least 1",
+            },
+            _ => OptionsError {
+                variable: "LORA_EP_RANK",
+                value: ep_rank.to_string(),
+                reason: "must be below LORA_EP_WORLD",
+            },
+        })?;
         Ok(LoraOptions {
             max_loras,
             max_rank: number("LORA_MAX_RANK", defaults.max_rank, 1)?,
@@ -207,10 +254,34 @@ impl LoraOptions {
             rotatable: flag("LORA_ROTATE") || peer.is_some(),
             peer,
             host_tier_bytes: number("LORA_HOST_TIER_BYTES", defaults.host_tier_bytes, 0)?,
+            placement,
             embedding_lora: flag("LORA_EMBEDDING_LORA"),
             lm_head_lora: flag("LORA_LM_HEAD_LORA"),
         })
     }
+}
+
+/// `placement` with the ranks and world sizes `args` sets replaced.
+fn placement_over(placement: Placement, args: AuditArgs) -> Result<Placement, OptionsError> {
+    let tp_rank = args.tp_rank.unwrap_or(placement.tp_rank());
+    let tp_world = args.tp_world.unwrap_or(placement.tp_world());
+    let ep_rank = args.ep_rank.unwrap_or(placement.ep_rank());
+    let ep_world = args.ep_world.unwrap_or(placement.ep_world());
+    let refuse = |variable: &'static str, value: usize, reason: &'static str| OptionsError {
+        variable,
+        value: value.to_string(),
+        reason,
+    };
+    Placement::new(tp_rank, tp_world)
+        .map_err(|e| match e {
+            PlacementError::ZeroWorld => refuse("tp_world", tp_world, "must be at least 1"),
+            _ => refuse("tp_rank", tp_rank, "must be below tp_world"),
+        })?
+        .with_experts(ep_rank, ep_world)
+        .map_err(|e| match e {
+            PlacementError::ZeroExpertWorld => refuse("ep_world", ep_world, "must be at least 1"),
+            _ => refuse("ep_rank", ep_rank, "must be below ep_world"),
+        })
 }
 
 #[cfg(test)]

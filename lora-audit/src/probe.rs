@@ -13,7 +13,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::bf16;
-use lora_layout::{ExpertProj, ExpertSite, GateUpLayout, LoraModule, ModelConfig};
+use lora_layout::{
+    ExpertProj, ExpertSite, GateUpLayout, LayoutError, LoraModule, ModelConfig, ModuleShard, Placement, ShardKind,
+};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
@@ -314,21 +316,66 @@ pub fn probe_adapter(
     inputs: &ProbeInputs,
     base: Option<&BaseTables>,
 ) -> Result<ProbeOutputs, AuditError> {
-    probe_within(adapter, cfg, inputs, base, MAX_PROBE_OUTPUT_BYTES)
+    probe_within(adapter, cfg, inputs, base, Placement::SINGLE, MAX_PROBE_OUTPUT_BYTES)
 }
 
-/// [`probe_adapter`] with `limit` bytes of output.
+/// [`probe_adapter`] for one tensor-parallel rank: each dense probe's
+/// output is the rank's part of the served delta
+/// ([`lora_layout::ModuleShard`]). A column-parallel module answers its
+/// output columns `[n, out_r]` (the rank's block; for a fused module the
+/// rank's block of each fused part, in fused order; a replicated key/value
+/// head's columns on every rank holding it); a row-parallel module answers
+/// the partial delta `[n, out]` from the rank's columns of the probe input
+/// and of A, which the ranks' sum (the base model's all-reduce) makes
+/// whole; a replicated module answers the whole delta, and so does the
+/// output head's LoRA pair (`probe_in::lm_head.weight`), replicated whole on
+/// every rank ([`lora_layout::ModuleShard::lm_head`]).
+///
+/// Under expert parallelism (`ep_world > 1`) an expert probe of an expert
+/// the rank holds ([`Placement::expert_range`]) answers its whole delta,
+/// one of an expert it does not hold answers zeros of the same shape (a
+/// fused-experts probe `[E, n, out]` has zeros in the other ranks'
+/// experts), so the expert-parallel ranks' outputs sum to the unsharded
+/// ones; a router probe answers the whole (replicated) delta on every
+/// rank. A model whose `num_experts` does not divide by `ep_world` is
+/// [`AuditError::Layout`] naming it. Token-table probes (`rows_idx::`, and
+/// `probe_in::` of a table without a LoRA pair), and expert and router
+/// probes under `tp_world > 1` without expert parallelism, have no
+/// placement: [`AuditError::Probe`].
+pub fn probe_adapter_at(
+    adapter: &PreparedAdapter,
+    cfg: &ModelConfig,
+    inputs: &ProbeInputs,
+    base: Option<&BaseTables>,
+    placement: Placement,
+) -> Result<ProbeOutputs, AuditError> {
+    probe_within(adapter, cfg, inputs, base, placement, MAX_PROBE_OUTPUT_BYTES)
+}
+
+/// [`probe_adapter_at`] with `limit` bytes of output.
 fn probe_within(
     adapter: &PreparedAdapter,
     cfg: &ModelConfig,
     inputs: &ProbeInputs,
     base: Option<&BaseTables>,
+    placement: Placement,
     limit: usize,
 ) -> Result<ProbeOutputs, AuditError> {
     let mut out = ProbeOutputs::default();
     let mut budget = OutputBudget { left: limit };
+    if placement.tp_world() > 1
+        && let Some(table) = inputs.rows.keys().next()
+    {
+        return Err(AuditError::Probe {
+            name: format!("{ROWS_IDX}{table}"),
+            reason: format!(
+                "token-table probes have no tensor-parallel placement (tp_world {})",
+                placement.tp_world()
+            ),
+        });
+    }
     for (weight, x) in &inputs.inputs {
-        match probe_weight(adapter, cfg, weight, x, &mut budget)? {
+        match probe_weight(adapter, cfg, weight, x, placement, &mut budget)? {
             Some(t) => {
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
@@ -368,6 +415,7 @@ fn probe_weight(
     cfg: &ModelConfig,
     weight: &str,
     x: &ProbeTensor,
+    placement: Placement,
     budget: &mut OutputBudget,
 ) -> Result<Option<ProbeTensor>, AuditError> {
     let name = format!("{PROBE_IN}{weight}");
@@ -406,12 +454,40 @@ fn probe_weight(
             .dense_pair(layer, module)
             .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale))
     };
+    // An expert-parallel rank answers its own experts and the router;
+    // an expert it does not hold answers zeros (tokens routed to it are
+    // dispatched to the rank that holds it).
+    let num_experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    let held = placement
+        .expert_range(num_experts)
+        .map_err(|e| AuditError::Layout(LayoutError::from(e)))?;
     let expert = |layer, site| {
+        if let ExpertSite::Expert { expert, .. } = site
+            && !held.contains(&expert)
+        {
+            return None;
+        }
         adapter
             .expert_pair(layer, site)
             .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale))
     };
     let no_site = || bad("the model has no such site".into());
+    // Experts and the router are placed by expert parallelism only: under
+    // tensor parallelism without it they have no placement. The output
+    // head's LoRA pair is replicated (whole on every rank, as the base model
+    // keeps lm_head whole): its probe answers the whole delta.
+    let unplaced = match weight_ref {
+        WeightRef::Dense { .. } | WeightRef::Unserved => false,
+        WeightRef::Table(OverlayModule::LmHead) => adapter.lm_head.is_none(),
+        WeightRef::Table(_) => true,
+        WeightRef::Expert { .. } | WeightRef::Router { .. } | WeightRef::Fused { .. } => placement.ep_world() == 1,
+    };
+    if placement.tp_world() > 1 && unplaced {
+        return Err(bad(format!(
+            "token-table probes, and expert and router probes without expert parallelism, have no tensor-parallel placement (tp_world {})",
+            placement.tp_world()
+        )));
+    }
     Ok(Some(match weight_ref {
         WeightRef::Unserved => return Ok(None),
         // The output head with a LoRA pair: its delta over the whole
@@ -432,6 +508,56 @@ fn probe_weight(
             return Err(bad(
                 "token tables are probed with rows_idx:: (probe_in:: only for lm_head with a LoRA pair)".into(),
             ));
+        }
+        WeightRef::Dense { layer, module } if placement.tp_world() > 1 => {
+            let (out, inp) = module.dims(cfg);
+            check_width(inp)?;
+            let shard =
+                ModuleShard::of(module, cfg, placement).map_err(|e| AuditError::Layout(LayoutError::from(e)))?;
+            let (out_r, in_r) = shard.dims();
+            if shard.kind == ShardKind::Row {
+                // The partial delta of the rank's input columns.
+                let cols = shard.in_start..shard.in_start + in_r;
+                let take = |row: &[f32]| row[cols.clone()].to_vec();
+                let x_r: Vec<f32> = x.data.chunks_exact(inp.max(1)).flat_map(take).collect();
+                let mut y = budget.zeros(&name, field, n, out)?;
+                if let Some((a, b, rank, scale)) = dense(layer, module) {
+                    let a_r: Vec<bf16> = a
+                        .chunks_exact(inp.max(1))
+                        .flat_map(|row| row[cols.clone()].to_vec())
+                        .collect();
+                    let shape = PairShape {
+                        n,
+                        rank,
+                        inp: in_r,
+                        out,
+                    };
+                    if a_r.len() != rank * in_r || !apply_pair_into(&x_r, &a_r, b, shape, scale, &mut y) {
+                        return Err(bad("the pair's factors do not have their shapes' lengths".into()));
+                    }
+                }
+                ProbeTensor {
+                    shape: vec![n, out],
+                    data: y,
+                }
+            } else {
+                // The rank's output columns of the whole delta.
+                let y = pair_out(budget, dense(layer, module), (out, inp))?;
+                let mut y_r = budget.zeros(&name, field, n, out_r)?;
+                for j in 0..out_r {
+                    let col = shard
+                        .src_row(j)
+                        .ok_or_else(|| bad(format!("no source column for the rank's column {j}")))?;
+                    for t in 0..n {
+                        y_r[t * out_r + j] = y[t * out + col];
+                    }
+                }
+                budget.release(y);
+                ProbeTensor {
+                    shape: vec![n, out_r],
+                    data: y_r,
+                }
+            }
         }
         WeightRef::Dense { layer, module } => {
             let (out, inp) = module.dims(cfg);
@@ -662,9 +788,21 @@ pub fn probe_files(
     base: Option<&Path>,
     out: &Path,
 ) -> Result<ProbeOutputs, AuditError> {
+    probe_files_at(adapter, cfg, probes, base, out, Placement::SINGLE)
+}
+
+/// [`probe_files`] for one tensor-parallel rank ([`probe_adapter_at`]).
+pub fn probe_files_at(
+    adapter: &PreparedAdapter,
+    cfg: &ModelConfig,
+    probes: &Path,
+    base: Option<&Path>,
+    out: &Path,
+    placement: Placement,
+) -> Result<ProbeOutputs, AuditError> {
     let inputs = read_probe_inputs(probes)?;
     let base = base.map(read_base_tables).transpose()?;
-    let outputs = probe_adapter(adapter, cfg, &inputs, base.as_ref())?;
+    let outputs = probe_adapter_at(adapter, cfg, &inputs, base.as_ref(), placement)?;
     write_probe_outputs(out, &outputs)?;
     Ok(outputs)
 }

@@ -183,9 +183,15 @@ pub struct AuditReport {
     /// Whether the adapter has routed-expert or router tensors at all
     /// (placed or skipped): a request for it must fold them or be refused.
     pub has_expert_deltas: bool,
-    /// Bytes of one slot of the dense pool at `max_rank`, the embedding
-    /// place included when the options give slots one
-    /// (`LoraOptions::slot_layout`).
+    /// Expert and router pairs placed across the whole expert-parallel
+    /// group: `experts.len()` at `ep_world` 1; under expert parallelism
+    /// also the other ranks' experts, which `experts` leaves out. Above 0,
+    /// a token of this adapter carries its slot in the per-token map on
+    /// every rank, whichever rank folds it.
+    pub group_expert_pairs: usize,
+    /// Bytes of one slot of the dense pool at `max_rank`, for the options'
+    /// tensor-parallel rank, the embedding place included when the options
+    /// give slots one (`LoraOptions::slot_layout`).
     pub slot_bytes: usize,
     /// Bytes the placed expert and router pairs take in the expert pool at
     /// `expert_rank` (`lora_layout::expert_router_bytes`).

@@ -15,7 +15,7 @@
 
 use half::bf16;
 use lora_kernels::{Choice, DecodeOptions, Device, DeviceBuffer, Rows, RowsMut};
-use lora_layout::{LoraModule, ModelConfig};
+use lora_layout::{LoraModule, ModelConfig, Placement};
 use lora_moe::{ExpertTarget, MoeLora, SortedRows};
 use lora_overlay::TokenOverlays;
 use lora_pool::{DecodeStep, FusedTargets, LoraPool, PrefillStep, RowSlot, Step, StepSlots};
@@ -33,13 +33,15 @@ pub(crate) struct DenseTargets {
 }
 
 impl DenseTargets {
-    pub(crate) fn of(cfg: &ModelConfig) -> DenseTargets {
-        DenseTargets {
-            qkv: FusedTargets::qkv(cfg),
-            o: FusedTargets::single(cfg, LoraModule::OProj),
-            gate_up: FusedTargets::gate_up(cfg),
-            down: FusedTargets::single(cfg, LoraModule::DownProj),
-        }
+    /// The targets of tensor-parallel rank `placement` (the rank's columns
+    /// of each fused output; the whole outputs at world 1).
+    pub(crate) fn at(cfg: &ModelConfig, placement: Placement) -> Result<DenseTargets, lora_pool::PoolError> {
+        Ok(DenseTargets {
+            qkv: FusedTargets::qkv_at(cfg, placement)?,
+            o: FusedTargets::single_at(cfg, placement, LoraModule::OProj)?,
+            gate_up: FusedTargets::gate_up_at(cfg, placement)?,
+            down: FusedTargets::single_at(cfg, placement, LoraModule::DownProj)?,
+        })
     }
 }
 

@@ -19,6 +19,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use lora_audit::{AuditError, LoraOptions, audit_adapter, read_base_tables};
 use lora_kernels::Device;
@@ -28,6 +29,7 @@ use lora_overlay::{ServedTables, TokenOverlays};
 use lora_pool::{AdapterSource, BatchCapacity, LoraPool, PoolError, PrefillSeq, SlotLease, Step, StepRow};
 
 use crate::adapted::{DenseTargets, StepHooks, StepRef};
+use crate::collective::Collective;
 use crate::error::EngineError;
 use crate::forward::SeqChunk;
 use crate::kv_cache::KvCache;
@@ -125,6 +127,9 @@ impl Engine {
     /// pack a pool of `lora.max_loras` slots on `device` holding the first
     /// adapters; the others are promoted when a request needs them. On a
     /// CUDA `device` the base projections run there too (cuBLAS).
+    ///
+    /// A tensor-parallel placement (`lora.placement` with `tp_world > 1`)
+    /// needs the rank's collective: [`Engine::load_rank`].
     pub fn load(
         model_dir: &Path,
         adapters: &[AdapterDir],
@@ -132,12 +137,66 @@ impl Engine {
         lora: LoraOptions,
         opts: EngineOptions,
     ) -> Result<Engine, EngineError> {
+        if lora.placement.tp_world() > 1 {
+            return Err(EngineError::NotTensorParallel {
+                what: format!(
+                    "tp_world {} without the rank's collective (Engine::load_rank)",
+                    lora.placement.tp_world()
+                ),
+            });
+        }
         let model = Model::load_on(model_dir, device)?;
-        let config_path = model_dir.join("config.json");
-        let cfg = ModelConfig::from_file(&config_path).map_err(|source| EngineError::LoraConfig {
-            path: config_path.clone(),
-            source,
-        })?;
+        let cfg = lora_config(model_dir)?;
+        Engine::assemble(model, cfg, model_dir, adapters, device, lora, opts)
+    }
+
+    /// [`Engine::load`] as tensor-parallel rank `lora.placement` of the
+    /// group `collective` connects (its rank and world size must be the
+    /// placement's): the base model is cut for the rank ([`Model::shard`])
+    /// and its forward all-reduces the row-parallel outputs through
+    /// `collective`; the pool holds the rank's shard of every adapter.
+    /// Every rank of the group must be given the same requests in the
+    /// same order: each steps the same schedule, and every rank's outputs
+    /// equal (the reduced logits are the same on every rank).
+    ///
+    /// Errors: a collective of another rank or world
+    /// ([`EngineError::Collective`]), a placement that does not divide the
+    /// model ([`EngineError::Placement`]), an MoE model
+    /// ([`EngineError::NotTensorParallel`]), and [`Engine::load`]'s.
+    pub fn load_rank(
+        model_dir: &Path,
+        adapters: &[AdapterDir],
+        device: &Device,
+        lora: LoraOptions,
+        opts: EngineOptions,
+        collective: Arc<dyn Collective>,
+    ) -> Result<Engine, EngineError> {
+        let p = lora.placement;
+        if (collective.rank(), collective.world()) != (p.tp_rank(), p.tp_world()) {
+            return Err(EngineError::Collective(format!(
+                "a collective of rank {} of {} for tensor-parallel rank {} of {}",
+                collective.rank(),
+                collective.world(),
+                p.tp_rank(),
+                p.tp_world()
+            )));
+        }
+        let whole = Model::load(model_dir)?;
+        let cfg = lora_config(model_dir)?;
+        let model = whole.shard(&cfg, p)?.with_collective(collective).on_device(device)?;
+        Engine::assemble(model, cfg, model_dir, adapters, device, lora, opts)
+    }
+
+    /// The engine over a loaded (and, for a rank, cut) `model`.
+    fn assemble(
+        model: Model,
+        cfg: ModelConfig,
+        model_dir: &Path,
+        adapters: &[AdapterDir],
+        device: &Device,
+        lora: LoraOptions,
+        opts: EngineOptions,
+    ) -> Result<Engine, EngineError> {
         let lora = LoraOptions {
             rotatable: true,
             ..lora
@@ -174,6 +233,7 @@ impl Engine {
             max_rows: opts.max_batch_tokens.max(opts.max_running),
             max_segments: opts.admit_per_step,
         };
+        let placement = lora.placement;
         let pool = LoraPool::load_with_companion(device, cfg.clone(), lora, capacity, &sources, overlays)?;
         let moe = match (&cfg.moe, pool.experts()) {
             (Some(m), Some(_)) => Some(MoeLora::new(
@@ -182,9 +242,10 @@ impl Engine {
             )?),
             _ => None,
         };
+        let targets = DenseTargets::at(&cfg, placement)?;
         Ok(Engine {
             model,
-            targets: DenseTargets::of(&cfg),
+            targets,
             pool,
             moe,
             library,
@@ -514,6 +575,15 @@ impl Engine {
 
 /// Audit one adapter: refused (its report's reasons, or a refused config)
 /// or unreadable are distinct errors naming it.
+/// The adapter geometry of the model in `model_dir`.
+fn lora_config(model_dir: &Path) -> Result<ModelConfig, EngineError> {
+    let config_path = model_dir.join("config.json");
+    ModelConfig::from_file(&config_path).map_err(|source| EngineError::LoraConfig {
+        path: config_path.clone(),
+        source,
+    })
+}
+
 fn audit_one(a: &AdapterDir, cfg: &ModelConfig, opts: &LoraOptions) -> Result<(), EngineError> {
     match audit_adapter(&a.dir, cfg, opts) {
         Ok(report) if report.is_servable() => Ok(()),

@@ -239,6 +239,19 @@ pub enum EngineError {
     /// The pool refused a call (a swap onto a held slot, a full pool, ...).
     #[error(transparent)]
     Pool(#[from] lora_pool::PoolError),
+    /// A tensor-parallel placement that does not divide the model's
+    /// geometry, naming the dimension.
+    #[error(transparent)]
+    Placement(#[from] lora_layout::PlacementError),
+    /// Something the reference engine does not run tensor-parallel.
+    #[error("not served tensor-parallel: {what}")]
+    NotTensorParallel {
+        /// What.
+        what: String,
+    },
+    /// A collective of the tensor-parallel group failed.
+    #[error("collective: {0}")]
+    Collective(String),
     /// The MoE folds refused a call.
     #[error(transparent)]
     Moe(#[from] lora_moe::MoeError),

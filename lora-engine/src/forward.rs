@@ -169,11 +169,16 @@ impl Model {
         for (l, layer) in self.layers.iter().enumerate() {
             // residual + self_attn(input_layernorm(x))
             rms_norm(&hs, &layer.input_norm, eps, &mut xn);
-            let attn_out = self.attention(l, layer, &xn, rows, &cos, &sin, caches, hooks)?;
+            let mut attn_out = self.attention(l, layer, &xn, rows, &cos, &sin, caches, hooks)?;
+            // A tensor-parallel rank's o_proj output (and delta) is a
+            // partial sum over its heads.
+            if let Some(c) = &self.collective {
+                c.all_reduce_sum(&mut attn_out)?;
+            }
             add_in_place(&mut hs, &attn_out);
             // residual + mlp(post_attention_layernorm(x))
             rms_norm(&hs, &layer.post_norm, eps, &mut xn);
-            let mlp_out = match &layer.mlp {
+            let mut mlp_out = match &layer.mlp {
                 Mlp::Dense { gate_up, down } => {
                     let i = cfg.inter;
                     let mut gu = vec![0.0f32; n * 2 * i];
@@ -193,6 +198,10 @@ impl Model {
                     down,
                 } => self.moe_block(l, moe, router, gate_up, down, &xn, hooks)?,
             };
+            // ... and its down_proj output over its intermediate columns.
+            if let Some(c) = &self.collective {
+                c.all_reduce_sum(&mut mlp_out)?;
+            }
             add_in_place(&mut hs, &mlp_out);
         }
 

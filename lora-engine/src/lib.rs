@@ -58,6 +58,7 @@
 
 mod adapted;
 mod answers;
+mod collective;
 mod config;
 mod engine;
 mod error;
@@ -69,6 +70,7 @@ mod model;
 mod prefix;
 mod projection;
 mod request;
+mod shard;
 mod tensors;
 #[cfg(test)]
 mod test_support;
@@ -77,6 +79,7 @@ pub use answers::{
     ANSWER_TOLERANCE, Answer, Answers, Comparison, NEAR_TIE, TokenMatch, compare, rel_error, steps_before_near_tie,
     write_answers,
 };
+pub use collective::{Collective, HostCollective, NcclCollective};
 pub use config::{BaseConfig, Family, LayerConfig, MlpKind, MoeConfig};
 pub use engine::{AdapterDir, Engine, EngineOptions};
 pub use error::{BoxError, EngineError};

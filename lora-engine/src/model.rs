@@ -21,7 +21,11 @@
 
 use std::path::Path;
 
+use std::sync::Arc;
+
 use lora_kernels::Device;
+
+use crate::collective::Collective;
 
 use crate::config::{BaseConfig, Family, MlpKind, MoeConfig};
 use crate::error::EngineError;
@@ -44,6 +48,9 @@ pub struct Model {
     pub(crate) rope: Rope,
     /// The CUDA device the projections run on; `None`: the host.
     pub(crate) device: Option<Device>,
+    /// The tensor-parallel group of a cut model ([`Model::shard`]): the
+    /// forward all-reduces the row-parallel outputs through it.
+    pub(crate) collective: Option<Arc<dyn Collective>>,
 }
 
 /// One decoder layer's weights.
@@ -184,7 +191,17 @@ impl Model {
             lm_head,
             rope,
             device: None,
+            collective: None,
         })
+    }
+
+    /// This model run as a rank of `collective`'s tensor-parallel group:
+    /// the forward all-reduces the partial outputs of o_proj and down_proj
+    /// (with their deltas) through it. For a model cut by
+    /// [`Model::shard`] for the collective's rank.
+    pub fn with_collective(mut self, collective: Arc<dyn Collective>) -> Model {
+        self.collective = Some(collective);
+        self
     }
 }
 

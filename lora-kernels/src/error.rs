@@ -15,6 +15,17 @@ pub enum KernelError {
     /// `libcublas` could not be loaded (the f32 linear layers on CUDA need it).
     #[error("cuBLAS library (libcublas) not found; set LD_LIBRARY_PATH to the CUDA lib64 folder")]
     CublasMissing,
+    /// `libnccl` could not be loaded (NCCL collectives need it).
+    #[error("NCCL library (libnccl) not found; set LD_LIBRARY_PATH to its folder")]
+    NcclMissing,
+    /// An NCCL call failed.
+    #[error("NCCL call {call} failed: {detail}")]
+    Nccl {
+        /// The NCCL operation.
+        call: &'static str,
+        /// NCCL's result code, as text.
+        detail: String,
+    },
     /// The driver is there but reports no device with this ordinal.
     #[error("no CUDA device with ordinal {ordinal} ({count} present)")]
     NoSuchDevice {

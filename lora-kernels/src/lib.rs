@@ -49,6 +49,7 @@ mod cuda_rt;
 mod device;
 mod error;
 mod graph;
+mod nccl;
 pub mod ops;
 mod table;
 pub mod testing;
@@ -57,6 +58,7 @@ pub use buffer::{DeviceBuffer, DeviceElem, PinnedHostBuffer};
 pub use device::{Device, DeviceKind, Lane, compile_all_kernels, kernel_sources};
 pub use error::{FaultFlags, KernelError};
 pub use graph::{DeviceEvent, DeviceGraph};
+pub use nccl::{NcclComm, NcclId};
 pub use ops::bgmv::plan::{Chain, DecodeForm, DecodePlan, EntryKernel, FusedForm, ItemList, TwoPhaseForm};
 pub use ops::bgmv::{
     BGMV_MAX_RANK, DecodeOptions, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS, ROWS_MAX_IN,

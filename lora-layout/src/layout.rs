@@ -7,12 +7,14 @@
 //! [`SlotLayout::with_embedding`], the input embedding's pair last: A
 //! `[max_rank, vocab]` then B `[hidden, max_rank]` (PEFT's
 //! `lora_embedding_A` / `lora_embedding_B`, a pair whose input is the
-//! one-hot token). [`SlotLayout`] is that walk; [`pool_slot_bytes`],
-//! [`module_slot_offsets`] and every packer read it, so they cannot disagree.
-//!
-//! Then, in a layout whose [`ModelPlaces`] ask for it, the output head's
-//! pair (`lm_head`): A `[max_rank, hidden]` then B `[vocab, max_rank]`, a
-//! dense pair whose output is the logits.
+//! one-hot token). Then, in a layout whose [`ModelPlaces`] ask for it, the
+//! output head's pair (`lm_head`): A `[max_rank, hidden]` then B `[vocab,
+//! max_rank]`, a dense pair whose output is the logits. Under a
+//! tensor-parallel [`Placement`] each dense (layer, module) pair is sized to
+//! the rank's shard and the embedding and head pairs stay whole (replicated:
+//! [`ModuleShard::embedding`], [`ModuleShard::lm_head`]). [`SlotLayout`] is
+//! that walk; [`pool_slot_bytes`], [`module_slot_offsets`] and every packer
+//! read it, so they cannot disagree.
 //!
 //! *Why the embedding and head places are opt-in:* each costs `max_rank *
 //! (vocab + hidden)` elements in every slot (for a 128k vocabulary at rank
@@ -21,6 +23,7 @@
 
 use crate::config::ModelConfig;
 use crate::module::{ExpertSite, LoraModule};
+use crate::placement::{ModuleShard, Placement, PlacementError};
 
 /// Bytes of one BF16 element.
 pub const BF16_BYTES: usize = 2;
@@ -56,6 +59,9 @@ pub enum LayoutError {
         /// The site.
         site: ExpertSite,
     },
+    /// The tensor-parallel placement cannot split the model's geometry.
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
 }
 
 fn overflow(what: &'static str) -> LayoutError {
@@ -78,9 +84,10 @@ pub struct SlotEntry {
     pub layer: usize,
     /// The module.
     pub module: LoraModule,
-    /// Output width of the projection.
+    /// Output width the slot holds: the projection's, or the rank's rows
+    /// of it under a tensor-parallel placement ([`ModuleShard::dims`]).
     pub out_dim: usize,
-    /// Input width of the projection.
+    /// Input width the slot holds (the rank's columns for a row cut).
     pub in_dim: usize,
     /// Byte offset of A (`[max_rank, in]`) from the slot base.
     pub a_offset: usize,
@@ -96,7 +103,8 @@ impl SlotEntry {
 }
 
 /// The input embedding's pair place in a slot: A `[max_rank, vocab]`, B
-/// `[hidden, max_rank]`.
+/// `[hidden, max_rank]`. Under tensor parallelism the pair is replicated:
+/// every rank holds it whole ([`ModuleShard::embedding`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EmbeddingEntry {
     /// Rows of the embedding table (`vocab_size`): A's width.
@@ -133,13 +141,19 @@ pub struct ModelPlaces {
     pub lm_head: bool,
 }
 
-/// The layout of one pool slot for a model and a `max_rank`: every
-/// (layer, module) pair in walk order with its offsets, and the embedding
-/// and head pairs' places when the layout has them.
+/// The layout of one pool slot for a model, a `max_rank` and a
+/// tensor-parallel [`Placement`]: every (layer, module) pair in walk order
+/// with its offsets, each sized to the rank's shard, and the embedding and
+/// head pairs' places (whole on every rank) when the layout has them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotLayout {
     max_rank: usize,
+    placement: Placement,
     entries: Vec<SlotEntry>,
+    /// `shards[i]`: the rank's part of the `i`-th pair in walk order (the
+    /// embedding pair's then the head pair's, replicated, last when the
+    /// layout has them).
+    shards: Vec<ModuleShard>,
     embedding: Option<EmbeddingEntry>,
     lm_head: Option<HeadEntry>,
     slot_bytes: usize,
@@ -148,9 +162,10 @@ pub struct SlotLayout {
 }
 
 impl SlotLayout {
-    /// Walk the layout of `cfg` at `max_rank`: the dense pairs only.
+    /// Walk the layout of `cfg` at `max_rank`: the dense pairs only, every
+    /// pair whole ([`Placement::SINGLE`]).
     pub fn new(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
-        SlotLayout::walk(cfg, max_rank, ModelPlaces::default())
+        SlotLayout::walk(cfg, max_rank, Placement::SINGLE, ModelPlaces::default())
     }
 
     /// The layout of [`SlotLayout::new`] with the input embedding's pair
@@ -159,6 +174,7 @@ impl SlotLayout {
         SlotLayout::walk(
             cfg,
             max_rank,
+            Placement::SINGLE,
             ModelPlaces {
                 embedding: true,
                 lm_head: false,
@@ -166,10 +182,27 @@ impl SlotLayout {
         )
     }
 
-    /// The layout of `cfg` at `max_rank`, with the model-level places
-    /// `places` asks for (the embedding's, then the head's, after the last
-    /// layer's pairs).
-    pub fn walk(cfg: &ModelConfig, max_rank: usize, places: ModelPlaces) -> Result<SlotLayout, LayoutError> {
+    /// Walk the layout of `cfg` at `max_rank` for one tensor-parallel rank:
+    /// the same pairs in the same order as [`SlotLayout::new`], each sized
+    /// to the rank's [`ModuleShard`]. A module whose cut does not divide is
+    /// [`LayoutError::Placement`] naming the dimension.
+    pub fn with_placement(cfg: &ModelConfig, max_rank: usize, placement: Placement) -> Result<SlotLayout, LayoutError> {
+        SlotLayout::walk(cfg, max_rank, placement, ModelPlaces::default())
+    }
+
+    /// The layout of `cfg` at `max_rank` for `placement`, with the
+    /// model-level places `places` asks for (the embedding's, then the
+    /// head's, after the last layer's pairs). The embedding and head pairs
+    /// are replicated on every tensor-parallel rank (the base model keeps the
+    /// embedding table and the output head whole on every rank:
+    /// [`ModuleShard::embedding`], [`ModuleShard::lm_head`]), so their places
+    /// are the same on every rank.
+    pub fn walk(
+        cfg: &ModelConfig,
+        max_rank: usize,
+        placement: Placement,
+        places: ModelPlaces,
+    ) -> Result<SlotLayout, LayoutError> {
         if max_rank == 0 {
             return Err(LayoutError::ZeroRank { what: "max_rank" });
         }
@@ -180,13 +213,15 @@ impl SlotLayout {
             .ok_or(overflow("layout index"))?;
         let mut index = vec![u32::MAX; index_len];
         let mut entries = Vec::new();
+        let mut shards = Vec::new();
         let mut off = 0usize;
         for layer in 0..cfg.num_hidden_layers {
             for module in LoraModule::ALL {
                 if !module.applies_to_layer(cfg, layer) {
                     continue;
                 }
-                let (out_dim, in_dim) = module.dims(cfg);
+                let shard = ModuleShard::of(module, cfg, placement)?;
+                let (out_dim, in_dim) = shard.dims();
                 let a_bytes = max_rank
                     .checked_mul(in_dim)
                     .and_then(|e| e.checked_mul(BF16_BYTES))
@@ -208,6 +243,7 @@ impl SlotLayout {
                     a_offset,
                     b_offset,
                 });
+                shards.push(shard);
             }
         }
         let embedding = if places.embedding {
@@ -221,6 +257,7 @@ impl SlotLayout {
             off = off
                 .checked_add(pair_bytes(hidden, vocab, max_rank)?)
                 .ok_or(overflow("slot bytes"))?;
+            shards.push(ModuleShard::embedding(cfg, placement));
             Some(EmbeddingEntry {
                 vocab,
                 hidden,
@@ -241,6 +278,7 @@ impl SlotLayout {
             off = off
                 .checked_add(pair_bytes(vocab, hidden, max_rank)?)
                 .ok_or(overflow("slot bytes"))?;
+            shards.push(ModuleShard::lm_head(cfg, placement));
             Some(HeadEntry {
                 hidden,
                 vocab,
@@ -252,7 +290,9 @@ impl SlotLayout {
         };
         Ok(SlotLayout {
             max_rank,
+            placement,
             entries,
+            shards,
             embedding,
             lm_head,
             slot_bytes: off,
@@ -286,6 +326,18 @@ impl SlotLayout {
     /// Bytes of one slot.
     pub fn slot_bytes(&self) -> usize {
         self.slot_bytes
+    }
+
+    /// The tensor-parallel rank this layout is for.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// The rank's part of the `i`-th pair in walk order (the embedding and
+    /// head pairs', whole, from `entries().len()` on when the layout has
+    /// them).
+    pub fn shard(&self, i: usize) -> Option<&ModuleShard> {
+        self.shards.get(i)
     }
 
     /// Every (layer, module) pair in walk order (the embedding and head

@@ -4,7 +4,12 @@
 //! which projections a LoRA delta can target and how wide they are
 //! ([`ModelConfig`], [`LoraModule`], [`ExpertProj`], [`router_dims`]); where
 //! each (layer, module) pair lives inside a pool slot ([`SlotLayout`], the one
-//! layout walk every packer uses); and the small routing decisions the serving
+//! layout walk every packer uses), for one tensor-parallel rank when
+//! asked ([`Placement`], [`ModuleShard`], [`SlotLayout::with_placement`]),
+//! with the input embedding's and the output head's pair places when asked
+//! ([`SlotLayout::walk`], [`ModelPlaces`], both replicated whole on every
+//! rank);
+//! and the small routing decisions the serving
 //! path makes per batch ([`build_seq_slot_host`], [`select_victim_slot`],
 //! [`resolve_moe_lora_route`], [`adapter_id_hash`], ...).
 //!
@@ -29,6 +34,7 @@ mod layout;
 mod module;
 mod moe_route;
 mod pair;
+mod placement;
 mod routing;
 
 pub use config::{ConfigError, LayerKind, LinearAttnDims, MlaDims, ModelConfig, ModelFamily, MoeDims};
@@ -43,6 +49,7 @@ pub use moe_route::{
     resolve_moe_lora_route,
 };
 pub use pair::{PairKey, PairLayout, PairPlace};
+pub use placement::{MAX_OUT_SEGMENTS, ModuleShard, OutSegment, Placement, PlacementError, ShardKind};
 pub use routing::{
     LoraSites, SlotView, TooManyAdapters, VictimError, adapter_id_hash, build_seq_slot_host, routed_prefill_slot_of,
     scale_table_values, select_victim_slot, uniform_seq_slots,

@@ -3,6 +3,7 @@
 
 use crate::layout::{ExpertLayout, SlotLayout};
 use crate::module::{ExpertSite, LoraModule};
+use crate::placement::{ModuleShard, ShardKind};
 
 /// Where a pair acts: a dense module of the slot pool, or an expert/router
 /// site of the expert pool.
@@ -74,6 +75,9 @@ pub struct PairPlace {
     pub a_offset: usize,
     /// Byte offset of B (`[out, stride]`).
     pub b_offset: usize,
+    /// Which part of the source pair the place holds (`out_dim`, `in_dim`
+    /// are its dims; the source tensors have `shard.full_dims`).
+    pub shard: ModuleShard,
 }
 
 /// A slot layout seen as a list of pair places: [`SlotLayout`] (stride
@@ -116,15 +120,18 @@ impl PairLayout for SlotLayout {
                 in_dim: e.in_dim,
                 a_offset: e.a_offset,
                 b_offset: e.b_offset,
+                shard: *self.shard(i)?,
             });
         }
-        // The embedding's place follows the dense pairs, the head's it.
+        // The embedding's place follows the dense pairs, the head's it; the
+        // layout's shards list both, in that order, after the dense pairs'.
         let embedding = self.embedding().map(|e| PairPlace {
             key: PairKey::Embedding,
             out_dim: e.hidden,
             in_dim: e.vocab,
             a_offset: e.a_offset,
             b_offset: e.b_offset,
+            shard: ModuleShard::whole(ShardKind::Replicated, e.hidden, e.vocab),
         });
         let head = self.lm_head().map(|e| PairPlace {
             key: PairKey::LmHead,
@@ -132,11 +139,16 @@ impl PairLayout for SlotLayout {
             in_dim: e.hidden,
             a_offset: e.a_offset,
             b_offset: e.b_offset,
+            shard: ModuleShard::whole(ShardKind::Replicated, e.vocab, e.hidden),
         });
-        embedding
+        let place = embedding
             .into_iter()
             .chain(head)
-            .nth(i.checked_sub(self.entries().len())?)
+            .nth(i.checked_sub(self.entries().len())?)?;
+        Some(PairPlace {
+            shard: *self.shard(i)?,
+            ..place
+        })
     }
     fn position(&self, key: PairKey) -> Option<usize> {
         match key {
@@ -170,6 +182,7 @@ impl PairLayout for ExpertLayout {
             in_dim: e.in_dim,
             a_offset: e.a_offset,
             b_offset: e.b_offset,
+            shard: ModuleShard::whole(ShardKind::Replicated, e.out_dim, e.in_dim),
         })
     }
     fn position(&self, key: PairKey) -> Option<usize> {

@@ -152,6 +152,53 @@ impl MoeLora {
         &self.row_adapter
     }
 
+    /// Expert parallelism, sending side: the buffer the engine sends
+    /// alongside its token dispatch (all-to-all), `i32[n_tokens]`, token
+    /// `t`'s expert-pool slot or -1, in the batch's token order; returns
+    /// the buffer and `n_tokens`. The engine sends entry `t` wherever it
+    /// sends token `t` (once per destination rank, as it sends the
+    /// token's activations), and lands what it receives with
+    /// [`MoeLora::receive_dispatch_map`]. Slot numbers mean the same
+    /// adapter on every rank only if the ranks' pools hold the same
+    /// adapters in the same slots: the engine loads, swaps and evicts them
+    /// in lockstep across the expert-parallel group.
+    ///
+    /// Errors: [`MoeError::NotRouted`] before a batch is set.
+    pub fn dispatch_map(&self) -> Result<(&DeviceBuffer<i32>, usize), MoeError> {
+        let n = self.n_tokens.ok_or_else(|| MoeError::NotRouted {
+            call: "dispatch_map",
+            reason: "no batch is set (set_decode_step / set_prefill_step)".into(),
+        })?;
+        Ok((&self.row_adapter, n))
+    }
+
+    /// Expert parallelism, receiving side: make the batch of this rank's
+    /// expert folds the `n_tokens` tokens the engine's dispatch brought
+    /// here, under `step` (this rank's pool's current step, which the
+    /// index and fold calls must then pass), and return the per-token map
+    /// buffer, `i32[max_tokens]`, into whose first `n_tokens` entries the
+    /// engine lands the map entries that travelled with those tokens
+    /// ([`MoeLora::dispatch_map`] on the sending ranks), before the index
+    /// calls. The buffer's address never changes; nothing is copied here
+    /// (a device-to-device landing stays graph-capturable).
+    ///
+    /// Errors: another pool, a stale step, or more tokens than the scratch
+    /// holds; nothing changes.
+    pub fn receive_dispatch_map<C: SlotCompanion, S: lora_pool::Step>(
+        &mut self,
+        pool: &LoraPool<C>,
+        step: &S,
+        n_tokens: usize,
+    ) -> Result<&mut DeviceBuffer<i32>, MoeError> {
+        self.check_pool(pool)?;
+        pool.check_step(step)?;
+        self.check_tokens(n_tokens)?;
+        self.n_tokens = Some(n_tokens);
+        self.step = Some(step.id());
+        self.expert_rows = ExpertRows::Unset;
+        Ok(&mut self.row_adapter)
+    }
+
     /// The current per-row expert entry index (`i32`); its address never
     /// changes.
     pub fn expert_index(&self) -> &DeviceBuffer<i32> {

@@ -28,6 +28,12 @@
 //! - [`SortedRouting`]: the expert-sorted order of a batch built on the
 //!   host; [`ExpertLoraLayer`]: which experts a slot adapts at a layer, and
 //!   the row blocks of a sort that fold them.
+//! - Expert parallelism (`LoraOptions::placement`'s `ep_rank` / `ep_world`):
+//!   a rank's expert pool holds its block of experts and the replicated
+//!   router; [`MoeLora::dispatch_map`] is the per-token adapter map the
+//!   engine sends alongside its token dispatch (all-to-all), and
+//!   [`MoeLora::receive_dispatch_map`] where it lands on the rank that
+//!   folds the dispatched tokens.
 //! - [`probe_expert_lora`]: expert and router `probe_in::` probes answered
 //!   through the pool and the kernels (`cargo xtask probe`).
 //!

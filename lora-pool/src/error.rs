@@ -30,9 +30,34 @@ pub enum PoolError {
         #[source]
         source: ImageError,
     },
-    /// A layout size could not be computed.
+    /// A layout size could not be computed, or the tensor-parallel
+    /// placement does not divide the model's geometry.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// Routed-expert and router deltas with a tensor-parallel placement and
+    /// no expert parallelism: the expert pool holds whole experts only
+    /// (experts cut by tensor parallelism are not built), so a rank would
+    /// fold deltas onto outputs it does not have.
+    #[error(
+        "LORA_EXPERTS with LORA_TP_WORLD={tp_world} and LORA_EP_WORLD=1: experts are placed by expert parallelism only, never cut across tensor-parallel ranks"
+    )]
+    ExpertsUnderTensorParallel {
+        /// The world size.
+        tp_world: usize,
+    },
+    /// Peer landing into a tensor- or expert-parallel rank's pool: a peer
+    /// stages and a manifest lists whole pairs of every expert; per-rank
+    /// manifests are not built, so a rank's pool takes adapters from disk
+    /// (ranged reads of its own bytes) or its host tier only.
+    #[error(
+        "peer landing into a placed pool (tp_world {tp_world}, ep_world {ep_world}): peer manifests carry whole pairs, not a rank's shard"
+    )]
+    PlacedPeerLanding {
+        /// The tensor-parallel world size.
+        tp_world: usize,
+        /// The expert-parallel world size.
+        ep_world: usize,
+    },
     /// The device failed.
     #[error(transparent)]
     Kernel(#[from] KernelError),

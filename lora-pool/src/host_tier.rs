@@ -56,6 +56,8 @@ pub(crate) struct HostImage {
     pub(crate) dense: PinnedHostBuffer<bf16>,
     pub(crate) dense_pairs: Vec<PairMeta>,
     pub(crate) experts: Option<Arc<(ExpertLayout, SlotImage)>>,
+    /// Expert or router pairs on some rank of the expert-parallel group.
+    pub(crate) group_expert_deltas: bool,
     pub(crate) overlay: HostOverlay,
     pub(crate) has_overlay: bool,
 }

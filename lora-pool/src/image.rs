@@ -168,9 +168,11 @@ fn convert_f32(bytes: &[u8], dst: &mut [bf16]) {
 pub struct PairSource<'a> {
     /// Key, rank and scale.
     pub meta: PairMeta,
-    /// A `[rank, in]`, row-major.
+    /// A `[rank, in]`, row-major: the whole projection's, also where the
+    /// layout's place holds a tensor-parallel rank's shard (the packer
+    /// takes the rank's columns).
     pub a: Elems<'a>,
-    /// B `[out, rank]`, row-major.
+    /// B `[out, rank]`, row-major, whole (the packer takes the rank's rows).
     pub b: Elems<'a>,
 }
 
@@ -400,30 +402,73 @@ fn fill_place(
         }
     };
     let r = src.meta.rank;
+    let shard = &place.shard;
+    let (_, full_in) = shard.full_dims;
     let (a_used, a_pad) = a_region.split_at_mut(r * place.in_dim);
-    // A's rows and B's rows are contiguous in the source: copy them in
-    // blocks of whole rows.
-    let a_rows = (PIECE_ELEMS / place.in_dim.max(1)).max(1);
-    a_used
-        .par_chunks_mut(a_rows * place.in_dim)
-        .enumerate()
-        .try_for_each(|(i, block)| src.a.write(i * a_rows * place.in_dim, block))
-        .map_err(read_err(PairPart::A))?;
+    if place.in_dim == full_in {
+        // A's rows are contiguous in the source: copy them in blocks of
+        // whole rows.
+        let a_rows = (PIECE_ELEMS / place.in_dim.max(1)).max(1);
+        a_used
+            .par_chunks_mut(a_rows * place.in_dim)
+            .enumerate()
+            .try_for_each(|(i, block)| src.a.write(i * a_rows * place.in_dim, block))
+            .map_err(read_err(PairPart::A))?;
+    } else {
+        // A row-parallel rank's A: columns `in_start..in_start + in_len`
+        // of each source row.
+        a_used
+            .par_chunks_mut(place.in_dim.max(1))
+            .enumerate()
+            .try_for_each(|(i, row)| src.a.write(i * full_in + shard.in_start, row))
+            .map_err(read_err(PairPart::A))?;
+    }
     if let Some(index) = lora_audit::first_non_finite(a_used) {
+        let (row, col) = (index / place.in_dim.max(1), index % place.in_dim.max(1));
         return Err(ImageError::NonFinite {
             key: src.meta.key,
             part: PairPart::A,
-            index,
+            index: row * full_in + shard.in_start + col,
             value: a_used[index].to_f32(),
         });
     }
     a_pad.fill(bf16::ZERO);
+    // B: the rank's output rows, one block of source rows per segment (the
+    // whole B when the place is unsharded).
+    let mut b_rest: &mut [bf16] = &mut *b_region;
+    for seg in shard.segments() {
+        let (b_seg, tail) = std::mem::take(&mut b_rest).split_at_mut(seg.len * stride);
+        b_rest = tail;
+        fill_b_rows(b_seg, src, stride, seg.start).map_err(read_err(PairPart::B))?;
+    }
+    // The padding columns hold zeros, so the first non-finite element of
+    // the region is one of B's own: row-major over its source `[out, r]`
+    // values.
+    let non_finite = lora_audit::first_non_finite(b_region).map(|i| {
+        let (row, col) = (i / stride.max(1), i % stride.max(1));
+        (shard.src_row(row).unwrap_or(row) * r + col, b_region[i].to_f32())
+    });
+    match non_finite {
+        Some((index, value)) => Err(ImageError::NonFinite {
+            key: src.meta.key,
+            part: PairPart::B,
+            index,
+            value,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Write `dst` (whole rows of `stride`) from B's source rows starting at
+/// `first_src_row`, padding columns `rank..stride` with zeros, in row
+/// blocks of about [`PIECE_ELEMS`] elements, in parallel.
+fn fill_b_rows(dst: &mut [bf16], src: &PairSource<'_>, stride: usize, first_src_row: usize) -> std::io::Result<()> {
+    let r = src.meta.rank;
     let b_rows = (PIECE_ELEMS / stride.max(1)).max(1);
-    b_region
-        .par_chunks_mut(b_rows * stride)
+    dst.par_chunks_mut(b_rows * stride)
         .enumerate()
         .try_for_each(|(i, block)| {
-            let first_row = i * b_rows;
+            let first_row = first_src_row + i * b_rows;
             if r == stride {
                 // B is stored exactly as given: one copy per block.
                 return src.b.write(first_row * r, block);
@@ -438,20 +483,6 @@ fn fill_place(
             }
             Ok(())
         })
-        .map_err(read_err(PairPart::B))?;
-    // The padding columns hold zeros, so the first non-finite element of
-    // the region is one of B's own: row-major over its `[out, r]` values.
-    let non_finite = lora_audit::first_non_finite(b_region)
-        .map(|i| ((i / stride.max(1)) * r + i % stride.max(1), b_region[i].to_f32()));
-    match non_finite {
-        Some((index, value)) => Err(ImageError::NonFinite {
-            key: src.meta.key,
-            part: PairPart::B,
-            index,
-            value,
-        }),
-        None => Ok(()),
-    }
 }
 
 /// The places `range` of `layout`, each with its mutable region of `data`
@@ -526,11 +557,14 @@ impl<'a> PackPlan<'a> {
                 got,
                 expected,
             };
-            if p.a.len() != m.rank * place.in_dim {
-                return Err(shape_err(PairPart::A, p.a.len(), m.rank * place.in_dim));
+            // The source is the whole pair; the place may hold a rank's
+            // shard of it.
+            let (full_out, full_in) = place.shard.full_dims;
+            if p.a.len() != m.rank * full_in {
+                return Err(shape_err(PairPart::A, p.a.len(), m.rank * full_in));
             }
-            if p.b.len() != place.out_dim * m.rank {
-                return Err(shape_err(PairPart::B, p.b.len(), place.out_dim * m.rank));
+            if p.b.len() != full_out * m.rank {
+                return Err(shape_err(PairPart::B, p.b.len(), full_out * m.rank));
             }
             if by_place[index].replace(*p).is_some() {
                 return Err(ImageError::Duplicate { key: m.key });
@@ -594,6 +628,10 @@ impl PackPlan<'_> {
         let mut regions = Vec::with_capacity(2 * self.by_place.len());
         for (i, src) in self.by_place.iter().enumerate() {
             let place = layout.place(i)?;
+            // A tensor-parallel shard is packed on the host.
+            if !place.shard.is_whole() {
+                return None;
+            }
             let (a_dst, b_dst) = (place.a_offset / 2, place.b_offset / 2);
             let (rank, a, b) = match src {
                 Some(p) => (p.meta.rank, Some(src_of(&p.a)?), Some(src_of(&p.b)?)),

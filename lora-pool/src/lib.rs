@@ -11,6 +11,19 @@
 //! engine one apply call per (layer, modules) for decode, mixed prefill and
 //! one-adapter prefill, each taking the step whose rows it runs.
 //!
+//! Under a tensor-parallel placement (`LoraOptions::placement`,
+//! `LORA_TP_RANK` / `LORA_TP_WORLD`) a pool holds only its rank's shard of
+//! each pair (`lora_layout::ModuleShard`): the packer cuts the whole
+//! tensors it is given, its slots shrink accordingly, and an apply takes the
+//! rank's input (its input columns, for a row-parallel module) and writes
+//! the rank's output ([`FusedTargets::single_at`], [`FusedTargets::qkv_at`],
+//! [`FusedTargets::gate_up_at`]). Routed experts are placed by expert
+//! parallelism (`LORA_EP_RANK` / `LORA_EP_WORLD`): the audit keeps the
+//! rank's block of experts and the replicated router, so its expert slots
+//! hold only those; without it, a tensor-parallel pool serves no
+//! routed-expert or router deltas
+//! ([`PoolError::ExpertsUnderTensorParallel`]).
+//!
 //! What it must never do: move (the pool, tables and routing buffers keep
 //! their device addresses for the pool's life, so captured CUDA graphs stay
 //! valid across swaps); overwrite a slot a request or a step holds

@@ -117,6 +117,9 @@ struct Staged<S> {
     dense: DenseSource,
     dense_pairs: Vec<PairMeta>,
     experts: Option<Arc<(ExpertLayout, SlotImage)>>,
+    /// Expert or router pairs on some rank of the expert-parallel group
+    /// (`AdapterSlot::group_expert_deltas`).
+    group_expert_deltas: bool,
     companion: Option<S>,
     has_overlay: bool,
 }
@@ -164,7 +167,7 @@ impl ScanRefusal {
 
 /// The adapter tensor the audit placed as `part` of pair `key` (the key's
 /// own name where the report holds no such pair).
-fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
+pub(crate) fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) -> String {
     let embedding = report
         .embedding
         .as_ref()
@@ -361,6 +364,8 @@ impl<C: SlotCompanion> LoraPool<C> {
                 capacity: i32::MAX as usize,
             });
         }
+        // The rank's shard of every pair (the whole pair at world 1), the
+        // embedding pair's place (replicated) when the options give one.
         let layout = opts.slot_layout(&cfg)?;
         let slot_elems = layout.slot_bytes() / 2;
         let pool_elems = mul(slot_elems, opts.max_loras, "pool")?;
@@ -372,6 +377,18 @@ impl<C: SlotCompanion> LoraPool<C> {
         let table_len = mul(tables, opts.max_loras, "tables")?;
         let expert_bytes = opts.expert_slot_bytes.unwrap_or(expert_slot_bytes);
         let serve_experts = opts.experts && cfg.moe.is_some();
+        // Experts are placed by expert parallelism (whole experts, a block
+        // per rank); cut by tensor parallelism they are not built.
+        if serve_experts && opts.placement.tp_world() > 1 && opts.placement.ep_world() == 1 {
+            return Err(PoolError::ExpertsUnderTensorParallel {
+                tp_world: opts.placement.tp_world(),
+            });
+        }
+        if let Some(moe) = cfg.moe.as_ref().filter(|_| serve_experts) {
+            opts.placement
+                .expert_range(moe.num_experts)
+                .map_err(lora_layout::LayoutError::from)?;
+        }
         let ws_spec = WorkspaceSpec {
             max_rows: capacity.max_rows,
             max_rank: opts.max_rank,
@@ -465,12 +482,13 @@ impl<C: SlotCompanion> LoraPool<C> {
             });
         }
         check_unique_names(adapters)?;
-        // The audit alone sizes the expert pool; the tensors are read once,
-        // when each adapter is staged.
+        // The audit of each header alone sizes the expert pool; the tensors
+        // are read once, when each adapter is staged (a rank's pool: only
+        // its shard's bytes of a dense-only adapter).
         let expert_bytes = adapters
             .iter()
             .map(|a| {
-                let report = audit_adapter(a.dir, &cfg, &opts).map_err(audit_err(a.name))?;
+                let report = header_report(a.dir, &cfg, &opts).map_err(audit_err(a.name))?;
                 Ok(if report.is_servable() { report.expert_bytes } else { 0 })
             })
             .collect::<Result<Vec<usize>, PoolError>>()?
@@ -789,6 +807,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::HostTier,
             dense_pairs: image.dense_pairs.clone(),
             experts: image.experts.clone(),
+            group_expert_deltas: image.group_expert_deltas,
             companion: Some(companion),
             has_overlay: image.has_overlay,
             dense: DenseSource::Host(image),
@@ -915,6 +934,13 @@ impl<C: SlotCompanion> LoraPool<C> {
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
         }
+        let placement = self.opts.placement;
+        if placement != lora_layout::Placement::SINGLE {
+            return Err(PoolError::PlacedPeerLanding {
+                tp_world: placement.tp_world(),
+                ep_world: placement.ep_world(),
+            });
+        }
         self.check_no_pending()?;
         self.check_idle(slot)?;
         self.check_name_free(name, Some(slot))?;
@@ -945,6 +971,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::Landed,
             dense_pairs: dense.pairs().to_vec(),
             dense: DenseSource::Image(dense),
+            group_expert_deltas: experts.is_some(),
             experts: experts.map(Arc::new),
             companion: None,
             has_overlay: false,
@@ -992,7 +1019,9 @@ impl<C: SlotCompanion> LoraPool<C> {
             })
         })?;
         let raw_len = usize::try_from(unparsed.data_len()).unwrap_or(usize::MAX);
-        let raw = self.staging.takes_raw(raw_len);
+        // A tensor-parallel rank's shard is cut on the host (`PackPlan`):
+        // the device repack copies whole tensors only.
+        let raw = self.layout.placement().tp_world() == 1 && self.staging.takes_raw(raw_len);
         let shown = dir.display().to_string();
         let (cfg, opts) = (&self.cfg, &self.opts);
         let audit = || {
@@ -1036,6 +1065,9 @@ impl<C: SlotCompanion> LoraPool<C> {
         // the device scans the bytes it was given as they are; the host
         // packer checks each pair as it converts it.
         let dense_pairs = plan.metas().to_vec();
+        // An expert-parallel rank may hold none of the adapter's experts:
+        // its tokens still carry the slot to the ranks that do.
+        let group_expert_deltas = report.group_expert_pairs > 0;
         let (dense, route) = match regions {
             Some(regions) => {
                 // Queued behind the copies, not waited for: publish gates
@@ -1087,6 +1119,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             dense,
             dense_pairs,
             experts: None,
+            group_expert_deltas,
             companion: Some(companion),
             has_overlay: false,
         };
@@ -1127,6 +1160,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             route: SwapRoute::Prepared,
             dense: DenseSource::Staging,
             dense_pairs,
+            group_expert_deltas: experts.is_some() || adapter.report.group_expert_pairs > 0,
             experts: experts.map(Arc::new),
             companion: Some(companion),
             has_overlay: !adapter.overlay.is_empty(),
@@ -1276,6 +1310,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             generation: 0,
             pairs: staged.dense_pairs.clone(),
             expert_pairs,
+            group_expert_deltas: staged.group_expert_deltas && self.experts.is_some(),
             has_overlay: staged.has_overlay,
             unservable: false,
         };
@@ -1544,6 +1579,18 @@ impl<C: SlotCompanion> LoraPool<C> {
         x_rows: usize,
     ) -> Result<(), PoolError> {
         self.check_step(step)?;
+        // Column offsets counted for another rank would put a module's
+        // delta on another module's columns.
+        let (t, p) = (targets.placement(), self.layout.placement());
+        if (t.tp_rank(), t.tp_world()) != (p.tp_rank(), p.tp_world()) {
+            return Err(PoolError::Batch(format!(
+                "targets built for tensor-parallel rank {} of {}, the pool is rank {} of {} (use FusedTargets::*_at)",
+                targets.placement().tp_rank(),
+                targets.placement().tp_world(),
+                self.layout.placement().tp_rank(),
+                self.layout.placement().tp_world()
+            )));
+        }
         for m in targets.targets() {
             let entry = self.layout.entry(layer, m.module).ok_or(PoolError::NoSuchModule {
                 layer,
@@ -1890,7 +1937,24 @@ fn staged_value(staging: &DeviceBuffer<bf16>, region: &lora_kernels::RepackRegio
 
 /// Whether an audit lets the adapter go straight from its file: servable,
 /// and dense pairs only.
-fn dense_only(report: &AuditReport) -> bool {
+/// The audit of the adapter in `dir` from its safetensors header and
+/// config alone (no tensor value read), or the full audit when it has no
+/// safetensors file (a pickle is refused there).
+fn header_report(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Result<AuditReport, AuditError> {
+    let weights = dir.join(ADAPTER_WEIGHTS);
+    if !weights.is_file() {
+        return audit_adapter(dir, cfg, opts);
+    }
+    let config_path = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&config_path).map_err(|e| AuditError::Io {
+        path: config_path.display().to_string(),
+        source: e,
+    })?;
+    let file = UnparsedSafetensors::open(&weights)?.parse()?;
+    audit_header(&dir.display().to_string(), &text, file.infos(), cfg, opts)
+}
+
+pub(crate) fn dense_only(report: &AuditReport) -> bool {
     report.is_servable() && report.experts.is_empty() && report.overlay.is_empty()
 }
 

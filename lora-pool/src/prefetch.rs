@@ -16,14 +16,17 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use half::bf16;
-use lora_audit::{AuditError, LoraOptions, prepare_adapter};
+use lora_audit::{
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, HostOverlay, LoraOptions, Refusal, UnparsedSafetensors, audit_header,
+    prepare_adapter,
+};
 use lora_kernels::Device;
 use lora_layout::{ModelConfig, PairLayout, SlotLayout};
 
 use crate::error::PoolError;
 use crate::host_tier::{FileStamp, HostImage, HostTier};
-use crate::image::{PackPlan, dense_sources};
-use crate::pool::pack_experts;
+use crate::image::{ImageError, PackPlan, dense_sources, file_sources};
+use crate::pool::{dense_only, pack_experts, served_tensor};
 
 /// How one prefetch request ended.
 #[derive(Debug)]
@@ -205,6 +208,13 @@ impl Packer {
                 source: e,
             })
         })?;
+        // A tensor-parallel rank reads only its shard's bytes of a
+        // dense-only adapter, as the disk swap's host pack does.
+        if self.layout.placement().tp_world() > 1
+            && let Some(image) = self.rank_image(name, dir, &stamp)?
+        {
+            return Ok(image);
+        }
         let adapter = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err)?;
         if !adapter.experts.is_empty() && (!self.opts.experts || self.cfg.moe.is_none()) {
             return Err(PoolError::NoExpertPool(name.to_string()));
@@ -220,10 +230,79 @@ impl Packer {
             stamp,
             dense,
             dense_pairs: plan.metas().to_vec(),
+            group_expert_deltas: experts.is_some() || adapter.report.group_expert_pairs > 0,
             experts,
             has_overlay: !adapter.overlay.is_empty(),
             overlay: adapter.overlay,
         })
+    }
+}
+
+impl Packer {
+    /// The image of a dense-only adapter in `dir` from the rank's bytes of
+    /// its file only: the header audited, each pair's shard read with
+    /// positioned reads into its place (`PackPlan` over the file), a
+    /// non-finite value among them refused naming the tensor. `None` for
+    /// any other adapter (experts, overlays, no safetensors file, a
+    /// refusal): the prepared route answers it.
+    fn rank_image(&self, name: &str, dir: &Path, stamp: &FileStamp) -> Result<Option<HostImage>, PoolError> {
+        let audit_err = |source: AuditError| PoolError::Audit {
+            adapter: name.to_string(),
+            source: Box::new(source),
+        };
+        let weights = dir.join(ADAPTER_WEIGHTS);
+        if !weights.is_file() {
+            return Ok(None);
+        }
+        let config_path = dir.join(ADAPTER_CONFIG);
+        let text = std::fs::read_to_string(&config_path).map_err(|e| {
+            audit_err(AuditError::Io {
+                path: config_path.display().to_string(),
+                source: e,
+            })
+        })?;
+        let file = UnparsedSafetensors::open(&weights)
+            .and_then(|u| u.parse())
+            .map_err(audit_err)?;
+        let mut report =
+            audit_header(&dir.display().to_string(), &text, file.infos(), &self.cfg, &self.opts).map_err(audit_err)?;
+        if !dense_only(&report) {
+            return Ok(None);
+        }
+        let sources = file_sources(&report, &file).map_err(audit_err)?;
+        let plan = PackPlan::new(&self.layout, &sources).map_err(|source| PoolError::Image {
+            adapter: name.to_string(),
+            source,
+        })?;
+        let mut dense = self.device.alloc_pinned::<bf16>(self.layout.slot_bytes() / 2)?;
+        match plan.fill(&self.layout, 0..self.layout.len(), dense.as_mut_slice()?) {
+            Ok(()) => {}
+            Err(ImageError::NonFinite {
+                key,
+                part,
+                index,
+                value,
+            }) => {
+                report.refuse(Refusal::non_finite(served_tensor(&report, key, part), index, value));
+                return Err(audit_err(AuditError::Refused(Box::new(report))));
+            }
+            Err(source) => {
+                return Err(PoolError::Image {
+                    adapter: name.to_string(),
+                    source,
+                });
+            }
+        }
+        Ok(Some(HostImage {
+            dir: dir.to_path_buf(),
+            stamp: stamp.clone(),
+            dense,
+            dense_pairs: plan.metas().to_vec(),
+            experts: None,
+            group_expert_deltas: report.group_expert_pairs > 0,
+            has_overlay: false,
+            overlay: HostOverlay::none(self.cfg.hidden_size),
+        }))
     }
 }
 

@@ -19,6 +19,10 @@ pub struct AdapterSlot {
     pub pairs: Vec<PairMeta>,
     /// Expert and router pairs the slot serves, sorted by key.
     pub expert_pairs: Vec<PairMeta>,
+    /// The adapter has expert or router pairs on some rank of the
+    /// expert-parallel group, maybe none of them this rank's (at
+    /// `ep_world` 1: `!expert_pairs.is_empty()`).
+    pub group_expert_deltas: bool,
     /// The adapter has token overlays (trainable tokens, saved tables).
     pub has_overlay: bool,
     /// A write into the slot failed part way: it holds no adapter and
@@ -48,9 +52,12 @@ impl AdapterSlot {
         }
     }
 
-    /// Whether the adapter has expert or router deltas.
+    /// Whether the adapter has expert or router deltas, on this rank or
+    /// on another rank of the expert-parallel group (its tokens' map
+    /// entries name the slot on every rank, so the rank they are
+    /// dispatched to folds them).
     pub fn has_expert_deltas(&self) -> bool {
-        !self.expert_pairs.is_empty()
+        !self.expert_pairs.is_empty() || self.group_expert_deltas
     }
 }
 

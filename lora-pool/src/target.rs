@@ -1,12 +1,13 @@
 //! [`FusedTargets`]: which modules one apply call adds deltas for, and
 //! where each module's columns start in the fused output (q|k|v into one
 //! qkv buffer, gate|up into one), computed from the model config — never
-//! by hand.
+//! by hand. The `_at` constructors do the same for one tensor-parallel
+//! rank, whose output holds only its share of each module's columns.
 //!
 //! One launch serves at most [`FusedTargets::MAX`] modules; a longer list
 //! is a typed error when it is built, not at launch.
 
-use lora_layout::{LoraModule, ModelConfig};
+use lora_layout::{LoraModule, ModelConfig, ModuleShard, Placement};
 
 use crate::error::PoolError;
 
@@ -27,6 +28,9 @@ pub struct FusedTargets {
     targets: [ModuleTarget; FusedTargets::MAX],
     len: usize,
     width: usize,
+    /// The tensor-parallel rank whose columns the offsets count: a pool of
+    /// another placement refuses these targets.
+    placement: Placement,
 }
 
 impl FusedTargets {
@@ -37,6 +41,18 @@ impl FusedTargets {
     /// module `i - 1` ends. An error past [`FusedTargets::MAX`] modules, for
     /// none, or for a module repeated.
     pub fn concat(cfg: &ModelConfig, modules: &[LoraModule]) -> Result<FusedTargets, PoolError> {
+        FusedTargets::concat_at(cfg, Placement::SINGLE, modules)
+    }
+
+    /// [`FusedTargets::concat`] for the tensor-parallel rank `placement`:
+    /// each module's width is the rank's output columns
+    /// ([`ModuleShard::dims`]); a cut that does not divide is
+    /// [`PoolError::Layout`] naming the dimension.
+    pub fn concat_at(
+        cfg: &ModelConfig,
+        placement: Placement,
+        modules: &[LoraModule],
+    ) -> Result<FusedTargets, PoolError> {
         if modules.is_empty() || modules.len() > FusedTargets::MAX {
             return Err(PoolError::TooManyTargets {
                 got: modules.len(),
@@ -56,12 +72,14 @@ impl FusedTargets {
                 module,
                 y_col_offset: width,
             };
-            width += module.dims(cfg).0;
+            let shard = ModuleShard::of(module, cfg, placement).map_err(lora_layout::LayoutError::from)?;
+            width += shard.dims().0;
         }
         Ok(FusedTargets {
             targets,
             len: modules.len(),
             width,
+            placement,
         })
     }
 
@@ -75,7 +93,24 @@ impl FusedTargets {
             }; FusedTargets::MAX],
             len: 1,
             width,
+            placement: Placement::SINGLE,
         }
+    }
+
+    /// [`FusedTargets::single`] for the tensor-parallel rank `placement`.
+    pub fn single_at(cfg: &ModelConfig, placement: Placement, module: LoraModule) -> Result<FusedTargets, PoolError> {
+        FusedTargets::concat_at(cfg, placement, &[module])
+    }
+
+    /// [`FusedTargets::qkv`] for the tensor-parallel rank `placement`: the
+    /// rank's `q | k | v` columns.
+    pub fn qkv_at(cfg: &ModelConfig, placement: Placement) -> Result<FusedTargets, PoolError> {
+        FusedTargets::concat_at(cfg, placement, LoraModule::qkv(cfg.family))
+    }
+
+    /// [`FusedTargets::gate_up`] for the tensor-parallel rank `placement`.
+    pub fn gate_up_at(cfg: &ModelConfig, placement: Placement) -> Result<FusedTargets, PoolError> {
+        FusedTargets::concat_at(cfg, placement, LoraModule::gate_up(cfg.family))
     }
 
     /// q, k and v onto one fused `q | k | v` output ([`LoraModule::qkv`]:
@@ -105,6 +140,12 @@ impl FusedTargets {
     /// Columns of one fused output row (the sum of the modules' widths).
     pub fn width(&self) -> usize {
         self.width
+    }
+
+    /// The tensor-parallel rank the targets were built for
+    /// ([`Placement::SINGLE`] for the constructors without `_at`).
+    pub fn placement(&self) -> Placement {
+        self.placement
     }
 
     /// The first column of `module`, if it is one of the targets.
@@ -159,6 +200,36 @@ mod tests {
         assert_eq!(qkv.offset_of(LoraModule::KProj), None);
         let gu = FusedTargets::gate_up(&cfg);
         assert_eq!((gu.width(), gu.offset_of(LoraModule::GateUpProj)), (192, Some(0)));
+    }
+
+    #[test]
+    fn a_tensor_parallel_rank_fuses_its_own_columns() {
+        let cfg = cfg();
+        // 4 heads of 16 over 4 ranks: q 16 columns; 2 kv heads replicated
+        // over 2 ranks each: k and v 16 columns each.
+        let rank = Placement::new(3, 4).expect("placement");
+        let qkv = FusedTargets::qkv_at(&cfg, rank).expect("divides");
+        assert_eq!(qkv.width(), 16 + 16 + 16);
+        assert_eq!(qkv.offset_of(LoraModule::VProj), Some(32));
+        let gu = FusedTargets::gate_up_at(&cfg, rank).expect("divides");
+        assert_eq!((gu.width(), gu.offset_of(LoraModule::UpProj)), (48, Some(24)));
+        // Row-parallel: the output is whole.
+        let down = FusedTargets::single_at(&cfg, rank, LoraModule::DownProj).expect("divides");
+        assert_eq!(down.width(), 64);
+        assert_eq!(
+            FusedTargets::qkv_at(&cfg, Placement::SINGLE).ok(),
+            Some(FusedTargets::qkv(&cfg))
+        );
+        let eight = Placement::new(0, 8).expect("placement");
+        assert!(matches!(
+            FusedTargets::qkv_at(&cfg, eight),
+            Err(PoolError::Layout(lora_layout::LayoutError::Placement(
+                lora_layout::PlacementError::Indivisible {
+                    dimension: "num_attention_heads",
+                    ..
+                }
+            )))
+        ));
     }
 
     #[test]

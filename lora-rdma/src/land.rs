@@ -151,6 +151,15 @@ pub enum LandError {
     /// its layout overflows.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// The engine's pool is a tensor- or expert-parallel rank's: peer
+    /// manifests carry whole pairs, not a rank's shard.
+    #[error("peer landing for a placed pool (tp_world {tp_world}, ep_world {ep_world}) is not built")]
+    Placed {
+        /// The tensor-parallel world size.
+        tp_world: usize,
+        /// The expert-parallel world size.
+        ep_world: usize,
+    },
     /// A pair the audit placed has no place in the layout.
     #[error("{0}: no place in the engine's layout")]
     NotInLayout(PairKey),
@@ -320,7 +329,17 @@ fn wire_rank(rank: usize) -> Result<u32, LayoutError> {
 impl Lander {
     /// A lander for `cfg` with the pool limits of `opts` (`max_rank`,
     /// `expert_rank`, `experts`, `allow_partial`).
+    ///
+    /// A tensor- or expert-parallel placement is [`LandError::Placed`]:
+    /// manifests carry whole pairs, and per-rank manifests are not built.
     pub fn new(cfg: ModelConfig, opts: LoraOptions) -> Result<Lander, LandError> {
+        let placement = opts.placement;
+        if placement != lora_layout::Placement::SINGLE {
+            return Err(LandError::Placed {
+                tp_world: placement.tp_world(),
+                ep_world: placement.ep_world(),
+            });
+        }
         let layout = opts.slot_layout(&cfg)?;
         Ok(Lander {
             model: model_fingerprint(&cfg),

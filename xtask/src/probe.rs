@@ -6,7 +6,21 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--embedding-lora] [--lm-head-lora] [--json]`
+//! [--allow-partial] [--experts] [--embedding-lora] [--lm-head-lora]
+//! [--tp-rank R --tp-world W] [--ep-rank R --ep-world W] [--json]`
+//!
+//! With `--tp-rank R --tp-world W` (or `LORA_TP_RANK` / `LORA_TP_WORLD`)
+//! the pool is rank R's (its shard of every pair) and each dense probe
+//! output is the rank's part of the served delta, as `lora-audit probe`
+//! writes it (`lora_audit::probe_adapter_at`): a column-parallel module
+//! its output columns `[n, out_r]`, a row-parallel module the partial
+//! delta `[n, out]` of its slice of the probe input, a replicated module
+//! (and the output head's LoRA pair) the whole delta. With `--ep-rank R
+//! --ep-world W` (or `LORA_EP_RANK` / `LORA_EP_WORLD`) the expert pool holds
+//! rank R's block of experts and the router: an expert probe answers the
+//! served delta of an expert the rank holds and zeros for any other (so the
+//! ranks' outputs sum to the unsharded ones), a router probe the whole delta
+//! on every rank.
 //!
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
@@ -17,7 +31,7 @@ use lora_audit::{
     parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_kernels::{Device, Rows, RowsMut};
-use lora_layout::{LoraModule, ModelConfig};
+use lora_layout::{LoraModule, ModelConfig, ModuleShard};
 use lora_overlay::{ServedTables, TokenOverlays, probe_served_rows};
 use lora_pool::{
     AdapterSource, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError, SlotCompanion, SlotId, SlotLease,
@@ -44,6 +58,10 @@ struct Args {
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    tp_rank: Option<usize>,
+    tp_world: Option<usize>,
+    ep_rank: Option<usize>,
+    ep_world: Option<usize>,
     embedding_lora: bool,
     lm_head_lora: bool,
     json: bool,
@@ -53,6 +71,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut adapter = None;
     let (mut model, mut probes, mut base, mut out, mut device) = (None, None, None, None, None);
     let (mut max_rank, mut expert_rank) = (None, None);
+    let (mut tp_rank, mut tp_world, mut ep_rank, mut ep_world) = (None, None, None, None);
     let (mut allow_partial, mut experts, mut embedding_lora, mut json) = (false, false, false, false);
     let mut lm_head_lora = false;
     let mut it = args.iter();
@@ -67,6 +86,10 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--device" => device = Some(value()?),
             "--max-rank" => max_rank = Some(number(value()?)?),
             "--expert-rank" => expert_rank = Some(number(value()?)?),
+            "--tp-rank" => tp_rank = Some(number(value()?)?),
+            "--tp-world" => tp_world = Some(number(value()?)?),
+            "--ep-rank" => ep_rank = Some(number(value()?)?),
+            "--ep-world" => ep_world = Some(number(value()?)?),
             "--allow-partial" => allow_partial = true,
             "--experts" => experts = true,
             "--embedding-lora" => embedding_lora = true,
@@ -89,6 +112,10 @@ fn parse(args: &[String]) -> Result<Args, String> {
         expert_rank,
         allow_partial,
         experts,
+        tp_rank,
+        tp_world,
+        ep_rank,
+        ep_world,
         embedding_lora,
         lm_head_lora,
         json,
@@ -113,6 +140,10 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         expert_rank: args.expert_rank,
         allow_partial: args.allow_partial,
         experts: args.experts,
+        tp_rank: args.tp_rank,
+        tp_world: args.tp_world,
+        ep_rank: args.ep_rank,
+        ep_world: args.ep_world,
         embedding_lora: args.embedding_lora,
         lm_head_lora: args.lm_head_lora,
     };
@@ -252,38 +283,63 @@ fn dense_probe<C: SlotCompanion>(
     module: LoraModule,
     x: &ProbeTensor,
 ) -> Result<ProbeTensor, String> {
+    let (_, full_in) = module.dims(pool.config());
+    let n = probe_rows(x, full_in)?;
+    // The pool's rank: its output columns and, for a row-parallel module,
+    // its slice of the probe input (the whole of both at world 1).
+    let placement = pool.layout().placement();
+    let shard = ModuleShard::of(module, pool.config(), placement).map_err(|e| e.to_string())?;
+    let (out_dim, in_dim) = shard.dims();
     if pool.layout().entry(layer, module).is_none() {
-        let (out_dim, _) = module.dims(pool.config());
-        let n = x.shape.first().copied().unwrap_or(0);
         return Ok(ProbeTensor {
             shape: vec![n, out_dim],
             data: vec![0.0; n * out_dim],
         });
     }
-    let targets = FusedTargets::single(pool.config(), module);
-    decode_probe(pool, lease, x, module.dims(pool.config()), |pool, step, xr, yr| {
+    let x_rank: Vec<f32> = x
+        .data
+        .chunks_exact(full_in.max(1))
+        .flat_map(|row| row[shard.in_start..shard.in_start + in_dim].to_vec())
+        .collect();
+    let targets = FusedTargets::single_at(pool.config(), placement, module).map_err(|e| e.to_string())?;
+    decode_probe(pool, lease, &x_rank, n, (out_dim, in_dim), |pool, step, xr, yr| {
         pool.apply_decode(step, layer, &targets, xr, yr)
     })
 }
 
 /// The output head's LoRA delta for probe rows (in = hidden, out = vocab),
-/// through the pool's head apply.
+/// through the pool's head apply: whole on every tensor-parallel rank (the
+/// head pair is replicated).
 fn head_probe<C: SlotCompanion>(
     pool: &mut LoraPool<C>,
     lease: &SlotLease,
     x: &ProbeTensor,
 ) -> Result<ProbeTensor, String> {
     let dims = (pool.config().vocab_size, pool.config().hidden_size);
-    decode_probe(pool, lease, x, dims, |pool, step, xr, yr| {
+    let n = probe_rows(x, dims.1)?;
+    decode_probe(pool, lease, &x.data, n, dims, |pool, step, xr, yr| {
         pool.apply_lm_head_decode(step, xr, yr, lora_kernels::DecodeOptions::default())
     })
 }
 
-/// One probe through a decode apply of `(out_dim, in_dim)`.
+/// The rows of a probe `[rows, in]` of a weight that takes `in`.
+fn probe_rows(x: &ProbeTensor, full_in: usize) -> Result<usize, String> {
+    let [n, width] = x.shape[..] else {
+        return Err(format!("probe shape {:?}; expected [rows, in]", x.shape));
+    };
+    if width != full_in || x.data.len() != n * width {
+        return Err(format!("probe of width {width}; the weight takes {full_in}"));
+    }
+    Ok(n)
+}
+
+/// One probe of `n` rows `x` (`[n, in_dim]`) through a decode apply of
+/// `(out_dim, in_dim)`.
 fn decode_probe<C: SlotCompanion>(
     pool: &mut LoraPool<C>,
     lease: &SlotLease,
-    x: &ProbeTensor,
+    x: &[f32],
+    n: usize,
     (out_dim, in_dim): (usize, usize),
     apply: impl FnOnce(
         &LoraPool<C>,
@@ -292,13 +348,7 @@ fn decode_probe<C: SlotCompanion>(
         RowsMut<'_, f32>,
     ) -> Result<(), PoolError>,
 ) -> Result<ProbeTensor, String> {
-    let [n, width] = x.shape[..] else {
-        return Err(format!("probe shape {:?}; expected [rows, in]", x.shape));
-    };
-    if width != in_dim || x.data.len() != n * width {
-        return Err(format!("probe of width {width}; the weight takes {in_dim}"));
-    }
-    let (hi, lo) = crate::serve::split_hi_lo(&x.data);
+    let (hi, lo) = crate::serve::split_hi_lo(x);
     let device = pool.device().clone();
     let err = |e: lora_kernels::KernelError| e.to_string();
     let xb = device.upload(&[hi, lo].concat()).map_err(err)?;

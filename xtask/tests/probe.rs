@@ -125,3 +125,244 @@ fn a_refused_adapter_exits_1_and_bad_usage_exits_2() {
     let run = xtask().args(["probe", "--model"]).output().unwrap();
     assert_eq!(run.status.code(), Some(2));
 }
+
+/// The tensors of a probe output file by name: (shape, values).
+fn outputs(path: &Path) -> std::collections::BTreeMap<String, lora_audit::ProbeTensor> {
+    read_oracle(path).unwrap().expected
+}
+
+/// `cargo xtask probe --tp-rank R --tp-world W` on the dense fixtures of
+/// llama (and Phi-3's fused projections): each rank's file equals the pure
+/// path's part for that rank (`lora_audit::probe_adapter_at`), and the
+/// ranks' parts reassemble PEFT's oracle (column-parallel side by side,
+/// row-parallel summed); the output head's LoRA pair, replicated, answers
+/// the whole delta on every rank. A world size the 4 heads do not divide is exit 2
+/// naming the dimension.
+#[test]
+fn each_tensor_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path() {
+    use lora_audit::{LoraOptions, PROBE_OUT, prepare_adapter, probe_adapter_at};
+    use lora_layout::{LoraModule, ModelConfig, ModuleShard, Placement, ShardKind};
+    let tmp = std::env::temp_dir().join(format!("xtask-probe-tp-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let cases = [
+        ("llama", "dense_all_linear_f32"),
+        ("llama", "rank_alpha_pattern"),
+        ("phi3", "all_linear"),
+        ("llama", "lm_head_lora_no_table"),
+    ];
+    for (family, name) in cases {
+        let model = fixtures().join(family);
+        let adapter = model.join(name);
+        let cfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
+        let oracle = read_oracle(&adapter.join("oracle.safetensors")).unwrap();
+        for world in [2usize, 4] {
+            let mut full: std::collections::BTreeMap<String, Vec<f32>> = std::collections::BTreeMap::new();
+            for placement in Placement::new(0, world).unwrap().ranks() {
+                let out = tmp.join(format!("{family}-{name}-{world}-{}.safetensors", placement.tp_rank()));
+                let rank = placement.tp_rank().to_string();
+                let run = xtask()
+                    .arg("probe")
+                    .arg(&adapter)
+                    .arg("--model")
+                    .arg(model.join("config.json"))
+                    .arg("--probes")
+                    .arg(adapter.join("oracle.safetensors"))
+                    .arg("--out")
+                    .arg(&out)
+                    .args(["--device", "cpu", "--max-rank", "16", "--lm-head-lora"])
+                    .args(["--tp-rank", &rank, "--tp-world", &world.to_string()])
+                    .output()
+                    .unwrap();
+                assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+                let served = outputs(&out);
+                let opts = LoraOptions {
+                    placement,
+                    lm_head_lora: true,
+                    ..LoraOptions::default()
+                };
+                let pure = probe_adapter_at(
+                    &prepare_adapter(&adapter, &cfg, &opts).unwrap(),
+                    &cfg,
+                    &oracle.inputs,
+                    None,
+                    placement,
+                )
+                .unwrap();
+                for (weight, x) in &oracle.inputs.inputs {
+                    let key = format!("{PROBE_OUT}{weight}");
+                    let what = format!("{family}/{name} x{world} rank {rank} {weight}");
+                    let part = &served[&key];
+                    assert_eq!(part.shape, pure.tensors[&key].shape, "{what}");
+                    let err = rel_error(&part.data, &pure.tensors[&key].data);
+                    assert!(err < 1e-3, "{what}: {err} against the pure path's part");
+                    if weight == "lm_head.weight" {
+                        // The head pair is replicated: every rank answers
+                        // the whole delta.
+                        let err = rel_error(&part.data, &oracle.expected[&key].data);
+                        assert!(err < 1e-2, "{what}: {err} against PEFT");
+                        continue;
+                    }
+                    let module = LoraModule::ALL
+                        .into_iter()
+                        .find(|m| weight.ends_with(&format!("{}.weight", m.path(cfg.family))))
+                        .unwrap();
+                    let shard = ModuleShard::of(module, &cfg, placement).unwrap();
+                    let (n, out_full) = (x.shape[0], module.dims(&cfg).0);
+                    let whole = full.entry(key).or_insert_with(|| vec![0.0; n * out_full]);
+                    if shard.kind == ShardKind::Row {
+                        whole.iter_mut().zip(&part.data).for_each(|(w, v)| *w += v);
+                    } else {
+                        let (out_r, _) = shard.dims();
+                        for j in 0..out_r {
+                            let col = shard.src_row(j).unwrap();
+                            for t in 0..n {
+                                whole[t * out_full + col] = part.data[t * out_r + j];
+                            }
+                        }
+                    }
+                }
+            }
+            for (key, whole) in &full {
+                let err = rel_error(whole, &oracle.expected[key].data);
+                assert!(err < 1e-2, "{family}/{name} x{world} {key}: {err} against PEFT");
+            }
+        }
+    }
+    let model = fixtures().join("llama");
+    let run = xtask()
+        .arg("probe")
+        .arg(model.join("rslora"))
+        .arg("--model")
+        .arg(model.join("config.json"))
+        .arg("--probes")
+        .arg(model.join("rslora/oracle.safetensors"))
+        .arg("--out")
+        .arg(tmp.join("never.safetensors"))
+        .args(["--device", "cpu", "--tp-rank", "1", "--tp-world", "8"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("num_attention_heads"));
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// `cargo xtask probe --ep-rank R --ep-world W` on every servable MoE
+/// fixture: each rank's file equals the pure path's answer for that rank
+/// (`lora_audit::probe_adapter_at`); an expert the rank does not hold
+/// answers zeros, the router and the dense weights answer the same on
+/// every rank, and the ranks' expert answers summed reassemble PEFT's
+/// oracle. An expert-parallel world the 4 experts do not divide is exit 2
+/// naming `num_experts`.
+#[test]
+fn each_expert_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path() {
+    use lora_audit::{LoraOptions, PROBE_OUT, WeightRef, parse_weight_name, prepare_adapter, probe_adapter_at};
+    use lora_layout::{ModelConfig, Placement};
+    let tmp = std::env::temp_dir().join(format!("xtask-probe-ep-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut expert_keys = 0;
+    let moe: Vec<_> = servable()
+        .into_iter()
+        .filter(|(model, _)| {
+            ModelConfig::from_file(&model.join("config.json"))
+                .unwrap()
+                .moe
+                .is_some()
+        })
+        .collect();
+    assert!(moe.len() >= 10, "the MoE fixture set shrank: {}", moe.len());
+    for (i, (model, adapter)) in moe.iter().enumerate() {
+        let name = adapter.strip_prefix(fixtures()).unwrap().display().to_string();
+        let cfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
+        let num_experts = cfg.moe.as_ref().unwrap().num_experts;
+        let oracle = read_oracle(&adapter.join("oracle.safetensors")).unwrap();
+        for world in [2usize, 4] {
+            let mut sum: std::collections::BTreeMap<String, Vec<f32>> = std::collections::BTreeMap::new();
+            for placement in Placement::SINGLE.with_experts(0, world).unwrap().expert_ranks() {
+                let rank = placement.ep_rank();
+                let out = tmp.join(format!("{i}-{world}-{rank}.safetensors"));
+                let mut cmd = xtask();
+                cmd.arg("probe")
+                    .arg(adapter)
+                    .arg("--model")
+                    .arg(model.join("config.json"))
+                    .arg("--probes")
+                    .arg(adapter.join("oracle.safetensors"))
+                    .arg("--out")
+                    .arg(&out)
+                    .args(["--device", "cpu", "--max-rank", "16", "--experts"])
+                    .args(["--ep-rank", &rank.to_string(), "--ep-world", &world.to_string()]);
+                let run = cmd.output().unwrap();
+                assert!(run.status.success(), "{name}: {}", String::from_utf8_lossy(&run.stderr));
+                let served = outputs(&out);
+                let opts = LoraOptions {
+                    placement,
+                    experts: true,
+                    max_rank: 16,
+                    ..LoraOptions::default()
+                };
+                let prepared = prepare_adapter(adapter, &cfg, &opts).unwrap();
+                let pure = probe_adapter_at(&prepared, &cfg, &oracle.inputs, None, placement).unwrap();
+                let held = placement.expert_range(num_experts).unwrap();
+                for (key, want) in &oracle.expected {
+                    let what = format!("{name} x{world} rank {rank} {key}");
+                    let part = &served[key];
+                    assert_eq!(part.shape, want.shape, "{what}");
+                    let err = rel_error(&part.data, &pure.tensors[key].data);
+                    assert!(
+                        err < 1e-3 || part.data == pure.tensors[key].data,
+                        "{what}: {err} against the pure path"
+                    );
+                    let weight = key.strip_prefix(PROBE_OUT).unwrap();
+                    let summed = match parse_weight_name(weight, &cfg).unwrap() {
+                        WeightRef::Expert { expert, .. } => {
+                            if !held.contains(&expert) {
+                                assert!(part.data.iter().all(|v| *v == 0.0), "{what}: another rank's expert");
+                            }
+                            true
+                        }
+                        WeightRef::Fused { .. } => {
+                            let per = part.data.len() / num_experts;
+                            for e in (0..num_experts).filter(|e| !held.contains(e)) {
+                                let block = &part.data[e * per..(e + 1) * per];
+                                assert!(block.iter().all(|v| *v == 0.0), "{what}: expert {e} is another rank's");
+                            }
+                            true
+                        }
+                        _ => false,
+                    };
+                    match sum.get_mut(key) {
+                        Some(s) if summed => s.iter_mut().zip(&part.data).for_each(|(a, b)| *a += b),
+                        Some(s) => assert_eq!(s, &part.data, "{what}: the same on every rank"),
+                        None => {
+                            sum.insert(key.clone(), part.data.clone());
+                        }
+                    }
+                    expert_keys += usize::from(summed);
+                }
+            }
+            for (key, got) in &sum {
+                let err = rel_error(got, &oracle.expected[key].data);
+                assert!(err < 1e-2, "{name} x{world} {key}: {err} against PEFT");
+            }
+        }
+    }
+    assert!(expert_keys > 0, "no expert probe was reassembled");
+    let model = fixtures().join("qwen3_moe");
+    let adapter = model.join("experts_fused_router");
+    let run = xtask()
+        .arg("probe")
+        .arg(&adapter)
+        .arg("--model")
+        .arg(model.join("config.json"))
+        .arg("--probes")
+        .arg(adapter.join("oracle.safetensors"))
+        .arg("--out")
+        .arg(tmp.join("never.safetensors"))
+        .args(["--device", "cpu", "--experts", "--ep-rank", "0", "--ep-world", "8"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("num_experts"));
+    assert!(!tmp.join("never.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&tmp);
+}

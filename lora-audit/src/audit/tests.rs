@@ -1,6 +1,6 @@
 use super::*;
 use crate::test_support::{self, RawTensor, ScratchDir, f32_tensor, safetensors_bytes};
-use lora_layout::LoraModule;
+use lora_layout::{LoraModule, SlotLayout};
 
 fn write_adapter(config: &str, tensors: &[RawTensor]) -> ScratchDir {
     let dir = ScratchDir::new("audit");
@@ -848,6 +848,46 @@ fn gpt_oss_gate_up_is_cut_from_interleaved_rows_and_bias_targets_are_refused() {
     assert_eq!(report.experts.len(), e * 3, "the weights' pairs are still placed");
 }
 
+#[test]
+fn a_tensor_parallel_rank_sizes_its_slot_and_a_cut_that_does_not_divide_is_named() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+    let cfg = ModelConfig::from_file(&fixtures.join("config.json")).unwrap();
+    let dir = fixtures.join("rslora");
+    for world in [1, 2, 4] {
+        for placement in lora_layout::Placement::new(0, world).unwrap().ranks() {
+            let opts = LoraOptions {
+                placement,
+                ..LoraOptions::default()
+            };
+            let report = audit_adapter(&dir, &cfg, &opts).unwrap();
+            assert!(report.is_servable());
+            let layout = SlotLayout::with_placement(&cfg, opts.max_rank, placement).unwrap();
+            assert_eq!(report.slot_bytes, layout.slot_bytes());
+        }
+    }
+    // The llama fixture has 4 attention heads: 8 ranks cannot cut them.
+    let opts = LoraOptions {
+        placement: lora_layout::Placement::new(5, 8).unwrap(),
+        ..LoraOptions::default()
+    };
+    let err = audit_adapter(&dir, &cfg, &opts).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            AuditError::Layout(lora_layout::LayoutError::Placement(
+                lora_layout::PlacementError::Indivisible {
+                    dimension: "num_attention_heads",
+                    size: 4,
+                    tp_world: 8,
+                    ..
+                }
+            ))
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("num_attention_heads"), "{err}");
+}
+
 const EMBED_A: &str = "base_model.model.model.embed_tokens.lora_embedding_A";
 const EMBED_B: &str = "base_model.model.model.embed_tokens.lora_embedding_B";
 const EMBED_COPY: &str = "base_model.model.model.embed_tokens.base_layer.weight";
@@ -948,6 +988,29 @@ fn embedding_lora_refusals_name_the_tensor() {
         let report = tokens(config, tensors, &cfg, &embedding_on());
         assert_eq!(codes(&report), [*code], "{config}");
         assert!(report.embedding.is_none());
+    }
+}
+
+#[test]
+fn a_tensor_parallel_rank_places_the_embedding_pair_whole() {
+    let cfg = test_support::llama(false);
+    let tensors = [zeros(EMBED_A, &[4, 256]), zeros(EMBED_B, &[64, 4])];
+    for world in [1, 2, 4] {
+        for placement in lora_layout::Placement::new(0, world).unwrap().ranks() {
+            let opts = LoraOptions {
+                placement,
+                ..embedding_on()
+            };
+            let report = tokens(r#"{"r": 4, "lora_alpha": 8}"#, &tensors, &cfg, &opts);
+            assert!(report.is_servable(), "{:?}", report.refused);
+            let e = report.embedding.as_ref().unwrap();
+            assert_eq!((e.rank, e.scale), (4, 2.0));
+            // The rank's dense shards, then the whole embedding pair.
+            let dense = SlotLayout::with_placement(&cfg, opts.max_rank, placement).unwrap();
+            let whole_pair = lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, opts.max_rank).unwrap();
+            assert_eq!(report.slot_bytes, dense.slot_bytes() + whole_pair);
+            assert_eq!(report.slot_bytes, opts.slot_layout(&cfg).unwrap().slot_bytes());
+        }
     }
 }
 
@@ -1085,5 +1148,35 @@ fn lm_head_lora_refusals_name_the_tensor() {
         // A duplicate keeps the first tensor placed, as for any pair: the
         // refusal makes the adapter unservable.
         assert!(report.lm_head.is_none() || *code == RejectCode::DuplicateTensor);
+    }
+}
+
+#[test]
+fn a_tensor_parallel_rank_places_the_head_pair_whole_after_the_embedding_pair() {
+    let cfg = test_support::llama(false);
+    let tensors = [
+        zeros(EMBED_A, &[4, 256]),
+        zeros(EMBED_B, &[64, 4]),
+        zeros(HEAD_A, &[4, 64]),
+        zeros(HEAD_B, &[256, 4]),
+    ];
+    for world in [1, 2, 4] {
+        for placement in lora_layout::Placement::new(0, world).unwrap().ranks() {
+            let opts = LoraOptions {
+                placement,
+                embedding_lora: true,
+                ..head_on()
+            };
+            let report = tokens(r#"{"r": 4, "lora_alpha": 8}"#, &tensors, &cfg, &opts);
+            assert!(report.is_servable(), "{:?}", report.refused);
+            let h = report.lm_head.as_ref().unwrap();
+            assert_eq!((h.rank, h.scale), (4, 2.0));
+            assert!(report.embedding.is_some());
+            // The rank's dense shards, then the whole embedding and head pairs.
+            let dense = SlotLayout::with_placement(&cfg, opts.max_rank, placement).unwrap();
+            let whole_pairs = 2 * lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, opts.max_rank).unwrap();
+            assert_eq!(report.slot_bytes, dense.slot_bytes() + whole_pairs);
+            assert_eq!(report.slot_bytes, opts.slot_layout(&cfg).unwrap().slot_bytes());
+        }
     }
 }

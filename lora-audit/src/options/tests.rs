@@ -101,6 +101,7 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         experts: false,
         embedding_lora: true,
         lm_head_lora: true,
+        ..AuditArgs::default()
     };
     let o = env.clone().with_args(args).unwrap();
     assert_eq!(
@@ -131,4 +132,61 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         let err = env.clone().with_args(args).unwrap_err();
         assert!(err.to_string().contains("must be at least 1"), "{err}");
     }
+}
+
+#[test]
+fn the_tensor_parallel_placement_is_read_and_checked() {
+    let o = opts(&[("LORA_TP_RANK", "3"), ("LORA_TP_WORLD", "4")]).unwrap();
+    assert_eq!(o.placement, lora_layout::Placement::new(3, 4).unwrap());
+    assert_eq!(opts(&[]).unwrap().placement, lora_layout::Placement::SINGLE);
+    let err = opts(&[("LORA_TP_RANK", "4"), ("LORA_TP_WORLD", "4")]).unwrap_err();
+    assert_eq!((err.variable, err.value.as_str()), ("LORA_TP_RANK", "4"));
+    let err = opts(&[("LORA_TP_WORLD", "0")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_TP_WORLD");
+    let err = opts(&[("LORA_TP_RANK", "1")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_TP_RANK");
+}
+
+#[test]
+fn the_expert_parallel_placement_is_read_and_checked() {
+    let o = opts(&[
+        ("LORA_TP_RANK", "1"),
+        ("LORA_TP_WORLD", "2"),
+        ("LORA_EP_RANK", "2"),
+        ("LORA_EP_WORLD", "4"),
+    ])
+    .unwrap();
+    let want = lora_layout::Placement::new(1, 2).unwrap().with_experts(2, 4).unwrap();
+    assert_eq!(o.placement, want);
+    assert_eq!((o.placement.ep_rank(), o.placement.ep_world()), (2, 4));
+    let err = opts(&[("LORA_EP_RANK", "4"), ("LORA_EP_WORLD", "4")]).unwrap_err();
+    assert_eq!((err.variable, err.value.as_str()), ("LORA_EP_RANK", "4"));
+    let err = opts(&[("LORA_EP_WORLD", "0")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_EP_WORLD");
+    let err = opts(&[("LORA_EP_RANK", "1")]).unwrap_err();
+    assert_eq!(err.variable, "LORA_EP_RANK");
+}
+
+#[test]
+fn audit_args_replace_the_placement() {
+    let env = opts(&[("LORA_TP_RANK", "1"), ("LORA_TP_WORLD", "2")]).unwrap();
+    let args = AuditArgs {
+        ep_rank: Some(3),
+        ep_world: Some(4),
+        ..AuditArgs::default()
+    };
+    let o = env.clone().with_args(args).unwrap();
+    let want = lora_layout::Placement::new(1, 2).unwrap().with_experts(3, 4).unwrap();
+    assert_eq!(o.placement, want);
+    let args = AuditArgs {
+        tp_rank: Some(2),
+        ..AuditArgs::default()
+    };
+    let err = env.clone().with_args(args).unwrap_err();
+    assert_eq!((err.variable, err.value.as_str()), ("tp_rank", "2"));
+    let args = AuditArgs {
+        ep_world: Some(0),
+        ..AuditArgs::default()
+    };
+    assert_eq!(env.with_args(args).unwrap_err().variable, "ep_world");
 }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::prepare_adapter;
 use crate::test_support;
 
 #[test]
@@ -225,16 +226,16 @@ fn the_probe_output_bound_is_over_the_whole_run() {
     let adapter = crate::prepare_adapter(&dir.0, &cfg, &crate::LoraOptions::default()).unwrap();
     // 10 rows x 1024 outputs x 4 bytes = 40960 bytes each: one fits, two do not.
     let mut two = probe_rows("model.layers.0.mlp.gate_proj.weight", 10);
-    assert!(probe_within(&adapter, &cfg, &two, None, 60_000).is_ok());
+    assert!(probe_within(&adapter, &cfg, &two, None, Placement::SINGLE, 60_000).is_ok());
     two.inputs
         .extend(probe_rows("model.layers.0.mlp.up_proj.weight", 10).inputs);
-    match probe_within(&adapter, &cfg, &two, None, 60_000) {
+    match probe_within(&adapter, &cfg, &two, None, Placement::SINGLE, 60_000) {
         Err(AuditError::ProbeTooLarge { field, limit, .. }) => {
             assert_eq!((field, limit), ("intermediate_size", 60_000 - 40_960), "what was left");
         }
         other => panic!("expected the run's bound, got {other:?}"),
     }
-    assert!(probe_within(&adapter, &cfg, &two, None, 81_920).is_ok());
+    assert!(probe_within(&adapter, &cfg, &two, None, Placement::SINGLE, 81_920).is_ok());
 }
 
 #[test]
@@ -249,7 +250,7 @@ fn row_probes_are_bounded_too() {
     let mut inputs = ProbeInputs::default();
     inputs.rows.insert("model.embed_tokens.weight".into(), vec![0; 11]);
     assert!(matches!(
-        probe_within(&adapter, &cfg, &inputs, Some(&base), 10 * 64 * 4),
+        probe_within(&adapter, &cfg, &inputs, Some(&base), Placement::SINGLE, 10 * 64 * 4),
         Err(AuditError::ProbeTooLarge {
             field: "hidden_size",
             rows: 11,
@@ -262,4 +263,190 @@ fn row_probes_are_bounded_too() {
         ok.tensors["rows_merged::model.embed_tokens.weight"].data,
         vec![1.0; 128]
     );
+}
+
+/// ‖out − ref‖ / ‖ref‖ (infinite on a length mismatch).
+fn rel_error(out: &[f32], reference: &[f32]) -> f64 {
+    if out.len() != reference.len() {
+        return f64::INFINITY;
+    }
+    let diff: f64 = out.iter().zip(reference).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+    let norm: f64 = reference.iter().map(|b| f64::from(*b).powi(2)).sum();
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Every fixture family's adapters probed on dense weights only, with
+/// their oracles.
+fn dense_fixture_adapters() -> Vec<(String, ModelConfig, std::path::PathBuf, Oracle)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    let mut out = Vec::new();
+    let mut families: Vec<_> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).collect();
+    families.sort();
+    for family in families {
+        let Ok(cfg) = ModelConfig::from_file(&family.join("config.json")) else {
+            continue;
+        };
+        let mut dirs: Vec<_> = std::fs::read_dir(&family).unwrap().map(|e| e.unwrap().path()).collect();
+        dirs.sort();
+        for dir in dirs {
+            let Ok(oracle) = read_oracle(&dir.join("oracle.safetensors")) else {
+                continue;
+            };
+            let dense = oracle.inputs.rows.is_empty()
+                && oracle
+                    .inputs
+                    .inputs
+                    .keys()
+                    .all(|w| matches!(parse_weight_name(w, &cfg), Ok(WeightRef::Dense { .. })));
+            let servable = crate::audit_adapter(&dir, &cfg, &crate::LoraOptions::default())
+                .is_ok_and(|r| r.is_servable() && r.experts.is_empty());
+            if dense && servable {
+                out.push((family.display().to_string(), cfg.clone(), dir, oracle));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_ranks_probe_parts_reassemble_the_peft_oracle() {
+    let adapters = dense_fixture_adapters();
+    assert!(adapters.len() >= 15, "{} dense fixture adapters", adapters.len());
+    for (family, cfg, dir, oracle) in &adapters {
+        let whole = prepare_adapter(dir, cfg, &crate::LoraOptions::default()).unwrap();
+        let unsharded = probe_adapter(&whole, cfg, &oracle.inputs, None).unwrap();
+        for world in [1, 2, 4, 8] {
+            let group = Placement::new(0, world).unwrap();
+            let opts = |placement| crate::LoraOptions {
+                placement,
+                ..crate::LoraOptions::default()
+            };
+            if let Err(expected) = lora_layout::SlotLayout::with_placement(cfg, 16, group) {
+                // Every fixture has 4 attention heads: 8 ranks cannot cut
+                // them, and the audit says so by type.
+                assert_eq!(world, 8, "{}: {expected}", dir.display());
+                for p in group.ranks() {
+                    match prepare_adapter(dir, cfg, &opts(p)) {
+                        Err(AuditError::Layout(e)) => assert_eq!(e, expected),
+                        other => panic!("{}: x8 gave {:?}", dir.display(), other.map(|_| ())),
+                    }
+                }
+                continue;
+            }
+            let parts: Vec<(Placement, ProbeOutputs)> = group
+                .ranks()
+                .map(|p| {
+                    let adapter = prepare_adapter(dir, cfg, &opts(p)).unwrap();
+                    (p, probe_adapter_at(&adapter, cfg, &oracle.inputs, None, p).unwrap())
+                })
+                .collect();
+            for (weight, x) in &oracle.inputs.inputs {
+                let WeightRef::Dense { module, .. } = parse_weight_name(weight, cfg).unwrap() else {
+                    unreachable!("dense probes only");
+                };
+                let key = format!("{PROBE_OUT}{weight}");
+                let n = x.shape[0];
+                let (out, _) = module.dims(cfg);
+                let mut full = vec![0.0f32; n * out];
+                let mut held = vec![false; out];
+                for (p, outputs) in &parts {
+                    let shard = ModuleShard::of(module, cfg, *p).unwrap();
+                    let part = &outputs.tensors[&key];
+                    let what = format!("{family} {} x{world} rank {} {weight}", dir.display(), p.tp_rank());
+                    match shard.kind {
+                        ShardKind::Row => {
+                            assert_eq!(part.shape, [n, out], "{what}");
+                            for (f, v) in full.iter_mut().zip(&part.data) {
+                                *f += v;
+                            }
+                            held.fill(true);
+                        }
+                        ShardKind::Column | ShardKind::Replicated => {
+                            let (out_r, _) = shard.dims();
+                            assert_eq!(part.shape, [n, out_r], "{what}");
+                            for j in 0..out_r {
+                                let col = shard.src_row(j).unwrap();
+                                for t in 0..n {
+                                    let v = part.data[t * out_r + j];
+                                    if held[col] {
+                                        assert_eq!(full[t * out + col], v, "{what}: a replica differs");
+                                    }
+                                    full[t * out + col] = v;
+                                }
+                                held[col] = true;
+                            }
+                        }
+                    }
+                }
+                assert!(held.iter().all(|&h| h), "{weight}: every column is some rank's");
+                let what = format!("{} x{world} {weight}", dir.display());
+                let err = rel_error(&full, &unsharded.tensors[&key].data);
+                assert!(err < 1e-3, "{what}: {err} against the unsharded probe");
+                let err = rel_error(&full, &oracle.expected[&key].data);
+                assert!(err < 1e-2, "{what}: {err} against PEFT");
+            }
+        }
+    }
+}
+
+#[test]
+fn expert_and_table_probes_have_no_placement() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+    let cfg = ModelConfig::from_file(&root.join("config.json")).unwrap();
+    let dir = root.join("trainable_tokens_untied_list");
+    let opts = crate::LoraOptions {
+        placement: Placement::new(0, 2).unwrap(),
+        ..crate::LoraOptions::default()
+    };
+    let adapter = prepare_adapter(&dir, &cfg, &opts).unwrap();
+    let oracle = read_oracle(&dir.join("oracle.safetensors")).unwrap();
+    assert!(!oracle.inputs.rows.is_empty());
+    let err = probe_adapter_at(&adapter, &cfg, &oracle.inputs, None, opts.placement).unwrap_err();
+    assert!(
+        matches!(&err, AuditError::Probe { name, .. } if name.starts_with(ROWS_IDX)),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_head_pairs_probe_is_whole_on_every_tensor_parallel_rank() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+    let cfg = ModelConfig::from_file(&root.join("config.json")).unwrap();
+    let dir = root.join("lm_head_lora");
+    let oracle = read_oracle(&dir.join("oracle.safetensors")).unwrap();
+    let key = format!("{PROBE_OUT}lm_head.weight");
+    assert!(oracle.expected.contains_key(&key), "the fixture probes its head");
+    let opts = |placement| crate::LoraOptions {
+        placement,
+        lm_head_lora: true,
+        ..crate::LoraOptions::default()
+    };
+    let whole = prepare_adapter(&dir, &cfg, &opts(Placement::SINGLE)).unwrap();
+    assert!(whole.lm_head.is_some());
+    let unsharded = probe_adapter(&whole, &cfg, &oracle.inputs, None).unwrap();
+    for world in [2, 4] {
+        for p in Placement::new(0, world).unwrap().ranks() {
+            let adapter = prepare_adapter(&dir, &cfg, &opts(p)).unwrap();
+            let outputs = probe_adapter_at(&adapter, &cfg, &oracle.inputs, None, p).unwrap();
+            let what = format!("x{world} rank {}", p.tp_rank());
+            // Replicated: the whole head delta, the same on every rank.
+            let part = &outputs.tensors[&key];
+            assert_eq!(
+                part.shape,
+                [oracle.inputs.inputs["lm_head.weight"].shape[0], cfg.vocab_size],
+                "{what}"
+            );
+            assert_eq!(part, &unsharded.tensors[&key], "{what}: the whole delta");
+            let err = rel_error(&part.data, &oracle.expected[&key].data);
+            assert!(err < 1e-2, "{what}: {err} against PEFT");
+        }
+    }
+    // A table without a LoRA pair is still a token table: no placement.
+    let mut inputs = ProbeInputs::default();
+    inputs
+        .inputs
+        .insert("lm_head.weight".into(), oracle.inputs.inputs["lm_head.weight"].clone());
+    let plain = prepare_adapter(&root.join("rslora"), &cfg, &opts(Placement::new(0, 2).unwrap())).unwrap();
+    let err = probe_adapter_at(&plain, &cfg, &inputs, None, Placement::new(0, 2).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("tensor-parallel"), "{err}");
 }

@@ -152,8 +152,8 @@ proptest! {
     #[test]
     fn the_head_place_follows_every_other_pair(cfg in any_config(), max_rank in 1usize..70, embedding: bool) {
         use crate::{ModelPlaces, PairKey, PairLayout};
-        let before = SlotLayout::walk(&cfg, max_rank, ModelPlaces { embedding, lm_head: false }).unwrap();
-        let layout = SlotLayout::walk(&cfg, max_rank, ModelPlaces { embedding, lm_head: true }).unwrap();
+        let before = SlotLayout::walk(&cfg, max_rank, crate::Placement::SINGLE, ModelPlaces { embedding, lm_head: false }).unwrap();
+        let layout = SlotLayout::walk(&cfg, max_rank, crate::Placement::SINGLE, ModelPlaces { embedding, lm_head: true }).unwrap();
         prop_assert_eq!(layout.entries(), before.entries(), "the dense pairs keep their places");
         prop_assert_eq!(layout.embedding(), before.embedding(), "the embedding keeps its place");
         prop_assert!(before.lm_head().is_none());

@@ -9,6 +9,7 @@ fn image(dir: &Path, elems: usize) -> HostImage {
         dense: Device::cpu().alloc_pinned(elems).unwrap(),
         dense_pairs: Vec::new(),
         experts: None,
+        group_expert_deltas: false,
         overlay: HostOverlay::none(8),
         has_overlay: false,
     }

@@ -261,3 +261,90 @@ fn raw_file_bytes_convert_like_the_audit_loader() {
         reference.as_bytes()
     );
 }
+
+/// A 4-head llama, 2 kv heads, so 2 ranks cut every module and 4 ranks
+/// replicate the kv heads.
+fn tp_cfg() -> ModelConfig {
+    ModelConfig::from_hf_config(
+        r#"{"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 24, "vocab_size": 16}"#,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_tensor_parallel_rank_packs_its_shard_of_each_pair() {
+    let cfg = tp_cfg();
+    let rank = 3;
+    let placement = lora_layout::Placement::new(3, 4).unwrap();
+    let layout = SlotLayout::with_placement(&cfg, 4, placement).unwrap();
+    let pairs = [
+        owned(&cfg, 0, LoraModule::KProj, rank, 1),
+        owned(&cfg, 0, LoraModule::OProj, rank, 2),
+    ];
+    let image = SlotImage::pack(&layout, &sources(&pairs)).unwrap();
+    // k_proj, column-parallel: A whole, B rows of kv head 1 (ranks 2, 3).
+    let k = layout.entry(0, LoraModule::KProj).unwrap();
+    let (_, k_in) = LoraModule::KProj.dims(&cfg);
+    assert_eq!((k.out_dim, k.in_dim), (4, k_in));
+    for i in 0..rank * k_in {
+        assert_eq!(elem(&image, k.a_offset, i), pairs[0].a[i]);
+    }
+    for row in 0..4 {
+        for c in 0..rank {
+            assert_eq!(elem(&image, k.b_offset, row * 4 + c), pairs[0].b[(4 + row) * rank + c]);
+        }
+        assert_eq!(elem(&image, k.b_offset, row * 4 + 3), bf16::ZERO);
+    }
+    // o_proj, row-parallel: A columns of head 3, B whole.
+    let o = layout.entry(0, LoraModule::OProj).unwrap();
+    let (o_out, o_in) = LoraModule::OProj.dims(&cfg);
+    assert_eq!((o.out_dim, o.in_dim), (o_out, o_in / 4));
+    for r in 0..rank {
+        for c in 0..o.in_dim {
+            assert_eq!(
+                elem(&image, o.a_offset, r * o.in_dim + c),
+                pairs[1].a[r * o_in + 3 * o.in_dim + c]
+            );
+        }
+    }
+    for row in 0..o_out {
+        for c in 0..rank {
+            assert_eq!(elem(&image, o.b_offset, row * 4 + c), pairs[1].b[row * rank + c]);
+        }
+    }
+}
+
+#[test]
+fn a_non_finite_value_in_a_shard_is_named_by_its_index_in_the_whole_tensor() {
+    let cfg = tp_cfg();
+    let placement = lora_layout::Placement::new(1, 2).unwrap();
+    let layout = SlotLayout::with_placement(&cfg, 4, placement).unwrap();
+    let mut o = owned(&cfg, 0, LoraModule::OProj, 2, 1);
+    let (_, o_in) = LoraModule::OProj.dims(&cfg);
+    // Row 1, column 10: in rank 1's half of the input columns.
+    o.a[o_in + 10] = bf16::INFINITY;
+    let err = SlotImage::pack(&layout, &sources(std::slice::from_ref(&o))).unwrap_err();
+    assert!(
+        matches!(err, ImageError::NonFinite { part: PairPart::A, index, .. } if index == o_in + 10),
+        "{err}"
+    );
+    // Rank 0 does not hold that column: it packs.
+    let rank0 = SlotLayout::with_placement(&cfg, 4, lora_layout::Placement::new(0, 2).unwrap()).unwrap();
+    assert!(SlotImage::pack(&rank0, &sources(std::slice::from_ref(&o))).is_ok());
+    // A B row of rank 1's q block.
+    let mut q = owned(&cfg, 0, LoraModule::QProj, 2, 3);
+    q.b[9 * 2 + 1] = bf16::NAN;
+    let err = SlotImage::pack(&layout, &sources(std::slice::from_ref(&q))).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ImageError::NonFinite {
+                part: PairPart::B,
+                index: 19,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}

@@ -694,3 +694,21 @@ fn every_tuning_lands_a_large_adapter_over_tcp_as_the_disk_pack() {
     drop((good, corrupt));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_placed_pool_is_refused_peer_landing_by_type() {
+    for placement in [
+        lora_layout::Placement::new(1, 2).unwrap(),
+        lora_layout::Placement::SINGLE.with_experts(0, 2).unwrap(),
+    ] {
+        let o = LoraOptions {
+            placement,
+            ..opts(16, 16)
+        };
+        let err = Lander::new(config("llama"), o).unwrap_err();
+        assert!(
+            matches!(err, LandError::Placed { tp_world, ep_world } if (tp_world, ep_world) == (placement.tp_world(), placement.ep_world())),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,237 @@
+//! What tensor-parallel ranks say to each other: the [`Collective`] a
+//! rank's forward calls where the base model's row-parallel projections
+//! (o_proj, down_proj) leave partial sums, and [`HostCollective`], the
+//! host implementation for ranks run as threads of one process (the CPU
+//! backend's tensor-parallel runs and their tests), and [`NcclCollective`],
+//! the same collectives through NCCL on each rank's GPU.
+//!
+//! A rank adds its LoRA deltas to its partial base output before the
+//! all-reduce (row-parallel deltas are partial sums too), so the deltas
+//! need no communication of their own.
+//!
+//! This module must never decide what is reduced or in which order of the
+//! forward: the forward calls it; and it must never compute a delta.
+
+use std::sync::{Arc, Barrier, Mutex, PoisonError};
+
+use lora_kernels::{Device, NcclComm};
+
+use crate::error::EngineError;
+
+/// The collectives of one tensor-parallel group, as one rank sees them.
+/// Every rank of the group calls each collective the same number of times,
+/// in the same order, with buffers of the same length.
+pub trait Collective: Send + Sync + std::fmt::Debug {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+    /// Replace `buf` on every rank with the element-wise sum of every
+    /// rank's `buf`. Every rank gets the same values (the same summation
+    /// order), so ranks that sample from reduced logits agree.
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), EngineError>;
+    /// Write every rank's `part` into `out` (`world * part.len()`), rank
+    /// `r`'s at `r * part.len()`.
+    fn all_gather(&self, part: &[f32], out: &mut [f32]) -> Result<(), EngineError>;
+}
+
+/// The state the threads of one [`HostCollective`] group share.
+#[derive(Debug)]
+struct Shared {
+    world: usize,
+    barrier: Barrier,
+    /// Each rank's contribution to the collective in progress.
+    parts: Mutex<Vec<Vec<f32>>>,
+}
+
+/// Collectives on the host for ranks that are threads of one process:
+/// each rank posts its buffer, waits for the others, reads everyone's,
+/// and waits again before the next collective may post. Made once per
+/// group with [`HostCollective::group`]; each rank's thread takes its own.
+///
+/// A rank that stops calling (an error on one thread) leaves the others
+/// waiting at the barrier: a group whose ranks may fail independently
+/// needs a communicator with timeouts (NCCL's), not this one.
+#[derive(Debug, Clone)]
+pub struct HostCollective {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl HostCollective {
+    /// One handle per rank of a group of `world` ranks (at least 1).
+    pub fn group(world: usize) -> Vec<HostCollective> {
+        let world = world.max(1);
+        let shared = Arc::new(Shared {
+            world,
+            barrier: Barrier::new(world),
+            parts: Mutex::new(vec![Vec::new(); world]),
+        });
+        (0..world)
+            .map(|rank| HostCollective {
+                rank,
+                shared: Arc::clone(&shared),
+            })
+            .collect()
+    }
+
+    /// Post `part`, wait for every rank's, run `read` over all of them in
+    /// rank order, and wait until every rank has read.
+    fn exchange(&self, part: &[f32], read: impl FnOnce(&[Vec<f32>])) -> Result<(), EngineError> {
+        let s = &self.shared;
+        s.parts.lock().unwrap_or_else(PoisonError::into_inner)[self.rank] = part.to_vec();
+        s.barrier.wait();
+        let parts = s.parts.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        s.barrier.wait();
+        if let Some((r, p)) = parts.iter().enumerate().find(|(_, p)| p.len() != part.len()) {
+            return Err(EngineError::Collective(format!(
+                "rank {r} posted {} values, rank {} posted {}",
+                p.len(),
+                self.rank,
+                part.len()
+            )));
+        }
+        read(&parts);
+        Ok(())
+    }
+}
+
+impl Collective for HostCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), EngineError> {
+        if self.shared.world == 1 {
+            return Ok(());
+        }
+        let posted = buf.to_vec();
+        self.exchange(&posted, |parts| {
+            buf.fill(0.0);
+            for p in parts {
+                for (b, v) in buf.iter_mut().zip(p) {
+                    *b += v;
+                }
+            }
+        })
+    }
+
+    fn all_gather(&self, part: &[f32], out: &mut [f32]) -> Result<(), EngineError> {
+        if out.len() != part.len() * self.shared.world {
+            return Err(EngineError::Collective(format!(
+                "all_gather of {} values into {} for {} ranks",
+                part.len(),
+                out.len(),
+                self.shared.world
+            )));
+        }
+        self.exchange(part, |parts| {
+            for (dst, p) in out.chunks_exact_mut(part.len().max(1)).zip(parts) {
+                dst.copy_from_slice(p);
+            }
+        })
+    }
+}
+
+/// The collectives through an NCCL communicator on the rank's CUDA
+/// device: the host values go up, NCCL reduces or gathers them on the
+/// device's stream, the result comes back (the reference engine keeps its
+/// activations on the host).
+#[derive(Debug)]
+pub struct NcclCollective {
+    comm: Mutex<NcclComm>,
+    device: Device,
+}
+
+impl NcclCollective {
+    /// The collectives of `comm`, a communicator on `device`.
+    pub fn new(comm: NcclComm, device: &Device) -> NcclCollective {
+        NcclCollective {
+            comm: Mutex::new(comm),
+            device: device.clone(),
+        }
+    }
+}
+
+fn nccl_failed(e: lora_kernels::KernelError) -> EngineError {
+    EngineError::Collective(e.to_string())
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner).rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner).world()
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), EngineError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let mut dev = self.device.upload(buf).map_err(nccl_failed)?;
+        let mut comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        comm.all_reduce_sum(&mut dev, buf.len()).map_err(nccl_failed)?;
+        buf.copy_from_slice(&dev.download().map_err(nccl_failed)?);
+        Ok(())
+    }
+
+    fn all_gather(&self, part: &[f32], out: &mut [f32]) -> Result<(), EngineError> {
+        let mut comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        if out.len() != part.len() * comm.world() {
+            return Err(EngineError::Collective(format!(
+                "all_gather of {} values into {} for {} ranks",
+                part.len(),
+                out.len(),
+                comm.world()
+            )));
+        }
+        if part.is_empty() {
+            return Ok(());
+        }
+        let dev_part = self.device.upload(part).map_err(nccl_failed)?;
+        let mut dev_out = self.device.alloc_zeros::<f32>(out.len()).map_err(nccl_failed)?;
+        comm.all_gather(&dev_part, part.len(), &mut dev_out)
+            .map_err(nccl_failed)?;
+        out.copy_from_slice(&dev_out.download().map_err(nccl_failed)?);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_reduce_and_gather_in_rank_order() {
+        let group = HostCollective::group(3);
+        let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let r = c.rank() as f32;
+                        let mut buf = vec![r, 10.0 * r];
+                        c.all_reduce_sum(&mut buf).expect("reduce");
+                        let mut out = vec![0.0; 6];
+                        c.all_gather(&[r, -r], &mut out).expect("gather");
+                        (buf, out)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        });
+        for (buf, out) in results {
+            assert_eq!(buf, [3.0, 30.0]);
+            assert_eq!(out, [0.0, -0.0, 1.0, -1.0, 2.0, -2.0]);
+        }
+        let one = HostCollective::group(1);
+        let mut out = vec![0.0; 3];
+        assert!(one[0].all_gather(&[1.0, 2.0], &mut out).is_err());
+    }
+}

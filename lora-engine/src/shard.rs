@@ -1,0 +1,171 @@
+//! A base model cut for one tensor-parallel rank, by the rules the adapter
+//! pool cuts its pairs by (`lora_layout::ModuleShard`), so that a rank's
+//! deltas land on exactly the base outputs it computes: q|k|v keep the
+//! rank's query heads and its key/value heads (a key/value head shared by
+//! `tp_world / num_key_value_heads` ranks when there are fewer heads than
+//! ranks), gate|up the rank's block of each, o and down the rank's input
+//! columns (their outputs are partial sums the forward all-reduces; a bias
+//! there is added by rank 0 only). Norms, the embedding and the lm_head are
+//! whole on every rank.
+//!
+//! This module must never cut a routed-expert layer (expert parallelism
+//! is not run by the reference engine: an MoE model is refused), nor run
+//! the model.
+
+use lora_layout::{LoraModule, ModelConfig, ModuleShard, Placement};
+
+use crate::error::EngineError;
+use crate::model::{Layer, Mlp, Model};
+use crate::projection::Projection;
+
+/// `w`'s rows `rows` (in that order), with the bias's.
+fn take_rows(p: &Projection, rows: &[usize]) -> Projection {
+    let d = p.in_dim;
+    let w = rows
+        .iter()
+        .flat_map(|&r| p.w[r * d..(r + 1) * d].iter().copied())
+        .collect();
+    let b = p.b.as_ref().map(|b| rows.iter().map(|&r| b[r]).collect());
+    Projection::new(w, b, d)
+}
+
+/// `w`'s columns `start..start + len`; the bias kept only when `bias`.
+fn take_cols(p: &Projection, start: usize, len: usize, bias: bool) -> Projection {
+    let w =
+        p.w.chunks_exact(p.in_dim.max(1))
+            .flat_map(|row| row[start..start + len].iter().copied())
+            .collect();
+    Projection::new(w, p.b.clone().filter(|_| bias), len)
+}
+
+/// The unsharded rows of `modules`' rank parts, each module's rows offset
+/// by the widths of the modules before it (a fused q|k|v or gate|up).
+fn fused_rows(cfg: &ModelConfig, placement: Placement, modules: &[LoraModule]) -> Result<Vec<usize>, EngineError> {
+    let mut rows = Vec::new();
+    let mut base = 0;
+    for &m in modules {
+        let shard = ModuleShard::of(m, cfg, placement)?;
+        rows.extend((0..shard.dims().0).filter_map(|j| shard.src_row(j)).map(|r| base + r));
+        base += shard.full_dims.0;
+    }
+    Ok(rows)
+}
+
+impl Model {
+    /// This model cut for tensor-parallel rank `placement` of the model
+    /// whose adapter geometry is `cfg` (see the module docs); the whole
+    /// model at world 1. Run it with a [`crate::Collective`] of the same
+    /// rank ([`Model::with_collective`]).
+    ///
+    /// Errors: [`EngineError::Placement`] naming the dimension that does
+    /// not divide; [`EngineError::NotTensorParallel`] for an MoE model.
+    pub fn shard(&self, cfg: &ModelConfig, placement: Placement) -> Result<Model, EngineError> {
+        let world = placement.tp_world();
+        if world == 1 {
+            return Ok(self.clone());
+        }
+        if !self.cfg.moe_layers().is_empty() {
+            return Err(EngineError::NotTensorParallel {
+                what: format!("the routed experts of {}", self.cfg.family.model_type()),
+            });
+        }
+        let qkv_rows = fused_rows(
+            cfg,
+            placement,
+            &[LoraModule::QProj, LoraModule::KProj, LoraModule::VProj],
+        )?;
+        let gate_up_rows = fused_rows(cfg, placement, &[LoraModule::GateProj, LoraModule::UpProj])?;
+        let o = ModuleShard::of(LoraModule::OProj, cfg, placement)?;
+        let down = ModuleShard::of(LoraModule::DownProj, cfg, placement)?;
+        let k = ModuleShard::of(LoraModule::KProj, cfg, placement)?;
+        let first = placement.tp_rank() == 0;
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let mlp = match &layer.mlp {
+                    Mlp::Dense { gate_up, down: dn } => Mlp::Dense {
+                        gate_up: take_rows(gate_up, &gate_up_rows),
+                        down: take_cols(dn, down.in_start, down.in_len, first),
+                    },
+                    Mlp::Moe { .. } => unreachable!("an MoE model is refused above"),
+                };
+                Layer {
+                    input_norm: layer.input_norm.clone(),
+                    post_norm: layer.post_norm.clone(),
+                    qkv: take_rows(&layer.qkv, &qkv_rows),
+                    o: take_cols(&layer.o, o.in_start, o.in_len, first),
+                    q_norm: layer.q_norm.clone(),
+                    k_norm: layer.k_norm.clone(),
+                    mlp,
+                }
+            })
+            .collect();
+        let mut base = self.cfg.clone();
+        base.n_heads = o.in_len / base.head_dim.max(1);
+        base.n_kv_heads = k.dims().0 / base.head_dim.max(1);
+        base.inter = down.in_len;
+        Ok(Model {
+            cfg: base,
+            embed: self.embed.clone(),
+            layers,
+            norm: self.norm.clone(),
+            lm_head: self.lm_head.clone(),
+            rope: self.rope.clone(),
+            device: None,
+            collective: None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hooks::NoDeltas;
+    use crate::test_support::tiny_model_dir;
+    use crate::{HostCollective, KvCache, SeqChunk};
+
+    /// Every rank's cut model, run as threads with host collectives, gives
+    /// the whole model's logits (the sum of partial outputs differs from
+    /// the whole dot product only in summation order).
+    #[test]
+    fn ranks_as_threads_give_the_whole_models_logits() {
+        for family in ["llama", "qwen2", "qwen3"] {
+            let (dir, _) = tiny_model_dir(family, "", 3);
+            let whole = Model::load(dir.path()).expect("model");
+            let cfg = ModelConfig::from_file(&dir.path().join("config.json")).expect("config");
+            let ids = [1u32, 5, 7, 2];
+            let run = |m: &Model| {
+                let mut caches = vec![KvCache::new(m)];
+                let chunk = SeqChunk { cache: 0, tokens: &ids };
+                m.forward(&[chunk], &mut caches, &mut NoDeltas).expect("forward")
+            };
+            let want = run(&whole);
+            for world in [2usize, 4] {
+                let Ok(first) = Placement::new(0, world) else {
+                    continue;
+                };
+                let group = HostCollective::group(world);
+                let got: Vec<Vec<f32>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = first
+                        .ranks()
+                        .zip(group)
+                        .map(|(p, c)| {
+                            let m = whole
+                                .shard(&cfg, p)
+                                .expect("divides")
+                                .with_collective(std::sync::Arc::new(c));
+                            s.spawn(move || run(&m))
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().expect("rank")).collect()
+                });
+                for (r, logits) in got.iter().enumerate() {
+                    let err = crate::rel_error(logits, &want);
+                    assert!(err < 1e-5, "{family} x{world} rank {r}: {err}");
+                    assert_eq!(logits, &got[0], "{family} x{world}: ranks agree");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,256 @@
+//! The reference engine tensor-parallel on the CPU backend: every dense
+//! engine family's mixed request batch (base rows, several adapters, more
+//! adapters than slots) served by 2 and 4 ranks run as threads — each rank
+//! a base model cut by `Model::shard`, a pool holding its shard of every
+//! adapter, the row-parallel outputs all-reduced on the host
+//! (`HostCollective`) — gives every rank the one-rank run's outputs: the
+//! same greedy tokens and the same logits within 1e-3 relative (summation
+//! order and the BF16 rounding of the ranks' partial shrink outputs are
+//! all that differ), and the ranks agree with each other exactly.
+//! 4 ranks cut the fixtures' 2 key/value heads by replication, as the
+//! base model replicates them. `llama_embed` (embedding-LoRA adapters
+//! beside trainable tokens, `LoraOptions::embedding_lora`) is served the
+//! same way: the embedding pair is replicated, whole on every rank, as the
+//! cut base model keeps the embedding table whole. `llama_lm_head`
+//! (head-LoRA adapters, `LoraOptions::lm_head_lora`) likewise: the head
+//! pair is replicated, whole on every rank, and the logits hook adds its
+//! whole delta to the whole logits, as the cut base model keeps lm_head
+//! whole.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use lora_audit::LoraOptions;
+use lora_engine::{
+    AdapterDir, Collective, Engine, EngineError, EngineOptions, HostCollective, Request, RequestOutput, parse_requests,
+    rel_error,
+};
+use lora_kernels::Device;
+use lora_layout::Placement;
+
+const TP_TOL: f64 = 1e-3;
+
+fn family_dir(family: &str) -> PathBuf {
+    std::env::var_os("LORA_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures"))
+        .join("engine")
+        .join(family)
+}
+
+fn adapters(family: &str) -> Vec<AdapterDir> {
+    let dir = family_dir(family).join("adapters");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("adapters folder")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|name| AdapterDir {
+            dir: dir.join(&name),
+            name,
+        })
+        .collect()
+}
+
+fn requests(family: &str) -> Vec<Request> {
+    let text = std::fs::read_to_string(family_dir(family).join("requests.json")).expect("requests.json");
+    parse_requests(&text).expect("valid requests")
+}
+
+fn options(family: &str, max_loras: usize, placement: Placement) -> LoraOptions {
+    LoraOptions {
+        max_loras,
+        max_rank: 16,
+        placement,
+        embedding_lora: family == "llama_embed",
+        lm_head_lora: family == "llama_lm_head",
+        ..LoraOptions::default()
+    }
+}
+
+/// Serve `reqs` on one engine; every request's output.
+fn serve(engine: Result<Engine, EngineError>, reqs: &[Request], what: &str) -> Vec<RequestOutput> {
+    let mut engine = engine.unwrap_or_else(|e| panic!("{what}: {e}"));
+    let ids: Vec<usize> = reqs.iter().map(|r| engine.submit(r.clone()).expect("submit")).collect();
+    engine.run().unwrap_or_else(|e| panic!("{what}: {e}"));
+    ids.iter()
+        .map(|&i| engine.output(i).expect("finished").clone())
+        .collect()
+}
+
+fn serve_ranks(family: &str, world: usize) {
+    let dir = family_dir(family).join("model");
+    let adapters = adapters(family);
+    let max_loras = adapters.len().saturating_sub(1).max(1);
+    let reqs = requests(family);
+    let one = serve(
+        Engine::load(
+            &dir,
+            &adapters,
+            &Device::cpu(),
+            options(family, max_loras, Placement::SINGLE),
+            EngineOptions::default(),
+        ),
+        &reqs,
+        family,
+    );
+    let group = HostCollective::group(world);
+    let ranks: Vec<Vec<RequestOutput>> = std::thread::scope(|s| {
+        let handles: Vec<_> = Placement::new(0, world)
+            .expect("placement")
+            .ranks()
+            .zip(group)
+            .map(|(p, c)| {
+                let (dir, adapters, reqs) = (&dir, &adapters, &reqs);
+                s.spawn(move || {
+                    let what = format!("{family} rank {} of {world}", p.tp_rank());
+                    let c: Arc<dyn Collective> = Arc::new(c);
+                    let engine = Engine::load_rank(
+                        dir,
+                        adapters,
+                        &Device::cpu(),
+                        options(family, max_loras, p),
+                        EngineOptions::default(),
+                        c,
+                    );
+                    serve(engine, reqs, &what)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    for (r, outs) in ranks.iter().enumerate() {
+        for (i, (got, want)) in outs.iter().zip(&one).enumerate() {
+            let what = format!("{family} x{world} rank {r} request {i} ({:?})", reqs[i].adapter);
+            assert_eq!(got.tokens, want.tokens, "{what}: greedy tokens");
+            let prompt = rel_error(&got.logits_prompt, &want.logits_prompt);
+            let step = rel_error(&got.logits_step, &want.logits_step);
+            assert!(
+                prompt < TP_TOL && step < TP_TOL,
+                "{what}: rel err {prompt:.2e} / {step:.2e}"
+            );
+            assert_eq!(got, &ranks[0][i], "{what}: ranks agree");
+        }
+    }
+    assert!(reqs.iter().any(|r| r.adapter.is_some()), "{family}: no adapted request");
+}
+
+#[test]
+fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
+    for family in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_untied",
+        "llama_embed",
+        "llama_lm_head",
+    ] {
+        for world in [2, 4] {
+            serve_ranks(family, world);
+        }
+    }
+}
+
+#[test]
+fn a_tensor_parallel_engine_needs_its_collective_and_a_dense_model() {
+    let dir = family_dir("llama").join("model");
+    let adapters = adapters("llama");
+    let p = Placement::new(1, 2).expect("placement");
+    let err = Engine::load(
+        &dir,
+        &adapters,
+        &Device::cpu(),
+        options("llama", 1, p),
+        EngineOptions::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, EngineError::NotTensorParallel { .. }), "{err}");
+    // A collective of another rank.
+    let group = HostCollective::group(2);
+    let c: Arc<dyn Collective> = Arc::new(group[0].clone());
+    let err = Engine::load_rank(
+        &dir,
+        &adapters,
+        &Device::cpu(),
+        options("llama", 1, p),
+        EngineOptions::default(),
+        c,
+    )
+    .unwrap_err();
+    assert!(matches!(err, EngineError::Collective(_)), "{err}");
+    // 8 ranks cannot cut 4 attention heads: named.
+    let group = HostCollective::group(8);
+    let p8 = Placement::new(0, 8).expect("placement");
+    let c: Arc<dyn Collective> = Arc::new(group[0].clone());
+    let err = Engine::load_rank(
+        &dir,
+        &adapters,
+        &Device::cpu(),
+        options("llama", 1, p8),
+        EngineOptions::default(),
+        c,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("num_attention_heads"), "{err}");
+    // The routed experts of an MoE model are not cut.
+    let moe = family_dir("qwen3_moe").join("model");
+    let group = HostCollective::group(2);
+    let c: Arc<dyn Collective> = Arc::new(group[1].clone());
+    let err = Engine::load_rank(
+        &moe,
+        &[],
+        &Device::cpu(),
+        options("llama", 1, p),
+        EngineOptions::default(),
+        c,
+    )
+    .unwrap_err();
+    assert!(matches!(err, EngineError::NotTensorParallel { .. }), "{err}");
+}
+
+/// The engine as rank 0 of a one-rank NCCL group on one GPU: every
+/// all-reduce goes through NCCL, and the outputs equal `Engine::load`'s on
+/// the same device.
+#[test]
+#[ignore = "needs a GPU with libnccl: run with --include-ignored where CUDA is usable"]
+fn a_one_rank_nccl_group_serves_as_the_engine_does_on_one_gpu() {
+    use lora_engine::NcclCollective;
+    use lora_kernels::{KernelError, NcclComm};
+    let Some(device) =
+        lora_kernels::testing::cuda_or_skip("a_one_rank_nccl_group_serves_as_the_engine_does_on_one_gpu")
+    else {
+        return;
+    };
+    let comm = match NcclComm::one_rank(&device) {
+        Err(KernelError::NcclMissing) if std::env::var_os("LORA_REQUIRE_GPU").is_none() => {
+            eprintln!("SKIPPED: libnccl is not present");
+            return;
+        }
+        other => other.expect("one-rank communicator"),
+    };
+    let family = "llama";
+    let dir = family_dir(family).join("model");
+    let adapters = adapters(family);
+    let reqs = requests(family);
+    let max_loras = adapters.len();
+    let lora = || options(family, max_loras, Placement::SINGLE);
+    let one = serve(
+        Engine::load(&dir, &adapters, &device, lora(), EngineOptions::default()),
+        &reqs,
+        family,
+    );
+    let c: Arc<dyn Collective> = Arc::new(NcclCollective::new(comm, &device));
+    let nccl = serve(
+        Engine::load_rank(&dir, &adapters, &device, lora(), EngineOptions::default(), c),
+        &reqs,
+        "nccl",
+    );
+    for (i, (got, want)) in nccl.iter().zip(&one).enumerate() {
+        assert_eq!(got.tokens, want.tokens, "request {i}");
+        let err = rel_error(&got.logits_prompt, &want.logits_prompt);
+        assert!(err < TP_TOL, "request {i}: {err}");
+    }
+}
