@@ -105,6 +105,9 @@ struct Common {
     /// Give slots a place for a LoRA on the input embedding.
     #[arg(long)]
     embedding_lora: bool,
+    /// Give slots a place for a LoRA on the output head.
+    #[arg(long)]
+    lm_head_lora: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -123,6 +126,7 @@ impl Common {
             ep_rank: self.ep_rank,
             ep_world: self.ep_world,
             embedding_lora: self.embedding_lora,
+            lm_head_lora: self.lm_head_lora,
         };
         LoraOptions::from_env()
             .and_then(|o| o.with_args(args))

@@ -2,8 +2,8 @@
 //! `fixtures/make_fixtures.py`) against its `expected.json` and PEFT's own
 //! merged weights (`oracle.safetensors`).
 //!
-//! Expected outcomes hold for `--max-rank 16 --experts --embedding-lora`
-//! (expert rank 16).
+//! Expected outcomes hold for `--max-rank 16 --experts --embedding-lora
+//! --lm-head-lora` (expert rank 16).
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -84,6 +84,7 @@ fn fixture_options() -> LoraOptions {
         experts: true,
         dora: true,
         embedding_lora: true,
+        lm_head_lora: true,
         ..LoraOptions::default()
     }
 }
@@ -203,6 +204,8 @@ fn changed_sites(f: &Fixture, cfg: &ModelConfig, oracle: &ProbeInputs) -> Sites 
                     }
                 }
             }
+            // The output head's LoRA delta, checked against the report's head pair.
+            WeightRef::Table(lora_audit::OverlayModule::LmHead) => {}
             other => panic!("{}: oracle weight {weight} is {other:?}", f.name),
         }
     }
@@ -278,6 +281,31 @@ fn embedding_lora_fixtures_are_refused_without_the_embedding_place() {
 }
 
 #[test]
+fn lm_head_lora_fixtures_are_refused_without_the_head_place() {
+    let mut seen = 0;
+    for f in fixtures().into_iter().filter(|f| f.servable()) {
+        let on = audit_adapter(&f.dir, &f.cfg(), &fixture_options()).unwrap();
+        let off = LoraOptions {
+            lm_head_lora: false,
+            ..fixture_options()
+        };
+        let report = audit_adapter(&f.dir, &f.cfg(), &off).unwrap();
+        if on.lm_head.is_some() {
+            seen += 1;
+            assert_eq!(
+                report.refused_codes(),
+                BTreeSet::from([RejectCode::LmHeadLoraDisabled]),
+                "{}",
+                f.name
+            );
+        } else {
+            assert!(report.is_servable(), "{}", f.name);
+        }
+    }
+    assert!(seen >= 1, "{seen} lm_head-LoRA fixtures");
+}
+
+#[test]
 fn every_servable_fixture_probes_equal_to_peft() {
     let mut checked = 0;
     let mut failures = Vec::new();
@@ -297,8 +325,19 @@ fn every_servable_fixture_probes_equal_to_peft() {
                 f.name
             ));
         }
+        let head_probed = inputs.inputs.contains_key("lm_head.weight");
+        if head_probed != adapter.lm_head.is_some() {
+            failures.push(format!(
+                "{}: PEFT changed the head by a LoRA: {head_probed}; placed: {}",
+                f.name,
+                adapter.lm_head.is_some()
+            ));
+        }
         let overlaid = !inputs.rows.is_empty();
-        if overlaid != (!adapter.overlay.is_empty() || adapter.embedding.is_some()) {
+        // With a LoRA on the head, the oracle probes the head's delta and not
+        // its table's rows (the head table saved beside it is the base's).
+        let overlay_rows = !adapter.overlay.is_empty() && adapter.lm_head.is_none();
+        if overlaid != (overlay_rows || adapter.embedding.is_some()) {
             failures.push(format!(
                 "{}: PEFT changed token rows: {overlaid}; overlay: {:?}",
                 f.name, adapter.report.overlay.lm_head
@@ -549,6 +588,7 @@ fn probe_command_answers_the_oracle() {
     for name in [
         "llama/trainable_tokens_untied_dict",
         "llama/embedding_lora",
+        "llama/lm_head_lora",
         "qwen3_moe/experts_fused_router",
         "mixtral_v4/experts_w1_w2_w3_router",
     ] {
@@ -563,6 +603,7 @@ fn probe_command_answers_the_oracle() {
             .arg(f.model.join("config.json"))
             .arg("--experts")
             .arg("--embedding-lora")
+            .arg("--lm-head-lora")
             .arg("--probes")
             .arg(f.oracle().unwrap())
             .arg("--out")

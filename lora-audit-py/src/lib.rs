@@ -204,6 +204,7 @@ fn options(
     allow_partial: bool,
     experts: bool,
     embedding_lora: bool,
+    lm_head_lora: bool,
 ) -> PyResult<LoraOptions> {
     let args = AuditArgs {
         max_rank,
@@ -212,6 +213,7 @@ fn options(
         experts,
         embedding_lora,
         // DoRA follows LORA_DORA here (`dora: false` leaves it as read).
+        lm_head_lora,
         ..AuditArgs::default()
     };
     LoraOptions::from_env()
@@ -239,7 +241,7 @@ fn tensor_infos(tensors: Vec<(String, String, Vec<usize>)>) -> PyResult<Vec<Tens
 #[pyfunction]
 #[pyo3(signature = (*, adapter_dir=None, config_json=None, tensors=None, name=None, model_path=None,
                     model_json=None, max_rank=None, expert_rank=None, allow_partial=false, experts=false,
-                    embedding_lora=false))]
+                    embedding_lora=false, lm_head_lora=false))]
 #[allow(clippy::too_many_arguments)]
 fn check(
     py: Python<'_>,
@@ -254,9 +256,17 @@ fn check(
     allow_partial: bool,
     experts: bool,
     embedding_lora: bool,
+    lm_head_lora: bool,
 ) -> PyResult<PyReport> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(max_rank, expert_rank, allow_partial, experts, embedding_lora)?;
+    let opts = options(
+        max_rank,
+        expert_rank,
+        allow_partial,
+        experts,
+        embedding_lora,
+        lm_head_lora,
+    )?;
     let result = match (adapter_dir, config_json, tensors) {
         (Some(dir), None, None) => py.detach(|| audit_adapter(Path::new(&dir), &cfg, &opts)),
         (None, Some(text), Some(tensors)) => {
@@ -285,7 +295,8 @@ fn check(
 /// `out` and returns `(written tensor names, unserved weights)`.
 #[pyfunction]
 #[pyo3(signature = (*, adapter_dir, model_path=None, model_json=None, probes, out, base=None,
-                    max_rank=None, expert_rank=None, allow_partial=false, experts=false, embedding_lora=false))]
+                    max_rank=None, expert_rank=None, allow_partial=false, experts=false, embedding_lora=false,
+                    lm_head_lora=false))]
 #[allow(clippy::too_many_arguments)]
 fn probe(
     py: Python<'_>,
@@ -300,9 +311,17 @@ fn probe(
     allow_partial: bool,
     experts: bool,
     embedding_lora: bool,
+    lm_head_lora: bool,
 ) -> PyResult<(Vec<String>, Vec<String>)> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(max_rank, expert_rank, allow_partial, experts, embedding_lora)?;
+    let opts = options(
+        max_rank,
+        expert_rank,
+        allow_partial,
+        experts,
+        embedding_lora,
+        lm_head_lora,
+    )?;
     let adapter = py
         .detach(|| prepare_adapter(Path::new(&adapter_dir), &cfg, &opts))
         .map_err(|e| audit_err(py, e, Some(&cfg)))?;

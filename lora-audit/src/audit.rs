@@ -15,7 +15,7 @@ use crate::options::LoraOptions;
 use crate::overlay::{OverlayModule, OverlayTensors, classify_overlay_key, id_in_vocab};
 use crate::peft_config::{MAX_ADAPTER_CONFIG_BYTES, PeftAdapterConfig, TargetModules, TrainableTokenIndices};
 use crate::report::{
-    AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedEmbedding, PlacedExpertPair, PlacedPair,
+    AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedEmbedding, PlacedExpertPair, PlacedHead, PlacedPair,
 };
 use crate::tensors::{LoadedSafetensors, TensorInfo, first_non_finite_raw};
 
@@ -27,8 +27,9 @@ pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 pub const ADAPTER_PICKLE: &str = "adapter_model.bin";
 
 /// Config-level target checks: `target_modules` names that exist in the
-/// model family but can never take a delta here (gated-delta-net inputs,
-/// `lm_head`). `embed_tokens` is judged on its tensors (`lora_embedding_A/B`). Names the model does not have are ignored
+/// model family but can never take a delta here (gated-delta-net inputs).
+/// `embed_tokens` and `lm_head` are judged on their tensors
+/// (`lora_embedding_A/B`, `lm_head.lora_A/B`). Names the model does not have are ignored
 /// (PEFT matched the tensors; they are the truth), and so are regex strings.
 /// Ranks are checked on the tensor shapes, per pair, by [`audit_adapter`]:
 /// a `rank_pattern` entry no tensor uses cannot refuse an adapter.
@@ -46,7 +47,6 @@ pub fn validate_peft_config(config: &PeftAdapterConfig, cfg: &ModelConfig) -> Ve
                     RejectCode::GdnTarget,
                     "a gated-delta-net input; only linear_attn.out_proj can take a delta",
                 ),
-                "lm_head" => (RejectCode::UnsupportedTarget, "LoRA on the output head is not served"),
                 _ => return None,
             };
             Some(Refusal::new(code, "target_modules", format!("`{name}`: {why}")))
@@ -222,6 +222,9 @@ struct Audit<'a> {
     placed: Vec<PlacedPair>,
     experts: Vec<PlacedExpertPair>,
     embedding: Option<PlacedEmbedding>,
+    /// `lm_head.lora_A/B` as found, placed by `place_head`.
+    head: Halves,
+    lm_head: Option<PlacedHead>,
     overlay: OverlayTensors,
     shapes: BTreeMap<String, Vec<usize>>,
     has_expert_deltas: bool,
@@ -239,6 +242,8 @@ impl<'a> Audit<'a> {
             placed: Vec::new(),
             experts: Vec::new(),
             embedding: None,
+            head: Halves::default(),
+            lm_head: None,
             overlay: OverlayTensors::default(),
             shapes: BTreeMap::new(),
             has_expert_deltas: false,
@@ -304,6 +309,19 @@ impl<'a> Audit<'a> {
                 }
                 continue;
             }
+            if let Some(ab) = head_half(&info.name) {
+                let slot = match ab {
+                    AdapterAb::A => &mut self.head.a,
+                    AdapterAb::B => &mut self.head.b,
+                };
+                if let Some(previous) = slot {
+                    let reason = format!("a second tensor for this pair (first: `{}`)", previous.name);
+                    self.refuse(RejectCode::DuplicateTensor, &info.name, reason);
+                    continue;
+                }
+                *slot = Some(info);
+                continue;
+            }
             match classify_key(&info.name, self.cfg) {
                 Ok(key) => {
                     let halves = groups.entry((key.layer, key.target)).or_default();
@@ -329,6 +347,82 @@ impl<'a> Audit<'a> {
             self.place(layer, target, halves);
         }
         self.check_fused_duplicates();
+        self.place_head();
+    }
+
+    /// Place the LoRA on the output head (`lm_head.lora_A` `[r, hidden]`,
+    /// `lm_head.lora_B` `[vocab, r]`), or refuse it. PEFT wraps the head
+    /// like any linear layer: the logits gain `scale · (h Aᵀ) Bᵀ` over the
+    /// whole vocabulary, with the same scaling forms (rsLoRA, patterns keyed
+    /// by `lm_head`), on top of whatever the wrapped layer computes (its
+    /// token adapter or its saved table: the slot's head overlay).
+    fn place_head(&mut self) {
+        let halves = std::mem::take(&mut self.head);
+        let (a, b) = match (halves.a, halves.b) {
+            (None, None) => return,
+            (Some(a), Some(b)) => (a, b),
+            (Some(only), None) | (None, Some(only)) => {
+                self.refuse(
+                    RejectCode::Unpaired,
+                    &only.name,
+                    "lora_A and lora_B must both be present; the other half is missing",
+                );
+                return;
+            }
+        };
+        if !self.opts.lm_head_lora {
+            self.refuse(
+                RejectCode::LmHeadLoraDisabled,
+                &a.name,
+                "LoRA on the output head, and the pool has no head place (set LORA_LM_HEAD_LORA=1 or --lm-head-lora)",
+            );
+            return;
+        }
+        if self.cfg.tie_word_embeddings {
+            self.refuse(
+                RejectCode::TiedHead,
+                &a.name,
+                "LoRA on an output head tied to the input embedding: PEFT's unmerged forward adds the delta to the \
+                 logits only, while its merge writes it into the shared table (so the embedding changes too)",
+            );
+            return;
+        }
+        if let Some(delta) = self.overlay.lm_head.delta.clone() {
+            self.refuse(
+                RejectCode::TrainableTokens,
+                delta,
+                "trainable tokens on an output head that also has a LoRA: PEFT refuses the combination \
+                 (trainable_token_indices cannot wrap a lora.Linear)",
+            );
+            return;
+        }
+        let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let ok = a.shape.len() == 2 && b.shape.len() == 2 && a.shape[0] > 0 && a.shape[0] == b.shape[1];
+        if !ok {
+            self.refuse(
+                RejectCode::Shape,
+                &b.name,
+                format!(
+                    "lm_head lora_A is {:?} and lora_B {:?}: not [r, hidden] / [vocab, r]",
+                    a.shape, b.shape
+                ),
+            );
+            return;
+        }
+        if !self.check_dims(&a, &b, (vocab, hidden)) {
+            return;
+        }
+        let path = a.name.strip_prefix("base_model.model.").unwrap_or(&a.name);
+        let path = path.strip_suffix(".lora_A.weight").unwrap_or(path).to_string();
+        let Some((rank, scale)) = self.rank_and_scale(&a.name, &path, a.shape[0], false) else {
+            return;
+        };
+        self.lm_head = Some(PlacedHead {
+            rank,
+            scale,
+            a_key: a.name,
+            b_key: b.name,
+        });
     }
 
     /// A full copy of a module named in `modules_to_save` that is not a token
@@ -962,8 +1056,11 @@ impl<'a> Audit<'a> {
             .issues
             .into_iter()
             .partition(|r| self.opts.allow_partial && r.code.skippable());
-        let nothing_served =
-            self.placed.is_empty() && self.experts.is_empty() && self.embedding.is_none() && overlay.is_empty();
+        let nothing_served = self.placed.is_empty()
+            && self.experts.is_empty()
+            && self.embedding.is_none()
+            && self.lm_head.is_none()
+            && overlay.is_empty();
         if nothing_served && refused.is_empty() {
             refused.push(Refusal::new(
                 RejectCode::Empty,
@@ -1008,6 +1105,7 @@ impl<'a> Audit<'a> {
             placed: self.placed,
             experts: self.experts,
             embedding: self.embedding,
+            lm_head: self.lm_head,
             overlay,
             skipped,
             refused,
@@ -1019,6 +1117,19 @@ impl<'a> Audit<'a> {
             expert_rank: self.opts.expert_rank,
         })
     }
+}
+
+/// Which half of the output head's LoRA pair `name` is
+/// (`[base_model.model.][prefix.]lm_head.lora_A.weight` / `lora_B`), or
+/// `None`. The head is a model-level module, outside the decoder layers.
+fn head_half(name: &str) -> Option<AdapterAb> {
+    let path = name.strip_prefix("base_model.model.").unwrap_or(name);
+    let (module, ab) = if let Some(m) = path.strip_suffix(".lora_A.weight") {
+        (m, AdapterAb::A)
+    } else {
+        (path.strip_suffix(".lora_B.weight")?, AdapterAb::B)
+    };
+    (module == "lm_head" || module.ends_with(".lm_head")).then_some(ab)
 }
 
 /// A fused pair's contiguous B rows `out_rows`.

@@ -52,6 +52,9 @@ pub enum RejectCode {
     /// LoRA on the input embedding while the pool has no place for it
     /// (`LoraOptions::embedding_lora`, `LORA_EMBEDDING_LORA`).
     EmbeddingLoraDisabled,
+    /// LoRA on the output head (`lm_head.lora_A/B`) while the pool has no
+    /// place for it (`LoraOptions::lm_head_lora`, `LORA_LM_HEAD_LORA`).
+    LmHeadLoraDisabled,
     /// `modules_to_save` names a module other than `embed_tokens` / `lm_head`.
     ModulesToSave,
     /// `trainable_token_indices` or a `trainable_tokens_delta` that cannot be
@@ -113,7 +116,7 @@ pub enum RejectCode {
 
 impl RejectCode {
     /// Every code, in declaration order.
-    pub const ALL: [RejectCode; 36] = [
+    pub const ALL: [RejectCode; 37] = [
         RejectCode::PeftType,
         RejectCode::Pickle,
         RejectCode::Dora,
@@ -128,6 +131,7 @@ impl RejectCode {
         RejectCode::LoraVariant,
         RejectCode::EmbeddingLora,
         RejectCode::EmbeddingLoraDisabled,
+        RejectCode::LmHeadLoraDisabled,
         RejectCode::ModulesToSave,
         RejectCode::TrainableTokens,
         RejectCode::DuplicateTokenId,
@@ -169,6 +173,7 @@ impl RejectCode {
             RejectCode::LoraVariant => "REJECT[lora-variant]",
             RejectCode::EmbeddingLora => "REJECT[embedding-lora]",
             RejectCode::EmbeddingLoraDisabled => "REJECT[embedding-lora-disabled]",
+            RejectCode::LmHeadLoraDisabled => "REJECT[lm-head-lora-disabled]",
             RejectCode::ModulesToSave => "REJECT[modules-to-save]",
             RejectCode::TrainableTokens => "REJECT[trainable-tokens]",
             RejectCode::DuplicateTokenId => "REJECT[duplicate-token-id]",

@@ -19,7 +19,9 @@
 //! - [`audit_adapter`] → [`AuditReport`]: pairs per (layer, module) with rank
 //!   (from the shapes) and scale (`alpha / r` or rsLoRA `alpha / sqrt(r)`,
 //!   alpha from `alpha_pattern`), expert pairs per (layer, expert site),
-//!   overlays, skips, refusals, pool bytes.
+//!   the model-level pairs (a LoRA on the input embedding, [`PlacedEmbedding`];
+//!   on the output head, [`PlacedHead`], whose delta `probe_in::lm_head.weight`
+//!   probes), overlays, skips, refusals, pool bytes.
 //! - [`prepare_adapter`] → [`PreparedAdapter`]: host BF16 pairs (both expert
 //!   formats normalised to per-(expert, Gate | Up | Down) pairs) and the
 //!   [`HostOverlay`].
@@ -88,6 +90,7 @@
 //! | `REJECT[lora-variant]` | VeLoRA, MonteCLoRA, Arrow, KaSA, MiCA | |
 //! | `REJECT[embedding-lora]` | LoRA on an embedding not served: not the input embedding, a tied head, or beside trainable tokens on it | |
 //! | `REJECT[embedding-lora-disabled]` | `lora_embedding_A/B` while the pool has no embedding place (`LORA_EMBEDDING_LORA`) | |
+//! | `REJECT[lm-head-lora-disabled]` | `lm_head.lora_A/B` while the pool has no head place (`LORA_LM_HEAD_LORA`); a tied head's pair is `REJECT[tied-head]` and head trainable tokens beside it `REJECT[trainable-tokens]` | |
 //! | `REJECT[modules-to-save]` | a `modules_to_save` module other than embed_tokens / lm_head | |
 //! | `REJECT[trainable-tokens]` | trainable tokens that cannot be served (other module, ids without rows) | |
 //! | `REJECT[duplicate-token-id]` | a repeated trainable id | |
@@ -163,14 +166,18 @@ pub use peft_config::{
     InitLoraWeights, MAX_ADAPTER_CONFIG_BYTES, PeftAdapterConfig, TargetModules, TrainableTokenIndices,
     parse_peft_adapter_config,
 };
-pub use prepare::{HostEmbeddingPair, HostExpertPair, HostPair, PreparedAdapter, prepare_adapter, split_fused};
+pub use prepare::{
+    HostEmbeddingPair, HostExpertPair, HostHeadPair, HostPair, PreparedAdapter, prepare_adapter, split_fused,
+};
 pub use probe::{
     BASE_BIAS, BASE_WEIGHT, BaseTables, FusedParam, MAX_PROBE_OUTPUT_BYTES, Oracle, PROBE_IN, PROBE_OUT, PairShape,
     ProbeBase, ProbeInputs, ProbeOutputs, ProbeTensor, ROWS_IDX, ROWS_MERGED, WeightRef, apply_pair, parse_weight_name,
     probe_adapter, probe_adapter_at, probe_files, probe_files_at, read_base_tables, read_oracle, read_probe_inputs,
     write_probe_outputs,
 };
-pub use report::{AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedEmbedding, PlacedExpertPair, PlacedPair};
+pub use report::{
+    AuditReport, AuditedOverlay, ExpertSlice, LmHeadMode, PlacedEmbedding, PlacedExpertPair, PlacedHead, PlacedPair,
+};
 pub use tensors::{
     AdapterTensors, HostTensor, LoadedSafetensors, SafetensorsFile, TensorDtype, TensorInfo, UnparsedSafetensors,
     first_non_finite, first_non_finite_raw, load_adapter_safetensors, load_bf16,

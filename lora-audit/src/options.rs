@@ -1,7 +1,7 @@
 //! `LoraOptions`: the serving switches, with `from_env`, the one place that
 //! reads the `LORA_*` environment variables.
 
-use lora_layout::{LayoutError, ModelConfig, Placement, PlacementError, SlotLayout};
+use lora_layout::{LayoutError, ModelConfig, ModelPlaces, Placement, PlacementError, SlotLayout};
 
 /// How adapters are served: pool sizes and policy switches.
 ///
@@ -59,6 +59,11 @@ pub struct LoraOptions {
     /// more per slot. Off, an adapter with `lora_embedding_A/B` is refused
     /// (`REJECT[embedding-lora-disabled]`).
     pub embedding_lora: bool,
+    /// Give every slot a place for a LoRA on the output head
+    /// (`LORA_LM_HEAD_LORA`): `max_rank * (hidden + vocab)` BF16 elements
+    /// more per slot. Off, an adapter with `lm_head.lora_A/B` is refused
+    /// (`REJECT[lm-head-lora-disabled]`).
+    pub lm_head_lora: bool,
 }
 
 /// Default of [`LoraOptions::max_loras`].
@@ -85,6 +90,7 @@ impl Default for LoraOptions {
             dora: false,
             placement: Placement::SINGLE,
             embedding_lora: false,
+            lm_head_lora: false,
         }
     }
 }
@@ -113,6 +119,8 @@ pub struct AuditArgs {
     pub ep_world: Option<usize>,
     /// Turns [`LoraOptions::embedding_lora`] on.
     pub embedding_lora: bool,
+    /// Turns [`LoraOptions::lm_head_lora`] on.
+    pub lm_head_lora: bool,
 }
 
 /// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
@@ -154,6 +162,7 @@ impl LoraOptions {
         self.dora |= args.dora;
         self.placement = placement_over(self.placement, args)?;
         self.embedding_lora |= args.embedding_lora;
+        self.lm_head_lora |= args.lm_head_lora;
         self.dora_unplaced("dora")?;
         Ok(self)
     }
@@ -175,13 +184,18 @@ impl LoraOptions {
     }
 
     /// The slot layout of a pool built with these options for `cfg`: the
-    /// dense pairs at `max_rank`, and the embedding pair's place when
-    /// [`LoraOptions::embedding_lora`] is on, each sized to the rank's
-    /// shard of [`LoraOptions::placement`] (the embedding pair replicated,
+    /// dense pairs at `max_rank`, the embedding pair's place when
+    /// [`LoraOptions::embedding_lora`] is on and the head pair's when
+    /// [`LoraOptions::lm_head_lora`] is, each sized to the rank's shard of
+    /// [`LoraOptions::placement`] (the embedding and head pairs replicated,
     /// whole on every rank). Every pool, packer and lander takes its layout
     /// from here.
     pub fn slot_layout(&self, cfg: &ModelConfig) -> Result<SlotLayout, LayoutError> {
-        SlotLayout::walk(cfg, self.max_rank, self.placement, self.embedding_lora)
+        let places = ModelPlaces {
+            embedding: self.embedding_lora,
+            lm_head: self.lm_head_lora,
+        };
+        SlotLayout::walk(cfg, self.max_rank, self.placement, places)
     }
 
     /// Build the options from a variable lookup (`None`: unset). Booleans are
@@ -271,6 +285,7 @@ impl LoraOptions {
             dora: flag("LORA_DORA"),
             placement,
             embedding_lora: flag("LORA_EMBEDDING_LORA"),
+            lm_head_lora: flag("LORA_LM_HEAD_LORA"),
         };
         options.dora_unplaced("LORA_DORA")?;
         Ok(options)

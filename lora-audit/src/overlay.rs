@@ -55,6 +55,9 @@ pub enum OverlayTensorKind {
     /// table. Served as the table's full copy: its rows that differ from the
     /// served base override them, and the LoRA delta adds onto the result
     /// (PEFT's order: the wrapped layer's base lookup, then the delta).
+    /// Also `…lm_head.base_layer.weight`, the head's table PEFT saves
+    /// beside a LoRA on `lm_head` and loads back the same way: served as
+    /// the head's own table, the pair's delta added onto its logits.
     EmbeddingBaseCopy,
 }
 
@@ -98,9 +101,7 @@ pub fn classify_overlay_key(key: &str) -> Option<OverlayTensor> {
         // an embedding LoRA of a Linear, which PEFT never writes.
         let embedding_only = matches!(
             kind,
-            OverlayTensorKind::LoraEmbeddingA
-                | OverlayTensorKind::LoraEmbeddingB
-                | OverlayTensorKind::EmbeddingBaseCopy
+            OverlayTensorKind::LoraEmbeddingA | OverlayTensorKind::LoraEmbeddingB
         );
         (module == OverlayModule::Embed || !embedding_only).then_some(OverlayTensor { module, kind })
     })

@@ -95,6 +95,20 @@ impl HostEmbeddingPair {
     }
 }
 
+/// A LoRA on the output head on the host: the logits of a hidden row `h`
+/// gain `scale · B · (A · h)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostHeadPair {
+    /// Rank.
+    pub rank: usize,
+    /// PEFT's scaling.
+    pub scale: f32,
+    /// A (`lm_head.lora_A`), `[rank, hidden]` row-major.
+    pub a: Vec<bf16>,
+    /// B (`lm_head.lora_B`), `[vocab, rank]` row-major.
+    pub b: Vec<bf16>,
+}
+
 /// An audited adapter converted for packing.
 #[derive(Debug, Clone)]
 pub struct PreparedAdapter {
@@ -108,6 +122,8 @@ pub struct PreparedAdapter {
     pub experts: Vec<HostExpertPair>,
     /// The LoRA on the input embedding, if any.
     pub embedding: Option<HostEmbeddingPair>,
+    /// The LoRA on the output head, if any.
+    pub lm_head: Option<HostHeadPair>,
     /// Token overlays.
     pub overlay: HostOverlay,
 }
@@ -225,6 +241,18 @@ pub fn prepare_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Res
             })
         })
         .transpose()?;
+    let lm_head = report
+        .lm_head
+        .as_ref()
+        .map(|e| {
+            Ok::<_, AuditError>(HostHeadPair {
+                rank: e.rank,
+                scale: e.scale,
+                a: tensor(&tensors, &e.a_key)?.data.clone(),
+                b: tensor(&tensors, &e.b_key)?.data.clone(),
+            })
+        })
+        .transpose()?;
     let overlay = host_overlay(&report, &tensors, cfg)?;
     Ok(PreparedAdapter {
         config,
@@ -232,6 +260,7 @@ pub fn prepare_adapter(dir: &Path, cfg: &ModelConfig, opts: &LoraOptions) -> Res
         dense,
         experts,
         embedding,
+        lm_head,
         overlay,
     })
 }

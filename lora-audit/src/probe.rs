@@ -332,7 +332,8 @@ fn width_field(weight: &WeightRef) -> &'static str {
             FusedParam::Down => "num_experts x hidden_size",
         },
         WeightRef::Router { .. } => "num_experts",
-        WeightRef::Table(_) => "hidden_size",
+        WeightRef::Table(OverlayModule::LmHead) => "vocab_size",
+        WeightRef::Table(OverlayModule::Embed) => "hidden_size",
         WeightRef::Unserved => "none",
     }
 }
@@ -356,7 +357,9 @@ pub fn probe_adapter(
 /// head's columns on every rank holding it); a row-parallel module answers
 /// the partial delta `[n, out]` from the rank's columns of the probe input
 /// and of A, which the ranks' sum (the base model's all-reduce) makes
-/// whole; a replicated module answers the whole delta.
+/// whole; a replicated module answers the whole delta, and so does the
+/// output head's LoRA pair (`probe_in::lm_head.weight`), replicated whole on
+/// every rank ([`lora_layout::ModuleShard::lm_head`]).
 ///
 /// Under expert parallelism (`ep_world > 1`) an expert probe of an expert
 /// the rank holds ([`Placement::expert_range`]) answers its whole delta,
@@ -365,8 +368,9 @@ pub fn probe_adapter(
 /// experts), so the expert-parallel ranks' outputs sum to the unsharded
 /// ones; a router probe answers the whole (replicated) delta on every
 /// rank. A model whose `num_experts` does not divide by `ep_world` is
-/// [`AuditError::Layout`] naming it. Token-table probes, and expert and
-/// router probes under `tp_world > 1` without expert parallelism, have no
+/// [`AuditError::Layout`] naming it. Token-table probes (`rows_idx::`, and
+/// `probe_in::` of a table without a LoRA pair), and expert and router
+/// probes under `tp_world > 1` without expert parallelism, have no
 /// placement: [`AuditError::Probe`].
 pub fn probe_adapter_at(
     adapter: &PreparedAdapter,
@@ -420,6 +424,14 @@ fn probe_within(
                     });
                 }
             };
+            if module == OverlayModule::LmHead && adapter.lm_head.is_some() {
+                // The merged head is its table plus a delta in every row:
+                // PEFT's oracle probes that delta as a linear weight.
+                return Err(AuditError::Probe {
+                    name: format!("{ROWS_IDX}{table}"),
+                    reason: "the adapter has a LoRA on lm_head: probe its delta with probe_in::".into(),
+                });
+            }
             let rows = served.rows(module, table, ids, &mut budget)?;
             out.tensors.insert(format!("{ROWS_MERGED}{table}"), rows);
         }
@@ -492,9 +504,12 @@ fn probe_weight(
     };
     let no_site = || bad("the model has no such site".into());
     // Experts and the router are placed by expert parallelism only: under
-    // tensor parallelism without it they have no placement.
+    // tensor parallelism without it they have no placement. The output
+    // head's LoRA pair is replicated (whole on every rank, as the base model
+    // keeps lm_head whole): its probe answers the whole delta.
     let unplaced = match weight_ref {
         WeightRef::Dense { .. } | WeightRef::Unserved => false,
+        WeightRef::Table(OverlayModule::LmHead) => adapter.lm_head.is_none(),
         WeightRef::Table(_) => true,
         WeightRef::Expert { .. } | WeightRef::Router { .. } | WeightRef::Fused { .. } => placement.ep_world() == 1,
     };
@@ -506,7 +521,25 @@ fn probe_weight(
     }
     Ok(Some(match weight_ref {
         WeightRef::Unserved => return Ok(None),
-        WeightRef::Table(_) => return Err(bad("token tables are probed with rows_idx::".into())),
+        // The output head with a LoRA pair: its delta over the whole
+        // vocabulary, probed like a linear weight (in = hidden, out = vocab).
+        WeightRef::Table(OverlayModule::LmHead) if adapter.lm_head.is_some() => {
+            let (out, inp) = (cfg.vocab_size, cfg.hidden_size);
+            check_width(inp)?;
+            let pair = adapter
+                .lm_head
+                .as_ref()
+                .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale));
+            ProbeTensor {
+                shape: vec![n, out],
+                data: pair_out(budget, pair, (out, inp))?,
+            }
+        }
+        WeightRef::Table(_) => {
+            return Err(bad(
+                "token tables are probed with rows_idx:: (probe_in:: only for lm_head with a LoRA pair)".into(),
+            ));
+        }
         WeightRef::Dense { layer, module } if placement.tp_world() > 1 => {
             let (out, inp) = module.dims(cfg);
             check_width(inp)?;

@@ -44,6 +44,21 @@ pub struct PlacedEmbedding {
     pub b_key: String,
 }
 
+/// A LoRA on the output head, placed in the slot's head place: the
+/// logits of a hidden row `h` gain `scale · B · (A · h)` over the whole
+/// vocabulary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlacedHead {
+    /// Rank, from the tensor shapes.
+    pub rank: usize,
+    /// PEFT's scaling for this pair.
+    pub scale: f32,
+    /// The `lm_head.lora_A` tensor, `[r, hidden]`.
+    pub a_key: String,
+    /// The `lm_head.lora_B` tensor, `[vocab, r]`.
+    pub b_key: String,
+}
+
 /// Where an expert pair's factors sit in its tensors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExpertSlice {
@@ -160,6 +175,8 @@ pub struct AuditReport {
     pub experts: Vec<PlacedExpertPair>,
     /// The LoRA on the input embedding, if any.
     pub embedding: Option<PlacedEmbedding>,
+    /// The LoRA on the output head, if any.
+    pub lm_head: Option<PlacedHead>,
     /// Token overlays.
     pub overlay: AuditedOverlay,
     /// Items left out under `allow_partial`, each with its reason.
@@ -217,6 +234,7 @@ impl AuditReport {
                 },
             })).collect::<Vec<_>>(),
             "embedding": self.embedding.as_ref().map(|e| json!({ "rank": e.rank, "scale": e.scale })),
+            "lm_head": self.lm_head.as_ref().map(|e| json!({ "rank": e.rank, "scale": e.scale })),
             "overlay": {
                 "embed_trainable_ids": self.overlay.embed_ids,
                 "embed_table": t.embed.base_table(),
@@ -262,6 +280,11 @@ impl AuditReport {
             .flat_map(|p| [Some(p.a_key.clone()), Some(p.b_key.clone()), p.magnitude_key.clone()])
             .chain(
                 self.embedding
+                    .iter()
+                    .flat_map(|e| [Some(e.a_key.clone()), Some(e.b_key.clone())]),
+            )
+            .chain(
+                self.lm_head
                     .iter()
                     .flat_map(|e| [Some(e.a_key.clone()), Some(e.b_key.clone())]),
             )
@@ -338,6 +361,9 @@ impl AuditReport {
         }
         if let Some(e) = &self.embedding {
             let _ = writeln!(s, "embedding LoRA: rank {}  scale {:.6}", e.rank, e.scale);
+        }
+        if let Some(e) = &self.lm_head {
+            let _ = writeln!(s, "lm_head LoRA: rank {}  scale {:.6}", e.rank, e.scale);
         }
         let t = &self.overlay.tensors;
         if !self.overlay.is_empty() {

@@ -287,7 +287,45 @@ impl StepHooks<'_> {
         Ok(())
     }
 
+    /// The logits: the head's token overlay of the rows' slots, then their
+    /// LoRA on the head. PEFT's order: the LoRA wraps the head's token
+    /// adapter (or the head with its saved table), so its delta `scale ·
+    /// (h Aᵀ) Bᵀ` is added over the overlaid logits, across the whole
+    /// vocabulary.
     fn head(&self, hidden: &[f32], logits: &mut [f32]) -> Result<(), BoxError> {
+        self.head_overlay(hidden, logits)?;
+        self.head_lora(hidden, logits)
+    }
+
+    /// The LoRA on the output head of the rows' slots, added in f32 onto
+    /// the logits (the decode rule table's or the segment apply's tall
+    /// expand).
+    fn head_lora(&self, hidden: &[f32], logits: &mut [f32]) -> Result<(), BoxError> {
+        let pool = self.pool;
+        let any = self
+            .step
+            .requests()
+            .iter()
+            .any(|r| r.slot().and_then(|s| pool.lm_head_entry(s)).is_some_and(|e| e.rank > 0));
+        if !any || logits.is_empty() {
+            return Ok(());
+        }
+        let n = self.step.row_slots().len();
+        let (width, vocab) = (hidden.len() / n, logits.len() / n);
+        apply_split(pool.device(), hidden, width, logits, |xr, y_dev| {
+            let yr = RowsMut::dense(y_dev, n, vocab);
+            match self.step {
+                // As in `dense`: the previous kernel writes y only.
+                StepRef::Decode(s) => pool.apply_lm_head_decode(s, xr, yr, OVERLAP_PREVIOUS)?,
+                StepRef::Prefill(s) => pool.apply_lm_head_prefill(s, xr, yr)?,
+            }
+            Ok(())
+        })
+    }
+
+    /// The head's token overlays of the rows' slots (trainable tokens,
+    /// saved tables).
+    fn head_overlay(&self, hidden: &[f32], logits: &mut [f32]) -> Result<(), BoxError> {
         let overlays = self.pool.companion();
         let any = self.step.requests().iter().any(|r| {
             r.slot()

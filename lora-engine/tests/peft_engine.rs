@@ -58,6 +58,7 @@ fn options(family: &str, max_loras: usize) -> LoraOptions {
         experts: matches!(family, "qwen3_moe" | "mixtral"),
         dora: family == "qwen2_dora",
         embedding_lora: family == "llama_embed",
+        lm_head_lora: family == "llama_lm_head",
         ..LoraOptions::default()
     }
 }
@@ -172,6 +173,13 @@ fn llama_embedding_lora_batch_matches_peft() {
     serve_family("llama_embed");
 }
 
+/// LoRA on the output head beside head trainable tokens (in one adapter
+/// and in other slots) and base rows, in fewer slots than adapters.
+#[test]
+fn llama_lm_head_lora_batch_matches_peft() {
+    serve_family("llama_lm_head");
+}
+
 #[test]
 fn mistral_batch_matches_peft() {
     serve_family("mistral");
@@ -239,6 +247,7 @@ fn every_family_matches_peft_on_cuda() {
     for family in [
         "llama",
         "llama_embed",
+        "llama_lm_head",
         "mistral",
         "qwen2",
         "qwen2_dora",

@@ -11,7 +11,11 @@
 //! base model replicates them. `llama_embed` (embedding-LoRA adapters
 //! beside trainable tokens, `LoraOptions::embedding_lora`) is served the
 //! same way: the embedding pair is replicated, whole on every rank, as the
-//! cut base model keeps the embedding table whole.
+//! cut base model keeps the embedding table whole. `llama_lm_head`
+//! (head-LoRA adapters, `LoraOptions::lm_head_lora`) likewise: the head
+//! pair is replicated, whole on every rank, and the logits hook adds its
+//! whole delta to the whole logits, as the cut base model keeps lm_head
+//! whole.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -61,6 +65,7 @@ fn options(family: &str, max_loras: usize, placement: Placement) -> LoraOptions 
         max_rank: 16,
         placement,
         embedding_lora: family == "llama_embed",
+        lm_head_lora: family == "llama_lm_head",
         ..LoraOptions::default()
     }
 }
@@ -134,7 +139,15 @@ fn serve_ranks(family: &str, world: usize) {
 
 #[test]
 fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
-    for family in ["llama", "mistral", "qwen2", "qwen3", "qwen3_untied", "llama_embed"] {
+    for family in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_untied",
+        "llama_embed",
+        "llama_lm_head",
+    ] {
         for world in [2, 4] {
             serve_ranks(family, world);
         }

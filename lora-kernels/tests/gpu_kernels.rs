@@ -2409,3 +2409,109 @@ fn gpu_embed_lora_matches_cpu() {
     );
     assert!(rel_error(&[&got[..24], &got[72..]].concat(), &want) < 1e-5);
 }
+
+/// Output heads (`lm_head`: out = vocab, in = hidden), the tallest expands
+/// a model has: the decode rule table's plan (with the overlap promise and
+/// without), every candidate, and the fused kernel in more output splits
+/// than the other rules take (rule 6 past the two launches' window),
+/// against the CPU reference on fresh random inputs, padding poisoned, y
+/// of random values with spare columns no target owns (left untouched),
+/// in bf16 and f32 y.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_bgmv_tall_heads_match_cpu() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_tall_heads_match_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_bgmv_tall_heads_match_cpu");
+    // (n, in = hidden, vocab, stride, slots)
+    let shapes: &[(usize, usize, usize, usize, usize)] = &[
+        (1, 512, 32_000, 16, 4),
+        (7, 1024, 128_256, 64, 3),
+        (64, 256, 152_064, 8, 5),
+        (3, 128, 262_208, 16, 2),
+        (129, 64, 32_000, 16, 4),
+        // Past the two launches' window of 512 rows.
+        (520, 64, 32_000, 16, 4),
+    ];
+    for &(n, in_dim, vocab, stride, slots) in shapes {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 7 % stride) as u32).collect();
+        let p = Problem::new(&mut rng, n, in_dim, &[vocab], stride, &ranks, true);
+        let idx = random_idx(&mut rng, n, slots, 5);
+        let label = format!("head n={n} in={in_dim} vocab={vocab} stride={stride}");
+        let on = Applies::new(&gpu, &p, &idx);
+        let mut runs = vec![auto(false), auto(true)];
+        for overlap in [false, true] {
+            runs.extend(on.candidates(&p.y_bf16, overlap).into_iter().map(exact));
+        }
+        // The fused kernel in more than 16 output splits: the fewest the
+        // device serves the call with (as rule 6 picks them), in one
+        // block and (sm_90) clusters of 8.
+        let mut wide = 0;
+        for cluster in [1, 8] {
+            let fused = |out_splits| DecodePlan {
+                form: DecodeForm::Fused(FusedForm {
+                    cluster,
+                    out_splits,
+                    clusters_per_window: 1,
+                    tensor_cores: false,
+                    items: ItemList::Scan,
+                    push_sum: false,
+                }),
+                chain: Chain::Plain,
+            };
+            if let Some(s) = [32, 64, 128, 256, 512, 1024]
+                .into_iter()
+                .find(|&s| on.serves(&p.y_bf16, fused(s)))
+            {
+                runs.push(exact(fused(s)));
+                wide += 1;
+            }
+        }
+        assert!(wide > 0, "{label}: no fused plan past 16 output splits");
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, DecodeOptions::default());
+        for &options in &runs {
+            let g = on.run(&p.y_bf16, options);
+            compare(&format!("{label} {} (bf16 y)", describe(options)), &p.y_bf16, &c, &g);
+        }
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, DecodeOptions::default());
+        for options in [auto(false), auto(true)] {
+            let g = on.run(&p.y_f32, options);
+            compare(&format!("{label} {} (f32 y)", describe(options)), &p.y_f32, &c, &g);
+        }
+    }
+}
+
+/// Output heads in the segment apply (prefill): every candidate plan
+/// against the CPU reference, fresh random inputs, poisoned padding and
+/// workspace, bf16 y, and the rule table's plan with f32 y.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_sgmv_tall_heads_match_cpu() {
+    let Some(gpu) = cuda_or_skip("gpu_sgmv_tall_heads_match_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_sgmv_tall_heads_match_cpu");
+    // (n, in, vocab, stride, slots, segments)
+    let shapes: &[(usize, usize, usize, usize, usize, usize)] = &[
+        (40, 256, 32_000, 16, 3, 3),
+        (17, 512, 128_256, 64, 2, 5),
+        (9, 128, 262_208, 8, 2, 2),
+    ];
+    for &(n, in_dim, vocab, stride, slots, n_seg) in shapes {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 13 % stride) as u32).collect();
+        let p = Problem::new(&mut rng, n, in_dim, &[vocab], stride, &ranks, true);
+        let (cu, slot) = segments_for(&mut rng, n, n_seg, slots);
+        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Auto);
+        for plan in sgmv_plans::<bf16>(&gpu, &p, n_seg) {
+            let label = format!("sgmv head n={n} in={in_dim} vocab={vocab} stride={stride} {plan}");
+            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Exact(plan));
+            compare(&label, &p.y_bf16, &c, &g);
+        }
+        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Auto);
+        let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Auto);
+        compare(&format!("sgmv head f32 y n={n} vocab={vocab}"), &p.y_f32, &c, &g);
+    }
+}

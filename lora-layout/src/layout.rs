@@ -7,14 +7,19 @@
 //! [`SlotLayout::with_embedding`], the input embedding's pair last: A
 //! `[max_rank, vocab]` then B `[hidden, max_rank]` (PEFT's
 //! `lora_embedding_A` / `lora_embedding_B`, a pair whose input is the
-//! one-hot token). Under a tensor-parallel [`Placement`] each dense pair
-//! is sized to the rank's shard and the embedding pair stays whole
-//! (replicated: [`ModuleShard::embedding`]). [`SlotLayout`] is that walk; [`pool_slot_bytes`],
-//! [`module_slot_offsets`] and every packer read it, so they cannot disagree.
+//! one-hot token). Then, in a layout whose [`ModelPlaces`] ask for it, the
+//! output head's pair (`lm_head`): A `[max_rank, hidden]` then B `[vocab,
+//! max_rank]`, a dense pair whose output is the logits. Under a
+//! tensor-parallel [`Placement`] each dense (layer, module) pair is sized to
+//! the rank's shard and the embedding and head pairs stay whole (replicated:
+//! [`ModuleShard::embedding`], [`ModuleShard::lm_head`]). [`SlotLayout`] is
+//! that walk; [`pool_slot_bytes`], [`module_slot_offsets`] and every packer
+//! read it, so they cannot disagree.
 //!
-//! *Why the embedding place is opt-in:* it costs `max_rank * (vocab +
-//! hidden)` elements in every slot (for a 128k vocabulary at rank 16, 4 MiB
-//! a slot), which a pool that never serves embedding LoRA should not pay.
+//! *Why the embedding and head places are opt-in:* each costs `max_rank *
+//! (vocab + hidden)` elements in every slot (for a 128k vocabulary at rank
+//! 16, 4 MiB a slot), which a pool that never serves such adapters should
+//! not pay.
 
 use crate::config::ModelConfig;
 use crate::module::{ExpertSite, LoraModule};
@@ -112,19 +117,45 @@ pub struct EmbeddingEntry {
     pub b_offset: usize,
 }
 
+/// The output head's pair place in a slot: A `[max_rank, hidden]`, B
+/// `[vocab, max_rank]` (PEFT's `lm_head.lora_A` / `lora_B`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadEntry {
+    /// Width of a hidden row (`hidden_size`): A's width.
+    pub hidden: usize,
+    /// Rows of the head (`vocab_size`): B's height, the logits' width.
+    pub vocab: usize,
+    /// Byte offset of A (`[max_rank, hidden]`) from the slot base.
+    pub a_offset: usize,
+    /// Byte offset of B (`[vocab, max_rank]`) from the slot base.
+    pub b_offset: usize,
+}
+
+/// The model-level pair places a slot layout has beside the (layer,
+/// module) pairs; both off is [`SlotLayout::new`]'s layout.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelPlaces {
+    /// The input embedding's pair ([`EmbeddingEntry`]).
+    pub embedding: bool,
+    /// The output head's pair ([`HeadEntry`]), after the embedding's.
+    pub lm_head: bool,
+}
+
 /// The layout of one pool slot for a model, a `max_rank` and a
 /// tensor-parallel [`Placement`]: every (layer, module) pair in walk order
-/// with its offsets, each sized to the rank's shard, and the embedding
-/// pair's place when the layout has one.
+/// with its offsets, each sized to the rank's shard, and the embedding and
+/// head pairs' places (whole on every rank) when the layout has them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotLayout {
     max_rank: usize,
     placement: Placement,
     entries: Vec<SlotEntry>,
     /// `shards[i]`: the rank's part of the `i`-th pair in walk order (the
-    /// embedding pair's, replicated, last when the layout has it).
+    /// embedding pair's then the head pair's, replicated, last when the
+    /// layout has them).
     shards: Vec<ModuleShard>,
     embedding: Option<EmbeddingEntry>,
+    lm_head: Option<HeadEntry>,
     slot_bytes: usize,
     /// `index[layer * ALL.len() + module.index()]` = entry index, or `u32::MAX`.
     index: Vec<u32>,
@@ -134,13 +165,21 @@ impl SlotLayout {
     /// Walk the layout of `cfg` at `max_rank`: the dense pairs only, every
     /// pair whole ([`Placement::SINGLE`]).
     pub fn new(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
-        SlotLayout::walk(cfg, max_rank, Placement::SINGLE, false)
+        SlotLayout::walk(cfg, max_rank, Placement::SINGLE, ModelPlaces::default())
     }
 
     /// The layout of [`SlotLayout::new`] with the input embedding's pair
     /// place after the last layer's pairs.
     pub fn with_embedding(cfg: &ModelConfig, max_rank: usize) -> Result<SlotLayout, LayoutError> {
-        SlotLayout::walk(cfg, max_rank, Placement::SINGLE, true)
+        SlotLayout::walk(
+            cfg,
+            max_rank,
+            Placement::SINGLE,
+            ModelPlaces {
+                embedding: true,
+                lm_head: false,
+            },
+        )
     }
 
     /// Walk the layout of `cfg` at `max_rank` for one tensor-parallel rank:
@@ -148,18 +187,21 @@ impl SlotLayout {
     /// to the rank's [`ModuleShard`]. A module whose cut does not divide is
     /// [`LayoutError::Placement`] naming the dimension.
     pub fn with_placement(cfg: &ModelConfig, max_rank: usize, placement: Placement) -> Result<SlotLayout, LayoutError> {
-        SlotLayout::walk(cfg, max_rank, placement, false)
+        SlotLayout::walk(cfg, max_rank, placement, ModelPlaces::default())
     }
 
-    /// The layout of `cfg` at `max_rank` for `placement`, with the embedding
-    /// place when `embedding` is set. The embedding pair is replicated on
-    /// every tensor-parallel rank (the base model keeps the embedding table
-    /// whole on every rank), so its place is the same on every rank.
+    /// The layout of `cfg` at `max_rank` for `placement`, with the
+    /// model-level places `places` asks for (the embedding's, then the
+    /// head's, after the last layer's pairs). The embedding and head pairs
+    /// are replicated on every tensor-parallel rank (the base model keeps the
+    /// embedding table and the output head whole on every rank:
+    /// [`ModuleShard::embedding`], [`ModuleShard::lm_head`]), so their places
+    /// are the same on every rank.
     pub fn walk(
         cfg: &ModelConfig,
         max_rank: usize,
         placement: Placement,
-        embedding: bool,
+        places: ModelPlaces,
     ) -> Result<SlotLayout, LayoutError> {
         if max_rank == 0 {
             return Err(LayoutError::ZeroRank { what: "max_rank" });
@@ -204,7 +246,7 @@ impl SlotLayout {
                 shards.push(shard);
             }
         }
-        let embedding = if embedding {
+        let embedding = if places.embedding {
             let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
             let a_bytes = max_rank
                 .checked_mul(vocab)
@@ -225,12 +267,34 @@ impl SlotLayout {
         } else {
             None
         };
+        let lm_head = if places.lm_head {
+            let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+            let a_bytes = max_rank
+                .checked_mul(hidden)
+                .and_then(|e| e.checked_mul(BF16_BYTES))
+                .ok_or(overflow("head A bytes"))?;
+            let a_offset = off;
+            let b_offset = off.checked_add(a_bytes).ok_or(overflow("slot bytes"))?;
+            off = off
+                .checked_add(pair_bytes(vocab, hidden, max_rank)?)
+                .ok_or(overflow("slot bytes"))?;
+            shards.push(ModuleShard::lm_head(cfg, placement));
+            Some(HeadEntry {
+                hidden,
+                vocab,
+                a_offset,
+                b_offset,
+            })
+        } else {
+            None
+        };
         Ok(SlotLayout {
             max_rank,
             placement,
             entries,
             shards,
             embedding,
+            lm_head,
             slot_bytes: off,
             index,
         })
@@ -239,6 +303,19 @@ impl SlotLayout {
     /// The input embedding's pair place, when the layout has one.
     pub fn embedding(&self) -> Option<&EmbeddingEntry> {
         self.embedding.as_ref()
+    }
+
+    /// The output head's pair place, when the layout has one.
+    pub fn lm_head(&self) -> Option<&HeadEntry> {
+        self.lm_head.as_ref()
+    }
+
+    /// The model-level places this layout has.
+    pub fn places(&self) -> ModelPlaces {
+        ModelPlaces {
+            embedding: self.embedding.is_some(),
+            lm_head: self.lm_head.is_some(),
+        }
     }
 
     /// The rank every pair is padded to.
@@ -256,14 +333,16 @@ impl SlotLayout {
         self.placement
     }
 
-    /// The rank's part of the `i`-th pair in walk order (the embedding
-    /// pair's, whole, at `entries().len()` when the layout has one).
+    /// The rank's part of the `i`-th pair in walk order (the embedding and
+    /// head pairs', whole, from `entries().len()` on when the layout has
+    /// them).
     pub fn shard(&self, i: usize) -> Option<&ModuleShard> {
         self.shards.get(i)
     }
 
-    /// Every (layer, module) pair in walk order (the embedding pair, which
-    /// follows them, is [`SlotLayout::embedding`]).
+    /// Every (layer, module) pair in walk order (the embedding and head
+    /// pairs, which follow them, are [`SlotLayout::embedding`] and
+    /// [`SlotLayout::lm_head`]).
     pub fn entries(&self) -> &[SlotEntry] {
         &self.entries
     }

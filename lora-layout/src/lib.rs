@@ -6,8 +6,9 @@
 //! each (layer, module) pair lives inside a pool slot ([`SlotLayout`], the one
 //! layout walk every packer uses), for one tensor-parallel rank when
 //! asked ([`Placement`], [`ModuleShard`], [`SlotLayout::with_placement`]),
-//! with the input embedding's pair place when asked
-//! ([`SlotLayout::walk`], replicated whole on every rank);
+//! with the input embedding's and the output head's pair places when asked
+//! ([`SlotLayout::walk`], [`ModelPlaces`], both replicated whole on every
+//! rank);
 //! and the small routing decisions the serving
 //! path makes per batch ([`build_seq_slot_host`], [`select_victim_slot`],
 //! [`resolve_moe_lora_route`], [`adapter_id_hash`], ...).
@@ -38,8 +39,8 @@ mod routing;
 
 pub use config::{ConfigError, LayerKind, LinearAttnDims, MlaDims, ModelConfig, ModelFamily, MoeDims};
 pub use layout::{
-    BF16_BYTES, EmbeddingEntry, ExpertEntry, ExpertLayout, LayoutError, SlotEntry, SlotLayout, expert_packed_stride,
-    expert_router_bytes, module_slot_offsets, pair_bytes, pool_slot_bytes, slot_base_offset,
+    BF16_BYTES, EmbeddingEntry, ExpertEntry, ExpertLayout, HeadEntry, LayoutError, ModelPlaces, SlotEntry, SlotLayout,
+    expert_packed_stride, expert_router_bytes, module_slot_offsets, pair_bytes, pool_slot_bytes, slot_base_offset,
 };
 pub use module::{ExpertProj, ExpertSite, GateUpLayout, LoraModule, full_attention_layers, router_dims};
 pub use moe_route::{

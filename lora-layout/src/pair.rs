@@ -27,14 +27,19 @@ pub enum PairKey {
     /// `lora_embedding_B` `[hidden, r]`), in a slot layout made
     /// [`SlotLayout::with_embedding`].
     Embedding,
+    /// The output head (`lm_head.lora_A` `[r, hidden]`, `lora_B` `[vocab,
+    /// r]`), in a slot layout whose [`ModelPlaces`](crate::ModelPlaces) ask
+    /// for it.
+    LmHead,
 }
 
 impl PairKey {
-    /// The pair's layer (`None` for the embedding, which precedes them all).
+    /// The pair's layer (`None` for the embedding and the head, which are
+    /// outside the decoder layers).
     pub fn layer(self) -> Option<usize> {
         match self {
             PairKey::Dense { layer, .. } | PairKey::Expert { layer, .. } => Some(layer),
-            PairKey::Embedding => None,
+            PairKey::Embedding | PairKey::LmHead => None,
         }
     }
 }
@@ -52,6 +57,7 @@ impl std::fmt::Display for PairKey {
                 site: ExpertSite::Router,
             } => write!(f, "layer {layer} router"),
             PairKey::Embedding => write!(f, "embedding"),
+            PairKey::LmHead => write!(f, "lm_head"),
         }
     }
 }
@@ -101,7 +107,7 @@ impl PairLayout for SlotLayout {
         self.slot_bytes()
     }
     fn len(&self) -> usize {
-        self.entries().len() + usize::from(self.embedding().is_some())
+        self.entries().len() + usize::from(self.embedding().is_some()) + usize::from(self.lm_head().is_some())
     }
     fn place(&self, i: usize) -> Option<PairPlace> {
         if let Some(e) = self.entries().get(i) {
@@ -117,21 +123,40 @@ impl PairLayout for SlotLayout {
                 shard: *self.shard(i)?,
             });
         }
-        // The embedding's place follows the dense pairs.
-        let e = self.embedding().filter(|_| i == self.entries().len())?;
-        Some(PairPlace {
+        // The embedding's place follows the dense pairs, the head's it; the
+        // layout's shards list both, in that order, after the dense pairs'.
+        let embedding = self.embedding().map(|e| PairPlace {
             key: PairKey::Embedding,
             out_dim: e.hidden,
             in_dim: e.vocab,
             a_offset: e.a_offset,
             b_offset: e.b_offset,
+            shard: ModuleShard::whole(ShardKind::Replicated, e.hidden, e.vocab),
+        });
+        let head = self.lm_head().map(|e| PairPlace {
+            key: PairKey::LmHead,
+            out_dim: e.vocab,
+            in_dim: e.hidden,
+            a_offset: e.a_offset,
+            b_offset: e.b_offset,
+            shard: ModuleShard::whole(ShardKind::Replicated, e.vocab, e.hidden),
+        });
+        let place = embedding
+            .into_iter()
+            .chain(head)
+            .nth(i.checked_sub(self.entries().len())?)?;
+        Some(PairPlace {
             shard: *self.shard(i)?,
+            ..place
         })
     }
     fn position(&self, key: PairKey) -> Option<usize> {
         match key {
             PairKey::Dense { layer, module } => SlotLayout::position(self, layer, module),
             PairKey::Embedding => self.embedding().map(|_| self.entries().len()),
+            PairKey::LmHead => self
+                .lm_head()
+                .map(|_| self.entries().len() + usize::from(self.embedding().is_some())),
             PairKey::Expert { .. } => None,
         }
     }
@@ -163,7 +188,7 @@ impl PairLayout for ExpertLayout {
     fn position(&self, key: PairKey) -> Option<usize> {
         match key {
             PairKey::Expert { layer, site } => ExpertLayout::position(self, layer, site),
-            PairKey::Dense { .. } | PairKey::Embedding => None,
+            PairKey::Dense { .. } | PairKey::Embedding | PairKey::LmHead => None,
         }
     }
 }

@@ -28,6 +28,12 @@
 //!   every rank holds the whole `lora_embedding_A` / `lora_embedding_B`
 //!   and adds the whole delta to its whole embedding rows
 //!   ([`ModuleShard::embedding`]).
+//! - The output head's pair (`PairKey::LmHead`, in a layout made with the
+//!   head place) is replicated by the same rule: the base model keeps
+//!   `lm_head` whole on every rank (no vocab-parallel cut, every rank
+//!   computes the whole logits), so every rank holds the whole
+//!   `lm_head.lora_A` / `lora_B` and adds the whole delta to its whole
+//!   logits ([`ModuleShard::lm_head`]).
 //!
 //! Units of a cut, per family (the base model's): attention projections are
 //! cut by heads (`num_attention_heads` for q, o and the MLA projections;
@@ -354,6 +360,19 @@ impl ModuleShard {
             ShardKind::Replicated,
             cfg.hidden_size,
             cfg.vocab_size,
+            placement.tp_world,
+        )
+    }
+
+    /// The output head pair's shard for `placement` on `cfg`: replicated,
+    /// every rank holds it whole (`(vocab_size, hidden_size)`), because the
+    /// base model keeps `lm_head` whole on every rank (no vocab-parallel
+    /// cut, no gather of logits) and every rank computes the whole logits.
+    pub fn lm_head(cfg: &ModelConfig, placement: Placement) -> ModuleShard {
+        ModuleShard::replicated(
+            ShardKind::Replicated,
+            cfg.vocab_size,
+            cfg.hidden_size,
             placement.tp_world,
         )
     }

@@ -52,6 +52,15 @@ impl PairMeta {
             scale,
         }
     }
+
+    /// The metadata of the output head's pair.
+    pub fn lm_head(rank: usize, scale: f32) -> PairMeta {
+        PairMeta {
+            key: PairKey::LmHead,
+            rank,
+            scale,
+        }
+    }
 }
 
 /// Tensor elements to pack, as they are found: converted BF16 values, or
@@ -174,6 +183,11 @@ pub fn dense_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
         a: Elems::Bf16(&e.a),
         b: Elems::Bf16(&e.b),
     });
+    let head = adapter.lm_head.as_ref().map(|e| PairSource {
+        meta: PairMeta::lm_head(e.rank, e.scale),
+        a: Elems::Bf16(&e.a),
+        b: Elems::Bf16(&e.b),
+    });
     adapter
         .dense
         .iter()
@@ -183,6 +197,7 @@ pub fn dense_sources(adapter: &PreparedAdapter) -> Vec<PairSource<'_>> {
             b: Elems::Bf16(&p.b),
         })
         .chain(embedding)
+        .chain(head)
         .collect()
 }
 
@@ -196,7 +211,7 @@ fn repack_dtype(dtype: TensorDtype) -> Option<RepackDtype> {
     }
 }
 
-/// An audit's placed slot pairs (dense, and the embedding's) as pack
+/// An audit's placed slot pairs (dense, the embedding's and the head's) as pack
 /// sources read on demand from their opened safetensors file (F32, F16 or
 /// BF16; any other type is an error naming the tensor).
 pub fn file_sources<'a>(report: &AuditReport, file: &'a SafetensorsFile) -> Result<Vec<PairSource<'a>>, AuditError> {
@@ -219,11 +234,16 @@ pub fn file_sources<'a>(report: &AuditReport, file: &'a SafetensorsFile) -> Resu
         .embedding
         .as_ref()
         .map(|e| (PairMeta::embedding(e.rank, e.scale), &e.a_key, &e.b_key));
+    let head = report
+        .lm_head
+        .as_ref()
+        .map(|e| (PairMeta::lm_head(e.rank, e.scale), &e.a_key, &e.b_key));
     report
         .placed
         .iter()
         .map(|p| (PairMeta::dense(p.layer, p.module, p.rank, p.scale), &p.a_key, &p.b_key))
         .chain(embedding)
+        .chain(head)
         .map(|(meta, a, b)| {
             Ok(PairSource {
                 meta,

@@ -177,6 +177,11 @@ pub(crate) fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) 
         .as_ref()
         .filter(|_| key == PairKey::Embedding)
         .map(|e| (&e.a_key, &e.b_key));
+    let head = report
+        .lm_head
+        .as_ref()
+        .filter(|_| key == PairKey::LmHead)
+        .map(|e| (&e.a_key, &e.b_key));
     report
         .placed
         .iter()
@@ -188,6 +193,7 @@ pub(crate) fn served_tensor(report: &AuditReport, key: PairKey, part: PairPart) 
         })
         .map(|p| (&p.a_key, &p.b_key))
         .or(embedding)
+        .or(head)
         .map_or_else(
             || key.to_string(),
             |(a, b)| match part {
@@ -369,9 +375,10 @@ impl<C: SlotCompanion> LoraPool<C> {
         let layout = opts.slot_layout(&cfg)?;
         let slot_elems = layout.slot_bytes() / 2;
         let pool_elems = mul(slot_elems, opts.max_loras, "pool")?;
-        // One `[max_loras]` table per (layer, module), then the embedding's.
+        // One `[max_loras]` table per (layer, module), then the embedding's,
+        // then the head's.
         let tables = mul(cfg.num_hidden_layers, LoraModule::ALL.len(), "tables")?
-            .checked_add(usize::from(layout.embedding().is_some()))
+            .checked_add(usize::from(layout.embedding().is_some()) + usize::from(layout.lm_head().is_some()))
             .ok_or(PoolError::Layout(lora_layout::LayoutError::Overflow { what: "tables" }))?;
         let table_len = mul(tables, opts.max_loras, "tables")?;
         let expert_bytes = opts.expert_slot_bytes.unwrap_or(expert_slot_bytes);
@@ -614,6 +621,25 @@ impl<C: SlotCompanion> LoraPool<C> {
     pub fn embedding_table_offset(&self) -> Option<usize> {
         self.layout.embedding()?;
         Some(self.cfg.num_hidden_layers * LoraModule::ALL.len() * self.opts.max_loras)
+    }
+
+    /// First entry of the output head's `[max_loras]` table (after the
+    /// embedding's, if any), when the pool's slots have a head place.
+    pub fn lm_head_table_offset(&self) -> Option<usize> {
+        self.layout.lm_head()?;
+        let tables =
+            self.cfg.num_hidden_layers * LoraModule::ALL.len() + usize::from(self.layout.embedding().is_some());
+        Some(tables * self.opts.max_loras)
+    }
+
+    /// The head pair's table entry in `slot`, as last published.
+    pub fn lm_head_entry(&self, slot: SlotId) -> Option<PairEntry> {
+        if slot.index() >= self.opts.max_loras {
+            return None;
+        }
+        self.host_table
+            .get(self.lm_head_table_offset()? + slot.index())
+            .copied()
     }
 
     /// The embedding pair's table entry in `slot`, as last published.
@@ -1409,6 +1435,11 @@ impl<C: SlotCompanion> LoraPool<C> {
                     .embedding()
                     .map(|p| (p.a_offset, p.b_offset))
                     .zip(self.embedding_table_offset()),
+                PairKey::LmHead => self
+                    .layout
+                    .lm_head()
+                    .map(|p| (p.a_offset, p.b_offset))
+                    .zip(self.lm_head_table_offset()),
                 PairKey::Expert { .. } => None,
             };
             let Some(((a_offset, b_offset), offset)) = place else {
@@ -1698,6 +1729,88 @@ impl<C: SlotCompanion> LoraPool<C> {
             vocab: self.cfg.vocab_size,
         };
         lora_kernels::embed_lora(&self.device, ids, slots.buffer(), pairs, out)?;
+        Ok(())
+    }
+
+    /// The output head's target: its `[max_loras]` table, `vocab` outputs
+    /// from column 0, after checking `step` and x (`[kernel rows, hidden]`);
+    /// `None` for a pool without the head place (no adapter in it has one).
+    fn head_target<S: Step>(&self, step: &S, x: &Rows<'_, bf16>) -> Result<Option<LoraTarget<'_>>, PoolError> {
+        self.check_step(step)?;
+        if x.width != self.cfg.hidden_size || x.n_rows != step.kernel_rows() {
+            return Err(PoolError::Batch(format!(
+                "lm_head x is [{}, {}]; the {} step has {} rows of hidden {}",
+                x.n_rows,
+                x.width,
+                step.kind(),
+                step.kernel_rows(),
+                self.cfg.hidden_size
+            )));
+        }
+        Ok(self.lm_head_table_offset().map(|table_offset| LoraTarget {
+            table: &self.table,
+            table_offset,
+            n_entries: self.opts.max_loras,
+            out_dim: self.cfg.vocab_size,
+            y_col_offset: 0,
+        }))
+    }
+
+    /// The LoRA on the output head over a decode step: `logits[row, :] +=
+    /// scale · B (A h[row])` over the whole vocabulary, for each row whose
+    /// slot's adapter has one (x: the final hidden rows `[rows, hidden]`,
+    /// y: the logits, at least `vocab` wide, after the slot's head overlay:
+    /// PEFT's order). The decode rule table plans the tall expand (rule 6
+    /// where the other forms cannot stage it). A pool without the head
+    /// place launches nothing. Graph-capturable.
+    pub fn apply_lm_head_decode<Y: OutputElem>(
+        &self,
+        step: &DecodeStep,
+        x: Rows<'_, bf16>,
+        y: RowsMut<'_, Y>,
+        options: DecodeOptions,
+    ) -> Result<(), PoolError> {
+        let Some(target) = self.head_target(step, &x)? else {
+            return Ok(());
+        };
+        bgmv_with(
+            &self.device,
+            x,
+            &self.seq_slot,
+            &[target],
+            self.opts.max_rank,
+            y,
+            options,
+        )?;
+        Ok(())
+    }
+
+    /// [`LoraPool::apply_lm_head_decode`] over a prefill step's segments
+    /// (every token row). Graph-capturable.
+    pub fn apply_lm_head_prefill<Y: OutputElem>(
+        &self,
+        step: &PrefillStep,
+        x: Rows<'_, bf16>,
+        y: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
+        let Some(target) = self.head_target(step, &x)? else {
+            return Ok(());
+        };
+        let segments = Segments {
+            cu_seqlens: &self.cu_seqlens,
+            seg_slot: &self.seg_slot,
+            n_segments: step.rows.rows.len(),
+        };
+        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        sgmv(
+            &self.device,
+            x,
+            &segments,
+            &[target],
+            self.opts.max_rank,
+            y,
+            &mut workspace,
+        )?;
         Ok(())
     }
 

@@ -402,6 +402,78 @@ fn every_route_places_the_embedding_pair_like_the_prepared_adapter() {
 }
 
 #[test]
+fn every_route_places_the_head_pair_like_the_prepared_adapter() {
+    let cfg = model_config("llama");
+    let opts = LoraOptions {
+        max_rank: 16,
+        embedding_lora: true,
+        lm_head_lora: true,
+        ..options(2, 0)
+    };
+    let host_pack = StagingTuning {
+        device_repack: false,
+        ..StagingTuning::default()
+    };
+    // Saved without its head table: dense pairs only, so the direct routes take it.
+    let adapter = "lm_head_lora_no_table";
+    let plain = dir(adapter);
+    for (tuning, route) in [
+        (StagingTuning::default(), SwapRoute::DeviceRepack),
+        (host_pack, SwapRoute::HostPack),
+    ] {
+        let mut pool = pool_with(opts.clone(), &[]);
+        pool.tune_staging(tuning).unwrap();
+        let report = pool.swap_from_disk(slot(0), "direct", &plain).unwrap();
+        assert_eq!(report.route, route, "{tuning:?}");
+        let prepared = lora_audit::prepare_adapter(&plain, &cfg, pool.options()).unwrap();
+        let head = prepared.lm_head.as_ref().unwrap();
+        assert!(prepared.embedding.is_none());
+        pool.swap_prepared(slot(1), "converted", &prepared).unwrap();
+        assert_eq!(
+            pool.slot_contents(slot(0)).unwrap(),
+            pool.slot_contents(slot(1)).unwrap(),
+            "{tuning:?}"
+        );
+        // The head pair's entry: its place (after the embedding's) in each
+        // slot, its rank and scale; the embedding's entry stays empty.
+        let place = *pool.layout().lm_head().unwrap();
+        assert!(place.a_offset >= pool.layout().embedding().unwrap().b_offset);
+        assert_eq!(
+            pool.lm_head_table_offset(),
+            pool.embedding_table_offset().map(|o| o + 2),
+            "the head's table follows the embedding's"
+        );
+        let slot_bytes = pool.layout().slot_bytes() as u64;
+        for s in 0..2 {
+            let e = pool.lm_head_entry(slot(s)).unwrap();
+            assert_eq!((e.rank as usize, e.scale), (head.rank, head.scale));
+            let base = pool.pool_addr() + s as u64 * slot_bytes;
+            assert_eq!((e.a, e.b), (base + place.a_offset as u64, base + place.b_offset as u64));
+            assert_eq!(pool.embedding_entry(slot(s)).unwrap().rank, 0);
+        }
+        // The A rows and B columns it holds are the adapter's, padding zero.
+        let bytes = pool.slot_contents(slot(0)).unwrap();
+        let (vocab, hidden, stride) = (cfg.vocab_size, cfg.hidden_size, 16);
+        let a = &bytes[place.a_offset / 2..place.a_offset / 2 + stride * hidden];
+        assert_eq!(&a[..head.rank * hidden], &head.a[..]);
+        assert!(a[head.rank * hidden..].iter().all(|v| v.to_f32() == 0.0));
+        let b = &bytes[place.b_offset / 2..place.b_offset / 2 + vocab * stride];
+        for o in 0..vocab {
+            let row = &b[o * stride..(o + 1) * stride];
+            assert_eq!(&row[..head.rank], &head.b[o * head.rank..(o + 1) * head.rank]);
+            assert!(row[head.rank..].iter().all(|v| v.to_f32() == 0.0));
+        }
+        // Evicted, the head entry is empty again.
+        pool.evict(slot(0)).unwrap();
+        assert_eq!(pool.lm_head_entry(slot(0)).unwrap().rank, 0);
+    }
+    // A pool without the head place refuses it, naming the switch.
+    let mut pool = pool_with(options(2, 0), &[]);
+    let err = pool.swap_from_disk(slot(0), "direct", &plain).unwrap_err();
+    assert!(err.to_string().contains("REJECT[lm-head-lora-disabled]"), "{err}");
+}
+
+#[test]
 fn a_data_section_larger_than_the_staging_slot_is_packed_on_the_host() {
     let weights = dir("dense_all_linear_f32").join(lora_audit::ADAPTER_WEIGHTS);
     let data = lora_audit::UnparsedSafetensors::open(&weights).unwrap().data_len() as usize;

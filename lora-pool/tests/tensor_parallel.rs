@@ -552,7 +552,43 @@ fn embedding_rows(pool: &mut LoraPool, name: &str, ids: &[u32]) -> Vec<f32> {
     out.download().unwrap()
 }
 
-/// A pool with a tensor-parallel placement AND the embedding place
+/// `hidden` rows of deterministic values, each row the head's input.
+fn head_inputs(n: usize, hidden: usize) -> Vec<bf16> {
+    (0..n * hidden)
+        .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0))
+        .collect()
+}
+
+/// The output head's LoRA over `n` hidden rows served by `name`'s slot,
+/// onto zero logits.
+fn head_rows(pool: &mut LoraPool, name: &str, n: usize) -> Vec<f32> {
+    let device = pool.device().clone();
+    let (hidden, vocab) = (pool.config().hidden_size, pool.config().vocab_size);
+    let lease = pool.acquire(name).unwrap();
+    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); n], n).unwrap();
+    let x = device.upload(&head_inputs(n, hidden)).unwrap();
+    let mut out = device.alloc_zeros::<f32>(n * vocab).unwrap();
+    pool.apply_lm_head_decode(
+        &step,
+        Rows::dense(&x, n, hidden),
+        RowsMut::dense(&mut out, n, vocab),
+        lora_kernels::DecodeOptions::default(),
+    )
+    .unwrap();
+    device.check_faults().unwrap();
+    out.download().unwrap()
+}
+
+/// A model-level pair place beside the (layer, module) pairs.
+#[derive(Debug, Clone, Copy)]
+enum ModelPair {
+    /// The input embedding's (`LoraOptions::embedding_lora`).
+    Embedding,
+    /// The output head's (`LoraOptions::lm_head_lora`).
+    LmHead,
+}
+
+/// A pool with a tensor-parallel placement AND the embedding place/// A pool with a tensor-parallel placement AND the embedding place
 /// (`LoraOptions::embedding_lora`) builds and serves: each rank's slot is
 /// its dense shards then the whole embedding pair (replicated, as the base
 /// model keeps the embedding table whole on every rank); every route into a
@@ -562,7 +598,7 @@ fn embedding_rows(pool: &mut LoraPool, name: &str, ids: &[u32]) -> Vec<f32> {
 /// unsharded pool's, row for row.
 #[test]
 fn a_placed_pool_with_the_embedding_place_holds_and_serves_the_whole_embedding_pair_on_every_rank() {
-    placed_pool_serves_the_whole_embedding_pair(&Device::cpu());
+    placed_pool_serves_the_whole_pair(&Device::cpu(), ModelPair::Embedding);
 }
 
 /// The same checks with every rank's pool on one GPU, through the CUDA
@@ -573,28 +609,57 @@ fn a_placed_pool_with_the_embedding_place_serves_the_whole_embedding_pair_on_one
     if let Some(device) = lora_kernels::testing::cuda_or_skip(
         "a_placed_pool_with_the_embedding_place_serves_the_whole_embedding_pair_on_one_gpu",
     ) {
-        placed_pool_serves_the_whole_embedding_pair(&device);
+        placed_pool_serves_the_whole_pair(&device, ModelPair::Embedding);
     }
 }
 
-fn placed_pool_serves_the_whole_embedding_pair(device: &Device) {
+/// A pool with a tensor-parallel placement AND the output head's place
+/// (`LoraOptions::lm_head_lora`) builds and serves the same way: each
+/// rank's slot is its dense shards then the whole head pair (replicated, as
+/// the base model keeps lm_head whole on every rank); every route into a
+/// slot puts the adapter's whole head pair there, the unsharded pool's
+/// bytes; and the head LoRA every rank adds to its logits is the unsharded
+/// pool's, row for row.
+#[test]
+fn a_placed_pool_with_the_head_place_holds_and_serves_the_whole_head_pair_on_every_rank() {
+    placed_pool_serves_the_whole_pair(&Device::cpu(), ModelPair::LmHead);
+}
+
+/// The same checks with every rank's pool on one GPU, through the CUDA
+/// tall-output decode kernels.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn a_placed_pool_with_the_head_place_serves_the_whole_head_pair_on_one_gpu() {
+    if let Some(device) =
+        lora_kernels::testing::cuda_or_skip("a_placed_pool_with_the_head_place_serves_the_whole_head_pair_on_one_gpu")
+    {
+        placed_pool_serves_the_whole_pair(&device, ModelPair::LmHead);
+    }
+}
+
+fn placed_pool_serves_the_whole_pair(device: &Device, which: ModelPair) {
     use lora_pool::SlotId;
     let cfg = model_config("llama");
-    let dir = fixtures().join("llama").join("embedding_lora_no_table");
+    let fixture = match which {
+        ModelPair::Embedding => "embedding_lora_no_table",
+        ModelPair::LmHead => "lm_head_lora_no_table",
+    };
+    let dir = fixtures().join("llama").join(fixture);
     let sources = [AdapterSource {
         name: "loaded",
         dir: dir.as_path(),
     }];
     let opts = |p| LoraOptions {
-        embedding_lora: true,
+        embedding_lora: matches!(which, ModelPair::Embedding),
+        lm_head_lora: matches!(which, ModelPair::LmHead),
         rotatable: true,
         host_tier_bytes: 1 << 24,
         ..options(4, p)
     };
     let ids: Vec<u32> = (0..cfg.vocab_size as u32).step_by(7).collect();
     let names = ["loaded", "disk", "prepared", "tier"];
-    // Every route into one pool of `placement`; its embedding region of
-    // each slot and its embedding rows of each adapter.
+    // Every route into one pool of `placement`; its pair's region of each
+    // slot and the pair's rows of each adapter.
     let serve = |p: Placement| {
         let mut pool = LoraPool::load(device, cfg.clone(), opts(p), BatchCapacity::default(), &sources)
             .unwrap_or_else(|e| panic!("{p:?}: {e}"));
@@ -606,9 +671,20 @@ fn placed_pool_serves_the_whole_embedding_pair(device: &Device) {
             dense + whole,
             "{p:?}: the rank's shards, then the whole pair"
         );
-        let place = *layout.embedding().expect("the embedding place");
+        let (a_offset, b_offset) = match which {
+            ModelPair::Embedding => {
+                let e = layout.embedding().expect("the embedding place");
+                (e.a_offset, e.b_offset)
+            }
+            ModelPair::LmHead => {
+                assert!(layout.embedding().is_none());
+                let e = layout.lm_head().expect("the head place");
+                (e.a_offset, e.b_offset)
+            }
+        };
+        assert!(a_offset < b_offset);
         let i = layout.entries().len();
-        let shard = layout.shard(i).expect("the embedding pair's shard");
+        let shard = layout.shard(i).expect("the pair's shard");
         assert!(shard.is_whole(), "{p:?}: {shard:?}");
         assert_eq!(shard.kind, ShardKind::Replicated);
         pool.swap_from_disk(SlotId::new(1), "disk", &dir).unwrap();
@@ -620,22 +696,31 @@ fn placed_pool_serves_the_whole_embedding_pair(device: &Device) {
         let tiered = events.iter().find(|e| e.name == "tier").map(|e| &e.outcome);
         assert!(matches!(tiered, Some(Ok(_))), "{p:?}: {tiered:?}");
         pool.swap_from_disk(SlotId::new(3), "tier", &dir).unwrap();
-        let region = place.a_offset / 2..layout.slot_bytes() / 2;
+        let region = a_offset / 2..layout.slot_bytes() / 2;
         let held: Vec<Vec<bf16>> = (0..4)
             .map(|s| pool.slot_contents(SlotId::new(s)).unwrap()[region.clone()].to_vec())
             .collect();
         for (s, name) in names.iter().enumerate() {
-            let e = pool.embedding_entry(SlotId::new(s)).unwrap();
-            assert!(e.rank > 0, "{p:?} {name}: embedding pair published");
+            let e = match which {
+                ModelPair::Embedding => pool.embedding_entry(SlotId::new(s)),
+                ModelPair::LmHead => pool.lm_head_entry(SlotId::new(s)),
+            };
+            assert!(e.unwrap().rank > 0, "{p:?} {name}: {which:?} pair published");
             assert_eq!(held[s], held[0], "{p:?} {name}: every route holds the same pair");
         }
-        let rows: Vec<Vec<f32>> = names.iter().map(|n| embedding_rows(&mut pool, n, &ids)).collect();
+        let rows: Vec<Vec<f32>> = names
+            .iter()
+            .map(|n| match which {
+                ModelPair::Embedding => embedding_rows(&mut pool, n, &ids),
+                ModelPair::LmHead => head_rows(&mut pool, n, 5),
+            })
+            .collect();
         (held, rows)
     };
     let (whole_held, whole_rows) = serve(Placement::SINGLE);
     assert!(
         whole_rows[0].iter().any(|&v| v != 0.0),
-        "the adapter's embedding LoRA adds a delta"
+        "the adapter's {which:?} LoRA adds a delta"
     );
     for world in [2, 4] {
         for p in Placement::new(0, world).unwrap().ranks() {
@@ -644,7 +729,7 @@ fn placed_pool_serves_the_whole_embedding_pair(device: &Device) {
                 held, whole_held,
                 "{p:?}: the whole pair, as the unsharded pool holds it"
             );
-            assert_eq!(rows, whole_rows, "{p:?}: the unsharded pool's embedding rows");
+            assert_eq!(rows, whole_rows, "{p:?}: the unsharded pool's {which:?} rows");
         }
     }
 }

@@ -223,7 +223,7 @@ pub struct PlannedPart {
 impl PlannedPart {
     fn image(&self) -> Image {
         match self.key {
-            PairKey::Dense { .. } | PairKey::Embedding => Image::Dense,
+            PairKey::Dense { .. } | PairKey::Embedding | PairKey::LmHead => Image::Dense,
             PairKey::Expert { .. } => Image::Experts,
         }
     }
@@ -424,6 +424,11 @@ impl Lander {
                 rank: e.rank,
                 scale: e.scale,
             }))
+            .chain(report.lm_head.as_ref().map(|e| PairMeta {
+                key: PairKey::LmHead,
+                rank: e.rank,
+                scale: e.scale,
+            }))
             .collect();
         let experts: Vec<PairMeta> = report
             .experts
@@ -453,7 +458,7 @@ impl Lander {
             .iter()
             .map(|op| {
                 let (place, stride) = match op.key {
-                    PairKey::Dense { .. } | PairKey::Embedding => {
+                    PairKey::Dense { .. } | PairKey::Embedding | PairKey::LmHead => {
                         (place_of(&self.layout, op.key), self.layout.stride())
                     }
                     PairKey::Expert { .. } => (place_of(&expert_layout, op.key), expert_layout.stride()),

@@ -71,6 +71,8 @@ pub enum WireKey {
     },
     /// `PairKey::Embedding`.
     Embedding,
+    /// `PairKey::LmHead`.
+    LmHead,
 }
 
 impl WireKey {
@@ -95,6 +97,7 @@ impl WireKey {
                 site: ExpertSite::Router,
             } => WireKey::Router { layer: layer(l) },
             PairKey::Embedding => WireKey::Embedding,
+            PairKey::LmHead => WireKey::LmHead,
         }
     }
 
@@ -118,6 +121,7 @@ impl WireKey {
                 site: ExpertSite::Router,
             },
             WireKey::Embedding => PairKey::Embedding,
+            WireKey::LmHead => PairKey::LmHead,
         })
     }
 }

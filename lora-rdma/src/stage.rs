@@ -200,7 +200,14 @@ pub fn plan_staging(
         a: &e.a,
         b: &e.b,
     });
-    let sources: Vec<Source<'_>> = dense.chain(embedding).chain(experts).collect();
+    let head = adapter.lm_head.iter().map(|e| Source {
+        key: PairKey::LmHead,
+        rank: e.rank,
+        stride: max_rank,
+        a: &e.a,
+        b: &e.b,
+    });
+    let sources: Vec<Source<'_>> = dense.chain(embedding).chain(head).chain(experts).collect();
     let mut parts = Vec::with_capacity(2 * sources.len());
     let mut offset = 0usize;
     let over = |needed| StageError::Budget { needed, budget };

@@ -9,8 +9,9 @@
 //!    logits, step logits and greedy tokens are compared with PEFT's own
 //!    (`fixtures/engine/<family>/peft.safetensors`); then the promotions,
 //!    prefix hits and refusals are listed.
-//! 2. The same check, one line each, for the other seven families
-//!    (`llama_embed`: LoRA on the input embedding, in slots with its place).
+//! 2. The same check, one line each, for the other eight families
+//!    (`llama_embed`: LoRA on the input embedding, `llama_lm_head`: LoRA on
+//!    the output head, each in slots with its place).
 //! 3. The pool's kernels against the PEFT probe oracles (`fixtures/llama`,
 //!    `fixtures/qwen3_moe`): mixed decode and prefill batches through every
 //!    adapted layer, the token overlays, the MoE experts and router, a disk
@@ -49,9 +50,10 @@ const ENGINE_TOL: f64 = ANSWER_TOLERANCE;
 const CONTROL_MISS: f64 = 5.0 * ENGINE_TOL;
 
 /// The family shown in full, then the others, one line each.
-const FAMILIES: [&str; 8] = [
+const FAMILIES: [&str; 9] = [
     "llama",
     "llama_embed",
+    "llama_lm_head",
     "mistral",
     "qwen2",
     "qwen3",
@@ -278,6 +280,7 @@ fn engine_options(family: &str, max_loras: usize) -> LoraOptions {
         max_rank: 16,
         experts: matches!(family, "qwen3_moe" | "mixtral"),
         embedding_lora: family == "llama_embed",
+        lm_head_lora: family == "llama_lm_head",
         ..LoraOptions::default()
     }
 }

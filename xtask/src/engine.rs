@@ -37,7 +37,7 @@ struct Args {
 
 /// The task's arguments (its usage line, `cargo xtask serve --help`).
 pub(crate) const ARGS: &str = "--model DIR --adapter NAME=DIR [--adapter ...] --requests FILE.json \
-     --out OUT.safetensors [--device cpu|cuda] [--max-loras N] [--max-rank N] [--experts] [--expert-rank N] [--embedding-lora]";
+     --out OUT.safetensors [--device cpu|cuda] [--max-loras N] [--max-rank N] [--experts] [--expert-rank N] [--embedding-lora] [--lm-head-lora]";
 
 fn parse(args: &[String]) -> Result<Args, String> {
     let (mut model, mut requests, mut out, mut device) = (None, None, None, None);
@@ -73,6 +73,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--expert-rank" => lora.expert_rank = number(value()?)?,
             "--experts" => lora.experts = true,
             "--embedding-lora" => lora.embedding_lora = true,
+            "--lm-head-lora" => lora.lm_head_lora = true,
             other => return Err(format!("unexpected argument {other}\nusage: cargo xtask serve {ARGS}")),
         }
     }

@@ -58,7 +58,7 @@ const TASKS: &[(&str, &str, &str)] = &[
         "probe",
         "<adapter_dir> --model <config.json> --probes <in.safetensors> [--base <tables.safetensors>] \
          --out <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N] [--allow-partial] [--experts] [--embedding-lora] \
-         [--tp-rank R --tp-world W] [--ep-rank R --ep-world W] [--json]",
+         [--lm-head-lora] [--tp-rank R --tp-world W] [--ep-rank R --ep-world W] [--json]",
         "an adapter's deltas through the serving path (exit 1: refused, 2: bad usage or input)",
     ),
     (

@@ -6,8 +6,8 @@
 //! usage: `cargo xtask probe <adapter_dir> --model <config.json>
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
-//! [--allow-partial] [--experts] [--dora] [--embedding-lora] [--tp-rank R
-//! --tp-world W] [--ep-rank R --ep-world W] [--json]`
+//! [--allow-partial] [--experts] [--dora] [--embedding-lora] [--lm-head-lora]
+//! [--tp-rank R --tp-world W] [--ep-rank R --ep-world W] [--json]`
 //!
 //! DoRA pairs (`--dora`, or `LORA_DORA=1`) are module-output probes: the
 //! probe file gives each DoRA projection's `base_weight::` (and
@@ -22,11 +22,12 @@
 //! writes it (`lora_audit::probe_adapter_at`): a column-parallel module
 //! its output columns `[n, out_r]`, a row-parallel module the partial
 //! delta `[n, out]` of its slice of the probe input, a replicated module
-//! the whole delta. With `--ep-rank R --ep-world W` (or `LORA_EP_RANK` /
-//! `LORA_EP_WORLD`) the expert pool holds rank R's block of experts and the
-//! router: an expert probe answers the served delta of an expert the rank
-//! holds and zeros for any other (so the ranks' outputs sum to the
-//! unsharded ones), a router probe the whole delta on every rank.
+//! (and the output head's LoRA pair) the whole delta. With `--ep-rank R
+//! --ep-world W` (or `LORA_EP_RANK` / `LORA_EP_WORLD`) the expert pool holds
+//! rank R's block of experts and the router: an expert probe answers the
+//! served delta of an expert the rank holds and zeros for any other (so the
+//! ranks' outputs sum to the unsharded ones), a router probe the whole delta
+//! on every rank.
 //!
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
@@ -70,6 +71,7 @@ struct Args {
     ep_rank: Option<usize>,
     ep_world: Option<usize>,
     embedding_lora: bool,
+    lm_head_lora: bool,
     json: bool,
 }
 
@@ -79,6 +81,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let (mut max_rank, mut expert_rank) = (None, None);
     let (mut tp_rank, mut tp_world, mut ep_rank, mut ep_world) = (None, None, None, None);
     let (mut allow_partial, mut experts, mut dora, mut embedding_lora, mut json) = (false, false, false, false, false);
+    let mut lm_head_lora = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -99,6 +102,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--experts" => experts = true,
             "--dora" => dora = true,
             "--embedding-lora" => embedding_lora = true,
+            "--lm-head-lora" => lm_head_lora = true,
             "--json" => json = true,
             flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
             path if adapter.is_none() => adapter = Some(PathBuf::from(path)),
@@ -123,6 +127,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         ep_rank,
         ep_world,
         embedding_lora,
+        lm_head_lora,
         json,
     })
 }
@@ -151,6 +156,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         ep_rank: args.ep_rank,
         ep_world: args.ep_world,
         embedding_lora: args.embedding_lora,
+        lm_head_lora: args.lm_head_lora,
     };
     let mut opts = LoraOptions::from_env()
         .and_then(|o| o.with_args(overrides))
@@ -299,6 +305,11 @@ fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) 
                 let t = dense_probe(pool, &lease, layer, module, x, inputs.base.get(&weight)).map_err(usage)?;
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
+            // The output head's LoRA delta, through the decode rule table's tall expand.
+            WeightRef::Table(lora_audit::OverlayModule::LmHead) if pool.layout().lm_head().is_some() => {
+                let t = head_probe(pool, &lease, x).map_err(usage)?;
+                out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
+            }
             WeightRef::Unserved => out.unserved.push(weight),
             _ => return Err(usage(format!("{weight}: token tables are probed with rows_idx::"))),
         }
@@ -335,12 +346,7 @@ fn dense_probe<C: SlotCompanion>(
     base: Option<&ProbeBase>,
 ) -> Result<ProbeTensor, String> {
     let (_, full_in) = module.dims(pool.config());
-    let [n, width] = x.shape[..] else {
-        return Err(format!("probe shape {:?}; expected [rows, in]", x.shape));
-    };
-    if width != full_in || x.data.len() != n * width {
-        return Err(format!("probe of width {width}; the weight takes {full_in}"));
-    }
+    let n = probe_rows(x, full_in)?;
     // The pool's rank: its output columns and, for a row-parallel module,
     // its slice of the probe input (the whole of both at world 1).
     let placement = pool.layout().placement();
@@ -357,19 +363,73 @@ fn dense_probe<C: SlotCompanion>(
         .chunks_exact(full_in.max(1))
         .flat_map(|row| row[shard.in_start..shard.in_start + in_dim].to_vec())
         .collect();
-    let (hi, lo) = crate::serve::split_hi_lo(&x_rank);
+    let targets = FusedTargets::single_at(pool.config(), placement, module).map_err(|e| e.to_string())?;
+    decode_probe(
+        pool,
+        lease,
+        &x_rank,
+        n,
+        (out_dim, in_dim),
+        base,
+        |pool, step, xr, yr| pool.apply_decode(step, layer, &targets, xr, yr),
+    )
+}
+
+/// The output head's LoRA delta for probe rows (in = hidden, out = vocab),
+/// through the pool's head apply: whole on every tensor-parallel rank (the
+/// head pair is replicated).
+fn head_probe<C: SlotCompanion>(
+    pool: &mut LoraPool<C>,
+    lease: &SlotLease,
+    x: &ProbeTensor,
+) -> Result<ProbeTensor, String> {
+    let dims = (pool.config().vocab_size, pool.config().hidden_size);
+    let n = probe_rows(x, dims.1)?;
+    decode_probe(pool, lease, &x.data, n, dims, None, |pool, step, xr, yr| {
+        pool.apply_lm_head_decode(step, xr, yr, lora_kernels::DecodeOptions::default())
+    })
+}
+
+/// The rows of a probe `[rows, in]` of a weight that takes `in`.
+fn probe_rows(x: &ProbeTensor, full_in: usize) -> Result<usize, String> {
+    let [n, width] = x.shape[..] else {
+        return Err(format!("probe shape {:?}; expected [rows, in]", x.shape));
+    };
+    if width != full_in || x.data.len() != n * width {
+        return Err(format!("probe of width {width}; the weight takes {full_in}"));
+    }
+    Ok(n)
+}
+
+/// One probe of `n` rows `x` (`[n, in_dim]`) through a decode apply of
+/// `(out_dim, in_dim)`, starting at the base output where `base` gives the
+/// projection's weight (DoRA's module-output probes; see [`dense_probe`]).
+fn decode_probe<C: SlotCompanion>(
+    pool: &mut LoraPool<C>,
+    lease: &SlotLease,
+    x: &[f32],
+    n: usize,
+    (out_dim, in_dim): (usize, usize),
+    base: Option<&ProbeBase>,
+    apply: impl FnOnce(
+        &LoraPool<C>,
+        &lora_pool::DecodeStep,
+        Rows<'_, half::bf16>,
+        RowsMut<'_, f32>,
+    ) -> Result<(), PoolError>,
+) -> Result<ProbeTensor, String> {
+    let (hi, lo) = crate::serve::split_hi_lo(x);
     let device = pool.device().clone();
     let err = |e: lora_kernels::KernelError| e.to_string();
     let xb = device.upload(&[hi, lo].concat()).map_err(err)?;
-    let y0 = probe_start(base, &x.data, n, out_dim, in_dim)?;
+    let y0 = probe_start(base, x, n, out_dim, in_dim)?;
     let mut y = device.upload(&y0).map_err(err)?;
     let step = pool
         .decode_step(&vec![StepRow::Adapter(lease); 2 * n], 2 * n)
         .map_err(|e| e.to_string())?;
-    pool.apply_decode(
+    apply(
+        pool,
         &step,
-        layer,
-        &FusedTargets::single_at(pool.config(), placement, module).map_err(|e| e.to_string())?,
         Rows::dense(&xb, 2 * n, in_dim),
         RowsMut::dense(&mut y, 2 * n, out_dim),
     )

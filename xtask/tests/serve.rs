@@ -51,7 +51,15 @@ fn serve(family: &str, adapters: &[String], requests: &Path, out: &Path, max_lor
         .arg(requests)
         .arg("--out")
         .arg(out)
-        .args(["--device", "cpu", "--max-rank", "16", "--experts", "--embedding-lora"])
+        .args([
+            "--device",
+            "cpu",
+            "--max-rank",
+            "16",
+            "--experts",
+            "--embedding-lora",
+            "--lm-head-lora",
+        ])
         .args(["--max-loras", &max_loras.to_string()])
         .output()
         .unwrap()
@@ -62,6 +70,7 @@ fn every_family_equals_peft_through_the_command() {
     for family in [
         "llama",
         "llama_embed",
+        "llama_lm_head",
         "mistral",
         "qwen2",
         "qwen3",

@@ -68,6 +68,7 @@ def check(
     allow_partial: bool = False,
     experts: bool = False,
     embedding_lora: bool = False,
+    lm_head_lora: bool = False,
     tensors: Optional[Mapping[str, Any]] = None,
     name: Optional[str] = None,
 ) -> Report:
@@ -87,13 +88,13 @@ def check(
         config = json.dumps(dict(adapter), default=_json_default)
         return _native.check(config_json=config, tensors=_tensor_list(tensors), name=name,
                              max_rank=max_rank, expert_rank=expert_rank,
-                             allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, **args)
+                             allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **args)
     if not isinstance(adapter, (str, os.PathLike)):
         raise InputError(f"adapter must be a directory or a config dict, not {type(adapter).__name__}")
     if tensors is not None:
         raise InputError("tensors go with an adapter config dict; a directory has its own")
     return _native.check(adapter_dir=os.fspath(adapter), max_rank=max_rank, expert_rank=expert_rank,
-                         allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, **args)
+                         allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **args)
 
 
 def probe(
@@ -108,6 +109,7 @@ def probe(
     allow_partial: bool = False,
     experts: bool = False,
     embedding_lora: bool = False,
+    lm_head_lora: bool = False,
 ) -> dict:
     """The adapter's served deltas for the probe inputs in ``probes``, written to
     ``out`` (the command's ``probe``). Returns ``{"out", "written", "unserved"}``;
@@ -115,7 +117,7 @@ def probe(
     written, unserved = _native.probe(
         adapter_dir=os.fspath(adapter), probes=os.fspath(probes), out=os.fspath(out),
         base=None if base is None else os.fspath(base), max_rank=max_rank, expert_rank=expert_rank,
-        allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, **_model_args(model))
+        allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **_model_args(model))
     return {"out": os.fspath(out), "written": written, "unserved": unserved}
 
 

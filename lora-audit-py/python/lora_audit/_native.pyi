@@ -54,6 +54,7 @@ def check(
     allow_partial: bool = False,
     experts: bool = False,
     embedding_lora: bool = False,
+    lm_head_lora: bool = False,
 ) -> Report: ...
 
 def probe(
@@ -69,4 +70,5 @@ def probe(
     allow_partial: bool = False,
     experts: bool = False,
     embedding_lora: bool = False,
+    lm_head_lora: bool = False,
 ) -> Tuple[list[str], list[str]]: ...

@@ -418,7 +418,8 @@ fn config_targets_that_can_never_be_served() {
         PeftAdapterConfig::from_json(r#"{"target_modules": ["in_proj_qkvz", "out_proj", "lm_head"]}"#).unwrap();
     let refusals = validate_peft_config(&config, &next);
     let got: Vec<RejectCode> = refusals.iter().map(|r| r.code).collect();
-    assert_eq!(got, [RejectCode::GdnTarget, RejectCode::UnsupportedTarget]);
+    // lm_head is judged on its tensors (a LoRA pair on the head).
+    assert_eq!(got, [RejectCode::GdnTarget]);
     assert!(refusals.iter().all(|r| r.subject == "target_modules"));
     // A name the model does not have is not a reason to refuse.
     let llama = test_support::llama(false);
@@ -1033,6 +1034,173 @@ fn a_tensor_parallel_rank_places_the_embedding_pair_whole() {
             let dense = SlotLayout::with_placement(&cfg, opts.max_rank, placement).unwrap();
             let whole_pair = lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, opts.max_rank).unwrap();
             assert_eq!(report.slot_bytes, dense.slot_bytes() + whole_pair);
+            assert_eq!(report.slot_bytes, opts.slot_layout(&cfg).unwrap().slot_bytes());
+        }
+    }
+}
+
+const HEAD_A: &str = "base_model.model.lm_head.lora_A.weight";
+const HEAD_B: &str = "base_model.model.lm_head.lora_B.weight";
+const HEAD_COPY: &str = "base_model.model.lm_head.base_layer.weight";
+
+fn head_on() -> LoraOptions {
+    LoraOptions {
+        lm_head_lora: true,
+        ..LoraOptions::default()
+    }
+}
+
+#[test]
+fn lm_head_lora_is_placed_with_peft_scaling() {
+    let cfg = test_support::llama(false);
+    let mut tensors = pair("model.layers.0.self_attn.q_proj", 4, 64, 64).to_vec();
+    tensors.extend([
+        zeros(HEAD_A, &[4, 64]),
+        zeros(HEAD_B, &[256, 4]),
+        zeros(HEAD_COPY, &[256, 64]),
+    ]);
+    let config = r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]}"#;
+    let report = tokens(config, &tensors, &cfg, &head_on());
+    assert!(report.is_servable(), "{:?}", report.refused);
+    let h = report.lm_head.as_ref().unwrap();
+    assert_eq!(
+        (h.rank, h.scale, h.a_key.as_str(), h.b_key.as_str()),
+        (4, 2.0, HEAD_A, HEAD_B)
+    );
+    assert_eq!(report.placed.len(), 1, "the decoder pair beside it");
+    assert_eq!(
+        report.overlay.tensors.lm_head.base_table(),
+        Some(HEAD_COPY),
+        "the saved head table is the head's own table"
+    );
+    assert!(report.served_tensors().contains(HEAD_A) && report.served_tensors().contains(HEAD_B));
+    let with_place = head_on().slot_layout(&cfg).unwrap().slot_bytes();
+    assert_eq!(report.slot_bytes, with_place);
+    assert_eq!(
+        with_place - lora_layout::pool_slot_bytes(&cfg, 16).unwrap(),
+        2 * 16 * (64 + 256),
+        "the head place: A [16, hidden] and B [vocab, 16]"
+    );
+    let rs = tokens(
+        r#"{"r": 4, "lora_alpha": 8, "use_rslora": true}"#,
+        &tensors,
+        &cfg,
+        &head_on(),
+    );
+    assert_eq!(rs.lm_head.unwrap().scale, 4.0);
+    let pattern = tokens(
+        r#"{"r": 4, "lora_alpha": 8, "alpha_pattern": {"lm_head": 2}}"#,
+        &tensors,
+        &cfg,
+        &head_on(),
+    );
+    assert_eq!(pattern.lm_head.unwrap().scale, 0.5);
+    let ranked = tokens(
+        r#"{"r": 8, "rank_pattern": {"lm_head": 4, "q_proj": 4}}"#,
+        &tensors,
+        &cfg,
+        &head_on(),
+    );
+    assert!(ranked.is_servable(), "{:?}", ranked.refused);
+}
+
+#[test]
+fn lm_head_lora_refusals_name_the_tensor() {
+    let cfg = test_support::llama(false);
+    let head = [zeros(HEAD_A, &[4, 64]), zeros(HEAD_B, &[256, 4])];
+    let off = tokens(r#"{"r": 4}"#, &head, &cfg, &LoraOptions::default());
+    assert_eq!(codes(&off), [RejectCode::LmHeadLoraDisabled]);
+    assert_eq!(off.refused[0].subject, HEAD_A);
+    assert!(
+        off.refused[0].reason.contains("LORA_LM_HEAD_LORA"),
+        "{}",
+        off.refused[0]
+    );
+    // A tied head: PEFT's forward and merge disagree.
+    let tied = tokens(r#"{"r": 4}"#, &head, &test_support::llama(true), &head_on());
+    assert_eq!(codes(&tied), [RejectCode::TiedHead]);
+    assert_eq!(tied.refused[0].subject, HEAD_A);
+    // Trainable tokens on the same head: PEFT refuses to build it.
+    let mut with_tokens = head.to_vec();
+    with_tokens.push(zeros(
+        "base_model.model.lm_head.token_adapter.trainable_tokens_delta",
+        &[1, 64],
+    ));
+    let both = tokens(
+        r#"{"r": 4, "trainable_token_indices": {"lm_head": [3]}}"#,
+        &with_tokens,
+        &cfg,
+        &head_on(),
+    );
+    assert_eq!(codes(&both), [RejectCode::TrainableTokens]);
+    assert!(both.lm_head.is_none());
+    let cases: &[(&str, Vec<RawTensor>, RejectCode)] = &[
+        (r#"{"r": 4}"#, vec![zeros(HEAD_B, &[256, 4])], RejectCode::Unpaired),
+        (
+            r#"{"r": 4}"#,
+            vec![zeros(HEAD_A, &[4, 63]), zeros(HEAD_B, &[256, 4])],
+            RejectCode::Shape,
+        ),
+        (
+            r#"{"r": 4}"#,
+            vec![zeros(HEAD_A, &[4, 64]), zeros(HEAD_B, &[255, 4])],
+            RejectCode::Shape,
+        ),
+        (
+            r#"{"r": 4}"#,
+            vec![zeros(HEAD_A, &[4, 64]), zeros(HEAD_B, &[256, 3])],
+            RejectCode::Shape,
+        ),
+        (r#"{"r": 8}"#, head.to_vec(), RejectCode::RankMismatch),
+        (
+            r#"{"r": 32}"#,
+            vec![zeros(HEAD_A, &[32, 64]), zeros(HEAD_B, &[256, 32])],
+            RejectCode::RankExceedsMax,
+        ),
+        (
+            r#"{"r": 4}"#,
+            vec![
+                zeros(HEAD_A, &[4, 64]),
+                zeros("base_model.model.model.lm_head.lora_A.weight", &[4, 64]),
+                zeros(HEAD_B, &[256, 4]),
+            ],
+            RejectCode::DuplicateTensor,
+        ),
+    ];
+    for (config, tensors, code) in cases {
+        let report = tokens(config, tensors, &cfg, &head_on());
+        assert_eq!(codes(&report), [*code], "{config}");
+        // A duplicate keeps the first tensor placed, as for any pair: the
+        // refusal makes the adapter unservable.
+        assert!(report.lm_head.is_none() || *code == RejectCode::DuplicateTensor);
+    }
+}
+
+#[test]
+fn a_tensor_parallel_rank_places_the_head_pair_whole_after_the_embedding_pair() {
+    let cfg = test_support::llama(false);
+    let tensors = [
+        zeros(EMBED_A, &[4, 256]),
+        zeros(EMBED_B, &[64, 4]),
+        zeros(HEAD_A, &[4, 64]),
+        zeros(HEAD_B, &[256, 4]),
+    ];
+    for world in [1, 2, 4] {
+        for placement in lora_layout::Placement::new(0, world).unwrap().ranks() {
+            let opts = LoraOptions {
+                placement,
+                embedding_lora: true,
+                ..head_on()
+            };
+            let report = tokens(r#"{"r": 4, "lora_alpha": 8}"#, &tensors, &cfg, &opts);
+            assert!(report.is_servable(), "{:?}", report.refused);
+            let h = report.lm_head.as_ref().unwrap();
+            assert_eq!((h.rank, h.scale), (4, 2.0));
+            assert!(report.embedding.is_some());
+            // The rank's dense shards, then the whole embedding and head pairs.
+            let dense = SlotLayout::with_placement(&cfg, opts.max_rank, placement).unwrap();
+            let whole_pairs = 2 * lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, opts.max_rank).unwrap();
+            assert_eq!(report.slot_bytes, dense.slot_bytes() + whole_pairs);
             assert_eq!(report.slot_bytes, opts.slot_layout(&cfg).unwrap().slot_bytes());
         }
     }

@@ -102,6 +102,7 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
         experts: false,
         dora: true,
         embedding_lora: true,
+        lm_head_lora: true,
         ..AuditArgs::default()
     };
     let o = env.clone().with_args(args).unwrap();
@@ -112,12 +113,15 @@ fn audit_args_override_the_environment_and_refuse_rank_zero() {
             o.allow_partial,
             o.experts,
             o.dora,
-            o.embedding_lora
+            o.embedding_lora,
+            o.lm_head_lora
         ),
-        (8, 4, true, true, true, true)
+        (8, 4, true, true, true, true, true)
     );
-    assert!(!env.embedding_lora);
+    assert!(!env.embedding_lora && !env.lm_head_lora);
     assert!(opts(&[("LORA_EMBEDDING_LORA", "1")]).unwrap().embedding_lora);
+    let head = opts(&[("LORA_LM_HEAD_LORA", "true")]).unwrap();
+    assert!(head.lm_head_lora && !head.embedding_lora);
     for args in [
         AuditArgs {
             max_rank: Some(0),

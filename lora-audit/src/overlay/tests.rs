@@ -43,13 +43,15 @@ fn overlay_keys_of_every_form() {
             Embed,
             EmbeddingBaseCopy,
         ),
+        // The head's table saved beside a LoRA on lm_head.
+        ("base_model.model.lm_head.base_layer.weight", LmHead, EmbeddingBaseCopy),
     ] {
         assert_eq!(classify_overlay_key(key), Some(OverlayTensor { module, kind }), "{key}");
     }
     for key in [
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
         "base_model.model.lm_head.lora_A.weight",
-        "base_model.model.lm_head.base_layer.weight",
+        "base_model.model.lm_head.lora_embedding_A",
         "base_model.model.model.norm.weight",
         "base_model.model.model.my_embed_tokens.weight",
         "embed_tokens",

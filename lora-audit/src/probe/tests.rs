@@ -407,3 +407,46 @@ fn expert_and_table_probes_have_no_placement() {
         "{err}"
     );
 }
+
+#[test]
+fn the_head_pairs_probe_is_whole_on_every_tensor_parallel_rank() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama");
+    let cfg = ModelConfig::from_file(&root.join("config.json")).unwrap();
+    let dir = root.join("lm_head_lora");
+    let oracle = read_oracle(&dir.join("oracle.safetensors")).unwrap();
+    let key = format!("{PROBE_OUT}lm_head.weight");
+    assert!(oracle.expected.contains_key(&key), "the fixture probes its head");
+    let opts = |placement| crate::LoraOptions {
+        placement,
+        lm_head_lora: true,
+        ..crate::LoraOptions::default()
+    };
+    let whole = prepare_adapter(&dir, &cfg, &opts(Placement::SINGLE)).unwrap();
+    assert!(whole.lm_head.is_some());
+    let unsharded = probe_adapter(&whole, &cfg, &oracle.inputs, None).unwrap();
+    for world in [2, 4] {
+        for p in Placement::new(0, world).unwrap().ranks() {
+            let adapter = prepare_adapter(&dir, &cfg, &opts(p)).unwrap();
+            let outputs = probe_adapter_at(&adapter, &cfg, &oracle.inputs, None, p).unwrap();
+            let what = format!("x{world} rank {}", p.tp_rank());
+            // Replicated: the whole head delta, the same on every rank.
+            let part = &outputs.tensors[&key];
+            assert_eq!(
+                part.shape,
+                [oracle.inputs.inputs["lm_head.weight"].shape[0], cfg.vocab_size],
+                "{what}"
+            );
+            assert_eq!(part, &unsharded.tensors[&key], "{what}: the whole delta");
+            let err = rel_error(&part.data, &oracle.expected[&key].data);
+            assert!(err < 1e-2, "{what}: {err} against PEFT");
+        }
+    }
+    // A table without a LoRA pair is still a token table: no placement.
+    let mut inputs = ProbeInputs::default();
+    inputs
+        .inputs
+        .insert("lm_head.weight".into(), oracle.inputs.inputs["lm_head.weight"].clone());
+    let plain = prepare_adapter(&root.join("rslora"), &cfg, &opts(Placement::new(0, 2).unwrap())).unwrap();
+    let err = probe_adapter_at(&plain, &cfg, &inputs, None, Placement::new(0, 2).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("tensor-parallel"), "{err}");
+}

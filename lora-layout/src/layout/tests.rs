@@ -150,6 +150,41 @@ proptest! {
     }
 
     #[test]
+    fn the_head_place_follows_every_other_pair(cfg in any_config(), max_rank in 1usize..70, embedding: bool) {
+        use crate::{ModelPlaces, PairKey, PairLayout};
+        let before = SlotLayout::walk(&cfg, max_rank, crate::Placement::SINGLE, ModelPlaces { embedding, lm_head: false }).unwrap();
+        let layout = SlotLayout::walk(&cfg, max_rank, crate::Placement::SINGLE, ModelPlaces { embedding, lm_head: true }).unwrap();
+        prop_assert_eq!(layout.entries(), before.entries(), "the dense pairs keep their places");
+        prop_assert_eq!(layout.embedding(), before.embedding(), "the embedding keeps its place");
+        prop_assert!(before.lm_head().is_none());
+        prop_assert_eq!(layout.places(), ModelPlaces { embedding, lm_head: true });
+        // Independently: the head pair starts where the slot without it ends
+        // and is A [max_rank, hidden] then B [vocab, max_rank].
+        let h = *layout.lm_head().unwrap();
+        prop_assert_eq!(h.a_offset, before.slot_bytes());
+        prop_assert_eq!(h.b_offset, h.a_offset + 2 * max_rank * cfg.hidden_size);
+        prop_assert_eq!(layout.slot_bytes(), h.b_offset + 2 * max_rank * cfg.vocab_size, "tiles the slot");
+        let last = PairLayout::len(&layout) - 1;
+        prop_assert_eq!(PairLayout::position(&layout, PairKey::LmHead), Some(last));
+        prop_assert_eq!(PairLayout::position(&before, PairKey::LmHead), None);
+        prop_assert_eq!(PairLayout::position(&layout, PairKey::Embedding).is_some(), embedding);
+        let place = layout.place(last).unwrap();
+        prop_assert_eq!(place.key, PairKey::LmHead);
+        prop_assert_eq!((place.out_dim, place.in_dim), (cfg.vocab_size, cfg.hidden_size));
+        prop_assert_eq!((place.a_offset, place.b_offset), (h.a_offset, h.b_offset));
+        prop_assert!(layout.place(last + 1).is_none());
+        let mut cursor = 0usize;
+        for i in 0..PairLayout::len(&layout) {
+            let p = layout.place(i).unwrap();
+            prop_assert_eq!(PairLayout::position(&layout, p.key), Some(i));
+            prop_assert_eq!(p.a_offset, cursor);
+            prop_assert_eq!(p.b_offset, cursor + 2 * max_rank * p.in_dim);
+            cursor = p.b_offset + 2 * max_rank * p.out_dim;
+        }
+        prop_assert_eq!(cursor, layout.slot_bytes());
+    }
+
+    #[test]
     fn slot_bases_are_multiples_of_the_slot_size(cfg in any_config(), slot in 0usize..64) {
         let bytes = pool_slot_bytes(&cfg, 16).unwrap();
         prop_assert_eq!(slot_base_offset(slot, &cfg, 16).unwrap(), slot * bytes);

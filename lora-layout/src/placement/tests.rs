@@ -375,7 +375,11 @@ fn the_embedding_pair_is_replicated_whole_after_every_ranks_dense_shards() {
     for world in [1, 2, 4] {
         for p in Placement::new(0, world).unwrap().ranks() {
             let dense = SlotLayout::with_placement(&cfg, 4, p).unwrap();
-            let with = SlotLayout::walk(&cfg, 4, p, true).unwrap();
+            let places = crate::layout::ModelPlaces {
+                embedding: true,
+                lm_head: false,
+            };
+            let with = SlotLayout::walk(&cfg, 4, p, places).unwrap();
             assert_eq!(with.entries(), dense.entries(), "{p:?}: the dense places are unmoved");
             let e = with.embedding().unwrap();
             assert_eq!(
@@ -397,6 +401,78 @@ fn the_embedding_pair_is_replicated_whole_after_every_ranks_dense_shards() {
                 "{p:?}: every rank pays the whole pair"
             );
             assert!(with.place(i + 1).is_none());
+        }
+    }
+}
+
+#[test]
+fn the_head_pair_is_replicated_whole_after_the_embedding_pair_on_every_rank() {
+    use crate::layout::ModelPlaces;
+    use crate::pair::{PairKey, PairLayout};
+    let cfg = llama(4, 2, 64);
+    let head_bytes = |embedding| {
+        let one = |lm_head| {
+            SlotLayout::walk(&cfg, 4, Placement::SINGLE, ModelPlaces { embedding, lm_head })
+                .unwrap()
+                .slot_bytes()
+        };
+        one(true) - one(false)
+    };
+    for world in [1, 2, 4] {
+        for p in Placement::new(0, world).unwrap().ranks() {
+            for embedding in [false, true] {
+                let before = SlotLayout::walk(
+                    &cfg,
+                    4,
+                    p,
+                    ModelPlaces {
+                        embedding,
+                        lm_head: false,
+                    },
+                )
+                .unwrap();
+                let with = SlotLayout::walk(
+                    &cfg,
+                    4,
+                    p,
+                    ModelPlaces {
+                        embedding,
+                        lm_head: true,
+                    },
+                )
+                .unwrap();
+                assert_eq!(with.entries(), before.entries(), "{p:?}: the dense places are unmoved");
+                assert_eq!(
+                    with.embedding(),
+                    before.embedding(),
+                    "{p:?}: the embedding place is unmoved"
+                );
+                let h = with.lm_head().unwrap();
+                assert_eq!(
+                    (h.vocab, h.hidden, h.a_offset),
+                    (cfg.vocab_size, cfg.hidden_size, before.slot_bytes())
+                );
+                let i = PairLayout::position(&with, PairKey::LmHead).unwrap();
+                assert_eq!(i, with.entries().len() + usize::from(embedding));
+                let place = with.place(i).unwrap();
+                assert_eq!(place.key, PairKey::LmHead);
+                assert_eq!((place.out_dim, place.in_dim), (cfg.vocab_size, cfg.hidden_size));
+                assert_eq!(place.shard, ModuleShard::lm_head(&cfg, p));
+                assert!(place.shard.is_whole() && place.shard.kind == ShardKind::Replicated);
+                assert_eq!(place.shard.in_replicas, world);
+                assert_eq!(place.shard.segments()[0].replicas, world);
+                if embedding {
+                    let e = with.place(i - 1).unwrap();
+                    assert_eq!(e.key, PairKey::Embedding);
+                    assert_eq!(e.shard, ModuleShard::embedding(&cfg, p));
+                }
+                assert_eq!(
+                    with.slot_bytes() - before.slot_bytes(),
+                    head_bytes(embedding),
+                    "{p:?}: every rank pays the whole head pair"
+                );
+                assert!(with.place(i + 1).is_none());
+            }
         }
     }
 }

@@ -74,7 +74,8 @@ pub fn pool_with_capacity(opts: LoraOptions, capacity: BatchCapacity, adapters: 
 }
 
 /// Everything a swap or eviction may change: every slot's bytes, every
-/// table entry, the slot registry.
+/// table entry (the embedding's and the head's after the (layer, module)
+/// tables), the slot registry.
 #[derive(Debug, PartialEq)]
 pub struct Snapshot {
     pub bytes: Vec<Vec<bf16>>,
@@ -93,6 +94,10 @@ pub fn snapshot(pool: &LoraPool) -> Snapshot {
                 }
             }
         }
+    }
+    for slot in pool.slot_ids() {
+        entries.extend(pool.embedding_entry(slot));
+        entries.extend(pool.lm_head_entry(slot));
     }
     Snapshot {
         bytes: pool.slot_ids().map(|s| pool.slot_contents(s).unwrap()).collect(),

@@ -179,6 +179,37 @@ fn an_embedding_pair_lands_in_the_slots_embedding_place() {
 }
 
 #[test]
+fn a_head_pair_lands_in_the_slots_head_place() {
+    let adapter = "lm_head_lora_no_table";
+    let store = store("llama", &[adapter], StoreOptions::default());
+    let o = LoraOptions {
+        lm_head_lora: true,
+        ..opts(16, 16)
+    };
+    let lander = Lander::new(config("llama"), o.clone()).unwrap();
+    assert!(lander.layout().lm_head().is_some());
+    let mut target = HostLanding::new(lander.layout());
+    let landed = lander
+        .land(&mut MemTransport::new(&store), adapter, &mut target)
+        .unwrap();
+    let (dense, _) = packed("llama", adapter, &o);
+    assert!(landed.dense.iter().any(|m| m.key == PairKey::LmHead));
+    assert_eq!(target.dense().as_bytes(), dense.as_bytes());
+    assert_eq!(target.dense().pairs(), dense.pairs(), "ranks and scales");
+    // An engine whose slots have no head place refuses it.
+    let without = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    let mut target = HostLanding::new(without.layout());
+    let err = without
+        .land(&mut MemTransport::new(&store), adapter, &mut target)
+        .unwrap_err();
+    assert!(
+        matches!(&err, LandError::Refused(report)
+            if report.refused_codes().contains(&lora_audit::RejectCode::LmHeadLoraDisabled)),
+        "{err}"
+    );
+}
+
+#[test]
 fn expert_and_router_pairs_land_in_their_own_image() {
     for (model, adapter) in [
         ("qwen3_moe", "experts_fused_router"),

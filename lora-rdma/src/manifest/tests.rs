@@ -162,6 +162,8 @@ fn any_key() -> impl Strategy<Value = PairKey> {
             layer,
             site: ExpertSite::Router
         }),
+        Just(PairKey::Embedding),
+        Just(PairKey::LmHead),
     ]
 }
 

@@ -409,9 +409,10 @@ impl PeerStore {
             expert_rank,
             experts: self.options.experts,
             allow_partial: self.options.allow_partial,
-            // The peer stages an embedding pair whatever its own pool does:
-            // the engine's audit decides whether its slots have the place.
+            // The peer stages embedding and head pairs whatever its own pool
+            // does: the engine's audit decides whether its slots have the places.
             embedding_lora: true,
+            lm_head_lora: true,
             ..LoraOptions::default()
         }
     }

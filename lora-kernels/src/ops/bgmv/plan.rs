@@ -631,6 +631,13 @@ impl<'a> Facts<'a> {
 ///    rows or more (or few adapters in the two-launch range; the list not
 ///    under the overlap up to 256 rows), clusters and splits by the cost
 ///    model ([`LaunchChoice::pick`]).
+/// 6. Tall outputs (widening pairs, [`tall`]; an output head over the
+///    vocabulary): where no rule above serves the call (a fused block
+///    cannot stage its B and y slices beside A and x at
+///    [`MAX_OUT_SPLITS`] splits), two launches up to
+///    `WINDOW_MAX` rows (the expand tiles the columns: any width), else the
+///    fused kernel in the fewest output splits that fit ([`tall_splits`]). It only serves calls every other rule refused, so
+///    no other call's plan depends on it.
 ///
 /// Under the overlap promise the rules run twice: with it, and as if it
 /// were not given; the overlapped plan is taken only where its form was
@@ -686,7 +693,80 @@ fn auto(f: &Facts<'_>) -> Result<DecodePlan, KernelError> {
     if let Some(plan) = two_phase_rule(f, fused.as_ref().ok().map(|(_, rounds)| *rounds)) {
         return Ok(plan);
     }
-    fused.map(|(plan, _)| plan)
+    match fused {
+        Ok((plan, _)) => Ok(plan),
+        Err(refusal) => tall_rule(f).ok_or(refusal),
+    }
+}
+
+/// Output splits the fused kernel takes for a call that is not [`tall`].
+pub(super) const MAX_OUT_SPLITS: usize = 16;
+
+/// Whether the call widens: its widest target has more outputs than the
+/// call has inputs (an output head over the vocabulary, 32k to 256k
+/// columns from a few thousand inputs, is the extreme). A block of the
+/// fused kernel stages its slice of B and y, so at [`MAX_OUT_SPLITS`]
+/// splits a wide enough output leaves A and x no shared memory; a
+/// narrowing or square pair never needs more splits than that for its
+/// width, and keeps the rule table's answers as recorded (`plan.golden`).
+fn tall(f: &Facts<'_>) -> bool {
+    f.max_out > f.call.in_dim
+}
+
+/// The most output splits an exact fused plan may ask for: [`MAX_OUT_SPLITS`],
+/// or for a [`tall`] call one a 64-column slice of its narrowest target.
+fn most_out_splits(f: &Facts<'_>) -> usize {
+    if tall(f) {
+        let narrowest = f.targets().iter().map(|t| t.out_dim).min().unwrap_or(0);
+        (narrowest / 64).max(MAX_OUT_SPLITS)
+    } else {
+        MAX_OUT_SPLITS
+    }
+}
+
+/// Rule 6: a [`tall`] call the rules above refused.
+fn tall_rule(f: &Facts<'_>) -> Option<DecodePlan> {
+    if !tall(f) {
+        return None;
+    }
+    if let Some(two) = two_phase_layout(f, None) {
+        return Some(DecodePlan {
+            form: DecodeForm::TwoPhase(TwoPhaseForm {
+                shrink_tensor_cores: false,
+                expand_cols: two.cols,
+            }),
+            chain: f.chain(false),
+        });
+    }
+    let listed = item_list_by_default(f.n, f.max_entries, f.overlap)
+        && f.targets().iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
+    let (window, n_windows) = row_windows(f.n, listed, f.n_targets);
+    let tensor_cores = many_rows(f.n, f.max_entries);
+    let list = listed && item_list_fits(window, n_windows, f.n_targets);
+    let rows = f.row_shape(window, n_windows, tensor_cores, list);
+    let choice = tall_splits(f).find_map(|splits| {
+        let fixed = Fixed {
+            out_splits: Some(splits),
+            ..Fixed::default()
+        };
+        LaunchChoice::pick(f.limits, rows, f.targets(), fixed).ok()
+    })?;
+    check_fused_grid(f, n_windows, choice.cpw).ok()?;
+    let items = if list { ItemList::Listed } else { ItemList::Scan };
+    Some(fused_plan(&choice, tensor_cores, items, f.fused_chain()))
+}
+
+/// The output splits rule 6 tries for a [`tall`] call's fused plan, the
+/// first that fits taken: doubling from twice [`MAX_OUT_SPLITS`] up to
+/// [`most_out_splits`]. Each split recomputes the rank vector (A and x
+/// read again, `in` x rank), which for a head costs far less than the B
+/// rows (vocab x rank) it no longer stages in one block.
+fn tall_splits(f: &Facts<'_>) -> impl Iterator<Item = usize> {
+    let most = most_out_splits(f);
+    std::iter::successors(Some(MAX_OUT_SPLITS * 2), move |&s| {
+        (s < most).then(|| (s * 2).min(most))
+    })
+    .take_while(move |&s| s <= most)
 }
 
 /// Batches rule 0 serves under the overlap promise (sm_90, rank stride 16).
@@ -1074,8 +1154,9 @@ fn check_fused(f: &Facts<'_>, form: FusedForm, chain: Chain) -> Result<(), Kerne
     if form.push_sum && form.cluster == 1 {
         return refuse("plan.push_sum", "one block per item has no cluster sum".into());
     }
-    if !(1..=16).contains(&form.out_splits) {
-        return refuse("plan.out_splits", format!("{}; 1..=16", form.out_splits));
+    let most = most_out_splits(f);
+    if !(1..=most).contains(&form.out_splits) {
+        return refuse("plan.out_splits", format!("{}; 1..={most}", form.out_splits));
     }
     let list = form.items != ItemList::Scan;
     if list && !form.tensor_cores {
@@ -1370,7 +1451,7 @@ impl LaunchChoice {
             let slice = piece8(in_dim, cl);
             let split_options: Vec<usize> = match fixed.out_splits {
                 Some(v) => vec![v.max(1)],
-                None => (1..=(min_out / (cl * 64)).clamp(1, 16)).collect(),
+                None => (1..=(min_out / (cl * 64)).clamp(1, MAX_OUT_SPLITS)).collect(),
             };
             for s in split_options {
                 let plan = SmemPlan::choose(shape, s, true);

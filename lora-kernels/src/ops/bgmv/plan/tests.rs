@@ -797,3 +797,120 @@ fn waiting_first_is_the_default_unless_no_kernel_precedes_the_capture() {
     assert!(wait_first_by_default(Predecessor::Kernels));
     assert!(!wait_first_by_default(Predecessor::NoKernel));
 }
+
+/// The output heads of the served families (hidden, vocab): 32k, 128k,
+/// 152k, 201k and 256k vocabularies.
+const HEADS: [(usize, usize); 5] = [
+    (4096, 32_000),
+    (4096, 128_256),
+    (3584, 152_064),
+    (2880, 201_088),
+    (5376, 262_208),
+];
+
+/// The output head's pair (`lm_head`: out = vocab, in = hidden) is the
+/// tallest expand of a model: the rule table plans it for every vocabulary
+/// the served families have, at every batch size and context, on both
+/// recorded devices, and every such plan is accepted as exact. The one
+/// exception is the fused kernel's own at rank stride 128 on sm_80 (it
+/// serves no call there, `plan.golden`'s `o r128`): past the two launches'
+/// window of 512 rows such a call is refused, with a typed error.
+#[test]
+fn the_output_head_is_planned_for_every_vocabulary() {
+    let mut failures = Vec::new();
+    for (device, limits) in [("h200", DeviceLimits::H200), ("sm80", DeviceLimits::SM80)] {
+        for (ctx_label, ctx) in contexts(&limits) {
+            for (in_dim, vocab) in HEADS {
+                for stride in [8, 16, 64, 128] {
+                    for entries in [1, 8, 64] {
+                        let targets = [CallTarget {
+                            out_dim: vocab,
+                            y_col_offset: 0,
+                            n_entries: entries,
+                        }];
+                        for n in [1, 7, 64, 129, 512, 513, 2048] {
+                            for y in [OutputKind::Bf16, OutputKind::F32] {
+                                let call = DecodeCall::dense(n, in_dim, stride, y, &targets).expect("a valid call");
+                                let label = format!(
+                                    "{device} {ctx_label} head {in_dim}->{vocab} r{stride} n{n} e{entries} {y:?}"
+                                );
+                                match plan(&call, &limits, ctx, Choice::Auto) {
+                                    Ok(p) => {
+                                        if let Err(e) = plan(&call, &limits, ctx, Choice::Exact(p)) {
+                                            failures.push(format!("{label}: {p} not accepted as exact: {e}"));
+                                        }
+                                    }
+                                    Err(_) if device == "sm80" && stride == 128 && n > WINDOW_MAX => {}
+                                    Err(e) => failures.push(format!("{label}: {e}")),
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} refused:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Rule 6 serves only calls every other rule refused: the recorded grid's
+/// refusals (square pairs at rank stride 128 on sm_80) are not tall and
+/// stay refused; every output head is tall, and the splits rule 6 tries
+/// grow past [`MAX_OUT_SPLITS`] up to one 64-column slice a split.
+#[test]
+fn only_widening_pairs_are_tall() {
+    for (device, limits) in [("h200", DeviceLimits::H200), ("sm80", DeviceLimits::SM80)] {
+        for (label, call) in grid() {
+            let f = Facts::of(&call, &limits, DecodeContext::default());
+            let refused = plan(&call, &limits, DecodeContext::default(), Choice::Auto).is_err();
+            assert!(!(refused && tall(&f)), "{device} {label} is refused and tall");
+        }
+    }
+    for (in_dim, vocab) in HEADS {
+        let targets = [CallTarget {
+            out_dim: vocab,
+            y_col_offset: 0,
+            n_entries: 8,
+        }];
+        for stride in [8, 16, 64] {
+            let call = DecodeCall::dense(1, in_dim, stride, OutputKind::F32, &targets).expect("a valid call");
+            let f = Facts::of(&call, &DeviceLimits::SM80, DecodeContext::default());
+            assert!(tall(&f), "{in_dim}->{vocab}");
+            let splits: Vec<usize> = tall_splits(&f).collect();
+            assert!(
+                !splits.is_empty() && splits[0] > MAX_OUT_SPLITS,
+                "r{stride}: {splits:?}"
+            );
+            assert!(splits.windows(2).all(|w| w[0] < w[1]), "{splits:?}");
+            assert!(splits.iter().all(|&s| s <= vocab / 64), "{splits:?}");
+        }
+    }
+}
+
+/// Past the two launches' window (513 rows and more) a tall head runs the
+/// fused kernel in more than [`MAX_OUT_SPLITS`] splits on sm_80; up to it,
+/// two launches.
+#[test]
+fn tall_heads_take_two_launches_up_to_a_window_then_wide_splits() {
+    let targets = [CallTarget {
+        out_dim: 128_256,
+        y_col_offset: 0,
+        n_entries: 8,
+    }];
+    for n in [1, 64, 512] {
+        let call = DecodeCall::dense(n, 4096, 16, OutputKind::F32, &targets).unwrap();
+        let p = plan(&call, &DeviceLimits::SM80, DecodeContext::default(), Choice::Auto).unwrap();
+        assert!(matches!(p.form, DecodeForm::TwoPhase(_)), "n{n}: {p}");
+    }
+    let call = DecodeCall::dense(2048, 4096, 16, OutputKind::F32, &targets).unwrap();
+    let p = plan(&call, &DeviceLimits::SM80, DecodeContext::default(), Choice::Auto).unwrap();
+    let DecodeForm::Fused(u) = p.form else {
+        panic!("n2048: {p}");
+    };
+    assert!(u.out_splits > MAX_OUT_SPLITS, "{p}");
+}

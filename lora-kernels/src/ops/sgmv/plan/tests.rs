@@ -429,3 +429,33 @@ fn one_y_buffer_never_leaves_fewer_expand_blocks_resident_than_two() {
         }
     }
 }
+
+/// The output head's pair (`lm_head`: out = vocab, in = hidden), the
+/// tallest expand of a model, is planned for every served vocabulary, by
+/// segments and as one entry, on both recorded devices.
+#[test]
+fn the_output_head_is_planned_for_every_vocabulary() {
+    let heads = [
+        (4096, 32_000),
+        (4096, 128_256),
+        (3584, 152_064),
+        (5376, 262_208),
+        (2880, 201_088),
+    ];
+    for limits in [DeviceLimits::H200, DeviceLimits::SM80] {
+        for (in_dim, vocab) in heads {
+            for stride in [8, 16, 64] {
+                for rows in [1, 17, 512, 4096] {
+                    for segments in [Some(1), Some(8), None] {
+                        for f32_y in [false, true] {
+                            let c = call(rows, in_dim, stride, segments, &[vocab], f32_y);
+                            if let Err(e) = plan(&c, &limits, Choice::Auto) {
+                                panic!("head {in_dim}->{vocab} r{stride} rows {rows} {segments:?}: {e}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
