@@ -249,6 +249,14 @@ fn serve_against_peft(device: &Device, model: &str, adapter: &str, plain: &str) 
         let y = run(&pool, &|pool, x, y| {
             pool.apply_prefill(&step, probe.layer, &targets, x, y).unwrap()
         });
+        // The plain pool's rows through the same apply (a decode and a
+        // prefill kernel sum in different orders, so their plain rows may
+        // differ in the last bits on CUDA).
+        let plain_seqs: Vec<PrefillSeq<'_>> = plain_rows.iter().map(|&row| PrefillSeq { row, len: 1 }).collect();
+        let plain_step = plain_pool.prefill_step(&plain_seqs).unwrap();
+        let y_plain = run(&plain_pool, &|pool, x, y| {
+            pool.apply_prefill(&plain_step, probe.layer, &targets, x, y).unwrap()
+        });
         check_rows(&format!("{label} prefill"), probe, &kinds, &y0, &y, &y_plain, out);
         drop(step);
         // One-adapter prefill: the DoRA rows alone.
