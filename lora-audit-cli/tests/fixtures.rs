@@ -255,53 +255,52 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
     (diff / norm).sqrt()
 }
 
-#[test]
-fn embedding_lora_fixtures_are_refused_without_the_embedding_place() {
+/// Every servable fixture audited with `off` (the fixture options less one
+/// opt-in place): those that use the place (`uses`, under the fixture
+/// options) are refused with `code` alone, every other one stays
+/// servable. Returns how many used it.
+fn refused_without_the_place(
+    off: impl Fn(LoraOptions) -> LoraOptions,
+    uses: impl Fn(&AuditReport) -> bool,
+    code: RejectCode,
+) -> usize {
     let mut seen = 0;
     for f in fixtures().into_iter().filter(|f| f.servable()) {
         let on = audit_adapter(&f.dir, &f.cfg(), &fixture_options()).unwrap();
-        let off = LoraOptions {
-            embedding_lora: false,
-            ..fixture_options()
-        };
-        let report = audit_adapter(&f.dir, &f.cfg(), &off).unwrap();
-        if on.embedding.is_some() {
+        let report = audit_adapter(&f.dir, &f.cfg(), &off(fixture_options())).unwrap();
+        if uses(&on) {
             seen += 1;
-            assert_eq!(
-                report.refused_codes(),
-                BTreeSet::from([RejectCode::EmbeddingLoraDisabled]),
-                "{}",
-                f.name
-            );
+            assert_eq!(report.refused_codes(), BTreeSet::from([code]), "{}", f.name);
         } else {
             assert!(report.is_servable(), "{}", f.name);
         }
     }
+    seen
+}
+
+#[test]
+fn embedding_lora_fixtures_are_refused_without_the_embedding_place() {
+    let seen = refused_without_the_place(
+        |o| LoraOptions {
+            embedding_lora: false,
+            ..o
+        },
+        |r| r.embedding.is_some(),
+        RejectCode::EmbeddingLoraDisabled,
+    );
     assert!(seen >= 2, "{seen} embedding-LoRA fixtures");
 }
 
 #[test]
 fn lm_head_lora_fixtures_are_refused_without_the_head_place() {
-    let mut seen = 0;
-    for f in fixtures().into_iter().filter(|f| f.servable()) {
-        let on = audit_adapter(&f.dir, &f.cfg(), &fixture_options()).unwrap();
-        let off = LoraOptions {
+    let seen = refused_without_the_place(
+        |o| LoraOptions {
             lm_head_lora: false,
-            ..fixture_options()
-        };
-        let report = audit_adapter(&f.dir, &f.cfg(), &off).unwrap();
-        if on.lm_head.is_some() {
-            seen += 1;
-            assert_eq!(
-                report.refused_codes(),
-                BTreeSet::from([RejectCode::LmHeadLoraDisabled]),
-                "{}",
-                f.name
-            );
-        } else {
-            assert!(report.is_servable(), "{}", f.name);
-        }
-    }
+            ..o
+        },
+        |r| r.lm_head.is_some(),
+        RejectCode::LmHeadLoraDisabled,
+    );
     assert!(seen >= 1, "{seen} lm_head-LoRA fixtures");
 }
 

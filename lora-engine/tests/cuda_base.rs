@@ -4,7 +4,9 @@
 //! several prompts and a decode step after it. On the CPU backend
 //! `Model::load_on` is the host model, bit for bit.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::family_dir;
 
 use lora_engine::{KvCache, Model, NoDeltas, SeqChunk, parse_requests};
 use lora_kernels::Device;
@@ -19,16 +21,6 @@ const FAMILIES: [&str; 7] = [
     "qwen3_moe",
     "mixtral",
 ];
-
-/// The engine fixtures (`LORA_FIXTURES_DIR` when set: the GPU bundle
-/// carries them elsewhere).
-fn family_dir(family: &str) -> PathBuf {
-    std::env::var_os("LORA_FIXTURES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures"))
-        .join("engine")
-        .join(family)
-}
 
 /// The family's distinct request prompts (at most four).
 fn prompts(family: &str) -> Vec<Vec<u32>> {

@@ -5,47 +5,18 @@
 //! `fixtures/make_engine_fixtures.py`: real `peft` on tiny random models,
 //! fp32 full forwards).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{adapters, family_dir, requests};
 
 use lora_audit::LoraOptions;
 use lora_engine::{
     ANSWER_TOLERANCE, AdapterDir, Answers, Engine, EngineError, EngineEvent, EngineOptions, Request, RequestOutput,
-    TokenMatch, compare, parse_requests, rel_error,
+    TokenMatch, compare, rel_error,
 };
 use lora_kernels::Device;
 use lora_kernels::testing::cuda_or_skip;
 use lora_pool::PoolError;
-
-/// The engine fixtures (`LORA_FIXTURES_DIR` when set: the GPU bundle
-/// carries them elsewhere).
-fn family_dir(family: &str) -> PathBuf {
-    std::env::var_os("LORA_FIXTURES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures"))
-        .join("engine")
-        .join(family)
-}
-
-fn adapters(family: &str) -> Vec<AdapterDir> {
-    let dir = family_dir(family).join("adapters");
-    let mut names: Vec<String> = std::fs::read_dir(&dir)
-        .expect("adapters folder")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-        .into_iter()
-        .map(|name| AdapterDir {
-            dir: dir.join(&name),
-            name,
-        })
-        .collect()
-}
-
-fn requests(family: &str) -> Vec<Request> {
-    let text = std::fs::read_to_string(family_dir(family).join("requests.json")).expect("requests.json");
-    parse_requests(&text).expect("valid requests")
-}
 
 fn oracle(family: &str) -> Answers {
     Answers::read(&family_dir(family).join("peft.safetensors")).expect("peft.safetensors")

@@ -17,47 +17,17 @@
 //! whole delta to the whole logits, as the cut base model keeps lm_head
 //! whole.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{adapters, family_dir, requests};
 use std::sync::Arc;
 
 use lora_audit::LoraOptions;
-use lora_engine::{
-    AdapterDir, Collective, Engine, EngineError, EngineOptions, HostCollective, Request, RequestOutput, parse_requests,
-    rel_error,
-};
+use lora_engine::{Collective, Engine, EngineError, EngineOptions, HostCollective, Request, RequestOutput, rel_error};
 use lora_kernels::Device;
 use lora_layout::Placement;
 
 const TP_TOL: f64 = 1e-3;
-
-fn family_dir(family: &str) -> PathBuf {
-    std::env::var_os("LORA_FIXTURES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures"))
-        .join("engine")
-        .join(family)
-}
-
-fn adapters(family: &str) -> Vec<AdapterDir> {
-    let dir = family_dir(family).join("adapters");
-    let mut names: Vec<String> = std::fs::read_dir(&dir)
-        .expect("adapters folder")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-        .into_iter()
-        .map(|name| AdapterDir {
-            dir: dir.join(&name),
-            name,
-        })
-        .collect()
-}
-
-fn requests(family: &str) -> Vec<Request> {
-    let text = std::fs::read_to_string(family_dir(family).join("requests.json")).expect("requests.json");
-    parse_requests(&text).expect("valid requests")
-}
 
 fn options(family: &str, max_loras: usize, placement: Placement) -> LoraOptions {
     LoraOptions {
