@@ -475,6 +475,12 @@ const DECODE: &[DecodeCase] = &[
     // Rank 32 with 8 rows per adapter over 16: the entry-clustered form in
     // clusters of 8 with B and y staged (its rank-32 staged expand).
     (128, 4096, 4096, 32, 16, None),
+    // The output head of a Llama-3 vocabulary (LoRA on lm_head): the tall
+    // expand of the rule table's tall-output rule (no peer figure).
+    (1, 4096, 128_256, 16, 1, None),
+    (16, 4096, 128_256, 16, 16, None),
+    (64, 4096, 128_256, 16, 64, None),
+    (16, 4096, 128_256, 64, 4, None),
 ];
 /// Decode cases over a table of more entries than the batch uses (the
 /// second field), as an engine's table of every resident adapter is: the
