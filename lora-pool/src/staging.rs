@@ -8,10 +8,9 @@
 //! asynchronous copy on the device's copy lane. So the chunks complete one
 //! after another without a pause, the copies run while later chunks are
 //! still being filled, and the transfer costs about the slower of the two
-//! streams rather than their sum. (Before, a few chunk workers each filled
-//! a chunk with the other readers' help; their chunks completed together,
-//! in waves, and the readers idled between waves while the copies were
-//! issued: 2410-2525 µs a swap against 2318-2376 now, on one H100 host.)
+//! streams rather than their sum. (Chunk workers that each filled a whole
+//! chunk completed their chunks together, in waves, with the readers idle
+//! between waves: BENCHMARKS.md, "Swap and peer landing".)
 //!
 //! Two fills: the packed slot image (each tensor read or converted into its
 //! padded place), or the raw data section of an adapter file (placed later
