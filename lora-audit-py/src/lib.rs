@@ -197,23 +197,30 @@ fn model_config(model_path: Option<&str>, model_json: Option<&str>) -> PyResult<
     }
 }
 
+/// The opt-in switches (`--dora`, `--embedding-lora`, `--lm-head-lora`);
+/// `false` leaves what `LORA_*` set.
+struct OptIn {
+    dora: bool,
+    embedding_lora: bool,
+    lm_head_lora: bool,
+}
+
 /// The CLI's options: the `LORA_*` environment, then the arguments.
 fn options(
     max_rank: Option<usize>,
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
-    embedding_lora: bool,
-    lm_head_lora: bool,
+    places: OptIn,
 ) -> PyResult<LoraOptions> {
     let args = AuditArgs {
         max_rank,
         expert_rank,
         allow_partial,
         experts,
-        embedding_lora,
-        // DoRA follows LORA_DORA here (`dora: false` leaves it as read).
-        lm_head_lora,
+        dora: places.dora,
+        embedding_lora: places.embedding_lora,
+        lm_head_lora: places.lm_head_lora,
         ..AuditArgs::default()
     };
     LoraOptions::from_env()
@@ -241,7 +248,7 @@ fn tensor_infos(tensors: Vec<(String, String, Vec<usize>)>) -> PyResult<Vec<Tens
 #[pyfunction]
 #[pyo3(signature = (*, adapter_dir=None, config_json=None, tensors=None, name=None, model_path=None,
                     model_json=None, max_rank=None, expert_rank=None, allow_partial=false, experts=false,
-                    embedding_lora=false, lm_head_lora=false))]
+                    dora=false, embedding_lora=false, lm_head_lora=false))]
 #[allow(clippy::too_many_arguments)]
 fn check(
     py: Python<'_>,
@@ -255,18 +262,17 @@ fn check(
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    dora: bool,
     embedding_lora: bool,
     lm_head_lora: bool,
 ) -> PyResult<PyReport> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(
-        max_rank,
-        expert_rank,
-        allow_partial,
-        experts,
+    let places = OptIn {
+        dora,
         embedding_lora,
         lm_head_lora,
-    )?;
+    };
+    let opts = options(max_rank, expert_rank, allow_partial, experts, places)?;
     let result = match (adapter_dir, config_json, tensors) {
         (Some(dir), None, None) => py.detach(|| audit_adapter(Path::new(&dir), &cfg, &opts)),
         (None, Some(text), Some(tensors)) => {
@@ -295,8 +301,8 @@ fn check(
 /// `out` and returns `(written tensor names, unserved weights)`.
 #[pyfunction]
 #[pyo3(signature = (*, adapter_dir, model_path=None, model_json=None, probes, out, base=None,
-                    max_rank=None, expert_rank=None, allow_partial=false, experts=false, embedding_lora=false,
-                    lm_head_lora=false))]
+                    max_rank=None, expert_rank=None, allow_partial=false, experts=false, dora=false,
+                    embedding_lora=false, lm_head_lora=false))]
 #[allow(clippy::too_many_arguments)]
 fn probe(
     py: Python<'_>,
@@ -310,18 +316,17 @@ fn probe(
     expert_rank: Option<usize>,
     allow_partial: bool,
     experts: bool,
+    dora: bool,
     embedding_lora: bool,
     lm_head_lora: bool,
 ) -> PyResult<(Vec<String>, Vec<String>)> {
     let cfg = model_config(model_path.as_deref(), model_json.as_deref())?;
-    let opts = options(
-        max_rank,
-        expert_rank,
-        allow_partial,
-        experts,
+    let places = OptIn {
+        dora,
         embedding_lora,
         lm_head_lora,
-    )?;
+    };
+    let opts = options(max_rank, expert_rank, allow_partial, experts, places)?;
     let adapter = py
         .detach(|| prepare_adapter(Path::new(&adapter_dir), &cfg, &opts))
         .map_err(|e| audit_err(py, e, Some(&cfg)))?;

@@ -56,16 +56,22 @@ def test_the_command_is_there():
 
 @pytest.mark.parametrize("model,adapter", adapters())
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
-def test_check_gives_the_commands_report(model, adapter, experts):
+@pytest.mark.parametrize("opt_in", [False, True], ids=["plain", "opt-in"])
+def test_check_gives_the_commands_report(model, adapter, experts, opt_in):
+    """Also with every opt-in place (DoRA, the embedding's and the head's)
+    switched on, by keyword here and by flag there."""
     flags = ["--max-rank", "16", "--json"] + (["--experts"] if experts else [])
+    if opt_in:
+        flags += ["--dora", "--embedding-lora", "--lm-head-lora"]
+    keywords = dict(max_rank=16, experts=experts, dora=opt_in, embedding_lora=opt_in, lm_head_lora=opt_in)
     done = cli("check", adapter, "--model", model / "config.json", *flags)
     if done.returncode == 2:
         # Unreadable or unservable by its config alone: an exception, never a report.
         with pytest.raises(lora_audit.AuditError):
-            lora_audit.check(adapter, model / "config.json", max_rank=16, experts=experts)
+            lora_audit.check(adapter, model / "config.json", **keywords)
         return
     assert done.returncode in (0, 1), done.stderr
-    report = lora_audit.check(adapter, model / "config.json", max_rank=16, experts=experts)
+    report = lora_audit.check(adapter, model / "config.json", **keywords)
     assert report.to_dict() == json.loads(done.stdout)
     assert report.servable == (done.returncode == 0)
     assert report.servable == (not report.refusals)

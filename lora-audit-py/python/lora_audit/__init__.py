@@ -67,6 +67,7 @@ def check(
     expert_rank: Optional[int] = None,
     allow_partial: bool = False,
     experts: bool = False,
+    dora: bool = False,
     embedding_lora: bool = False,
     lm_head_lora: bool = False,
     tensors: Optional[Mapping[str, Any]] = None,
@@ -88,13 +89,13 @@ def check(
         config = json.dumps(dict(adapter), default=_json_default)
         return _native.check(config_json=config, tensors=_tensor_list(tensors), name=name,
                              max_rank=max_rank, expert_rank=expert_rank,
-                             allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **args)
+                             allow_partial=allow_partial, experts=experts, dora=dora, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **args)
     if not isinstance(adapter, (str, os.PathLike)):
         raise InputError(f"adapter must be a directory or a config dict, not {type(adapter).__name__}")
     if tensors is not None:
         raise InputError("tensors go with an adapter config dict; a directory has its own")
     return _native.check(adapter_dir=os.fspath(adapter), max_rank=max_rank, expert_rank=expert_rank,
-                         allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **args)
+                         allow_partial=allow_partial, experts=experts, dora=dora, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **args)
 
 
 def probe(
@@ -108,6 +109,7 @@ def probe(
     expert_rank: Optional[int] = None,
     allow_partial: bool = False,
     experts: bool = False,
+    dora: bool = False,
     embedding_lora: bool = False,
     lm_head_lora: bool = False,
 ) -> dict:
@@ -117,7 +119,7 @@ def probe(
     written, unserved = _native.probe(
         adapter_dir=os.fspath(adapter), probes=os.fspath(probes), out=os.fspath(out),
         base=None if base is None else os.fspath(base), max_rank=max_rank, expert_rank=expert_rank,
-        allow_partial=allow_partial, experts=experts, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **_model_args(model))
+        allow_partial=allow_partial, experts=experts, dora=dora, embedding_lora=embedding_lora, lm_head_lora=lm_head_lora, **_model_args(model))
     return {"out": os.fspath(out), "written": written, "unserved": unserved}
 
 

@@ -53,6 +53,7 @@ def check(
     expert_rank: Optional[int] = None,
     allow_partial: bool = False,
     experts: bool = False,
+    dora: bool = False,
     embedding_lora: bool = False,
     lm_head_lora: bool = False,
 ) -> Report: ...
@@ -69,6 +70,7 @@ def probe(
     expert_rank: Optional[int] = None,
     allow_partial: bool = False,
     experts: bool = False,
+    dora: bool = False,
     embedding_lora: bool = False,
     lm_head_lora: bool = False,
 ) -> Tuple[list[str], list[str]]: ...
