@@ -627,6 +627,8 @@ impl<'a> Facts<'a> {
 ///    rows (rank stride 16, at most 8192 outputs and, on sm_90, at most
 ///    [`TWO_PHASE_SMALL_IN`] inputs) and batches the fused launch serves in
 ///    one round.
+/// 4½. Output heads ([`head_rule`]): a vocabulary-wide [`tall`] call of
+///    16 to `WINDOW_MAX` rows takes the two launches.
 /// 5. Fused: tensor cores and the item list for [`TENSOR_CORE_MIN_ROWS`]
 ///    rows or more (or few adapters in the two-launch range; the list not
 ///    under the overlap up to 256 rows), clusters and splits by the cost
@@ -689,6 +691,9 @@ fn auto(f: &Facts<'_>) -> Result<DecodePlan, KernelError> {
     if let Some(plan) = row_mapped_rule(f) {
         return Ok(plan);
     }
+    if let Some(plan) = head_rule(f) {
+        return Ok(plan);
+    }
     let fused = fused_default(f);
     if let Some(plan) = two_phase_rule(f, fused.as_ref().ok().map(|(_, rounds)| *rounds)) {
         return Ok(plan);
@@ -697,6 +702,35 @@ fn auto(f: &Facts<'_>) -> Result<DecodePlan, KernelError> {
         Ok((plan, _)) => Ok(plan),
         Err(refusal) => tall_rule(f).ok_or(refusal),
     }
+}
+
+/// Outputs from which a [`tall`] call is an output head (a vocabulary:
+/// no other projection of the supported families is this wide).
+pub(super) const HEAD_MIN_OUT: usize = 32_768;
+
+/// Rows from which an output head takes the two launches ([`head_rule`]).
+pub(super) const HEAD_TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 16..=WINDOW_MAX;
+
+/// Rule 4½, output heads: a [`tall`] call of at least [`HEAD_MIN_OUT`]
+/// outputs and [`HEAD_TWO_PHASE_ROWS`] rows takes the two launches (the
+/// expand tiles the vocabulary's columns over every multiprocessor) where
+/// the rules above would give the fused kernel, whose clusters each stage
+/// a sixth of the vocabulary. Measured (H100, a Llama-3 head of 128256
+/// outputs, rank 16, n = 16 of 16 adapters, BENCHMARKS.md): 33.2 µs
+/// against the fused kernel's 68.5. At n = 64 the two launches were the
+/// rules' plan already; fewer rows are not measured and keep the rules'.
+fn head_rule(f: &Facts<'_>) -> Option<DecodePlan> {
+    if !tall(f) || f.max_out < HEAD_MIN_OUT || !HEAD_TWO_PHASE_ROWS.contains(&f.n) {
+        return None;
+    }
+    let two = two_phase_layout(f, None)?;
+    Some(DecodePlan {
+        form: DecodeForm::TwoPhase(TwoPhaseForm {
+            shrink_tensor_cores: false,
+            expand_cols: two.cols,
+        }),
+        chain: f.chain(false),
+    })
 }
 
 /// Output splits the fused kernel takes for a call that is not [`tall`].
