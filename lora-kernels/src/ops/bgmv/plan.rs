@@ -627,8 +627,8 @@ impl<'a> Facts<'a> {
 ///    rows (rank stride 16, at most 8192 outputs and, on sm_90, at most
 ///    [`TWO_PHASE_SMALL_IN`] inputs) and batches the fused launch serves in
 ///    one round.
-/// 4½. Output heads ([`head_rule`]): a vocabulary-wide [`tall`] call of
-///    16 to `WINDOW_MAX` rows takes the two launches.
+///    Before it (rule 4½, [`head_rule`]): a vocabulary-wide [`tall`] call
+///    of 16 to `WINDOW_MAX` rows takes the two launches.
 /// 5. Fused: tensor cores and the item list for [`TENSOR_CORE_MIN_ROWS`]
 ///    rows or more (or few adapters in the two-launch range; the list not
 ///    under the overlap up to 256 rows), clusters and splits by the cost
