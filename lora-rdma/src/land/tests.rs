@@ -147,65 +147,58 @@ fn dense_adapters_land_byte_for_byte_as_the_disk_pack() {
     }
 }
 
-#[test]
-fn an_embedding_pair_lands_in_the_slots_embedding_place() {
-    let adapter = "embedding_lora_no_table";
+/// `adapter`'s opt-in pair (`key`) lands in the slot's place for it with
+/// the place switched on (`on`), as the pool packs it; an engine without
+/// the place refuses it with `code`.
+fn an_opt_in_pair_lands_in_its_place(adapter: &str, on: LoraOptions, key: PairKey, code: lora_audit::RejectCode) {
     let store = store("llama", &[adapter], StoreOptions::default());
-    let o = LoraOptions {
-        embedding_lora: true,
-        ..opts(16, 16)
-    };
-    let lander = Lander::new(config("llama"), o.clone()).unwrap();
-    assert!(lander.layout().embedding().is_some());
+    let lander = Lander::new(config("llama"), on.clone()).unwrap();
     let mut target = HostLanding::new(lander.layout());
     let landed = lander
         .land(&mut MemTransport::new(&store), adapter, &mut target)
         .unwrap();
-    let (dense, _) = packed("llama", adapter, &o);
-    assert!(landed.dense.iter().any(|m| m.key == PairKey::Embedding));
-    assert_eq!(target.dense().as_bytes(), dense.as_bytes());
-    assert_eq!(target.dense().pairs(), dense.pairs(), "ranks and scales");
-    // An engine whose slots have no embedding place refuses it.
+    let (dense, _) = packed("llama", adapter, &on);
+    assert!(landed.dense.iter().any(|m| m.key == key), "{adapter}");
+    assert_eq!(target.dense().as_bytes(), dense.as_bytes(), "{adapter}");
+    assert_eq!(target.dense().pairs(), dense.pairs(), "{adapter}: ranks and scales");
     let without = Lander::new(config("llama"), opts(16, 16)).unwrap();
     let mut target = HostLanding::new(without.layout());
     let err = without
         .land(&mut MemTransport::new(&store), adapter, &mut target)
         .unwrap_err();
     assert!(
-        matches!(&err, LandError::Refused(report)
-            if report.refused_codes().contains(&lora_audit::RejectCode::EmbeddingLoraDisabled)),
-        "{err}"
+        matches!(&err, LandError::Refused(report) if report.refused_codes().contains(&code)),
+        "{adapter}: {err}"
+    );
+}
+
+#[test]
+fn an_embedding_pair_lands_in_the_slots_embedding_place() {
+    let on = LoraOptions {
+        embedding_lora: true,
+        ..opts(16, 16)
+    };
+    assert!(on.slot_layout(&config("llama")).unwrap().embedding().is_some());
+    an_opt_in_pair_lands_in_its_place(
+        "embedding_lora_no_table",
+        on,
+        PairKey::Embedding,
+        lora_audit::RejectCode::EmbeddingLoraDisabled,
     );
 }
 
 #[test]
 fn a_head_pair_lands_in_the_slots_head_place() {
-    let adapter = "lm_head_lora_no_table";
-    let store = store("llama", &[adapter], StoreOptions::default());
-    let o = LoraOptions {
+    let on = LoraOptions {
         lm_head_lora: true,
         ..opts(16, 16)
     };
-    let lander = Lander::new(config("llama"), o.clone()).unwrap();
-    assert!(lander.layout().lm_head().is_some());
-    let mut target = HostLanding::new(lander.layout());
-    let landed = lander
-        .land(&mut MemTransport::new(&store), adapter, &mut target)
-        .unwrap();
-    let (dense, _) = packed("llama", adapter, &o);
-    assert!(landed.dense.iter().any(|m| m.key == PairKey::LmHead));
-    assert_eq!(target.dense().as_bytes(), dense.as_bytes());
-    assert_eq!(target.dense().pairs(), dense.pairs(), "ranks and scales");
-    // An engine whose slots have no head place refuses it.
-    let without = Lander::new(config("llama"), opts(16, 16)).unwrap();
-    let mut target = HostLanding::new(without.layout());
-    let err = without
-        .land(&mut MemTransport::new(&store), adapter, &mut target)
-        .unwrap_err();
-    assert!(
-        matches!(&err, LandError::Refused(report)
-            if report.refused_codes().contains(&lora_audit::RejectCode::LmHeadLoraDisabled)),
-        "{err}"
+    assert!(on.slot_layout(&config("llama")).unwrap().lm_head().is_some());
+    an_opt_in_pair_lands_in_its_place(
+        "lm_head_lora_no_table",
+        on,
+        PairKey::LmHead,
+        lora_audit::RejectCode::LmHeadLoraDisabled,
     );
 }
 
