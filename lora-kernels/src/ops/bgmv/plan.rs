@@ -723,14 +723,7 @@ fn head_rule(f: &Facts<'_>) -> Option<DecodePlan> {
     if !tall(f) || f.max_out < HEAD_MIN_OUT || !HEAD_TWO_PHASE_ROWS.contains(&f.n) {
         return None;
     }
-    let two = two_phase_layout(f, None)?;
-    Some(DecodePlan {
-        form: DecodeForm::TwoPhase(TwoPhaseForm {
-            shrink_tensor_cores: false,
-            expand_cols: two.cols,
-        }),
-        chain: f.chain(false),
-    })
+    two_launches(f)
 }
 
 /// Output splits the fused kernel takes for a call that is not [`tall`].
@@ -763,14 +756,8 @@ fn tall_rule(f: &Facts<'_>) -> Option<DecodePlan> {
     if !tall(f) {
         return None;
     }
-    if let Some(two) = two_phase_layout(f, None) {
-        return Some(DecodePlan {
-            form: DecodeForm::TwoPhase(TwoPhaseForm {
-                shrink_tensor_cores: false,
-                expand_cols: two.cols,
-            }),
-            chain: f.chain(false),
-        });
+    if let Some(plan) = two_launches(f) {
+        return Some(plan);
     }
     let listed = item_list_by_default(f.n, f.max_entries, f.overlap)
         && f.targets().iter().all(|t| t.n_entries <= ITEM_LIST_MAX_ENTRIES);
@@ -967,6 +954,13 @@ fn two_phase_rule(f: &Facts<'_>, fused_rounds: Option<usize>) -> Option<DecodePl
     ) {
         return None;
     }
+    two_launches(f)
+}
+
+/// The rules' two-launch plan for a call (rules 4, 4½ and 6): the scalar
+/// shrink, the expand's default column tile, the chain by the launch
+/// position. `None` where the two launches do not serve the call.
+fn two_launches(f: &Facts<'_>) -> Option<DecodePlan> {
     let two = two_phase_layout(f, None)?;
     Some(DecodePlan {
         form: DecodeForm::TwoPhase(TwoPhaseForm {
