@@ -342,6 +342,27 @@ fn every_route_from_a_file_writes_the_bytes_of_the_converted_adapter() {
     }
 }
 
+/// The A rows and B columns a slot image holds at `(a_offset, b_offset)`
+/// (bytes) for a pair of `rank` at rank stride `stride` are `a` (`[rank,
+/// a_cols]`) and `b` (`[b_rows, rank]`), the padding zero.
+fn assert_padded_pair(
+    image: &[half::bf16],
+    (a_offset, b_offset): (usize, usize),
+    stride: usize,
+    (a_cols, b_rows): (usize, usize),
+    (rank, a, b): (usize, &[half::bf16], &[half::bf16]),
+) {
+    let a_place = &image[a_offset / 2..a_offset / 2 + stride * a_cols];
+    assert_eq!(&a_place[..rank * a_cols], a);
+    assert!(a_place[rank * a_cols..].iter().all(|v| v.to_f32() == 0.0));
+    let b_place = &image[b_offset / 2..b_offset / 2 + b_rows * stride];
+    for o in 0..b_rows {
+        let row = &b_place[o * stride..(o + 1) * stride];
+        assert_eq!(&row[..rank], &b[o * rank..(o + 1) * rank]);
+        assert!(row[rank..].iter().all(|v| v.to_f32() == 0.0));
+    }
+}
+
 #[test]
 fn every_route_places_the_embedding_pair_like_the_prepared_adapter() {
     let cfg = model_config("llama");
@@ -382,21 +403,15 @@ fn every_route_places_the_embedding_pair_like_the_prepared_adapter() {
                 let base = pool.pool_addr() + s as u64 * slot_bytes;
                 assert_eq!((e.a, e.b), (base + place.a_offset as u64, base + place.b_offset as u64));
             }
-            // The A rows and B columns it holds are the adapter's, padding zero.
             let bytes = pool.slot_contents(slot(0)).unwrap();
-            let (vocab, hidden, stride) = (cfg.vocab_size, cfg.hidden_size, 16);
-            let a = &bytes[place.a_offset / 2..place.a_offset / 2 + stride * vocab];
-            assert_eq!(&a[..embedding.rank * vocab], &embedding.a[..]);
-            assert!(a[embedding.rank * vocab..].iter().all(|v| v.to_f32() == 0.0));
-            let b = &bytes[place.b_offset / 2..place.b_offset / 2 + hidden * stride];
-            for o in 0..hidden {
-                let row = &b[o * stride..(o + 1) * stride];
-                assert_eq!(
-                    &row[..embedding.rank],
-                    &embedding.b[o * embedding.rank..(o + 1) * embedding.rank]
-                );
-                assert!(row[embedding.rank..].iter().all(|v| v.to_f32() == 0.0));
-            }
+            let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+            assert_padded_pair(
+                &bytes,
+                (place.a_offset, place.b_offset),
+                16,
+                (vocab, hidden),
+                (embedding.rank, &embedding.a, &embedding.b),
+            );
         }
     }
 }
@@ -451,18 +466,15 @@ fn every_route_places_the_head_pair_like_the_prepared_adapter() {
             assert_eq!((e.a, e.b), (base + place.a_offset as u64, base + place.b_offset as u64));
             assert_eq!(pool.embedding_entry(slot(s)).unwrap().rank, 0);
         }
-        // The A rows and B columns it holds are the adapter's, padding zero.
         let bytes = pool.slot_contents(slot(0)).unwrap();
-        let (vocab, hidden, stride) = (cfg.vocab_size, cfg.hidden_size, 16);
-        let a = &bytes[place.a_offset / 2..place.a_offset / 2 + stride * hidden];
-        assert_eq!(&a[..head.rank * hidden], &head.a[..]);
-        assert!(a[head.rank * hidden..].iter().all(|v| v.to_f32() == 0.0));
-        let b = &bytes[place.b_offset / 2..place.b_offset / 2 + vocab * stride];
-        for o in 0..vocab {
-            let row = &b[o * stride..(o + 1) * stride];
-            assert_eq!(&row[..head.rank], &head.b[o * head.rank..(o + 1) * head.rank]);
-            assert!(row[head.rank..].iter().all(|v| v.to_f32() == 0.0));
-        }
+        let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+        assert_padded_pair(
+            &bytes,
+            (place.a_offset, place.b_offset),
+            16,
+            (hidden, vocab),
+            (head.rank, &head.a, &head.b),
+        );
         // Evicted, the head entry is empty again.
         pool.evict(slot(0)).unwrap();
         assert_eq!(pool.lm_head_entry(slot(0)).unwrap().rank, 0);
