@@ -43,6 +43,7 @@ use lora_kernels::{Device, DeviceBuffer, DoraNorm, DoraTarget, PairEntry, dora_r
 use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 
 use crate::error::PoolError;
+use crate::pool::module_table_offset;
 use crate::target::FusedTargets;
 
 /// The base model's projection weights, as the engine holds them: what a
@@ -291,7 +292,7 @@ impl DoraState {
         for s in scales {
             let (Some(i), Some(offset)) = (
                 layout.position(s.layer, s.module),
-                table_offset(s.layer, s.module, self.max_loras),
+                module_table_offset(s.layer, s.module, self.max_loras),
             ) else {
                 return Err(PoolError::NoSuchModule {
                     layer: s.layer,
@@ -359,7 +360,7 @@ impl DoraState {
                 })?;
                 Ok(DoraTarget {
                     table: &self.table,
-                    table_offset: table_offset(layer, m.module, self.max_loras).ok_or(overflow())?,
+                    table_offset: module_table_offset(layer, m.module, self.max_loras).ok_or(overflow())?,
                     n_entries: self.max_loras,
                     bias: &self.bias,
                     bias_offset: self.row_offsets[i],
@@ -369,13 +370,6 @@ impl DoraState {
             })
             .collect()
     }
-}
-
-fn table_offset(layer: usize, module: LoraModule, max_loras: usize) -> Option<usize> {
-    layer
-        .checked_mul(LoraModule::ALL.len())?
-        .checked_add(module.index())?
-        .checked_mul(max_loras)
 }
 
 fn overflow() -> PoolError {

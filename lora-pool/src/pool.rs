@@ -613,7 +613,7 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// First entry of (layer, module)'s `[max_loras]` table.
     pub fn table_offset(&self, layer: usize, module: LoraModule) -> Option<usize> {
         self.layout.entry(layer, module)?;
-        Some((layer * LoraModule::ALL.len() + module.index()) * self.opts.max_loras)
+        module_table_offset(layer, module, self.opts.max_loras)
     }
 
     /// First entry of the input embedding's `[max_loras]` table (after every
@@ -2017,6 +2017,16 @@ fn reborrow<'b, Y: OutputElem>(y: &'b mut RowsMut<'_, Y>) -> RowsMut<'b, Y> {
     }
 }
 
+/// First entry of (layer, module)'s `[max_loras]` range in a table laid
+/// out per (layer, module) in `LoraModule::ALL` order: the pool's pair
+/// table, and the DoRA table beside it. `None` on overflow.
+pub(crate) fn module_table_offset(layer: usize, module: LoraModule, max_loras: usize) -> Option<usize> {
+    layer
+        .checked_mul(LoraModule::ALL.len())?
+        .checked_add(module.index())?
+        .checked_mul(max_loras)
+}
+
 /// The kernel targets of `targets` at `layer`: each module's `[max_loras]`
 /// range of the pool's table.
 fn kernel_targets<'t>(
@@ -2036,7 +2046,9 @@ fn kernel_targets<'t>(
             })?;
             Ok(LoraTarget {
                 table,
-                table_offset: (layer * LoraModule::ALL.len() + m.module.index()) * max_loras,
+                table_offset: module_table_offset(layer, m.module, max_loras).ok_or(PoolError::Layout(
+                    lora_layout::LayoutError::Overflow { what: "pair table" },
+                ))?,
                 n_entries: max_loras,
                 out_dim: entry.out_dim,
                 y_col_offset: m.y_col_offset,
