@@ -95,14 +95,6 @@ impl DeviceEvent {
         }
     }
 
-    /// Wait on the host until the event completes.
-    pub fn synchronize(&self) -> Result<(), KernelError> {
-        match &self.inner {
-            EventInner::Host(_) => Ok(()),
-            EventInner::Cuda(e) => e.synchronize().map_err(cuda_rt::driver_err("cuEventSynchronize")),
-        }
-    }
-
     /// Milliseconds from `self` to `end` (waits for both on CUDA).
     pub fn elapsed_ms(&self, end: &DeviceEvent) -> Result<f32, KernelError> {
         match (&self.inner, &end.inner) {
