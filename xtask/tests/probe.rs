@@ -46,31 +46,48 @@ fn xtask() -> Command {
     Command::new(std::env::var_os("LORA_XTASK_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_xtask").into()))
 }
 
+/// `xtask probe <adapter> --model <config> --probes <probes> --out <out>`,
+/// for the caller's flags.
+fn probe_cmd(
+    adapter: impl AsRef<std::ffi::OsStr>,
+    config: impl AsRef<std::ffi::OsStr>,
+    probes: impl AsRef<std::ffi::OsStr>,
+    out: impl AsRef<std::ffi::OsStr>,
+) -> Command {
+    let mut cmd = xtask();
+    cmd.arg("probe")
+        .arg(adapter)
+        .arg("--model")
+        .arg(config)
+        .arg("--probes")
+        .arg(probes)
+        .arg("--out")
+        .arg(out);
+    cmd
+}
+
 fn probe(model: &Path, adapter: &Path, device: &str, out: &Path) -> std::process::Output {
     probe_with(model, adapter, device, out, &["--dora"])
 }
 
 fn probe_with(model: &Path, adapter: &Path, device: &str, out: &Path, extra: &[&str]) -> std::process::Output {
-    let mut cmd = xtask();
-    cmd.arg("probe")
-        .arg(adapter)
-        .arg("--model")
-        .arg(model.join("config.json"))
-        .arg("--probes")
-        .arg(adapter.join("oracle.safetensors"))
-        .arg("--out")
-        .arg(out)
-        .args([
-            "--device",
-            device,
-            "--max-rank",
-            "16",
-            "--experts",
-            "--embedding-lora",
-            "--lm-head-lora",
-        ])
-        .args(extra)
-        .env_remove("LORA_DORA");
+    let mut cmd = probe_cmd(
+        adapter,
+        model.join("config.json"),
+        adapter.join("oracle.safetensors"),
+        out,
+    );
+    cmd.args([
+        "--device",
+        device,
+        "--max-rank",
+        "16",
+        "--experts",
+        "--embedding-lora",
+        "--lm-head-lora",
+    ])
+    .args(extra)
+    .env_remove("LORA_DORA");
     if model.join("tables.safetensors").is_file() {
         cmd.arg("--base").arg(model.join("tables.safetensors"));
     }
@@ -131,15 +148,7 @@ fn a_refused_adapter_exits_1_and_bad_usage_exits_2() {
     assert!(String::from_utf8_lossy(&run.stdout).contains("REJECT[dora]"));
     // DoRA without the base weights (a probe file with none).
     let no_base = fixtures().join("llama/demo_r4_plain/oracle.safetensors");
-    let run = xtask()
-        .arg("probe")
-        .arg(model.join("dora"))
-        .arg("--model")
-        .arg(model.join("config.json"))
-        .arg("--probes")
-        .arg(&no_base)
-        .arg("--out")
-        .arg(&out)
+    let run = probe_cmd(model.join("dora"), model.join("config.json"), &no_base, &out)
         .args(["--device", "cpu", "--dora"])
         .output()
         .unwrap();
@@ -200,19 +209,16 @@ fn each_tensor_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path
             for placement in Placement::new(0, world).unwrap().ranks() {
                 let out = tmp.join(format!("{family}-{name}-{world}-{}.safetensors", placement.tp_rank()));
                 let rank = placement.tp_rank().to_string();
-                let run = xtask()
-                    .arg("probe")
-                    .arg(&adapter)
-                    .arg("--model")
-                    .arg(model.join("config.json"))
-                    .arg("--probes")
-                    .arg(adapter.join("oracle.safetensors"))
-                    .arg("--out")
-                    .arg(&out)
-                    .args(["--device", "cpu", "--max-rank", "16", "--lm-head-lora"])
-                    .args(["--tp-rank", &rank, "--tp-world", &world.to_string()])
-                    .output()
-                    .unwrap();
+                let run = probe_cmd(
+                    &adapter,
+                    model.join("config.json"),
+                    adapter.join("oracle.safetensors"),
+                    &out,
+                )
+                .args(["--device", "cpu", "--max-rank", "16", "--lm-head-lora"])
+                .args(["--tp-rank", &rank, "--tp-world", &world.to_string()])
+                .output()
+                .unwrap();
                 assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
                 let served = outputs(&out);
                 let opts = LoraOptions {
@@ -269,18 +275,15 @@ fn each_tensor_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path
         }
     }
     let model = fixtures().join("llama");
-    let run = xtask()
-        .arg("probe")
-        .arg(model.join("rslora"))
-        .arg("--model")
-        .arg(model.join("config.json"))
-        .arg("--probes")
-        .arg(model.join("rslora/oracle.safetensors"))
-        .arg("--out")
-        .arg(tmp.join("never.safetensors"))
-        .args(["--device", "cpu", "--tp-rank", "1", "--tp-world", "8"])
-        .output()
-        .unwrap();
+    let run = probe_cmd(
+        model.join("rslora"),
+        model.join("config.json"),
+        model.join("rslora/oracle.safetensors"),
+        tmp.join("never.safetensors"),
+    )
+    .args(["--device", "cpu", "--tp-rank", "1", "--tp-world", "8"])
+    .output()
+    .unwrap();
     assert_eq!(run.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&run.stderr).contains("num_attention_heads"));
     let _ = std::fs::remove_dir_all(&tmp);
@@ -389,18 +392,15 @@ fn each_expert_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path
     assert!(expert_keys > 0, "no expert probe was reassembled");
     let model = fixtures().join("qwen3_moe");
     let adapter = model.join("experts_fused_router");
-    let run = xtask()
-        .arg("probe")
-        .arg(&adapter)
-        .arg("--model")
-        .arg(model.join("config.json"))
-        .arg("--probes")
-        .arg(adapter.join("oracle.safetensors"))
-        .arg("--out")
-        .arg(tmp.join("never.safetensors"))
-        .args(["--device", "cpu", "--experts", "--ep-rank", "0", "--ep-world", "8"])
-        .output()
-        .unwrap();
+    let run = probe_cmd(
+        &adapter,
+        model.join("config.json"),
+        adapter.join("oracle.safetensors"),
+        tmp.join("never.safetensors"),
+    )
+    .args(["--device", "cpu", "--experts", "--ep-rank", "0", "--ep-world", "8"])
+    .output()
+    .unwrap();
     assert_eq!(run.status.code(), Some(2), "{}", String::from_utf8_lossy(&run.stderr));
     assert!(String::from_utf8_lossy(&run.stderr).contains("num_experts"));
     assert!(!tmp.join("never.safetensors").exists());
