@@ -94,6 +94,11 @@ struct Common {
     /// Tensor-parallel world size (default: LORA_TP_WORLD, else 1).
     #[arg(long)]
     tp_world: Option<usize>,
+    /// The fully-sharded option (or LORA_FULLY_SHARDED=1): a
+    /// column-parallel pair's A is cut by rank rows too (the slot shrinks;
+    /// each probe's output is still the rank's part).
+    #[arg(long)]
+    fully_sharded: bool,
     /// Expert-parallel rank (default: LORA_EP_RANK, else 0): the expert
     /// slot holds the rank's block of experts; probes of other experts
     /// answer zeros.
@@ -125,6 +130,7 @@ impl Common {
             tp_world: self.tp_world,
             ep_rank: self.ep_rank,
             ep_world: self.ep_world,
+            fully_sharded: self.fully_sharded,
             embedding_lora: self.embedding_lora,
             lm_head_lora: self.lm_head_lora,
         };

@@ -53,6 +53,11 @@ pub struct LoraOptions {
     /// expert-parallel rank (`LORA_EP_RANK`, default 0, of `LORA_EP_WORLD`,
     /// default 1): its expert pool holds only the rank's block of experts
     /// and the replicated router ([`lora_layout::Placement::expert_range`]).
+    /// With `LORA_FULLY_SHARDED` set, its fully-sharded option is on
+    /// ([`lora_layout::Placement::with_fully_sharded`], vLLM's
+    /// `fully_sharded_loras`): a column-parallel pair's A is cut by rank
+    /// rows too and the ranks all-gather their shrink outputs before the
+    /// expand.
     pub placement: Placement,
     /// Give every slot a place for a LoRA on the input embedding
     /// (`LORA_EMBEDDING_LORA`): `max_rank * (vocab + hidden)` BF16 elements
@@ -117,6 +122,8 @@ pub struct AuditArgs {
     pub ep_rank: Option<usize>,
     /// Replaces the expert-parallel world size (at least 1).
     pub ep_world: Option<usize>,
+    /// Turns the placement's fully-sharded option on.
+    pub fully_sharded: bool,
     /// Turns [`LoraOptions::embedding_lora`] on.
     pub embedding_lora: bool,
     /// Turns [`LoraOptions::lm_head_lora`] on.
@@ -270,6 +277,7 @@ impl LoraOptions {
                 reason: "must be below LORA_EP_WORLD",
             },
         })?;
+        let placement = placement.with_fully_sharded(flag("LORA_FULLY_SHARDED"));
         let options = LoraOptions {
             max_loras,
             max_rank: number("LORA_MAX_RANK", defaults.max_rank, 1)?,
@@ -313,6 +321,7 @@ fn placement_over(placement: Placement, args: AuditArgs) -> Result<Placement, Op
             PlacementError::ZeroExpertWorld => refuse("ep_world", ep_world, "must be at least 1"),
             _ => refuse("ep_rank", ep_rank, "must be below ep_world"),
         })
+        .map(|p| p.with_fully_sharded(placement.fully_sharded() || args.fully_sharded))
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //!
 //! The kernels: CUDA C sources under `lora-kernels/cuda/`, one translation
 //! unit per family ([`Family`]: `bgmv.cu`, `bgmv_entry.cu`, `bgmv_rows.cu`,
-//! `sgmv.cu`, `moe_index.cu`, `overlay.cu`, `repack.cu`, `dora.cu`, each compiled on
+//! `sgmv.cu`, `moe_index.cu`, `overlay.cu`, `repack.cu`, `dora.cu`, `rank_split.cu`, each compiled on
 //! its own after the host's `#define` prelude ([`prelude`]), the shared
 //! `common.cuh` and the headers it uses: `ptx.cuh`, and for the decode
 //! families `cluster.cuh` and `decode.cuh`), embedded with `include_str!` and compiled by NVRTC at
@@ -85,10 +85,12 @@ pub(crate) enum Family {
     Occupancy,
     /// The DoRA rescale.
     Dora,
+    /// The rank-split shrink and gathered expand (the fully-sharded option).
+    RankSplit,
 }
 
 impl Family {
-    pub(crate) const ALL: [Family; 9] = [
+    pub(crate) const ALL: [Family; 10] = [
         Family::Bgmv,
         Family::BgmvEntry,
         Family::BgmvRows,
@@ -98,6 +100,7 @@ impl Family {
         Family::Repack,
         Family::Occupancy,
         Family::Dora,
+        Family::RankSplit,
     ];
 
     pub(crate) fn file(self) -> &'static str {
@@ -111,6 +114,7 @@ impl Family {
             Family::Repack => "repack.cu",
             Family::Occupancy => "occupancy.cu",
             Family::Dora => "dora.cu",
+            Family::RankSplit => "rank_split.cu",
         }
     }
 
@@ -125,6 +129,7 @@ impl Family {
             Family::Repack => include_str!("../cuda/repack.cu"),
             Family::Occupancy => include_str!("../cuda/occupancy.cu"),
             Family::Dora => include_str!("../cuda/dora.cu"),
+            Family::RankSplit => include_str!("../cuda/rank_split.cu"),
         }
     }
 

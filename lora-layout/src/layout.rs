@@ -12,7 +12,10 @@
 //! max_rank]`, a dense pair whose output is the logits. Under a
 //! tensor-parallel [`Placement`] each dense (layer, module) pair is sized to
 //! the rank's shard and the embedding and head pairs stay whole (replicated:
-//! [`ModuleShard::embedding`], [`ModuleShard::lm_head`]). [`SlotLayout`] is
+//! [`ModuleShard::embedding`], [`ModuleShard::lm_head`]); under the
+//! fully-sharded option a column-parallel pair's A holds only the rank's
+//! block of rank rows, `[max_rank / tp_world, in]` ([`SlotEntry::a_rows`],
+//! [`ModuleShard::rank_rows`]), and its B stays `[out, max_rank]`. [`SlotLayout`] is
 //! that walk; [`pool_slot_bytes`], [`module_slot_offsets`] and every packer
 //! read it, so they cannot disagree.
 //!
@@ -89,7 +92,11 @@ pub struct SlotEntry {
     pub out_dim: usize,
     /// Input width the slot holds (the rank's columns for a row cut).
     pub in_dim: usize,
-    /// Byte offset of A (`[max_rank, in]`) from the slot base.
+    /// Rows of A the slot holds: `max_rank`, or `max_rank / tp_world` (the
+    /// rank's block of rank rows) for a column-parallel module under the
+    /// fully-sharded option.
+    pub a_rows: usize,
+    /// Byte offset of A (`[a_rows, in]`) from the slot base.
     pub a_offset: usize,
     /// Byte offset of B (`[out, max_rank]`) from the slot base.
     pub b_offset: usize,
@@ -222,7 +229,8 @@ impl SlotLayout {
                 }
                 let shard = ModuleShard::of(module, cfg, placement)?;
                 let (out_dim, in_dim) = shard.dims();
-                let a_bytes = max_rank
+                let a_rows = shard.rank_rows(max_rank)?.len();
+                let a_bytes = a_rows
                     .checked_mul(in_dim)
                     .and_then(|e| e.checked_mul(BF16_BYTES))
                     .ok_or(overflow("A bytes"))?;
@@ -240,6 +248,7 @@ impl SlotLayout {
                     module,
                     out_dim,
                     in_dim,
+                    a_rows,
                     a_offset,
                     b_offset,
                 });

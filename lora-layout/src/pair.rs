@@ -80,6 +80,17 @@ pub struct PairPlace {
     pub shard: ModuleShard,
 }
 
+impl PairPlace {
+    /// The rows of A (padded to `stride`) the place holds
+    /// ([`ModuleShard::rank_rows`]): `0..stride` unless the fully-sharded
+    /// option cut them. Its A is `[rows.len(), in]`.
+    pub fn a_rows(&self, stride: usize) -> std::ops::Range<usize> {
+        // A layout refuses a cut that does not divide; a place of one holds
+        // equal blocks.
+        self.shard.rank_rows(stride).unwrap_or(0..stride)
+    }
+}
+
 /// A slot layout seen as a list of pair places: [`SlotLayout`] (stride
 /// `max_rank`) and [`ExpertLayout`] (stride `expert_packed_stride`).
 pub trait PairLayout {

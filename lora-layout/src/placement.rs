@@ -50,6 +50,20 @@
 //! `r / (tp_world / num_key_value_heads)`; each head is held by
 //! `tp_world / num_key_value_heads` ranks ([`OutSegment::replicas`]).
 //!
+//! The fully-sharded option ([`Placement::with_fully_sharded`], vLLM's
+//! `fully_sharded_loras`) cuts A of every [`ShardKind::Column`] module by
+//! rank rows too: rank `r` holds rows `r·R/W .. (r+1)·R/W` of A padded to
+//! `R = max_rank` ([`ModuleShard::rank_rows`]; an adapter of rank below
+//! `max_rank` is zero-padded first, so every rank's cut is defined), and B's
+//! rank output rows with every rank column. The rank's shrink gives `[n,
+//! R/W]`; the ranks all-gather their shrink outputs into `[n, R]` before
+//! the expand by the rank's B rows, so the rank's delta is still its own
+//! output columns. `max_rank` must be a multiple of `tp_world`, or the
+//! layout is refused naming `max_rank` ([`PlacementError::IndivisibleRank`]).
+//! Row-parallel and replicated modules keep the rule above under the option
+//! (vLLM also all-reduces row-parallel shrink outputs; that is not built
+//! here: a row-parallel rank's A is already cut by input columns).
+//!
 //! Expert parallelism is the placement's second axis (`ep_rank <
 //! ep_world`, independent of the tensor-parallel one): routed experts are
 //! never cut by tensor parallelism here; an expert-parallel rank holds
@@ -137,6 +151,15 @@ pub enum PlacementError {
         /// The expert-parallel world size.
         ep_world: usize,
     },
+    /// Under the fully-sharded option, the rank every pair is padded to does
+    /// not split into equal blocks of A's rows over the ranks.
+    #[error("max_rank = {max_rank} is not a multiple of tp_world = {tp_world} (fully-sharded A is cut by rank rows)")]
+    IndivisibleRank {
+        /// The pool's `max_rank`.
+        max_rank: usize,
+        /// The tensor-parallel world size.
+        tp_world: usize,
+    },
     /// A dimension the placement cuts does not split over the ranks.
     #[error("{module}: {dimension} = {size} {rule} tp_world = {tp_world}")]
     Indivisible {
@@ -161,6 +184,7 @@ pub struct Placement {
     tp_world: usize,
     ep_rank: usize,
     ep_world: usize,
+    fully_sharded: bool,
 }
 
 impl Default for Placement {
@@ -176,6 +200,7 @@ impl Placement {
         tp_world: 1,
         ep_rank: 0,
         ep_world: 1,
+        fully_sharded: false,
     };
 
     /// Tensor-parallel rank `tp_rank` of `tp_world`, every expert held.
@@ -206,6 +231,18 @@ impl Placement {
             ep_world,
             ..self
         })
+    }
+
+    /// This placement with the fully-sharded option on or off: A of every
+    /// column-parallel module cut by rank rows too, the shrink outputs
+    /// all-gathered before the expand (see the module docs).
+    pub fn with_fully_sharded(self, fully_sharded: bool) -> Placement {
+        Placement { fully_sharded, ..self }
+    }
+
+    /// Whether the fully-sharded option is on.
+    pub fn fully_sharded(self) -> bool {
+        self.fully_sharded
     }
 
     /// The expert-parallel rank.
@@ -298,6 +335,12 @@ pub struct ModuleShard {
     /// Ranks holding the same A columns: 1 for a row cut, `tp_world` when A
     /// is whole.
     pub in_replicas: usize,
+    /// Equal blocks A's (padded) rank rows are cut into: 1 (A holds every
+    /// rank row), or `tp_world` for a column-parallel module under the
+    /// fully-sharded option.
+    pub rank_parts: usize,
+    /// The block of A's rank rows this rank holds (below `rank_parts`).
+    pub rank_part: usize,
 }
 
 impl ModuleShard {
@@ -321,6 +364,8 @@ impl ModuleShard {
             segments: [seg, seg, seg],
             n_segments: 1,
             in_replicas: replicas,
+            rank_parts: 1,
+            rank_part: 0,
         }
     }
 
@@ -336,7 +381,22 @@ impl ModuleShard {
 
     /// Whether the rank holds the whole pair.
     pub fn is_whole(&self) -> bool {
-        self.dims() == self.full_dims
+        self.dims() == self.full_dims && self.rank_parts == 1
+    }
+
+    /// The rows of A (padded to `stride`) the rank holds: all of them, or
+    /// under the fully-sharded option block `rank_part` of `rank_parts`
+    /// equal blocks. [`PlacementError::IndivisibleRank`] when the blocks
+    /// are not equal.
+    pub fn rank_rows(&self, stride: usize) -> Result<Range<usize>, PlacementError> {
+        if !stride.is_multiple_of(self.rank_parts) {
+            return Err(PlacementError::IndivisibleRank {
+                max_rank: stride,
+                tp_world: self.rank_parts,
+            });
+        }
+        let per = stride / self.rank_parts;
+        Ok(self.rank_part * per..(self.rank_part + 1) * per)
     }
 
     /// The unsharded B row of the rank's stored row `row`.
@@ -473,6 +533,10 @@ impl ModuleShard {
             shard.segments[i] = *s;
         }
         shard.n_segments = segments.len();
+        if placement.fully_sharded {
+            shard.rank_parts = world;
+            shard.rank_part = rank;
+        }
         Ok(shard)
     }
 

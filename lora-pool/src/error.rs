@@ -235,6 +235,32 @@ pub enum PoolError {
     /// A batch description is malformed.
     #[error("batch: {0}")]
     Batch(String),
+    /// A module whose A holds only the rank's block of rank rows (the
+    /// fully-sharded option) given to an apply that runs the whole rank on
+    /// one rank, or a module whose A is whole given to the fully-sharded
+    /// apply.
+    #[error("layer {layer} {module}: {reason}")]
+    RankSplit {
+        /// The layer.
+        layer: usize,
+        /// The module.
+        module: lora_layout::LoraModule,
+        /// Which apply serves it.
+        reason: &'static str,
+    },
+    /// The gather given to the fully-sharded apply is not the pool's
+    /// tensor-parallel group.
+    #[error("a gather of rank {rank} of {world} for a pool of tensor-parallel rank {tp_rank} of {tp_world}")]
+    GatherGroup {
+        /// The gather's rank.
+        rank: usize,
+        /// The gather's world size.
+        world: usize,
+        /// The pool's rank.
+        tp_rank: usize,
+        /// The pool's world size.
+        tp_world: usize,
+    },
     /// Base weights given to a pool not built for DoRA.
     #[error("this pool is not built for DoRA (LoraOptions::dora, LORA_DORA=1): it takes no base weights")]
     DoraDisabled,

@@ -388,7 +388,11 @@ fn fill_place(
     stride: usize,
     src: Option<&PairSource<'_>>,
 ) -> Result<(), ImageError> {
-    let (a_region, b_region) = region.split_at_mut(stride * place.in_dim);
+    // A holds the place's block of rank rows (all `stride` of them unless
+    // the fully-sharded option cut them); the source's rows below its rank
+    // in that block are copied, the rest are zeros.
+    let a_rows = place.a_rows(stride);
+    let (a_region, b_region) = region.split_at_mut(a_rows.len() * place.in_dim);
     let Some(src) = src else {
         a_region.par_chunks_mut(PIECE_ELEMS).for_each(|c| c.fill(bf16::ZERO));
         b_region.par_chunks_mut(PIECE_ELEMS).for_each(|c| c.fill(bf16::ZERO));
@@ -404,15 +408,17 @@ fn fill_place(
     let r = src.meta.rank;
     let shard = &place.shard;
     let (_, full_in) = shard.full_dims;
-    let (a_used, a_pad) = a_region.split_at_mut(r * place.in_dim);
+    let used_rows = r.saturating_sub(a_rows.start).min(a_rows.len());
+    let first_row = a_rows.start;
+    let (a_used, a_pad) = a_region.split_at_mut(used_rows * place.in_dim);
     if place.in_dim == full_in {
         // A's rows are contiguous in the source: copy them in blocks of
         // whole rows.
-        let a_rows = (PIECE_ELEMS / place.in_dim.max(1)).max(1);
+        let block_rows = (PIECE_ELEMS / place.in_dim.max(1)).max(1);
         a_used
-            .par_chunks_mut(a_rows * place.in_dim)
+            .par_chunks_mut(block_rows * place.in_dim)
             .enumerate()
-            .try_for_each(|(i, block)| src.a.write(i * a_rows * place.in_dim, block))
+            .try_for_each(|(i, block)| src.a.write((first_row + i * block_rows) * place.in_dim, block))
             .map_err(read_err(PairPart::A))?;
     } else {
         // A row-parallel rank's A: columns `in_start..in_start + in_len`
@@ -420,7 +426,7 @@ fn fill_place(
         a_used
             .par_chunks_mut(place.in_dim.max(1))
             .enumerate()
-            .try_for_each(|(i, row)| src.a.write(i * full_in + shard.in_start, row))
+            .try_for_each(|(i, row)| src.a.write((first_row + i) * full_in + shard.in_start, row))
             .map_err(read_err(PairPart::A))?;
     }
     if let Some(index) = lora_audit::first_non_finite(a_used) {
@@ -428,7 +434,7 @@ fn fill_place(
         return Err(ImageError::NonFinite {
             key: src.meta.key,
             part: PairPart::A,
-            index: row * full_in + shard.in_start + col,
+            index: (first_row + row) * full_in + shard.in_start + col,
             value: a_used[index].to_f32(),
         });
     }
@@ -498,7 +504,7 @@ fn place_regions<'d>(
     range
         .filter_map(|i| layout.place(i))
         .map(|place| {
-            let len = stride * (place.in_dim + place.out_dim);
+            let len = place.a_rows(stride).len() * place.in_dim + stride * place.out_dim;
             let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
             rest = tail;
             (place, head)
@@ -515,7 +521,7 @@ pub fn check_finite(layout: &(impl PairLayout + Sync), elems: &[bf16]) -> Result
         let place = layout.place(i)?;
         let stride = layout.stride();
         [
-            (PairPart::A, place.a_offset / 2, stride * place.in_dim),
+            (PairPart::A, place.a_offset / 2, place.a_rows(stride).len() * place.in_dim),
             (PairPart::B, place.b_offset / 2, place.out_dim * stride),
         ]
         .into_iter()
@@ -669,7 +675,7 @@ pub fn range_elems(layout: &impl PairLayout, range: Range<usize>) -> usize {
     let stride = layout.stride();
     range
         .filter_map(|i| layout.place(i))
-        .map(|p| stride * (p.in_dim + p.out_dim))
+        .map(|p| p.a_rows(stride).len() * p.in_dim + stride * p.out_dim)
         .sum()
 }
 

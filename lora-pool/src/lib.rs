@@ -32,6 +32,11 @@
 //! ([`PoolError::ExpertsUnderTensorParallel`]). DoRA is not served on a
 //! placed pool ([`PoolError::DoraPlaced`]): its rescale divides by the norm
 //! of each whole weight row, which a row-parallel rank does not hold.
+//! Under the placement's fully-sharded option a column-parallel pair's A
+//! holds only the rank's block of rank rows too, and its deltas are served
+//! by [`LoraPool::apply_fully_sharded`] (shrink, the caller's
+//! [`RankGather`] all-gather of the ranks' shrink outputs, expand); the
+//! other apply calls refuse such a module ([`PoolError::RankSplit`]).
 //!
 //! What it must never do: move (the pool, tables and routing buffers keep
 //! their device addresses for the pool's life, so captured CUDA graphs stay
@@ -130,6 +135,7 @@ mod companion;
 mod dora;
 mod error;
 mod expert;
+mod gather;
 mod host_tier;
 pub mod image;
 mod lease;
@@ -146,6 +152,7 @@ pub use companion::{NoCompanion, SlotCompanion};
 pub use dora::{BaseWeights, DeviceProjection};
 pub use error::PoolError;
 pub use expert::ExpertPool;
+pub use gather::RankGather;
 pub use host_tier::{HostTierView, TierError};
 pub use lease::{SlotLease, SlotUse};
 pub use lora_audit::LoraOptions;

@@ -13,18 +13,19 @@ use lora_audit::{
     UnparsedSafetensors, audit_adapter, audit_header, prepare_adapter,
 };
 use lora_kernels::{
-    DecodeOptions, DecodePlan, Device, DeviceBuffer, Lane, LoraTarget, LoraWorkspace, OutputElem, PairEntry,
+    DecodeOptions, DecodePlan, Device, DeviceBuffer, Lane, LoraTarget, LoraWorkspace, OutputElem, PairEntry, RankPart,
     RepackRegion, Rows, RowsMut, Segments, ValueScan, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with,
     one_adapter, repack_if_finite, sgmv,
 };
 use lora_layout::{
-    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
+    ExpertLayout, LoraModule, ShardKind, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
     select_victim_slot,
 };
 
 use crate::companion::{NoCompanion, SlotCompanion};
 use crate::error::PoolError;
 use crate::expert::ExpertPool;
+use crate::gather::RankGather;
 use crate::host_tier::{HostImage, HostTier};
 use crate::image::{ImageError, PackPlan, PairMeta, PairPart, SlotImage, dense_sources, expert_sources, file_sources};
 use crate::lease::{SlotLease, SlotUse};
@@ -234,6 +235,9 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     /// Scratch of the prefill applies; behind a lock so that every apply
     /// takes `&self`.
     workspace: Mutex<LoraWorkspace>,
+    /// The rank's shrink output and the gathered shrink outputs of the
+    /// fully-sharded apply (the placement's fully-sharded option only).
+    split: Option<Mutex<SplitScratch>>,
     staging: Staging,
     /// Packed images in pinned host memory (`host_tier_bytes` > 0), shared
     /// with the prefetch worker that fills it.
@@ -242,6 +246,14 @@ pub struct LoraPool<C: SlotCompanion = NoCompanion> {
     /// A swap whose slot bytes are queued on the copy lane, not yet
     /// published ([`LoraPool::begin_swap`]).
     pending: Option<Pending<C::Staged>>,
+}
+
+/// The fully-sharded apply's buffers: the rank's shrink output `[max_rows,
+/// MAX_TARGETS, max_rank / tp_world]` and the ranks' outputs gathered,
+/// `tp_world` times that (f32).
+struct SplitScratch {
+    part: DeviceBuffer<f32>,
+    gathered: DeviceBuffer<f32>,
 }
 
 /// A swap between its two halves: the slot's bytes queued on the copy lane,
@@ -410,8 +422,16 @@ impl<C: SlotCompanion> LoraPool<C> {
             max_segments: capacity.max_segments,
             max_targets: lora_kernels::MAX_TARGETS,
         };
+        let world = opts.placement.tp_world();
+        let split_elems = if opts.placement.fully_sharded() {
+            mul(capacity.max_rows, lora_kernels::MAX_TARGETS * (opts.max_rank / world), "split scratch")?
+        } else {
+            0
+        };
         let needed = [
             mul(pool_elems, 2, "pool")?,
+            // The fully-sharded apply's part and gathered parts, f32.
+            mul(split_elems, 4 * (1 + world), "split scratch")?,
             // The device staging slot.
             layout.slot_bytes(),
             mul(table_len, std::mem::size_of::<PairEntry>(), "tables")?,
@@ -480,6 +500,14 @@ impl<C: SlotCompanion> LoraPool<C> {
             seg_slot: device.upload(&vec![-1i32; capacity.max_segments.max(1)])?,
             prefill_row_slot: device.upload(&vec![-1i32; capacity.max_rows.max(1)])?,
             workspace: Mutex::new(LoraWorkspace::new(device, ws_spec)?),
+            split: if opts.placement.fully_sharded() {
+                Some(Mutex::new(SplitScratch {
+                    part: device.alloc_zeros(split_elems.max(1))?,
+                    gathered: device.alloc_zeros(mul(split_elems, world, "split scratch")?.max(1))?,
+                }))
+            } else {
+                None
+            },
             staging: Staging::new(device, &layout, StagingTuning::default())?,
             tier,
             prefetcher,
@@ -1644,7 +1672,39 @@ impl<C: SlotCompanion> LoraPool<C> {
         x: &Rows<'_, bf16>,
     ) -> Result<Vec<LoraTarget<'_>>, PoolError> {
         self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
+        self.check_rank_split(layer, targets, false)?;
         kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)
+    }
+
+    /// An error unless every target's A holds every rank row (`split`
+    /// false: the fused applies) or only the rank's block of them (`split`
+    /// true: [`LoraPool::apply_fully_sharded`]).
+    fn check_rank_split(&self, layer: usize, targets: &FusedTargets, split: bool) -> Result<(), PoolError> {
+        for m in targets.targets() {
+            let cut = self
+                .layout
+                .position(layer, m.module)
+                .and_then(|i| self.layout.shard(i))
+                .is_some_and(|s| s.rank_parts > 1);
+            // Under the option with world 1 a column pair's A is whole and
+            // both applies serve it.
+            let column_split = self.opts.placement.fully_sharded() && m.module.shard_kind() == ShardKind::Column;
+            if split && !column_split {
+                return Err(PoolError::RankSplit {
+                    layer,
+                    module: m.module,
+                    reason: "the fully-sharded apply serves column-parallel modules of a fully-sharded pool only",
+                });
+            }
+            if !split && cut {
+                return Err(PoolError::RankSplit {
+                    layer,
+                    module: m.module,
+                    reason: "its A holds the rank's block of rank rows: use apply_fully_sharded",
+                });
+            }
+        }
+        Ok(())
     }
 
     fn check_inputs<S: Step>(
@@ -1969,6 +2029,66 @@ impl<C: SlotCompanion> LoraPool<C> {
         self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
     }
 
+    /// The fully-sharded apply over a decode or prefill step: for a pool
+    /// built with the placement's fully-sharded option and column-parallel
+    /// `targets`, the shrink of the rank's block of A's rank rows into `[rows,
+    /// targets, max_rank / tp_world]` (f32), `gather`'s all-gather of every
+    /// rank's block, and the expand of the gathered rank vectors by the
+    /// rank's B rows onto the rank's output columns: `y[row, cols of module]
+    /// += scale · B_r (A x[row])`, the columns the half-sharded rank
+    /// computes. Every rank of the group calls it with the same step shape
+    /// and targets in the same order (the gather is collective).
+    ///
+    /// Refused before anything runs: a stale step, targets of another rank,
+    /// a module that is not column-parallel or a pool without the option
+    /// ([`PoolError::RankSplit`]), a gather of another group
+    /// ([`PoolError::GatherGroup`]). Graph-capturable when `gather` is
+    /// (NCCL's all-gather queued on the device's stream is): the two
+    /// kernels allocate nothing and keep their addresses and shapes.
+    pub fn apply_fully_sharded<S: Step, Y: OutputElem>(
+        &self,
+        step: &S,
+        layer: usize,
+        targets: &FusedTargets,
+        x: Rows<'_, bf16>,
+        y: RowsMut<'_, Y>,
+        gather: &mut dyn RankGather,
+    ) -> Result<(), PoolError> {
+        self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
+        self.check_rank_split(layer, targets, true)?;
+        let p = self.opts.placement;
+        if (gather.rank(), gather.world()) != (p.tp_rank(), p.tp_world()) {
+            return Err(PoolError::GatherGroup {
+                rank: gather.rank(),
+                world: gather.world(),
+                tp_rank: p.tp_rank(),
+                tp_world: p.tp_world(),
+            });
+        }
+        let split = self.split.as_ref().ok_or_else(|| {
+            PoolError::Batch("the pool is not built with the fully-sharded option (LORA_FULLY_SHARDED=1)".into())
+        })?;
+        let kernel = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        let row_slot = self.step_slots(step)?.buffer();
+        let part = RankPart {
+            part: p.tp_rank(),
+            parts: p.tp_world(),
+            stride: self.opts.max_rank,
+        };
+        let part_len = part.part_len(x.n_rows, kernel.len())?;
+        let mut y = y;
+        {
+            let mut scratch = split.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let SplitScratch { part: part_buf, gathered } = &mut *scratch;
+            lora_kernels::shrink_part(&self.device, x, row_slot, &kernel, part, part_buf)?;
+            if x.n_rows > 0 {
+                gather.all_gather(part_buf, part_len, gathered)?;
+            }
+            lora_kernels::expand_gathered(&self.device, gathered, row_slot, &kernel, part, reborrow(&mut y))?;
+        }
+        self.rescale_dora(row_slot, layer, targets, y)
+    }
+
     /// One-adapter prefill: every row of `step` runs the same adapter
     /// ([`PrefillStep::one_adapter`]), applied as one GEMM pair. A step of
     /// base rows only adds nothing; a step mixing adapters is refused (use
@@ -1986,6 +2106,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             return Ok(());
         }
         let slot = step.one_adapter().ok_or(PoolError::NotOneAdapter)?;
+        self.check_rank_split(layer, targets, false)?;
         let kernel = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
         let mut y = y;
         {

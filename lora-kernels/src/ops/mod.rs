@@ -16,6 +16,8 @@
 //! - [`linear`]: f32 linear layers `x · w^T` (cuBLAS SGEMM on CUDA), the
 //!   base projections of a model; not an apply call (see its docs).
 //! - [`repack`]: a slot image written on the device from raw adapter-file bytes.
+//! - [`rank_split`]: the shrink of a rank's block of A's rank rows and the
+//!   expand of the all-gathered rank vectors (the fully-sharded option).
 //!
 //! Apply calls allocate nothing, never synchronise and keep every address
 //! and launch shape fixed for fixed arguments, so they can be captured in a
@@ -34,6 +36,7 @@ pub mod linear;
 pub mod moe_index;
 pub mod overlay;
 mod pairs;
+pub mod rank_split;
 pub mod repack;
 pub mod sgmv;
 mod workspace;

@@ -476,3 +476,85 @@ fn the_head_pair_is_replicated_whole_after_the_embedding_pair_on_every_rank() {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Under the fully-sharded option: a `max_rank` the world does not
+    /// divide is refused naming `max_rank` by every rank (where the
+    /// geometry itself divides); otherwise every pair keeps the half-sharded
+    /// layout's output rows and input columns, a column-parallel pair's A
+    /// rank rows are cut into `world` blocks held once each in rank order
+    /// (the ranks' A parts concatenate to the padded A), every other pair's
+    /// A is whole, and the slot bytes add up: the half-sharded ranks' bytes
+    /// less `(world - 1) / world` of each column-parallel A held by every
+    /// rank.
+    #[test]
+    fn fully_sharded_ranks_cut_column_a_by_rank_rows(
+        cfg in any_config(),
+        max_rank in 1usize..20,
+        world in prop::sample::select(vec![1usize, 2, 4, 8]),
+    ) {
+        let group = Placement::new(0, world).unwrap();
+        let half: Vec<_> = group.ranks().map(|p| SlotLayout::with_placement(&cfg, max_rank, p)).collect();
+        let full: Vec<_> = group
+            .ranks()
+            .map(|p| SlotLayout::with_placement(&cfg, max_rank, p.with_fully_sharded(true)))
+            .collect();
+        let Ok(half) = half.into_iter().collect::<Result<Vec<_>, _>>() else {
+            // The geometry does not divide: refused before the rank cut.
+            prop_assert!(full.iter().all(Result::is_err));
+            return Ok(());
+        };
+        let has_column = half[0].entries().iter().any(|e| e.module.shard_kind() == ShardKind::Column);
+        if !max_rank.is_multiple_of(world) && has_column {
+            for l in &full {
+                prop_assert_eq!(
+                    l.as_ref().err(),
+                    Some(&LayoutError::Placement(PlacementError::IndivisibleRank { max_rank, tp_world: world }))
+                );
+            }
+            return Ok(());
+        }
+        let full: Vec<SlotLayout> = full.into_iter().map(Result::unwrap).collect();
+        let mut saved = 0usize;
+        for (i, e) in half[0].entries().iter().enumerate() {
+            let column = e.module.shard_kind() == ShardKind::Column && world > 1;
+            let mut rows_held = vec![0usize; max_rank];
+            let mut order = Vec::new();
+            for (h, f) in half.iter().zip(&full) {
+                let (he, fe) = (h.entries()[i], f.entries()[i]);
+                prop_assert_eq!((fe.layer, fe.module, fe.out_dim, fe.in_dim), (he.layer, he.module, he.out_dim, he.in_dim));
+                prop_assert_eq!(he.a_rows, max_rank);
+                let rows = f.shard(i).unwrap().rank_rows(max_rank).unwrap();
+                prop_assert_eq!(fe.a_rows, rows.len());
+                prop_assert_eq!(fe.b_offset - fe.a_offset, fe.a_rows * fe.in_dim * BF16_BYTES);
+                for held in &mut rows_held[rows.clone()] {
+                    *held += 1;
+                }
+                order.push(rows.start);
+            }
+            if column {
+                prop_assert_eq!(&rows_held, &vec![1; max_rank], "{} A rank rows", e.module);
+                prop_assert!(order.windows(2).all(|w| w[0] < w[1]), "rank order");
+                saved += (world - 1) * max_rank * e.in_dim * BF16_BYTES;
+            } else {
+                prop_assert_eq!(&rows_held, &vec![world; max_rank], "{} A whole", e.module);
+            }
+        }
+        for l in &full {
+            let mut cursor = 0;
+            for e in l.entries() {
+                prop_assert_eq!(e.a_offset, cursor);
+                cursor = e.end_offset(max_rank);
+            }
+            prop_assert_eq!(cursor, l.slot_bytes());
+        }
+        let half_total: usize = half.iter().map(SlotLayout::slot_bytes).sum();
+        let full_total: usize = full.iter().map(SlotLayout::slot_bytes).sum();
+        prop_assert_eq!(full_total + saved, half_total);
+        if world == 1 {
+            prop_assert_eq!(&full[0].entries(), &half[0].entries());
+        }
+    }
+}
