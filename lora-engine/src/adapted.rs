@@ -15,11 +15,12 @@
 
 use half::bf16;
 use lora_kernels::{Choice, DecodeOptions, Device, DeviceBuffer, Rows, RowsMut};
-use lora_layout::{LoraModule, ModelConfig, Placement};
+use lora_layout::{LoraModule, ModelConfig, Placement, ShardKind};
 use lora_moe::{ExpertTarget, MoeLora, SortedRows};
 use lora_overlay::TokenOverlays;
 use lora_pool::{DecodeStep, FusedTargets, LoraPool, PrefillStep, RowSlot, Step, StepSlots};
 
+use crate::collective::CollectiveGather;
 use crate::error::{BoxError, EngineError};
 use crate::hooks::DeltaHooks;
 use crate::model::{Mlp, Model};
@@ -179,8 +180,32 @@ impl StepHooks<'_> {
         }
         let n = y.len() / targets.width();
         let width = x.len() / n.max(1);
+        // Under the fully-sharded option a column-parallel site's A holds
+        // the rank's block of rank rows: its apply all-gathers the ranks'
+        // shrink outputs through the model's collective.
+        let placement = pool.layout().placement();
+        let split = placement.fully_sharded()
+            && placement.tp_world() > 1
+            && targets.targets().iter().all(|t| t.module.shard_kind() == ShardKind::Column);
+        let collective = match (&self.model.collective, split) {
+            (Some(c), true) => Some(c.as_ref()),
+            (None, true) => {
+                return Err(Box::new(EngineError::Collective(
+                    "a fully-sharded pool of tp_world above 1 needs the rank's collective".into(),
+                )));
+            }
+            (_, false) => None,
+        };
         let apply = |xr: Rows<'_, bf16>, y_dev: &mut DeviceBuffer<f32>| {
             let yr = RowsMut::dense(y_dev, n, targets.width());
+            if let Some(c) = collective {
+                let mut gather = CollectiveGather(c);
+                match self.step {
+                    StepRef::Decode(s) => pool.apply_fully_sharded(s, layer, targets, xr, yr, &mut gather)?,
+                    StepRef::Prefill(s) => pool.apply_fully_sharded(s, layer, targets, xr, yr, &mut gather)?,
+                }
+                return Ok(());
+            }
             match self.step {
                 // The kernel before every decode apply here is the base
                 // projection or the other half's apply, which write y only:

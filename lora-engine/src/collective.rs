@@ -14,7 +14,8 @@
 
 use std::sync::{Arc, Barrier, Mutex, PoisonError};
 
-use lora_kernels::{Device, NcclComm};
+use lora_kernels::{Device, DeviceBuffer, NcclComm};
+use lora_pool::{PoolError, RankGather};
 
 use crate::error::EngineError;
 
@@ -200,6 +201,38 @@ impl Collective for NcclCollective {
             .map_err(nccl_failed)?;
         out.copy_from_slice(&dev_out.download().map_err(nccl_failed)?);
         Ok(())
+    }
+}
+
+/// A rank's [`Collective`] as the all-gather a fully-sharded pool's apply
+/// asks for ([`lora_pool::LoraPool::apply_fully_sharded`]): the rank's
+/// shrink output goes to the host, the collective gathers every rank's,
+/// and the gathered parts go back to the device (the reference engine
+/// keeps its activations on the host; a serving engine passes its NCCL
+/// communicator itself, which gathers on the device's stream).
+pub(crate) struct CollectiveGather<'c>(pub(crate) &'c dyn Collective);
+
+impl RankGather for CollectiveGather<'_> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.0.world()
+    }
+
+    fn all_gather(
+        &mut self,
+        part: &DeviceBuffer<f32>,
+        part_len: usize,
+        out: &mut DeviceBuffer<f32>,
+    ) -> Result<(), PoolError> {
+        let host = part.download_range(0, part_len)?;
+        let mut all = vec![0f32; part_len * self.0.world()];
+        self.0
+            .all_gather(&host, &mut all)
+            .map_err(|e| PoolError::Gather(e.to_string()))?;
+        Ok(out.write(0, &all)?)
     }
 }
 

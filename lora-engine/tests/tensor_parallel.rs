@@ -16,6 +16,13 @@
 //! pair is replicated, whole on every rank, and the logits hook adds its
 //! whole delta to the whole logits, as the cut base model keeps lm_head
 //! whole.
+//!
+//! The same runs under the placement's fully-sharded option
+//! (`LORA_FULLY_SHARDED`, vLLM's `fully_sharded_loras`): each rank's pool
+//! holds only its block of rank rows of every column-parallel A, and its
+//! column-parallel deltas all-gather the ranks' shrink outputs through the
+//! rank's collective (`Collective::all_gather`) before the expand; the
+//! outputs equal the one-rank run's by the same bounds.
 
 mod common;
 
@@ -50,7 +57,7 @@ fn serve(engine: Result<Engine, EngineError>, reqs: &[Request], what: &str) -> V
         .collect()
 }
 
-fn serve_ranks(family: &str, world: usize) {
+fn serve_ranks(family: &str, world: usize, fully_sharded: bool) {
     let dir = family_dir(family).join("model");
     let adapters = adapters(family);
     let max_loras = adapters.len().saturating_sub(1).max(1);
@@ -81,10 +88,17 @@ fn serve_ranks(family: &str, world: usize) {
                         dir,
                         adapters,
                         &Device::cpu(),
-                        options(family, max_loras, p),
+                        options(family, max_loras, p.with_fully_sharded(fully_sharded)),
                         EngineOptions::default(),
                         c,
                     );
+                    // The rank's pool holds its block of q's rank rows only
+                    // under the option.
+                    let q_rows = engine.as_ref().ok().and_then(|e| {
+                        let layout = e.pool().layout();
+                        layout.entry(0, lora_layout::LoraModule::QProj).map(|q| q.a_rows)
+                    });
+                    assert_eq!(q_rows, Some(if fully_sharded { 16 / world } else { 16 }), "{what}");
                     serve(engine, reqs, &what)
                 })
             })
@@ -93,7 +107,10 @@ fn serve_ranks(family: &str, world: usize) {
     });
     for (r, outs) in ranks.iter().enumerate() {
         for (i, (got, want)) in outs.iter().zip(&one).enumerate() {
-            let what = format!("{family} x{world} rank {r} request {i} ({:?})", reqs[i].adapter);
+            let what = format!(
+                "{family} x{world} (fully sharded: {fully_sharded}) rank {r} request {i} ({:?})",
+                reqs[i].adapter
+            );
             assert_eq!(got.tokens, want.tokens, "{what}: greedy tokens");
             let prompt = rel_error(&got.logits_prompt, &want.logits_prompt);
             let step = rel_error(&got.logits_step, &want.logits_step);
@@ -119,7 +136,24 @@ fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
         "llama_lm_head",
     ] {
         for world in [2, 4] {
-            serve_ranks(family, world);
+            serve_ranks(family, world, false);
+        }
+    }
+}
+
+#[test]
+fn dense_families_served_fully_sharded_by_ranks_as_threads_equal_the_one_rank_run() {
+    for family in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_untied",
+        "llama_embed",
+        "llama_lm_head",
+    ] {
+        for world in [2, 4] {
+            serve_ranks(family, world, true);
         }
     }
 }

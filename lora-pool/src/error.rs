@@ -248,6 +248,9 @@ pub enum PoolError {
         /// Which apply serves it.
         reason: &'static str,
     },
+    /// A [`crate::RankGather`]'s communicator failed (its own words).
+    #[error("all-gather: {0}")]
+    Gather(String),
     /// The gather given to the fully-sharded apply is not the pool's
     /// tensor-parallel group.
     #[error("a gather of rank {rank} of {world} for a pool of tensor-parallel rank {tp_rank} of {tp_world}")]

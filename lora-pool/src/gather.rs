@@ -10,7 +10,9 @@
 //! communicator. This module must never implement a collective itself: the
 //! pool has no means of reaching another rank.
 
-use lora_kernels::{DeviceBuffer, KernelError, NcclComm};
+use lora_kernels::{DeviceBuffer, NcclComm};
+
+use crate::error::PoolError;
 
 /// One rank's all-gather of f32 device buffers across its tensor-parallel
 /// group. Every rank of the group calls it the same number of times, in the
@@ -22,13 +24,15 @@ pub trait RankGather {
     fn world(&self) -> usize;
     /// Every rank's first `part_len` elements of `part` into `out`, rank
     /// `r`'s at `r * part_len`, queued after the work already queued on
-    /// the buffers' device (or done by the time it returns).
+    /// the buffers' device (or done by the time it returns). A failure is
+    /// [`PoolError::Kernel`] (NCCL's) or [`PoolError::Gather`] (another
+    /// communicator's, in its words).
     fn all_gather(
         &mut self,
         part: &DeviceBuffer<f32>,
         part_len: usize,
         out: &mut DeviceBuffer<f32>,
-    ) -> Result<(), KernelError>;
+    ) -> Result<(), PoolError>;
 }
 
 impl RankGather for NcclComm {
@@ -45,7 +49,7 @@ impl RankGather for NcclComm {
         part: &DeviceBuffer<f32>,
         part_len: usize,
         out: &mut DeviceBuffer<f32>,
-    ) -> Result<(), KernelError> {
-        NcclComm::all_gather(self, part, part_len, out)
+    ) -> Result<(), PoolError> {
+        Ok(NcclComm::all_gather(self, part, part_len, out)?)
     }
 }

@@ -230,12 +230,12 @@ impl RankGather for HostGather {
         part: &DeviceBuffer<f32>,
         part_len: usize,
         out: &mut DeviceBuffer<f32>,
-    ) -> Result<(), KernelError> {
+    ) -> Result<(), PoolError> {
         self.parts.lock().unwrap()[self.rank] = part.download_range(0, part_len)?;
         self.barrier.wait();
         let all = self.parts.lock().unwrap().concat();
         self.barrier.wait();
-        out.write(0, &all)
+        Ok(out.write(0, &all)?)
     }
 }
 
@@ -278,7 +278,7 @@ impl RankGather for DeviceCopyGather {
         part: &DeviceBuffer<f32>,
         part_len: usize,
         out: &mut DeviceBuffer<f32>,
-    ) -> Result<(), KernelError> {
+    ) -> Result<(), PoolError> {
         self.shared
             .lock()
             .unwrap()
