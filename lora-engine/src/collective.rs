@@ -210,7 +210,7 @@ impl Collective for NcclCollective {
 /// and the gathered parts go back to the device (the reference engine
 /// keeps its activations on the host; a serving engine passes its NCCL
 /// communicator itself, which gathers on the device's stream).
-pub(crate) struct CollectiveGather<'c>(pub(crate) &'c dyn Collective);
+pub struct CollectiveGather<'c>(pub &'c dyn Collective);
 
 impl RankGather for CollectiveGather<'_> {
     fn rank(&self) -> usize {

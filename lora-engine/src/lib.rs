@@ -80,7 +80,7 @@ pub use answers::{
     ANSWER_TOLERANCE, Answer, Answers, Comparison, NEAR_TIE, TokenMatch, compare, rel_error, steps_before_near_tie,
     write_answers,
 };
-pub use collective::{Collective, HostCollective, NcclCollective};
+pub use collective::{Collective, CollectiveGather, HostCollective, NcclCollective};
 pub use config::{BaseConfig, Family, LayerConfig, MlpKind, MoeConfig};
 pub use engine::{AdapterDir, Engine, EngineOptions};
 pub use error::{BoxError, EngineError};

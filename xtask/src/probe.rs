@@ -7,7 +7,7 @@
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
 //! [--allow-partial] [--experts] [--dora] [--embedding-lora] [--lm-head-lora]
-//! [--tp-rank R --tp-world W] [--ep-rank R --ep-world W] [--json]`
+//! [--tp-rank R --tp-world W [--fully-sharded]] [--ep-rank R --ep-world W] [--json]`
 //!
 //! DoRA pairs (`--dora`, or `LORA_DORA=1`) are module-output probes: the
 //! probe file gives each DoRA projection's `base_weight::` (and
@@ -29,6 +29,14 @@
 //! ranks' outputs sum to the unsharded ones), a router probe the whole delta
 //! on every rank.
 //!
+//! With `--fully-sharded` (or `LORA_FULLY_SHARDED=1`) the pools are built
+//! with the placement's fully-sharded option: rank R's pool holds only its
+//! block of rank rows of each column-parallel A, so its column-parallel
+//! delta needs every rank's shrink output. The probe then loads every other
+//! rank's pool too (same adapter) and runs the ranks' fully-sharded applies
+//! as threads, gathered on the host (`lora_engine::HostCollective`); the
+//! output contract is unchanged: rank R's output columns `[n, out_r]`.
+//!
 //! Exit status: 0 written, 1 the adapter is refused, 2 bad usage or input.
 
 use std::path::PathBuf;
@@ -38,7 +46,8 @@ use lora_audit::{
     WeightRef, parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
 use lora_kernels::{Device, Rows, RowsMut};
-use lora_layout::{LoraModule, ModelConfig, ModuleShard};
+use lora_engine::{CollectiveGather, HostCollective};
+use lora_layout::{LoraModule, ModelConfig, ModuleShard, ShardKind};
 use lora_overlay::{ServedTables, TokenOverlays, probe_served_rows};
 use lora_pool::{
     AdapterSource, BaseProjection, BaseWeights, BatchCapacity, FusedTargets, LoraPool, NoCompanion, PoolError,
@@ -70,6 +79,7 @@ struct Args {
     tp_world: Option<usize>,
     ep_rank: Option<usize>,
     ep_world: Option<usize>,
+    fully_sharded: bool,
     embedding_lora: bool,
     lm_head_lora: bool,
     json: bool,
@@ -81,7 +91,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let (mut max_rank, mut expert_rank) = (None, None);
     let (mut tp_rank, mut tp_world, mut ep_rank, mut ep_world) = (None, None, None, None);
     let (mut allow_partial, mut experts, mut dora, mut embedding_lora, mut json) = (false, false, false, false, false);
-    let mut lm_head_lora = false;
+    let (mut lm_head_lora, mut fully_sharded) = (false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -103,6 +113,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--dora" => dora = true,
             "--embedding-lora" => embedding_lora = true,
             "--lm-head-lora" => lm_head_lora = true,
+            "--fully-sharded" => fully_sharded = true,
             "--json" => json = true,
             flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
             path if adapter.is_none() => adapter = Some(PathBuf::from(path)),
@@ -126,6 +137,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         tp_world,
         ep_rank,
         ep_world,
+        fully_sharded,
         embedding_lora,
         lm_head_lora,
         json,
@@ -155,6 +167,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         tp_world: args.tp_world,
         ep_rank: args.ep_rank,
         ep_world: args.ep_world,
+        fully_sharded: args.fully_sharded,
         embedding_lora: args.embedding_lora,
         lm_head_lora: args.lm_head_lora,
     };
@@ -176,6 +189,26 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         name: &name,
         dir: &args.adapter,
     }];
+    // A fully-sharded rank's column-parallel delta needs every rank's
+    // shrink output: the other ranks' pools, in rank order (this rank's
+    // place empty).
+    let placement = opts.placement;
+    let mut peers: Vec<Option<LoraPool>> = Vec::new();
+    if placement.fully_sharded() && placement.tp_world() > 1 {
+        for p in placement.ranks() {
+            peers.push(if p == placement {
+                None
+            } else {
+                let peer_opts = LoraOptions {
+                    placement: p,
+                    ..opts.clone()
+                };
+                let pool = LoraPool::load(&device, cfg.clone(), peer_opts, capacity, &source)
+                    .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
+                Some(pool)
+            });
+        }
+    }
     let outputs = match &args.base {
         Some(base) => {
             let tables = served_tables(&device, &cfg, base).map_err(usage)?;
@@ -183,7 +216,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
             let mut pool =
                 LoraPool::load_with_base_weights(&device, cfg.clone(), opts, capacity, &source, overlays, base_weights)
                     .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
-            let mut outputs = serve_probes(&mut pool, &inputs)?;
+            let mut outputs = serve_probes(&mut pool, &mut peers, &inputs)?;
             if !inputs.rows.is_empty() {
                 let lease = slot_lease(&pool, SlotId::new(0)).map_err(usage)?;
                 let rows = probe_served_rows(&mut pool, &lease, &inputs.rows).map_err(|e| usage(e.to_string()))?;
@@ -205,7 +238,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
                 base_weights,
             )
             .map_err(|e| refused_or_usage(e, &args.adapter, &cfg))?;
-            serve_probes(&mut pool, &inputs)?
+            serve_probes(&mut pool, &mut peers, &inputs)?
         }
     };
     write_probe_outputs(&args.out, &outputs).map_err(|e| usage(e.to_string()))?;
@@ -290,7 +323,13 @@ pub fn served_tables(device: &Device, cfg: &ModelConfig, path: &std::path::Path)
 
 /// Dense probes through the pool's decode path and expert/router probes
 /// through the MoE folds, all for the adapter in slot 0 (under one lease).
-fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) -> Result<ProbeOutputs, ProbeFailure> {
+/// `peers`: every rank's pool but this one's (empty unless fully sharded
+/// over more than one rank).
+fn serve_probes<C: SlotCompanion>(
+    pool: &mut LoraPool<C>,
+    peers: &mut [Option<LoraPool>],
+    inputs: &ProbeInputs,
+) -> Result<ProbeOutputs, ProbeFailure> {
     let usage = |e: String| ProbeFailure::Usage(e);
     let lease = slot_lease(pool, SlotId::new(0)).map_err(usage)?;
     let experts = lora_moe::probe_expert_lora(pool, &lease, inputs).map_err(|e| usage(e.to_string()))?;
@@ -302,7 +341,12 @@ fn serve_probes<C: SlotCompanion>(pool: &mut LoraPool<C>, inputs: &ProbeInputs) 
         let x = &inputs.inputs[&weight];
         match parse_weight_name(&weight, pool.config()).map_err(|e| usage(e.to_string()))? {
             WeightRef::Dense { layer, module } => {
-                let t = dense_probe(pool, &lease, layer, module, x, inputs.base.get(&weight)).map_err(usage)?;
+                let t = if peers.is_empty() || module.shard_kind() != ShardKind::Column {
+                    dense_probe(pool, &lease, layer, module, x, inputs.base.get(&weight))
+                } else {
+                    fully_sharded_probe(pool, &lease, peers, layer, module, x)
+                }
+                .map_err(usage)?;
                 out.tensors.insert(format!("{PROBE_OUT}{weight}"), t);
             }
             // The output head's LoRA delta, through the decode rule table's tall expand.
@@ -373,6 +417,61 @@ fn dense_probe<C: SlotCompanion>(
         base,
         |pool, step, xr, yr| pool.apply_decode(step, layer, &targets, xr, yr),
     )
+}
+
+/// One column-parallel dense probe of a fully-sharded rank: every rank's
+/// fully-sharded apply of the probe rows, the ranks as threads (the peers)
+/// and this thread (this rank), the shrink outputs all-gathered on the
+/// host; this rank's output columns `[n, out_r]`.
+fn fully_sharded_probe<C: SlotCompanion>(
+    pool: &mut LoraPool<C>,
+    lease: &SlotLease,
+    peers: &mut [Option<LoraPool>],
+    layer: usize,
+    module: LoraModule,
+    x: &ProbeTensor,
+) -> Result<ProbeTensor, String> {
+    let group = HostCollective::group(peers.len());
+    let me = pool.layout().placement().tp_rank();
+    std::thread::scope(|s| {
+        for (r, peer) in peers.iter_mut().enumerate() {
+            let Some(peer) = peer.as_mut() else { continue };
+            let c = &group[r];
+            s.spawn(move || {
+                // Only this rank's output is written. Every rank runs the
+                // same checks on the same adapter and input, so a call one
+                // rank refuses, every rank refuses before its gather.
+                let _ = slot_lease(peer, SlotId::new(0)).and_then(|l| rank_part(peer, &l, c, layer, module, x));
+            });
+        }
+        rank_part(pool, lease, &group[me], layer, module, x)
+    })
+}
+
+/// One rank's part of [`fully_sharded_probe`] on its pool.
+fn rank_part<C: SlotCompanion>(
+    pool: &mut LoraPool<C>,
+    lease: &SlotLease,
+    c: &HostCollective,
+    layer: usize,
+    module: LoraModule,
+    x: &ProbeTensor,
+) -> Result<ProbeTensor, String> {
+    let (_, full_in) = module.dims(pool.config());
+    let n = probe_rows(x, full_in)?;
+    let placement = pool.layout().placement();
+    let shard = ModuleShard::of(module, pool.config(), placement).map_err(|e| e.to_string())?;
+    if pool.layout().entry(layer, module).is_none() {
+        let out = shard.dims().0;
+        return Ok(ProbeTensor {
+            shape: vec![n, out],
+            data: vec![0.0; n * out],
+        });
+    }
+    let targets = FusedTargets::single_at(pool.config(), placement, module).map_err(|e| e.to_string())?;
+    decode_probe(pool, lease, &x.data, n, shard.dims(), None, |pool, step, xr, yr| {
+        pool.apply_fully_sharded(step, layer, &targets, xr, yr, &mut CollectiveGather(c))
+    })
 }
 
 /// The output head's LoRA delta for probe rows (in = hidden, out = vocab),

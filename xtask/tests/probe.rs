@@ -289,6 +289,60 @@ fn each_tensor_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path
     let _ = std::fs::remove_dir_all(&tmp);
 }
 
+/// `cargo xtask probe --tp-rank R --tp-world W --fully-sharded`: the
+/// output contract is unchanged (each rank writes its part), and every
+/// rank's part equals the half-sharded (default) rank's within 1e-3
+/// relative: the column-parallel probes through the fully-sharded apply
+/// (every rank's pool loaded, their shrink outputs all-gathered on the
+/// host), the others as before.
+#[test]
+fn a_fully_sharded_ranks_probe_equals_the_half_sharded_ranks_part() {
+    let tmp = std::env::temp_dir().join(format!("xtask-probe-fsh-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    for (family, name, world) in [("llama", "dense_all_linear_f32", 2usize), ("phi3", "all_linear", 2), ("llama", "rank_alpha_pattern", 4)] {
+        let model = fixtures().join(family);
+        let adapter = model.join(name);
+        for rank in 0..world {
+            let run = |extra: &[&str], tag: &str| {
+                let out = tmp.join(format!("{family}-{name}-{world}-{rank}-{tag}.safetensors"));
+                let run = probe_cmd(&adapter, model.join("config.json"), adapter.join("oracle.safetensors"), &out)
+                    .args(["--device", "cpu", "--max-rank", "16"])
+                    .args(["--tp-rank", &rank.to_string(), "--tp-world", &world.to_string()])
+                    .args(extra)
+                    .output()
+                    .unwrap();
+                assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+                outputs(&out)
+            };
+            let half = run(&[], "half");
+            let full = run(&["--fully-sharded"], "full");
+            assert_eq!(half.keys().collect::<Vec<_>>(), full.keys().collect::<Vec<_>>());
+            for (key, want) in &half {
+                let got = &full[key];
+                let what = format!("{family}/{name} x{world} rank {rank} {key}");
+                assert_eq!(got.shape, want.shape, "{what}");
+                let err = rel_error(&got.data, &want.data);
+                assert!(err < 1e-3, "{what}: {err} against the half-sharded rank");
+            }
+        }
+    }
+    // The option reaches the rank's layout: a max_rank the world does not
+    // divide is bad usage naming max_rank.
+    let model = fixtures().join("llama");
+    let run = probe_cmd(
+        model.join("rslora"),
+        model.join("config.json"),
+        model.join("rslora/oracle.safetensors"),
+        tmp.join("never.safetensors"),
+    )
+    .args(["--device", "cpu", "--max-rank", "15", "--tp-rank", "1", "--tp-world", "2", "--fully-sharded"])
+    .output()
+    .unwrap();
+    assert_eq!(run.status.code(), Some(2), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("max_rank = 15"));
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
 /// `cargo xtask probe --ep-rank R --ep-world W` on every servable MoE
 /// fixture: each rank's file equals the pure path's answer for that rank
 /// (`lora_audit::probe_adapter_at`); an expert the rank does not hold
