@@ -186,7 +186,10 @@ impl StepHooks<'_> {
         let placement = pool.layout().placement();
         let split = placement.fully_sharded()
             && placement.tp_world() > 1
-            && targets.targets().iter().all(|t| t.module.shard_kind() == ShardKind::Column);
+            && targets
+                .targets()
+                .iter()
+                .all(|t| t.module.shard_kind() == ShardKind::Column);
         let collective = match (&self.model.collective, split) {
             (Some(c), true) => Some(c.as_ref()),
             (None, true) => {

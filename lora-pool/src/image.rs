@@ -521,7 +521,11 @@ pub fn check_finite(layout: &(impl PairLayout + Sync), elems: &[bf16]) -> Result
         let place = layout.place(i)?;
         let stride = layout.stride();
         [
-            (PairPart::A, place.a_offset / 2, place.a_rows(stride).len() * place.in_dim),
+            (
+                PairPart::A,
+                place.a_offset / 2,
+                place.a_rows(stride).len() * place.in_dim,
+            ),
             (PairPart::B, place.b_offset / 2, place.out_dim * stride),
         ]
         .into_iter()

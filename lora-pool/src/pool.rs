@@ -18,8 +18,8 @@ use lora_kernels::{
     one_adapter, repack_if_finite, sgmv,
 };
 use lora_layout::{
-    ExpertLayout, LoraModule, ShardKind, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, SlotLayout, resolve_moe_lora_route,
-    select_victim_slot,
+    ExpertLayout, LoraModule, ModelConfig, MoeAdapterState, MoeLoraRoute, PairKey, ShardKind, SlotLayout,
+    resolve_moe_lora_route, select_victim_slot,
 };
 
 use crate::companion::{NoCompanion, SlotCompanion};
@@ -424,7 +424,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         };
         let world = opts.placement.tp_world();
         let split_elems = if opts.placement.fully_sharded() {
-            mul(capacity.max_rows, lora_kernels::MAX_TARGETS * (opts.max_rank / world), "split scratch")?
+            mul(
+                capacity.max_rows,
+                lora_kernels::MAX_TARGETS * (opts.max_rank / world),
+                "split scratch",
+            )?
         } else {
             0
         };
@@ -2079,7 +2083,10 @@ impl<C: SlotCompanion> LoraPool<C> {
         let mut y = y;
         {
             let mut scratch = split.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let SplitScratch { part: part_buf, gathered } = &mut *scratch;
+            let SplitScratch {
+                part: part_buf,
+                gathered,
+            } = &mut *scratch;
             lora_kernels::shrink_part(&self.device, x, row_slot, &kernel, part, part_buf)?;
             if x.n_rows > 0 {
                 gather.all_gather(part_buf, part_len, gathered)?;

@@ -28,7 +28,9 @@ use common::{fixtures, model_config, rel_error};
 use half::bf16;
 use lora_audit::{WeightRef, audit_adapter, parse_weight_name, read_oracle};
 use lora_kernels::{Device, DeviceBuffer, KernelError, Rows, RowsMut};
-use lora_layout::{LayoutError, LoraModule, ModelConfig, ModuleShard, Placement, PlacementError, ShardKind, SlotLayout};
+use lora_layout::{
+    LayoutError, LoraModule, ModelConfig, ModuleShard, Placement, PlacementError, ShardKind, SlotLayout,
+};
 use lora_pool::{
     AdapterSource, BatchCapacity, FusedTargets, LoraOptions, LoraPool, PoolError, PrefillSeq, RankGather, SlotLease,
     StepRow,
@@ -177,8 +179,15 @@ fn a_parts_concatenate_to_the_padded_a_and_slot_bytes_add_up_for_every_family() 
                         } else {
                             assert_eq!(part_a, whole_a, "{what}: A");
                         }
-                        let (fp, hp) = (f.entry(e.layer, e.module, fl.slot()), h.entry(e.layer, e.module, hl.slot()));
-                        assert_eq!(fp.map(|p| (p.rank, p.scale)), hp.map(|p| (p.rank, p.scale)), "{what}: entry");
+                        let (fp, hp) = (
+                            f.entry(e.layer, e.module, fl.slot()),
+                            h.entry(e.layer, e.module, hl.slot()),
+                        );
+                        assert_eq!(
+                            fp.map(|p| (p.rank, p.scale)),
+                            hp.map(|p| (p.rank, p.scale)),
+                            "{what}: entry"
+                        );
                     }
                 }
             }
@@ -190,7 +199,10 @@ fn a_parts_concatenate_to_the_padded_a_and_slot_bytes_add_up_for_every_family() 
     }
     eprintln!("{checked:?}");
     assert!(checked.iter().any(|c| c == "llama x4"), "{checked:?}");
-    assert!(checked.iter().any(|c| c.starts_with("phi3 x")), "the fused family: {checked:?}");
+    assert!(
+        checked.iter().any(|c| c.starts_with("phi3 x")),
+        "the fused family: {checked:?}"
+    );
 }
 
 /// A host all-gather for ranks that are threads of one process: each rank
@@ -331,7 +343,11 @@ fn rank_delta(
     let n = x.len() / in_dim;
     let device = pool.device().clone();
     let hi: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-    let lo: Vec<bf16> = x.iter().zip(&hi).map(|(&v, h)| bf16::from_f32(v - h.to_f32())).collect();
+    let lo: Vec<bf16> = x
+        .iter()
+        .zip(&hi)
+        .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
+        .collect();
     let mut gather = gather;
     let mut out = vec![0f32; n * width];
     for half in [hi, lo] {
@@ -407,7 +423,11 @@ fn inputs(seed: u64, len: usize) -> Vec<f32> {
 /// fully-sharded decode and prefill delta (ranks as threads, `gathers` the
 /// group's all-gathers) against the half-sharded rank's, and the ranks'
 /// columns side by side against the unsharded pool's delta.
-fn fully_sharded_ranks_match(device: &Device, world: usize, gathers: impl Fn() -> Vec<Box<dyn RankGather + Send>>) -> Vec<String> {
+fn fully_sharded_ranks_match(
+    device: &Device,
+    world: usize,
+    gathers: impl Fn() -> Vec<Box<dyn RankGather + Send>>,
+) -> Vec<String> {
     let mut served = Vec::new();
     for family in families() {
         let cfg = model_config(&family);
@@ -437,9 +457,7 @@ fn fully_sharded_ranks_match(device: &Device, world: usize, gathers: impl Fn() -
                             .zip(group)
                             .map(|(pool, mut g)| {
                                 let (adapters, modules, x) = (&adapters, &modules, &x);
-                                s.spawn(move || {
-                                    rank_delta(pool, adapters, phase, layer, modules, x, Some(g.as_mut()))
-                                })
+                                s.spawn(move || rank_delta(pool, adapters, phase, layer, modules, x, Some(g.as_mut())))
                             })
                             .collect();
                         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -500,9 +518,9 @@ fn fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_the_cpu() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_one_gpu() {
-    let Some(device) = lora_kernels::testing::cuda_or_skip(
-        "fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_one_gpu",
-    ) else {
+    let Some(device) =
+        lora_kernels::testing::cuda_or_skip("fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_one_gpu")
+    else {
         return;
     };
     let capacity = BatchCapacity::default().max_rows * lora_kernels::MAX_TARGETS * MAX_RANK;
@@ -522,7 +540,8 @@ fn fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_one_gpu() {
 #[test]
 #[ignore = "needs a GPU with libnccl: run with --include-ignored where CUDA is usable"]
 fn a_one_rank_nccl_fully_sharded_apply_equals_the_cpu_reference() {
-    let Some(device) = lora_kernels::testing::cuda_or_skip("a_one_rank_nccl_fully_sharded_apply_equals_the_cpu_reference")
+    let Some(device) =
+        lora_kernels::testing::cuda_or_skip("a_one_rank_nccl_fully_sharded_apply_equals_the_cpu_reference")
     else {
         return;
     };
@@ -569,30 +588,91 @@ fn the_wrong_apply_a_foreign_gather_and_an_indivisible_max_rank_are_refused() {
     let o = FusedTargets::single_at(&cfg, placement, LoraModule::OProj).unwrap();
     let mut y = device.alloc_zeros::<f32>(hidden).unwrap();
     let err = pool
-        .apply_decode(&step, 0, &q, Rows::dense(&x, 1, hidden), RowsMut::dense(&mut y, 1, q.width()))
+        .apply_decode(
+            &step,
+            0,
+            &q,
+            Rows::dense(&x, 1, hidden),
+            RowsMut::dense(&mut y, 1, q.width()),
+        )
         .unwrap_err();
-    assert!(matches!(err, PoolError::RankSplit { module: LoraModule::QProj, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            PoolError::RankSplit {
+                module: LoraModule::QProj,
+                ..
+            }
+        ),
+        "{err}"
+    );
     let o_in = pool.layout().entry(0, LoraModule::OProj).unwrap().in_dim;
     let mut gather = HostGather::group(2).remove(0);
     let err = pool
-        .apply_fully_sharded(&step, 0, &o, Rows::dense(&x, 1, o_in), RowsMut::dense(&mut y, 1, o.width()), &mut gather)
+        .apply_fully_sharded(
+            &step,
+            0,
+            &o,
+            Rows::dense(&x, 1, o_in),
+            RowsMut::dense(&mut y, 1, o.width()),
+            &mut gather,
+        )
         .unwrap_err();
-    assert!(matches!(err, PoolError::RankSplit { module: LoraModule::OProj, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            PoolError::RankSplit {
+                module: LoraModule::OProj,
+                ..
+            }
+        ),
+        "{err}"
+    );
     let mut foreign = HostGather::group(4).remove(0);
     let err = pool
-        .apply_fully_sharded(&step, 0, &q, Rows::dense(&x, 1, hidden), RowsMut::dense(&mut y, 1, q.width()), &mut foreign)
+        .apply_fully_sharded(
+            &step,
+            0,
+            &q,
+            Rows::dense(&x, 1, hidden),
+            RowsMut::dense(&mut y, 1, q.width()),
+            &mut foreign,
+        )
         .unwrap_err();
-    assert!(matches!(err, PoolError::GatherGroup { world: 4, tp_world: 2, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            PoolError::GatherGroup {
+                world: 4,
+                tp_world: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(y.download().unwrap().iter().all(|&v| v == 0.0), "nothing written");
     // The row-parallel module still goes through the fused apply.
-    pool.apply_decode(&step, 0, &o, Rows::dense(&x, 1, o_in), RowsMut::dense(&mut y, 1, o.width()))
-        .unwrap();
+    pool.apply_decode(
+        &step,
+        0,
+        &o,
+        Rows::dense(&x, 1, o_in),
+        RowsMut::dense(&mut y, 1, o.width()),
+    )
+    .unwrap();
     // A half-sharded pool has no fully-sharded apply.
     let mut half = load_ranks(&device, &cfg, "llama", &adapters, 2, false).unwrap();
     let lease = half[0].acquire("demo_r4_plain").unwrap();
     let step = half[0].decode_step(&[StepRow::Adapter(&lease)], 1).unwrap();
     let err = half[0]
-        .apply_fully_sharded(&step, 0, &q, Rows::dense(&x, 1, hidden), RowsMut::dense(&mut y, 1, q.width()), &mut gather)
+        .apply_fully_sharded(
+            &step,
+            0,
+            &q,
+            Rows::dense(&x, 1, hidden),
+            RowsMut::dense(&mut y, 1, q.width()),
+            &mut gather,
+        )
         .unwrap_err();
     assert!(matches!(err, PoolError::RankSplit { .. }), "{err}");
     // max_rank 6 does not split into 4 blocks of rank rows (the heads do):
@@ -600,7 +680,10 @@ fn the_wrong_apply_a_foreign_gather_and_an_indivisible_max_rank_are_refused() {
     let l = SlotLayout::with_placement(&cfg, 6, Placement::new(1, 4).unwrap().with_fully_sharded(true));
     assert_eq!(
         l.unwrap_err(),
-        LayoutError::Placement(PlacementError::IndivisibleRank { max_rank: 6, tp_world: 4 })
+        LayoutError::Placement(PlacementError::IndivisibleRank {
+            max_rank: 6,
+            tp_world: 4
+        })
     );
     let opts = LoraOptions {
         max_rank: 6,

@@ -45,8 +45,8 @@ use lora_audit::{
     AuditArgs, AuditError, BASE_WEIGHT, LoraOptions, PROBE_OUT, ProbeBase, ProbeInputs, ProbeOutputs, ProbeTensor,
     WeightRef, parse_weight_name, read_base_tables, read_probe_inputs, write_probe_outputs,
 };
-use lora_kernels::{Device, Rows, RowsMut};
 use lora_engine::{CollectiveGather, HostCollective};
+use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig, ModuleShard, ShardKind};
 use lora_overlay::{ServedTables, TokenOverlays, probe_served_rows};
 use lora_pool::{

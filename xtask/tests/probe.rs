@@ -299,18 +299,27 @@ fn each_tensor_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path
 fn a_fully_sharded_ranks_probe_equals_the_half_sharded_ranks_part() {
     let tmp = std::env::temp_dir().join(format!("xtask-probe-fsh-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
-    for (family, name, world) in [("llama", "dense_all_linear_f32", 2usize), ("phi3", "all_linear", 2), ("llama", "rank_alpha_pattern", 4)] {
+    for (family, name, world) in [
+        ("llama", "dense_all_linear_f32", 2usize),
+        ("phi3", "all_linear", 2),
+        ("llama", "rank_alpha_pattern", 4),
+    ] {
         let model = fixtures().join(family);
         let adapter = model.join(name);
         for rank in 0..world {
             let run = |extra: &[&str], tag: &str| {
                 let out = tmp.join(format!("{family}-{name}-{world}-{rank}-{tag}.safetensors"));
-                let run = probe_cmd(&adapter, model.join("config.json"), adapter.join("oracle.safetensors"), &out)
-                    .args(["--device", "cpu", "--max-rank", "16"])
-                    .args(["--tp-rank", &rank.to_string(), "--tp-world", &world.to_string()])
-                    .args(extra)
-                    .output()
-                    .unwrap();
+                let run = probe_cmd(
+                    &adapter,
+                    model.join("config.json"),
+                    adapter.join("oracle.safetensors"),
+                    &out,
+                )
+                .args(["--device", "cpu", "--max-rank", "16"])
+                .args(["--tp-rank", &rank.to_string(), "--tp-world", &world.to_string()])
+                .args(extra)
+                .output()
+                .unwrap();
                 assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
                 outputs(&out)
             };
@@ -335,7 +344,17 @@ fn a_fully_sharded_ranks_probe_equals_the_half_sharded_ranks_part() {
         model.join("rslora/oracle.safetensors"),
         tmp.join("never.safetensors"),
     )
-    .args(["--device", "cpu", "--max-rank", "15", "--tp-rank", "1", "--tp-world", "2", "--fully-sharded"])
+    .args([
+        "--device",
+        "cpu",
+        "--max-rank",
+        "15",
+        "--tp-rank",
+        "1",
+        "--tp-world",
+        "2",
+        "--fully-sharded",
+    ])
     .output()
     .unwrap();
     assert_eq!(run.status.code(), Some(2), "{}", String::from_utf8_lossy(&run.stderr));

@@ -76,10 +76,7 @@ impl RankPart {
 
     fn check(&self) -> Result<(), KernelError> {
         if self.parts == 0 || self.part >= self.parts {
-            return Err(invalid(
-                "part",
-                format!("part {} of {} parts", self.part, self.parts),
-            ));
+            return Err(invalid("part", format!("part {} of {} parts", self.part, self.parts)));
         }
         if self.stride == 0 || !self.stride.is_multiple_of(self.parts) {
             return Err(invalid(

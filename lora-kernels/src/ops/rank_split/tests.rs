@@ -21,7 +21,12 @@ fn two_targets(rng: &mut Rng, in_dim: usize, stride: usize) -> Vec<RandomPairs> 
 /// The part `w` tables of `pools`: each entry's A moved to its block of
 /// rank rows (contiguous rows of the padded `[stride, in]` A), B and rank
 /// as they are.
-fn part_tables(device: &Device, pairs: &[RandomPairs], pools: &[PairPool], part: RankPart) -> Vec<DeviceBuffer<PairEntry>> {
+fn part_tables(
+    device: &Device,
+    pairs: &[RandomPairs],
+    pools: &[PairPool],
+    part: RankPart,
+) -> Vec<DeviceBuffer<PairEntry>> {
     pairs
         .iter()
         .zip(pools)
@@ -89,10 +94,16 @@ fn split_apply<Y: OutputElem>(
         device.check_faults().unwrap();
         let got = out.download().unwrap();
         assert!(got[len..].iter().all(|v| v.is_nan()), "past the part: untouched");
-        assert!(got[..len].iter().all(|v| v.is_finite()), "every element of the part written");
+        assert!(
+            got[..len].iter().all(|v| v.is_finite()),
+            "every element of the part written"
+        );
         gathered.extend_from_slice(&got[..len]);
     }
-    let whole: Vec<DeviceBuffer<PairEntry>> = pools.iter().map(|p| device.upload(&p.table.download().unwrap()).unwrap()).collect();
+    let whole: Vec<DeviceBuffer<PairEntry>> = pools
+        .iter()
+        .map(|p| device.upload(&p.table.download().unwrap()).unwrap())
+        .collect();
     let t = targets(&whole, pairs);
     let width: usize = pairs.iter().map(|p| p.out_dim).sum();
     let gathered_d = device.upload(&gathered).unwrap();
@@ -102,7 +113,15 @@ fn split_apply<Y: OutputElem>(
         parts: world,
         stride,
     };
-    expand_gathered(device, &gathered_d, &slots_d, &t, part, RowsMut::dense(&mut y, n, width)).unwrap();
+    expand_gathered(
+        device,
+        &gathered_d,
+        &slots_d,
+        &t,
+        part,
+        RowsMut::dense(&mut y, n, width),
+    )
+    .unwrap();
     device.check_faults().unwrap();
     y.download().unwrap()
 }
@@ -111,7 +130,10 @@ fn split_apply<Y: OutputElem>(
 fn fused_apply<Y: OutputElem>(device: &Device, pairs: &[RandomPairs], x: &[bf16], slots: &[i32], y0: &[Y]) -> Vec<Y> {
     let n = slots.len();
     let pools: Vec<PairPool> = pairs.iter().map(|p| p.upload(device).unwrap()).collect();
-    let tables: Vec<DeviceBuffer<PairEntry>> = pools.iter().map(|p| device.upload(&p.table.download().unwrap()).unwrap()).collect();
+    let tables: Vec<DeviceBuffer<PairEntry>> = pools
+        .iter()
+        .map(|p| device.upload(&p.table.download().unwrap()).unwrap())
+        .collect();
     let t = targets(&tables, pairs);
     let width: usize = pairs.iter().map(|p| p.out_dim).sum();
     let x_d = device.upload(x).unwrap();
@@ -157,7 +179,11 @@ fn the_split_apply_over_any_world_equals_the_fused_apply() {
         }
         let mut col = 0;
         for p in &pairs {
-            for (o, v) in p.delta_f64(s as usize, &xs[i * in_dim..(i + 1) * in_dim]).iter().enumerate() {
+            for (o, v) in p
+                .delta_f64(s as usize, &xs[i * in_dim..(i + 1) * in_dim])
+                .iter()
+                .enumerate()
+            {
                 oracle[i * width + col + o] += *v as f32;
             }
             col += p.out_dim;
@@ -172,7 +198,10 @@ fn bad_parts_rows_and_entries_are_refused_and_write_nothing() {
     let mut rng = Rng::new(47);
     let pairs = two_targets(&mut rng, 8, 8);
     let pools: Vec<PairPool> = pairs.iter().map(|p| p.upload(&d).unwrap()).collect();
-    let tables: Vec<DeviceBuffer<PairEntry>> = pools.iter().map(|p| d.upload(&p.table.download().unwrap()).unwrap()).collect();
+    let tables: Vec<DeviceBuffer<PairEntry>> = pools
+        .iter()
+        .map(|p| d.upload(&p.table.download().unwrap()).unwrap())
+        .collect();
     let t = targets(&tables, &pairs);
     let x = d.upload(&rng.bf16_vec(2 * 8, 1.0)).unwrap();
     let good = d.upload(&[0i32, 1]).unwrap();
@@ -182,9 +211,22 @@ fn bad_parts_rows_and_entries_are_refused_and_write_nothing() {
     let shrink = |slots, p, out: &mut DeviceBuffer<f32>| shrink_part(&d, Rows::dense(&x, 2, 8), slots, &t, p, out);
     assert!(shrink(&good, part(0, 3), &mut out).is_err(), "8 rank rows in 3 parts");
     assert!(shrink(&good, part(2, 2), &mut out).is_err(), "part past the parts");
-    assert!(shrink(&good, part(0, 1), &mut out).is_err(), "out too short for a whole part");
+    assert!(
+        shrink(&good, part(0, 1), &mut out).is_err(),
+        "out too short for a whole part"
+    );
     let err = shrink(&bad, part(1, 2), &mut out).unwrap_err();
-    assert!(matches!(err, KernelError::BadIndex { arg: "row_slot", position: 1, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            KernelError::BadIndex {
+                arg: "row_slot",
+                position: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert_eq!(out.download().unwrap(), vec![7.0; 16], "nothing written");
     let gathered = d.upload(&[1.0f32; 2 * 2 * 8]).unwrap();
     let mut y = d.upload(&[3.0f32; 2 * 19]).unwrap();
@@ -222,7 +264,23 @@ fn the_split_apply_on_cuda_equals_the_cpu_reference() {
             let want = widen(&split_apply(&cpu, &pairs, &x, &slots, world, &y0_bf));
             let got = widen(&split_apply(&gpu, &pairs, &x, &slots, world, &y0_bf));
             let err = rel_error(&got, &want);
-            assert!(err < 1e-2, "in {in_dim} stride {stride} world {world}: bf16 error {err}");
+            assert!(
+                err < 1e-2,
+                "in {in_dim} stride {stride} world {world}: bf16 error {err}"
+            );
         }
+    }
+}
+
+/// The names the launches use are the source's entry points.
+#[test]
+fn the_launched_names_are_the_sources_kernels() {
+    let src = include_str!("../../../cuda/rank_split.cu");
+    for name in [
+        "rank_shrink_part",
+        "rank_expand_gathered_f32",
+        "rank_expand_gathered_bf16",
+    ] {
+        assert!(src.contains(&format!("extern \"C\" __global__ void {name}(")), "{name}");
     }
 }
