@@ -420,9 +420,10 @@ fn inputs(seed: u64, len: usize) -> Vec<f32> {
 }
 
 /// For each family whose geometry divides `world`: every rank's
-/// fully-sharded decode and prefill delta (ranks as threads, `gathers` the
-/// group's all-gathers) against the half-sharded rank's, and the ranks'
-/// columns side by side against the unsharded pool's delta.
+/// fully-sharded decode and prefill delta on `device` (ranks as threads,
+/// `gathers` the group's all-gathers) against the half-sharded rank's on
+/// `device`, and the ranks' columns side by side against the unsharded
+/// pool's delta on the CPU (the reference backend).
 fn fully_sharded_ranks_match(
     device: &Device,
     world: usize,
@@ -439,7 +440,7 @@ fn fully_sharded_ranks_match(
             continue;
         };
         let mut full = load_ranks(device, &cfg, &family, &adapters, world, true).unwrap();
-        let mut whole = load_ranks(device, &cfg, &family, &adapters, 1, false).unwrap();
+        let mut whole = load_ranks(&Device::cpu(), &cfg, &family, &adapters, 1, false).unwrap();
         let layout = whole[0].layout().clone();
         let mut nonzero = 0;
         for layer in [0, cfg.num_hidden_layers - 1] {
@@ -513,8 +514,8 @@ fn fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_the_cpu() {
 }
 
 /// Every rank's pool on one GPU, the all-gather by device copies; each
-/// rank's result against the half-sharded rank's and the unsharded pool's
-/// on the same device, computed by the CUDA kernels.
+/// rank's CUDA result against the half-sharded rank's on the GPU, and the
+/// ranks side by side against the CPU reference's unsharded delta.
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_one_gpu() {
