@@ -874,3 +874,57 @@ fn probe_command_writes_each_expert_parallel_ranks_part() {
     assert!(!out.exists());
     let _ = std::fs::remove_dir_all(&out_dir);
 }
+
+/// `lora-audit check --tp-rank R --tp-world W --fully-sharded`: the
+/// report's slot is the rank's fully-sharded layout (each column-parallel
+/// A cut to the rank's block of rank rows), smaller than the half-sharded
+/// rank's; a `--max-rank` the world does not divide is bad usage naming
+/// `max_rank`.
+#[test]
+fn check_command_sizes_the_fully_sharded_ranks_slot() {
+    use lora_layout::{Placement, SlotLayout};
+    let f = fixture("llama/dense_all_linear_f32");
+    let cfg = ModelConfig::from_file(&f.model.join("config.json")).unwrap();
+    let check = |extra: &[&str]| {
+        let max_rank = if extra.contains(&"--max-rank") {
+            &[][..]
+        } else {
+            &["--max-rank", "16"][..]
+        };
+        lora_audit()
+            .arg("check")
+            .arg(&f.dir)
+            .arg("--model")
+            .arg(f.model.join("config.json"))
+            .args(["--json", "--tp-rank", "1", "--tp-world", "2"])
+            .args(max_rank)
+            .args(extra)
+            .env_remove("LORA_FULLY_SHARDED")
+            .output()
+            .unwrap()
+    };
+    let slot = |out: std::process::Output| {
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        json["slot_bytes"].as_u64().unwrap() as usize
+    };
+    let p = Placement::new(1, 2).unwrap();
+    let half = slot(check(&[]));
+    let full = slot(check(&["--fully-sharded"]));
+    assert_eq!(half, SlotLayout::with_placement(&cfg, 16, p).unwrap().slot_bytes());
+    assert_eq!(
+        full,
+        SlotLayout::with_placement(&cfg, 16, p.with_fully_sharded(true))
+            .unwrap()
+            .slot_bytes()
+    );
+    assert!(full < half);
+    let out = check(&["--fully-sharded", "--max-rank", "15"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stdout));
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("max_rank = 15"), "{said}");
+}

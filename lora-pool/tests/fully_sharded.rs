@@ -695,3 +695,84 @@ fn the_wrong_apply_a_foreign_gather_and_an_indivisible_max_rank_are_refused() {
     };
     assert!(err.to_string().contains("max_rank = 6"), "{err}");
 }
+
+/// `demo_r4_plain` (rank 4) with a NaN in row 0 of layer 0's q_proj A: at
+/// max_rank 16 over 2 ranks, rank 0 holds A's rank rows 0..8 (all four of
+/// the adapter's), rank 1 rows 8..16 (padding only).
+fn poisoned_in_rank_rows_0(tag: &str) -> (std::path::PathBuf, String) {
+    use lora_audit::{SafetensorsFile, TensorDtype};
+    let src = fixtures().join("llama").join("demo_r4_plain");
+    let dst = std::env::temp_dir().join(format!("lora-pool-fsh-poison-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+    let weights = dst.join("adapter_model.safetensors");
+    let file = SafetensorsFile::open(&weights).unwrap();
+    let tensor = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".to_string();
+    let (dtype, shape, offset, _) = file.tensor(&tensor).unwrap();
+    assert_eq!(shape[0], 4, "rank 4");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let at = offset as usize;
+    match dtype {
+        TensorDtype::F32 => bytes[at + 4..at + 8].copy_from_slice(&f32::NAN.to_le_bytes()),
+        TensorDtype::BF16 => bytes[at + 2..at + 4].copy_from_slice(&bf16::NAN.to_le_bytes()),
+        TensorDtype::F16 => bytes[at + 2..at + 4].copy_from_slice(&half::f16::NAN.to_le_bytes()),
+        other => panic!("{tensor}: unexpected dtype {other:?}"),
+    }
+    std::fs::write(&weights, bytes).unwrap();
+    (dst, tensor)
+}
+
+/// Every route into a fully-sharded slot packs the same bytes (startup
+/// load, disk swap, the host tier's image), and each reads only the rank's
+/// block of A's rank rows: a NaN in rank rows only rank 0 holds is refused
+/// by rank 0, naming the tensor, and never seen by rank 1.
+#[test]
+fn every_route_into_a_fully_sharded_slot_reads_only_the_ranks_block_of_rank_rows() {
+    use lora_pool::{SlotId, SwapRoute};
+    let cfg = model_config("llama");
+    let (bad, tensor) = poisoned_in_rank_rows_0("routes");
+    let clean = fixtures().join("llama").join("rank_alpha_pattern");
+    let sources = [AdapterSource {
+        name: "loaded",
+        dir: clean.as_path(),
+    }];
+    for p in Placement::new(0, 2).unwrap().ranks() {
+        let opts = LoraOptions {
+            rotatable: true,
+            host_tier_bytes: 1 << 24,
+            ..options(3, p.with_fully_sharded(true))
+        };
+        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts, BatchCapacity::default(), &sources).unwrap();
+        let swapped = pool.swap_from_disk(SlotId::new(1), "swapped", &clean).unwrap();
+        pool.prefetch("tiered", &clean).unwrap();
+        pool.wait_for_prefetch();
+        let tiered = pool.swap_from_disk(SlotId::new(2), "tiered", &clean).unwrap();
+        assert_eq!(tiered.route, SwapRoute::HostTier);
+        assert_ne!(
+            swapped.route,
+            SwapRoute::DeviceRepack,
+            "a rank-row cut packs on the host"
+        );
+        let loaded = pool.slot_contents(SlotId::new(0)).unwrap();
+        for slot in [1, 2] {
+            assert_eq!(
+                pool.slot_contents(SlotId::new(slot)).unwrap(),
+                loaded,
+                "rank {} slot {slot}",
+                p.tp_rank()
+            );
+        }
+        // The poisoned rank rows.
+        pool.evict(SlotId::new(1)).unwrap();
+        let result = pool.swap_from_disk(SlotId::new(1), "bad", &bad);
+        if p.tp_rank() == 0 {
+            let err = result.expect_err("rank 0 holds the NaN row").to_string();
+            assert!(err.contains("non-finite") && err.contains(&tensor), "{err}");
+        } else {
+            result.expect("rank 1 never reads rank rows 0..8");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&bad);
+}

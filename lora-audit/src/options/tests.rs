@@ -224,3 +224,42 @@ fn dora_is_refused_on_a_placed_pool() {
     };
     assert_eq!(placed.with_args(args).unwrap_err().variable, "dora");
 }
+
+#[test]
+fn the_fully_sharded_option_is_read_and_kept_over_the_args() {
+    let o = opts(&[
+        ("LORA_TP_RANK", "1"),
+        ("LORA_TP_WORLD", "2"),
+        ("LORA_FULLY_SHARDED", "1"),
+    ])
+    .unwrap();
+    assert_eq!(
+        o.placement,
+        lora_layout::Placement::new(1, 2).unwrap().with_fully_sharded(true)
+    );
+    assert!(!opts(&[]).unwrap().placement.fully_sharded());
+    // Args that replace the ranks keep the option; the flag turns it on.
+    let args = AuditArgs {
+        tp_rank: Some(0),
+        ..AuditArgs::default()
+    };
+    assert!(o.clone().with_args(args).unwrap().placement.fully_sharded());
+    let args = AuditArgs {
+        fully_sharded: true,
+        ..AuditArgs::default()
+    };
+    let env = opts(&[("LORA_TP_WORLD", "4")]).unwrap();
+    let on = env.with_args(args).unwrap();
+    assert_eq!(
+        on.placement,
+        lora_layout::Placement::new(0, 4).unwrap().with_fully_sharded(true)
+    );
+    // The layout of a max_rank the world does not divide names max_rank.
+    let cfg = lora_layout::ModelConfig::from_hf_value(&serde_json::json!({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 32,
+    }))
+    .unwrap();
+    let err = LoraOptions { max_rank: 6, ..on }.slot_layout(&cfg).unwrap_err();
+    assert!(err.to_string().contains("max_rank = 6"), "{err}");
+}
