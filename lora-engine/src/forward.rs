@@ -172,7 +172,7 @@ impl Model {
             let mut attn_out = self.attention(l, layer, &xn, rows, &cos, &sin, caches, hooks)?;
             // A tensor-parallel rank's o_proj output (and delta) is a
             // partial sum over its heads.
-            if let Some(c) = &self.collective {
+            if let Some(c) = self.partial_sums(false) {
                 c.all_reduce_sum(&mut attn_out)?;
             }
             add_in_place(&mut hs, &attn_out);
@@ -198,8 +198,9 @@ impl Model {
                     down,
                 } => self.moe_block(l, moe, router, gate_up, down, &xn, hooks)?,
             };
-            // ... and its down_proj output over its intermediate columns.
-            if let Some(c) = &self.collective {
+            // ... and its down_proj output over its intermediate columns
+            // (an expert-parallel MoE layer's output is whole already).
+            if let Some(c) = self.partial_sums(matches!(layer.mlp, Mlp::Moe { .. })) {
                 c.all_reduce_sum(&mut mlp_out)?;
             }
             add_in_place(&mut hs, &mlp_out);
@@ -346,6 +347,11 @@ impl Model {
                     *v /= sum;
                 }
             }
+        }
+
+        // expert parallelism: the experts run where they are held
+        if let Some(c) = self.expert_group() {
+            return self.dispatch_experts(c, l, moe, gate_up, down, xn, &topk, &weights, hooks);
         }
 
         // experts: per expert, gather its rows, one linear, scatter back

@@ -1,16 +1,27 @@
-//! A base model cut for one tensor-parallel rank, by the rules the adapter
-//! pool cuts its pairs by (`lora_layout::ModuleShard`), so that a rank's
-//! deltas land on exactly the base outputs it computes: q|k|v keep the
-//! rank's query heads and its key/value heads (a key/value head shared by
-//! `tp_world / num_key_value_heads` ranks when there are fewer heads than
-//! ranks), gate|up the rank's block of each, o and down the rank's input
-//! columns (their outputs are partial sums the forward all-reduces; a bias
-//! there is added by rank 0 only). Norms, the embedding and the lm_head are
-//! whole on every rank.
+//! A base model cut for one tensor- and expert-parallel rank, by the rules
+//! the adapter pool cuts its pairs by (`lora_layout::ModuleShard`,
+//! `Placement::expert_range`), so that a rank's deltas land on exactly the
+//! base outputs it computes: q|k|v keep the rank's query heads and its
+//! key/value heads (a key/value head shared by `tp_world /
+//! num_key_value_heads` ranks when there are fewer heads than ranks),
+//! gate|up the rank's block of each, o and down the rank's input columns
+//! (their outputs are partial sums the forward all-reduces; a bias there is
+//! added by rank 0 only). Norms, the embedding and the lm_head are whole on
+//! every rank.
 //!
-//! This module must never cut a routed-expert layer (expert parallelism
-//! is not run by the reference engine: an MoE model is refused), nor run
-//! the model.
+//! An MoE model runs expert-parallel (`ep_world > 1`): each rank keeps the
+//! routed experts of its block (`Placement::expert_range`) and the whole
+//! router, and its MoE layers dispatch tokens to the ranks holding their
+//! experts (`crate::expert_parallel`). Its attention and dense layers are
+//! either whole on every rank (`tp_world` 1: replicated, every rank
+//! computes them whole) or cut as above over the same ranks (`tp_world =
+//! ep_world`, `tp_rank = ep_rank`: vLLM's expert parallelism over the
+//! tensor-parallel group).
+//!
+//! This module must never cut a routed expert (experts are whole; under
+//! `tp_world > 1` an MoE model without expert parallelism over the same
+//! ranks is refused, [`EngineError::NotTensorParallel`]), nor run the
+//! model.
 
 use lora_layout::{LoraModule, ModelConfig, ModuleShard, Placement};
 
@@ -52,23 +63,41 @@ fn fused_rows(cfg: &ModelConfig, placement: Placement, modules: &[LoraModule]) -
 }
 
 impl Model {
-    /// This model cut for tensor-parallel rank `placement` of the model
-    /// whose adapter geometry is `cfg` (see the module docs); the whole
-    /// model at world 1. Run it with a [`crate::Collective`] of the same
-    /// rank ([`Model::with_collective`]).
+    /// This model cut for rank `placement` of the model whose adapter
+    /// geometry is `cfg` (see the module docs); the whole model at world 1.
+    /// Run it with a [`crate::Collective`] of the same rank
+    /// ([`Model::with_collective`]; its group is the tensor-parallel one,
+    /// or the expert-parallel one when `tp_world` is 1).
     ///
     /// Errors: [`EngineError::Placement`] naming the dimension that does
-    /// not divide; [`EngineError::NotTensorParallel`] for an MoE model.
+    /// not divide (`num_experts` for experts over `ep_world`);
+    /// [`EngineError::NotTensorParallel`] for an MoE model under
+    /// `tp_world > 1` whose expert-parallel ranks are not the
+    /// tensor-parallel ones.
     pub fn shard(&self, cfg: &ModelConfig, placement: Placement) -> Result<Model, EngineError> {
-        let world = placement.tp_world();
-        if world == 1 {
-            return Ok(self.clone());
+        let moe = self.cfg.moe.as_ref().filter(|_| !self.cfg.moe_layers().is_empty());
+        crate::expert_parallel::group_of(placement, moe.is_some())?;
+        let mut model = if placement.tp_world() == 1 {
+            self.clone()
+        } else {
+            self.tp_cut(cfg, placement)?
+        };
+        if let Some(moe) = moe {
+            let experts = placement.expert_range(moe.num_experts)?;
+            for layer in &mut model.layers {
+                if let Mlp::Moe { gate_up, down, .. } = &mut layer.mlp {
+                    *gate_up = gate_up[experts.clone()].to_vec();
+                    *down = down[experts.clone()].to_vec();
+                }
+            }
         }
-        if !self.cfg.moe_layers().is_empty() {
-            return Err(EngineError::NotTensorParallel {
-                what: format!("the routed experts of {}", self.cfg.family.model_type()),
-            });
-        }
+        model.placement = placement;
+        Ok(model)
+    }
+
+    /// The tensor-parallel cut of the attention and dense layers (routed
+    /// experts and the router whole).
+    fn tp_cut(&self, cfg: &ModelConfig, placement: Placement) -> Result<Model, EngineError> {
         let qkv_rows = fused_rows(
             cfg,
             placement,
@@ -88,7 +117,7 @@ impl Model {
                         gate_up: take_rows(gate_up, &gate_up_rows),
                         down: take_cols(dn, down.in_start, down.in_len, first),
                     },
-                    Mlp::Moe { .. } => unreachable!("an MoE model is refused above"),
+                    moe @ Mlp::Moe { .. } => moe.clone(),
                 };
                 Layer {
                     input_norm: layer.input_norm.clone(),
@@ -114,6 +143,7 @@ impl Model {
             rope: self.rope.clone(),
             device: None,
             collective: None,
+            placement,
         })
     }
 }
