@@ -73,8 +73,13 @@ impl Model {
     /// not divide (`num_experts` for experts over `ep_world`);
     /// [`EngineError::NotTensorParallel`] for an MoE model under
     /// `tp_world > 1` whose expert-parallel ranks are not the
-    /// tensor-parallel ones.
+    /// tensor-parallel ones, or a model that is already cut.
     pub fn shard(&self, cfg: &ModelConfig, placement: Placement) -> Result<Model, EngineError> {
+        if self.placement != Placement::SINGLE {
+            return Err(EngineError::NotTensorParallel {
+                what: format!("a model already cut for {:?}: cut the whole model", self.placement),
+            });
+        }
         let moe = self.cfg.moe.as_ref().filter(|_| !self.cfg.moe_layers().is_empty());
         crate::expert_parallel::group_of(placement, moe.is_some())?;
         let mut model = if placement.tp_world() == 1 {
@@ -197,5 +202,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// An expert-parallel cut keeps the rank's block of experts in every
+    /// MoE layer, and a cut model is not cut again.
+    #[test]
+    fn an_expert_parallel_cut_keeps_its_block_and_is_not_cut_again() {
+        let (dir, _) = tiny_model_dir("qwen3_moe", "", 5);
+        let whole = Model::load(dir.path()).expect("model");
+        let cfg = ModelConfig::from_file(&dir.path().join("config.json")).expect("config");
+        let ne = whole.config().moe.as_ref().map_or(0, |m| m.num_experts);
+        let p = Placement::SINGLE.with_experts(1, 2).expect("placement");
+        let cut = whole.shard(&cfg, p).expect("divides");
+        let experts = |m: &Model| -> Vec<usize> {
+            m.layers
+                .iter()
+                .filter_map(|l| match &l.mlp {
+                    Mlp::Moe { gate_up, down, .. } => Some(gate_up.len().min(down.len())),
+                    Mlp::Dense { .. } => None,
+                })
+                .collect()
+        };
+        assert!(!experts(&cut).is_empty());
+        assert!(experts(&cut).iter().all(|&n| n == ne / 2), "{:?}", experts(&cut));
+        assert!(experts(&whole).iter().all(|&n| n == ne));
+        assert!(matches!(cut.shard(&cfg, p), Err(EngineError::NotTensorParallel { .. })));
     }
 }
