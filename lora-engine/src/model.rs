@@ -51,6 +51,11 @@ pub struct Model {
     /// The tensor-parallel group of a cut model ([`Model::shard`]): the
     /// forward all-reduces the row-parallel outputs through it.
     pub(crate) collective: Option<Arc<dyn Collective>>,
+    /// A vocab-parallel cut ([`Model::shard`]): the token ids whose rows
+    /// `embed` and `lm_head` hold; the forward zeroes other tokens'
+    /// embedding rows and all-reduces them, and all-gathers the logits.
+    /// `None`: both tables whole.
+    pub(crate) vocab_held: Option<std::ops::Range<usize>>,
 }
 
 /// One decoder layer's weights.
@@ -192,6 +197,7 @@ impl Model {
             rope,
             device: None,
             collective: None,
+            vocab_held: None,
         })
     }
 
