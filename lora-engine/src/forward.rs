@@ -234,10 +234,12 @@ impl Model {
         let mut gathered = vec![0.0f32; world * n * part];
         c.all_gather(&local, &mut gathered)?;
         let mut logits = vec![0.0f32; n * part * world];
-        for (r, rank) in gathered.chunks_exact(n * part).enumerate().filter(|_| part > 0) {
-            for (t, cols) in rank.chunks_exact(part).enumerate() {
-                let at = t * part * world + r * part;
-                logits[at..at + part].copy_from_slice(cols);
+        if n * part > 0 {
+            for (r, rank) in gathered.chunks_exact(n * part).enumerate() {
+                for (t, cols) in rank.chunks_exact(part).enumerate() {
+                    let at = t * part * world + r * part;
+                    logits[at..at + part].copy_from_slice(cols);
+                }
             }
         }
         Ok(logits)

@@ -80,7 +80,7 @@ fn rank_answers(device: &Device, model: &str, adapter: &str, p: Placement) -> (B
         .map(|(k, t)| (k, t.data))
         .collect();
     // The rank's base logit columns, then its head overlay.
-    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); ROWS], ROWS).unwrap();
+    let step = pool.decode_step(&[StepRow::Adapter(&lease); ROWS], ROWS).unwrap();
     let hidden_rows = Rng::new(0x70cab).bf16_vec(ROWS * hidden, 1.0);
     let head = base_table(&tables, OverlayModule::LmHead);
     let part = held.len();
