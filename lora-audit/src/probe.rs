@@ -508,7 +508,8 @@ fn probe_weight(
     // Experts and the router are placed by expert parallelism only: under
     // tensor parallelism without it they have no placement. The output
     // head's LoRA pair is replicated (whole on every rank, as the base model
-    // keeps lm_head whole): its probe answers the whole delta.
+    // keeps lm_head whole): its probe answers the whole delta; under the
+    // vocab-parallel cut, the rank's logit columns.
     let unplaced = match weight_ref {
         WeightRef::Dense { .. } | WeightRef::Unserved => false,
         WeightRef::Table(OverlayModule::LmHead) => adapter.lm_head.is_none(),
