@@ -245,6 +245,9 @@ impl StepHooks<'_> {
         let out = out.download()?;
         // Only the rows the row's slot overrides take the served row; the
         // others keep the f32 base row (the kernel's copy of it is BF16).
+        // Overlay ids are table rows: a vocab-parallel rank's tokens less
+        // its first id; another rank's token is never overridden here.
+        let tables = overlays.tables();
         for (r, slot) in self.step.row_slots().into_iter().enumerate() {
             let Some(overlay) = slot
                 .slot()
@@ -253,7 +256,10 @@ impl StepHooks<'_> {
             else {
                 continue;
             };
-            if overlay.overrides().ids().contains(&ids[r]) {
+            if tables
+                .local_id(ids[r])
+                .is_some_and(|t| overlay.overrides().ids().contains(&t))
+            {
                 for (dst, src) in rows[r * hidden..(r + 1) * hidden].iter_mut().zip(&out[r * hidden..]) {
                     *dst = src.to_f32();
                 }
@@ -291,7 +297,8 @@ impl StepHooks<'_> {
     /// LoRA on the head. PEFT's order: the LoRA wraps the head's token
     /// adapter (or the head with its saved table), so its delta `scale ·
     /// (h Aᵀ) Bᵀ` is added over the overlaid logits, across the whole
-    /// vocabulary.
+    /// vocabulary (a vocab-parallel rank: across its logit columns, with
+    /// its overlay rows; the forward gathers the ranks' columns).
     fn head(&self, hidden: &[f32], logits: &mut [f32]) -> Result<(), BoxError> {
         self.head_overlay(hidden, logits)?;
         self.head_lora(hidden, logits)

@@ -244,7 +244,7 @@ impl Engine {
             path: weights.clone(),
             source: Box::new(e),
         })?;
-        let tables = ServedTables::upload(device, &base, &cfg)?;
+        let tables = ServedTables::upload_at(device, &base, &cfg, lora.placement)?;
         let overlays = TokenOverlays::new(device, tables, lora.max_loras)?;
         let sources: Vec<AdapterSource<'_>> = adapters
             .iter()

@@ -42,7 +42,9 @@ use crate::error::EngineError;
 pub trait DeltaHooks {
     /// `rows` = base embedding rows `[n, hidden]` of `ids`; may overwrite rows
     /// (token overlays) and add to them (a LoRA on the input embedding, after
-    /// the overlays: PEFT's order).
+    /// the overlays: PEFT's order). On a vocab-parallel rank the rows of
+    /// other ranks' tokens are zeros and must stay zeros (the forward
+    /// all-reduces the rows after this call).
     fn embed(&mut self, ids: &[u32], rows: &mut [f32]) -> Result<(), EngineError>;
 
     /// `x` = the normed layer input `[n, hidden]`; `y` = the fused q|k|v output
@@ -80,7 +82,8 @@ pub trait DeltaHooks {
     fn expert_down(&mut self, layer: usize, x: &[f32], topk: &[u32], y: &mut [f32]) -> Result<(), EngineError>;
 
     /// `hidden` = final normed hidden states `[n, hidden]`; `logits` = base
-    /// logits `[n, vocab]`.
+    /// logits `[n, vocab]`, or on a vocab-parallel rank its logit columns
+    /// `[n, vocab / tp_world]` (the forward all-gathers them after this call).
     fn lm_head(&mut self, hidden: &[f32], logits: &mut [f32]) -> Result<(), EngineError>;
 
     /// Expert parallelism, sending side: one tag per token of the batch

@@ -55,6 +55,11 @@ pub struct Model {
     pub(crate) collective: Option<Arc<dyn Collective>>,
     /// The rank this model was cut for ([`Model::shard`]); `SINGLE`: whole.
     pub(crate) placement: Placement,
+    /// A vocab-parallel cut ([`Model::shard`]): the token ids whose rows
+    /// `embed` and `lm_head` hold; the forward zeroes other tokens'
+    /// embedding rows and all-reduces them, and all-gathers the logits.
+    /// `None`: both tables whole.
+    pub(crate) vocab_held: Option<std::ops::Range<usize>>,
 }
 
 /// One decoder layer's weights.
@@ -204,6 +209,7 @@ impl Model {
             device: None,
             collective: None,
             placement: Placement::SINGLE,
+            vocab_held: None,
         })
     }
 

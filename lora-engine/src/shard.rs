@@ -6,8 +6,13 @@
 //! num_key_value_heads` ranks when there are fewer heads than ranks),
 //! gate|up the rank's block of each, o and down the rank's input columns
 //! (their outputs are partial sums the forward all-reduces; a bias there is
-//! added by rank 0 only). Norms, the embedding and the lm_head are whole on
-//! every rank.
+//! added by rank 0 only). Norms are whole on every rank; the embedding and
+//! the lm_head are whole on every rank too, unless the placement is
+//! vocab-parallel (`Placement::vocab_parallel`, as vLLM's
+//! `VocabParallelEmbedding` / `ParallelLMHead`): then both keep the rank's
+//! vocabulary rows (`Placement::vocab_range`; a tied head is the same
+//! rows), the embedding lookup gives zero rows for other ranks' tokens and
+//! is all-reduced, and the rank's logit columns are all-gathered.
 //!
 //! An MoE model runs expert-parallel (`ep_world > 1`): each rank keeps the
 //! routed experts of its block (`Placement::expert_range`) and the whole
@@ -139,16 +144,26 @@ impl Model {
         base.n_heads = o.in_len / base.head_dim.max(1);
         base.n_kv_heads = k.dims().0 / base.head_dim.max(1);
         base.inter = down.in_len;
+        // The vocab-parallel cut: the rank's rows of both tables.
+        let vocab_held = placement
+            .vocab_parallel()
+            .then(|| placement.vocab_range(cfg.vocab_size))
+            .transpose()?;
+        let vocab_rows = |p: &Projection| match &vocab_held {
+            Some(held) => take_rows(p, &held.clone().collect::<Vec<usize>>()),
+            None => p.clone(),
+        };
         Ok(Model {
             cfg: base,
-            embed: self.embed.clone(),
+            embed: vocab_rows(&self.embed),
             layers,
             norm: self.norm.clone(),
-            lm_head: self.lm_head.clone(),
+            lm_head: self.lm_head.as_ref().map(vocab_rows),
             rope: self.rope.clone(),
             device: None,
             collective: None,
             placement,
+            vocab_held,
         })
     }
 }
@@ -162,7 +177,8 @@ mod tests {
 
     /// Every rank's cut model, run as threads with host collectives, gives
     /// the whole model's logits (the sum of partial outputs differs from
-    /// the whole dot product only in summation order).
+    /// the whole dot product only in summation order), with the embedding
+    /// and lm_head whole or cut by the vocabulary.
     #[test]
     fn ranks_as_threads_give_the_whole_models_logits() {
         for family in ["llama", "qwen2", "qwen3"] {
@@ -176,8 +192,8 @@ mod tests {
                 m.forward(&[chunk], &mut caches, &mut NoDeltas).expect("forward")
             };
             let want = run(&whole);
-            for world in [2usize, 4] {
-                let Ok(first) = Placement::new(0, world) else {
+            for (world, vocab_parallel) in [(2usize, false), (4, false), (2, true), (4, true)] {
+                let Ok(first) = Placement::new(0, world).map(|p| p.with_vocab_parallel(vocab_parallel)) else {
                     continue;
                 };
                 let group = HostCollective::group(world);
@@ -197,7 +213,7 @@ mod tests {
                 });
                 for (r, logits) in got.iter().enumerate() {
                     let err = crate::rel_error(logits, &want);
-                    assert!(err < 1e-5, "{family} x{world} rank {r}: {err}");
+                    assert!(err < 1e-5, "{family} x{world} ({vocab_parallel}) rank {r}: {err}");
                     assert_eq!(logits, &got[0], "{family} x{world}: ranks agree");
                 }
             }

@@ -15,7 +15,13 @@
 //! (head-LoRA adapters, `LoraOptions::lm_head_lora`) likewise: the head
 //! pair is replicated, whole on every rank, and the logits hook adds its
 //! whole delta to the whole logits, as the cut base model keeps lm_head
-//! whole.
+//! whole. With the vocab-parallel cut on (`Placement::vocab_parallel`,
+//! `LORA_VOCAB_PARALLEL`) every family is served again by 2 and 4 ranks
+//! whose base embedding and lm_head hold the rank's vocabulary rows (a tied
+//! head the same rows): the embedding pairs, the head pairs and the token
+//! overlays (trainable tokens, `modules_to_save` tables, tied and untied)
+//! hold the rank's block, the embedding rows are all-reduced and the
+//! logits all-gathered, and the outputs equal the one-rank run's.
 
 mod common;
 
@@ -50,7 +56,7 @@ fn serve(engine: Result<Engine, EngineError>, reqs: &[Request], what: &str) -> V
         .collect()
 }
 
-fn serve_ranks(family: &str, world: usize) {
+fn serve_ranks(family: &str, world: usize, vocab_parallel: bool) {
     let dir = family_dir(family).join("model");
     let adapters = adapters(family);
     let max_loras = adapters.len().saturating_sub(1).max(1);
@@ -70,6 +76,7 @@ fn serve_ranks(family: &str, world: usize) {
     let ranks: Vec<Vec<RequestOutput>> = std::thread::scope(|s| {
         let handles: Vec<_> = Placement::new(0, world)
             .expect("placement")
+            .with_vocab_parallel(vocab_parallel)
             .ranks()
             .zip(group)
             .map(|(p, c)| {
@@ -93,7 +100,10 @@ fn serve_ranks(family: &str, world: usize) {
     });
     for (r, outs) in ranks.iter().enumerate() {
         for (i, (got, want)) in outs.iter().zip(&one).enumerate() {
-            let what = format!("{family} x{world} rank {r} request {i} ({:?})", reqs[i].adapter);
+            let what = format!(
+                "{family} x{world} (vocab-parallel {vocab_parallel}) rank {r} request {i} ({:?})",
+                reqs[i].adapter
+            );
             assert_eq!(got.tokens, want.tokens, "{what}: greedy tokens");
             let prompt = rel_error(&got.logits_prompt, &want.logits_prompt);
             let step = rel_error(&got.logits_step, &want.logits_step);
@@ -119,7 +129,24 @@ fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
         "llama_lm_head",
     ] {
         for world in [2, 4] {
-            serve_ranks(family, world);
+            serve_ranks(family, world, false);
+        }
+    }
+}
+
+#[test]
+fn dense_families_served_by_vocab_parallel_ranks_equal_the_one_rank_run() {
+    for family in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_untied",
+        "llama_embed",
+        "llama_lm_head",
+    ] {
+        for world in [2, 4] {
+            serve_ranks(family, world, true);
         }
     }
 }

@@ -69,7 +69,7 @@ pub use ops::embed_lora::{EmbeddingPairs, embed_lora};
 pub use ops::limits::{Choice, DeviceLimits};
 pub use ops::linear::linear_f32;
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};
-pub use ops::overlay::{embed_overlay, lm_head_overlay, row_diff};
+pub use ops::overlay::{embed_overlay, embed_overlay_at, lm_head_overlay, row_diff};
 pub use ops::repack::{
     RepackDtype, RepackRegion, ValueScan, first_non_finite, queue_value_scan, repack, repack_if_finite,
 };

@@ -11,7 +11,8 @@ use lora_kernels::{
     Chain, DecodeForm, DecodeOptions, DecodePlan, Device, DeviceBuffer, EmbedOverlayEntry, EmbeddingPairs, EntryKernel,
     FusedForm, ItemList, KernelError, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting, OutputElem, PairEntry,
     ROWS_MAX_IN, ROWS_MAX_OUT, Rows, RowsMut, Segments, TwoPhaseForm, WorkspaceSpec, bgmv, bgmv_candidates, bgmv_plan,
-    bgmv_with, embed_lora, embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff,
+    bgmv_with, embed_lora, embed_overlay, embed_overlay_at, lm_head_overlay, moe_decode_index, moe_sorted_index,
+    one_adapter, row_diff,
 };
 use lora_kernels::{Choice, PrefillCall, PrefillOptions, PrefillPlan, sgmv, sgmv_plan, sgmv_with};
 
@@ -2309,6 +2310,19 @@ fn run_embed_lora<Y: OutputElem>(
     row_slot: &[i32],
     y0: &[Y],
 ) -> (Vec<Y>, lora_kernels::FaultFlags) {
+    run_embed_lora_at(dev, pairs, (0, pairs.in_dim), ids, row_slot, y0)
+}
+
+/// [`run_embed_lora`] for a vocab-parallel rank: A's columns are the ids
+/// `vocab_start .. vocab_start + in_dim` of a vocabulary of `vocab_size`.
+fn run_embed_lora_at<Y: OutputElem>(
+    dev: &Device,
+    pairs: &RandomPairs,
+    (vocab_start, vocab_size): (usize, usize),
+    ids: &[u32],
+    row_slot: &[i32],
+    y0: &[Y],
+) -> (Vec<Y>, lora_kernels::FaultFlags) {
     let pool = pairs.upload(dev).unwrap();
     let (ids_d, rs_d) = (dev.upload(ids).unwrap(), dev.upload(row_slot).unwrap());
     let mut y = dev.upload(y0).unwrap();
@@ -2318,6 +2332,8 @@ fn run_embed_lora<Y: OutputElem>(
         n_entries: pairs.ranks.len(),
         stride: pairs.stride,
         vocab: pairs.in_dim,
+        vocab_start,
+        vocab_size,
     };
     embed_lora(
         dev,
@@ -2513,5 +2529,100 @@ fn gpu_sgmv_tall_heads_match_cpu() {
         let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Auto);
         let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Auto);
         compare(&format!("sgmv head f32 y n={n} vocab={vocab}"), &p.y_f32, &c, &g);
+    }
+}
+
+/// The vocab-parallel forms of the embedding kernels on fresh random
+/// inputs: `embed_lora` with A holding the columns of one rank's block
+/// (`vocab_start`), and `embed_overlay_at` over one rank's table rows, each
+/// for every rank of 2 and 4 over ids drawn from the whole vocabulary. The
+/// CUDA kernels equal the CPU reference (the lookup bit for bit, its NaN
+/// poisoned output overwritten; the delta within f32 rounding), another
+/// rank's token gets nothing from the LoRA and a zero row from the lookup,
+/// and no fault is raised.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_vocab_parallel_embedding_kernels_match_cpu() {
+    let Some(dev) = cuda_or_skip("gpu_vocab_parallel_embedding_kernels_match_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_vocab_parallel_embedding_kernels_match_cpu");
+    let (vocab, h, stride, n) = (512usize, 96usize, 16usize, 131usize);
+    for world in [2usize, 4] {
+        let part = vocab / world;
+        for rank in 0..world {
+            let start = rank * part;
+            let label = format!("rank {rank} of {world}");
+            let mut pairs = RandomPairs::new(&mut rng, part, h, stride, &[16, 5, 0]);
+            pairs.poison_padding();
+            let ids: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
+            let row_slot: Vec<i32> = (0..n).map(|_| rng.below(4) as i32 - 1).collect();
+            let y0: Vec<f32> = (0..n * h).map(|_| rng.uniform()).collect();
+            let at = (start, vocab);
+            let (want, cpu_faults) = run_embed_lora_at(&cpu, &pairs, at, &ids, &row_slot, &y0);
+            let (got, faults) = run_embed_lora_at(&dev, &pairs, at, &ids, &row_slot, &y0);
+            assert!(faults.is_empty() && cpu_faults.is_empty(), "{label}: faults {faults}");
+            let err = rel_error(&got, &want);
+            assert!(err < 1e-5, "{label}: embed_lora relative error {err:.3e}");
+            for (i, &t) in ids.iter().enumerate() {
+                if !(start..start + part).contains(&(t as usize)) {
+                    assert_eq!(&got[i * h..(i + 1) * h], &y0[i * h..(i + 1) * h], "{label}: row {i}");
+                }
+            }
+            // The lookup over the rank's rows, one slot overlaying some.
+            let base = rng.bf16_vec(part * h, 1.0);
+            let over = rng.bf16_vec(3 * h, 1.0);
+            let mut map = vec![-1i32; part];
+            for (k, m) in [(0usize, 5usize), (1, part / 2), (2, part - 1)] {
+                map[m] = k as i32;
+            }
+            let lookup = |d: &Device| -> (Vec<bf16>, lora_kernels::FaultFlags) {
+                let (b, o, m) = (
+                    d.upload(&base).unwrap(),
+                    d.upload(&over).unwrap(),
+                    d.upload(&map).unwrap(),
+                );
+                let ents = d
+                    .upload(&[
+                        EmbedOverlayEntry::default(),
+                        EmbedOverlayEntry {
+                            slot_map: m.device_addr(),
+                            rows: o.device_addr(),
+                            n_rows: 3,
+                            pad: 0,
+                        },
+                    ])
+                    .unwrap();
+                let ids_d = d.upload(&ids).unwrap();
+                let rs: Vec<i32> = row_slot.iter().map(|&s| s.min(1)).collect();
+                let rs_d = d.upload(&rs).unwrap();
+                let mut out = d.upload(&vec![bf16::NAN; n * h]).unwrap();
+                embed_overlay_at(
+                    d,
+                    &ids_d,
+                    Some(&rs_d),
+                    Rows::dense(&b, part, h),
+                    start..start + part,
+                    vocab,
+                    &ents,
+                    RowsMut::dense(&mut out, n, h),
+                )
+                .unwrap();
+                (out.download().unwrap(), d.take_faults().unwrap())
+            };
+            let (want, _) = lookup(&cpu);
+            let (got, faults) = lookup(&dev);
+            assert!(faults.is_empty(), "{label}: lookup faults {faults}");
+            assert_eq!(widen(&got), widen(&want), "{label}: lookup");
+            for (i, &t) in ids.iter().enumerate() {
+                if !(start..start + part).contains(&(t as usize)) {
+                    assert!(
+                        got[i * h..(i + 1) * h].iter().all(|v| v.to_f32() == 0.0),
+                        "{label}: row {i}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -24,7 +24,12 @@
 //! tensors it is given, its slots shrink accordingly, and an apply takes the
 //! rank's input (its input columns, for a row-parallel module) and writes
 //! the rank's output ([`FusedTargets::single_at`], [`FusedTargets::qkv_at`],
-//! [`FusedTargets::gate_up_at`]). Routed experts are placed by expert
+//! [`FusedTargets::gate_up_at`]). With the vocab-parallel cut
+//! (`lora_layout::Placement::vocab_parallel`, `LORA_VOCAB_PARALLEL`) the
+//! embedding pair holds A's columns of the rank's vocabulary block
+//! ([`LoraPool::apply_embedding`] adds nothing to another rank's tokens)
+//! and the head pair B's rows of it (the head applies write the rank's
+//! logit columns). Routed experts are placed by expert
 //! parallelism (`LORA_EP_RANK` / `LORA_EP_WORLD`): the audit keeps the
 //! rank's block of experts and the replicated router, so its expert slots
 //! hold only those; without it, a tensor-parallel pool serves no

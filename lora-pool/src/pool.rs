@@ -1700,7 +1700,10 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// the embedding rows after any token overlay, PEFT's order). Rows of
     /// the base model, padding and adapters without it are untouched; a
     /// pool built without the embedding place (no adapter in it can have
-    /// one) launches nothing. Graph-capturable.
+    /// one) launches nothing. A vocab-parallel pool
+    /// (`Placement::vocab_parallel`) adds the delta only to rows whose
+    /// token is in its vocabulary block: the ranks' outputs sum to the
+    /// whole delta. Graph-capturable.
     pub fn apply_embedding<S: Step, Y: OutputElem>(
         &self,
         step: &S,
@@ -1718,23 +1721,29 @@ impl<C: SlotCompanion> LoraPool<C> {
                 self.cfg.hidden_size
             )));
         }
-        let Some(offset) = self.embedding_table_offset() else {
+        let (Some(offset), Some(place)) = (self.embedding_table_offset(), self.layout.embedding()) else {
             return Ok(());
         };
+        // A vocab-parallel rank's A holds its vocabulary columns only:
+        // another rank's token adds nothing here.
         let pairs = lora_kernels::EmbeddingPairs {
             table: &self.table,
             table_offset: offset,
             n_entries: self.opts.max_loras,
             stride: self.opts.max_rank,
-            vocab: self.cfg.vocab_size,
+            vocab: place.vocab,
+            vocab_start: place.vocab_start,
+            vocab_size: self.cfg.vocab_size,
         };
         lora_kernels::embed_lora(&self.device, ids, slots.buffer(), pairs, out)?;
         Ok(())
     }
 
-    /// The output head's target: its `[max_loras]` table, `vocab` outputs
-    /// from column 0, after checking `step` and x (`[kernel rows, hidden]`);
-    /// `None` for a pool without the head place (no adapter in it has one).
+    /// The output head's target: its `[max_loras]` table, the slot's head
+    /// rows as outputs from column 0 (`vocab`, or a vocab-parallel rank's
+    /// block: its logit columns), after checking `step` and x (`[kernel
+    /// rows, hidden]`); `None` for a pool without the head place (no
+    /// adapter in it has one).
     fn head_target<S: Step>(&self, step: &S, x: &Rows<'_, bf16>) -> Result<Option<LoraTarget<'_>>, PoolError> {
         self.check_step(step)?;
         if x.width != self.cfg.hidden_size || x.n_rows != step.kernel_rows() {
@@ -1747,19 +1756,24 @@ impl<C: SlotCompanion> LoraPool<C> {
                 self.cfg.hidden_size
             )));
         }
-        Ok(self.lm_head_table_offset().map(|table_offset| LoraTarget {
+        let (Some(table_offset), Some(place)) = (self.lm_head_table_offset(), self.layout.lm_head()) else {
+            return Ok(None);
+        };
+        Ok(Some(LoraTarget {
             table: &self.table,
             table_offset,
             n_entries: self.opts.max_loras,
-            out_dim: self.cfg.vocab_size,
+            out_dim: place.vocab,
             y_col_offset: 0,
         }))
     }
 
     /// The LoRA on the output head over a decode step: `logits[row, :] +=
-    /// scale · B (A h[row])` over the whole vocabulary, for each row whose
-    /// slot's adapter has one (x: the final hidden rows `[rows, hidden]`,
-    /// y: the logits, at least `vocab` wide, after the slot's head overlay:
+    /// scale · B (A h[row])` over the whole vocabulary (a vocab-parallel
+    /// pool: over its block, the rank's logit columns from column 0), for
+    /// each row whose slot's adapter has one (x: the final hidden rows
+    /// `[rows, hidden]`, y: the logits, at least as wide as the slot's head
+    /// rows, after the slot's head overlay:
     /// PEFT's order). The decode rule table plans the tall expand (rule 6
     /// where the other forms cannot stage it). A pool without the head
     /// place launches nothing. Graph-capturable.

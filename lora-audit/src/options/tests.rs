@@ -224,3 +224,28 @@ fn dora_is_refused_on_a_placed_pool() {
     };
     assert_eq!(placed.with_args(args).unwrap_err().variable, "dora");
 }
+
+#[test]
+fn the_vocab_parallel_cut_is_read_from_the_env_and_the_args() {
+    let off = opts(&[("LORA_TP_RANK", "1"), ("LORA_TP_WORLD", "2")]).unwrap();
+    assert!(!off.placement.vocab_parallel());
+    let on = opts(&[
+        ("LORA_TP_RANK", "1"),
+        ("LORA_TP_WORLD", "2"),
+        ("LORA_VOCAB_PARALLEL", "1"),
+    ])
+    .unwrap();
+    let want = lora_layout::Placement::new(1, 2).unwrap().with_vocab_parallel(true);
+    assert_eq!(on.placement, want);
+    // Args replacing the ranks keep it; the args' switch turns it on.
+    let args = AuditArgs {
+        tp_rank: Some(0),
+        ..AuditArgs::default()
+    };
+    assert!(on.with_args(args).unwrap().placement.vocab_parallel());
+    let args = AuditArgs {
+        vocab_parallel: true,
+        ..AuditArgs::default()
+    };
+    assert_eq!(off.with_args(args).unwrap().placement, want);
+}

@@ -7,7 +7,8 @@
 //! - [`dora`]: the DoRA rescale `y ← g ⊙ (y − b) + b` per row of a DoRA slot,
 //!   one pass after the expand.
 //! - [`moe_index`]: routed-expert entry-index builders.
-//! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
+//! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay;
+//!   the lookup also over a vocab-parallel rank's rows, `embed_overlay_at`).
 //! - [`embed_lora`]: LoRA on the input embedding (a gather of A's token
 //!   column, an expand by B, per row's slot).
 //! - [`limits`]: what the launch planners read of a device ([`limits::DeviceLimits`])
