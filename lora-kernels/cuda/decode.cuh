@@ -62,7 +62,7 @@ struct BgeParams {
     int stage_cols;  // outputs per block staged in shared memory (B rows and y values), 0: none
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgeParams) == 152 && sizeof(BgeParams) - sizeof(LoraTarget) * MAX_TARGETS == 56, "mirrors bgmv.rs");
+static_assert(sizeof(BgeParams) == 216 && sizeof(BgeParams) - sizeof(LoraTarget) * MAX_TARGETS == 56, "mirrors bgmv.rs");
 
 // 8 consecutive bf16 at p (16-byte load when aligned, else element loads).
 __device__ __forceinline__ uint4 load8_any(const bf16_t* p, bool aligned) {
@@ -97,4 +97,18 @@ __device__ __forceinline__ void bge_wait_first(const BgeParams& p) {
 // The entry bodies' end of a block's work: the next launch let in, unless that was done at once.
 __device__ __forceinline__ void bge_next_after_work(const BgeParams& p) {
     if (p.overlap == CHAIN_EARLY_READS || p.overlap == CHAIN_WAIT_FIRST) grid_launch_dependents();
+}
+
+// The DoRA epilogue (common.cuh) of the entry forms' eight outputs of one
+// row, where entry e (checked) has a rescale at target tg: d[j][h] and
+// d[j][h + 1] (h = 0 or 2) hold outputs c0 + 2j and c0 + 2j + 1 of the
+// target, j < 4 (the permuted tiles' order).
+__device__ __forceinline__ void bge_dora8(float (&d)[4][4], int h, const LoraTarget& tg, int e, int c0) {
+    const float* g = dora_scale_of(tg, e);
+    if (g == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        d[j][h] = dora_epilogue(d[j][h], g, tg, c0 + 2 * j);
+        d[j][h + 1] = dora_epilogue(d[j][h + 1], g, tg, c0 + 2 * j + 1);
+    }
 }

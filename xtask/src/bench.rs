@@ -741,6 +741,7 @@ fn whole_table(table: &DeviceBuffer<PairEntry>, n_entries: usize, out: usize) ->
         n_entries,
         out_dim: out,
         y_col_offset: 0,
+        dora: None,
     }]
 }
 
@@ -771,6 +772,7 @@ impl DecodeInputs {
                 n_entries: shape.entries,
                 out_dim: shape.out,
                 y_col_offset: t * shape.out,
+                dora: None,
             })
             .collect();
         let x = Rows::dense(x, shape.n, shape.in_dim);

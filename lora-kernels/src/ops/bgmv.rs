@@ -458,7 +458,7 @@ struct Bgmv2Params {
     row_ks: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<Bgmv2Params>() == 184 && std::mem::offset_of!(Bgmv2Params, targets) == 88);
+const _: () = assert!(size_of::<Bgmv2Params>() == 248 && std::mem::offset_of!(Bgmv2Params, targets) == 88);
 
 /// Resident blocks per multiprocessor of the two-phase kernels (`__launch_bounds__` in `cuda/bgmv.cu`).
 const SHRINK_BLOCKS_PER_SM: usize = 4;
@@ -502,7 +502,7 @@ struct BgmvParams {
     pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgmvParams>() == 224 && std::mem::offset_of!(BgmvParams, targets) == 128);
+const _: () = assert!(size_of::<BgmvParams>() == 288 && std::mem::offset_of!(BgmvParams, targets) == 128);
 
 /// How [`bgmv_with`] runs a call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -80,7 +80,7 @@ struct SgmvParams {
     pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<SgmvParams>() == 216 && std::mem::offset_of!(SgmvParams, targets) == 120);
+const _: () = assert!(size_of::<SgmvParams>() == 280 && std::mem::offset_of!(SgmvParams, targets) == 120);
 
 /// How rows pick their entry.
 #[derive(Clone, Copy)]

@@ -357,6 +357,7 @@ fn pick_one_target(rows: RowShape, out: usize, entries: usize, fixed: Fixed) -> 
         n_entries: entries,
         out_dim: out,
         y_col_offset: 0,
+        dora: None,
     }];
     LaunchChoice::pick(&H200, rows, &call_targets(&t), fixed)
 }
@@ -439,6 +440,7 @@ fn launch_choices_keep_every_block_resident() {
         n_entries: 1,
         out_dim: 64,
         y_col_offset: 0,
+        dora: None,
     }];
     let rows = RowShape {
         in_dim: 64,
