@@ -15,9 +15,10 @@
 //                into a bf16 high and low part so t keeps ~16 bits; B and t
 //                staged in shared memory first; y read once, the DoRA
 //                epilogue applied where the tile's entry has a rescale
-//                (common.cuh), and rounded once. Persistent blocks, each a balanced run of the items;
-//                the host may launch it as a programmatic dependent of the
-//                shrink (it waits before reading t).
+//                (common.cuh), and rounded once. Persistent blocks, each
+//                a balanced run of the items; the host may launch it as a
+//                programmatic dependent of the shrink (it waits before
+//                reading t).
 // On sm_90a (compute capability 9.0) both phases also have warpgroup-MMA
 // kernels, the host's default there: sgmv_shrink_wg{16,32,64}_bf16 (A tiles
 // of 16, 32 or 64 rows, x and A in 128-byte-swizzled tiles read by wgmma)

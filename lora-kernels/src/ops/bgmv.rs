@@ -5,7 +5,10 @@
 //!
 //! Dense decode passes `idx = seq_slot` into a `[max_loras]` table; MoE
 //! passes `idx = expert * max_loras + slot` into a `[num_experts * max_loras]`
-//! table. CUDA kernel family: `cuda/bgmv.cu`, the entry-clustered form's
+//! table. A target may carry a DoRA epilogue ([`super::dora`]): every form
+//! writes each output element of y from one thread, which rescales the rows
+//! of DoRA entries there before it rounds them; the plan does not look at
+//! it. CUDA kernel family: `cuda/bgmv.cu`, the entry-clustered form's
 //! `cuda/bgmv_entry.cu` (module `entry`) and the row-register form's
 //! `cuda/bgmv_rows.cu` (module `rows`), compiled with it.
 //!
