@@ -585,12 +585,12 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                 }
             }
             if (ya) {
-                bge_dora8(d, 0, tg, e, base + 8 * c);
+                bge_dora8(d, 0, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
                 *(uint4*)ya = make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
                                          pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1]));
             }
             if (yb) {
-                bge_dora8(d, 2, tg, e, base + 8 * c);
+                bge_dora8(d, 2, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
                 *(uint4*)yb = make_uint4(pack_bf2_rn(d[0][2], d[0][3]), pack_bf2_rn(d[1][2], d[1][3]),
                                          pack_bf2_rn(d[2][2], d[2][3]), pack_bf2_rn(d[3][2], d[3][3]));
             }
@@ -675,8 +675,11 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     if (e >= tg.n_entries) return;
     const PairEntry en = ((const PairEntry*)tg.table)[e];
     // Weights not 16- and 8-byte aligned: the staged body's element loads
-    // (uniform over the cluster; it reads the indices again, unstaged).
-    if (!aligned16((const void*)en.a) || (en.b & 7ull) != 0) {
+    // (uniform over the cluster; it reads the indices again, unstaged). An
+    // entry with a DoRA rescale at the target likewise: the staged body
+    // applies the epilogue, which inlined here spilled this kernel's
+    // registers on every call, DoRA or not.
+    if (!aligned16((const void*)en.a) || (en.b & 7ull) != 0 || dora_scale_of(tg, e) != nullptr) {
         bge_reg_fallback<C>(p);
         return;
     }
@@ -803,12 +806,11 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
                 mma_k16(d[j], th[0], 0u, th[1], 0u, b0, b1);
                 mma_k16(d[j], tl[0], 0u, tl[1], 0u, b0, b1);
             }
-            if (y_ok) {
-                bge_dora8(d, 0, tg, e, base + 8 * c);
+            // No DoRA epilogue here: an entry with a rescale runs the staged body (above).
+            if (y_ok)
                 st_global16(y + (u64)row * p.y_stride + base + 8 * c,
                             make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
                                        pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
-            }
         }
     }
     bge_next_after_work(p);
@@ -1116,7 +1118,7 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
                 mma_k16(d[j], tl[0], 0u, tl[1], 0u, b0, b1);
             }
             if (y_ok) {
-                bge_dora8(d, 0, tg, e, base + 8 * c);
+                bge_dora8(d, 0, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
                 st_global16(y + (u64)row * p.y_stride + base + 8 * c,
                             make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
                                        pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
