@@ -22,7 +22,12 @@
 //! its slice of the outputs of one row or one entry's rows; sgmv's expand,
 //! one tile of one segment), which applies the epilogue to the value it
 //! stores. The plan does not look at the epilogue: a call with DoRA targets
-//! is planned as the same call without them.
+//! is planned as the same call without them. Inside the entry-clustered
+//! form's register kernel, whose whole A slice and B rows live in 80
+//! registers, an entry with a rescale runs the form's staged body instead
+//! (as an entry of unaligned weights does), and the staged kernels rescale
+//! in a non-inlined function: so the epilogue costs a plain call no
+//! register there (inlined, it spilled them).
 //!
 //! The rescale is `g · (v − b) + b` in f32 with no fused multiply-add on
 //! both backends (`dora_epilogue` in `cuda/common.cuh`), so for a given
