@@ -2,7 +2,8 @@ use half::bf16;
 
 use super::*;
 use crate::ops::bgmv::bgmv;
-use crate::ops::{LoraTarget, OutputElem, Rows, RowsMut};
+use crate::ops::sgmv::{Segments, sgmv};
+use crate::ops::{LoraTarget, LoraWorkspace, OutputElem, Rows, RowsMut, WorkspaceSpec};
 use crate::table::PairEntry;
 use crate::testing::{RandomPairs, Rng, cuda_or_skip};
 
@@ -102,6 +103,18 @@ impl Case {
 
     /// The decode apply (bgmv) of the batch on y0, with the DoRA epilogue or without.
     fn run<Y: OutputElem>(&self, device: &Device, y0: &[Y], dora: bool) -> Result<Vec<Y>, KernelError> {
+        self.run_as(device, y0, dora, false)
+    }
+
+    /// The batch's apply on y0: decode (bgmv), or with `prefill` the
+    /// segment apply (sgmv) with every row a segment of its own.
+    fn run_as<Y: OutputElem>(
+        &self,
+        device: &Device,
+        y0: &[Y],
+        dora: bool,
+        prefill: bool,
+    ) -> Result<Vec<Y>, KernelError> {
         let mut g_bufs = Vec::new();
         let mut table = vec![0u64; 2 * N_SLOTS];
         for t in 0..2 {
@@ -160,14 +173,26 @@ impl Case {
             width: self.width,
             stride: self.stride,
         };
-        bgmv(
-            device,
-            Rows::dense(&x, self.n_rows, self.in_dim),
-            &idx,
-            &targets,
-            self.rank_stride,
-            rows,
-        )?;
+        let x = Rows::dense(&x, self.n_rows, self.in_dim);
+        if prefill {
+            let cu: Vec<i32> = (0..=self.n_rows as i32).collect();
+            let cu = device.upload(&cu)?;
+            let segments = Segments {
+                cu_seqlens: &cu,
+                seg_slot: &idx,
+                n_segments: self.n_rows,
+            };
+            let spec = WorkspaceSpec {
+                max_rows: self.n_rows,
+                max_rank: self.rank_stride,
+                max_segments: self.n_rows,
+                max_targets: 2,
+            };
+            let mut ws = LoraWorkspace::new(device, spec)?;
+            sgmv(device, x, &segments, &targets, self.rank_stride, rows, &mut ws)?;
+        } else {
+            bgmv(device, x, &idx, &targets, self.rank_stride, rows)?;
+        }
         device.synchronize()?;
         device.check_faults()?;
         y.download()
@@ -194,6 +219,20 @@ fn the_cpu_epilogue_rescales_dora_rows_only_and_keeps_the_bias_outside() {
         assert_eq!(
             bits(&case.run::<bf16>(&device, &y_bf16, true).unwrap()),
             bits(&case.expected::<bf16>(&deltas))
+        );
+    }
+}
+
+#[test]
+fn the_prefill_apply_rescales_as_the_decode_apply() {
+    let mut rng = Rng::fresh("dora epilogue prefill cpu");
+    let device = Device::cpu();
+    for _ in 0..10 {
+        let case = Case::random(&mut rng);
+        let y: Vec<bf16> = case.y0.iter().map(|v| bf16::from_f32(*v)).collect();
+        assert_eq!(
+            bits(&case.run_as::<bf16>(&device, &y, true, true).unwrap()),
+            bits(&case.run::<bf16>(&device, &y, true).unwrap())
         );
     }
 }
