@@ -1,12 +1,14 @@
 //! DoRA serving state: the engine's base weights ([`BaseWeights`]) and,
 //! beside the slots, each slot's per-output-row rescale `g = m / ‖W + s·B A‖`
 //! (PEFT's `mag_norm_scale`, [`lora_audit::dora`]) with the `[max_loras]`
-//! table of `g` addresses per (layer, module) that the rescale pass
-//! ([`lora_kernels::dora_rescale`]) reads, and the base biases it keeps
-//! outside the rescale.
+//! table of `g` addresses per (layer, module) and the base biases kept
+//! outside the rescale: every apply call's targets carry them
+//! ([`lora_kernels::DoraEpilogue`]), and the expand rescales the rows of
+//! DoRA slots in its epilogue, so a mixed batch stays one launch.
 //!
 //! Allocated only for a pool built with [`LoraOptions::dora`]
-//! (`LORA_DORA=1`); a plain pool holds none of it and launches no rescale.
+//! (`LORA_DORA=1`); a plain pool holds none of it and its targets carry no
+//! epilogue.
 //! Buffers are allocated once and never move (graphs stay valid): `g` is
 //! `[max_loras, total_out]` f32 (`total_out` the sum of every adapted
 //! projection's output width over the slot layout walk), the biases
@@ -39,12 +41,11 @@ use std::sync::Arc;
 use half::bf16;
 use lora_audit::dora::BaseProjection;
 use lora_audit::{AuditError, LoraOptions, PreparedAdapter, Refusal, RejectCode};
-use lora_kernels::{Device, DeviceBuffer, DoraNorm, DoraTarget, PairEntry, dora_row_scale};
+use lora_kernels::{Device, DeviceBuffer, DoraEpilogue, DoraNorm, PairEntry, dora_row_scale};
 use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 
 use crate::error::PoolError;
 use crate::pool::module_table_offset;
-use crate::target::FusedTargets;
 
 /// The base model's projection weights, as the engine holds them: what a
 /// DoRA adapter's rescale needs. The engine passes it to the pool once
@@ -343,32 +344,23 @@ impl DoraState {
             .count()
     }
 
-    /// The rescale targets of one apply call.
-    pub(crate) fn targets(
+    /// The DoRA epilogue of (layer, module) for an apply call's target:
+    /// its `[max_loras]` range of `g` addresses (indexed by slot, as the
+    /// pair table is) and its base bias.
+    pub(crate) fn epilogue(
         &self,
         layout: &SlotLayout,
         layer: usize,
-        targets: &FusedTargets,
-    ) -> Result<Vec<DoraTarget<'_>>, PoolError> {
-        targets
-            .targets()
-            .iter()
-            .map(|m| {
-                let i = layout.position(layer, m.module).ok_or(PoolError::NoSuchModule {
-                    layer,
-                    module: m.module,
-                })?;
-                Ok(DoraTarget {
-                    table: &self.table,
-                    table_offset: module_table_offset(layer, m.module, self.max_loras).ok_or(overflow())?,
-                    n_entries: self.max_loras,
-                    bias: &self.bias,
-                    bias_offset: self.row_offsets[i],
-                    out_dim: layout.entries()[i].out_dim,
-                    y_col_offset: m.y_col_offset,
-                })
-            })
-            .collect()
+        module: LoraModule,
+    ) -> Result<DoraEpilogue<'_>, PoolError> {
+        let i = layout
+            .position(layer, module)
+            .ok_or(PoolError::NoSuchModule { layer, module })?;
+        Ok(DoraEpilogue {
+            table: &self.table,
+            table_offset: module_table_offset(layer, module, self.max_loras).ok_or(overflow())?,
+            bias: Some((&self.bias, self.row_offsets[i])),
+        })
     }
 }
 

@@ -13,8 +13,9 @@
 //!
 //! A pool built for DoRA ([`LoraOptions::dora`]) takes the engine's
 //! [`BaseWeights`] ([`LoraPool::set_base_weights`]), computes each DoRA
-//! adapter's per-row rescale when it is staged and rescales the rows of
-//! DoRA slots after every apply (one pass over the mixed batch); without
+//! adapter's per-row rescale when it is staged, and every apply's expand
+//! rescales the rows of DoRA slots in its epilogue (the mixed batch stays
+//! one launch); without
 //! the base weights a DoRA adapter is refused,
 //! `REJECT[dora-needs-base-weights]`.
 //!

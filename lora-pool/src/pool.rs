@@ -1644,7 +1644,14 @@ impl<C: SlotCompanion> LoraPool<C> {
         x: &Rows<'_, bf16>,
     ) -> Result<Vec<LoraTarget<'_>>, PoolError> {
         self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
-        kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)
+        kernel_targets(
+            &self.table,
+            self.dora.as_ref(),
+            &self.layout,
+            self.opts.max_loras,
+            layer,
+            targets,
+        )
     }
 
     fn check_inputs<S: Step>(
@@ -1765,6 +1772,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             n_entries: self.opts.max_loras,
             out_dim: place.vocab,
             y_col_offset: 0,
+            dora: None,
         }))
     }
 
@@ -1860,34 +1868,15 @@ impl<C: SlotCompanion> LoraPool<C> {
         options: DecodeOptions,
     ) -> Result<(), PoolError> {
         let kernel_targets = self.call_targets(step, layer, targets, &x)?;
-        let mut y = y;
         bgmv_with(
             &self.device,
             x,
             &self.seq_slot,
             &kernel_targets,
             self.opts.max_rank,
-            reborrow(&mut y),
+            y,
             options,
         )?;
-        self.rescale_dora(&self.seq_slot, layer, targets, y)
-    }
-
-    /// The DoRA rescale of an apply's rows, after its expand (a pool built
-    /// for DoRA only; one launch over the whole mixed batch, rows of other
-    /// slots untouched): `row_slot` holds each kernel row's slot.
-    fn rescale_dora<Y: OutputElem>(
-        &self,
-        row_slot: &DeviceBuffer<i32>,
-        layer: usize,
-        targets: &FusedTargets,
-        y: RowsMut<'_, Y>,
-    ) -> Result<(), PoolError> {
-        let Some(dora) = &self.dora else {
-            return Ok(());
-        };
-        let dora_targets = dora.targets(&self.layout, layer, targets)?;
-        lora_kernels::dora_rescale(&self.device, row_slot, &dora_targets, y)?;
         Ok(())
     }
 
@@ -1967,20 +1956,17 @@ impl<C: SlotCompanion> LoraPool<C> {
             seg_slot: &self.seg_slot,
             n_segments: step.rows.rows.len(),
         };
-        let mut y = y;
-        {
-            let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-            sgmv(
-                &self.device,
-                x,
-                &segments,
-                &kernel_targets,
-                self.opts.max_rank,
-                reborrow(&mut y),
-                &mut workspace,
-            )?;
-        }
-        self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
+        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        sgmv(
+            &self.device,
+            x,
+            &segments,
+            &kernel_targets,
+            self.opts.max_rank,
+            y,
+            &mut workspace,
+        )?;
+        Ok(())
     }
 
     /// One-adapter prefill: every row of `step` runs the same adapter
@@ -2000,34 +1986,25 @@ impl<C: SlotCompanion> LoraPool<C> {
             return Ok(());
         }
         let slot = step.one_adapter().ok_or(PoolError::NotOneAdapter)?;
-        let kernel = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
-        let mut y = y;
-        {
-            let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-            one_adapter(
-                &self.device,
-                x,
-                slot.index(),
-                &kernel,
-                self.opts.max_rank,
-                reborrow(&mut y),
-                &mut workspace,
-            )?;
-        }
-        // The step's per-token map names the one slot (or base) on every row.
-        self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
-    }
-}
-
-/// A shorter-lived view of the same rows, so one `RowsMut` serves the
-/// expand and then the DoRA rescale.
-fn reborrow<'b, Y: OutputElem>(y: &'b mut RowsMut<'_, Y>) -> RowsMut<'b, Y> {
-    RowsMut {
-        buf: y.buf,
-        offset: y.offset,
-        n_rows: y.n_rows,
-        width: y.width,
-        stride: y.stride,
+        let kernel = kernel_targets(
+            &self.table,
+            self.dora.as_ref(),
+            &self.layout,
+            self.opts.max_loras,
+            layer,
+            targets,
+        )?;
+        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        one_adapter(
+            &self.device,
+            x,
+            slot.index(),
+            &kernel,
+            self.opts.max_rank,
+            y,
+            &mut workspace,
+        )?;
+        Ok(())
     }
 }
 
@@ -2042,9 +2019,12 @@ pub(crate) fn module_table_offset(layer: usize, module: LoraModule, max_loras: u
 }
 
 /// The kernel targets of `targets` at `layer`: each module's `[max_loras]`
-/// range of the pool's table.
+/// range of the pool's table, and on a DoRA pool the module's DoRA
+/// epilogue (its `[max_loras]` range of `g` addresses and its base bias),
+/// so one launch applies LoRA and DoRA rows alike.
 fn kernel_targets<'t>(
     table: &'t DeviceBuffer<PairEntry>,
+    dora: Option<&'t crate::dora::DoraState>,
     layout: &SlotLayout,
     max_loras: usize,
     layer: usize,
@@ -2066,6 +2046,7 @@ fn kernel_targets<'t>(
                 n_entries: max_loras,
                 out_dim: entry.out_dim,
                 y_col_offset: m.y_col_offset,
+                dora: dora.map(|d| d.epilogue(layout, layer, m.module)).transpose()?,
             })
         })
         .collect()
