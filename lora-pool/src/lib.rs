@@ -143,14 +143,14 @@ mod streaming;
 mod target;
 
 pub use companion::{NoCompanion, SlotCompanion};
-pub use dora::{BaseWeights, DeviceProjection};
+pub use dora::{BaseWeights, DeviceProjection, DoraMagnitude, DoraMagnitudes};
 pub use error::PoolError;
 pub use expert::ExpertPool;
 pub use host_tier::{HostTierView, TierError};
 pub use lease::{SlotLease, SlotUse};
 pub use lora_audit::LoraOptions;
 pub use lora_audit::dora::BaseProjection;
-pub use pool::{AdapterSource, BatchCapacity, LoraPool, SwapReport, SwapRoute};
+pub use pool::{AdapterSource, BatchCapacity, LandedImages, LoraPool, SwapReport, SwapRoute};
 pub use prefetch::PrefetchEvent;
 pub use registry::{AdapterSlot, SlotRegistry};
 pub use slot::{RowSlot, SlotId};
