@@ -312,7 +312,11 @@ impl DoraState {
                 return Err(refuse(
                     key,
                     RejectCode::Shape,
-                    format!("the magnitude has {} values; the projection has {} output rows", m.len(), entry.out_dim),
+                    format!(
+                        "the magnitude has {} values; the projection has {} output rows",
+                        m.len(),
+                        entry.out_dim
+                    ),
                 ));
             }
             let base = self.base.as_ref();

@@ -74,7 +74,9 @@ impl HostImage {
             .dora
             .as_ref()
             .map_or(0, |d| d.pairs.iter().map(|p| 4 * p.magnitude.len()).sum());
-        (2 * self.dense.len()).saturating_add(experts).saturating_add(magnitudes)
+        (2 * self.dense.len())
+            .saturating_add(experts)
+            .saturating_add(magnitudes)
     }
 
     /// Whether the image is still what `dir` holds.

@@ -326,7 +326,8 @@ fn dora_adapters_promoted_from_the_host_tier_equal_a_disk_swap() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
 fn gpu_dora_adapters_promoted_from_the_host_tier_equal_a_disk_swap() {
-    let Some(gpu) = lora_kernels::testing::cuda_or_skip("gpu_dora_adapters_promoted_from_the_host_tier_equal_a_disk_swap")
+    let Some(gpu) =
+        lora_kernels::testing::cuda_or_skip("gpu_dora_adapters_promoted_from_the_host_tier_equal_a_disk_swap")
     else {
         return;
     };
@@ -390,8 +391,10 @@ fn dora_through_the_host_tier_equals_a_disk_swap(device: &Device) {
         for m in LoraModule::ALL {
             for layer in 0..cfg.num_hidden_layers {
                 assert_eq!(
-                    pool.entry(layer, m, SlotId::new(1)).map(|e| (e.rank, e.scale.to_bits())),
-                    disk.entry(layer, m, SlotId::new(1)).map(|e| (e.rank, e.scale.to_bits())),
+                    pool.entry(layer, m, SlotId::new(1))
+                        .map(|e| (e.rank, e.scale.to_bits())),
+                    disk.entry(layer, m, SlotId::new(1))
+                        .map(|e| (e.rank, e.scale.to_bits())),
                 );
             }
         }

@@ -240,8 +240,18 @@ pub fn plan_staging<'a>(
             };
             (key, p.rank, &p.a[..], &p.b[..], p.magnitude.as_deref())
         })
-        .chain(adapter.embedding.iter().map(|e| (PairKey::Embedding, e.rank, &e.a[..], &e.b[..], None)))
-        .chain(adapter.lm_head.iter().map(|e| (PairKey::LmHead, e.rank, &e.a[..], &e.b[..], None)))
+        .chain(
+            adapter
+                .embedding
+                .iter()
+                .map(|e| (PairKey::Embedding, e.rank, &e.a[..], &e.b[..], None)),
+        )
+        .chain(
+            adapter
+                .lm_head
+                .iter()
+                .map(|e| (PairKey::LmHead, e.rank, &e.a[..], &e.b[..], None)),
+        )
         .chain(adapter.experts.iter().map(|p| {
             let key = PairKey::Expert {
                 layer: p.layer,
@@ -296,7 +306,10 @@ pub fn plan_staging<'a>(
         let b_len = bytes(s.place.out_dim.checked_mul(s.stride), 2)?;
         let m_len = bytes(Some(s.place.out_dim), 4)?;
         let magnitude = s.magnitude.map(|_| (WirePart::Magnitude, m_len));
-        for (part, len) in [(WirePart::A, a_len), (WirePart::B, b_len)].into_iter().chain(magnitude) {
+        for (part, len) in [(WirePart::A, a_len), (WirePart::B, b_len)]
+            .into_iter()
+            .chain(magnitude)
+        {
             parts.push(StagedPart {
                 key: s.key,
                 part,

@@ -49,7 +49,8 @@ fn peer_pool(peer: &PeerProcess) -> LoraPool {
         assert!(landed.bytes > 0);
         let victim = pool.pick_victim(adapter).unwrap();
         let (dense, experts) = target.into_images();
-        pool.publish_landed(victim, adapter, landed.into_images(dense, experts)).unwrap();
+        pool.publish_landed(victim, adapter, landed.into_images(dense, experts))
+            .unwrap();
     }
     pool
 }

@@ -283,7 +283,9 @@ fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
     let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
     // The first B entry: set the last byte of its first row (a padding
     // column at rank 4 < stride 16) and give the manifest that checksum.
-    let manifest = store.manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp).unwrap();
+    let manifest = store
+        .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
+        .unwrap();
     let (index, entry) = manifest
         .entries
         .iter()
@@ -313,7 +315,9 @@ fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
 }
 
 fn manifest(store: &PeerStore, adapter: &str) -> Manifest {
-    store.manifest(adapter, 16, 16, WirePlacement::SINGLE, TransportKind::Tcp).unwrap()
+    store
+        .manifest(adapter, 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
+        .unwrap()
 }
 
 #[test]
@@ -540,7 +544,9 @@ fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
 
     // Non-zero B padding under a matching checksum.
     let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
-    let manifest = store.manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp).unwrap();
+    let manifest = store
+        .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
+        .unwrap();
     let (index, entry) = manifest
         .entries
         .iter()

@@ -581,7 +581,7 @@ impl PeerStore {
             .map(|p| {
                 Some(ManifestEntry {
                     key: WireKey::from_key(p.key),
-                    part: p.part.into(),
+                    part: p.part,
                     len: p.len as u64,
                     checksum: p.checksum,
                     location: PeerStore::location(&staged, p.offset, transport)?,

@@ -5,8 +5,8 @@ use std::thread::JoinHandle;
 use lora_pool::image::ImageError;
 
 use super::*;
-use crate::protocol::{PeerRefusal, RefusalCode};
 use crate::manifest::WirePlacement;
+use crate::protocol::{PeerRefusal, RefusalCode};
 use crate::wire::write_frame;
 
 /// A one-connection server running `script` on the accepted stream.
