@@ -14,7 +14,10 @@
 //! `[layers · modules · max_loras]` u64 (0: no DoRA pair).
 //!
 //! `g` is computed when an adapter is staged (phase one, fallible: a missing
-//! or misshapen base weight, a zero row norm), on the pool's device
+//! or misshapen base weight, a zero row norm) by every route (disk swap,
+//! host tier, peer landing: the latter two carry the magnitudes,
+//! [`DoraMagnitudes`], and put their packed image in the staging slot
+//! first), on the pool's device
 //! ([`lora_kernels::dora_row_scale`]) from the pair's A and B as packed in
 //! the staging slot, the base weight (the engine's device copy when it
 //! gives one, else an upload of its host weight) and the magnitude; read

@@ -16,7 +16,10 @@
 //! adapter's per-row rescale when it is staged and rescales the rows of
 //! DoRA slots after every apply (one pass over the mixed batch); without
 //! the base weights a DoRA adapter is refused,
-//! `REJECT[dora-needs-base-weights]`.
+//! `REJECT[dora-needs-base-weights]`. Every route carries a DoRA adapter:
+//! the host tier and a peer landing keep its magnitudes beside the packed
+//! pairs ([`DoraMagnitudes`]), and its rescale is computed when it is
+//! promoted, as a disk swap computes it.
 //!
 //! Under a tensor-parallel placement (`LoraOptions::placement`,
 //! `LORA_TP_RANK` / `LORA_TP_WORLD`) a pool holds only its rank's shard of

@@ -108,7 +108,8 @@ pub enum SwapRoute {
     /// Images landed from a peer.
     Landed,
     /// A packed image of the host tier, copied as it is: no read, audit or
-    /// parse.
+    /// parse (a DoRA adapter's goes through the device staging slot, where
+    /// its rescale is computed from it).
     HostTier,
 }
 
