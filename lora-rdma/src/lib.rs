@@ -43,7 +43,8 @@
 //! let mut target = HostLanding::new(lander.layout());
 //! let landed = lander.land(&mut transport, "r8", &mut target)?;
 //! assert_eq!(target.dense().pairs(), &landed.dense[..]);
-//! // `target.into_images()` goes to `LoraPool::publish_landed`.
+//! // `landed.into_images(dense, experts)` (the target's images) goes to
+//! // `LoraPool::publish_landed`.
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!

@@ -575,6 +575,45 @@ fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
     assert_fresh(&target);
 }
 
+/// A landed DoRA magnitude that is not finite, under a matching checksum,
+/// is refused by type and leaves fresh images.
+#[test]
+fn a_non_finite_magnitude_is_refused() {
+    let dora = LoraOptions {
+        dora: true,
+        ..opts(16, 16)
+    };
+    let store = store("llama", &["dora"], StoreOptions::default());
+    let lander = Lander::new(config("llama"), dora).unwrap();
+    let manifest = manifest(&store, "dora");
+    let (index, entry) = manifest
+        .entries
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.part == WirePart::Magnitude)
+        .unwrap();
+    let Location::Tcp { region, offset } = entry.location else {
+        panic!()
+    };
+    let range = ReadRange {
+        region,
+        offset,
+        len: entry.len,
+    };
+    let resolved = store.resolve(&[range]).unwrap();
+    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
+    let poison = |b: &mut [u8]| b[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+    poison(&mut bytes);
+    let checksum = xxh64(&bytes);
+    let mut transport = MemTransport::new(&store);
+    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
+    transport.poison = Some((index, Box::new(poison)));
+    let mut target = HostLanding::new(lander.layout());
+    let err = lander.land(&mut transport, "dora", &mut target).unwrap_err();
+    assert!(matches!(err, LandError::NonFiniteMagnitude { index: 1, .. }), "{err}");
+    assert_fresh(&target);
+}
+
 /// A part checked when it landed and then handed out again is checked
 /// again: what is published is what was checked last.
 #[test]
