@@ -17,7 +17,10 @@
 //! rescales the rows of DoRA slots in its epilogue (the mixed batch stays
 //! one launch); without
 //! the base weights a DoRA adapter is refused,
-//! `REJECT[dora-needs-base-weights]`.
+//! `REJECT[dora-needs-base-weights]`. Every route carries a DoRA adapter:
+//! the host tier and a peer landing keep its magnitudes beside the packed
+//! pairs ([`DoraMagnitudes`]), and its rescale is computed when it is
+//! promoted, as a disk swap computes it.
 //!
 //! Under a tensor-parallel placement (`LoraOptions::placement`,
 //! `LORA_TP_RANK` / `LORA_TP_WORLD`) a pool holds only its rank's shard of
@@ -149,14 +152,14 @@ mod streaming;
 mod target;
 
 pub use companion::{NoCompanion, SlotCompanion};
-pub use dora::{BaseWeights, DeviceProjection};
+pub use dora::{BaseWeights, DeviceProjection, DoraMagnitude, DoraMagnitudes};
 pub use error::PoolError;
 pub use expert::ExpertPool;
 pub use host_tier::{HostTierView, TierError};
 pub use lease::{SlotLease, SlotUse};
 pub use lora_audit::LoraOptions;
 pub use lora_audit::dora::BaseProjection;
-pub use pool::{AdapterSource, BatchCapacity, LoraPool, SwapReport, SwapRoute};
+pub use pool::{AdapterSource, BatchCapacity, LandedImages, LoraPool, SwapReport, SwapRoute};
 pub use prefetch::PrefetchEvent;
 pub use registry::{AdapterSlot, SlotRegistry};
 pub use slot::{RowSlot, SlotId};

@@ -108,8 +108,37 @@ pub enum SwapRoute {
     /// Images landed from a peer.
     Landed,
     /// A packed image of the host tier, copied as it is: no read, audit or
-    /// parse.
+    /// parse (a DoRA adapter's goes through the device staging slot, where
+    /// its rescale is computed from it).
     HostTier,
+}
+
+/// What a peer landing hands [`LoraPool::publish_landed`]: the landed
+/// images, checked by the caller, and what the pool needs beside them.
+#[derive(Debug, Clone)]
+pub struct LandedImages {
+    /// The dense image, over the pool's slot layout.
+    pub dense: SlotImage,
+    /// The expert image over its expert layout (`None`: no expert or
+    /// router pair on this rank).
+    pub experts: Option<(ExpertLayout, SlotImage)>,
+    /// Whether the adapter has expert or router pairs on some rank of the
+    /// expert-parallel group (this rank may hold none of them).
+    pub group_expert_deltas: bool,
+    /// A DoRA adapter's magnitudes (`None` for a plain adapter).
+    pub dora: Option<crate::dora::DoraMagnitudes>,
+}
+
+impl LandedImages {
+    /// A plain adapter's landed images.
+    pub fn new(dense: SlotImage, experts: Option<(ExpertLayout, SlotImage)>) -> LandedImages {
+        LandedImages {
+            group_expert_deltas: experts.is_some(),
+            dense,
+            experts,
+            dora: None,
+        }
+    }
 }
 
 /// An adapter staged off to the side: everything a publish writes, checked.
@@ -750,12 +779,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         let (staged, audit_us) = self.stage_from_dir(name, dir)?;
         let stage_us = started.elapsed().as_secs_f64() * 1e6;
         let route = staged.route;
-        let dora = !staged.dora.is_empty();
         self.begin_publish(slot, staged, stage_us, audit_us)?;
         // The host tier fills on the way: the worker packs the adapter there,
-        // off this path (its event comes as a prefetch's would). A DoRA
-        // adapter is not kept there (`TierError::Dora`).
-        if !dora && let Some(prefetcher) = &self.prefetcher {
+        // off this path (its event comes as a prefetch's would; a DoRA
+        // adapter's magnitudes with it).
+        if let Some(prefetcher) = &self.prefetcher {
             // A stopped worker only means no tier fill; the swap goes on.
             let _ = prefetcher.request(name, dir);
         }
@@ -845,6 +873,18 @@ impl<C: SlotCompanion> LoraPool<C> {
                 .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
             pool.check_fits(name, &experts.0)?;
         }
+        // A DoRA adapter's image goes to the device staging slot first,
+        // where its rescale is computed from it as a disk swap's is; the
+        // publish then copies the slot from there.
+        let (dense, dora) = match &image.dora {
+            Some(magnitudes) => {
+                let scales = self.stage_dora(name, magnitudes, |staging| {
+                    staging.upload_pinned_on(Lane::Copy, 0, &image.dense)
+                })?;
+                (DenseSource::Staging, scales)
+            }
+            None => (DenseSource::Host(Arc::clone(&image)), Vec::new()),
+        };
         let companion = self.companion.stage(name, &image.overlay)?;
         Ok(Staged {
             name: name.to_string(),
@@ -854,10 +894,49 @@ impl<C: SlotCompanion> LoraPool<C> {
             group_expert_deltas: image.group_expert_deltas,
             companion: Some(companion),
             has_overlay: image.has_overlay,
-            dense: DenseSource::Host(image),
-            // The tier never holds a DoRA adapter (`TierError::Dora`).
-            dora: Vec::new(),
+            dense,
+            dora,
         })
+    }
+
+    /// The rescales of a DoRA adapter whose packed dense image arrives by
+    /// another route than a disk swap (the host tier, a peer landing):
+    /// `upload` queues the image into the device staging slot on the copy
+    /// lane, and the rescale is computed there from it, the magnitudes and
+    /// the base weights, exactly as [`Self::stage`] computes a disk swap's.
+    /// The publish copies the slot from the staging slot.
+    fn stage_dora(
+        &mut self,
+        name: &str,
+        magnitudes: &crate::dora::DoraMagnitudes,
+        upload: impl FnOnce(&mut DeviceBuffer<bf16>) -> Result<(), lora_kernels::KernelError>,
+    ) -> Result<Vec<crate::dora::StagedScale>, PoolError> {
+        if self.dora.is_none() {
+            return Err(crate::dora::refuse_not_built(name, &magnitudes.report));
+        }
+        let inputs = magnitudes.inputs()?;
+        upload(&mut self.staging.device)?;
+        let Some(state) = &self.dora else {
+            return Err(crate::dora::refuse_not_built(name, &magnitudes.report));
+        };
+        let packed = self.device.record_event_on(Lane::Copy)?;
+        self.device.wait_event(Lane::Compute, &packed)?;
+        let scales = state.stage(
+            name,
+            &self.device,
+            &self.layout,
+            &self.staging.device,
+            &magnitudes.report,
+            inputs,
+        );
+        let read = self.device.record_event_on(Lane::Compute)?;
+        self.device.wait_event(Lane::Copy, &read)?;
+        if scales.is_err() {
+            // A refusal before the read-back: the upload's source must
+            // outlive its copy, which the caller's image may not.
+            self.device.synchronize()?;
+        }
+        scales
     }
 
     /// Tune the swap path for the host at hand: the host side is cut into
@@ -970,25 +1049,21 @@ impl<C: SlotCompanion> LoraPool<C> {
         Ok(())
     }
 
-    /// Publish images landed from a peer into `slot`: `dense` over the slot
-    /// layout, `experts` over its expert layout. The caller checked every
-    /// landed byte; nothing is read from a peer here.
-    pub fn publish_landed(
-        &mut self,
-        slot: SlotId,
-        name: &str,
-        dense: SlotImage,
-        experts: Option<(ExpertLayout, SlotImage)>,
-    ) -> Result<SwapReport, PoolError> {
+    /// Publish images landed from a peer into `slot`: the dense image over
+    /// the pool's slot layout (a placed pool's: the rank's shard of each
+    /// pair), the expert image over its expert layout, and a DoRA
+    /// adapter's magnitudes, whose rescale is computed here from the pool's
+    /// base weights as a disk swap's is. The caller checked every landed
+    /// byte; nothing is read from a peer here.
+    pub fn publish_landed(&mut self, slot: SlotId, name: &str, landed: LandedImages) -> Result<SwapReport, PoolError> {
+        let LandedImages {
+            dense,
+            experts,
+            group_expert_deltas,
+            dora,
+        } = landed;
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
-        }
-        let placement = self.opts.placement;
-        if placement != lora_layout::Placement::SINGLE {
-            return Err(PoolError::PlacedPeerLanding {
-                tp_world: placement.tp_world(),
-                ep_world: placement.ep_world(),
-            });
         }
         self.check_no_pending()?;
         self.check_idle(slot)?;
@@ -1015,18 +1090,26 @@ impl<C: SlotCompanion> LoraPool<C> {
         if let Some((layout, image)) = &experts {
             crate::image::check_finite(layout, image.as_elems()).map_err(image_err(name))?;
         }
+        let dense_pairs = dense.pairs().to_vec();
+        let (dense, dora) = match &dora {
+            Some(magnitudes) => {
+                let scales = self.stage_dora(name, magnitudes, |staging| {
+                    staging.write_on(Lane::Copy, 0, dense.as_elems())
+                })?;
+                (DenseSource::Staging, scales)
+            }
+            None => (DenseSource::Image(dense), Vec::new()),
+        };
         let staged = Staged {
             name: name.to_string(),
             route: SwapRoute::Landed,
-            dense_pairs: dense.pairs().to_vec(),
-            dense: DenseSource::Image(dense),
-            group_expert_deltas: experts.is_some(),
+            dense_pairs,
+            dense,
+            group_expert_deltas: group_expert_deltas || experts.is_some(),
             experts: experts.map(Arc::new),
             companion: None,
             has_overlay: false,
-            // A peer landing carries no DoRA magnitudes: lora-rdma refuses
-            // a DoRA adapter before it lands.
-            dora: Vec::new(),
+            dora,
         };
         self.publish(slot, staged)
     }
@@ -1204,7 +1287,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             pool.check_fits(name, layout)?;
         }
         if adapter.report.is_dora() && self.dora.is_none() {
-            return Err(crate::dora::refuse_not_built(name, adapter));
+            return Err(crate::dora::refuse_not_built(name, &adapter.report));
         }
         let sources = dense_sources(adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
@@ -1219,7 +1302,14 @@ impl<C: SlotCompanion> LoraPool<C> {
             Some(state) if adapter.report.is_dora() => {
                 let packed = self.device.record_event_on(Lane::Copy)?;
                 self.device.wait_event(Lane::Compute, &packed)?;
-                let scales = state.stage(name, &self.device, &self.layout, &self.staging.device, adapter);
+                let scales = state.stage(
+                    name,
+                    &self.device,
+                    &self.layout,
+                    &self.staging.device,
+                    &adapter.report,
+                    crate::dora::DoraInput::of_prepared(adapter),
+                );
                 let read = self.device.record_event_on(Lane::Compute)?;
                 self.device.wait_event(Lane::Copy, &read)?;
                 scales?
@@ -1900,6 +1990,16 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// DoRA pairs `slot` serves now (0 on a pool not built for DoRA).
     pub fn dora_pairs(&self, slot: SlotId) -> usize {
         self.dora.as_ref().map_or(0, |d| d.pairs(slot.index()))
+    }
+
+    /// The rescale `g` of every DoRA pair `slot` serves, read back from
+    /// the device, in slot-layout order (empty for a plain slot or pool).
+    pub fn dora_scales(&self, slot: SlotId) -> Result<Vec<(usize, LoraModule, Vec<f32>)>, PoolError> {
+        self.check_slot(slot)?;
+        match &self.dora {
+            Some(d) => d.slot_scales(&self.layout, slot.index()),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The launch plan [`LoraPool::apply_decode_with`] runs for these
