@@ -113,6 +113,12 @@ struct Common {
     /// Give slots a place for a LoRA on the output head.
     #[arg(long)]
     lm_head_lora: bool,
+    /// Cut the embedding and head pairs by the vocabulary, as the base
+    /// model's vocab-parallel embedding and lm_head are (default:
+    /// LORA_VOCAB_PARALLEL): the slot holds the rank's vocabulary block and
+    /// an lm_head probe answers the rank's logit columns.
+    #[arg(long)]
+    vocab_parallel: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -133,6 +139,7 @@ impl Common {
             fully_sharded: self.fully_sharded,
             embedding_lora: self.embedding_lora,
             lm_head_lora: self.lm_head_lora,
+            vocab_parallel: self.vocab_parallel,
         };
         LoraOptions::from_env()
             .and_then(|o| o.with_args(args))

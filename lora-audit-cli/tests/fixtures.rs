@@ -928,3 +928,60 @@ fn check_command_sizes_the_fully_sharded_ranks_slot() {
     );
     assert!(said.contains("max_rank = 15"), "{said}");
 }
+
+/// `lora-audit probe --lm-head-lora --tp-rank R --tp-world W
+/// --vocab-parallel` on the head-LoRA fixture: each rank's lm_head probe is
+/// its logit columns `[n, V/W]` (the vocabulary block `R·V/W ..
+/// (R+1)·V/W`), which side by side in rank order reassemble PEFT's oracle;
+/// without `--vocab-parallel` every rank answers the whole `[n, V]`.
+#[test]
+fn probe_command_writes_each_vocab_parallel_ranks_logit_columns() {
+    let f = fixture("llama/lm_head_lora_no_table");
+    let cfg = ModelConfig::from_file(&f.model.join("config.json")).unwrap();
+    let vocab = cfg.vocab_size;
+    let out_dir = std::env::temp_dir().join(format!("lora-audit-probe-vocab-{}", std::process::id()));
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let probe = |extra: &[&str], out: &Path| {
+        lora_audit()
+            .arg("probe")
+            .arg(&f.dir)
+            .arg("--model")
+            .arg(f.model.join("config.json"))
+            .arg("--probes")
+            .arg(f.oracle().unwrap())
+            .arg("--out")
+            .arg(out)
+            .args(["--max-rank", "16", "--lm-head-lora"])
+            .args(extra)
+            .env_remove("LORA_VOCAB_PARALLEL")
+            .output()
+            .unwrap()
+    };
+    let key = format!("{PROBE_OUT}lm_head.weight");
+    let oracle = oracle_outputs(&f.oracle().unwrap());
+    let (_, shape, want) = oracle.iter().find(|(k, _, _)| k == &key).unwrap();
+    let n = shape[0];
+    for world in [2usize, 4] {
+        let part = vocab / world;
+        let mut full = vec![0f32; n * vocab];
+        for rank in 0..world {
+            let (r, w) = (rank.to_string(), world.to_string());
+            let out = out_dir.join(format!("x{world}-r{rank}.safetensors"));
+            let run = probe(&["--tp-rank", &r, "--tp-world", &w, "--vocab-parallel"], &out);
+            assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+            let (_, s, v) = oracle_like(&out).into_iter().find(|(k, _, _)| k == &key).unwrap();
+            assert_eq!(s, [n, part], "x{world} rank {rank}");
+            for t in 0..n {
+                full[t * vocab + rank * part..t * vocab + (rank + 1) * part]
+                    .copy_from_slice(&v[t * part..(t + 1) * part]);
+            }
+            let whole = out_dir.join(format!("x{world}-r{rank}-whole.safetensors"));
+            let run = probe(&["--tp-rank", &r, "--tp-world", &w], &whole);
+            assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+            let (_, s, _) = oracle_like(&whole).into_iter().find(|(k, _, _)| k == &key).unwrap();
+            assert_eq!(s, [n, vocab], "x{world} rank {rank}: replicated without the cut");
+        }
+        assert!(relative_error(&full, want) < 1e-2, "x{world} {key}");
+    }
+    let _ = std::fs::remove_dir_all(&out_dir);
+}

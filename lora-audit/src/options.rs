@@ -58,6 +58,10 @@ pub struct LoraOptions {
     /// `fully_sharded_loras`): a column-parallel pair's A is cut by rank
     /// rows too and the ranks all-gather their shrink outputs before the
     /// expand.
+    /// With `LORA_VOCAB_PARALLEL` on ([`Placement::vocab_parallel`]), the
+    /// embedding and head pairs, and the token overlays, follow the base
+    /// model's vocab-parallel split (the rank's block of the vocabulary);
+    /// off, they are whole on every rank.
     pub placement: Placement,
     /// Give every slot a place for a LoRA on the input embedding
     /// (`LORA_EMBEDDING_LORA`): `max_rank * (vocab + hidden)` BF16 elements
@@ -128,6 +132,8 @@ pub struct AuditArgs {
     pub embedding_lora: bool,
     /// Turns [`LoraOptions::lm_head_lora`] on.
     pub lm_head_lora: bool,
+    /// Turns [`Placement::vocab_parallel`] of [`LoraOptions::placement`] on.
+    pub vocab_parallel: bool,
 }
 
 /// A `LORA_*` variable (or an [`AuditArgs`] field over it) whose value
@@ -194,9 +200,12 @@ impl LoraOptions {
     /// dense pairs at `max_rank`, the embedding pair's place when
     /// [`LoraOptions::embedding_lora`] is on and the head pair's when
     /// [`LoraOptions::lm_head_lora`] is, each sized to the rank's shard of
-    /// [`LoraOptions::placement`] (the embedding and head pairs replicated,
-    /// whole on every rank). Every pool, packer and lander takes its layout
-    /// from here.
+    /// [`LoraOptions::placement`] (the embedding and head pairs whole on
+    /// every rank, or the rank's vocabulary block under
+    /// [`Placement::vocab_parallel`]; a column-parallel pair's A only the
+    /// rank's block of rank rows under [`Placement::fully_sharded`]). Every
+    /// pool, packer and lander takes
+    /// its layout from here.
     pub fn slot_layout(&self, cfg: &ModelConfig) -> Result<SlotLayout, LayoutError> {
         let places = ModelPlaces {
             embedding: self.embedding_lora,
@@ -265,19 +274,22 @@ impl LoraOptions {
         })?;
         let ep_world = number("LORA_EP_WORLD", 1, 1)?;
         let ep_rank = number("LORA_EP_RANK", 0, 0)?;
-        let placement = placement.with_experts(ep_rank, ep_world).map_err(|e| match e {
-            PlacementError::ZeroExpertWorld => OptionsError {
-                variable: "LORA_EP_WORLD",
-                value: ep_world.to_string(),
-                reason: "must be at least 1",
-            },
-            _ => OptionsError {
-                variable: "LORA_EP_RANK",
-                value: ep_rank.to_string(),
-                reason: "must be below LORA_EP_WORLD",
-            },
-        })?;
-        let placement = placement.with_fully_sharded(flag("LORA_FULLY_SHARDED"));
+        let placement = placement
+            .with_experts(ep_rank, ep_world)
+            .map_err(|e| match e {
+                PlacementError::ZeroExpertWorld => OptionsError {
+                    variable: "LORA_EP_WORLD",
+                    value: ep_world.to_string(),
+                    reason: "must be at least 1",
+                },
+                _ => OptionsError {
+                    variable: "LORA_EP_RANK",
+                    value: ep_rank.to_string(),
+                    reason: "must be below LORA_EP_WORLD",
+                },
+            })?
+            .with_vocab_parallel(flag("LORA_VOCAB_PARALLEL"))
+            .with_fully_sharded(flag("LORA_FULLY_SHARDED"));
         let options = LoraOptions {
             max_loras,
             max_rank: number("LORA_MAX_RANK", defaults.max_rank, 1)?,
@@ -321,7 +333,10 @@ fn placement_over(placement: Placement, args: AuditArgs) -> Result<Placement, Op
             PlacementError::ZeroExpertWorld => refuse("ep_world", ep_world, "must be at least 1"),
             _ => refuse("ep_rank", ep_rank, "must be below ep_world"),
         })
-        .map(|p| p.with_fully_sharded(placement.fully_sharded() || args.fully_sharded))
+        .map(|p| {
+            p.with_vocab_parallel(placement.vocab_parallel() || args.vocab_parallel)
+                .with_fully_sharded(placement.fully_sharded() || args.fully_sharded)
+        })
 }
 
 #[cfg(test)]

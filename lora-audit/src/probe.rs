@@ -359,7 +359,9 @@ pub fn probe_adapter(
 /// and of A, which the ranks' sum (the base model's all-reduce) makes
 /// whole; a replicated module answers the whole delta, and so does the
 /// output head's LoRA pair (`probe_in::lm_head.weight`), replicated whole on
-/// every rank ([`lora_layout::ModuleShard::lm_head`]).
+/// every rank ([`lora_layout::ModuleShard::lm_head`]), unless the placement
+/// is [`Placement::vocab_parallel`]: then the head probe answers the rank's
+/// logit columns `[n, V/W]` ([`Placement::vocab_range`]).
 ///
 /// Under expert parallelism (`ep_world > 1`) an expert probe of an expert
 /// the rank holds ([`Placement::expert_range`]) answers its whole delta,
@@ -506,7 +508,8 @@ fn probe_weight(
     // Experts and the router are placed by expert parallelism only: under
     // tensor parallelism without it they have no placement. The output
     // head's LoRA pair is replicated (whole on every rank, as the base model
-    // keeps lm_head whole): its probe answers the whole delta.
+    // keeps lm_head whole): its probe answers the whole delta; under the
+    // vocab-parallel cut, the rank's logit columns.
     let unplaced = match weight_ref {
         WeightRef::Dense { .. } | WeightRef::Unserved => false,
         WeightRef::Table(OverlayModule::LmHead) => adapter.lm_head.is_none(),
@@ -530,9 +533,26 @@ fn probe_weight(
                 .lm_head
                 .as_ref()
                 .map(|p| (p.a.as_slice(), p.b.as_slice(), p.rank, p.scale));
-            ProbeTensor {
-                shape: vec![n, out],
-                data: pair_out(budget, pair, (out, inp))?,
+            // A vocab-parallel rank answers its logit columns `[n, V/W]`.
+            let cols = placement
+                .vocab_range(out)
+                .map_err(|e| AuditError::Layout(LayoutError::from(e)))?;
+            let y = pair_out(budget, pair, (out, inp))?;
+            if cols.len() == out {
+                ProbeTensor {
+                    shape: vec![n, out],
+                    data: y,
+                }
+            } else {
+                let mut y_r = budget.zeros(&name, field, n, cols.len())?;
+                for (dst, src) in y_r.chunks_exact_mut(cols.len().max(1)).zip(y.chunks_exact(out.max(1))) {
+                    dst.copy_from_slice(&src[cols.clone()]);
+                }
+                budget.release(y);
+                ProbeTensor {
+                    shape: vec![n, cols.len()],
+                    data: y_r,
+                }
             }
         }
         WeightRef::Table(_) => {

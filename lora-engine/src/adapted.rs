@@ -273,6 +273,9 @@ impl StepHooks<'_> {
         let out = out.download()?;
         // Only the rows the row's slot overrides take the served row; the
         // others keep the f32 base row (the kernel's copy of it is BF16).
+        // Overlay ids are table rows: a vocab-parallel rank's tokens less
+        // its first id; another rank's token is never overridden here.
+        let tables = overlays.tables();
         for (r, slot) in self.step.row_slots().into_iter().enumerate() {
             let Some(overlay) = slot
                 .slot()
@@ -281,7 +284,10 @@ impl StepHooks<'_> {
             else {
                 continue;
             };
-            if overlay.overrides().ids().contains(&ids[r]) {
+            if tables
+                .local_id(ids[r])
+                .is_some_and(|t| overlay.overrides().ids().contains(&t))
+            {
                 for (dst, src) in rows[r * hidden..(r + 1) * hidden].iter_mut().zip(&out[r * hidden..]) {
                     *dst = src.to_f32();
                 }
@@ -319,7 +325,8 @@ impl StepHooks<'_> {
     /// LoRA on the head. PEFT's order: the LoRA wraps the head's token
     /// adapter (or the head with its saved table), so its delta `scale ·
     /// (h Aᵀ) Bᵀ` is added over the overlaid logits, across the whole
-    /// vocabulary.
+    /// vocabulary (a vocab-parallel rank: across its logit columns, with
+    /// its overlay rows; the forward gathers the ranks' columns).
     fn head(&self, hidden: &[f32], logits: &mut [f32]) -> Result<(), BoxError> {
         self.head_overlay(hidden, logits)?;
         self.head_lora(hidden, logits)
@@ -500,6 +507,119 @@ impl StepHooks<'_> {
     }
 }
 
+/// Expert parallelism: the rows another rank (or this one) dispatched to
+/// this rank's experts fold with the adapter map that travelled with them.
+impl StepHooks<'_> {
+    /// The step's per-token adapter map, as the dispatch sends it
+    /// (`MoeLora::dispatch_map`); -1 each without MoE scratch.
+    fn dispatch_map(&mut self, n_tokens: usize) -> Result<Vec<i32>, BoxError> {
+        let Some(moe) = self.moe.as_deref() else {
+            return Ok(vec![-1; n_tokens]);
+        };
+        let (map, n) = moe.dispatch_map()?;
+        if n != n_tokens {
+            return Err(format!("the step's adapter map has {n} tokens, the batch {n_tokens}").into());
+        }
+        let mut map = map.download()?;
+        map.truncate(n);
+        Ok(map)
+    }
+
+    /// One fold over dispatched rows: received row `r` is its own token
+    /// (expanded row `r * top_k`), its adapter map entry `tags[r]` landed
+    /// with `MoeLora::receive_dispatch_map`; the rows are folded
+    /// expert-sorted, then the step's own batch is set back for the next
+    /// layer's router fold.
+    fn dispatched(
+        &mut self,
+        layer: usize,
+        targets: &[ExpertTarget],
+        x: &[f32],
+        experts: &[u32],
+        tags: &[i32],
+        y: &mut [f32],
+    ) -> Result<(), BoxError> {
+        let (pool, step) = (self.pool, self.step);
+        let rows = experts.len();
+        let Some(moe) = self.moe.as_deref_mut() else {
+            return Ok(());
+        };
+        if rows == 0 {
+            return Ok(());
+        }
+        let result = match step {
+            StepRef::Decode(s) => fold_dispatched(moe, pool, s, layer, targets, x, experts, tags, y),
+            StepRef::Prefill(s) => fold_dispatched(moe, pool, s, layer, targets, x, experts, tags, y),
+        };
+        match step {
+            StepRef::Decode(s) => moe.set_decode_step(pool, s)?,
+            StepRef::Prefill(s) => moe.set_prefill_step(pool, s)?,
+        };
+        result
+    }
+}
+
+/// [`StepHooks::dispatched`]'s fold under `step`.
+#[allow(clippy::too_many_arguments)]
+fn fold_dispatched<S: Step>(
+    moe: &mut MoeLora,
+    pool: &LoraPool<TokenOverlays>,
+    step: &S,
+    layer: usize,
+    targets: &[ExpertTarget],
+    x: &[f32],
+    experts: &[u32],
+    tags: &[i32],
+    y: &mut [f32],
+) -> Result<(), BoxError> {
+    let device = pool.device().clone();
+    let rows = experts.len();
+    let (in_w, out_w) = (x.len() / rows, y.len() / rows);
+    moe.receive_dispatch_map(pool, step, rows)?.write(0, tags)?;
+    let k = moe.top_k();
+    let mut order: Vec<usize> = (0..rows).collect();
+    order.sort_by_key(|&r| (experts[r], r));
+    let num_experts = pool.config().moe.as_ref().map_or(0, |m| m.num_experts);
+    let mut offsets = vec![0i32; num_experts + 1];
+    for &e in experts {
+        let slot = offsets
+            .get_mut(e as usize + 1)
+            .ok_or_else(|| format!("expert {e} of {num_experts}"))?;
+        *slot += 1;
+    }
+    for e in 1..offsets.len() {
+        offsets[e] += offsets[e - 1];
+    }
+    let sorted_token: Vec<i32> = order.iter().map(|&r| i32::try_from(r * k)).collect::<Result<_, _>>()?;
+    let x_sorted: Vec<f32> = order
+        .iter()
+        .flat_map(|&r| x[r * in_w..(r + 1) * in_w].iter().copied())
+        .collect();
+    let mut y_sorted: Vec<f32> = order
+        .iter()
+        .flat_map(|&r| y[r * out_w..(r + 1) * out_w].iter().copied())
+        .collect();
+    let sorted_dev = device.upload(&sorted_token)?;
+    let offsets_dev = device.upload(&offsets)?;
+    moe.index_sorted_rows(
+        pool,
+        step,
+        SortedRows {
+            sorted_token: &sorted_dev,
+            n_sorted: rows,
+            expert_offsets: &offsets_dev,
+        },
+    )?;
+    apply_split(&device, &x_sorted, in_w, &mut y_sorted, |xr, y_dev| {
+        moe.apply_expert_lora_sorted(pool, step, layer, targets, xr, RowsMut::dense(y_dev, rows, out_w))?;
+        Ok(())
+    })?;
+    for (i, &r) in order.iter().enumerate() {
+        y[r * out_w..(r + 1) * out_w].copy_from_slice(&y_sorted[i * out_w..(i + 1) * out_w]);
+    }
+    Ok(())
+}
+
 impl DeltaHooks for StepHooks<'_> {
     fn embed(&mut self, ids: &[u32], rows: &mut [f32]) -> Result<(), EngineError> {
         self.embed_rows(ids, rows).map_err(hook_err("embed"))
@@ -544,5 +664,37 @@ impl DeltaHooks for StepHooks<'_> {
     }
     fn lm_head(&mut self, hidden: &[f32], logits: &mut [f32]) -> Result<(), EngineError> {
         self.head(hidden, logits).map_err(hook_err("lm_head"))
+    }
+    fn dispatch_tags(&mut self, _layer: usize, n_tokens: usize) -> Result<Vec<i32>, EngineError> {
+        self.dispatch_map(n_tokens).map_err(hook_err("dispatch_tags"))
+    }
+    fn dispatched_gate_up(
+        &mut self,
+        layer: usize,
+        x: &[f32],
+        experts: &[u32],
+        tags: &[i32],
+        y: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let inter = self
+            .pool
+            .config()
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.expert_intermediate_size);
+        let targets = ExpertTarget::gate_up(inter);
+        self.dispatched(layer, &targets, x, experts, tags, y)
+            .map_err(hook_err("dispatched_gate_up"))
+    }
+    fn dispatched_down(
+        &mut self,
+        layer: usize,
+        x: &[f32],
+        experts: &[u32],
+        tags: &[i32],
+        y: &mut [f32],
+    ) -> Result<(), EngineError> {
+        self.dispatched(layer, &ExpertTarget::down(), x, experts, tags, y)
+            .map_err(hook_err("dispatched_down"))
     }
 }

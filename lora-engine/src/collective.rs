@@ -1,6 +1,8 @@
 //! What tensor-parallel ranks say to each other: the [`Collective`] a
 //! rank's forward calls where the base model's row-parallel projections
-//! (o_proj, down_proj) leave partial sums, and [`HostCollective`], the
+//! (o_proj, down_proj) leave partial sums, and where an expert-parallel
+//! MoE layer dispatches tokens to the ranks holding their experts and
+//! brings the outputs back ([`Collective::all_to_all_v`]), and [`HostCollective`], the
 //! host implementation for ranks run as threads of one process (the CPU
 //! backend's tensor-parallel runs and their tests), and [`NcclCollective`],
 //! the same collectives through NCCL on each rank's GPU.
@@ -34,6 +36,50 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// Write every rank's `part` into `out` (`world * part.len()`), rank
     /// `r`'s at `r * part.len()`.
     fn all_gather(&self, part: &[f32], out: &mut [f32]) -> Result<(), EngineError>;
+
+    /// Send `send[d]` to rank `d` (one buffer per rank, any lengths, this
+    /// rank's own included) and return what each rank sent this one,
+    /// `recv[s]` from rank `s`, in rank order: the all-to-all of an
+    /// expert-parallel token dispatch. Provided on top of
+    /// [`Collective::all_gather`], so every collective has it: the
+    /// lengths are gathered first (each as two 16-bit halves, exact in
+    /// f32), then every rank's buffers, concatenated and padded to the
+    /// longest rank's; values are only copied, never combined, so what
+    /// arrives is bit for bit what was sent.
+    fn all_to_all_v(&self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let (rank, world) = (self.rank(), self.world());
+        if send.len() != world {
+            return Err(EngineError::Collective(format!(
+                "all_to_all_v with {} buffers for {world} ranks",
+                send.len()
+            )));
+        }
+        let mut lens = Vec::with_capacity(2 * world);
+        for buf in send {
+            let len = u32::try_from(buf.len())
+                .map_err(|_| EngineError::Collective(format!("all_to_all_v of {} values to one rank", buf.len())))?;
+            lens.extend([(len >> 16) as f32, (len & 0xffff) as f32]);
+        }
+        let mut all_lens = vec![0f32; 2 * world * world];
+        self.all_gather(&lens, &mut all_lens)?;
+        // all_lens[(s * world + d) * 2 ..]: what rank s sends rank d.
+        let len = |s: usize, d: usize| {
+            let i = (s * world + d) * 2;
+            ((all_lens[i] as usize) << 16) | all_lens[i + 1] as usize
+        };
+        let total = |s: usize| (0..world).map(|d| len(s, d)).sum::<usize>();
+        let longest = (0..world).map(total).max().unwrap_or(0);
+        let mut part: Vec<f32> = send.iter().flatten().copied().collect();
+        part.resize(longest, 0.0);
+        let mut all = vec![0f32; world * longest];
+        self.all_gather(&part, &mut all)?;
+        Ok((0..world)
+            .map(|s| {
+                let start = s * longest + (0..rank).map(|d| len(s, d)).sum::<usize>();
+                all[start..start + len(s, rank)].to_vec()
+            })
+            .collect())
+    }
 }
 
 /// The state the threads of one [`HostCollective`] group share.
@@ -264,7 +310,46 @@ mod tests {
             assert_eq!(out, [0.0, -0.0, 1.0, -1.0, 2.0, -2.0]);
         }
         let one = HostCollective::group(1);
+        let back = one[0].all_to_all_v(&[vec![4.0, 5.0]]).expect("one rank");
+        assert_eq!(back, [vec![4.0, 5.0]]);
+        assert!(one[0].all_to_all_v(&[]).is_err());
         let mut out = vec![0.0; 3];
         assert!(one[0].all_gather(&[1.0, 2.0], &mut out).is_err());
+    }
+}
+
+#[cfg(test)]
+mod all_to_all_tests {
+    use super::*;
+
+    /// Rank `s` sends rank `d` a buffer whose length and values name both
+    /// (some empty, one longer than 16 bits of length); each rank gets
+    /// exactly what was sent to it, in rank order.
+    #[test]
+    fn every_rank_gets_what_each_rank_sent_it() {
+        let world = 3;
+        let msg = |s: usize, d: usize| -> Vec<f32> {
+            let len = if (s, d) == (2, 1) { 70_000 } else { (s * 2 + d) % 4 };
+            (0..len).map(|i| (s * 1000 + d * 100) as f32 + i as f32 / 8.0).collect()
+        };
+        let group = HostCollective::group(world);
+        let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let send: Vec<Vec<f32>> = (0..world).map(|d| msg(c.rank(), d)).collect();
+                        c.all_to_all_v(&send).expect("all_to_all_v")
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        });
+        for (d, recv) in got.iter().enumerate() {
+            assert_eq!(recv.len(), world);
+            for (s, buf) in recv.iter().enumerate() {
+                assert_eq!(buf, &msg(s, d), "rank {d} from rank {s}");
+            }
+        }
     }
 }

@@ -32,6 +32,7 @@ use crate::adapted::{DenseTargets, StepHooks, StepRef};
 use crate::base_weights::ModelBase;
 use crate::collective::Collective;
 use crate::error::EngineError;
+use crate::expert_parallel::group_of;
 use crate::forward::SeqChunk;
 use crate::kv_cache::KvCache;
 use crate::model::Model;
@@ -139,11 +140,13 @@ impl Engine {
         lora: LoraOptions,
         opts: EngineOptions,
     ) -> Result<Engine, EngineError> {
-        if lora.placement.tp_world() > 1 {
+        let p = lora.placement;
+        if p.tp_world() > 1 || p.ep_world() > 1 {
             return Err(EngineError::NotTensorParallel {
                 what: format!(
-                    "tp_world {} without the rank's collective (Engine::load_rank)",
-                    lora.placement.tp_world()
+                    "tp_world {} / ep_world {} without the rank's collective (Engine::load_rank)",
+                    p.tp_world(),
+                    p.ep_world()
                 ),
             });
         }
@@ -152,19 +155,26 @@ impl Engine {
         Engine::assemble(model, cfg, model_dir, adapters, device, lora, opts)
     }
 
-    /// [`Engine::load`] as tensor-parallel rank `lora.placement` of the
-    /// group `collective` connects (its rank and world size must be the
-    /// placement's): the base model is cut for the rank ([`Model::shard`])
-    /// and its forward all-reduces the row-parallel outputs through
-    /// `collective`; the pool holds the rank's shard of every adapter.
+    /// [`Engine::load`] as tensor- and expert-parallel rank
+    /// `lora.placement` of the group `collective` connects (its rank and
+    /// world size must be the placement's: the tensor-parallel ones, or
+    /// the expert-parallel ones when `tp_world` is 1): the base model is
+    /// cut for the rank ([`Model::shard`]) and its forward all-reduces the
+    /// row-parallel outputs through `collective`, and an MoE model's
+    /// layers dispatch their tokens to the ranks holding their experts,
+    /// with the per-token adapter map (`lora_moe::MoeLora::dispatch_map`);
+    /// the pool holds the rank's shard of every adapter (its experts, the
+    /// router whole).
     /// Every rank of the group must be given the same requests in the
     /// same order: each steps the same schedule, and every rank's outputs
     /// equal (the reduced logits are the same on every rank).
     ///
     /// Errors: a collective of another rank or world
     /// ([`EngineError::Collective`]), a placement that does not divide the
-    /// model ([`EngineError::Placement`]), an MoE model or a pool built for
-    /// DoRA (`lora.dora`; [`EngineError::NotTensorParallel`]), and
+    /// model ([`EngineError::Placement`], `num_experts` for an `ep_world`
+    /// that does not divide it), a pool built for DoRA (`lora.dora`), an
+    /// MoE model under `tp_world > 1` without expert parallelism over the
+    /// same ranks ([`EngineError::NotTensorParallel`]), and
     /// [`Engine::load`]'s.
     pub fn load_rank(
         model_dir: &Path,
@@ -183,17 +193,20 @@ impl Engine {
                     .into(),
             });
         }
-        if (collective.rank(), collective.world()) != (p.tp_rank(), p.tp_world()) {
-            return Err(EngineError::Collective(format!(
-                "a collective of rank {} of {} for tensor-parallel rank {} of {}",
-                collective.rank(),
-                collective.world(),
-                p.tp_rank(),
-                p.tp_world()
-            )));
-        }
         let whole = Model::load(model_dir)?;
         let cfg = lora_config(model_dir)?;
+        let group = group_of(p, !whole.config().moe_layers().is_empty())?;
+        if (collective.rank(), collective.world()) != group {
+            return Err(EngineError::Collective(format!(
+                "a collective of rank {} of {} for rank {} of {} (tp_world {}, ep_world {})",
+                collective.rank(),
+                collective.world(),
+                group.0,
+                group.1,
+                p.tp_world(),
+                p.ep_world()
+            )));
+        }
         let model = whole.shard(&cfg, p)?.with_collective(collective).on_device(device)?;
         Engine::assemble(model, cfg, model_dir, adapters, device, lora, opts)
     }
@@ -231,7 +244,7 @@ impl Engine {
             path: weights.clone(),
             source: Box::new(e),
         })?;
-        let tables = ServedTables::upload(device, &base, &cfg)?;
+        let tables = ServedTables::upload_at(device, &base, &cfg, lora.placement)?;
         let overlays = TokenOverlays::new(device, tables, lora.max_loras)?;
         let sources: Vec<AdapterSource<'_>> = adapters
             .iter()
@@ -256,9 +269,18 @@ impl Engine {
         let placement = lora.placement;
         let pool = LoraPool::load_with_base_weights(device, cfg.clone(), lora, capacity, &sources, overlays, base)?;
         let moe = match (&cfg.moe, pool.experts()) {
+            // An expert-parallel rank may receive every token's every
+            // chosen expert row, each folded as a token of its own.
             (Some(m), Some(_)) => Some(MoeLora::new(
                 &pool,
-                MoeCapacity::for_tokens(capacity.max_rows, m.top_k),
+                MoeCapacity::for_tokens(
+                    if placement.ep_world() > 1 {
+                        capacity.max_rows * m.top_k
+                    } else {
+                        capacity.max_rows
+                    },
+                    m.top_k,
+                ),
             )?),
             _ => None,
         };

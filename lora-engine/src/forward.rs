@@ -144,13 +144,23 @@ impl Model {
         let (n, h) = (rows.len(), cfg.hidden);
         let eps = cfg.rms_norm_eps as f32;
 
-        // embed_tokens(input_ids)
+        // embed_tokens(input_ids); a vocab-parallel rank looks up its own
+        // tokens only (zero rows for the others', deltas and overlays
+        // included), and the all-reduce sums the ranks' rows.
         let mut hs = vec![0.0f32; n * h];
+        let start = self.vocab_held.as_ref().map_or(0, |r| r.start);
+        let held = self.embed.w.len() / h.max(1);
         for (row, &id) in hs.chunks_exact_mut(h).zip(ids) {
-            let id = id as usize;
-            row.copy_from_slice(&self.embed.w[id * h..(id + 1) * h]);
+            if let Some(t) = (id as usize).checked_sub(start).filter(|&t| t < held) {
+                row.copy_from_slice(&self.embed.w[t * h..(t + 1) * h]);
+            }
         }
         hooks.embed(ids, &mut hs)?;
+        if self.vocab_held.is_some()
+            && let Some(c) = &self.collective
+        {
+            c.all_reduce_sum(&mut hs)?;
+        }
 
         // rotary_emb(position_ids): cos/sin of each row's position
         let half = cfg.head_dim / 2;
@@ -172,7 +182,7 @@ impl Model {
             let mut attn_out = self.attention(l, layer, &xn, rows, &cos, &sin, caches, hooks)?;
             // A tensor-parallel rank's o_proj output (and delta) is a
             // partial sum over its heads.
-            if let Some(c) = &self.collective {
+            if let Some(c) = self.partial_sums(false) {
                 c.all_reduce_sum(&mut attn_out)?;
             }
             add_in_place(&mut hs, &attn_out);
@@ -198,8 +208,9 @@ impl Model {
                     down,
                 } => self.moe_block(l, moe, router, gate_up, down, &xn, hooks)?,
             };
-            // ... and its down_proj output over its intermediate columns.
-            if let Some(c) = &self.collective {
+            // ... and its down_proj output over its intermediate columns
+            // (an expert-parallel MoE layer's output is whole already).
+            if let Some(c) = self.partial_sums(matches!(layer.mlp, Mlp::Moe { .. })) {
                 c.all_reduce_sum(&mut mlp_out)?;
             }
             add_in_place(&mut hs, &mlp_out);
@@ -208,9 +219,30 @@ impl Model {
         // lm_head(norm(x))
         rms_norm(&hs, &self.norm, eps, &mut xn);
         let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut logits = vec![0.0f32; n * cfg.vocab];
-        lm.apply(Site::model("lm_head"), &xn, &mut logits)?;
-        hooks.lm_head(&xn, &mut logits)?;
+        let (Some(c), Some(held)) = (&self.collective, &self.vocab_held) else {
+            let mut logits = vec![0.0f32; n * cfg.vocab];
+            lm.apply(Site::model("lm_head"), &xn, &mut logits)?;
+            hooks.lm_head(&xn, &mut logits)?;
+            return Ok(logits);
+        };
+        // A vocab-parallel rank's logit columns, then every rank's,
+        // gathered rank-major and laid out token-major.
+        let part = held.len();
+        let mut local = vec![0.0f32; n * part];
+        lm.apply(Site::model("lm_head"), &xn, &mut local)?;
+        hooks.lm_head(&xn, &mut local)?;
+        let world = c.world();
+        let mut gathered = vec![0.0f32; world * n * part];
+        c.all_gather(&local, &mut gathered)?;
+        let mut logits = vec![0.0f32; n * part * world];
+        if n * part > 0 {
+            for (r, rank) in gathered.chunks_exact(n * part).enumerate() {
+                for (t, cols) in rank.chunks_exact(part).enumerate() {
+                    let at = t * part * world + r * part;
+                    logits[at..at + part].copy_from_slice(cols);
+                }
+            }
+        }
         Ok(logits)
     }
 
@@ -346,6 +378,11 @@ impl Model {
                     *v /= sum;
                 }
             }
+        }
+
+        // expert parallelism: the experts run where they are held
+        if let Some(c) = self.expert_group() {
+            return self.dispatch_experts(c, l, moe, gate_up, down, xn, &topk, &weights, hooks);
         }
 
         // experts: per expert, gather its rows, one linear, scatter back

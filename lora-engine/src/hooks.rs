@@ -25,6 +25,13 @@
 //!   weight, then the sum over the token's experts.
 //! * An `Err` abandons the forward; every KV cache is restored to the length it
 //!   had before the call. Report hook failures as [`EngineError::Hook`].
+//! * An expert-parallel model (one cut by [`crate::Model::shard`] with
+//!   `ep_world > 1`) calls, in each MoE layer, `router`, then
+//!   `dispatch_tags` (an opaque `i32` per token that the forward sends
+//!   with the token to the rank holding its expert: the hooks' per-token
+//!   adapter map), then `dispatched_gate_up`, `dispatched_down` over the
+//!   rows dispatched to this rank's experts, instead of `expert_gate_up`,
+//!   `expert_down`. The provided methods tag nothing and add nothing.
 //! * Neither Qwen3-MoE nor Mixtral has shared experts in transformers 5, so
 //!   there is no shared-expert hook; a dense layer of an MoE model (Qwen3-MoE
 //!   `mlp_only_layers`, `decoder_sparse_step`) calls `gate_up`/`down`.
@@ -35,7 +42,9 @@ use crate::error::EngineError;
 pub trait DeltaHooks {
     /// `rows` = base embedding rows `[n, hidden]` of `ids`; may overwrite rows
     /// (token overlays) and add to them (a LoRA on the input embedding, after
-    /// the overlays: PEFT's order).
+    /// the overlays: PEFT's order). On a vocab-parallel rank the rows of
+    /// other ranks' tokens are zeros and must stay zeros (the forward
+    /// all-reduces the rows after this call).
     fn embed(&mut self, ids: &[u32], rows: &mut [f32]) -> Result<(), EngineError>;
 
     /// `x` = the normed layer input `[n, hidden]`; `y` = the fused q|k|v output
@@ -73,8 +82,53 @@ pub trait DeltaHooks {
     fn expert_down(&mut self, layer: usize, x: &[f32], topk: &[u32], y: &mut [f32]) -> Result<(), EngineError>;
 
     /// `hidden` = final normed hidden states `[n, hidden]`; `logits` = base
-    /// logits `[n, vocab]`.
+    /// logits `[n, vocab]`, or on a vocab-parallel rank its logit columns
+    /// `[n, vocab / tp_world]` (the forward all-gathers them after this call).
     fn lm_head(&mut self, hidden: &[f32], logits: &mut [f32]) -> Result<(), EngineError>;
+
+    /// Expert parallelism, sending side: one tag per token of the batch
+    /// (`n_tokens`), which the forward sends with token `t` to every rank
+    /// that holds one of its experts (called after `router`, before the
+    /// dispatch). The base model never reads a tag. Provided: `-1` each.
+    fn dispatch_tags(&mut self, layer: usize, n_tokens: usize) -> Result<Vec<i32>, EngineError> {
+        let _ = layer;
+        Ok(vec![-1; n_tokens])
+    }
+
+    /// Expert parallelism, receiving side: the `m` rows dispatched to this
+    /// rank's experts, each one (token, chosen expert) of some rank's
+    /// batch, in source-rank order: `x` = the token's normed input
+    /// `[m, hidden]`; `experts` = `[m]` (global expert indices, all this
+    /// rank's); `tags` = `[m]`, what the token's rank gave
+    /// [`DeltaHooks::dispatch_tags`] for it; `y` = `[m, 2 * moe_inter]`,
+    /// gate columns then up columns. Provided: adds nothing.
+    fn dispatched_gate_up(
+        &mut self,
+        layer: usize,
+        x: &[f32],
+        experts: &[u32],
+        tags: &[i32],
+        y: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let _ = (layer, x, experts, tags, y);
+        Ok(())
+    }
+
+    /// Expert parallelism, receiving side: as
+    /// [`DeltaHooks::dispatched_gate_up`], with `x` = `silu(gate) * up`
+    /// `[m, moe_inter]` and `y` = `[m, hidden]`, the expert's output before
+    /// its routing weight. Provided: adds nothing.
+    fn dispatched_down(
+        &mut self,
+        layer: usize,
+        x: &[f32],
+        experts: &[u32],
+        tags: &[i32],
+        y: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let _ = (layer, x, experts, tags, y);
+        Ok(())
+    }
 }
 
 /// The base model alone: every hook is a no-op.

@@ -27,6 +27,17 @@
 //!   once, each projection a cuBLAS SGEMM; on the CPU backend the model runs
 //!   on the host. [`DeltaHooks`] is the seam where deltas enter;
 //!   [`NoDeltas`] runs the base alone.
+//! * Ranks: [`Engine::load_rank`] serves one rank of a group over a
+//!   [`Collective`] ([`HostCollective`] for ranks as threads,
+//!   [`NcclCollective`] on a rank's GPU). Dense families run
+//!   tensor-parallel ([`Model::shard`] cuts the base as the pool cuts the
+//!   pairs; o_proj and down_proj outputs are all-reduced). MoE families
+//!   run expert-parallel: each rank holds its block of experts (base and
+//!   deltas) and the router, and each MoE layer dispatches tokens to the
+//!   ranks holding their experts with the per-token adapter map
+//!   ([`Collective::all_to_all_v`], `lora_moe::MoeLora::dispatch_map`),
+//!   with the attention and dense layers replicated or tensor-parallel
+//!   over the same ranks.
 //!
 //! ```no_run
 //! use lora_engine::{AdapterDir, Engine, EngineOptions, Request};
@@ -63,6 +74,7 @@ mod collective;
 mod config;
 mod engine;
 mod error;
+mod expert_parallel;
 mod forward;
 mod hooks;
 mod kv_cache;

@@ -24,6 +24,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use lora_kernels::Device;
+use lora_layout::Placement;
 
 use crate::collective::Collective;
 
@@ -49,8 +50,16 @@ pub struct Model {
     /// The CUDA device the projections run on; `None`: the host.
     pub(crate) device: Option<Device>,
     /// The tensor-parallel group of a cut model ([`Model::shard`]): the
-    /// forward all-reduces the row-parallel outputs through it.
+    /// forward all-reduces the row-parallel outputs through it, and an
+    /// expert-parallel MoE layer dispatches its tokens through it.
     pub(crate) collective: Option<Arc<dyn Collective>>,
+    /// The rank this model was cut for ([`Model::shard`]); `SINGLE`: whole.
+    pub(crate) placement: Placement,
+    /// A vocab-parallel cut ([`Model::shard`]): the token ids whose rows
+    /// `embed` and `lm_head` hold; the forward zeroes other tokens'
+    /// embedding rows and all-reduces them, and all-gathers the logits.
+    /// `None`: both tables whole.
+    pub(crate) vocab_held: Option<std::ops::Range<usize>>,
 }
 
 /// One decoder layer's weights.
@@ -83,8 +92,10 @@ pub(crate) enum Mlp {
         /// `[num_experts, hidden]`.
         router: Projection,
         /// Per expert `[2*moe_inter, hidden]`: gate rows then up rows.
+        /// Every expert, or an expert-parallel rank's block of them
+        /// (`Placement::expert_range`; index 0 is the block's first).
         gate_up: Vec<Projection>,
-        /// Per expert `[hidden, moe_inter]`.
+        /// Per expert `[hidden, moe_inter]`, the same experts.
         down: Vec<Projection>,
     },
 }
@@ -117,6 +128,7 @@ impl Model {
     /// Errors: [`EngineError::BaseProjection`] naming the weight that could
     /// not be uploaded (e.g. out of device memory).
     pub fn on_device(mut self, device: &Device) -> Result<Self, EngineError> {
+        let placement = self.placement;
         for (l, layer) in self.layers.iter_mut().enumerate() {
             layer.qkv.place(device, Site::layer("qkv", l))?;
             layer.o.place(device, Site::layer("o", l))?;
@@ -126,14 +138,18 @@ impl Model {
                     down.place(device, Site::layer("down", l))?;
                 }
                 Mlp::Moe {
-                    router, gate_up, down, ..
+                    moe,
+                    router,
+                    gate_up,
+                    down,
                 } => {
                     router.place(device, Site::layer("router", l))?;
+                    let first = placement.expert_range(moe.num_experts)?.start;
                     for (e, p) in gate_up.iter_mut().enumerate() {
-                        p.place(device, Site::expert("gate_up", l, e))?;
+                        p.place(device, Site::expert("gate_up", l, first + e))?;
                     }
                     for (e, p) in down.iter_mut().enumerate() {
-                        p.place(device, Site::expert("down", l, e))?;
+                        p.place(device, Site::expert("down", l, first + e))?;
                     }
                 }
             }
@@ -192,6 +208,8 @@ impl Model {
             rope,
             device: None,
             collective: None,
+            placement: Placement::SINGLE,
+            vocab_held: None,
         })
     }
 

@@ -1,16 +1,32 @@
-//! A base model cut for one tensor-parallel rank, by the rules the adapter
-//! pool cuts its pairs by (`lora_layout::ModuleShard`), so that a rank's
-//! deltas land on exactly the base outputs it computes: q|k|v keep the
-//! rank's query heads and its key/value heads (a key/value head shared by
-//! `tp_world / num_key_value_heads` ranks when there are fewer heads than
-//! ranks), gate|up the rank's block of each, o and down the rank's input
-//! columns (their outputs are partial sums the forward all-reduces; a bias
-//! there is added by rank 0 only). Norms, the embedding and the lm_head are
-//! whole on every rank.
+//! A base model cut for one tensor- and expert-parallel rank, by the rules
+//! the adapter pool cuts its pairs by (`lora_layout::ModuleShard`,
+//! `Placement::expert_range`), so that a rank's deltas land on exactly the
+//! base outputs it computes: q|k|v keep the rank's query heads and its
+//! key/value heads (a key/value head shared by `tp_world /
+//! num_key_value_heads` ranks when there are fewer heads than ranks),
+//! gate|up the rank's block of each, o and down the rank's input columns
+//! (their outputs are partial sums the forward all-reduces; a bias there is
+//! added by rank 0 only). Norms are whole on every rank; the embedding and
+//! the lm_head are whole on every rank too, unless the placement is
+//! vocab-parallel (`Placement::vocab_parallel`, as vLLM's
+//! `VocabParallelEmbedding` / `ParallelLMHead`): then both keep the rank's
+//! vocabulary rows (`Placement::vocab_range`; a tied head is the same
+//! rows), the embedding lookup gives zero rows for other ranks' tokens and
+//! is all-reduced, and the rank's logit columns are all-gathered.
 //!
-//! This module must never cut a routed-expert layer (expert parallelism
-//! is not run by the reference engine: an MoE model is refused), nor run
-//! the model.
+//! An MoE model runs expert-parallel (`ep_world > 1`): each rank keeps the
+//! routed experts of its block (`Placement::expert_range`) and the whole
+//! router, and its MoE layers dispatch tokens to the ranks holding their
+//! experts (`crate::expert_parallel`). Its attention and dense layers are
+//! either whole on every rank (`tp_world` 1: replicated, every rank
+//! computes them whole) or cut as above over the same ranks (`tp_world =
+//! ep_world`, `tp_rank = ep_rank`: vLLM's expert parallelism over the
+//! tensor-parallel group).
+//!
+//! This module must never cut a routed expert (experts are whole; under
+//! `tp_world > 1` an MoE model without expert parallelism over the same
+//! ranks is refused, [`EngineError::NotTensorParallel`]), nor run the
+//! model.
 
 use lora_layout::{LoraModule, ModelConfig, ModuleShard, Placement};
 
@@ -52,23 +68,46 @@ fn fused_rows(cfg: &ModelConfig, placement: Placement, modules: &[LoraModule]) -
 }
 
 impl Model {
-    /// This model cut for tensor-parallel rank `placement` of the model
-    /// whose adapter geometry is `cfg` (see the module docs); the whole
-    /// model at world 1. Run it with a [`crate::Collective`] of the same
-    /// rank ([`Model::with_collective`]).
+    /// This model cut for rank `placement` of the model whose adapter
+    /// geometry is `cfg` (see the module docs); the whole model at world 1.
+    /// Run it with a [`crate::Collective`] of the same rank
+    /// ([`Model::with_collective`]; its group is the tensor-parallel one,
+    /// or the expert-parallel one when `tp_world` is 1).
     ///
     /// Errors: [`EngineError::Placement`] naming the dimension that does
-    /// not divide; [`EngineError::NotTensorParallel`] for an MoE model.
+    /// not divide (`num_experts` for experts over `ep_world`);
+    /// [`EngineError::NotTensorParallel`] for an MoE model under
+    /// `tp_world > 1` whose expert-parallel ranks are not the
+    /// tensor-parallel ones, or a model that is already cut.
     pub fn shard(&self, cfg: &ModelConfig, placement: Placement) -> Result<Model, EngineError> {
-        let world = placement.tp_world();
-        if world == 1 {
-            return Ok(self.clone());
-        }
-        if !self.cfg.moe_layers().is_empty() {
+        if self.placement != Placement::SINGLE {
             return Err(EngineError::NotTensorParallel {
-                what: format!("the routed experts of {}", self.cfg.family.model_type()),
+                what: format!("a model already cut for {:?}: cut the whole model", self.placement),
             });
         }
+        let moe = self.cfg.moe.as_ref().filter(|_| !self.cfg.moe_layers().is_empty());
+        crate::expert_parallel::group_of(placement, moe.is_some())?;
+        let mut model = if placement.tp_world() == 1 {
+            self.clone()
+        } else {
+            self.tp_cut(cfg, placement)?
+        };
+        if let Some(moe) = moe {
+            let experts = placement.expert_range(moe.num_experts)?;
+            for layer in &mut model.layers {
+                if let Mlp::Moe { gate_up, down, .. } = &mut layer.mlp {
+                    *gate_up = gate_up[experts.clone()].to_vec();
+                    *down = down[experts.clone()].to_vec();
+                }
+            }
+        }
+        model.placement = placement;
+        Ok(model)
+    }
+
+    /// The tensor-parallel cut of the attention and dense layers (routed
+    /// experts and the router whole).
+    fn tp_cut(&self, cfg: &ModelConfig, placement: Placement) -> Result<Model, EngineError> {
         let qkv_rows = fused_rows(
             cfg,
             placement,
@@ -88,7 +127,7 @@ impl Model {
                         gate_up: take_rows(gate_up, &gate_up_rows),
                         down: take_cols(dn, down.in_start, down.in_len, first),
                     },
-                    Mlp::Moe { .. } => unreachable!("an MoE model is refused above"),
+                    moe @ Mlp::Moe { .. } => moe.clone(),
                 };
                 Layer {
                     input_norm: layer.input_norm.clone(),
@@ -105,15 +144,26 @@ impl Model {
         base.n_heads = o.in_len / base.head_dim.max(1);
         base.n_kv_heads = k.dims().0 / base.head_dim.max(1);
         base.inter = down.in_len;
+        // The vocab-parallel cut: the rank's rows of both tables.
+        let vocab_held = placement
+            .vocab_parallel()
+            .then(|| placement.vocab_range(cfg.vocab_size))
+            .transpose()?;
+        let vocab_rows = |p: &Projection| match &vocab_held {
+            Some(held) => take_rows(p, &held.clone().collect::<Vec<usize>>()),
+            None => p.clone(),
+        };
         Ok(Model {
             cfg: base,
-            embed: self.embed.clone(),
+            embed: vocab_rows(&self.embed),
             layers,
             norm: self.norm.clone(),
-            lm_head: self.lm_head.clone(),
+            lm_head: self.lm_head.as_ref().map(vocab_rows),
             rope: self.rope.clone(),
             device: None,
             collective: None,
+            placement,
+            vocab_held,
         })
     }
 }
@@ -127,7 +177,8 @@ mod tests {
 
     /// Every rank's cut model, run as threads with host collectives, gives
     /// the whole model's logits (the sum of partial outputs differs from
-    /// the whole dot product only in summation order).
+    /// the whole dot product only in summation order), with the embedding
+    /// and lm_head whole or cut by the vocabulary.
     #[test]
     fn ranks_as_threads_give_the_whole_models_logits() {
         for family in ["llama", "qwen2", "qwen3"] {
@@ -141,8 +192,8 @@ mod tests {
                 m.forward(&[chunk], &mut caches, &mut NoDeltas).expect("forward")
             };
             let want = run(&whole);
-            for world in [2usize, 4] {
-                let Ok(first) = Placement::new(0, world) else {
+            for (world, vocab_parallel) in [(2usize, false), (4, false), (2, true), (4, true)] {
+                let Ok(first) = Placement::new(0, world).map(|p| p.with_vocab_parallel(vocab_parallel)) else {
                     continue;
                 };
                 let group = HostCollective::group(world);
@@ -162,10 +213,35 @@ mod tests {
                 });
                 for (r, logits) in got.iter().enumerate() {
                     let err = crate::rel_error(logits, &want);
-                    assert!(err < 1e-5, "{family} x{world} rank {r}: {err}");
+                    assert!(err < 1e-5, "{family} x{world} ({vocab_parallel}) rank {r}: {err}");
                     assert_eq!(logits, &got[0], "{family} x{world}: ranks agree");
                 }
             }
         }
+    }
+
+    /// An expert-parallel cut keeps the rank's block of experts in every
+    /// MoE layer, and a cut model is not cut again.
+    #[test]
+    fn an_expert_parallel_cut_keeps_its_block_and_is_not_cut_again() {
+        let (dir, _) = tiny_model_dir("qwen3_moe", "", 5);
+        let whole = Model::load(dir.path()).expect("model");
+        let cfg = ModelConfig::from_file(&dir.path().join("config.json")).expect("config");
+        let ne = whole.config().moe.as_ref().map_or(0, |m| m.num_experts);
+        let p = Placement::SINGLE.with_experts(1, 2).expect("placement");
+        let cut = whole.shard(&cfg, p).expect("divides");
+        let experts = |m: &Model| -> Vec<usize> {
+            m.layers
+                .iter()
+                .filter_map(|l| match &l.mlp {
+                    Mlp::Moe { gate_up, down, .. } => Some(gate_up.len().min(down.len())),
+                    Mlp::Dense { .. } => None,
+                })
+                .collect()
+        };
+        assert!(!experts(&cut).is_empty());
+        assert!(experts(&cut).iter().all(|&n| n == ne / 2), "{:?}", experts(&cut));
+        assert!(experts(&whole).iter().all(|&n| n == ne));
+        assert!(matches!(cut.shard(&cfg, p), Err(EngineError::NotTensorParallel { .. })));
     }
 }

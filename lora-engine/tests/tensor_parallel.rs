@@ -15,14 +15,21 @@
 //! (head-LoRA adapters, `LoraOptions::lm_head_lora`) likewise: the head
 //! pair is replicated, whole on every rank, and the logits hook adds its
 //! whole delta to the whole logits, as the cut base model keeps lm_head
-//! whole.
+//! whole. With the vocab-parallel cut on (`Placement::vocab_parallel`,
+//! `LORA_VOCAB_PARALLEL`) every family is served again by 2 and 4 ranks
+//! whose base embedding and lm_head hold the rank's vocabulary rows (a tied
+//! head the same rows): the embedding pairs, the head pairs and the token
+//! overlays (trainable tokens, `modules_to_save` tables, tied and untied)
+//! hold the rank's block, the embedding rows are all-reduced and the
+//! logits all-gathered, and the outputs equal the one-rank run's.
 //!
 //! The same runs under the placement's fully-sharded option
 //! (`LORA_FULLY_SHARDED`, vLLM's `fully_sharded_loras`): each rank's pool
 //! holds only its block of rank rows of every column-parallel A, and its
 //! column-parallel deltas all-gather the ranks' shrink outputs through the
 //! rank's collective (`Collective::all_gather`) before the expand; the
-//! outputs equal the one-rank run's by the same bounds.
+//! outputs equal the one-rank run's by the same bounds, alone and together
+//! with the vocab-parallel cut.
 
 mod common;
 
@@ -57,7 +64,7 @@ fn serve(engine: Result<Engine, EngineError>, reqs: &[Request], what: &str) -> V
         .collect()
 }
 
-fn serve_ranks(family: &str, world: usize, fully_sharded: bool) {
+fn serve_ranks(family: &str, world: usize, vocab_parallel: bool, fully_sharded: bool) {
     let dir = family_dir(family).join("model");
     let adapters = adapters(family);
     let max_loras = adapters.len().saturating_sub(1).max(1);
@@ -77,6 +84,7 @@ fn serve_ranks(family: &str, world: usize, fully_sharded: bool) {
     let ranks: Vec<Vec<RequestOutput>> = std::thread::scope(|s| {
         let handles: Vec<_> = Placement::new(0, world)
             .expect("placement")
+            .with_vocab_parallel(vocab_parallel)
             .ranks()
             .zip(group)
             .map(|(p, c)| {
@@ -108,7 +116,7 @@ fn serve_ranks(family: &str, world: usize, fully_sharded: bool) {
     for (r, outs) in ranks.iter().enumerate() {
         for (i, (got, want)) in outs.iter().zip(&one).enumerate() {
             let what = format!(
-                "{family} x{world} (fully sharded: {fully_sharded}) rank {r} request {i} ({:?})",
+                "{family} x{world} (vocab-parallel {vocab_parallel}, fully sharded {fully_sharded}) rank {r} request {i} ({:?})",
                 reqs[i].adapter
             );
             assert_eq!(got.tokens, want.tokens, "{what}: greedy tokens");
@@ -136,7 +144,24 @@ fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
         "llama_lm_head",
     ] {
         for world in [2, 4] {
-            serve_ranks(family, world, false);
+            serve_ranks(family, world, false, false);
+        }
+    }
+}
+
+#[test]
+fn dense_families_served_by_vocab_parallel_ranks_equal_the_one_rank_run() {
+    for family in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_untied",
+        "llama_embed",
+        "llama_lm_head",
+    ] {
+        for world in [2, 4] {
+            serve_ranks(family, world, true, false);
         }
     }
 }
@@ -153,8 +178,15 @@ fn dense_families_served_fully_sharded_by_ranks_as_threads_equal_the_one_rank_ru
         "llama_lm_head",
     ] {
         for world in [2, 4] {
-            serve_ranks(family, world, true);
+            serve_ranks(family, world, false, true);
         }
+    }
+}
+
+#[test]
+fn fully_sharded_vocab_parallel_ranks_equal_the_one_rank_run() {
+    for family in ["qwen3_untied", "llama_embed", "llama_lm_head"] {
+        serve_ranks(family, 2, true, true);
     }
 }
 

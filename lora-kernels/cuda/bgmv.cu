@@ -78,7 +78,7 @@ struct BgmvParams {
     int pad;
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgmvParams) == 224 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 128, "mirrors bgmv.rs");
+static_assert(sizeof(BgmvParams) == 288 && sizeof(BgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 128, "mirrors bgmv.rs");
 
 // Copy n bf16 from global to shared and zero the tail up to n_pad (a
 // multiple of 8): 16-byte cp.async when `vec` (both ends 16-byte aligned,
@@ -540,6 +540,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         // ranks of a cluster stay in step whatever the table holds.
         const int rank = (int)en.rank;
         const int nr = rank > 0 ? (row_mapped ? 1 : s_item.nrows) : 0;
+        // The DoRA epilogue's rescale of the item's entry (the entry its first row names), or null.
+        const float* dora_g = nr > 0 && tg.dora != 0ull ? dora_scale_of(tg, ((const int*)p.idx)[s_item.rows[0]]) : nullptr;
         const bf16_t* A = (const bf16_t*)en.a;
         const bf16_t* B = (const bf16_t*)en.b;
         const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
@@ -863,7 +865,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 for (int f = 0; f < 4; ++f) {
                     const int o = m0 + (lane >> 2) + (f >> 1) * 8;
                     const int h = f & 1;
-                    if (o < lo && live[h]) y_store(yg[h] + o, y_load(ysh[h] + o) + d[f]);
+                    if (o < lo && live[h])
+                        y_store(yg[h] + o, dora_epilogue(y_load(ysh[h] + o) + d[f], dora_g, tg, o0 + o));
                 }
             }
         }
@@ -888,7 +891,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
             }
 #pragma unroll 1
             for (int g = 0; g < nr; ++g) {
-                const float* tg = sT + g * tp;
+                const float* tv = sT + g * tp;
                 float e[EO], f[EO];
 #pragma unroll
                 for (int j = 0; j < EO; ++j) e[j] = f[j] = 0.f;
@@ -906,7 +909,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                     float t[16];
 #pragma unroll
                     for (int i = 0; i < 16; i += 4) {
-                        const float4 q = *(const float4*)(tg + kb + (k2 ? (i ^ h0) : (i & 7)));
+                        const float4 q = *(const float4*)(tv + kb + (k2 ? (i ^ h0) : (i & 7)));
                         t[i] = q.x;
                         t[i + 1] = q.y;
                         t[i + 2] = q.z;
@@ -923,7 +926,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 #pragma unroll
                 for (int j = 0; j < EO; ++j) {
                     const int o = r + j * NT;
-                    if (live[j]) y_store(yrow + o, y_load(sY + g * lo_max + o) + (e[j] + f[j]));
+                    if (live[j])
+                        y_store(yrow + o, dora_epilogue(y_load(sY + g * lo_max + o) + (e[j] + f[j]), dora_g, tg, o0 + o));
                 }
             }
         }
@@ -1142,7 +1146,7 @@ struct Bgmv2Params {
     int row_ks;   // K slices of every row (each row its own item)
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(Bgmv2Params) == 184 && sizeof(Bgmv2Params) - sizeof(LoraTarget) * MAX_TARGETS == 88, "mirrors bgmv.rs");
+static_assert(sizeof(Bgmv2Params) == 248 && sizeof(Bgmv2Params) - sizeof(LoraTarget) * MAX_TARGETS == 88, "mirrors bgmv.rs");
 
 struct Bgmv2Header {
     int n_items;
@@ -1581,6 +1585,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         const bf16_t* B;
         float scale;
         int rows[BGMV_G];
+        const float* dora_g;  // the DoRA epilogue's rescale of the row's entry, or null
         {
             const PairEntry en = row_entry(it);
             rank = (int)en.rank;
@@ -1588,6 +1593,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             if (rank == 0) continue;  // uniform over the block
             B = (const bf16_t*)en.b;
             scale = en.scale;
+            dora_g = tg.dora != 0ull ? dora_scale_of(tg, ((const int*)p.idx)[it]) : nullptr;
 #pragma unroll
             for (int g = 0; g < BGMV_G; ++g) rows[g] = it;
         }
@@ -1744,7 +1750,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         // block's last unit has only its stores left.
         if (p.overlap == CHAIN_WAIT_FIRST && u + (int)gridDim.x >= units) grid_launch_dependents();
 
-        // y += delta, rounded once; 16-byte pieces when aligned.
+        // y += delta (through the DoRA epilogue where the entry has a rescale), rounded once; 16-byte pieces when aligned.
         if (vec_y) {
             const int per_row = lc >> 3;
 #pragma unroll 1
@@ -1756,7 +1762,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
                 const float* sa = sAcc + g * cols + c;
                 float out8[8];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) out8[j] = y_load(sy + j) + sa[j];
+                for (int j = 0; j < 8; ++j) out8[j] = dora_epilogue(y_load(sy + j) + sa[j], dora_g, tg, o0 + c + j);
                 y_store8(Yp + (u64)r * ys + coff + o0 + c, out8);
             }
         } else {
@@ -1766,7 +1772,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
                 const int o = v - g * lc;
                 const int r = item_row(rows, g);
                 Y* dst = Yp + (u64)r * ys + coff + o0 + o;
-                y_store(dst, y_load(dst) + sAcc[g * cols + o]);
+                y_store(dst, dora_epilogue(y_load(dst) + sAcc[g * cols + o], dora_g, tg, o0 + o));
             }
         }
     }

@@ -35,7 +35,9 @@
 //      64 with B and y staged, outputs are the M instead (B's rows through
 //      ldmatrix, y's staged values through ldmatrix.trans and back through
 //      stmatrix.trans, then stored 16 bytes a lane), so the form above is
-//      built unstaged there and keeps within its registers.
+//      built unstaged there and keeps within its registers. Either way the
+//      DoRA epilogue (common.cuh) rescales a row's sums before they are
+//      rounded, where the entry has a rescale at the target.
 // Rows are taken 16 at a time (a pass); an entry with more rows runs more
 // passes, each reading its A slice again (from L2 after the first) and
 // copying its rows' y values.
@@ -472,6 +474,20 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                             mma_k16(d, a[0], a[1], a[2], a[3], tbh[nt][ks][0], tbh[nt][ks][1]);
                             mma_k16(d, a[0], a[1], a[2], a[3], tbl[nt][ks][0], tbl[nt][ks][1]);
                         }
+                        // The DoRA epilogue: d[0..1] are output lb + 16h + g (of the block's
+                        // slice), d[2..3] output + 8; outputs past the slice are not stored.
+                        const float* dg = dora_scale_of(tg, e);
+                        if (dg != nullptr) {
+                            const int oa = lb + 16 * h + g;
+                            if (oa < n_staged) {
+                                d[0] = dora_epilogue(d[0], dg, tg, o0 + oa);
+                                d[1] = dora_epilogue(d[1], dg, tg, o0 + oa);
+                            }
+                            if (oa + 8 < n_staged) {
+                                d[2] = dora_epilogue(d[2], dg, tg, o0 + oa + 8);
+                                d[3] = dora_epilogue(d[3], dg, tg, o0 + oa + 8);
+                            }
+                        }
                         yv[2 * h] = pack_bf2_rn(d[0], d[1]);
                         yv[2 * h + 1] = pack_bf2_rn(d[2], d[3]);
                     }
@@ -568,10 +584,16 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                     mma_k16(d[j], tl[ks][0], tl[ks][1], tl[ks][2], tl[ks][3], bw[j][2 * ks], bw[j][2 * ks + 1]);
                 }
             }
-            if (ya) *(uint4*)ya = make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
-                                             pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1]));
-            if (yb) *(uint4*)yb = make_uint4(pack_bf2_rn(d[0][2], d[0][3]), pack_bf2_rn(d[1][2], d[1][3]),
-                                             pack_bf2_rn(d[2][2], d[2][3]), pack_bf2_rn(d[3][2], d[3][3]));
+            if (ya) {
+                bge_dora8(d, 0, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
+                *(uint4*)ya = make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
+                                         pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1]));
+            }
+            if (yb) {
+                bge_dora8(d, 2, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
+                *(uint4*)yb = make_uint4(pack_bf2_rn(d[0][2], d[0][3]), pack_bf2_rn(d[1][2], d[1][3]),
+                                         pack_bf2_rn(d[2][2], d[2][3]), pack_bf2_rn(d[3][2], d[3][3]));
+            }
         }
         BGE_STAMP(10, 0u);
         __syncthreads();  // s_t and s_red are rewritten by the next pass
@@ -653,8 +675,11 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     if (e >= tg.n_entries) return;
     const PairEntry en = ((const PairEntry*)tg.table)[e];
     // Weights not 16- and 8-byte aligned: the staged body's element loads
-    // (uniform over the cluster; it reads the indices again, unstaged).
-    if (!aligned16((const void*)en.a) || (en.b & 7ull) != 0) {
+    // (uniform over the cluster; it reads the indices again, unstaged). An
+    // entry with a DoRA rescale at the target likewise: the staged body
+    // applies the epilogue, which inlined here spilled this kernel's
+    // registers on every call, DoRA or not.
+    if (!aligned16((const void*)en.a) || (en.b & 7ull) != 0 || dora_scale_of(tg, e) != nullptr) {
         bge_reg_fallback<C>(p);
         return;
     }
@@ -781,6 +806,7 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
                 mma_k16(d[j], th[0], 0u, th[1], 0u, b0, b1);
                 mma_k16(d[j], tl[0], 0u, tl[1], 0u, b0, b1);
             }
+            // No DoRA epilogue here: an entry with a rescale runs the staged body (above).
             if (y_ok)
                 st_global16(y + (u64)row * p.y_stride + base + 8 * c,
                             make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
@@ -846,7 +872,7 @@ struct BgsParams {
     BgeParams base;
     u64 inbox;  // [blocks of the launch][BGS_INBOX_WORDS] u64, zero
 };
-static_assert(sizeof(BgsParams) == 160, "mirrors bgmv/entry.rs SpreadParams");
+static_assert(sizeof(BgsParams) == 224, "mirrors bgmv/entry.rs SpreadParams");
 
 __device__ __forceinline__ void st_relaxed_u64(u64* p, u64 v) {
     asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -1091,10 +1117,12 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
                 mma_k16(d[j], th[0], 0u, th[1], 0u, b0, b1);
                 mma_k16(d[j], tl[0], 0u, tl[1], 0u, b0, b1);
             }
-            if (y_ok)
+            if (y_ok) {
+                bge_dora8(d, 0, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
                 st_global16(y + (u64)row * p.y_stride + base + 8 * c,
                             make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
                                        pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
+            }
         }
     }
     if (chain == CHAIN_EARLY_READS || chain == CHAIN_WAIT_FIRST) grid_launch_dependents();

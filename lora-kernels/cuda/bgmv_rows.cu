@@ -26,7 +26,8 @@
 //   4. sum: each block pushes its partial into both blocks' receive buffer
 //      (st.async on an mbarrier); t = scale * (partial 0 + partial 1), the
 //      same in both.
-//   5. expand: y[o + i] += sum_k B[o + i, k] t[k], rounded once.
+//   5. expand: y[o + i] += sum_k B[o + i, k] t[k], through the DoRA
+//      epilogue (common.cuh) where the entry has a rescale, rounded once.
 //
 // Two forms of steps 2-5: the general one (slices guarded, ranks masked,
 // element loads where rows are not aligned) and, in the _full kernels, a
@@ -75,24 +76,42 @@ __device__ __forceinline__ void bgr_load_y(const float* p, bool vec, int live, u
         for (int i = 0; i < 4; ++i) w[i] = i < live ? __float_as_uint(p[i]) : 0u;
     }
 }
-__device__ __forceinline__ void bgr_store_y(bf16_t* p, bool vec, int live, const u32* w, const float* d) {
-    if (vec) {
-        *(uint2*)p = make_uint2(pack_bf2_rn(bf_lo(w[0]) + d[0], bf_hi(w[0]) + d[1]),
-                                pack_bf2_rn(bf_lo(w[1]) + d[2], bf_hi(w[1]) + d[3]));
-    } else {
+// Value i of four outputs bgr_load_y loaded, widened.
+__device__ __forceinline__ float bgr_y(const bf16_t*, bool vec, const u32* w, int i) {
+    return vec ? ((i & 1) ? bf_hi(w[i >> 1]) : bf_lo(w[i >> 1])) : bf2f((bf16_t)w[i]);
+}
+__device__ __forceinline__ float bgr_y(const float*, bool, const u32* w, int i) { return __uint_as_float(w[i]); }
+
+// The values y + d of four outputs from column c (of the target) on, through
+// the DoRA epilogue where g is non-null (columns past `live` are not stored
+// and their g is not read).
+template <typename Y>
+__device__ __forceinline__ void bgr_out(const Y* p, bool vec, int live, const u32* w, const float* d,
+                                        const float* g, const LoraTarget& tg, int c, float* v) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (i < live) p[i] = f2bf(bf2f((bf16_t)w[i]) + d[i]);
+    for (int i = 0; i < 4; ++i) {
+        v[i] = bgr_y(p, vec, w, i) + d[i];
+        if (g != nullptr && i < live) v[i] = dora_epilogue(v[i], g, tg, c + i);
     }
 }
-__device__ __forceinline__ void bgr_store_y(float* p, bool vec, int live, const u32* w, const float* d) {
+
+// Four outputs' final values v stored (as bgr_load_y loaded them).
+__device__ __forceinline__ void bgr_store_y(bf16_t* p, bool vec, int live, const float* v) {
     if (vec) {
-        *(float4*)p = make_float4(__uint_as_float(w[0]) + d[0], __uint_as_float(w[1]) + d[1],
-                                  __uint_as_float(w[2]) + d[2], __uint_as_float(w[3]) + d[3]);
+        *(uint2*)p = make_uint2(pack_bf2_rn(v[0], v[1]), pack_bf2_rn(v[2], v[3]));
     } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            if (i < live) p[i] = __uint_as_float(w[i]) + d[i];
+            if (i < live) p[i] = f2bf(v[i]);
+    }
+}
+__device__ __forceinline__ void bgr_store_y(float* p, bool vec, int live, const float* v) {
+    if (vec) {
+        *(float4*)p = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (i < live) p[i] = v[i];
     }
 }
 
@@ -183,8 +202,8 @@ __device__ __forceinline__ void bgr_rank_vector(const BgrShared& sh, const uint4
 // form below needs cost 0.2-0.8 us each at n = 64 (measured; why is not
 // understood: the loads and their first uses are the same).
 template <typename Y>
-__device__ __forceinline__ void bgr_apply_full(const BgeParams& p, const LoraTarget& tg, const PairEntry& en, int row,
-                                               int q, const BgrShared& sh) {
+__device__ __forceinline__ void bgr_apply_full(const BgeParams& p, const LoraTarget& tg, const PairEntry& en,
+                                               const float* dora_g, int row, int q, const BgrShared& sh) {
     constexpr int R = BGR_RANKS;
     constexpr int G = BGR_GROUPS;
     constexpr int RPT = BGR_ROWS_PER_THREAD;
@@ -213,7 +232,9 @@ __device__ __forceinline__ void bgr_apply_full(const BgeParams& p, const LoraTar
     float d[OPT];
 #pragma unroll
     for (int i = 0; i < OPT; ++i) d[i] = dot8f(b[2 * i + 1], t + 8, dot8f(b[2 * i], t, 0.f));
-    bgr_store_y(yp, true, OPT, yw, d);
+    float v[OPT];
+    bgr_out(yp, true, OPT, yw, d, dora_g, tg, o, v);
+    bgr_store_y(yp, true, OPT, v);
 }
 
 // Steps 2-5 for any call the form serves: slices guarded, rank rows past
@@ -222,7 +243,7 @@ __device__ __forceinline__ void bgr_apply_full(const BgeParams& p, const LoraTar
 // under the overlap x and y are read only after the wait.
 template <typename Y>
 __device__ __forceinline__ void bgr_apply_general(const BgeParams& p, const LoraTarget& tg, const PairEntry& en,
-                                                  int row, int q, const BgrShared& sh) {
+                                                  const float* dora_g, int row, int q, const BgrShared& sh) {
     constexpr int C = 2;
     constexpr int R = BGR_RANKS;
     constexpr int G = BGR_GROUPS;
@@ -282,7 +303,9 @@ __device__ __forceinline__ void bgr_apply_general(const BgeParams& p, const Lora
                         hi.w & rank_mask(14, rank));
         d[i] = dot8f(hi, t + 8, dot8f(lo, t, 0.f));
     }
-    if (live > 0) bgr_store_y(yp, y_vec, live, yw, d);
+    float v[OPT];
+    bgr_out(yp, y_vec, live, yw, d, dora_g, tg, o, v);
+    if (live > 0) bgr_store_y(yp, y_vec, live, v);
 }
 
 // FULL: the host checked the straight-line form's shape and alignment (the
@@ -336,10 +359,11 @@ __device__ __forceinline__ void bgr_body(const BgeParams& p) {
         return;
     }
     const BgrShared sh = {s_part, s_mine, s_recv, s_t, &s_bar};
+    const float* g = dora_scale_of(tg, e);  // the DoRA epilogue's rescale, or null
     if (FULL && en.rank == (u32)R && aligned16((const void*)en.a) && aligned16((const void*)en.b))
-        bgr_apply_full<Y>(p, tg, en, row, q, sh);
+        bgr_apply_full<Y>(p, tg, en, g, row, q, sh);
     else
-        bgr_apply_general<Y>(p, tg, en, row, q, sh);
+        bgr_apply_general<Y>(p, tg, en, g, row, q, sh);
     if (p.overlap == CHAIN_WAIT_FIRST) grid_launch_dependents();  // the next launch once this block's work is out
 }
 

@@ -20,19 +20,24 @@ struct PairEntry {
 
 // One output target of a LoRA apply: a PairEntry table (already offset to the
 // first entry of this (layer, module)), its entry count, the output width and
-// the column offset of this target inside y.
+// the column offset of this target inside y; and the DoRA epilogue's inputs
+// (ops/dora.rs): `dora`, 0 or a table of n_entries addresses indexed like the
+// PairEntry table (each 0, or an entry's rescale g [out_dim] f32), and
+// `bias`, 0 or the projection's base bias [out_dim] f32.
 struct LoraTarget {
     u64 table;
     int n_entries;
     int out_dim;
     int y_col_off;
     int pad;
+    u64 dora;
+    u64 bias;
 };
 
 // MAX_TARGETS: from the host's prelude (`cuda_rt::prelude`).
 
 static_assert(sizeof(PairEntry) == 24, "PairEntry mirrors lora_kernels::PairEntry");
-static_assert(sizeof(LoraTarget) == 24, "LoraTarget mirrors lora_kernels::ops::TargetParams");
+static_assert(sizeof(LoraTarget) == 40, "LoraTarget mirrors lora_kernels::ops::TargetParams");
 
 // Fault bits a kernel ORs into the device's fault word instead of touching
 // memory it was not given. The host reads and clears the word.
@@ -158,6 +163,23 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     u64 s;
     asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(g));
     return (u32)s;
+}
+
+// The DoRA epilogue (ops/dora.rs) of every expand: the rescale g of checked
+// entry e (>= 0) at target tg, or null where the target has no DoRA table or
+// the entry no DoRA pair there (a plain row: the expand writes y + delta).
+__device__ __forceinline__ const float* dora_scale_of(const LoraTarget& tg, int e) {
+    return tg.dora != 0ull && e >= 0 ? (const float*)((const u64*)tg.dora)[e] : nullptr;
+}
+
+// The value an expand writes at column c (of the target) of a row: v = y +
+// delta as the form computed it, and for a DoRA entry (g non-null)
+// g[c] * (v - bias[c]) + bias[c], without a fused multiply-add (the CPU
+// reference's order, `pairs.rs`); a plain row's v unchanged, bit for bit.
+__device__ __forceinline__ float dora_epilogue(float v, const float* g, const LoraTarget& tg, int c) {
+    if (g == nullptr) return v;
+    const float b = tg.bias != 0ull ? ((const float*)tg.bias)[c] : 0.f;
+    return __fadd_rn(__fmul_rn(g[c], __fsub_rn(v, b)), b);
 }
 
 // Output element access for y of type bf16 or f32.

@@ -62,7 +62,7 @@ struct BgeParams {
     int stage_cols;  // outputs per block staged in shared memory (B rows and y values), 0: none
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(BgeParams) == 152 && sizeof(BgeParams) - sizeof(LoraTarget) * MAX_TARGETS == 56, "mirrors bgmv.rs");
+static_assert(sizeof(BgeParams) == 216 && sizeof(BgeParams) - sizeof(LoraTarget) * MAX_TARGETS == 56, "mirrors bgmv.rs");
 
 // 8 consecutive bf16 at p (16-byte load when aligned, else element loads).
 __device__ __forceinline__ uint4 load8_any(const bf16_t* p, bool aligned) {
@@ -97,4 +97,40 @@ __device__ __forceinline__ void bge_wait_first(const BgeParams& p) {
 // The entry bodies' end of a block's work: the next launch let in, unless that was done at once.
 __device__ __forceinline__ void bge_next_after_work(const BgeParams& p) {
     if (p.overlap == CHAIN_EARLY_READS || p.overlap == CHAIN_WAIT_FIRST) grid_launch_dependents();
+}
+
+// Eight consecutive outputs' values of one row.
+struct Out8 {
+    float v[8];
+};
+
+// The DoRA epilogue (common.cuh) of eight outputs from column c0 of target
+// tg, whose rescale g is non-null. Not inlined: its registers stay out of
+// the entry forms' allocation, which a plain call (no rescale) never pays
+// for (inlined, it spilled the rank-16 kernels at 80 registers).
+__device__ __noinline__ Out8 bge_dora8_apply(Out8 o, const float* g, const LoraTarget& tg, int c0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = dora_epilogue(o.v[i], g, tg, c0 + i);
+    return o;
+}
+
+// The DoRA epilogue (common.cuh) of the entry forms' eight outputs of one
+// row, where entry e (checked) has a rescale at target tg: d[j][h] and
+// d[j][h + 1] (h = 0 or 2) hold outputs c0 + 2j and c0 + 2j + 1 of the
+// target, j < 4 (the permuted tiles' order).
+__device__ __forceinline__ void bge_dora8(float (&d)[4][4], int h, const LoraTarget& tg, int e, int c0) {
+    const float* g = dora_scale_of(tg, e);
+    if (g == nullptr) return;
+    Out8 o;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        o.v[2 * j] = d[j][h];
+        o.v[2 * j + 1] = d[j][h + 1];
+    }
+    o = bge_dora8_apply(o, g, tg, c0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        d[j][h] = o.v[2 * j];
+        d[j][h + 1] = o.v[2 * j + 1];
+    }
 }

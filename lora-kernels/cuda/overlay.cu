@@ -76,16 +76,20 @@ struct EmbedParams {
     u64 fault;
     int n;
     int h;
-    int vocab;
+    int vocab;        // rows of base and entries of each slot_map
     int n_slots;
     int base_stride;
     int out_stride;
+    int vocab_start;  // the token id of base's row 0 (a vocab-parallel rank's first id)
+    int vocab_size;   // the model's vocabulary: ids at or past it are faults
 };
-static_assert(sizeof(EmbedParams) == 72, "mirrors overlay.rs");
+static_assert(sizeof(EmbedParams) == 80, "mirrors overlay.rs");
 
-// out[i, :] = overlay row slot_map_s[ids[i]] of slot s = row_slot[i] when it
-// is >= 0, else base[ids[i], :]. An id past the vocab writes a zero row and
-// raises a fault. One block per row.
+// With t = ids[i] - vocab_start: out[i, :] = overlay row slot_map_s[t] of
+// slot s = row_slot[i] when it is >= 0, else base[t, :]. An id outside this
+// rank's rows (vocab_start .. vocab_start + vocab) writes a zero row (a
+// vocab-parallel rank's masked lookup); an id past vocab_size writes a zero
+// row and raises a fault. One block per row.
 extern "C" __global__ void embed_overlay_bf16(const EmbedParams p) {
     const u32* ids = (const u32*)p.ids;
     const int* rs = (const int*)p.row_slot;
@@ -93,11 +97,14 @@ extern "C" __global__ void embed_overlay_bf16(const EmbedParams p) {
     const EmbedOverlayEntry* ents = (const EmbedOverlayEntry*)p.entries;
     bf16_t* out = (bf16_t*)p.out;
     for (int i = blockIdx.x; i < p.n; i += gridDim.x) {
-        const u32 id = ids[i];
+        const u32 gid = ids[i];
+        const u32 id = gid - (u32)p.vocab_start;
         bf16_t* dst = out + (u64)i * p.out_stride;
         const bf16_t* src = 0;
-        if (id >= (u32)p.vocab) {
+        if (gid >= (u32)p.vocab_size) {
             if (threadIdx.x == 0) raise_fault(p.fault, FAULT_BAD_TOKEN);
+        } else if (gid < (u32)p.vocab_start || id >= (u32)p.vocab) {
+            // Another rank's token: a zero row here.
         } else {
             src = base + (u64)id * p.base_stride;
             const int s = rs != 0 ? rs[i] : -1;
@@ -197,18 +204,22 @@ struct EmbedLoraParams {
     u64 fault;
     int n;
     int h;
-    int vocab;
+    int vocab;        // columns of A
     int n_entries;
     int stride;
     int out_stride;
+    int vocab_start;  // the token id of A's column 0 (a vocab-parallel rank's first id)
+    int vocab_size;   // the model's vocabulary: ids at or past it are faults
 };
-static_assert(sizeof(EmbedLoraParams) == 64, "mirrors embed_lora.rs");
+static_assert(sizeof(EmbedLoraParams) == 72, "mirrors embed_lora.rs");
 
 // LoRA on the input embedding: out[i, :] += scale * B * A[:, ids[i]] for every
 // row i whose slot s = row_slot[i] has a pair (rank > 0) in table[s]. One
 // block per row; each thread expands some columns of B over the rank, reading
-// A's column t (rank values, vocab apart) from L1. A slot past the table, a
-// bad entry or a token id past the vocab raises a fault and leaves the row.
+// A's column t - vocab_start (rank values, vocab apart) from L1. A token
+// outside A's columns (another vocab-parallel rank's) adds nothing. A slot
+// past the table, a bad entry or a token id past vocab_size raises a fault
+// and leaves the row.
 template <typename Y>
 __device__ __forceinline__ void embed_lora_body(const EmbedLoraParams& p) {
     const u32* ids = (const u32*)p.ids;
@@ -228,11 +239,13 @@ __device__ __forceinline__ void embed_lora_body(const EmbedLoraParams& p) {
             if (threadIdx.x == 0) raise_fault(p.fault, FAULT_BAD_RANK);
             continue;
         }
-        const u32 t = ids[i];
-        if (t >= (u32)p.vocab) {
+        const u32 gid = ids[i];
+        if (gid >= (u32)p.vocab_size) {
             if (threadIdx.x == 0) raise_fault(p.fault, FAULT_BAD_TOKEN);
             continue;
         }
+        const u32 t = gid - (u32)p.vocab_start;
+        if (gid < (u32)p.vocab_start || t >= (u32)p.vocab) continue;
         const bf16_t* A = (const bf16_t*)e.a;
         const bf16_t* B = (const bf16_t*)e.b;
         const int r = (int)e.rank;

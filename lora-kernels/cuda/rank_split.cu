@@ -35,8 +35,8 @@ struct RankExpandParams {
     LoraTarget targets[MAX_TARGETS];
 };
 
-static_assert(sizeof(RankShrinkParams) == 64 + 24 * MAX_TARGETS, "mirrors rank_split.rs");
-static_assert(sizeof(RankExpandParams) == 64 + 24 * MAX_TARGETS, "mirrors rank_split.rs");
+static_assert(sizeof(RankShrinkParams) == 64 + sizeof(LoraTarget) * MAX_TARGETS, "mirrors rank_split.rs");
+static_assert(sizeof(RankExpandParams) == 64 + sizeof(LoraTarget) * MAX_TARGETS, "mirrors rank_split.rs");
 
 // The entry of row slot s, or false (base row, rank 0, or a fault raised).
 __device__ __forceinline__ bool rank_split_entry(const LoraTarget& t, int s, int stride, u64 fault, PairEntry& e) {

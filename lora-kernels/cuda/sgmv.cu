@@ -13,10 +13,12 @@
 //   sgmv_expand: y[row, col_off + o] += scale * sum_k B[o, k] t[row][k]
 //                (t summed over the K splits), tensor cores with t split
 //                into a bf16 high and low part so t keeps ~16 bits; B and t
-//                staged in shared memory first; y read once and rounded
-//                once. Persistent blocks, each a balanced run of the items;
-//                the host may launch it as a programmatic dependent of the
-//                shrink (it waits before reading t).
+//                staged in shared memory first; y read once, the DoRA
+//                epilogue applied where the tile's entry has a rescale
+//                (common.cuh), and rounded once. Persistent blocks, each
+//                a balanced run of the items; the host may launch it as a
+//                programmatic dependent of the shrink (it waits before
+//                reading t).
 // On sm_90a (compute capability 9.0) both phases also have warpgroup-MMA
 // kernels, the host's default there: sgmv_shrink_wg{16,32,64}_bf16 (A tiles
 // of 16, 32 or 64 rows, x and A in 128-byte-swizzled tiles read by wgmma)
@@ -68,7 +70,7 @@ struct SgmvParams {
     int pad_;
     LoraTarget targets[MAX_TARGETS];
 };
-static_assert(sizeof(SgmvParams) == 216 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 120, "mirrors sgmv.rs");
+static_assert(sizeof(SgmvParams) == 280 && sizeof(SgmvParams) - sizeof(LoraTarget) * MAX_TARGETS == 120, "mirrors sgmv.rs");
 
 // The dynamic shared memory of both kernels (one declaration for the file).
 extern __shared__ __align__(128) unsigned char dyn[];
@@ -1105,6 +1107,24 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
                 expand_tile_wg(acc, smem_u32(b_base), smem_u32(t_hi), smem_u32(t_lo), rk16);
             else
                 expand_tile_mma(acc, sB, bp, sT, tpch, rk16, warp, lane);
+        }
+
+        // ---- the DoRA epilogue (common.cuh) where the tile's entry has a rescale
+        // at the target: acc[nt][0, 2] are column nt * 8 + 2 t4 of the tile
+        // (rows ra, ra + 8), acc[nt][1, 3] the next; columns past `len` are not stored.
+        if (const float* dg = dora_scale_of(tg, s_tile.entry)) {
+#pragma unroll
+            for (int nt = 0; nt < 16; ++nt) {
+                const int c0 = nt * 8 + 2 * t4;
+                if (c0 < len) {
+                    acc[nt][0] = dora_epilogue(acc[nt][0], dg, tg, o_base + c0);
+                    acc[nt][2] = dora_epilogue(acc[nt][2], dg, tg, o_base + c0);
+                }
+                if (c0 + 1 < len) {
+                    acc[nt][1] = dora_epilogue(acc[nt][1], dg, tg, o_base + c0 + 1);
+                    acc[nt][3] = dora_epilogue(acc[nt][3], dg, tg, o_base + c0 + 1);
+                }
+            }
         }
 
         // ---- the summed tile back to shared memory, then out in 16-byte pieces.

@@ -83,7 +83,7 @@ pub(crate) enum Family {
     Repack,
     /// The kernel the cluster occupancy query names (never launched).
     Occupancy,
-    /// The DoRA rescale.
+    /// DoRA's per-slot rescale, computed at staging (`dora_row_scale`).
     Dora,
     /// The rank-split shrink and gathered expand (the fully-sharded option).
     RankSplit,

@@ -36,7 +36,7 @@
 //! let x = dev.upload(&vec![bf16::ONE; 3 * 16]).unwrap();
 //! let idx = dev.upload(&[1i32, -1, 0]).unwrap();
 //! let mut y = dev.alloc_zeros::<f32>(3 * 8).unwrap();
-//! let target = LoraTarget { table: &pool.table, table_offset: 0, n_entries: 2, out_dim: 8, y_col_offset: 0 };
+//! let target = LoraTarget { table: &pool.table, table_offset: 0, n_entries: 2, out_dim: 8, y_col_offset: 0, dora: None };
 //! bgmv(&dev, Rows::dense(&x, 3, 16), &idx, &[target], 4, RowsMut::dense(&mut y, 3, 8)).unwrap();
 //! let y = y.download().unwrap();
 //! assert!(y[8..16].iter().all(|v| *v == 0.0)); // row 1 has no adapter
@@ -64,12 +64,12 @@ pub use ops::bgmv::{
     BGMV_MAX_RANK, DecodeOptions, ENTRY_MAX_ROWS, ENTRY_REGISTERS_MAX_DIM, ENTRY_REGISTERS_MAX_ROWS, ROWS_MAX_IN,
     ROWS_MAX_OUT, ROWS_STRIDE, bgmv, bgmv_candidates, bgmv_plan, bgmv_with,
 };
-pub use ops::dora::{DoraNorm, DoraTarget, dora_rescale, dora_row_scale};
+pub use ops::dora::{DoraEpilogue, DoraNorm, dora_row_scale};
 pub use ops::embed_lora::{EmbeddingPairs, embed_lora};
 pub use ops::limits::{Choice, DeviceLimits};
 pub use ops::linear::linear_f32;
 pub use ops::moe_index::{MoeRouting, moe_decode_index, moe_sorted_index};
-pub use ops::overlay::{embed_overlay, lm_head_overlay, row_diff};
+pub use ops::overlay::{embed_overlay, embed_overlay_at, lm_head_overlay, row_diff};
 pub use ops::rank_split::{RankPart, expand_gathered, shrink_part};
 pub use ops::repack::{
     RepackDtype, RepackRegion, ValueScan, first_non_finite, queue_value_scan, repack, repack_if_finite,

@@ -8,16 +8,18 @@
 use half::bf16;
 use lora_kernels::testing::{RandomPairs, Rng, cuda_or_skip, rel_error, widen};
 use lora_kernels::{
-    Chain, DecodeForm, DecodeOptions, DecodePlan, Device, DeviceBuffer, EmbedOverlayEntry, EmbeddingPairs, EntryKernel,
-    FusedForm, ItemList, KernelError, LmHeadOverlayEntry, LoraTarget, LoraWorkspace, MoeRouting, OutputElem, PairEntry,
-    ROWS_MAX_IN, ROWS_MAX_OUT, Rows, RowsMut, Segments, TwoPhaseForm, WorkspaceSpec, bgmv, bgmv_candidates, bgmv_plan,
-    bgmv_with, embed_lora, embed_overlay, lm_head_overlay, moe_decode_index, moe_sorted_index, one_adapter, row_diff,
+    Chain, DecodeForm, DecodeOptions, DecodePlan, Device, DeviceBuffer, DoraEpilogue, EmbedOverlayEntry,
+    EmbeddingPairs, EntryKernel, FusedForm, ItemList, KernelError, LmHeadOverlayEntry, LoraTarget, LoraWorkspace,
+    MoeRouting, OutputElem, PairEntry, ROWS_MAX_IN, ROWS_MAX_OUT, Rows, RowsMut, Segments, TwoPhaseForm, WorkspaceSpec,
+    bgmv, bgmv_candidates, bgmv_plan, bgmv_with, embed_lora, embed_overlay, embed_overlay_at, lm_head_overlay,
+    moe_decode_index, moe_sorted_index, one_adapter, row_diff,
 };
 use lora_kernels::{Choice, PrefillCall, PrefillOptions, PrefillPlan, sgmv, sgmv_plan, sgmv_with};
 
 const TOL: f64 = 1e-2;
 
 /// One apply problem, built identically on any device.
+#[derive(Clone)]
 struct Problem {
     n: usize,
     in_dim: usize,
@@ -30,6 +32,16 @@ struct Problem {
     y_width: usize,
     y_bf16: Vec<bf16>,
     y_f32: Vec<f32>,
+    /// The DoRA epilogue's inputs per target (`with_dora`), or none.
+    dora: Option<Vec<DoraSpec>>,
+}
+
+/// One target's DoRA epilogue inputs: each slot's rescale `g` (none: a
+/// plain-LoRA slot there) and the base bias, if any.
+#[derive(Clone)]
+struct DoraSpec {
+    g: Vec<Option<Vec<f32>>>,
+    bias: Option<Vec<f32>>,
 }
 
 impl Problem {
@@ -66,7 +78,29 @@ impl Problem {
             y_width,
             y_bf16: rng.bf16_vec(n * y_width, 1.0),
             y_f32: (0..n * y_width).map(|_| rng.uniform()).collect(),
+            dora: None,
         }
+    }
+
+    /// The same problem with DoRA epilogues at every target: two slots of
+    /// every three have a rescale there (the third is plain LoRA; which
+    /// ones differs by target), and with `bias` the even targets have a
+    /// base bias (the odd ones none: zeros).
+    fn with_dora(mut self, rng: &mut Rng, bias: bool) -> Problem {
+        let slots = self.pairs[0].ranks.len();
+        self.dora = Some(
+            self.outs
+                .iter()
+                .enumerate()
+                .map(|(t, &out)| DoraSpec {
+                    g: (0..slots)
+                        .map(|s| ((s + t) % 3 != 1).then(|| (0..out).map(|_| 1.0 + 0.5 * rng.uniform()).collect()))
+                        .collect(),
+                    bias: (bias && t % 2 == 0).then(|| (0..out).map(|_| rng.uniform()).collect()),
+                })
+                .collect(),
+        );
+        self
     }
 }
 
@@ -90,6 +124,41 @@ struct OnDevice {
     /// All targets' tables in one buffer, target t at offset t * slots.
     table: DeviceBuffer<PairEntry>,
     slots: usize,
+    /// Per target: its DoRA `g` address table, its bias (and the `g` buffers the table points at).
+    dora: Vec<DoraOnDevice>,
+}
+
+/// One target's DoRA epilogue buffers.
+struct DoraOnDevice {
+    table: DeviceBuffer<u64>,
+    bias: Option<DeviceBuffer<f32>>,
+    _g: Vec<DeviceBuffer<f32>>,
+}
+
+impl DoraOnDevice {
+    /// Each `g` in a buffer of its own, poisoned (NaN) past its outputs, so a
+    /// read past them shows in y.
+    fn new(dev: &Device, spec: &DoraSpec) -> DoraOnDevice {
+        let mut table = Vec::new();
+        let mut g_bufs = Vec::new();
+        for g in &spec.g {
+            match g {
+                Some(g) => {
+                    let mut v = g.clone();
+                    v.extend([f32::NAN; 8]);
+                    let buf = dev.upload(&v).unwrap();
+                    table.push(buf.device_addr());
+                    g_bufs.push(buf);
+                }
+                None => table.push(0),
+            }
+        }
+        DoraOnDevice {
+            table: dev.upload(&table).unwrap(),
+            bias: spec.bias.as_ref().map(|b| dev.upload(b).unwrap()),
+            _g: g_bufs,
+        }
+    }
 }
 
 impl OnDevice {
@@ -114,6 +183,12 @@ impl OnDevice {
             _weights: weights,
             table: dev.upload(&entries).unwrap(),
             slots: p.pairs[0].ranks.len(),
+            dora: p
+                .dora
+                .iter()
+                .flatten()
+                .map(|spec| DoraOnDevice::new(dev, spec))
+                .collect(),
         }
     }
 
@@ -129,6 +204,11 @@ impl OnDevice {
                     n_entries: self.slots,
                     out_dim: out,
                     y_col_offset: col,
+                    dora: self.dora.get(t).map(|d| DoraEpilogue {
+                        table: &d.table,
+                        table_offset: 0,
+                        bias: d.bias.as_ref().map(|b| (b, 0)),
+                    }),
                 };
                 col += out;
                 target
@@ -1544,6 +1624,7 @@ fn whole_table_target(table: &DeviceBuffer<PairEntry>, n_entries: usize, out_dim
         n_entries,
         out_dim,
         y_col_offset: 0,
+        dora: None,
     }]
 }
 
@@ -1792,6 +1873,7 @@ fn graph_replay_case(gpu: &Device, rng: &mut Rng, options: DecodeOptions) {
             n_entries: slots,
             out_dim: 512,
             y_col_offset: 0,
+            dora: None,
         }];
         gpu.capture_graph(|| {
             let yv = RowsMut::dense(&mut y, n, p.y_width);
@@ -1835,6 +1917,7 @@ fn graph_replay_case(gpu: &Device, rng: &mut Rng, options: DecodeOptions) {
         n_entries: slots,
         out_dim: 512,
         y_col_offset: 0,
+        dora: None,
     }];
     let mut cy = cpu.upload(&y1).unwrap();
     let cidx = cpu.upload(&idx1).unwrap();
@@ -2309,6 +2392,19 @@ fn run_embed_lora<Y: OutputElem>(
     row_slot: &[i32],
     y0: &[Y],
 ) -> (Vec<Y>, lora_kernels::FaultFlags) {
+    run_embed_lora_at(dev, pairs, (0, pairs.in_dim), ids, row_slot, y0)
+}
+
+/// [`run_embed_lora`] for a vocab-parallel rank: A's columns are the ids
+/// `vocab_start .. vocab_start + in_dim` of a vocabulary of `vocab_size`.
+fn run_embed_lora_at<Y: OutputElem>(
+    dev: &Device,
+    pairs: &RandomPairs,
+    (vocab_start, vocab_size): (usize, usize),
+    ids: &[u32],
+    row_slot: &[i32],
+    y0: &[Y],
+) -> (Vec<Y>, lora_kernels::FaultFlags) {
     let pool = pairs.upload(dev).unwrap();
     let (ids_d, rs_d) = (dev.upload(ids).unwrap(), dev.upload(row_slot).unwrap());
     let mut y = dev.upload(y0).unwrap();
@@ -2318,6 +2414,8 @@ fn run_embed_lora<Y: OutputElem>(
         n_entries: pairs.ranks.len(),
         stride: pairs.stride,
         vocab: pairs.in_dim,
+        vocab_start,
+        vocab_size,
     };
     embed_lora(
         dev,
@@ -2513,5 +2611,254 @@ fn gpu_sgmv_tall_heads_match_cpu() {
         let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Auto);
         let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Auto);
         compare(&format!("sgmv head f32 y n={n} vocab={vocab}"), &p.y_f32, &c, &g);
+    }
+}
+
+/// The vocab-parallel forms of the embedding kernels on fresh random
+/// inputs: `embed_lora` with A holding the columns of one rank's block
+/// (`vocab_start`), and `embed_overlay_at` over one rank's table rows, each
+/// for every rank of 2 and 4 over ids drawn from the whole vocabulary. The
+/// CUDA kernels equal the CPU reference (the lookup bit for bit, its NaN
+/// poisoned output overwritten; the delta within f32 rounding), another
+/// rank's token gets nothing from the LoRA and a zero row from the lookup,
+/// and no fault is raised.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_vocab_parallel_embedding_kernels_match_cpu() {
+    let Some(dev) = cuda_or_skip("gpu_vocab_parallel_embedding_kernels_match_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_vocab_parallel_embedding_kernels_match_cpu");
+    let (vocab, h, stride, n) = (512usize, 96usize, 16usize, 131usize);
+    for world in [2usize, 4] {
+        let part = vocab / world;
+        for rank in 0..world {
+            let start = rank * part;
+            let label = format!("rank {rank} of {world}");
+            let mut pairs = RandomPairs::new(&mut rng, part, h, stride, &[16, 5, 0]);
+            pairs.poison_padding();
+            let ids: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
+            let row_slot: Vec<i32> = (0..n).map(|_| rng.below(4) as i32 - 1).collect();
+            let y0: Vec<f32> = (0..n * h).map(|_| rng.uniform()).collect();
+            let at = (start, vocab);
+            let (want, cpu_faults) = run_embed_lora_at(&cpu, &pairs, at, &ids, &row_slot, &y0);
+            let (got, faults) = run_embed_lora_at(&dev, &pairs, at, &ids, &row_slot, &y0);
+            assert!(faults.is_empty() && cpu_faults.is_empty(), "{label}: faults {faults}");
+            let err = rel_error(&got, &want);
+            assert!(err < 1e-5, "{label}: embed_lora relative error {err:.3e}");
+            for (i, &t) in ids.iter().enumerate() {
+                if !(start..start + part).contains(&(t as usize)) {
+                    assert_eq!(&got[i * h..(i + 1) * h], &y0[i * h..(i + 1) * h], "{label}: row {i}");
+                }
+            }
+            // The lookup over the rank's rows, one slot overlaying some.
+            let base = rng.bf16_vec(part * h, 1.0);
+            let over = rng.bf16_vec(3 * h, 1.0);
+            let mut map = vec![-1i32; part];
+            for (k, m) in [(0usize, 5usize), (1, part / 2), (2, part - 1)] {
+                map[m] = k as i32;
+            }
+            let lookup = |d: &Device| -> (Vec<bf16>, lora_kernels::FaultFlags) {
+                let (b, o, m) = (
+                    d.upload(&base).unwrap(),
+                    d.upload(&over).unwrap(),
+                    d.upload(&map).unwrap(),
+                );
+                let ents = d
+                    .upload(&[
+                        EmbedOverlayEntry::default(),
+                        EmbedOverlayEntry {
+                            slot_map: m.device_addr(),
+                            rows: o.device_addr(),
+                            n_rows: 3,
+                            pad: 0,
+                        },
+                    ])
+                    .unwrap();
+                let ids_d = d.upload(&ids).unwrap();
+                let rs: Vec<i32> = row_slot.iter().map(|&s| s.min(1)).collect();
+                let rs_d = d.upload(&rs).unwrap();
+                let mut out = d.upload(&vec![bf16::NAN; n * h]).unwrap();
+                embed_overlay_at(
+                    d,
+                    &ids_d,
+                    Some(&rs_d),
+                    Rows::dense(&b, part, h),
+                    start..start + part,
+                    vocab,
+                    &ents,
+                    RowsMut::dense(&mut out, n, h),
+                )
+                .unwrap();
+                (out.download().unwrap(), d.take_faults().unwrap())
+            };
+            let (want, _) = lookup(&cpu);
+            let (got, faults) = lookup(&dev);
+            assert!(faults.is_empty(), "{label}: lookup faults {faults}");
+            assert_eq!(widen(&got), widen(&want), "{label}: lookup");
+            for (i, &t) in ids.iter().enumerate() {
+                if !(start..start + part).contains(&(t as usize)) {
+                    assert!(
+                        got[i * h..(i + 1) * h].iter().all(|v| v.to_f32() == 0.0),
+                        "{label}: row {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Asserts that the DoRA run `got` equals the plain run `plain` bit for bit
+/// on every (row, target) that has no rescale: base rows (-1) and rows of
+/// plain-LoRA slots there (the epilogue leaves them as the expand wrote them).
+fn assert_plain_rows_untouched<Y: OutputElem>(label: &str, p: &Problem, row_slot: &[i32], got: &[Y], plain: &[Y]) {
+    let specs = p.dora.as_ref().unwrap();
+    for (r, &s) in row_slot.iter().enumerate() {
+        let mut col = 0;
+        for (t, &out) in p.outs.iter().enumerate() {
+            if s < 0 || specs[t].g[s as usize].is_none() {
+                for c in col..col + out {
+                    let i = r * p.y_width + c;
+                    assert_eq!(
+                        got[i].to_f32().to_bits(),
+                        plain[i].to_f32().to_bits(),
+                        "{label}: row {r} (slot {s}) target {t} column {c} differs from the plain apply"
+                    );
+                }
+            }
+            col += out;
+        }
+    }
+}
+
+/// The DoRA epilogue in every decode form the plan picks: mixed batches of
+/// DoRA rows, plain-LoRA rows and base rows (-1), each `g` poisoned past
+/// its outputs, biases present and absent, BF16 and f32 y, every candidate
+/// plan with and without the overlap promise (and the row-mapped clusters),
+/// against the CPU reference; rows without a rescale bit-identical to the
+/// same plan without the epilogue. Over the shapes, every decode form runs.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_bgmv_dora_epilogue_in_every_form() {
+    let Some(gpu) = cuda_or_skip("gpu_bgmv_dora_epilogue_in_every_form") else {
+        return;
+    };
+    let mut rng = Rng::fresh("gpu_bgmv_dora_epilogue_in_every_form");
+    let cpu = Device::cpu();
+    // (n, in, outs, stride, slots, aligned rows, bias)
+    type Shape = (usize, usize, &'static [usize], usize, usize, bool, bool);
+    let shapes: &[Shape] = &[
+        (1, 4096, &[4096], 16, 4, true, true),
+        (64, 4096, &[4096], 16, 64, true, false),
+        (256, 4096, &[4096], 16, 32, true, true),
+        (256, 4096, &[1024, 256, 256], 16, 32, true, true),
+        (64, 2049, &[333], 16, 8, false, true),
+        (33, 96, &[4097], 8, 3, false, false),
+        (64, 520, &[14336], 16, 64, false, true),
+        (300, 520, &[96, 336], 32, 5, true, true),
+        (64, 1024, &[14336], 64, 64, true, false),
+        (1024, 128, &[72, 8, 40], 64, 2, true, true),
+        (5, 7, &[9], 3, 2, false, true),
+    ];
+    let mut forms = std::collections::BTreeSet::new();
+    for &(n, in_dim, outs, stride, slots, aligned, bias) in shapes {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 37 % stride) as u32).collect();
+        let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true);
+        let p = if aligned { p.with_aligned_rows(&mut rng) } else { p };
+        let p = p.with_dora(&mut rng, bias);
+        let idx = random_idx(&mut rng, n, slots, 7);
+        let label = format!("dora n={n} in={in_dim} outs={outs:?} stride={stride} bias={bias}");
+        let on = Applies::new(&gpu, &p, &idx);
+        let mut plain = Applies::new(&gpu, &p, &idx);
+        plain.bufs.dora.clear();
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_bf16, DecodeOptions::default());
+        let mut runs = Vec::new();
+        for overlap in [false, true] {
+            let plans = on.plans(&p.y_bf16, overlap);
+            let per_row = cluster_per_row(&on, &p.y_bf16, &plans);
+            forms.extend(plans.iter().chain(&per_row).map(form_name));
+            runs.extend(runs_of(overlap, &plans));
+            runs.extend(per_row.into_iter().map(exact));
+        }
+        for options in runs {
+            let what = format!("{label} {} (bf16 y)", describe(options));
+            let g = on.run(&p.y_bf16, options);
+            compare(&what, &p.y_bf16, &c, &g);
+            assert_plain_rows_untouched(&what, &p, &idx, &g, &plain.run(&p.y_bf16, options));
+        }
+        let c = run_bgmv_on(&cpu, &p, &idx, &p.y_f32, DecodeOptions::default());
+        for options in runs_of(false, &on.plans(&p.y_f32, false)) {
+            let what = format!("{label} {} (f32 y)", describe(options));
+            let g = on.run(&p.y_f32, options);
+            compare(&what, &p.y_f32, &c, &g);
+            assert_plain_rows_untouched(&what, &p, &idx, &g, &plain.run(&p.y_f32, options));
+        }
+    }
+    eprintln!("DoRA epilogue forms run: {forms:?}");
+    for prefix in ["fused", "two-phase", "rows", "entry"] {
+        assert!(
+            forms.iter().any(|f| f.starts_with(prefix)),
+            "no {prefix} form among the plans run: {forms:?}"
+        );
+    }
+}
+
+/// The DoRA epilogue of the prefill apply: every sgmv plan the tests cover
+/// (`sgmv_plans`) on mixed segments (DoRA, plain-LoRA and base segments,
+/// empty ones), BF16 and f32 y, biases present and absent, and the
+/// one-adapter case on a DoRA slot, against the CPU reference; rows without
+/// a rescale bit-identical to the same plan without the epilogue.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_sgmv_dora_epilogue_matches_cpu() {
+    let Some(gpu) = cuda_or_skip("gpu_sgmv_dora_epilogue_matches_cpu") else {
+        return;
+    };
+    let cpu = Device::cpu();
+    let mut rng = Rng::fresh("gpu_sgmv_dora_epilogue_matches_cpu");
+    // (n, in, outs, stride, slots, segments, bias)
+    type Shape = (usize, usize, &'static [usize], usize, usize, usize, bool);
+    let shapes: &[Shape] = &[
+        (512, 4096, &[4096], 16, 4, 4, true),
+        (300, 2049, &[200, 64], 64, 6, 7, true),
+        (1000, 1024, &[1024], 64, 64, 32, false),
+        (130, 96, &[130], 128, 3, 3, true),
+        (17, 24, &[9], 5, 2, 5, false),
+    ];
+    for &(n, in_dim, outs, stride, slots, n_seg, bias) in shapes {
+        let ranks: Vec<u32> = (0..slots).map(|s| 1 + (s * 13 % stride) as u32).collect();
+        let p = Problem::new(&mut rng, n, in_dim, outs, stride, &ranks, true).with_dora(&mut rng, bias);
+        let (cu, slot) = segments_for(&mut rng, n, n_seg, slots);
+        let row_slot: Vec<i32> = (0..n)
+            .map(|r| {
+                let s = cu.windows(2).position(|w| (w[0] as usize..w[1] as usize).contains(&r));
+                s.map_or(-1, |s| slot[s])
+            })
+            .collect();
+        let plain = Problem {
+            dora: None,
+            ..p.clone()
+        };
+        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Auto);
+        for plan in sgmv_plans::<bf16>(&gpu, &p, n_seg) {
+            let label = format!("dora sgmv n={n} in={in_dim} outs={outs:?} stride={stride} bias={bias} {plan}");
+            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Exact(plan));
+            compare(&label, &p.y_bf16, &c, &g);
+            let q = run_sgmv_on(&gpu, &plain, Some((&cu, &slot)), 0, &p.y_bf16, Choice::Exact(plan));
+            assert_plain_rows_untouched(&label, &p, &row_slot, &g, &q);
+        }
+        let c = run_sgmv_on(&cpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Auto);
+        for plan in sgmv_plans::<f32>(&gpu, &p, n_seg) {
+            let label = format!("dora sgmv f32 y n={n} {plan}");
+            let g = run_sgmv_on(&gpu, &p, Some((&cu, &slot)), 0, &p.y_f32, Choice::Exact(plan));
+            compare(&label, &p.y_f32, &c, &g);
+            let q = run_sgmv_on(&gpu, &plain, Some((&cu, &slot)), 0, &p.y_f32, Choice::Exact(plan));
+            assert_plain_rows_untouched(&label, &p, &row_slot, &g, &q);
+        }
+        // One adapter: slot 0, a DoRA slot at the first target.
+        let c = run_sgmv_on(&cpu, &p, None, 0, &p.y_bf16, Choice::Auto);
+        let g = run_sgmv_on(&gpu, &p, None, 0, &p.y_bf16, Choice::Auto);
+        compare(&format!("dora one adapter n={n}"), &p.y_bf16, &c, &g);
     }
 }

@@ -11,10 +11,13 @@
 //! output head's pair (`lm_head`): A `[max_rank, hidden]` then B `[vocab,
 //! max_rank]`, a dense pair whose output is the logits. Under a
 //! tensor-parallel [`Placement`] each dense (layer, module) pair is sized to
-//! the rank's shard and the embedding and head pairs stay whole (replicated:
-//! [`ModuleShard::embedding`], [`ModuleShard::lm_head`]); under the
-//! fully-sharded option a column-parallel pair's A holds only the rank's
-//! block of rank rows, `[max_rank / tp_world, in]` ([`SlotEntry::a_rows`],
+//! the rank's shard, and the embedding and head pairs stay whole
+//! (replicated) or, under [`Placement::vocab_parallel`], hold the rank's
+//! vocabulary block: A `[max_rank, V/W]` for the embedding, B `[V/W,
+//! max_rank]` for the head ([`ModuleShard::embedding`],
+//! [`ModuleShard::lm_head`]); under the fully-sharded option a
+//! column-parallel dense pair's A holds only the rank's block of rank rows,
+//! `[max_rank / tp_world, in]` ([`SlotEntry::a_rows`],
 //! [`ModuleShard::rank_rows`]), and its B stays `[out, max_rank]`. [`SlotLayout`] is
 //! that walk; [`pool_slot_bytes`], [`module_slot_offsets`] and every packer
 //! read it, so they cannot disagree.
@@ -110,11 +113,15 @@ impl SlotEntry {
 }
 
 /// The input embedding's pair place in a slot: A `[max_rank, vocab]`, B
-/// `[hidden, max_rank]`. Under tensor parallelism the pair is replicated:
-/// every rank holds it whole ([`ModuleShard::embedding`]).
+/// `[hidden, max_rank]`. Under tensor parallelism the pair is replicated
+/// (every rank holds it whole), or under [`Placement::vocab_parallel`] A
+/// holds the rank's vocabulary columns ([`ModuleShard::embedding`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EmbeddingEntry {
-    /// Rows of the embedding table (`vocab_size`): A's width.
+    /// The token id of A's first column: 0 unless vocab-parallel.
+    pub vocab_start: usize,
+    /// Token ids (embedding table rows) the slot holds columns of A for:
+    /// `vocab_size`, or the rank's block of it. A's width.
     pub vocab: usize,
     /// Width of an embedding row (`hidden_size`): B's height.
     pub hidden: usize,
@@ -125,12 +132,16 @@ pub struct EmbeddingEntry {
 }
 
 /// The output head's pair place in a slot: A `[max_rank, hidden]`, B
-/// `[vocab, max_rank]` (PEFT's `lm_head.lora_A` / `lora_B`).
+/// `[vocab, max_rank]` (PEFT's `lm_head.lora_A` / `lora_B`); under
+/// [`Placement::vocab_parallel`], B's rows of the rank's vocabulary block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadEntry {
     /// Width of a hidden row (`hidden_size`): A's width.
     pub hidden: usize,
-    /// Rows of the head (`vocab_size`): B's height, the logits' width.
+    /// The token id of B's first row: 0 unless vocab-parallel.
+    pub vocab_start: usize,
+    /// Rows of the head the slot holds (`vocab_size`, or the rank's block
+    /// of it): B's height, the width of the rank's logits.
     pub vocab: usize,
     /// Byte offset of A (`[max_rank, hidden]`) from the slot base.
     pub a_offset: usize,
@@ -151,14 +162,14 @@ pub struct ModelPlaces {
 /// The layout of one pool slot for a model, a `max_rank` and a
 /// tensor-parallel [`Placement`]: every (layer, module) pair in walk order
 /// with its offsets, each sized to the rank's shard, and the embedding and
-/// head pairs' places (whole on every rank) when the layout has them.
+/// head pairs' places (whole, or the rank's vocabulary block) when the layout has them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotLayout {
     max_rank: usize,
     placement: Placement,
     entries: Vec<SlotEntry>,
     /// `shards[i]`: the rank's part of the `i`-th pair in walk order (the
-    /// embedding pair's then the head pair's, replicated, last when the
+    /// embedding pair's then the head pair's, (whole or the rank's vocabulary block) last when the
     /// layout has them).
     shards: Vec<ModuleShard>,
     embedding: Option<EmbeddingEntry>,
@@ -201,9 +212,11 @@ impl SlotLayout {
     /// model-level places `places` asks for (the embedding's, then the
     /// head's, after the last layer's pairs). The embedding and head pairs
     /// are replicated on every tensor-parallel rank (the base model keeps the
-    /// embedding table and the output head whole on every rank:
-    /// [`ModuleShard::embedding`], [`ModuleShard::lm_head`]), so their places
-    /// are the same on every rank.
+    /// embedding table and the output head whole on every rank), or, under
+    /// [`Placement::vocab_parallel`], hold the rank's vocabulary block
+    /// ([`ModuleShard::embedding`], [`ModuleShard::lm_head`]); a vocabulary
+    /// that does not divide is [`LayoutError::Placement`] naming
+    /// `vocab_size`.
     pub fn walk(
         cfg: &ModelConfig,
         max_rank: usize,
@@ -256,7 +269,9 @@ impl SlotLayout {
             }
         }
         let embedding = if places.embedding {
-            let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+            let shard = ModuleShard::embedding(cfg, placement)?;
+            let (hidden, vocab) = shard.dims();
+            let vocab_start = shard.in_start;
             let a_bytes = max_rank
                 .checked_mul(vocab)
                 .and_then(|e| e.checked_mul(BF16_BYTES))
@@ -266,8 +281,9 @@ impl SlotLayout {
             off = off
                 .checked_add(pair_bytes(hidden, vocab, max_rank)?)
                 .ok_or(overflow("slot bytes"))?;
-            shards.push(ModuleShard::embedding(cfg, placement));
+            shards.push(shard);
             Some(EmbeddingEntry {
+                vocab_start,
                 vocab,
                 hidden,
                 a_offset,
@@ -277,7 +293,9 @@ impl SlotLayout {
             None
         };
         let lm_head = if places.lm_head {
-            let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+            let shard = ModuleShard::lm_head(cfg, placement)?;
+            let (vocab, hidden) = shard.dims();
+            let vocab_start = shard.segments()[0].start;
             let a_bytes = max_rank
                 .checked_mul(hidden)
                 .and_then(|e| e.checked_mul(BF16_BYTES))
@@ -287,9 +305,10 @@ impl SlotLayout {
             off = off
                 .checked_add(pair_bytes(vocab, hidden, max_rank)?)
                 .ok_or(overflow("slot bytes"))?;
-            shards.push(ModuleShard::lm_head(cfg, placement));
+            shards.push(shard);
             Some(HeadEntry {
                 hidden,
+                vocab_start,
                 vocab,
                 a_offset,
                 b_offset,
@@ -343,7 +362,7 @@ impl SlotLayout {
     }
 
     /// The rank's part of the `i`-th pair in walk order (the embedding and
-    /// head pairs', whole, from `entries().len()` on when the layout has
+    /// head pairs', from `entries().len()` on when the layout has
     /// them).
     pub fn shard(&self, i: usize) -> Option<&ModuleShard> {
         self.shards.get(i)

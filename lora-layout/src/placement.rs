@@ -23,17 +23,27 @@
 //!   vLLM's `ReplicatedLinear`; `shared_expert_gate`, `[1, hidden]`): every
 //!   rank holds the whole pair and computes the whole delta.
 //! - The input embedding's pair (`PairKey::Embedding`, in a layout made
-//!   with the embedding place) is replicated too: the base model keeps the
-//!   embedding table whole on every rank (no vocab-parallel cut here), so
-//!   every rank holds the whole `lora_embedding_A` / `lora_embedding_B`
-//!   and adds the whole delta to its whole embedding rows
-//!   ([`ModuleShard::embedding`]).
-//! - The output head's pair (`PairKey::LmHead`, in a layout made with the
-//!   head place) is replicated by the same rule: the base model keeps
-//!   `lm_head` whole on every rank (no vocab-parallel cut, every rank
-//!   computes the whole logits), so every rank holds the whole
-//!   `lm_head.lora_A` / `lora_B` and adds the whole delta to its whole
-//!   logits ([`ModuleShard::lm_head`]).
+//!   with the embedding place) and the output head's pair
+//!   (`PairKey::LmHead`, with the head place) follow the base model's
+//!   vocabulary split ([`ModuleShard::embedding`], [`ModuleShard::lm_head`]).
+//!   By default ([`Placement::vocab_parallel`] off) both are replicated:
+//!   the base model keeps the embedding table and `lm_head` whole on every
+//!   rank, so every rank holds both pairs whole, adds the whole embedding
+//!   delta to its whole rows and the whole head delta to its whole logits.
+//!   With the vocab-parallel cut on (vLLM's `VocabParallelEmbedding` /
+//!   `ParallelLMHead`), rank `r` holds the vocabulary rows `r·V/W ..
+//!   (r+1)·V/W` of both tables ([`Placement::vocab_range`], `V =
+//!   vocab_size`, `W = tp_world`; a `V` that does not divide is refused
+//!   naming `vocab_size`, [`PlacementError::IndivisibleVocab`]: no padding
+//!   rule). The embedding pair is then cut like a row-parallel module:
+//!   `lora_embedding_A [r, V]` by the rank's vocabulary columns, B whole; a
+//!   token of the rank's range gets `scale·B·A[:, t]` there, a token
+//!   outside gets nothing on that rank (its base embedding row is zeros
+//!   there too), and the engine's all-reduce of the embedding output sums
+//!   the ranks. The head pair is cut like a column-parallel module:
+//!   `lm_head.lora_B [V, r]` by the rank's vocabulary rows, A whole; the
+//!   rank's delta is its own logit columns, which the engine all-gathers.
+//!   A tied head follows the embedding table's split (the same rows).
 //!
 //! Units of a cut, per family (the base model's): attention projections are
 //! cut by heads (`num_attention_heads` for q, o and the MLA projections;
@@ -62,7 +72,9 @@
 //! layout is refused naming `max_rank` ([`PlacementError::IndivisibleRank`]).
 //! Row-parallel and replicated modules keep the rule above under the option
 //! (vLLM also all-reduces row-parallel shrink outputs; that is not built
-//! here: a row-parallel rank's A is already cut by input columns).
+//! here: a row-parallel rank's A is already cut by input columns);
+//! the embedding and head pairs keep their rule too: the vocab-parallel
+//! head pair's A stays whole, only its B is cut by vocabulary rows).
 //!
 //! Expert parallelism is the placement's second axis (`ep_rank <
 //! ep_world`, independent of the tensor-parallel one): routed experts are
@@ -160,6 +172,17 @@ pub enum PlacementError {
         /// The tensor-parallel world size.
         tp_world: usize,
     },
+    /// The vocabulary does not split into equal blocks over the
+    /// tensor-parallel ranks under the vocab-parallel cut.
+    #[error(
+        "vocab_size = {vocab_size} is not a multiple of tp_world = {tp_world} (vocab-parallel embedding and lm_head)"
+    )]
+    IndivisibleVocab {
+        /// The model's vocabulary.
+        vocab_size: usize,
+        /// The tensor-parallel world size.
+        tp_world: usize,
+    },
     /// A dimension the placement cuts does not split over the ranks.
     #[error("{module}: {dimension} = {size} {rule} tp_world = {tp_world}")]
     Indivisible {
@@ -177,7 +200,10 @@ pub enum PlacementError {
     },
 }
 
-/// One rank of a tensor-parallel group, and of an expert-parallel group.
+/// One rank of a tensor-parallel group, and of an expert-parallel group;
+/// with [`Placement::vocab_parallel`], the embedding and head pairs follow
+/// the base model's vocab-parallel split; with [`Placement::fully_sharded`],
+/// A of every column-parallel module is cut by rank rows too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Placement {
     tp_rank: usize,
@@ -185,6 +211,7 @@ pub struct Placement {
     ep_rank: usize,
     ep_world: usize,
     fully_sharded: bool,
+    vocab_parallel: bool,
 }
 
 impl Default for Placement {
@@ -201,6 +228,7 @@ impl Placement {
         ep_rank: 0,
         ep_world: 1,
         fully_sharded: false,
+        vocab_parallel: false,
     };
 
     /// Tensor-parallel rank `tp_rank` of `tp_world`, every expert held.
@@ -243,6 +271,38 @@ impl Placement {
     /// Whether the fully-sharded option is on.
     pub fn fully_sharded(self) -> bool {
         self.fully_sharded
+    }
+
+    /// This placement with the vocab-parallel cut of the embedding and
+    /// head pairs on or off (see the module docs; off: replicated).
+    pub fn with_vocab_parallel(self, on: bool) -> Placement {
+        Placement {
+            vocab_parallel: on,
+            ..self
+        }
+    }
+
+    /// Whether the embedding and head pairs follow the vocab-parallel cut.
+    pub fn vocab_parallel(self) -> bool {
+        self.vocab_parallel
+    }
+
+    /// The vocabulary rows (token ids) this rank holds of `vocab_size`: the
+    /// contiguous block `tp_rank·V/tp_world .. (tp_rank+1)·V/tp_world` under
+    /// the vocab-parallel cut, every row otherwise (and at world 1); or
+    /// [`PlacementError::IndivisibleVocab`] naming `vocab_size`.
+    pub fn vocab_range(self, vocab_size: usize) -> Result<Range<usize>, PlacementError> {
+        if !self.vocab_parallel {
+            return Ok(0..vocab_size);
+        }
+        if !vocab_size.is_multiple_of(self.tp_world) {
+            return Err(PlacementError::IndivisibleVocab {
+                vocab_size,
+                tp_world: self.tp_world,
+            });
+        }
+        let per = vocab_size / self.tp_world;
+        Ok(self.tp_rank * per..(self.tp_rank + 1) * per)
     }
 
     /// The expert-parallel rank.
@@ -411,30 +471,54 @@ impl ModuleShard {
         None
     }
 
-    /// The input embedding pair's shard for `placement` on `cfg`:
-    /// replicated, every rank holds it whole (`(hidden_size, vocab_size)`),
-    /// because the base model keeps the embedding table whole on every rank
-    /// and every rank computes the whole embedding output.
-    pub fn embedding(cfg: &ModelConfig, placement: Placement) -> ModuleShard {
-        ModuleShard::replicated(
-            ShardKind::Replicated,
-            cfg.hidden_size,
-            cfg.vocab_size,
-            placement.tp_world,
-        )
+    /// The input embedding pair's shard for `placement` on `cfg`
+    /// (`(hidden_size, vocab_size)`): replicated, whole on every rank,
+    /// unless the placement is [`Placement::vocab_parallel`]; then A is cut
+    /// to the rank's vocabulary columns ([`Placement::vocab_range`]) and B
+    /// is whole, as a row-parallel module's (the ranks' deltas sum).
+    pub fn embedding(cfg: &ModelConfig, placement: Placement) -> Result<ModuleShard, PlacementError> {
+        let (hidden, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let range = placement.vocab_range(vocab)?;
+        if !placement.vocab_parallel || placement.tp_world == 1 {
+            return Ok(ModuleShard::replicated(
+                ShardKind::Replicated,
+                hidden,
+                vocab,
+                placement.tp_world,
+            ));
+        }
+        let shard = ModuleShard::replicated(ShardKind::Row, hidden, vocab, placement.tp_world);
+        Ok(shard.row_cut(OutSegment {
+            start: range.start,
+            len: range.len(),
+            replicas: 1,
+        }))
     }
 
-    /// The output head pair's shard for `placement` on `cfg`: replicated,
-    /// every rank holds it whole (`(vocab_size, hidden_size)`), because the
-    /// base model keeps `lm_head` whole on every rank (no vocab-parallel
-    /// cut, no gather of logits) and every rank computes the whole logits.
-    pub fn lm_head(cfg: &ModelConfig, placement: Placement) -> ModuleShard {
-        ModuleShard::replicated(
-            ShardKind::Replicated,
-            cfg.vocab_size,
-            cfg.hidden_size,
-            placement.tp_world,
-        )
+    /// The output head pair's shard for `placement` on `cfg`
+    /// (`(vocab_size, hidden_size)`): replicated, whole on every rank,
+    /// unless the placement is [`Placement::vocab_parallel`]; then B is cut
+    /// to the rank's vocabulary rows ([`Placement::vocab_range`]) and A is
+    /// whole, as a column-parallel module's (the rank's delta is its logit
+    /// columns).
+    pub fn lm_head(cfg: &ModelConfig, placement: Placement) -> Result<ModuleShard, PlacementError> {
+        let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+        let range = placement.vocab_range(vocab)?;
+        if !placement.vocab_parallel || placement.tp_world == 1 {
+            return Ok(ModuleShard::replicated(
+                ShardKind::Replicated,
+                vocab,
+                hidden,
+                placement.tp_world,
+            ));
+        }
+        let mut shard = ModuleShard::replicated(ShardKind::Column, vocab, hidden, placement.tp_world);
+        shard.segments[0] = OutSegment {
+            start: range.start,
+            len: range.len(),
+            replicas: 1,
+        };
+        Ok(shard)
     }
 
     /// The shard of `module` for `placement` on `cfg`.
@@ -552,3 +636,6 @@ impl ModuleShard {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod vocab_tests;

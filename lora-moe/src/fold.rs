@@ -183,6 +183,7 @@ impl MoeLora {
             n_entries: self.geometry.max_loras,
             out_dim: num_experts,
             y_col_offset: 0,
+            dora: None,
         };
         bgmv(
             &self.device,

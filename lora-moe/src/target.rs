@@ -114,6 +114,7 @@ pub(crate) fn kernel_targets<'t>(
                 n_entries,
                 out_dim,
                 y_col_offset: t.y_col_offset,
+                dora: None,
             })
         })
         .collect()

@@ -194,7 +194,12 @@ impl SlotOverlay {
 /// served rows with the `row_diff` kernel, compact the overridden rows,
 /// build the `slot_map`, and upload. A head whose compiled overlay is the
 /// embedding's (a tied head with trainable tokens) shares the embedding
-/// overlay's buffers. `Ok(None)` when nothing is overridden.
+/// overlay's buffers. Over a vocab-parallel rank's tables
+/// ([`ServedTables::held`]) only the overridden ids of the rank's block are
+/// kept (trainable ids of other ranks dropped, a saved table cut to the
+/// rank's rows before the diff), indexed by `id - held().start`: an overlay
+/// row replaces the base row only on the rank that holds it.
+/// `Ok(None)` when nothing is overridden.
 pub fn build_overlay(
     device: &Device,
     tables: &ServedTables,
@@ -210,10 +215,11 @@ pub fn build_overlay(
             hidden,
         });
     }
+    let held = tables.held();
     let embed = match &host.embed {
         Some(t) => Some(compile_table(
             device,
-            t,
+            &*held_rows(t, held.clone(), tables.vocab_size(), hidden)?,
             Some(tables.embed()),
             TableName::Embed,
             vocab,
@@ -225,7 +231,7 @@ pub fn build_overlay(
     let head = match host.lm_head_table() {
         Some(t) => Some(compile_table(
             device,
-            &t,
+            &*held_rows(&t, held, tables.vocab_size(), hidden)?,
             tables.head_table(),
             TableName::LmHead,
             vocab,
@@ -250,6 +256,52 @@ pub fn build_overlay(
         return Ok(None);
     }
     Ok(Some(SlotOverlay { embed, head }))
+}
+
+/// `overlay` cut to the tables' rows `held` of a vocabulary of
+/// `vocab_size`: the trainable ids in `held` (as `id - held.start`, in the
+/// overlay's order) with their rows, and the saved table's rows of `held`.
+/// The whole overlay, as it is, when `held` is the whole vocabulary.
+fn held_rows(
+    overlay: &TableOverlay,
+    held: std::ops::Range<usize>,
+    vocab_size: usize,
+    hidden: usize,
+) -> Result<std::borrow::Cow<'_, TableOverlay>, OverlayError> {
+    if held == (0..vocab_size) {
+        return Ok(std::borrow::Cow::Borrowed(overlay));
+    }
+    if overlay.ids.len().checked_mul(hidden) != Some(overlay.rows.len()) {
+        return Err(OverlayError::RowCount {
+            table: "overlay",
+            rows: overlay.rows.len(),
+            ids: overlay.ids.len(),
+            hidden,
+        });
+    }
+    let mut ids = Vec::new();
+    let mut rows = Vec::new();
+    for (k, &id) in overlay.ids.iter().enumerate() {
+        if held.contains(&(id as usize)) {
+            ids.push(id - held.start as u32);
+            rows.extend_from_slice(&overlay.rows[k * hidden..(k + 1) * hidden]);
+        }
+    }
+    let table = match &overlay.table {
+        None => None,
+        Some(copy) => {
+            if vocab_size.checked_mul(hidden) != Some(copy.len()) {
+                return Err(OverlayError::TableSize {
+                    table: "the adapter's saved table",
+                    len: copy.len(),
+                    vocab: vocab_size,
+                    hidden,
+                });
+            }
+            Some(copy[held.start * hidden..held.end * hidden].to_vec())
+        }
+    };
+    Ok(std::borrow::Cow::Owned(TableOverlay { ids, rows, table }))
 }
 
 /// Which served table a compile is for, for errors.

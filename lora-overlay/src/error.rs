@@ -17,6 +17,10 @@ pub enum OverlayError {
     /// embedding LoRA apply).
     #[error(transparent)]
     Pool(Box<PoolError>),
+    /// The placement cannot cut the tables (a vocabulary that does not
+    /// split over the vocab-parallel ranks, naming `vocab_size`).
+    #[error(transparent)]
+    Placement(#[from] lora_layout::PlacementError),
     /// A table does not have `vocab x hidden` elements.
     #[error("{table}: {len} elements, expected {vocab} x {hidden}")]
     TableSize {

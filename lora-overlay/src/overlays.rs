@@ -5,7 +5,7 @@
 use half::bf16;
 use lora_audit::HostOverlay;
 use lora_kernels::{
-    Device, DeviceBuffer, EmbedOverlayEntry, LmHeadOverlayEntry, OutputElem, Rows, RowsMut, embed_overlay,
+    Device, DeviceBuffer, EmbedOverlayEntry, LmHeadOverlayEntry, OutputElem, Rows, RowsMut, embed_overlay_at,
     lm_head_overlay,
 };
 use lora_pool::{PoolError, SlotCompanion, StepSlots};
@@ -139,8 +139,10 @@ impl TokenOverlays {
     /// the base row (`rows` `None`, or a base row: base). `rows` comes from
     /// [`LoraPool::step_slots`](lora_pool::LoraPool::step_slots), so it is
     /// the step's own row map, held by the step; `ids` has one id per kernel
-    /// row of the step. Allocates nothing and does not synchronise:
-    /// graph-capturable.
+    /// row of the step. Over a vocab-parallel rank's tables, a row whose
+    /// token is another rank's is a zero row (the engine's all-reduce of
+    /// the embedding output sums the ranks). Allocates nothing and does not
+    /// synchronise: graph-capturable.
     pub fn embed(
         &self,
         ids: &DeviceBuffer<u32>,
@@ -161,11 +163,22 @@ impl TokenOverlays {
         out: RowsMut<'_, bf16>,
     ) -> Result<(), OverlayError> {
         let base = Rows::dense(self.tables.embed(), self.tables.vocab(), self.tables.hidden());
-        embed_overlay(&self.device, ids, row_slot, base, &self.embed_entries, out)?;
+        let (held, vocab_size) = (self.tables.held(), self.tables.vocab_size());
+        embed_overlay_at(
+            &self.device,
+            ids,
+            row_slot,
+            base,
+            held,
+            vocab_size,
+            &self.embed_entries,
+            out,
+        )?;
         Ok(())
     }
 
-    /// lm_head overlay on the base logits `[n, >= vocab]` (bf16 or f32): for
+    /// lm_head overlay on the base logits `[n, >= vocab]` (bf16 or f32; a
+    /// vocab-parallel rank's logit columns, `vocab` its block): for
     /// each row whose slot overlays the head, the logits of the overridden
     /// ids become `dot(hidden[row], overlay row)`; other logits are
     /// untouched. `rows` is the current step's row map from

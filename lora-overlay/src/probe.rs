@@ -32,7 +32,9 @@ const PROBE_CHUNK: usize = 64;
 impl TokenOverlays {
     /// The rows of `module` that `slot` (`None`: the base model) serves for
     /// `ids`, `[ids.len(), hidden]`, read back through the overlay kernels.
-    /// Synchronises; not an apply call.
+    /// Over a vocab-parallel rank's tables, the row of another rank's token
+    /// is zeros (the ranks' answers sum to the whole). Synchronises; not an
+    /// apply call.
     pub fn served_rows(
         &self,
         slot: Option<usize>,
@@ -52,7 +54,7 @@ impl TokenOverlays {
             }
             None => -1,
         };
-        let vocab = self.tables().vocab();
+        let vocab = self.tables().vocab_size();
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(OverlayError::Argument {
                 arg: "ids",
@@ -80,7 +82,27 @@ impl TokenOverlays {
         Ok(out.download()?)
     }
 
-    fn probe_head(&self, row_slot: i32, ids: &[u32]) -> Result<Vec<bf16>, OverlayError> {
+    fn probe_head(&self, row_slot: i32, all_ids: &[u32]) -> Result<Vec<bf16>, OverlayError> {
+        // This rank's rows, by their table index; other ranks' stay zeros.
+        let (ids, at): (Vec<u32>, Vec<usize>) = all_ids
+            .iter()
+            .enumerate()
+            .filter_map(|(k, &id)| Some((self.tables().local_id(id)?, k)))
+            .unzip();
+        let hidden = self.tables().hidden();
+        let mut all = vec![bf16::ZERO; rows_len(all_ids.len(), hidden)?];
+        if ids.is_empty() {
+            return Ok(all);
+        }
+        let local = self.probe_local_head(row_slot, &ids)?;
+        for (i, &k) in at.iter().enumerate() {
+            all[k * hidden..(k + 1) * hidden].copy_from_slice(&local[i * hidden..(i + 1) * hidden]);
+        }
+        Ok(all)
+    }
+
+    /// [`TokenOverlays::probe_head`] of table rows `ids` (all held).
+    fn probe_local_head(&self, row_slot: i32, ids: &[u32]) -> Result<Vec<bf16>, OverlayError> {
         let device = self.device();
         let (vocab, hidden) = (self.tables().vocab(), self.tables().hidden());
         let base = self.tables().head_table().ok_or_else(|| OverlayError::QuantizedHead {

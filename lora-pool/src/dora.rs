@@ -1,12 +1,14 @@
 //! DoRA serving state: the engine's base weights ([`BaseWeights`]) and,
 //! beside the slots, each slot's per-output-row rescale `g = m / ‖W + s·B A‖`
 //! (PEFT's `mag_norm_scale`, [`lora_audit::dora`]) with the `[max_loras]`
-//! table of `g` addresses per (layer, module) that the rescale pass
-//! ([`lora_kernels::dora_rescale`]) reads, and the base biases it keeps
-//! outside the rescale.
+//! table of `g` addresses per (layer, module) and the base biases kept
+//! outside the rescale: every apply call's targets carry them
+//! ([`lora_kernels::DoraEpilogue`]), and the expand rescales the rows of
+//! DoRA slots in its epilogue, so a mixed batch stays one launch.
 //!
 //! Allocated only for a pool built with [`LoraOptions::dora`]
-//! (`LORA_DORA=1`); a plain pool holds none of it and launches no rescale.
+//! (`LORA_DORA=1`); a plain pool holds none of it and its targets carry no
+//! epilogue.
 //! Buffers are allocated once and never move (graphs stay valid): `g` is
 //! `[max_loras, total_out]` f32 (`total_out` the sum of every adapted
 //! projection's output width over the slot layout walk), the biases
@@ -14,7 +16,10 @@
 //! `[layers · modules · max_loras]` u64 (0: no DoRA pair).
 //!
 //! `g` is computed when an adapter is staged (phase one, fallible: a missing
-//! or misshapen base weight, a zero row norm), on the pool's device
+//! or misshapen base weight, a zero row norm) by every route (disk swap,
+//! host tier, peer landing: the latter two carry the magnitudes,
+//! [`DoraMagnitudes`], and put their packed image in the staging slot
+//! first), on the pool's device
 //! ([`lora_kernels::dora_row_scale`]) from the pair's A and B as packed in
 //! the staging slot, the base weight (the engine's device copy when it
 //! gives one, else an upload of its host weight) and the magnitude; read
@@ -38,13 +43,12 @@ use std::sync::Arc;
 
 use half::bf16;
 use lora_audit::dora::BaseProjection;
-use lora_audit::{AuditError, LoraOptions, PreparedAdapter, Refusal, RejectCode};
-use lora_kernels::{Device, DeviceBuffer, DoraNorm, DoraTarget, PairEntry, dora_row_scale};
+use lora_audit::{AuditError, AuditReport, LoraOptions, PreparedAdapter, Refusal, RejectCode};
+use lora_kernels::{Device, DeviceBuffer, DoraEpilogue, DoraNorm, PairEntry, dora_row_scale};
 use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 
 use crate::error::PoolError;
 use crate::pool::module_table_offset;
-use crate::target::FusedTargets;
 
 /// The base model's projection weights, as the engine holds them: what a
 /// DoRA adapter's rescale needs. The engine passes it to the pool once
@@ -74,6 +78,102 @@ pub struct DeviceProjection<'a> {
     pub weight: &'a DeviceBuffer<f32>,
     /// First element of the projection's weight.
     pub offset: usize,
+}
+
+/// One DoRA pair as the rescale's staging reads it: its place, rank and
+/// scale, and its magnitude `m` (f32 `[out]`, as saved).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DoraInput<'a> {
+    pub(crate) layer: usize,
+    pub(crate) module: LoraModule,
+    pub(crate) rank: usize,
+    pub(crate) scale: f32,
+    pub(crate) magnitude: &'a [f32],
+}
+
+impl<'a> DoraInput<'a> {
+    /// The DoRA pairs of a prepared adapter.
+    pub(crate) fn of_prepared(adapter: &'a PreparedAdapter) -> impl Iterator<Item = DoraInput<'a>> {
+        adapter.dense.iter().filter_map(|p| {
+            Some(DoraInput {
+                layer: p.layer,
+                module: p.module,
+                rank: p.rank,
+                scale: p.scale,
+                magnitude: p.magnitude.as_deref()?,
+            })
+        })
+    }
+}
+
+/// A DoRA adapter's magnitude vectors as a route other than a disk swap
+/// carries them to the pool (the host tier keeps them beside its image, a
+/// peer landing lands them beside the pairs): the pool computes each
+/// pair's rescale from them, the pairs and its own base weights when it
+/// stages the adapter, exactly as a disk swap does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DoraMagnitudes {
+    /// The audit that admitted the adapter: refusals (a missing base
+    /// weight, a zero row norm) name its tensors.
+    pub report: AuditReport,
+    /// One entry per DoRA pair, in the report's (layer, module) order.
+    pub pairs: Vec<DoraMagnitude>,
+}
+
+/// One DoRA pair's magnitude `m` (f32 `[out]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DoraMagnitude {
+    /// The layer.
+    pub layer: usize,
+    /// The projection.
+    pub module: LoraModule,
+    /// `m`, one value per output row of the whole projection.
+    pub magnitude: Vec<f32>,
+}
+
+impl DoraMagnitudes {
+    /// The magnitudes of a prepared adapter's DoRA pairs (`None` for a
+    /// plain adapter).
+    pub fn of_prepared(adapter: &PreparedAdapter) -> Option<DoraMagnitudes> {
+        let pairs: Vec<DoraMagnitude> = DoraInput::of_prepared(adapter)
+            .map(|p| DoraMagnitude {
+                layer: p.layer,
+                module: p.module,
+                magnitude: p.magnitude.to_vec(),
+            })
+            .collect();
+        (!pairs.is_empty()).then(|| DoraMagnitudes {
+            report: adapter.report.clone(),
+            pairs,
+        })
+    }
+
+    /// The staging inputs: rank and scale of each pair from the report.
+    /// A magnitude whose pair the report does not place is
+    /// [`PoolError::NoSuchModule`].
+    pub(crate) fn inputs(&self) -> Result<Vec<DoraInput<'_>>, PoolError> {
+        self.pairs
+            .iter()
+            .map(|m| {
+                let placed = self
+                    .report
+                    .placed
+                    .iter()
+                    .find(|p| (p.layer, p.module) == (m.layer, m.module) && p.magnitude_key.is_some())
+                    .ok_or(PoolError::NoSuchModule {
+                        layer: m.layer,
+                        module: m.module,
+                    })?;
+                Ok(DoraInput {
+                    layer: m.layer,
+                    module: m.module,
+                    rank: placed.rank,
+                    scale: placed.scale,
+                    magnitude: &m.magnitude,
+                })
+            })
+            .collect()
+    }
 }
 
 /// One DoRA pair's staged rescale.
@@ -186,16 +286,17 @@ impl DoraState {
     /// base weight of a DoRA pair's projection; `REJECT[non-finite]` where
     /// a row's rescale is not finite (a zero norm). Writes only buffers it
     /// allocates here.
-    pub(crate) fn stage(
+    pub(crate) fn stage<'m>(
         &self,
         name: &str,
         device: &Device,
         layout: &SlotLayout,
         staging: &DeviceBuffer<bf16>,
-        adapter: &PreparedAdapter,
+        report: &AuditReport,
+        pairs: impl IntoIterator<Item = DoraInput<'m>>,
     ) -> Result<Vec<StagedScale>, PoolError> {
         let refuse = |key: String, code, reason: String| {
-            let mut report = adapter.report.clone();
+            let mut report = report.clone();
             report.refuse(Refusal::new(code, key, reason));
             PoolError::Audit {
                 adapter: name.to_string(),
@@ -204,15 +305,24 @@ impl DoraState {
         };
         let mut out = Vec::new();
         let mut uploads = Vec::new();
-        for pair in &adapter.dense {
-            let Some(m) = &pair.magnitude else {
-                continue;
-            };
-            let key = magnitude_key(adapter, pair.layer, pair.module);
+        for pair in pairs {
+            let m = pair.magnitude;
+            let key = magnitude_key(report, pair.layer, pair.module);
             let entry = layout.entry(pair.layer, pair.module).ok_or(PoolError::NoSuchModule {
                 layer: pair.layer,
                 module: pair.module,
             })?;
+            if m.len() != entry.out_dim {
+                return Err(refuse(
+                    key,
+                    RejectCode::Shape,
+                    format!(
+                        "the magnitude has {} values; the projection has {} output rows",
+                        m.len(),
+                        entry.out_dim
+                    ),
+                ));
+            }
             let base = self.base.as_ref();
             let on_device = base.and_then(|b| b.device_projection(pair.layer, pair.module));
             let host = base.and_then(|b| b.projection(pair.layer, pair.module));
@@ -333,6 +443,25 @@ impl DoraState {
         Ok(())
     }
 
+    /// The rescales of the DoRA pairs `slot` holds now, in layout order.
+    pub(crate) fn slot_scales(
+        &self,
+        layout: &SlotLayout,
+        slot: usize,
+    ) -> Result<Vec<(usize, LoraModule, Vec<f32>)>, PoolError> {
+        let mut out = Vec::new();
+        for (e, &row) in layout.entries().iter().zip(&self.row_offsets) {
+            let held = module_table_offset(e.layer, e.module, self.max_loras)
+                .and_then(|o| self.host_table.get(o + slot))
+                .is_some_and(|&addr| addr != 0);
+            if held {
+                let g = self.g.download_range(slot * self.total_out + row, e.out_dim)?;
+                out.push((e.layer, e.module, g));
+            }
+        }
+        Ok(out)
+    }
+
     /// The DoRA pairs `slot` holds now.
     pub(crate) fn pairs(&self, slot: usize) -> usize {
         self.host_table
@@ -343,32 +472,23 @@ impl DoraState {
             .count()
     }
 
-    /// The rescale targets of one apply call.
-    pub(crate) fn targets(
+    /// The DoRA epilogue of (layer, module) for an apply call's target:
+    /// its `[max_loras]` range of `g` addresses (indexed by slot, as the
+    /// pair table is) and its base bias.
+    pub(crate) fn epilogue(
         &self,
         layout: &SlotLayout,
         layer: usize,
-        targets: &FusedTargets,
-    ) -> Result<Vec<DoraTarget<'_>>, PoolError> {
-        targets
-            .targets()
-            .iter()
-            .map(|m| {
-                let i = layout.position(layer, m.module).ok_or(PoolError::NoSuchModule {
-                    layer,
-                    module: m.module,
-                })?;
-                Ok(DoraTarget {
-                    table: &self.table,
-                    table_offset: module_table_offset(layer, m.module, self.max_loras).ok_or(overflow())?,
-                    n_entries: self.max_loras,
-                    bias: &self.bias,
-                    bias_offset: self.row_offsets[i],
-                    out_dim: layout.entries()[i].out_dim,
-                    y_col_offset: m.y_col_offset,
-                })
-            })
-            .collect()
+        module: LoraModule,
+    ) -> Result<DoraEpilogue<'_>, PoolError> {
+        let i = layout
+            .position(layer, module)
+            .ok_or(PoolError::NoSuchModule { layer, module })?;
+        Ok(DoraEpilogue {
+            table: &self.table,
+            table_offset: module_table_offset(layer, module, self.max_loras).ok_or(overflow())?,
+            bias: Some((&self.bias, self.row_offsets[i])),
+        })
     }
 }
 
@@ -377,9 +497,8 @@ fn overflow() -> PoolError {
 }
 
 /// The magnitude tensor the audit placed for (layer, module).
-fn magnitude_key(adapter: &PreparedAdapter, layer: usize, module: LoraModule) -> String {
-    adapter
-        .report
+fn magnitude_key(report: &AuditReport, layer: usize, module: LoraModule) -> String {
+    report
         .placed
         .iter()
         .find(|p| (p.layer, p.module) == (layer, module))
@@ -388,8 +507,8 @@ fn magnitude_key(adapter: &PreparedAdapter, layer: usize, module: LoraModule) ->
 }
 
 /// The refusal of a DoRA adapter by a pool not built for DoRA.
-pub(crate) fn refuse_not_built(name: &str, adapter: &PreparedAdapter) -> PoolError {
-    let mut report = adapter.report.clone();
+pub(crate) fn refuse_not_built(name: &str, report: &AuditReport) -> PoolError {
+    let mut report = report.clone();
     report.refuse(Refusal::new(
         RejectCode::Dora,
         "use_dora",

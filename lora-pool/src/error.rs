@@ -45,19 +45,6 @@ pub enum PoolError {
         /// The world size.
         tp_world: usize,
     },
-    /// Peer landing into a tensor- or expert-parallel rank's pool: a peer
-    /// stages and a manifest lists whole pairs of every expert; per-rank
-    /// manifests are not built, so a rank's pool takes adapters from disk
-    /// (ranged reads of its own bytes) or its host tier only.
-    #[error(
-        "peer landing into a placed pool (tp_world {tp_world}, ep_world {ep_world}): peer manifests carry whole pairs, not a rank's shard"
-    )]
-    PlacedPeerLanding {
-        /// The tensor-parallel world size.
-        tp_world: usize,
-        /// The expert-parallel world size.
-        ep_world: usize,
-    },
     /// DoRA on a tensor- or expert-parallel rank's pool: the rescale
     /// divides by the norm of each whole weight row `‖W + s·B A‖`, whose
     /// input columns a row-parallel rank does not hold, and a per-rank
@@ -267,15 +254,6 @@ pub enum PoolError {
     /// Base weights given to a pool not built for DoRA.
     #[error("this pool is not built for DoRA (LoraOptions::dora, LORA_DORA=1): it takes no base weights")]
     DoraDisabled,
-    /// A DoRA adapter offered to a route that cannot carry its magnitudes
-    /// (the host tier, a peer landing): it is swapped from disk instead.
-    #[error("adapter `{adapter}` is a DoRA adapter, which the {route} does not carry; swap it from disk")]
-    DoraRoute {
-        /// The adapter.
-        adapter: String,
-        /// The route.
-        route: &'static str,
-    },
     /// New base weights while slots serve DoRA rescales computed from the
     /// old ones: evict or swap those slots first.
     #[error("{dora_slots} slot(s) serve DoRA rescales computed from the current base weights")]

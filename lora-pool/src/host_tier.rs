@@ -21,6 +21,7 @@ use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, HostOverlay};
 use lora_kernels::PinnedHostBuffer;
 use lora_layout::ExpertLayout;
 
+use crate::dora::DoraMagnitudes;
 use crate::image::{PairMeta, SlotImage};
 
 /// Length and modification time of an adapter's config and weights files
@@ -60,13 +61,22 @@ pub(crate) struct HostImage {
     pub(crate) group_expert_deltas: bool,
     pub(crate) overlay: HostOverlay,
     pub(crate) has_overlay: bool,
+    /// A DoRA adapter's magnitudes: its rescale is computed from them and
+    /// the pool's base weights when it is promoted, as a disk swap's is.
+    pub(crate) dora: Option<DoraMagnitudes>,
 }
 
 impl HostImage {
     /// Host bytes the image holds (what the tier's budget counts).
     pub(crate) fn bytes(&self) -> usize {
         let experts = self.experts.as_ref().map_or(0, |e| 2 * e.1.as_elems().len());
-        (2 * self.dense.len()).saturating_add(experts)
+        let magnitudes = self
+            .dora
+            .as_ref()
+            .map_or(0, |d| d.pairs.iter().map(|p| 4 * p.magnitude.len()).sum());
+        (2 * self.dense.len())
+            .saturating_add(experts)
+            .saturating_add(magnitudes)
     }
 
     /// Whether the image is still what `dir` holds.

@@ -13,10 +13,14 @@
 //!
 //! A pool built for DoRA ([`LoraOptions::dora`]) takes the engine's
 //! [`BaseWeights`] ([`LoraPool::set_base_weights`]), computes each DoRA
-//! adapter's per-row rescale when it is staged and rescales the rows of
-//! DoRA slots after every apply (one pass over the mixed batch); without
+//! adapter's per-row rescale when it is staged, and every apply's expand
+//! rescales the rows of DoRA slots in its epilogue (the mixed batch stays
+//! one launch); without
 //! the base weights a DoRA adapter is refused,
-//! `REJECT[dora-needs-base-weights]`.
+//! `REJECT[dora-needs-base-weights]`. Every route carries a DoRA adapter:
+//! the host tier and a peer landing keep its magnitudes beside the packed
+//! pairs ([`DoraMagnitudes`]), and its rescale is computed when it is
+//! promoted, as a disk swap computes it.
 //!
 //! Under a tensor-parallel placement (`LoraOptions::placement`,
 //! `LORA_TP_RANK` / `LORA_TP_WORLD`) a pool holds only its rank's shard of
@@ -24,7 +28,12 @@
 //! tensors it is given, its slots shrink accordingly, and an apply takes the
 //! rank's input (its input columns, for a row-parallel module) and writes
 //! the rank's output ([`FusedTargets::single_at`], [`FusedTargets::qkv_at`],
-//! [`FusedTargets::gate_up_at`]). Routed experts are placed by expert
+//! [`FusedTargets::gate_up_at`]). With the vocab-parallel cut
+//! (`lora_layout::Placement::vocab_parallel`, `LORA_VOCAB_PARALLEL`) the
+//! embedding pair holds A's columns of the rank's vocabulary block
+//! ([`LoraPool::apply_embedding`] adds nothing to another rank's tokens)
+//! and the head pair B's rows of it (the head applies write the rank's
+//! logit columns). Routed experts are placed by expert
 //! parallelism (`LORA_EP_RANK` / `LORA_EP_WORLD`): the audit keeps the
 //! rank's block of experts and the replicated router, so its expert slots
 //! hold only those; without it, a tensor-parallel pool serves no
@@ -36,7 +45,9 @@
 //! holds only the rank's block of rank rows too, and its deltas are served
 //! by [`LoraPool::apply_fully_sharded`] (shrink, the caller's
 //! [`RankGather`] all-gather of the ranks' shrink outputs, expand); the
-//! other apply calls refuse such a module ([`PoolError::RankSplit`]).
+//! other apply calls refuse such a module ([`PoolError::RankSplit`]). The
+//! fully-sharded apply has no DoRA epilogue and refuses a DoRA pool (DoRA
+//! is served at world 1 only, where the fused applies serve every module).
 //!
 //! What it must never do: move (the pool, tables and routing buffers keep
 //! their device addresses for the pool's life, so captured CUDA graphs stay
@@ -149,7 +160,7 @@ mod streaming;
 mod target;
 
 pub use companion::{NoCompanion, SlotCompanion};
-pub use dora::{BaseWeights, DeviceProjection};
+pub use dora::{BaseWeights, DeviceProjection, DoraMagnitude, DoraMagnitudes};
 pub use error::PoolError;
 pub use expert::ExpertPool;
 pub use gather::RankGather;
@@ -157,7 +168,7 @@ pub use host_tier::{HostTierView, TierError};
 pub use lease::{SlotLease, SlotUse};
 pub use lora_audit::LoraOptions;
 pub use lora_audit::dora::BaseProjection;
-pub use pool::{AdapterSource, BatchCapacity, LoraPool, SwapReport, SwapRoute};
+pub use pool::{AdapterSource, BatchCapacity, LandedImages, LoraPool, SwapReport, SwapRoute};
 pub use prefetch::PrefetchEvent;
 pub use registry::{AdapterSlot, SlotRegistry};
 pub use slot::{RowSlot, SlotId};

@@ -109,8 +109,37 @@ pub enum SwapRoute {
     /// Images landed from a peer.
     Landed,
     /// A packed image of the host tier, copied as it is: no read, audit or
-    /// parse.
+    /// parse (a DoRA adapter's goes through the device staging slot, where
+    /// its rescale is computed from it).
     HostTier,
+}
+
+/// What a peer landing hands [`LoraPool::publish_landed`]: the landed
+/// images, checked by the caller, and what the pool needs beside them.
+#[derive(Debug, Clone)]
+pub struct LandedImages {
+    /// The dense image, over the pool's slot layout.
+    pub dense: SlotImage,
+    /// The expert image over its expert layout (`None`: no expert or
+    /// router pair on this rank).
+    pub experts: Option<(ExpertLayout, SlotImage)>,
+    /// Whether the adapter has expert or router pairs on some rank of the
+    /// expert-parallel group (this rank may hold none of them).
+    pub group_expert_deltas: bool,
+    /// A DoRA adapter's magnitudes (`None` for a plain adapter).
+    pub dora: Option<crate::dora::DoraMagnitudes>,
+}
+
+impl LandedImages {
+    /// A plain adapter's landed images.
+    pub fn new(dense: SlotImage, experts: Option<(ExpertLayout, SlotImage)>) -> LandedImages {
+        LandedImages {
+            group_expert_deltas: experts.is_some(),
+            dense,
+            experts,
+            dora: None,
+        }
+    }
 }
 
 /// An adapter staged off to the side: everything a publish writes, checked.
@@ -782,12 +811,11 @@ impl<C: SlotCompanion> LoraPool<C> {
         let (staged, audit_us) = self.stage_from_dir(name, dir)?;
         let stage_us = started.elapsed().as_secs_f64() * 1e6;
         let route = staged.route;
-        let dora = !staged.dora.is_empty();
         self.begin_publish(slot, staged, stage_us, audit_us)?;
         // The host tier fills on the way: the worker packs the adapter there,
-        // off this path (its event comes as a prefetch's would). A DoRA
-        // adapter is not kept there (`TierError::Dora`).
-        if !dora && let Some(prefetcher) = &self.prefetcher {
+        // off this path (its event comes as a prefetch's would; a DoRA
+        // adapter's magnitudes with it).
+        if let Some(prefetcher) = &self.prefetcher {
             // A stopped worker only means no tier fill; the swap goes on.
             let _ = prefetcher.request(name, dir);
         }
@@ -877,6 +905,18 @@ impl<C: SlotCompanion> LoraPool<C> {
                 .ok_or_else(|| PoolError::NoExpertPool(name.to_string()))?;
             pool.check_fits(name, &experts.0)?;
         }
+        // A DoRA adapter's image goes to the device staging slot first,
+        // where its rescale is computed from it as a disk swap's is; the
+        // publish then copies the slot from there.
+        let (dense, dora) = match &image.dora {
+            Some(magnitudes) => {
+                let scales = self.stage_dora(name, magnitudes, |staging| {
+                    staging.upload_pinned_on(Lane::Copy, 0, &image.dense)
+                })?;
+                (DenseSource::Staging, scales)
+            }
+            None => (DenseSource::Host(Arc::clone(&image)), Vec::new()),
+        };
         let companion = self.companion.stage(name, &image.overlay)?;
         Ok(Staged {
             name: name.to_string(),
@@ -886,10 +926,49 @@ impl<C: SlotCompanion> LoraPool<C> {
             group_expert_deltas: image.group_expert_deltas,
             companion: Some(companion),
             has_overlay: image.has_overlay,
-            dense: DenseSource::Host(image),
-            // The tier never holds a DoRA adapter (`TierError::Dora`).
-            dora: Vec::new(),
+            dense,
+            dora,
         })
+    }
+
+    /// The rescales of a DoRA adapter whose packed dense image arrives by
+    /// another route than a disk swap (the host tier, a peer landing):
+    /// `upload` queues the image into the device staging slot on the copy
+    /// lane, and the rescale is computed there from it, the magnitudes and
+    /// the base weights, exactly as [`Self::stage`] computes a disk swap's.
+    /// The publish copies the slot from the staging slot.
+    fn stage_dora(
+        &mut self,
+        name: &str,
+        magnitudes: &crate::dora::DoraMagnitudes,
+        upload: impl FnOnce(&mut DeviceBuffer<bf16>) -> Result<(), lora_kernels::KernelError>,
+    ) -> Result<Vec<crate::dora::StagedScale>, PoolError> {
+        if self.dora.is_none() {
+            return Err(crate::dora::refuse_not_built(name, &magnitudes.report));
+        }
+        let inputs = magnitudes.inputs()?;
+        upload(&mut self.staging.device)?;
+        let Some(state) = &self.dora else {
+            return Err(crate::dora::refuse_not_built(name, &magnitudes.report));
+        };
+        let packed = self.device.record_event_on(Lane::Copy)?;
+        self.device.wait_event(Lane::Compute, &packed)?;
+        let scales = state.stage(
+            name,
+            &self.device,
+            &self.layout,
+            &self.staging.device,
+            &magnitudes.report,
+            inputs,
+        );
+        let read = self.device.record_event_on(Lane::Compute)?;
+        self.device.wait_event(Lane::Copy, &read)?;
+        if scales.is_err() {
+            // A refusal before the read-back: the upload's source must
+            // outlive its copy, which the caller's image may not.
+            self.device.synchronize()?;
+        }
+        scales
     }
 
     /// Tune the swap path for the host at hand: the host side is cut into
@@ -1002,25 +1081,21 @@ impl<C: SlotCompanion> LoraPool<C> {
         Ok(())
     }
 
-    /// Publish images landed from a peer into `slot`: `dense` over the slot
-    /// layout, `experts` over its expert layout. The caller checked every
-    /// landed byte; nothing is read from a peer here.
-    pub fn publish_landed(
-        &mut self,
-        slot: SlotId,
-        name: &str,
-        dense: SlotImage,
-        experts: Option<(ExpertLayout, SlotImage)>,
-    ) -> Result<SwapReport, PoolError> {
+    /// Publish images landed from a peer into `slot`: the dense image over
+    /// the pool's slot layout (a placed pool's: the rank's shard of each
+    /// pair), the expert image over its expert layout, and a DoRA
+    /// adapter's magnitudes, whose rescale is computed here from the pool's
+    /// base weights as a disk swap's is. The caller checked every landed
+    /// byte; nothing is read from a peer here.
+    pub fn publish_landed(&mut self, slot: SlotId, name: &str, landed: LandedImages) -> Result<SwapReport, PoolError> {
+        let LandedImages {
+            dense,
+            experts,
+            group_expert_deltas,
+            dora,
+        } = landed;
         if !self.opts.rotatable {
             return Err(PoolError::NotRotatable);
-        }
-        let placement = self.opts.placement;
-        if placement != lora_layout::Placement::SINGLE {
-            return Err(PoolError::PlacedPeerLanding {
-                tp_world: placement.tp_world(),
-                ep_world: placement.ep_world(),
-            });
         }
         self.check_no_pending()?;
         self.check_idle(slot)?;
@@ -1047,18 +1122,26 @@ impl<C: SlotCompanion> LoraPool<C> {
         if let Some((layout, image)) = &experts {
             crate::image::check_finite(layout, image.as_elems()).map_err(image_err(name))?;
         }
+        let dense_pairs = dense.pairs().to_vec();
+        let (dense, dora) = match &dora {
+            Some(magnitudes) => {
+                let scales = self.stage_dora(name, magnitudes, |staging| {
+                    staging.write_on(Lane::Copy, 0, dense.as_elems())
+                })?;
+                (DenseSource::Staging, scales)
+            }
+            None => (DenseSource::Image(dense), Vec::new()),
+        };
         let staged = Staged {
             name: name.to_string(),
             route: SwapRoute::Landed,
-            dense_pairs: dense.pairs().to_vec(),
-            dense: DenseSource::Image(dense),
-            group_expert_deltas: experts.is_some(),
+            dense_pairs,
+            dense,
+            group_expert_deltas: group_expert_deltas || experts.is_some(),
             experts: experts.map(Arc::new),
             companion: None,
             has_overlay: false,
-            // A peer landing carries no DoRA magnitudes: lora-rdma refuses
-            // a DoRA adapter before it lands.
-            dora: Vec::new(),
+            dora,
         };
         self.publish(slot, staged)
     }
@@ -1236,7 +1319,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             pool.check_fits(name, layout)?;
         }
         if adapter.report.is_dora() && self.dora.is_none() {
-            return Err(crate::dora::refuse_not_built(name, adapter));
+            return Err(crate::dora::refuse_not_built(name, &adapter.report));
         }
         let sources = dense_sources(adapter);
         let plan = PackPlan::new(&self.layout, &sources).map_err(image_err(name))?;
@@ -1251,7 +1334,14 @@ impl<C: SlotCompanion> LoraPool<C> {
             Some(state) if adapter.report.is_dora() => {
                 let packed = self.device.record_event_on(Lane::Copy)?;
                 self.device.wait_event(Lane::Compute, &packed)?;
-                let scales = state.stage(name, &self.device, &self.layout, &self.staging.device, adapter);
+                let scales = state.stage(
+                    name,
+                    &self.device,
+                    &self.layout,
+                    &self.staging.device,
+                    &adapter.report,
+                    crate::dora::DoraInput::of_prepared(adapter),
+                );
                 let read = self.device.record_event_on(Lane::Compute)?;
                 self.device.wait_event(Lane::Copy, &read)?;
                 scales?
@@ -1677,7 +1767,14 @@ impl<C: SlotCompanion> LoraPool<C> {
     ) -> Result<Vec<LoraTarget<'_>>, PoolError> {
         self.check_inputs(step, layer, targets, x.width, x.n_rows)?;
         self.check_rank_split(layer, targets, false)?;
-        kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)
+        kernel_targets(
+            &self.table,
+            self.dora.as_ref(),
+            &self.layout,
+            self.opts.max_loras,
+            layer,
+            targets,
+        )
     }
 
     /// An error unless every target's A holds every rank row (`split`
@@ -1693,6 +1790,13 @@ impl<C: SlotCompanion> LoraPool<C> {
             // Under the option with world 1 a column pair's A is whole and
             // both applies serve it.
             let column_split = self.opts.placement.fully_sharded() && m.module.shard_kind() == ShardKind::Column;
+            if split && self.dora.is_some() {
+                return Err(PoolError::RankSplit {
+                    layer,
+                    module: m.module,
+                    reason: "a DoRA pool is served by the fused applies (their DoRA epilogue); the fully-sharded apply has none",
+                });
+            }
             if split && !column_split {
                 return Err(PoolError::RankSplit {
                     layer,
@@ -1764,7 +1868,10 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// the embedding rows after any token overlay, PEFT's order). Rows of
     /// the base model, padding and adapters without it are untouched; a
     /// pool built without the embedding place (no adapter in it can have
-    /// one) launches nothing. Graph-capturable.
+    /// one) launches nothing. A vocab-parallel pool
+    /// (`Placement::vocab_parallel`) adds the delta only to rows whose
+    /// token is in its vocabulary block: the ranks' outputs sum to the
+    /// whole delta. Graph-capturable.
     pub fn apply_embedding<S: Step, Y: OutputElem>(
         &self,
         step: &S,
@@ -1782,23 +1889,29 @@ impl<C: SlotCompanion> LoraPool<C> {
                 self.cfg.hidden_size
             )));
         }
-        let Some(offset) = self.embedding_table_offset() else {
+        let (Some(offset), Some(place)) = (self.embedding_table_offset(), self.layout.embedding()) else {
             return Ok(());
         };
+        // A vocab-parallel rank's A holds its vocabulary columns only:
+        // another rank's token adds nothing here.
         let pairs = lora_kernels::EmbeddingPairs {
             table: &self.table,
             table_offset: offset,
             n_entries: self.opts.max_loras,
             stride: self.opts.max_rank,
-            vocab: self.cfg.vocab_size,
+            vocab: place.vocab,
+            vocab_start: place.vocab_start,
+            vocab_size: self.cfg.vocab_size,
         };
         lora_kernels::embed_lora(&self.device, ids, slots.buffer(), pairs, out)?;
         Ok(())
     }
 
-    /// The output head's target: its `[max_loras]` table, `vocab` outputs
-    /// from column 0, after checking `step` and x (`[kernel rows, hidden]`);
-    /// `None` for a pool without the head place (no adapter in it has one).
+    /// The output head's target: its `[max_loras]` table, the slot's head
+    /// rows as outputs from column 0 (`vocab`, or a vocab-parallel rank's
+    /// block: its logit columns), after checking `step` and x (`[kernel
+    /// rows, hidden]`); `None` for a pool without the head place (no
+    /// adapter in it has one).
     fn head_target<S: Step>(&self, step: &S, x: &Rows<'_, bf16>) -> Result<Option<LoraTarget<'_>>, PoolError> {
         self.check_step(step)?;
         if x.width != self.cfg.hidden_size || x.n_rows != step.kernel_rows() {
@@ -1811,19 +1924,25 @@ impl<C: SlotCompanion> LoraPool<C> {
                 self.cfg.hidden_size
             )));
         }
-        Ok(self.lm_head_table_offset().map(|table_offset| LoraTarget {
+        let (Some(table_offset), Some(place)) = (self.lm_head_table_offset(), self.layout.lm_head()) else {
+            return Ok(None);
+        };
+        Ok(Some(LoraTarget {
             table: &self.table,
             table_offset,
             n_entries: self.opts.max_loras,
-            out_dim: self.cfg.vocab_size,
+            out_dim: place.vocab,
             y_col_offset: 0,
+            dora: None,
         }))
     }
 
     /// The LoRA on the output head over a decode step: `logits[row, :] +=
-    /// scale · B (A h[row])` over the whole vocabulary, for each row whose
-    /// slot's adapter has one (x: the final hidden rows `[rows, hidden]`,
-    /// y: the logits, at least `vocab` wide, after the slot's head overlay:
+    /// scale · B (A h[row])` over the whole vocabulary (a vocab-parallel
+    /// pool: over its block, the rank's logit columns from column 0), for
+    /// each row whose slot's adapter has one (x: the final hidden rows
+    /// `[rows, hidden]`, y: the logits, at least as wide as the slot's head
+    /// rows, after the slot's head overlay:
     /// PEFT's order). The decode rule table plans the tall expand (rule 6
     /// where the other forms cannot stage it). A pool without the head
     /// place launches nothing. Graph-capturable.
@@ -1910,34 +2029,15 @@ impl<C: SlotCompanion> LoraPool<C> {
         options: DecodeOptions,
     ) -> Result<(), PoolError> {
         let kernel_targets = self.call_targets(step, layer, targets, &x)?;
-        let mut y = y;
         bgmv_with(
             &self.device,
             x,
             &self.seq_slot,
             &kernel_targets,
             self.opts.max_rank,
-            reborrow(&mut y),
+            y,
             options,
         )?;
-        self.rescale_dora(&self.seq_slot, layer, targets, y)
-    }
-
-    /// The DoRA rescale of an apply's rows, after its expand (a pool built
-    /// for DoRA only; one launch over the whole mixed batch, rows of other
-    /// slots untouched): `row_slot` holds each kernel row's slot.
-    fn rescale_dora<Y: OutputElem>(
-        &self,
-        row_slot: &DeviceBuffer<i32>,
-        layer: usize,
-        targets: &FusedTargets,
-        y: RowsMut<'_, Y>,
-    ) -> Result<(), PoolError> {
-        let Some(dora) = &self.dora else {
-            return Ok(());
-        };
-        let dora_targets = dora.targets(&self.layout, layer, targets)?;
-        lora_kernels::dora_rescale(&self.device, row_slot, &dora_targets, y)?;
         Ok(())
     }
 
@@ -1961,6 +2061,16 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// DoRA pairs `slot` serves now (0 on a pool not built for DoRA).
     pub fn dora_pairs(&self, slot: SlotId) -> usize {
         self.dora.as_ref().map_or(0, |d| d.pairs(slot.index()))
+    }
+
+    /// The rescale `g` of every DoRA pair `slot` serves, read back from
+    /// the device, in slot-layout order (empty for a plain slot or pool).
+    pub fn dora_scales(&self, slot: SlotId) -> Result<Vec<(usize, LoraModule, Vec<f32>)>, PoolError> {
+        self.check_slot(slot)?;
+        match &self.dora {
+            Some(d) => d.slot_scales(&self.layout, slot.index()),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The launch plan [`LoraPool::apply_decode_with`] runs for these
@@ -2017,20 +2127,17 @@ impl<C: SlotCompanion> LoraPool<C> {
             seg_slot: &self.seg_slot,
             n_segments: step.rows.rows.len(),
         };
-        let mut y = y;
-        {
-            let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-            sgmv(
-                &self.device,
-                x,
-                &segments,
-                &kernel_targets,
-                self.opts.max_rank,
-                reborrow(&mut y),
-                &mut workspace,
-            )?;
-        }
-        self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
+        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        sgmv(
+            &self.device,
+            x,
+            &segments,
+            &kernel_targets,
+            self.opts.max_rank,
+            y,
+            &mut workspace,
+        )?;
+        Ok(())
     }
 
     /// The fully-sharded apply over a decode or prefill step: for a pool
@@ -2044,8 +2151,10 @@ impl<C: SlotCompanion> LoraPool<C> {
     /// and targets in the same order (the gather is collective).
     ///
     /// Refused before anything runs: a stale step, targets of another rank,
-    /// a module that is not column-parallel or a pool without the option
-    /// ([`PoolError::RankSplit`]), a gather of another group
+    /// a module that is not column-parallel, a pool without the option or a
+    /// DoRA pool ([`PoolError::RankSplit`]: this apply has no DoRA epilogue;
+    /// DoRA is refused on placed pools, [`PoolError::DoraPlaced`], and at
+    /// world 1 the fused applies serve a DoRA pool), a gather of another group
     /// ([`PoolError::GatherGroup`]). Graph-capturable when `gather` is
     /// (NCCL's all-gather queued on the device's stream is): the two
     /// kernels allocate nothing and keep their addresses and shapes.
@@ -2072,7 +2181,8 @@ impl<C: SlotCompanion> LoraPool<C> {
         let split = self.split.as_ref().ok_or_else(|| {
             PoolError::Batch("the pool is not built with the fully-sharded option (LORA_FULLY_SHARDED=1)".into())
         })?;
-        let kernel = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
+        // No DoRA epilogue here: `check_rank_split` refused a DoRA pool.
+        let kernel = kernel_targets(&self.table, None, &self.layout, self.opts.max_loras, layer, targets)?;
         let row_slot = self.step_slots(step)?.buffer();
         let part = RankPart {
             part: p.tp_rank(),
@@ -2080,20 +2190,17 @@ impl<C: SlotCompanion> LoraPool<C> {
             stride: self.opts.max_rank,
         };
         let part_len = part.part_len(x.n_rows, kernel.len())?;
-        let mut y = y;
-        {
-            let mut scratch = split.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let SplitScratch {
-                part: part_buf,
-                gathered,
-            } = &mut *scratch;
-            lora_kernels::shrink_part(&self.device, x, row_slot, &kernel, part, part_buf)?;
-            if x.n_rows > 0 {
-                gather.all_gather(part_buf, part_len, gathered)?;
-            }
-            lora_kernels::expand_gathered(&self.device, gathered, row_slot, &kernel, part, reborrow(&mut y))?;
+        let mut scratch = split.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let SplitScratch {
+            part: part_buf,
+            gathered,
+        } = &mut *scratch;
+        lora_kernels::shrink_part(&self.device, x, row_slot, &kernel, part, part_buf)?;
+        if x.n_rows > 0 {
+            gather.all_gather(part_buf, part_len, gathered)?;
         }
-        self.rescale_dora(row_slot, layer, targets, y)
+        lora_kernels::expand_gathered(&self.device, gathered, row_slot, &kernel, part, y)?;
+        Ok(())
     }
 
     /// One-adapter prefill: every row of `step` runs the same adapter
@@ -2114,34 +2221,25 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
         let slot = step.one_adapter().ok_or(PoolError::NotOneAdapter)?;
         self.check_rank_split(layer, targets, false)?;
-        let kernel = kernel_targets(&self.table, &self.layout, self.opts.max_loras, layer, targets)?;
-        let mut y = y;
-        {
-            let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-            one_adapter(
-                &self.device,
-                x,
-                slot.index(),
-                &kernel,
-                self.opts.max_rank,
-                reborrow(&mut y),
-                &mut workspace,
-            )?;
-        }
-        // The step's per-token map names the one slot (or base) on every row.
-        self.rescale_dora(&self.prefill_row_slot, layer, targets, y)
-    }
-}
-
-/// A shorter-lived view of the same rows, so one `RowsMut` serves the
-/// expand and then the DoRA rescale.
-fn reborrow<'b, Y: OutputElem>(y: &'b mut RowsMut<'_, Y>) -> RowsMut<'b, Y> {
-    RowsMut {
-        buf: y.buf,
-        offset: y.offset,
-        n_rows: y.n_rows,
-        width: y.width,
-        stride: y.stride,
+        let kernel = kernel_targets(
+            &self.table,
+            self.dora.as_ref(),
+            &self.layout,
+            self.opts.max_loras,
+            layer,
+            targets,
+        )?;
+        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        one_adapter(
+            &self.device,
+            x,
+            slot.index(),
+            &kernel,
+            self.opts.max_rank,
+            y,
+            &mut workspace,
+        )?;
+        Ok(())
     }
 }
 
@@ -2156,9 +2254,12 @@ pub(crate) fn module_table_offset(layer: usize, module: LoraModule, max_loras: u
 }
 
 /// The kernel targets of `targets` at `layer`: each module's `[max_loras]`
-/// range of the pool's table.
+/// range of the pool's table, and on a DoRA pool the module's DoRA
+/// epilogue (its `[max_loras]` range of `g` addresses and its base bias),
+/// so one launch applies LoRA and DoRA rows alike.
 fn kernel_targets<'t>(
     table: &'t DeviceBuffer<PairEntry>,
+    dora: Option<&'t crate::dora::DoraState>,
     layout: &SlotLayout,
     max_loras: usize,
     layer: usize,
@@ -2180,6 +2281,7 @@ fn kernel_targets<'t>(
                 n_entries: max_loras,
                 out_dim: entry.out_dim,
                 y_col_offset: m.y_col_offset,
+                dora: dora.map(|d| d.epilogue(layout, layer, m.module)).transpose()?,
             })
         })
         .collect()

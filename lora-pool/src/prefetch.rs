@@ -23,6 +23,7 @@ use lora_audit::{
 use lora_kernels::Device;
 use lora_layout::{ModelConfig, PairLayout, SlotLayout};
 
+use crate::dora::DoraMagnitudes;
 use crate::error::PoolError;
 use crate::host_tier::{FileStamp, HostImage, HostTier};
 use crate::image::{ImageError, PackPlan, dense_sources, file_sources};
@@ -216,14 +217,6 @@ impl Packer {
             return Ok(image);
         }
         let adapter = prepare_adapter(dir, &self.cfg, &self.opts).map_err(audit_err)?;
-        if adapter.report.is_dora() {
-            // A tier image carries no DoRA rescale: such adapters are
-            // staged from disk, where the base weights give their rescale.
-            return Err(PoolError::DoraRoute {
-                adapter: name.to_string(),
-                route: "host tier",
-            });
-        }
         if !adapter.experts.is_empty() && (!self.opts.experts || self.cfg.moe.is_none()) {
             return Err(PoolError::NoExpertPool(name.to_string()));
         }
@@ -241,6 +234,9 @@ impl Packer {
             group_expert_deltas: experts.is_some() || adapter.report.group_expert_pairs > 0,
             experts,
             has_overlay: !adapter.overlay.is_empty(),
+            // A DoRA adapter's rescale needs the base weights, which only
+            // the pool's promotion reads: the tier keeps the magnitudes.
+            dora: DoraMagnitudes::of_prepared(&adapter),
             overlay: adapter.overlay,
         })
     }
@@ -310,6 +306,7 @@ impl Packer {
             group_expert_deltas: report.group_expert_pairs > 0,
             has_overlay: false,
             overlay: HostOverlay::none(self.cfg.hidden_size),
+            dora: None,
         }))
     }
 }

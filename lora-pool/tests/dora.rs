@@ -312,32 +312,93 @@ fn gpu_dora_adapters_serve_in_mixed_batches_equal_to_peft() {
     serve_against_peft(&gpu, "qwen2", "dora_bias_qkv", "bias_none_attention");
 }
 
-/// The host tier carries no DoRA rescale: a prefetch of a DoRA adapter is
-/// refused with a typed error, and a disk swap of one queues no tier fill
-/// (the swap itself serves it from disk).
+/// A DoRA adapter through the host tier: the tier keeps its packed pairs
+/// and magnitudes, and a promotion from it computes the rescale from the
+/// pool's base weights there, so the slot (pair bytes and every row's `g`)
+/// equals a disk swap's bit for bit. Without the base weights the
+/// promotion is refused `REJECT[dora-needs-base-weights]` and changes
+/// nothing, as a disk swap is.
 #[test]
-fn the_host_tier_refuses_dora_adapters() {
-    let cfg = model_config("llama");
-    let (_, base) = probes(&cfg, "llama", "dora");
-    let opts = LoraOptions {
-        host_tier_bytes: 1 << 24,
-        ..opts(true)
+fn dora_adapters_promoted_from_the_host_tier_equal_a_disk_swap() {
+    dora_through_the_host_tier_equals_a_disk_swap(&Device::cpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn gpu_dora_adapters_promoted_from_the_host_tier_equal_a_disk_swap() {
+    let Some(gpu) =
+        lora_kernels::testing::cuda_or_skip("gpu_dora_adapters_promoted_from_the_host_tier_equal_a_disk_swap")
+    else {
+        return;
     };
-    let mut pool = LoraPool::new(&Device::cpu(), cfg, opts, BatchCapacity::default()).unwrap();
-    pool.set_base_weights(Arc::new(base)).unwrap();
-    let dir = fixtures().join("llama").join("dora");
-    pool.prefetch("d", &dir).unwrap();
-    pool.wait_for_prefetch();
-    let events = pool.prefetch_events();
-    assert!(
-        matches!(&events[..], [e] if matches!(&e.outcome, Err(PoolError::DoraRoute { route: "host tier", .. }))),
-        "{events:?}"
-    );
-    let report = pool.swap_from_disk(SlotId::new(0), "d", &dir).unwrap();
-    assert!(report.dora_pairs > 0);
-    pool.wait_for_prefetch();
-    assert!(pool.prefetch_events().is_empty(), "a DoRA swap queued a tier fill");
-    assert!(pool.host_tier().unwrap().names.is_empty());
+    dora_through_the_host_tier_equals_a_disk_swap(&gpu);
+}
+
+fn dora_through_the_host_tier_equals_a_disk_swap(device: &Device) {
+    for (model, adapter) in [
+        ("llama", "dora"),
+        ("llama", "dora_rslora_alpha_pattern"),
+        ("qwen2", "dora_bias_qkv"),
+    ] {
+        let cfg = model_config(model);
+        let (_, base) = probes(&cfg, model, adapter);
+        let base: Arc<dyn BaseWeights> = Arc::new(base);
+        let dir = fixtures().join(model).join(adapter);
+        let mut disk = LoraPool::new(device, cfg.clone(), opts(true), BatchCapacity::default()).unwrap();
+        disk.set_base_weights(Arc::clone(&base)).unwrap();
+        let from_disk = disk.swap_from_disk(SlotId::new(1), "d", &dir).unwrap();
+        assert!(from_disk.dora_pairs > 0, "{model}/{adapter}");
+
+        let tiered = LoraOptions {
+            host_tier_bytes: 1 << 26,
+            ..opts(true)
+        };
+        let mut pool = LoraPool::new(device, cfg.clone(), tiered, BatchCapacity::default()).unwrap();
+        pool.prefetch("d", &dir).unwrap();
+        pool.wait_for_prefetch();
+        let events = pool.prefetch_events();
+        assert!(
+            matches!(&events[..], [e] if e.outcome.is_ok()),
+            "{model}/{adapter}: {events:?}"
+        );
+        assert_eq!(pool.host_tier().unwrap().names, ["d"]);
+        // No base weights yet: refused as a disk swap is, nothing written.
+        let before = pool.slot_contents(SlotId::new(1)).unwrap();
+        let err = pool.swap_from_disk(SlotId::new(1), "d", &dir).unwrap_err();
+        assert_eq!(refused_code(&err), [RejectCode::DoraNeedsBaseWeights], "{err}");
+        assert_eq!(pool.slot_contents(SlotId::new(1)).unwrap(), before);
+        assert!(pool.slot_of("d").is_none());
+
+        pool.set_base_weights(Arc::clone(&base)).unwrap();
+        let promoted = pool.swap_from_disk(SlotId::new(1), "d", &dir).unwrap();
+        assert_eq!(promoted.route, lora_pool::SwapRoute::HostTier, "{model}/{adapter}");
+        assert_eq!(promoted.dora_pairs, from_disk.dora_pairs);
+        assert_eq!(
+            pool.slot_contents(SlotId::new(1)).unwrap(),
+            disk.slot_contents(SlotId::new(1)).unwrap(),
+            "{model}/{adapter}: slot bytes"
+        );
+        let (tier_g, disk_g) = (
+            pool.dora_scales(SlotId::new(1)).unwrap(),
+            disk.dora_scales(SlotId::new(1)).unwrap(),
+        );
+        assert_eq!(tier_g.len(), from_disk.dora_pairs);
+        for ((l0, m0, g0), (l1, m1, g1)) in tier_g.iter().zip(&disk_g) {
+            assert_eq!((l0, m0), (l1, m1));
+            let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(g0), bits(g1), "{model}/{adapter}: g of layer {l0} {m0}");
+        }
+        for m in LoraModule::ALL {
+            for layer in 0..cfg.num_hidden_layers {
+                assert_eq!(
+                    pool.entry(layer, m, SlotId::new(1))
+                        .map(|e| (e.rank, e.scale.to_bits())),
+                    disk.entry(layer, m, SlotId::new(1))
+                        .map(|e| (e.rank, e.scale.to_bits())),
+                );
+            }
+        }
+    }
 }
 
 /// DoRA on a tensor- or expert-parallel rank's pool is refused by type

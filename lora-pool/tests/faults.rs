@@ -25,8 +25,8 @@ use lora_kernels::{KernelError, PairEntry};
 use lora_layout::{ExpertLayout, LoraModule};
 use lora_pool::image::{SlotImage, dense_sources, expert_sources};
 use lora_pool::{
-    AdapterSlot, AdapterSource, BatchCapacity, LoraOptions, LoraPool, PoolError, PrefillSeq, SlotId, StagingTuning,
-    StepRow, SwapReport, SwapRoute,
+    AdapterSlot, AdapterSource, BatchCapacity, LandedImages, LoraOptions, LoraPool, PoolError, PrefillSeq, SlotId,
+    StagingTuning, StepRow, SwapReport, SwapRoute,
 };
 
 fn dir(model: &str, adapter: &str) -> PathBuf {
@@ -431,7 +431,8 @@ fn every_operation(setup: &Setup, slot: usize, new: (&'static str, &'static str)
             dropped_steps: false,
             op: Box::new(|pool: &mut LoraPool| {
                 let (dense, experts) = landed_images(pool, &prepared);
-                pool.publish_landed(id, new.0, dense, experts).map(|r| Some(outcome(r)))
+                pool.publish_landed(id, new.0, LandedImages::new(dense, experts))
+                    .map(|r| Some(outcome(r)))
             }),
             fresh: fresh.clone(),
             route: Some(SwapRoute::Landed),

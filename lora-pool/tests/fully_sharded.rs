@@ -696,6 +696,67 @@ fn the_wrong_apply_a_foreign_gather_and_an_indivisible_max_rank_are_refused() {
     assert!(err.to_string().contains("max_rank = 6"), "{err}");
 }
 
+/// A DoRA pool (world 1, where DoRA is served) with the fully-sharded
+/// option: the fully-sharded apply has no DoRA epilogue and refuses it
+/// before writing anything; the fused apply serves its column-parallel
+/// modules (at world 1 their A holds every rank row).
+#[test]
+fn a_dora_pool_is_refused_by_the_fully_sharded_apply() {
+    let device = Device::cpu();
+    let cfg = model_config("llama");
+    let dir = fixtures().join("llama").join("demo_r4_plain");
+    let opts = LoraOptions {
+        dora: true,
+        ..options(1, Placement::SINGLE.with_fully_sharded(true))
+    };
+    let sources = [AdapterSource {
+        name: "demo_r4_plain",
+        dir: &dir,
+    }];
+    let mut pool = LoraPool::load(&device, cfg.clone(), opts, BatchCapacity::default(), &sources).unwrap();
+    let lease = pool.acquire("demo_r4_plain").unwrap();
+    let step = pool.decode_step(&[StepRow::Adapter(&lease)], 1).unwrap();
+    let hidden = cfg.hidden_size;
+    let x = device.upload(&vec![bf16::ONE; hidden]).unwrap();
+    let q = FusedTargets::single_at(&cfg, Placement::SINGLE, LoraModule::QProj).unwrap();
+    let mut y = device.alloc_zeros::<f32>(q.width()).unwrap();
+    let mut gather = HostGather::group(1).remove(0);
+    let err = pool
+        .apply_fully_sharded(
+            &step,
+            0,
+            &q,
+            Rows::dense(&x, 1, hidden),
+            RowsMut::dense(&mut y, 1, q.width()),
+            &mut gather,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PoolError::RankSplit {
+                module: LoraModule::QProj,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("DoRA"), "{err}");
+    assert!(y.download().unwrap().iter().all(|&v| v == 0.0), "nothing written");
+    pool.apply_decode(
+        &step,
+        0,
+        &q,
+        Rows::dense(&x, 1, hidden),
+        RowsMut::dense(&mut y, 1, q.width()),
+    )
+    .unwrap();
+    assert!(
+        y.download().unwrap().iter().any(|&v| v != 0.0),
+        "the fused apply serves q"
+    );
+}
+
 /// `demo_r4_plain` (rank 4) with a NaN in row 0 of layer 0's q_proj A: at
 /// max_rank 16 over 2 ranks, rank 0 holds A's rank rows 0..8 (all four of
 /// the adapter's), rank 1 rows 8..16 (padding only).

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use common::{dir, model_config, options, pool_with, slot, snapshot};
 use lora_audit::{AuditError, RejectCode, SafetensorsFile, TensorDtype};
 use lora_kernels::Device;
-use lora_pool::{AdapterSource, BatchCapacity, LoraPool, PoolError, StagingTuning};
+use lora_pool::{AdapterSource, BatchCapacity, LandedImages, LoraPool, PoolError, StagingTuning};
 
 /// A copy of fixture adapter `adapter` whose served tensor `tensor` (the
 /// first `lora_B` when `None`) has `value` at element 3.
@@ -159,7 +159,7 @@ fn a_landed_image_with_a_nan_is_refused() {
     b[..2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
     let before = snapshot(&pool);
     let err = pool
-        .publish_landed(slot(1), "landed", image, None)
+        .publish_landed(slot(1), "landed", LandedImages::new(image, None))
         .expect_err("refused");
     assert!(err.to_string().contains("must be finite"), "{err}");
     assert_eq!(snapshot(&pool), before, "a refused landing changes nothing");

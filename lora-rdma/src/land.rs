@@ -1,6 +1,15 @@
 //! The engine side of a peer landing: check a manifest against the engine's
 //! own audit and layout, land every part into fresh host images, verify.
 //!
+//! A placed engine (a tensor- or expert-parallel rank's pool) asks for its
+//! rank's bytes only: its request names its placement, the manifest must
+//! name the same, and every entry's length must be what the rank's own
+//! layout gives (A of the rank's input columns, B of its output rows, the
+//! rank's experts and the router), so the landed images are the bytes the
+//! rank's disk swap packs. A DoRA pair's magnitude lands beside the images
+//! ([`Landed::dora`]); the pool computes its rescale from it and its own
+//! base weights when it publishes.
+//!
 //! The peer never chooses where bytes go: every landing region is
 //! [`SlotImage::region_mut`] of a pair the engine's own audit of the
 //! adapter's config and tensor header expects, at the length its own layout
@@ -28,12 +37,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use lora_audit::{AuditError, AuditReport, LoraOptions, TensorDtype, TensorInfo, audit_header};
 use lora_layout::{ExpertLayout, LayoutError, ModelConfig, PairKey, PairLayout, PairPlace, SlotLayout};
 use lora_pool::image::{ImageError, PairMeta, PairPart, SlotImage};
+use lora_pool::{DoraMagnitude, DoraMagnitudes, LandedImages};
 use rayon::prelude::*;
 
 use crate::checksum::xxh64;
 use crate::fingerprint::model_fingerprint;
 use crate::manifest::{
-    ExpectedPart, Location, Manifest, ManifestError, WireTensor, check_identity, expected_parts, match_manifest,
+    ExpectedPart, Identity, Location, Manifest, ManifestError, WirePart, WirePlacement, WireTensor, check_identity,
+    expected_magnitudes, expected_parts, match_manifest,
 };
 use crate::transport::{LandingSink, ReadOp, Transport, TransportError};
 
@@ -144,11 +155,6 @@ pub enum LandError {
     /// The engine's own audit refuses the adapter.
     #[error("the engine's audit refuses `{}`: {:?}", .0.adapter, .0.refused_codes())]
     Refused(Box<AuditReport>),
-    /// The adapter is a DoRA adapter: the peer protocol carries no
-    /// magnitude vectors, so it is swapped from disk (where the pool
-    /// computes its rescale from the engine's base weights).
-    #[error("adapter `{0}` is a DoRA adapter; peer landing carries no magnitude vectors, swap it from disk")]
-    Dora(String),
     /// The adapter has token overlays, which the peer protocol does not carry.
     #[error("adapter `{0}` has token overlays; peer landing carries LoRA pairs only")]
     Overlay(String),
@@ -156,14 +162,15 @@ pub enum LandError {
     /// its layout overflows.
     #[error(transparent)]
     Layout(#[from] LayoutError),
-    /// The engine's pool is a tensor- or expert-parallel rank's: peer
-    /// manifests carry whole pairs, not a rank's shard.
-    #[error("peer landing for a placed pool (tp_world {tp_world}, ep_world {ep_world}) is not built")]
-    Placed {
+    /// The placement's fully-sharded option with more than one rank: the
+    /// wire placement does not carry it, so the peer would stage the
+    /// half-sharded cut of each column-parallel A.
+    #[error(
+        "peer landing into a fully-sharded rank (tp_world {tp_world}) is not served: the peer stages the half-sharded cut"
+    )]
+    FullySharded {
         /// The tensor-parallel world size.
         tp_world: usize,
-        /// The expert-parallel world size.
-        ep_world: usize,
     },
     /// A pair the audit placed has no place in the layout.
     #[error("{0}: no place in the engine's layout")]
@@ -176,12 +183,22 @@ pub enum LandError {
     Checksum {
         /// The pair.
         key: PairKey,
-        /// A or B.
-        part: PairPart,
+        /// A, B or the magnitude.
+        part: WirePart,
         /// The manifest's.
         expected: u64,
         /// The landed bytes'.
         got: u64,
+    },
+    /// A landed DoRA magnitude holds a value that is not finite.
+    #[error("{key}: magnitude value {index} is {value}; every magnitude must be finite")]
+    NonFiniteMagnitude {
+        /// The pair.
+        key: PairKey,
+        /// The output row.
+        index: usize,
+        /// The value.
+        value: f32,
     },
     /// A landed B has non-zero columns past its rank.
     #[error("{key}: B has non-zero padding columns past rank {rank}")]
@@ -193,11 +210,13 @@ pub enum LandError {
     },
 }
 
-/// Which image a part lands in.
+/// Which buffer a part lands in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Image {
     Dense,
     Experts,
+    /// The DoRA magnitudes, beside the images.
+    Magnitudes,
 }
 
 /// One checked part: where it lands (computed locally), what it must hash
@@ -206,13 +225,14 @@ enum Image {
 pub struct PlannedPart {
     /// The pair.
     pub key: PairKey,
-    /// A or B.
-    pub part: PairPart,
+    /// A, B or a DoRA pair's magnitude.
+    pub part: WirePart,
     /// The pair's rank (from the engine's audit).
     pub rank: usize,
     /// The layout's rank stride.
     pub stride: usize,
-    /// Byte range in its image.
+    /// Byte range in its image (a magnitude's: in the magnitudes beside
+    /// the images, [`LandingPlan::magnitudes`]).
     pub range: Range<usize>,
     /// Expected XXH64.
     pub checksum: u64,
@@ -222,9 +242,10 @@ pub struct PlannedPart {
 
 impl PlannedPart {
     fn image(&self) -> Image {
-        match self.key {
-            PairKey::Dense { .. } | PairKey::Embedding | PairKey::LmHead => Image::Dense,
-            PairKey::Expert { .. } => Image::Experts,
+        match (self.part, self.key) {
+            (WirePart::Magnitude, _) => Image::Magnitudes,
+            (_, PairKey::Dense { .. } | PairKey::Embedding | PairKey::LmHead) => Image::Dense,
+            (_, PairKey::Expert { .. }) => Image::Experts,
         }
     }
 }
@@ -241,11 +262,20 @@ pub struct LandingPlan {
     pub experts: Vec<PairMeta>,
     /// The adapter's expert layout at the engine's expert rank.
     pub expert_layout: ExpertLayout,
+    /// The DoRA pairs, each with its magnitude's byte range in the
+    /// magnitudes that land beside the images (computed locally, in the
+    /// audit's order).
+    pub magnitudes: Vec<(PairKey, Range<usize>)>,
     /// One part per manifest entry, in manifest order.
     pub parts: Vec<PlannedPart>,
 }
 
 impl LandingPlan {
+    /// Bytes of the magnitudes beside the images.
+    fn magnitude_bytes(&self) -> usize {
+        self.magnitudes.iter().map(|(_, r)| r.end).max().unwrap_or(0)
+    }
+
     /// Bytes that travel.
     pub fn bytes(&self) -> usize {
         self.parts.iter().map(|p| p.range.len()).sum()
@@ -265,8 +295,26 @@ pub struct Landed {
     pub experts: Vec<PairMeta>,
     /// The expert image's layout.
     pub expert_layout: ExpertLayout,
+    /// Whether the adapter has expert or router pairs on some rank of the
+    /// expert-parallel group (this rank may hold none).
+    pub group_expert_deltas: bool,
+    /// A DoRA adapter's landed magnitudes, with the engine's audit.
+    pub dora: Option<DoraMagnitudes>,
     /// Bytes landed.
     pub bytes: usize,
+}
+
+impl Landed {
+    /// What [`lora_pool::LoraPool::publish_landed`] takes: this landing's
+    /// facts with the target's images.
+    pub fn into_images(self, dense: SlotImage, experts: SlotImage) -> LandedImages {
+        LandedImages {
+            dense,
+            experts: (!self.experts.is_empty()).then_some((self.expert_layout, experts)),
+            group_expert_deltas: self.group_expert_deltas,
+            dora: self.dora,
+        }
+    }
 }
 
 /// How a landing spends the host's cores. [`Lander::new`] takes
@@ -319,9 +367,7 @@ pub struct Lander {
     cfg: ModelConfig,
     opts: LoraOptions,
     layout: SlotLayout,
-    model: u64,
-    max_rank: u32,
-    expert_rank: u32,
+    identity: Identity,
     tuning: LandingTuning,
 }
 
@@ -333,23 +379,23 @@ fn wire_rank(rank: usize) -> Result<u32, LayoutError> {
 
 impl Lander {
     /// A lander for `cfg` with the pool limits of `opts` (`max_rank`,
-    /// `expert_rank`, `experts`, `allow_partial`).
-    ///
-    /// A tensor- or expert-parallel placement is [`LandError::Placed`]:
-    /// manifests carry whole pairs, and per-rank manifests are not built.
+    /// `expert_rank`, `experts`, `allow_partial`, `dora`) and its rank
+    /// (`placement`): it asks the peer for that rank's bytes and lands
+    /// them into the rank's layout. A fully-sharded rank (world above 1) is
+    /// refused, [`LandError::FullySharded`].
     pub fn new(cfg: ModelConfig, opts: LoraOptions) -> Result<Lander, LandError> {
-        let placement = opts.placement;
-        if placement != lora_layout::Placement::SINGLE {
-            return Err(LandError::Placed {
-                tp_world: placement.tp_world(),
-                ep_world: placement.ep_world(),
-            });
+        let p = opts.placement;
+        if p.fully_sharded() && p.tp_world() > 1 {
+            return Err(LandError::FullySharded { tp_world: p.tp_world() });
         }
         let layout = opts.slot_layout(&cfg)?;
         Ok(Lander {
-            model: model_fingerprint(&cfg),
-            max_rank: wire_rank(opts.max_rank)?,
-            expert_rank: wire_rank(opts.expert_rank)?,
+            identity: Identity {
+                model: model_fingerprint(&cfg),
+                max_rank: wire_rank(opts.max_rank)?,
+                expert_rank: wire_rank(opts.expert_rank)?,
+                placement: WirePlacement::from_placement(opts.placement),
+            },
             cfg,
             opts,
             layout,
@@ -375,7 +421,7 @@ impl Lander {
 
     /// The engine's model fingerprint.
     pub fn fingerprint(&self) -> u64 {
-        self.model
+        self.identity.model
     }
 
     /// Check `manifest` for `adapter`: identity, the engine's own audit of
@@ -389,7 +435,7 @@ impl Lander {
                 got: manifest.adapter.clone(),
             });
         }
-        check_identity(manifest, self.model, self.max_rank, self.expert_rank)?;
+        check_identity(manifest, &self.identity)?;
         let tensors = manifest
             .tensors
             .iter()
@@ -401,9 +447,6 @@ impl Lander {
         }
         if !report.overlay.is_empty() {
             return Err(LandError::Overlay(adapter.to_string()));
-        }
-        if report.is_dora() {
-            return Err(LandError::Dora(adapter.to_string()));
         }
         let dense: Vec<PairMeta> = report
             .placed
@@ -450,9 +493,27 @@ impl Lander {
             self.opts.expert_rank,
             report.experts.iter().map(|p| (p.layer, p.site)),
         )?;
+        let dora_keys: Vec<PairKey> = report
+            .placed
+            .iter()
+            .filter(|p| p.magnitude_key.is_some())
+            .map(|p| PairKey::Dense {
+                layer: p.layer,
+                module: p.module,
+            })
+            .collect();
         let mut expected: Vec<ExpectedPart> = expected_parts(&self.layout, &dense).map_err(LandError::NotInLayout)?;
         expected.extend(expected_parts(&expert_layout, &experts).map_err(LandError::NotInLayout)?);
-        let ops = match_manifest(manifest, self.model, self.max_rank, self.expert_rank, &expected)?;
+        let magnitude_parts = expected_magnitudes(&self.layout, &dora_keys).map_err(LandError::NotInLayout)?;
+        let mut magnitudes = Vec::with_capacity(magnitude_parts.len());
+        let mut at = 0usize;
+        for m in &magnitude_parts {
+            let len = m.len as usize;
+            magnitudes.push((m.key, at..at + len));
+            at += len;
+        }
+        expected.extend(magnitude_parts);
+        let ops = match_manifest(manifest, &self.identity, &expected)?;
         let ranks: HashMap<PairKey, usize> = dense.iter().chain(&experts).map(|m| (m.key, m.rank)).collect();
         let parts = ops
             .iter()
@@ -465,8 +526,13 @@ impl Lander {
                 };
                 let place = place.ok_or(LandError::NotInLayout(op.key))?;
                 let start = match op.part {
-                    PairPart::A => place.a_offset,
-                    PairPart::B => place.b_offset,
+                    WirePart::A => place.a_offset,
+                    WirePart::B => place.b_offset,
+                    WirePart::Magnitude => magnitudes
+                        .iter()
+                        .find(|(key, _)| *key == op.key)
+                        .map(|(_, r)| r.start)
+                        .ok_or(LandError::NotInLayout(op.key))?,
                 };
                 Ok(PlannedPart {
                     key: op.key,
@@ -484,6 +550,7 @@ impl Lander {
             dense,
             experts,
             expert_layout,
+            magnitudes,
             parts,
         })
     }
@@ -497,23 +564,38 @@ impl Lander {
         adapter: &str,
         target: &mut dyn LandingTarget,
     ) -> Result<Landed, LandError> {
-        let manifest = transport.fetch_manifest(adapter, self.max_rank, self.expert_rank)?;
+        let manifest = transport.fetch_manifest(
+            adapter,
+            self.identity.max_rank,
+            self.identity.expert_rank,
+            self.identity.placement,
+        )?;
         let plan = self.check(adapter, &manifest)?;
         drop(manifest);
         let (dense, experts) = target.images();
-        let result = self.land_plan(transport, &plan, dense, experts);
+        let mut magnitudes = vec![0u8; plan.magnitude_bytes()];
+        let result = self
+            .land_plan(transport, &plan, dense, experts, &mut magnitudes)
+            .and_then(|()| dora_magnitudes(&plan, &magnitudes));
         if result.is_err() {
             *dense = SlotImage::zeroed(&self.layout);
             *experts = SlotImage::zeroed(&plan.expert_layout);
         }
-        result?;
+        let pairs = result?;
         let bytes = plan.bytes();
+        let group_expert_deltas = plan.report.group_expert_pairs > 0;
+        let dora = (!pairs.is_empty()).then(|| DoraMagnitudes {
+            report: plan.report.clone(),
+            pairs,
+        });
         Ok(Landed {
             adapter: adapter.to_string(),
             report: plan.report,
             dense: plan.dense,
             experts: plan.experts,
             expert_layout: plan.expert_layout,
+            group_expert_deltas,
+            dora,
             bytes,
         })
     }
@@ -524,6 +606,7 @@ impl Lander {
         plan: &LandingPlan,
         dense: &mut SlotImage,
         experts: &mut SlotImage,
+        magnitudes: &mut [u8],
     ) -> Result<(), LandError> {
         *dense = SlotImage::zeroed(&self.layout);
         *experts = SlotImage::zeroed(&plan.expert_layout);
@@ -551,7 +634,7 @@ impl Lander {
             .collect();
         // The pages the parts land in, for the helper to fault in ahead.
         let bases = [dense.as_bytes().as_ptr() as usize, experts.as_bytes().as_ptr() as usize];
-        let addresses = plan.parts.iter().map(|p| {
+        let addresses = plan.parts.iter().filter(|p| p.image() != Image::Magnitudes).map(|p| {
             let base = bases[usize::from(p.image() == Image::Experts)];
             base + p.range.start..base + p.range.end
         });
@@ -583,6 +666,7 @@ impl Lander {
                 expert_layout: &plan.expert_layout,
                 dense: &mut *dense,
                 experts: &mut *experts,
+                magnitudes: &mut *magnitudes,
                 parts: &plan.parts,
                 states: vec![PartState::Waiting; plan.parts.len()],
                 check_as_landed: self.tuning.check_as_landed,
@@ -592,8 +676,38 @@ impl Lander {
             (read, sink.states)
         });
         read?;
-        verify(&plan.parts, &states, dense.as_bytes(), experts.as_bytes())
+        verify(&plan.parts, &states, [dense.as_bytes(), experts.as_bytes(), magnitudes])
     }
+}
+
+/// The landed magnitudes of `plan`'s DoRA pairs as f32, each checked
+/// finite.
+fn dora_magnitudes(plan: &LandingPlan, bytes: &[u8]) -> Result<Vec<DoraMagnitude>, LandError> {
+    plan.magnitudes
+        .iter()
+        .map(|(key, range)| {
+            let PairKey::Dense { layer, module } = *key else {
+                return Err(LandError::NotInLayout(*key));
+            };
+            let raw = bytes.get(range.clone()).ok_or(LandError::NotInLayout(*key))?;
+            let magnitude: Vec<f32> = raw
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            if let Some((index, &value)) = magnitude.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(LandError::NonFiniteMagnitude {
+                    key: *key,
+                    index,
+                    value,
+                });
+            }
+            Ok(DoraMagnitude {
+                layer,
+                module,
+                magnitude,
+            })
+        })
+        .collect()
 }
 
 /// A tensor of the manifest's header as the audit reads it.
@@ -660,6 +774,7 @@ struct ImageSink<'a> {
     expert_layout: &'a ExpertLayout,
     dense: &'a mut SlotImage,
     experts: &'a mut SlotImage,
+    magnitudes: &'a mut [u8],
     parts: &'a [PlannedPart],
     states: Vec<PartState>,
     check_as_landed: bool,
@@ -671,9 +786,14 @@ impl LandingSink for ImageSink<'_> {
         if let Some(state) = self.states.get_mut(index) {
             *state = PartState::Handed;
         }
+        let half = part.part.pair_part().unwrap_or(PairPart::A);
         let region = match part.image() {
-            Image::Dense => self.dense.region_mut(self.layout, part.key, part.part)?,
-            Image::Experts => self.experts.region_mut(self.expert_layout, part.key, part.part)?,
+            Image::Dense => self.dense.region_mut(self.layout, part.key, half)?,
+            Image::Experts => self.experts.region_mut(self.expert_layout, part.key, half)?,
+            Image::Magnitudes => self
+                .magnitudes
+                .get_mut(part.range.clone())
+                .ok_or(TransportError::NoSuchOp(index))?,
         };
         Ok(region)
     }
@@ -691,6 +811,7 @@ impl LandingSink for ImageSink<'_> {
         let image = match part.image() {
             Image::Dense => self.dense.as_bytes(),
             Image::Experts => self.experts.as_bytes(),
+            Image::Magnitudes => &*self.magnitudes,
         };
         // A part that fails here is checked again after the read, which
         // reports it: the error is the same, and the read finishes in step
@@ -704,7 +825,7 @@ impl LandingSink for ImageSink<'_> {
 /// Check every landed part not checked during the read (every part, for a
 /// transport that does not say when a part is filled) against its
 /// checksum, and its B padding columns for zeros, in parallel across parts.
-fn verify(parts: &[PlannedPart], states: &[PartState], dense: &[u8], experts: &[u8]) -> Result<(), LandError> {
+fn verify(parts: &[PlannedPart], states: &[PartState], images: [&[u8]; 3]) -> Result<(), LandError> {
     let pending: Vec<&PlannedPart> = parts
         .iter()
         .enumerate()
@@ -715,10 +836,12 @@ fn verify(parts: &[PlannedPart], states: &[PartState], dense: &[u8], experts: &[
     if pending.is_empty() {
         return Ok(());
     }
+    let [dense, experts, magnitudes] = images;
     pending.into_par_iter().try_for_each(|p| {
         let image = match p.image() {
             Image::Dense => dense,
             Image::Experts => experts,
+            Image::Magnitudes => magnitudes,
         };
         check_part(p, image)
     })
@@ -737,7 +860,7 @@ fn check_part(p: &PlannedPart, image: &[u8]) -> Result<(), LandError> {
             got,
         });
     }
-    if p.part == PairPart::B && p.rank < p.stride {
+    if p.part == WirePart::B && p.rank < p.stride {
         let padded = bytes
             .chunks_exact(2 * p.stride)
             .any(|row| row[2 * p.rank..].iter().any(|&b| b != 0));

@@ -1,12 +1,16 @@
 //! `lora-rdma`: land peer-staged adapters straight into a pool slot.
 //!
 //! A weight peer ([`peer`], the `lora-peer` binary) audits adapters, stages
-//! their tensors in the slot element layout of the engine's `max_rank`, and
-//! serves a manifest; the engine ([`land::Lander`]) checks the manifest
-//! against its own audit and layout, lands every tensor over a
+//! their tensors in the slot element layout of the engine's `max_rank` and
+//! rank (a tensor- or expert-parallel engine's request names its
+//! placement, and the peer stages only that rank's cut of each pair, by the
+//! rank's own layout walk; a DoRA pair's magnitude with it), and serves a
+//! manifest; the engine ([`land::Lander`]) checks the manifest against its
+//! own audit and layout, lands every tensor over a
 //! [`transport::Transport`] (RDMA READ under the `ibverbs` feature, or the
 //! TCP transport that runs the same protocol), verifies checksums and hands
-//! the images to the pool to publish.
+//! the images to the pool to publish: the same slot bytes the rank's disk
+//! swap writes.
 //!
 //! Brief overview:
 //! - [`wire`]: versioned, size-limited frames; [`protocol`]: the messages;
@@ -39,7 +43,8 @@
 //! let mut target = HostLanding::new(lander.layout());
 //! let landed = lander.land(&mut transport, "r8", &mut target)?;
 //! assert_eq!(target.dense().pairs(), &landed.dense[..]);
-//! // `target.into_images()` goes to `LoraPool::publish_landed`.
+//! // `landed.into_images(dense, experts)` (the target's images) goes to
+//! // `LoraPool::publish_landed`.
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!

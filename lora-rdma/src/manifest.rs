@@ -3,12 +3,15 @@
 //!
 //! The manifest says what the peer staged and where to read it; it never
 //! says where bytes land. [`match_manifest`] pairs every entry with a pair
-//! the engine's own audit expects, with the length the engine's own layout
-//! gives; anything else refuses the whole manifest.
+//! part the engine's own audit expects, with the length the engine's own
+//! layout gives for its rank (a tensor-parallel rank's shard of each pair,
+//! an expert-parallel rank's experts); anything else refuses the whole
+//! manifest. The manifest names the placement it was staged for, and the
+//! engine refuses one staged for another rank before anything else.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use lora_layout::{ExpertProj, ExpertSite, LoraModule, PairKey, PairLayout};
+use lora_layout::{ExpertProj, ExpertSite, LoraModule, PairKey, PairLayout, Placement, PlacementError};
 use lora_pool::image::{PairMeta, PairPart};
 use serde::{Deserialize, Serialize};
 
@@ -18,12 +21,27 @@ use serde::{Deserialize, Serialize};
 pub const MAX_MANIFEST_ENTRIES: usize = 1 << 20;
 
 /// A pair part's name on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum WirePart {
     /// A.
     A,
     /// B.
     B,
+    /// A DoRA pair's magnitude `m` (f32 little-endian, one value per
+    /// output row the rank holds).
+    Magnitude,
+}
+
+impl WirePart {
+    /// The image half this part lands in (`None` for a magnitude, which
+    /// lands beside the images).
+    pub fn pair_part(self) -> Option<PairPart> {
+        match self {
+            WirePart::A => Some(PairPart::A),
+            WirePart::B => Some(PairPart::B),
+            WirePart::Magnitude => None,
+        }
+    }
 }
 
 impl From<PairPart> for WirePart {
@@ -35,12 +53,56 @@ impl From<PairPart> for WirePart {
     }
 }
 
-impl From<WirePart> for PairPart {
-    fn from(p: WirePart) -> PairPart {
-        match p {
-            WirePart::A => PairPart::A,
-            WirePart::B => PairPart::B,
+/// A [`Placement`] on the wire: the tensor- and expert-parallel rank the
+/// engine's pool holds, which the peer stages for and its manifest names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WirePlacement {
+    /// The tensor-parallel rank.
+    pub tp_rank: u32,
+    /// The tensor-parallel world size.
+    pub tp_world: u32,
+    /// The expert-parallel rank.
+    pub ep_rank: u32,
+    /// The expert-parallel world size.
+    pub ep_world: u32,
+}
+
+impl WirePlacement {
+    /// No tensor or expert parallelism.
+    pub const SINGLE: WirePlacement = WirePlacement {
+        tp_rank: 0,
+        tp_world: 1,
+        ep_rank: 0,
+        ep_world: 1,
+    };
+
+    /// The wire form of `p` (a world past `u32::MAX` saturates, and the
+    /// peer refuses it).
+    pub fn from_placement(p: Placement) -> WirePlacement {
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        WirePlacement {
+            tp_rank: n(p.tp_rank()),
+            tp_world: n(p.tp_world()),
+            ep_rank: n(p.ep_rank()),
+            ep_world: n(p.ep_world()),
         }
+    }
+
+    /// The placement it names, or why it names none (a zero world, a rank
+    /// past its world).
+    pub fn to_placement(self) -> Result<Placement, PlacementError> {
+        Placement::new(self.tp_rank as usize, self.tp_world as usize)?
+            .with_experts(self.ep_rank as usize, self.ep_world as usize)
+    }
+}
+
+impl std::fmt::Display for WirePlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "tp rank {}/{}, ep rank {}/{}",
+            self.tp_rank, self.tp_world, self.ep_rank, self.ep_world
+        )
     }
 }
 
@@ -150,9 +212,10 @@ pub enum Location {
 pub struct ManifestEntry {
     /// The pair it belongs to.
     pub key: WireKey,
-    /// A or B.
+    /// A, B or a DoRA pair's magnitude.
     pub part: WirePart,
-    /// Bytes staged: A `rank * in * 2`, B `out * stride * 2`.
+    /// Bytes staged for the rank: A `rank * in_r * 2`, B `out_r * stride *
+    /// 2`, a magnitude `out_r * 4`.
     pub len: u64,
     /// XXH64 of the staged bytes.
     pub checksum: u64,
@@ -182,6 +245,8 @@ pub struct Manifest {
     pub max_rank: u32,
     /// The expert pool's rank it was staged for.
     pub expert_rank: u32,
+    /// The rank it was staged for: every entry is that rank's bytes.
+    pub placement: WirePlacement,
     /// The adapter's `adapter_config.json`, verbatim: the engine audits it
     /// itself.
     pub adapter_config: String,
@@ -212,6 +277,14 @@ pub enum ManifestError {
         /// The manifest's.
         got: u32,
     },
+    /// Staged for another tensor- or expert-parallel rank.
+    #[error("manifest is staged for {got}, this engine's pool is {expected}")]
+    PlacementMismatch {
+        /// The engine's placement.
+        expected: WirePlacement,
+        /// The manifest's.
+        got: WirePlacement,
+    },
     /// Too many entries.
     #[error("manifest lists {0} entries, over the limit")]
     TooManyEntries(usize),
@@ -230,8 +303,8 @@ pub enum ManifestError {
         index: usize,
         /// The pair.
         key: PairKey,
-        /// A or B.
-        part: PairPart,
+        /// A, B or the magnitude.
+        part: WirePart,
     },
     /// The same (pair, part) twice.
     #[error("entry {index} repeats {key} {part:?}")]
@@ -240,8 +313,8 @@ pub enum ManifestError {
         index: usize,
         /// The pair.
         key: PairKey,
-        /// A or B.
-        part: PairPart,
+        /// A, B or the magnitude.
+        part: WirePart,
     },
     /// An entry's length is not what the engine's layout gives.
     #[error("entry {index} ({key} {part:?}) is {got} bytes, this engine's layout needs {expected}")]
@@ -250,8 +323,8 @@ pub enum ManifestError {
         index: usize,
         /// The pair.
         key: PairKey,
-        /// A or B.
-        part: PairPart,
+        /// A, B or the magnitude.
+        part: WirePart,
         /// The manifest's length.
         got: u64,
         /// The layout's.
@@ -262,8 +335,8 @@ pub enum ManifestError {
     Missing {
         /// The pair.
         key: PairKey,
-        /// A or B.
-        part: PairPart,
+        /// A, B or the magnitude.
+        part: WirePart,
     },
 }
 
@@ -273,8 +346,8 @@ pub enum ManifestError {
 pub struct LandingOp {
     /// The pair.
     pub key: PairKey,
-    /// A or B.
-    pub part: PairPart,
+    /// A, B or the magnitude.
+    pub part: WirePart,
     /// Bytes.
     pub len: usize,
     /// Expected XXH64.
@@ -289,10 +362,11 @@ pub struct LandingOp {
 pub struct ExpectedPart {
     /// The pair.
     pub key: PairKey,
-    /// A or B.
-    pub part: PairPart,
+    /// A, B or the magnitude.
+    pub part: WirePart,
     /// Bytes: A `rank * in * 2` (only the true rank's rows travel), B
-    /// `out * stride * 2` (staged with its zero columns).
+    /// `out * stride * 2` (staged with its zero columns), a magnitude
+    /// `out * 4`; `in` and `out` are the rank's (its place's dims).
     pub len: u64,
 }
 
@@ -309,22 +383,59 @@ pub fn expected_parts(layout: &impl PairLayout, pairs: &[PairMeta]) -> Result<Ve
             .ok_or(meta.key)?;
         parts.push(ExpectedPart {
             key: meta.key,
-            part: PairPart::A,
+            part: WirePart::A,
             len: (meta.rank * place.in_dim * 2) as u64,
         });
         parts.push(ExpectedPart {
             key: meta.key,
-            part: PairPart::B,
+            part: WirePart::B,
             len: (place.out_dim * stride * 2) as u64,
         });
     }
     Ok(parts)
 }
 
-/// The checks that need no audit: the manifest is for this model and these
-/// ranks, and its entry count is in bounds. [`match_manifest`] runs them
-/// first; a lander runs them before spending an audit on the manifest.
-pub fn check_identity(manifest: &Manifest, model: u64, max_rank: u32, expert_rank: u32) -> Result<(), ManifestError> {
+/// The magnitude parts of the DoRA pairs `keys` (from the engine's own
+/// audit) in `layout`: `out * 4` bytes each. `Err` names a pair the layout
+/// does not hold.
+pub fn expected_magnitudes(layout: &impl PairLayout, keys: &[PairKey]) -> Result<Vec<ExpectedPart>, PairKey> {
+    keys.iter()
+        .map(|&key| {
+            let place = layout.position(key).and_then(|i| layout.place(i)).ok_or(key)?;
+            Ok(ExpectedPart {
+                key,
+                part: WirePart::Magnitude,
+                len: (place.out_dim * 4) as u64,
+            })
+        })
+        .collect()
+}
+
+/// What a manifest must have been staged for: the engine's model, ranks
+/// and placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    /// The model fingerprint.
+    pub model: u64,
+    /// The slot pool's `max_rank`.
+    pub max_rank: u32,
+    /// The expert pool's rank.
+    pub expert_rank: u32,
+    /// The pool's tensor- and expert-parallel rank.
+    pub placement: WirePlacement,
+}
+
+/// The checks that need no audit: the manifest is for this model, these
+/// ranks and this placement, and its entry count is in bounds.
+/// [`match_manifest`] runs them first; a lander runs them before spending
+/// an audit on the manifest.
+pub fn check_identity(manifest: &Manifest, identity: &Identity) -> Result<(), ManifestError> {
+    let Identity {
+        model,
+        max_rank,
+        expert_rank,
+        placement,
+    } = *identity;
     if manifest.model != model {
         return Err(ManifestError::ModelMismatch {
             expected: model,
@@ -343,6 +454,12 @@ pub fn check_identity(manifest: &Manifest, model: u64, max_rank: u32, expert_ran
             });
         }
     }
+    if manifest.placement != placement {
+        return Err(ManifestError::PlacementMismatch {
+            expected: placement,
+            got: manifest.placement,
+        });
+    }
     if manifest.entries.len() > MAX_MANIFEST_ENTRIES {
         return Err(ManifestError::TooManyEntries(manifest.entries.len()));
     }
@@ -353,18 +470,16 @@ pub fn check_identity(manifest: &Manifest, model: u64, max_rank: u32, expert_ran
 /// [`LandingOp`] per part. Refuses the whole manifest on any mismatch.
 pub fn match_manifest(
     manifest: &Manifest,
-    model: u64,
-    max_rank: u32,
-    expert_rank: u32,
+    identity: &Identity,
     expected: &[ExpectedPart],
 ) -> Result<Vec<LandingOp>, ManifestError> {
-    check_identity(manifest, model, max_rank, expert_rank)?;
-    let want: BTreeMap<(PairKey, PairPart), u64> = expected.iter().map(|e| ((e.key, e.part), e.len)).collect();
+    check_identity(manifest, identity)?;
+    let want: BTreeMap<(PairKey, WirePart), u64> = expected.iter().map(|e| ((e.key, e.part), e.len)).collect();
     let mut ops = Vec::with_capacity(manifest.entries.len());
     let mut seen = BTreeSet::new();
     for (index, e) in manifest.entries.iter().enumerate() {
         let key = e.key.to_key().ok_or(ManifestError::UnknownKey { index, key: e.key })?;
-        let part = PairPart::from(e.part);
+        let part = e.part;
         let &len = want
             .get(&(key, part))
             .ok_or(ManifestError::Unexpected { index, key, part })?;

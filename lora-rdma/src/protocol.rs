@@ -15,7 +15,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::manifest::Manifest;
+use crate::manifest::{Manifest, WirePlacement};
 use crate::wire::MAX_DATA_BYTES;
 
 /// The most ranges one [`Request::Read`] may carry. A range encodes to at
@@ -136,6 +136,9 @@ pub enum Request {
         max_rank: u32,
         /// The engine's expert-pool rank.
         expert_rank: u32,
+        /// The engine pool's tensor- and expert-parallel rank: the peer
+        /// stages and lists only that rank's bytes of each pair.
+        placement: WirePlacement,
         /// Which locations the manifest should give.
         transport: TransportKind,
     },
@@ -163,6 +166,9 @@ pub enum RefusalCode {
     Rank,
     /// Staging failed (the adapter changed on disk, memory budget, ...).
     Staging,
+    /// The requested placement names no rank (a zero world, a rank past
+    /// its world) or does not divide the model's geometry.
+    Placement,
     /// A read names an unknown region or leaves its region.
     BadRead,
     /// A read carries more than [`MAX_READ_RANGES`] ranges.

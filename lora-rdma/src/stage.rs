@@ -1,30 +1,37 @@
 //! Peer staging: an audited adapter's pairs laid out as the bytes an engine
 //! lands, with one checksum per part.
 //!
-//! A is staged as its true-rank rows `[rank, in]` (the engine's image keeps
-//! its padding rows zero), B as `[out, stride]` with zero columns past the
-//! rank, so it lands in one piece. Dense pairs use `stride = max_rank`,
-//! expert and router pairs `expert_packed_stride(expert_rank)`: the strides
-//! of the engine's own layouts.
+//! Every pair is staged as the engine's rank holds it: its place in the
+//! rank's layouts (the slot layout `LoraOptions::slot_layout` walks for the
+//! requested `max_rank` and placement, and the adapter's expert layout at
+//! the expert rank) gives the rank's `ModuleShard`, the one statement of
+//! the cutting rules the disk swap's packer also follows. A is staged as
+//! its true-rank rows of the rank's input columns `[rank, in_r]` (the
+//! engine's image keeps its padding rows zero), B as the rank's output
+//! rows `[out_r, stride]` with zero columns past the rank, so it lands in
+//! one piece; a DoRA pair's magnitude `m` as the f32 values of the same
+//! output rows. Dense pairs use `stride = max_rank`, expert and router
+//! pairs `expert_packed_stride(expert_rank)`: the strides of the engine's
+//! own layouts.
 
 use half::bf16;
-use lora_audit::PreparedAdapter;
-use lora_layout::{LayoutError, PairKey, expert_packed_stride};
-use lora_pool::image::PairPart;
+use lora_audit::{LoraOptions, PreparedAdapter};
+use lora_layout::{ExpertLayout, LayoutError, ModelConfig, PairKey, PairLayout, PairPlace};
 use rayon::prelude::*;
 
 use crate::checksum::xxh64;
+use crate::manifest::WirePart;
 
 #[cfg(target_endian = "big")]
-compile_error!("staged bytes are little-endian BF16; big-endian hosts are not supported");
+compile_error!("staged bytes are little-endian BF16 and f32; big-endian hosts are not supported");
 
 /// One staged part: where it sits in the staging buffer and its checksum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StagedPart {
     /// The pair.
     pub key: PairKey,
-    /// A or B.
-    pub part: PairPart,
+    /// A, B or the magnitude.
+    pub part: WirePart,
     /// Byte offset in the staging buffer.
     pub offset: usize,
     /// Bytes.
@@ -33,7 +40,7 @@ pub struct StagedPart {
     pub checksum: u64,
 }
 
-/// An adapter staged for one (max_rank, expert_rank).
+/// An adapter staged for one (max_rank, expert_rank, placement).
 #[derive(Debug)]
 pub struct Staging {
     /// The staged bytes, parts back to back.
@@ -55,16 +62,21 @@ pub enum StageError {
         /// The stride.
         stride: usize,
     },
-    /// A pair's B is not `[out, rank]`.
-    #[error("{key}: B has {len} elements, not a multiple of rank {rank}")]
+    /// A pair's tensor does not have the whole pair's element count.
+    #[error("{key}: {part} has {len} elements, the whole pair's needs {expected}")]
     Shape {
         /// The pair.
         key: PairKey,
-        /// B's element count.
+        /// `A`, `B` or `magnitude`.
+        part: &'static str,
+        /// Its element count.
         len: usize,
-        /// The rank.
-        rank: usize,
+        /// What the whole pair needs.
+        expected: usize,
     },
+    /// A pair has no place in the rank's layouts.
+    #[error("{0}: no place in the rank's layout")]
+    NotInLayout(PairKey),
     /// The staged size is over the peer's budget (or overflows).
     #[error("staging needs {needed} bytes, over the budget of {budget}")]
     Budget {
@@ -78,31 +90,61 @@ pub enum StageError {
     Layout(#[from] LayoutError),
 }
 
-/// A pair to stage, borrowed from the prepared adapter.
+/// A pair to stage, borrowed from the prepared adapter, with its place in
+/// the rank's layout.
 struct Source<'a> {
     key: PairKey,
     rank: usize,
     stride: usize,
+    place: PairPlace,
     a: &'a [bf16],
     b: &'a [bf16],
+    magnitude: Option<&'a [f32]>,
 }
 
 impl Source<'_> {
-    fn out(&self) -> usize {
-        self.b.len() / self.rank
+    /// Write `part` of the rank's shard into `dst` (exactly its bytes).
+    fn fill(&self, part: WirePart, dst: &mut [u8]) {
+        let shard = &self.place.shard;
+        let (_, full_in) = shard.full_dims;
+        let in_r = self.place.in_dim;
+        match part {
+            WirePart::A => {
+                for (r, row) in dst.chunks_exact_mut(2 * in_r.max(1)).enumerate().take(self.rank) {
+                    let start = r * full_in + shard.in_start;
+                    row.copy_from_slice(bf16_bytes(&self.a[start..start + in_r]));
+                }
+            }
+            WirePart::B => {
+                let rows = shard.segments().iter().flat_map(|seg| seg.start..seg.start + seg.len);
+                for (dst_row, src_row) in dst.chunks_exact_mut(2 * self.stride).zip(rows) {
+                    let src = &self.b[src_row * self.rank..(src_row + 1) * self.rank];
+                    dst_row[..2 * self.rank].copy_from_slice(bf16_bytes(src));
+                }
+            }
+            WirePart::Magnitude => {
+                let m = self.magnitude.unwrap_or(&[]);
+                let rows = shard.segments().iter().flat_map(|seg| seg.start..seg.start + seg.len);
+                for (dst, row) in dst.chunks_exact_mut(4).zip(rows) {
+                    dst.copy_from_slice(&m[row].to_le_bytes());
+                }
+            }
+        }
     }
 }
 
-/// Stage `adapter`'s dense pairs at `max_rank` and its expert and router
-/// pairs at `expert_rank`, refusing anything over `budget` bytes before
-/// allocating. Checksums are computed in parallel across parts.
+/// Stage `adapter` for the rank `opts` describes (`max_rank`,
+/// `expert_rank`, `placement`, the embedding and head places): its dense
+/// pairs at the rank's slot layout, its expert and router pairs at its
+/// expert layout, refusing anything over `budget` bytes before allocating.
+/// Checksums are computed in parallel across parts.
 pub fn stage_adapter(
     adapter: &PreparedAdapter,
-    max_rank: usize,
-    expert_rank: usize,
+    cfg: &ModelConfig,
+    opts: &LoraOptions,
     budget: usize,
 ) -> Result<Staging, StageError> {
-    Ok(plan_staging(adapter, max_rank, expert_rank, budget)?.fill())
+    Ok(plan_staging(adapter, cfg, opts, budget)?.fill())
 }
 
 /// Where every part of a staging goes, before any byte is allocated: the
@@ -110,6 +152,8 @@ pub fn stage_adapter(
 /// then [`StagingPlan::fill`]s it.
 pub struct StagingPlan<'a> {
     sources: Vec<Source<'a>>,
+    /// Per part, its source.
+    owners: Vec<usize>,
     parts: Vec<StagedPart>,
     len: usize,
 }
@@ -120,7 +164,8 @@ impl StagingPlan<'_> {
         self.len
     }
 
-    /// Whether the staging holds no byte (an adapter with no pair).
+    /// Whether the staging holds no byte (an adapter with no pair, or none
+    /// on this rank).
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -129,6 +174,7 @@ impl StagingPlan<'_> {
     pub fn fill(self) -> Staging {
         let StagingPlan {
             sources,
+            owners,
             mut parts,
             len,
         } = self;
@@ -143,17 +189,9 @@ impl StagingPlan<'_> {
         regions
             .into_par_iter()
             .zip(parts.par_iter_mut())
-            .enumerate()
-            .for_each(|(i, (region, part))| {
-                let s = &sources[i / 2];
-                match part.part {
-                    PairPart::A => region.copy_from_slice(bf16_bytes(s.a)),
-                    PairPart::B => {
-                        for (dst, src) in region.chunks_exact_mut(2 * s.stride).zip(s.b.chunks_exact(s.rank)) {
-                            dst[..2 * s.rank].copy_from_slice(bf16_bytes(src));
-                        }
-                    }
-                }
+            .zip(owners.par_iter())
+            .for_each(|((region, part), &owner)| {
+                sources[owner].fill(part.part, region);
                 part.checksum = xxh64(region);
             });
         Staging { bytes, parts }
@@ -162,56 +200,82 @@ impl StagingPlan<'_> {
 
 /// The layout of [`stage_adapter`]'s staging, checked against `budget`,
 /// with nothing allocated but the part list.
-pub fn plan_staging(
-    adapter: &PreparedAdapter,
-    max_rank: usize,
-    expert_rank: usize,
+pub fn plan_staging<'a>(
+    adapter: &'a PreparedAdapter,
+    cfg: &ModelConfig,
+    opts: &LoraOptions,
     budget: usize,
-) -> Result<StagingPlan<'_>, StageError> {
-    let expert_stride = if adapter.experts.is_empty() {
-        0
+) -> Result<StagingPlan<'a>, StageError> {
+    let layout = opts.slot_layout(cfg)?;
+    let expert_layout = if adapter.experts.is_empty() {
+        None
     } else {
-        expert_packed_stride(expert_rank)?
+        Some(ExpertLayout::new(
+            cfg,
+            opts.expert_rank,
+            adapter.experts.iter().map(|p| (p.layer, p.site)),
+        )?)
     };
-    let dense = adapter.dense.iter().map(|p| Source {
-        key: PairKey::Dense {
-            layer: p.layer,
-            module: p.module,
-        },
-        rank: p.rank,
-        stride: max_rank,
-        a: &p.a,
-        b: &p.b,
-    });
-    let experts = adapter.experts.iter().map(|p| Source {
-        key: PairKey::Expert {
-            layer: p.layer,
-            site: p.site,
-        },
-        rank: p.rank,
-        stride: expert_stride,
-        a: &p.a,
-        b: &p.b,
-    });
-    let embedding = adapter.embedding.iter().map(|e| Source {
-        key: PairKey::Embedding,
-        rank: e.rank,
-        stride: max_rank,
-        a: &e.a,
-        b: &e.b,
-    });
-    let head = adapter.lm_head.iter().map(|e| Source {
-        key: PairKey::LmHead,
-        rank: e.rank,
-        stride: max_rank,
-        a: &e.a,
-        b: &e.b,
-    });
-    let sources: Vec<Source<'_>> = dense.chain(embedding).chain(head).chain(experts).collect();
-    let mut parts = Vec::with_capacity(2 * sources.len());
+    let place = |key: PairKey| -> Result<(PairPlace, usize), StageError> {
+        let found = match key {
+            PairKey::Expert { .. } => expert_layout.as_ref().and_then(|l| {
+                let i = PairLayout::position(l, key)?;
+                Some((PairLayout::place(l, i)?, PairLayout::stride(l)))
+            }),
+            _ => {
+                let i = PairLayout::position(&layout, key);
+                i.and_then(|i| Some((PairLayout::place(&layout, i)?, PairLayout::stride(&layout))))
+            }
+        };
+        found.ok_or(StageError::NotInLayout(key))
+    };
+    let mut sources: Vec<Source<'a>> = Vec::new();
+    let pairs = adapter
+        .dense
+        .iter()
+        .map(|p| {
+            let key = PairKey::Dense {
+                layer: p.layer,
+                module: p.module,
+            };
+            (key, p.rank, &p.a[..], &p.b[..], p.magnitude.as_deref())
+        })
+        .chain(
+            adapter
+                .embedding
+                .iter()
+                .map(|e| (PairKey::Embedding, e.rank, &e.a[..], &e.b[..], None)),
+        )
+        .chain(
+            adapter
+                .lm_head
+                .iter()
+                .map(|e| (PairKey::LmHead, e.rank, &e.a[..], &e.b[..], None)),
+        )
+        .chain(adapter.experts.iter().map(|p| {
+            let key = PairKey::Expert {
+                layer: p.layer,
+                site: p.site,
+            };
+            (key, p.rank, &p.a[..], &p.b[..], None)
+        }));
+    for (key, rank, a, b, magnitude) in pairs {
+        let (place, stride) = place(key)?;
+        sources.push(Source {
+            key,
+            rank,
+            stride,
+            place,
+            a,
+            b,
+            magnitude,
+        });
+    }
+    let mut parts = Vec::with_capacity(3 * sources.len());
+    let mut owners = Vec::with_capacity(3 * sources.len());
     let mut offset = 0usize;
     let over = |needed| StageError::Budget { needed, budget };
-    for s in &sources {
+    for (owner, s) in sources.iter().enumerate() {
         if s.rank == 0 || s.rank > s.stride {
             return Err(StageError::Rank {
                 key: s.key,
@@ -219,20 +283,33 @@ pub fn plan_staging(
                 stride: s.stride,
             });
         }
-        if s.b.len() % s.rank != 0 {
-            return Err(StageError::Shape {
-                key: s.key,
-                len: s.b.len(),
-                rank: s.rank,
-            });
+        let (full_out, full_in) = s.place.shard.full_dims;
+        let shape = |part, len, expected| StageError::Shape {
+            key: s.key,
+            part,
+            len,
+            expected,
+        };
+        if Some(s.a.len()) != s.rank.checked_mul(full_in) {
+            return Err(shape("A", s.a.len(), s.rank.saturating_mul(full_in)));
         }
-        let a_len = s.a.len().checked_mul(2).ok_or(over(usize::MAX))?;
-        let b_len = s
-            .out()
-            .checked_mul(s.stride)
-            .and_then(|e| e.checked_mul(2))
-            .ok_or(over(usize::MAX))?;
-        for (part, len) in [(PairPart::A, a_len), (PairPart::B, b_len)] {
+        if Some(s.b.len()) != full_out.checked_mul(s.rank) {
+            return Err(shape("B", s.b.len(), full_out.saturating_mul(s.rank)));
+        }
+        if let Some(m) = s.magnitude
+            && m.len() != full_out
+        {
+            return Err(shape("magnitude", m.len(), full_out));
+        }
+        let bytes = |elems: Option<usize>, size: usize| elems.and_then(|e| e.checked_mul(size)).ok_or(over(usize::MAX));
+        let a_len = bytes(s.rank.checked_mul(s.place.in_dim), 2)?;
+        let b_len = bytes(s.place.out_dim.checked_mul(s.stride), 2)?;
+        let m_len = bytes(Some(s.place.out_dim), 4)?;
+        let magnitude = s.magnitude.map(|_| (WirePart::Magnitude, m_len));
+        for (part, len) in [(WirePart::A, a_len), (WirePart::B, b_len)]
+            .into_iter()
+            .chain(magnitude)
+        {
             parts.push(StagedPart {
                 key: s.key,
                 part,
@@ -240,6 +317,7 @@ pub fn plan_staging(
                 len,
                 checksum: 0,
             });
+            owners.push(owner);
             offset = offset.checked_add(len).ok_or(over(usize::MAX))?;
         }
     }
@@ -248,6 +326,7 @@ pub fn plan_staging(
     }
     Ok(StagingPlan {
         sources,
+        owners,
         parts,
         len: offset,
     })

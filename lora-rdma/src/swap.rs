@@ -50,6 +50,5 @@ pub fn swap_from_peer<C: SlotCompanion>(
     let victim = pool.pick_victim(name)?;
     let landed = lander.land(transport, name, target)?;
     let (dense, experts) = std::mem::replace(target, HostLanding::new(lander.layout())).into_images();
-    let experts = (!landed.experts.is_empty()).then_some((landed.expert_layout, experts));
-    Ok(pool.publish_landed(victim, name, dense, experts)?)
+    Ok(pool.publish_landed(victim, name, landed.into_images(dense, experts))?)
 }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use lora_audit::LoraOptions;
 
-use crate::manifest::{Location, Manifest};
+use crate::manifest::{Location, Manifest, WirePlacement};
 use crate::protocol::{MAX_READ_RANGES, ReadRange, Request, Response, TransportKind, data_frame_lens};
 use crate::transport::{LandingSink, ReadOp, Transport, TransportError, sink_region};
 use crate::wire::{FrameKind, WireError, read_header, recv_json, send_json};
@@ -218,6 +218,7 @@ impl TcpTransport {
         adapter: &str,
         max_rank: u32,
         expert_rank: u32,
+        placement: WirePlacement,
         transport: TransportKind,
     ) -> Result<Manifest, TransportError> {
         self.begin(0)?;
@@ -225,6 +226,7 @@ impl TcpTransport {
             adapter: adapter.to_string(),
             max_rank,
             expert_rank,
+            placement,
             transport,
         })?;
         match self.reply()? {
@@ -304,8 +306,14 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
-    fn fetch_manifest(&mut self, adapter: &str, max_rank: u32, expert_rank: u32) -> Result<Manifest, TransportError> {
-        self.manifest_for(adapter, max_rank, expert_rank, TransportKind::Tcp)
+    fn fetch_manifest(
+        &mut self,
+        adapter: &str,
+        max_rank: u32,
+        expert_rank: u32,
+        placement: WirePlacement,
+    ) -> Result<Manifest, TransportError> {
+        self.manifest_for(adapter, max_rank, expert_rank, placement, TransportKind::Tcp)
     }
 
     fn read(&mut self, ops: &[ReadOp], sink: &mut dyn LandingSink) -> Result<(), TransportError> {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lora_pool::image::ImageError;
 
-use crate::manifest::{Location, Manifest};
+use crate::manifest::{Location, Manifest, WirePlacement};
 use crate::protocol::{PeerRefusal, TransportKind};
 use crate::wire::WireError;
 
@@ -46,9 +46,15 @@ pub trait Transport {
     /// Which locations this transport reads.
     fn kind(&self) -> TransportKind;
 
-    /// Ask the peer to stage `adapter` for this geometry and return its
-    /// manifest, unchecked (see [`crate::land::Lander::check`]).
-    fn fetch_manifest(&mut self, adapter: &str, max_rank: u32, expert_rank: u32) -> Result<Manifest, TransportError>;
+    /// Ask the peer to stage `adapter` for this geometry and rank and
+    /// return its manifest, unchecked (see [`crate::land::Lander::check`]).
+    fn fetch_manifest(
+        &mut self,
+        adapter: &str,
+        max_rank: u32,
+        expert_rank: u32,
+        placement: WirePlacement,
+    ) -> Result<Manifest, TransportError>;
 
     /// Land every op: fill `sink.region(i)` with the `ops[i].len` bytes at
     /// `ops[i].location`. On error, the regions handed out so far may hold

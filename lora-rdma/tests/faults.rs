@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::{PeerProcess, Snapshot, assert_fresh, disk_pool, packed_from_disk, snapshot};
 use lora_layout::{LoraModule, PairKey};
-use lora_pool::{LoraOptions, LoraPool, PoolError, StepRow};
+use lora_pool::{LandedImages, LoraOptions, LoraPool, PoolError, StepRow};
 use lora_rdma::land::{HostLanding, LandError};
 use lora_rdma::manifest::{Location, Manifest, ManifestEntry, ManifestError, WireKey};
 use lora_rdma::protocol::{RefusalCode, Request, Response, data_frame_lens};
@@ -110,7 +110,9 @@ fn a_publish_into_a_slot_a_step_holds_is_refused_and_changes_nothing() {
     drop(lease);
     let before = snapshot(&pool);
     let (dense, _) = packed_from_disk(MODEL, LANDED, &options());
-    let err = pool.publish_landed(held, LANDED, dense, None).unwrap_err();
+    let err = pool
+        .publish_landed(held, LANDED, LandedImages::new(dense, None))
+        .unwrap_err();
     assert!(
         matches!(err, PoolError::SlotInUse { slot, leases: 1 } if slot == held),
         "{err}"
@@ -118,7 +120,9 @@ fn a_publish_into_a_slot_a_step_holds_is_refused_and_changes_nothing() {
     assert_eq!(snapshot(&pool), before, "a refused publish changed the pool");
     drop(step);
     let (dense, _) = packed_from_disk(MODEL, LANDED, &options());
-    let report = pool.publish_landed(held, LANDED, dense, None).unwrap();
+    let report = pool
+        .publish_landed(held, LANDED, LandedImages::new(dense, None))
+        .unwrap();
     assert_eq!((report.slot, pool.slot_of(LANDED)), (held, Some(held)));
     assert_eq!(pool.slot_of("a"), None);
 }

@@ -48,8 +48,9 @@ fn peer_pool(peer: &PeerProcess) -> LoraPool {
         assert!(landed.experts.is_empty() && experts.as_bytes().is_empty());
         assert!(landed.bytes > 0);
         let victim = pool.pick_victim(adapter).unwrap();
-        let (dense, _) = target.into_images();
-        pool.publish_landed(victim, adapter, dense, None).unwrap();
+        let (dense, experts) = target.into_images();
+        pool.publish_landed(victim, adapter, landed.into_images(dense, experts))
+            .unwrap();
     }
     pool
 }

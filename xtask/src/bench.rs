@@ -45,9 +45,9 @@ use half::bf16;
 use lora_kernels::ops::launch_floor::empty_launch;
 use lora_kernels::testing::{PairPool, RandomPairs, Rng};
 use lora_kernels::{
-    Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, DoraTarget, KernelError, LoraTarget,
+    Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, DoraEpilogue, KernelError, LoraTarget,
     LoraWorkspace, PairEntry, Rows, RowsMut, Segments, SgmvPhase, WorkspaceSpec, bgmv_candidates, bgmv_plan, bgmv_with,
-    dora_rescale, row_diff,
+    row_diff,
 };
 use lora_kernels::{PrefillOptions, PrefillPlan, sgmv_candidates, sgmv_plan, sgmv_with};
 use serde_json::{Value, json};
@@ -657,10 +657,12 @@ fn kernels_section(ctx: &mut Ctx<'_>) -> Result<(), String> {
     dora_cases(ctx, &mut rng)
 }
 
-/// DoRA rescale cases (rows, out, DoRA slots, slots the rows cycle over):
-/// decode and prefill shapes of a 4096-wide projection, half the slots
-/// DoRA. The rescale is one pass after the expand (`lora_kernels::ops::dora`),
-/// so its own time is the whole cost DoRA adds to an apply.
+/// DoRA epilogue cases (rows, out, DoRA slots, slots the rows cycle over):
+/// decode and prefill shapes of a 4096-wide projection (in 4096, rank 16),
+/// half the slots DoRA or fewer. DoRA is the expand's epilogue
+/// (`lora_kernels::ops::dora`): each case times the same apply (the rule
+/// table's plan: the epilogue does not change it) without the epilogue
+/// (`plain`) and with it (`epilogue`), so the difference is all DoRA adds.
 const DORA: &[(usize, usize, usize, usize)] = &[
     (1, 4096, 1, 1),
     (64, 4096, 32, 64),
@@ -668,59 +670,141 @@ const DORA: &[(usize, usize, usize, usize)] = &[
     (4096, 4096, 4, 8),
     (8192, 4096, 16, 32),
 ];
+const DORA_IN: usize = 4096;
+const DORA_RANK: usize = 16;
+
+/// One DoRA epilogue case's inputs on the device.
+struct DoraInputs {
+    pool: PairPool,
+    x: DeviceBuffer<bf16>,
+    y: DeviceBuffer<bf16>,
+    /// Decode: each row's slot; prefill: each segment's.
+    idx: DeviceBuffer<i32>,
+    cu: DeviceBuffer<i32>,
+    g_table: DeviceBuffer<u64>,
+    bias: DeviceBuffer<f32>,
+    _g: DeviceBuffer<f32>,
+}
+
+impl DoraInputs {
+    /// The decode (bgmv) or prefill (sgmv, one segment per slot) apply of
+    /// `n` rows, with the DoRA epilogue or without.
+    fn apply(
+        &mut self,
+        device: &Device,
+        n: usize,
+        slots: usize,
+        out: usize,
+        epilogue: bool,
+        ws: &mut LoraWorkspace,
+    ) -> Result<(), KernelError> {
+        let target = [LoraTarget {
+            table: &self.pool.table,
+            table_offset: 0,
+            n_entries: slots,
+            out_dim: out,
+            y_col_offset: 0,
+            dora: epilogue.then_some(DoraEpilogue {
+                table: &self.g_table,
+                table_offset: 0,
+                bias: Some((&self.bias, 0)),
+            }),
+        }];
+        let x = Rows::dense(&self.x, n, DORA_IN);
+        let y = RowsMut::dense(&mut self.y, n, out);
+        if n < 1024 {
+            bgmv_with(device, x, &self.idx, &target, DORA_RANK, y, DecodeOptions::default())
+        } else {
+            let segments = Segments {
+                cu_seqlens: &self.cu,
+                seg_slot: &self.idx,
+                n_segments: slots,
+            };
+            sgmv_with(
+                device,
+                x,
+                &segments,
+                &target,
+                DORA_RANK,
+                y,
+                ws,
+                PrefillOptions::default(),
+            )
+        }
+    }
+}
 
 fn dora_cases(ctx: &mut Ctx<'_>, rng: &mut Rng) -> Result<(), String> {
     for &(n, out, dora_slots, slots) in DORA {
         let kind = if n >= 1024 { "prefill" } else { "decode" };
-        let name = format!("dora rescale {kind} n={n} out={out} dora slots {dora_slots} of {slots}");
+        let name = format!(
+            "dora epilogue {kind} n={n} in={DORA_IN} out={out} r={DORA_RANK} dora slots {dora_slots} of {slots}"
+        );
         if !ctx.opts.wants_case(&name) {
             continue;
         }
         let device = ctx.device;
+        let pairs = RandomPairs::new(rng, DORA_IN, out, DORA_RANK, &vec![DORA_RANK as u32; slots]);
         let g: Vec<f32> = (0..slots * out).map(|_| 1.0 + 0.1 * rng.uniform()).collect();
         let g = device.upload(&g).map_err(err)?;
         let table: Vec<u64> = (0..slots)
             .map(|s| if s < dora_slots { g.addr_at(s * out) } else { Ok(0) })
             .collect::<Result<_, _>>()
             .map_err(err)?;
-        let table = device.upload(&table).map_err(err)?;
-        let bias = device.upload(&vec![0.5f32; out]).map_err(err)?;
-        let row_slot: Vec<i32> = (0..n).map(|i| (i % slots) as i32).collect();
-        let row_slot = device.upload(&row_slot).map_err(err)?;
-        let mut y = device.upload(&rng.bf16_vec(n * out, 1.0)).map_err(err)?;
-        let targets = [DoraTarget {
-            table: &table,
-            table_offset: 0,
-            n_entries: slots,
-            bias: &bias,
-            bias_offset: 0,
-            out_dim: out,
-            y_col_offset: 0,
-        }];
-        let dora_rows = n * dora_slots / slots;
-        let case = KernelCase {
-            name: name.clone(),
-            // The DoRA rows of y read and written, the row slots, each DoRA slot's g, the bias.
-            floor_bytes: (dora_rows * out * 2 * 2 + n * 4 + dora_slots * out * 4 + out * 4) as f64,
-            peer_us: None,
-            target_us: None,
-            floor_share_target: None,
-            shape: json!({"kind": "dora", "n": n, "out": out, "dora_slots": dora_slots, "slots": slots}),
+        // Decode: rows cycle over the slots; prefill: one segment per slot, equal lengths.
+        let idx: Vec<i32> = if n < 1024 {
+            (0..n).map(|i| (i % slots) as i32).collect()
+        } else {
+            (0..slots as i32).collect()
         };
-        let graph = device
-            .capture_graph(|| dora_rescale(device, &row_slot, &targets, RowsMut::dense(&mut y, n, out)))
-            .map_err(err)?;
-        let stats = ctx.time_graph(&graph)?;
-        drop(graph);
-        // Not "default": the PyTorch baseline has no counterpart to time.
-        ctx.rows.push(case.row("rescale", stats));
-        // In a graph of many: one y (L2-resident where it fits), as the
-        // rescale follows the expand that just wrote it.
-        let (sets, ops) = (1, IN_GRAPH_MIN_OPS);
-        let timed = ctx.time_in_graph(sets, ops, |_| {
-            dora_rescale(device, &row_slot, &targets, RowsMut::dense(&mut y, n, out))
-        })?;
-        attach_in_graph(ctx, &name, "rescale", timed);
+        let cu: Vec<i32> = (0..=slots).map(|s| (s * n / slots) as i32).collect();
+        let mut inputs = DoraInputs {
+            pool: pairs.upload(device).map_err(err)?,
+            x: device.upload(&rng.bf16_vec(n * DORA_IN, 1.0)).map_err(err)?,
+            y: device.upload(&rng.bf16_vec(n * out, 1.0)).map_err(err)?,
+            idx: device.upload(&idx).map_err(err)?,
+            cu: device.upload(&cu).map_err(err)?,
+            g_table: device.upload(&table).map_err(err)?,
+            bias: device.upload(&vec![0.5f32; out]).map_err(err)?,
+            _g: g,
+        };
+        let spec = WorkspaceSpec {
+            max_rows: n,
+            max_rank: DORA_RANK,
+            max_segments: slots,
+            max_targets: 1,
+        };
+        let mut ws = LoraWorkspace::new(device, spec).map_err(err)?;
+        let plain_bytes = floor_bytes(n, DORA_IN, out, DORA_RANK, slots, 1);
+        for (variant, epilogue) in [("plain", false), ("epilogue", true)] {
+            let case = KernelCase {
+                name: name.clone(),
+                // The apply's bytes, and with the epilogue each DoRA slot's g and the bias.
+                floor_bytes: plain_bytes
+                    + if epilogue {
+                        (dora_slots * out * 4 + out * 4) as f64
+                    } else {
+                        0.0
+                    },
+                peer_us: None,
+                target_us: None,
+                floor_share_target: None,
+                shape: json!({"kind": "dora", "apply": kind, "n": n, "in": DORA_IN, "out": out, "r": DORA_RANK,
+                              "dora_slots": dora_slots, "slots": slots}),
+            };
+            let graph = device
+                .capture_graph(|| inputs.apply(device, n, slots, out, epilogue, &mut ws))
+                .map_err(err)?;
+            let stats = ctx.time_graph(&graph)?;
+            drop(graph);
+            // Not "default": the PyTorch baseline has no counterpart to time.
+            ctx.rows.push(case.row(variant, stats));
+            // In a graph of many, one set of inputs (the same for both variants).
+            let timed = ctx.time_in_graph(1, IN_GRAPH_MIN_OPS, |_| {
+                inputs.apply(device, n, slots, out, epilogue, &mut ws)
+            })?;
+            attach_in_graph(ctx, &name, variant, timed);
+        }
     }
     Ok(())
 }
@@ -741,6 +825,7 @@ fn whole_table(table: &DeviceBuffer<PairEntry>, n_entries: usize, out: usize) ->
         n_entries,
         out_dim: out,
         y_col_offset: 0,
+        dora: None,
     }]
 }
 
@@ -771,6 +856,7 @@ impl DecodeInputs {
                 n_entries: shape.entries,
                 out_dim: shape.out,
                 y_col_offset: t * shape.out,
+                dora: None,
             })
             .collect();
         let x = Rows::dense(x, shape.n, shape.in_dim);

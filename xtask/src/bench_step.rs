@@ -33,7 +33,9 @@ use lora_kernels::testing::Rng;
 use lora_kernels::{Choice, DecodeOptions, DecodePlan, Device, DeviceBuffer, DeviceGraph, KernelError, Rows, RowsMut};
 use lora_layout::{LoraModule, ModelConfig, SlotLayout};
 use lora_pool::image::{Elems, PairMeta, PairSource, SlotImage};
-use lora_pool::{BatchCapacity, DecodeStep, FusedTargets, LoraOptions, LoraPool, PoolError, SlotId, StepRow};
+use lora_pool::{
+    BatchCapacity, DecodeStep, FusedTargets, LandedImages, LoraOptions, LoraPool, PoolError, SlotId, StepRow,
+};
 use serde_json::{Value, json};
 
 use super::{Ctx, Stats, err};
@@ -234,7 +236,7 @@ fn filled_pool(
     let banks = Banks::new(cfg, rng);
     for a in 0..adapters {
         let image = adapter_image(pool.layout(), cfg, &banks, rng)?;
-        pool.publish_landed(SlotId::new(a), &adapter_name(a), image, None)
+        pool.publish_landed(SlotId::new(a), &adapter_name(a), LandedImages::new(image, None))
             .map_err(|e| format!("adapter {a}: {e}"))?;
     }
     Ok(pool)

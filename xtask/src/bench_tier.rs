@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use lora_kernels::Device;
 use lora_layout::ModelConfig;
-use lora_pool::{BatchCapacity, LoraOptions, LoraPool, SlotId, SwapRoute};
+use lora_pool::{BatchCapacity, LandedImages, LoraOptions, LoraPool, SlotId, SwapRoute};
 use lora_rdma::bench::LLAMA_8B;
 
 use crate::bench_io::{IoRow, copy_baseline, quantiles};
@@ -139,7 +139,7 @@ pub fn promotion_beside_decode(device: &Device, reps: usize) -> Result<IoRow, St
     let mut rng = Rng::new(0x5eed_0045);
     let banks = Banks::new(&cfg, &mut rng);
     let image = adapter_image(pool.layout(), &cfg, &banks, &mut rng)?;
-    pool.publish_landed(SlotId::new(0), "decode", image, None)
+    pool.publish_landed(SlotId::new(0), "decode", LandedImages::new(image, None))
         .map_err(err)?;
     pool.prefetch("promoted", &dir).map_err(err)?;
     pool.wait_for_prefetch();

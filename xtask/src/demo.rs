@@ -713,7 +713,12 @@ fn pool_checks(device: &Device, verbose: bool, failures: &mut Vec<String>) -> Re
         max_rows: 256,
         max_segments: 16,
     };
-    let tables = served_tables(device, &cfg, &fixtures().join("llama").join("tables.safetensors"))?;
+    let tables = served_tables(
+        device,
+        &cfg,
+        &fixtures().join("llama").join("tables.safetensors"),
+        opts.placement,
+    )?;
     let overlays = TokenOverlays::new(device, tables, opts.max_loras).map_err(|e| e.to_string())?;
     let mut pool = LoraPool::load_with_companion(device, cfg.clone(), opts.clone(), capacity, &sources, overlays)
         .map_err(|e| e.to_string())?;

@@ -7,7 +7,7 @@
 //! --probes <in.safetensors> [--base <tables.safetensors>] --out
 //! <out.safetensors> [--device cpu|cuda] [--max-rank N] [--expert-rank N]
 //! [--allow-partial] [--experts] [--dora] [--embedding-lora] [--lm-head-lora]
-//! [--tp-rank R --tp-world W [--fully-sharded]] [--ep-rank R --ep-world W] [--json]`
+//! [--tp-rank R --tp-world W [--vocab-parallel] [--fully-sharded]] [--ep-rank R --ep-world W] [--json]`
 //!
 //! DoRA pairs (`--dora`, or `LORA_DORA=1`) are module-output probes: the
 //! probe file gives each DoRA projection's `base_weight::` (and
@@ -29,6 +29,18 @@
 //! ranks' outputs sum to the unsharded ones), a router probe the whole delta
 //! on every rank.
 //!
+//! With `--vocab-parallel` (or `LORA_VOCAB_PARALLEL=1`) beside `--tp-rank R
+//! --tp-world W`, the embedding and head pairs and the token tables follow
+//! the base model's vocab-parallel split (rank R holds the token ids `R·V/W
+//! .. (R+1)·V/W` of `V = vocab_size`; a `V` that does not divide is bad
+//! input naming `vocab_size`), and their probes answer the rank's part:
+//! an embedding `rows_idx::` probe the partial rows `[n, hidden]` (the
+//! served row, overlay and embedding LoRA, of a token in the rank's block;
+//! zeros for any other token, so the ranks' answers sum to the whole), an
+//! lm_head `rows_idx::` probe likewise (zero rows outside the block), and
+//! an lm_head LoRA probe (`probe_in::lm_head.weight`) the rank's logit
+//! columns `[n, V/W]` (the ranks' answers concatenated in rank order are
+//! the whole). Without it both are whole on every rank.
 //! With `--fully-sharded` (or `LORA_FULLY_SHARDED=1`) the pools are built
 //! with the placement's fully-sharded option: rank R's pool holds only its
 //! block of rank rows of each column-parallel A, so its column-parallel
@@ -82,6 +94,7 @@ struct Args {
     fully_sharded: bool,
     embedding_lora: bool,
     lm_head_lora: bool,
+    vocab_parallel: bool,
     json: bool,
 }
 
@@ -91,7 +104,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let (mut max_rank, mut expert_rank) = (None, None);
     let (mut tp_rank, mut tp_world, mut ep_rank, mut ep_world) = (None, None, None, None);
     let (mut allow_partial, mut experts, mut dora, mut embedding_lora, mut json) = (false, false, false, false, false);
-    let (mut lm_head_lora, mut fully_sharded) = (false, false);
+    let (mut lm_head_lora, mut vocab_parallel, mut fully_sharded) = (false, false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -114,6 +127,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--embedding-lora" => embedding_lora = true,
             "--lm-head-lora" => lm_head_lora = true,
             "--fully-sharded" => fully_sharded = true,
+            "--vocab-parallel" => vocab_parallel = true,
             "--json" => json = true,
             flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
             path if adapter.is_none() => adapter = Some(PathBuf::from(path)),
@@ -140,6 +154,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         fully_sharded,
         embedding_lora,
         lm_head_lora,
+        vocab_parallel,
         json,
     })
 }
@@ -170,6 +185,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
         fully_sharded: args.fully_sharded,
         embedding_lora: args.embedding_lora,
         lm_head_lora: args.lm_head_lora,
+        vocab_parallel: args.vocab_parallel,
     };
     let mut opts = LoraOptions::from_env()
         .and_then(|o| o.with_args(overrides))
@@ -211,7 +227,7 @@ pub fn run(args: &[String]) -> Result<(), ProbeFailure> {
     }
     let outputs = match &args.base {
         Some(base) => {
-            let tables = served_tables(&device, &cfg, base).map_err(usage)?;
+            let tables = served_tables(&device, &cfg, base, opts.placement).map_err(usage)?;
             let overlays = TokenOverlays::new(&device, tables, 1).map_err(|e| usage(e.to_string()))?;
             let mut pool =
                 LoraPool::load_with_base_weights(&device, cfg.clone(), opts, capacity, &source, overlays, base_weights)
@@ -315,10 +331,16 @@ fn refused_or_usage(e: PoolError, dir: &std::path::Path, cfg: &ModelConfig) -> P
 }
 
 /// The served base tables from `--base`: the embedding, and the head's own
-/// table when the model is untied.
-pub fn served_tables(device: &Device, cfg: &ModelConfig, path: &std::path::Path) -> Result<ServedTables, String> {
+/// table when the model is untied; a vocab-parallel rank's rows of them
+/// under `placement`'s vocab-parallel cut.
+pub fn served_tables(
+    device: &Device,
+    cfg: &ModelConfig,
+    path: &std::path::Path,
+    placement: lora_layout::Placement,
+) -> Result<ServedTables, String> {
     let base = read_base_tables(path).map_err(|e| e.to_string())?;
-    ServedTables::upload(device, &base, cfg).map_err(|e| format!("{}: {e}", path.display()))
+    ServedTables::upload_at(device, &base, cfg, placement).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Dense probes through the pool's decode path and expert/router probes
@@ -476,13 +498,15 @@ fn rank_part<C: SlotCompanion>(
 
 /// The output head's LoRA delta for probe rows (in = hidden, out = vocab),
 /// through the pool's head apply: whole on every tensor-parallel rank (the
-/// head pair is replicated).
+/// head pair is replicated), or a vocab-parallel rank's logit columns
+/// `[n, V/W]` (its block of B's rows).
 fn head_probe<C: SlotCompanion>(
     pool: &mut LoraPool<C>,
     lease: &SlotLease,
     x: &ProbeTensor,
 ) -> Result<ProbeTensor, String> {
-    let dims = (pool.config().vocab_size, pool.config().hidden_size);
+    let vocab = pool.layout().lm_head().map_or(pool.config().vocab_size, |h| h.vocab);
+    let dims = (vocab, pool.config().hidden_size);
     let n = probe_rows(x, dims.1)?;
     decode_probe(pool, lease, &x.data, n, dims, None, |pool, step, xr, yr| {
         pool.apply_lm_head_decode(step, xr, yr, lora_kernels::DecodeOptions::default())

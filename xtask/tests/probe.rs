@@ -479,3 +479,129 @@ fn each_expert_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path
     assert!(!tmp.join("never.safetensors").exists());
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// `cargo xtask probe --tp-rank R --tp-world W --vocab-parallel` on the
+/// embedding-LoRA, head-LoRA and token-overlay fixtures (tied and untied):
+/// an embedding or head `rows_idx::` probe answers the rank's partial rows
+/// `[n, hidden]` (zeros for a token outside the rank's vocabulary block),
+/// which summed over the ranks reassemble PEFT's oracle; an lm_head LoRA
+/// probe answers the rank's logit columns `[n, V/W]`, which side by side in
+/// rank order reassemble it, and equal the pure path's part
+/// (`lora_audit::probe_adapter_at`).
+#[test]
+fn each_vocab_parallel_ranks_part_reassembles_peft_through_the_cpu_serving_path() {
+    use lora_audit::{LoraOptions, PROBE_OUT, ROWS_IDX, ROWS_MERGED, prepare_adapter, probe_adapter_at};
+    use lora_layout::{ModelConfig, Placement};
+    let tmp = std::env::temp_dir().join(format!("xtask-probe-vocab-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let cases = [
+        ("llama", "embedding_lora"),
+        ("llama", "lm_head_lora"),
+        ("llama", "modules_to_save_embed_lm_head"),
+        ("llama", "trainable_tokens_untied_dict"),
+        ("llama_tied", "trainable_tokens_tied_list"),
+        ("llama_tied", "modules_to_save_embed_tied"),
+    ];
+    let mut checked = 0;
+    for (family, name) in cases {
+        let model = fixtures().join(family);
+        let adapter = model.join(name);
+        let cfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
+        let oracle = read_oracle(&adapter.join("oracle.safetensors")).unwrap();
+        let hidden = cfg.hidden_size;
+        for world in [1usize, 2, 4] {
+            let part_v = cfg.vocab_size / world;
+            let mut whole: std::collections::BTreeMap<String, Vec<f32>> = std::collections::BTreeMap::new();
+            for placement in Placement::new(0, world).unwrap().with_vocab_parallel(true).ranks() {
+                let held = placement.vocab_range(cfg.vocab_size).unwrap();
+                let out = tmp.join(format!("{family}-{name}-{world}-{}.safetensors", placement.tp_rank()));
+                let rank = placement.tp_rank().to_string();
+                let run = probe_cmd(
+                    &adapter,
+                    model.join("config.json"),
+                    adapter.join("oracle.safetensors"),
+                    &out,
+                )
+                .args([
+                    "--device",
+                    "cpu",
+                    "--max-rank",
+                    "16",
+                    "--embedding-lora",
+                    "--lm-head-lora",
+                ])
+                .args(["--tp-rank", &rank, "--tp-world", &world.to_string(), "--vocab-parallel"])
+                .arg("--base")
+                .arg(model.join("tables.safetensors"))
+                .env_remove("LORA_VOCAB_PARALLEL")
+                .output()
+                .unwrap();
+                assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+                let served = outputs(&out);
+                let what = |key: &str| format!("{family}/{name} x{world} rank {rank} {key}");
+                for (table, ids) in &oracle.inputs.rows {
+                    let key = format!("{ROWS_MERGED}{table}");
+                    let part = &served[&key];
+                    assert_eq!(part.shape, vec![ids.len(), hidden], "{}", what(&key));
+                    let sum = whole
+                        .entry(key.clone())
+                        .or_insert_with(|| vec![0.0; ids.len() * hidden]);
+                    for (t, &id) in ids.iter().enumerate() {
+                        let row = &part.data[t * hidden..(t + 1) * hidden];
+                        if !held.contains(&(id as usize)) {
+                            assert!(
+                                row.iter().all(|&v| v == 0.0),
+                                "{}: id {id} is another rank's",
+                                what(&key)
+                            );
+                        }
+                        sum[t * hidden..(t + 1) * hidden]
+                            .iter_mut()
+                            .zip(row)
+                            .for_each(|(s, v)| *s += v);
+                    }
+                    assert!(oracle.inputs.rows.contains_key(table), "{ROWS_IDX}{table}");
+                }
+                if oracle.inputs.inputs.contains_key("lm_head.weight") {
+                    let key = format!("{PROBE_OUT}lm_head.weight");
+                    let part = &served[&key];
+                    let n = oracle.inputs.inputs["lm_head.weight"].shape[0];
+                    assert_eq!(part.shape, vec![n, part_v], "{}", what(&key));
+                    let opts = LoraOptions {
+                        placement,
+                        lm_head_lora: true,
+                        embedding_lora: true,
+                        ..LoraOptions::default()
+                    };
+                    let pure = probe_adapter_at(
+                        &prepare_adapter(&adapter, &cfg, &opts).unwrap(),
+                        &cfg,
+                        &lora_audit::ProbeInputs {
+                            rows: Default::default(),
+                            ..oracle.inputs.clone()
+                        },
+                        None,
+                        placement,
+                    )
+                    .unwrap();
+                    assert_eq!(pure.tensors[&key].shape, part.shape, "{}", what(&key));
+                    let err = rel_error(&part.data, &pure.tensors[&key].data);
+                    assert!(err < 1e-3, "{}: {err} against the pure path's part", what(&key));
+                    let cols = whole.entry(key).or_insert_with(|| vec![0.0; n * cfg.vocab_size]);
+                    for t in 0..n {
+                        cols[t * cfg.vocab_size + held.start..t * cfg.vocab_size + held.end]
+                            .copy_from_slice(&part.data[t * part_v..(t + 1) * part_v]);
+                    }
+                }
+            }
+            assert!(!whole.is_empty(), "{family}/{name}: nothing probed");
+            for (key, got) in &whole {
+                let err = rel_error(got, &oracle.expected[key].data);
+                assert!(err < 1e-2, "{family}/{name} x{world} {key}: {err} against PEFT");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 24, "only {checked} reassembled tensors");
+    let _ = std::fs::remove_dir_all(&tmp);
+}

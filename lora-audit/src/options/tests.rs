@@ -263,3 +263,48 @@ fn the_fully_sharded_option_is_read_and_kept_over_the_args() {
     let err = LoraOptions { max_rank: 6, ..on }.slot_layout(&cfg).unwrap_err();
     assert!(err.to_string().contains("max_rank = 6"), "{err}");
 }
+
+#[test]
+fn the_vocab_parallel_and_fully_sharded_options_are_independent() {
+    let both = opts(&[
+        ("LORA_TP_RANK", "1"),
+        ("LORA_TP_WORLD", "2"),
+        ("LORA_VOCAB_PARALLEL", "1"),
+        ("LORA_FULLY_SHARDED", "1"),
+    ])
+    .unwrap();
+    assert!(both.placement.vocab_parallel() && both.placement.fully_sharded());
+    let only_vocab = opts(&[("LORA_TP_WORLD", "2"), ("LORA_VOCAB_PARALLEL", "1")]).unwrap();
+    assert!(only_vocab.placement.vocab_parallel() && !only_vocab.placement.fully_sharded());
+    let args = AuditArgs {
+        fully_sharded: true,
+        ..AuditArgs::default()
+    };
+    let p = only_vocab.with_args(args).unwrap().placement;
+    assert!(p.vocab_parallel() && p.fully_sharded());
+}
+
+#[test]
+fn the_vocab_parallel_cut_is_read_from_the_env_and_the_args() {
+    let off = opts(&[("LORA_TP_RANK", "1"), ("LORA_TP_WORLD", "2")]).unwrap();
+    assert!(!off.placement.vocab_parallel());
+    let on = opts(&[
+        ("LORA_TP_RANK", "1"),
+        ("LORA_TP_WORLD", "2"),
+        ("LORA_VOCAB_PARALLEL", "1"),
+    ])
+    .unwrap();
+    let want = lora_layout::Placement::new(1, 2).unwrap().with_vocab_parallel(true);
+    assert_eq!(on.placement, want);
+    // Args replacing the ranks keep it; the args' switch turns it on.
+    let args = AuditArgs {
+        tp_rank: Some(0),
+        ..AuditArgs::default()
+    };
+    assert!(on.with_args(args).unwrap().placement.vocab_parallel());
+    let args = AuditArgs {
+        vocab_parallel: true,
+        ..AuditArgs::default()
+    };
+    assert_eq!(off.with_args(args).unwrap().placement, want);
+}

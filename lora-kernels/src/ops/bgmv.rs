@@ -5,7 +5,10 @@
 //!
 //! Dense decode passes `idx = seq_slot` into a `[max_loras]` table; MoE
 //! passes `idx = expert * max_loras + slot` into a `[num_experts * max_loras]`
-//! table. CUDA kernel family: `cuda/bgmv.cu`, the entry-clustered form's
+//! table. A target may carry a DoRA epilogue ([`super::dora`]): every form
+//! writes each output element of y from one thread, which rescales the rows
+//! of DoRA entries there before it rounds them; the plan does not look at
+//! it. CUDA kernel family: `cuda/bgmv.cu`, the entry-clustered form's
 //! `cuda/bgmv_entry.cu` (module `entry`) and the row-register form's
 //! `cuda/bgmv_rows.cu` (module `rows`), compiled with it.
 //!
@@ -458,7 +461,7 @@ struct Bgmv2Params {
     row_ks: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<Bgmv2Params>() == 184 && std::mem::offset_of!(Bgmv2Params, targets) == 88);
+const _: () = assert!(size_of::<Bgmv2Params>() == 248 && std::mem::offset_of!(Bgmv2Params, targets) == 88);
 
 /// Resident blocks per multiprocessor of the two-phase kernels (`__launch_bounds__` in `cuda/bgmv.cu`).
 const SHRINK_BLOCKS_PER_SM: usize = 4;
@@ -502,7 +505,7 @@ struct BgmvParams {
     pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgmvParams>() == 224 && std::mem::offset_of!(BgmvParams, targets) == 128);
+const _: () = assert!(size_of::<BgmvParams>() == 288 && std::mem::offset_of!(BgmvParams, targets) == 128);
 
 /// How [`bgmv_with`] runs a call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

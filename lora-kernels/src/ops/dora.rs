@@ -1,23 +1,42 @@
-//! The DoRA rescale: one general per-row pass over a mixed batch, run after
-//! the LoRA expand has written `y = W x + b + s·B A x` in place. For each
-//! row whose slot has a DoRA pair at a target, `y ← g ⊙ (y − b) + b` over
-//! that target's columns (`g` the slot's per-output-row rescale, `b` the
-//! projection's base bias, zeros where it has none); rows of plain-LoRA
-//! slots, rows of slots without a pair there, and base rows (-1) are not
-//! touched, bit for bit. CUDA kernel family: `cuda/dora.cu`.
+//! DoRA's served arithmetic: the rescale every expand applies in its
+//! epilogue, and [`dora_row_scale`], which computes a slot's rescale once
+//! when it is staged.
 //!
-//! Why a separate pass rather than an epilogue in every expand form: the
-//! decode forms that split the rank or the output over several blocks
-//! accumulate into y from more than one block (two-phase, entry-clustered),
-//! so no single block sees a finished value of y to rescale; one pass after
-//! the expand is exact for every form, decode and prefill alike, and costs
-//! one read and one write of the rescaled columns of y. Its arithmetic is
-//! rounded the same way on both backends (`g · (y − b) + b`, no fused
-//! multiply-add), so CPU and CUDA results are equal bit for bit.
+//! # The epilogue
 //!
-//! Allocates nothing, synchronises nothing, keeps its launch shape fixed for
-//! fixed arguments: graph-capturable. A slot past a table is an error on
-//! the CPU and a fault bit on CUDA.
+//! A target of an apply call ([`super::LoraTarget`]) may carry a
+//! [`DoraEpilogue`]: a table of `g` addresses indexed like its PairEntry
+//! table (the pool's `[max_loras]` per (layer, module), 0 where the slot has
+//! no DoRA pair) and the projection's base bias (none: zeros). For a row
+//! whose entry has a `g` there, the expand writes, per output column c,
+//! `g[c] · ((y + Δ) − b[c]) + b[c]` instead of `y + Δ`, where `y + Δ` is the
+//! f32 sum the form computed (y as it was, Δ the row's delta) and nothing is
+//! rounded between the sum and the rescale; rows of plain-LoRA entries,
+//! entries without a pair and base rows (-1) get `y + Δ` bit for bit as
+//! without the epilogue. So a mixed batch of DoRA, plain-LoRA and base rows
+//! is one launch of whichever form the plan picks, decode
+//! ([`super::bgmv`]) and prefill ([`super::sgmv`]) alike: every form writes
+//! each output element of y from exactly one thread (the fused form after
+//! its cluster sum, each block its own output columns; the two-phase
+//! form's expand; the row-register and entry-clustered forms, each block
+//! its slice of the outputs of one row or one entry's rows; sgmv's expand,
+//! one tile of one segment), which applies the epilogue to the value it
+//! stores. The plan does not look at the epilogue: a call with DoRA targets
+//! is planned as the same call without them. Inside the entry-clustered
+//! form's register kernel, whose whole A slice and B rows live in 80
+//! registers, an entry with a rescale runs the form's staged body instead
+//! (as an entry of unaligned weights does), and the staged kernels rescale
+//! in a non-inlined function: so the epilogue costs a plain call no
+//! register there (inlined, it spilled them).
+//!
+//! The rescale is `g · (v − b) + b` in f32 with no fused multiply-add on
+//! both backends (`dora_epilogue` in `cuda/common.cuh`), so for a given
+//! `v` the two agree bit for bit; `v` itself is the form's sum and differs
+//! from the CPU reference's by the delta's summation order, as every apply
+//! does (the kernels' tests hold CUDA to the CPU reference within the
+//! apply's tolerance, scaled by `g`).
+//!
+//! # The rescale `g`
 //!
 //! [`dora_row_scale`] computes a slot's rescale where its factors are, once
 //! per adapter when it is staged (not an apply call): PEFT's
@@ -28,62 +47,95 @@
 //! PEFT's f32 norm is. A zero or non-finite norm leaves a non-finite `g`
 //! for the caller to refuse.
 
-use super::{MAX_TARGETS, OutputElem, RowsMut, to_i32, to_u32};
+use super::{to_i32, to_u32};
 use crate::buffer::{DeviceBuffer, check_range};
+use crate::cpu_mem::CpuMemory;
 use crate::cuda_rt::{Family, Kernel, Launch};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
 use crate::table::PairEntry;
 
-/// One output of a DoRA rescale: a `[n_entries]` range of a table of `g`
-/// addresses (`table[table_offset + slot]`: the slot's `g [out_dim]`, f32,
-/// or 0 where the slot has no DoRA pair), the projection's bias
-/// (`bias[bias_offset..][..out_dim]`, f32), its width and first column of y.
+/// The DoRA epilogue's inputs at one target of an apply call (see the
+/// module docs): a `[n_entries]` range of a table of `g` addresses indexed
+/// like the target's PairEntry table (`table[table_offset + e]`: entry e's
+/// `g [out_dim]`, f32, or 0 where it has no DoRA pair) and the projection's
+/// base bias, if it has one.
 #[derive(Debug, Clone, Copy)]
-pub struct DoraTarget<'a> {
+pub struct DoraEpilogue<'a> {
     /// The `g` address table (the pool keeps every (layer, module)'s in one).
     pub table: &'a DeviceBuffer<u64>,
-    /// First entry of this (layer, module)'s table.
+    /// First entry of this target's table; it holds as many entries as the
+    /// target's PairEntry table.
     pub table_offset: usize,
-    /// Entries in the table (`max_loras`).
-    pub n_entries: usize,
-    /// The bias buffer.
-    pub bias: &'a DeviceBuffer<f32>,
-    /// First element of this projection's bias.
-    pub bias_offset: usize,
-    /// Output width of the projection.
-    pub out_dim: usize,
-    /// Column of y where this target's outputs start.
-    pub y_col_offset: usize,
+    /// The base bias (`bias[offset..][..out_dim]`, f32); `None`: zeros.
+    pub bias: Option<(&'a DeviceBuffer<f32>, usize)>,
 }
 
-/// Mirror of `struct DoraTargetParams` (`cuda/dora.cu`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-struct DoraTargetParams {
-    table: u64,
-    bias: u64,
-    n_entries: i32,
-    out_dim: i32,
-    y_col_off: i32,
-    pad: i32,
-}
-const _: () = assert!(size_of::<DoraTargetParams>() == 32);
+impl DoraEpilogue<'_> {
+    /// Check the table and bias ranges for a target of `n_entries` entries
+    /// and `out_dim` outputs; their device addresses (bias 0: none).
+    pub(crate) fn check(&self, device: &Device, n_entries: usize, out_dim: usize) -> Result<(u64, u64), KernelError> {
+        device.expect_same("targets.dora.table", self.table.device())?;
+        check_range("targets.dora.table", self.table_offset, n_entries, self.table.len())?;
+        let bias = match self.bias {
+            Some((buf, offset)) => {
+                device.expect_same("targets.dora.bias", buf.device())?;
+                check_range("targets.dora.bias", offset, out_dim, buf.len())?;
+                buf.addr_at(offset)?
+            }
+            None => 0,
+        };
+        Ok((self.table.addr_at(self.table_offset)?, bias))
+    }
 
-/// Mirror of `struct DoraParams` (`cuda/dora.cu`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct DoraParams {
-    row_slot: u64,
-    y: u64,
-    fault: u64,
-    n_rows: i32,
-    y_stride: i32,
-    n_targets: i32,
-    pad: i32,
-    targets: [DoraTargetParams; MAX_TARGETS],
+    /// The CPU reference's view: the bias (zeros without one) and a reader
+    /// of each entry's `g`.
+    pub(crate) fn resolve<'m>(
+        &self,
+        memory: &'m CpuMemory,
+        n_entries: usize,
+        out_dim: usize,
+    ) -> Result<HostDora<'m>, KernelError> {
+        let bias = match self.bias {
+            Some((buf, offset)) => buf.download_range(offset, out_dim)?,
+            None => vec![0.0; out_dim],
+        };
+        Ok(HostDora {
+            memory,
+            table: self.table.download_range(self.table_offset, n_entries)?,
+            bias,
+            out_dim,
+        })
+    }
 }
-const _: () = assert!(size_of::<DoraParams>() == 40 + 32 * MAX_TARGETS);
+
+/// A target's DoRA epilogue on the CPU backend (see [`DoraEpilogue::resolve`]).
+pub(crate) struct HostDora<'m> {
+    memory: &'m CpuMemory,
+    table: Vec<u64>,
+    bias: Vec<f32>,
+    out_dim: usize,
+}
+
+impl HostDora<'_> {
+    /// Entry `e`'s rescale (`None`: no DoRA pair); `e` was checked
+    /// against the target's table, which this one matches in length.
+    pub(crate) fn scale_of(&self, e: usize) -> Result<Option<Vec<f32>>, KernelError> {
+        match self.table.get(e).copied() {
+            None | Some(0) => Ok(None),
+            Some(addr) => self
+                .memory
+                .read(&|| format!("DoRA g of entry {e}"), addr, self.out_dim)
+                .map(Some),
+        }
+    }
+
+    /// The epilogue of column `c` (see the module docs): `v = y + Δ` as
+    /// the apply summed it, `g · (v − b) + b` (no fused multiply-add).
+    pub(crate) fn apply(&self, g: &[f32], c: usize, v: f32) -> f32 {
+        g[c] * (v - self.bias[c]) + self.bias[c]
+    }
+}
 
 /// One DoRA pair's rescale inputs (see [`dora_row_scale`]).
 #[derive(Debug, Clone, Copy)]
@@ -213,139 +265,6 @@ pub fn dora_row_scale(
                     Kernel {
                         family: Family::Dora,
                         name: "dora_row_scale",
-                    },
-                    launch,
-                    &p,
-                )
-            }
-        }
-    }
-}
-
-/// One target's resolved CPU-reference inputs: its bias and each row's `g`.
-struct Resolved {
-    bias: Vec<f32>,
-    g: Vec<Option<Vec<f32>>>,
-}
-
-/// `y ← g ⊙ (y − b) + b` per row of a DoRA slot (see the module docs):
-/// `row_slot[r]` is row r's slot (-1: base), for `y.n_rows` rows.
-pub fn dora_rescale<Y: OutputElem>(
-    device: &Device,
-    row_slot: &DeviceBuffer<i32>,
-    targets: &[DoraTarget<'_>],
-    mut y: RowsMut<'_, Y>,
-) -> Result<(), KernelError> {
-    y.check(device, "y")?;
-    device.expect_same("row_slot", row_slot.device())?;
-    check_range("row_slot", 0, y.n_rows, row_slot.len())?;
-    if targets.is_empty() || targets.len() > MAX_TARGETS {
-        return Err(invalid(
-            "targets",
-            format!("{} targets; 1..={MAX_TARGETS} allowed", targets.len()),
-        ));
-    }
-    let mut params = [DoraTargetParams::default(); MAX_TARGETS];
-    for (t, p) in targets.iter().zip(params.iter_mut()) {
-        device.expect_same("targets.table", t.table.device())?;
-        device.expect_same("targets.bias", t.bias.device())?;
-        check_range("targets.table", t.table_offset, t.n_entries, t.table.len())?;
-        check_range("targets.bias", t.bias_offset, t.out_dim, t.bias.len())?;
-        let end = t
-            .y_col_offset
-            .checked_add(t.out_dim)
-            .ok_or_else(|| invalid("targets", "column range overflows"))?;
-        if end > y.width {
-            return Err(invalid(
-                "targets",
-                format!("columns {}..{end} are past y's width {}", t.y_col_offset, y.width),
-            ));
-        }
-        *p = DoraTargetParams {
-            table: t.table.addr_at(t.table_offset)?,
-            bias: t.bias.addr_at(t.bias_offset)?,
-            n_entries: to_i32("targets.n_entries", t.n_entries)?,
-            out_dim: to_i32("targets.out_dim", t.out_dim)?,
-            y_col_off: to_i32("targets.y_col_offset", t.y_col_offset)?,
-            pad: 0,
-        };
-    }
-    if y.n_rows == 0 {
-        return Ok(());
-    }
-    match device.backend() {
-        Backend::Cpu(cpu) => {
-            let slots = row_slot.download_range(0, y.n_rows)?;
-            // Every address resolved before y is touched: an error leaves y as it was.
-            let mut resolved: Vec<Resolved> = Vec::with_capacity(targets.len());
-            for t in targets {
-                let table = t.table.download_range(t.table_offset, t.n_entries)?;
-                let bias = t.bias.download_range(t.bias_offset, t.out_dim)?;
-                let mut per_row = Vec::with_capacity(slots.len());
-                for (r, &s) in slots.iter().enumerate() {
-                    if s < 0 {
-                        per_row.push(None);
-                        continue;
-                    }
-                    let addr = *table.get(s as usize).ok_or(KernelError::BadIndex {
-                        arg: "row_slot",
-                        position: r,
-                        index: i64::from(s),
-                        n_entries: t.n_entries,
-                    })?;
-                    if addr == 0 {
-                        per_row.push(None);
-                        continue;
-                    }
-                    let g: Vec<f32> = cpu.memory.read(&|| format!("DoRA g of slot {s}"), addr, t.out_dim)?;
-                    per_row.push(Some(g));
-                }
-                resolved.push(Resolved { bias, g: per_row });
-            }
-            y.cpu_for_each_row(|r, row| {
-                for (t, res) in targets.iter().zip(&resolved) {
-                    if let Some(g) = &res.g[r] {
-                        let cols = &mut row[t.y_col_offset..t.y_col_offset + t.out_dim];
-                        for ((v, g), b) in cols.iter_mut().zip(g).zip(&res.bias) {
-                            *v = Y::from_f32(g * (v.to_f32() - b) + b);
-                        }
-                    }
-                }
-            })
-        }
-        Backend::Cuda(c) => {
-            let p = DoraParams {
-                row_slot: row_slot.device_addr(),
-                y: y.addr(),
-                fault: c.fault_addr(),
-                n_rows: to_i32("y.n_rows", y.n_rows)?,
-                y_stride: to_i32("y.stride", y.stride)?,
-                n_targets: to_i32("targets", targets.len())?,
-                pad: 0,
-                targets: params,
-            };
-            let launch = Launch {
-                grid: (to_u32("grid", y.n_rows.min(65_535))?, 1, 1),
-                block: 256,
-                smem: 0,
-            };
-            let name = if Y::NAME == "bf16" {
-                "dora_rescale_bf16"
-            } else {
-                "dora_rescale_f32"
-            };
-            // SAFETY: params mirror the kernel's struct (sizes asserted on both
-            // sides); row_slot holds n_rows values, y covers n_rows rows at its
-            // stride with every target's columns inside its width, each table
-            // range and bias range lies in its buffer (checked above). The kernel
-            // checks each slot against n_entries before reading a table entry;
-            // a non-zero entry is the address of `out_dim` f32 values the pool
-            // keeps alive for the table's life.
-            unsafe {
-                c.launch(
-                    Kernel {
-                        family: Family::Dora,
-                        name,
                     },
                     launch,
                     &p,

@@ -7,9 +7,13 @@
 //! padded to the pool's rank), so the gather reads column `t` of A (`rank`
 //! values, `vocab` apart) and the expand is one `[hidden, rank]` matrix
 //! times it. BF16 weights, FP32 accumulation, the delta added to `out` in
-//! FP32 and rounded once. A token id at or past `vocab`, a slot past the
-//! table and a bad entry are an error on the CPU (nothing written) and a
-//! fault bit on CUDA (that row left as it was), never an out-of-bounds read.
+//! FP32 and rounded once. A vocab-parallel rank's A holds only its columns
+//! `vocab_start .. vocab_start + vocab` ([`EmbeddingPairs::vocab_start`]):
+//! token `t` reads column `t - vocab_start`, and a token outside that range
+//! (another rank's) adds nothing on this rank. A token id at or past
+//! `vocab_size`, a slot past the table and a bad entry are an error on the
+//! CPU (nothing written) and a fault bit on CUDA (that row left as it
+//! was), never an out-of-bounds read.
 //! CUDA kernel: `embed_lora_{f32,bf16}` in `cuda/overlay.cu` (the token-table
 //! family).
 
@@ -37,8 +41,10 @@ struct EmbedLoraParams {
     n_entries: i32,
     stride: i32,
     out_stride: i32,
+    vocab_start: i32,
+    vocab_size: i32,
 }
-const _: () = assert!(size_of::<EmbedLoraParams>() == 64);
+const _: () = assert!(size_of::<EmbedLoraParams>() == 72);
 
 /// The embedding pairs of a pool: `n_entries` [`PairEntry`]s (one per slot)
 /// from `table_offset` of `table`, each A `[stride, vocab]`, B `[out.width,
@@ -53,13 +59,26 @@ pub struct EmbeddingPairs<'a> {
     pub n_entries: usize,
     /// The rank stride (the pool's `max_rank`): rows of A, columns of B.
     pub stride: usize,
-    /// The vocabulary: columns of A; a token id must be below it.
+    /// Columns of A: the whole vocabulary, or a vocab-parallel rank's
+    /// block of it.
     pub vocab: usize,
+    /// The token id of A's column 0 (0 unless vocab-parallel).
+    pub vocab_start: usize,
+    /// The model's vocabulary: a token id must be below it.
+    pub vocab_size: usize,
+}
+
+impl EmbeddingPairs<'_> {
+    /// A's column of token `t`, or `None` for another rank's token.
+    fn column(&self, t: usize) -> Option<usize> {
+        t.checked_sub(self.vocab_start).filter(|&c| c < self.vocab)
+    }
 }
 
 /// Add each row's embedding LoRA delta onto `out` (`[n, hidden]`): for row
 /// `i` with `s = row_slot[i] >= 0` and a pair (rank > 0) in entry `s`,
-/// `out[i, :] += scale · B · A[:, ids[i]]`.
+/// `out[i, :] += scale · B · A[:, ids[i] - vocab_start]` when the token is
+/// one of A's columns (nothing otherwise).
 pub fn embed_lora<Y: OutputElem>(
     device: &Device,
     ids: &DeviceBuffer<u32>,
@@ -77,6 +96,21 @@ pub fn embed_lora<Y: OutputElem>(
     check_range("pairs.table", pairs.table_offset, pairs.n_entries, pairs.table.len())?;
     if pairs.stride == 0 {
         return Err(invalid("pairs.stride", "the rank stride must be at least 1"));
+    }
+    if pairs
+        .vocab_start
+        .checked_add(pairs.vocab)
+        .is_none_or(|end| end > pairs.vocab_size)
+    {
+        return Err(invalid(
+            "pairs.vocab",
+            format!(
+                "columns {}..{} past the vocabulary of {}",
+                pairs.vocab_start,
+                pairs.vocab_start.saturating_add(pairs.vocab),
+                pairs.vocab_size
+            ),
+        ));
     }
     if n == 0 || pairs.n_entries == 0 {
         return Ok(());
@@ -96,6 +130,8 @@ pub fn embed_lora<Y: OutputElem>(
                 n_entries: to_i32("pairs.n_entries", pairs.n_entries)?,
                 stride: to_i32("pairs.stride", pairs.stride)?,
                 out_stride: to_i32("out.stride", out.stride)?,
+                vocab_start: to_i32("pairs.vocab_start", pairs.vocab_start)?,
+                vocab_size: to_i32("pairs.vocab_size", pairs.vocab_size)?,
             };
             let launch = Launch {
                 grid: (to_u32("grid", n.min(65_535))?, 1, 1),
@@ -109,7 +145,7 @@ pub fn embed_lora<Y: OutputElem>(
             // SAFETY: params mirror the kernel's struct; ids and row_slot hold n
             // values, out covers n rows of h at its stride, the table holds
             // n_entries entries from its offset. The kernel checks slots against
-            // n_entries, ranks against stride and ids against vocab before reading
+            // n_entries, ranks against stride and ids against A's columns before reading
             // A and B through entry addresses (kept valid by the pool that owns
             // them: A [stride, vocab], B [h, stride]).
             unsafe {
@@ -147,16 +183,20 @@ fn reference<Y: OutputElem>(
             deltas.push(None);
             continue;
         };
-        if t as usize >= pairs.vocab {
+        if t as usize >= pairs.vocab_size {
             return Err(KernelError::BadIndex {
                 arg: "ids",
                 position: i,
                 index: i64::from(t),
-                n_entries: pairs.vocab,
+                n_entries: pairs.vocab_size,
             });
         }
+        let Some(col) = pairs.column(t as usize) else {
+            deltas.push(None);
+            continue;
+        };
         let mut d = vec![0f32; hidden];
-        pair.column_delta(t as usize, pairs.vocab, &mut d);
+        pair.column_delta(col, pairs.vocab, &mut d);
         deltas.push(Some(d));
     }
     out.cpu_for_each_row(|i, row| {

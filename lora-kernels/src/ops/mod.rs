@@ -4,10 +4,12 @@
 //!
 //! - [`bgmv`]: row-indexed LoRA apply (decode, mixed slots; MoE gather).
 //! - [`sgmv`]: segment-grouped LoRA apply (prefill) and the one-adapter case.
-//! - [`dora`]: the DoRA rescale `y ← g ⊙ (y − b) + b` per row of a DoRA slot,
-//!   one pass after the expand.
+//! - [`dora`]: DoRA's served arithmetic: the expand's epilogue
+//!   `y ← g ⊙ ((y + Δ) − b) + b` per row of a DoRA entry (carried by
+//!   [`LoraTarget::dora`]), and a slot's `g` computed at staging.
 //! - [`moe_index`]: routed-expert entry-index builders.
-//! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay).
+//! - [`overlay`]: token overlays (row diff, embedding lookup, lm_head overlay;
+//!   the lookup also over a vocab-parallel rank's rows, `embed_overlay_at`).
 //! - [`embed_lora`]: LoRA on the input embedding (a gather of A's token
 //!   column, an expand by B, per row's slot).
 //! - [`limits`]: what the launch planners read of a device ([`limits::DeviceLimits`])
@@ -212,6 +214,9 @@ pub struct LoraTarget<'a> {
     pub out_dim: usize,
     /// Column of y where this target's outputs start.
     pub y_col_offset: usize,
+    /// The DoRA epilogue's inputs at this target ([`dora::DoraEpilogue`]),
+    /// or `None`: every row gets `y + delta`.
+    pub dora: Option<dora::DoraEpilogue<'a>>,
 }
 
 /// The device mirror of [`LoraTarget`] (`struct LoraTarget` in `common.cuh`).
@@ -223,8 +228,12 @@ pub(crate) struct TargetParams {
     pub(crate) out_dim: i32,
     pub(crate) y_col_off: i32,
     pub(crate) pad: i32,
+    /// The DoRA `g` address table (0: none).
+    pub(crate) dora: u64,
+    /// The base bias (0: none).
+    pub(crate) bias: u64,
 }
-const _: () = assert!(size_of::<TargetParams>() == 24);
+const _: () = assert!(size_of::<TargetParams>() == 40);
 
 /// Validate targets against the device and y's width; their device mirrors.
 pub(crate) fn check_targets(
@@ -261,12 +270,18 @@ pub(crate) fn check_targets(
                 format!("columns {}..{end} are past y's width {y_width}", t.y_col_offset),
             ));
         }
+        let (dora, bias) = match &t.dora {
+            Some(d) => d.check(device, t.n_entries, t.out_dim)?,
+            None => (0, 0),
+        };
         *p = TargetParams {
             table: t.table.addr_at(t.table_offset)?,
             n_entries: to_i32("targets.n_entries", t.n_entries)?,
             out_dim: to_i32("targets.out_dim", t.out_dim)?,
             y_col_off: to_i32("targets.y_col_offset", t.y_col_offset)?,
             pad: 0,
+            dora,
+            bias,
         };
     }
     Ok(out)

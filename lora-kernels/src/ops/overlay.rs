@@ -46,8 +46,10 @@ struct EmbedParams {
     n_slots: i32,
     base_stride: i32,
     out_stride: i32,
+    vocab_start: i32,
+    vocab_size: i32,
 }
-const _: () = assert!(size_of::<EmbedParams>() == 72);
+const _: () = assert!(size_of::<EmbedParams>() == 80);
 
 /// Mirror of `struct LmHeadParams`.
 #[repr(C)]
@@ -168,6 +170,8 @@ pub fn row_diff(
 /// `id = ids[i]` and slot `s = row_slot[i]` (`None` or -1: base only),
 /// `out[i, :] = (m = slot_map_s[id]) >= 0 ? rows_s[m, :] : base[id, :]`.
 /// `base` is `[vocab, h]`; `entries` holds one [`EmbedOverlayEntry`] per slot.
+/// An id at or past `vocab` is an error (CPU, nothing written) or a fault
+/// and a zero row (CUDA).
 pub fn embed_overlay(
     device: &Device,
     ids: &DeviceBuffer<u32>,
@@ -176,6 +180,37 @@ pub fn embed_overlay(
     entries: &DeviceBuffer<EmbedOverlayEntry>,
     out: RowsMut<'_, bf16>,
 ) -> Result<(), KernelError> {
+    let vocab = base.n_rows;
+    embed_overlay_at(device, ids, row_slot, base, 0..vocab, vocab, entries, out)
+}
+
+/// [`embed_overlay`] for a vocab-parallel rank whose tables hold the rows
+/// of token ids `held` of a vocabulary of `vocab_size` (`base` is `[held.len(), h]`
+/// and every slot's `slot_map` has `held.len()` entries, both indexed by
+/// `id - held.start`): a row whose token is another rank's gets a zero row
+/// (vLLM's masked lookup: the engine's all-reduce sums the ranks), an id at
+/// or past `vocab_size` is an error (CPU, nothing written) or a fault and
+/// a zero row (CUDA).
+#[allow(clippy::too_many_arguments)]
+pub fn embed_overlay_at(
+    device: &Device,
+    ids: &DeviceBuffer<u32>,
+    row_slot: Option<&DeviceBuffer<i32>>,
+    base: Rows<'_, bf16>,
+    held: std::ops::Range<usize>,
+    vocab_size: usize,
+    entries: &DeviceBuffer<EmbedOverlayEntry>,
+    out: RowsMut<'_, bf16>,
+) -> Result<(), KernelError> {
+    if held.len() != base.n_rows || held.end > vocab_size {
+        return Err(invalid(
+            "held",
+            format!(
+                "token ids {}..{} for {} base rows of a vocabulary of {vocab_size}",
+                held.start, held.end, base.n_rows
+            ),
+        ));
+    }
     base.check(device, "base")?;
     out.check(device, "out")?;
     device.expect_same("ids", ids.device())?;
@@ -196,7 +231,7 @@ pub fn embed_overlay(
         return Ok(());
     }
     match device.backend() {
-        Backend::Cpu(cpu) => embed_reference(&cpu.memory, ids, row_slot, &base, entries, out),
+        Backend::Cpu(cpu) => embed_reference(&cpu.memory, ids, row_slot, &base, (held, vocab_size), entries, out),
         Backend::Cuda(c) => {
             let params = EmbedParams {
                 ids: ids.device_addr(),
@@ -211,6 +246,8 @@ pub fn embed_overlay(
                 n_slots: to_i32("entries", entries.len())?,
                 base_stride: to_i32("base.stride", base.stride)?,
                 out_stride: to_i32("out.stride", out.stride)?,
+                vocab_start: to_i32("held.start", held.start)?,
+                vocab_size: to_i32("vocab_size", vocab_size)?,
             };
             let launch = Launch {
                 grid: (to_u32("grid", n.min(65_535))?, 1, 1),
@@ -219,7 +256,7 @@ pub fn embed_overlay(
             };
             // SAFETY: params mirror the kernel's struct; ids (and row_slot) hold n
             // values, base covers vocab rows, out covers n rows of h. The kernel
-            // checks ids against vocab, slots against n_slots and overlay rows
+            // checks ids against vocab_size and the held rows, slots against n_slots and overlay rows
             // against n_rows before reading through entry addresses (kept valid
             // by the overlay's owner: slot_map has vocab entries, rows n_rows x h).
             unsafe {
@@ -241,11 +278,12 @@ fn embed_reference(
     ids: &DeviceBuffer<u32>,
     row_slot: Option<&DeviceBuffer<i32>>,
     base: &Rows<'_, bf16>,
+    (held, vocab_size): (std::ops::Range<usize>, usize),
     entries: &DeviceBuffer<EmbedOverlayEntry>,
     mut out: RowsMut<'_, bf16>,
 ) -> Result<(), KernelError> {
     let n = out.n_rows;
-    let (vocab, h) = (base.n_rows, base.width);
+    let h = base.width;
     let ids = ids.download_range(0, n)?;
     let slots = match row_slot {
         Some(rs) => rs.download_range(0, n)?,
@@ -253,15 +291,21 @@ fn embed_reference(
     };
     let ents = entries.download()?;
     let mut rows: Vec<Vec<bf16>> = Vec::with_capacity(n);
-    for (i, (&id, &s)) in ids.iter().zip(&slots).enumerate() {
-        if id as usize >= vocab {
+    for (i, (&global, &s)) in ids.iter().zip(&slots).enumerate() {
+        if global as usize >= vocab_size {
             return Err(KernelError::BadIndex {
                 arg: "ids",
                 position: i,
-                index: i64::from(id),
-                n_entries: vocab,
+                index: i64::from(global),
+                n_entries: vocab_size,
             });
         }
+        // Another rank's token: a zero row here.
+        if !held.contains(&(global as usize)) {
+            rows.push(vec![bf16::ZERO; h]);
+            continue;
+        }
+        let id = global - held.start as u32;
         let mut src = None;
         if s >= 0 {
             let e = slot_entry(&ents, i, s)?;

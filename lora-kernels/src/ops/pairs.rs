@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use half::bf16;
 
+use super::dora::HostDora;
 use super::{LoraTarget, OutputElem, Rows, RowsMut};
 use crate::cpu_mem::CpuMemory;
 use crate::error::KernelError;
@@ -15,7 +16,9 @@ use crate::table::PairEntry;
 /// row r's entry index (-1: none) and where it was read (for errors, in
 /// index array `arg`). Every delta is computed, and every table address
 /// resolved, before y is touched, so an error leaves y as it was; then each
-/// delta is added to y in f32 and rounded once.
+/// delta is added to y in f32 and, for a row whose entry has a DoRA rescale
+/// at the target (`LoraTarget::dora`), rescaled (`dora` module docs), and
+/// rounded once.
 pub(crate) fn reference_apply<Y: OutputElem>(
     memory: &CpuMemory,
     x: &Rows<'_, bf16>,
@@ -27,32 +30,62 @@ pub(crate) fn reference_apply<Y: OutputElem>(
 ) -> Result<(), KernelError> {
     let in_dim = x.width;
     let xs: Vec<f32> = x.download_dense()?.iter().map(|v| v.to_f32()).collect();
-    let mut deltas: Vec<Vec<Option<Vec<f32>>>> = Vec::with_capacity(targets.len());
+    // Per target and row: the delta, and the DoRA rescale of its entry if it has one.
+    let mut deltas: Vec<Vec<Option<RowDelta>>> = Vec::with_capacity(targets.len());
+    let mut doras: Vec<Option<HostDora<'_>>> = Vec::with_capacity(targets.len());
     for t in targets {
         let entries = t.table.download_range(t.table_offset, t.n_entries)?;
         let mut pairs = PairResolver::new(memory, entries, in_dim, t.out_dim, stride);
+        let dora = t
+            .dora
+            .as_ref()
+            .map(|d| d.resolve(memory, t.n_entries, t.out_dim))
+            .transpose()?;
         let mut out = Vec::with_capacity(rows.len());
         for (r, &(index, position)) in rows.iter().enumerate() {
             out.push(match pairs.get(arg, position, index)? {
                 Some(pair) => {
-                    let mut d = vec![0f32; t.out_dim];
-                    pair.delta(&xs[r * in_dim..(r + 1) * in_dim], &mut d);
-                    Some(d)
+                    let mut delta = vec![0f32; t.out_dim];
+                    pair.delta(&xs[r * in_dim..(r + 1) * in_dim], &mut delta);
+                    // `get` returned a pair: `index` is a checked entry.
+                    let g = match &dora {
+                        Some(d) => d.scale_of(index as usize)?,
+                        None => None,
+                    };
+                    Some(RowDelta { delta, g })
                 }
                 None => None,
             });
         }
         deltas.push(out);
+        doras.push(dora);
     }
     y.cpu_for_each_row(|r, row| {
-        for (t, rows) in targets.iter().zip(&deltas) {
-            if let Some(d) = &rows[r] {
-                for (yv, dv) in row[t.y_col_offset..t.y_col_offset + t.out_dim].iter_mut().zip(d) {
-                    *yv = Y::from_f32(yv.to_f32() + dv);
+        for ((t, rows), dora) in targets.iter().zip(&deltas).zip(&doras) {
+            let Some(RowDelta { delta, g }) = &rows[r] else {
+                continue;
+            };
+            let cols = row[t.y_col_offset..t.y_col_offset + t.out_dim].iter_mut().zip(delta);
+            match (dora, g) {
+                (Some(dora), Some(g)) => {
+                    for (c, (yv, dv)) in cols.enumerate() {
+                        *yv = Y::from_f32(dora.apply(g, c, yv.to_f32() + dv));
+                    }
+                }
+                _ => {
+                    for (yv, dv) in cols {
+                        *yv = Y::from_f32(yv.to_f32() + dv);
+                    }
                 }
             }
         }
     })
+}
+
+/// One row's delta at one target, and its entry's DoRA rescale (`None`: plain).
+struct RowDelta {
+    delta: Vec<f32>,
+    g: Option<Vec<f32>>,
 }
 
 /// A resolved pair: the first `rank` rows of A and columns of B, widened.

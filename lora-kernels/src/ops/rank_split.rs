@@ -19,6 +19,10 @@
 //!   outputs of ranks `0..parts`, in rank order, as `ncclAllGather` lays
 //!   them out). B is `[out, stride]` as in every pool slot.
 //!
+//! A target with a DoRA epilogue ([`LoraTarget::dora`]) is refused: the
+//! split halves add the plain delta only (DoRA is served on unplaced pools,
+//! by the fused applies).
+//!
 //! The shrink output stays f32 (no rounding between the halves), and both
 //! halves accumulate in f32 in the order the fused applies' reference does,
 //! so on the CPU the split apply equals the fused one bit for bit; the
@@ -106,7 +110,7 @@ struct RankShrinkParams {
     pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<RankShrinkParams>() == 160);
+const _: () = assert!(size_of::<RankShrinkParams>() == 224 && std::mem::offset_of!(RankShrinkParams, targets) == 64);
 
 /// Mirror of `struct RankExpandParams` (`cuda/rank_split.cu`).
 #[repr(C)]
@@ -126,7 +130,7 @@ struct RankExpandParams {
     pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<RankExpandParams>() == 160);
+const _: () = assert!(size_of::<RankExpandParams>() == 224 && std::mem::offset_of!(RankExpandParams, targets) == 64);
 
 /// Threads of every block of both kernels.
 const THREADS: u32 = 128;
@@ -146,6 +150,7 @@ pub fn shrink_part(
     device.expect_same("row_slot", row_slot.device())?;
     device.expect_same("out", out.device())?;
     part.check()?;
+    refuse_dora(targets)?;
     let target_params = check_targets(device, targets, usize::MAX)?;
     let n = x.n_rows;
     check_range("row_slot", 0, n, row_slot.len())?;
@@ -215,6 +220,7 @@ pub fn expand_gathered<Y: OutputElem>(
     device.expect_same("gathered", gathered.device())?;
     device.expect_same("row_slot", row_slot.device())?;
     part.check()?;
+    refuse_dora(targets)?;
     let target_params = check_targets(device, targets, y.width)?;
     let n = y.n_rows;
     check_range("row_slot", 0, n, row_slot.len())?;
@@ -274,6 +280,19 @@ pub fn expand_gathered<Y: OutputElem>(
             }
         }
     }
+}
+
+/// An error for a target that carries a DoRA epilogue: the split halves
+/// add the plain delta only (the pool refuses a DoRA pool before calling
+/// them; DoRA is served by the fused applies at world 1 only).
+fn refuse_dora(targets: &[LoraTarget<'_>]) -> Result<(), KernelError> {
+    if targets.iter().any(|t| t.dora.is_some()) {
+        return Err(invalid(
+            "targets.dora",
+            "the rank-split apply has no DoRA epilogue (use the fused applies)",
+        ));
+    }
+    Ok(())
 }
 
 /// One entry of a target for row `i` (`s = row_slot[i]`): `None` for a

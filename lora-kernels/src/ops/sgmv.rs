@@ -3,7 +3,9 @@
 //! no delta), and [`one_adapter`], the plain pair of GEMMs when every row
 //! uses one entry. CUDA kernel family: `cuda/sgmv.cu` (a tensor-core shrink
 //! into the workspace, then a tensor-core expand fused with the add into y;
-//! warpgroup MMAs on compute capability 9.0, mma.sync elsewhere).
+//! warpgroup MMAs on compute capability 9.0, mma.sync elsewhere). A target
+//! with a DoRA epilogue ([`super::dora`]) has its DoRA segments' rows
+//! rescaled by the expand before it rounds them, in the same launch.
 //!
 //! Every launch choice (kernels, K splits, grids, shared memory) comes
 //! from [`plan`], the rule table, a pure function of the call and the
@@ -80,7 +82,7 @@ struct SgmvParams {
     pad: i32,
     targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<SgmvParams>() == 216 && std::mem::offset_of!(SgmvParams, targets) == 120);
+const _: () = assert!(size_of::<SgmvParams>() == 280 && std::mem::offset_of!(SgmvParams, targets) == 120);
 
 /// How rows pick their entry.
 #[derive(Clone, Copy)]

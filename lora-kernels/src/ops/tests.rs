@@ -55,6 +55,7 @@ fn targets_are_checked() {
         n_entries,
         out_dim,
         y_col_offset: col,
+        dora: None,
     };
     assert!(check_targets(&d, &[t(0, 4, 8, 0), t(4, 4, 8, 8)], 16).is_ok());
     assert!(check_targets(&d, &[], 16).is_err());

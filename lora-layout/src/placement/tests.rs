@@ -390,7 +390,7 @@ fn the_embedding_pair_is_replicated_whole_after_every_ranks_dense_shards() {
             let place = with.place(i).unwrap();
             assert_eq!(place.key, PairKey::Embedding);
             assert_eq!((place.out_dim, place.in_dim), (cfg.hidden_size, cfg.vocab_size));
-            assert_eq!(place.shard, ModuleShard::embedding(&cfg, p));
+            assert_eq!(place.shard, ModuleShard::embedding(&cfg, p).unwrap());
             assert!(place.shard.is_whole() && place.shard.kind == ShardKind::Replicated);
             assert_eq!(place.shard.in_replicas, world);
             assert_eq!(place.shard.segments()[0].replicas, world);
@@ -457,14 +457,14 @@ fn the_head_pair_is_replicated_whole_after_the_embedding_pair_on_every_rank() {
                 let place = with.place(i).unwrap();
                 assert_eq!(place.key, PairKey::LmHead);
                 assert_eq!((place.out_dim, place.in_dim), (cfg.vocab_size, cfg.hidden_size));
-                assert_eq!(place.shard, ModuleShard::lm_head(&cfg, p));
+                assert_eq!(place.shard, ModuleShard::lm_head(&cfg, p).unwrap());
                 assert!(place.shard.is_whole() && place.shard.kind == ShardKind::Replicated);
                 assert_eq!(place.shard.in_replicas, world);
                 assert_eq!(place.shard.segments()[0].replicas, world);
                 if embedding {
                     let e = with.place(i - 1).unwrap();
                     assert_eq!(e.key, PairKey::Embedding);
-                    assert_eq!(e.shard, ModuleShard::embedding(&cfg, p));
+                    assert_eq!(e.shard, ModuleShard::embedding(&cfg, p).unwrap());
                 }
                 assert_eq!(
                     with.slot_bytes() - before.slot_bytes(),

@@ -80,3 +80,48 @@ fn uploaded_tables_follow_the_models_tying() {
     let r = ServedTables::upload(&dev, &untied, &llama_like(VOCAB + 1, HIDDEN, false));
     assert!(matches!(r, Err(OverlayError::TableSize { .. })), "{r:?}");
 }
+
+/// Under the vocab-parallel cut a rank's tables are its rows of both
+/// (a tied head the embedding's same rows); a vocabulary that does not
+/// divide is refused naming `vocab_size`; `holding` refuses rows past the
+/// vocabulary.
+#[test]
+fn a_vocab_parallel_rank_serves_its_rows_of_both_tables() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(32);
+    let embed = rng.bf16_vec(VOCAB * HIDDEN, 1.0);
+    let head = rng.bf16_vec(VOCAB * HIDDEN, 1.0);
+    let untied = BaseTables {
+        embed: Some(embed.clone()),
+        lm_head: Some(head.clone()),
+    };
+    let cfg = llama_like(VOCAB, HIDDEN, false);
+    for world in [1usize, 2, 3, 4] {
+        for p in Placement::new(0, world).unwrap().with_vocab_parallel(true).ranks() {
+            let t = ServedTables::upload_at(&dev, &untied, &cfg, p).unwrap();
+            let held = p.vocab_range(VOCAB).unwrap();
+            assert_eq!((t.held(), t.vocab(), t.vocab_size()), (held.clone(), held.len(), VOCAB));
+            let rows = held.start * HIDDEN..held.end * HIDDEN;
+            assert_eq!(t.embed().download().unwrap(), embed[rows.clone()]);
+            assert_eq!(t.head_table().unwrap().download().unwrap(), head[rows]);
+            assert_eq!(t.local_id(held.start as u32), Some(0));
+            assert_eq!(t.local_id(held.end as u32), None);
+        }
+    }
+    let tied = BaseTables {
+        embed: Some(embed.clone()),
+        lm_head: None,
+    };
+    let p = Placement::new(1, 2).unwrap().with_vocab_parallel(true);
+    let t = ServedTables::upload_at(&dev, &tied, &llama_like(VOCAB, HIDDEN, true), p).unwrap();
+    assert_eq!(t.head_table().unwrap().download().unwrap(), embed[6 * HIDDEN..]);
+    let p5 = Placement::new(0, 5).unwrap().with_vocab_parallel(true);
+    let r = ServedTables::upload_at(&dev, &untied, &cfg, p5);
+    assert!(
+        matches!(&r, Err(e @ OverlayError::Placement(_)) if e.to_string().contains("vocab_size")),
+        "{r:?}"
+    );
+    let whole = ServedTables::upload(&dev, &untied, &cfg).unwrap();
+    assert!(whole.clone().holding(1, VOCAB).is_err());
+    assert!(whole.holding(0, VOCAB).is_ok());
+}

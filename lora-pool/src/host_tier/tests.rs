@@ -12,6 +12,7 @@ fn image(dir: &Path, elems: usize) -> HostImage {
         group_expert_deltas: false,
         overlay: HostOverlay::none(8),
         has_overlay: false,
+        dora: None,
     }
 }
 

@@ -2,7 +2,7 @@ use lora_audit::{LoadedSafetensors, LoraOptions};
 use lora_layout::LoraModule;
 
 use super::*;
-use crate::manifest::{ManifestEntry, WireKey};
+use crate::manifest::{ManifestEntry, WireKey, WirePlacement};
 use crate::peer::{PeerStore, StoreOptions};
 use crate::protocol::{ReadRange, TransportKind};
 use crate::test_support::{config, disk_images, fixture, opts};
@@ -60,10 +60,16 @@ impl Transport for MemTransport<'_> {
         TransportKind::Tcp
     }
 
-    fn fetch_manifest(&mut self, adapter: &str, max_rank: u32, expert_rank: u32) -> Result<Manifest, TransportError> {
+    fn fetch_manifest(
+        &mut self,
+        adapter: &str,
+        max_rank: u32,
+        expert_rank: u32,
+        placement: WirePlacement,
+    ) -> Result<Manifest, TransportError> {
         let mut m = self
             .store
-            .manifest(adapter, max_rank, expert_rank, TransportKind::Tcp)
+            .manifest(adapter, max_rank, expert_rank, placement, TransportKind::Tcp)
             .map_err(TransportError::Refused)?;
         if let Some(t) = &self.tamper {
             t(&mut m);
@@ -277,7 +283,9 @@ fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
     let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
     // The first B entry: set the last byte of its first row (a padding
     // column at rank 4 < stride 16) and give the manifest that checksum.
-    let manifest = store.manifest("demo_r4_plain", 16, 16, TransportKind::Tcp).unwrap();
+    let manifest = store
+        .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
+        .unwrap();
     let (index, entry) = manifest
         .entries
         .iter()
@@ -307,7 +315,9 @@ fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
 }
 
 fn manifest(store: &PeerStore, adapter: &str) -> Manifest {
-    store.manifest(adapter, 16, 16, TransportKind::Tcp).unwrap()
+    store
+        .manifest(adapter, 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
+        .unwrap()
 }
 
 #[test]
@@ -406,6 +416,7 @@ fn header_manifest(name: &str, adapter: &str) -> Manifest {
         model: crate::fingerprint::model_fingerprint(&config("llama")),
         max_rank: 16,
         expert_rank: 16,
+        placement: WirePlacement::SINGLE,
         adapter_config: std::fs::read_to_string(dir.join(lora_audit::ADAPTER_CONFIG)).unwrap(),
         tensors: mapped
             .infos()
@@ -421,20 +432,42 @@ fn header_manifest(name: &str, adapter: &str) -> Manifest {
     }
 }
 
-/// A peer landing carries no DoRA magnitudes: an engine built for DoRA
-/// refuses a DoRA manifest before anything lands (one without DoRA
-/// refuses it in its audit).
+/// A DoRA adapter's manifest must list each DoRA pair's magnitude beside
+/// its A and B (`out * 4` bytes, planned beside the images in the audit's
+/// order): one without them is refused before anything lands; an engine
+/// without DoRA refuses the adapter in its audit.
 #[test]
-fn dora_adapters_are_refused() {
-    let m = header_manifest("llama/dora", "dora");
+fn dora_manifests_carry_each_pairs_magnitude() {
     let dora = LoraOptions {
         dora: true,
         ..opts(16, 16)
     };
+    let store = store("llama", &["dora"], StoreOptions::default());
     let lander = Lander::new(config("llama"), dora).unwrap();
-    assert!(matches!(lander.check("dora", &m), Err(LandError::Dora(_))));
-    let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
-    assert!(matches!(lander.check("dora", &m), Err(LandError::Refused(_))));
+    let m = manifest(&store, "dora");
+    let plan = lander.check("dora", &m).unwrap();
+    let dora_pairs = plan.report.placed.iter().filter(|p| p.magnitude_key.is_some()).count();
+    assert!(dora_pairs > 0);
+    assert_eq!(plan.magnitudes.len(), dora_pairs);
+    let mut at = 0;
+    for (key, range) in &plan.magnitudes {
+        let place = place_of(lander.layout(), *key).unwrap();
+        assert_eq!(*range, at..at + 4 * place.out_dim, "{key}");
+        at = range.end;
+    }
+    let mut stripped = m.clone();
+    stripped.entries.retain(|e| e.part != WirePart::Magnitude);
+    assert!(matches!(
+        lander.check("dora", &stripped),
+        Err(LandError::Manifest(ManifestError::Missing {
+            part: WirePart::Magnitude,
+            ..
+        }))
+    ));
+    let plain = Lander::new(config("llama"), opts(16, 16)).unwrap();
+    assert!(matches!(plain.check("dora", &m), Err(LandError::Refused(_))));
+    let header = header_manifest("llama/dora", "dora");
+    assert!(matches!(plain.check("dora", &header), Err(LandError::Refused(_))));
 }
 
 #[test]
@@ -511,7 +544,9 @@ fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
 
     // Non-zero B padding under a matching checksum.
     let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
-    let manifest = store.manifest("demo_r4_plain", 16, 16, TransportKind::Tcp).unwrap();
+    let manifest = store
+        .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
+        .unwrap();
     let (index, entry) = manifest
         .entries
         .iter()
@@ -537,6 +572,45 @@ fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
     assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
+    assert_fresh(&target);
+}
+
+/// A landed DoRA magnitude that is not finite, under a matching checksum,
+/// is refused by type and leaves fresh images.
+#[test]
+fn a_non_finite_magnitude_is_refused() {
+    let dora = LoraOptions {
+        dora: true,
+        ..opts(16, 16)
+    };
+    let store = store("llama", &["dora"], StoreOptions::default());
+    let lander = Lander::new(config("llama"), dora).unwrap();
+    let manifest = manifest(&store, "dora");
+    let (index, entry) = manifest
+        .entries
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.part == WirePart::Magnitude)
+        .unwrap();
+    let Location::Tcp { region, offset } = entry.location else {
+        panic!()
+    };
+    let range = ReadRange {
+        region,
+        offset,
+        len: entry.len,
+    };
+    let resolved = store.resolve(&[range]).unwrap();
+    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
+    let poison = |b: &mut [u8]| b[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+    poison(&mut bytes);
+    let checksum = xxh64(&bytes);
+    let mut transport = MemTransport::new(&store);
+    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
+    transport.poison = Some((index, Box::new(poison)));
+    let mut target = HostLanding::new(lander.layout());
+    let err = lander.land(&mut transport, "dora", &mut target).unwrap_err();
+    assert!(matches!(err, LandError::NonFiniteMagnitude { index: 1, .. }), "{err}");
     assert_fresh(&target);
 }
 
@@ -577,6 +651,7 @@ fn the_sink_checks_only_parts_handed_out_and_landed() {
         expert_layout: &plan.expert_layout,
         dense: &mut dense,
         experts: &mut experts,
+        magnitudes: &mut [],
         parts: &plan.parts,
         states: vec![PartState::Waiting; plan.parts.len()],
         check_as_landed: true,
@@ -616,7 +691,7 @@ fn the_sink_checks_only_parts_handed_out_and_landed() {
     ));
     let states = std::mem::take(&mut sink.states);
     drop(sink);
-    let err = verify(&plan.parts, &states, dense.as_bytes(), experts.as_bytes()).unwrap_err();
+    let err = verify(&plan.parts, &states, [dense.as_bytes(), experts.as_bytes(), &[]]).unwrap_err();
     assert!(matches!(err, LandError::Checksum { .. }), "{err}");
 }
 
@@ -709,20 +784,67 @@ fn every_tuning_lands_a_large_adapter_over_tcp_as_the_disk_pack() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A placed engine asks for its rank's bytes: a manifest staged for
+/// another placement is refused before its audit, and one that claims the
+/// engine's placement but lists another rank's cut (here the whole pairs)
+/// is refused entry by entry against the rank's own layout; nothing lands.
 #[test]
-fn a_placed_pool_is_refused_peer_landing_by_type() {
-    for placement in [
-        lora_layout::Placement::new(1, 2).unwrap(),
-        lora_layout::Placement::SINGLE.with_experts(0, 2).unwrap(),
-    ] {
-        let o = LoraOptions {
-            placement,
-            ..opts(16, 16)
-        };
-        let err = Lander::new(config("llama"), o).unwrap_err();
-        assert!(
-            matches!(err, LandError::Placed { tp_world, ep_world } if (tp_world, ep_world) == (placement.tp_world(), placement.ep_world())),
-            "{err}"
-        );
-    }
+fn a_fully_sharded_rank_is_refused_by_the_lander() {
+    let placement = lora_layout::Placement::new(1, 2).unwrap().with_fully_sharded(true);
+    let o = LoraOptions {
+        placement,
+        ..opts(16, 16)
+    };
+    let err = Lander::new(config("llama"), o).unwrap_err();
+    assert!(matches!(err, LandError::FullySharded { tp_world: 2 }), "{err}");
+    // World 1: the option cuts nothing, and the lander serves it.
+    let one = LoraOptions {
+        placement: lora_layout::Placement::SINGLE.with_fully_sharded(true),
+        ..opts(16, 16)
+    };
+    assert!(Lander::new(config("llama"), one).is_ok());
+}
+
+#[test]
+fn a_manifest_for_another_rank_is_refused_before_anything_lands() {
+    let store = store("llama", &["demo_r8_rslora"], StoreOptions::default());
+    let placement = lora_layout::Placement::new(1, 2).unwrap();
+    let placed = LoraOptions {
+        placement,
+        ..opts(16, 16)
+    };
+    let lander = Lander::new(config("llama"), placed).unwrap();
+    let whole = manifest(&store, "demo_r8_rslora");
+    let err = lander.check("demo_r8_rslora", &whole).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LandError::Manifest(ManifestError::PlacementMismatch { expected, got })
+                if expected == WirePlacement::from_placement(placement) && got == WirePlacement::SINGLE
+        ),
+        "{err}"
+    );
+    let mut forged = whole.clone();
+    forged.placement = WirePlacement::from_placement(placement);
+    let err = lander.check("demo_r8_rslora", &forged).unwrap_err();
+    assert!(
+        matches!(err, LandError::Manifest(ManifestError::Length { .. })),
+        "{err}"
+    );
+    let mut transport = MemTransport::new(&store);
+    transport.tamper = Some(Box::new(move |m: &mut Manifest| *m = forged.clone()));
+    let mut target = HostLanding::new(lander.layout());
+    assert!(lander.land(&mut transport, "demo_r8_rslora", &mut target).is_err());
+    assert_fresh(&target);
+    // The rank's own manifest lists its shard's lengths and passes.
+    let rank = store
+        .manifest(
+            "demo_r8_rslora",
+            16,
+            16,
+            WirePlacement::from_placement(placement),
+            TransportKind::Tcp,
+        )
+        .unwrap();
+    assert!(lander.check("demo_r8_rslora", &rank).is_ok());
 }

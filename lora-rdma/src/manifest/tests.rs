@@ -20,6 +20,13 @@ const K0: PairKey = PairKey::Dense {
     module: LoraModule::KProj,
 };
 
+const IDENTITY: Identity = Identity {
+    model: 7,
+    max_rank: 8,
+    expert_rank: 16,
+    placement: WirePlacement::SINGLE,
+};
+
 fn plan() -> Vec<ExpectedPart> {
     let pairs = [
         PairMeta {
@@ -42,6 +49,7 @@ fn manifest_for(parts: &[ExpectedPart]) -> Manifest {
         model: 7,
         max_rank: 8,
         expert_rank: 16,
+        placement: WirePlacement::SINGLE,
         adapter_config: "{}".into(),
         tensors: vec![],
         entries: parts
@@ -49,7 +57,7 @@ fn manifest_for(parts: &[ExpectedPart]) -> Manifest {
             .enumerate()
             .map(|(i, p)| ManifestEntry {
                 key: WireKey::from_key(p.key),
-                part: p.part.into(),
+                part: p.part,
                 len: p.len,
                 checksum: i as u64,
                 location: Location::Tcp {
@@ -67,18 +75,18 @@ fn expected_lengths_follow_the_local_layout() {
     // q_proj of layer 1: in 16, out 16: A = 4 rows · 16 · 2, B = 16 · 8 · 2.
     assert!(parts.contains(&ExpectedPart {
         key: Q1,
-        part: PairPart::A,
+        part: WirePart::A,
         len: 4 * 16 * 2
     }));
     assert!(parts.contains(&ExpectedPart {
         key: Q1,
-        part: PairPart::B,
+        part: WirePart::B,
         len: 16 * 8 * 2
     }));
     // k_proj: out 8.
     assert!(parts.contains(&ExpectedPart {
         key: K0,
-        part: PairPart::B,
+        part: WirePart::B,
         len: 8 * 8 * 2
     }));
     let bad = PairMeta {
@@ -95,7 +103,7 @@ fn expected_lengths_follow_the_local_layout() {
 #[test]
 fn a_matching_manifest_gives_one_op_per_part() {
     let parts = plan();
-    let ops = match_manifest(&manifest_for(&parts), 7, 8, 16, &parts).unwrap();
+    let ops = match_manifest(&manifest_for(&parts), &IDENTITY, &parts).unwrap();
     assert_eq!(ops.len(), 4);
     assert!(ops.iter().all(|op| {
         parts
@@ -108,7 +116,7 @@ fn a_matching_manifest_gives_one_op_per_part() {
 fn every_mismatch_refuses_the_whole_manifest() {
     let parts = plan();
     let good = manifest_for(&parts);
-    let check = |m: &Manifest| match_manifest(m, 7, 8, 16, &parts).unwrap_err();
+    let check = |m: &Manifest| match_manifest(m, &IDENTITY, &parts).unwrap_err();
 
     let mut m = good.clone();
     m.model = 8;
@@ -122,6 +130,18 @@ fn every_mismatch_refuses_the_whole_manifest() {
         check(&m),
         ManifestError::RankMismatch { what: "max_rank", .. }
     ));
+    let mut m = good.clone();
+    m.placement.tp_world = 2;
+    assert!(matches!(
+        check(&m),
+        ManifestError::PlacementMismatch {
+            expected: WirePlacement::SINGLE,
+            ..
+        }
+    ));
+    let mut m = good.clone();
+    m.entries[0].part = WirePart::Magnitude;
+    assert!(matches!(check(&m), ManifestError::Unexpected { index: 0, .. }));
     let mut m = good.clone();
     m.entries[0].len += 2;
     assert!(matches!(check(&m), ManifestError::Length { index: 0, .. }));
@@ -168,6 +188,24 @@ fn any_key() -> impl Strategy<Value = PairKey> {
 }
 
 proptest! {
+    #[test]
+    fn wire_placements_round_trip(tp_world in 1usize..16, tp in 0usize..16, ep_world in 1usize..16, ep in 0usize..16) {
+        let p = Placement::new(tp % tp_world, tp_world)
+            .and_then(|p| p.with_experts(ep % ep_world, ep_world))
+            .unwrap();
+        let wire = WirePlacement::from_placement(p);
+        let json = serde_json::to_string(&wire).unwrap();
+        let back: WirePlacement = serde_json::from_str(&json).unwrap();
+        prop_assert_eq!(back.to_placement(), Ok(p));
+    }
+
+    #[test]
+    fn wire_placements_naming_no_rank_are_errors(tp_rank in 0u32..8, tp_world in 0u32..8, ep_rank in 0u32..8, ep_world in 0u32..8) {
+        let wire = WirePlacement { tp_rank, tp_world, ep_rank, ep_world };
+        let names_a_rank = tp_rank < tp_world && ep_rank < ep_world;
+        prop_assert_eq!(wire.to_placement().is_ok(), names_a_rank);
+    }
+
     #[test]
     fn wire_keys_round_trip(key in any_key()) {
         let wire = WireKey::from_key(key);
@@ -219,6 +257,7 @@ fn a_manifest_of_every_expert_of_deepseek_v3_fits_a_response_frame() {
         model: u64::MAX,
         max_rank: u32::MAX,
         expert_rank: u32::MAX,
+        placement: WirePlacement::SINGLE,
         adapter_config: "{}".into(),
         tensors,
         entries,

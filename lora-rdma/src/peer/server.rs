@@ -479,11 +479,15 @@ impl<'a> Connection<'a> {
                     adapter,
                     max_rank,
                     expert_rank,
+                    placement,
                     transport,
                 } => {
                     // A new manifest ends the connection's last landing.
                     self.landing = None;
-                    let response = match self.store.pinned_manifest(&adapter, max_rank, expert_rank, transport) {
+                    let pinned = self
+                        .store
+                        .pinned_manifest(&adapter, max_rank, expert_rank, placement, transport);
+                    let response = match pinned {
                         Ok((m, pin)) => {
                             self.landing = Some(Landing { pin, sent: 0 });
                             Response::Manifest(Box::new(m))

@@ -5,7 +5,10 @@
 //! A staging is keyed by what changes its bytes only: the dense stride
 //! (`max_rank`) when the adapter has dense pairs, the expert stride
 //! (`expert_packed_stride(expert_rank)`) when it has expert or router
-//! pairs, and the version of its files. Past the budget (bytes, and a
+//! pairs, the engine's placement (a tensor-parallel rank stages its shard
+//! of each pair, an expert-parallel rank its experts and the router: the
+//! cut the rank's own layout walk gives, [`crate::stage`]), and the
+//! version of its files. Past the budget (bytes, and a
 //! count), the least recently used staging is dropped, except one an active
 //! landing has pinned: when pinned stagings leave no room, the request is
 //! refused [`RefusalCode::Busy`] rather than the budget exceeded. A staging
@@ -19,10 +22,10 @@ use std::time::SystemTime;
 
 use lora_audit::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, AuditError, LoadedSafetensors, LoraOptions, TensorInfo};
 use lora_audit::{audit_adapter, prepare_adapter};
-use lora_layout::{ModelConfig, expert_packed_stride};
+use lora_layout::{ModelConfig, Placement, expert_packed_stride};
 
 use crate::fingerprint::model_fingerprint;
-use crate::manifest::{Location, Manifest, ManifestEntry, WireKey, WireTensor};
+use crate::manifest::{Location, Manifest, ManifestEntry, WireKey, WirePlacement, WireTensor};
 use crate::protocol::{MAX_READ_BYTES, MAX_STAGED_RANK, PeerRefusal, ReadRange, RefusalCode, TransportKind};
 use crate::stage::{StagedPart, plan_staging};
 
@@ -149,7 +152,7 @@ impl StagedMemory {
     }
 }
 
-/// One staging: an adapter at one (max_rank, expert_rank).
+/// One staging: an adapter at one (max_rank, expert_rank, placement).
 pub(crate) struct Staged {
     pub(crate) region: u32,
     pub(crate) memory: StagedMemory,
@@ -178,6 +181,8 @@ struct StageKey {
     dense_stride: usize,
     /// The expert and router B stride; 0 for an adapter without them.
     expert_stride: usize,
+    /// The engine's rank.
+    placement: Placement,
 }
 
 /// A checked read range: the staging and the byte range in it.
@@ -403,16 +408,20 @@ impl PeerStore {
         self.model
     }
 
-    fn audit_options(&self, max_rank: usize, expert_rank: usize) -> LoraOptions {
+    fn audit_options(&self, max_rank: usize, expert_rank: usize, placement: Placement) -> LoraOptions {
         LoraOptions {
             max_rank,
             expert_rank,
+            placement,
             experts: self.options.experts,
             allow_partial: self.options.allow_partial,
             // The peer stages embedding and head pairs whatever its own pool
             // does: the engine's audit decides whether its slots have the places.
             embedding_lora: true,
             lm_head_lora: true,
+            // Likewise DoRA pairs with their magnitudes, for an unplaced
+            // engine (a placed pool serves no DoRA; its audit refuses it).
+            dora: placement == Placement::SINGLE,
             ..LoraOptions::default()
         }
     }
@@ -421,7 +430,7 @@ impl PeerStore {
     /// ranks the peer stages for).
     fn verdict(&self, dir: &Path) -> Result<Ranks, String> {
         let wide = MAX_STAGED_RANK as usize;
-        match audit_adapter(dir, &self.cfg, &self.audit_options(wide, wide)) {
+        match audit_adapter(dir, &self.cfg, &self.audit_options(wide, wide, Placement::SINGLE)) {
             Err(e) => Err(e.to_string()),
             Ok(report) if !report.is_servable() => Err(format!("refused by the audit: {:?}", report.refused_codes())),
             Ok(report) if !report.overlay.is_empty() => {
@@ -510,16 +519,17 @@ impl PeerStore {
         }
     }
 
-    /// Stage `adapter` for this geometry (once; later requests reuse it) and
-    /// return its manifest with locations for `transport`.
+    /// Stage `adapter` for this geometry and rank (once; later requests
+    /// reuse it) and return its manifest with locations for `transport`.
     pub fn manifest(
         &self,
         adapter: &str,
         max_rank: u32,
         expert_rank: u32,
+        placement: WirePlacement,
         transport: TransportKind,
     ) -> Result<Manifest, PeerRefusal> {
-        self.pinned_manifest(adapter, max_rank, expert_rank, transport)
+        self.pinned_manifest(adapter, max_rank, expert_rank, placement, transport)
             .map(|(manifest, _)| manifest)
     }
 
@@ -530,8 +540,12 @@ impl PeerStore {
         adapter: &str,
         max_rank: u32,
         expert_rank: u32,
+        wire_placement: WirePlacement,
         transport: TransportKind,
     ) -> Result<(Manifest, RegionPin<'_>), PeerRefusal> {
+        let placement = wire_placement
+            .to_placement()
+            .map_err(|e| refuse(RefusalCode::Placement, format!("{wire_placement}: {e}")))?;
         let (served, ranks) = self.current(adapter)?;
         for (what, asked, needed) in [
             ("max_rank", max_rank, ranks.dense),
@@ -553,7 +567,13 @@ impl PeerStore {
             generation: served.generation,
             dense_stride: if ranks.dense == 0 { 0 } else { max_rank as usize },
             expert_stride,
+            placement,
         };
+        // The rank's layout must divide the model's geometry; the staging
+        // walks it again.
+        self.audit_options(max_rank as usize, expert_rank as usize, placement)
+            .slot_layout(&self.cfg)
+            .map_err(|e| refuse(RefusalCode::Placement, format!("{wire_placement}: {e}")))?;
         let (pin, staged) = self.pinned(key, &served, max_rank as usize, expert_rank as usize)?;
         let entries = staged
             .parts
@@ -561,7 +581,7 @@ impl PeerStore {
             .map(|p| {
                 Some(ManifestEntry {
                     key: WireKey::from_key(p.key),
-                    part: p.part.into(),
+                    part: p.part,
                     len: p.len as u64,
                     checksum: p.checksum,
                     location: PeerStore::location(&staged, p.offset, transport)?,
@@ -574,6 +594,7 @@ impl PeerStore {
             model: self.model,
             max_rank,
             expert_rank,
+            placement: wire_placement,
             adapter_config: staged.adapter_config.clone(),
             tensors: staged.tensors.clone(),
             entries,
@@ -670,8 +691,8 @@ impl PeerStore {
     ) -> Result<(Staged, Reservation<'_>), PeerRefusal> {
         let staging_err = |e: &dyn std::fmt::Display| refuse(RefusalCode::Staging, e.to_string());
         let (text, infos) = read_header(&served.dir).map_err(|e| staging_err(&e))?;
-        let prepared = prepare_adapter(&served.dir, &self.cfg, &self.audit_options(max_rank, expert_rank))
-            .map_err(|e| staging_err(&e))?;
+        let options = self.audit_options(max_rank, expert_rank, key.placement);
+        let prepared = prepare_adapter(&served.dir, &self.cfg, &options).map_err(|e| staging_err(&e))?;
         // The manifest's config and header must describe the staged bytes,
         // the bytes must be of the audited version, and the key must hold
         // every stride the bytes use.
@@ -680,7 +701,8 @@ impl PeerStore {
             || infos_after != infos
             || Stamp::of(&served.dir).as_ref() != Ok(&served.stamp)
             || prepared.dense.is_empty() != (key.dense_stride == 0)
-            || prepared.experts.is_empty() != (key.expert_stride == 0)
+            // An expert-parallel rank may hold none of the adapter's experts.
+            || (!prepared.experts.is_empty() && key.expert_stride == 0)
         {
             return Err(refuse(
                 RefusalCode::Staging,
@@ -692,7 +714,7 @@ impl PeerStore {
             .max_stage_bytes
             .min(self.options.max_cache_bytes)
             .min(usize::try_from(MAX_READ_BYTES).unwrap_or(usize::MAX));
-        let plan = plan_staging(&prepared, max_rank, expert_rank, budget).map_err(|e| staging_err(&e))?;
+        let plan = plan_staging(&prepared, &self.cfg, &options, budget).map_err(|e| staging_err(&e))?;
         let reservation = self.reserve(plan.len())?;
         let mut staging = plan.fill();
         if self.options.corrupt_staged_byte

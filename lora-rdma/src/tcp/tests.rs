@@ -5,6 +5,7 @@ use std::thread::JoinHandle;
 use lora_pool::image::ImageError;
 
 use super::*;
+use crate::manifest::WirePlacement;
 use crate::protocol::{PeerRefusal, RefusalCode};
 use crate::wire::write_frame;
 
@@ -129,7 +130,7 @@ fn a_silent_peer_is_a_timeout_and_a_closed_one_a_lost_connection() {
         let _ = rx.recv();
     });
     let mut t = TcpTransport::connect(&addr, options(200)).unwrap();
-    let err = t.fetch_manifest("a", 16, 16).unwrap_err();
+    let err = t.fetch_manifest("a", 16, 16, WirePlacement::SINGLE).unwrap_err();
     assert!(matches!(err, TransportError::Timeout(_)), "{err}");
     tx.send(()).unwrap();
     server.join().unwrap();
@@ -160,7 +161,7 @@ fn a_truncated_or_oversized_manifest_is_a_typed_error() {
     });
     let mut t = TcpTransport::connect(&addr, options(5000)).unwrap();
     assert!(matches!(
-        t.fetch_manifest("a", 16, 16).unwrap_err(),
+        t.fetch_manifest("a", 16, 16, WirePlacement::SINGLE).unwrap_err(),
         TransportError::Disconnected(_)
     ));
     server.join().unwrap();
@@ -177,7 +178,7 @@ fn a_truncated_or_oversized_manifest_is_a_typed_error() {
     });
     let mut t = TcpTransport::connect(&addr, options(5000)).unwrap();
     assert!(matches!(
-        t.fetch_manifest("a", 16, 16).unwrap_err(),
+        t.fetch_manifest("a", 16, 16, WirePlacement::SINGLE).unwrap_err(),
         TransportError::Wire(WireError::Oversized { .. })
     ));
     drop(t);
@@ -309,7 +310,7 @@ fn a_trickling_peer_hits_the_overall_deadline() {
     let err = t.read(&[tcp_op(0, 64)], &mut VecSink(vec![vec![0; 64]])).unwrap_err();
     assert!(matches!(err, TransportError::Deadline(_)), "{err}");
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
-    let again = t.fetch_manifest("a", 16, 16).unwrap_err();
+    let again = t.fetch_manifest("a", 16, 16, WirePlacement::SINGLE).unwrap_err();
     assert!(matches!(again, TransportError::Broken(_)), "{again}");
     tx.send(()).ok();
     server.join().unwrap();

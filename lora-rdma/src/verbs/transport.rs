@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::manifest::{Location, Manifest};
+use crate::manifest::{Location, Manifest, WirePlacement};
 use crate::protocol::{Endpoint, Request, Response, TransportKind};
 use crate::tcp::{TcpOptions, TcpTransport};
 use crate::transport::{LandingSink, ReadOp, Transport, TransportError, sink_region};
@@ -166,9 +166,15 @@ impl Transport for VerbsTransport {
         TransportKind::Rdma
     }
 
-    fn fetch_manifest(&mut self, adapter: &str, max_rank: u32, expert_rank: u32) -> Result<Manifest, TransportError> {
+    fn fetch_manifest(
+        &mut self,
+        adapter: &str,
+        max_rank: u32,
+        expert_rank: u32,
+        placement: WirePlacement,
+    ) -> Result<Manifest, TransportError> {
         self.control
-            .manifest_for(adapter, max_rank, expert_rank, TransportKind::Rdma)
+            .manifest_for(adapter, max_rank, expert_rank, placement, TransportKind::Rdma)
     }
 
     fn read(&mut self, ops: &[ReadOp], sink: &mut dyn LandingSink) -> Result<(), TransportError> {

@@ -78,6 +78,14 @@ fn wrong_magic_version_kind_and_length_are_refused() {
         read_frame(&mut bad.as_slice(), FrameKind::Request),
         Err(WireError::Version { got: 9 })
     ));
+    // A peer of the previous protocol version (whole-pair manifests, no
+    // placement, no DoRA magnitudes) is refused by type.
+    let mut old = good.clone();
+    old[4..6].copy_from_slice(&1u16.to_le_bytes());
+    assert!(matches!(
+        read_frame(&mut old.as_slice(), FrameKind::Request),
+        Err(WireError::Version { got: 1 })
+    ));
     let mut bad = good.clone();
     bad[6] = 77;
     assert!(matches!(

@@ -125,7 +125,7 @@ pub(super) struct BgeParams {
     pub(super) stage_cols: i32,
     pub(super) targets: [TargetParams; MAX_TARGETS],
 }
-const _: () = assert!(size_of::<BgeParams>() == 152 && std::mem::offset_of!(BgeParams, targets) == 56);
+const _: () = assert!(size_of::<BgeParams>() == 216 && std::mem::offset_of!(BgeParams, targets) == 56);
 
 impl BgeParams {
     /// The parameter block of a call: x, y and idx as given, the device's
@@ -320,7 +320,7 @@ struct SpreadParams {
     base: BgeParams,
     inbox: u64,
 }
-const _: () = assert!(size_of::<SpreadParams>() == 160);
+const _: () = assert!(size_of::<SpreadParams>() == 224);
 
 /// Why the spread form cannot serve a call of the entry-clustered form, or
 /// `Ok` when it can: rank stride 16, at most [`ENTRY_REGISTERS_MAX_ROWS`]

@@ -39,6 +39,7 @@ fn check_against_f64(seed: u64, n: usize, in_dim: usize, outs: [usize; 2], strid
             n_entries: slots,
             out_dim: outs[0],
             y_col_offset: 0,
+            dora: None,
         },
         LoraTarget {
             table: &table,
@@ -46,6 +47,7 @@ fn check_against_f64(seed: u64, n: usize, in_dim: usize, outs: [usize; 2], strid
             n_entries: slots,
             out_dim: outs[1],
             y_col_offset: outs[0],
+            dora: None,
         },
     ];
     let xv = Rows {
@@ -133,6 +135,7 @@ fn bf16_y_is_rounded_once() {
         n_entries: 2,
         out_dim: out,
         y_col_offset: 0,
+        dora: None,
     }];
     bgmv(
         &d,
@@ -189,6 +192,7 @@ fn an_index_past_the_table_is_an_error_and_y_is_untouched() {
         n_entries: 2,
         out_dim: 4,
         y_col_offset: 0,
+        dora: None,
     }];
     let r = bgmv(
         &s.d,
@@ -244,6 +248,7 @@ fn bad_entries_and_dangling_addresses_are_errors() {
             n_entries: 2,
             out_dim: 4,
             y_col_offset: 0,
+            dora: None,
         }];
         let r = bgmv(
             &s.d,
@@ -268,6 +273,7 @@ fn bad_entries_and_dangling_addresses_are_errors() {
         n_entries: 2,
         out_dim: 4,
         y_col_offset: 0,
+        dora: None,
     }];
     let r = bgmv(
         &s.d,
@@ -290,6 +296,7 @@ fn arguments_are_validated() {
         n_entries: 2,
         out_dim: 4,
         y_col_offset: 0,
+        dora: None,
     }];
     let x = Rows::dense(&s.x, 2, 8);
     assert!(matches!(

@@ -1,21 +1,29 @@
 use half::bf16;
 
 use super::*;
+use crate::ops::bgmv::bgmv;
+use crate::ops::sgmv::{Segments, sgmv};
+use crate::ops::{LoraTarget, LoraWorkspace, OutputElem, Rows, RowsMut, WorkspaceSpec};
 use crate::table::PairEntry;
-use crate::testing::{Rng, cuda_or_skip};
+use crate::testing::{RandomPairs, Rng, cuda_or_skip};
 
-/// A mixed batch: 3 slots (0 DoRA at both targets, 1 plain LoRA, 2 DoRA at
-/// the second target only), base rows, two targets side by side in a
-/// padded y row.
+/// A mixed decode batch on the CPU backend: 3 slots (0 DoRA at both
+/// targets, 1 plain LoRA, 2 DoRA at the second target only), base rows
+/// (-1), two targets side by side in a padded y row; target 0 has a base
+/// bias, target 1 none.
 struct Case {
+    in_dim: usize,
     out: [usize; 2],
     width: usize,
     stride: usize,
+    rank_stride: usize,
     n_rows: usize,
     slots: Vec<i32>,
+    pairs: Vec<RandomPairs>,
+    x: Vec<bf16>,
     /// Per target, per slot: g, or none.
     g: Vec<Vec<Option<Vec<f32>>>>,
-    bias: Vec<Vec<f32>>,
+    bias: Vec<f32>,
     y0: Vec<f32>,
 }
 
@@ -23,9 +31,20 @@ const N_SLOTS: usize = 3;
 
 impl Case {
     fn random(rng: &mut Rng) -> Case {
-        let out = [8 + rng.below(40), 8 + rng.below(40)];
+        let in_dim = 1 + rng.below(40);
+        let out = [1 + rng.below(40), 1 + rng.below(40)];
         let width = out[0] + out[1];
         let stride = width + rng.below(5);
+        let rank_stride = 1 + rng.below(8);
+        let ranks: Vec<u32> = (0..N_SLOTS).map(|_| 1 + rng.below(rank_stride) as u32).collect();
+        let pairs = out
+            .iter()
+            .map(|&o| {
+                let mut p = RandomPairs::new(rng, in_dim, o, rank_stride, &ranks);
+                p.poison_padding();
+                p
+            })
+            .collect();
         let n_rows = 1 + rng.below(20);
         let slots = (0..n_rows).map(|_| rng.below(N_SLOTS + 1) as i32 - 1).collect();
         let g = (0..2)
@@ -38,23 +57,26 @@ impl Case {
                     .collect()
             })
             .collect();
-        // Target 0 has a bias, target 1 none (zeros).
-        let bias = vec![(0..out[0]).map(|_| rng.uniform()).collect(), vec![0.0; out[1]]];
-        let y0 = (0..n_rows * stride).map(|_| 4.0 * rng.uniform()).collect();
         Case {
+            in_dim,
             out,
             width,
             stride,
+            rank_stride,
             n_rows,
             slots,
+            pairs,
+            x: rng.bf16_vec(n_rows * in_dim, 1.0),
             g,
-            bias,
-            y0,
+            bias: (0..out[0]).map(|_| rng.uniform()).collect(),
+            y0: (0..n_rows * stride).map(|_| 4.0 * rng.uniform()).collect(),
         }
     }
 
-    /// The expected y, computed here on the host.
-    fn expected<Y: OutputElem>(&self) -> Vec<Y> {
+    /// The expected y from the plain apply's deltas (`deltas`: the apply
+    /// without the epilogue on a zero f32 y, so exactly the reference's Δ):
+    /// `y + Δ` rounded once, through `g · (v − b) + b` on DoRA rows.
+    fn expected<Y: OutputElem>(&self, deltas: &[f32]) -> Vec<Y> {
         let mut y: Vec<Y> = self.y0.iter().map(|v| Y::from_f32(*v)).collect();
         for (r, &s) in self.slots.iter().enumerate() {
             if s < 0 {
@@ -62,12 +84,16 @@ impl Case {
             }
             let mut col = 0;
             for t in 0..2 {
-                if let Some(g) = &self.g[t][s as usize] {
-                    for c in 0..self.out[t] {
-                        let v = &mut y[r * self.stride + col + c];
-                        let b = self.bias[t][c];
-                        *v = Y::from_f32(g[c] * (v.to_f32() - b) + b);
-                    }
+                for c in 0..self.out[t] {
+                    let i = r * self.stride + col + c;
+                    let v = y[i].to_f32() + deltas[i];
+                    y[i] = Y::from_f32(match &self.g[t][s as usize] {
+                        Some(g) => {
+                            let b = if t == 0 { self.bias[c] } else { 0.0 };
+                            g[c] * (v - b) + b
+                        }
+                        None => v,
+                    });
                 }
                 col += self.out[t];
             }
@@ -75,7 +101,20 @@ impl Case {
         y
     }
 
-    fn run<Y: OutputElem>(&self, device: &Device) -> Result<Vec<Y>, KernelError> {
+    /// The decode apply (bgmv) of the batch on y0, with the DoRA epilogue or without.
+    fn run<Y: OutputElem>(&self, device: &Device, y0: &[Y], dora: bool) -> Result<Vec<Y>, KernelError> {
+        self.run_as(device, y0, dora, false)
+    }
+
+    /// The batch's apply on y0: decode (bgmv), or with `prefill` the
+    /// segment apply (sgmv) with every row a segment of its own.
+    fn run_as<Y: OutputElem>(
+        &self,
+        device: &Device,
+        y0: &[Y],
+        dora: bool,
+        prefill: bool,
+    ) -> Result<Vec<Y>, KernelError> {
         let mut g_bufs = Vec::new();
         let mut table = vec![0u64; 2 * N_SLOTS];
         for t in 0..2 {
@@ -87,29 +126,44 @@ impl Case {
                 }
             }
         }
-        let table = device.upload(&table)?;
-        let bias: Vec<f32> = self.bias.concat();
-        let bias = device.upload(&bias)?;
-        let row_slot = device.upload(&self.slots)?;
-        let mut y = device.upload(&self.y0.iter().map(|v| Y::from_f32(*v)).collect::<Vec<Y>>())?;
+        let g_table = device.upload(&table)?;
+        let bias = device.upload(&self.bias)?;
+        let weights: Vec<_> = self
+            .pairs
+            .iter()
+            .map(|p| device.upload(&p.data))
+            .collect::<Result<_, _>>()?;
+        let mut entries = Vec::new();
+        for (p, w) in self.pairs.iter().zip(&weights) {
+            entries.extend(p.entries(w.device_addr()));
+        }
+        let pair_table = device.upload(&entries)?;
+        let x = device.upload(&self.x)?;
+        let idx = device.upload(&self.slots)?;
+        let mut y = device.upload(y0)?;
+        let epilogue = |t: usize| {
+            dora.then_some(DoraEpilogue {
+                table: &g_table,
+                table_offset: t * N_SLOTS,
+                bias: (t == 0).then_some((&bias, 0)),
+            })
+        };
         let targets = [
-            DoraTarget {
-                table: &table,
+            LoraTarget {
+                table: &pair_table,
                 table_offset: 0,
                 n_entries: N_SLOTS,
-                bias: &bias,
-                bias_offset: 0,
                 out_dim: self.out[0],
                 y_col_offset: 0,
+                dora: epilogue(0),
             },
-            DoraTarget {
-                table: &table,
+            LoraTarget {
+                table: &pair_table,
                 table_offset: N_SLOTS,
                 n_entries: N_SLOTS,
-                bias: &bias,
-                bias_offset: self.out[0],
                 out_dim: self.out[1],
                 y_col_offset: self.out[0],
+                dora: epilogue(1),
             },
         ];
         let rows = RowsMut {
@@ -119,7 +173,26 @@ impl Case {
             width: self.width,
             stride: self.stride,
         };
-        dora_rescale(device, &row_slot, &targets, rows)?;
+        let x = Rows::dense(&x, self.n_rows, self.in_dim);
+        if prefill {
+            let cu: Vec<i32> = (0..=self.n_rows as i32).collect();
+            let cu = device.upload(&cu)?;
+            let segments = Segments {
+                cu_seqlens: &cu,
+                seg_slot: &idx,
+                n_segments: self.n_rows,
+            };
+            let spec = WorkspaceSpec {
+                max_rows: self.n_rows,
+                max_rank: self.rank_stride,
+                max_segments: self.n_rows,
+                max_targets: 2,
+            };
+            let mut ws = LoraWorkspace::new(device, spec)?;
+            sgmv(device, x, &segments, &targets, self.rank_stride, rows, &mut ws)?;
+        } else {
+            bgmv(device, x, &idx, &targets, self.rank_stride, rows)?;
+        }
         device.synchronize()?;
         device.check_faults()?;
         y.download()
@@ -131,44 +204,121 @@ fn bits<Y: OutputElem>(v: &[Y]) -> Vec<u32> {
 }
 
 #[test]
-fn the_cpu_rescale_touches_dora_rows_only_and_keeps_the_bias_outside() {
-    let mut rng = Rng::fresh("dora cpu");
+fn the_cpu_epilogue_rescales_dora_rows_only_and_keeps_the_bias_outside() {
+    let mut rng = Rng::fresh("dora epilogue cpu");
     let device = Device::cpu();
-    for _ in 0..20 {
+    for _ in 0..30 {
         let case = Case::random(&mut rng);
-        assert_eq!(bits(&case.run::<f32>(&device).unwrap()), bits(&case.expected::<f32>()));
+        let deltas = case.run::<f32>(&device, &vec![0.0; case.y0.len()], false).unwrap();
+        let y_f32: Vec<f32> = case.y0.clone();
         assert_eq!(
-            bits(&case.run::<bf16>(&device).unwrap()),
-            bits(&case.expected::<bf16>())
+            bits(&case.run::<f32>(&device, &y_f32, true).unwrap()),
+            bits(&case.expected::<f32>(&deltas))
+        );
+        let y_bf16: Vec<bf16> = case.y0.iter().map(|v| bf16::from_f32(*v)).collect();
+        assert_eq!(
+            bits(&case.run::<bf16>(&device, &y_bf16, true).unwrap()),
+            bits(&case.expected::<bf16>(&deltas))
         );
     }
 }
 
 #[test]
-fn a_slot_past_the_table_is_an_error() {
-    let mut rng = Rng::new(7);
+fn the_prefill_apply_rescales_as_the_decode_apply() {
+    let mut rng = Rng::fresh("dora epilogue prefill cpu");
     let device = Device::cpu();
-    let mut case = Case::random(&mut rng);
-    case.slots[0] = N_SLOTS as i32;
-    let err = case.run::<f32>(&device).unwrap_err();
-    assert!(matches!(err, KernelError::BadIndex { arg: "row_slot", .. }), "{err}");
+    for _ in 0..10 {
+        let case = Case::random(&mut rng);
+        let y: Vec<bf16> = case.y0.iter().map(|v| bf16::from_f32(*v)).collect();
+        assert_eq!(
+            bits(&case.run_as::<bf16>(&device, &y, true, true).unwrap()),
+            bits(&case.run::<bf16>(&device, &y, true).unwrap())
+        );
+    }
 }
 
-/// CUDA against the host expectation (which the CPU reference equals bit
-/// for bit), on fresh random cases: equal bit for bit, since both round
-/// `g · (y − b) + b` the same way without a fused multiply-add.
 #[test]
-#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
-fn gpu_dora_rescale_equals_the_cpu_reference() {
-    let Some(gpu) = cuda_or_skip("gpu_dora_rescale_equals_the_cpu_reference") else {
-        return;
-    };
-    let mut rng = Rng::fresh("dora gpu");
-    for _ in 0..50 {
-        let case = Case::random(&mut rng);
-        assert_eq!(bits(&case.run::<f32>(&gpu).unwrap()), bits(&case.expected::<f32>()));
-        assert_eq!(bits(&case.run::<bf16>(&gpu).unwrap()), bits(&case.expected::<bf16>()));
+fn without_dora_entries_the_epilogue_changes_no_bit() {
+    let mut rng = Rng::fresh("dora epilogue plain");
+    let device = Device::cpu();
+    for _ in 0..10 {
+        let mut case = Case::random(&mut rng);
+        // Every slot plain at both targets: the tables hold zeros only.
+        for t in &mut case.g {
+            t.iter_mut().for_each(|g| *g = None);
+        }
+        let y: Vec<bf16> = case.y0.iter().map(|v| bf16::from_f32(*v)).collect();
+        assert_eq!(
+            bits(&case.run::<bf16>(&device, &y, true).unwrap()),
+            bits(&case.run::<bf16>(&device, &y, false).unwrap())
+        );
     }
+}
+
+#[test]
+fn a_dora_table_shorter_than_the_pair_table_is_refused_and_y_is_unchanged() {
+    let device = Device::cpu();
+    let table = device.upload(&[0u64; 2]).unwrap();
+    let pairs = device.upload(&[PairEntry::default(); 3]).unwrap();
+    let x = device.upload(&[bf16::ONE; 4]).unwrap();
+    let idx = device.upload(&[0i32]).unwrap();
+    let mut y = device.upload(&[1.0f32; 4]).unwrap();
+    let t = [LoraTarget {
+        table: &pairs,
+        table_offset: 0,
+        n_entries: 3,
+        out_dim: 4,
+        y_col_offset: 0,
+        dora: Some(DoraEpilogue {
+            table: &table,
+            table_offset: 0,
+            bias: None,
+        }),
+    }];
+    let err = bgmv(
+        &device,
+        Rows::dense(&x, 1, 4),
+        &idx,
+        &t,
+        4,
+        RowsMut::dense(&mut y, 1, 4),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("targets.dora.table"), "{err}");
+    assert_eq!(y.download().unwrap(), vec![1.0; 4]);
+}
+
+#[test]
+fn a_bias_shorter_than_the_target_is_refused() {
+    let device = Device::cpu();
+    let table = device.upload(&[0u64; 1]).unwrap();
+    let bias = device.upload(&[0f32; 3]).unwrap();
+    let pairs = device.upload(&[PairEntry::default(); 1]).unwrap();
+    let x = device.upload(&[bf16::ONE; 4]).unwrap();
+    let idx = device.upload(&[0i32]).unwrap();
+    let mut y = device.upload(&[1.0f32; 4]).unwrap();
+    let t = [LoraTarget {
+        table: &pairs,
+        table_offset: 0,
+        n_entries: 1,
+        out_dim: 4,
+        y_col_offset: 0,
+        dora: Some(DoraEpilogue {
+            table: &table,
+            table_offset: 0,
+            bias: Some((&bias, 0)),
+        }),
+    }];
+    let err = bgmv(
+        &device,
+        Rows::dense(&x, 1, 4),
+        &idx,
+        &t,
+        4,
+        RowsMut::dense(&mut y, 1, 4),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("targets.dora.bias"), "{err}");
 }
 
 /// A random DoRA pair laid out as the pool's staging slot holds it (B rows

@@ -61,6 +61,8 @@ fn each_row_gains_its_slots_column_delta() {
         n_entries: 2,
         stride,
         vocab,
+        vocab_start: 0,
+        vocab_size: vocab,
     };
     embed_lora(&d, &ids_d, &slots_d, pairs, RowsMut::dense(&mut out, ids.len(), h)).unwrap();
     let got = out.download().unwrap();
@@ -99,6 +101,8 @@ fn bad_ids_slots_and_entries_are_errors_and_write_nothing() {
             n_entries: 2,
             stride,
             vocab,
+            vocab_start: 0,
+            vocab_size: vocab,
         };
         let r = embed_lora(&d, &ids_d, &slots_d, pairs, RowsMut::dense(&mut out, ids.len(), h));
         assert!(out.download().unwrap().iter().all(|&v| v == 7.0), "nothing written");
@@ -143,6 +147,71 @@ fn a_short_index_buffer_is_refused_before_any_work() {
         n_entries: 1,
         stride: 2,
         vocab: 8,
+        vocab_start: 0,
+        vocab_size: 8,
     };
     assert!(embed_lora(&d, &ids, &slots, pairs, RowsMut::dense(&mut out, 2, 4)).is_err());
+}
+
+/// A vocab-parallel rank's pairs (A's columns `start .. start + vocab` of
+/// a vocabulary of `size`): a token of the range reads its column, another
+/// rank's token adds nothing, an id past the vocabulary is an error.
+#[test]
+fn a_vocab_parallel_rank_adds_only_its_tokens_columns() {
+    let d = Device::cpu();
+    let mut rng = Rng::new(63);
+    let (vocab, h, stride, start, size) = (6, 5, 4, 6, 18);
+    let p = pool(&d, &mut rng, vocab, h, stride);
+    let ids = [6u32, 11, 0, 5, 12, 17, 8];
+    let slots = [0i32, 1, 0, 1, 0, 1, -1];
+    let base: Vec<f32> = (0..ids.len() * h).map(|i| i as f32 * 0.5).collect();
+    let (ids_d, slots_d) = (d.upload(&ids).unwrap(), d.upload(&slots).unwrap());
+    let pairs = EmbeddingPairs {
+        table: &p.table,
+        table_offset: 0,
+        n_entries: 2,
+        stride,
+        vocab,
+        vocab_start: start,
+        vocab_size: size,
+    };
+    let mut out = d.upload(&base).unwrap();
+    embed_lora(&d, &ids_d, &slots_d, pairs, RowsMut::dense(&mut out, ids.len(), h)).unwrap();
+    let got = out.download().unwrap();
+    for (i, (&t, &s)) in ids.iter().zip(&slots).enumerate() {
+        let t = t as usize;
+        for o in 0..h {
+            let want = if s < 0 || !(start..start + vocab).contains(&t) {
+                base[i * h + o]
+            } else {
+                let (rank, scale, a, b) = &p.pairs[s as usize];
+                let dot: f64 = (0..*rank)
+                    .map(|k| f64::from(b[o * rank + k]) * f64::from(a[k * vocab + t - start]))
+                    .sum();
+                base[i * h + o] + (f64::from(*scale) * dot) as f32
+            };
+            assert!(
+                (got[i * h + o] - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "row {i} col {o}"
+            );
+        }
+    }
+    let bad = d.upload(&[7u32, 18]).unwrap();
+    let mut out = d.upload(&[3f32; 10]).unwrap();
+    assert!(matches!(
+        embed_lora(&d, &bad, &slots_d, pairs, RowsMut::dense(&mut out, 2, h)),
+        Err(KernelError::BadIndex {
+            arg: "ids",
+            index: 18,
+            ..
+        })
+    ));
+    assert!(out.download().unwrap().iter().all(|&v| v == 3.0), "nothing written");
+    // Columns past the vocabulary are refused before any work.
+    let past = EmbeddingPairs {
+        vocab_size: 11,
+        ..pairs
+    };
+    assert!(embed_lora(&d, &ids_d, &slots_d, past, RowsMut::dense(&mut out, 2, h)).is_err());
+    let _ = &p.weights;
 }

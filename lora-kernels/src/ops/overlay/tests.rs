@@ -189,3 +189,68 @@ fn lm_head_overlay_rewrites_only_overridden_logits_of_overlaid_rows() {
         .is_err()
     );
 }
+
+/// A vocab-parallel rank's lookup (`embed_overlay_at`): its tables hold
+/// the rows of ids `held` (the slot map indexed by `id - held.start`); a
+/// token of another rank gets a zero row, an id past the vocabulary is an
+/// error with nothing written.
+#[test]
+fn a_vocab_parallel_lookup_zeroes_other_ranks_tokens() {
+    let d = Device::cpu();
+    let mut rng = Rng::new(53);
+    let (held, size, h) = (8usize..12, 16usize, 6);
+    let base = rng.bf16_vec(held.len() * h, 1.0);
+    let rows = rng.bf16_vec(h, 1.0);
+    let mut map = vec![-1i32; held.len()];
+    map[10 - held.start] = 0;
+    let (base_d, rows_d, map_d) = (
+        d.upload(&base).unwrap(),
+        d.upload(&rows).unwrap(),
+        d.upload(&map).unwrap(),
+    );
+    let ents = d
+        .upload(&[EmbedOverlayEntry {
+            slot_map: map_d.device_addr(),
+            rows: rows_d.device_addr(),
+            n_rows: 1,
+            pad: 0,
+        }])
+        .unwrap();
+    let ids = [10u32, 10, 3, 11, 8, 15];
+    let slots = [0i32, -1, 0, 0, 0, 0];
+    let (ids_d, slots_d) = (d.upload(&ids).unwrap(), d.upload(&slots).unwrap());
+    let mut out = d.upload(&vec![bf16::NAN; ids.len() * h]).unwrap();
+    let run = |ids: &DeviceBuffer<u32>, n: usize, out: &mut DeviceBuffer<bf16>| {
+        embed_overlay_at(
+            &d,
+            ids,
+            Some(&slots_d),
+            Rows::dense(&base_d, held.len(), h),
+            held.clone(),
+            size,
+            &ents,
+            RowsMut::dense(out, n, h),
+        )
+    };
+    run(&ids_d, ids.len(), &mut out).unwrap();
+    let got = out.download().unwrap();
+    let row = |v: &[bf16], i: usize| v[i * h..(i + 1) * h].to_vec();
+    let zeros = vec![bf16::ZERO; h];
+    assert_eq!(row(&got, 0), row(&rows, 0));
+    assert_eq!(row(&got, 1), row(&base, 2));
+    assert_eq!(row(&got, 2), zeros);
+    assert_eq!(row(&got, 3), row(&base, 3));
+    assert_eq!(row(&got, 4), row(&base, 0));
+    assert_eq!(row(&got, 5), zeros);
+    let bad = d.upload(&[9u32, 16]).unwrap();
+    let mut out = d.upload(&vec![bf16::NAN; 2 * h]).unwrap();
+    assert!(matches!(
+        run(&bad, 2, &mut out),
+        Err(KernelError::BadIndex {
+            arg: "ids",
+            index: 16,
+            ..
+        })
+    ));
+    assert!(out.download().unwrap().iter().all(|v| v.is_nan()), "nothing written");
+}

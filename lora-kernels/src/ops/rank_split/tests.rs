@@ -54,6 +54,7 @@ fn targets<'a>(tables: &'a [DeviceBuffer<PairEntry>], pairs: &[RandomPairs]) -> 
                 n_entries: p.ranks.len(),
                 out_dim: p.out_dim,
                 y_col_offset: col,
+                dora: None,
             };
             col += p.out_dim;
             t
@@ -234,6 +235,27 @@ fn bad_parts_rows_and_entries_are_refused_and_write_nothing() {
     assert!(matches!(err, KernelError::BadIndex { .. }), "{err}");
     let short = d.upload(&[1.0f32; 2 * 2 * 8 - 1]).unwrap();
     assert!(expand_gathered(&d, &short, &good, &t, part(0, 2), RowsMut::dense(&mut y, 2, 19)).is_err());
+    // A target carrying a DoRA epilogue: neither half applies one.
+    let g_table = d.upload(&[0u64; 5]).unwrap();
+    let mut with_dora = targets(&tables, &pairs);
+    with_dora[0].dora = Some(crate::ops::dora::DoraEpilogue {
+        table: &g_table,
+        table_offset: 0,
+        bias: None,
+    });
+    let err = shrink_part(&d, Rows::dense(&x, 2, 8), &good, &with_dora, part(0, 2), &mut out).unwrap_err();
+    assert!(err.to_string().contains("DoRA"), "{err}");
+    let err = expand_gathered(
+        &d,
+        &gathered,
+        &good,
+        &with_dora,
+        part(0, 2),
+        RowsMut::dense(&mut y, 2, 19),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("DoRA"), "{err}");
+    assert_eq!(out.download().unwrap(), vec![7.0; 16], "nothing written");
     assert_eq!(y.download().unwrap(), vec![3.0; 38], "nothing written");
 }
 

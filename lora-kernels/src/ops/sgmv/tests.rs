@@ -49,6 +49,7 @@ impl Case {
             n_entries: slots,
             out_dim: out,
             y_col_offset: 0,
+            dora: None,
         }];
         let (x, yv) = (Rows::dense(&self.x, n, in_dim), RowsMut::dense(&mut y, n, out));
         match grouping {

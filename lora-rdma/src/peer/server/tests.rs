@@ -4,6 +4,7 @@ use std::sync::atomic::AtomicBool;
 use lora_layout::ModelConfig;
 
 use super::*;
+use crate::manifest::WirePlacement;
 use crate::peer::StoreOptions;
 use crate::wire::{read_frame, write_frame};
 
@@ -57,6 +58,7 @@ fn unknown_adapter() -> Request {
         adapter: "nope".into(),
         max_rank: 8,
         expert_rank: 16,
+        placement: WirePlacement::SINGLE,
         transport: crate::protocol::TransportKind::Tcp,
     }
 }
@@ -192,6 +194,7 @@ fn r4_manifest() -> Request {
         adapter: "r4".into(),
         max_rank: 8,
         expert_rank: 16,
+        placement: WirePlacement::SINGLE,
         transport: crate::protocol::TransportKind::Tcp,
     }
 }
@@ -291,6 +294,7 @@ fn a_client_taking_its_reply_too_slowly_is_cut_at_the_deadline() {
                 adapter: adapter.into(),
                 max_rank,
                 expert_rank: 16,
+                placement: WirePlacement::SINGLE,
                 transport: crate::protocol::TransportKind::Tcp,
             };
             let Response::Manifest(m) = ask(&mut s, &wide) else {
@@ -346,6 +350,7 @@ fn a_landing_keeps_its_staging_until_it_has_read_it_or_closes() {
         adapter: "r8".into(),
         max_rank: 8,
         expert_rank: 16,
+        placement: WirePlacement::SINGLE,
         transport: crate::protocol::TransportKind::Tcp,
     };
     let mut a = connect(&handle);
@@ -411,6 +416,7 @@ fn bad_reads_get_a_refusal_and_no_data() {
             adapter: "r4".into(),
             max_rank: 8,
             expert_rank: 16,
+            placement: WirePlacement::SINGLE,
             transport: crate::protocol::TransportKind::Tcp,
         },
     ) {

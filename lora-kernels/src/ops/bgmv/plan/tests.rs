@@ -1,6 +1,8 @@
 use super::super::{LIST_STATIC_SMEM, STATIC_SMEM, THREADS, fused_threads};
 use super::*;
 use crate::Device;
+use crate::ops::dora::DoraEpilogue;
+use crate::ops::{Rows, RowsMut};
 use crate::table::PairEntry;
 use proptest::prelude::*;
 
@@ -357,6 +359,7 @@ fn pick_one_target(rows: RowShape, out: usize, entries: usize, fixed: Fixed) -> 
         n_entries: entries,
         out_dim: out,
         y_col_offset: 0,
+        dora: None,
     }];
     LaunchChoice::pick(&H200, rows, &call_targets(&t), fixed)
 }
@@ -439,6 +442,7 @@ fn launch_choices_keep_every_block_resident() {
         n_entries: 1,
         out_dim: 64,
         y_col_offset: 0,
+        dora: None,
     }];
     let rows = RowShape {
         in_dim: 64,
@@ -947,4 +951,36 @@ fn output_heads_of_sixteen_rows_or_more_take_two_launches_on_sm90() {
     let call = DecodeCall::dense(16, 4096, 16, OutputKind::F32, &narrow).unwrap();
     let f = Facts::of(&call, &DeviceLimits::H200, DecodeContext::default());
     assert!(head_rule(&f).is_none());
+}
+
+/// The DoRA epilogue is data of the targets, not a launch form: every
+/// form applies it where it stores y, so a call with DoRA targets is the
+/// same call to the planner as without them (`ops::dora`).
+#[test]
+fn dora_targets_plan_as_the_same_call() {
+    let d = Device::cpu();
+    let table = d.alloc_zeros::<PairEntry>(8).unwrap();
+    let g_table = d.alloc_zeros::<u64>(16).unwrap();
+    let bias = d.alloc_zeros::<f32>(4096).unwrap();
+    let x = d.alloc_zeros::<half::bf16>(64 * 4096).unwrap();
+    let mut y = d.alloc_zeros::<half::bf16>(64 * 4096).unwrap();
+    let y = RowsMut::dense(&mut y, 64, 4096);
+    let x = Rows::dense(&x, 64, 4096);
+    let target = |dora| LoraTarget {
+        table: &table,
+        table_offset: 0,
+        n_entries: 8,
+        out_dim: 4096,
+        y_col_offset: 0,
+        dora,
+    };
+    let plain = DecodeCall::of(&x, &[target(None)], 16, &y).unwrap();
+    for bias in [None, Some((&bias, 0))] {
+        let epilogue = DoraEpilogue {
+            table: &g_table,
+            table_offset: 8,
+            bias,
+        };
+        assert_eq!(DecodeCall::of(&x, &[target(Some(epilogue))], 16, &y).unwrap(), plain);
+    }
 }
