@@ -89,6 +89,16 @@ impl PairPlace {
         // equal blocks.
         self.shard.rank_rows(stride).unwrap_or(0..stride)
     }
+
+    /// The rows of a rank-`rank` pair's A the place holds with data: its
+    /// [`PairPlace::a_rows`] below `rank` (the rest of its block is zero
+    /// padding). A packer copies these source rows to the start of the
+    /// place's A; a peer stages and a lander lands exactly them. Empty on a
+    /// fully-sharded rank whose block lies past the pair's rank.
+    pub fn a_used_rows(&self, stride: usize, rank: usize) -> std::ops::Range<usize> {
+        let rows = self.a_rows(stride);
+        rows.start.min(rank)..rows.end.min(rank)
+    }
 }
 
 /// A slot layout seen as a list of pair places: [`SlotLayout`] (stride

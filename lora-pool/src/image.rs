@@ -408,8 +408,8 @@ fn fill_place(
     let r = src.meta.rank;
     let shard = &place.shard;
     let (_, full_in) = shard.full_dims;
-    let used_rows = r.saturating_sub(a_rows.start).min(a_rows.len());
-    let first_row = a_rows.start;
+    let used = place.a_used_rows(stride, r);
+    let (used_rows, first_row) = (used.len(), used.start);
     let (a_used, a_pad) = a_region.split_at_mut(used_rows * place.in_dim);
     if place.in_dim == full_in {
         // A's rows are contiguous in the source: copy them in blocks of
@@ -731,9 +731,11 @@ impl SlotImage {
         }
     }
 
-    /// The bytes a landed part occupies: A's first `rank` rows
-    /// (`rank * in * 2` bytes; the padding rows stay zero), or the whole B
-    /// `[out, stride]` (the peer stages B with its zero columns).
+    /// The bytes a landed part occupies: A's rows holding the pair's data
+    /// ([`PairPlace::a_used_rows`]: its first `rank` rows, or under the
+    /// fully-sharded option the rank's block of them; `rows * in * 2`
+    /// bytes, the padding rows stay zero), or the whole B `[out, stride]`
+    /// (the peer stages B with its zero columns).
     pub fn region_mut(
         &mut self,
         layout: &impl PairLayout,
@@ -748,7 +750,10 @@ impl SlotImage {
             .and_then(|i| self.pairs.get(i))
             .ok_or(ImageError::Undeclared { key })?;
         let (start, len) = match part {
-            PairPart::A => (place.a_offset / 2, meta.rank * place.in_dim),
+            PairPart::A => (
+                place.a_offset / 2,
+                place.a_used_rows(layout.stride(), meta.rank).len() * place.in_dim,
+            ),
             PairPart::B => (place.b_offset / 2, place.out_dim * layout.stride()),
         };
         Ok(bytemuck::cast_slice_mut(&mut self.data[start..start + len]))

@@ -2,11 +2,13 @@
 //! own audit and layout, land every part into fresh host images, verify.
 //!
 //! A placed engine (a tensor- or expert-parallel rank's pool) asks for its
-//! rank's bytes only: its request names its placement, the manifest must
-//! name the same, and every entry's length must be what the rank's own
-//! layout gives (A of the rank's input columns, B of its output rows, the
-//! rank's experts and the router), so the landed images are the bytes the
-//! rank's disk swap packs. A DoRA pair's magnitude lands beside the images
+//! rank's bytes only: its request names its placement, cut options
+//! included (vocab-parallel, fully sharded), the manifest must name the
+//! same, and every entry's length must be what the rank's own layout gives
+//! (A of the rank's input columns and, fully sharded, of its block of rank
+//! rows; B of its output rows; the embedding and head pairs' vocabulary
+//! block under the vocab-parallel cut; the rank's experts and the router),
+//! so the landed images are the bytes the rank's disk swap packs. A DoRA pair's magnitude lands beside the images
 //! ([`Landed::dora`]); the pool computes its rescale from it and its own
 //! base weights when it publishes.
 //!
@@ -162,16 +164,6 @@ pub enum LandError {
     /// its layout overflows.
     #[error(transparent)]
     Layout(#[from] LayoutError),
-    /// The placement's fully-sharded option with more than one rank: the
-    /// wire placement does not carry it, so the peer would stage the
-    /// half-sharded cut of each column-parallel A.
-    #[error(
-        "peer landing into a fully-sharded rank (tp_world {tp_world}) is not served: the peer stages the half-sharded cut"
-    )]
-    FullySharded {
-        /// The tensor-parallel world size.
-        tp_world: usize,
-    },
     /// A pair the audit placed has no place in the layout.
     #[error("{0}: no place in the engine's layout")]
     NotInLayout(PairKey),
@@ -380,14 +372,9 @@ fn wire_rank(rank: usize) -> Result<u32, LayoutError> {
 impl Lander {
     /// A lander for `cfg` with the pool limits of `opts` (`max_rank`,
     /// `expert_rank`, `experts`, `allow_partial`, `dora`) and its rank
-    /// (`placement`): it asks the peer for that rank's bytes and lands
-    /// them into the rank's layout. A fully-sharded rank (world above 1) is
-    /// refused, [`LandError::FullySharded`].
+    /// (`placement`, its cut options included): it asks the peer for that
+    /// rank's bytes and lands them into the rank's layout.
     pub fn new(cfg: ModelConfig, opts: LoraOptions) -> Result<Lander, LandError> {
-        let p = opts.placement;
-        if p.fully_sharded() && p.tp_world() > 1 {
-            return Err(LandError::FullySharded { tp_world: p.tp_world() });
-        }
         let layout = opts.slot_layout(&cfg)?;
         Ok(Lander {
             identity: Identity {

@@ -2,9 +2,10 @@
 //!
 //! A weight peer ([`peer`], the `lora-peer` binary) audits adapters, stages
 //! their tensors in the slot element layout of the engine's `max_rank` and
-//! rank (a tensor- or expert-parallel engine's request names its
-//! placement, and the peer stages only that rank's cut of each pair, by the
-//! rank's own layout walk; a DoRA pair's magnitude with it), and serves a
+//! rank (a tensor- or expert-parallel engine's request names its whole
+//! placement, the vocab-parallel and fully-sharded options included, and
+//! the peer stages only that rank's cut of each pair, by the rank's own
+//! layout walk; a DoRA pair's magnitude with it), and serves a
 //! manifest; the engine ([`land::Lander`]) checks the manifest against its
 //! own audit and layout, lands every tensor over a
 //! [`transport::Transport`] (RDMA READ under the `ibverbs` feature, or the

@@ -7,7 +7,9 @@
 //! layout gives for its rank (a tensor-parallel rank's shard of each pair,
 //! an expert-parallel rank's experts); anything else refuses the whole
 //! manifest. The manifest names the placement it was staged for, and the
-//! engine refuses one staged for another rank before anything else.
+//! engine refuses one staged for another rank or another cut (its
+//! [`WirePlacement`] carries the vocab-parallel and fully-sharded options
+//! beside the ranks) before anything else.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -54,7 +56,13 @@ impl From<PairPart> for WirePart {
 }
 
 /// A [`Placement`] on the wire: the tensor- and expert-parallel rank the
-/// engine's pool holds, which the peer stages for and its manifest names.
+/// engine's pool holds and its cut options, which the peer stages for and
+/// its manifest names.
+///
+/// The cut options travel as one flags byte ([`WirePlacement::VOCAB_PARALLEL`],
+/// [`WirePlacement::FULLY_SHARDED`]); a bit outside
+/// [`WirePlacement::KNOWN_FLAGS`] names no placement and is refused
+/// ([`WirePlacementError::UnknownFlags`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WirePlacement {
     /// The tensor-parallel rank.
@@ -65,34 +73,75 @@ pub struct WirePlacement {
     pub ep_rank: u32,
     /// The expert-parallel world size.
     pub ep_world: u32,
+    /// The cut options: [`WirePlacement::VOCAB_PARALLEL`] |
+    /// [`WirePlacement::FULLY_SHARDED`].
+    pub flags: u8,
+}
+
+/// Why a [`WirePlacement`] names no [`Placement`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WirePlacementError {
+    /// A zero world, or a rank past its world.
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    /// Flag bits this build does not know.
+    #[error("placement flags {flags:#04x} carry unknown bits {unknown:#04x}")]
+    UnknownFlags {
+        /// The flags byte.
+        flags: u8,
+        /// Its bits outside [`WirePlacement::KNOWN_FLAGS`].
+        unknown: u8,
+    },
 }
 
 impl WirePlacement {
-    /// No tensor or expert parallelism.
+    /// Flag: the embedding and head pairs follow the vocab-parallel cut
+    /// ([`Placement::vocab_parallel`]).
+    pub const VOCAB_PARALLEL: u8 = 1 << 0;
+    /// Flag: column-parallel A cut by rank rows
+    /// ([`Placement::fully_sharded`]).
+    pub const FULLY_SHARDED: u8 = 1 << 1;
+    /// Every flag this build knows.
+    pub const KNOWN_FLAGS: u8 = WirePlacement::VOCAB_PARALLEL | WirePlacement::FULLY_SHARDED;
+
+    /// No tensor or expert parallelism, no cut option.
     pub const SINGLE: WirePlacement = WirePlacement {
         tp_rank: 0,
         tp_world: 1,
         ep_rank: 0,
         ep_world: 1,
+        flags: 0,
     };
 
     /// The wire form of `p` (a world past `u32::MAX` saturates, and the
     /// peer refuses it).
     pub fn from_placement(p: Placement) -> WirePlacement {
         let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        let flag = |on: bool, bit: u8| if on { bit } else { 0 };
         WirePlacement {
             tp_rank: n(p.tp_rank()),
             tp_world: n(p.tp_world()),
             ep_rank: n(p.ep_rank()),
             ep_world: n(p.ep_world()),
+            flags: flag(p.vocab_parallel(), WirePlacement::VOCAB_PARALLEL)
+                | flag(p.fully_sharded(), WirePlacement::FULLY_SHARDED),
         }
     }
 
-    /// The placement it names, or why it names none (a zero world, a rank
-    /// past its world).
-    pub fn to_placement(self) -> Result<Placement, PlacementError> {
-        Placement::new(self.tp_rank as usize, self.tp_world as usize)?
-            .with_experts(self.ep_rank as usize, self.ep_world as usize)
+    /// The placement it names, or why it names none (unknown flag bits, a
+    /// zero world, a rank past its world).
+    pub fn to_placement(self) -> Result<Placement, WirePlacementError> {
+        let unknown = self.flags & !WirePlacement::KNOWN_FLAGS;
+        if unknown != 0 {
+            return Err(WirePlacementError::UnknownFlags {
+                flags: self.flags,
+                unknown,
+            });
+        }
+        Ok(Placement::new(self.tp_rank as usize, self.tp_world as usize)?
+            .with_experts(self.ep_rank as usize, self.ep_world as usize)?
+            .with_vocab_parallel(self.flags & WirePlacement::VOCAB_PARALLEL != 0)
+            .with_fully_sharded(self.flags & WirePlacement::FULLY_SHARDED != 0))
     }
 }
 
@@ -102,7 +151,20 @@ impl std::fmt::Display for WirePlacement {
             f,
             "tp rank {}/{}, ep rank {}/{}",
             self.tp_rank, self.tp_world, self.ep_rank, self.ep_world
-        )
+        )?;
+        for (bit, name) in [
+            (WirePlacement::VOCAB_PARALLEL, "vocab-parallel"),
+            (WirePlacement::FULLY_SHARDED, "fully sharded"),
+        ] {
+            if self.flags & bit != 0 {
+                write!(f, ", {name}")?;
+            }
+        }
+        let unknown = self.flags & !WirePlacement::KNOWN_FLAGS;
+        if unknown != 0 {
+            write!(f, ", unknown flags {unknown:#04x}")?;
+        }
+        Ok(())
     }
 }
 
@@ -277,7 +339,8 @@ pub enum ManifestError {
         /// The manifest's.
         got: u32,
     },
-    /// Staged for another tensor- or expert-parallel rank.
+    /// Staged for another tensor- or expert-parallel rank, or another cut
+    /// (the vocab-parallel or fully-sharded option on one side only).
     #[error("manifest is staged for {got}, this engine's pool is {expected}")]
     PlacementMismatch {
         /// The engine's placement.
@@ -364,7 +427,9 @@ pub struct ExpectedPart {
     pub key: PairKey,
     /// A, B or the magnitude.
     pub part: WirePart,
-    /// Bytes: A `rank * in * 2` (only the true rank's rows travel), B
+    /// Bytes: A `rows * in * 2` (only the true rank's rows the place holds
+    /// travel, `PairPlace::a_used_rows`: `rank` rows, or under the
+    /// fully-sharded option the part of the rank's block below `rank`), B
     /// `out * stride * 2` (staged with its zero columns), a magnitude
     /// `out * 4`; `in` and `out` are the rank's (its place's dims).
     pub len: u64,
@@ -384,7 +449,7 @@ pub fn expected_parts(layout: &impl PairLayout, pairs: &[PairMeta]) -> Result<Ve
         parts.push(ExpectedPart {
             key: meta.key,
             part: WirePart::A,
-            len: (meta.rank * place.in_dim * 2) as u64,
+            len: (place.a_used_rows(stride, meta.rank).len() * place.in_dim * 2) as u64,
         });
         parts.push(ExpectedPart {
             key: meta.key,

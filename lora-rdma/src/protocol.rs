@@ -136,8 +136,9 @@ pub enum Request {
         max_rank: u32,
         /// The engine's expert-pool rank.
         expert_rank: u32,
-        /// The engine pool's tensor- and expert-parallel rank: the peer
-        /// stages and lists only that rank's bytes of each pair.
+        /// The engine pool's tensor- and expert-parallel rank and its cut
+        /// options: the peer stages and lists only that rank's bytes of
+        /// each pair, cut as the rank's layout cuts them.
         placement: WirePlacement,
         /// Which locations the manifest should give.
         transport: TransportKind,
@@ -167,7 +168,8 @@ pub enum RefusalCode {
     /// Staging failed (the adapter changed on disk, memory budget, ...).
     Staging,
     /// The requested placement names no rank (a zero world, a rank past
-    /// its world) or does not divide the model's geometry.
+    /// its world, an unknown flag bit) or does not divide the model's
+    /// geometry.
     Placement,
     /// A read names an unknown region or leaves its region.
     BadRead,

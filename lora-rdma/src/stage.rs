@@ -6,11 +6,17 @@
 //! requested `max_rank` and placement, and the adapter's expert layout at
 //! the expert rank) gives the rank's `ModuleShard`, the one statement of
 //! the cutting rules the disk swap's packer also follows. A is staged as
-//! its true-rank rows of the rank's input columns `[rank, in_r]` (the
-//! engine's image keeps its padding rows zero), B as the rank's output
-//! rows `[out_r, stride]` with zero columns past the rank, so it lands in
-//! one piece; a DoRA pair's magnitude `m` as the f32 values of the same
-//! output rows. Dense pairs use `stride = max_rank`, expert and router
+//! the true-rank rows the rank holds (`PairPlace::a_used_rows`: rows
+//! `0..rank`, or under the fully-sharded option the rank's block of them,
+//! none when the block lies past the pair's rank) of the rank's input
+//! columns (its vocabulary columns for a vocab-parallel embedding pair);
+//! the engine's image keeps its padding rows zero. B is staged as the
+//! rank's output rows `[out_r, stride]` (its vocabulary rows for a
+//! vocab-parallel head pair) with zero columns past the rank, so it lands
+//! in one piece; a DoRA pair's magnitude `m` as the f32 values of the same
+//! output rows. The placement the layout is walked for is the engine's
+//! whole placement, both cut options included, so every combination of
+//! them stages exactly the rank's layout. Dense pairs use `stride = max_rank`, expert and router
 //! pairs `expert_packed_stride(expert_rank)`: the strides of the engine's
 //! own layouts.
 
@@ -110,7 +116,8 @@ impl Source<'_> {
         let in_r = self.place.in_dim;
         match part {
             WirePart::A => {
-                for (r, row) in dst.chunks_exact_mut(2 * in_r.max(1)).enumerate().take(self.rank) {
+                let rows = self.place.a_used_rows(self.stride, self.rank);
+                for (row, r) in dst.chunks_exact_mut(2 * in_r.max(1)).zip(rows) {
                     let start = r * full_in + shard.in_start;
                     row.copy_from_slice(bf16_bytes(&self.a[start..start + in_r]));
                 }
@@ -302,7 +309,8 @@ pub fn plan_staging<'a>(
             return Err(shape("magnitude", m.len(), full_out));
         }
         let bytes = |elems: Option<usize>, size: usize| elems.and_then(|e| e.checked_mul(size)).ok_or(over(usize::MAX));
-        let a_len = bytes(s.rank.checked_mul(s.place.in_dim), 2)?;
+        let a_rows = s.place.a_used_rows(s.stride, s.rank).len();
+        let a_len = bytes(a_rows.checked_mul(s.place.in_dim), 2)?;
         let b_len = bytes(s.place.out_dim.checked_mul(s.stride), 2)?;
         let m_len = bytes(Some(s.place.out_dim), 4)?;
         let magnitude = s.magnitude.map(|_| (WirePart::Magnitude, m_len));

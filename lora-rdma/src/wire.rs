@@ -16,9 +16,10 @@ use std::io::{self, IoSlice, Read, Write};
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"LRDM";
 /// The protocol version this build speaks; frames of any other version are
-/// refused. Version 2: a manifest request names the engine's placement, a
-/// manifest lists the rank's bytes and DoRA magnitudes
-/// ([`crate::manifest::WirePart::Magnitude`]).
+/// refused. Version 2: a manifest request names the engine's placement
+/// (ranks, worlds and the cut-option flags of
+/// [`crate::manifest::WirePlacement`]), a manifest lists the rank's bytes
+/// and DoRA magnitudes ([`crate::manifest::WirePart::Magnitude`]).
 pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest request frame (what a peer accepts from an engine).
 pub const MAX_CONTROL_BYTES: u32 = 4 << 20;

@@ -1,9 +1,12 @@
 //! Every swap route lands the same slot. For every rank of tensor- and
 //! expert-parallel placements (tensor world 1, 2, 4; expert world 1, 2) on
-//! dense and MoE fixtures, a peer landing over TCP of that rank's manifest
-//! leaves the rank's pool exactly as the rank's disk swap of the same
-//! adapter does: slot bytes, pair tables, expert slot and tables, and the
-//! registry entry (so the adapter identity hash too). A DoRA adapter landed
+//! dense and MoE fixtures, and for every rank of tensor worlds 2 and 4 under
+//! the fully-sharded option, the vocab-parallel cut and both (dense,
+//! embedding and head adapters), a peer landing over TCP of that rank's
+//! manifest leaves the rank's pool exactly as the rank's disk swap of the
+//! same adapter does: slot bytes, pair tables, expert slot and tables, and
+//! the registry entry (so the adapter identity hash too). A manifest for
+//! the same rank but another cut is refused and changes nothing. A DoRA adapter landed
 //! from a peer equals its disk swap bit for bit, pair bytes and every
 //! row's rescale `g`, and without the pool's base weights it is refused
 //! `REJECT[dora-needs-base-weights]` with nothing changed.
@@ -20,10 +23,13 @@ use lora_audit::{AuditError, LoraOptions, RejectCode};
 use lora_kernels::Device;
 use lora_layout::{ExpertSite, LoraModule, ModelConfig, Placement};
 use lora_pool::{AdapterSlot, BaseProjection, BaseWeights, BatchCapacity, LoraPool, PoolError, SlotId};
-use lora_rdma::land::HostLanding;
+use lora_rdma::land::{HostLanding, LandError};
+use lora_rdma::manifest::{Manifest, ManifestError, WirePlacement};
 use lora_rdma::peer::{Peer, PeerHandle, PeerOptions, PeerStore, StoreOptions};
+use lora_rdma::protocol::TransportKind;
 use lora_rdma::swap::{PeerSwapError, swap_from_peer};
 use lora_rdma::tcp::{TcpOptions, TcpTransport};
+use lora_rdma::transport::{LandingSink, ReadOp, Transport, TransportError};
 
 /// What a swap leaves in one slot of a pool, addresses aside.
 #[derive(Debug, PartialEq)]
@@ -220,6 +226,131 @@ fn a_ranks_peer_landing_equals_its_disk_swap_for_every_rank_and_family() {
             }
         }
         assert!(checked >= adapters.len() * 3, "{model}: {checked}");
+    }
+}
+
+/// The cut options checked on every rank of tensor worlds 2 and 4: the
+/// fully-sharded option, the vocab-parallel cut, and both.
+fn cut_placements() -> Vec<Placement> {
+    let cuts = [(true, false), (false, true), (true, true)];
+    [2, 4]
+        .into_iter()
+        .flat_map(|tp| {
+            cuts.into_iter().flat_map(move |(fully_sharded, vocab_parallel)| {
+                Placement::new(0, tp)
+                    .unwrap()
+                    .with_fully_sharded(fully_sharded)
+                    .with_vocab_parallel(vocab_parallel)
+                    .ranks()
+            })
+        })
+        .collect()
+}
+
+/// Under the fully-sharded option, the vocab-parallel cut and both, every
+/// rank of tensor worlds 2 and 4 lands from the peer exactly what its disk
+/// swap packs: dense adapters of rank 8 (a fully-sharded rank past the
+/// rank's rows holds none of a column-parallel A) and 16 (every rank's
+/// block full), and embedding and head adapters (their pairs cut by
+/// vocabulary under the vocab-parallel cut).
+#[test]
+fn a_ranks_peer_landing_equals_its_disk_swap_under_every_cut() {
+    let model = "llama";
+    let adapters = [
+        "dense_all_linear_f32",
+        "demo_r16_alpha_pattern",
+        "embedding_lora_no_table",
+        "lm_head_lora_no_table",
+    ];
+    let cfg = model_config(model);
+    let peer = peer(model, &adapters);
+    let cpu = Device::cpu();
+    let placements = cut_placements();
+    assert_eq!(placements.len(), 3 * (2 + 4));
+    for placement in placements {
+        let opts = options(&cfg, placement, false);
+        for adapter in adapters {
+            let (disk, landed) = both_routes(&cpu, model, adapter, &opts, &peer, None);
+            assert!(disk.registry.is_filled(), "{model}/{adapter} {placement:?}");
+            assert_same(&landed, &disk, &format!("{model}/{adapter} at {placement:?}"));
+        }
+    }
+}
+
+/// A transport that asks the peer for `placement` whatever the engine
+/// asks for: a manifest of the engine's ranks staged for another cut.
+struct OtherCut {
+    inner: TcpTransport,
+    placement: WirePlacement,
+}
+
+impl Transport for OtherCut {
+    fn kind(&self) -> TransportKind {
+        self.inner.kind()
+    }
+
+    fn fetch_manifest(
+        &mut self,
+        adapter: &str,
+        max_rank: u32,
+        expert_rank: u32,
+        _: WirePlacement,
+    ) -> Result<Manifest, TransportError> {
+        self.inner
+            .fetch_manifest(adapter, max_rank, expert_rank, self.placement)
+    }
+
+    fn read(&mut self, ops: &[ReadOp], sink: &mut dyn LandingSink) -> Result<(), TransportError> {
+        self.inner.read(ops, sink)
+    }
+}
+
+/// A manifest staged for the rank's own ranks but another cut (each of the
+/// four cut combinations against each other) is refused
+/// `PlacementMismatch` naming both, and the pool is unchanged.
+#[test]
+fn a_manifest_for_the_same_rank_but_another_cut_is_refused_and_changes_nothing() {
+    let (model, adapter) = ("llama", "embedding_lora_no_table");
+    let cfg = model_config(model);
+    let peer = peer(model, &[adapter, "dense_all_linear_f32"]);
+    let rank = Placement::new(1, 2).unwrap();
+    let cuts: Vec<Placement> = [(false, false), (true, false), (false, true), (true, true)]
+        .into_iter()
+        .map(|(fs, vp)| rank.with_fully_sharded(fs).with_vocab_parallel(vp))
+        .collect();
+    for &engine in &cuts {
+        for &staged in &cuts {
+            if engine == staged {
+                continue;
+            }
+            for adapter in [adapter, "dense_all_linear_f32"] {
+                let mut pool = LoraPool::new(
+                    &Device::cpu(),
+                    cfg.clone(),
+                    options(&cfg, engine, false),
+                    BatchCapacity::default(),
+                )
+                .unwrap();
+                let before = snapshot(&pool);
+                let mut transport = OtherCut {
+                    inner: TcpTransport::connect(&peer.addr().to_string(), TcpOptions::default()).unwrap(),
+                    placement: WirePlacement::from_placement(staged),
+                };
+                let mut target = HostLanding::new(pool.layout());
+                let err = swap_from_peer(&mut pool, &mut transport, adapter, &mut target).unwrap_err();
+                assert!(
+                    matches!(
+                        &err,
+                        PeerSwapError::Land(LandError::Manifest(ManifestError::PlacementMismatch { expected, got }))
+                            if *expected == WirePlacement::from_placement(engine)
+                                && *got == WirePlacement::from_placement(staged)
+                    ),
+                    "{adapter} {engine:?} <- {staged:?}: {err}"
+                );
+                assert_eq!(snapshot(&pool), before, "a refused landing changed the pool");
+                assert!(target.dense().as_bytes().iter().all(|&b| b == 0));
+            }
+        }
     }
 }
 

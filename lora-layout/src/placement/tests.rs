@@ -1,5 +1,6 @@
 use super::*;
 use crate::layout::{BF16_BYTES, LayoutError, SlotLayout};
+use crate::pair::PairLayout;
 use proptest::prelude::*;
 
 /// A random config of any supported family whose dims are small products,
@@ -557,4 +558,55 @@ proptest! {
             prop_assert_eq!(&full[0].entries(), &half[0].entries());
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The rows of a rank-`r` pair's A each fully-sharded rank holds with
+    /// data ([`PairPlace::a_used_rows`]) lie in its block, and the ranks'
+    /// rows concatenate, in rank order, to the pair's `0..r`: what the peer
+    /// stages and the packer copies, once each.
+    #[test]
+    fn fully_sharded_ranks_hold_a_pairs_true_rank_rows_once(
+        cfg in any_config(),
+        max_rank in prop::sample::select(vec![8usize, 16]),
+        world in prop::sample::select(vec![1usize, 2, 4, 8]),
+        rank_seed in 0usize..64,
+    ) {
+        let rank = 1 + rank_seed % max_rank;
+        let group = Placement::new(0, world).unwrap().with_fully_sharded(true);
+        let Ok(layouts) = group
+            .ranks()
+            .map(|p| SlotLayout::with_placement(&cfg, max_rank, p))
+            .collect::<Result<Vec<_>, _>>()
+        else {
+            return Ok(());
+        };
+        for i in 0..PairLayout::len(&layouts[0]) {
+            let mut rows = Vec::new();
+            for l in &layouts {
+                let place = PairLayout::place(l, i).unwrap();
+                let used = place.a_used_rows(max_rank, rank);
+                let block = place.a_rows(max_rank);
+                prop_assert!(used.is_empty() || (block.start <= used.start && used.end <= block.end));
+                prop_assert_eq!(used.start, block.start.min(rank));
+                rows.extend(used);
+            }
+            // A cut A: the ranks' rows are `0..rank` once, in rank order;
+            // a whole A: every rank holds `0..rank`.
+            let want: Vec<usize> = if place_is_cut(&layouts[0], i, max_rank) {
+                (0..rank).collect()
+            } else {
+                (0..world).flat_map(|_| 0..rank).collect()
+            };
+            prop_assert_eq!(rows, want);
+        }
+    }
+}
+
+/// Whether place `i` of `layout` holds a block of A's rank rows (cut by
+/// the fully-sharded option), not all of them.
+fn place_is_cut(layout: &SlotLayout, i: usize, stride: usize) -> bool {
+    PairLayout::place(layout, i).is_some_and(|p| p.a_rows(stride).len() < stride)
 }

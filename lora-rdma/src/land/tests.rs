@@ -784,25 +784,62 @@ fn every_tuning_lands_a_large_adapter_over_tcp_as_the_disk_pack() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A placed engine asks for its rank's bytes: a manifest staged for
-/// another placement is refused before its audit, and one that claims the
-/// engine's placement but lists another rank's cut (here the whole pairs)
-/// is refused entry by entry against the rank's own layout; nothing lands.
+/// A fully-sharded or vocab-parallel rank asks for its own cut: the lander
+/// builds for it, a manifest of the same ranks staged for another cut is
+/// refused `PlacementMismatch` before its audit, and the rank's own manifest
+/// passes. A fully-sharded rank whose block of rank rows lies past the
+/// adapter's rank expects (and gets) no A rows of a column-parallel pair.
 #[test]
-fn a_fully_sharded_rank_is_refused_by_the_lander() {
-    let placement = lora_layout::Placement::new(1, 2).unwrap().with_fully_sharded(true);
-    let o = LoraOptions {
-        placement,
-        ..opts(16, 16)
-    };
-    let err = Lander::new(config("llama"), o).unwrap_err();
-    assert!(matches!(err, LandError::FullySharded { tp_world: 2 }), "{err}");
-    // World 1: the option cuts nothing, and the lander serves it.
-    let one = LoraOptions {
-        placement: lora_layout::Placement::SINGLE.with_fully_sharded(true),
-        ..opts(16, 16)
-    };
-    assert!(Lander::new(config("llama"), one).is_ok());
+fn a_ranks_cut_options_are_asked_for_and_checked() {
+    let store = store("llama", &["demo_r8_rslora"], StoreOptions::default());
+    let rank1 = lora_layout::Placement::new(1, 2).unwrap();
+    for placement in [
+        rank1.with_fully_sharded(true),
+        rank1.with_vocab_parallel(true),
+        rank1.with_fully_sharded(true).with_vocab_parallel(true),
+    ] {
+        let lander = Lander::new(
+            config("llama"),
+            LoraOptions {
+                placement,
+                ..opts(16, 16)
+            },
+        )
+        .unwrap();
+        let wire = WirePlacement::from_placement(placement);
+        for other in [rank1, rank1.with_fully_sharded(true), rank1.with_vocab_parallel(true)] {
+            let other = WirePlacement::from_placement(other);
+            if other == wire {
+                continue;
+            }
+            let m = store
+                .manifest("demo_r8_rslora", 16, 16, other, TransportKind::Tcp)
+                .unwrap();
+            let err = lander.check("demo_r8_rslora", &m).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    LandError::Manifest(ManifestError::PlacementMismatch { expected, got })
+                        if expected == wire && got == other
+                ),
+                "{placement:?}: {err}"
+            );
+        }
+        let own = store
+            .manifest("demo_r8_rslora", 16, 16, wire, TransportKind::Tcp)
+            .unwrap();
+        assert_eq!(own.placement, wire);
+        let plan = lander.check("demo_r8_rslora", &own).unwrap();
+        if placement.fully_sharded() {
+            // Rank 1 of 2 holds rows 8..16 of a rank-8 pair's A: none.
+            let column_a = plan.parts.iter().filter(|p| {
+                p.part == WirePart::A
+                    && matches!(p.key, PairKey::Dense { module, .. } if module.shard_kind() == lora_layout::ShardKind::Column)
+            });
+            assert!(column_a.clone().count() > 0);
+            assert!(column_a.clone().all(|p| p.range.is_empty()), "{placement:?}");
+        }
+    }
 }
 
 #[test]

@@ -189,21 +189,69 @@ fn any_key() -> impl Strategy<Value = PairKey> {
 
 proptest! {
     #[test]
-    fn wire_placements_round_trip(tp_world in 1usize..16, tp in 0usize..16, ep_world in 1usize..16, ep in 0usize..16) {
+    fn wire_placements_round_trip(
+        tp_world in 1usize..16,
+        tp in 0usize..16,
+        ep_world in 1usize..16,
+        ep in 0usize..16,
+        vocab_parallel in any::<bool>(),
+        fully_sharded in any::<bool>(),
+    ) {
         let p = Placement::new(tp % tp_world, tp_world)
             .and_then(|p| p.with_experts(ep % ep_world, ep_world))
-            .unwrap();
+            .unwrap()
+            .with_vocab_parallel(vocab_parallel)
+            .with_fully_sharded(fully_sharded);
         let wire = WirePlacement::from_placement(p);
+        prop_assert_eq!(wire.flags & WirePlacement::VOCAB_PARALLEL != 0, vocab_parallel);
+        prop_assert_eq!(wire.flags & WirePlacement::FULLY_SHARDED != 0, fully_sharded);
         let json = serde_json::to_string(&wire).unwrap();
         let back: WirePlacement = serde_json::from_str(&json).unwrap();
+        prop_assert_eq!(back, wire);
         prop_assert_eq!(back.to_placement(), Ok(p));
     }
 
+    /// A wire placement names a placement exactly when its ranks are below
+    /// their worlds and its flags are known bits; unknown bits are refused
+    /// naming them, before the ranks are looked at.
     #[test]
-    fn wire_placements_naming_no_rank_are_errors(tp_rank in 0u32..8, tp_world in 0u32..8, ep_rank in 0u32..8, ep_world in 0u32..8) {
-        let wire = WirePlacement { tp_rank, tp_world, ep_rank, ep_world };
+    fn wire_placements_naming_no_rank_are_errors(
+        tp_rank in 0u32..8,
+        tp_world in 0u32..8,
+        ep_rank in 0u32..8,
+        ep_world in 0u32..8,
+        flags in any::<u8>(),
+    ) {
+        let wire = WirePlacement { tp_rank, tp_world, ep_rank, ep_world, flags };
+        let unknown = flags & !WirePlacement::KNOWN_FLAGS;
         let names_a_rank = tp_rank < tp_world && ep_rank < ep_world;
-        prop_assert_eq!(wire.to_placement().is_ok(), names_a_rank);
+        match wire.to_placement() {
+            Ok(p) => {
+                prop_assert!(names_a_rank && unknown == 0);
+                prop_assert_eq!(WirePlacement::from_placement(p), wire);
+            }
+            Err(WirePlacementError::UnknownFlags { flags: f, unknown: u }) => {
+                prop_assert_eq!((f, u), (flags, unknown));
+                prop_assert!(unknown != 0);
+            }
+            Err(WirePlacementError::Placement(_)) => prop_assert!(unknown == 0 && !names_a_rank),
+        }
+    }
+
+    /// A manifest staged for the engine's ranks under any other cut (flags)
+    /// is refused `PlacementMismatch` naming both.
+    #[test]
+    fn a_manifest_for_another_cut_is_a_placement_mismatch(engine in 0u8..4, staged in 0u8..4) {
+        let placed = |flags| WirePlacement { tp_rank: 1, tp_world: 2, flags, ..WirePlacement::SINGLE };
+        let identity = Identity { placement: placed(engine), ..IDENTITY };
+        let mut m = manifest_for(&plan());
+        m.placement = placed(staged);
+        let got = check_identity(&m, &identity);
+        if engine == staged {
+            prop_assert_eq!(got, Ok(()));
+        } else {
+            prop_assert_eq!(got, Err(ManifestError::PlacementMismatch { expected: placed(engine), got: placed(staged) }));
+        }
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //! A staging is keyed by what changes its bytes only: the dense stride
 //! (`max_rank`) when the adapter has dense pairs, the expert stride
 //! (`expert_packed_stride(expert_rank)`) when it has expert or router
-//! pairs, the engine's placement (a tensor-parallel rank stages its shard
-//! of each pair, an expert-parallel rank its experts and the router: the
-//! cut the rank's own layout walk gives, [`crate::stage`]), and the
+//! pairs, the engine's whole placement (a tensor-parallel rank stages its
+//! shard of each pair, an expert-parallel rank its experts and the router,
+//! under the vocab-parallel and fully-sharded options as they are on or
+//! off: the cut the rank's own layout walk gives, [`crate::stage`]), and the
 //! version of its files. Past the budget (bytes, and a
 //! count), the least recently used staging is dropped, except one an active
 //! landing has pinned: when pinned stagings leave no room, the request is
@@ -181,7 +182,7 @@ struct StageKey {
     dense_stride: usize,
     /// The expert and router B stride; 0 for an adapter without them.
     expert_stride: usize,
-    /// The engine's rank.
+    /// The engine's rank, cut options included.
     placement: Placement,
 }
 
@@ -421,7 +422,7 @@ impl PeerStore {
             lm_head_lora: true,
             // Likewise DoRA pairs with their magnitudes, for an unplaced
             // engine (a placed pool serves no DoRA; its audit refuses it).
-            dora: placement == Placement::SINGLE,
+            dora: placement.tp_world() == 1 && placement.ep_world() == 1,
             ..LoraOptions::default()
         }
     }

@@ -71,8 +71,9 @@ fn dora_adapters_are_staged_with_their_magnitudes() {
     assert_eq!(err.code, RefusalCode::Staging, "{err}");
 }
 
-/// A placement that names no rank, or whose cut does not divide the
-/// model, is refused `Placement` before anything is staged.
+/// A placement that names no rank, carries unknown flag bits, or whose cut
+/// does not divide the model, is refused `Placement` before anything is
+/// staged.
 #[test]
 fn placements_that_name_no_rank_or_do_not_divide_are_refused() {
     let store = llama_store(StoreOptions::default());
@@ -94,6 +95,15 @@ fn placements_that_name_no_rank_or_do_not_divide_are_refused() {
         WirePlacement {
             tp_rank: 0,
             tp_world: 7,
+            ..WirePlacement::SINGLE
+        },
+        WirePlacement {
+            flags: 0x80,
+            ..WirePlacement::SINGLE
+        },
+        WirePlacement {
+            tp_world: 2,
+            flags: WirePlacement::KNOWN_FLAGS | 0x04,
             ..WirePlacement::SINGLE
         },
     ] {
@@ -564,4 +574,47 @@ fn a_served_adapter_whose_files_change_is_audited_again() {
         RefusalCode::Staging
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The cut options are part of a staging's key: the same rank under each
+/// combination of the vocab-parallel and fully-sharded options is staged
+/// once each (its own region, its own bytes where the cut differs), and
+/// each manifest names the placement it was staged for.
+#[test]
+fn each_cut_of_a_rank_is_staged_on_its_own() {
+    let store = llama_store(StoreOptions::default());
+    let rank = WirePlacement {
+        tp_rank: 1,
+        tp_world: 2,
+        ..WirePlacement::SINGLE
+    };
+    let mut regions = Vec::new();
+    for flags in 0..=WirePlacement::KNOWN_FLAGS {
+        let placement = WirePlacement { flags, ..rank };
+        let m = store.manifest("r8", 16, 16, placement, TransportKind::Tcp).unwrap();
+        assert_eq!(m.placement, placement);
+        // Asked again: the same staging.
+        let again = store.manifest("r8", 16, 16, placement, TransportKind::Tcp).unwrap();
+        assert_eq!(again, m);
+        regions.push(region_of(&m));
+        let a_bytes: u64 = m.entries.iter().filter(|e| e.part == WirePart::A).map(|e| e.len).sum();
+        let whole = store.manifest("r8", 16, 16, rank, TransportKind::Tcp).unwrap();
+        let whole_a: u64 = whole
+            .entries
+            .iter()
+            .filter(|e| e.part == WirePart::A)
+            .map(|e| e.len)
+            .sum();
+        // Rank 1 of 2 under the fully-sharded option holds rows 8..16 of a
+        // rank-8 column-parallel A: none of them.
+        if flags & WirePlacement::FULLY_SHARDED != 0 {
+            assert!(a_bytes < whole_a, "{placement}");
+        } else {
+            assert_eq!(a_bytes, whole_a, "{placement}");
+        }
+    }
+    regions.sort_unstable();
+    regions.dedup();
+    assert_eq!(regions.len(), 4, "one staging per cut");
+    assert_eq!(store.cache_usage().0, 4);
 }
