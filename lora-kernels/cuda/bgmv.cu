@@ -302,7 +302,7 @@ __device__ __forceinline__ void copy_list_item(const ItemRows* list, int i, Item
 // waits for the list, then reads the item count and its first item in one
 // round trip. Faults are raised by bgmv_list then, never here.
 
-template <typename Y, int C, bool TC, bool LIST, int NT>
+template <typename Y, int C, bool TC, bool LIST, int NT, bool DORA>
 __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
     constexpr int NW = NT / 32;
     static_assert(NT == BGMV_THREADS || (NT == 2 * BGMV_THREADS && !TC), "512 threads: the scalar kernels only");
@@ -541,7 +541,9 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
         const int rank = (int)en.rank;
         const int nr = rank > 0 ? (row_mapped ? 1 : s_item.nrows) : 0;
         // The DoRA epilogue's rescale of the item's entry (the entry its first row names), or null.
-        const float* dora_g = nr > 0 && tg.dora != 0ull ? dora_scale_of(tg, ((const int*)p.idx)[s_item.rows[0]]) : nullptr;
+        const float* dora_g = nullptr;
+        if constexpr (DORA)
+            dora_g = nr > 0 && tg.dora != 0ull ? dora_scale_of(tg, ((const int*)p.idx)[s_item.rows[0]]) : nullptr;
         const bf16_t* A = (const bf16_t*)en.a;
         const bf16_t* B = (const bf16_t*)en.b;
         const bool vec_x = (in % 8 == 0) && (p.x_stride % 8 == 0) && aligned16(X) && aligned16(A);
@@ -866,7 +868,7 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                     const int o = m0 + (lane >> 2) + (f >> 1) * 8;
                     const int h = f & 1;
                     if (o < lo && live[h])
-                        y_store(yg[h] + o, dora_epilogue(y_load(ysh[h] + o) + d[f], dora_g, tg, o0 + o));
+                        y_store(yg[h] + o, dora_epilogue_if<DORA>(y_load(ysh[h] + o) + d[f], dora_g, tg, o0 + o));
                 }
             }
         }
@@ -927,7 +929,8 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
                 for (int j = 0; j < EO; ++j) {
                     const int o = r + j * NT;
                     if (live[j])
-                        y_store(yrow + o, dora_epilogue(y_load(sY + g * lo_max + o) + (e[j] + f[j]), dora_g, tg, o0 + o));
+                        y_store(yrow + o,
+                                dora_epilogue_if<DORA>(y_load(sY + g * lo_max + o) + (e[j] + f[j]), dora_g, tg, o0 + o));
                 }
             }
         }
@@ -936,12 +939,17 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 }
 
 // Every kernel scans its window (NAME); the tensor-core ones also read
-// bgmv_list's list (NAME_list, LIST). Register bounds as for the clusters
-// below: the scalar kernels' two-row shrink and expand need more than 64
-// registers without spilling.
-#define BGMV_KERNEL_C1(NAME, Y, TC, LIST, BLOCKS)                                                 \
-    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME(const BgmvParams p) { \
-        bgmv_body<Y, 1, TC, LIST, BGMV_THREADS>(p);                                               \
+// bgmv_list's list (NAME_list, LIST). Each macro defines the plain kernel
+// NAME and NAME_dora, the same body with the DoRA epilogue compiled in
+// (launched where a target of the call carries a DoRA table). Register
+// bounds as for the clusters below: the scalar kernels' two-row shrink and
+// expand need more than 64 registers without spilling.
+#define BGMV_KERNEL_C1(NAME, Y, TC, LIST, BLOCKS)                                                         \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME(const BgmvParams p) {         \
+        bgmv_body<Y, 1, TC, LIST, BGMV_THREADS, false>(p);                                                \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME##_dora(const BgmvParams p) { \
+        bgmv_body<Y, 1, TC, LIST, BGMV_THREADS, true>(p);                                                 \
     }
 BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false, false, 3)
 BGMV_KERNEL_C1(bgmv_c1_f32, float, false, false, 3)
@@ -953,9 +961,14 @@ BGMV_KERNEL_C1(bgmv_tc_c1_f32_list, float, true, true, 4)
 #if __CUDA_ARCH__ >= 900
 // The TC kernels need fewer registers: four blocks per multiprocessor
 // (`TC_BLOCKS_PER_SM` in bgmv.rs), so more items are served in one round; the scalar ones three.
-#define BGMV_KERNEL_CL(NAME, Y, C, TC, LIST, NT, BLOCKS)                                                        \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, BLOCKS) NAME(const BgmvParams p) { \
-        bgmv_body<Y, C, TC, LIST, NT>(p);                                                                       \
+#define BGMV_KERNEL_CL(NAME, Y, C, TC, LIST, NT, BLOCKS)                                             \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1)                                             \
+        __launch_bounds__(NT, BLOCKS) NAME(const BgmvParams p) {                                     \
+        bgmv_body<Y, C, TC, LIST, NT, false>(p);                                                     \
+    }                                                                                                \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1)                                             \
+        __launch_bounds__(NT, BLOCKS) NAME##_dora(const BgmvParams p) {                              \
+        bgmv_body<Y, C, TC, LIST, NT, true>(p);                                                      \
     }
 // Clusters of 2 serve batches whose items outnumber the resident clusters
 // of 8: one block per multiprocessor (a whole half of A and B staged at
@@ -1513,7 +1526,7 @@ __device__ __forceinline__ int item_row(const int (&rows)[BGMV_G], int g) {
 
 // Dynamic shared memory of the expand: sAcc [GR][cols] f32, sY [GR][cols] Y,
 // sT [GR][rpad] f32, for items of GR rows (1: every row its own item).
-template <typename Y>
+template <typename Y, bool DORA>
 __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     extern __shared__ __align__(16) unsigned char dyn[];
     const int tid = threadIdx.x;
@@ -1585,7 +1598,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
         const bf16_t* B;
         float scale;
         int rows[BGMV_G];
-        const float* dora_g;  // the DoRA epilogue's rescale of the row's entry, or null
+        const float* dora_g = nullptr;  // the DoRA epilogue's rescale of the row's entry, or null
         {
             const PairEntry en = row_entry(it);
             rank = (int)en.rank;
@@ -1593,7 +1606,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
             if (rank == 0) continue;  // uniform over the block
             B = (const bf16_t*)en.b;
             scale = en.scale;
-            dora_g = tg.dora != 0ull ? dora_scale_of(tg, ((const int*)p.idx)[it]) : nullptr;
+            if constexpr (DORA) dora_g = tg.dora != 0ull ? dora_scale_of(tg, ((const int*)p.idx)[it]) : nullptr;
 #pragma unroll
             for (int g = 0; g < BGMV_G; ++g) rows[g] = it;
         }
@@ -1762,7 +1775,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
                 const float* sa = sAcc + g * cols + c;
                 float out8[8];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) out8[j] = dora_epilogue(y_load(sy + j) + sa[j], dora_g, tg, o0 + c + j);
+                for (int j = 0; j < 8; ++j) out8[j] = dora_epilogue_if<DORA>(y_load(sy + j) + sa[j], dora_g, tg, o0 + c + j);
                 y_store8(Yp + (u64)r * ys + coff + o0 + c, out8);
             }
         } else {
@@ -1772,7 +1785,7 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
                 const int o = v - g * lc;
                 const int r = item_row(rows, g);
                 Y* dst = Yp + (u64)r * ys + coff + o0 + o;
-                y_store(dst, dora_epilogue(y_load(dst) + sAcc[g * cols + o], dora_g, tg, o0 + o));
+                y_store(dst, dora_epilogue_if<DORA>(y_load(dst) + sAcc[g * cols + o], dora_g, tg, o0 + o));
             }
         }
     }
@@ -1781,9 +1794,16 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     if (!waited) grid_dependency_wait();
 }
 
+// Plain, and with the DoRA epilogue compiled in (_dora).
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_bf16(const Bgmv2Params p) {
-    bgmv2_expand_body<bf16_t>(p);
+    bgmv2_expand_body<bf16_t, false>(p);
 }
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_f32(const Bgmv2Params p) {
-    bgmv2_expand_body<float>(p);
+    bgmv2_expand_body<float, false>(p);
+}
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_bf16_dora(const Bgmv2Params p) {
+    bgmv2_expand_body<bf16_t, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_f32_dora(const Bgmv2Params p) {
+    bgmv2_expand_body<float, true>(p);
 }

@@ -168,7 +168,9 @@ __device__ __forceinline__ const float* bge_push_partials(const float* red, floa
     return buf;
 }
 
-template <int C, int KS, bool PF = false>
+// DORA: the DoRA epilogue compiled in (the _dora kernels); a plain
+// instantiation has none of it.
+template <int C, int KS, bool PF, bool DORA>
 __device__ __forceinline__ void bge_body(const BgeParams& p) {
     static_assert(C > 1, "a cluster of blocks per entry");
     constexpr int S = 16 * KS;  // rank stride
@@ -476,16 +478,18 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                         }
                         // The DoRA epilogue: d[0..1] are output lb + 16h + g (of the block's
                         // slice), d[2..3] output + 8; outputs past the slice are not stored.
-                        const float* dg = dora_scale_of(tg, e);
-                        if (dg != nullptr) {
-                            const int oa = lb + 16 * h + g;
-                            if (oa < n_staged) {
-                                d[0] = dora_epilogue(d[0], dg, tg, o0 + oa);
-                                d[1] = dora_epilogue(d[1], dg, tg, o0 + oa);
-                            }
-                            if (oa + 8 < n_staged) {
-                                d[2] = dora_epilogue(d[2], dg, tg, o0 + oa + 8);
-                                d[3] = dora_epilogue(d[3], dg, tg, o0 + oa + 8);
+                        if constexpr (DORA) {
+                            const float* dg = dora_scale_of(tg, e);
+                            if (dg != nullptr) {
+                                const int oa = lb + 16 * h + g;
+                                if (oa < n_staged) {
+                                    d[0] = dora_epilogue(d[0], dg, tg, o0 + oa);
+                                    d[1] = dora_epilogue(d[1], dg, tg, o0 + oa);
+                                }
+                                if (oa + 8 < n_staged) {
+                                    d[2] = dora_epilogue(d[2], dg, tg, o0 + oa + 8);
+                                    d[3] = dora_epilogue(d[3], dg, tg, o0 + oa + 8);
+                                }
                             }
                         }
                         yv[2 * h] = pack_bf2_rn(d[0], d[1]);
@@ -585,12 +589,12 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
                 }
             }
             if (ya) {
-                bge_dora8(d, 0, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
+                if constexpr (DORA) bge_dora8(d, 0, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
                 *(uint4*)ya = make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
                                          pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1]));
             }
             if (yb) {
-                bge_dora8(d, 2, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
+                if constexpr (DORA) bge_dora8(d, 2, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
                 *(uint4*)yb = make_uint4(pack_bf2_rn(d[0][2], d[0][3]), pack_bf2_rn(d[1][2], d[1][3]),
                                          pack_bf2_rn(d[2][2], d[2][3]), pack_bf2_rn(d[3][2], d[3][3]));
             }
@@ -625,9 +629,9 @@ __device__ __forceinline__ void st_global16(void* p, uint4 v) {
 }
 
 // Not inlined: its registers stay out of the register form's allocation.
-template <int C>
+template <int C, bool DORA>
 __device__ __noinline__ void bge_reg_fallback(const BgeParams p) {
-    bge_body<C, 1>(p);
+    bge_body<C, 1, false, DORA>(p);
 }
 
 // The block's weights are requested as soon as its entry is known, before
@@ -635,7 +639,7 @@ __device__ __noinline__ void bge_reg_fallback(const BgeParams p) {
 // host takes this kernel by default only for batches of several rows per
 // entry). Requested after a barrier had found a row naming the entry, the
 // kernel lost to the staged one at every shape the bench has (NOTES.md v33).
-template <int C, bool PF = false>
+template <int C, bool PF, bool DORA>
 __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     constexpr int NCH = BGE_REG_CHUNKS, NG = BGE_REG_GROUPS;
     // One row index a thread: at most BGE_REG_MAX_ROWS rows (more would
@@ -675,12 +679,14 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
     if (e >= tg.n_entries) return;
     const PairEntry en = ((const PairEntry*)tg.table)[e];
     // Weights not 16- and 8-byte aligned: the staged body's element loads
-    // (uniform over the cluster; it reads the indices again, unstaged). An
-    // entry with a DoRA rescale at the target likewise: the staged body
-    // applies the epilogue, which inlined here spilled this kernel's
-    // registers on every call, DoRA or not.
-    if (!aligned16((const void*)en.a) || (en.b & 7ull) != 0 || dora_scale_of(tg, e) != nullptr) {
-        bge_reg_fallback<C>(p);
+    // (uniform over the cluster; it reads the indices again, unstaged). In
+    // the _dora kernels an entry with a DoRA rescale at the target likewise:
+    // the staged body applies the epilogue, which inlined here spilled this
+    // kernel's registers.
+    bool fallback = !aligned16((const void*)en.a) || (en.b & 7ull) != 0;
+    if constexpr (DORA) fallback = fallback || dora_scale_of(tg, e) != nullptr;
+    if (fallback) {
+        bge_reg_fallback<C, DORA>(p);
         return;
     }
     if (tid == 0) s_live = 1;
@@ -819,9 +825,16 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
 #if __CUDA_ARCH__ >= 900
 // Rank 16 in at most 80 registers: three blocks per multiprocessor, so 8-block
 // clusters of 32 entries are all resident at once (`blocks_per_sm` in bgmv/entry.rs).
-#define BGE_KERNEL(NAME, C, KS, BLOCKS, PF)                                                              \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(BGE_THREADS, BLOCKS) NAME(const BgeParams p) { \
-        bge_body<C, KS, PF>(p);                                                                          \
+// Each macro defines the plain kernel NAME and NAME_dora, the same body with
+// the DoRA epilogue compiled in.
+#define BGE_KERNEL(NAME, C, KS, BLOCKS, PF)                                               \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1)                                  \
+        __launch_bounds__(BGE_THREADS, BLOCKS) NAME(const BgeParams p) {                  \
+        bge_body<C, KS, PF, false>(p);                                                    \
+    }                                                                                     \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1)                                  \
+        __launch_bounds__(BGE_THREADS, BLOCKS) NAME##_dora(const BgeParams p) {           \
+        bge_body<C, KS, PF, true>(p);                                                     \
     }
 BGE_KERNEL(bgmv_entry_c8_r16, 8, 1, 3, false)
 BGE_KERNEL(bgmv_entry_c8_r32, 8, 2, 2, false)
@@ -832,12 +845,19 @@ BGE_KERNEL(bgmv_entry_c4_r64, 4, 4, 2, false)
 // Rank 16, asking the weights into L2 before the wait.
 BGE_KERNEL(bgmv_entry_c8_r16_pf, 8, 1, 3, true)
 BGE_KERNEL(bgmv_entry_c4_r16_pf, 4, 1, 3, true)
-// The register form: rank 16 in at most 80 registers, as bgmv_entry_c8_r16.
+// The register form: rank 16 in at most 80 registers, as bgmv_entry_c8_r16
+// (plain, and with the DoRA epilogue's redirect compiled in: _dora).
 extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg(const BgeParams p) {
-    bge_reg_body<8>(p);
+    bge_reg_body<8, false, false>(p);
 }
 extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg_pf(const BgeParams p) {
-    bge_reg_body<8, true>(p);
+    bge_reg_body<8, true, false>(p);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg_dora(const BgeParams p) {
+    bge_reg_body<8, false, true>(p);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg_pf_dora(const BgeParams p) {
+    bge_reg_body<8, true, true>(p);
 }
 #endif
 
@@ -884,10 +904,12 @@ __device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
 }
 
 __device__ __noinline__ void bgs_unaligned(const BgsParams sp);
+__device__ __noinline__ void bgs_unaligned_dora(const BgsParams sp);
 
 // ALIGNED: 16-byte A and 8-byte B loads (the entry's weights are checked
-// first and sent to the element-load body otherwise).
-template <bool ALIGNED>
+// first and sent to the element-load body otherwise). DORA: the DoRA
+// epilogue compiled in (the _dora kernel).
+template <bool ALIGNED, bool DORA>
 __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
     const BgeParams& p = sp.base;
     constexpr int NCH = BGS_CHUNKS, NG = BGS_GROUPS;
@@ -947,7 +969,10 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
     const PairEntry en = ((const PairEntry*)tg.table)[e];
     // Weights not 16- and 8-byte aligned: element loads (uniform over the group).
     if (ALIGNED && (!aligned16((const void*)en.a) || (en.b & 7ull) != 0)) {
-        bgs_unaligned(sp);
+        if constexpr (DORA)
+            bgs_unaligned_dora(sp);
+        else
+            bgs_unaligned(sp);
         return;
     }
     const bool valid = !bad_entry(en, 16) && en.rank > 0;
@@ -1118,7 +1143,7 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
                 mma_k16(d[j], tl[0], 0u, tl[1], 0u, b0, b1);
             }
             if (y_ok) {
-                bge_dora8(d, 0, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
+                if constexpr (DORA) bge_dora8(d, 0, p.targets[blockIdx.z], (int)blockIdx.y, base + 8 * c);
                 st_global16(y + (u64)row * p.y_stride + base + 8 * c,
                             make_uint4(pack_bf2_rn(d[0][0], d[0][1]), pack_bf2_rn(d[1][0], d[1][1]),
                                        pack_bf2_rn(d[2][0], d[2][1]), pack_bf2_rn(d[3][0], d[3][1])));
@@ -1142,11 +1167,18 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
 
 // Not inlined: its registers stay out of the aligned body's allocation.
 __device__ __noinline__ void bgs_unaligned(const BgsParams sp) {
-    bgs_body<false>(sp);
+    bgs_body<false, false>(sp);
+}
+__device__ __noinline__ void bgs_unaligned_dora(const BgsParams sp) {
+    bgs_body<false, true>(sp);
 }
 
 #if __CUDA_ARCH__ >= 900
+// Plain, and with the DoRA epilogue compiled in (_dora).
 extern "C" __global__ void __launch_bounds__(BGE_THREADS, 1) bgmv_entry_spread_r16(const BgsParams sp) {
-    bgs_body<true>(sp);
+    bgs_body<true, false>(sp);
+}
+extern "C" __global__ void __launch_bounds__(BGE_THREADS, 1) bgmv_entry_spread_r16_dora(const BgsParams sp) {
+    bgs_body<true, true>(sp);
 }
 #endif

@@ -82,9 +82,31 @@ __device__ __forceinline__ float bgr_y(const bf16_t*, bool vec, const u32* w, in
 }
 __device__ __forceinline__ float bgr_y(const float*, bool, const u32* w, int i) { return __uint_as_float(w[i]); }
 
-// The values y + d of four outputs from column c (of the target) on, through
-// the DoRA epilogue where g is non-null (columns past `live` are not stored
-// and their g is not read).
+// The plain kernels' store: four outputs y + d (y as bgr_load_y loaded them).
+__device__ __forceinline__ void bgr_store_y(bf16_t* p, bool vec, int live, const u32* w, const float* d) {
+    if (vec) {
+        *(uint2*)p = make_uint2(pack_bf2_rn(bf_lo(w[0]) + d[0], bf_hi(w[0]) + d[1]),
+                                pack_bf2_rn(bf_lo(w[1]) + d[2], bf_hi(w[1]) + d[3]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (i < live) p[i] = f2bf(bf2f((bf16_t)w[i]) + d[i]);
+    }
+}
+__device__ __forceinline__ void bgr_store_y(float* p, bool vec, int live, const u32* w, const float* d) {
+    if (vec) {
+        *(float4*)p = make_float4(__uint_as_float(w[0]) + d[0], __uint_as_float(w[1]) + d[1],
+                                  __uint_as_float(w[2]) + d[2], __uint_as_float(w[3]) + d[3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (i < live) p[i] = __uint_as_float(w[i]) + d[i];
+    }
+}
+
+// The _dora kernels: the values y + d of four outputs from column c (of the
+// target) on, through the DoRA epilogue where g is non-null (columns past
+// `live` are not stored and their g is not read).
 template <typename Y>
 __device__ __forceinline__ void bgr_out(const Y* p, bool vec, int live, const u32* w, const float* d,
                                         const float* g, const LoraTarget& tg, int c, float* v) {
@@ -95,8 +117,8 @@ __device__ __forceinline__ void bgr_out(const Y* p, bool vec, int live, const u3
     }
 }
 
-// Four outputs' final values v stored (as bgr_load_y loaded them).
-__device__ __forceinline__ void bgr_store_y(bf16_t* p, bool vec, int live, const float* v) {
+// The _dora kernels' store: four outputs' final values v (as bgr_load_y loaded them).
+__device__ __forceinline__ void bgr_store_v(bf16_t* p, bool vec, int live, const float* v) {
     if (vec) {
         *(uint2*)p = make_uint2(pack_bf2_rn(v[0], v[1]), pack_bf2_rn(v[2], v[3]));
     } else {
@@ -105,7 +127,7 @@ __device__ __forceinline__ void bgr_store_y(bf16_t* p, bool vec, int live, const
             if (i < live) p[i] = f2bf(v[i]);
     }
 }
-__device__ __forceinline__ void bgr_store_y(float* p, bool vec, int live, const float* v) {
+__device__ __forceinline__ void bgr_store_v(float* p, bool vec, int live, const float* v) {
     if (vec) {
         *(float4*)p = make_float4(v[0], v[1], v[2], v[3]);
     } else {
@@ -201,7 +223,7 @@ __device__ __forceinline__ void bgr_rank_vector(const BgrShared& sh, const uint4
 // checked). NOTES.md v29: the guards, masks and load order the general
 // form below needs cost 0.2-0.8 us each at n = 64 (measured; why is not
 // understood: the loads and their first uses are the same).
-template <typename Y>
+template <typename Y, bool DORA>
 __device__ __forceinline__ void bgr_apply_full(const BgeParams& p, const LoraTarget& tg, const PairEntry& en,
                                                const float* dora_g, int row, int q, const BgrShared& sh) {
     constexpr int R = BGR_RANKS;
@@ -232,16 +254,20 @@ __device__ __forceinline__ void bgr_apply_full(const BgeParams& p, const LoraTar
     float d[OPT];
 #pragma unroll
     for (int i = 0; i < OPT; ++i) d[i] = dot8f(b[2 * i + 1], t + 8, dot8f(b[2 * i], t, 0.f));
-    float v[OPT];
-    bgr_out(yp, true, OPT, yw, d, dora_g, tg, o, v);
-    bgr_store_y(yp, true, OPT, v);
+    if constexpr (DORA) {
+        float v[OPT];
+        bgr_out(yp, true, OPT, yw, d, dora_g, tg, o, v);
+        bgr_store_v(yp, true, OPT, v);
+    } else {
+        bgr_store_y(yp, true, OPT, yw, d);
+    }
 }
 
 // Steps 2-5 for any call the form serves: slices guarded, rank rows past
 // the rank not read and B's columns past it masked (padding is never
 // trusted), element loads where A, B, x or y are not aligned for vectors;
 // under the overlap x and y are read only after the wait.
-template <typename Y>
+template <typename Y, bool DORA>
 __device__ __forceinline__ void bgr_apply_general(const BgeParams& p, const LoraTarget& tg, const PairEntry& en,
                                                   const float* dora_g, int row, int q, const BgrShared& sh) {
     constexpr int C = 2;
@@ -303,15 +329,20 @@ __device__ __forceinline__ void bgr_apply_general(const BgeParams& p, const Lora
                         hi.w & rank_mask(14, rank));
         d[i] = dot8f(hi, t + 8, dot8f(lo, t, 0.f));
     }
-    float v[OPT];
-    bgr_out(yp, y_vec, live, yw, d, dora_g, tg, o, v);
-    if (live > 0) bgr_store_y(yp, y_vec, live, v);
+    if constexpr (DORA) {
+        float v[OPT];
+        bgr_out(yp, y_vec, live, yw, d, dora_g, tg, o, v);
+        if (live > 0) bgr_store_v(yp, y_vec, live, v);
+    } else {
+        if (live > 0) bgr_store_y(yp, y_vec, live, yw, d);
+    }
 }
 
 // FULL: the host checked the straight-line form's shape and alignment (the
 // _full kernels); it serves every row whose entry is of rank 16 with A and
-// B 16-byte aligned, the general form the others.
-template <typename Y, bool FULL>
+// B 16-byte aligned, the general form the others. DORA: the DoRA epilogue
+// compiled in (the _dora kernels).
+template <typename Y, bool FULL, bool DORA>
 __device__ __forceinline__ void bgr_body(const BgeParams& p) {
     constexpr int C = 2;
     constexpr int R = BGR_RANKS;
@@ -359,21 +390,28 @@ __device__ __forceinline__ void bgr_body(const BgeParams& p) {
         return;
     }
     const BgrShared sh = {s_part, s_mine, s_recv, s_t, &s_bar};
-    const float* g = dora_scale_of(tg, e);  // the DoRA epilogue's rescale, or null
+    const float* g = nullptr;  // the DoRA epilogue's rescale, or null
+    if constexpr (DORA) g = dora_scale_of(tg, e);
     if (FULL && en.rank == (u32)R && aligned16((const void*)en.a) && aligned16((const void*)en.b))
-        bgr_apply_full<Y>(p, tg, en, g, row, q, sh);
+        bgr_apply_full<Y, DORA>(p, tg, en, g, row, q, sh);
     else
-        bgr_apply_general<Y>(p, tg, en, g, row, q, sh);
+        bgr_apply_general<Y, DORA>(p, tg, en, g, row, q, sh);
     if (p.overlap == CHAIN_WAIT_FIRST) grid_launch_dependents();  // the next launch once this block's work is out
 }
 
 #if __CUDA_ARCH__ >= 900
 // One block per multiprocessor (up to 128 registers a thread): 8 A and 8 B
 // loads of 16 bytes in flight per thread. _full: the straight-line form's
-// shape (bgmv/rows.rs `full_form`).
-#define BGR_KERNEL(NAME, Y, FULL)                                                                             \
-    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(BGR_THREADS, 1) NAME(const BgeParams p) { \
-        bgr_body<Y, FULL>(p);                                                                                 \
+// shape (bgmv/rows.rs `full_form`). Each macro defines the plain kernel
+// NAME and NAME_dora, the same body with the DoRA epilogue compiled in.
+#define BGR_KERNEL(NAME, Y, FULL)                                                    \
+    extern "C" __global__ void __cluster_dims__(2, 1, 1)                             \
+        __launch_bounds__(BGR_THREADS, 1) NAME(const BgeParams p) {                  \
+        bgr_body<Y, FULL, false>(p);                                                 \
+    }                                                                                \
+    extern "C" __global__ void __cluster_dims__(2, 1, 1)                             \
+        __launch_bounds__(BGR_THREADS, 1) NAME##_dora(const BgeParams p) {           \
+        bgr_body<Y, FULL, true>(p);                                                  \
     }
 BGR_KERNEL(bgmv_rows_bf16, bf16_t, false)
 BGR_KERNEL(bgmv_rows_f32, float, false)

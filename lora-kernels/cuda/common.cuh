@@ -182,6 +182,16 @@ __device__ __forceinline__ float dora_epilogue(float v, const float* g, const Lo
     return __fadd_rn(__fmul_rn(g[c], __fsub_rn(v, b)), b);
 }
 
+// The decode kernels' epilogue is a property of the instantiation: DORA
+// (the `_dora` entry points, launched where a target of the call carries a
+// DoRA table) applies dora_epilogue; a plain instantiation returns v and
+// compiles none of it (no g lookup, no branch, no registers).
+template <bool DORA>
+__device__ __forceinline__ float dora_epilogue_if(float v, const float* g, const LoraTarget& tg, int c) {
+    if constexpr (DORA) return dora_epilogue(v, g, tg, c);
+    return v;
+}
+
 // Output element access for y of type bf16 or f32.
 __device__ __forceinline__ float y_load(const bf16_t* p) { return bf2f(*p); }
 __device__ __forceinline__ float y_load(const float* p) { return *p; }

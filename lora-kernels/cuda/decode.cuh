@@ -106,8 +106,8 @@ struct Out8 {
 
 // The DoRA epilogue (common.cuh) of eight outputs from column c0 of target
 // tg, whose rescale g is non-null. Not inlined: its registers stay out of
-// the entry forms' allocation, which a plain call (no rescale) never pays
-// for (inlined, it spilled the rank-16 kernels at 80 registers).
+// the _dora entry kernels' allocation (inlined, it spilled the rank-16
+// kernels at 80 registers); the plain kernels call none of this.
 __device__ __noinline__ Out8 bge_dora8_apply(Out8 o, const float* g, const LoraTarget& tg, int c0) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) o.v[i] = dora_epilogue(o.v[i], g, tg, c0 + i);

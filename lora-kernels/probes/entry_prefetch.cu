@@ -19,7 +19,7 @@
 
 // The staged kernel's body under the probe's own declaration.
 __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) probe_staged_c8_r16(const BgeParams p) {
-    bge_body<8, 1>(p);
+    bge_body<8, 1, false, false>(p);
 }
 
 // One bulk prefetch of 4 KB at `addr` by thread 0.

@@ -131,7 +131,7 @@ static float probe_empty_in_graph(cudaStream_t st) {
 // library's is compiled for device code only).
 template <bool FULL>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(BGR_THREADS, 1) library_rows(const BgeParams p) {
-    bgr_body<bf16_t, FULL>(p);
+    bgr_body<bf16_t, FULL, false>(p);
 }
 
 // Hashed uniform values in [-amp, amp), as bf16.

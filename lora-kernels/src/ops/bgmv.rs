@@ -8,7 +8,9 @@
 //! table. A target may carry a DoRA epilogue ([`super::dora`]): every form
 //! writes each output element of y from one thread, which rescales the rows
 //! of DoRA entries there before it rounds them; the plan does not look at
-//! it. CUDA kernel family: `cuda/bgmv.cu`, the entry-clustered form's
+//! it, and the launch runs each kernel's `_dora` instantiation where a
+//! target carries one, its plain one (compiled without the epilogue)
+//! otherwise (`kernels::Epilogue`). CUDA kernel family: `cuda/bgmv.cu`, the entry-clustered form's
 //! `cuda/bgmv_entry.cu` (module `entry`) and the row-register form's
 //! `cuda/bgmv_rows.cu` (module `rows`), compiled with it.
 //!
@@ -150,7 +152,7 @@ use crate::cuda_rt::{CudaBackend, Launch, Predecessor, SCRATCH_BYTES};
 use crate::device::{Backend, Device};
 use crate::error::{KernelError, invalid};
 use crate::ops::limits::{Choice, DeviceLimits};
-use kernels::DecodeKernel;
+use kernels::{DecodeKernel, Epilogue};
 use plan::{Chain, DecodeCall, DecodeContext, DecodeForm, DecodePlan, FusedForm, ItemList, OutputKind, TwoPhaseForm};
 
 mod entry;
@@ -680,10 +682,20 @@ fn launch<Y: OutputElem>(
     plan: &DecodePlan,
 ) -> Result<(), KernelError> {
     let chain = plan.chain;
+    // The plan's kernels, with the DoRA epilogue compiled in where a target carries one.
+    let epilogue = Epilogue::of(targets);
     match plan.form {
-        DecodeForm::RowRegisters { straight_line } => {
-            rows::launch_rows(c, x, idx.device_addr(), target_params, targets, y, chain, straight_line)
-        }
+        DecodeForm::RowRegisters { straight_line } => rows::launch_rows(
+            c,
+            x,
+            idx.device_addr(),
+            target_params,
+            targets,
+            y,
+            chain,
+            straight_line,
+            epilogue,
+        ),
         DecodeForm::Entry { kernel, prefetch } => entry::launch_entry(
             c,
             x,
@@ -695,6 +707,7 @@ fn launch<Y: OutputElem>(
             kernel,
             chain,
             prefetch,
+            epilogue,
         ),
         DecodeForm::TwoPhase(form) => {
             let n_targets = targets.len();
@@ -711,9 +724,9 @@ fn launch<Y: OutputElem>(
                 row_form_expand_slots(c.sm_count as usize, n_targets),
             )
             .ok_or_else(|| invalid("plan", "the two-phase scratch does not hold the call"))?;
-            launch_two_phase(c, x, idx, target_params, targets, stride, y, two, form, chain)
+            launch_two_phase(c, x, idx, target_params, targets, stride, y, two, form, chain, epilogue)
         }
-        DecodeForm::Fused(form) => launch_fused(c, x, idx, target_params, targets, stride, y, form, chain),
+        DecodeForm::Fused(form) => launch_fused(c, x, idx, target_params, targets, stride, y, form, chain, epilogue),
     }
 }
 
@@ -729,6 +742,7 @@ fn launch_fused<Y: OutputElem>(
     y: &RowsMut<'_, Y>,
     form: FusedForm,
     chain: Chain,
+    epilogue: Epilogue,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
@@ -757,7 +771,7 @@ fn launch_fused<Y: OutputElem>(
         listed: list,
         y: OutputKind::of::<Y>(),
     }
-    .kernel()?;
+    .kernel(epilogue)?;
     let grid_y = n_windows * cpw;
     let mut params = BgmvParams {
         x: x.addr(),
@@ -825,7 +839,7 @@ fn launch_fused<Y: OutputElem>(
         // and writes the scratch only after it.
         unsafe {
             c.launch_chained(
-                DecodeKernel::ItemList.kernel()?,
+                DecodeKernel::ItemList.kernel(epilogue)?,
                 Launch {
                     grid: (to_u32("grid", n_windows)?, 1, to_u32("grid", n_targets)?),
                     block: THREADS,
@@ -861,6 +875,7 @@ fn launch_two_phase<Y: OutputElem>(
     plan: TwoPhasePlan,
     forms: TwoPhaseForm,
     chain: Chain,
+    epilogue: Epilogue,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let n_targets = targets.len();
@@ -872,11 +887,11 @@ fn launch_two_phase<Y: OutputElem>(
     let shrink = DecodeKernel::Shrink {
         tensor_cores: forms.shrink_tensor_cores,
     }
-    .kernel()?;
+    .kernel(epilogue)?;
     let expand = DecodeKernel::Expand {
         y: OutputKind::of::<Y>(),
     }
-    .kernel()?;
+    .kernel(epilogue)?;
     let row_ks = two_phase_slices(shrink_blocks, n, plan.ks_max);
     c.with_scratch(|scratch| {
         let params = Bgmv2Params {

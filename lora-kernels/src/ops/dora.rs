@@ -22,12 +22,21 @@
 //! its slice of the outputs of one row or one entry's rows; sgmv's expand,
 //! one tile of one segment), which applies the epilogue to the value it
 //! stores. The plan does not look at the epilogue: a call with DoRA targets
-//! is planned as the same call without them. Inside the entry-clustered
-//! form's register kernel, whose whole A slice and B rows live in 80
-//! registers, an entry with a rescale runs the form's staged body instead
-//! (as an entry of unaligned weights does), and the staged kernels rescale
-//! in a non-inlined function: so the epilogue costs a plain call no
-//! register there (inlined, it spilled them).
+//! is planned as the same call without them.
+//!
+//! In the decode forms the epilogue is a property of the kernel
+//! instantiation: every decode kernel that writes y is compiled twice, plain
+//! and `_dora` (a `DORA` template parameter, every piece of the epilogue
+//! under `if constexpr`), and a call runs the `_dora` kernel iff one of its
+//! targets carries a [`DoraEpilogue`] (`Epilogue::of` in `bgmv/kernels.rs`,
+//! the one rule; a DoRA pool attaches one to every call). So a plain call
+//! runs kernels with no rescale lookup, branch or register in them (the
+//! entry-clustered form's rank-16 kernels, at 80 registers, spill with
+//! one). Inside the `_dora` entry-clustered register kernel, whose whole A
+//! slice and B rows live in 80 registers, an entry with a rescale runs the
+//! form's staged body instead (as an entry of unaligned weights does), and
+//! the `_dora` staged kernels rescale in a non-inlined function (inlined,
+//! it spilled them).
 //!
 //! The rescale is `g · (v − b) + b` in f32 with no fused multiply-add on
 //! both backends (`dora_epilogue` in `cuda/common.cuh`), so for a given

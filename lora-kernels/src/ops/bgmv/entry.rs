@@ -89,6 +89,7 @@
 
 use half::bf16;
 
+use super::kernels::Epilogue;
 use super::plan::{CallTarget, Chain, EntryKernel};
 use super::{Rows, RowsMut};
 use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
@@ -361,13 +362,13 @@ pub(super) fn spread_serves(
 
 /// The kernel of a launch; `prefetch`: the one that asks its weights into L2
 /// before it waits (rank stride 16 only).
-fn kernel_name(kernel: EntryKernel, stride: usize, prefetch: bool) -> Option<&'static str> {
+fn kernel_name(kernel: EntryKernel, stride: usize, prefetch: bool, epilogue: Epilogue) -> Option<&'static str> {
     super::kernels::DecodeKernel::Entry {
         kernel,
         stride,
         prefetch,
     }
-    .name()
+    .name(epilogue)
 }
 
 /// Launch the form (the caller checked `EntryShape::check`, and
@@ -384,10 +385,11 @@ pub(super) fn launch_entry<Y: OutputElem>(
     kernel: EntryKernel,
     chain: Chain,
     prefetch_weights: bool,
+    epilogue: Epilogue,
 ) -> Result<(), KernelError> {
     // Prefetching kernels exist for waiting-first launches at rank stride 16.
     let prefetch = prefetch_weights && chain.waits_first() && stride == 16;
-    let name = kernel_name(kernel, stride, prefetch)
+    let name = kernel_name(kernel, stride, prefetch, epilogue)
         .ok_or_else(|| invalid("tuning.cluster", format!("{kernel:?} at rank stride {stride}")))?;
     let n = x.n_rows;
     let entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0).max(1);
@@ -573,7 +575,7 @@ mod tests {
             let cl = super::super::plan::entry_cluster(stride, n, &DeviceLimits::H200);
             prop_assert!(cl == 8 || cl == 4);
             let staged = EntryKernel::Staged { cluster: cl };
-            prop_assert!(kernel_name(staged, stride, false).is_some());
+            prop_assert!(kernel_name(staged, stride, false, Epilogue::Plain).is_some());
         }
     }
 
@@ -692,10 +694,10 @@ mod tests {
         );
         assert!(spread_serves(16, 64, 64, 64, usize::MAX, 2, 132).is_err());
         assert_eq!(
-            kernel_name(EntryKernel::Spread, 16, true),
+            kernel_name(EntryKernel::Spread, 16, true, Epilogue::Plain),
             Some("bgmv_entry_spread_r16")
         );
-        assert!(kernel_name(EntryKernel::Spread, 32, false).is_none());
+        assert!(kernel_name(EntryKernel::Spread, 32, false, Epilogue::Plain).is_none());
         // The partials (9 x 128 floats), t (8 x 20) and the row list.
         assert_eq!(spread_smem_bytes(256), 4 * (1152 + 160 + 256));
         assert_eq!(
@@ -707,24 +709,31 @@ mod tests {
     #[test]
     fn every_served_stride_and_cluster_has_a_kernel() {
         let staged = |cluster| EntryKernel::Staged { cluster };
-        for cl in [8, 4] {
-            for s in [16, 32, 64] {
-                assert!(kernel_name(staged(cl), s, false).is_some());
-                assert_eq!(kernel_name(staged(cl), s, true).is_some(), s == 16);
+        for epilogue in [Epilogue::Plain, Epilogue::Dora] {
+            for cl in [8, 4] {
+                for s in [16, 32, 64] {
+                    assert!(kernel_name(staged(cl), s, false, epilogue).is_some());
+                    assert_eq!(kernel_name(staged(cl), s, true, epilogue).is_some(), s == 16);
+                }
             }
+            assert!(kernel_name(staged(2), 16, false, epilogue).is_none());
+            assert!(kernel_name(staged(8), 48, false, epilogue).is_none());
         }
-        assert!(kernel_name(staged(2), 16, false).is_none() && kernel_name(staged(8), 48, false).is_none());
         // The register kernel: rank stride 16 in clusters of 8 only, as `registers_serve` says.
         assert_eq!(
-            kernel_name(EntryKernel::Registers, 16, false),
+            kernel_name(EntryKernel::Registers, 16, false, Epilogue::Plain),
             Some("bgmv_entry_c8_r16_reg")
         );
         assert_eq!(
-            kernel_name(EntryKernel::Registers, 16, true),
+            kernel_name(EntryKernel::Registers, 16, true, Epilogue::Plain),
             Some("bgmv_entry_c8_r16_reg_pf")
         );
-        assert!(kernel_name(EntryKernel::Registers, 32, false).is_none());
-        assert!(kernel_name(EntryKernel::Registers, 32, true).is_none());
+        assert_eq!(
+            kernel_name(EntryKernel::Registers, 16, true, Epilogue::Dora),
+            Some("bgmv_entry_c8_r16_reg_pf_dora")
+        );
+        assert!(kernel_name(EntryKernel::Registers, 32, false, Epilogue::Plain).is_none());
+        assert!(kernel_name(EntryKernel::Registers, 32, true, Epilogue::Plain).is_none());
         for (cl, s) in [(4, 16), (8, 32), (8, 64)] {
             assert!(registers_serve(s, cl, 256, 4096, 4096).is_err());
         }

@@ -1,5 +1,8 @@
 //! Every decode kernel, named once: a typed id and its `extern "C"` entry
-//! point in `cuda/bgmv.cu`, `cuda/bgmv_entry.cu` or `cuda/bgmv_rows.cu`. The
+//! points in `cuda/bgmv.cu`, `cuda/bgmv_entry.cu` or `cuda/bgmv_rows.cu`.
+//! A kernel that writes y has two: the plain one and `_dora`, the same body
+//! with the DoRA epilogue ([`crate::ops::dora`]) compiled in; which one a
+//! launch runs is [`Epilogue::of`] the call's targets, the one rule. The
 //! launch code names kernels only through [`DecodeKernel`]; a test checks
 //! the table against the sources both ways (every name defined there, every
 //! decode entry point there named here).
@@ -7,6 +10,33 @@
 use super::plan::{EntryKernel, OutputKind};
 use crate::cuda_rt::{Family, Kernel};
 use crate::error::{KernelError, invalid};
+use crate::ops::LoraTarget;
+
+/// Whether a launch's kernel has the DoRA epilogue compiled in. The plan
+/// never looks at it: a call runs the kernel its plan names, in the
+/// instantiation its targets need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Epilogue {
+    /// No target carries a DoRA epilogue: the kernels compiled without it
+    /// (no rescale lookup, no branch, no registers for it).
+    Plain,
+    /// Some target does: the `_dora` kernels, which rescale the rows of
+    /// entries that have a `g` there and write every other row's `y + Δ`
+    /// bit for bit as the plain kernel does.
+    Dora,
+}
+
+impl Epilogue {
+    /// The one rule: the `_dora` kernels where any target of the call
+    /// carries a DoRA epilogue (a DoRA pool attaches one to every call).
+    pub(super) fn of(targets: &[LoraTarget<'_>]) -> Self {
+        if targets.iter().any(|t| t.dora.is_some()) {
+            Epilogue::Dora
+        } else {
+            Epilogue::Plain
+        }
+    }
+}
 
 /// A decode kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,90 +87,115 @@ const fn entry(kernel: EntryKernel, stride: usize, prefetch: bool) -> DecodeKern
     }
 }
 
-/// The table.
-const NAMES: [(DecodeKernel, &str); 38] = [
-    (fused(1, false, false, Bf16), "bgmv_c1_bf16"),
-    (fused(1, false, false, F32), "bgmv_c1_f32"),
-    (fused(2, false, false, Bf16), "bgmv_c2_bf16"),
-    (fused(2, false, false, F32), "bgmv_c2_f32"),
-    (fused(8, false, false, Bf16), "bgmv_c8_bf16"),
-    (fused(8, false, false, F32), "bgmv_c8_f32"),
-    (fused(1, true, false, Bf16), "bgmv_tc_c1_bf16"),
-    (fused(1, true, false, F32), "bgmv_tc_c1_f32"),
-    (fused(2, true, false, Bf16), "bgmv_tc_c2_bf16"),
-    (fused(2, true, false, F32), "bgmv_tc_c2_f32"),
-    (fused(8, true, false, Bf16), "bgmv_tc_c8_bf16"),
-    (fused(8, true, false, F32), "bgmv_tc_c8_f32"),
-    (fused(1, true, true, Bf16), "bgmv_tc_c1_bf16_list"),
-    (fused(1, true, true, F32), "bgmv_tc_c1_f32_list"),
-    (fused(2, true, true, Bf16), "bgmv_tc_c2_bf16_list"),
-    (fused(2, true, true, F32), "bgmv_tc_c2_f32_list"),
-    (fused(8, true, true, Bf16), "bgmv_tc_c8_bf16_list"),
-    (fused(8, true, true, F32), "bgmv_tc_c8_f32_list"),
-    (ItemList, "bgmv_list"),
-    (Shrink { tensor_cores: false }, "bgmv2_shrink_rows"),
-    (Shrink { tensor_cores: true }, "bgmv2_shrink_tc_rows"),
-    (Expand { y: Bf16 }, "bgmv2_expand_rows_bf16"),
-    (Expand { y: F32 }, "bgmv2_expand_rows_f32"),
-    (entry(Staged { cluster: 8 }, 16, false), "bgmv_entry_c8_r16"),
-    (entry(Staged { cluster: 8 }, 32, false), "bgmv_entry_c8_r32"),
-    (entry(Staged { cluster: 8 }, 64, false), "bgmv_entry_c8_r64"),
-    (entry(Staged { cluster: 4 }, 16, false), "bgmv_entry_c4_r16"),
-    (entry(Staged { cluster: 4 }, 32, false), "bgmv_entry_c4_r32"),
-    (entry(Staged { cluster: 4 }, 64, false), "bgmv_entry_c4_r64"),
-    (entry(Staged { cluster: 8 }, 16, true), "bgmv_entry_c8_r16_pf"),
-    (entry(Staged { cluster: 4 }, 16, true), "bgmv_entry_c4_r16_pf"),
-    (entry(Registers, 16, false), "bgmv_entry_c8_r16_reg"),
-    (entry(Registers, 16, true), "bgmv_entry_c8_r16_reg_pf"),
-    (entry(Spread, 16, false), "bgmv_entry_spread_r16"),
+/// A kernel that writes y: its plain entry point and its `_dora` one.
+macro_rules! with_dora {
+    ($name:literal) => {
+        [$name, concat!($name, "_dora")]
+    };
+}
+
+/// A kernel that writes no y (the item list, the two-phase shrink): one
+/// entry point serves both epilogues.
+macro_rules! one {
+    ($name:literal) => {
+        [$name, $name]
+    };
+}
+
+/// The table: each kernel's entry points, plain and `_dora`.
+const NAMES: [(DecodeKernel, [&str; 2]); 38] = [
+    (fused(1, false, false, Bf16), with_dora!("bgmv_c1_bf16")),
+    (fused(1, false, false, F32), with_dora!("bgmv_c1_f32")),
+    (fused(2, false, false, Bf16), with_dora!("bgmv_c2_bf16")),
+    (fused(2, false, false, F32), with_dora!("bgmv_c2_f32")),
+    (fused(8, false, false, Bf16), with_dora!("bgmv_c8_bf16")),
+    (fused(8, false, false, F32), with_dora!("bgmv_c8_f32")),
+    (fused(1, true, false, Bf16), with_dora!("bgmv_tc_c1_bf16")),
+    (fused(1, true, false, F32), with_dora!("bgmv_tc_c1_f32")),
+    (fused(2, true, false, Bf16), with_dora!("bgmv_tc_c2_bf16")),
+    (fused(2, true, false, F32), with_dora!("bgmv_tc_c2_f32")),
+    (fused(8, true, false, Bf16), with_dora!("bgmv_tc_c8_bf16")),
+    (fused(8, true, false, F32), with_dora!("bgmv_tc_c8_f32")),
+    (fused(1, true, true, Bf16), with_dora!("bgmv_tc_c1_bf16_list")),
+    (fused(1, true, true, F32), with_dora!("bgmv_tc_c1_f32_list")),
+    (fused(2, true, true, Bf16), with_dora!("bgmv_tc_c2_bf16_list")),
+    (fused(2, true, true, F32), with_dora!("bgmv_tc_c2_f32_list")),
+    (fused(8, true, true, Bf16), with_dora!("bgmv_tc_c8_bf16_list")),
+    (fused(8, true, true, F32), with_dora!("bgmv_tc_c8_f32_list")),
+    (ItemList, one!("bgmv_list")),
+    (Shrink { tensor_cores: false }, one!("bgmv2_shrink_rows")),
+    (Shrink { tensor_cores: true }, one!("bgmv2_shrink_tc_rows")),
+    (Expand { y: Bf16 }, with_dora!("bgmv2_expand_rows_bf16")),
+    (Expand { y: F32 }, with_dora!("bgmv2_expand_rows_f32")),
+    (entry(Staged { cluster: 8 }, 16, false), with_dora!("bgmv_entry_c8_r16")),
+    (entry(Staged { cluster: 8 }, 32, false), with_dora!("bgmv_entry_c8_r32")),
+    (entry(Staged { cluster: 8 }, 64, false), with_dora!("bgmv_entry_c8_r64")),
+    (entry(Staged { cluster: 4 }, 16, false), with_dora!("bgmv_entry_c4_r16")),
+    (entry(Staged { cluster: 4 }, 32, false), with_dora!("bgmv_entry_c4_r32")),
+    (entry(Staged { cluster: 4 }, 64, false), with_dora!("bgmv_entry_c4_r64")),
+    (
+        entry(Staged { cluster: 8 }, 16, true),
+        with_dora!("bgmv_entry_c8_r16_pf"),
+    ),
+    (
+        entry(Staged { cluster: 4 }, 16, true),
+        with_dora!("bgmv_entry_c4_r16_pf"),
+    ),
+    (entry(Registers, 16, false), with_dora!("bgmv_entry_c8_r16_reg")),
+    (entry(Registers, 16, true), with_dora!("bgmv_entry_c8_r16_reg_pf")),
+    (entry(Spread, 16, false), with_dora!("bgmv_entry_spread_r16")),
     (
         Rows {
             straight_line: false,
             y: Bf16,
         },
-        "bgmv_rows_bf16",
+        with_dora!("bgmv_rows_bf16"),
     ),
     (
         Rows {
             straight_line: false,
             y: F32,
         },
-        "bgmv_rows_f32",
+        with_dora!("bgmv_rows_f32"),
     ),
     (
         Rows {
             straight_line: true,
             y: Bf16,
         },
-        "bgmv_rows_full_bf16",
+        with_dora!("bgmv_rows_full_bf16"),
     ),
     (
         Rows {
             straight_line: true,
             y: F32,
         },
-        "bgmv_rows_full_f32",
+        with_dora!("bgmv_rows_full_f32"),
     ),
 ];
 
 impl DecodeKernel {
-    /// The entry point, if the sources define this kernel.
-    pub(super) fn name(self) -> Option<&'static str> {
+    /// The entry point with `epilogue`, if the sources define this kernel.
+    pub(super) fn name(self, epilogue: Epilogue) -> Option<&'static str> {
         let key = match self {
             Entry {
                 kernel: Spread, stride, ..
             } => entry(Spread, stride, false),
             other => other,
         };
-        NAMES.iter().find(|(k, _)| *k == key).map(|(_, name)| *name)
+        let at = match epilogue {
+            Epilogue::Plain => 0,
+            Epilogue::Dora => 1,
+        };
+        NAMES.iter().find(|(k, _)| *k == key).map(|(_, names)| names[at])
     }
 
     /// The kernel to launch, or a typed error naming the plan (a plan the
     /// checks accepted always has one; the table test keeps it so).
-    pub(super) fn kernel(self) -> Result<Kernel, KernelError> {
+    pub(super) fn kernel(self, epilogue: Epilogue) -> Result<Kernel, KernelError> {
         let name = self
-            .name()
-            .ok_or_else(|| invalid("plan", format!("no kernel {self:?}")))?;
+            .name(epilogue)
+            .ok_or_else(|| invalid("plan", format!("no kernel {self:?} ({epilogue:?})")))?;
         let family = match self {
             Entry { .. } => Family::BgmvEntry,
             Rows { .. } => Family::BgmvRows,
@@ -153,6 +208,9 @@ impl DecodeKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::Device;
+    use crate::ops::dora::DoraEpilogue;
+    use crate::table::PairEntry;
 
     const SOURCES: [&str; 3] = [
         include_str!("../../../cuda/bgmv.cu"),
@@ -161,7 +219,8 @@ mod tests {
     ];
 
     /// Every decode entry point the sources define: plain `extern "C"`
-    /// kernels, and the names the kernel macros are invoked with.
+    /// kernels, and the names the kernel macros are invoked with (each
+    /// macro defines NAME and NAME_dora).
     fn defined() -> Vec<String> {
         let mut names = Vec::new();
         for src in SOURCES {
@@ -181,6 +240,7 @@ mod tests {
                         && let Some(name) = args.split(',').next().filter(|n| n.starts_with("bgmv"))
                     {
                         names.push(name.to_string());
+                        names.push(format!("{name}_dora"));
                     }
                 }
             }
@@ -188,41 +248,128 @@ mod tests {
         names
     }
 
+    /// Every entry point the table names, each once.
+    fn named() -> Vec<&'static str> {
+        let mut names: Vec<&str> = NAMES.iter().flat_map(|(_, n)| n.iter().copied()).collect();
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
+
     #[test]
     fn the_table_names_every_decode_kernel_of_the_sources_once() {
         let defined = defined();
-        for (kernel, name) in NAMES {
-            assert!(
-                defined.iter().any(|d| d == name),
-                "{kernel:?}: {name} is not in the sources"
-            );
-            assert_eq!(kernel.name(), Some(name));
+        for (kernel, names) in NAMES {
+            for (name, epilogue) in names.into_iter().zip([Epilogue::Plain, Epilogue::Dora]) {
+                assert!(
+                    defined.iter().any(|d| d == name),
+                    "{kernel:?}: {name} is not in the sources"
+                );
+                assert_eq!(kernel.name(epilogue), Some(name));
+            }
         }
+        let named = named();
         for d in &defined {
             assert_eq!(
-                NAMES.iter().filter(|(_, n)| n == d).count(),
+                defined.iter().filter(|n| *n == d).count(),
                 1,
-                "{d}: defined in the sources, named {} times in the table",
-                NAMES.iter().filter(|(_, n)| n == d).count()
+                "{d}: defined twice in the sources"
+            );
+            assert!(
+                named.contains(&d.as_str()),
+                "{d}: defined in the sources, not in the table"
             );
         }
-        assert_eq!(defined.len(), NAMES.len());
+        assert_eq!(defined.len(), named.len());
         for (i, (a, _)) in NAMES.iter().enumerate() {
             assert!(NAMES[..i].iter().all(|(b, _)| b != a), "{a:?} twice");
         }
     }
 
+    /// Every kernel that writes y has its own `_dora` instantiation; the
+    /// item list and the shrink (which write none) serve both.
+    #[test]
+    fn every_kernel_that_writes_y_has_a_dora_instantiation() {
+        for (kernel, [plain, dora]) in NAMES {
+            assert!(!plain.ends_with("_dora"), "{plain}");
+            match kernel {
+                ItemList | Shrink { .. } => assert_eq!(dora, plain),
+                _ => assert_eq!(dora, format!("{plain}_dora")),
+            }
+        }
+    }
+
+    /// The launcher's one rule: the `_dora` kernel exactly where some target
+    /// of the call carries a DoRA epilogue, whichever target it is.
+    #[test]
+    fn the_dora_kernel_runs_iff_a_target_carries_the_epilogue() {
+        let device = Device::cpu();
+        let table = device.alloc_zeros::<PairEntry>(8).unwrap();
+        let g_table = device.alloc_zeros::<u64>(8).unwrap();
+        let target = |col: usize, dora: bool| LoraTarget {
+            table: &table,
+            table_offset: 0,
+            n_entries: 4,
+            out_dim: 16,
+            y_col_offset: col,
+            dora: dora.then_some(DoraEpilogue {
+                table: &g_table,
+                table_offset: 4,
+                bias: None,
+            }),
+        };
+        let kernels = [
+            fused(8, true, false, Bf16),
+            Expand { y: F32 },
+            entry(Staged { cluster: 8 }, 16, true),
+            entry(Registers, 16, false),
+            entry(Spread, 16, true),
+            Rows {
+                straight_line: true,
+                y: Bf16,
+            },
+        ];
+        for n_targets in 1..=4 {
+            let plain: Vec<_> = (0..n_targets).map(|t| target(16 * t, false)).collect();
+            assert_eq!(Epilogue::of(&plain), Epilogue::Plain);
+            for k in kernels {
+                let name = k.kernel(Epilogue::of(&plain)).unwrap().name;
+                assert!(!name.ends_with("_dora"), "{k:?}: {name}");
+            }
+            for with in 0..n_targets {
+                let mut targets = plain.clone();
+                targets[with] = target(16 * with, true);
+                assert_eq!(Epilogue::of(&targets), Epilogue::Dora);
+                for k in kernels {
+                    let name = k.kernel(Epilogue::of(&targets)).unwrap().name;
+                    assert_eq!(Some(name.trim_end_matches("_dora")), k.name(Epilogue::Plain));
+                    assert!(name.ends_with("_dora"), "{k:?}: {name}");
+                }
+            }
+        }
+        assert_eq!(Epilogue::of(&[]), Epilogue::Plain);
+    }
+
     #[test]
     fn kernels_outside_the_table_are_typed_errors() {
-        assert!(fused(3, false, false, Bf16).kernel().is_err());
-        // The item list serves the tensor-core kernels only.
-        for cluster in [1, 2, 4, 8] {
-            assert!(fused(cluster, false, true, Bf16).kernel().is_err());
-            assert!(fused(cluster, false, true, F32).kernel().is_err());
+        for epilogue in [Epilogue::Plain, Epilogue::Dora] {
+            assert!(fused(3, false, false, Bf16).kernel(epilogue).is_err());
+            // The item list serves the tensor-core kernels only.
+            for cluster in [1, 2, 4, 8] {
+                assert!(fused(cluster, false, true, Bf16).kernel(epilogue).is_err());
+                assert!(fused(cluster, false, true, F32).kernel(epilogue).is_err());
+            }
+            assert!(entry(Staged { cluster: 4 }, 32, true).kernel(epilogue).is_err());
+            assert!(entry(Registers, 32, false).kernel(epilogue).is_err());
+            assert!(entry(Spread, 32, false).name(epilogue).is_none());
         }
-        assert!(entry(Staged { cluster: 4 }, 32, true).kernel().is_err());
-        assert!(entry(Registers, 32, false).kernel().is_err());
-        assert_eq!(entry(Spread, 16, true).name(), Some("bgmv_entry_spread_r16"));
-        assert!(entry(Spread, 32, false).name().is_none());
+        assert_eq!(
+            entry(Spread, 16, true).name(Epilogue::Plain),
+            Some("bgmv_entry_spread_r16")
+        );
+        assert_eq!(
+            entry(Spread, 16, true).name(Epilogue::Dora),
+            Some("bgmv_entry_spread_r16_dora")
+        );
     }
 }

@@ -36,6 +36,7 @@
 use half::bf16;
 
 use super::entry::BgeParams;
+use super::kernels::Epilogue;
 use super::plan::{CallTarget, Chain};
 use super::{Rows, RowsMut, piece8};
 use crate::cuda_rt::{CudaBackend, Launch};
@@ -140,6 +141,7 @@ pub(super) fn launch_rows<Y: OutputElem>(
     y: &RowsMut<'_, Y>,
     chain: Chain,
     straight_line: bool,
+    epilogue: Epilogue,
 ) -> Result<(), KernelError> {
     let n = x.n_rows;
     let params = BgeParams::new(c, x, idx_addr, target_params, y, chain, 0)?;
@@ -156,7 +158,7 @@ pub(super) fn launch_rows<Y: OutputElem>(
         straight_line,
         y: super::plan::OutputKind::of::<Y>(),
     }
-    .kernel()?;
+    .kernel(epilogue)?;
     // SAFETY: `BgeParams` mirrors the kernel's struct (sizes asserted on both
     // sides). The host checked that x and y cover `n_rows` rows of their widths
     // and strides, that idx holds `n_rows` values (the grid has one row of

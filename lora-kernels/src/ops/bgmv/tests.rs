@@ -500,7 +500,7 @@ fn every_tensor_core_fused_kernel_has_a_list_form() {
             listed,
             y,
         }
-        .name()
+        .name(kernels::Epilogue::Plain)
     };
     for cluster in [1, 2, 8] {
         for y in [OutputKind::Bf16, OutputKind::F32] {
