@@ -27,7 +27,11 @@
 //! registers, an entry with a rescale runs the form's staged body instead
 //! (as an entry of unaligned weights does), and the staged kernels rescale
 //! in a non-inlined function: so the epilogue costs a plain call no
-//! register there (inlined, it spilled them).
+//! register there (inlined, it spilled them). That function takes `g` and
+//! the bias as addresses and issues its sixteen loads together. Sgmv's
+//! expand brings a DoRA item's `g` and bias columns into shared memory (the
+//! pads of its y tile's rows) with the item's B rows, so its epilogue reads
+//! them there; a plain item loads nothing more.
 //!
 //! The rescale is `g · (v − b) + b` in f32 with no fused multiply-add on
 //! both backends (`dora_epilogue` in `cuda/common.cuh`), so for a given
