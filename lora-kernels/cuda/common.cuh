@@ -176,10 +176,15 @@ __device__ __forceinline__ const float* dora_scale_of(const LoraTarget& tg, int 
 // delta as the form computed it, and for a DoRA entry (g non-null)
 // g[c] * (v - bias[c]) + bias[c], without a fused multiply-add (the CPU
 // reference's order, `pairs.rs`); a plain row's v unchanged, bit for bit.
+// dora_rescale is that arithmetic on g[c] and bias[c] already loaded (a form
+// that brings them in early, e.g. sgmv's expand through shared memory).
+__device__ __forceinline__ float dora_rescale(float v, float g, float b) {
+    return __fadd_rn(__fmul_rn(g, __fsub_rn(v, b)), b);
+}
 __device__ __forceinline__ float dora_epilogue(float v, const float* g, const LoraTarget& tg, int c) {
     if (g == nullptr) return v;
     const float b = tg.bias != 0ull ? ((const float*)tg.bias)[c] : 0.f;
-    return __fadd_rn(__fmul_rn(g[c], __fsub_rn(v, b)), b);
+    return dora_rescale(v, g[c], b);
 }
 
 // The decode kernels' epilogue is a property of the instantiation: DORA

@@ -104,13 +104,27 @@ struct Out8 {
     float v[8];
 };
 
-// The DoRA epilogue (common.cuh) of eight outputs from column c0 of target
-// tg, whose rescale g is non-null. Not inlined: its registers stay out of
-// the _dora entry kernels' allocation (inlined, it spilled the rank-16
-// kernels at 80 registers); the plain kernels call none of this.
-__device__ __noinline__ Out8 bge_dora8_apply(Out8 o, const float* g, const LoraTarget& tg, int c0) {
+// The DoRA epilogue (common.cuh) of eight outputs from column c0, where the
+// rescale g is non-null (bias null: zeros), for the _dora entry kernels (the
+// plain kernels call none of this): the sixteen loads go out together before
+// any arithmetic, one round trip; it takes the two addresses, not the
+// target, so no kernel parameter's address escapes into the call (which made
+// ptxas copy the parameters to the stack, and reload the bias address per
+// output). Not inlined: its registers stay out of the entry forms'
+// allocation (inlined, it spilled the rank-16 kernels at 80 registers).
+__device__ __noinline__ Out8 bge_dora8_apply(Out8 o, const float* g, const float* bias, int c0) {
+    float gv[8], bv[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) o.v[i] = dora_epilogue(o.v[i], g, tg, c0 + i);
+    for (int i = 0; i < 8; ++i) gv[i] = __ldg(g + c0 + i);
+    if (bias != nullptr) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bv[i] = __ldg(bias + c0 + i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bv[i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = dora_rescale(o.v[i], gv[i], bv[i]);
     return o;
 }
 
@@ -127,7 +141,7 @@ __device__ __forceinline__ void bge_dora8(float (&d)[4][4], int h, const LoraTar
         o.v[2 * j] = d[j][h];
         o.v[2 * j + 1] = d[j][h + 1];
     }
-    o = bge_dora8_apply(o, g, tg, c0);
+    o = bge_dora8_apply(o, g, (const float*)tg.bias, c0);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         d[j][h] = o.v[2 * j];

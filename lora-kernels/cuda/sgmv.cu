@@ -653,7 +653,8 @@ extern "C" __global__ void __launch_bounds__(SG_THREADS) sgmv_shrink_r16_bf16(co
 // written back with coalesced 16-byte stores. Dynamic shared memory:
 //   sB [SG_BO][r16 + 8] bf16     B rows o_base.., columns past rank zeroed
 //   sT [SG_BM][r16 + 4] f32      t summed over the K splits, times scale; zero past rank
-//   sY [y_buffers][SG_BM][SG_BO + YPAD]  y tiles (YPAD keeps fragment accesses off shared banks)
+//   sY [y_buffers][SG_BM][SG_BO + YPAD]  y tiles (YPAD keeps fragment accesses off shared banks;
+//                                         a DoRA entry's g and bias columns live there, dora_col)
 // r16 = the stride rounded up to 16 (the host sizes the buffer from it).
 struct ExpandItem {
     int tile;
@@ -749,6 +750,35 @@ __device__ __forceinline__ void move_y_tile(Y* sy, Y* gy, int ys, int rows, int 
                 else g[j] = s[j];
             }
         }
+    }
+}
+
+// A DoRA entry's g (f < SG_BO) and bias (f - SG_BO) at an item's columns
+// live in the 16-byte pads of its y tile's rows, which y never uses: four
+// floats a row, SG_BM rows for 2 x SG_BO of them (no shared memory of their
+// own, so no resident block less for any shape).
+template <typename Y>
+__device__ __forceinline__ float* dora_col(Y* sy, int f) {
+    static_assert(16 / sizeof(float) * SG_BM == 2 * SG_BO, "the row pads hold g and bias");
+    return (float*)(sy + (f >> 2) * y_pitch<Y>() + SG_BO) + (f & 3);
+}
+
+// Stage g[o_base + c] and bias[o_base + c] (zeros without a bias) for the
+// item's columns c < len at dora_col(sy, c) and dora_col(sy, SG_BO + c), by
+// cp.async in the caller's group, so the epilogue reads them from shared
+// memory instead of waiting on 2 x 32 dependent global loads per thread
+// after the MMAs. Columns past `len` are left as they were (the epilogue
+// uses none of them).
+template <typename Y>
+__device__ __forceinline__ void stage_dora_cols(Y* sy, const float* g, u64 bias, int o_base, int len) {
+    static_assert(SG_BO == SG_THREADS, "a column a thread");
+    const int c = threadIdx.x;
+    if (c < len) {
+        cp_async4(dora_col(sy, c), g + o_base + c);
+        if (bias != 0ull)
+            cp_async4(dora_col(sy, SG_BO + c), (const float*)bias + o_base + c);
+        else
+            *dora_col(sy, SG_BO + c) = 0.f;
     }
 }
 
@@ -973,9 +1003,11 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         const bool vec_y = vec_y_base && ((int)sizeof(Y) * coff % 16 == 0);
         Y* sY = sY0 + (size_t)buf * SG_BM * yp;
         Y* gY = Yp + (u64)row0 * ys + coff + o_base;
+        const float* dg = dora_scale_of(tg, s_tile.entry);  // the DoRA epilogue's rescale, or null (uniform)
 
-        // ---- group A: this item's y tile (unless already requested) and its B rows; MMA_FIRST: B's
-        // rows (from L2) a group of their own before y's (from DRAM).
+        // ---- group A: this item's y tile (unless already requested), its B rows and, for a DoRA
+        // entry, its g and bias columns; MMA_FIRST: B's rows (from L2) a group of their own before
+        // y's (from DRAM).
         if constexpr (MMA_FIRST) {
             stage_b_rows_wg(b_base, B, stride, o_base, out, rank);
             cp_async_commit();
@@ -987,6 +1019,7 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
             else
                 stage_b_rows(sB, bp, B, stride, o_base, out, rank);
         }
+        if (dg != nullptr) stage_dora_cols<Y>(sY, dg, tg.bias, o_base, len);
         cp_async_commit();
 
         // ---- group B: the next item's y tile when it is the same tile (the
@@ -1110,19 +1143,23 @@ __device__ __forceinline__ void sgmv_expand_body(const SgmvParams& p) {
         }
 
         // ---- the DoRA epilogue (common.cuh) where the tile's entry has a rescale
-        // at the target: acc[nt][0, 2] are column nt * 8 + 2 t4 of the tile
-        // (rows ra, ra + 8), acc[nt][1, 3] the next; columns past `len` are not stored.
-        if (const float* dg = dora_scale_of(tg, s_tile.entry)) {
+        // at the target, on g and bias staged in group A (landed and visible
+        // past the barrier above): acc[nt][0, 2] are column nt * 8 + 2 t4 of
+        // the tile (rows ra, ra + 8), acc[nt][1, 3] the next; columns past
+        // `len` are neither staged nor stored.
+        if (dg != nullptr) {
 #pragma unroll
             for (int nt = 0; nt < 16; ++nt) {
                 const int c0 = nt * 8 + 2 * t4;
                 if (c0 < len) {
-                    acc[nt][0] = dora_epilogue(acc[nt][0], dg, tg, o_base + c0);
-                    acc[nt][2] = dora_epilogue(acc[nt][2], dg, tg, o_base + c0);
-                }
-                if (c0 + 1 < len) {
-                    acc[nt][1] = dora_epilogue(acc[nt][1], dg, tg, o_base + c0 + 1);
-                    acc[nt][3] = dora_epilogue(acc[nt][3], dg, tg, o_base + c0 + 1);
+                    const float2 gv = *(const float2*)dora_col(sY, c0);
+                    const float2 bv = *(const float2*)dora_col(sY, SG_BO + c0);
+                    acc[nt][0] = dora_rescale(acc[nt][0], gv.x, bv.x);
+                    acc[nt][2] = dora_rescale(acc[nt][2], gv.x, bv.x);
+                    if (c0 + 1 < len) {
+                        acc[nt][1] = dora_rescale(acc[nt][1], gv.y, bv.y);
+                        acc[nt][3] = dora_rescale(acc[nt][3], gv.y, bv.y);
+                    }
                 }
             }
         }

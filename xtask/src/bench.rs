@@ -522,6 +522,12 @@ const DECODE_SWEEP: &[(DecodeCase, usize)] = &[
     ((2048, 4096, 4096, 8, 64, None), 64),
     ((31, 14336, 4096, 16, 31, None), 64),
     ((2048, 2048, 2048, 32, 8, None), 8),
+    // Output heads (LoRA on lm_head) either side of rule 4½'s 16 rows, and
+    // past its window of 512 (where the tall-output rule 6 serves it).
+    ((4, 4096, 128_256, 16, 4, None), 4),
+    ((8, 4096, 128_256, 16, 8, None), 8),
+    ((15, 4096, 128_256, 16, 15, None), 15),
+    ((1024, 4096, 128_256, 16, 64, None), 64),
 ];
 /// Prefill (rows, segments, in, out, r) and the best peer µs.
 const PREFILL: &[(usize, usize, usize, usize, usize, f64)] =

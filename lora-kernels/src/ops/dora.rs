@@ -37,6 +37,11 @@
 //! form's staged body instead (as an entry of unaligned weights does), and
 //! the `_dora` staged kernels rescale in a non-inlined function (inlined,
 //! it spilled them).
+//! That function takes `g` and the bias as addresses and issues its sixteen
+//! loads together. Sgmv's expand (one instantiation: a plain item loads
+//! nothing more) brings a DoRA item's `g` and bias columns into shared
+//! memory (the pads of its y tile's rows) with the item's B rows, so its
+//! epilogue reads them there.
 //!
 //! The rescale is `g · (v − b) + b` in f32 with no fused multiply-add on
 //! both backends (`dora_epilogue` in `cuda/common.cuh`), so for a given
