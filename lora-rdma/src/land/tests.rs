@@ -286,32 +286,43 @@ fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
     let manifest = store
         .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
         .unwrap();
-    let (index, entry) = manifest
-        .entries
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.part == crate::manifest::WirePart::B)
-        .unwrap();
-    let Location::Tcp { region, offset } = entry.location else {
-        panic!()
-    };
-    let range = ReadRange {
-        region,
-        offset,
-        len: entry.len,
-    };
-    let resolved = store.resolve(&[range]).unwrap();
-    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
-    let poison = |b: &mut [u8]| b[2 * 16 - 1] = 0x3f;
-    poison(&mut bytes);
-    let checksum = xxh64(&bytes);
     let mut transport = MemTransport::new(&store);
-    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
-    transport.poison = Some((index, Box::new(poison)));
+    poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| b[2 * 16 - 1] = 0x3f);
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
     assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
     assert_fresh(&target);
+}
+
+/// `transport` lands the first `part` entry of `manifest` with `poison`
+/// applied, under a manifest whose checksum for it is the poisoned bytes'
+/// (so only the checks on the landed bytes can refuse it).
+fn poison_under_its_checksum<'a>(
+    transport: &mut MemTransport<'a>,
+    manifest: &Manifest,
+    part: WirePart,
+    poison: impl Fn(&mut [u8]) + 'a,
+) {
+    let (index, entry) = manifest
+        .entries
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.part == part)
+        .unwrap();
+    let Location::Tcp { region, offset } = entry.location else {
+        panic!()
+    };
+    let mut bytes = stored_bytes(transport.store, region, offset, entry.len);
+    poison(&mut bytes);
+    let checksum = xxh64(&bytes);
+    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
+    transport.poison = Some((index, Box::new(poison)));
+}
+
+/// The `len` bytes `store` serves at `offset` of `region`.
+fn stored_bytes(store: &PeerStore, region: u32, offset: u64, len: u64) -> Vec<u8> {
+    let resolved = store.resolve(&[ReadRange { region, offset, len }]).unwrap();
+    resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec()
 }
 
 fn manifest(store: &PeerStore, adapter: &str) -> Manifest {
@@ -547,28 +558,8 @@ fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
     let manifest = store
         .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
         .unwrap();
-    let (index, entry) = manifest
-        .entries
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.part == crate::manifest::WirePart::B)
-        .unwrap();
-    let Location::Tcp { region, offset } = entry.location else {
-        panic!()
-    };
-    let range = ReadRange {
-        region,
-        offset,
-        len: entry.len,
-    };
-    let resolved = store.resolve(&[range]).unwrap();
-    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
-    let poison = |b: &mut [u8]| b[2 * 16 - 1] = 0x3f;
-    poison(&mut bytes);
-    let checksum = xxh64(&bytes);
     let mut transport = MemTransport::announcing(&store);
-    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
-    transport.poison = Some((index, Box::new(poison)));
+    poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| b[2 * 16 - 1] = 0x3f);
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
     assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
@@ -586,28 +577,8 @@ fn a_non_finite_magnitude_is_refused() {
     let store = store("llama", &["dora"], StoreOptions::default());
     let lander = Lander::new(config("llama"), dora).unwrap();
     let manifest = manifest(&store, "dora");
-    let (index, entry) = manifest
-        .entries
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.part == WirePart::Magnitude)
-        .unwrap();
-    let Location::Tcp { region, offset } = entry.location else {
-        panic!()
-    };
-    let range = ReadRange {
-        region,
-        offset,
-        len: entry.len,
-    };
-    let resolved = store.resolve(&[range]).unwrap();
-    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
-    let poison = |b: &mut [u8]| b[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
-    poison(&mut bytes);
-    let checksum = xxh64(&bytes);
     let mut transport = MemTransport::new(&store);
-    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
-    transport.poison = Some((index, Box::new(poison)));
+    poison_under_its_checksum(&mut transport, &manifest, WirePart::Magnitude, |b: &mut [u8]| b[4..8].copy_from_slice(&f32::NAN.to_le_bytes()));
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "dora", &mut target).unwrap_err();
     assert!(matches!(err, LandError::NonFiniteMagnitude { index: 1, .. }), "{err}");
@@ -660,13 +631,7 @@ fn the_sink_checks_only_parts_handed_out_and_landed() {
         let Location::Tcp { region, offset } = plan.parts[i].location else {
             panic!()
         };
-        let range = ReadRange {
-            region,
-            offset,
-            len: plan.parts[i].range.len() as u64,
-        };
-        let resolved = store.resolve(&[range]).unwrap();
-        resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec()
+        stored_bytes(&store, region, offset, plan.parts[i].range.len() as u64)
     };
     // Said landed before it was handed out: not checked.
     sink.landed(0);
