@@ -741,12 +741,7 @@ fn probe_command_writes_each_tensor_parallel_ranks_part() {
     let cfg = ModelConfig::from_file(&f.model.join("config.json")).unwrap();
     let out_dir = std::env::temp_dir().join(format!("lora-audit-probe-tp-{}", std::process::id()));
     std::fs::create_dir_all(&out_dir).unwrap();
-    let probe = |extra: &[&str], out: &Path| {
-        probe_command(&f, out)
-            .args(extra)
-            .output()
-            .unwrap()
-    };
+    let probe = |extra: &[&str], out: &Path| probe_command(&f, out).args(extra).output().unwrap();
     let oracle = oracle_outputs(&f.oracle().unwrap());
     for world in [2usize, 4] {
         let mut parts = Vec::new();

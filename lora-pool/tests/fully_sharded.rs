@@ -32,8 +32,8 @@ use lora_layout::{
     LayoutError, LoraModule, ModelConfig, ModuleShard, Placement, PlacementError, ShardKind, SlotLayout,
 };
 use lora_pool::{
-    AdapterSource, BatchCapacity, DecodeStep, FusedTargets, LoraOptions, LoraPool, PoolError, PrefillSeq, RankGather, SlotLease,
-    StepRow,
+    AdapterSource, BatchCapacity, DecodeStep, FusedTargets, LoraOptions, LoraPool, PoolError, PrefillSeq, RankGather,
+    SlotLease, StepRow,
 };
 
 const TOL: f64 = 1e-3;

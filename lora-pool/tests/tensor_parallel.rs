@@ -409,7 +409,7 @@ fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
             &poisoned,
         );
         match (p.tp_rank(), loaded) {
-            (0, Err(err)) => assert!(err.to_string().contains(&tensor), "{err}"),
+            (0, Err(err)) => assert!(err.to_string().contains(tensor), "{err}"),
             (0, Ok(_)) => panic!("rank 0 loaded a NaN it holds"),
             (_, loaded) => assert!(loaded.is_ok(), "rank 1 never reads row 0: {:?}", loaded.err()),
         }
@@ -483,8 +483,14 @@ fn placed_pool_serves_the_whole_pair(device: &Device, which: ModelPair) {
     // Every route into one pool of `placement`; its pair's region of each
     // slot and the pair's rows of each adapter.
     let serve = |p: Placement| {
-        let mut pool = LoraPool::load(device, cfg.clone(), pair_options(which, p), BatchCapacity::default(), &sources)
-            .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+        let mut pool = LoraPool::load(
+            device,
+            cfg.clone(),
+            pair_options(which, p),
+            BatchCapacity::default(),
+            &sources,
+        )
+        .unwrap_or_else(|e| panic!("{p:?}: {e}"));
         let layout = pool.layout().clone();
         let dense = SlotLayout::with_placement(&cfg, MAX_RANK, p).unwrap().slot_bytes();
         let whole = lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, MAX_RANK).unwrap();

@@ -117,7 +117,7 @@ pub fn poisoned_copy(adapter: &str, dst: &str, tensor: &str, element: impl FnOnc
     let weights = dst.join("adapter_model.safetensors");
     let file = SafetensorsFile::open(&weights).unwrap();
     let (dtype, shape, offset, _) = file.tensor(tensor).unwrap();
-    let i = element(&shape);
+    let i = element(shape);
     let mut bytes = std::fs::read(&weights).unwrap();
     let at = offset as usize;
     match dtype {

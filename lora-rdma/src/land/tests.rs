@@ -287,7 +287,9 @@ fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
         .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
         .unwrap();
     let mut transport = MemTransport::new(&store);
-    poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| b[2 * 16 - 1] = 0x3f);
+    poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| {
+        b[2 * 16 - 1] = 0x3f
+    });
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
     assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
@@ -559,7 +561,9 @@ fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
         .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
         .unwrap();
     let mut transport = MemTransport::announcing(&store);
-    poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| b[2 * 16 - 1] = 0x3f);
+    poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| {
+        b[2 * 16 - 1] = 0x3f
+    });
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
     assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
@@ -578,7 +582,9 @@ fn a_non_finite_magnitude_is_refused() {
     let lander = Lander::new(config("llama"), dora).unwrap();
     let manifest = manifest(&store, "dora");
     let mut transport = MemTransport::new(&store);
-    poison_under_its_checksum(&mut transport, &manifest, WirePart::Magnitude, |b: &mut [u8]| b[4..8].copy_from_slice(&f32::NAN.to_le_bytes()));
+    poison_under_its_checksum(&mut transport, &manifest, WirePart::Magnitude, |b: &mut [u8]| {
+        b[4..8].copy_from_slice(&f32::NAN.to_le_bytes())
+    });
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "dora", &mut target).unwrap_err();
     assert!(matches!(err, LandError::NonFiniteMagnitude { index: 1, .. }), "{err}");
