@@ -635,6 +635,20 @@ fn fold_sorted<S: Step>(
     Ok(())
 }
 
+impl StepHooks<'_> {
+    /// The routed experts' fused gate | up targets (the model's expert
+    /// intermediate size; none without MoE).
+    fn expert_gate_up_targets(&self) -> [ExpertTarget; 2] {
+        let inter = self
+            .pool
+            .config()
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.expert_intermediate_size);
+        ExpertTarget::gate_up(inter)
+    }
+}
+
 impl DeltaHooks for StepHooks<'_> {
     fn embed(&mut self, ids: &[u32], rows: &mut [f32]) -> Result<(), EngineError> {
         self.embed_rows(ids, rows).map_err(hook_err("embed"))
@@ -663,13 +677,7 @@ impl DeltaHooks for StepHooks<'_> {
         StepHooks::router(self, layer, x, logits).map_err(hook_err("router"))
     }
     fn expert_gate_up(&mut self, layer: usize, x: &[f32], topk: &[u32], y: &mut [f32]) -> Result<(), EngineError> {
-        let inter = self
-            .pool
-            .config()
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.expert_intermediate_size);
-        let targets = ExpertTarget::gate_up(inter);
+        let targets = self.expert_gate_up_targets();
         self.experts(layer, &targets, x, true, topk, y)
             .map_err(hook_err("expert_gate_up"))
     }
@@ -691,13 +699,7 @@ impl DeltaHooks for StepHooks<'_> {
         tags: &[i32],
         y: &mut [f32],
     ) -> Result<(), EngineError> {
-        let inter = self
-            .pool
-            .config()
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.expert_intermediate_size);
-        let targets = ExpertTarget::gate_up(inter);
+        let targets = self.expert_gate_up_targets();
         self.dispatched(layer, &targets, x, experts, tags, y)
             .map_err(hook_err("dispatched_gate_up"))
     }

@@ -279,14 +279,21 @@ fn a_lost_connection_mid_landing_leaves_fresh_images() {
 
 #[test]
 fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
-    let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
     let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
-    // The first B entry: set the last byte of its first row (a padding
-    // column at rank 4 < stride 16) and give the manifest that checksum.
-    let manifest = store
-        .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
-        .unwrap();
-    let mut transport = MemTransport::new(&store);
+    b_padding_under_its_checksum_is_refused(&lander, false);
+}
+
+/// `demo_r4_plain`'s first B entry with the last byte of its first row set
+/// (a padding column at rank 4 < stride 16), under a manifest with that
+/// checksum, through a transport that announces each op landed or not:
+/// `lander` refuses it by type and leaves fresh images.
+fn b_padding_under_its_checksum_is_refused(lander: &Lander, announce: bool) {
+    let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
+    let manifest = manifest(&store, "demo_r4_plain");
+    let mut transport = MemTransport {
+        announce,
+        ..MemTransport::new(&store)
+    };
     poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| {
         b[2 * 16 - 1] = 0x3f
     });
@@ -556,18 +563,7 @@ fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
     assert_fresh(&target);
 
     // Non-zero B padding under a matching checksum.
-    let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
-    let manifest = store
-        .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
-        .unwrap();
-    let mut transport = MemTransport::announcing(&store);
-    poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| {
-        b[2 * 16 - 1] = 0x3f
-    });
-    let mut target = HostLanding::new(lander.layout());
-    let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
-    assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
-    assert_fresh(&target);
+    b_padding_under_its_checksum_is_refused(&lander, true);
 }
 
 /// A landed DoRA magnitude that is not finite, under a matching checksum,
