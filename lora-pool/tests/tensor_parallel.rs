@@ -27,7 +27,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::placed::{
-    MAX_RANK, ModelPair, dense_adapters, embedding_rows, families, head_rows, load_ranks, options, pair_options,
+    MAX_RANK, ModelPair, ROUTES, dense_adapters, families, load_ranks, options, pair_pool_by_every_route, pair_rows,
     poisoned_copy,
 };
 use common::{fixtures, model_config, rel_error};
@@ -469,28 +469,11 @@ fn a_placed_pool_with_the_head_place_serves_the_whole_head_pair_on_one_gpu() {
 fn placed_pool_serves_the_whole_pair(device: &Device, which: ModelPair) {
     use lora_pool::SlotId;
     let cfg = model_config("llama");
-    let fixture = match which {
-        ModelPair::Embedding => "embedding_lora_no_table",
-        ModelPair::LmHead => "lm_head_lora_no_table",
-    };
-    let dir = fixtures().join("llama").join(fixture);
-    let sources = [AdapterSource {
-        name: "loaded",
-        dir: dir.as_path(),
-    }];
     let ids: Vec<u32> = (0..cfg.vocab_size as u32).step_by(7).collect();
-    let names = ["loaded", "disk", "prepared", "tier"];
     // Every route into one pool of `placement`; its pair's region of each
     // slot and the pair's rows of each adapter.
     let serve = |p: Placement| {
-        let mut pool = LoraPool::load(
-            device,
-            cfg.clone(),
-            pair_options(which, p),
-            BatchCapacity::default(),
-            &sources,
-        )
-        .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+        let mut pool = pair_pool_by_every_route(device, which, p);
         let layout = pool.layout().clone();
         let dense = SlotLayout::with_placement(&cfg, MAX_RANK, p).unwrap().slot_bytes();
         let whole = lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, MAX_RANK).unwrap();
@@ -515,20 +498,11 @@ fn placed_pool_serves_the_whole_pair(device: &Device, which: ModelPair) {
         let shard = layout.shard(i).expect("the pair's shard");
         assert!(shard.is_whole(), "{p:?}: {shard:?}");
         assert_eq!(shard.kind, ShardKind::Replicated);
-        pool.swap_from_disk(SlotId::new(1), "disk", &dir).unwrap();
-        let prepared = lora_audit::prepare_adapter(&dir, &cfg, pool.options()).unwrap();
-        pool.swap_prepared(SlotId::new(2), "prepared", &prepared).unwrap();
-        pool.prefetch("tier", &dir).unwrap();
-        pool.wait_for_prefetch();
-        let events = pool.prefetch_events();
-        let tiered = events.iter().find(|e| e.name == "tier").map(|e| &e.outcome);
-        assert!(matches!(tiered, Some(Ok(_))), "{p:?}: {tiered:?}");
-        pool.swap_from_disk(SlotId::new(3), "tier", &dir).unwrap();
         let region = a_offset / 2..layout.slot_bytes() / 2;
         let held: Vec<Vec<bf16>> = (0..4)
             .map(|s| pool.slot_contents(SlotId::new(s)).unwrap()[region.clone()].to_vec())
             .collect();
-        for (s, name) in names.iter().enumerate() {
+        for (s, name) in ROUTES.iter().enumerate() {
             let e = match which {
                 ModelPair::Embedding => pool.embedding_entry(SlotId::new(s)),
                 ModelPair::LmHead => pool.lm_head_entry(SlotId::new(s)),
@@ -536,13 +510,7 @@ fn placed_pool_serves_the_whole_pair(device: &Device, which: ModelPair) {
             assert!(e.unwrap().rank > 0, "{p:?} {name}: {which:?} pair published");
             assert_eq!(held[s], held[0], "{p:?} {name}: every route holds the same pair");
         }
-        let rows: Vec<Vec<f32>> = names
-            .iter()
-            .map(|n| match which {
-                ModelPair::Embedding => embedding_rows(&mut pool, n, &ids),
-                ModelPair::LmHead => head_rows(&mut pool, n, 5),
-            })
-            .collect();
+        let rows = pair_rows(&mut pool, which, &ids);
         (held, rows)
     };
     let (whole_held, whole_rows) = serve(Placement::SINGLE);

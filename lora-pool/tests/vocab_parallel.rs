@@ -16,8 +16,10 @@
 
 mod common;
 
-use common::placed::{MAX_RANK, ModelPair, embedding_rows, head_rows, pair_options, poisoned_copy};
-use common::{fixtures, model_config, rel_error};
+use common::placed::{
+    HEAD_ROWS, MAX_RANK, ModelPair, ROUTES, pair_options, pair_pool_by_every_route, pair_rows, poisoned_copy,
+};
+use common::{model_config, rel_error};
 use lora_kernels::Device;
 use lora_layout::{Placement, ShardKind, SlotLayout};
 use lora_pool::{AdapterSource, BatchCapacity, LoraPool, SlotId};
@@ -25,29 +27,11 @@ use lora_pool::{AdapterSource, BatchCapacity, LoraPool, SlotId};
 /// Reassembled ranks against the unsharded pool (the bound).
 const SHARD_TOL: f64 = 1e-3;
 
-const NAMES: [&str; 4] = ["loaded", "disk", "prepared", "tier"];
-const HEAD_ROWS: usize = 5;
-
 /// One rank's pool of `which` (every route into a slot): the slot bytes
 /// and the rows each route's slot serves.
 fn serve(device: &Device, which: ModelPair, p: Placement, ids: &[u32]) -> (usize, Vec<Vec<f32>>) {
     let cfg = model_config("llama");
-    let dir = fixtures().join("llama").join(match which {
-        ModelPair::Embedding => "embedding_lora_no_table",
-        ModelPair::LmHead => "lm_head_lora_no_table",
-    });
-    let sources = [AdapterSource {
-        name: "loaded",
-        dir: dir.as_path(),
-    }];
-    let mut pool = LoraPool::load(
-        device,
-        cfg.clone(),
-        pair_options(which, p),
-        BatchCapacity::default(),
-        &sources,
-    )
-    .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+    let mut pool = pair_pool_by_every_route(device, which, p);
     let layout = pool.layout().clone();
     let i = layout.entries().len();
     let shard = *layout.shard(i).unwrap();
@@ -71,32 +55,17 @@ fn serve(device: &Device, which: ModelPair, p: Placement, ids: &[u32]) -> (usize
         };
         assert_eq!(shard.kind, kind, "{p:?}");
     }
-    pool.swap_from_disk(SlotId::new(1), "disk", &dir).unwrap();
-    let prepared = lora_audit::prepare_adapter(&dir, &cfg, pool.options()).unwrap();
-    pool.swap_prepared(SlotId::new(2), "prepared", &prepared).unwrap();
-    pool.prefetch("tier", &dir).unwrap();
-    pool.wait_for_prefetch();
-    let events = pool.prefetch_events();
-    let tiered = events.iter().find(|e| e.name == "tier").map(|e| &e.outcome);
-    assert!(matches!(tiered, Some(Ok(_))), "{p:?}: {tiered:?}");
-    pool.swap_from_disk(SlotId::new(3), "tier", &dir).unwrap();
     let a_offset = match which {
         ModelPair::Embedding => layout.embedding().unwrap().a_offset,
         ModelPair::LmHead => layout.lm_head().unwrap().a_offset,
     };
     let region = a_offset / 2..layout.slot_bytes() / 2;
     let first = pool.slot_contents(SlotId::new(0)).unwrap()[region.clone()].to_vec();
-    for (s, name) in NAMES.iter().enumerate() {
+    for (s, name) in ROUTES.iter().enumerate() {
         let bytes = pool.slot_contents(SlotId::new(s)).unwrap()[region.clone()].to_vec();
         assert_eq!(bytes, first, "{p:?} {name}: every route holds the same rank's pair");
     }
-    let rows = NAMES
-        .iter()
-        .map(|n| match which {
-            ModelPair::Embedding => embedding_rows(&mut pool, n, ids),
-            ModelPair::LmHead => head_rows(&mut pool, n, HEAD_ROWS),
-        })
-        .collect();
+    let rows = pair_rows(&mut pool, which, ids);
     (layout.slot_bytes(), rows)
 }
 
@@ -121,7 +90,7 @@ fn ranks_reassemble(device: &Device, which: ModelPair) -> Vec<Vec<f32>> {
             let (b, rows) = serve(device, which, p, &ids);
             // The rank's dense shards, then its part of the pair.
             bytes += b - SlotLayout::with_placement(&cfg, MAX_RANK, p).unwrap().slot_bytes();
-            for (name, r) in NAMES.iter().zip(&rows) {
+            for (name, r) in ROUTES.iter().zip(&rows) {
                 assert_eq!(r, &rows[0], "{which:?} {p:?} {name}: every route serves the same rows");
             }
             ranks.push(rows.into_iter().next().unwrap());

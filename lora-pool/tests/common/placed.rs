@@ -9,9 +9,9 @@ use half::bf16;
 use lora_audit::{SafetensorsFile, TensorDtype, WeightRef, audit_adapter, parse_weight_name, read_oracle};
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{ModelConfig, Placement};
-use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool, PoolError, StepRow};
+use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool, PoolError, SlotId, StepRow};
 
-use super::fixtures;
+use super::{fixtures, model_config};
 
 pub const MAX_RANK: usize = 16;
 
@@ -149,6 +149,58 @@ pub fn pair_options(which: ModelPair, placement: Placement) -> LoraOptions {
         host_tier_bytes: 1 << 24,
         ..options(4, placement)
     }
+}
+
+/// The names one adapter has in slots 0, 1, 2 and 3 of a
+/// [`pair_pool_by_every_route`] pool.
+pub const ROUTES: [&str; 4] = ["loaded", "disk", "prepared", "tier"];
+/// The hidden rows [`pair_rows`] serves the head's pair.
+pub const HEAD_ROWS: usize = 5;
+
+/// A llama pool of `which` under `placement` on `device` holding the llama
+/// fixture adapter with `which`'s pair and no token table by every route
+/// into a slot: startup load (slot 0), disk swap (1), a prepared adapter
+/// (2) and the host tier (3), named as [`ROUTES`].
+pub fn pair_pool_by_every_route(device: &Device, which: ModelPair, placement: Placement) -> LoraPool {
+    let cfg = model_config("llama");
+    let dir = fixtures().join("llama").join(match which {
+        ModelPair::Embedding => "embedding_lora_no_table",
+        ModelPair::LmHead => "lm_head_lora_no_table",
+    });
+    let sources = [AdapterSource {
+        name: ROUTES[0],
+        dir: dir.as_path(),
+    }];
+    let mut pool = LoraPool::load(
+        device,
+        cfg.clone(),
+        pair_options(which, placement),
+        BatchCapacity::default(),
+        &sources,
+    )
+    .unwrap_or_else(|e| panic!("{placement:?}: {e}"));
+    pool.swap_from_disk(SlotId::new(1), ROUTES[1], &dir).unwrap();
+    let prepared = lora_audit::prepare_adapter(&dir, &cfg, pool.options()).unwrap();
+    pool.swap_prepared(SlotId::new(2), ROUTES[2], &prepared).unwrap();
+    pool.prefetch(ROUTES[3], &dir).unwrap();
+    pool.wait_for_prefetch();
+    let events = pool.prefetch_events();
+    let tiered = events.iter().find(|e| e.name == ROUTES[3]).map(|e| &e.outcome);
+    assert!(matches!(tiered, Some(Ok(_))), "{placement:?}: {tiered:?}");
+    pool.swap_from_disk(SlotId::new(3), ROUTES[3], &dir).unwrap();
+    pool
+}
+
+/// The rows each of [`ROUTES`]' slots adds: the embedding's for tokens
+/// `ids`, or the head's for [`HEAD_ROWS`] hidden rows.
+pub fn pair_rows(pool: &mut LoraPool, which: ModelPair, ids: &[u32]) -> Vec<Vec<f32>> {
+    ROUTES
+        .iter()
+        .map(|n| match which {
+            ModelPair::Embedding => embedding_rows(pool, n, ids),
+            ModelPair::LmHead => head_rows(pool, n, HEAD_ROWS),
+        })
+        .collect()
 }
 
 /// The embedding LoRA `name`'s slot adds to zero rows of tokens `ids`.
