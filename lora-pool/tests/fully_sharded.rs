@@ -24,8 +24,8 @@ mod common;
 
 use std::sync::{Arc, Barrier, Mutex};
 
-use common::placed::{MAX_RANK, dense_adapters, families, load_ranks, options, poisoned_copy};
-use common::{fixtures, model_config, rel_error};
+use common::placed::{MAX_RANK, dense_adapters, families, load_ranks, options, poisoned_copy, tiered_options};
+use common::{fixtures, model_config, pool_with, rel_error};
 use half::bf16;
 use lora_kernels::{Device, DeviceBuffer, KernelError, Rows, RowsMut};
 use lora_layout::{
@@ -618,7 +618,6 @@ fn a_dora_pool_is_refused_by_the_fully_sharded_apply() {
 #[test]
 fn every_route_into_a_fully_sharded_slot_reads_only_the_ranks_block_of_rank_rows() {
     use lora_pool::{SlotId, SwapRoute};
-    let cfg = model_config("llama");
     // `demo_r4_plain` (rank 4) with a NaN in row 0 of layer 0's q_proj A:
     // at max_rank 16 over 2 ranks, rank 0 holds A's rank rows 0..8 (all
     // four of the adapter's), rank 1 rows 8..16 (padding only).
@@ -628,17 +627,9 @@ fn every_route_into_a_fully_sharded_slot_reads_only_the_ranks_block_of_rank_rows
         1
     });
     let clean = fixtures().join("llama").join("rank_alpha_pattern");
-    let sources = [AdapterSource {
-        name: "loaded",
-        dir: clean.as_path(),
-    }];
     for p in Placement::new(0, 2).unwrap().ranks() {
-        let opts = LoraOptions {
-            rotatable: true,
-            host_tier_bytes: 1 << 24,
-            ..options(3, p.with_fully_sharded(true))
-        };
-        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts, BatchCapacity::default(), &sources).unwrap();
+        let opts = tiered_options(3, p.with_fully_sharded(true));
+        let mut pool = pool_with(opts, &[("loaded", "rank_alpha_pattern")]);
         let swapped = pool.swap_from_disk(SlotId::new(1), "swapped", &clean).unwrap();
         pool.prefetch("tiered", &clean).unwrap();
         pool.wait_for_prefetch();

@@ -28,9 +28,9 @@ use std::collections::BTreeMap;
 
 use common::placed::{
     MAX_RANK, ModelPair, ROUTES, dense_adapters, families, load_ranks, options, pair_pool_by_every_route, pair_rows,
-    poisoned_copy,
+    poisoned_copy, tiered_options,
 };
-use common::{fixtures, model_config, rel_error};
+use common::{fixtures, model_config, pool_with, rel_error};
 use half::bf16;
 use lora_audit::{PROBE_OUT, WeightRef, parse_weight_name, read_oracle};
 use lora_kernels::{Device, Rows, RowsMut};
@@ -364,18 +364,8 @@ fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
         assert_eq!(shape[1], 4, "rank 4: element 3 is in row 0");
         3
     });
-    let clean = fixtures().join("llama").join("rslora");
-    let sources = [AdapterSource {
-        name: "clean",
-        dir: clean.as_path(),
-    }];
     for p in Placement::new(0, 2).unwrap().ranks() {
-        let opts = LoraOptions {
-            rotatable: true,
-            host_tier_bytes: 1 << 24,
-            ..options(2, p)
-        };
-        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts, BatchCapacity::default(), &sources).unwrap();
+        let mut pool = pool_with(tiered_options(2, p), &[("clean", "rslora")]);
         let slot = SlotId::new(1);
         let swapped = pool.swap_from_disk(slot, "bad", &bad);
         pool.prefetch("bad-tier", &bad).unwrap();

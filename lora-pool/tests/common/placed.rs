@@ -139,15 +139,23 @@ pub enum ModelPair {
     LmHead,
 }
 
+/// `max_loras` rotatable slots of rank `MAX_RANK` and a host tier, under
+/// `placement`.
+pub fn tiered_options(max_loras: usize, placement: Placement) -> LoraOptions {
+    LoraOptions {
+        rotatable: true,
+        host_tier_bytes: 1 << 24,
+        ..options(max_loras, placement)
+    }
+}
+
 /// Four rotatable slots with `which`'s place and a host tier, under
 /// `placement`.
 pub fn pair_options(which: ModelPair, placement: Placement) -> LoraOptions {
     LoraOptions {
         embedding_lora: matches!(which, ModelPair::Embedding),
         lm_head_lora: matches!(which, ModelPair::LmHead),
-        rotatable: true,
-        host_tier_bytes: 1 << 24,
-        ..options(4, placement)
+        ..tiered_options(4, placement)
     }
 }
 
