@@ -419,6 +419,21 @@ fn lora_audit() -> Command {
     Command::new(env!("CARGO_BIN_EXE_lora-audit"))
 }
 
+/// `lora-audit probe` of fixture `f` against its model and oracle, into
+/// `out` (further flags to add).
+fn probe_command(f: &Fixture, out: &Path) -> Command {
+    let mut cmd = lora_audit();
+    cmd.arg("probe")
+        .arg(&f.dir)
+        .arg("--model")
+        .arg(f.model.join("config.json"))
+        .arg("--probes")
+        .arg(f.oracle().unwrap())
+        .arg("--out")
+        .arg(out);
+    cmd
+}
+
 fn fixture(name: &str) -> Fixture {
     fixtures().into_iter().find(|f| f.name == name).unwrap()
 }
@@ -649,15 +664,7 @@ fn oracle_like(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 #[test]
 fn probing_a_refused_adapter_exits_1() {
     let f = fixture("llama/dora");
-    let out = lora_audit()
-        .arg("probe")
-        .arg(&f.dir)
-        .arg("--model")
-        .arg(f.model.join("config.json"))
-        .arg("--probes")
-        .arg(f.oracle().unwrap())
-        .arg("--out")
-        .arg(std::env::temp_dir().join("lora-audit-never-written.safetensors"))
+    let out = probe_command(&f, &std::env::temp_dir().join("lora-audit-never-written.safetensors"))
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -734,20 +741,7 @@ fn probe_command_writes_each_tensor_parallel_ranks_part() {
     let cfg = ModelConfig::from_file(&f.model.join("config.json")).unwrap();
     let out_dir = std::env::temp_dir().join(format!("lora-audit-probe-tp-{}", std::process::id()));
     std::fs::create_dir_all(&out_dir).unwrap();
-    let probe = |extra: &[&str], out: &Path| {
-        lora_audit()
-            .arg("probe")
-            .arg(&f.dir)
-            .arg("--model")
-            .arg(f.model.join("config.json"))
-            .arg("--probes")
-            .arg(f.oracle().unwrap())
-            .arg("--out")
-            .arg(out)
-            .args(extra)
-            .output()
-            .unwrap()
-    };
+    let probe = |extra: &[&str], out: &Path| probe_command(&f, out).args(extra).output().unwrap();
     let oracle = oracle_outputs(&f.oracle().unwrap());
     for world in [2usize, 4] {
         let mut parts = Vec::new();
@@ -813,15 +807,7 @@ fn probe_command_writes_each_expert_parallel_ranks_part() {
     let out_dir = std::env::temp_dir().join(format!("lora-audit-probe-ep-{}", std::process::id()));
     std::fs::create_dir_all(&out_dir).unwrap();
     let probe = |extra: &[&str], out: &Path| {
-        lora_audit()
-            .arg("probe")
-            .arg(&f.dir)
-            .arg("--model")
-            .arg(f.model.join("config.json"))
-            .arg("--probes")
-            .arg(f.oracle().unwrap())
-            .arg("--out")
-            .arg(out)
+        probe_command(&f, out)
             .args(["--max-rank", "16", "--experts"])
             .args(extra)
             .output()
@@ -942,15 +928,7 @@ fn probe_command_writes_each_vocab_parallel_ranks_logit_columns() {
     let out_dir = std::env::temp_dir().join(format!("lora-audit-probe-vocab-{}", std::process::id()));
     std::fs::create_dir_all(&out_dir).unwrap();
     let probe = |extra: &[&str], out: &Path| {
-        lora_audit()
-            .arg("probe")
-            .arg(&f.dir)
-            .arg("--model")
-            .arg(f.model.join("config.json"))
-            .arg("--probes")
-            .arg(f.oracle().unwrap())
-            .arg("--out")
-            .arg(out)
+        probe_command(&f, out)
             .args(["--max-rank", "16", "--lm-head-lora"])
             .args(extra)
             .env_remove("LORA_VOCAB_PARALLEL")

@@ -475,33 +475,12 @@ impl StepHooks<'_> {
                     offsets[e] += offsets[e - 1];
                 }
                 let sorted_token: Vec<i32> = order.iter().map(|&r| r as i32).collect();
-                let x_sorted: Vec<f32> = order
-                    .iter()
-                    .flat_map(|&r| x[x_row(r) * in_w..(x_row(r) + 1) * in_w].iter().copied())
-                    .collect();
-                let mut y_sorted: Vec<f32> = order
-                    .iter()
-                    .flat_map(|&r| y[r * out_w..(r + 1) * out_w].iter().copied())
-                    .collect();
-                let sorted_dev = device.upload(&sorted_token)?;
-                let offsets_dev = device.upload(&offsets)?;
-                moe.index_sorted_rows(
-                    pool,
-                    s,
-                    SortedRows {
-                        sorted_token: &sorted_dev,
-                        n_sorted: rows,
-                        expert_offsets: &offsets_dev,
-                    },
-                )?;
-                apply_split(&device, &x_sorted, in_w, &mut y_sorted, |xr, y_dev| {
-                    moe.apply_expert_lora_sorted(pool, s, layer, targets, xr, RowsMut::dense(y_dev, rows, out_w))?;
-                    Ok(())
-                })?;
-                for (i, &r) in order.iter().enumerate() {
-                    y[r * out_w..(r + 1) * out_w].copy_from_slice(&y_sorted[i * out_w..(i + 1) * out_w]);
-                }
-                Ok(())
+                let sorted = Sorted {
+                    order: &order,
+                    sorted_token: &sorted_token,
+                    offsets: &offsets,
+                };
+                fold_sorted(moe, pool, s, (layer, targets), sorted, (x, in_w, &x_row), y)
             }
         }
     }
@@ -572,9 +551,8 @@ fn fold_dispatched<S: Step>(
     tags: &[i32],
     y: &mut [f32],
 ) -> Result<(), BoxError> {
-    let device = pool.device().clone();
     let rows = experts.len();
-    let (in_w, out_w) = (x.len() / rows, y.len() / rows);
+    let in_w = x.len() / rows;
     moe.receive_dispatch_map(pool, step, rows)?.write(0, tags)?;
     let k = moe.top_k();
     let mut order: Vec<usize> = (0..rows).collect();
@@ -591,16 +569,53 @@ fn fold_dispatched<S: Step>(
         offsets[e] += offsets[e - 1];
     }
     let sorted_token: Vec<i32> = order.iter().map(|&r| i32::try_from(r * k)).collect::<Result<_, _>>()?;
+    let sorted = Sorted {
+        order: &order,
+        sorted_token: &sorted_token,
+        offsets: &offsets,
+    };
+    fold_sorted(moe, pool, step, (layer, targets), sorted, (x, in_w, &|r| r), y)
+}
+
+/// The expert-sorted order of a fold's rows: `order[i]` is the row the
+/// `i`th sorted row is, `sorted_token[i]` the token index the kernels see
+/// for it, `offsets` the experts' prefix counts (`[num_experts + 1]`).
+struct Sorted<'a> {
+    order: &'a [usize],
+    sorted_token: &'a [i32],
+    offsets: &'a [i32],
+}
+
+/// A routed-expert fold in `sorted` order under `step`: row `r` reads
+/// `x`'s row `x_row(r)` (`in_w` wide) and adds its delta into `y`'s row
+/// `r`.
+fn fold_sorted<S: Step>(
+    moe: &mut MoeLora,
+    pool: &LoraPool<TokenOverlays>,
+    step: &S,
+    (layer, targets): (usize, &[ExpertTarget]),
+    sorted: Sorted<'_>,
+    (x, in_w, x_row): (&[f32], usize, &dyn Fn(usize) -> usize),
+    y: &mut [f32],
+) -> Result<(), BoxError> {
+    let device = pool.device().clone();
+    let Sorted {
+        order,
+        sorted_token,
+        offsets,
+    } = sorted;
+    let rows = order.len();
+    let out_w = y.len() / rows;
     let x_sorted: Vec<f32> = order
         .iter()
-        .flat_map(|&r| x[r * in_w..(r + 1) * in_w].iter().copied())
+        .flat_map(|&r| x[x_row(r) * in_w..(x_row(r) + 1) * in_w].iter().copied())
         .collect();
     let mut y_sorted: Vec<f32> = order
         .iter()
         .flat_map(|&r| y[r * out_w..(r + 1) * out_w].iter().copied())
         .collect();
-    let sorted_dev = device.upload(&sorted_token)?;
-    let offsets_dev = device.upload(&offsets)?;
+    let sorted_dev = device.upload(sorted_token)?;
+    let offsets_dev = device.upload(offsets)?;
     moe.index_sorted_rows(
         pool,
         step,
@@ -618,6 +633,20 @@ fn fold_dispatched<S: Step>(
         y[r * out_w..(r + 1) * out_w].copy_from_slice(&y_sorted[i * out_w..(i + 1) * out_w]);
     }
     Ok(())
+}
+
+impl StepHooks<'_> {
+    /// The routed experts' fused gate | up targets (the model's expert
+    /// intermediate size; none without MoE).
+    fn expert_gate_up_targets(&self) -> [ExpertTarget; 2] {
+        let inter = self
+            .pool
+            .config()
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.expert_intermediate_size);
+        ExpertTarget::gate_up(inter)
+    }
 }
 
 impl DeltaHooks for StepHooks<'_> {
@@ -648,13 +677,7 @@ impl DeltaHooks for StepHooks<'_> {
         StepHooks::router(self, layer, x, logits).map_err(hook_err("router"))
     }
     fn expert_gate_up(&mut self, layer: usize, x: &[f32], topk: &[u32], y: &mut [f32]) -> Result<(), EngineError> {
-        let inter = self
-            .pool
-            .config()
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.expert_intermediate_size);
-        let targets = ExpertTarget::gate_up(inter);
+        let targets = self.expert_gate_up_targets();
         self.experts(layer, &targets, x, true, topk, y)
             .map_err(hook_err("expert_gate_up"))
     }
@@ -676,13 +699,7 @@ impl DeltaHooks for StepHooks<'_> {
         tags: &[i32],
         y: &mut [f32],
     ) -> Result<(), EngineError> {
-        let inter = self
-            .pool
-            .config()
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.expert_intermediate_size);
-        let targets = ExpertTarget::gate_up(inter);
+        let targets = self.expert_gate_up_targets();
         self.dispatched(layer, &targets, x, experts, tags, y)
             .map_err(hook_err("dispatched_gate_up"))
     }

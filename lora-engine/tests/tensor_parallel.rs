@@ -132,8 +132,9 @@ fn serve_ranks(family: &str, world: usize, vocab_parallel: bool, fully_sharded: 
     assert!(reqs.iter().any(|r| r.adapter.is_some()), "{family}: no adapted request");
 }
 
-#[test]
-fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
+/// The dense fixture families (the embedding's and the head's places
+/// included), each served by 2 and by 4 ranks.
+fn serve_dense_families(vocab_parallel: bool, fully_sharded: bool) {
     for family in [
         "llama",
         "mistral",
@@ -144,43 +145,24 @@ fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
         "llama_lm_head",
     ] {
         for world in [2, 4] {
-            serve_ranks(family, world, false, false);
+            serve_ranks(family, world, vocab_parallel, fully_sharded);
         }
     }
+}
+
+#[test]
+fn dense_families_served_by_ranks_as_threads_equal_the_one_rank_run() {
+    serve_dense_families(false, false);
 }
 
 #[test]
 fn dense_families_served_by_vocab_parallel_ranks_equal_the_one_rank_run() {
-    for family in [
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "qwen3_untied",
-        "llama_embed",
-        "llama_lm_head",
-    ] {
-        for world in [2, 4] {
-            serve_ranks(family, world, true, false);
-        }
-    }
+    serve_dense_families(true, false);
 }
 
 #[test]
 fn dense_families_served_fully_sharded_by_ranks_as_threads_equal_the_one_rank_run() {
-    for family in [
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "qwen3_untied",
-        "llama_embed",
-        "llama_lm_head",
-    ] {
-        for world in [2, 4] {
-            serve_ranks(family, world, false, true);
-        }
-    }
+    serve_dense_families(false, true);
 }
 
 #[test]

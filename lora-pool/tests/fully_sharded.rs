@@ -24,106 +24,19 @@ mod common;
 
 use std::sync::{Arc, Barrier, Mutex};
 
-use common::{fixtures, model_config, rel_error};
+use common::placed::{MAX_RANK, dense_adapters, families, load_ranks, options, poisoned_copy, tiered_options};
+use common::{fixtures, model_config, pool_with, rel_error};
 use half::bf16;
-use lora_audit::{WeightRef, audit_adapter, parse_weight_name, read_oracle};
 use lora_kernels::{Device, DeviceBuffer, KernelError, Rows, RowsMut};
 use lora_layout::{
     LayoutError, LoraModule, ModelConfig, ModuleShard, Placement, PlacementError, ShardKind, SlotLayout,
 };
 use lora_pool::{
-    AdapterSource, BatchCapacity, FusedTargets, LoraOptions, LoraPool, PoolError, PrefillSeq, RankGather, SlotLease,
-    StepRow,
+    AdapterSource, BatchCapacity, DecodeStep, FusedTargets, LoraOptions, LoraPool, PoolError, PrefillSeq, RankGather,
+    SlotLease, StepRow,
 };
 
-const MAX_RANK: usize = 16;
 const TOL: f64 = 1e-3;
-
-fn options(max_loras: usize, placement: Placement) -> LoraOptions {
-    LoraOptions {
-        max_loras,
-        max_rank: MAX_RANK,
-        placement,
-        ..LoraOptions::default()
-    }
-}
-
-/// Every fixture family (a folder of `fixtures/` with a `config.json`).
-fn families() -> Vec<String> {
-    let mut out: Vec<String> = std::fs::read_dir(fixtures())
-        .unwrap()
-        .filter_map(|e| {
-            let e = e.unwrap();
-            e.path()
-                .join("config.json")
-                .is_file()
-                .then(|| e.file_name().to_string_lossy().into_owned())
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-/// The family's fixture adapters a dense pool serves at `MAX_RANK` with
-/// expert LoRA off (dense probes only), as `tests/tensor_parallel.rs`
-/// picks them.
-fn dense_adapters(family: &str, cfg: &ModelConfig) -> Vec<String> {
-    let root = fixtures().join(family);
-    let mut names: Vec<String> = std::fs::read_dir(&root)
-        .unwrap()
-        .filter_map(|e| {
-            let e = e.unwrap();
-            let dir = e.path();
-            let oracle = read_oracle(&dir.join("oracle.safetensors")).ok()?;
-            let dense = oracle.inputs.rows.is_empty()
-                && !oracle.inputs.inputs.is_empty()
-                && oracle
-                    .inputs
-                    .inputs
-                    .keys()
-                    .all(|w| matches!(parse_weight_name(w, cfg), Ok(WeightRef::Dense { .. })));
-            let servable = audit_adapter(&dir, cfg, &options(1, Placement::SINGLE))
-                .is_ok_and(|r| r.is_servable() && r.experts.is_empty());
-            (dense && servable).then(|| e.file_name().to_string_lossy().into_owned())
-        })
-        .collect();
-    names.sort();
-    names
-}
-
-/// Every rank's pool of a world of `world` (fully sharded or not).
-fn load_ranks(
-    device: &Device,
-    cfg: &ModelConfig,
-    family: &str,
-    adapters: &[String],
-    world: usize,
-    fully_sharded: bool,
-) -> Result<Vec<LoraPool>, PoolError> {
-    let root = fixtures().join(family);
-    let dirs: Vec<_> = adapters.iter().map(|a| root.join(a)).collect();
-    let sources: Vec<_> = adapters
-        .iter()
-        .zip(&dirs)
-        .map(|(name, dir)| AdapterSource {
-            name,
-            dir: dir.as_path(),
-        })
-        .collect();
-    Placement::new(0, world)
-        .unwrap()
-        .ranks()
-        .map(|p| {
-            LoraPool::load(
-                device,
-                cfg.clone(),
-                options(adapters.len(), p.with_fully_sharded(fully_sharded)),
-                BatchCapacity::default(),
-                &sources,
-            )
-        })
-        .collect()
-}
 
 /// The elements of `pool`'s slot `slot` from byte `offset`, `len` of them.
 fn slot_elems(pool: &LoraPool, slot: &SlotLease, offset: usize, len: usize) -> Vec<bf16> {
@@ -205,70 +118,23 @@ fn a_parts_concatenate_to_the_padded_a_and_slot_bytes_add_up_for_every_family() 
     );
 }
 
-/// A host all-gather for ranks that are threads of one process: each rank
-/// posts its part (downloaded), waits for the others, writes every part
-/// into its `out` in rank order, and waits again.
-struct HostGather {
+/// One rank of a group of ranks that are threads of one process and
+/// all-gather through `shared`: each rank posts its part there, waits for
+/// the others, reads every part into its `out` in rank order, and waits
+/// again.
+struct ThreadGather<S> {
     rank: usize,
     world: usize,
     barrier: Arc<Barrier>,
-    parts: Arc<Mutex<Vec<Vec<f32>>>>,
+    shared: Arc<Mutex<S>>,
 }
 
-impl HostGather {
-    fn group(world: usize) -> Vec<HostGather> {
+impl<S> ThreadGather<S> {
+    fn group(world: usize, shared: S) -> Vec<ThreadGather<S>> {
         let barrier = Arc::new(Barrier::new(world));
-        let parts = Arc::new(Mutex::new(vec![Vec::new(); world]));
+        let shared = Arc::new(Mutex::new(shared));
         (0..world)
-            .map(|rank| HostGather {
-                rank,
-                world,
-                barrier: Arc::clone(&barrier),
-                parts: Arc::clone(&parts),
-            })
-            .collect()
-    }
-}
-
-impl RankGather for HostGather {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world(&self) -> usize {
-        self.world
-    }
-    fn all_gather(
-        &mut self,
-        part: &DeviceBuffer<f32>,
-        part_len: usize,
-        out: &mut DeviceBuffer<f32>,
-    ) -> Result<(), PoolError> {
-        self.parts.lock().unwrap()[self.rank] = part.download_range(0, part_len)?;
-        self.barrier.wait();
-        let all = self.parts.lock().unwrap().concat();
-        self.barrier.wait();
-        Ok(out.write(0, &all)?)
-    }
-}
-
-/// An all-gather by device copies for ranks whose pools share one device
-/// (and so one stream): each rank copies its part into a shared device
-/// buffer at its place, waits for the others, then copies the whole shared
-/// buffer into its `out`, and waits again. The stream orders every copy
-/// after the shrinks queued before it.
-struct DeviceCopyGather {
-    rank: usize,
-    world: usize,
-    barrier: Arc<Barrier>,
-    shared: Arc<Mutex<DeviceBuffer<f32>>>,
-}
-
-impl DeviceCopyGather {
-    fn group(device: &Device, world: usize, capacity: usize) -> Vec<DeviceCopyGather> {
-        let barrier = Arc::new(Barrier::new(world));
-        let shared = Arc::new(Mutex::new(device.alloc_zeros(capacity * world).unwrap()));
-        (0..world)
-            .map(|rank| DeviceCopyGather {
+            .map(|rank| ThreadGather {
                 rank,
                 world,
                 barrier: Arc::clone(&barrier),
@@ -278,7 +144,15 @@ impl DeviceCopyGather {
     }
 }
 
-impl RankGather for DeviceCopyGather {
+/// Where a [`ThreadGather`] group's parts meet.
+trait Exchange: Send {
+    /// Rank `rank`'s part (`part_len` elements of `part`) into place.
+    fn post(&mut self, rank: usize, part: &DeviceBuffer<f32>, part_len: usize) -> Result<(), PoolError>;
+    /// Every rank's part, in rank order, into `out`.
+    fn read(&self, world: usize, part_len: usize, out: &mut DeviceBuffer<f32>) -> Result<(), PoolError>;
+}
+
+impl<S: Exchange> RankGather for ThreadGather<S> {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -291,14 +165,53 @@ impl RankGather for DeviceCopyGather {
         part_len: usize,
         out: &mut DeviceBuffer<f32>,
     ) -> Result<(), PoolError> {
-        self.shared
-            .lock()
-            .unwrap()
-            .copy_from(self.rank * part_len, part, 0, part_len)?;
+        self.shared.lock().unwrap().post(self.rank, part, part_len)?;
         self.barrier.wait();
-        out.copy_from(0, &self.shared.lock().unwrap(), 0, part_len * self.world)?;
+        self.shared.lock().unwrap().read(self.world, part_len, out)?;
         self.barrier.wait();
         Ok(())
+    }
+}
+
+/// A host all-gather: the parts downloaded, one per rank.
+type HostGather = ThreadGather<HostParts>;
+
+struct HostParts(Vec<Vec<f32>>);
+
+impl HostGather {
+    fn host_group(world: usize) -> Vec<HostGather> {
+        ThreadGather::group(world, HostParts(vec![Vec::new(); world]))
+    }
+}
+
+impl Exchange for HostParts {
+    fn post(&mut self, rank: usize, part: &DeviceBuffer<f32>, part_len: usize) -> Result<(), PoolError> {
+        self.0[rank] = part.download_range(0, part_len)?;
+        Ok(())
+    }
+    fn read(&self, _world: usize, _part_len: usize, out: &mut DeviceBuffer<f32>) -> Result<(), PoolError> {
+        Ok(out.write(0, &self.0.concat())?)
+    }
+}
+
+/// An all-gather by device copies for ranks whose pools share one device
+/// (and so one stream): each rank copies its part into a shared device
+/// buffer at its place, then the whole shared buffer into its `out`. The
+/// stream orders every copy after the shrinks queued before it.
+type DeviceCopyGather = ThreadGather<DeviceBuffer<f32>>;
+
+impl DeviceCopyGather {
+    fn device_group(device: &Device, world: usize, capacity: usize) -> Vec<DeviceCopyGather> {
+        ThreadGather::group(world, device.alloc_zeros(capacity * world).unwrap())
+    }
+}
+
+impl Exchange for DeviceBuffer<f32> {
+    fn post(&mut self, rank: usize, part: &DeviceBuffer<f32>, part_len: usize) -> Result<(), PoolError> {
+        Ok(self.copy_from(rank * part_len, part, 0, part_len)?)
+    }
+    fn read(&self, world: usize, part_len: usize, out: &mut DeviceBuffer<f32>) -> Result<(), PoolError> {
+        Ok(out.copy_from(0, self, 0, part_len * world)?)
     }
 }
 
@@ -503,7 +416,7 @@ fn fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_the_cpu() {
     let device = Device::cpu();
     for world in [2, 4] {
         let served = fully_sharded_ranks_match(&device, world, || {
-            HostGather::group(world)
+            HostGather::host_group(world)
                 .into_iter()
                 .map(|g| Box::new(g) as Box<dyn RankGather + Send>)
                 .collect()
@@ -527,7 +440,7 @@ fn fully_sharded_applies_give_each_rank_the_half_sharded_columns_on_one_gpu() {
     let capacity = BatchCapacity::default().max_rows * lora_kernels::MAX_TARGETS * MAX_RANK;
     for world in [2, 4] {
         let served = fully_sharded_ranks_match(&device, world, || {
-            DeviceCopyGather::group(&device, world, capacity)
+            DeviceCopyGather::device_group(&device, world, capacity)
                 .into_iter()
                 .map(|g| Box::new(g) as Box<dyn RankGather + Send>)
                 .collect()
@@ -573,6 +486,32 @@ fn a_one_rank_nccl_fully_sharded_apply_equals_the_cpu_reference() {
     }
 }
 
+/// `pool`'s layer-0 apply of `targets` to the one row `x` (`in_dim` wide)
+/// into `y`: through the fully-sharded apply with `gather`, or the fused
+/// decode apply when `gather` is `None`.
+fn one_row(
+    pool: &LoraPool,
+    step: &DecodeStep,
+    targets: &FusedTargets,
+    (x, in_dim): (&DeviceBuffer<bf16>, usize),
+    y: &mut DeviceBuffer<f32>,
+    gather: Option<&mut dyn RankGather>,
+) -> Result<(), PoolError> {
+    let (x, y) = (Rows::dense(x, 1, in_dim), RowsMut::dense(y, 1, targets.width()));
+    match gather {
+        Some(g) => pool.apply_fully_sharded(step, 0, targets, x, y, g),
+        None => pool.apply_decode(step, 0, targets, x, y),
+    }
+}
+
+/// `err` is the rank-split refusal naming `module`.
+fn assert_rank_split(err: &PoolError, module: LoraModule) {
+    assert!(
+        matches!(err, PoolError::RankSplit { module: m, .. } if *m == module),
+        "{err}"
+    );
+}
+
 #[test]
 fn the_wrong_apply_a_foreign_gather_and_an_indivisible_max_rank_are_refused() {
     let device = Device::cpu();
@@ -588,58 +527,14 @@ fn the_wrong_apply_a_foreign_gather_and_an_indivisible_max_rank_are_refused() {
     let q = FusedTargets::single_at(&cfg, placement, LoraModule::QProj).unwrap();
     let o = FusedTargets::single_at(&cfg, placement, LoraModule::OProj).unwrap();
     let mut y = device.alloc_zeros::<f32>(hidden).unwrap();
-    let err = pool
-        .apply_decode(
-            &step,
-            0,
-            &q,
-            Rows::dense(&x, 1, hidden),
-            RowsMut::dense(&mut y, 1, q.width()),
-        )
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            PoolError::RankSplit {
-                module: LoraModule::QProj,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = one_row(pool, &step, &q, (&x, hidden), &mut y, None).unwrap_err();
+    assert_rank_split(&err, LoraModule::QProj);
     let o_in = pool.layout().entry(0, LoraModule::OProj).unwrap().in_dim;
-    let mut gather = HostGather::group(2).remove(0);
-    let err = pool
-        .apply_fully_sharded(
-            &step,
-            0,
-            &o,
-            Rows::dense(&x, 1, o_in),
-            RowsMut::dense(&mut y, 1, o.width()),
-            &mut gather,
-        )
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            PoolError::RankSplit {
-                module: LoraModule::OProj,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    let mut foreign = HostGather::group(4).remove(0);
-    let err = pool
-        .apply_fully_sharded(
-            &step,
-            0,
-            &q,
-            Rows::dense(&x, 1, hidden),
-            RowsMut::dense(&mut y, 1, q.width()),
-            &mut foreign,
-        )
-        .unwrap_err();
+    let mut gather = HostGather::host_group(2).remove(0);
+    let err = one_row(pool, &step, &o, (&x, o_in), &mut y, Some(&mut gather)).unwrap_err();
+    assert_rank_split(&err, LoraModule::OProj);
+    let mut foreign = HostGather::host_group(4).remove(0);
+    let err = one_row(pool, &step, &q, (&x, hidden), &mut y, Some(&mut foreign)).unwrap_err();
     assert!(
         matches!(
             err,
@@ -653,28 +548,12 @@ fn the_wrong_apply_a_foreign_gather_and_an_indivisible_max_rank_are_refused() {
     );
     assert!(y.download().unwrap().iter().all(|&v| v == 0.0), "nothing written");
     // The row-parallel module still goes through the fused apply.
-    pool.apply_decode(
-        &step,
-        0,
-        &o,
-        Rows::dense(&x, 1, o_in),
-        RowsMut::dense(&mut y, 1, o.width()),
-    )
-    .unwrap();
+    one_row(pool, &step, &o, (&x, o_in), &mut y, None).unwrap();
     // A half-sharded pool has no fully-sharded apply.
     let mut half = load_ranks(&device, &cfg, "llama", &adapters, 2, false).unwrap();
     let lease = half[0].acquire("demo_r4_plain").unwrap();
     let step = half[0].decode_step(&[StepRow::Adapter(&lease)], 1).unwrap();
-    let err = half[0]
-        .apply_fully_sharded(
-            &step,
-            0,
-            &q,
-            Rows::dense(&x, 1, hidden),
-            RowsMut::dense(&mut y, 1, q.width()),
-            &mut gather,
-        )
-        .unwrap_err();
+    let err = one_row(&half[0], &step, &q, (&x, hidden), &mut y, Some(&mut gather)).unwrap_err();
     assert!(matches!(err, PoolError::RankSplit { .. }), "{err}");
     // max_rank 6 does not split into 4 blocks of rank rows (the heads do):
     // the layout walk, and so the pool, refuses naming max_rank.
@@ -720,69 +599,16 @@ fn a_dora_pool_is_refused_by_the_fully_sharded_apply() {
     let x = device.upload(&vec![bf16::ONE; hidden]).unwrap();
     let q = FusedTargets::single_at(&cfg, Placement::SINGLE, LoraModule::QProj).unwrap();
     let mut y = device.alloc_zeros::<f32>(q.width()).unwrap();
-    let mut gather = HostGather::group(1).remove(0);
-    let err = pool
-        .apply_fully_sharded(
-            &step,
-            0,
-            &q,
-            Rows::dense(&x, 1, hidden),
-            RowsMut::dense(&mut y, 1, q.width()),
-            &mut gather,
-        )
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            PoolError::RankSplit {
-                module: LoraModule::QProj,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let mut gather = HostGather::host_group(1).remove(0);
+    let err = one_row(&pool, &step, &q, (&x, hidden), &mut y, Some(&mut gather)).unwrap_err();
+    assert_rank_split(&err, LoraModule::QProj);
     assert!(err.to_string().contains("DoRA"), "{err}");
     assert!(y.download().unwrap().iter().all(|&v| v == 0.0), "nothing written");
-    pool.apply_decode(
-        &step,
-        0,
-        &q,
-        Rows::dense(&x, 1, hidden),
-        RowsMut::dense(&mut y, 1, q.width()),
-    )
-    .unwrap();
+    one_row(&pool, &step, &q, (&x, hidden), &mut y, None).unwrap();
     assert!(
         y.download().unwrap().iter().any(|&v| v != 0.0),
         "the fused apply serves q"
     );
-}
-
-/// `demo_r4_plain` (rank 4) with a NaN in row 0 of layer 0's q_proj A: at
-/// max_rank 16 over 2 ranks, rank 0 holds A's rank rows 0..8 (all four of
-/// the adapter's), rank 1 rows 8..16 (padding only).
-fn poisoned_in_rank_rows_0(tag: &str) -> (std::path::PathBuf, String) {
-    use lora_audit::{SafetensorsFile, TensorDtype};
-    let src = fixtures().join("llama").join("demo_r4_plain");
-    let dst = std::env::temp_dir().join(format!("lora-pool-fsh-poison-{}-{tag}", std::process::id()));
-    std::fs::create_dir_all(&dst).unwrap();
-    for f in ["adapter_config.json", "adapter_model.safetensors"] {
-        std::fs::copy(src.join(f), dst.join(f)).unwrap();
-    }
-    let weights = dst.join("adapter_model.safetensors");
-    let file = SafetensorsFile::open(&weights).unwrap();
-    let tensor = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".to_string();
-    let (dtype, shape, offset, _) = file.tensor(&tensor).unwrap();
-    assert_eq!(shape[0], 4, "rank 4");
-    let mut bytes = std::fs::read(&weights).unwrap();
-    let at = offset as usize;
-    match dtype {
-        TensorDtype::F32 => bytes[at + 4..at + 8].copy_from_slice(&f32::NAN.to_le_bytes()),
-        TensorDtype::BF16 => bytes[at + 2..at + 4].copy_from_slice(&bf16::NAN.to_le_bytes()),
-        TensorDtype::F16 => bytes[at + 2..at + 4].copy_from_slice(&half::f16::NAN.to_le_bytes()),
-        other => panic!("{tensor}: unexpected dtype {other:?}"),
-    }
-    std::fs::write(&weights, bytes).unwrap();
-    (dst, tensor)
 }
 
 /// Every route into a fully-sharded slot packs the same bytes (startup
@@ -792,20 +618,18 @@ fn poisoned_in_rank_rows_0(tag: &str) -> (std::path::PathBuf, String) {
 #[test]
 fn every_route_into_a_fully_sharded_slot_reads_only_the_ranks_block_of_rank_rows() {
     use lora_pool::{SlotId, SwapRoute};
-    let cfg = model_config("llama");
-    let (bad, tensor) = poisoned_in_rank_rows_0("routes");
+    // `demo_r4_plain` (rank 4) with a NaN in row 0 of layer 0's q_proj A:
+    // at max_rank 16 over 2 ranks, rank 0 holds A's rank rows 0..8 (all
+    // four of the adapter's), rank 1 rows 8..16 (padding only).
+    let tensor = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight";
+    let bad = poisoned_copy("demo_r4_plain", "lora-pool-fsh-poison-routes", tensor, |shape| {
+        assert_eq!(shape[0], 4, "rank 4");
+        1
+    });
     let clean = fixtures().join("llama").join("rank_alpha_pattern");
-    let sources = [AdapterSource {
-        name: "loaded",
-        dir: clean.as_path(),
-    }];
     for p in Placement::new(0, 2).unwrap().ranks() {
-        let opts = LoraOptions {
-            rotatable: true,
-            host_tier_bytes: 1 << 24,
-            ..options(3, p.with_fully_sharded(true))
-        };
-        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts, BatchCapacity::default(), &sources).unwrap();
+        let opts = tiered_options(3, p.with_fully_sharded(true));
+        let mut pool = pool_with(opts, &[("loaded", "rank_alpha_pattern")]);
         let swapped = pool.swap_from_disk(SlotId::new(1), "swapped", &clean).unwrap();
         pool.prefetch("tiered", &clean).unwrap();
         pool.wait_for_prefetch();
@@ -830,7 +654,7 @@ fn every_route_into_a_fully_sharded_slot_reads_only_the_ranks_block_of_rank_rows
         let result = pool.swap_from_disk(SlotId::new(1), "bad", &bad);
         if p.tp_rank() == 0 {
             let err = result.expect_err("rank 0 holds the NaN row").to_string();
-            assert!(err.contains("non-finite") && err.contains(&tensor), "{err}");
+            assert!(err.contains("non-finite") && err.contains(tensor), "{err}");
         } else {
             result.expect("rank 1 never reads rank rows 0..8");
         }

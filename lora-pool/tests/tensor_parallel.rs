@@ -26,9 +26,13 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{fixtures, model_config, rel_error};
+use common::placed::{
+    MAX_RANK, ModelPair, ROUTES, dense_adapters, families, load_ranks, options, pair_pool_by_every_route, pair_rows,
+    poisoned_copy, tiered_options,
+};
+use common::{fixtures, model_config, pool_with, rel_error};
 use half::bf16;
-use lora_audit::{PROBE_OUT, WeightRef, audit_adapter, parse_weight_name, read_oracle};
+use lora_audit::{PROBE_OUT, WeightRef, parse_weight_name, read_oracle};
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_layout::{
     LayoutError, LoraModule, ModelConfig, ModuleShard, Placement, PlacementError, ShardKind, SlotLayout,
@@ -41,59 +45,6 @@ const SHARD_TOL: f64 = 1e-3;
 /// A served delta (BF16 pairs) against PEFT's f32 oracle: the bound every
 /// pool test holds the unsharded pool to (`serve_fixtures.rs`).
 const SERVED_TOL: f64 = 1e-2;
-const MAX_RANK: usize = 16;
-
-fn options(max_loras: usize, placement: Placement) -> LoraOptions {
-    LoraOptions {
-        max_loras,
-        max_rank: MAX_RANK,
-        placement,
-        ..LoraOptions::default()
-    }
-}
-
-/// The family's fixture adapters a dense pool serves: servable at
-/// `MAX_RANK` with expert LoRA off, and probed on dense weights only (no
-/// expert, router or token-table probes).
-fn dense_adapters(family: &str, cfg: &ModelConfig) -> Vec<String> {
-    let root = fixtures().join(family);
-    let mut names: Vec<String> = std::fs::read_dir(&root)
-        .unwrap()
-        .filter_map(|e| {
-            let e = e.unwrap();
-            let dir = e.path();
-            let oracle = read_oracle(&dir.join("oracle.safetensors")).ok()?;
-            let dense = oracle.inputs.rows.is_empty()
-                && !oracle.inputs.inputs.is_empty()
-                && oracle
-                    .inputs
-                    .inputs
-                    .keys()
-                    .all(|w| matches!(parse_weight_name(w, cfg), Ok(WeightRef::Dense { .. })));
-            let servable = audit_adapter(&dir, cfg, &options(1, Placement::SINGLE))
-                .is_ok_and(|r| r.is_servable() && r.experts.is_empty());
-            (dense && servable).then(|| e.file_name().to_string_lossy().into_owned())
-        })
-        .collect();
-    names.sort();
-    names
-}
-
-/// Every fixture family (a folder of `fixtures/` with a `config.json`).
-fn families() -> Vec<String> {
-    let mut out: Vec<String> = std::fs::read_dir(fixtures())
-        .unwrap()
-        .filter_map(|e| {
-            let e = e.unwrap();
-            e.path()
-                .join("config.json")
-                .is_file()
-                .then(|| e.file_name().to_string_lossy().into_owned())
-        })
-        .collect();
-    out.sort();
-    out
-}
 
 /// Ranks holding each A column and each B row of `module`, by rule from
 /// the config alone (see the crate doc above).
@@ -221,38 +172,6 @@ fn reassembled(
     full
 }
 
-fn load_ranks(
-    device: &Device,
-    cfg: &ModelConfig,
-    family: &str,
-    adapters: &[String],
-    world: usize,
-) -> Result<Vec<LoraPool>, PoolError> {
-    let root = fixtures().join(family);
-    let dirs: Vec<_> = adapters.iter().map(|a| root.join(a)).collect();
-    let sources: Vec<_> = adapters
-        .iter()
-        .zip(&dirs)
-        .map(|(name, dir)| AdapterSource {
-            name,
-            dir: dir.as_path(),
-        })
-        .collect();
-    Placement::new(0, world)
-        .unwrap()
-        .ranks()
-        .map(|p| {
-            LoraPool::load(
-                device,
-                cfg.clone(),
-                options(adapters.len(), p),
-                BatchCapacity::default(),
-                &sources,
-            )
-        })
-        .collect()
-}
-
 #[test]
 fn every_ranks_shard_reassembles_the_peft_oracle_across_world_sizes() {
     ranks_reassemble_the_peft_oracle(&Device::cpu());
@@ -291,7 +210,7 @@ fn ranks_reassemble_the_peft_oracle(device: &Device) {
                     matches!(expected, LayoutError::Placement(PlacementError::Indivisible { .. })),
                     "{family} x{world}: {expected}"
                 );
-                let Err(err) = load_ranks(device, &cfg, &family, &adapters, world) else {
+                let Err(err) = load_ranks(device, &cfg, &family, &adapters, world, false) else {
                     panic!("{family} x{world}: a pool was built for a cut that does not divide");
                 };
                 // Startup load audits first, and the audit sizes the rank's
@@ -311,7 +230,7 @@ fn ranks_reassemble_the_peft_oracle(device: &Device) {
                     .push(format!("x{world} refused: {err}"));
                 continue;
             }
-            let mut pools = load_ranks(device, &cfg, &family, &adapters, world).unwrap();
+            let mut pools = load_ranks(device, &cfg, &family, &adapters, world, false).unwrap();
             // Slot bytes add up (see the crate doc).
             let unsharded = SlotLayout::new(&cfg, MAX_RANK).unwrap();
             let expected_bytes: usize = unsharded
@@ -430,33 +349,6 @@ fn expert_deltas_under_tensor_parallelism_are_refused_by_type() {
     );
 }
 
-/// A copy of llama's `demo_r4_plain` whose layer-0 `q_proj` B has a NaN in
-/// output row 0: rank 0 of 2 holds that row, rank 1 does not.
-fn poisoned_in_rank_zeros_rows(tag: &str) -> (std::path::PathBuf, String) {
-    use lora_audit::{SafetensorsFile, TensorDtype};
-    let src = fixtures().join("llama").join("demo_r4_plain");
-    let dst = std::env::temp_dir().join(format!("lora-pool-tp-poison-{}-{tag}", std::process::id()));
-    std::fs::create_dir_all(&dst).unwrap();
-    for f in ["adapter_config.json", "adapter_model.safetensors"] {
-        std::fs::copy(src.join(f), dst.join(f)).unwrap();
-    }
-    let weights = dst.join("adapter_model.safetensors");
-    let file = SafetensorsFile::open(&weights).unwrap();
-    let tensor = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight".to_string();
-    let (dtype, shape, offset, _) = file.tensor(&tensor).unwrap();
-    assert_eq!(shape[1], 4, "rank 4: element 3 is in row 0");
-    let mut bytes = std::fs::read(&weights).unwrap();
-    let at = offset as usize;
-    match dtype {
-        TensorDtype::F32 => bytes[at + 12..at + 16].copy_from_slice(&f32::NAN.to_le_bytes()),
-        TensorDtype::BF16 => bytes[at + 6..at + 8].copy_from_slice(&bf16::NAN.to_le_bytes()),
-        TensorDtype::F16 => bytes[at + 6..at + 8].copy_from_slice(&half::f16::NAN.to_le_bytes()),
-        other => panic!("{tensor}: unexpected dtype {other:?}"),
-    }
-    std::fs::write(&weights, bytes).unwrap();
-    (dst, tensor)
-}
-
 /// Startup load, disk swap and the host tier read only the rank's bytes
 /// (positioned reads of its shard, the header audited): a NaN in rows of a
 /// column-parallel B that only rank 0 holds is refused by rank 0, naming
@@ -465,19 +357,15 @@ fn poisoned_in_rank_zeros_rows(tag: &str) -> (std::path::PathBuf, String) {
 fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
     use lora_pool::SlotId;
     let cfg = model_config("llama");
-    let (bad, tensor) = poisoned_in_rank_zeros_rows("swap");
-    let clean = fixtures().join("llama").join("rslora");
-    let sources = [AdapterSource {
-        name: "clean",
-        dir: clean.as_path(),
-    }];
+    // `demo_r4_plain` whose layer-0 `q_proj` B has a NaN in output row 0:
+    // rank 0 of 2 holds that row, rank 1 does not.
+    let tensor = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight";
+    let bad = poisoned_copy("demo_r4_plain", "lora-pool-tp-poison-swap", tensor, |shape| {
+        assert_eq!(shape[1], 4, "rank 4: element 3 is in row 0");
+        3
+    });
     for p in Placement::new(0, 2).unwrap().ranks() {
-        let opts = LoraOptions {
-            rotatable: true,
-            host_tier_bytes: 1 << 24,
-            ..options(2, p)
-        };
-        let mut pool = LoraPool::load(&Device::cpu(), cfg.clone(), opts, BatchCapacity::default(), &sources).unwrap();
+        let mut pool = pool_with(tiered_options(2, p), &[("clean", "rslora")]);
         let slot = SlotId::new(1);
         let swapped = pool.swap_from_disk(slot, "bad", &bad);
         pool.prefetch("bad-tier", &bad).unwrap();
@@ -490,7 +378,7 @@ fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
                 tiered.and_then(|o| o.as_ref().err()).map(|e| e.to_string()),
             ] {
                 let err = err.expect("rank 0 holds the NaN row: refused");
-                assert!(err.contains("non-finite") && err.contains(&tensor), "{err}");
+                assert!(err.contains("non-finite") && err.contains(tensor), "{err}");
             }
         } else {
             swapped.expect("rank 1 never reads row 0");
@@ -511,7 +399,7 @@ fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
             &poisoned,
         );
         match (p.tp_rank(), loaded) {
-            (0, Err(err)) => assert!(err.to_string().contains(&tensor), "{err}"),
+            (0, Err(err)) => assert!(err.to_string().contains(tensor), "{err}"),
             (0, Ok(_)) => panic!("rank 0 loaded a NaN it holds"),
             (_, loaded) => assert!(loaded.is_ok(), "rank 1 never reads row 0: {:?}", loaded.err()),
         }
@@ -519,59 +407,7 @@ fn a_rank_reads_only_its_own_bytes_on_disk_swap_and_into_the_host_tier() {
     let _ = std::fs::remove_dir_all(&bad);
 }
 
-/// The embedding rows `apply_embedding` adds for `n` tokens `ids`, each
-/// row served by `name`'s slot, onto zero rows.
-fn embedding_rows(pool: &mut LoraPool, name: &str, ids: &[u32]) -> Vec<f32> {
-    let device = pool.device().clone();
-    let hidden = pool.config().hidden_size;
-    let lease = pool.acquire(name).unwrap();
-    let n = ids.len();
-    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); n], n).unwrap();
-    let ids_dev = device.upload(ids).unwrap();
-    let mut out = device.alloc_zeros::<f32>(n * hidden).unwrap();
-    pool.apply_embedding(&step, &ids_dev, RowsMut::dense(&mut out, n, hidden))
-        .unwrap();
-    device.check_faults().unwrap();
-    out.download().unwrap()
-}
-
-/// `hidden` rows of deterministic values, each row the head's input.
-fn head_inputs(n: usize, hidden: usize) -> Vec<bf16> {
-    (0..n * hidden)
-        .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0))
-        .collect()
-}
-
-/// The output head's LoRA over `n` hidden rows served by `name`'s slot,
-/// onto zero logits.
-fn head_rows(pool: &mut LoraPool, name: &str, n: usize) -> Vec<f32> {
-    let device = pool.device().clone();
-    let (hidden, vocab) = (pool.config().hidden_size, pool.config().vocab_size);
-    let lease = pool.acquire(name).unwrap();
-    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); n], n).unwrap();
-    let x = device.upload(&head_inputs(n, hidden)).unwrap();
-    let mut out = device.alloc_zeros::<f32>(n * vocab).unwrap();
-    pool.apply_lm_head_decode(
-        &step,
-        Rows::dense(&x, n, hidden),
-        RowsMut::dense(&mut out, n, vocab),
-        lora_kernels::DecodeOptions::default(),
-    )
-    .unwrap();
-    device.check_faults().unwrap();
-    out.download().unwrap()
-}
-
-/// A model-level pair place beside the (layer, module) pairs.
-#[derive(Debug, Clone, Copy)]
-enum ModelPair {
-    /// The input embedding's (`LoraOptions::embedding_lora`).
-    Embedding,
-    /// The output head's (`LoraOptions::lm_head_lora`).
-    LmHead,
-}
-
-/// A pool with a tensor-parallel placement AND the embedding place/// A pool with a tensor-parallel placement AND the embedding place
+/// A pool with a tensor-parallel placement AND the embedding place
 /// (`LoraOptions::embedding_lora`) builds and serves: each rank's slot is
 /// its dense shards then the whole embedding pair (replicated, as the base
 /// model keeps the embedding table whole on every rank); every route into a
@@ -623,29 +459,11 @@ fn a_placed_pool_with_the_head_place_serves_the_whole_head_pair_on_one_gpu() {
 fn placed_pool_serves_the_whole_pair(device: &Device, which: ModelPair) {
     use lora_pool::SlotId;
     let cfg = model_config("llama");
-    let fixture = match which {
-        ModelPair::Embedding => "embedding_lora_no_table",
-        ModelPair::LmHead => "lm_head_lora_no_table",
-    };
-    let dir = fixtures().join("llama").join(fixture);
-    let sources = [AdapterSource {
-        name: "loaded",
-        dir: dir.as_path(),
-    }];
-    let opts = |p| LoraOptions {
-        embedding_lora: matches!(which, ModelPair::Embedding),
-        lm_head_lora: matches!(which, ModelPair::LmHead),
-        rotatable: true,
-        host_tier_bytes: 1 << 24,
-        ..options(4, p)
-    };
     let ids: Vec<u32> = (0..cfg.vocab_size as u32).step_by(7).collect();
-    let names = ["loaded", "disk", "prepared", "tier"];
     // Every route into one pool of `placement`; its pair's region of each
     // slot and the pair's rows of each adapter.
     let serve = |p: Placement| {
-        let mut pool = LoraPool::load(device, cfg.clone(), opts(p), BatchCapacity::default(), &sources)
-            .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+        let mut pool = pair_pool_by_every_route(device, which, p);
         let layout = pool.layout().clone();
         let dense = SlotLayout::with_placement(&cfg, MAX_RANK, p).unwrap().slot_bytes();
         let whole = lora_layout::pair_bytes(cfg.hidden_size, cfg.vocab_size, MAX_RANK).unwrap();
@@ -670,20 +488,11 @@ fn placed_pool_serves_the_whole_pair(device: &Device, which: ModelPair) {
         let shard = layout.shard(i).expect("the pair's shard");
         assert!(shard.is_whole(), "{p:?}: {shard:?}");
         assert_eq!(shard.kind, ShardKind::Replicated);
-        pool.swap_from_disk(SlotId::new(1), "disk", &dir).unwrap();
-        let prepared = lora_audit::prepare_adapter(&dir, &cfg, pool.options()).unwrap();
-        pool.swap_prepared(SlotId::new(2), "prepared", &prepared).unwrap();
-        pool.prefetch("tier", &dir).unwrap();
-        pool.wait_for_prefetch();
-        let events = pool.prefetch_events();
-        let tiered = events.iter().find(|e| e.name == "tier").map(|e| &e.outcome);
-        assert!(matches!(tiered, Some(Ok(_))), "{p:?}: {tiered:?}");
-        pool.swap_from_disk(SlotId::new(3), "tier", &dir).unwrap();
         let region = a_offset / 2..layout.slot_bytes() / 2;
         let held: Vec<Vec<bf16>> = (0..4)
             .map(|s| pool.slot_contents(SlotId::new(s)).unwrap()[region.clone()].to_vec())
             .collect();
-        for (s, name) in names.iter().enumerate() {
+        for (s, name) in ROUTES.iter().enumerate() {
             let e = match which {
                 ModelPair::Embedding => pool.embedding_entry(SlotId::new(s)),
                 ModelPair::LmHead => pool.lm_head_entry(SlotId::new(s)),
@@ -691,13 +500,7 @@ fn placed_pool_serves_the_whole_pair(device: &Device, which: ModelPair) {
             assert!(e.unwrap().rank > 0, "{p:?} {name}: {which:?} pair published");
             assert_eq!(held[s], held[0], "{p:?} {name}: every route holds the same pair");
         }
-        let rows: Vec<Vec<f32>> = names
-            .iter()
-            .map(|n| match which {
-                ModelPair::Embedding => embedding_rows(&mut pool, n, &ids),
-                ModelPair::LmHead => head_rows(&mut pool, n, 5),
-            })
-            .collect();
+        let rows = pair_rows(&mut pool, which, &ids);
         (held, rows)
     };
     let (whole_held, whole_rows) = serve(Placement::SINGLE);

@@ -16,98 +16,22 @@
 
 mod common;
 
-use common::{fixtures, model_config, rel_error};
-use half::bf16;
-use lora_kernels::{Device, Rows, RowsMut};
+use common::placed::{
+    HEAD_ROWS, MAX_RANK, ModelPair, ROUTES, pair_options, pair_pool_by_every_route, pair_rows, poisoned_copy,
+};
+use common::{model_config, rel_error};
+use lora_kernels::Device;
 use lora_layout::{Placement, ShardKind, SlotLayout};
-use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool, SlotId, StepRow};
+use lora_pool::{AdapterSource, BatchCapacity, LoraPool, SlotId};
 
-const MAX_RANK: usize = 16;
 /// Reassembled ranks against the unsharded pool (the bound).
 const SHARD_TOL: f64 = 1e-3;
-
-/// A model-level pair place.
-#[derive(Debug, Clone, Copy)]
-enum ModelPair {
-    Embedding,
-    LmHead,
-}
-
-fn options(which: ModelPair, placement: Placement) -> LoraOptions {
-    LoraOptions {
-        max_loras: 4,
-        max_rank: MAX_RANK,
-        placement,
-        embedding_lora: matches!(which, ModelPair::Embedding),
-        lm_head_lora: matches!(which, ModelPair::LmHead),
-        rotatable: true,
-        host_tier_bytes: 1 << 24,
-        ..LoraOptions::default()
-    }
-}
-
-/// The embedding LoRA `name`'s slot adds to zero rows of tokens `ids`.
-fn embedding_rows(pool: &mut LoraPool, name: &str, ids: &[u32]) -> Vec<f32> {
-    let device = pool.device().clone();
-    let hidden = pool.config().hidden_size;
-    let lease = pool.acquire(name).unwrap();
-    let n = ids.len();
-    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); n], n).unwrap();
-    let ids_dev = device.upload(ids).unwrap();
-    let mut out = device.alloc_zeros::<f32>(n * hidden).unwrap();
-    pool.apply_embedding(&step, &ids_dev, RowsMut::dense(&mut out, n, hidden))
-        .unwrap();
-    device.check_faults().unwrap();
-    out.download().unwrap()
-}
-
-/// The head LoRA `name`'s slot adds to zero logits of `n` fixed hidden
-/// rows: `[n, the slot's head rows]`.
-fn head_rows(pool: &mut LoraPool, name: &str, n: usize) -> Vec<f32> {
-    let device = pool.device().clone();
-    let hidden = pool.config().hidden_size;
-    let vocab = pool.layout().lm_head().unwrap().vocab;
-    let lease = pool.acquire(name).unwrap();
-    let step = pool.decode_step(&vec![StepRow::Adapter(&lease); n], n).unwrap();
-    let x: Vec<bf16> = (0..n * hidden)
-        .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0))
-        .collect();
-    let x = device.upload(&x).unwrap();
-    let mut out = device.alloc_zeros::<f32>(n * vocab).unwrap();
-    pool.apply_lm_head_decode(
-        &step,
-        Rows::dense(&x, n, hidden),
-        RowsMut::dense(&mut out, n, vocab),
-        lora_kernels::DecodeOptions::default(),
-    )
-    .unwrap();
-    device.check_faults().unwrap();
-    out.download().unwrap()
-}
-
-const NAMES: [&str; 4] = ["loaded", "disk", "prepared", "tier"];
-const HEAD_ROWS: usize = 5;
 
 /// One rank's pool of `which` (every route into a slot): the slot bytes
 /// and the rows each route's slot serves.
 fn serve(device: &Device, which: ModelPair, p: Placement, ids: &[u32]) -> (usize, Vec<Vec<f32>>) {
     let cfg = model_config("llama");
-    let dir = fixtures().join("llama").join(match which {
-        ModelPair::Embedding => "embedding_lora_no_table",
-        ModelPair::LmHead => "lm_head_lora_no_table",
-    });
-    let sources = [AdapterSource {
-        name: "loaded",
-        dir: dir.as_path(),
-    }];
-    let mut pool = LoraPool::load(
-        device,
-        cfg.clone(),
-        options(which, p),
-        BatchCapacity::default(),
-        &sources,
-    )
-    .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+    let mut pool = pair_pool_by_every_route(device, which, p);
     let layout = pool.layout().clone();
     let i = layout.entries().len();
     let shard = *layout.shard(i).unwrap();
@@ -131,32 +55,17 @@ fn serve(device: &Device, which: ModelPair, p: Placement, ids: &[u32]) -> (usize
         };
         assert_eq!(shard.kind, kind, "{p:?}");
     }
-    pool.swap_from_disk(SlotId::new(1), "disk", &dir).unwrap();
-    let prepared = lora_audit::prepare_adapter(&dir, &cfg, pool.options()).unwrap();
-    pool.swap_prepared(SlotId::new(2), "prepared", &prepared).unwrap();
-    pool.prefetch("tier", &dir).unwrap();
-    pool.wait_for_prefetch();
-    let events = pool.prefetch_events();
-    let tiered = events.iter().find(|e| e.name == "tier").map(|e| &e.outcome);
-    assert!(matches!(tiered, Some(Ok(_))), "{p:?}: {tiered:?}");
-    pool.swap_from_disk(SlotId::new(3), "tier", &dir).unwrap();
     let a_offset = match which {
         ModelPair::Embedding => layout.embedding().unwrap().a_offset,
         ModelPair::LmHead => layout.lm_head().unwrap().a_offset,
     };
     let region = a_offset / 2..layout.slot_bytes() / 2;
     let first = pool.slot_contents(SlotId::new(0)).unwrap()[region.clone()].to_vec();
-    for (s, name) in NAMES.iter().enumerate() {
+    for (s, name) in ROUTES.iter().enumerate() {
         let bytes = pool.slot_contents(SlotId::new(s)).unwrap()[region.clone()].to_vec();
         assert_eq!(bytes, first, "{p:?} {name}: every route holds the same rank's pair");
     }
-    let rows = NAMES
-        .iter()
-        .map(|n| match which {
-            ModelPair::Embedding => embedding_rows(&mut pool, n, ids),
-            ModelPair::LmHead => head_rows(&mut pool, n, HEAD_ROWS),
-        })
-        .collect();
+    let rows = pair_rows(&mut pool, which, ids);
     (layout.slot_bytes(), rows)
 }
 
@@ -181,7 +90,7 @@ fn ranks_reassemble(device: &Device, which: ModelPair) -> Vec<Vec<f32>> {
             let (b, rows) = serve(device, which, p, &ids);
             // The rank's dense shards, then its part of the pair.
             bytes += b - SlotLayout::with_placement(&cfg, MAX_RANK, p).unwrap().slot_bytes();
-            for (name, r) in NAMES.iter().zip(&rows) {
+            for (name, r) in ROUTES.iter().zip(&rows) {
                 assert_eq!(r, &rows[0], "{which:?} {p:?} {name}: every route serves the same rows");
             }
             ranks.push(rows.into_iter().next().unwrap());
@@ -268,41 +177,21 @@ fn vocab_parallel_embedding_and_head_ranks_on_one_gpu_equal_the_cpu_reference() 
     }
 }
 
-/// A copy of `embedding_lora_no_table` whose `lora_embedding_A` has a NaN
-/// in the column of token `vocab - 1`: only the last vocab-parallel rank
-/// holds it.
-fn poisoned_in_the_last_ranks_columns() -> std::path::PathBuf {
-    use lora_audit::{SafetensorsFile, TensorDtype};
-    let src = fixtures().join("llama").join("embedding_lora_no_table");
-    let dst = std::env::temp_dir().join(format!("lora-pool-vocab-poison-{}", std::process::id()));
-    std::fs::create_dir_all(&dst).unwrap();
-    for f in ["adapter_config.json", "adapter_model.safetensors"] {
-        std::fs::copy(src.join(f), dst.join(f)).unwrap();
-    }
-    let weights = dst.join("adapter_model.safetensors");
-    let file = SafetensorsFile::open(&weights).unwrap();
-    let name = "base_model.model.model.embed_tokens.lora_embedding_A";
-    let (dtype, shape, offset, _) = file.tensor(name).unwrap();
-    let last = shape[1] - 1; // row 0, last column
-    let mut bytes = std::fs::read(&weights).unwrap();
-    let at = offset as usize;
-    match dtype {
-        TensorDtype::F32 => bytes[at + 4 * last..at + 4 * last + 4].copy_from_slice(&f32::NAN.to_le_bytes()),
-        TensorDtype::BF16 => bytes[at + 2 * last..at + 2 * last + 2].copy_from_slice(&bf16::NAN.to_le_bytes()),
-        TensorDtype::F16 => bytes[at + 2 * last..at + 2 * last + 2].copy_from_slice(&half::f16::NAN.to_le_bytes()),
-        other => panic!("{name}: unexpected dtype {other:?}"),
-    }
-    std::fs::write(&weights, bytes).unwrap();
-    dst
-}
-
 /// Startup load, disk swap and the host tier read only the rank's
 /// vocabulary columns: a NaN in the last token's column is refused by the
 /// last rank and never seen by the others.
 #[test]
 fn a_vocab_parallel_rank_reads_only_its_own_columns() {
     let cfg = model_config("llama");
-    let bad = poisoned_in_the_last_ranks_columns();
+    // `embedding_lora_no_table` with a NaN in `lora_embedding_A`'s column of
+    // token `vocab - 1` (row 0, last column): only the last vocab-parallel
+    // rank holds it.
+    let bad = poisoned_copy(
+        "embedding_lora_no_table",
+        "lora-pool-vocab-poison",
+        "base_model.model.model.embed_tokens.lora_embedding_A",
+        |shape| shape[1] - 1,
+    );
     for p in Placement::new(0, 2).unwrap().with_vocab_parallel(true).ranks() {
         let last = p.tp_rank() == 1;
         let sources = [AdapterSource {
@@ -312,7 +201,7 @@ fn a_vocab_parallel_rank_reads_only_its_own_columns() {
         let loaded = LoraPool::load(
             &Device::cpu(),
             cfg.clone(),
-            options(ModelPair::Embedding, p),
+            pair_options(ModelPair::Embedding, p),
             BatchCapacity::default(),
             &sources,
         );
@@ -337,7 +226,7 @@ fn a_vocab_parallel_rank_reads_only_its_own_columns() {
     let whole = LoraPool::load(
         &Device::cpu(),
         cfg,
-        options(ModelPair::Embedding, Placement::SINGLE),
+        pair_options(ModelPair::Embedding, Placement::SINGLE),
         BatchCapacity::default(),
         &sources,
     );

@@ -12,6 +12,8 @@ use lora_kernels::{Device, PairEntry};
 use lora_layout::{LoraModule, ModelConfig};
 use lora_pool::{AdapterSlot, AdapterSource, BatchCapacity, LoraOptions, LoraPool, SlotId};
 
+pub mod placed;
+
 /// `fixtures/` at the workspace root.
 /// (`LORA_FIXTURES_DIR` when set: the GPU bundle carries them elsewhere.)
 pub fn fixtures() -> PathBuf {

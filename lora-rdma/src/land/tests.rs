@@ -279,39 +279,59 @@ fn a_lost_connection_mid_landing_leaves_fresh_images() {
 
 #[test]
 fn non_zero_b_padding_is_refused_even_with_a_matching_checksum() {
-    let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
     let lander = Lander::new(config("llama"), opts(16, 16)).unwrap();
-    // The first B entry: set the last byte of its first row (a padding
-    // column at rank 4 < stride 16) and give the manifest that checksum.
-    let manifest = store
-        .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
-        .unwrap();
-    let (index, entry) = manifest
-        .entries
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.part == crate::manifest::WirePart::B)
-        .unwrap();
-    let Location::Tcp { region, offset } = entry.location else {
-        panic!()
+    b_padding_under_its_checksum_is_refused(&lander, false);
+}
+
+/// `demo_r4_plain`'s first B entry with the last byte of its first row set
+/// (a padding column at rank 4 < stride 16), under a manifest with that
+/// checksum, through a transport that announces each op landed or not:
+/// `lander` refuses it by type and leaves fresh images.
+fn b_padding_under_its_checksum_is_refused(lander: &Lander, announce: bool) {
+    let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
+    let manifest = manifest(&store, "demo_r4_plain");
+    let mut transport = MemTransport {
+        announce,
+        ..MemTransport::new(&store)
     };
-    let range = ReadRange {
-        region,
-        offset,
-        len: entry.len,
-    };
-    let resolved = store.resolve(&[range]).unwrap();
-    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
-    let poison = |b: &mut [u8]| b[2 * 16 - 1] = 0x3f;
-    poison(&mut bytes);
-    let checksum = xxh64(&bytes);
-    let mut transport = MemTransport::new(&store);
-    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
-    transport.poison = Some((index, Box::new(poison)));
+    poison_under_its_checksum(&mut transport, &manifest, WirePart::B, |b: &mut [u8]| {
+        b[2 * 16 - 1] = 0x3f
+    });
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
     assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
     assert_fresh(&target);
+}
+
+/// `transport` lands the first `part` entry of `manifest` with `poison`
+/// applied, under a manifest whose checksum for it is the poisoned bytes'
+/// (so only the checks on the landed bytes can refuse it).
+fn poison_under_its_checksum<'a>(
+    transport: &mut MemTransport<'a>,
+    manifest: &Manifest,
+    part: WirePart,
+    poison: impl Fn(&mut [u8]) + 'a,
+) {
+    let (index, entry) = manifest
+        .entries
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.part == part)
+        .unwrap();
+    let Location::Tcp { region, offset } = entry.location else {
+        panic!()
+    };
+    let mut bytes = stored_bytes(transport.store, region, offset, entry.len);
+    poison(&mut bytes);
+    let checksum = xxh64(&bytes);
+    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
+    transport.poison = Some((index, Box::new(poison)));
+}
+
+/// The `len` bytes `store` serves at `offset` of `region`.
+fn stored_bytes(store: &PeerStore, region: u32, offset: u64, len: u64) -> Vec<u8> {
+    let resolved = store.resolve(&[ReadRange { region, offset, len }]).unwrap();
+    resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec()
 }
 
 fn manifest(store: &PeerStore, adapter: &str) -> Manifest {
@@ -543,36 +563,7 @@ fn a_part_checked_as_it_lands_is_refused_as_after_the_read() {
     assert_fresh(&target);
 
     // Non-zero B padding under a matching checksum.
-    let store = store("llama", &["demo_r4_plain"], StoreOptions::default());
-    let manifest = store
-        .manifest("demo_r4_plain", 16, 16, WirePlacement::SINGLE, TransportKind::Tcp)
-        .unwrap();
-    let (index, entry) = manifest
-        .entries
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.part == crate::manifest::WirePart::B)
-        .unwrap();
-    let Location::Tcp { region, offset } = entry.location else {
-        panic!()
-    };
-    let range = ReadRange {
-        region,
-        offset,
-        len: entry.len,
-    };
-    let resolved = store.resolve(&[range]).unwrap();
-    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
-    let poison = |b: &mut [u8]| b[2 * 16 - 1] = 0x3f;
-    poison(&mut bytes);
-    let checksum = xxh64(&bytes);
-    let mut transport = MemTransport::announcing(&store);
-    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
-    transport.poison = Some((index, Box::new(poison)));
-    let mut target = HostLanding::new(lander.layout());
-    let err = lander.land(&mut transport, "demo_r4_plain", &mut target).unwrap_err();
-    assert!(matches!(err, LandError::Padding { rank: 4, .. }), "{err}");
-    assert_fresh(&target);
+    b_padding_under_its_checksum_is_refused(&lander, true);
 }
 
 /// A landed DoRA magnitude that is not finite, under a matching checksum,
@@ -586,28 +577,10 @@ fn a_non_finite_magnitude_is_refused() {
     let store = store("llama", &["dora"], StoreOptions::default());
     let lander = Lander::new(config("llama"), dora).unwrap();
     let manifest = manifest(&store, "dora");
-    let (index, entry) = manifest
-        .entries
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.part == WirePart::Magnitude)
-        .unwrap();
-    let Location::Tcp { region, offset } = entry.location else {
-        panic!()
-    };
-    let range = ReadRange {
-        region,
-        offset,
-        len: entry.len,
-    };
-    let resolved = store.resolve(&[range]).unwrap();
-    let mut bytes = resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec();
-    let poison = |b: &mut [u8]| b[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
-    poison(&mut bytes);
-    let checksum = xxh64(&bytes);
     let mut transport = MemTransport::new(&store);
-    transport.tamper = Some(Box::new(move |m: &mut Manifest| m.entries[index].checksum = checksum));
-    transport.poison = Some((index, Box::new(poison)));
+    poison_under_its_checksum(&mut transport, &manifest, WirePart::Magnitude, |b: &mut [u8]| {
+        b[4..8].copy_from_slice(&f32::NAN.to_le_bytes())
+    });
     let mut target = HostLanding::new(lander.layout());
     let err = lander.land(&mut transport, "dora", &mut target).unwrap_err();
     assert!(matches!(err, LandError::NonFiniteMagnitude { index: 1, .. }), "{err}");
@@ -660,13 +633,7 @@ fn the_sink_checks_only_parts_handed_out_and_landed() {
         let Location::Tcp { region, offset } = plan.parts[i].location else {
             panic!()
         };
-        let range = ReadRange {
-            region,
-            offset,
-            len: plan.parts[i].range.len() as u64,
-        };
-        let resolved = store.resolve(&[range]).unwrap();
-        resolved[0].0.memory.bytes()[resolved[0].1.clone()].to_vec()
+        stored_bytes(&store, region, offset, plan.parts[i].range.len() as u64)
     };
     // Said landed before it was handed out: not checked.
     sink.landed(0);
