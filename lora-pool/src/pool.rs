@@ -1979,22 +1979,7 @@ impl<C: SlotCompanion> LoraPool<C> {
         let Some(target) = self.head_target(step, &x)? else {
             return Ok(());
         };
-        let segments = Segments {
-            cu_seqlens: &self.cu_seqlens,
-            seg_slot: &self.seg_slot,
-            n_segments: step.rows.rows.len(),
-        };
-        let mut workspace = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-        sgmv(
-            &self.device,
-            x,
-            &segments,
-            &[target],
-            self.opts.max_rank,
-            y,
-            &mut workspace,
-        )?;
-        Ok(())
+        self.sgmv_over_segments(step, &[target], x, y)
     }
 
     /// Decode apply: `y[row, cols of module] += scale · B (A x[row])` for
@@ -2122,6 +2107,18 @@ impl<C: SlotCompanion> LoraPool<C> {
         y: RowsMut<'_, Y>,
     ) -> Result<(), PoolError> {
         let kernel_targets = self.call_targets(step, layer, targets, &x)?;
+        self.sgmv_over_segments(step, &kernel_targets, x, y)
+    }
+
+    /// The segment apply of `targets` over `step`'s segments (one per
+    /// sequence, its slot's table entry), in the pool's workspace.
+    fn sgmv_over_segments<Y: OutputElem>(
+        &self,
+        step: &PrefillStep,
+        targets: &[LoraTarget<'_>],
+        x: Rows<'_, bf16>,
+        y: RowsMut<'_, Y>,
+    ) -> Result<(), PoolError> {
         let segments = Segments {
             cu_seqlens: &self.cu_seqlens,
             seg_slot: &self.seg_slot,
@@ -2132,7 +2129,7 @@ impl<C: SlotCompanion> LoraPool<C> {
             &self.device,
             x,
             &segments,
-            &kernel_targets,
+            targets,
             self.opts.max_rank,
             y,
             &mut workspace,
