@@ -939,17 +939,15 @@ __device__ __forceinline__ void bgmv_body(const BgmvParams& p) {
 }
 
 // Every kernel scans its window (NAME); the tensor-core ones also read
-// bgmv_list's list (NAME_list, LIST). Each macro defines the plain kernel
-// NAME and NAME_dora, the same body with the DoRA epilogue compiled in
-// (launched where a target of the call carries a DoRA table). Register
+// bgmv_list's list (NAME_list, LIST). Each macro defines NAME in the plain
+// module and NAME_dora, the same body with the DoRA epilogue compiled in
+// (launched where a target of the call carries a DoRA table), in the DoRA
+// module (decode.cuh). Register
 // bounds as for the clusters below: the scalar kernels' two-row shrink and
 // expand need more than 64 registers without spilling.
-#define BGMV_KERNEL_C1(NAME, Y, TC, LIST, BLOCKS)                                                         \
-    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME(const BgmvParams p) {         \
-        bgmv_body<Y, 1, TC, LIST, BGMV_THREADS, false>(p);                                                \
-    }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) NAME##_dora(const BgmvParams p) { \
-        bgmv_body<Y, 1, TC, LIST, BGMV_THREADS, true>(p);                                                 \
+#define BGMV_KERNEL_C1(NAME, Y, TC, LIST, BLOCKS)                                                              \
+    extern "C" __global__ void __launch_bounds__(BGMV_THREADS, BLOCKS) DECODE_NAME(NAME)(const BgmvParams p) { \
+        bgmv_body<Y, 1, TC, LIST, BGMV_THREADS, kDecodeDora>(p);                                               \
     }
 BGMV_KERNEL_C1(bgmv_c1_bf16, bf16_t, false, false, 3)
 BGMV_KERNEL_C1(bgmv_c1_f32, float, false, false, 3)
@@ -963,12 +961,8 @@ BGMV_KERNEL_C1(bgmv_tc_c1_f32_list, float, true, true, 4)
 // (`TC_BLOCKS_PER_SM` in bgmv.rs), so more items are served in one round; the scalar ones three.
 #define BGMV_KERNEL_CL(NAME, Y, C, TC, LIST, NT, BLOCKS)                                             \
     extern "C" __global__ void __cluster_dims__(C, 1, 1)                                             \
-        __launch_bounds__(NT, BLOCKS) NAME(const BgmvParams p) {                                     \
-        bgmv_body<Y, C, TC, LIST, NT, false>(p);                                                     \
-    }                                                                                                \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1)                                             \
-        __launch_bounds__(NT, BLOCKS) NAME##_dora(const BgmvParams p) {                              \
-        bgmv_body<Y, C, TC, LIST, NT, true>(p);                                                      \
+        __launch_bounds__(NT, BLOCKS) DECODE_NAME(NAME)(const BgmvParams p) {                        \
+        bgmv_body<Y, C, TC, LIST, NT, kDecodeDora>(p);                                               \
     }
 // Clusters of 2 serve batches whose items outnumber the resident clusters
 // of 8: one block per multiprocessor (a whole half of A and B staged at
@@ -1014,6 +1008,7 @@ BGMV_KERNEL_CL(bgmv_tc_c8_f32_list, float, 8, true, true, BGMV_THREADS, 4)
 // grid's completion (griddepcontrol.wait) before they read the list.
 // BGMV_LIST_MAP: from the host's prelude (`cuda_rt::prelude`).
 
+#if !DECODE_DORA
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvParams p) {
     static_assert(BGMV_WIN_MAX <= 2 * BGMV_THREADS && BGMV_WIN_MAX < (1 << 16), "two rows per thread, 16-bit counts");
     __shared__ int s_map[BGMV_LIST_MAP];  // per entry: its row count, then count | first item << 16
@@ -1092,11 +1087,14 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS) bgmv_list(const BgmvP
     }
     if (tid == 0) *header = (u64)(u32)n_items;
 }
+#endif
 
 // The launch floor of a measurement: one block that does nothing. The
 // bench times it like every op (graph replay after an L2 flush), so a
 // reader sees how much of a small batch's time is launch and cold start.
+#if !DECODE_DORA
 extern "C" __global__ void lora_empty(const u64 unused) { (void)unused; }
+#endif
 
 // ---- Two-phase decode: a shrink launch, then an expand launch ----------------
 //
@@ -1493,6 +1491,7 @@ __device__ __forceinline__ void bgmv2_shrink_body(const Bgmv2Params& p) {
 // Four blocks per multiprocessor (`SHRINK_BLOCKS_PER_SM` in bgmv.rs): more
 // A loads in flight and twice the K slices of three (n = 64, rank 64: 35.4
 // against 39.6 µs on the H200).
+#if !DECODE_DORA
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_rows(const Bgmv2Params p) {
     bgmv2_shrink_body<SHRINK_SCALAR>(p);
 }
@@ -1500,6 +1499,7 @@ extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_rows(
 extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_shrink_tc_rows(const Bgmv2Params p) {
     bgmv2_shrink_body<SHRINK_TC>(p);
 }
+#endif
 
 // The sum over K splits [0, k_splits) of part[ks * split], k_splits <= KS, in split order: all KS
 // loads issued before the first add (splits past k_splits read split 0 again and are not added).
@@ -1794,16 +1794,10 @@ __device__ __forceinline__ void bgmv2_expand_body(const Bgmv2Params& p) {
     if (!waited) grid_dependency_wait();
 }
 
-// Plain, and with the DoRA epilogue compiled in (_dora).
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_bf16(const Bgmv2Params p) {
-    bgmv2_expand_body<bf16_t, false>(p);
+// Plain, or with the DoRA epilogue compiled in (_dora; decode.cuh).
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) DECODE_NAME(bgmv2_expand_rows_bf16)(const Bgmv2Params p) {
+    bgmv2_expand_body<bf16_t, kDecodeDora>(p);
 }
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_f32(const Bgmv2Params p) {
-    bgmv2_expand_body<float, false>(p);
-}
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_bf16_dora(const Bgmv2Params p) {
-    bgmv2_expand_body<bf16_t, true>(p);
-}
-extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) bgmv2_expand_rows_f32_dora(const Bgmv2Params p) {
-    bgmv2_expand_body<float, true>(p);
+extern "C" __global__ void __launch_bounds__(BGMV_THREADS, 4) DECODE_NAME(bgmv2_expand_rows_f32)(const Bgmv2Params p) {
+    bgmv2_expand_body<float, kDecodeDora>(p);
 }

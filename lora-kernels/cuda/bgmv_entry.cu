@@ -825,16 +825,12 @@ __device__ __forceinline__ void bge_reg_body(const BgeParams& p) {
 #if __CUDA_ARCH__ >= 900
 // Rank 16 in at most 80 registers: three blocks per multiprocessor, so 8-block
 // clusters of 32 entries are all resident at once (`blocks_per_sm` in bgmv/entry.rs).
-// Each macro defines the plain kernel NAME and NAME_dora, the same body with
-// the DoRA epilogue compiled in.
+// Each macro defines NAME in the plain module and NAME_dora, the same body
+// with the DoRA epilogue compiled in, in the DoRA module (decode.cuh).
 #define BGE_KERNEL(NAME, C, KS, BLOCKS, PF)                                               \
     extern "C" __global__ void __cluster_dims__(C, 1, 1)                                  \
-        __launch_bounds__(BGE_THREADS, BLOCKS) NAME(const BgeParams p) {                  \
-        bge_body<C, KS, PF, false>(p);                                                    \
-    }                                                                                     \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1)                                  \
-        __launch_bounds__(BGE_THREADS, BLOCKS) NAME##_dora(const BgeParams p) {           \
-        bge_body<C, KS, PF, true>(p);                                                     \
+        __launch_bounds__(BGE_THREADS, BLOCKS) DECODE_NAME(NAME)(const BgeParams p) {     \
+        bge_body<C, KS, PF, kDecodeDora>(p);                                              \
     }
 BGE_KERNEL(bgmv_entry_c8_r16, 8, 1, 3, false)
 BGE_KERNEL(bgmv_entry_c8_r32, 8, 2, 2, false)
@@ -846,18 +842,12 @@ BGE_KERNEL(bgmv_entry_c4_r64, 4, 4, 2, false)
 BGE_KERNEL(bgmv_entry_c8_r16_pf, 8, 1, 3, true)
 BGE_KERNEL(bgmv_entry_c4_r16_pf, 4, 1, 3, true)
 // The register form: rank 16 in at most 80 registers, as bgmv_entry_c8_r16
-// (plain, and with the DoRA epilogue's redirect compiled in: _dora).
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg(const BgeParams p) {
-    bge_reg_body<8, false, false>(p);
+// (plain, or with the DoRA epilogue's redirect compiled in: _dora).
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) DECODE_NAME(bgmv_entry_c8_r16_reg)(const BgeParams p) {
+    bge_reg_body<8, false, kDecodeDora>(p);
 }
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg_pf(const BgeParams p) {
-    bge_reg_body<8, true, false>(p);
-}
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg_dora(const BgeParams p) {
-    bge_reg_body<8, false, true>(p);
-}
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) bgmv_entry_c8_r16_reg_pf_dora(const BgeParams p) {
-    bge_reg_body<8, true, true>(p);
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(BGE_THREADS, 3) DECODE_NAME(bgmv_entry_c8_r16_reg_pf)(const BgeParams p) {
+    bge_reg_body<8, true, kDecodeDora>(p);
 }
 #endif
 
@@ -904,7 +894,6 @@ __device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
 }
 
 __device__ __noinline__ void bgs_unaligned(const BgsParams sp);
-__device__ __noinline__ void bgs_unaligned_dora(const BgsParams sp);
 
 // ALIGNED: 16-byte A and 8-byte B loads (the entry's weights are checked
 // first and sent to the element-load body otherwise). DORA: the DoRA
@@ -968,11 +957,9 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
     if (e >= tg.n_entries) return;
     const PairEntry en = ((const PairEntry*)tg.table)[e];
     // Weights not 16- and 8-byte aligned: element loads (uniform over the group).
+    static_assert(DORA == kDecodeDora, "the fallback is the module's own instantiation");
     if (ALIGNED && (!aligned16((const void*)en.a) || (en.b & 7ull) != 0)) {
-        if constexpr (DORA)
-            bgs_unaligned_dora(sp);
-        else
-            bgs_unaligned(sp);
+        bgs_unaligned(sp);
         return;
     }
     const bool valid = !bad_entry(en, 16) && en.rank > 0;
@@ -1167,18 +1154,12 @@ __device__ __forceinline__ void bgs_body(const BgsParams& sp) {
 
 // Not inlined: its registers stay out of the aligned body's allocation.
 __device__ __noinline__ void bgs_unaligned(const BgsParams sp) {
-    bgs_body<false, false>(sp);
-}
-__device__ __noinline__ void bgs_unaligned_dora(const BgsParams sp) {
-    bgs_body<false, true>(sp);
+    bgs_body<false, kDecodeDora>(sp);
 }
 
 #if __CUDA_ARCH__ >= 900
-// Plain, and with the DoRA epilogue compiled in (_dora).
-extern "C" __global__ void __launch_bounds__(BGE_THREADS, 1) bgmv_entry_spread_r16(const BgsParams sp) {
-    bgs_body<true, false>(sp);
-}
-extern "C" __global__ void __launch_bounds__(BGE_THREADS, 1) bgmv_entry_spread_r16_dora(const BgsParams sp) {
-    bgs_body<true, true>(sp);
+// Plain, or with the DoRA epilogue compiled in (_dora; decode.cuh).
+extern "C" __global__ void __launch_bounds__(BGE_THREADS, 1) DECODE_NAME(bgmv_entry_spread_r16)(const BgsParams sp) {
+    bgs_body<true, kDecodeDora>(sp);
 }
 #endif

@@ -402,16 +402,13 @@ __device__ __forceinline__ void bgr_body(const BgeParams& p) {
 #if __CUDA_ARCH__ >= 900
 // One block per multiprocessor (up to 128 registers a thread): 8 A and 8 B
 // loads of 16 bytes in flight per thread. _full: the straight-line form's
-// shape (bgmv/rows.rs `full_form`). Each macro defines the plain kernel
-// NAME and NAME_dora, the same body with the DoRA epilogue compiled in.
+// shape (bgmv/rows.rs `full_form`). Each macro defines NAME in the plain
+// module and NAME_dora, the same body with the DoRA epilogue compiled in, in
+// the DoRA module (decode.cuh).
 #define BGR_KERNEL(NAME, Y, FULL)                                                    \
     extern "C" __global__ void __cluster_dims__(2, 1, 1)                             \
-        __launch_bounds__(BGR_THREADS, 1) NAME(const BgeParams p) {                  \
-        bgr_body<Y, FULL, false>(p);                                                 \
-    }                                                                                \
-    extern "C" __global__ void __cluster_dims__(2, 1, 1)                             \
-        __launch_bounds__(BGR_THREADS, 1) NAME##_dora(const BgeParams p) {           \
-        bgr_body<Y, FULL, true>(p);                                                  \
+        __launch_bounds__(BGR_THREADS, 1) DECODE_NAME(NAME)(const BgeParams p) {     \
+        bgr_body<Y, FULL, kDecodeDora>(p);                                           \
     }
 BGR_KERNEL(bgmv_rows_bf16, bf16_t, false)
 BGR_KERNEL(bgmv_rows_f32, float, false)

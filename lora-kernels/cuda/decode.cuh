@@ -2,6 +2,21 @@
 // split of a dimension. Prepended after cluster.cuh and ptx.cuh to bgmv.cu,
 // bgmv_entry.cu and bgmv_rows.cu (`cuda_rt::Family::source`).
 
+// Each decode file is compiled as two modules (`cuda_rt::Family`): its plain
+// kernels (DECODE_DORA 0) and the same kernels with the DoRA epilogue
+// compiled in (DECODE_DORA 1), each named NAME_dora. A pool that never
+// launches a DoRA call never compiles the second. The kernels that write no
+// y (the item list, the shrinks, the empty launch) are in the plain module.
+#ifndef DECODE_DORA
+#error "DECODE_DORA is defined by the host (cuda_rt::Family::source)"
+#endif
+constexpr bool kDecodeDora = DECODE_DORA != 0;
+#if DECODE_DORA
+#define DECODE_NAME(NAME) NAME##_dora
+#else
+#define DECODE_NAME(NAME) NAME
+#endif
+
 // Tables of at most this many entries are copied whole into shared memory
 // while the row indices arrive, so an item's entry is no second round trip.
 #define BGMV_TABLE_SMEM 128

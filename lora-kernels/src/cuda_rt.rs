@@ -68,7 +68,9 @@ pub(crate) fn prelude() -> String {
 }
 
 /// A kernel family: one `.cu` file with the headers it includes, compiled
-/// as one module on its own.
+/// as one module on its own. Each decode file is two families: its plain
+/// kernels, and the same kernels with the DoRA epilogue compiled in
+/// (`decode.cuh`), compiled only when a call first needs one of them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Family {
     /// The fused and two-phase decode kernels, the item list, the empty launch.
@@ -77,6 +79,12 @@ pub(crate) enum Family {
     BgmvEntry,
     /// The row-register decode kernels.
     BgmvRows,
+    /// `Bgmv`'s kernels that write y, with the DoRA epilogue (`NAME_dora`).
+    BgmvDora,
+    /// `BgmvEntry`'s, with the DoRA epilogue.
+    BgmvEntryDora,
+    /// `BgmvRows`'s, with the DoRA epilogue.
+    BgmvRowsDora,
     Sgmv,
     MoeIndex,
     Overlay,
@@ -90,10 +98,13 @@ pub(crate) enum Family {
 }
 
 impl Family {
-    pub(crate) const ALL: [Family; 10] = [
+    pub(crate) const ALL: [Family; 13] = [
         Family::Bgmv,
         Family::BgmvEntry,
         Family::BgmvRows,
+        Family::BgmvDora,
+        Family::BgmvEntryDora,
+        Family::BgmvRowsDora,
         Family::Sgmv,
         Family::MoeIndex,
         Family::Overlay,
@@ -103,11 +114,43 @@ impl Family {
         Family::RankSplit,
     ];
 
+    /// The family with the DoRA epilogue compiled in, for a decode family
+    /// (itself otherwise).
+    pub(crate) fn with_dora(self) -> Family {
+        match self {
+            Family::Bgmv => Family::BgmvDora,
+            Family::BgmvEntry => Family::BgmvEntryDora,
+            Family::BgmvRows => Family::BgmvRowsDora,
+            other => other,
+        }
+    }
+
+    /// The value of `DECODE_DORA` for a decode family (`decode.cuh`).
+    fn decode_dora(self) -> Option<bool> {
+        match self {
+            Family::Bgmv | Family::BgmvEntry | Family::BgmvRows => Some(false),
+            Family::BgmvDora | Family::BgmvEntryDora | Family::BgmvRowsDora => Some(true),
+            _ => None,
+        }
+    }
+
+    /// The module's name: its file's, `_dora` before the extension for a
+    /// DoRA decode family (what NVRTC and a compile error name).
+    pub(crate) fn module_name(self) -> &'static str {
+        match self {
+            Family::BgmvDora => "bgmv_dora.cu",
+            Family::BgmvEntryDora => "bgmv_entry_dora.cu",
+            Family::BgmvRowsDora => "bgmv_rows_dora.cu",
+            other => other.file(),
+        }
+    }
+
+    /// The source file the family compiles.
     pub(crate) fn file(self) -> &'static str {
         match self {
-            Family::Bgmv => "bgmv.cu",
-            Family::BgmvEntry => "bgmv_entry.cu",
-            Family::BgmvRows => "bgmv_rows.cu",
+            Family::Bgmv | Family::BgmvDora => "bgmv.cu",
+            Family::BgmvEntry | Family::BgmvEntryDora => "bgmv_entry.cu",
+            Family::BgmvRows | Family::BgmvRowsDora => "bgmv_rows.cu",
             Family::Sgmv => "sgmv.cu",
             Family::MoeIndex => "moe_index.cu",
             Family::Overlay => "overlay.cu",
@@ -120,9 +163,9 @@ impl Family {
 
     fn body(self) -> &'static str {
         match self {
-            Family::Bgmv => include_str!("../cuda/bgmv.cu"),
-            Family::BgmvEntry => include_str!("../cuda/bgmv_entry.cu"),
-            Family::BgmvRows => include_str!("../cuda/bgmv_rows.cu"),
+            Family::Bgmv | Family::BgmvDora => include_str!("../cuda/bgmv.cu"),
+            Family::BgmvEntry | Family::BgmvEntryDora => include_str!("../cuda/bgmv_entry.cu"),
+            Family::BgmvRows | Family::BgmvRowsDora => include_str!("../cuda/bgmv_rows.cu"),
             Family::Sgmv => include_str!("../cuda/sgmv.cu"),
             Family::MoeIndex => include_str!("../cuda/moe_index.cu"),
             Family::Overlay => include_str!("../cuda/overlay.cu"),
@@ -136,9 +179,12 @@ impl Family {
     /// The headers compiled before the family's file, after `common.cuh`.
     fn headers(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Family::Bgmv | Family::BgmvEntry | Family::BgmvRows => {
-                &[("ptx.cuh", PTX), ("cluster.cuh", CLUSTER), ("decode.cuh", DECODE)]
-            }
+            Family::Bgmv
+            | Family::BgmvEntry
+            | Family::BgmvRows
+            | Family::BgmvDora
+            | Family::BgmvEntryDora
+            | Family::BgmvRowsDora => &[("ptx.cuh", PTX), ("cluster.cuh", CLUSTER), ("decode.cuh", DECODE)],
             Family::Sgmv => &[("ptx.cuh", PTX)],
             _ => &[],
         }
@@ -147,6 +193,9 @@ impl Family {
     /// The full translation unit NVRTC compiles.
     pub(crate) fn source(self) -> String {
         let mut src = prelude();
+        if let Some(dora) = self.decode_dora() {
+            src.push_str(&format!("#define DECODE_DORA {}\n", u8::from(dora)));
+        }
         src.push_str(&format!("#line 1 \"common.cuh\"\n{COMMON}\n"));
         for (file, body) in self.headers() {
             src.push_str(&format!("#line 1 \"{file}\"\n{body}\n"));
@@ -406,7 +455,7 @@ pub(crate) const LINEINFO_ENV: &str = "LORA_NVRTC_LINEINFO";
 
 /// Compile one family to PTX for `sm_{major}{minor}` with NVRTC (no driver needed).
 pub(crate) fn compile_family(family: Family, compute_capability: (i32, i32)) -> Result<String, KernelError> {
-    compile_source(family.file(), &family.source(), compute_capability)
+    compile_source(family.module_name(), &family.source(), compute_capability)
 }
 
 /// Compile a translation unit named `file` to PTX; a rejection carries NVRTC's log.

@@ -317,7 +317,10 @@ pub fn compile_all_kernels(compute_capability: (i32, i32)) -> Result<(), KernelE
 /// `(file name, source)`: for inspecting the machine code offline (e.g.
 /// compiling them with `nvcc -cubin` and comparing builds function by function).
 pub fn kernel_sources() -> Vec<(&'static str, String)> {
-    cuda_rt::Family::ALL.iter().map(|f| (f.file(), f.source())).collect()
+    cuda_rt::Family::ALL
+        .iter()
+        .map(|f| (f.module_name(), f.source()))
+        .collect()
 }
 
 #[cfg(test)]

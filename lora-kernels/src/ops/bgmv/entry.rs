@@ -92,7 +92,7 @@ use half::bf16;
 use super::kernels::Epilogue;
 use super::plan::{CallTarget, Chain, EntryKernel};
 use super::{Rows, RowsMut};
-use crate::cuda_rt::{CudaBackend, Family, Kernel, Launch};
+use crate::cuda_rt::{CudaBackend, Kernel, Launch};
 use crate::error::{KernelError, invalid};
 use crate::ops::limits::DeviceLimits;
 use crate::ops::{LoraTarget, MAX_TARGETS, OutputElem, TargetParams, to_i32, to_u32};
@@ -362,13 +362,17 @@ pub(super) fn spread_serves(
 
 /// The kernel of a launch; `prefetch`: the one that asks its weights into L2
 /// before it waits (rank stride 16 only).
-fn kernel_name(kernel: EntryKernel, stride: usize, prefetch: bool, epilogue: Epilogue) -> Option<&'static str> {
+fn entry_kernel(kernel: EntryKernel, stride: usize, prefetch: bool) -> super::kernels::DecodeKernel {
     super::kernels::DecodeKernel::Entry {
         kernel,
         stride,
         prefetch,
     }
-    .name(epilogue)
+}
+
+/// The name of [`entry_kernel`] in `epilogue`'s instantiation, if the form has one there.
+fn kernel_name(kernel: EntryKernel, stride: usize, prefetch: bool, epilogue: Epilogue) -> Option<&'static str> {
+    entry_kernel(kernel, stride, prefetch).name(epilogue)
 }
 
 /// Launch the form (the caller checked `EntryShape::check`, and
@@ -389,8 +393,10 @@ pub(super) fn launch_entry<Y: OutputElem>(
 ) -> Result<(), KernelError> {
     // Prefetching kernels exist for waiting-first launches at rank stride 16.
     let prefetch = prefetch_weights && chain.waits_first() && stride == 16;
-    let name = kernel_name(kernel, stride, prefetch, epilogue)
-        .ok_or_else(|| invalid("tuning.cluster", format!("{kernel:?} at rank stride {stride}")))?;
+    if kernel_name(kernel, stride, prefetch, epilogue).is_none() {
+        return Err(invalid("tuning.cluster", format!("{kernel:?} at rank stride {stride}")));
+    }
+    let function = entry_kernel(kernel, stride, prefetch).kernel(epilogue)?;
     let n = x.n_rows;
     let entries = targets.iter().map(|t| t.n_entries).max().unwrap_or(0).max(1);
     let max_out = targets.iter().map(|t| t.out_dim).max().unwrap_or(0);
@@ -405,7 +411,7 @@ pub(super) fn launch_entry<Y: OutputElem>(
                 entries,
                 chain,
                 prefetch,
-                name,
+                function,
             };
             return launch_spread(c, x, idx_addr, target_params, y, spread);
         }
@@ -432,17 +438,7 @@ pub(super) fn launch_entry<Y: OutputElem>(
     // pointing at live `[stride, in]` / `[out, stride]` pairs. As a dependent
     // launch it reads x and y only after `griddepcontrol.wait` (and, waiting
     // first, nothing before it).
-    unsafe {
-        c.launch_chained(
-            Kernel {
-                family: Family::BgmvEntry,
-                name,
-            },
-            shape,
-            &params,
-            chain.dependent(),
-        )
-    }
+    unsafe { c.launch_chained(function, shape, &params, chain.dependent()) }
 }
 
 /// Dynamic shared memory of a spread launch: the kernel's partials, t and
@@ -462,7 +458,7 @@ struct SpreadLaunch {
     chain: Chain,
     /// Whether the blocks ask their weights into L2 before they wait.
     prefetch: bool,
-    name: &'static str,
+    function: Kernel,
 }
 
 /// Launch the spread form (the caller checked `EntryShape::check` and
@@ -481,7 +477,7 @@ fn launch_spread<Y: OutputElem>(
         entries,
         chain,
         prefetch,
-        name,
+        function,
     } = spread;
     let mut base = BgeParams::new(c, x, idx_addr, target_params, y, chain, 0)?;
     if prefetch {
@@ -506,17 +502,7 @@ fn launch_spread<Y: OutputElem>(
         // kernel of the stream launches only once every block let it in
         // (after its wait, so resident); a plain launch is cooperative. The
         // one stream orders launches, so no two share the inboxes at once.
-        unsafe {
-            c.launch_resident(
-                Kernel {
-                    family: Family::BgmvEntry,
-                    name,
-                },
-                shape,
-                &params,
-                chain.dependent(),
-            )
-        }
+        unsafe { c.launch_resident(function, shape, &params, chain.dependent()) }
     })
 }
 

@@ -201,6 +201,11 @@ impl DecodeKernel {
             Rows { .. } => Family::BgmvRows,
             _ => Family::Bgmv,
         };
+        // The kernels that write no y serve both epilogues from the plain module.
+        let family = match (epilogue, self) {
+            (Epilogue::Plain, _) | (_, ItemList | Shrink { .. }) => family,
+            (Epilogue::Dora, _) => family.with_dora(),
+        };
         Ok(Kernel { family, name })
     }
 }
@@ -219,8 +224,8 @@ mod tests {
     ];
 
     /// Every decode entry point the sources define: plain `extern "C"`
-    /// kernels, and the names the kernel macros are invoked with (each
-    /// macro defines NAME and NAME_dora).
+    /// kernels, and the names the kernel macros and `DECODE_NAME` are given
+    /// (each NAME in the plain module, NAME_dora in the DoRA module).
     fn defined() -> Vec<String> {
         let mut names = Vec::new();
         for src in SOURCES {
@@ -231,8 +236,19 @@ mod tests {
                     && let Some(open) = rest.find("(const ")
                 {
                     let head = &rest[..open];
-                    if let Some(name) = head.split_whitespace().last().filter(|n| n.starts_with("bgmv")) {
-                        names.push(name.to_string());
+                    match head.split_whitespace().last() {
+                        Some(name) if name.starts_with("bgmv") => names.push(name.to_string()),
+                        Some(call) => {
+                            if let Some(name) = call
+                                .strip_prefix("DECODE_NAME(")
+                                .and_then(|n| n.strip_suffix(')'))
+                                .filter(|n| n.starts_with("bgmv"))
+                            {
+                                names.push(name.to_string());
+                                names.push(format!("{name}_dora"));
+                            }
+                        }
+                        None => {}
                     }
                 }
                 for mac in ["BGMV_KERNEL_C1(", "BGMV_KERNEL_CL(", "BGE_KERNEL(", "BGR_KERNEL("] {
@@ -283,6 +299,64 @@ mod tests {
         assert_eq!(defined.len(), named.len());
         for (i, (a, _)) in NAMES.iter().enumerate() {
             assert!(NAMES[..i].iter().all(|(b, _)| b != a), "{a:?} twice");
+        }
+    }
+
+    /// The entry points of one compiled module (its PTX's `.entry` lines).
+    fn module_entries(ptx: &str) -> Vec<String> {
+        ptx.lines()
+            .filter_map(|l| l.trim().strip_prefix(".visible .entry "))
+            .filter_map(|l| l.split('(').next())
+            .map(|n| n.trim().to_string())
+            .collect()
+    }
+
+    /// Every (kernel, epilogue) of the table is defined by the module its
+    /// launch loads; a plain decode module holds no `_dora` kernel and a
+    /// DoRA module nothing else, and no module defines a decode kernel the
+    /// table does not name. Needs libnvrtc only.
+    #[test]
+    #[ignore = "needs libnvrtc: run with --include-ignored where CUDA is installed"]
+    fn each_kernel_is_in_the_module_its_launch_loads() {
+        use crate::cuda_rt::compile_family;
+        let decode = [
+            Family::Bgmv,
+            Family::BgmvEntry,
+            Family::BgmvRows,
+            Family::BgmvDora,
+            Family::BgmvEntryDora,
+            Family::BgmvRowsDora,
+        ];
+        let mut entries = Vec::new();
+        for family in decode {
+            match compile_family(family, (9, 0)) {
+                Ok(ptx) => entries.push((family, module_entries(&ptx))),
+                Err(KernelError::NvrtcMissing) if !crate::testing::gpu_required() => {
+                    eprintln!("skipping each_kernel_is_in_the_module_its_launch_loads: libnvrtc not found");
+                    return;
+                }
+                Err(e) => panic!("{family:?}: {e}"),
+            }
+        }
+        let of = |family: Family| &entries.iter().find(|(f, _)| *f == family).unwrap().1;
+        for (kernel, _) in NAMES {
+            for epilogue in [Epilogue::Plain, Epilogue::Dora] {
+                let k = kernel.kernel(epilogue).unwrap();
+                assert!(
+                    of(k.family).iter().any(|n| n == k.name),
+                    "{kernel:?} ({epilogue:?}): {} is not in {:?}",
+                    k.name,
+                    k.family
+                );
+            }
+        }
+        let named = named();
+        for (family, names) in &entries {
+            let dora = family.with_dora() == *family;
+            for name in names.iter().filter(|n| n.starts_with("bgmv")) {
+                assert_eq!(name.ends_with("_dora"), dora, "{family:?} defines {name}");
+                assert!(named.contains(&name.as_str()), "{family:?}: {name} is not in the table");
+            }
         }
     }
 
