@@ -136,6 +136,9 @@ fn the_copy_lane_waits_for_a_dropped_steps_kernel_still_reading_the_slot_on_cuda
     else {
         return;
     };
+    // No module is compiled while the apply waits (a compile on the host
+    // would let the busy work finish before the swap is queued).
+    device.preload_kernels().unwrap();
     // Each route into the slot: the host pack (F32 data), the device repack
     // (BF16 data that fits the staging slot) and the host tier.
     for (new, tier_bytes, want_route) in [
@@ -143,49 +146,80 @@ fn the_copy_lane_waits_for_a_dropped_steps_kernel_still_reading_the_slot_on_cuda
         ("dense_all_linear_bf16", 0, SwapRoute::DeviceRepack),
         ("demo_r16_alpha_pattern", 1 << 30, SwapRoute::HostTier),
     ] {
-        let want_c = pool_of(&Device::cpu(), 2, &[("c", new)])
-            .slot_contents(slot(0))
-            .unwrap();
-        let mut pool = pool_with_tier(
-            &device,
-            2,
-            tier_bytes,
-            &[("a", "demo_r4_plain"), ("b", "demo_r8_rslora")],
-        );
-        if tier_bytes > 0 {
-            pool.prefetch("c", &dir(new)).unwrap();
-            pool.wait_for_prefetch();
-        }
-        let (out_dim, in_dim) = LoraModule::QProj.dims(pool.config());
-        let lease = pool.acquire("a").unwrap();
-        let step = pool.decode_step(&[StepRow::Adapter(&lease); 4], 4).unwrap();
-        let x = device.upload(&to_bf16(&input("demo_r4_plain"))).unwrap();
-        let mut y = device.alloc_zeros::<f32>(4 * out_dim).unwrap();
-        let target = FusedTargets::single(pool.config(), LoraModule::QProj);
-        // The apply waits behind long work on the compute lane; its step
-        // and lease are dropped before it ran.
-        queue_busy_work(&device);
-        pool.apply_decode(
-            &step,
-            1,
-            &target,
-            Rows::dense(&x, 4, in_dim),
-            RowsMut::dense(&mut y, 4, out_dim),
-        )
-        .unwrap();
-        drop((step, lease));
-        let route = pool.begin_swap(slot(0), "c", &dir(new)).unwrap();
-        assert_eq!(route, want_route);
-        pool.finish_swap().unwrap();
-        device.check_faults().unwrap();
-        let err = rel_error(&y.download().unwrap(), &output("demo_r4_plain"));
+        // The case this test is for: the swap queued while the apply still
+        // waits. Where the host was slower than the busy work, again with
+        // four times the work.
+        let exercised = [4, 16, 64]
+            .into_iter()
+            .any(|busy| swap_behind_a_waiting_apply(&device, new, tier_bytes, want_route, busy));
         assert!(
-            err < 1e-2,
-            "{route:?}: the queued apply read the slot's old adapter whole: {err}"
-        );
-        assert!(
-            pool.slot_contents(slot(0)).unwrap() == want_c,
-            "{route:?}: the slot holds the new adapter, bit for bit"
+            exercised,
+            "{want_route:?}: every apply ran before its swap was queued; the ordering was not exercised"
         );
     }
+}
+
+/// Queue `busy` rounds of busy work, an apply of adapter `a` in slot 0, drop
+/// its step and lease, swap `new` into slot 0 by `want_route`, and check
+/// that the apply read the old adapter whole and the slot holds the new
+/// one. Returns whether the swap was queued while the apply still waited.
+fn swap_behind_a_waiting_apply(
+    device: &Device,
+    new: &str,
+    tier_bytes: usize,
+    want_route: SwapRoute,
+    busy: usize,
+) -> bool {
+    let want_c = pool_of(&Device::cpu(), 2, &[("c", new)])
+        .slot_contents(slot(0))
+        .unwrap();
+    let mut pool = pool_with_tier(
+        device,
+        2,
+        tier_bytes,
+        &[("a", "demo_r4_plain"), ("b", "demo_r8_rslora")],
+    );
+    if tier_bytes > 0 {
+        pool.prefetch("c", &dir(new)).unwrap();
+        pool.wait_for_prefetch();
+    }
+    let (out_dim, in_dim) = LoraModule::QProj.dims(pool.config());
+    let lease = pool.acquire("a").unwrap();
+    let step = pool.decode_step(&[StepRow::Adapter(&lease); 4], 4).unwrap();
+    let x = device.upload(&to_bf16(&input("demo_r4_plain"))).unwrap();
+    let mut y = device.alloc_zeros::<f32>(4 * out_dim).unwrap();
+    let target = FusedTargets::single(pool.config(), LoraModule::QProj);
+    // The apply waits behind long work on the compute lane; its step and
+    // lease are dropped before it ran.
+    for _ in 0..busy {
+        queue_busy_work(device);
+    }
+    pool.apply_decode(
+        &step,
+        1,
+        &target,
+        Rows::dense(&x, 4, in_dim),
+        RowsMut::dense(&mut y, 4, out_dim),
+    )
+    .unwrap();
+    let applied = device.record_event().unwrap();
+    drop((step, lease));
+    let route = pool.begin_swap(slot(0), "c", &dir(new)).unwrap();
+    assert_eq!(route, want_route);
+    pool.finish_swap().unwrap();
+    let queued_behind = !applied.is_done().unwrap();
+    device.check_faults().unwrap();
+    let err = rel_error(&y.download().unwrap(), &output("demo_r4_plain"));
+    eprintln!(
+        "{route:?}, {busy} rounds of busy work: swap queued while the apply waited: {queued_behind}; relative error {err:.2e}"
+    );
+    assert!(
+        err < 1e-2,
+        "{route:?}: the queued apply read the slot's old adapter whole: {err}"
+    );
+    assert!(
+        pool.slot_contents(slot(0)).unwrap() == want_c,
+        "{route:?}: the slot holds the new adapter, bit for bit"
+    );
+    queued_behind
 }

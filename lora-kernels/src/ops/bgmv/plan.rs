@@ -628,7 +628,8 @@ impl<'a> Facts<'a> {
 ///    [`TWO_PHASE_SMALL_IN`] inputs) and batches the fused launch serves in
 ///    one round.
 ///    Before it (rule 4½, [`head_rule`]): a vocabulary-wide [`tall`] call
-///    of 16 to `WINDOW_MAX` rows takes the two launches.
+///    of 2 to `WINDOW_MAX` rows takes the two launches, and of one row
+///    where it is not overlapped.
 /// 5. Fused: tensor cores and the item list for [`TENSOR_CORE_MIN_ROWS`]
 ///    rows or more (or few adapters in the two-launch range; the list not
 ///    under the overlap up to 256 rows), clusters and splits by the cost
@@ -709,18 +710,23 @@ fn auto(f: &Facts<'_>) -> Result<DecodePlan, KernelError> {
 pub(super) const HEAD_MIN_OUT: usize = 32_768;
 
 /// Rows from which an output head takes the two launches ([`head_rule`]).
-pub(super) const HEAD_TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 16..=WINDOW_MAX;
+pub(super) const HEAD_TWO_PHASE_ROWS: std::ops::RangeInclusive<usize> = 2..=WINDOW_MAX;
 
 /// Rule 4½, output heads: a [`tall`] call of at least [`HEAD_MIN_OUT`]
-/// outputs and [`HEAD_TWO_PHASE_ROWS`] rows takes the two launches (the
-/// expand tiles the vocabulary's columns over every multiprocessor) where
-/// the rules above would give the fused kernel, whose clusters each stage
-/// a sixth of the vocabulary. Measured (H100, a Llama-3 head of 128256
-/// outputs, rank 16, n = 16 of 16 adapters, BENCHMARKS.md): 33.2 µs
-/// against the fused kernel's 68.5. At n = 64 the two launches were the
-/// rules' plan already; fewer rows are not measured and keep the rules'.
+/// outputs and [`HEAD_TWO_PHASE_ROWS`] rows, or of one row not under the
+/// overlap, takes the two launches (the expand tiles the vocabulary's
+/// columns over every multiprocessor) where the rules above would give the
+/// fused kernel, whose clusters each stage a sixth of the vocabulary.
+/// Measured (H100, a Llama-3 head of 128256 outputs, rank 16, one adapter
+/// a row, in a graph, BENCHMARKS.md "The output head"): n = 16 33.2 µs
+/// against the fused kernel's 68.5; n = 4, 8, 15 11.2, 17.6, 30.0 against
+/// 17.8, 33.4, 63.5 (overlapped 11.2, 18.2, 31.0 against 15.7, 30.5,
+/// 56.3); n = 1 6.4 against 9.5, but overlapped the fused kernel's 4.8
+/// against 6.6, so one overlapped row keeps the rules' plan. At n = 64 the
+/// two launches were the rules' plan already.
 fn head_rule(f: &Facts<'_>) -> Option<DecodePlan> {
-    if !tall(f) || f.max_out < HEAD_MIN_OUT || !HEAD_TWO_PHASE_ROWS.contains(&f.n) {
+    let rows = HEAD_TWO_PHASE_ROWS.contains(&f.n) || (f.n == 1 && !f.overlap);
+    if !tall(f) || f.max_out < HEAD_MIN_OUT || !rows {
         return None;
     }
     two_launches(f)
