@@ -88,7 +88,10 @@ pub(crate) fn check_range(arg: &'static str, offset: usize, len: usize, total: u
 }
 
 impl Device {
-    /// A zeroed buffer of `len` elements.
+    /// A zeroed buffer of `len` elements, usable on either lane at once: on
+    /// CUDA it is allocated and zeroed on the compute lane, and the copy lane
+    /// waits for that on the device (without the wait, a copy-lane write
+    /// queued next could land before the zeroing and be wiped by it).
     pub fn alloc_zeros<T: DeviceElem>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
         let storage = match self.backend() {
             Backend::Cpu(cpu) => {
@@ -100,11 +103,14 @@ impl Device {
                     })?;
                 Storage::Cpu(cpu.memory.alloc(bytes)?)
             }
-            Backend::Cuda(c) => Storage::Cuda(
-                c.stream
+            Backend::Cuda(c) => {
+                let slice = c
+                    .stream
                     .alloc_zeros::<T>(len.max(1))
-                    .map_err(driver_err("cuMemAlloc"))?,
-            ),
+                    .map_err(driver_err("cuMemAlloc"))?;
+                c.copy_lane_after_compute()?;
+                Storage::Cuda(slice)
+            }
         };
         Ok(DeviceBuffer {
             device: self.clone(),

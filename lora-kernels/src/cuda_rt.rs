@@ -403,6 +403,9 @@ pub(crate) fn open(ordinal: usize) -> Result<CudaBackend, KernelError> {
     if compute_capability.0 >= 9 {
         backend.clusters_of_8 = backend.query_clusters_of_8()?;
     }
+    // The backend's own buffers were zeroed on the compute stream; copy-lane
+    // work (a value scan may raise the fault flag) comes after that.
+    backend.copy_lane_after_compute()?;
     Ok(backend)
 }
 
@@ -890,6 +893,15 @@ impl CudaBackend {
 
     pub(crate) fn mem_info(&self) -> Result<(usize, usize), KernelError> {
         self.ctx.mem_get_info().map_err(driver_err("cuMemGetInfo"))
+    }
+
+    /// Make the copy lane wait, on the device, for everything queued on the
+    /// compute lane so far: a buffer allocated and zeroed there is then
+    /// usable on either lane (the allocation and its zeroing are stream
+    /// ordered on the compute lane only).
+    pub(crate) fn copy_lane_after_compute(&self) -> Result<(), KernelError> {
+        let allocated = self.record_event_on(crate::Lane::Compute)?;
+        self.wait_event(crate::Lane::Copy, &allocated)
     }
 
     /// An event recorded at the current end of `lane`'s stream.

@@ -205,9 +205,11 @@ fn swap_behind_a_waiting_apply(
     let applied = device.record_event().unwrap();
     drop((step, lease));
     let route = pool.begin_swap(slot(0), "c", &dir(new)).unwrap();
+    // Asked before the finish, which waits for a device repack's value scan
+    // (behind the apply) on the host.
+    let queued_behind = !applied.is_done().unwrap();
     assert_eq!(route, want_route);
     pool.finish_swap().unwrap();
-    let queued_behind = !applied.is_done().unwrap();
     device.check_faults().unwrap();
     let err = rel_error(&y.download().unwrap(), &output("demo_r4_plain"));
     eprintln!(

@@ -242,3 +242,28 @@ fn a_pinned_allocation_past_the_hosts_available_memory_is_refused_naming_both_nu
         Ok(_) => panic!("{asked} bytes of pinned memory were taken past {free} available"),
     }
 }
+
+/// A buffer allocated while the compute lane is still busy, then written on
+/// the copy lane: the write lands after the allocation's zeroing, never
+/// under it (the copy lane waits for the compute lane's allocation work).
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored where CUDA is usable"]
+fn a_fresh_buffer_keeps_a_copy_lane_write_on_cuda() {
+    let Some(device) = crate::testing::cuda_or_skip("a_fresh_buffer_keeps_a_copy_lane_write_on_cuda") else {
+        return;
+    };
+    let n = 64 << 20;
+    let src = device.alloc_zeros::<f32>(n).unwrap();
+    let mut dst = device.alloc_zeros::<f32>(n).unwrap();
+    for round in 0..8u64 {
+        // Long work on the compute lane, then the allocation behind it.
+        for _ in 0..16 {
+            dst.copy_from(0, &src, 0, n).unwrap();
+        }
+        let mut buf = device.alloc_zeros::<u64>(1 << 20).unwrap();
+        let want: Vec<u64> = (0..1u64 << 20).map(|i| i ^ (round << 40) | 1).collect();
+        buf.write_on(Lane::Copy, 0, &want).unwrap();
+        device.synchronize().unwrap();
+        assert!(buf.download().unwrap() == want, "round {round}: the write was zeroed");
+    }
+}
