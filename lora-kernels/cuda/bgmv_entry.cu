@@ -76,18 +76,6 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
 __device__ __forceinline__ void prefetch_l2_bulk(const void*, u32) {}
 #endif
 
-// The _dora entry kernels, before their main loop: the block's columns
-// [o0, o1) of entry e's rescale and of the bias asked into L2 (two threads,
-// one bulk prefetch each), so the epilogue's loads after the MMAs are L2
-// hits rather than a DRAM round trip per output group (cold, n = 256 of 32
-// entries: 24.1 µs against the plain call's 10.8 without it). Nothing is
-// returned to the block and no register outlives the call.
-__device__ __forceinline__ void bge_dora_prefetch(const LoraTarget& tg, int e, int o0, int o1) {
-    if (threadIdx.x >= 2 || o1 <= o0) return;
-    const float* v = threadIdx.x == 0 ? dora_scale_of(tg, e) : (const float*)tg.bias;
-    if (v != nullptr && aligned16(v + o0)) prefetch_l2_bulk(v + o0, (u32)(o1 - o0) * 4u);
-}
-
 // The prefetching kernels (`_pf`, bgmv/entry.rs `prefetch_by_default`),
 // before a waiting-first block's wait: its slice of its entry's A rows (its
 // 1/C of the columns) and B rows (its 1/C of the outputs, rank stride S)
@@ -292,7 +280,6 @@ __device__ __forceinline__ void bge_body(const BgeParams& p) {
     // (cp.async) while the shrink runs, so its loads are all in flight at
     // once instead of one output group after another. Uniform per block.
     const bool staged = p.stage_cols >= o1 - o0 && aligned16(B);
-    if constexpr (DORA) bge_dora_prefetch(tg, e, o0, o1);
 
     if (p.overlap == CHAIN_EARLY_READS) grid_dependency_wait();
     const bf16_t* x = (const bf16_t*)p.x;
