@@ -125,8 +125,9 @@ impl Family {
         }
     }
 
-    /// The value of `DECODE_DORA` for a decode family (`decode.cuh`).
-    fn decode_dora(self) -> Option<bool> {
+    /// The value of `DECODE_DORA` for a decode family (`decode.cuh`), `None`
+    /// for the others.
+    pub(crate) fn decode_dora(self) -> Option<bool> {
         match self {
             Family::Bgmv | Family::BgmvEntry | Family::BgmvRows => Some(false),
             Family::BgmvDora | Family::BgmvEntryDora | Family::BgmvRowsDora => Some(true),

@@ -10,7 +10,7 @@ mod common;
 
 use common::{dir, model_config, oracle, queue_busy_work, rel_error, slot, to_bf16};
 use lora_kernels::testing::cuda_or_skip;
-use lora_kernels::{Device, Rows, RowsMut};
+use lora_kernels::{Device, DeviceBuffer, Rows, RowsMut};
 use lora_layout::LoraModule;
 use lora_pool::{AdapterSource, BatchCapacity, FusedTargets, LoraOptions, LoraPool, PoolError, StepRow, SwapRoute};
 
@@ -50,6 +50,13 @@ fn pool_with_tier(device: &Device, max_loras: usize, host_tier_bytes: usize, ada
 /// q_proj of layer 1 through a decode step of 4 rows of `name`, against
 /// the probe input of fixture `adapter`: the output, downloaded.
 fn q_proj_rows(pool: &mut LoraPool, name: &str, adapter: &str) -> Vec<f32> {
+    queue_q_proj(pool, name, adapter, |_| {}).download().unwrap()
+}
+
+/// Queue an apply of q_proj for four rows of `name` on `adapter`'s probe
+/// input, after `before` queued its work; the step and lease are dropped
+/// once the apply is queued. Returns its output buffer.
+fn queue_q_proj(pool: &mut LoraPool, name: &str, adapter: &str, before: impl FnOnce(&Device)) -> DeviceBuffer<f32> {
     let device = pool.device().clone();
     let (out_dim, in_dim) = LoraModule::QProj.dims(pool.config());
     let lease = pool.acquire(name).unwrap();
@@ -57,6 +64,7 @@ fn q_proj_rows(pool: &mut LoraPool, name: &str, adapter: &str) -> Vec<f32> {
     let x = device.upload(&to_bf16(&input(adapter))).unwrap();
     let mut y = device.alloc_zeros::<f32>(4 * out_dim).unwrap();
     let target = FusedTargets::single(pool.config(), LoraModule::QProj);
+    before(&device);
     pool.apply_decode(
         &step,
         1,
@@ -65,7 +73,7 @@ fn q_proj_rows(pool: &mut LoraPool, name: &str, adapter: &str) -> Vec<f32> {
         RowsMut::dense(&mut y, 4, out_dim),
     )
     .unwrap();
-    y.download().unwrap()
+    y
 }
 
 /// The contract of a begun swap, on `device`.
@@ -183,27 +191,14 @@ fn swap_behind_a_waiting_apply(
         pool.prefetch("c", &dir(new)).unwrap();
         pool.wait_for_prefetch();
     }
-    let (out_dim, in_dim) = LoraModule::QProj.dims(pool.config());
-    let lease = pool.acquire("a").unwrap();
-    let step = pool.decode_step(&[StepRow::Adapter(&lease); 4], 4).unwrap();
-    let x = device.upload(&to_bf16(&input("demo_r4_plain"))).unwrap();
-    let mut y = device.alloc_zeros::<f32>(4 * out_dim).unwrap();
-    let target = FusedTargets::single(pool.config(), LoraModule::QProj);
     // The apply waits behind long work on the compute lane; its step and
     // lease are dropped before it ran.
-    for _ in 0..busy {
-        queue_busy_work(device);
-    }
-    pool.apply_decode(
-        &step,
-        1,
-        &target,
-        Rows::dense(&x, 4, in_dim),
-        RowsMut::dense(&mut y, 4, out_dim),
-    )
-    .unwrap();
+    let y = queue_q_proj(&mut pool, "a", "demo_r4_plain", |device| {
+        for _ in 0..busy {
+            queue_busy_work(device);
+        }
+    });
     let applied = device.record_event().unwrap();
-    drop((step, lease));
     let route = pool.begin_swap(slot(0), "c", &dir(new)).unwrap();
     // Asked before the finish, which waits for a device repack's value scan
     // (behind the apply) on the host.

@@ -319,16 +319,8 @@ mod tests {
     #[ignore = "needs libnvrtc: run with --include-ignored where CUDA is installed"]
     fn each_kernel_is_in_the_module_its_launch_loads() {
         use crate::cuda_rt::compile_family;
-        let decode = [
-            Family::Bgmv,
-            Family::BgmvEntry,
-            Family::BgmvRows,
-            Family::BgmvDora,
-            Family::BgmvEntryDora,
-            Family::BgmvRowsDora,
-        ];
         let mut entries = Vec::new();
-        for family in decode {
+        for family in Family::ALL.into_iter().filter(|f| f.decode_dora().is_some()) {
             match compile_family(family, (9, 0)) {
                 Ok(ptx) => entries.push((family, module_entries(&ptx))),
                 Err(KernelError::NvrtcMissing) if !crate::testing::gpu_required() => {
