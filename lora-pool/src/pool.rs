@@ -948,26 +948,34 @@ impl<C: SlotCompanion> LoraPool<C> {
         }
         let inputs = magnitudes.inputs()?;
         upload(&mut self.staging.device)?;
-        let Some(state) = &self.dora else {
-            return Err(crate::dora::refuse_not_built(name, &magnitudes.report));
-        };
-        let packed = self.device.record_event_on(Lane::Copy)?;
-        self.device.wait_event(Lane::Compute, &packed)?;
-        let scales = state.stage(
-            name,
-            &self.device,
-            &self.layout,
-            &self.staging.device,
-            &magnitudes.report,
-            inputs,
-        );
-        let read = self.device.record_event_on(Lane::Compute)?;
-        self.device.wait_event(Lane::Copy, &read)?;
+        let scales = self.dora_scales_from_staging(name, &magnitudes.report, inputs);
         if scales.is_err() {
             // A refusal before the read-back: the upload's source must
             // outlive its copy, which the caller's image may not.
             self.device.synchronize()?;
         }
+        scales
+    }
+
+    /// DoRA's rescale from the pairs queued into the staging slot. The
+    /// staging copies run on the copy lane and the norm kernels on the
+    /// compute lane: the compute lane waits for the copies first, and the
+    /// copy lane then waits for the kernels (whatever they returned), so
+    /// that no later staging copy rewrites the slot they read.
+    fn dora_scales_from_staging<'m>(
+        &self,
+        name: &str,
+        report: &AuditReport,
+        inputs: impl IntoIterator<Item = crate::dora::DoraInput<'m>>,
+    ) -> Result<Vec<crate::dora::StagedScale>, PoolError> {
+        let Some(state) = &self.dora else {
+            return Err(crate::dora::refuse_not_built(name, report));
+        };
+        let packed = self.device.record_event_on(Lane::Copy)?;
+        self.device.wait_event(Lane::Compute, &packed)?;
+        let scales = state.stage(name, &self.device, &self.layout, &self.staging.device, report, inputs);
+        let read = self.device.record_event_on(Lane::Compute)?;
+        self.device.wait_event(Lane::Copy, &read)?;
         scales
     }
 
@@ -1326,27 +1334,10 @@ impl<C: SlotCompanion> LoraPool<C> {
         let companion = self.companion.stage(name, &adapter.overlay)?;
         self.staging.pack_and_upload(&self.layout, &plan, image_err(name))?;
         // DoRA's rescale from the pairs just packed into the staging slot.
-        // The staging copies run on the copy lane and the norm kernels on
-        // the compute lane: the compute lane waits for the copies first, and
-        // the copy lane then waits for the kernels (whatever they returned),
-        // so that no later staging copy rewrites the slot they read.
-        let dora = match &self.dora {
-            Some(state) if adapter.report.is_dora() => {
-                let packed = self.device.record_event_on(Lane::Copy)?;
-                self.device.wait_event(Lane::Compute, &packed)?;
-                let scales = state.stage(
-                    name,
-                    &self.device,
-                    &self.layout,
-                    &self.staging.device,
-                    &adapter.report,
-                    crate::dora::DoraInput::of_prepared(adapter),
-                );
-                let read = self.device.record_event_on(Lane::Compute)?;
-                self.device.wait_event(Lane::Copy, &read)?;
-                scales?
-            }
-            _ => Vec::new(),
+        let dora = if adapter.report.is_dora() {
+            self.dora_scales_from_staging(name, &adapter.report, crate::dora::DoraInput::of_prepared(adapter))?
+        } else {
+            Vec::new()
         };
         let dense_pairs = plan.metas().to_vec();
         Ok(Staged {
