@@ -255,24 +255,27 @@ fn without_dora_entries_the_epilogue_changes_no_bit() {
     }
 }
 
-#[test]
-fn a_dora_table_shorter_than_the_pair_table_is_refused_and_y_is_unchanged() {
+/// A one-row decode apply on the CPU over `pairs` entries of a 4-output
+/// target with a DoRA epilogue of `dora_entries` g addresses and `bias`
+/// values (none: no bias): its refusal, and y afterwards (ones before).
+fn refused_dora_apply(pairs: usize, dora_entries: usize, bias: Option<usize>) -> (KernelError, Vec<f32>) {
     let device = Device::cpu();
-    let table = device.upload(&[0u64; 2]).unwrap();
-    let pairs = device.upload(&[PairEntry::default(); 3]).unwrap();
+    let table = device.upload(&vec![0u64; dora_entries]).unwrap();
+    let bias = bias.map(|n| device.upload(&vec![0f32; n]).unwrap());
+    let pairs_table = device.upload(&vec![PairEntry::default(); pairs]).unwrap();
     let x = device.upload(&[bf16::ONE; 4]).unwrap();
     let idx = device.upload(&[0i32]).unwrap();
     let mut y = device.upload(&[1.0f32; 4]).unwrap();
     let t = [LoraTarget {
-        table: &pairs,
+        table: &pairs_table,
         table_offset: 0,
-        n_entries: 3,
+        n_entries: pairs,
         out_dim: 4,
         y_col_offset: 0,
         dora: Some(DoraEpilogue {
             table: &table,
             table_offset: 0,
-            bias: None,
+            bias: bias.as_ref().map(|b| (b, 0)),
         }),
     }];
     let err = bgmv(
@@ -284,40 +287,19 @@ fn a_dora_table_shorter_than_the_pair_table_is_refused_and_y_is_unchanged() {
         RowsMut::dense(&mut y, 1, 4),
     )
     .unwrap_err();
+    (err, y.download().unwrap())
+}
+
+#[test]
+fn a_dora_table_shorter_than_the_pair_table_is_refused_and_y_is_unchanged() {
+    let (err, y) = refused_dora_apply(3, 2, None);
     assert!(err.to_string().contains("targets.dora.table"), "{err}");
-    assert_eq!(y.download().unwrap(), vec![1.0; 4]);
+    assert_eq!(y, vec![1.0; 4]);
 }
 
 #[test]
 fn a_bias_shorter_than_the_target_is_refused() {
-    let device = Device::cpu();
-    let table = device.upload(&[0u64; 1]).unwrap();
-    let bias = device.upload(&[0f32; 3]).unwrap();
-    let pairs = device.upload(&[PairEntry::default(); 1]).unwrap();
-    let x = device.upload(&[bf16::ONE; 4]).unwrap();
-    let idx = device.upload(&[0i32]).unwrap();
-    let mut y = device.upload(&[1.0f32; 4]).unwrap();
-    let t = [LoraTarget {
-        table: &pairs,
-        table_offset: 0,
-        n_entries: 1,
-        out_dim: 4,
-        y_col_offset: 0,
-        dora: Some(DoraEpilogue {
-            table: &table,
-            table_offset: 0,
-            bias: Some((&bias, 0)),
-        }),
-    }];
-    let err = bgmv(
-        &device,
-        Rows::dense(&x, 1, 4),
-        &idx,
-        &t,
-        4,
-        RowsMut::dense(&mut y, 1, 4),
-    )
-    .unwrap_err();
+    let (err, _) = refused_dora_apply(1, 1, Some(3));
     assert!(err.to_string().contains("targets.dora.bias"), "{err}");
 }
 
