@@ -13,25 +13,14 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{
-    OverriddenLogits, base_table, base_tables, fixtures, logits, model_config, options, oracle, oracle_rows, pool,
-    rel_error, table_name, to_bf16, widen,
+    OVERLAY_FIXTURES, OVERLAY_MODULES, OverriddenLogits, base_table, base_tables, fixtures, logits, model_config,
+    options, oracle, oracle_rows, pool, rel_error, table_name, to_bf16, widen,
 };
 use lora_audit::{OverlayModule, ProbeInputs, ROWS_MERGED, prepare_adapter, probe_adapter};
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, Rows, RowsMut};
 use lora_overlay::probe_token_rows;
 use lora_pool::{SlotId, StepRow};
-
-const FIXTURES: [(&str, &str); 6] = [
-    ("llama", "trainable_tokens_untied_dict"),
-    ("llama", "trainable_tokens_untied_list"),
-    ("llama", "modules_to_save_embed_lm_head"),
-    ("llama_tied", "modules_to_save_embed_tied"),
-    ("llama_tied", "trainable_tokens_tied_dict"),
-    ("llama_tied", "trainable_tokens_tied_list"),
-];
-
-const MODULES: [OverlayModule; 2] = [OverlayModule::Embed, OverlayModule::LmHead];
 
 /// One fixture, served from slot 1 of a two-slot pool (slot 0 empty).
 fn check_fixture(device: &Device, model: &str, adapter: &str) {
@@ -65,7 +54,7 @@ fn check_fixture(device: &Device, model: &str, adapter: &str) {
 
     // Rows: every id of both tables, through the kernels.
     let all: Vec<i64> = (0..vocab as i64).collect();
-    let probes: BTreeMap<String, Vec<i64>> = MODULES
+    let probes: BTreeMap<String, Vec<i64>> = OVERLAY_MODULES
         .iter()
         .map(|&m| (table_name(m).to_string(), all.clone()))
         .collect();
@@ -76,7 +65,7 @@ fn check_fixture(device: &Device, model: &str, adapter: &str) {
         ..ProbeInputs::default()
     };
     let pure = probe_adapter(&prepared, &cfg, &inputs, Some(&tables)).unwrap();
-    for module in MODULES {
+    for module in OVERLAY_MODULES {
         let key = format!("{ROWS_MERGED}{}", table_name(module));
         let got = &served[&key].data;
         assert_eq!(
@@ -152,7 +141,7 @@ fn check_fixture(device: &Device, model: &str, adapter: &str) {
 
 #[test]
 fn served_rows_and_logits_equal_pefts_merged_tables() {
-    for (model, adapter) in FIXTURES {
+    for (model, adapter) in OVERLAY_FIXTURES {
         check_fixture(&Device::cpu(), model, adapter);
     }
 }
@@ -163,7 +152,7 @@ fn gpu_served_rows_and_logits_equal_pefts_merged_tables() {
     let Some(device) = cuda_or_skip("gpu_served_rows_and_logits_equal_pefts_merged_tables") else {
         return;
     };
-    for (model, adapter) in FIXTURES {
+    for (model, adapter) in OVERLAY_FIXTURES {
         check_fixture(&device, model, adapter);
     }
 }

@@ -14,7 +14,9 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{CAPACITY, base_table, base_tables, fixtures, logits, model_config, table_name};
+use common::{
+    CAPACITY, OVERLAY_FIXTURES, OVERLAY_MODULES, base_table, base_tables, fixtures, logits, model_config, table_name,
+};
 use lora_audit::{OverlayModule, ROWS_MERGED};
 use lora_kernels::testing::{Rng, cuda_or_skip};
 use lora_kernels::{Device, Rows, RowsMut};
@@ -22,16 +24,6 @@ use lora_layout::Placement;
 use lora_overlay::{ServedTables, TokenOverlays, probe_token_rows};
 use lora_pool::{AdapterSource, LoraOptions, LoraPool, SlotId, StepRow};
 
-const FIXTURES: [(&str, &str); 6] = [
-    ("llama", "trainable_tokens_untied_dict"),
-    ("llama", "trainable_tokens_untied_list"),
-    ("llama", "modules_to_save_embed_lm_head"),
-    ("llama_tied", "modules_to_save_embed_tied"),
-    ("llama_tied", "trainable_tokens_tied_dict"),
-    ("llama_tied", "trainable_tokens_tied_list"),
-];
-
-const MODULES: [OverlayModule; 2] = [OverlayModule::Embed, OverlayModule::LmHead];
 const ROWS: usize = 4;
 
 /// One rank's served rows of every id of both tables, and the logits its
@@ -70,7 +62,7 @@ fn rank_answers(device: &Device, model: &str, adapter: &str, p: Placement) -> (B
         assert!(ids.iter().all(|&i| (i as usize) < held.len()), "{p:?}: {ids:?}");
     }
     let all: Vec<i64> = (0..vocab as i64).collect();
-    let probes: BTreeMap<String, Vec<i64>> = MODULES
+    let probes: BTreeMap<String, Vec<i64>> = OVERLAY_MODULES
         .iter()
         .map(|&m| (table_name(m).to_string(), all.clone()))
         .collect();
@@ -105,7 +97,7 @@ fn rank_answers(device: &Device, model: &str, adapter: &str, p: Placement) -> (B
 }
 
 fn ranks_reassemble(device: &Device) {
-    for (model, adapter) in FIXTURES {
+    for (model, adapter) in OVERLAY_FIXTURES {
         let cfg = model_config(model);
         let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
         let (whole_rows, whole_logits) = rank_answers(device, model, adapter, Placement::SINGLE);
@@ -133,7 +125,7 @@ fn ranks_reassemble(device: &Device) {
                         .copy_from_slice(&rank_logits[t * part..(t + 1) * part]);
                 }
             }
-            for module in MODULES {
+            for module in OVERLAY_MODULES {
                 let key = format!("{ROWS_MERGED}{}", table_name(module));
                 assert_eq!(sums[&key], whole_rows[&key], "{what} {module:?}: ranks summed");
             }

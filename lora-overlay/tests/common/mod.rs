@@ -13,6 +13,19 @@ use lora_layout::ModelConfig;
 use lora_overlay::{ServedTables, TokenOverlays};
 use lora_pool::{AdapterSource, BatchCapacity, LoraOptions, LoraPool};
 
+/// Every trainable-tokens and modules_to_save fixture (model, adapter), tied and untied heads.
+pub const OVERLAY_FIXTURES: [(&str, &str); 6] = [
+    ("llama", "trainable_tokens_untied_dict"),
+    ("llama", "trainable_tokens_untied_list"),
+    ("llama", "modules_to_save_embed_lm_head"),
+    ("llama_tied", "modules_to_save_embed_tied"),
+    ("llama_tied", "trainable_tokens_tied_dict"),
+    ("llama_tied", "trainable_tokens_tied_list"),
+];
+
+/// The two overlaid tables.
+pub const OVERLAY_MODULES: [OverlayModule; 2] = [OverlayModule::Embed, OverlayModule::LmHead];
+
 /// `fixtures/` at the workspace root, or `LORA_FIXTURES_DIR` (the GPU bundle).
 pub fn fixtures() -> PathBuf {
     std::env::var_os("LORA_FIXTURES_DIR")
