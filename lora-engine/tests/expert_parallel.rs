@@ -16,14 +16,14 @@
 
 mod common;
 
-use common::{adapters, family_dir, requests};
+use common::{adapters, check_rank_output, family_dir, requests, serve};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use lora_audit::LoraOptions;
 use lora_engine::{
-    Collective, Engine, EngineError, EngineOptions, HostCollective, KvCache, Model, NoDeltas, Request, RequestOutput,
-    SeqChunk, rel_error,
+    Collective, Engine, EngineError, EngineOptions, HostCollective, KvCache, Model, NoDeltas, RequestOutput, SeqChunk,
+    rel_error,
 };
 use lora_kernels::Device;
 use lora_layout::{ExpertProj, ExpertSite, ModelConfig, Placement};
@@ -50,16 +50,6 @@ fn placement(rank: usize, world: usize, tp: bool) -> Placement {
         Placement::SINGLE
     };
     base.with_experts(rank, world).expect("ep placement")
-}
-
-/// Serve `reqs` on one engine; every request's output.
-fn serve(engine: Result<Engine, EngineError>, reqs: &[Request], what: &str) -> Vec<RequestOutput> {
-    let mut engine = engine.unwrap_or_else(|e| panic!("{what}: {e}"));
-    let ids: Vec<usize> = reqs.iter().map(|r| engine.submit(r.clone()).expect("submit")).collect();
-    engine.run().unwrap_or_else(|e| panic!("{what}: {e}"));
-    ids.iter()
-        .map(|&i| engine.output(i).expect("finished").clone())
-        .collect()
 }
 
 /// Every rank's outputs for `family` served by `world` ranks on `device`.
@@ -152,14 +142,7 @@ fn check_ranks(family: &str, what: &str, ranks: &[Vec<RequestOutput>], one: &[Re
         assert_eq!(outs.len(), one.len());
         for (i, (got, want)) in outs.iter().zip(one).enumerate() {
             let what = format!("{family} {what} rank {r} request {i} ({:?})", reqs[i].adapter);
-            assert_eq!(got.tokens, want.tokens, "{what}: greedy tokens");
-            let prompt = rel_error(&got.logits_prompt, &want.logits_prompt);
-            let step = rel_error(&got.logits_step, &want.logits_step);
-            assert!(
-                prompt < EP_TOL && step < EP_TOL,
-                "{what}: rel err {prompt:.2e} / {step:.2e}"
-            );
-            assert_eq!(got, &ranks[0][i], "{what}: ranks agree");
+            check_rank_output(&what, got, want, &ranks[0][i], EP_TOL);
         }
     }
 }

@@ -33,11 +33,11 @@
 
 mod common;
 
-use common::{adapters, family_dir, requests};
+use common::{adapters, check_rank_output, family_dir, requests, serve};
 use std::sync::Arc;
 
 use lora_audit::LoraOptions;
-use lora_engine::{Collective, Engine, EngineError, EngineOptions, HostCollective, Request, RequestOutput, rel_error};
+use lora_engine::{Collective, Engine, EngineError, EngineOptions, HostCollective, RequestOutput, rel_error};
 use lora_kernels::Device;
 use lora_layout::Placement;
 
@@ -52,16 +52,6 @@ fn options(family: &str, max_loras: usize, placement: Placement) -> LoraOptions 
         lm_head_lora: family == "llama_lm_head",
         ..LoraOptions::default()
     }
-}
-
-/// Serve `reqs` on one engine; every request's output.
-fn serve(engine: Result<Engine, EngineError>, reqs: &[Request], what: &str) -> Vec<RequestOutput> {
-    let mut engine = engine.unwrap_or_else(|e| panic!("{what}: {e}"));
-    let ids: Vec<usize> = reqs.iter().map(|r| engine.submit(r.clone()).expect("submit")).collect();
-    engine.run().unwrap_or_else(|e| panic!("{what}: {e}"));
-    ids.iter()
-        .map(|&i| engine.output(i).expect("finished").clone())
-        .collect()
 }
 
 fn serve_ranks(family: &str, world: usize, vocab_parallel: bool, fully_sharded: bool) {
@@ -119,14 +109,7 @@ fn serve_ranks(family: &str, world: usize, vocab_parallel: bool, fully_sharded: 
                 "{family} x{world} (vocab-parallel {vocab_parallel}, fully sharded {fully_sharded}) rank {r} request {i} ({:?})",
                 reqs[i].adapter
             );
-            assert_eq!(got.tokens, want.tokens, "{what}: greedy tokens");
-            let prompt = rel_error(&got.logits_prompt, &want.logits_prompt);
-            let step = rel_error(&got.logits_step, &want.logits_step);
-            assert!(
-                prompt < TP_TOL && step < TP_TOL,
-                "{what}: rel err {prompt:.2e} / {step:.2e}"
-            );
-            assert_eq!(got, &ranks[0][i], "{what}: ranks agree");
+            check_rank_output(&what, got, want, &ranks[0][i], TP_TOL);
         }
     }
     assert!(reqs.iter().any(|r| r.adapter.is_some()), "{family}: no adapted request");

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use lora_engine::{AdapterDir, Request, parse_requests};
+use lora_engine::{AdapterDir, Engine, EngineError, Request, RequestOutput, parse_requests, rel_error};
 
 /// The engine fixtures (`LORA_FIXTURES_DIR` when set: the GPU bundle
 /// carries them elsewhere).
@@ -39,4 +39,25 @@ pub fn adapters(family: &str) -> Vec<AdapterDir> {
 pub fn requests(family: &str) -> Vec<Request> {
     let text = std::fs::read_to_string(family_dir(family).join("requests.json")).expect("requests.json");
     parse_requests(&text).expect("valid requests")
+}
+
+/// Serve `reqs` on one engine; every request's output.
+pub fn serve(engine: Result<Engine, EngineError>, reqs: &[Request], what: &str) -> Vec<RequestOutput> {
+    let mut engine = engine.unwrap_or_else(|e| panic!("{what}: {e}"));
+    let ids: Vec<usize> = reqs.iter().map(|r| engine.submit(r.clone()).expect("submit")).collect();
+    engine.run().unwrap_or_else(|e| panic!("{what}: {e}"));
+    ids.iter()
+        .map(|&i| engine.output(i).expect("finished").clone())
+        .collect()
+}
+
+/// A rank's output of a sharded run against the one-rank run's `want`:
+/// the same greedy tokens, prompt and step logits within `tol`, and equal
+/// to rank 0's output `rank0` (every rank ends with the whole logits).
+pub fn check_rank_output(what: &str, got: &RequestOutput, want: &RequestOutput, rank0: &RequestOutput, tol: f64) {
+    assert_eq!(got.tokens, want.tokens, "{what}: greedy tokens");
+    let prompt = rel_error(&got.logits_prompt, &want.logits_prompt);
+    let step = rel_error(&got.logits_step, &want.logits_step);
+    assert!(prompt < tol && step < tol, "{what}: rel err {prompt:.2e} / {step:.2e}");
+    assert_eq!(got, rank0, "{what}: ranks agree");
 }
