@@ -180,12 +180,7 @@ impl Family {
     /// The headers compiled before the family's file, after `common.cuh`.
     fn headers(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Family::Bgmv
-            | Family::BgmvEntry
-            | Family::BgmvRows
-            | Family::BgmvDora
-            | Family::BgmvEntryDora
-            | Family::BgmvRowsDora => &[("ptx.cuh", PTX), ("cluster.cuh", CLUSTER), ("decode.cuh", DECODE)],
+            _ if self.decode_dora().is_some() => &[("ptx.cuh", PTX), ("cluster.cuh", CLUSTER), ("decode.cuh", DECODE)],
             Family::Sgmv => &[("ptx.cuh", PTX)],
             _ => &[],
         }
